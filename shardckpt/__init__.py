@@ -1,0 +1,101 @@
+"""shardckpt: checkpoints for sharded PyTorch training.
+
+Open (safetensors + JSON manifest, no pickle), checksummed, reshardable at
+load, on local disk or any fsspec storage.
+
+    >>> import shardckpt                                   # doctest: +SKIP
+    >>> shardckpt.save({"model": model, "step": 10}, "s3://bucket/run/step-10")
+    >>> shardckpt.load({"model": model, "step": 0}, "s3://bucket/run/step-10")
+
+``import shardckpt`` is cheap: torch and the engine load on first use.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "save",
+    "load",
+    "async_save",
+    "inspect",
+    "verify",
+    "LoadResult",
+    "Manifest",
+    "CheckpointManager",
+    "AsyncSaveHandle",
+    "RNGState",
+    "PerRank",
+    "converters",
+    "errors",
+    "CheckpointError",
+    "CorruptCheckpointError",
+    "ChecksumMismatchError",
+    "CheckpointNotFoundError",
+    "CheckpointExistsError",
+    "StateMismatchError",
+    "UnsupportedStateError",
+    "UnsafeMetadataError",
+    "StorageError",
+    "SaveFailedError",
+    "__version__",
+]
+
+# public name -> module that defines it (imported on first access)
+_LAZY = {
+    "save": "._api",
+    "load": "._api",
+    "inspect": "._api",
+    "verify": "._api",
+    "LoadResult": "._api",
+    "Manifest": "._format",
+    "async_save": "._async",
+    "AsyncSaveHandle": "._async",
+    "CheckpointManager": "._manager",
+    "RNGState": "._rng",
+    "PerRank": "._state",
+}
+_ERRORS = {
+    "CheckpointError",
+    "CorruptCheckpointError",
+    "ChecksumMismatchError",
+    "CheckpointNotFoundError",
+    "CheckpointExistsError",
+    "StateMismatchError",
+    "UnsupportedStateError",
+    "UnsafeMetadataError",
+    "StorageError",
+    "SaveFailedError",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        mod = importlib.import_module(_LAZY[name], __name__)
+        value = getattr(mod, name)
+    elif name in _ERRORS:
+        value = getattr(importlib.import_module(".errors", __name__), name)
+    elif name in ("converters", "errors"):
+        value = importlib.import_module("." + name, __name__)
+    else:
+        raise AttributeError(f"module 'shardckpt' has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(__all__)
+
+
+if TYPE_CHECKING:  # pragma: no cover
+    from . import converters, errors
+    from ._api import LoadResult, inspect, load, save, verify
+    from ._async import AsyncSaveHandle, async_save
+    from ._format import Manifest
+    from ._manager import CheckpointManager
+    from ._rng import RNGState
+    from ._state import PerRank
+    from .errors import *  # noqa: F401,F403

@@ -1,0 +1,405 @@
+"""Format v1: the manifest and safetensors headers — build, serialize, parse, validate.
+
+``docs/format.md`` is the spec; this module is its only implementation. Bytes
+read from storage are untrusted: everything parsed here is bounded and checked
+before the rest of the library sees it. No torch import at module level.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import posixpath
+import re
+import struct
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from .errors import CorruptCheckpointError, UnsafeMetadataError, UnsupportedStateError
+
+__all__ = [
+    "FORMAT_NAME",
+    "FORMAT_VERSION",
+    "MANIFEST_NAME",
+    "DTYPES",
+    "ChunkMeta",
+    "TensorMeta",
+    "FileMeta",
+    "Manifest",
+    "dtype_name",
+    "torch_dtype",
+    "itemsize",
+    "chunk_key",
+    "safetensors_header",
+    "parse_safetensors_header",
+    "manifest_to_bytes",
+    "manifest_from_bytes",
+    "check_relpath",
+]
+
+FORMAT_NAME = "shardckpt"
+FORMAT_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+HF_INDEX_NAME = "model.safetensors.index.json"
+
+#: Upper bounds on metadata read from storage (a hostile file cannot make us
+#: allocate more than this before we have validated it).
+MAX_MANIFEST_BYTES = 1 << 30
+MAX_HEADER_BYTES = 100_000_000  # same cap as the safetensors reference reader
+MAX_NDIM = 64
+
+# safetensors dtype name -> (torch attribute, item size in bytes)
+DTYPES: Dict[str, Tuple[str, int]] = {
+    "BOOL": ("bool", 1),
+    "U8": ("uint8", 1),
+    "I8": ("int8", 1),
+    "I16": ("int16", 2),
+    "U16": ("uint16", 2),
+    "I32": ("int32", 4),
+    "U32": ("uint32", 4),
+    "I64": ("int64", 8),
+    "U64": ("uint64", 8),
+    "F16": ("float16", 2),
+    "BF16": ("bfloat16", 2),
+    "F32": ("float32", 4),
+    "F64": ("float64", 8),
+    "C64": ("complex64", 8),
+    "F8_E4M3": ("float8_e4m3fn", 1),
+    "F8_E5M2": ("float8_e5m2", 1),
+    "F8_E4M3FNUZ": ("float8_e4m3fnuz", 1),
+    "F8_E5M2FNUZ": ("float8_e5m2fnuz", 1),
+}
+_BY_TORCH = {attr: name for name, (attr, _) in DTYPES.items()}
+
+
+def dtype_name(dtype: Any, *, key: str = "?") -> str:
+    """safetensors name of a torch dtype (``torch.float32`` -> ``"F32"``)."""
+    attr = str(dtype).replace("torch.", "")
+    try:
+        return _BY_TORCH[attr]
+    except KeyError:
+        raise UnsupportedStateError(
+            f"{key}: dtype {dtype} has no safetensors encoding; supported: "
+            f"{', '.join(sorted(_BY_TORCH))}. Cast it (e.g. .to(torch.float32)) before saving."
+        ) from None
+
+
+def torch_dtype(name: str) -> Any:
+    """torch dtype of a safetensors dtype name."""
+    import torch
+
+    return getattr(torch, DTYPES[name][0])
+
+
+def itemsize(name: str) -> int:
+    return DTYPES[name][1]
+
+
+def chunk_key(name: str, offsets: Sequence[int], whole: bool) -> str:
+    """Key of a chunk inside its safetensors file.
+
+    A whole tensor is stored under its own name, so a checkpoint of whole
+    tensors reads like any Hugging Face safetensors file.
+    """
+    if whole:
+        return name
+    return f"{name}@{','.join(str(o) for o in offsets)}"
+
+
+@dataclass
+class ChunkMeta:
+    """One stored box of a tensor: where its bytes are and their checksum."""
+
+    file: str
+    key: str
+    offsets: List[int]
+    sizes: List[int]
+    byte_offset: int  # absolute, from the start of the file
+    nbytes: int
+    crc32c: int
+
+    def to_json(self) -> Dict[str, Any]:
+        return {
+            "file": self.file,
+            "key": self.key,
+            "offsets": list(self.offsets),
+            "sizes": list(self.sizes),
+            "byte_offset": self.byte_offset,
+            "nbytes": self.nbytes,
+            "crc32c": self.crc32c,
+        }
+
+
+@dataclass
+class TensorMeta:
+    """A global tensor: dtype, shape, optional saved layout, and its chunks."""
+
+    dtype: str
+    shape: List[int]
+    chunks: List[ChunkMeta] = field(default_factory=list)
+    layout: Optional[Dict[str, Any]] = None  # informational: how it was sharded
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * itemsize(self.dtype)
+
+    def to_json(self) -> Dict[str, Any]:
+        out: Dict[str, Any] = {
+            "dtype": self.dtype,
+            "shape": list(self.shape),
+            "chunks": [c.to_json() for c in sorted(self.chunks, key=lambda c: c.offsets)],
+        }
+        if self.layout is not None:
+            out["layout"] = self.layout
+        return out
+
+
+@dataclass
+class FileMeta:
+    size: int
+
+    def to_json(self) -> Dict[str, Any]:
+        return {"size": self.size}
+
+
+@dataclass
+class Manifest:
+    """Everything ``manifest.json`` holds. Its presence is the commit."""
+
+    world_size: int
+    tensors: Dict[str, TensorMeta]
+    files: Dict[str, FileMeta]
+    values: Any = None
+    save_id: str = ""
+    library_version: str = ""
+    extra: Dict[str, Any] = field(default_factory=dict)
+    version: int = FORMAT_VERSION
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors.values())
+
+    def to_json(self) -> Dict[str, Any]:
+        return {
+            "format": FORMAT_NAME,
+            "format_version": self.version,
+            "library_version": self.library_version,
+            "save_id": self.save_id,
+            "world_size": self.world_size,
+            "checksum": "crc32c",
+            "tensors": {k: self.tensors[k].to_json() for k in sorted(self.tensors)},
+            "files": {k: self.files[k].to_json() for k in sorted(self.files)},
+            "values": self.values,
+            "extra": self.extra,
+        }
+
+
+def manifest_to_bytes(m: Manifest) -> bytes:
+    """Canonical bytes: sorted keys, compact separators, trailing newline, no NaN."""
+    return (json.dumps(m.to_json(), sort_keys=True, separators=(",", ":"), allow_nan=False) + "\n").encode()
+
+
+# --------------------------------------------------------------------------
+# validation of untrusted metadata
+
+
+_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:")
+
+
+def check_relpath(path: Any, *, where: str) -> str:
+    """Accept only a plain relative POSIX path inside the checkpoint."""
+    if not isinstance(path, str) or not path:
+        raise UnsafeMetadataError(f"{where}: file path must be a non-empty string, found {path!r}")
+    if (
+        path.startswith(("/", "\\"))
+        or "\\" in path
+        or "\x00" in path
+        or _SCHEME.match(path)
+        or any(part in ("", ".", "..") for part in path.split("/"))
+        or posixpath.normpath(path) != path
+    ):
+        raise UnsafeMetadataError(
+            f"{where}: file path {path!r} is not a plain relative path inside the checkpoint "
+            "(no '..', no leading '/', no URL scheme, no backslashes)"
+        )
+    return path
+
+
+def _req(obj: Dict[str, Any], key: str, typ: Any, where: str) -> Any:
+    if not isinstance(obj, dict) or key not in obj:
+        raise CorruptCheckpointError(f"{where}: missing field {key!r}")
+    val = obj[key]
+    if typ is int:
+        ok = isinstance(val, int) and not isinstance(val, bool)
+    else:
+        ok = isinstance(val, typ)
+    if not ok:
+        name = getattr(typ, "__name__", str(typ))
+        raise CorruptCheckpointError(f"{where}: field {key!r} must be {name}, found {type(val).__name__} {val!r:.80}")
+    return val
+
+
+def _int_list(obj, key, where, *, n=None) -> List[int]:
+    val = _req(obj, key, list, where)
+    if len(val) > MAX_NDIM or any(not isinstance(v, int) or isinstance(v, bool) or v < 0 for v in val):
+        raise CorruptCheckpointError(f"{where}: field {key!r} must be a list of non-negative ints, found {val!r:.120}")
+    if n is not None and len(val) != n:
+        raise CorruptCheckpointError(f"{where}: field {key!r} has {len(val)} entries, expected {n}")
+    return val
+
+
+def manifest_from_bytes(data: bytes, *, url: str = "") -> Manifest:
+    """Parse and validate ``manifest.json``; raise on anything unsafe or inconsistent."""
+    where = f"{url.rstrip('/')}/{MANIFEST_NAME}" if url else MANIFEST_NAME
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise UnsafeMetadataError(f"{where}: {len(data)} bytes exceeds the {MAX_MANIFEST_BYTES}-byte limit")
+    try:
+        raw = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as e:
+        raise CorruptCheckpointError(f"{where}: not valid JSON ({e})") from None
+    if not isinstance(raw, dict) or raw.get("format") != FORMAT_NAME:
+        raise CorruptCheckpointError(f"{where}: not a shardckpt manifest (format={raw.get('format') if isinstance(raw, dict) else None!r})")
+    version = _req(raw, "format_version", int, where)
+    if version > FORMAT_VERSION or version < 1:
+        raise CorruptCheckpointError(
+            f"{where}: format_version {version} is not supported by this shardckpt "
+            f"(reads versions 1..{FORMAT_VERSION}); upgrade shardckpt"
+        )
+    world_size = _req(raw, "world_size", int, where)
+    if world_size < 1:
+        raise CorruptCheckpointError(f"{where}: world_size must be >= 1, found {world_size}")
+    files: Dict[str, FileMeta] = {}
+    for path, fm in _req(raw, "files", dict, where).items():
+        check_relpath(path, where=f"{where}: files")
+        size = _req(fm, "size", int, f"{where}: files[{path!r}]")
+        if size < 0:
+            raise CorruptCheckpointError(f"{where}: files[{path!r}].size is negative")
+        files[path] = FileMeta(size)
+    tensors: Dict[str, TensorMeta] = {}
+    for name, tm in _req(raw, "tensors", dict, where).items():
+        tw = f"{where}: tensor {name!r}"
+        dt = _req(tm, "dtype", str, tw)
+        if dt not in DTYPES:
+            raise CorruptCheckpointError(f"{tw}: unknown dtype {dt!r}")
+        shape = _int_list(tm, "shape", tw)
+        chunks = []
+        for i, cm in enumerate(_req(tm, "chunks", list, tw)):
+            cw = f"{tw} chunk {i}"
+            file = check_relpath(_req(cm, "file", str, cw), where=cw)
+            if file not in files:
+                raise CorruptCheckpointError(f"{cw}: file {file!r} is not listed in 'files'")
+            c = ChunkMeta(
+                file=file,
+                key=_req(cm, "key", str, cw),
+                offsets=_int_list(cm, "offsets", cw, n=len(shape)),
+                sizes=_int_list(cm, "sizes", cw, n=len(shape)),
+                byte_offset=_req(cm, "byte_offset", int, cw),
+                nbytes=_req(cm, "nbytes", int, cw),
+                crc32c=_req(cm, "crc32c", int, cw),
+            )
+            if c.nbytes != math.prod(c.sizes) * itemsize(dt):
+                raise CorruptCheckpointError(
+                    f"{cw}: nbytes {c.nbytes} does not match sizes {c.sizes} x {itemsize(dt)} bytes ({dt})"
+                )
+            if c.byte_offset < 0 or c.byte_offset + c.nbytes > files[file].size:
+                raise CorruptCheckpointError(
+                    f"{cw}: bytes [{c.byte_offset}, {c.byte_offset + c.nbytes}) lie outside "
+                    f"{file!r} of {files[file].size} bytes"
+                )
+            if not 0 <= c.crc32c < 2**32:
+                raise CorruptCheckpointError(f"{cw}: crc32c {c.crc32c} is not a 32-bit value")
+            chunks.append(c)
+        layout = tm.get("layout")
+        tensors[name] = TensorMeta(dtype=dt, shape=shape, chunks=chunks, layout=layout if isinstance(layout, dict) else None)
+    from ._plan import Box, check_cover
+
+    bad = []
+    for name, t in tensors.items():
+        why = check_cover(t.shape, [Box(tuple(c.offsets), tuple(c.sizes)) for c in t.chunks])
+        if why:
+            bad.append(f"{name!r}: {why}")
+    if bad:
+        raise CorruptCheckpointError(f"{where}: chunks do not tile their tensors: " + "; ".join(sorted(bad)[:20]))
+    extra = raw.get("extra") or {}
+    return Manifest(
+        world_size=world_size,
+        tensors=tensors,
+        files=files,
+        values=raw.get("values"),
+        save_id=str(raw.get("save_id", "")),
+        library_version=str(raw.get("library_version", "")),
+        extra=extra if isinstance(extra, dict) else {},
+        version=version,
+    )
+
+
+# --------------------------------------------------------------------------
+# safetensors headers
+
+
+def safetensors_header(
+    entries: Sequence[Tuple[str, str, Sequence[int], int]],
+    *,
+    chunks: Optional[Dict[str, Any]] = None,
+) -> Tuple[bytes, List[int]]:
+    """Build a safetensors header for ``(key, dtype, shape, nbytes)`` entries, in order.
+
+    Returns the header bytes (8-byte length prefix included, padded to 8) and
+    the absolute byte offset of each entry's data in the file. ``chunks``
+    (key -> {tensor, offsets, shape}) goes into ``__metadata__`` so the file
+    describes its own boxes.
+    """
+    header: Dict[str, Any] = {}
+    meta = {"format": "pt"}
+    if chunks is not None:
+        meta["shardckpt"] = json.dumps(chunks, sort_keys=True, separators=(",", ":"))
+        meta["shardckpt_format_version"] = str(FORMAT_VERSION)
+    header["__metadata__"] = meta
+    pos = 0
+    rel = []
+    for key, dt, shape, nbytes in entries:
+        header[key] = {"dtype": dt, "shape": list(shape), "data_offsets": [pos, pos + nbytes]}
+        rel.append(pos)
+        pos += nbytes
+    body = json.dumps(header, separators=(",", ":")).encode()
+    body += b" " * (-len(body) % 8)
+    prefix = struct.pack("<Q", len(body))
+    base = len(prefix) + len(body)
+    return prefix + body, [base + r for r in rel]
+
+
+def parse_safetensors_header(head: bytes, *, file_size: int, where: str) -> Tuple[Dict[str, Any], int]:
+    """Parse a safetensors header (``head`` starts at byte 0 and holds all of it).
+
+    Returns ``(entries, data_start)`` with ``entries[key] = {dtype, shape,
+    data_offsets}`` (``__metadata__`` included as is). Checks offsets lie in
+    the file and match dtype x shape.
+    """
+    if len(head) < 8:
+        raise CorruptCheckpointError(f"{where}: {len(head)} bytes is too short for a safetensors header")
+    (n,) = struct.unpack("<Q", head[:8])
+    if n > MAX_HEADER_BYTES or 8 + n > file_size:
+        raise UnsafeMetadataError(f"{where}: header length {n} exceeds the limit or the file size {file_size}")
+    if len(head) < 8 + n:
+        raise CorruptCheckpointError(f"{where}: header truncated ({len(head) - 8} of {n} bytes)")
+    try:
+        header = json.loads(head[8 : 8 + n].decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as e:
+        raise CorruptCheckpointError(f"{where}: header is not valid JSON ({e})") from None
+    if not isinstance(header, dict):
+        raise CorruptCheckpointError(f"{where}: header is not a JSON object")
+    data_start = 8 + n
+    for key, e in header.items():
+        if key == "__metadata__":
+            continue
+        ew = f"{where}: entry {key!r}"
+        dt = _req(e, "dtype", str, ew)
+        if dt not in DTYPES:
+            raise CorruptCheckpointError(f"{ew}: unknown dtype {dt!r}")
+        shape = _int_list(e, "shape", ew)
+        offs = _int_list(e, "data_offsets", ew, n=2)
+        if offs[1] < offs[0] or data_start + offs[1] > file_size:
+            raise CorruptCheckpointError(f"{ew}: data_offsets {offs} outside the file ({file_size} bytes)")
+        if offs[1] - offs[0] != math.prod(shape) * itemsize(dt):
+            raise CorruptCheckpointError(f"{ew}: {offs[1] - offs[0]} bytes for shape {shape} of {dt}")
+    return header, data_start

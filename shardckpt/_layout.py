@@ -1,0 +1,193 @@
+"""Live tensors -> geometry: which boxes of which global tensor this rank holds.
+
+Bridges torch objects (plain tensors, DTensors, ShardedTensors) to the pure
+geometry in ``_plan``. A :class:`TensorLayout` lists the rank's parts — each a
+box of the global tensor and the local tensor it lives in — and, for writer
+assignment, which ranks hold every box.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from . import _plan
+from ._format import dtype_name
+from .errors import UnsupportedStateError
+
+__all__ = ["TensorLayout", "Part", "layout_of", "is_dtensor", "is_sharded_tensor", "box_view", "dist_info"]
+
+
+@dataclass
+class Part:
+    """A box of the global tensor held here, and the tensor whose region it is."""
+
+    box: _plan.Box
+    tensor: torch.Tensor  # the local tensor (a DTensor's _local_tensor, a shard...)
+    local_offsets: Tuple[int, ...]
+
+    def view(self) -> torch.Tensor:
+        return box_view(self.tensor, self.local_offsets, self.box.sizes)
+
+
+@dataclass
+class TensorLayout:
+    name: str
+    dtype: str  # safetensors name
+    torch_dtype: torch.dtype
+    shape: Tuple[int, ...]
+    parts: List[Part]
+    holders: Dict[_plan.Box, Tuple[int, ...]]  # every box of the tensor -> global ranks
+    layout_json: Optional[Dict[str, Any]] = None
+    kind: str = "tensor"  # "tensor" | "dtensor" | "sharded_tensor"
+
+
+def box_view(t: torch.Tensor, offsets: Sequence[int], sizes: Sequence[int]) -> torch.Tensor:
+    """The region ``offsets``/``sizes`` of ``t`` as a view (no copy)."""
+    v = t
+    for d, (o, n) in enumerate(zip(offsets, sizes)):
+        if o != 0 or n != v.shape[d]:
+            v = v.narrow(d, o, n)
+    return v
+
+
+def is_dtensor(t: Any) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch built without distributed
+        return False
+    return isinstance(t, DTensor)
+
+
+def is_sharded_tensor(t: Any) -> bool:
+    try:
+        from torch.distributed._shard.sharded_tensor import ShardedTensor
+    except ImportError:  # pragma: no cover
+        return False
+    return isinstance(t, ShardedTensor)
+
+
+def dist_info(group=None) -> Tuple[int, int]:
+    """``(rank, world_size)`` of the process group, ``(0, 1)`` without one."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(group), dist.get_world_size(group)
+    return 0, 1
+
+
+def _placements(dt) -> List[object]:
+    from torch.distributed.tensor import Replicate, Shard
+
+    try:
+        from torch.distributed.tensor.placement_types import _StridedShard
+    except ImportError:  # pragma: no cover - very old torch
+        _StridedShard = ()
+    out: List[object] = []
+    for i, p in enumerate(dt.placements):
+        if _StridedShard and isinstance(p, _StridedShard):
+            sf = p._split_factor_int() if hasattr(p, "_split_factor_int") else int(p.split_factor)
+            out.append(_plan.Shard(p.dim, sf))
+        elif isinstance(p, Shard):
+            out.append(_plan.Shard(p.dim))
+        elif isinstance(p, Replicate):
+            out.append(_plan.Replicate())
+        else:
+            raise UnsupportedStateError(
+                f"placement {p} on mesh dim {i} cannot be saved: a Partial DTensor holds unreduced values. "
+                "Call .redistribute(placements=[Replicate()]) (or .full_tensor()) first."
+            )
+    return out
+
+
+def _placement_str(p: object) -> str:
+    if isinstance(p, _plan.Shard):
+        return f"S({p.dim})" if p.split_factor == 1 else f"S({p.dim},sf={p.split_factor})"
+    return "R"
+
+
+def layout_of(name: str, t: Any, *, rank: int, world_size: int) -> TensorLayout:
+    """Geometry of one live tensor on this rank."""
+    if is_dtensor(t):
+        return _dtensor_layout(name, t)
+    if is_sharded_tensor(t):
+        return _sharded_tensor_layout(name, t)
+    if not isinstance(t, torch.Tensor):
+        raise UnsupportedStateError(f"{name}: expected a tensor, found {type(t).__name__}")
+    shape = tuple(t.shape)
+    whole = _plan.Box((0,) * len(shape), shape)
+    return TensorLayout(
+        name=name,
+        dtype=dtype_name(t.dtype, key=name),
+        torch_dtype=t.dtype,
+        shape=shape,
+        parts=[Part(whole, t, (0,) * len(shape))],
+        # A plain tensor in a distributed save is taken as replicated (as in
+        # DDP); per-rank data must be marked per-rank by the state layer.
+        holders={whole: tuple(range(world_size))},
+    )
+
+
+def _dtensor_layout(name: str, t) -> TensorLayout:
+    mesh = t.device_mesh
+    placements = _placements(t)
+    shape = tuple(t.shape)
+    mesh_shape = tuple(mesh.shape)
+    local = t._local_tensor
+    coord = mesh.get_coordinate()
+    if coord is None:
+        raise UnsupportedStateError(f"{name}: this rank is not part of the DTensor's mesh")
+    per_dim = _plan.dim_intervals(shape, mesh_shape, placements, coord) if all(shape) else None
+    if per_dim is not None:
+        expect = tuple(sum(n for _, n in ivs) for ivs in per_dim)
+        if expect != tuple(local.shape):
+            raise UnsupportedStateError(
+                f"{name}: local shard has shape {tuple(local.shape)} but placements "
+                f"{t.placements} on mesh {mesh_shape} give {expect} for global shape {shape}; "
+                "this torch version lays out the placement differently than shardckpt expects"
+            )
+    parts = [Part(lb.box, local, lb.local_offsets) for lb in _plan.local_boxes(shape, mesh_shape, placements, coord)]
+    ranks = [int(r) for r in mesh.mesh.flatten().tolist()]
+    holders = _plan.layout_holders(shape, ranks, mesh_shape, placements)
+    names = list(mesh.mesh_dim_names) if mesh.mesh_dim_names else None
+    return TensorLayout(
+        name=name,
+        dtype=dtype_name(t.dtype, key=name),
+        torch_dtype=t.dtype,
+        shape=shape,
+        parts=parts,
+        holders=holders,
+        layout_json={
+            "mesh_shape": list(mesh_shape),
+            "mesh_dim_names": names,
+            "placements": [_placement_str(p) for p in placements],
+        },
+        kind="dtensor",
+    )
+
+
+def _sharded_tensor_layout(name: str, st) -> TensorLayout:
+    shape = tuple(st.size())
+    md = st.metadata()
+    holders: Dict[_plan.Box, Tuple[int, ...]] = {}
+    for sm in md.shards_metadata:
+        box = _plan.Box(tuple(sm.shard_offsets), tuple(sm.shard_sizes))
+        rank = sm.placement.rank() if sm.placement is not None else 0
+        holders[box] = tuple(sorted(set(holders.get(box, ())) | {int(rank)}))
+    parts = []
+    for shard in st.local_shards():
+        box = _plan.Box(tuple(shard.metadata.shard_offsets), tuple(shard.metadata.shard_sizes))
+        parts.append(Part(box, shard.tensor, (0,) * len(shape)))
+    dtype = md.tensor_properties.dtype
+    return TensorLayout(
+        name=name,
+        dtype=dtype_name(dtype, key=name),
+        torch_dtype=dtype,
+        shape=shape,
+        parts=parts,
+        holders=holders,
+        layout_json={"sharded_tensor": True},
+        kind="sharded_tensor",
+    )

@@ -1,0 +1,449 @@
+"""App state <-> a flat map of named tensors plus a JSON tree.
+
+``flatten_for_save(state)`` walks the user's dict and returns every tensor
+under a dotted name (``model.layers.0.weight``) and a JSON tree of the whole
+structure in which tensors are references ``{"__shardckpt__": "tensor",
+"name": ...}``. ``flatten_for_load`` does the same walk over the live state and
+returns the tensors to fill in place plus the actions that put everything else
+back (plain values into their dicts, ``load_state_dict`` calls) once every
+tensor has been read and checked.
+
+How each kind of value is taken apart is an *adapter*; modules, generic
+``state_dict()``/``load_state_dict()`` objects, and containers are built in.
+Others (optimizers, runtimes) register with :func:`register_adapter`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+
+from .errors import StateMismatchError, UnsupportedStateError
+
+__all__ = [
+    "TAG",
+    "FlatSave",
+    "FlatLoad",
+    "Adapter",
+    "register_adapter",
+    "flatten_for_save",
+    "flatten_for_load",
+    "encode_value",
+    "decode_value",
+    "tensor_ref",
+]
+
+TAG = "__shardckpt__"
+SEP = "."
+
+
+def tensor_ref(name: str) -> Dict[str, str]:
+    return {TAG: "tensor", "name": name}
+
+
+def _is_ref(node: Any) -> bool:
+    return isinstance(node, dict) and node.get(TAG) == "tensor"
+
+
+def _join(prefix: str, key: Any) -> str:
+    key = str(key)
+    return f"{prefix}{SEP}{key}" if prefix else key
+
+
+@dataclass
+class FlatSave:
+    tensors: Dict[str, Any] = field(default_factory=dict)  # name -> tensor / DTensor / ShardedTensor
+    tree: Any = None
+    per_rank: Dict[str, Any] = field(default_factory=dict)  # path -> JSON tree of per-rank values
+
+
+@dataclass
+class FlatLoad:
+    """What a load must fill, and what to do once it is filled."""
+
+    tensors: Dict[str, Any] = field(default_factory=dict)  # name -> live tensor to copy_ into
+    # Tensors the checkpoint has but the live state can only take as new
+    # objects (e.g. optimizer state before the first step): name -> callback
+    # receiving the loaded full tensor.
+    creates: Dict[str, Callable[[torch.Tensor], None]] = field(default_factory=dict)
+    roots: List[str] = field(default_factory=list)  # name prefixes the live state claims
+    finalizers: List[Callable[[], None]] = field(default_factory=list)
+    value_paths: List[str] = field(default_factory=list)
+
+
+class Adapter:
+    """How one kind of object is saved and loaded.
+
+    ``matches(obj)`` picks the adapter; ``save(obj, path, walker)`` returns the
+    value to walk in its place (usually a state dict); ``load(obj, path,
+    saved_tree, walker)`` registers targets/finalizers on ``walker.flat``.
+    """
+
+    def matches(self, obj: Any) -> bool:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def save(self, obj: Any, path: str, walker: "_SaveWalker") -> Any:  # pragma: no cover
+        raise NotImplementedError
+
+    def load(self, obj: Any, path: str, saved: Any, walker: "_LoadWalker") -> None:  # pragma: no cover
+        raise NotImplementedError
+
+
+_ADAPTERS: List[Adapter] = []
+
+
+def register_adapter(adapter: Adapter, *, first: bool = True) -> None:
+    """Add an adapter; ``first`` gives it priority over the built-in ones."""
+    if first:
+        _ADAPTERS.insert(0, adapter)
+    else:
+        _ADAPTERS.append(adapter)
+
+
+def _adapter_for(obj: Any) -> Optional[Adapter]:
+    for a in _ADAPTERS:
+        if a.matches(obj):
+            return a
+    return None
+
+
+# --------------------------------------------------------------------------
+# plain values
+
+
+def encode_value(v: Any, path: str) -> Any:
+    """A JSON-able scalar, with non-finite floats tagged (JSON has no NaN)."""
+    if v is None or isinstance(v, (bool, str)):
+        return v
+    if isinstance(v, int):
+        return int(v)
+    if isinstance(v, float):
+        if math.isfinite(v):
+            return v
+        return {TAG: "float", "value": repr(v)}
+    if isinstance(v, torch.dtype):
+        return {TAG: "dtype", "value": str(v).replace("torch.", "")}
+    if isinstance(v, torch.device):
+        return {TAG: "device", "value": str(v)}
+    raise UnsupportedStateError(
+        f"{path or '<root>'}: values of type {type(v).__module__}.{type(v).__qualname__} cannot be saved; "
+        "use tensors, numbers, strings, bools, None, or dicts/lists of those, or give the object "
+        "state_dict()/load_state_dict()"
+    )
+
+
+def decode_value(node: Any) -> Any:
+    if isinstance(node, dict) and TAG in node:
+        kind = node[TAG]
+        if kind == "float":
+            return float(node["value"])
+        if kind == "dtype":
+            return getattr(torch, node["value"])
+        if kind == "device":
+            return torch.device(node["value"])
+        if kind == "tuple":
+            return tuple(decode_value(x) for x in node["items"])
+        if kind == "dict":
+            return {decode_value(k): decode_value(v) for k, v in node["items"]}
+        raise StateMismatchError(f"unexpected tagged value {kind!r} in saved state")
+    if isinstance(node, dict):
+        return {k: decode_value(v) for k, v in node.items()}
+    if isinstance(node, list):
+        return [decode_value(x) for x in node]
+    return node
+
+
+def _is_tensor(v: Any) -> bool:
+    from ._layout import is_sharded_tensor
+
+    return isinstance(v, torch.Tensor) or is_sharded_tensor(v)
+
+
+# --------------------------------------------------------------------------
+# save walk
+
+
+class _SaveWalker:
+    def __init__(self):
+        self.flat = FlatSave()
+
+    def walk(self, v: Any, path: str) -> Any:
+        if _is_tensor(v):
+            if path in self.flat.tensors:
+                raise UnsupportedStateError(f"{path}: two entries of the state map to the same name")
+            self.flat.tensors[path] = v
+            return tensor_ref(path)
+        adapter = _adapter_for(v)
+        if adapter is not None:
+            return self.walk(adapter.save(v, path, self), path)
+        if isinstance(v, dict):
+            if TAG in v:
+                raise UnsupportedStateError(f"{path}: dict keys may not be {TAG!r}")
+            if all(isinstance(k, str) for k in v):
+                return {k: self.walk(x, _join(path, k)) for k, x in v.items()}
+            return {TAG: "dict", "items": [[encode_value(k, path), self.walk(x, _join(path, k))] for k, x in v.items()]}
+        if isinstance(v, list):
+            return [self.walk(x, _join(path, i)) for i, x in enumerate(v)]
+        if isinstance(v, tuple):
+            return {TAG: "tuple", "items": [self.walk(x, _join(path, i)) for i, x in enumerate(v)]}
+        return encode_value(v, path)
+
+
+def flatten_for_save(state: Dict[str, Any]) -> FlatSave:
+    """Split ``state`` into named tensors and a JSON tree referencing them."""
+    if not isinstance(state, dict):
+        raise UnsupportedStateError(f"state must be a dict, got {type(state).__name__}")
+    bad = [k for k in state if not isinstance(k, str) or not k]
+    if bad:
+        raise UnsupportedStateError(f"state keys must be non-empty strings, found {bad!r}")
+    w = _SaveWalker()
+    w.flat.tree = {k: w.walk(v, k) for k, v in state.items()}
+    return w.flat
+
+
+# --------------------------------------------------------------------------
+# load walk
+
+
+class _LoadWalker:
+    def __init__(self, saved_tensors: Dict[str, Any], strict: bool):
+        self.flat = FlatLoad()
+        self.saved_tensors = saved_tensors
+        self.strict = strict
+        self.missing_values: List[str] = []
+
+    def target(self, path: str, live: Any) -> None:
+        self.flat.tensors[path] = live
+
+    def walk(self, live: Any, saved: Any, path: str, setter: Optional[Callable[[Any], None]]) -> None:
+        """Match live ``live`` against the saved subtree ``saved``."""
+        if _is_tensor(live):
+            self.target(path, live)
+            return
+        adapter = _adapter_for(live)
+        if adapter is not None:
+            adapter.load(live, path, saved, self)
+            return
+        if isinstance(live, dict):
+            if isinstance(saved, dict) and saved.get(TAG) == "dict":
+                items = {str(decode_value(k)): v for k, v in saved["items"]}
+            elif isinstance(saved, dict) and TAG not in saved:
+                items = saved
+            else:
+                items = None
+            for k in list(live.keys()):
+                sub = None if items is None else items.get(str(k), _MISSING)
+                self.walk(live[k], sub, _join(path, k), _dict_setter(live, k))
+            if items is not None:
+                for k in items:
+                    if k not in {str(x) for x in live.keys()}:
+                        self._unexpected_value(_join(path, k), items[k])
+            return
+        if isinstance(live, list):
+            seq = saved if isinstance(saved, list) else None
+            for i, x in enumerate(live):
+                sub = seq[i] if seq is not None and i < len(seq) else _MISSING
+                self.walk(x, sub, _join(path, i), _list_setter(live, i))
+            return
+        if isinstance(live, tuple):
+            # Tuples are immutable: values inside come back only if the parent
+            # can take a new tuple.
+            seq = saved["items"] if isinstance(saved, dict) and saved.get(TAG) == "tuple" else None
+            for i, x in enumerate(live):
+                sub = seq[i] if seq is not None and i < len(seq) else _MISSING
+                self.walk(x, sub, _join(path, i), None)
+            if setter is not None and seq is not None and not any(_is_tensor(x) for x in live):
+                self.flat.finalizers.append(lambda s=setter, q=saved: s(decode_value(q)))
+            return
+        # A plain value: the saved one replaces it.
+        if saved is _MISSING:
+            self.missing_values.append(path)
+            return
+        if _is_ref(saved):
+            self.missing_values.append(path + " (saved as a tensor)")
+            return
+        if setter is not None:
+            self.flat.value_paths.append(path)
+            self.flat.finalizers.append(lambda s=setter, q=saved: s(decode_value(q)))
+
+    def _unexpected_value(self, path: str, node: Any) -> None:
+        # Unexpected tensors are found by name against the manifest; plain
+        # values only matter in strict mode.
+        if not _contains_ref(node):
+            self.flat.value_paths.append("?" + path)
+
+
+class _Missing:
+    def __repr__(self):
+        return "<missing>"
+
+
+_MISSING = _Missing()
+
+
+def _contains_ref(node: Any) -> bool:
+    if _is_ref(node):
+        return True
+    if isinstance(node, dict):
+        return any(_contains_ref(v) for v in node.values())
+    if isinstance(node, list):
+        return any(_contains_ref(v) for v in node)
+    return False
+
+
+def _dict_setter(d: dict, k: Any) -> Callable[[Any], None]:
+    def set_(v):
+        d[k] = v
+
+    return set_
+
+
+def _list_setter(lst: list, i: int) -> Callable[[Any], None]:
+    def set_(v):
+        lst[i] = v
+
+    return set_
+
+
+def flatten_for_load(state: Dict[str, Any], saved_tree: Any, saved_tensors: Dict[str, Any], *, strict: bool = True) -> Tuple[FlatLoad, List[str], List[str]]:
+    """Walk live ``state`` against the saved tree.
+
+    Returns ``(flat, missing_values, unexpected_values)``: plain values the
+    live state has but the checkpoint lacks, and the reverse (only within the
+    top-level keys ``state`` names).
+    """
+    if not isinstance(state, dict):
+        raise UnsupportedStateError(f"state must be a dict, got {type(state).__name__}")
+    saved_tree = saved_tree if isinstance(saved_tree, dict) else {}
+    w = _LoadWalker(saved_tensors, strict)
+    for k, v in state.items():
+        w.flat.roots.append(k)
+        w.walk(v, saved_tree.get(k, _MISSING), k, _dict_setter(state, k))
+    unexpected = sorted(p[1:] for p in w.flat.value_paths if p.startswith("?"))
+    w.flat.value_paths = [p for p in w.flat.value_paths if not p.startswith("?")]
+    return w.flat, sorted(w.missing_values), unexpected
+
+
+# --------------------------------------------------------------------------
+# built-in adapters
+
+
+class ModuleAdapter(Adapter):
+    """``nn.Module`` (plain or FSDP2): its state dict with live tensors, filled in place.
+
+    ``state_dict(keep_vars=True)`` yields the Parameters themselves (DTensors
+    under FSDP2), so a load ``copy_``-es into their storage and never swaps a
+    Parameter or its ``.data``.
+    """
+
+    def matches(self, obj):
+        return isinstance(obj, torch.nn.Module)
+
+    def save(self, obj, path, walker):
+        return _module_tensors(obj)
+
+    def load(self, obj, path, saved, walker):
+        for k, t in _module_tensors(obj).items():
+            if _is_tensor(t):
+                walker.target(_join(path, k), t)
+            else:
+                sub = saved.get(k, _MISSING) if isinstance(saved, dict) else _MISSING
+                walker.walk(t, sub, _join(path, k), None)
+
+
+def _module_tensors(m: torch.nn.Module) -> Dict[str, Any]:
+    sd = m.state_dict(keep_vars=True)
+    return dict(sd)
+
+
+class StatefulAdapter(Adapter):
+    """Any object with ``state_dict()`` and ``load_state_dict()`` (schedulers, scalers...).
+
+    On load the live ``state_dict()`` gives the structure and tensors to fill;
+    values the checkpoint has come back; ``load_state_dict`` gets the result.
+    """
+
+    def matches(self, obj):
+        return (
+            not isinstance(obj, (dict, list, tuple, torch.Tensor))
+            and callable(getattr(obj, "state_dict", None))
+            and callable(getattr(obj, "load_state_dict", None))
+        )
+
+    def save(self, obj, path, walker):
+        return obj.state_dict()
+
+    def load(self, obj, path, saved, walker):
+        if saved is _MISSING:
+            walker.missing_values.append(path)
+            return
+        live_sd = obj.state_dict()
+        holder = {"sd": live_sd}
+        _fill_from_saved(holder, "sd", saved, path, walker)
+        walker.flat.finalizers.append(lambda: obj.load_state_dict(holder["sd"]))
+
+
+def _fill_from_saved(container: Any, key: Any, saved: Any, path: str, walker: _LoadWalker) -> None:
+    """Rebuild ``container[key]`` from the saved tree, filling live tensors in place.
+
+    Where the live structure has a tensor, it is a target. Where the saved
+    tree has a tensor the live one lacks, a new full tensor is created.
+    Plain values come from the checkpoint.
+    """
+    live = container[key] if _has(container, key) else _MISSING
+    if _is_ref(saved):
+        name = saved["name"]
+        if live is not _MISSING and _is_tensor(live):
+            walker.target(name, live)
+        else:
+            def put(t, c=container, k=key):
+                c[k] = t
+
+            walker.flat.creates[name] = put
+        return
+    if isinstance(saved, dict) and (TAG not in saved or saved.get(TAG) == "dict"):
+        if saved.get(TAG) == "dict":
+            items = [(decode_value(k), v) for k, v in saved["items"]]
+        else:
+            items = list(saved.items())
+        if not isinstance(live, dict):
+            live = {}
+            container[key] = live
+        for k, sub in items:
+            _fill_from_saved(live, k, sub, _join(path, k), walker)
+        return
+    if isinstance(saved, list):
+        if not isinstance(live, list) or len(live) != len(saved):
+            live = [None] * len(saved) if not isinstance(live, list) else (live + [None] * (len(saved) - len(live)))[: len(saved)]
+            container[key] = live
+        for i, sub in enumerate(saved):
+            _fill_from_saved(live, i, sub, _join(path, i), walker)
+        return
+    if isinstance(saved, dict) and saved.get(TAG) == "tuple":
+        items = list(live) if isinstance(live, tuple) and len(live) == len(saved["items"]) else [None] * len(saved["items"])
+        for i, sub in enumerate(saved["items"]):
+            _fill_from_saved(items, i, sub, _join(path, i), walker)
+        # Rebuild the tuple after tensors are in (finalizers run in order).
+        def rebuild(c=container, k=key, it=items):
+            c[k] = tuple(it)
+
+        rebuild()
+        walker.flat.finalizers.insert(0, rebuild)
+        return
+    container[key] = decode_value(saved)
+
+
+def _has(c: Any, k: Any) -> bool:
+    if isinstance(c, dict):
+        return k in c
+    if isinstance(c, list):
+        return 0 <= k < len(c)
+    return False
+
+
+register_adapter(StatefulAdapter(), first=False)
+register_adapter(ModuleAdapter(), first=False)
+_ADAPTERS.sort(key=lambda a: 0 if isinstance(a, ModuleAdapter) else 1)

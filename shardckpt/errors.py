@@ -1,0 +1,72 @@
+"""Exception types raised by shardckpt.
+
+Every error raised at a boundary (a user's state, a user's URL, bytes read from
+storage) is one of these. They subclass the builtin a caller would naturally
+catch (``ValueError`` for bad input, ``OSError`` for storage trouble), so code
+that predates shardckpt keeps working, while ``except shardckpt.CheckpointError``
+catches all of them.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "CheckpointError",
+    "CorruptCheckpointError",
+    "ChecksumMismatchError",
+    "CheckpointNotFoundError",
+    "CheckpointExistsError",
+    "StateMismatchError",
+    "UnsupportedStateError",
+    "UnsafeMetadataError",
+    "StorageError",
+    "SaveFailedError",
+]
+
+
+class CheckpointError(Exception):
+    """Base class of every error shardckpt raises on purpose."""
+
+
+class CorruptCheckpointError(CheckpointError, ValueError):
+    """Saved bytes or metadata are damaged, truncated, missing or inconsistent."""
+
+
+class ChecksumMismatchError(CorruptCheckpointError):
+    """A chunk's bytes do not match the checksum recorded when it was saved."""
+
+
+class UnsafeMetadataError(CorruptCheckpointError):
+    """Metadata read from storage breaks a safety rule (path escape, huge header...)."""
+
+
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+    """No committed checkpoint (no ``manifest.json``) at the given URL."""
+
+
+class CheckpointExistsError(CheckpointError, FileExistsError):
+    """A committed checkpoint already exists where a save was asked to write."""
+
+
+class StateMismatchError(CheckpointError, ValueError):
+    """The live state and the checkpoint disagree (keys, shapes, dtypes, world size)."""
+
+
+class UnsupportedStateError(CheckpointError, TypeError):
+    """A value in the state cannot be saved (unknown type, Partial placement...)."""
+
+
+class StorageError(CheckpointError, OSError):
+    """Storage failed in a way that is not a damaged checkpoint (I/O, permissions)."""
+
+
+class SaveFailedError(CheckpointError, RuntimeError):
+    """A collective save failed on at least one rank; nothing was committed."""
+
+
+def format_offenders(items, *, limit: int = 20) -> str:
+    """Render a sorted, bounded list of offending names for an error message."""
+    items = sorted(str(i) for i in items)
+    shown = ", ".join(items[:limit])
+    if len(items) > limit:
+        shown += f", ... ({len(items) - limit} more)"
+    return shown

@@ -1,0 +1,148 @@
+"""Run a function on N gloo ranks (separate processes) and collect the results.
+
+Spawning a process and importing torch costs seconds, so ranks are kept in a
+pool per world size and reused across tests: each worker joins a gloo group
+once, then runs the functions it is sent. A failure or time-out on any rank
+kills that pool (a half-finished collective cannot be trusted) and the next
+call starts a fresh one. ``SHARDCKPT_TEST_FRESH=1`` forces fresh processes
+for every call.
+
+Functions must be importable (module level) and their arguments and results
+picklable; results travel by value.
+"""
+
+from __future__ import annotations
+
+import atexit
+import multiprocessing as mp
+import os
+import pickle
+import socket
+import traceback
+from datetime import timedelta
+from typing import Any, Callable, Dict, List
+
+#: Collective timeout inside the workers: a rank stuck in a collective fails
+#: the test within this time instead of hanging CI.
+PG_TIMEOUT_S = 60
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, conn) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank)
+    )
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=PG_TIMEOUT_S))
+    while True:
+        try:
+            msg = conn.recv()
+        except EOFError:
+            break
+        if msg is None:
+            break
+        fn, args = pickle.loads(msg)
+        try:
+            out = fn(rank, world, *args)
+            conn.send((True, pickle.dumps(out)))
+        except BaseException as e:  # noqa: BLE001 - report everything to the parent
+            conn.send((False, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+    try:
+        dist.destroy_process_group()
+    except Exception:
+        pass
+
+
+class _Pool:
+    def __init__(self, world: int):
+        ctx = mp.get_context("spawn")
+        port = free_port()
+        self.world = world
+        self.conns = []
+        self.procs = []
+        for r in range(world):
+            parent, child = ctx.Pipe()
+            p = ctx.Process(target=_worker, args=(r, world, port, child), daemon=True)
+            p.start()
+            self.conns.append(parent)
+            self.procs.append(p)
+
+    def run(self, fn, args, timeout: float) -> List[Any]:
+        msg = pickle.dumps((fn, args))
+        for c in self.conns:
+            c.send(msg)
+        results: Dict[int, Any] = {}
+        errors = []
+        for r, c in enumerate(self.conns):
+            # Once a rank failed, its peers may sit in a collective until the
+            # group times out; give them a short grace, then give up on them.
+            if not c.poll(5 if errors else timeout):
+                if errors:
+                    errors.append((r, "(still running when the other ranks failed; killed)"))
+                    continue
+                raise TimeoutError(f"rank {r} did not finish within {timeout}s")
+            ok, out = c.recv()
+            if ok:
+                results[r] = pickle.loads(out)
+            else:
+                errors.append((r, out))
+        if errors:
+            raise RuntimeError("\n".join(f"--- rank {r} failed:\n{m}" for r, m in errors))
+        return [results[r] for r in range(self.world)]
+
+    def close(self, kill: bool = False) -> None:
+        for c in self.conns:
+            try:
+                if not kill:
+                    c.send(None)
+                c.close()
+            except Exception:
+                pass
+        for p in self.procs:
+            if kill:
+                p.kill()
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+
+
+_POOLS: Dict[int, _Pool] = {}
+
+
+def run_ranks(world: int, fn: Callable[..., Any], *args: Any, timeout: float = 180, fresh: bool = False) -> List[Any]:
+    """Run ``fn(rank, world, *args)`` on ``world`` gloo ranks; return the results by rank.
+
+    Raises ``RuntimeError`` with every failing rank's traceback (or
+    ``TimeoutError``). ``fresh=True`` uses new processes, e.g. for tests that
+    kill ranks or change process-wide settings.
+    """
+    fresh = fresh or os.environ.get("SHARDCKPT_TEST_FRESH") == "1"
+    pool = None if fresh else _POOLS.get(world)
+    if pool is None:
+        pool = _Pool(world)
+        if not fresh:
+            _POOLS[world] = pool
+    try:
+        return pool.run(fn, args, timeout)
+    except BaseException:
+        _POOLS.pop(world, None)
+        pool.close(kill=True)
+        raise
+    finally:
+        if fresh:
+            pool.close()
+
+
+@atexit.register
+def _shutdown() -> None:
+    for pool in list(_POOLS.values()):
+        pool.close()
+    _POOLS.clear()
