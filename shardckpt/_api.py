@@ -60,7 +60,7 @@ from .errors import (
     format_offenders,
 )
 
-__all__ = ["save", "load", "inspect", "verify", "LoadResult", "read_manifest"]
+__all__ = ["save", "load", "inspect", "verify", "LoadResult", "read_manifest", "SavePlan", "prepare_save", "execute_save"]
 
 DATA_DIR = "data"
 
@@ -192,15 +192,65 @@ def save(
         >>> state["step"], state["w"].sum().item()
         (7, 6.0)
     """
+    plan = prepare_save(
+        state, url, storage_options=storage_options, process_group=process_group, overwrite=overwrite, io_threads=io_threads
+    )
+    execute_save(plan)
+
+
+@dataclass
+class SavePlan:
+    """A save split from its I/O: what this rank writes, ready to execute.
+
+    ``prepare_save`` builds it (collective: ranks agree the state is valid);
+    ``stage_save`` swaps the tensors for private copies (async save);
+    ``execute_save`` writes and commits (collective).
+    """
+
+    storage: Storage
+    rank: int
+    world: int
+    tree: Any
+    layouts: Dict[str, TensorLayout]
+    items: List[WriteItem]
+    process_group: Any = None
+    overwrite: bool = False
+    io_threads: int = DEFAULT_IO_THREADS
+    extra: Dict[str, Any] = field(default_factory=dict)
+    per_rank: Any = None  # this rank's per-rank JSON values, gathered at commit
+
+
+def prepare_save(
+    state: Dict[str, Any],
+    url: str,
+    *,
+    storage_options: Optional[Dict[str, Any]] = None,
+    process_group=None,
+    overwrite: bool = False,
+    io_threads: int = DEFAULT_IO_THREADS,
+) -> SavePlan:
+    """Flatten and plan a save; every rank learns whether any rank's state is invalid."""
     rank, world = dist_info(process_group)
     storage = Storage(url, storage_options=storage_options)
-    # Validate the state on every rank before any collective, so a bad state
-    # raises everywhere instead of leaving peers blocked.
+    # Validate the state on every rank before any other collective, so a bad
+    # state raises everywhere instead of leaving peers blocked.
     local_err = None
+    plan = None
     try:
         flat = flatten_for_save(state)
         layouts = _layouts(flat.tensors, rank, world)
-        mine = _write_plan(layouts, rank)
+        plan = SavePlan(
+            storage=storage,
+            rank=rank,
+            world=world,
+            tree=flat.tree,
+            layouts=layouts,
+            items=_write_plan(layouts, rank),
+            process_group=process_group,
+            overwrite=overwrite,
+            io_threads=io_threads,
+            per_rank=flat.per_rank or None,
+        )
     except Exception as e:  # re-raised below, after peers know
         local_err = e
     errs = _all_gather(None if local_err is None else f"rank {rank}: {local_err}", process_group)
@@ -208,32 +258,43 @@ def save(
         raise local_err
     if any(errs):
         raise SaveFailedError("save aborted before writing: " + "; ".join(e for e in errs if e))
+    assert plan is not None
+    return plan
 
+
+def execute_save(plan: SavePlan) -> None:
+    """Write this rank's files, gather chunk metadata, commit on rank 0 (collective)."""
+    storage, rank, group = plan.storage, plan.rank, plan.process_group
     header = None
     if rank == 0:
         try:
-            if storage.exists(MANIFEST_NAME) and not overwrite:
+            if storage.exists(MANIFEST_NAME) and not plan.overwrite:
                 header = ("exists", f"{storage.url_of(MANIFEST_NAME)} already exists; pass overwrite=True to replace it")
             else:
                 header = ("ok", uuid.uuid4().hex)
         except Exception as e:
             header = ("error", f"rank 0: cannot check {storage.url}: {e}")
-    header = _broadcast(header, process_group)
+    header = _broadcast(header, group)
     if header[0] == "exists":
         raise CheckpointExistsError(header[1])
     if header[0] == "error":
         raise SaveFailedError(header[1])
     save_id = header[1]
 
-    groups = partition(mine, io_threads)
+    groups = partition(plan.items, plan.io_threads)
     files = {f"{DATA_DIR}/{save_id[:12]}-r{rank:05d}-{i:02d}.safetensors": g for i, g in enumerate(groups)}
     result: Tuple[Any, ...]
     try:
-        chunks, fmetas = write_files(storage, files, threads=io_threads)
-        result = (None, [c.to_json() | {"name": _name_of(c, files)} for c in chunks], {k: v.size for k, v in fmetas.items()})
+        chunks, fmetas = write_files(storage, files, threads=plan.io_threads)
+        result = (
+            None,
+            [c.to_json() | {"name": _name_of(c, files)} for c in chunks],
+            {k: v.size for k, v in fmetas.items()},
+            plan.per_rank,
+        )
     except Exception as e:
-        result = (f"rank {rank}: {type(e).__name__}: {e}", [], {})
-    gathered = _all_gather(result, process_group)
+        result = (f"rank {rank}: {type(e).__name__}: {e}", [], {}, None)
+    gathered = _all_gather(result, group)
     errors = [g[0] for g in gathered if g[0]]
 
     outcome: Tuple[Optional[str], Optional[str]] = (None, None)
@@ -242,7 +303,11 @@ def save(
             outcome = ("; ".join(errors), None)
         else:
             try:
-                manifest = _build_manifest(layouts, gathered, world, save_id, flat.tree)
+                manifest = _build_manifest(plan.layouts, gathered, plan.world, save_id, plan.tree)
+                manifest.extra.update(plan.extra)
+                per_rank = [g[3] for g in gathered]
+                if any(p is not None for p in per_rank):
+                    manifest.extra["per_rank"] = per_rank
                 body = manifest_to_bytes(manifest)
                 # The HF index first: before the commit it is just another file.
                 _write_hf_index(storage, manifest)
@@ -250,7 +315,7 @@ def save(
                 outcome = (None, "committed")
             except Exception as e:
                 outcome = (f"rank 0: commit failed: {type(e).__name__}: {e}", None)
-    outcome = _broadcast(outcome, process_group)
+    outcome = _broadcast(outcome, group)
     if outcome[0]:
         for rel in files:
             try:
@@ -258,7 +323,7 @@ def save(
             except Exception:
                 pass
         raise SaveFailedError(f"nothing was committed at {storage.url}: {outcome[0]}")
-    if rank == 0 and overwrite:
+    if rank == 0 and plan.overwrite:
         _remove_stale(storage, save_id)
 
 
@@ -274,7 +339,7 @@ def _build_manifest(layouts: Dict[str, TensorLayout], gathered, world: int, save
         name: TensorMeta(dtype=lay.dtype, shape=list(lay.shape), layout=lay.layout_json) for name, lay in layouts.items()
     }
     files: Dict[str, FileMeta] = {}
-    for _, chunks, fsizes in gathered:
+    for _, chunks, fsizes, _ in gathered:
         for rel, size in fsizes.items():
             files[rel] = FileMeta(size)
         for c in chunks:
