@@ -227,6 +227,13 @@ class _LoadWalker:
         if adapter is not None:
             adapter.load(live, path, saved, self)
             return
+        if isinstance(live, (dict, list)) and _is_plain(live) and saved is not _MISSING and not _contains_ref(saved):
+            # Pure JSON containers come back whole: the saved value replaces
+            # the live placeholder (e.g. ``{"history": []}``).
+            if setter is not None:
+                self.flat.value_paths.append(path)
+                self.flat.finalizers.append(lambda s=setter, q=saved: s(decode_value(q)))
+            return
         if isinstance(live, dict):
             if isinstance(saved, dict) and saved.get(TAG) == "dict":
                 items = {str(decode_value(k)): v for k, v in saved["items"]}
@@ -282,6 +289,15 @@ class _Missing:
 
 
 _MISSING = _Missing()
+
+
+def _is_plain(v: Any) -> bool:
+    """True if ``v`` holds only JSON-able values (no tensors, modules or stateful objects)."""
+    if isinstance(v, dict):
+        return all(_is_plain(x) for x in v.values())
+    if isinstance(v, (list, tuple)):
+        return all(_is_plain(x) for x in v)
+    return v is None or isinstance(v, (bool, int, float, str))
 
 
 def _contains_ref(node: Any) -> bool:
