@@ -22,11 +22,12 @@ Load (no collective except one agreement before touching tensors):
 
 from __future__ import annotations
 
+import copy as _copy
 import math
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -60,7 +61,7 @@ from .errors import (
     format_offenders,
 )
 
-__all__ = ["save", "load", "inspect", "verify", "LoadResult", "read_manifest", "SavePlan", "prepare_save", "execute_save"]
+__all__ = ["save", "load", "inspect", "verify", "LoadResult", "read_manifest", "SavePlan", "prepare_save", "stage_save", "execute_save"]
 
 DATA_DIR = "data"
 
@@ -236,16 +237,18 @@ def prepare_save(
     # state raises everywhere instead of leaving peers blocked.
     local_err = None
     plan = None
+    own: Dict[str, Any] = {}
     try:
-        flat = flatten_for_save(state)
+        flat = flatten_for_save(state, rank=rank, world=world)
         layouts = _layouts(flat.tensors, rank, world)
+        own = _own_tensors(layouts, flat.per_rank_tensors, rank)
         plan = SavePlan(
             storage=storage,
             rank=rank,
             world=world,
             tree=flat.tree,
             layouts=layouts,
-            items=_write_plan(layouts, rank),
+            items=[],
             process_group=process_group,
             overwrite=overwrite,
             io_threads=io_threads,
@@ -253,13 +256,39 @@ def prepare_save(
         )
     except Exception as e:  # re-raised below, after peers know
         local_err = e
-    errs = _all_gather(None if local_err is None else f"rank {rank}: {local_err}", process_group)
+    gathered = _all_gather((None if local_err is None else f"rank {rank}: {local_err}", own), process_group)
+    errs = [g[0] for g in gathered]
     if local_err is not None:
         raise local_err
     if any(errs):
         raise SaveFailedError("save aborted before writing: " + "; ".join(e for e in errs if e))
     assert plan is not None
+    plan.layouts = _with_peer_tensors(plan.layouts, [g[1] for g in gathered], rank)
+    plan.items = _write_plan(plan.layouts, rank)
     return plan
+
+
+def _own_tensors(layouts: Dict[str, TensorLayout], names: Sequence[str], rank: int) -> Dict[str, Any]:
+    """Per-rank tensors: this rank alone holds (and writes) them; their specs for the peers."""
+    specs = {}
+    for n in names:
+        lay = layouts[n]
+        lay.holders = {_plan.Box((0,) * len(lay.shape), tuple(lay.shape)): (rank,)}
+        specs[n] = (lay.dtype, list(lay.shape))
+    return specs
+
+
+def _with_peer_tensors(layouts: Dict[str, TensorLayout], specs: List[Dict[str, Any]], rank: int) -> Dict[str, TensorLayout]:
+    """Add the other ranks' per-rank tensors (no local parts) so every rank plans, and rank 0 commits, them all."""
+    out = dict(layouts)
+    for r, spec in enumerate(specs):
+        if r == rank:
+            continue
+        for n, (dt, shape) in spec.items():
+            box = _plan.Box((0,) * len(shape), tuple(shape))
+            out[n] = TensorLayout(name=n, dtype=dt, torch_dtype=torch_dtype(dt), shape=tuple(shape), parts=[], holders={box: (r,)})
+    # Writer assignment balances bytes greedily: every rank must see the same order.
+    return {n: out[n] for n in sorted(out)}
 
 
 def execute_save(plan: SavePlan) -> None:
@@ -325,6 +354,25 @@ def execute_save(plan: SavePlan) -> None:
         raise SaveFailedError(f"nothing was committed at {storage.url}: {outcome[0]}")
     if rank == 0 and plan.overwrite:
         _remove_stale(storage, save_id)
+
+
+def stage_save(plan: SavePlan, copy: Callable[[List[torch.Tensor]], List[torch.Tensor]]) -> None:
+    """Swap every tensor ``plan`` will write for a private copy (async save).
+
+    ``copy`` receives the tensors (views of the live state, in plan order) and
+    returns same-shaped, same-dtype CPU tensors whose contents no later update
+    of the live state can reach. The JSON part of the state is copied too, so
+    ``execute_save`` may then run in a background thread while training goes on.
+    Local to this rank, no collective.
+    """
+    staged = copy([it.tensor for it in plan.items])
+    if len(staged) != len(plan.items):
+        raise AssertionError(f"stage_save: {len(staged)} copies for {len(plan.items)} tensors")
+    for it, t in zip(plan.items, staged):
+        it.tensor = t
+    plan.tree = _copy.deepcopy(plan.tree)
+    plan.per_rank = _copy.deepcopy(plan.per_rank)
+    plan.extra = _copy.deepcopy(plan.extra)
 
 
 def _name_of(c: ChunkMeta, files: Dict[str, List[WriteItem]]) -> str:
@@ -495,13 +543,24 @@ def load(
 
 
 def _plan_load(state, manifest: Manifest, *, strict: bool, rank: int, world: int):
-    flat, missing_values, unexpected_values = flatten_for_load(state, manifest.values, manifest.tensors, strict=strict)
+    flat, missing_values, unexpected_values = flatten_for_load(
+        state,
+        manifest.values,
+        manifest.tensors,
+        strict=strict,
+        rank=rank,
+        world=world,
+        saved_world=manifest.world_size,
+        per_rank=manifest.extra.get("per_rank"),
+    )
     live = flat.tensors
     missing = sorted(n for n in live if n not in manifest.tensors)
     creates = {n: f for n, f in flat.creates.items() if n in manifest.tensors}
     missing += sorted(n for n in flat.creates if n not in manifest.tensors)
     claimed = set(live) | set(flat.creates)
-    unexpected = sorted(n for n in manifest.tensors if _under_roots(n, flat.roots) and n not in claimed)
+    unexpected = sorted(
+        n for n in manifest.tensors if _under_roots(n, flat.roots) and n not in claimed and not _under_roots(n, flat.skip)
+    )
     missing_all = sorted(set(missing) | set(missing_values))
     unexpected_all = sorted(set(unexpected) | set(unexpected_values))
     if strict and (missing_all or unexpected_all):

@@ -21,7 +21,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from .errors import StateMismatchError, UnsupportedStateError
+from .errors import CorruptCheckpointError, StateMismatchError, UnsupportedStateError
 
 __all__ = [
     "TAG",
@@ -34,6 +34,9 @@ __all__ = [
     "encode_value",
     "decode_value",
     "tensor_ref",
+    "Raw",
+    "PerRank",
+    "PER_RANK_MARK",
 ]
 
 TAG = "__shardckpt__"
@@ -58,6 +61,9 @@ class FlatSave:
     tensors: Dict[str, Any] = field(default_factory=dict)  # name -> tensor / DTensor / ShardedTensor
     tree: Any = None
     per_rank: Dict[str, Any] = field(default_factory=dict)  # path -> JSON tree of per-rank values
+    # Tensors of per-rank state: held and written by this rank alone, under a
+    # name that contains the rank (other ranks hold their own).
+    per_rank_tensors: List[str] = field(default_factory=list)
 
 
 @dataclass
@@ -72,6 +78,9 @@ class FlatLoad:
     roots: List[str] = field(default_factory=list)  # name prefixes the live state claims
     finalizers: List[Callable[[], None]] = field(default_factory=list)
     value_paths: List[str] = field(default_factory=list)
+    # Saved tensor name prefixes deliberately not loaded (other ranks'
+    # per-rank state, optimizer state of parameters reported as unexpected).
+    skip: List[str] = field(default_factory=list)
 
 
 class Adapter:
@@ -141,7 +150,10 @@ def decode_value(node: Any) -> Any:
         if kind == "float":
             return float(node["value"])
         if kind == "dtype":
-            return getattr(torch, node["value"])
+            dt = getattr(torch, str(node["value"]), None)
+            if not isinstance(dt, torch.dtype):
+                raise ValueError(f"{node['value']!r} is not a torch dtype")
+            return dt
         if kind == "device":
             return torch.device(node["value"])
         if kind == "tuple":
@@ -156,6 +168,14 @@ def decode_value(node: Any) -> Any:
     return node
 
 
+def _decoded(node: Any, path: str) -> Any:
+    """Decode a saved value now, while planning: a load must fail before any tensor is written."""
+    try:
+        return decode_value(node)
+    except Exception as e:
+        raise CorruptCheckpointError(f"{path}: saved value {node!r:.100} cannot be decoded ({type(e).__name__}: {e})") from None
+
+
 def _is_tensor(v: Any) -> bool:
     from ._layout import is_sharded_tensor
 
@@ -166,19 +186,35 @@ def _is_tensor(v: Any) -> bool:
 # save walk
 
 
+class Raw:
+    """An adapter's already-encoded JSON node, put in the tree as is."""
+
+    __slots__ = ("node",)
+
+    def __init__(self, node: Any):
+        self.node = node
+
+
 class _SaveWalker:
-    def __init__(self):
+    def __init__(self, root: Dict[str, Any], rank: int = 0, world: int = 1):
         self.flat = FlatSave()
+        self.root = root  # the whole user state: adapters look up related entries
+        self.rank = rank
+        self.world = world
+        self.per_rank_depth = 0  # > 0 while walking inside a PerRank value
 
     def walk(self, v: Any, path: str) -> Any:
         if _is_tensor(v):
             if path in self.flat.tensors:
                 raise UnsupportedStateError(f"{path}: two entries of the state map to the same name")
             self.flat.tensors[path] = v
+            if self.per_rank_depth:
+                self.flat.per_rank_tensors.append(path)
             return tensor_ref(path)
         adapter = _adapter_for(v)
         if adapter is not None:
-            return self.walk(adapter.save(v, path, self), path)
+            out = adapter.save(v, path, self)
+            return out.node if isinstance(out, Raw) else self.walk(out, path)
         if isinstance(v, dict):
             if TAG in v:
                 raise UnsupportedStateError(f"{path}: dict keys may not be {TAG!r}")
@@ -192,14 +228,17 @@ class _SaveWalker:
         return encode_value(v, path)
 
 
-def flatten_for_save(state: Dict[str, Any]) -> FlatSave:
-    """Split ``state`` into named tensors and a JSON tree referencing them."""
+def flatten_for_save(state: Dict[str, Any], *, rank: int = 0, world: int = 1) -> FlatSave:
+    """Split ``state`` into named tensors and a JSON tree referencing them.
+
+    ``rank``/``world`` (of the saving group) name per-rank state.
+    """
     if not isinstance(state, dict):
         raise UnsupportedStateError(f"state must be a dict, got {type(state).__name__}")
     bad = [k for k in state if not isinstance(k, str) or not k]
     if bad:
         raise UnsupportedStateError(f"state keys must be non-empty strings, found {bad!r}")
-    w = _SaveWalker()
+    w = _SaveWalker(state, rank, world)
     w.flat.tree = {k: w.walk(v, k) for k, v in state.items()}
     return w.flat
 
@@ -209,11 +248,29 @@ def flatten_for_save(state: Dict[str, Any]) -> FlatSave:
 
 
 class _LoadWalker:
-    def __init__(self, saved_tensors: Dict[str, Any], strict: bool):
+    def __init__(
+        self,
+        saved_tensors: Dict[str, Any],
+        strict: bool,
+        root: Optional[Dict[str, Any]] = None,
+        rank: int = 0,
+        world: int = 1,
+        saved_world: Optional[int] = None,
+        per_rank: Any = None,
+    ):
         self.flat = FlatLoad()
-        self.saved_tensors = saved_tensors
+        self.saved_tensors = saved_tensors  # name -> TensorMeta of the checkpoint
         self.strict = strict
         self.missing_values: List[str] = []
+        self.root = root if root is not None else {}
+        self.rank = rank
+        self.world = world
+        self.saved_world = world if saved_world is None else saved_world
+        self.per_rank = per_rank  # manifest.extra["per_rank"]: list by saving rank
+
+    def unexpected(self, path: str) -> None:
+        """Report a saved entry the live state has no place for."""
+        self.flat.value_paths.append("?" + path)
 
     def target(self, path: str, live: Any) -> None:
         self.flat.tensors[path] = live
@@ -232,7 +289,7 @@ class _LoadWalker:
             # the live placeholder (e.g. ``{"history": []}``).
             if setter is not None:
                 self.flat.value_paths.append(path)
-                self.flat.finalizers.append(lambda s=setter, q=saved: s(decode_value(q)))
+                self.flat.finalizers.append(lambda s=setter, v=_decoded(saved, path): s(v))
             return
         if isinstance(live, dict):
             if isinstance(saved, dict) and saved.get(TAG) == "dict":
@@ -263,7 +320,7 @@ class _LoadWalker:
                 sub = seq[i] if seq is not None and i < len(seq) else _MISSING
                 self.walk(x, sub, _join(path, i), None)
             if setter is not None and seq is not None and not any(_is_tensor(x) for x in live):
-                self.flat.finalizers.append(lambda s=setter, q=saved: s(decode_value(q)))
+                self.flat.finalizers.append(lambda s=setter, v=_decoded(saved, path): s(v))
             return
         # A plain value: the saved one replaces it.
         if saved is _MISSING:
@@ -274,7 +331,7 @@ class _LoadWalker:
             return
         if setter is not None:
             self.flat.value_paths.append(path)
-            self.flat.finalizers.append(lambda s=setter, q=saved: s(decode_value(q)))
+            self.flat.finalizers.append(lambda s=setter, v=_decoded(saved, path): s(v))
 
     def _unexpected_value(self, path: str, node: Any) -> None:
         # Unexpected tensors are found by name against the manifest; plain
@@ -324,17 +381,29 @@ def _list_setter(lst: list, i: int) -> Callable[[Any], None]:
     return set_
 
 
-def flatten_for_load(state: Dict[str, Any], saved_tree: Any, saved_tensors: Dict[str, Any], *, strict: bool = True) -> Tuple[FlatLoad, List[str], List[str]]:
+def flatten_for_load(
+    state: Dict[str, Any],
+    saved_tree: Any,
+    saved_tensors: Dict[str, Any],
+    *,
+    strict: bool = True,
+    rank: int = 0,
+    world: int = 1,
+    saved_world: Optional[int] = None,
+    per_rank: Any = None,
+) -> Tuple[FlatLoad, List[str], List[str]]:
     """Walk live ``state`` against the saved tree.
 
     Returns ``(flat, missing_values, unexpected_values)``: plain values the
     live state has but the checkpoint lacks, and the reverse (only within the
-    top-level keys ``state`` names).
+    top-level keys ``state`` names). ``rank``/``world`` are the loading
+    group's; ``saved_world`` and ``per_rank`` (``manifest.extra["per_rank"]``)
+    come from the checkpoint and serve per-rank state.
     """
     if not isinstance(state, dict):
         raise UnsupportedStateError(f"state must be a dict, got {type(state).__name__}")
     saved_tree = saved_tree if isinstance(saved_tree, dict) else {}
-    w = _LoadWalker(saved_tensors, strict)
+    w = _LoadWalker(saved_tensors, strict, state, rank, world, saved_world, per_rank)
     for k, v in state.items():
         w.flat.roots.append(k)
         w.walk(v, saved_tree.get(k, _MISSING), k, _dict_setter(state, k))
@@ -348,26 +417,97 @@ def flatten_for_load(state: Dict[str, Any], saved_tree: Any, saved_tensors: Dict
 
 
 class ModuleAdapter(Adapter):
-    """``nn.Module`` (plain or FSDP2): its state dict with live tensors, filled in place.
+    """``nn.Module`` of any runtime: its state dict by FQN, filled in place.
 
-    ``state_dict(keep_vars=True)`` yields the Parameters themselves (DTensors
-    under FSDP2), so a load ``copy_``-es into their storage and never swaps a
-    Parameter or its ``.data``.
+    Plain modules, FSDP2, TP and HSDP: ``state_dict(keep_vars=True)`` yields
+    the Parameters themselves (DTensors when sharded), so a load ``copy_``-es
+    into their storage and never swaps a Parameter or its ``.data`` — FSDP2's
+    all-gathers and the optimizer keep seeing the same objects.
+
+    DDP and ``torch.compile`` wrappers are looked through, so names carry no
+    ``module.``/``_orig_mod.`` prefix and checkpoints move between runtimes.
+
+    FSDP1 goes through torch's sharded state dict (``ShardedTensor``\\ s),
+    filled and handed back with ``set_model_state_dict`` (collective).
+
+    Parameters or buffers still on the meta device get new tensors of their
+    live dtype and sharding, on the device ``_runtimes.materialize_device``
+    picks, installed with ``load_state_dict(assign=True)`` — FSDP2's post-load
+    hook then re-pads its sharded storage. Only entries the checkpoint has
+    are materialized; the rest stay on meta and are reported missing.
     """
 
     def matches(self, obj):
         return isinstance(obj, torch.nn.Module)
 
     def save(self, obj, path, walker):
-        return _module_tensors(obj)
+        from ._runtimes import fsdp1_model_state, is_fsdp1, unwrap
+
+        m = unwrap(obj)
+        if is_fsdp1(m):
+            return fsdp1_model_state(m)
+        meta = sorted(k for k, t in m.state_dict(keep_vars=True).items() if _is_tensor(t) and t.is_meta)
+        if meta:
+            from .errors import format_offenders
+
+            raise UnsupportedStateError(
+                f"{path}: tensors on the meta device hold no data and cannot be saved: {format_offenders(meta)}"
+            )
+        return _module_tensors(m)
 
     def load(self, obj, path, saved, walker):
-        for k, t in _module_tensors(obj).items():
+        from ._runtimes import fsdp1_load_model_state, fsdp1_model_state, is_fsdp1, unwrap
+
+        m = unwrap(obj)
+        if is_fsdp1(m):
+            sd = fsdp1_model_state(m)
+            self._targets(sd, path, saved, walker)
+            walker.flat.finalizers.append(lambda: fsdp1_load_model_state(m, sd))
+            return
+        sd = _module_tensors(m)
+        assign = self._materialize_meta(m, sd, path, walker)
+        self._targets(sd, path, saved, walker)
+        if assign:
+            walker.flat.finalizers.append(lambda: m.load_state_dict(assign, strict=False, assign=True))
+
+    @staticmethod
+    def _targets(sd, path, saved, walker):
+        for k, t in sd.items():
             if _is_tensor(t):
                 walker.target(_join(path, k), t)
             else:
                 sub = saved.get(k, _MISSING) if isinstance(saved, dict) else _MISSING
                 walker.walk(t, sub, _join(path, k), None)
+
+    @staticmethod
+    def _materialize_meta(m, sd, path, walker) -> Dict[str, Any]:
+        """Swap meta entries of ``sd`` the checkpoint has for empty real tensors; return them."""
+        meta_keys = [k for k, t in sd.items() if _is_tensor(t) and t.is_meta and _join(path, k) in walker.saved_tensors]
+        if not meta_keys:
+            return {}
+        from ._runtimes import materialize_device
+
+        device_of = materialize_device(m)
+        made: Dict[int, Any] = {}  # tied weights share one new tensor
+        out = {}
+        for k in meta_keys:
+            t = sd[k]
+            if id(t) not in made:
+                made[id(t)] = _empty_like_meta(t, device_of(t))
+            sd[k] = out[k] = made[id(t)]
+        return out
+
+
+def _empty_like_meta(t, device) -> torch.Tensor:
+    """An uninitialized tensor (DTensor: same mesh/placements/shape) replacing meta ``t``."""
+    from ._layout import is_dtensor
+
+    if is_dtensor(t):
+        from torch.distributed.tensor import DTensor
+
+        local = torch.empty(t._local_tensor.shape, dtype=t.dtype, device=device)
+        return DTensor.from_local(local, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride())
+    return torch.empty(t.shape, dtype=t.dtype, device=device)
 
 
 def _module_tensors(m: torch.nn.Module) -> Dict[str, Any]:
@@ -449,7 +589,7 @@ def _fill_from_saved(container: Any, key: Any, saved: Any, path: str, walker: _L
         rebuild()
         walker.flat.finalizers.insert(0, rebuild)
         return
-    container[key] = decode_value(saved)
+    container[key] = _decoded(saved, path)
 
 
 def _has(c: Any, k: Any) -> bool:
@@ -460,6 +600,164 @@ def _has(c: Any, k: Any) -> bool:
     return False
 
 
-register_adapter(StatefulAdapter(), first=False)
-register_adapter(ModuleAdapter(), first=False)
-_ADAPTERS.sort(key=lambda a: 0 if isinstance(a, ModuleAdapter) else 1)
+# --------------------------------------------------------------------------
+# per-rank state
+
+PER_RANK_MARK = "@rank"
+
+
+class PerRank:
+    """Mark a value as per-rank: every rank saves and restores its own copy.
+
+    Most training state is global (the same on every rank, or one sharded
+    tensor). Some is not: a data loader's position, a sampler's shuffle
+    state, RNG streams. Wrap such a value and each rank's copy is kept
+    separately: its JSON values go to ``manifest.extra["per_rank"][rank]``,
+    its tensors are written by that rank alone under names containing
+    ``@rank<r>`` (``loader.@rank1.buffer``).
+
+    Args:
+        obj: an object with ``state_dict()``/``load_state_dict()``, a dict
+            (filled in place on load), or a tensor.
+        on_resize: what a load does when the checkpoint was saved by a
+            different number of ranks. ``"error"`` (default) raises
+            ``StateMismatchError`` before anything is loaded. ``"skip"`` keeps
+            every rank's live value (an explicit choice, nothing is loaded).
+            A callable ``fn(saved, rank, world) -> state`` gets the list of
+            all saved ranks' states (JSON values decoded, tensors as full CPU
+            tensors) and returns the state for this rank, which goes to
+            ``obj.load_state_dict`` (or into the dict).
+
+    Same world size: rank ``r`` gets what rank ``r`` saved. The saving and
+    loading groups are matched by rank within ``process_group``.
+
+    Example:
+        >>> loader_state = {"epoch": 0, "position": 0}
+        >>> state = {"model": model, "loader": shardckpt.PerRank(loader_state)}  # doctest: +SKIP
+        >>> shardckpt.save(state, url)                                           # doctest: +SKIP
+
+        Resuming 4 ranks' positions on 2 ranks, each taking two old shards::
+
+            def remap(saved, rank, world):
+                mine = saved[rank::world]
+                return {"epoch": mine[0]["epoch"], "position": sum(s["position"] for s in mine)}
+
+            state = {"loader": shardckpt.PerRank(loader_state, on_resize=remap)}
+    """
+
+    def __init__(self, obj: Any, *, on_resize: Any = "error"):
+        if not (on_resize in ("error", "skip") or callable(on_resize)):
+            raise UnsupportedStateError(f"PerRank on_resize must be 'error', 'skip' or a callable, got {on_resize!r}")
+        if isinstance(obj, PerRank):
+            raise UnsupportedStateError("PerRank(PerRank(...)): wrap the value once")
+        self.obj = obj
+        self.on_resize = on_resize
+
+    def __repr__(self) -> str:
+        return f"PerRank({self.obj!r}, on_resize={self.on_resize!r})"
+
+
+def per_rank_prefix(path: str, rank: int) -> str:
+    return f"{path}{SEP}{PER_RANK_MARK}{rank}"
+
+
+class PerRankAdapter(Adapter):
+    """:class:`PerRank` values (and :class:`shardckpt.RNGState`)."""
+
+    def matches(self, obj):
+        return isinstance(obj, PerRank)
+
+    def save(self, obj, path, walker):
+        walker.per_rank_depth += 1
+        try:
+            node = walker.walk(obj.obj, per_rank_prefix(path, walker.rank))
+        finally:
+            walker.per_rank_depth -= 1
+        if path in walker.flat.per_rank:
+            raise UnsupportedStateError(f"{path}: two per-rank entries map to the same name")
+        walker.flat.per_rank[path] = node
+        return Raw({TAG: "per_rank", "world_size": walker.world})
+
+    def load(self, obj, path, saved, walker):
+        from .errors import CorruptCheckpointError
+
+        if saved is _MISSING:
+            walker.missing_values.append(path)
+            return
+        if not (isinstance(saved, dict) and saved.get(TAG) == "per_rank"):
+            raise StateMismatchError(f"{path}: the checkpoint holds a plain value here, the live state a PerRank value")
+        saved_world = walker.saved_world
+        trees = walker.per_rank
+        if not isinstance(trees, list) or len(trees) != saved_world or not all(isinstance(t, dict) for t in trees):
+            raise CorruptCheckpointError(
+                f"{path}: per-rank state is damaged: manifest extra['per_rank'] must list one dict for each of "
+                f"the {saved_world} saving ranks"
+            )
+        lost = [r for r in range(saved_world) if path not in trees[r]]
+        if lost:
+            raise CorruptCheckpointError(f"{path}: per-rank state of rank(s) {lost} is missing from the manifest")
+        # Other ranks' tensors are theirs, not unexpected.
+        walker.flat.skip.extend(per_rank_prefix(path, r) for r in range(saved_world) if r != walker.rank or saved_world != walker.world)
+        if saved_world == walker.world:
+            prefix = per_rank_prefix(path, walker.rank)
+            _load_into(obj.obj, trees[walker.rank][path], prefix, walker)
+            return
+        if obj.on_resize == "error":
+            raise StateMismatchError(
+                f"{path}: per-rank state was saved by {saved_world} ranks but this load runs on {walker.world}; "
+                "one rank's state cannot be split or merged automatically. Load with "
+                f"{saved_world} ranks, or wrap it as PerRank(obj, on_resize=fn) to remap the {saved_world} saved "
+                "states, or on_resize='skip' to keep the live values, or leave "
+                f"{path!r} out of the state you load"
+            )
+        if obj.on_resize == "skip":
+            return
+        holders = []
+        for r in range(saved_world):
+            h: Dict[str, Any] = {}
+            _fill_from_saved(h, "v", trees[r][path], per_rank_prefix(path, r), walker)
+            holders.append(h)
+        fn, rank, world = obj.on_resize, walker.rank, walker.world
+
+        def remap():
+            _apply_state(obj.obj, fn([h["v"] for h in holders], rank, world), path)
+
+        walker.flat.finalizers.append(remap)
+
+
+def _load_into(live: Any, saved: Any, prefix: str, walker: "_LoadWalker") -> None:
+    if isinstance(live, dict):
+        walker.walk(live, saved, prefix, None)
+        return
+    if _is_tensor(live):
+        if _is_ref(saved):
+            walker.target(saved["name"], live)
+        else:
+            walker.missing_values.append(prefix + " (not saved as a tensor)")
+        return
+    adapter = _adapter_for(live)
+    if adapter is None:
+        raise UnsupportedStateError(
+            f"{prefix}: PerRank needs a dict, a tensor or an object with state_dict()/load_state_dict(), "
+            f"got {type(live).__name__}"
+        )
+    adapter.load(live, prefix, saved, walker)
+
+
+def _apply_state(live: Any, new: Any, path: str) -> None:
+    if isinstance(live, dict):
+        if not isinstance(new, dict):
+            raise StateMismatchError(f"{path}: on_resize returned {type(new).__name__}, the live value is a dict")
+        live.clear()
+        live.update(new)
+    elif _is_tensor(live):
+        with torch.no_grad():
+            live.copy_(new)
+    else:
+        live.load_state_dict(new)
+
+
+_ADAPTERS.extend([PerRankAdapter(), ModuleAdapter()])
+from ._optim import OptimizerAdapter  # noqa: E402  (needs the names above)
+
+_ADAPTERS.extend([OptimizerAdapter(), StatefulAdapter()])

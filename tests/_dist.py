@@ -37,6 +37,10 @@ def _worker(rank: int, world: int, port: int, conn) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank)
     )
+    # These are gloo/CPU tests: on a GPU machine, hide the GPUs so that
+    # FSDP2's default mesh stays on CPU instead of wanting one GPU per rank.
+    if os.environ.get("SHARDCKPT_TEST_CUDA") != "1":
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
     import torch
     import torch.distributed as dist
 

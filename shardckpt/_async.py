@@ -1,0 +1,444 @@
+"""async_save: snapshot the state, write it in a background thread.
+
+The call blocks only for planning (the same collective validation as a
+synchronous save) and *staging*: every tensor this rank writes is copied into
+a private host buffer. From then on training may change the live tensors; the
+background thread writes the staged copy and commits, with ``execute_save``
+unchanged.
+
+Staging:
+  * CPU tensors: one ``copy_`` each into a reused buffer of the same
+    shape/dtype (after the first save, no allocation and no page faults).
+  * CUDA tensors: device-to-host copies on a side stream, ordered after the
+    work already queued on the current stream, into pinned host buffers
+    reused across saves. Large buffers are ordinary allocations registered
+    with ``cudaHostRegister`` (torch's pinned allocator rounds every request
+    up to a power of two, which can double the host memory of a big shard).
+    The call returns once the copies are done, so the stall is the copy.
+
+At most one save is in flight per process: a new save (async or through a
+``CheckpointManager``) first waits for the previous one, and if that one
+failed and nobody looked at its error yet (``result()``/``exception()``), the
+new save raises it instead of starting. Errors are never dropped.
+
+Collectives of the background thread run on a dedicated gloo group (created
+collectively on first use, with a timeout), never on the training group the
+main thread keeps using.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from datetime import timedelta
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+
+from ._api import _all_gather, execute_save, prepare_save, stage_save, SavePlan
+from ._format import MANIFEST_NAME
+from ._io import DEFAULT_IO_THREADS
+from .errors import CheckpointError, CheckpointExistsError, SaveFailedError
+
+__all__ = [
+    "async_save",
+    "AsyncSaveHandle",
+    "save_group",
+    "start_async",
+    "wait_pending",
+    "release_buffers",
+    "DEFAULT_COLLECTIVE_TIMEOUT_S",
+]
+
+log = logging.getLogger("shardckpt")
+
+#: Timeout of the collectives on shardckpt's own gloo group. A rank that died
+#: is usually noticed at once (its sockets close); this bounds the wait for
+#: one that hangs. It must exceed the longest write of one rank's shard.
+DEFAULT_COLLECTIVE_TIMEOUT_S = 1800.0
+
+#: CUDA staging buffers at least this big are registered host memory (exact
+#: size); smaller ones come from torch's pinned allocator (power-of-two sizes).
+_REGISTER_MIN_BYTES = 1 << 20
+
+
+# --------------------------------------------------------------------------
+# the dedicated process group
+
+_GROUPS: Dict[Any, Any] = {}
+_GROUPS_LOCK = threading.Lock()
+
+
+def save_group(process_group=None, timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S):
+    """shardckpt's own gloo group over the ranks of ``process_group`` (collective on first use).
+
+    Returns None without an initialized process group, and ``process_group``
+    itself for a group of one rank (no collective ever runs). Groups are cached
+    per (ranks, timeout), so every rank must make its first call for a given
+    group in the same order, like any ``new_group``.
+    """
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    if dist.get_world_size(process_group) <= 1:
+        return process_group
+    world = dist.group.WORLD
+    ranks = tuple(dist.get_process_group_ranks(process_group if process_group is not None else world))
+    key = (id(world), ranks, float(timeout_s))
+    with _GROUPS_LOCK:
+        g = _GROUPS.get(key)
+        if g is None:
+            timeout = timedelta(seconds=float(timeout_s))
+            if ranks == tuple(range(dist.get_world_size())):
+                g = dist.new_group(backend="gloo", timeout=timeout)
+            else:
+                # Only the members call this, so no need for the whole world.
+                g = dist.new_group(ranks=list(ranks), backend="gloo", timeout=timeout, use_local_synchronization=True)
+            _GROUPS[key] = g
+    return g
+
+
+# --------------------------------------------------------------------------
+# staging buffers
+
+
+class _Buf:
+    """A host buffer for one staged tensor; ``registered`` ones must be unregistered."""
+
+    __slots__ = ("tensor", "registered")
+
+    def __init__(self, tensor: torch.Tensor, registered: bool):
+        self.tensor = tensor
+        self.registered = registered
+
+    def release(self) -> None:
+        if self.registered:
+            self.registered = False
+            try:
+                torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
+            except Exception:  # the memory is freed either way; never fail a save on this
+                pass
+        self.tensor = None  # type: ignore[assignment]
+
+
+_Key = Tuple[Tuple[int, ...], torch.dtype, bool]
+
+
+class _Stager:
+    """Copies tensors into private host buffers, reusing them across saves."""
+
+    def __init__(self):
+        self.free: Dict[_Key, List[_Buf]] = {}
+        self.streams: Dict[int, Any] = {}
+
+    def _alloc(self, shape: Tuple[int, ...], dtype: torch.dtype, pinned: bool, reuse: bool) -> _Buf:
+        if not pinned:
+            return _Buf(torch.empty(shape, dtype=dtype), False)
+        nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        if reuse and nbytes >= _REGISTER_MIN_BYTES:
+            t = torch.empty(shape, dtype=dtype)
+            if int(torch.cuda.cudart().cudaHostRegister(t.data_ptr(), nbytes, 0)) == 0:
+                return _Buf(t, True)
+            log.debug("cudaHostRegister of %d bytes failed; using torch's pinned allocator", nbytes)
+        return _Buf(torch.empty(shape, dtype=dtype, pin_memory=True), False)
+
+    def _stream(self, device: torch.device):
+        idx = device.index if device.index is not None else torch.cuda.current_device()
+        s = self.streams.get(idx)
+        if s is None:
+            s = self.streams[idx] = torch.cuda.Stream(device=idx)
+        return s
+
+    def stage(self, tensors: List[torch.Tensor], *, reuse: bool = True) -> List[torch.Tensor]:
+        free = self.free if reuse else {}
+        if not reuse:
+            self.release()
+        used: Dict[_Key, List[_Buf]] = {}
+        out: List[torch.Tensor] = []
+        cuda: Dict[int, List[Tuple[torch.Tensor, torch.Tensor]]] = {}
+        host: List[Tuple[torch.Tensor, torch.Tensor]] = []
+        try:
+            for t in tensors:
+                t = t.detach()
+                pinned = t.is_cuda
+                key = (tuple(t.shape), t.dtype, pinned)
+                bucket = free.get(key)
+                buf = bucket.pop() if bucket else self._alloc(key[0], t.dtype, pinned, reuse)
+                used.setdefault(key, []).append(buf)
+                out.append(buf.tensor)
+                if pinned:
+                    cuda.setdefault(t.device.index or 0, []).append((buf.tensor, t))
+                else:
+                    host.append((buf.tensor, t))
+            with torch.no_grad():
+                streams = []
+                # Launch the device-to-host copies first so the DMA runs while
+                # the host copies below keep the CPU busy.
+                for idx, pairs in cuda.items():
+                    dev = torch.device("cuda", idx)
+                    s = self._stream(dev)
+                    # Order after the work already queued (e.g. an optimizer
+                    # step) on the stream training uses.
+                    s.wait_stream(torch.cuda.current_stream(dev))
+                    with torch.cuda.stream(s):
+                        for dst, src in pairs:
+                            dst.copy_(src, non_blocking=True)
+                    streams.append(s)
+                for dst, src in host:
+                    dst.copy_(src)
+                for s in streams:
+                    s.synchronize()
+        finally:
+            # Buffers not used by this save go; the used ones are reused next
+            # time (the next staging waits for this save to finish first).
+            for bucket in free.values():
+                for b in bucket:
+                    b.release()
+            if reuse:
+                self.free = used
+        return out
+
+    def release(self) -> None:
+        for bucket in self.free.values():
+            for b in bucket:
+                b.release()
+        self.free = {}
+
+
+_STAGER = _Stager()
+
+
+# --------------------------------------------------------------------------
+# handles and the one save in flight
+
+
+class AsyncSaveHandle:
+    """A save running in the background: ``result()`` waits and raises its error.
+
+    Attributes:
+        url: where the checkpoint is being written.
+        staging_seconds: how long ``async_save`` blocked (planning + staging).
+    """
+
+    def __init__(self, url: str, staging_seconds: float):
+        self.url = url
+        self.staging_seconds = staging_seconds
+        self._event = threading.Event()
+        self._error: Optional[BaseException] = None
+        self._observed = False
+        self._thread: Optional[threading.Thread] = None
+
+    def __repr__(self) -> str:
+        state = "running" if not self.done() else ("failed" if self._error else "done")
+        return f"AsyncSaveHandle({self.url!r}, {state})"
+
+    def done(self) -> bool:
+        """True once the save committed or failed."""
+        return self._event.is_set()
+
+    def result(self, timeout: Optional[float] = None) -> None:
+        """Wait for the save; raise its error if it failed.
+
+        Raises:
+            TimeoutError: not finished within ``timeout`` seconds (the save goes on).
+            SaveFailedError / CheckpointExistsError / ...: the save failed; nothing
+                was committed by it.
+        """
+        if not self._event.wait(timeout):
+            raise TimeoutError(f"async save to {self.url} still running after {timeout}s")
+        if self._error is not None:
+            self._observed = True
+            raise self._error
+
+    def exception(self, timeout: Optional[float] = None) -> Optional[BaseException]:
+        """Wait for the save and return its error (None if it committed)."""
+        if not self._event.wait(timeout):
+            raise TimeoutError(f"async save to {self.url} still running after {timeout}s")
+        self._observed = True
+        return self._error
+
+    def _finish(self, error: Optional[BaseException]) -> None:
+        self._error = error
+        self._event.set()
+
+
+_INFLIGHT: Optional[AsyncSaveHandle] = None
+_INFLIGHT_LOCK = threading.Lock()
+
+
+def wait_pending(*, raise_unobserved: bool = True) -> None:
+    """Wait for the save in flight in this process, if any.
+
+    If it failed and its error was not looked at yet, raise it now (once)
+    wrapped in ``SaveFailedError`` naming the failed URL.
+    """
+    global _INFLIGHT
+    with _INFLIGHT_LOCK:
+        h = _INFLIGHT
+    if h is None:
+        return
+    h._event.wait()
+    if h._thread is not None:
+        h._thread.join()
+    with _INFLIGHT_LOCK:
+        if _INFLIGHT is h:
+            _INFLIGHT = None
+    if raise_unobserved and h._error is not None and not h._observed:
+        h._observed = True
+        raise SaveFailedError(f"the previous async save to {h.url} failed, so this call did not proceed: {h._error}") from h._error
+
+
+def release_buffers() -> None:
+    """Free the staging buffers kept for reuse (waits for the save in flight first)."""
+    wait_pending(raise_unobserved=False)
+    _STAGER.release()
+
+
+def _run(handle: AsyncSaveHandle, plan: SavePlan, before, after) -> None:
+    err: Optional[BaseException] = None
+    try:
+        if before is not None and plan.rank == 0:
+            before()
+        execute_save(plan)
+    except CheckpointError as e:
+        err = e
+    except BaseException as e:  # noqa: BLE001 - everything reaches result()
+        err = SaveFailedError(f"async save to {plan.storage.url} failed: {type(e).__name__}: {e}")
+        err.__cause__ = e
+    # Drop the staged tensors' references held by the plan; reusable buffers
+    # stay in the stager's pool.
+    plan.items = []
+    if err is None and after is not None:
+        try:
+            after()
+        except Exception as e:  # the save is committed; housekeeping failures only warn
+            log.warning("shardckpt: after committing %s: %s: %s", plan.storage.url, type(e).__name__, e)
+    handle._finish(err)
+
+
+def start_async(
+    plan: SavePlan,
+    *,
+    precheck: Optional[Callable[[], Optional[str]]] = None,
+    before: Optional[Callable[[], None]] = None,
+    after: Optional[Callable[[], None]] = None,
+    reuse_buffers: bool = True,
+    t0: Optional[float] = None,
+) -> AsyncSaveHandle:
+    """Stage ``plan``'s tensors and execute it in a background thread (collective).
+
+    ``precheck`` (rank 0) returns a message when the target already holds a
+    committed checkpoint that may not be replaced. ``before`` runs on rank 0
+    in the background before any rank writes; ``after`` runs on every rank
+    once the save committed. Every rank learns whether staging (or the
+    precheck) failed anywhere before any background work starts.
+    """
+    global _INFLIGHT
+    t0 = time.perf_counter() if t0 is None else t0
+    group = plan.process_group
+    local: Optional[BaseException] = None
+    verdict = None
+    try:
+        if plan.rank == 0 and precheck is not None:
+            msg = precheck()
+            if msg:
+                verdict = ("exists", msg)
+        if verdict is None:
+            stage_save(plan, lambda ts: _STAGER.stage(ts, reuse=reuse_buffers))
+    except Exception as e:  # re-raised below, after the peers know
+        local = e
+        verdict = ("error", f"rank {plan.rank}: staging failed: {type(e).__name__}: {e}")
+    verdicts = _all_gather(verdict, group)
+    if local is not None:
+        raise local
+    exists = [v[1] for v in verdicts if v and v[0] == "exists"]
+    if exists:
+        raise CheckpointExistsError(exists[0])
+    failed = [v[1] for v in verdicts if v]
+    if failed:
+        raise SaveFailedError(f"async save to {plan.storage.url} aborted before writing: " + "; ".join(failed))
+    handle = AsyncSaveHandle(plan.storage.url, time.perf_counter() - t0)
+    # Non-daemon: a script that ends without wait() still finishes its save.
+    th = threading.Thread(target=_run, args=(handle, plan, before, after), name="shardckpt-async-save", daemon=False)
+    handle._thread = th
+    with _INFLIGHT_LOCK:
+        _INFLIGHT = handle
+    th.start()
+    return handle
+
+
+def async_save(
+    state: Dict[str, Any],
+    url: str,
+    *,
+    storage_options: Optional[Dict[str, Any]] = None,
+    process_group=None,
+    overwrite: bool = False,
+    io_threads: int = DEFAULT_IO_THREADS,
+    reuse_buffers: bool = True,
+    timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S,
+) -> AsyncSaveHandle:
+    """Save ``state`` to ``url`` in the background; return once it is staged.
+
+    Collective when a process group is initialized (every rank calls it).
+    Blocks for planning and for copying this rank's tensors into private host
+    buffers — pinned and reused for CUDA tensors, copied on a side stream —
+    then writes and commits in a background thread exactly as :func:`save`
+    does. Changes to the state after the call returns do not reach this
+    checkpoint.
+
+    Only one save is in flight per process: the call first waits for the
+    previous one, and raises its error if nobody has seen it yet.
+
+    Args:
+        state: as for :func:`shardckpt.save`.
+        url: local directory or fsspec URL.
+        storage_options: passed to fsspec.
+        process_group: ranks that save (default: the world). The background
+            thread uses shardckpt's own gloo group over the same ranks,
+            created collectively on the first call.
+        overwrite: replace a committed checkpoint at ``url``.
+        io_threads: parallel writers per rank.
+        reuse_buffers: keep the staging buffers for the next save (one host
+            copy of this rank's shard stays allocated; ``release_buffers()``
+            frees it). False allocates fresh buffers each time.
+        timeout_s: timeout of the collectives of this save.
+
+    Returns:
+        AsyncSaveHandle: ``result(timeout=None)`` waits and raises the save's
+        error; ``done()``; ``exception()``.
+
+    Raises:
+        CheckpointExistsError: ``url`` holds a committed checkpoint and
+            ``overwrite`` is False (checked before staging returns).
+        SaveFailedError: the previous async save failed (unseen error), or
+            staging failed on some rank.
+        UnsupportedStateError: a value in ``state`` cannot be saved.
+
+    Memory: one host copy of the tensors this rank writes, while the save
+    runs (and kept for reuse unless ``reuse_buffers=False``).
+
+    Example:
+        >>> import torch, shardckpt, tempfile
+        >>> d = tempfile.mkdtemp()
+        >>> w = torch.ones(3)
+        >>> h = shardckpt.async_save({"w": w}, d)
+        >>> w.add_(1)   # training goes on; the checkpoint holds ones
+        tensor([2., 2., 2.])
+        >>> h.result()
+    """
+    t0 = time.perf_counter()
+    wait_pending()
+    group = save_group(process_group, timeout_s)
+    plan = prepare_save(
+        state, url, storage_options=storage_options, process_group=group, overwrite=overwrite, io_threads=io_threads
+    )
+
+    def precheck() -> Optional[str]:
+        if not overwrite and plan.storage.exists(MANIFEST_NAME):
+            return f"{plan.storage.url_of(MANIFEST_NAME)} already exists; pass overwrite=True to replace it"
+        return None
+
+    return start_async(plan, precheck=precheck, reuse_buffers=reuse_buffers, t0=t0)

@@ -1,0 +1,468 @@
+"""CheckpointManager: numbered checkpoints under one root, crash-safe, with retention.
+
+Layout: ``<root>/step-00001000/`` holds one ordinary shardckpt checkpoint per
+step (8 digits, zero padded, so names sort; bigger steps simply get more
+digits). A step is *committed* once its ``manifest.json`` exists — the engine
+writes it last, after every rank's data is durable, on local disk and object
+stores alike (no rename needed). Everything else under a step directory
+without a manifest is a leftover of a save that did not finish: ``restore``
+ignores it and the next successful save removes it.
+
+Retention runs on rank 0 after a new step commits: it keeps the newest
+``keep_last`` committed steps, every step divisible by ``keep_every``, and the
+step just saved; it deletes the others, manifest first (so a crash in the
+middle leaves an uncommitted leftover, never a committed step with missing
+files).
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+import re
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Dict, Iterable, List, Optional, Set, Tuple
+
+from ._api import DATA_DIR, _broadcast, execute_save, load, prepare_save, read_manifest
+from ._async import DEFAULT_COLLECTIVE_TIMEOUT_S, AsyncSaveHandle, save_group, start_async, wait_pending
+from ._format import HF_INDEX_NAME, MANIFEST_NAME
+from ._io import DEFAULT_IO_THREADS, check_files
+from ._layout import dist_info
+from ._storage import Storage
+from . import errors as _errors
+from .errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, SaveFailedError
+
+__all__ = ["CheckpointManager", "step_dir_name", "parse_step_dir", "steps_to_delete"]
+
+log = logging.getLogger("shardckpt")
+
+STEP_PREFIX = "step-"
+STEP_DIGITS = 8
+_STEP_RE = re.compile(r"^step-(\d+)$")
+
+
+def step_dir_name(step: int) -> str:
+    """``step-00001000`` for step 1000 (sortable; more digits past 99,999,999)."""
+    return f"{STEP_PREFIX}{step:0{STEP_DIGITS}d}"
+
+
+def parse_step_dir(name: str) -> Optional[int]:
+    """The step of a directory name made by :func:`step_dir_name`, else None."""
+    m = _STEP_RE.match(name.rstrip("/"))
+    return int(m.group(1)) if m else None
+
+
+def steps_to_delete(committed: Iterable[int], *, keep_last: Optional[int], keep_every: Optional[int], protect: Iterable[int] = ()) -> List[int]:
+    """Committed steps retention removes: all but the newest ``keep_last``,
+    multiples of ``keep_every`` and ``protect``. ``keep_last=None`` keeps all."""
+    steps = sorted(set(committed))
+    if keep_last is None or not steps:
+        return []
+    keep: Set[int] = set(steps[-keep_last:]) | set(protect)
+    if keep_every:
+        keep |= {s for s in steps if s % keep_every == 0}
+    return [s for s in steps if s not in keep]
+
+
+def _check_step(step: Any) -> int:
+    try:
+        value = operator.index(step)  # ints, numpy ints, 0-d int tensors
+    except TypeError:
+        value = -1
+    if isinstance(step, bool) or value < 0:
+        raise ValueError(f"step must be a non-negative int, got {step!r}")
+    return value
+
+
+def _positive(name: str, v: Any, *, allow_none: bool = True) -> Optional[int]:
+    if v is None and allow_none:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ValueError(f"{name} must be a positive int{' or None' if allow_none else ''}, got {v!r}")
+    return v
+
+
+class CheckpointManager:
+    """Numbered, crash-safe checkpoints under ``root_url``, with retention and async saves.
+
+    Every rank creates the manager with the same arguments and calls
+    :meth:`save` and :meth:`restore` together (they are collective when a
+    process group exists). Collectives run on shardckpt's own gloo group over
+    ``process_group`` with ``collective_timeout_s``: a dead or stuck rank makes
+    the others raise, never hang.
+
+    Args:
+        root_url: directory or fsspec URL under which ``step-XXXXXXXX/``
+            checkpoints live. One manager (one training job) per root.
+        keep_last: committed steps to keep (the newest ones); None keeps all.
+        keep_every: also keep every step divisible by this (milestones).
+        save_interval: :meth:`should_save` is true every this many steps.
+        storage_options: passed to fsspec.
+        async_save: :meth:`save` returns once the state is staged in host
+            memory and writes in the background (see :func:`shardckpt.async_save`).
+        process_group: ranks that save and restore (default: the world).
+        io_threads: parallel readers/writers per rank.
+        collective_timeout_s: timeout of every collective the manager runs.
+        reuse_buffers: (async) keep staging buffers between saves.
+        check_files: before restoring a step, check every data file it lists
+            exists with its recorded size (one stat per file; checksums are
+            always verified while reading).
+
+    Raises:
+        ValueError: ``keep_last``, ``keep_every`` or ``save_interval`` not a
+            positive int.
+
+    Example:
+        >>> import torch, shardckpt, tempfile
+        >>> model = torch.nn.Linear(2, 2)
+        >>> with shardckpt.CheckpointManager(tempfile.mkdtemp(), keep_last=2) as mgr:
+        ...     for step in range(1, 6):
+        ...         mgr.save(step, {"model": model, "step": step})
+        ...     mgr.steps()
+        [4, 5]
+        >>> shardckpt.CheckpointManager(mgr.root_url).restore({"model": model, "step": 0})
+        5
+
+    Limits: steps are ordered by number. After resuming from an older step,
+    newer steps of the abandoned run stay (and win :meth:`restore`) until
+    deleted with :meth:`delete` or overwritten with ``save(..., force=True)``.
+    """
+
+    def __init__(
+        self,
+        root_url: str,
+        *,
+        keep_last: Optional[int] = None,
+        keep_every: Optional[int] = None,
+        save_interval: int = 1,
+        storage_options: Optional[Dict[str, Any]] = None,
+        async_save: bool = False,
+        process_group=None,
+        io_threads: int = DEFAULT_IO_THREADS,
+        collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S,
+        reuse_buffers: bool = True,
+        check_files: bool = True,
+    ):
+        self.keep_last = _positive("keep_last", keep_last)
+        self.keep_every = _positive("keep_every", keep_every)
+        self.save_interval = _positive("save_interval", save_interval, allow_none=False)
+        if not (isinstance(collective_timeout_s, (int, float)) and collective_timeout_s > 0):
+            raise ValueError(f"collective_timeout_s must be a positive number, got {collective_timeout_s!r}")
+        self.root = Storage(root_url, storage_options=storage_options)
+        self.root_url = self.root.url
+        self.storage_options = dict(storage_options or {})
+        self.async_save = bool(async_save)
+        self.process_group = process_group
+        self.io_threads = io_threads
+        self.collective_timeout_s = float(collective_timeout_s)
+        self.reuse_buffers = reuse_buffers
+        self.check_files = check_files
+        self._handle: Optional[AsyncSaveHandle] = None
+        self._closed = False
+
+    def __repr__(self) -> str:
+        return f"CheckpointManager({self.root_url!r}, keep_last={self.keep_last}, keep_every={self.keep_every}, async_save={self.async_save})"
+
+    # -- names ----------------------------------------------------------------
+
+    def step_url(self, step: int) -> str:
+        """URL of a step's checkpoint (usable with ``shardckpt.load``/``inspect``/``verify``)."""
+        return self.root.url_of(step_dir_name(_check_step(step)))
+
+    def _rank(self) -> int:
+        return dist_info(self.process_group)[0]
+
+    def _group(self):
+        return save_group(self.process_group, self.collective_timeout_s)
+
+    # -- listing ----------------------------------------------------------------
+
+    def _scan(self) -> Tuple[List[int], List[Tuple[int, str]]]:
+        """``(committed steps, [(step, dir name) without a manifest])``, both sorted."""
+        if self.root.fs is not None and hasattr(self.root.fs, "invalidate_cache"):
+            # Listing caches (s3fs, gcsfs) would hide steps committed since.
+            self.root.fs.invalidate_cache(self.root.root)
+        found = sorted((s, name) for name in self.root.listdir("") for s in [parse_step_dir(name)] if s is not None)
+        if not found:
+            return [], []
+
+        def committed(item):
+            return self.root.exists(f"{item[1]}/{MANIFEST_NAME}")
+
+        if self.root.is_local or len(found) <= 2:
+            flags = [committed(it) for it in found]
+        else:
+            with ThreadPoolExecutor(max_workers=min(16, len(found))) as ex:
+                flags = list(ex.map(committed, found))
+        done = [s for (s, _), ok in zip(found, flags) if ok]
+        partial = [it for it, ok in zip(found, flags) if not ok]
+        return sorted(set(done)), partial
+
+    def steps(self) -> List[int]:
+        """Committed steps, oldest first (a step whose ``manifest.json`` exists).
+
+        Not collective. A save still running in the background is not listed
+        until it commits (call :meth:`wait` first to include it).
+        """
+        return self._scan()[0]
+
+    def latest_step(self) -> Optional[int]:
+        """The newest committed step, or None."""
+        s = self.steps()
+        return s[-1] if s else None
+
+    def should_save(self, step: int) -> bool:
+        """True when ``step`` is a multiple of ``save_interval``."""
+        return _check_step(step) % self.save_interval == 0
+
+    # -- save -------------------------------------------------------------------
+
+    def save(self, step: int, state: Dict[str, Any], *, force: bool = False) -> Optional[AsyncSaveHandle]:
+        """Save ``state`` as step ``step``; commit, then apply retention (collective).
+
+        With ``async_save=True`` it returns once the state is staged and the
+        rest runs in the background; errors come from the returned handle's
+        ``result()``, :meth:`wait`, or the next :meth:`save`.
+
+        Leftovers of an unfinished save of the same step are removed first;
+        those of other steps after this one commits.
+
+        Args:
+            step: non-negative int.
+            state: as for :func:`shardckpt.save`.
+            force: replace a committed checkpoint of the same step; the old
+                one stays loadable until the new one commits.
+
+        Returns:
+            The ``AsyncSaveHandle`` with ``async_save=True``, else None.
+
+        Raises:
+            CheckpointExistsError: ``step`` is committed and ``force`` is False.
+            SaveFailedError: a rank failed or died; this step was not committed
+                (or a previous async save failed and its error was unseen).
+            UnsupportedStateError: a value in ``state`` cannot be saved.
+        """
+        self._check_open()
+        step = _check_step(step)
+        t0 = time.perf_counter()
+        wait_pending()
+        url = self.step_url(step)
+        group = self._group()
+        try:
+            plan = prepare_save(
+                state,
+                url,
+                storage_options=self.storage_options or None,
+                process_group=group,
+                overwrite=force,
+                io_threads=self.io_threads,
+            )
+        except CheckpointError:
+            raise
+        except Exception as e:
+            raise SaveFailedError(f"save of step {step} to {url} failed: {type(e).__name__}: {e}") from e
+        plan.extra["step"] = step
+        name = step_dir_name(step)
+
+        def before() -> None:
+            # Rank 0, before any rank writes (the others wait for its go).
+            if not self.root.exists(f"{name}/{MANIFEST_NAME}"):
+                self._remove_dir(name)
+
+        def after() -> None:
+            if plan.rank == 0:
+                self._housekeeping(step)
+
+        if self.async_save:
+            def precheck() -> Optional[str]:
+                if not force and self.root.exists(f"{name}/{MANIFEST_NAME}"):
+                    return f"step {step} is already committed at {url}; pass force=True to replace it"
+                return None
+
+            try:
+                self._handle = start_async(plan, precheck=precheck, before=before, after=after, reuse_buffers=self.reuse_buffers, t0=t0)
+            except CheckpointError:
+                raise
+            except Exception as e:
+                raise SaveFailedError(f"save of step {step} to {url} failed: {type(e).__name__}: {e}") from e
+            return self._handle
+        try:
+            if plan.rank == 0:
+                before()
+            execute_save(plan)
+        except CheckpointError:
+            raise
+        except Exception as e:
+            raise SaveFailedError(
+                f"save of step {step} to {url} failed on rank {plan.rank}: {type(e).__name__}: {e}. "
+                "restore() only ever picks committed steps."
+            ) from e
+        try:
+            after()
+        except Exception as e:  # committed; housekeeping trouble must not fail training
+            log.warning("shardckpt: after committing step %d: %s: %s", step, type(e).__name__, e)
+        return None
+
+    def _housekeeping(self, saved: int) -> None:
+        committed, partial = self._scan()
+        for s, name in partial:
+            log.info("shardckpt: removing leftovers of an unfinished save: %s", self.root.url_of(name))
+            self._remove_dir(name)
+        for s in steps_to_delete(committed, keep_last=self.keep_last, keep_every=self.keep_every, protect=[saved]):
+            log.info("shardckpt: retention removes step %d", s)
+            self._remove_step(s)
+
+    def _remove_step(self, step: int) -> None:
+        name = step_dir_name(step)
+        # Uncommit first: if we die half way, what remains is a leftover that
+        # restore skips, never a committed step with missing files.
+        self.root.remove(f"{name}/{MANIFEST_NAME}")
+        self._remove_dir(name)
+
+    def _remove_dir(self, name: str) -> None:
+        self.root.remove_tree(name)
+
+    # -- restore ----------------------------------------------------------------
+
+    def _validate(self, step: int) -> None:
+        st = self.root.child(step_dir_name(step))
+        m = read_manifest(st)
+        if self.check_files:
+            check_files(st, {rel: f.size for rel, f in m.files.items()})
+
+    def _choose(self, step: Optional[int]) -> Tuple[str, Any]:
+        try:
+            if step is not None:
+                self._validate(step)
+                return ("ok", step)
+            for s in reversed(self.steps()):
+                try:
+                    self._validate(s)
+                    return ("ok", s)
+                except (CheckpointNotFoundError, CorruptCheckpointError) as e:
+                    log.warning("shardckpt: skipping step %d, it cannot be restored: %s", s, e)
+            return ("none", None)
+        except CheckpointError as e:
+            return ("error", (type(e).__name__, str(e)))
+        except Exception as e:
+            return ("error", ("StorageError", f"cannot list or read {self.root_url}: {type(e).__name__}: {e}"))
+
+    def restore(self, state: Dict[str, Any], step: Optional[int] = None, **load_kw: Any) -> Optional[int]:
+        """Load the newest restorable step (or ``step``) into ``state`` in place (collective).
+
+        Waits for a save in flight first. Newest first, a step is skipped (with
+        a warning) when its manifest is missing or invalid or, with
+        ``check_files``, one of its files is missing or has the wrong size;
+        rank 0 picks and every rank loads the same step. Checksums are
+        verified while reading: a damaged chunk raises instead of silently
+        falling back.
+
+        Args:
+            state: live state, as for :func:`shardckpt.load`.
+            step: restore exactly this step instead of the newest.
+            **load_kw: passed to :func:`shardckpt.load` (``strict=False``...).
+
+        Returns:
+            The restored step, or None when nothing is committed (``state``
+            untouched).
+
+        Raises:
+            CheckpointNotFoundError: ``step`` was given and is not committed.
+            CorruptCheckpointError / StateMismatchError: as :func:`shardckpt.load`.
+        """
+        self._check_open()
+        s = None if step is None else _check_step(step)
+        if "process_group" in load_kw:
+            raise TypeError("restore() takes the manager's process_group; do not pass process_group")
+        # A failed background save stays pending for the next save()/wait():
+        # it must not stand in the way of recovering.
+        wait_pending(raise_unobserved=False)
+        group = self._group()
+        choice = self._choose(s) if dist_info(group)[0] == 0 else None
+        choice = _broadcast(choice, group)
+        kind, value = choice
+        if kind == "none":
+            return None
+        if kind == "error":
+            cls_name, msg = value
+            cls = getattr(_errors, cls_name, None)
+            raise (cls if isinstance(cls, type) and issubclass(cls, CheckpointError) else CheckpointError)(msg)
+        load_kw.setdefault("io_threads", self.io_threads)
+        load(state, self.step_url(value), storage_options=self.storage_options or None, process_group=group, **load_kw)
+        return value
+
+    # -- lifecycle ----------------------------------------------------------------
+
+    def wait(self) -> None:
+        """Finish the save in flight; raise its error if nobody has seen it.
+
+        Raises:
+            SaveFailedError: the background save failed.
+        """
+        wait_pending()
+
+    def cleanup(self) -> List[str]:
+        """Remove leftovers of unfinished saves; returns what was removed (rank 0).
+
+        Removes step directories without a manifest, and inside committed steps
+        any file the manifest does not list (data of a crashed ``force`` save,
+        temporary manifest files). Waits for a save in flight first. Only rank
+        0 deletes; on other ranks this is a no-op returning ``[]``.
+        """
+        self._check_open()
+        wait_pending(raise_unobserved=False)
+        if self._rank() != 0:
+            return []
+        removed = []
+        committed, partial = self._scan()
+        for _, name in partial:
+            self._remove_dir(name)
+            removed.append(name)
+        for s in committed:
+            name = step_dir_name(s)
+            st = self.root.child(name)
+            try:
+                m = read_manifest(st)
+            except CheckpointError as e:
+                log.warning("shardckpt: cleanup leaves step %d alone, its manifest is unreadable: %s", s, e)
+                continue
+            keep = set(m.files) | {MANIFEST_NAME, HF_INDEX_NAME}
+            for rel in st.walk_files(""):
+                stale_tmp = rel.rsplit("/", 1)[-1].startswith(".") and rel.endswith(".tmp")
+                orphan = rel.startswith(DATA_DIR + "/") and rel.endswith(".safetensors") and rel not in keep
+                if stale_tmp or orphan:
+                    st.remove(rel)
+                    removed.append(f"{name}/{rel}")
+        return sorted(removed)
+
+    def delete(self, step: int) -> None:
+        """Delete a step (manifest first, then its files). Rank 0 only; others no-op."""
+        self._check_open()
+        step = _check_step(step)
+        wait_pending(raise_unobserved=False)
+        if self._rank() == 0:
+            self._remove_step(step)
+
+    def close(self) -> None:
+        """Wait for the save in flight (raising its unseen error); further calls raise."""
+        if self._closed:
+            return
+        self._closed = True
+        wait_pending()
+
+    def __enter__(self) -> "CheckpointManager":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        try:
+            self.close()
+        except Exception as e:  # keep the original exception; log the second
+            log.error("shardckpt: while closing after %s: %s: %s", exc_type.__name__, type(e).__name__, e)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise _errors.CheckpointError(f"{self!r} is closed")
