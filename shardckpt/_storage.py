@@ -246,7 +246,7 @@ class Storage:
             path = self.path(rel)
             os.makedirs(os.path.dirname(path), exist_ok=True)
             return _LocalWriter(path)
-        return _RemoteWriter(self.fs.open(self.path(rel), "wb"), self.url_of(rel))
+        return _RemoteWriter(self.fs.open(self.path(rel), "wb"), self.url_of(rel), lambda: self.remove(rel))
 
     def write_atomic(self, rel: str, data: bytes) -> None:
         """Publish ``data`` at ``rel`` all at once: readers see the old state or all of it.
@@ -357,9 +357,10 @@ class _LocalWriter(_Writer):
 
 
 class _RemoteWriter(_Writer):
-    def __init__(self, f, url: str):
+    def __init__(self, f, url: str, remove=None):
         self.f = f
         self.url = url
+        self.remove = remove
 
     def write(self, data) -> None:
         self.f.write(memoryview(data).cast("B"))
@@ -372,7 +373,11 @@ class _RemoteWriter(_Writer):
             if hasattr(self.f, "discard"):
                 self.f.discard()
             else:
+                # No way to drop an unfinished upload here (e.g. memory://):
+                # closing publishes the partial file, so delete it after.
                 self.f.close()
+                if self.remove is not None:
+                    self.remove()
         except Exception:
             pass
 
