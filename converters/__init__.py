@@ -1,7 +1,38 @@
 """Format converters, importable as ``shardckpt.converters``.
 
-Filled in by the converters issue: to_safetensors, to_full, reshard,
-from_safetensors, from_dcp, from_torch_save.
+Every conversion streams (peak memory: a few 16 MiB blocks, never the whole
+model), reads and writes with several threads, works between any local
+paths and fsspec URLs (``storage_options`` for the source,
+``dst_storage_options`` for the destination), verifies source checksums on
+the way, and publishes its output atomically: native checkpoints are
+committed by ``manifest.json`` written last; safetensors/full outputs on
+local disk are built under a hidden name and renamed into place.
+
+    >>> from shardckpt import converters                                  # doctest: +SKIP
+    >>> converters.to_safetensors("run/step-1000", "hf/", dtype="bf16")   # HF layout + index
+    >>> converters.to_full("run/step-1000", "full.pt")                    # one unsharded file
+    >>> converters.reshard("run/step-1000", "run/w8", world_size=8)       # offline, no GPUs
+    >>> converters.from_safetensors("Llama-3-8B/", "native/")             # HF -> native
+    >>> converters.from_dcp("dcp_ckpt/", "native/")                       # DCP -> native, no pickle runs
+    >>> converters.from_torch_save("model.pt", "native/")                 # weights_only, streamed
+
+Each returns a :class:`ConvertResult` (url, files, tensors, nbytes, seconds).
 """
 
-__all__: list = []
+from ._common import ConvertResult, parse_size
+from ._dcp import from_dcp
+from ._full import to_full
+from ._reshard import reshard
+from ._safetensors import from_safetensors, to_safetensors
+from ._torch_save import from_torch_save
+
+__all__ = [
+    "to_safetensors",
+    "to_full",
+    "reshard",
+    "from_safetensors",
+    "from_dcp",
+    "from_torch_save",
+    "ConvertResult",
+    "parse_size",
+]

@@ -407,7 +407,9 @@ def _write_hf_index(storage: Storage, m: Manifest) -> None:
     if not m.tensors or any(len(t.chunks) != 1 or t.chunks[0].key != name for name, t in m.tensors.items()):
         return
     index = {
-        "metadata": {"total_size": m.total_bytes, "format": "pt"},
+        # save_id marks the index as part of a native save: without the
+        # manifest (written right after) readers must not take it as HF.
+        "metadata": {"total_size": m.total_bytes, "format": "pt", "shardckpt_save_id": m.save_id},
         "weight_map": {name: t.chunks[0].file for name, t in sorted(m.tensors.items())},
     }
     import json
@@ -424,6 +426,27 @@ def _remove_stale(storage: Storage, save_id: str) -> None:
                 storage.remove(f"{DATA_DIR}/{name}")
             except Exception:
                 pass
+    # A sharded save over a whole one leaves the old HF index naming files
+    # just removed: drop it rather than leave a broken HF directory.
+    try:
+        import json
+
+        from ._format import check_relpath
+
+        index = json.loads(storage.read_bytes(HF_INDEX_NAME, limit=MAX_MANIFEST_BYTES))
+        named = set(index.get("weight_map", {}).values()) if isinstance(index, dict) else set()
+        for rel in named:
+            check_relpath(rel, where=HF_INDEX_NAME)
+        dangling = any(not storage.exists(rel) for rel in named)
+    except FileNotFoundError:
+        return
+    except Exception:
+        dangling = True
+    if dangling:
+        try:
+            storage.remove(HF_INDEX_NAME)
+        except Exception:
+            pass
 
 
 # --------------------------------------------------------------------------
@@ -431,10 +454,20 @@ def _remove_stale(storage: Storage, save_id: str) -> None:
 
 
 def read_manifest(storage: Storage) -> Manifest:
-    """Read and validate ``manifest.json``; raise if the checkpoint is not committed."""
+    """Read and validate ``manifest.json``; raise if the checkpoint is not committed.
+
+    Without a manifest, safetensors files there (a Hugging Face directory or
+    one ``.safetensors`` file) are read as a checkpoint of whole tensors
+    without checksums (``_hf.hf_manifest``).
+    """
     try:
         data = storage.read_bytes(MANIFEST_NAME, limit=MAX_MANIFEST_BYTES)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
+        from ._hf import hf_manifest
+
+        hf = hf_manifest(storage)
+        if hf is not None:
+            return hf
         raise CheckpointNotFoundError(
             f"no committed checkpoint at {storage.url}: {MANIFEST_NAME} is missing "
             "(the save never finished, or this is not a shardckpt checkpoint)"
@@ -462,11 +495,14 @@ def load(
     strict: bool = True,
     process_group=None,
     io_threads: int = DEFAULT_IO_THREADS,
+    keys: Optional[Sequence[str]] = None,
+    key_map: Any = None,
 ) -> LoadResult:
     """Load a checkpoint into ``state`` in place, resharding to the live layout.
 
     Works at any world size and mesh, and in a single process with no process
-    group. Each rank reads only the saved chunks that overlap what it holds.
+    group. Collective when a process group is initialized: every rank of
+    ``process_group`` calls it (ranks agree before any tensor changes). Each rank reads only the saved chunks that overlap what it holds.
     Tensors are filled with ``copy_`` into their existing storage (for a
     DTensor, its local tensor), so Parameters, their dtype, device and object
     identity are kept — FSDP2's all-gather buffers see the new values. Plain
@@ -487,6 +523,21 @@ def load(
             reported in the result instead of raising.
         process_group: group the load runs over (default: the world).
         io_threads: parallel readers per rank.
+        keys: only these checkpoint tensors (names or glob patterns, matched
+            against checkpoint names); a pattern matching nothing raises.
+            Usually with ``strict=False``.
+        key_map: checkpoint name -> state name: a dict (unlisted names kept)
+            or a callable (``None`` drops a tensor), e.g. to load Hugging Face
+            names into a differently named model.
+
+    ``url`` may also be a Hugging Face safetensors directory (with or without
+    ``model.safetensors.index.json``) or one ``.safetensors`` file: its bare
+    model keys go under the state's ``"model"`` entry (or its only entry),
+    unless ``key_map`` says otherwise, and each rank reads only the rows of
+    each tensor it holds (ranged reads). Safetensors files carry no
+    checksums, so those bytes are checked for size and bounds only.
+
+        >>> shardckpt.load({"model": fsdp_model}, "Llama-3-8B/")   # doctest: +SKIP
 
     Returns:
         LoadResult(missing_keys, unexpected_keys).
@@ -505,6 +556,10 @@ def load(
     plan = None
     try:
         manifest = read_manifest(storage)
+        if keys is not None or key_map is not None or manifest.extra.get("source") == "safetensors":
+            from ._hf import select_for_load
+
+            manifest = select_for_load(manifest, state, keys=keys, key_map=key_map)
         plan = _plan_load(state, manifest, strict=strict, rank=rank, world=world)
         targets, creates, finalizers, result = plan
         chunk_list, chunk_index = _needed_chunks(targets, creates, manifest)
@@ -585,6 +640,11 @@ def _plan_load(state, manifest: Manifest, *, strict: bool, rank: int, world: int
         if lay.dtype != meta.dtype:
             problems.append(f"{name}: checkpoint dtype {meta.dtype}, live dtype {lay.dtype}")
             continue
+        if any(c.crc32c is None for c in meta.chunks):
+            # No checksum to verify (safetensors sources): read only our rows.
+            from ._hf import narrow_unchecked
+
+            meta = narrow_unchecked(meta, [p.box for p in lay.parts])
         saved = [_plan.Box(tuple(c.offsets), tuple(c.sizes)) for c in meta.chunks]
         t = _Target(name, meta, [(p.box, p.view()) for p in lay.parts])
         for box, _ in t.parts:
@@ -692,6 +752,8 @@ def verify(
             ):
                 errs.append(f"{storage.url_of(rel)}: header entry {c.key!r} disagrees with the manifest")
                 continue
+            if c.crc32c is None:
+                continue  # safetensors source: no checksum; header, bounds and size checked
             crc = 0
             for off in range(0, c.nbytes, VERIFY_BLOCK_BYTES):
                 n = min(VERIFY_BLOCK_BYTES, c.nbytes - off)

@@ -268,11 +268,12 @@ _INFLIGHT: Optional[AsyncSaveHandle] = None
 _INFLIGHT_LOCK = threading.Lock()
 
 
-def wait_pending(*, raise_unobserved: bool = True) -> None:
+def wait_pending(*, raise_unobserved: bool = True, new_save: bool = False) -> None:
     """Wait for the save in flight in this process, if any.
 
     If it failed and its error was not looked at yet, raise it now (once)
-    wrapped in ``SaveFailedError`` naming the failed URL.
+    wrapped in ``SaveFailedError`` naming the failed URL (and, with
+    ``new_save``, saying that the save about to start was not started).
     """
     global _INFLIGHT
     with _INFLIGHT_LOCK:
@@ -282,12 +283,18 @@ def wait_pending(*, raise_unobserved: bool = True) -> None:
     h._event.wait()
     if h._thread is not None:
         h._thread.join()
+    unseen = h._error is not None and not h._observed
     with _INFLIGHT_LOCK:
-        if _INFLIGHT is h:
+        # An unseen error stays pending until someone is told about it.
+        if _INFLIGHT is h and (raise_unobserved or not unseen):
             _INFLIGHT = None
-    if raise_unobserved and h._error is not None and not h._observed:
+    if raise_unobserved and unseen:
         h._observed = True
-        raise SaveFailedError(f"the previous async save to {h.url} failed, so this call did not proceed: {h._error}") from h._error
+        if new_save:
+            msg = f"the previous async save to {h.url} failed, so this save was not started: {h._error}"
+        else:
+            msg = f"async save to {h.url} failed: {h._error}"
+        raise SaveFailedError(msg) from h._error
 
 
 def release_buffers() -> None:
@@ -430,7 +437,7 @@ def async_save(
         >>> h.result()
     """
     t0 = time.perf_counter()
-    wait_pending()
+    wait_pending(new_save=True)
     group = save_group(process_group, timeout_s)
     plan = prepare_save(
         state, url, storage_options=storage_options, process_group=group, overwrite=overwrite, io_threads=io_threads

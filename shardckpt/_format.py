@@ -116,7 +116,9 @@ class ChunkMeta:
     sizes: List[int]
     byte_offset: int  # absolute, from the start of the file
     nbytes: int
-    crc32c: int
+    # None only for chunks synthesized from foreign files without checksums
+    # (Hugging Face safetensors, see _hf); manifest.json always has one.
+    crc32c: Optional[int]
 
     def to_json(self) -> Dict[str, Any]:
         return {

@@ -8,6 +8,8 @@ assignment, which ranks hold every box.
 
 from __future__ import annotations
 
+import itertools
+import math
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -149,8 +151,10 @@ def _dtensor_layout(name: str, t) -> TensorLayout:
                 "this torch version lays out the placement differently than shardckpt expects"
             )
     parts = [Part(lb.box, local, lb.local_offsets) for lb in _plan.local_boxes(shape, mesh_shape, placements, coord)]
-    ranks = [int(r) for r in mesh.mesh.flatten().tolist()]
-    holders = _plan.layout_holders(shape, ranks, mesh_shape, placements)
+    holders: Dict[_plan.Box, Tuple[int, ...]] = {}
+    for ranks in _mesh_copies(mesh):
+        for box, rs in _plan.layout_holders(shape, ranks, mesh_shape, placements).items():
+            holders[box] = tuple(sorted(set(holders.get(box, ())) | set(rs)))
     names = list(mesh.mesh_dim_names) if mesh.mesh_dim_names else None
     return TensorLayout(
         name=name,
@@ -166,6 +170,34 @@ def _dtensor_layout(name: str, t) -> TensorLayout:
         },
         kind="dtensor",
     )
+
+
+def _mesh_copies(mesh) -> List[List[int]]:
+    """Rank lists (in mesh order) of every parallel copy of a sub-mesh within its root mesh.
+
+    A DTensor on a sub-mesh (FSDP2 on the ``dp`` dim of a ``dp x tp`` mesh,
+    for a parameter TP leaves alone) is replicated over the other root dims:
+    the ranks of each copy hold the same boxes. Every rank must see all
+    copies, or ranks of different copies would each pick a different writer
+    for the same box. Found from the root mesh alone, without communication:
+    the copies are the rows of the root mesh with the sub-mesh's dims (in
+    its order, flattened dims too) moved last.
+    """
+    own = [int(r) for r in mesh.mesh.flatten().tolist()]
+    root = mesh._get_root_mesh() if hasattr(mesh, "_get_root_mesh") else None
+    if root is None or root is mesh or root.mesh.numel() == len(own):
+        return [own]
+    full = root.mesh
+    nd = full.ndim
+    for k in range(1, nd + 1):
+        for dims in itertools.permutations(range(nd), k):
+            if math.prod(full.shape[d] for d in dims) != len(own):
+                continue
+            rest = [d for d in range(nd) if d not in dims]
+            rows = full.permute(*rest, *dims).reshape(-1, len(own)).tolist()
+            if own in rows:
+                return [[int(r) for r in row] for row in rows]
+    return [own]
 
 
 def _sharded_tensor_layout(name: str, st) -> TensorLayout:

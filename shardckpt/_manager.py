@@ -246,7 +246,7 @@ class CheckpointManager:
         self._check_open()
         step = _check_step(step)
         t0 = time.perf_counter()
-        wait_pending()
+        wait_pending(new_save=True)
         url = self.step_url(step)
         group = self._group()
         try:

@@ -727,7 +727,12 @@ class PerRankAdapter(Adapter):
 
 def _load_into(live: Any, saved: Any, prefix: str, walker: "_LoadWalker") -> None:
     if isinstance(live, dict):
-        walker.walk(live, saved, prefix, None)
+        # The dict is the user's object: refill it rather than replace it.
+        def refill(v, d=live):
+            d.clear()
+            d.update(v)
+
+        walker.walk(live, saved, prefix, refill)
         return
     if _is_tensor(live):
         if _is_ref(saved):

@@ -77,7 +77,17 @@ class Storage:
                 pkg = _PROTOCOL_HINT.get(proto, "the fsspec backend for " + repr(proto))
                 raise StorageError(f"cannot open {url!r}: {e}. Install {pkg} (e.g. pip install {pkg})") from None
             except ValueError as e:
-                raise StorageError(f"cannot open {url!r}: {e}") from None
+                proto = url.split("://", 1)[0]
+                hint = ""
+                if "protocol not known" in str(e).lower():
+                    pkg = _PROTOCOL_HINT.get(proto)
+                    hint = (
+                        f". Install {pkg} (e.g. pip install {pkg})"
+                        if pkg
+                        else f". No fsspec backend handles {proto!r}: pip install the package that provides it "
+                        "(s3fs for s3://, gcsfs for gs://, adlfs for az://; see fsspec's list of known implementations)"
+                    )
+                raise StorageError(f"cannot open {url!r}: {e}{hint}") from None
             self.fs = fs
             self.root = path.rstrip("/")
             # fsspec's local filesystem behind a file:// URL with options.
@@ -373,11 +383,14 @@ class _RemoteWriter(_Writer):
             if hasattr(self.f, "discard"):
                 self.f.discard()
             else:
-                # No way to drop an unfinished upload here (e.g. memory://):
-                # closing publishes the partial file, so delete it after.
                 self.f.close()
-                if self.remove is not None:
-                    self.remove()
+        except Exception:
+            pass
+        # Some backends publish the file at open or close (memory://), and
+        # discard cannot take it back: delete whatever is there.
+        try:
+            if self.remove is not None:
+                self.remove()
         except Exception:
             pass
 

@@ -448,6 +448,56 @@ def test_check_cover_accepts_tilings(shape, boxes):
     assert check_cover(shape, boxes) is None
 
 
+def _brute_cover(shape, boxes):
+    count = np.zeros(shape, dtype=np.int64)
+    for b in boxes:
+        if any(o < 0 or n < 0 or o + n > s for o, n, s in zip(b.offsets, b.sizes, shape)):
+            return False
+        count[tuple(slice(o, o + n) for o, n in zip(b.offsets, b.sizes))] += 1
+    return bool((count == 1).all())
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_check_cover_agrees_with_brute_force(seed):
+    rng = random.Random(seed)
+    shape = tuple(rng.choice([1, 2, 3, 5, 6]) for _ in range(rng.choice([1, 2, 3])))
+    mesh, pl = _layouts_for(shape, rng)
+    boxes = _distinct_boxes(shape, mesh, pl)
+    if rng.random() < 0.7 and boxes:
+        # perturb: shift, grow or shrink one box on one dim, or duplicate/drop one
+        i = rng.randrange(len(boxes))
+        b = boxes[i]
+        kind = rng.choice(["shift", "grow", "dup", "drop"])
+        d = rng.randrange(len(shape))
+        if kind == "shift":
+            offs = list(b.offsets)
+            offs[d] += rng.choice([-1, 1])
+            boxes[i] = Box(tuple(offs), b.sizes)
+        elif kind == "grow":
+            sizes = list(b.sizes)
+            sizes[d] = max(0, sizes[d] + rng.choice([-1, 1]))
+            boxes[i] = Box(b.offsets, tuple(sizes))
+        elif kind == "dup":
+            boxes.append(b)
+        else:
+            boxes.pop(i)
+    rng.shuffle(boxes)
+    assert (check_cover(shape, boxes) is None) == _brute_cover(shape, boxes), (shape, boxes)
+
+
+def test_check_cover_many_column_chunks_is_fast():
+    # thousands of column shards (Shard(1) on a wide tensor): must not compare every pair
+    import time
+
+    n = 4096
+    boxes = [Box((0, i), (3, 1)) for i in range(n)]
+    t0 = time.perf_counter()
+    assert check_cover((3, n), boxes) is None
+    boxes[10] = Box((0, 11), (3, 1))  # column 11 twice, column 10 never
+    assert "overlap" in check_cover((3, n), boxes)
+    assert time.perf_counter() - t0 < 5
+
+
 # --------------------------------------------------------------------------
 # fsdp_boxes / split_box
 

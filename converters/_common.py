@@ -1,0 +1,874 @@
+"""The streaming engine every converter runs on.
+
+A *source* is a set of tensors whose bytes lie in byte ranges of files
+(native shardckpt chunks, safetensors entries, DCP items, ``torch.save``
+records). A conversion plans its *output files* up front — every entry's
+name, dtype, shape and byte offset is known from metadata alone — then
+streams: worker threads read *blocks* (at most ``BLOCK_BYTES``, cut from
+element ranges of a tensor with ``_plan.split_box``-style row slabs), cast
+them if asked, checksum them; one writer per output file takes the blocks in
+order and appends them. At most ``depth`` blocks per output file are in
+memory, so peak memory is a few blocks plus one tensor's worth only where a
+source cannot be read by ranges (a non-contiguous ``torch.save`` record).
+
+Source checksums are verified as the bytes stream through: each block's CRC
+is computed on the thread that read it and joined in order with
+:func:`._crc.combine`; a mismatch is raised at the end, before the output is
+committed, so damaged input never yields committed output.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import math
+import os
+import sys
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Iterable, Iterator, List, NamedTuple, Optional, Sequence, Tuple
+
+import torch
+
+from shardckpt._api import DATA_DIR, _remove_stale, _write_hf_index, read_manifest
+from shardckpt._format import (
+    DTYPES,
+    MANIFEST_NAME,
+    ChunkMeta,
+    FileMeta,
+    Manifest,
+    TensorMeta,
+    itemsize,
+    manifest_to_bytes,
+    safetensors_header,
+    torch_dtype,
+)
+from shardckpt._io import DEFAULT_IO_THREADS, check_files
+from shardckpt._layout import box_view
+from shardckpt._plan import Box, check_cover
+from shardckpt._storage import Storage, fsync_dir
+from shardckpt.errors import (
+    CheckpointExistsError,
+    ChecksumMismatchError,
+    CorruptCheckpointError,
+    StorageError,
+    UnsupportedStateError,
+    format_offenders,
+)
+
+from ._crc import checksum, combine
+
+__all__ = [
+    "BLOCK_BYTES",
+    "SrcChunk",
+    "SrcTensor",
+    "Source",
+    "OutEntry",
+    "ConvertResult",
+    "open_checkpoint",
+    "source_from_manifest",
+    "Reader",
+    "plan_blocks",
+    "write_native",
+    "write_safetensors_files",
+    "parse_dtype",
+    "parse_size",
+]
+
+#: Bytes per streamed block. With ``depth`` blocks in flight per output file
+#: this sets the memory a conversion needs.
+BLOCK_BYTES = 16 << 20
+
+
+# --------------------------------------------------------------------------
+# sources
+
+
+@dataclass
+class SrcChunk:
+    """A box of a source tensor and where its bytes are.
+
+    ``check`` is ``(algorithm, value)`` for the chunk's bytes (``"crc32c"``
+    for shardckpt, ``"crc32"`` for zip records) or ``None`` when the source
+    has no checksum. ``loader``, when set, materializes the chunk (a
+    contiguous tensor of the box) for data that is not one byte range.
+    """
+
+    file: str
+    byte_offset: int
+    nbytes: int
+    offsets: Tuple[int, ...]
+    sizes: Tuple[int, ...]
+    key: str
+    check: Optional[Tuple[str, int]] = None
+    loader: Optional[Callable[[], torch.Tensor]] = None
+
+
+@dataclass
+class SrcTensor:
+    name: str
+    dtype: str  # safetensors dtype name
+    shape: Tuple[int, ...]
+    chunks: List[SrcChunk]
+    layout: Optional[Dict[str, Any]] = None
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * itemsize(self.dtype)
+
+    @property
+    def row(self) -> int:
+        """Elements per dim-0 row (1 for 0-d and 1-d tensors)."""
+        return math.prod(self.shape[1:]) if self.shape else 1
+
+    @property
+    def flat(self) -> bool:
+        """Chunks split dim 0 only: the tensor's bytes are its chunks' bytes in order."""
+        return len(self.shape) <= 1 or all(tuple(c.sizes[1:]) == tuple(self.shape[1:]) for c in self.chunks if math.prod(c.sizes))
+
+
+@dataclass
+class Source:
+    """Tensors to convert, their plain values (JSON tree with refs) and where they live."""
+
+    url: str
+    storage: Storage
+    tensors: Dict[str, SrcTensor]
+    values: Any = None
+    world_size: int = 1
+    kind: str = "native"
+    extra: Dict[str, Any] = field(default_factory=dict)
+    files: Optional[Dict[str, int]] = None  # file -> expected size, checked before reading
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors.values())
+
+
+def source_from_manifest(storage: Storage, m: Manifest) -> Source:
+    tensors = {}
+    for name in sorted(m.tensors):
+        t = m.tensors[name]
+        tensors[name] = SrcTensor(
+            name=name,
+            dtype=t.dtype,
+            shape=tuple(t.shape),
+            chunks=[
+                SrcChunk(
+                    file=c.file,
+                    byte_offset=c.byte_offset,
+                    nbytes=c.nbytes,
+                    offsets=tuple(c.offsets),
+                    sizes=tuple(c.sizes),
+                    key=c.key,
+                    check=None if c.crc32c is None else ("crc32c", c.crc32c),
+                )
+                for c in t.chunks
+            ],
+            layout=t.layout,
+        )
+    kind = m.extra.get("source", "native") if isinstance(m.extra, dict) else "native"
+    return Source(
+        url=storage.url,
+        storage=storage,
+        tensors=tensors,
+        values=m.values,
+        world_size=m.world_size,
+        kind=kind,
+        extra=dict(m.extra or {}),
+        files={rel: f.size for rel, f in m.files.items()},
+    )
+
+
+def open_checkpoint(url: str, storage_options: Optional[Dict[str, Any]] = None) -> Source:
+    """A shardckpt checkpoint, a safetensors directory, or one ``.safetensors`` file."""
+    storage = Storage(url, storage_options=storage_options)
+    return source_from_manifest(storage, read_manifest(storage))
+
+
+# --------------------------------------------------------------------------
+# block planning (pure)
+
+
+class Seg(NamedTuple):
+    chunk: int  # index into SrcTensor.chunks
+    pos: int  # byte offset inside the chunk
+    n: int  # bytes
+
+
+class Block(NamedTuple):
+    start: int  # first element (row-major over the whole tensor)
+    count: int  # elements
+    segs: Tuple[Seg, ...]
+    rows: Optional[Tuple[int, int]]  # dim-0 slab [a, b) when chunks must be assembled
+
+
+def plan_blocks(t: SrcTensor, start: int, stop: int, block_bytes: int = BLOCK_BYTES) -> List[Block]:
+    """Blocks covering elements ``[start, stop)`` of ``t`` in order, each at most ``block_bytes``.
+
+    When chunks split dim 0 only, blocks are byte runs of the chunks (a
+    block may span chunks, a chunk may span blocks, a huge row is cut).
+    Otherwise a block is a slab of whole rows (``[start, stop)`` must be
+    row-aligned) assembled from every chunk it crosses; a single row larger
+    than ``block_bytes`` is then one block.
+    """
+    isz = itemsize(t.dtype)
+    if stop <= start:
+        return []
+    block_bytes = max(isz, block_bytes - block_bytes % isz)
+    order = sorted(
+        (i for i, c in enumerate(t.chunks) if math.prod(c.sizes) > 0),
+        key=lambda i: tuple(t.chunks[i].offsets),
+    )
+    out: List[Block] = []
+    row = t.row
+    if t.flat:
+        segs: List[Seg] = []
+        size = 0
+        first = start
+        for i in order:
+            c = t.chunks[i]
+            cs = (c.offsets[0] if c.offsets else 0) * row
+            ce = cs + (c.sizes[0] if c.sizes else 1) * row
+            lo, hi = max(start, cs), min(stop, ce)
+            p, end = (lo - cs) * isz, (hi - cs) * isz
+            while p < end:
+                take = min(block_bytes - size, end - p)
+                segs.append(Seg(i, p, take))
+                size += take
+                p += take
+                if size == block_bytes:
+                    out.append(Block(first, size // isz, tuple(segs), None))
+                    first += size // isz
+                    segs, size = [], 0
+        if segs:
+            out.append(Block(first, size // isz, tuple(segs), None))
+        if sum(b.count for b in out) != stop - start:
+            raise CorruptCheckpointError(f"{t.name}: chunks do not cover elements [{start}, {stop})")
+        return out
+    if start % row or stop % row:
+        raise ValueError(f"{t.name}: element range [{start}, {stop}) is not made of whole rows of {row}")
+    a0, b0 = start // row, stop // row
+    per = max(1, block_bytes // (row * isz))
+    for a in range(a0, b0, per):
+        b = min(b0, a + per)
+        segs = []
+        for i in order:
+            c = t.chunks[i]
+            lo, hi = max(a, c.offsets[0]), min(b, c.offsets[0] + c.sizes[0])
+            if lo < hi:
+                crow = math.prod(c.sizes[1:]) * isz
+                segs.append(Seg(i, (lo - c.offsets[0]) * crow, (hi - lo) * crow))
+        out.append(Block(a * row, (b - a) * row, tuple(segs), (a, b)))
+    return out
+
+
+# --------------------------------------------------------------------------
+# reading
+
+
+class _Verifier:
+    """Collects per-block CRCs of source chunks; checks whole chunks at the end."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.pieces: Dict[Tuple[str, int], List[Tuple[int, int, int]]] = collections.defaultdict(list)
+
+    def add(self, name: str, idx: int, pos: int, n: int, crc: int) -> None:
+        with self.lock:
+            self.pieces[(name, idx)].append((pos, n, crc))
+
+    def problems(self, source: Source) -> List[str]:
+        bad = []
+        for (name, idx), pieces in self.pieces.items():
+            c = source.tensors[name].chunks[idx]
+            if c.check is None:
+                continue
+            algo, want = c.check
+            pieces.sort()
+            crc, pos = 0, 0
+            for p, n, v in pieces:
+                if p != pos:
+                    break  # overlapping or partial reads: not a whole-chunk check
+                crc = combine(algo, crc, v, n)
+                pos += n
+            if pos != c.nbytes:
+                continue
+            if crc != want:
+                bad.append(
+                    f"{source.storage.url_of(c.file)}: chunk {c.key!r} of tensor {name!r} "
+                    f"(bytes {c.byte_offset}..{c.byte_offset + c.nbytes}) has {algo} {crc:#010x}, "
+                    f"the checkpoint says {want:#010x}"
+                )
+        return sorted(bad)
+
+
+class Reader:
+    """Reads blocks of source tensors (thread-safe), verifying source checksums."""
+
+    def __init__(self, source: Source):
+        self.source = source
+        self.storage = source.storage
+        self.verifier = _Verifier()
+        self._cache_lock = threading.Lock()
+        self._cache: Tuple[Any, Optional[torch.Tensor]] = (None, None)
+
+    def check_source_files(self, names: Iterable[str]) -> None:
+        """Every file the named tensors need exists with its recorded size."""
+        if self.source.files is None:
+            return
+        need = {c.file for n in names for c in self.source.tensors[n].chunks if c.loader is None and c.nbytes}
+        check_files(self.storage, {rel: self.source.files[rel] for rel in need if rel in self.source.files})
+
+    def finish(self) -> None:
+        """Raise if any fully read source chunk failed its checksum."""
+        bad = self.verifier.problems(self.source)
+        if bad:
+            raise ChecksumMismatchError(
+                f"checksum mismatch, the source {self.source.url} is damaged ({len(bad)} chunks): " + "; ".join(bad[:10])
+            )
+
+    def _read_into(self, rel: str, ranges: List[Tuple[int, memoryview]]) -> None:
+        try:
+            self.storage.read_into(rel, ranges)
+        except (FileNotFoundError, NotADirectoryError):
+            raise CorruptCheckpointError(f"{self.storage.url_of(rel)}: file is missing") from None
+        except EOFError as e:
+            raise CorruptCheckpointError(f"{e} (truncated)") from None
+        except StorageError:
+            raise
+        except OSError as e:
+            raise StorageError(f"reading {self.storage.url_of(rel)}: {e}") from e
+
+    def _loaded(self, c: SrcChunk) -> memoryview:
+        with self._cache_lock:
+            key, t = self._cache
+            if key is not c:
+                t = c.loader().contiguous()  # type: ignore[misc]
+                self._cache = (c, t)
+        from shardckpt._io import tensor_bytes
+
+        return tensor_bytes(t)
+
+    def _fill(self, t: SrcTensor, segs: Sequence[Seg], dests: Sequence[memoryview]) -> None:
+        by_file: Dict[str, List[Tuple[int, memoryview]]] = {}
+        for s, d in zip(segs, dests):
+            c = t.chunks[s.chunk]
+            if c.loader is not None:
+                d[:] = self._loaded(c)[s.pos : s.pos + s.n]
+            else:
+                by_file.setdefault(c.file, []).append((c.byte_offset + s.pos, d))
+        for rel, ranges in by_file.items():
+            self._read_into(rel, ranges)
+        for s, d in zip(segs, dests):
+            c = t.chunks[s.chunk]
+            if c.check is not None:
+                self.verifier.add(t.name, s.chunk, s.pos, s.n, checksum(c.check[0], d))
+
+    def read(self, t: SrcTensor, blk: Block) -> torch.Tensor:
+        """The block's elements as a flat uint8 tensor, row-major."""
+        isz = itemsize(t.dtype)
+        total = blk.count * isz
+        if blk.rows is None:
+            buf = torch.empty(total, dtype=torch.uint8)
+            if total:
+                mv = memoryview(buf.numpy()).cast("B")
+                dests, pos = [], 0
+                for s in blk.segs:
+                    dests.append(mv[pos : pos + s.n])
+                    pos += s.n
+                self._fill(t, blk.segs, dests)
+            return buf
+        a, b = blk.rows
+        shape = t.shape
+        slab = torch.empty((b - a,) + tuple(shape[1:-1]) + (shape[-1] * isz,), dtype=torch.uint8)
+        tmps = [torch.empty(s.n, dtype=torch.uint8) for s in blk.segs]
+        self._fill(t, blk.segs, [memoryview(x.numpy()).cast("B") for x in tmps])
+        for s, tmp in zip(blk.segs, tmps):
+            c = t.chunks[s.chunk]
+            crow = math.prod(c.sizes[1:]) * isz
+            r0 = c.offsets[0] + s.pos // crow
+            src = tmp.view((s.n // crow,) + tuple(c.sizes[1:-1]) + (c.sizes[-1] * isz,))
+            dst = box_view(slab, (r0 - a,) + tuple(c.offsets[1:-1]) + (c.offsets[-1] * isz,), tuple(src.shape))
+            dst.copy_(src)
+        return slab.reshape(-1)
+
+    def read_tensor(self, t: SrcTensor, block_bytes: int = BLOCK_BYTES) -> torch.Tensor:
+        """The whole tensor (for ``.pt`` output and ``diff``)."""
+        out = torch.empty(t.nbytes, dtype=torch.uint8)
+        for blk in plan_blocks(t, 0, t.numel, block_bytes):
+            isz = itemsize(t.dtype)
+            out[blk.start * isz : (blk.start + blk.count) * isz] = self.read(t, blk)
+        return out.view(torch_dtype(t.dtype)).reshape(t.shape)
+
+
+def cast_bytes(data: torch.Tensor, src: str, dst: str) -> torch.Tensor:
+    """Cast a flat uint8 buffer of ``src`` elements to ``dst`` (same as ``tensor.to``)."""
+    if src == dst or data.numel() == 0:
+        return data if src == dst else torch.empty(0, dtype=torch.uint8)
+    return data.view(torch_dtype(src)).to(torch_dtype(dst)).view(torch.uint8)
+
+
+def prefetch(pool: ThreadPoolExecutor, jobs: Iterable[Callable[[], Any]], depth: int) -> Iterator[Any]:
+    """Run ``jobs`` on ``pool`` with at most ``depth`` pending; yield results in order."""
+    pending: collections.deque = collections.deque()
+    it = iter(jobs)
+    try:
+        for job in itertools.islice(it, max(1, depth)):
+            pending.append(pool.submit(job))
+        while pending:
+            res = pending.popleft().result()
+            for job in itertools.islice(it, 1):
+                pending.append(pool.submit(job))
+            yield res
+    finally:
+        for f in pending:
+            f.cancel()
+        wait(list(pending))
+
+
+# --------------------------------------------------------------------------
+# writing
+
+
+@dataclass
+class OutEntry:
+    """One entry of an output safetensors file: elements ``[start, stop)`` of ``src``."""
+
+    key: str
+    src: SrcTensor
+    start: int
+    stop: int
+    shape: Tuple[int, ...]
+    dtype: str
+    name: str = ""  # native outputs: the tensor this chunk belongs to
+    offsets: Tuple[int, ...] = ()
+
+    @property
+    def nbytes(self) -> int:
+        return (self.stop - self.start) * itemsize(self.dtype)
+
+
+def sort_entries(entries: List[OutEntry]) -> List[OutEntry]:
+    # Widest dtypes first (as safetensors does): with the header padded to 8
+    # bytes every entry then starts aligned to its element size.
+    return sorted(entries, key=lambda e: (-itemsize(e.dtype), e.key))
+
+
+class Progress:
+    """A tqdm bar when asked and available; otherwise nothing."""
+
+    _warned = False
+
+    def __init__(self, total: int, enabled: bool, desc: str):
+        self.bar = None
+        if not enabled:
+            return
+        try:
+            from tqdm import tqdm
+        except ImportError:
+            if not Progress._warned:
+                Progress._warned = True
+                print("shardckpt: progress bars need tqdm (pip install tqdm)", file=sys.stderr)
+            return
+        self.bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc, leave=False, dynamic_ncols=True)
+
+    def update(self, n: int) -> None:
+        if self.bar is not None:
+            self.bar.update(n)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _write_file(
+    storage: Storage,
+    rel: str,
+    entries: List[OutEntry],
+    reader: Reader,
+    pool: ThreadPoolExecutor,
+    *,
+    chunks_md: Optional[Dict[str, Any]],
+    want_crc: bool,
+    depth: int,
+    progress: Progress,
+    block_bytes: int,
+) -> Tuple[List[int], List[int], int]:
+    """Stream ``entries`` into one safetensors file; returns (crcs, data starts, size)."""
+    header, starts = safetensors_header([(e.key, e.dtype, e.shape, e.nbytes) for e in entries], chunks=chunks_md)
+    crcs = [0] * len(entries)
+    done = [0] * len(entries)
+
+    def jobs():
+        for i, e in enumerate(entries):
+            for blk in plan_blocks(e.src, e.start, e.stop, block_bytes):
+                yield _job(i, e, blk)
+
+    def _job(i, e, blk):
+        def run():
+            data = reader.read(e.src, blk)
+            if e.dtype != e.src.dtype:
+                data = cast_bytes(data, e.src.dtype, e.dtype)
+            mv = memoryview(data.numpy()).cast("B") if data.numel() else memoryview(b"")
+            return i, data, mv, (checksum("crc32c", mv) if want_crc else 0)
+
+        return run
+
+    w = storage.open_write(rel)
+    try:
+        w.write(header)
+        for i, data, mv, crc in prefetch(pool, jobs(), depth):
+            w.write(mv)
+            crcs[i] = combine("crc32c", crcs[i], crc, len(mv))
+            done[i] += len(mv)
+            progress.update(len(mv))
+            del data, mv
+        for e, n in zip(entries, done):
+            if n != e.nbytes:
+                raise AssertionError(f"internal error: {e.key}: wrote {n} bytes, expected {e.nbytes}")
+        w.close()
+    except BaseException:
+        w.abort()
+        raise
+    return crcs, starts, len(header) + sum(e.nbytes for e in entries)
+
+
+def _write_files(
+    storage: Storage,
+    files: Dict[str, List[OutEntry]],
+    reader: Reader,
+    *,
+    native: bool,
+    threads: int,
+    progress: Progress,
+    block_bytes: int,
+) -> Dict[str, Tuple[List[int], List[int], int]]:
+    """Write every file; several files at once, each fed by the shared read pool."""
+    nfiles = max(1, min(threads, len(files)))
+    depth = max(2, threads // nfiles + 1)
+    results: Dict[str, Tuple[List[int], List[int], int]] = {}
+    with ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="shardckpt-cr") as pool:
+        def one(rel):
+            ents = files[rel]
+            md = {e.key: {"tensor": e.name, "offsets": list(e.offsets)} for e in ents} if native else None
+            return rel, _write_file(
+                storage, rel, ents, reader, pool, chunks_md=md, want_crc=native, depth=depth, progress=progress, block_bytes=block_bytes
+            )
+
+        if nfiles == 1:
+            for rel in files:
+                results[rel] = one(rel)[1]
+        else:
+            with ThreadPoolExecutor(max_workers=nfiles, thread_name_prefix="shardckpt-cw") as fpool:
+                futs = [fpool.submit(one, rel) for rel in files]
+                try:
+                    for f in futs:
+                        rel, res = f.result()
+                        results[rel] = res
+                finally:
+                    for f in futs:
+                        f.cancel()
+                    wait(futs)
+    return results
+
+
+class ConvertResult(NamedTuple):
+    """What a conversion wrote."""
+
+    url: str
+    files: List[str]  # paths relative to ``url`` (or the file name for a single file)
+    tensors: int
+    nbytes: int  # tensor bytes written
+    seconds: float
+
+    @property
+    def gb_per_s(self) -> float:
+        return self.nbytes / 1e9 / self.seconds if self.seconds > 0 else float("inf")
+
+
+def write_native(
+    dst_url: str,
+    files: Dict[str, List[OutEntry]],
+    reader: Reader,
+    *,
+    tensors: Dict[str, Tuple[str, Tuple[int, ...], Optional[Dict[str, Any]]]],
+    values: Any,
+    world_size: int,
+    extra: Optional[Dict[str, Any]] = None,
+    storage_options: Optional[Dict[str, Any]] = None,
+    overwrite: bool = False,
+    threads: int = DEFAULT_IO_THREADS,
+    progress: bool = False,
+    desc: str = "convert",
+    block_bytes: int = BLOCK_BYTES,
+) -> ConvertResult:
+    """Write a native checkpoint from planned files; ``manifest.json`` last (the commit).
+
+    ``files`` maps a name (made unique with a fresh id under ``data/``) to
+    entries with ``name``/``offsets`` set; ``tensors`` gives each output
+    tensor's ``(dtype, shape, layout)``. Nothing is committed unless every
+    file was written and every source chunk read passed its checksum.
+    """
+    t0 = time.perf_counter()
+    dst = Storage(dst_url, storage_options=storage_options)
+    if dst.exists(MANIFEST_NAME) and not overwrite:
+        raise CheckpointExistsError(f"{dst.url_of(MANIFEST_NAME)} already exists; pass overwrite=True to replace it")
+    save_id = uuid.uuid4().hex
+    named = {f"{DATA_DIR}/{save_id[:12]}-{k}.safetensors": sort_entries(v) for k, v in files.items() if v}
+    total = sum(e.nbytes for ents in named.values() for e in ents)
+    bar = Progress(total, progress, desc)
+    try:
+        results = _write_files(dst, named, reader, native=True, threads=threads, progress=bar, block_bytes=block_bytes)
+        dst.fsync_dirs([DATA_DIR])
+        reader.finish()
+        metas = {name: TensorMeta(dtype=dt, shape=list(shape), layout=layout) for name, (dt, shape, layout) in tensors.items()}
+        for rel, ents in named.items():
+            crcs, starts, _ = results[rel]
+            for e, crc, start in zip(ents, crcs, starts):
+                metas[e.name].chunks.append(
+                    ChunkMeta(
+                        file=rel,
+                        key=e.key,
+                        offsets=list(e.offsets),
+                        sizes=list(e.shape),
+                        byte_offset=start,
+                        nbytes=e.nbytes,
+                        crc32c=crc,
+                    )
+                )
+        bad = []
+        for name, t in metas.items():
+            why = check_cover(t.shape, [Box(tuple(c.offsets), tuple(c.sizes)) for c in t.chunks])
+            if why:
+                bad.append(f"{name}: {why}")
+        if bad:
+            raise AssertionError("internal error, converted chunks do not tile: " + "; ".join(bad[:10]))
+        from shardckpt import __version__
+
+        m = Manifest(
+            world_size=world_size,
+            tensors=metas,
+            files={rel: FileMeta(res[2]) for rel, res in results.items()},
+            values=values,
+            save_id=save_id,
+            library_version=__version__,
+            extra=dict(extra or {}),
+        )
+        body = manifest_to_bytes(m)
+        _write_hf_index(dst, m)
+        dst.write_atomic(MANIFEST_NAME, body)
+    except BaseException:
+        for rel in named:
+            try:
+                dst.remove(rel)
+            except Exception:
+                pass
+        raise
+    finally:
+        bar.close()
+    if overwrite:
+        _remove_stale(dst, save_id)
+    return ConvertResult(dst.url, sorted(named), len(metas), total, time.perf_counter() - t0)
+
+
+# --------------------------------------------------------------------------
+# plain safetensors outputs (HF directories, single files)
+
+
+def split_url(url: str) -> Tuple[str, str]:
+    """``(parent URL, base name)`` of a file URL or path."""
+    if "://" in url and not url.startswith("file://"):
+        head, _, base = url.rstrip("/").rpartition("/")
+        if not base or head.endswith(":/"):
+            raise StorageError(f"{url!r} does not name a file")
+        return head, base
+    path = url[len("file://") :] if url.startswith("file://") else url
+    path = os.path.abspath(path)
+    return os.path.dirname(path), os.path.basename(path)
+
+
+def write_safetensors_files(
+    dst_url: str,
+    files: Dict[str, List[OutEntry]],
+    reader: Reader,
+    *,
+    index: Optional[bytes] = None,
+    index_name: str = "",
+    storage_options: Optional[Dict[str, Any]] = None,
+    overwrite: bool = False,
+    single_file: bool = False,
+    threads: int = DEFAULT_IO_THREADS,
+    progress: bool = False,
+    desc: str = "export",
+    block_bytes: int = BLOCK_BYTES,
+) -> ConvertResult:
+    """Write plain safetensors files (no shardckpt metadata), published all at once where possible.
+
+    Local disk: everything goes into a hidden sibling directory (or file)
+    that is renamed into place at the end, so ``dst`` appears complete or
+    not at all. Object stores: each file appears whole when its upload
+    completes, and the index (when there is one) is written last.
+    ``single_file``: ``dst_url`` is the file itself and ``files`` has one
+    entry (its name is ignored).
+    """
+    t0 = time.perf_counter()
+    total = sum(e.nbytes for ents in files.values() for e in ents)
+    files = {rel: sort_entries(ents) for rel, ents in files.items()}
+    bar = Progress(total, progress, desc)
+    try:
+        if single_file:
+            parent, base = split_url(dst_url)
+            root = Storage(parent, storage_options=storage_options)
+            if root.exists(base) and not overwrite:
+                raise CheckpointExistsError(f"{dst_url} already exists; pass overwrite=True to replace it")
+            (ents,) = files.values()
+            if root.is_local:
+                tmp = f".{base}.{uuid.uuid4().hex[:12]}.tmp"
+                try:
+                    _write_files(root, {tmp: ents}, reader, native=False, threads=threads, progress=bar, block_bytes=block_bytes)
+                    reader.finish()
+                    os.replace(root.path(tmp), root.path(base))
+                    fsync_dir(root.path(""))
+                finally:
+                    root.remove(tmp)
+            else:
+                # Verify the source before the upload completes where we can:
+                # the remote object appears when its writer closes.
+                _write_files(root, {base: ents}, reader, native=False, threads=threads, progress=bar, block_bytes=block_bytes)
+                try:
+                    reader.finish()
+                except BaseException:
+                    root.remove(base)
+                    raise
+            return ConvertResult(dst_url, [base], sum(len(v) for v in files.values()), total, time.perf_counter() - t0)
+
+        dst = Storage(dst_url, storage_options=storage_options)
+        existing = [n for n in dst.listdir("") if not n.startswith(".")]
+        if existing and not overwrite:
+            raise CheckpointExistsError(
+                f"{dst.url} is not empty ({format_offenders(existing, limit=5)}); pass overwrite=True to replace it"
+            )
+        if dst.is_local:
+            parent, base = os.path.dirname(dst.root), os.path.basename(dst.root)
+            os.makedirs(parent, exist_ok=True)
+            tmp_root = os.path.join(parent, f".{base}.{uuid.uuid4().hex[:12]}.tmp")
+            tmp = Storage(tmp_root)
+            try:
+                tmp.makedirs("")
+                _write_files(tmp, files, reader, native=False, threads=threads, progress=bar, block_bytes=block_bytes)
+                reader.finish()
+                if index is not None:
+                    tmp.write_atomic(index_name, index)
+                fsync_dir(tmp_root)
+                old = None
+                if os.path.exists(dst.root):
+                    if os.listdir(dst.root):
+                        old = os.path.join(parent, f".{base}.{uuid.uuid4().hex[:12]}.old")
+                        os.rename(dst.root, old)
+                    else:
+                        os.rmdir(dst.root)
+                os.rename(tmp_root, dst.root)
+                fsync_dir(parent)
+                if old:
+                    Storage(old).remove_tree("")
+            except BaseException:
+                tmp.remove_tree("")
+                raise
+        else:
+            try:
+                _write_files(dst, files, reader, native=False, threads=threads, progress=bar, block_bytes=block_bytes)
+                reader.finish()
+            except BaseException:
+                for rel in files:
+                    dst.remove(rel)
+                raise
+            if index is not None:
+                dst.write_atomic(index_name, index)
+            for n in existing:
+                if n not in files and n != index_name and n.endswith((".safetensors", ".json")):
+                    dst.remove(n)
+        out = sorted(files) + ([index_name] if index is not None else [])
+        return ConvertResult(dst.url, out, sum(len(v) for v in files.values()), total, time.perf_counter() - t0)
+    finally:
+        bar.close()
+
+
+# --------------------------------------------------------------------------
+# option parsing
+
+
+_SIZE_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
+
+
+def parse_size(size: Any) -> int:
+    """Bytes from ``5_000_000``, ``"5GB"`` (10**9, as huggingface_hub reads it), ``"1GiB"`` (2**30)."""
+    if isinstance(size, bool):
+        raise ValueError(f"size must be an int or a string like '5GB', got {size!r}")
+    if isinstance(size, int):
+        n = size
+    elif isinstance(size, str):
+        s = size.strip().upper().replace(" ", "")
+        num = s.rstrip("KMGTIB")
+        unit = s[len(num) :]
+        if unit not in _SIZE_UNITS or not num:
+            raise ValueError(f"cannot read size {size!r}; use an int or e.g. '500MB', '5GB', '1GiB'")
+        try:
+            val = float(num)
+        except ValueError:
+            raise ValueError(f"cannot read size {size!r}; use an int or e.g. '500MB', '5GB', '1GiB'") from None
+        n = int(val * _SIZE_UNITS[unit])
+    else:
+        raise ValueError(f"size must be an int or a string like '5GB', got {type(size).__name__}")
+    if n <= 0:
+        raise ValueError(f"size must be positive, got {size!r}")
+    return n
+
+
+_DTYPE_ALIASES = {"fp32": "F32", "fp16": "F16", "half": "F16", "bf16": "BF16", "fp64": "F64", "double": "F64", "float": "F32",
+                  "fp8": "F8_E4M3", "fp8_e4m3": "F8_E4M3", "fp8_e5m2": "F8_E5M2"}
+FLOAT_DTYPES = {"F16", "BF16", "F32", "F64", "F8_E4M3", "F8_E5M2", "F8_E4M3FNUZ", "F8_E5M2FNUZ"}
+
+
+def parse_dtype(dtype: Any) -> Optional[str]:
+    """safetensors dtype name of a floating-point ``torch.dtype`` or name (``"bf16"``, ``"bfloat16"``, ``"BF16"``)."""
+    if dtype is None:
+        return None
+    if isinstance(dtype, torch.dtype):
+        name = str(dtype).replace("torch.", "")
+    elif isinstance(dtype, str):
+        name = dtype.strip()
+    else:
+        raise TypeError(f"dtype must be a torch.dtype or a name like 'bfloat16', got {dtype!r}")
+    st = _DTYPE_ALIASES.get(name.lower())
+    if st is None:
+        st = name.upper() if name.upper() in DTYPES else next((k for k, (attr, _) in DTYPES.items() if attr == name.lower()), None)
+    if st is None or st not in FLOAT_DTYPES:
+        raise UnsupportedStateError(
+            f"dtype {dtype!r} is not a floating-point type shardckpt can write; use one of "
+            f"{', '.join(sorted(DTYPES[k][0] for k in FLOAT_DTYPES))}"
+        )
+    return st
+
+
+def out_dtype(src: str, cast: Optional[str]) -> str:
+    """``cast`` for floating-point sources; integer and bool tensors keep their dtype."""
+    return cast if cast is not None and src in FLOAT_DTYPES else src

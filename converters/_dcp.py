@@ -1,0 +1,328 @@
+"""Import ``torch.distributed.checkpoint`` (DCP) directories without trusting their pickles.
+
+DCP's ``.metadata`` is a pickle. It is read with :class:`DCPUnpickler`,
+whose ``find_class`` admits only DCP's metadata dataclasses and the few torch
+and stdlib types they hold (``torch.Size``, dtypes, layouts, paths); any
+other global — ``os.system``, ``builtins.eval``, a ``__reduce__`` gadget —
+is refused before it is called. The unpickled objects are then checked field
+by field (types, relative paths, byte ranges inside the files).
+
+Data files (``__0_0.distcp``...) hold one item per chunk at the byte range
+the metadata names. Tensor items are ``torch.save`` payloads: their
+structure is read with ``torch.load(weights_only=True, map_location="meta")``
+and their bytes streamed by range (CRC-32 of the zip record checked).
+Checkpoints written with DCP's safetensors serialization are read through
+the safetensors headers. Non-tensor items (step counters, lists...) are
+``torch.save`` payloads too, read with ``weights_only=True``.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import pickle
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+
+import torch
+
+from shardckpt._format import MAX_MANIFEST_BYTES, check_relpath, dtype_name, itemsize
+from shardckpt._hf import KeyMap, read_safetensors_header
+from shardckpt._io import DEFAULT_IO_THREADS
+from shardckpt._plan import Box, check_cover
+from shardckpt._storage import Storage
+from shardckpt.errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    UnsafeMetadataError,
+    UnsupportedStateError,
+    format_offenders,
+)
+
+from ._common import ConvertResult, SrcChunk
+from ._safetensors import nest_under
+from ._torch_save import _memory_chunk, _refusal, _write_imported, chunk_of, load_meta, source_from_state
+
+__all__ = ["from_dcp", "DCPUnpickler", "read_dcp_metadata"]
+
+METADATA_NAME = ".metadata"
+#: A non-tensor item (a step count, a scheduler dict) is small; refuse huge ones.
+MAX_BYTES_ITEM = 64 << 20
+
+_DCP_MD = "torch.distributed.checkpoint.metadata"
+_ALLOWED: Dict[str, set] = {
+    _DCP_MD: {
+        "Metadata",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "TensorProperties",
+        "MetadataIndex",
+        "StorageMeta",
+        "_MEM_FORMAT_ENCODING",
+    },
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo", "_StoragePrefix"},
+    "torch.serialization": {"_get_layout"},
+    "torch": {"Size"},
+    "pathlib": {"Path", "PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath", "PurePath"},
+    "pathlib._local": {"Path", "PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath", "PurePath"},
+    "collections": {"OrderedDict"},
+    "builtins": {"set", "frozenset"},
+}
+
+
+class DCPUnpickler(pickle.Unpickler):
+    """An unpickler that builds only DCP metadata objects; every other global is refused.
+
+    ``torch.<name>`` is admitted only when it is a dtype, layout or memory
+    format object (plain values, not callables). Persistent ids are refused.
+    """
+
+    def find_class(self, module: str, name: str):
+        if module == "torch" and name != "Size":
+            val = getattr(torch, name, None)
+            if isinstance(val, (torch.dtype, torch.layout, torch.memory_format)):
+                return val
+        elif name in _ALLOWED.get(module, ()):
+            import importlib
+
+            return getattr(importlib.import_module(module), name)
+        raise pickle.UnpicklingError(f"global {module}.{name} is not allowed in DCP metadata")
+
+    def persistent_load(self, pid):
+        raise pickle.UnpicklingError("persistent ids are not allowed in DCP metadata")
+
+
+def read_dcp_metadata(storage: Storage) -> Any:
+    """Read and validate ``.metadata``; returns DCP's ``Metadata`` object."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex, TensorStorageMetadata
+
+    where = storage.url_of(METADATA_NAME)
+    try:
+        data = storage.read_bytes(METADATA_NAME, limit=MAX_MANIFEST_BYTES)
+    except (FileNotFoundError, NotADirectoryError):
+        raise CheckpointNotFoundError(f"no DCP checkpoint at {storage.url}: {METADATA_NAME} is missing") from None
+    try:
+        md = DCPUnpickler(io.BytesIO(data)).load()
+    except pickle.UnpicklingError as e:
+        raise UnsafeMetadataError(f"{where}: refused: {e}; nothing from the file was run") from None
+    except Exception as e:  # truncated or garbage pickles raise all sorts
+        raise CorruptCheckpointError(f"{where}: not a DCP metadata pickle ({type(e).__name__}: {e})") from None
+    if not isinstance(md, Metadata) or not isinstance(md.state_dict_metadata, dict):
+        raise CorruptCheckpointError(f"{where}: not DCP Metadata (found {type(md).__name__})")
+    if not isinstance(md.storage_data, dict):
+        raise CorruptCheckpointError(f"{where}: storage_data is missing (not written by FileSystemWriter?)")
+    for fqn, smd in md.state_dict_metadata.items():
+        w = f"{where}: entry {fqn!r}"
+        if not isinstance(fqn, str):
+            raise CorruptCheckpointError(f"{where}: key {fqn!r} is not a string")
+        if isinstance(smd, TensorStorageMetadata):
+            if not isinstance(smd.properties.dtype, torch.dtype):
+                raise CorruptCheckpointError(f"{w}: dtype {smd.properties.dtype!r}")
+            shape = _ints(smd.size, w + " size")
+            if not isinstance(smd.chunks, list):
+                raise CorruptCheckpointError(f"{w}: chunks must be a list")
+            for c in smd.chunks:
+                if len(_ints(c.offsets, w + " chunk offsets")) != len(shape) or len(_ints(c.sizes, w + " chunk sizes")) != len(shape):
+                    raise CorruptCheckpointError(f"{w}: chunk {c} does not match shape {shape}")
+        elif not isinstance(smd, BytesStorageMetadata):
+            raise CorruptCheckpointError(f"{w}: unknown storage metadata {type(smd).__name__}")
+    for k, info in md.storage_data.items():
+        if not isinstance(k, MetadataIndex) or not isinstance(getattr(k, "fqn", None), str):
+            raise CorruptCheckpointError(f"{where}: storage_data key {k!r} is not a MetadataIndex")
+        w = f"{where}: storage_data[{k.fqn!r}]"
+        check_relpath(getattr(info, "relative_path", None), where=w)
+        for fld in ("offset", "length"):
+            v = getattr(info, fld, None)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise CorruptCheckpointError(f"{w}: {fld} must be a non-negative int, found {v!r}")
+        if getattr(info, "transform_descriptors", None):
+            raise UnsupportedStateError(
+                f"{w}: item stored with transforms {list(info.transform_descriptors)!r} (e.g. compression); not supported"
+            )
+    return md
+
+
+def _ints(v: Any, where: str) -> List[int]:
+    if not isinstance(v, (tuple, list)) or any(not isinstance(x, int) or isinstance(x, bool) or x < 0 for x in v):
+        raise CorruptCheckpointError(f"{where}: expected non-negative ints, found {v!r}")
+    return list(v)
+
+
+def _path_tree(md, leaves: Dict[str, Any]) -> Dict[str, Any]:
+    """Rebuild the saved nesting from ``planner_data`` (fqn -> path) where DCP recorded it."""
+    paths = md.planner_data if isinstance(md.planner_data, dict) else {}
+    root: Dict[Any, Any] = {}
+    for fqn, val in leaves.items():
+        path = paths.get(fqn)
+        if not (isinstance(path, (tuple, list)) and path and all(isinstance(p, (str, int)) and not isinstance(p, bool) for p in path)):
+            path = (fqn,)
+        node = root
+        for p in path[:-1]:
+            nxt = node.get(p)
+            if not isinstance(nxt, dict):
+                nxt = node[p] = {}
+            node = nxt
+        node[path[-1]] = val
+    return _lists(root)
+
+
+def _lists(node: Any) -> Any:
+    # DCP flattens lists into int path parts; give them back their list shape.
+    if isinstance(node, dict):
+        node = {k: _lists(v) for k, v in node.items()}
+        if node and all(isinstance(k, int) for k in node) and sorted(node) == list(range(len(node))):
+            return [node[i] for i in range(len(node))]
+    return node
+
+
+def from_dcp(
+    src: str,
+    dst: str,
+    *,
+    prefix: str = "",
+    keys: Union[str, Sequence[str], None] = None,
+    key_map: Optional[KeyMap] = None,
+    storage_options: Optional[Dict[str, Any]] = None,
+    dst_storage_options: Optional[Dict[str, Any]] = None,
+    overwrite: bool = False,
+    progress: bool = False,
+    io_threads: int = DEFAULT_IO_THREADS,
+) -> ConvertResult:
+    """Import a DCP checkpoint directory (``dcp.save`` output) as a native checkpoint.
+
+    Names follow DCP's: ``dcp.save({"model": model.state_dict()})`` gives
+    ``model.emb.weight``..., so ``shardckpt.load({"model": model}, dst)``
+    loads it at any world size. Non-tensor entries (steps, scheduler
+    values) become the checkpoint's values. Streams; no pickle from the
+    checkpoint can run code (see the module notes).
+
+    Args:
+        src: DCP directory (local path or fsspec URL) with ``.metadata``.
+        dst: native checkpoint directory to create.
+        prefix: dotted prefix to put everything under (default none).
+        keys / key_map: select / rename tensors by their final names.
+        storage_options / dst_storage_options: fsspec options.
+        overwrite: replace a committed checkpoint at ``dst``.
+        progress: progress bar.
+        io_threads: parallel readers/writers.
+
+    Raises:
+        CheckpointNotFoundError: no ``.metadata`` at ``src``.
+        UnsafeMetadataError: a pickle names anything outside the allowlist.
+        CorruptCheckpointError: inconsistent metadata, bad items, CRC mismatch.
+        UnsupportedStateError: transformed (compressed) items; non-JSON-able
+            values that cannot be represented.
+
+    Limits: DCP stores no checksums of its own; tensor items are checked
+    against the CRC-32 of their ``torch.save`` zip record, safetensors-format
+    items are not checked. Non-contiguous items are read one at a time whole.
+
+    Example:
+        >>> converters.from_dcp("dcp_ckpt/", "native_ckpt/")     # doctest: +SKIP
+    """
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    storage = Storage(src, storage_options=storage_options)
+    md = read_dcp_metadata(storage)
+    where = storage.url
+    index: Dict[Tuple[str, Optional[Tuple[int, ...]]], Any] = {}
+    for k, info in md.storage_data.items():
+        off = tuple(k.offset) if k.offset is not None else None
+        index[(k.fqn, off)] = info
+    sizes: Dict[str, int] = {}
+    formats: Dict[str, Any] = {}
+
+    def file_info(rel: str):
+        if rel not in sizes:
+            try:
+                sizes[rel] = storage.size(rel)
+            except (FileNotFoundError, NotADirectoryError):
+                raise CorruptCheckpointError(f"{storage.url_of(rel)}: data file is missing") from None
+            head = storage.read_range(rel, 0, min(4, sizes[rel]))
+            formats[rel] = "zip" if head == b"PK\x03\x04" else read_safetensors_header(storage, rel, sizes[rel])
+        return sizes[rel], formats[rel]
+
+    leaves: Dict[str, Any] = {}
+    placeholders: Dict[int, List[SrcChunk]] = {}
+    missing = []
+    for fqn, smd in md.state_dict_metadata.items():
+        if isinstance(smd, TensorStorageMetadata):
+            shape = tuple(smd.size)
+            dtype = smd.properties.dtype
+            st_dtype = dtype_name(dtype, key=fqn)
+            chunks = []
+            for c in smd.chunks:
+                info = index.get((fqn, tuple(c.offsets)))
+                if info is None:
+                    missing.append(f"{fqn}@{list(c.offsets)}")
+                    continue
+                chunks.append(_tensor_chunk(storage, fqn, tuple(c.offsets), tuple(c.sizes), dtype, st_dtype, info, file_info))
+            why = check_cover(shape, [Box(c.offsets, c.sizes) for c in chunks])
+            if why and not missing:
+                raise CorruptCheckpointError(f"{where}: {fqn}: chunks do not tile the tensor: {why}")
+            ph = torch.empty(shape, dtype=dtype, device="meta")
+            placeholders[id(ph)] = chunks
+            leaves[fqn] = ph
+        else:
+            info = index.get((fqn, None))
+            if info is None:
+                missing.append(fqn)
+                continue
+            leaves[fqn] = _bytes_item(storage, fqn, info, file_info)
+    if missing:
+        raise CorruptCheckpointError(f"{where}: storage_data has no item for: {format_offenders(missing)}")
+    state = nest_under(prefix, _path_tree(md, leaves))
+
+    def chunk_for(name, t):
+        got = placeholders.get(id(t))
+        if got is not None:
+            return got
+        return [_memory_chunk(name, t)]  # a tensor inside a non-tensor item
+
+    source = source_from_state(state, chunk_for, url=where, storage=storage, kind="dcp", files=None)
+    return _write_imported(source, dst, keys=keys, key_map=key_map, dst_storage_options=dst_storage_options,
+                           overwrite=overwrite, progress=progress, io_threads=io_threads, what="dcp")
+
+
+def _tensor_chunk(storage, fqn, offsets, sizes, dtype, st_dtype, info, file_info) -> SrcChunk:
+    rel = info.relative_path
+    size, fmt = file_info(rel)
+    w = f"{storage.url_of(rel)}: item {fqn}@{list(offsets)}"
+    nbytes = math.prod(sizes) * itemsize(st_dtype)
+    if fmt == "zip":
+        if info.offset + info.length > size:
+            raise CorruptCheckpointError(f"{w}: bytes [{info.offset}, {info.offset + info.length}) lie outside the {size}-byte file")
+        obj, records = load_meta(storage, rel, info.offset, info.length, where=w)
+        if not isinstance(obj, torch.Tensor):
+            raise CorruptCheckpointError(f"{w}: item is a {type(obj).__name__}, expected a tensor")
+        if tuple(obj.shape) != tuple(sizes) or obj.dtype != dtype:
+            raise CorruptCheckpointError(f"{w}: item is {obj.dtype} {list(obj.shape)}, metadata says {dtype} {list(sizes)}")
+        c = chunk_of(fqn, obj, storage, rel, info.offset, info.length, records, where=w)
+        return SrcChunk(file=c.file, byte_offset=c.byte_offset, nbytes=c.nbytes, offsets=offsets, sizes=sizes,
+                        key=f"{fqn}@{list(offsets)}", check=c.check, loader=c.loader)
+    entries, start = fmt
+    e = entries.get(fqn)
+    if not isinstance(e, dict) or e.get("dtype") != st_dtype or list(e.get("shape", [])) != list(sizes):
+        raise CorruptCheckpointError(f"{w}: safetensors entry {fqn!r} missing or not {st_dtype} {list(sizes)}")
+    return SrcChunk(file=rel, byte_offset=start + e["data_offsets"][0], nbytes=nbytes, offsets=offsets, sizes=sizes,
+                    key=f"{fqn}@{list(offsets)}")
+
+
+def _bytes_item(storage, fqn, info, file_info) -> Any:
+    rel = info.relative_path
+    size, _ = file_info(rel)
+    w = f"{storage.url_of(rel)}: item {fqn!r}"
+    if info.length > MAX_BYTES_ITEM:
+        raise UnsafeMetadataError(f"{w}: {info.length} bytes exceeds the {MAX_BYTES_ITEM}-byte limit for a non-tensor item")
+    if info.offset + info.length > size:
+        raise CorruptCheckpointError(f"{w}: bytes [{info.offset}, {info.offset + info.length}) lie outside the {size}-byte file")
+    data = storage.read_range(rel, info.offset, info.length)
+    try:
+        return torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
+    except pickle.UnpicklingError as e:
+        raise UnsafeMetadataError(
+            f"{w}: refused to unpickle: {_refusal(e)}. Only tensors, containers and plain values are allowed "
+            "(torch.load weights_only=True); nothing from the file was run"
+        ) from None
+    except (RuntimeError, ValueError, EOFError) as e:
+        raise CorruptCheckpointError(f"{w}: not a torch.save payload ({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None

@@ -1,0 +1,302 @@
+"""One unsharded file: ``.safetensors``, or a ``.pt`` that ``torch.load(weights_only=True)`` reads."""
+
+from __future__ import annotations
+
+import os
+import struct
+import tempfile
+import time
+import uuid
+import zipfile
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Dict, List, Optional, Sequence, Union
+
+import torch
+
+from shardckpt._format import itemsize, torch_dtype
+from shardckpt._hf import KeyMap
+from shardckpt._io import DEFAULT_IO_THREADS
+from shardckpt._state import TAG, decode_value
+from shardckpt._storage import Storage, fsync_dir
+from shardckpt.errors import CheckpointExistsError, UnsupportedStateError
+
+from ._common import (
+    BLOCK_BYTES,
+    ConvertResult,
+    OutEntry,
+    Progress,
+    Reader,
+    cast_bytes,
+    open_checkpoint,
+    out_dtype,
+    parse_dtype,
+    plan_blocks,
+    prefetch,
+    split_url,
+    write_safetensors_files,
+)
+from ._crc import checksum, combine
+from ._safetensors import export_names
+
+__all__ = ["to_full"]
+
+_PT_SUFFIXES = (".pt", ".pth", ".bin")
+
+
+def to_full(
+    src: str,
+    dst: str,
+    *,
+    dtype: Any = None,
+    keys: Union[str, Sequence[str], None] = None,
+    key_map: Optional[KeyMap] = None,
+    storage_options: Optional[Dict[str, Any]] = None,
+    dst_storage_options: Optional[Dict[str, Any]] = None,
+    overwrite: bool = False,
+    progress: bool = False,
+    io_threads: int = DEFAULT_IO_THREADS,
+) -> ConvertResult:
+    """Write a checkpoint as one unsharded file, streaming.
+
+    ``dst`` ending in ``.safetensors``: every tensor under its full
+    checkpoint name (``model.emb.weight``, ``optim.state...``) — tensors
+    only, plain values are not kept. Ending in ``.pt``/``.pth``/``.bin``: the
+    whole saved structure as ``torch.save`` would write it (nested dicts,
+    plain values, tensors), readable with ``torch.load(weights_only=True)``
+    and with no pickle of code; with ``keys``/``key_map`` it is a flat
+    ``{name: tensor}`` dict.
+
+    Memory stays at a few 16 MiB blocks for both formats: the ``.pt`` file is
+    laid out by ``torch.save`` under ``torch.serialization.skip_data`` with
+    never-touched placeholder tensors, then each tensor's bytes are written
+    at its record's offset and the zip CRC-32s are filled in. A remote
+    ``.pt`` destination is built in the local temp directory and uploaded
+    (needs that much local disk).
+
+    Args:
+        src: a shardckpt checkpoint or safetensors directory/file.
+        dst: output file path or fsspec URL.
+        dtype: cast floating-point tensors; int/bool keep their dtype.
+        keys / key_map: select and rename tensors (see ``to_safetensors``).
+        storage_options / dst_storage_options: fsspec options.
+        overwrite: replace an existing ``dst``.
+        progress: progress bar.
+        io_threads: parallel readers/writers.
+
+    Raises:
+        ValueError: ``dst`` has another suffix.
+        CheckpointExistsError: ``dst`` exists and ``overwrite`` is False.
+        ChecksumMismatchError: the source is damaged (``dst`` is not written).
+
+    Local ``dst`` is written to a hidden temp file and renamed into place.
+
+    Example:
+        >>> converters.to_full("run/step-9", "model_full.safetensors")   # doctest: +SKIP
+    """
+    source = open_checkpoint(src, storage_options)
+    names = export_names(source, prefix=None, keys=keys, key_map=key_map)
+    cast = parse_dtype(dtype)
+    entries = [
+        OutEntry(key=out, src=source.tensors[n], start=0, stop=source.tensors[n].numel, shape=source.tensors[n].shape,
+                 dtype=out_dtype(source.tensors[n].dtype, cast))
+        for n, out in names.items()
+    ]
+    reader = Reader(source)
+    reader.check_source_files(names)
+    lower = dst.lower()
+    if lower.endswith(".safetensors"):
+        return write_safetensors_files(
+            dst, {"full": entries}, reader, storage_options=dst_storage_options, overwrite=overwrite,
+            single_file=True, threads=io_threads, progress=progress, desc="to_full",
+        )
+    if not lower.endswith(_PT_SUFFIXES):
+        raise ValueError(f"to_full: {dst!r} must end in .safetensors or one of {', '.join(_PT_SUFFIXES)}")
+    flat = keys is not None or key_map is not None or source.values is None
+    by_name = {e.src.name: e for e in entries}
+    return _write_pt(dst, source.values, by_name, reader, flat=flat, storage_options=dst_storage_options,
+                     overwrite=overwrite, threads=io_threads, progress=progress)
+
+
+def _placeholders(values: Any, by_name: Dict[str, OutEntry], flat: bool):
+    """The structure to ``torch.save`` with untouched ``torch.empty`` tensors, and name of each tensor by id."""
+    names: Dict[int, OutEntry] = {}
+
+    def ph(e: OutEntry) -> torch.Tensor:
+        t = torch.empty(e.shape, dtype=torch_dtype(e.dtype))
+        names[id(t)] = e
+        return t
+
+    if flat:
+        return {e.key: ph(e) for e in by_name.values()}, names
+
+    def walk(node):
+        if isinstance(node, dict):
+            kind = node.get(TAG)
+            if kind == "tensor":
+                e = by_name.get(node.get("name"))
+                if e is None:
+                    raise UnsupportedStateError(f"values refer to tensor {node.get('name')!r}, which the checkpoint lacks")
+                return ph(e)
+            if kind == "tuple":
+                return tuple(walk(x) for x in node["items"])
+            if kind == "dict":
+                return {decode_value(k): walk(v) for k, v in node["items"]}
+            if kind is not None:
+                return decode_value(node)
+            return {k: walk(v) for k, v in node.items()}
+        if isinstance(node, list):
+            return [walk(x) for x in node]
+        return node
+
+    obj = walk(values)
+    missing = set(by_name) - {e.src.name for e in names.values()}
+    if missing:
+        # Tensors the values tree does not reach still belong in a full file.
+        if not isinstance(obj, dict):
+            obj = {"values": obj}
+        for n in sorted(missing):
+            obj[n] = ph(by_name[n])
+    return obj, names
+
+
+def _leaves(obj) -> List[torch.Tensor]:
+    out: List[torch.Tensor] = []
+
+    def walk(o):
+        if isinstance(o, torch.Tensor):
+            out.append(o)
+        elif isinstance(o, dict):
+            for v in o.values():
+                walk(v)
+        elif isinstance(o, (list, tuple)):
+            for v in o:
+                walk(v)
+
+    walk(obj)
+    return out
+
+
+def _record_map(path: str) -> Dict[int, Dict[str, Any]]:
+    """data offset -> {name, size, crc_at (data descriptor CRC position), cd_at (central directory CRC position)}."""
+    out: Dict[int, Dict[str, Any]] = {}
+    with open(path, "rb") as f, zipfile.ZipFile(f) as z:
+        infos = z.infolist()
+        start_dir = z.start_dir
+        cd_pos: Dict[str, int] = {}
+        f.seek(start_dir)
+        pos = start_dir
+        for _ in infos:
+            head = f.read(46)
+            if head[:4] != b"PK\x01\x02":
+                break
+            n, m, k = struct.unpack("<HHH", head[28:34])
+            name = f.read(n).decode("utf-8")
+            cd_pos[name] = pos + 16
+            f.seek(m + k, os.SEEK_CUR)
+            pos += 46 + n + m + k
+        for zi in infos:
+            f.seek(zi.header_offset)
+            local = f.read(30)
+            n, m = struct.unpack("<HH", local[26:30])
+            data = zi.header_offset + 30 + n + m
+            desc = None
+            if zi.flag_bits & 0x08:
+                f.seek(data + zi.file_size)
+                sig = f.read(4)
+                desc = data + zi.file_size + (4 if sig == b"PK\x07\x08" else 0)
+            out[data] = {"name": zi.filename, "size": zi.file_size, "crc_at": desc,
+                         "local_crc_at": zi.header_offset + 14, "cd_at": cd_pos.get(zi.filename)}
+    return out
+
+
+def _write_pt(dst, values, by_name, reader: Reader, *, flat, storage_options, overwrite, threads, progress) -> ConvertResult:
+    t0 = time.perf_counter()
+    parent, base = split_url(dst)
+    root = Storage(parent, storage_options=storage_options)
+    if root.exists(base) and not overwrite:
+        raise CheckpointExistsError(f"{dst} already exists; pass overwrite=True to replace it")
+    if root.is_local:
+        os.makedirs(root.path(""), exist_ok=True)
+        tmp = root.path(f".{base}.{uuid.uuid4().hex[:12]}.tmp")
+    else:
+        fd, tmp = tempfile.mkstemp(suffix=".pt", prefix="shardckpt-")
+        os.close(fd)
+    total = sum(e.nbytes for e in by_name.values())
+    bar = Progress(total, progress, "to_full")
+    try:
+        obj, ids = _placeholders(values, by_name, flat)
+        order = [ids[id(t)] for t in _leaves(obj)]
+        with torch.serialization.skip_data():
+            torch.save(obj, tmp)
+        del obj, ids
+        metas = _leaves(torch.load(tmp, map_location="meta", weights_only=True))
+        if len(metas) != len(order):
+            raise AssertionError("internal error: torch.save structure changed on reload")
+        offsets = []
+        for e, m in zip(order, metas):
+            off = getattr(m.untyped_storage(), "_checkpoint_offset", None)
+            if off is None:
+                raise UnsupportedStateError("this torch cannot report storage offsets of a saved file (torch >= 2.6 needed for .pt output)")
+            offsets.append(off)
+        records = _record_map(tmp)
+        crcs = [0] * len(order)
+        fdw = os.open(tmp, os.O_RDWR)
+        try:
+            def jobs():
+                for i, e in enumerate(order):
+                    for blk in plan_blocks(e.src, e.start, e.stop, BLOCK_BYTES):
+                        yield _job(i, e, blk)
+
+            def _job(i, e, blk):
+                def run():
+                    data = reader.read(e.src, blk)
+                    if e.dtype != e.src.dtype:
+                        data = cast_bytes(data, e.src.dtype, e.dtype)
+                    mv = memoryview(data.numpy()).cast("B") if data.numel() else memoryview(b"")
+                    pos = offsets[i] + blk.start * itemsize(e.dtype)
+                    done = 0
+                    while done < len(mv):
+                        done += os.pwrite(fdw, mv[done:], pos + done)
+                    return i, len(mv), checksum("crc32", mv)
+
+                return run
+
+            with ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="shardckpt-pt") as pool:
+                for i, n, crc in prefetch(pool, jobs(), max(2, threads + 1)):
+                    crcs[i] = combine("crc32", crcs[i], crc, n)
+                    bar.update(n)
+            for i, e in enumerate(order):
+                rec = records.get(offsets[i])
+                if rec is None or rec["size"] != e.nbytes:
+                    raise AssertionError(f"internal error: no zip record of {e.nbytes} bytes at {offsets[i]} for {e.key}")
+                packed = struct.pack("<I", crcs[i])
+                for at in (rec["crc_at"], rec["cd_at"]) if rec["crc_at"] is not None else (rec["local_crc_at"], rec["cd_at"]):
+                    if at is not None:
+                        os.pwrite(fdw, packed, at)
+            os.fsync(fdw)
+        finally:
+            os.close(fdw)
+        reader.finish()
+        if root.is_local:
+            os.replace(tmp, root.path(base))
+            fsync_dir(root.path(""))
+        else:
+            w = root.open_write(base)
+            try:
+                with open(tmp, "rb") as f:
+                    while True:
+                        block = f.read(BLOCK_BYTES)
+                        if not block:
+                            break
+                        w.write(block)
+                w.close()
+            except BaseException:
+                w.abort()
+                raise
+    finally:
+        bar.close()
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+    return ConvertResult(dst, [base], len(order), total, time.perf_counter() - t0)

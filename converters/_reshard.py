@@ -1,0 +1,111 @@
+"""Offline resharding: rewrite a checkpoint as FSDP2 would lay it out on M ranks."""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional
+
+from shardckpt._format import chunk_key
+from shardckpt._io import DEFAULT_IO_THREADS
+from shardckpt._plan import fsdp_boxes
+
+from ._common import ConvertResult, OutEntry, Reader, open_checkpoint, write_native
+
+__all__ = ["reshard", "REPLICATED_FILE"]
+
+#: Name (before the save id) of the file holding tensors every rank reads whole.
+REPLICATED_FILE = "replicated"
+
+
+def reshard(
+    src: str,
+    dst: str,
+    *,
+    world_size: int,
+    storage_options: Optional[Dict[str, Any]] = None,
+    dst_storage_options: Optional[Dict[str, Any]] = None,
+    overwrite: bool = False,
+    progress: bool = False,
+    io_threads: int = DEFAULT_IO_THREADS,
+) -> ConvertResult:
+    """Rewrite a checkpoint for ``world_size`` FSDP2 ranks, offline (no GPUs, no process group).
+
+    Every tensor of 1+ dims is cut along dim 0 exactly as ``fully_shard``
+    on a 1-D mesh of ``world_size`` would cut it (``torch.chunk`` sizes,
+    uneven tails, ranks past the last row empty) and rank ``r``'s pieces go
+    to one file, ``data/<id>-r0000r.safetensors``. A later load on
+    ``world_size`` FSDP2 ranks then reads exactly one data file per rank
+    for its parameters and optimizer state. Tensors a multi-rank save wrote
+    as plain (replicated) tensors — buffers, which FSDP2 does not shard,
+    scalars like optimizer steps — and 0-d tensors stay whole in a shared
+    ``...-replicated.safetensors`` that every rank reads. The plain values
+    (step, RNG, scheduler...) are carried over unchanged.
+
+    The result is an ordinary checkpoint: it loads at any world size; it is
+    only fastest at ``world_size``.
+
+    Args:
+        src: checkpoint to reshard (a shardckpt checkpoint or safetensors dir).
+        dst: new checkpoint directory (committed by ``manifest.json`` last).
+        world_size: target number of ranks (>= 1).
+        storage_options / dst_storage_options: fsspec options.
+        overwrite: replace a committed checkpoint at ``dst``.
+        progress: progress bar.
+        io_threads: files written in parallel / readers.
+
+    Raises:
+        ValueError: ``world_size`` < 1.
+        CheckpointNotFoundError / ChecksumMismatchError: bad source (nothing committed).
+
+    Example:
+        >>> converters.reshard("run/step-500", "run/step-500-w8", world_size=8)   # doctest: +SKIP
+    """
+    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
+        raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
+    source = open_checkpoint(src, storage_options)
+    files: Dict[str, List[OutEntry]] = {}
+    tensors = {}
+    layout = {"mesh_shape": [world_size], "mesh_dim_names": None, "placements": ["S(0)"], "resharded": True}
+    for name, t in source.tensors.items():
+        replicated = not t.shape or t.numel == 0 or (t.layout is None and source.world_size > 1)
+        if replicated:
+            files.setdefault(REPLICATED_FILE, []).append(
+                OutEntry(key=name, src=t, start=0, stop=t.numel, shape=t.shape, dtype=t.dtype, name=name, offsets=(0,) * len(t.shape))
+            )
+            tensors[name] = (t.dtype, t.shape, None)
+            continue
+        row = t.row
+        for r, box in enumerate(fsdp_boxes(t.shape, world_size)):
+            if box.numel == 0:
+                continue
+            whole = box.sizes == tuple(t.shape)
+            files.setdefault(f"r{r:05d}", []).append(
+                OutEntry(
+                    key=chunk_key(name, box.offsets, whole),
+                    src=t,
+                    start=box.offsets[0] * row,
+                    stop=(box.offsets[0] + box.sizes[0]) * row,
+                    shape=box.sizes,
+                    dtype=t.dtype,
+                    name=name,
+                    offsets=box.offsets,
+                )
+            )
+        tensors[name] = (t.dtype, t.shape, layout)
+    reader = Reader(source)
+    reader.check_source_files(source.tensors)
+    extra = {k: v for k, v in source.extra.items() if k != "source"}
+    extra["resharded_from_world_size"] = source.world_size
+    return write_native(
+        dst,
+        files,
+        reader,
+        tensors=tensors,
+        values=source.values,
+        world_size=world_size,
+        extra=extra,
+        storage_options=dst_storage_options,
+        overwrite=overwrite,
+        threads=io_threads,
+        progress=progress,
+        desc="reshard",
+    )

@@ -1,0 +1,261 @@
+"""Export to the Hugging Face safetensors layout; import from it."""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any, Dict, List, Optional, Sequence, Union
+
+from shardckpt._format import itemsize
+from shardckpt._hf import KeyMap, hf_manifest, map_names, select_names
+from shardckpt._io import DEFAULT_IO_THREADS
+from shardckpt._state import tensor_ref
+from shardckpt._storage import Storage
+from shardckpt.errors import CheckpointNotFoundError, StateMismatchError
+
+from ._common import (
+    ConvertResult,
+    OutEntry,
+    Reader,
+    Source,
+    open_checkpoint,
+    out_dtype,
+    parse_dtype,
+    parse_size,
+    source_from_manifest,
+    write_native,
+    write_safetensors_files,
+)
+
+__all__ = ["to_safetensors", "from_safetensors", "export_names", "nest_under"]
+
+HF_SINGLE = "model.safetensors"
+HF_INDEX = "model.safetensors.index.json"
+
+
+def export_names(
+    source: Source,
+    *,
+    prefix: Optional[str],
+    keys: Union[str, Sequence[str], None],
+    key_map: Optional[KeyMap],
+) -> Dict[str, str]:
+    """``{source name: output name}``: entries under ``prefix`` (stripped), selected, renamed.
+
+    When no tensor lies under ``prefix`` all tensors are taken with their
+    names unchanged. ``keys`` match names after the prefix is stripped.
+    """
+    names = list(source.tensors)
+    stripped = {n: n for n in names}
+    if prefix:
+        under = {n: n[len(prefix) :] for n in names if n.startswith(prefix) and len(n) > len(prefix)}
+        if under:
+            stripped = under
+    back = {v: k for k, v in stripped.items()}
+    chosen = select_names(list(stripped.values()), keys)
+    renamed = map_names(chosen, key_map)
+    out = {back[s]: new for s, new in renamed.items()}
+    if not out:
+        raise StateMismatchError(f"{source.url}: no tensors to convert (after prefix/keys/key_map selection)")
+    return out
+
+
+def to_safetensors(
+    src: str,
+    dst: str,
+    *,
+    dtype: Any = None,
+    max_shard_size: Union[int, str] = "5GB",
+    keys: Union[str, Sequence[str], None] = None,
+    key_map: Optional[KeyMap] = None,
+    prefix: Optional[str] = "model.",
+    storage_options: Optional[Dict[str, Any]] = None,
+    dst_storage_options: Optional[Dict[str, Any]] = None,
+    overwrite: bool = False,
+    progress: bool = False,
+    io_threads: int = DEFAULT_IO_THREADS,
+) -> ConvertResult:
+    """Export a checkpoint's model as a Hugging Face safetensors directory.
+
+    Writes ``model.safetensors`` when everything fits in one shard, else
+    ``model-00001-of-0000N.safetensors``... plus ``model.safetensors.index.json``
+    (``metadata.total_size``, ``weight_map``), the layout ``transformers``
+    and ``safetensors.torch.load_file`` read. Streams: memory stays at a few
+    16 MiB blocks whatever the model size; source checksums are verified on
+    the way and a damaged source raises before anything is published.
+
+    Args:
+        src: a shardckpt checkpoint (any world size), or a safetensors
+            directory/file (to re-shard, cast or rename it).
+        dst: output directory (local path or fsspec URL).
+        dtype: cast floating-point tensors (``torch.bfloat16``, ``"bf16"``...);
+            integer and bool tensors keep their dtype.
+        max_shard_size: bytes per file: an int, or ``"5GB"`` / ``"500MB"``
+            (decimal, as huggingface_hub reads them) or ``"2GiB"`` (binary).
+            A tensor larger than this gets a file of its own.
+        keys: names or glob patterns selecting tensors (matched after the
+            prefix is stripped); a pattern matching nothing raises.
+        key_map: renames: a dict ``{name: new}`` (unlisted names unchanged)
+            or a callable returning the new name or ``None`` to drop one.
+        prefix: state prefix to strip; only tensors under it are exported
+            (all tensors when none is under it). ``None``/``""``: all tensors.
+        storage_options / dst_storage_options: fsspec options for src / dst.
+        overwrite: replace a non-empty ``dst``.
+        progress: show a progress bar (needs tqdm).
+        io_threads: parallel readers.
+
+    Returns:
+        ConvertResult(url, files, tensors, nbytes, seconds).
+
+    Raises:
+        CheckpointNotFoundError: nothing committed at ``src``.
+        CheckpointExistsError: ``dst`` is not empty and ``overwrite`` is False.
+        StateMismatchError: the selection is empty, a pattern matches nothing,
+            or ``key_map`` maps two tensors to one name.
+        ChecksumMismatchError: the source is damaged (nothing published).
+
+    Publication: on local disk the directory is built under a hidden
+    sibling name and renamed into place, so it appears complete or not at
+    all. On object stores each file appears whole when its upload
+    completes and the index is written last; a reader that goes through the
+    index never sees a partial export, but a crash can leave shard files
+    without an index.
+
+    Example:
+        >>> from shardckpt import converters                      # doctest: +SKIP
+        >>> converters.to_safetensors("ckpt/step-1000", "hf_out", dtype="bf16", max_shard_size="2GB")
+    """
+    source = open_checkpoint(src, storage_options)
+    names = export_names(source, prefix=prefix, keys=keys, key_map=key_map)
+    cast = parse_dtype(dtype)
+    limit = parse_size(max_shard_size)
+    groups: List[List[OutEntry]] = []
+    size = 0
+    for name, out in names.items():
+        t = source.tensors[name]
+        dt = out_dtype(t.dtype, cast)
+        e = OutEntry(key=out, src=t, start=0, stop=t.numel, shape=t.shape, dtype=dt)
+        if not groups or (groups[-1] and size + e.nbytes > limit):
+            groups.append([])
+            size = 0
+        groups[-1].append(e)
+        size += e.nbytes
+    reader = Reader(source)
+    reader.check_source_files(names)
+    if len(groups) == 1:
+        files = {HF_SINGLE: groups[0]}
+        index = None
+    else:
+        n = len(groups)
+        files = {f"model-{i + 1:05d}-of-{n:05d}.safetensors": g for i, g in enumerate(groups)}
+        weight_map = {e.key: rel for rel, g in files.items() for e in g}
+        total = sum(e.nbytes for g in groups for e in g)
+        index = (
+            json.dumps({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, indent=2) + "\n"
+        ).encode()
+    return write_safetensors_files(
+        dst,
+        files,
+        reader,
+        index=index,
+        index_name=HF_INDEX,
+        storage_options=dst_storage_options,
+        overwrite=overwrite,
+        threads=io_threads,
+        progress=progress,
+        desc="to_safetensors",
+    )
+
+
+def nest_under(prefix: str, leaves: Dict[str, Any]) -> Any:
+    """The values tree that puts ``leaves`` under the dotted ``prefix`` (``"model."`` -> ``{"model": leaves}``)."""
+    tree: Any = leaves
+    for part in reversed([p for p in (prefix or "").split(".") if p]):
+        tree = {part: tree}
+    return tree
+
+
+def plan_whole_files(entries: List[OutEntry], threads: int, min_bytes: int = 64 << 20) -> Dict[str, List[OutEntry]]:
+    """Spread whole-tensor entries over a few files of balanced size (one writer each)."""
+    total = sum(e.nbytes for e in entries)
+    parts = max(1, min(threads, math.ceil(total / min_bytes) if total else 1, len(entries) or 1))
+    groups: List[List[OutEntry]] = [[] for _ in range(parts)]
+    load = [0] * parts
+    for e in sorted(entries, key=lambda e: (-e.nbytes, e.key)):
+        g = min(range(parts), key=lambda j: (load[j], j))
+        groups[g].append(e)
+        load[g] += e.nbytes
+    return {f"{i:02d}": g for i, g in enumerate(groups) if g}
+
+
+def from_safetensors(
+    src: str,
+    dst: str,
+    *,
+    prefix: str = "model.",
+    keys: Union[str, Sequence[str], None] = None,
+    key_map: Optional[KeyMap] = None,
+    storage_options: Optional[Dict[str, Any]] = None,
+    dst_storage_options: Optional[Dict[str, Any]] = None,
+    overwrite: bool = False,
+    progress: bool = False,
+    io_threads: int = DEFAULT_IO_THREADS,
+) -> ConvertResult:
+    """Import safetensors weights (an HF directory, sharded with an index or not, or one file) as a native checkpoint.
+
+    Tensor names get ``prefix`` (default ``"model."``), so the result loads
+    with ``shardckpt.load({"model": model}, dst)`` at any world size. Every
+    chunk gets a CRC-32C computed while streaming.
+
+    Args:
+        src: safetensors directory or ``.safetensors`` file (local or fsspec URL).
+        dst: native checkpoint directory to create.
+        prefix: prepended to every (renamed) name; ``""`` for none.
+        keys: names or glob patterns to import (HF names, before renaming).
+        key_map: renames applied before the prefix (dict or callable; ``None`` drops).
+        storage_options / dst_storage_options: fsspec options.
+        overwrite: replace a committed checkpoint at ``dst``.
+        progress: progress bar.
+        io_threads: parallel readers/writers.
+
+    Raises:
+        CheckpointNotFoundError: no safetensors files at ``src``.
+        CorruptCheckpointError: a bad index or header (named).
+        CheckpointExistsError: ``dst`` holds a checkpoint and ``overwrite`` is False.
+
+    Safetensors files carry no checksums: the bytes imported are what the
+    files hold (sizes and header bounds are checked).
+
+    Example:
+        >>> converters.from_safetensors("Llama-3-8B/", "s3://b/llama-native")   # doctest: +SKIP
+    """
+    storage = Storage(src, storage_options=storage_options)
+    m = hf_manifest(storage)
+    if m is None:
+        raise CheckpointNotFoundError(f"no safetensors files at {storage.url}")
+    source = source_from_manifest(storage, m)
+    chosen = select_names(list(source.tensors), keys)
+    renamed = map_names(chosen, key_map)
+    final = {old: (prefix or "") + new for old, new in renamed.items()}
+    if not final:
+        raise StateMismatchError(f"{storage.url}: no tensors to import")
+    entries = []
+    for old, name in final.items():
+        t = source.tensors[old]
+        entries.append(OutEntry(key=name, src=t, start=0, stop=t.numel, shape=t.shape, dtype=t.dtype, name=name, offsets=(0,) * len(t.shape)))
+    reader = Reader(source)
+    values = nest_under(prefix, {new: tensor_ref(final[old]) for old, new in renamed.items()})
+    return write_native(
+        dst,
+        plan_whole_files(entries, io_threads),
+        reader,
+        tensors={final[o]: (source.tensors[o].dtype, source.tensors[o].shape, None) for o in final},
+        values=values,
+        world_size=1,
+        extra={"converted_from": "safetensors"},
+        storage_options=dst_storage_options,
+        overwrite=overwrite,
+        threads=io_threads,
+        progress=progress,
+        desc="from_safetensors",
+    )

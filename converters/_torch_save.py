@@ -1,0 +1,313 @@
+"""Import ``torch.save`` files; shared machinery for reading torch.save payloads by byte ranges.
+
+A ``torch.save`` file is a zip: a pickle (``data.pkl``) describing the
+structure and one uncompressed record per storage. ``torch.load(...,
+map_location="meta", weights_only=True)`` runs torch's restricted unpickler
+(only tensors, containers and plain values; anything that names another
+global is refused before it runs) and reads no tensor bytes; each meta
+storage then tells where its record's bytes start. The tensors are streamed
+from those byte ranges, checked against the CRC-32 of their zip records.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import struct
+import zipfile
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple, Union
+
+import torch
+
+from shardckpt._format import dtype_name
+from shardckpt._hf import KeyMap, map_names, select_names
+from shardckpt._io import DEFAULT_IO_THREADS
+from shardckpt._state import flatten_for_save
+from shardckpt._storage import Storage
+from shardckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsafeMetadataError, UnsupportedStateError
+
+from ._common import ConvertResult, OutEntry, Reader, Source, SrcChunk, SrcTensor, split_url, write_native
+from ._safetensors import nest_under, plan_whole_files
+
+__all__ = ["from_torch_save", "RangeFile", "load_meta", "chunk_of", "source_from_state"]
+
+
+class RangeFile(io.RawIOBase):
+    """A read-only, seekable file over bytes ``[start, start + length)`` of a storage file."""
+
+    def __init__(self, storage: Storage, rel: str, start: int, length: int):
+        super().__init__()
+        self.storage, self.rel, self.start, self.length = storage, rel, start, length
+        self.pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.pos, io.SEEK_END: self.length}[whence]
+        self.pos = max(0, base + offset)
+        return self.pos
+
+    def readinto(self, b) -> int:
+        n = max(0, min(len(b), self.length - self.pos))
+        if n == 0:
+            return 0
+        data = self.storage.read_range(self.rel, self.start + self.pos, n)
+        if len(data) != n:
+            raise EOFError(f"{self.storage.url_of(self.rel)}: file ends before byte {self.start + self.pos + n}")
+        memoryview(b).cast("B")[:n] = data
+        self.pos += n
+        return n
+
+
+def _refusal(e: BaseException) -> str:
+    msg = str(e)
+    for line in msg.splitlines():
+        if "Unsupported global" in line or "Unsupported operand" in line or "unsupported" in line.lower():
+            return line.strip()
+    return msg.splitlines()[0] if msg else type(e).__name__
+
+
+def load_meta(storage: Storage, rel: str, start: int, length: int, *, where: str) -> Tuple[Any, Dict[int, Tuple[int, int]]]:
+    """Unpickle a torch.save payload with meta tensors; also ``{data offset: (crc32, size)}`` of its records.
+
+    Raises UnsafeMetadataError when the pickle names anything outside torch's
+    weights-only allowlist (nothing from it is run), CorruptCheckpointError
+    when it is not a readable torch.save payload.
+    """
+    raw = RangeFile(storage, rel, start, length)
+    f = io.BufferedReader(raw, buffer_size=64 << 10)
+    try:
+        obj = torch.load(f, map_location="meta", weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise UnsafeMetadataError(
+            f"{where}: refused to unpickle: {_refusal(e)}. Only tensors, containers and plain values are "
+            "allowed (torch.load weights_only=True); nothing from the file was run"
+        ) from None
+    except (RuntimeError, ValueError, EOFError, zipfile.BadZipFile) as e:
+        raise CorruptCheckpointError(f"{where}: not a readable torch.save payload ({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
+    return obj, _zip_records(f, where)
+
+
+def _zip_records(f, where: str) -> Dict[int, Tuple[int, int]]:
+    out: Dict[int, Tuple[int, int]] = {}
+    try:
+        f.seek(0)
+        with zipfile.ZipFile(f) as z:
+            for zi in z.infolist():
+                if "/data/" not in zi.filename or zi.compress_type != zipfile.ZIP_STORED:
+                    continue
+                f.seek(zi.header_offset)
+                local = f.read(30)
+                if len(local) < 30 or local[:4] != b"PK\x03\x04":
+                    continue
+                n, m = struct.unpack("<HH", local[26:30])
+                out[zi.header_offset + 30 + n + m] = (zi.CRC, zi.file_size)
+    except (zipfile.BadZipFile, OSError, ValueError):
+        return {}  # offsets come from torch; CRCs are a bonus check
+    return out
+
+
+def chunk_of(
+    name: str,
+    t: torch.Tensor,
+    storage: Storage,
+    rel: str,
+    start: int,
+    length: int,
+    records: Dict[int, Tuple[int, int]],
+    *,
+    where: str,
+) -> SrcChunk:
+    """Where a meta tensor from :func:`load_meta` has its bytes (``start``: payload offset in ``rel``)."""
+    st = t.untyped_storage()
+    off = getattr(st, "_checkpoint_offset", None)
+    if off is None:
+        raise UnsupportedStateError(f"{where}: this torch does not report storage offsets (torch >= 2.6 needed)")
+    isz = t.element_size()
+    snb = st.nbytes()
+    if off < 0 or off + snb > length:
+        raise CorruptCheckpointError(f"{where}: tensor {name!r} storage [{off}, {off + snb}) lies outside the payload of {length} bytes")
+    shape = tuple(t.shape)
+    nbytes = t.numel() * isz
+    if t.numel() and (t.storage_offset() + _span(t)) * isz > snb:
+        raise CorruptCheckpointError(f"{where}: tensor {name!r} reaches past its storage")
+    if t.is_contiguous():
+        rec = records.get(off)
+        check = None
+        if rec is not None and rec[1] == snb and t.storage_offset() == 0 and nbytes == snb and (rec[0] or not nbytes):
+            check = ("crc32", rec[0])
+        return SrcChunk(file=rel, byte_offset=start + off + t.storage_offset() * isz, nbytes=nbytes,
+                        offsets=(0,) * len(shape), sizes=shape, key=name, check=check)
+    size, stride, soff, dtype = tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.dtype
+    url = storage.url_of(rel)
+
+    def load() -> torch.Tensor:
+        data = storage.read_range(rel, start + off, snb)
+        if len(data) != snb:
+            raise CorruptCheckpointError(f"{url}: truncated storage of {name!r}")
+        base = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dtype)
+        return base.as_strided(size, stride, soff).contiguous()
+
+    return SrcChunk(file=rel, byte_offset=start + off, nbytes=nbytes, offsets=(0,) * len(shape), sizes=shape, key=name, loader=load)
+
+
+def _span(t: torch.Tensor) -> int:
+    return 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()) if n > 0)
+
+
+def source_from_state(
+    state: Dict[str, Any],
+    chunk_for: Callable[[str, torch.Tensor], Sequence[SrcChunk]],
+    *,
+    url: str,
+    storage: Storage,
+    kind: str,
+    files: Optional[Dict[str, int]] = None,
+) -> Source:
+    """Flatten a structure holding (meta) tensors into a Source, as a save of it would name them."""
+    flat = flatten_for_save(state)
+    tensors = {}
+    for name in sorted(flat.tensors):
+        t = flat.tensors[name]
+        if not isinstance(t, torch.Tensor) or t.layout != torch.strided or t.is_sparse or t.is_quantized:
+            raise UnsupportedStateError(f"{url}: {name}: only dense tensors can be imported, found {type(t).__name__} {getattr(t, 'layout', '')}")
+        tensors[name] = SrcTensor(name=name, dtype=dtype_name(t.dtype, key=name), shape=tuple(t.shape), chunks=list(chunk_for(name, t)))
+    return Source(url=url, storage=storage, tensors=tensors, values=flat.tree, kind=kind, files=files)
+
+
+def _memory_chunk(name: str, t: torch.Tensor) -> SrcChunk:
+    data = t.detach().contiguous()
+    return SrcChunk(file="", byte_offset=0, nbytes=data.numel() * data.element_size(), offsets=(0,) * data.dim(),
+                    sizes=tuple(data.shape), key=name, loader=lambda: data)
+
+
+def from_torch_save(
+    src: str,
+    dst: str,
+    *,
+    prefix: Optional[str] = None,
+    keys: Union[str, Sequence[str], None] = None,
+    key_map: Optional[KeyMap] = None,
+    storage_options: Optional[Dict[str, Any]] = None,
+    dst_storage_options: Optional[Dict[str, Any]] = None,
+    overwrite: bool = False,
+    progress: bool = False,
+    io_threads: int = DEFAULT_IO_THREADS,
+) -> ConvertResult:
+    """Import a ``torch.save`` file (``.pt``/``.pth``/``.bin``) as a native checkpoint, safely.
+
+    The file is read with ``torch.load(weights_only=True)``: a pickle that
+    names any other callable (``os.system``, ``__reduce__`` tricks...) is
+    refused with :class:`~shardckpt.UnsafeMetadataError` and nothing from it
+    runs. Tensors are streamed from their zip records by byte ranges and
+    checked against the records' CRC-32; plain values (step, lr...) become
+    the checkpoint's values.
+
+    Args:
+        src: the file (local path or fsspec URL).
+        dst: native checkpoint directory to create.
+        prefix: put the loaded dict under this dotted prefix. Default
+            (``None``): ``"model."`` when the file is a flat dict of tensors
+            (a bare state dict, so ``shardckpt.load({"model": model}, dst)``
+            works), else nothing (a training checkpoint like
+            ``{"model": ..., "optimizer": ..., "step": 3}`` keeps its keys).
+        keys / key_map: select / rename tensors by their final names
+            (plain values are kept as they are).
+        storage_options / dst_storage_options: fsspec options.
+        overwrite: replace a committed checkpoint at ``dst``.
+        progress: progress bar.
+        io_threads: parallel readers/writers.
+
+    Raises:
+        UnsafeMetadataError: the pickle asks for anything beyond tensors and plain data.
+        CorruptCheckpointError: not a torch.save file, or a record's CRC-32 mismatch.
+        UnsupportedStateError: the top level is not a dict; sparse/quantized tensors.
+
+    Limits: files in the legacy (pre-zip, torch < 1.6) format, and tensors
+    that are non-contiguous views, are read whole (one tensor at a time for
+    views; the whole file for legacy files).
+
+    Example:
+        >>> converters.from_torch_save("model.pt", "ckpt-native")     # doctest: +SKIP
+    """
+    parent, base = split_url(src)
+    storage = Storage(parent, storage_options=storage_options)
+    try:
+        size = storage.size(base)
+    except (FileNotFoundError, NotADirectoryError):
+        raise CheckpointNotFoundError(f"no file at {src}") from None
+    where = storage.url_of(base)
+    head = storage.read_range(base, 0, 4)
+    if head[:4] == b"PK\x03\x04":
+        obj, records = load_meta(storage, base, 0, size, where=where)
+
+        def chunk_for(name, t):
+            return [chunk_of(name, t, storage, base, 0, size, records, where=where)]
+    else:
+        # Legacy format: no byte ranges to stream from. Still weights_only.
+        try:
+            obj = torch.load(io.BytesIO(storage.read_bytes(base)), weights_only=True)
+        except pickle.UnpicklingError as e:
+            raise UnsafeMetadataError(
+                f"{where}: refused to unpickle: {_refusal(e)}. Only tensors, containers and plain values are "
+                "allowed (torch.load weights_only=True); nothing from the file was run"
+            ) from None
+        except (RuntimeError, ValueError, EOFError) as e:
+            raise CorruptCheckpointError(f"{where}: not a torch.save file ({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
+
+        def chunk_for(name, t):
+            return [_memory_chunk(name, t)]
+
+    if isinstance(obj, torch.Tensor) or not isinstance(obj, dict):
+        raise UnsupportedStateError(f"{where}: the top level is a {type(obj).__name__}; from_torch_save imports a dict (a state dict or a training checkpoint)")
+    if prefix is None:
+        prefix = "model." if obj and all(isinstance(v, torch.Tensor) for v in obj.values()) else ""
+    state = nest_under(prefix, obj)
+    if not isinstance(state, dict) or not state:
+        raise UnsupportedStateError(f"{where}: nothing to import")
+    source = source_from_state(state, chunk_for, url=where, storage=storage, kind="torch_save", files={base: size})
+    return _write_imported(source, dst, keys=keys, key_map=key_map, dst_storage_options=dst_storage_options,
+                           overwrite=overwrite, progress=progress, io_threads=io_threads, what="torch_save")
+
+
+def _write_imported(source: Source, dst: str, *, keys, key_map, dst_storage_options, overwrite, progress, io_threads, what) -> ConvertResult:
+    """Write an imported Source as a native checkpoint (whole tensors, balanced files)."""
+    chosen = select_names(list(source.tensors), keys)
+    renamed = map_names(chosen, key_map)
+    if not renamed:
+        raise UnsupportedStateError(f"{source.url}: no tensors to import")
+    values = source.values
+    if keys is not None or key_map is not None:
+        from shardckpt._hf import _rename_refs
+
+        values = _rename_refs(values, renamed)
+    entries = []
+    tensors = {}
+    for old, new in renamed.items():
+        t = source.tensors[old]
+        entries.append(OutEntry(key=new, src=t, start=0, stop=t.numel, shape=t.shape, dtype=t.dtype, name=new, offsets=(0,) * len(t.shape)))
+        tensors[new] = (t.dtype, t.shape, t.layout)
+    reader = Reader(source)
+    reader.check_source_files(renamed)
+    return write_native(
+        dst,
+        plan_whole_files(entries, io_threads),
+        reader,
+        tensors=tensors,
+        values=values,
+        world_size=1,
+        extra={"converted_from": what},
+        storage_options=dst_storage_options,
+        overwrite=overwrite,
+        threads=io_threads,
+        progress=progress,
+        desc=f"from_{what}",
+    )
+

@@ -1,0 +1,331 @@
+"""The ``shardckpt`` command: inspect, verify, diff, export/convert, reshard, import.
+
+Exit status: 0 on success; 1 when ``verify`` finds damage or ``diff`` finds
+differences; 2 on any other error (one line on stderr, no traceback; set
+``SHARDCKPT_TRACEBACK=1`` to see one). Progress bars (tqdm) go to stderr
+when it is a terminal, unless ``--quiet``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any, Dict, List, Optional, Sequence
+
+__all__ = ["main"]
+
+EXIT_OK, EXIT_DIFFERENT, EXIT_ERROR = 0, 1, 2
+
+
+class _CliError(Exception):
+    """A user error with a message meant for the terminal."""
+
+
+def _storage_options(pairs: Optional[Sequence[str]]) -> Optional[Dict[str, Any]]:
+    """``key=value`` pairs; values read as JSON when they parse (numbers, booleans, objects)."""
+    if not pairs:
+        return None
+    out: Dict[str, Any] = {}
+    for p in pairs:
+        key, sep, val = p.partition("=")
+        if not sep or not key:
+            raise _CliError(f"--storage-option expects key=value, got {p!r}")
+        try:
+            out[key] = json.loads(val)
+        except ValueError:
+            out[key] = val
+        # Nested options: client_kwargs.endpoint_url=... -> {"client_kwargs": {"endpoint_url": ...}}
+        if "." in key:
+            head, _, rest = key.partition(".")
+            out.setdefault(head, {})
+            if isinstance(out[head], dict):
+                out[head][rest] = out.pop(key)
+    return out
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"  # pragma: no cover
+
+
+def _progress(args) -> bool:
+    return not args.quiet and sys.stderr.isatty()
+
+
+# --------------------------------------------------------------------------
+# commands
+
+
+def cmd_inspect(args) -> int:
+    import shardckpt
+
+    m = shardckpt.inspect(args.url, storage_options=_storage_options(args.storage_option))
+    source = m.extra.get("source") if isinstance(m.extra, dict) else None
+    if args.json:
+        out = m.to_json()
+        out["url"] = args.url
+        out["total_bytes"] = m.total_bytes
+        if source:
+            out["source"] = source
+        json.dump(out, sys.stdout, indent=1, sort_keys=True)
+        sys.stdout.write("\n")
+        return EXIT_OK
+    kind = "safetensors files (no checksums)" if source == "safetensors" else f"shardckpt format v{m.version}"
+    print(f"{args.url}: {kind}, saved by world size {m.world_size}, {len(m.tensors)} tensors, "
+          f"{len(m.files)} files, {_human(m.total_bytes)}")
+    rows = [("name", "dtype", "shape", "chunks", "bytes")]
+    for name in sorted(m.tensors):
+        t = m.tensors[name]
+        rows.append((name, t.dtype, "[" + ", ".join(str(s) for s in t.shape) + "]", str(len(t.chunks)), str(t.nbytes)))
+    widths = [max(len(r[i]) for r in rows) for i in range(5)]
+    for r in rows:
+        print(f"{r[0]:<{widths[0]}}  {r[1]:<{widths[1]}}  {r[2]:<{widths[2]}}  {r[3]:>{widths[3]}}  {r[4]:>{widths[4]}}")
+    if m.values is not None and args.values:
+        print(json.dumps(m.values, indent=1, sort_keys=True))
+    return EXIT_OK
+
+
+def cmd_verify(args) -> int:
+    import shardckpt
+    from shardckpt.errors import CorruptCheckpointError
+
+    try:
+        m = shardckpt.verify(args.url, storage_options=_storage_options(args.storage_option))
+    except CorruptCheckpointError as e:
+        print(f"shardckpt: DAMAGED: {e}", file=sys.stderr)
+        return EXIT_DIFFERENT
+    chunks = sum(len(t.chunks) for t in m.tensors.values())
+    if isinstance(m.extra, dict) and m.extra.get("source") == "safetensors":
+        how = "safetensors files have no checksums: headers, bounds and sizes checked"
+    else:
+        how = "every checksum matches"
+    print(f"OK {args.url}: {len(m.tensors)} tensors, {chunks} chunks, {len(m.files)} files, {_human(m.total_bytes)}; {how}")
+    return EXIT_OK
+
+
+def cmd_diff(args) -> int:
+    from shardckpt.converters._diff import diff
+
+    report = diff(
+        args.a,
+        args.b,
+        storage_options=_storage_options(args.storage_option),
+        b_storage_options=_storage_options(args.b_storage_option) or _storage_options(args.storage_option),
+        atol=args.atol,
+        progress=_progress(args),
+    )
+    if args.json:
+        json.dump(report.to_json(), sys.stdout, indent=1, sort_keys=True)
+        sys.stdout.write("\n")
+    else:
+        for line in report.lines():
+            print(line)
+    return EXIT_OK if report.same else EXIT_DIFFERENT
+
+
+def _keys(vals: Optional[List[str]]) -> Optional[List[str]]:
+    if not vals:
+        return None
+    out = []
+    for v in vals:
+        out.extend(x for x in v.split(",") if x)
+    return out
+
+
+def _rename(vals: Optional[List[str]]) -> Optional[Dict[str, str]]:
+    if not vals:
+        return None
+    out = {}
+    for v in vals:
+        old, sep, new = v.partition("=")
+        if not sep or not old or not new:
+            raise _CliError(f"--rename expects old=new, got {v!r}")
+        out[old] = new
+    return out
+
+
+def cmd_export(args) -> int:
+    from shardckpt import converters
+
+    common = dict(
+        storage_options=_storage_options(args.storage_option),
+        dst_storage_options=_storage_options(args.dst_storage_option),
+        overwrite=args.overwrite,
+        progress=_progress(args),
+    )
+    to = args.to
+    if to is None:
+        if args.world_size is not None:
+            to = "reshard"
+        elif args.dst.lower().endswith((".safetensors", ".pt", ".pth", ".bin")):
+            to = "full"
+        else:
+            to = "safetensors"
+    if to == "reshard":
+        if args.world_size is None:
+            raise _CliError("--to reshard needs --world-size N")
+        r = converters.reshard(args.src, args.dst, world_size=args.world_size, **common)
+    elif to == "full":
+        r = converters.to_full(args.src, args.dst, dtype=args.dtype, keys=_keys(args.keys), key_map=_rename(args.rename), **common)
+    else:
+        prefix = "" if args.no_prefix else args.prefix
+        r = converters.to_safetensors(
+            args.src, args.dst, dtype=args.dtype, max_shard_size=args.max_shard_size, keys=_keys(args.keys),
+            key_map=_rename(args.rename), prefix=prefix, **common,
+        )
+    _done(args, r)
+    return EXIT_OK
+
+
+def cmd_reshard(args) -> int:
+    args.to = "reshard"
+    return cmd_export(args)
+
+
+def _detect_import(src: str, opts) -> str:
+    from shardckpt._storage import Storage
+
+    lower = src.lower().rstrip("/")
+    if lower.endswith((".pt", ".pth", ".bin", ".ckpt")):
+        return "torch"
+    if lower.endswith(".safetensors"):
+        return "safetensors"
+    st = Storage(src, storage_options=opts)
+    names = st.listdir("")
+    if ".metadata" in names:
+        return "dcp"
+    if any(n.endswith(".safetensors") for n in names):
+        return "safetensors"
+    raise _CliError(f"cannot tell what {src} is (no .metadata, no *.safetensors, not a .pt file); pass --from")
+
+
+def cmd_import(args) -> int:
+    from shardckpt import converters
+
+    opts = _storage_options(args.storage_option)
+    kind = args.kind or _detect_import(args.src, opts)
+    common = dict(
+        storage_options=opts,
+        dst_storage_options=_storage_options(args.dst_storage_option),
+        overwrite=args.overwrite,
+        progress=_progress(args),
+        keys=_keys(args.keys),
+        key_map=_rename(args.rename),
+    )
+    if kind == "dcp":
+        r = converters.from_dcp(args.src, args.dst, prefix=args.prefix or "", **common)
+    elif kind == "torch":
+        r = converters.from_torch_save(args.src, args.dst, prefix=args.prefix, **common)
+    else:
+        r = converters.from_safetensors(args.src, args.dst, prefix="model." if args.prefix is None else args.prefix, **common)
+    _done(args, r)
+    return EXIT_OK
+
+
+def _done(args, r) -> None:
+    if not args.quiet:
+        print(f"wrote {r.url}: {r.tensors} tensors, {len(r.files)} files, {_human(r.nbytes)} in {r.seconds:.2f}s "
+              f"({r.nbytes / 1e9 / max(r.seconds, 1e-9):.2f} GB/s)")
+
+
+# --------------------------------------------------------------------------
+# parser
+
+
+def _parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--storage-option", action="append", metavar="KEY=VALUE",
+                        help="fsspec option for the (source) URL, repeatable; dotted keys nest (client_kwargs.endpoint_url=...)")
+    common.add_argument("-q", "--quiet", action="store_true", help="no progress bars or summaries")
+    dst = argparse.ArgumentParser(add_help=False)
+    dst.add_argument("--dst-storage-option", action="append", metavar="KEY=VALUE", help="fsspec option for the destination, repeatable")
+    dst.add_argument("--overwrite", action="store_true", help="replace an existing destination")
+    sel = argparse.ArgumentParser(add_help=False)
+    sel.add_argument("--keys", action="append", metavar="PATTERN", help="tensor names or glob patterns (repeatable, or comma-separated)")
+    sel.add_argument("--rename", action="append", metavar="OLD=NEW", help="rename a tensor (repeatable)")
+
+    p = argparse.ArgumentParser(
+        prog="shardckpt",
+        description="Inspect, verify, compare and convert shardckpt checkpoints (local paths or fsspec URLs).",
+        epilog="Exit status: 0 ok; 1 damage (verify) or differences (diff); 2 error.",
+    )
+    from shardckpt import __version__
+
+    p.add_argument("--version", action="version", version=f"shardckpt {__version__}")
+    sub = p.add_subparsers(dest="cmd", metavar="COMMAND")
+    sub.required = True
+
+    s = sub.add_parser("inspect", parents=[common], help="list tensors (dtype, shape, chunks, bytes)")
+    s.add_argument("url")
+    s.add_argument("--json", action="store_true", help="the full manifest as JSON")
+    s.add_argument("--values", action="store_true", help="also print the saved plain values")
+    s.set_defaults(fn=cmd_inspect)
+
+    s = sub.add_parser("verify", parents=[common], help="re-read every byte and check every checksum")
+    s.add_argument("url")
+    s.set_defaults(fn=cmd_verify)
+
+    s = sub.add_parser("diff", parents=[common], help="compare two checkpoints tensor by tensor (streaming)")
+    s.add_argument("a")
+    s.add_argument("b")
+    s.add_argument("--b-storage-option", action="append", metavar="KEY=VALUE", help="fsspec option for B (default: same as A)")
+    s.add_argument("--atol", type=float, default=0.0, help="treat float differences up to this as equal (default 0: bit-exact)")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(fn=cmd_diff)
+
+    for name in ("export", "convert"):
+        s = sub.add_parser(name, parents=[common, dst, sel],
+                           help="to Hugging Face safetensors, one full file, or resharded" + (" (same as export)" if name == "convert" else ""))
+        s.add_argument("src")
+        s.add_argument("dst")
+        s.add_argument("--to", choices=["safetensors", "full", "reshard"],
+                       help="default: full if DST ends in .safetensors/.pt, reshard with --world-size, else an HF directory")
+        s.add_argument("--dtype", help="cast floating-point tensors (bf16, fp16, fp32, float8_e4m3fn...)")
+        s.add_argument("--max-shard-size", default="5GB", help="HF shard size, e.g. 5GB (decimal) or 2GiB (default 5GB)")
+        s.add_argument("--prefix", default="model.", help="state prefix to strip for HF export (default 'model.')")
+        s.add_argument("--no-prefix", action="store_true", help="export every tensor under its full name")
+        s.add_argument("--world-size", type=int, help="reshard for this many FSDP2 ranks")
+        s.set_defaults(fn=cmd_export)
+
+    s = sub.add_parser("reshard", parents=[common, dst], help="rewrite for N FSDP2 ranks, offline (one file per rank)")
+    s.add_argument("src")
+    s.add_argument("dst")
+    s.add_argument("--world-size", type=int, required=True)
+    s.set_defaults(fn=cmd_reshard)
+
+    s = sub.add_parser("import", parents=[common, dst, sel], help="from safetensors, DCP or torch.save to a native checkpoint")
+    s.add_argument("src")
+    s.add_argument("dst")
+    s.add_argument("--from", dest="kind", choices=["safetensors", "dcp", "torch"], help="default: detected")
+    s.add_argument("--prefix", default=None,
+                   help="dotted prefix for imported names (default: 'model.' for safetensors and bare state dicts, none for DCP)")
+    s.set_defaults(fn=cmd_import)
+    return p
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point of the ``shardckpt`` console script; returns the exit status."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.fn(args)
+    except KeyboardInterrupt:
+        print("shardckpt: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return EXIT_OK
+    except Exception as e:  # one line, no traceback: these are user-facing errors
+        if os.environ.get("SHARDCKPT_TRACEBACK") == "1":
+            raise
+        msg = str(e).replace("\n", " ") or type(e).__name__
+        print(f"shardckpt: error: {msg}", file=sys.stderr)
+        return EXIT_ERROR
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,281 @@
+"""Crash safety with real processes: SIGKILL a saving process (or one rank) mid-save, fill the disk.
+
+Each scenario runs this file as a child program (``python test_faults.py
+child ...``) that commits step 1, then arms a fault and saves step 2. The
+fault is injected by patching the engine inside the child (no test hooks in
+the library) and is a SIGKILL of the child itself at a precise moment:
+
+  before_data      as the rank starts writing data files
+  mid_data         after the header and one block of a data file
+  before_manifest  data durable on every rank, manifest not written
+  mid_manifest     temporary manifest written and fsynced, not renamed
+  async_mid_data   mid_data in the background thread of an async save
+
+Afterwards ``restore`` must return step 1 with its exact bytes, step 2 must
+not be listed, and the next save must clean up what the crash left.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+TESTS = os.path.dirname(HERE)
+SINGLE_FAULTS = ["before_data", "mid_data", "before_manifest", "mid_manifest", "async_mid_data"]
+
+
+# --------------------------------------------------------------------------
+# the child program
+
+
+def _die() -> None:
+    sys.stdout.flush()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _arm(fault: str) -> None:
+    """Patch the engine so this process SIGKILLs itself at ``fault``."""
+    from shardckpt import _api, _io, _storage
+
+    if fault == "before_data":
+        _api.write_files = lambda *a, **kw: _die()
+    elif fault in ("mid_data", "async_mid_data"):
+        _io.WRITE_BLOCK_BYTES = 1024
+        real = _storage._LocalWriter.write
+        calls = [0]
+
+        def write(self, data):
+            calls[0] += 1
+            if calls[0] == 3:  # header and one block are on disk
+                os.fsync(self.fd)
+                _die()
+            real(self, data)
+
+        _storage._LocalWriter.write = write
+    elif fault == "before_manifest":
+        real_atomic = _storage.Storage.write_atomic
+
+        def write_atomic(self, rel, data):
+            if rel == "manifest.json":
+                _die()
+            return real_atomic(self, rel, data)
+
+        _storage.Storage.write_atomic = write_atomic
+    elif fault == "mid_manifest":
+        real_replace = os.replace
+
+        def replace(src, dst, *a, **kw):
+            if str(dst).endswith("manifest.json"):
+                _die()
+            return real_replace(src, dst, *a, **kw)
+
+        _storage.os.replace = replace
+    else:
+        raise ValueError(fault)
+
+
+def _single_state(step: int):
+    g = torch.Generator().manual_seed(step)
+    return {"w": torch.randn(64, 33, generator=g), "ids": torch.arange(100) * step, "step": step}
+
+
+def _child_single(root: str, fault: str) -> None:
+    import shardckpt
+
+    mgr = shardckpt.CheckpointManager(root, keep_last=2, async_save=fault.startswith("async"))
+    mgr.save(1, _single_state(1))
+    mgr.wait()
+    _arm(fault)
+    state = _single_state(2)
+    mgr.save(2, state)
+    state["w"].zero_()  # training goes on while the background write runs
+    mgr.wait()
+    print("NOT KILLED", flush=True)
+    os._exit(5)
+
+
+def _child_rank(root: str, fault: str, victim: int, rank: int, world: int, port: int) -> None:
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    import shardckpt
+    from models import build, shard_fsdp2
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    model = shard_fsdp2(build(seed=1))
+    mgr = shardckpt.CheckpointManager(root, keep_last=2, collective_timeout_s=30)
+    mgr.save(1, {"model": model, "step": 1})
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    if rank == victim:
+        _arm(fault)
+    t0 = time.perf_counter()
+    try:
+        mgr.save(2, {"model": model, "step": 2})
+        print("SAVED", flush=True)
+        os._exit(0)
+    except Exception as e:  # the survivor must get here, not hang
+        print(f"RAISED after {time.perf_counter() - t0:.1f}s: {type(e).__name__}: {e}", flush=True)
+        os._exit(3)
+
+
+# --------------------------------------------------------------------------
+# the tests
+
+
+def _spawn(*args) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONPATH=TESTS + os.pathsep + os.environ.get("PYTHONPATH", ""), CUDA_VISIBLE_DEVICES="")
+    return subprocess.Popen(
+        [sys.executable, os.path.abspath(__file__), "child", json.dumps(args)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
+
+
+def _finish(p: subprocess.Popen, timeout: float = 180):
+    try:
+        out, _ = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        out, _ = p.communicate()
+        pytest.fail(f"child did not finish within {timeout}s (hang):\n{out}")
+    return p.returncode, out
+
+
+def _files(root: str, step_dir: str):
+    top = os.path.join(root, step_dir)
+    found = []
+    for d, _, fs in os.walk(top):
+        found += [os.path.relpath(os.path.join(d, f), top) for f in fs]
+    return sorted(found)
+
+
+def test_sigkill_single_process_at_each_moment(tmp_path):
+    import shardckpt
+
+    roots = {f: str(tmp_path / f) for f in SINGLE_FAULTS}
+    # All children at once: each spends most of its time importing torch.
+    procs = {f: _spawn("single", roots[f], f) for f in SINGLE_FAULTS}
+    results = {f: _finish(p) for f, p in procs.items()}
+    for fault, (rc, out) in results.items():
+        assert rc == -signal.SIGKILL, f"{fault}: exit {rc}\n{out}"
+        root = roots[fault]
+        left = _files(root, "step-00000002")
+        assert "manifest.json" not in left, fault
+        data = [f for f in left if f.startswith("data/")]
+        if fault == "before_data":
+            assert data == [], left
+        elif fault == "mid_manifest":
+            assert data and any(f.startswith(".manifest.json.") and f.endswith(".tmp") for f in left), left
+        else:
+            assert data, (fault, left)
+        mgr = shardckpt.CheckpointManager(root, keep_last=2)
+        assert mgr.steps() == [1], fault
+        state = {"w": torch.zeros(64, 33), "ids": torch.zeros(100, dtype=torch.int64), "step": 0}
+        assert mgr.restore(state) == 1, fault
+        want = _single_state(1)
+        assert torch.equal(state["w"], want["w"]) and torch.equal(state["ids"], want["ids"]) and state["step"] == 1
+        shardckpt.verify(mgr.step_url(1))
+        # The next successful save removes the crashed step's leftovers.
+        mgr.save(3, _single_state(3))
+        assert mgr.steps() == [1, 3] and not os.path.exists(os.path.join(root, "step-00000002")), fault
+
+
+def _multi_rank(tmp_path, cases):
+    import shardckpt
+    from _dist import free_port
+    from models import build
+
+    runs = []
+    for victim, fault in cases:
+        root = str(tmp_path / f"{fault}-r{victim}")
+        port = free_port()
+        runs.append((victim, fault, root, [_spawn("rank", root, fault, victim, r, 2, port) for r in range(2)]))
+    for victim, fault, root, procs in runs:
+        results = [_finish(p) for p in procs]
+        where = f"{fault} on rank {victim}"
+        rc, out = results[victim]
+        assert rc == -signal.SIGKILL, f"{where}: victim exit {rc}\n{out}"
+        rc, out = results[1 - victim]
+        assert rc == 3 and "RAISED" in out and "SaveFailedError" in out, f"{where}: survivor exit {rc}\n{out}"
+        assert not os.path.exists(os.path.join(root, "step-00000002", "manifest.json")), where
+        mgr = shardckpt.CheckpointManager(root)
+        assert mgr.steps() == [1], where
+        model = build(seed=7)
+        assert mgr.restore({"model": model, "step": 0}) == 1, where
+        ref = build(seed=1).state_dict()
+        for k, v in model.state_dict().items():
+            assert torch.equal(v, ref[k]), (where, k)
+
+
+def test_sigkill_one_rank_of_two(tmp_path):
+    _multi_rank(tmp_path, [(1, "mid_data"), (0, "before_manifest")])
+
+
+@pytest.mark.slow
+def test_sigkill_one_rank_of_two_more_moments(tmp_path):
+    _multi_rank(tmp_path, [(1, "before_data"), (0, "mid_data"), (0, "mid_manifest")])
+
+
+# --------------------------------------------------------------------------
+# a disk that fills up
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a 1 MiB tmpfs (needs root with CAP_SYS_ADMIN): {(r.stderr or r.stdout).strip()}")
+    try:
+        yield str(mnt)
+    finally:
+        if subprocess.run(["umount", str(mnt)], capture_output=True).returncode != 0:
+            subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_disk_full_mid_save(small_disk, async_save):
+    import shardckpt
+    from shardckpt.errors import SaveFailedError
+
+    mgr = shardckpt.CheckpointManager(small_disk + "/run", keep_last=1, async_save=async_save)
+    first = {"w": torch.randn(100, 1000), "step": 1}  # 400 KB
+    mgr.save(1, first)
+    mgr.wait()
+    with pytest.raises(SaveFailedError, match="No space left on device") as ei:
+        mgr.save(2, {"w": torch.randn(200, 1000), "step": 2})  # 800 KB: does not fit beside step 1
+        mgr.wait()
+    assert "step-00000002" in str(ei.value)
+    assert mgr.steps() == [1]
+    state = {"w": torch.zeros(100, 1000), "step": 0}
+    assert mgr.restore(state) == 1 and torch.equal(state["w"], first["w"])
+    shardckpt.verify(mgr.step_url(1))
+    # Space came back (the failed save removed its files): a save that fits works.
+    mgr.save(3, {"w": torch.ones(10, 10), "step": 3})
+    mgr.close()
+    assert mgr.steps() == [3]
+
+
+if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "child":
+    sys.path.insert(0, TESTS)
+    mode, *rest = json.loads(sys.argv[2])
+    if mode == "single":
+        _child_single(*rest)
+    else:
+        _child_rank(*rest)
