@@ -310,6 +310,41 @@ class _Verifier:
         return sorted(bad)
 
 
+class BufferPool:
+    """Reusable byte buffers of one size, shared by threads; never blocks.
+
+    Streaming allocates and frees a 16 MiB buffer per block from several
+    threads; through malloc that fragments per-thread arenas and the
+    process's resident memory creeps up by hundreds of MB. Reusing a few
+    buffers keeps it flat. ``take`` allocates when none is free (the number
+    in use is bounded by the prefetch depth, not here); requests larger than
+    the buffer size get a one-off allocation.
+    """
+
+    def __init__(self, size: int, keep: int):
+        self.size, self.keep = size, keep
+        self.free: List[torch.Tensor] = []
+        self.lock = threading.Lock()
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        if nbytes > self.size:
+            return torch.empty(nbytes, dtype=torch.uint8)
+        with self.lock:
+            base = self.free.pop() if self.free else None
+        if base is None:
+            base = torch.empty(self.size, dtype=torch.uint8)
+        return base[:nbytes]
+
+    def give(self, t: Optional[torch.Tensor]) -> None:
+        if t is None:
+            return
+        base = t._base if t._base is not None else t
+        if base.numel() == self.size and base.dim() == 1:
+            with self.lock:
+                if len(self.free) < self.keep:
+                    self.free.append(base)
+
+
 class Reader:
     """Reads blocks of source tensors (thread-safe), verifying source checksums."""
 
@@ -372,12 +407,13 @@ class Reader:
             if c.check is not None:
                 self.verifier.add(t.name, s.chunk, s.pos, s.n, checksum(c.check[0], d))
 
-    def read(self, t: SrcTensor, blk: Block) -> torch.Tensor:
-        """The block's elements as a flat uint8 tensor, row-major."""
+    def read(self, t: SrcTensor, blk: Block, pool: Optional[BufferPool] = None) -> torch.Tensor:
+        """The block's elements as a flat uint8 tensor, row-major (from ``pool`` when given)."""
         isz = itemsize(t.dtype)
         total = blk.count * isz
+        take = pool.take if pool is not None else (lambda n: torch.empty(n, dtype=torch.uint8))
         if blk.rows is None:
-            buf = torch.empty(total, dtype=torch.uint8)
+            buf = take(total)
             if total:
                 mv = memoryview(buf.numpy()).cast("B")
                 dests, pos = [], 0
@@ -388,8 +424,12 @@ class Reader:
             return buf
         a, b = blk.rows
         shape = t.shape
-        slab = torch.empty((b - a,) + tuple(shape[1:-1]) + (shape[-1] * isz,), dtype=torch.uint8)
-        tmps = [torch.empty(s.n, dtype=torch.uint8) for s in blk.segs]
+        slab = take(total).view((b - a,) + tuple(shape[1:-1]) + (shape[-1] * isz,))
+        staging = take(sum(s.n for s in blk.segs))
+        tmps, pos = [], 0
+        for s in blk.segs:
+            tmps.append(staging[pos : pos + s.n])
+            pos += s.n
         self._fill(t, blk.segs, [memoryview(x.numpy()).cast("B") for x in tmps])
         for s, tmp in zip(blk.segs, tmps):
             c = t.chunks[s.chunk]
@@ -398,7 +438,10 @@ class Reader:
             src = tmp.view((s.n // crow,) + tuple(c.sizes[1:-1]) + (c.sizes[-1] * isz,))
             dst = box_view(slab, (r0 - a,) + tuple(c.offsets[1:-1]) + (c.offsets[-1] * isz,), tuple(src.shape))
             dst.copy_(src)
-        return slab.reshape(-1)
+        del tmps
+        if pool is not None:
+            pool.give(staging)
+        return slab.view(-1)
 
     def read_tensor(self, t: SrcTensor, block_bytes: int = BLOCK_BYTES) -> torch.Tensor:
         """The whole tensor (for ``.pt`` output and ``diff``)."""
@@ -409,11 +452,20 @@ class Reader:
         return out.view(torch_dtype(t.dtype)).reshape(t.shape)
 
 
-def cast_bytes(data: torch.Tensor, src: str, dst: str) -> torch.Tensor:
-    """Cast a flat uint8 buffer of ``src`` elements to ``dst`` (same as ``tensor.to``)."""
-    if src == dst or data.numel() == 0:
-        return data if src == dst else torch.empty(0, dtype=torch.uint8)
-    return data.view(torch_dtype(src)).to(torch_dtype(dst)).view(torch.uint8)
+def cast_bytes(data: torch.Tensor, src: str, dst: str, pool: Optional[BufferPool] = None) -> torch.Tensor:
+    """Cast a flat uint8 buffer of ``src`` elements to ``dst`` (same values as ``tensor.to``)."""
+    if src == dst:
+        return data
+    n = data.numel() // itemsize(src)
+    out = pool.take(n * itemsize(dst)) if pool is not None else torch.empty(n * itemsize(dst), dtype=torch.uint8)
+    if n:
+        out.view(torch_dtype(dst)).copy_(data.view(torch_dtype(src)))
+    return out
+
+
+def block_bytes_for(src: str, dst: str, block_bytes: int) -> int:
+    """Block size on the source side so that a cast block also fits ``block_bytes``."""
+    return max(itemsize(src), block_bytes * itemsize(src) // max(itemsize(src), itemsize(dst)))
 
 
 def prefetch(pool: ThreadPoolExecutor, jobs: Iterable[Callable[[], Any]], depth: int) -> Iterator[Any]:
@@ -507,36 +559,78 @@ def _write_file(
     crcs = [0] * len(entries)
     done = [0] * len(entries)
 
+    buffers = BufferPool(block_bytes, 2 * depth + 4)
+    # Local disk: workers write their block at its final offset with pwrite
+    # (the layout is known up front), so writes run in parallel like reads.
+    fd = -1
+    path = ""
+    if storage.is_local:
+        path = storage.path(rel)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+
     def jobs():
         for i, e in enumerate(entries):
-            for blk in plan_blocks(e.src, e.start, e.stop, block_bytes):
+            for blk in plan_blocks(e.src, e.start, e.stop, block_bytes_for(e.src.dtype, e.dtype, block_bytes)):
                 yield _job(i, e, blk)
 
     def _job(i, e, blk):
         def run():
-            data = reader.read(e.src, blk)
+            data = reader.read(e.src, blk, buffers)
             if e.dtype != e.src.dtype:
-                data = cast_bytes(data, e.src.dtype, e.dtype)
+                raw, data = data, cast_bytes(data, e.src.dtype, e.dtype, buffers)
+                buffers.give(raw)
             mv = memoryview(data.numpy()).cast("B") if data.numel() else memoryview(b"")
-            return i, data, mv, (checksum("crc32c", mv) if want_crc else 0)
+            crc = checksum("crc32c", mv) if want_crc else 0
+            if fd < 0:
+                return i, data, mv, crc
+            pos = starts[i] + (blk.start - e.start) * itemsize(e.dtype)
+            n = 0
+            while n < len(mv):
+                n += os.pwrite(fd, mv[n:], pos + n)
+            del mv
+            buffers.give(data)
+            return i, None, n, crc
 
         return run
 
-    w = storage.open_write(rel)
+    w = None
     try:
-        w.write(header)
+        if path:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            os.pwrite(fd, header, 0)
+        else:
+            w = storage.open_write(rel)
+            w.write(header)
         for i, data, mv, crc in prefetch(pool, jobs(), depth):
-            w.write(mv)
-            crcs[i] = combine("crc32c", crcs[i], crc, len(mv))
-            done[i] += len(mv)
-            progress.update(len(mv))
-            del data, mv
+            n = mv if isinstance(mv, int) else len(mv)
+            if w is not None:
+                w.write(mv)
+            crcs[i] = combine("crc32c", crcs[i], crc, n)
+            done[i] += n
+            progress.update(n)
+            del mv
+            buffers.give(data)
+            del data
         for e, n in zip(entries, done):
             if n != e.nbytes:
                 raise AssertionError(f"internal error: {e.key}: wrote {n} bytes, expected {e.nbytes}")
-        w.close()
+        if w is not None:
+            w.close()
+        else:
+            os.fsync(fd)
+            os.close(fd)
+            fd = -1
     except BaseException:
-        w.abort()
+        if w is not None:
+            w.abort()
+        if fd >= 0:
+            os.close(fd)
+            fd = -1
+        if path:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
         raise
     return crcs, starts, len(header) + sum(e.nbytes for e in entries)
 

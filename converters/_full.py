@@ -22,6 +22,8 @@ from shardckpt.errors import CheckpointExistsError, UnsupportedStateError
 
 from ._common import (
     BLOCK_BYTES,
+    BufferPool,
+    block_bytes_for,
     ConvertResult,
     OutEntry,
     Progress,
@@ -242,22 +244,28 @@ def _write_pt(dst, values, by_name, reader: Reader, *, flat, storage_options, ov
         crcs = [0] * len(order)
         fdw = os.open(tmp, os.O_RDWR)
         try:
+            buffers = BufferPool(BLOCK_BYTES, 2 * threads + 4)
+
             def jobs():
                 for i, e in enumerate(order):
-                    for blk in plan_blocks(e.src, e.start, e.stop, BLOCK_BYTES):
+                    for blk in plan_blocks(e.src, e.start, e.stop, block_bytes_for(e.src.dtype, e.dtype, BLOCK_BYTES)):
                         yield _job(i, e, blk)
 
             def _job(i, e, blk):
                 def run():
-                    data = reader.read(e.src, blk)
+                    data = reader.read(e.src, blk, buffers)
                     if e.dtype != e.src.dtype:
-                        data = cast_bytes(data, e.src.dtype, e.dtype)
+                        raw, data = data, cast_bytes(data, e.src.dtype, e.dtype, buffers)
+                        buffers.give(raw)
                     mv = memoryview(data.numpy()).cast("B") if data.numel() else memoryview(b"")
                     pos = offsets[i] + blk.start * itemsize(e.dtype)
                     done = 0
                     while done < len(mv):
                         done += os.pwrite(fdw, mv[done:], pos + done)
-                    return i, len(mv), checksum("crc32", mv)
+                    crc = checksum("crc32", mv)
+                    del mv
+                    buffers.give(data)
+                    return i, done, crc
 
                 return run
 

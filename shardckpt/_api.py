@@ -339,8 +339,16 @@ def execute_save(plan: SavePlan) -> None:
                     manifest.extra["per_rank"] = per_rank
                 body = manifest_to_bytes(manifest)
                 # The HF index first: before the commit it is just another file.
+                # When replacing a checkpoint, keep the old index to put back
+                # if the commit fails: it must keep naming the old files.
+                prev_index = _read_optional(storage, HF_INDEX_NAME) if plan.overwrite else None
                 _write_hf_index(storage, manifest)
-                storage.write_atomic(MANIFEST_NAME, body)
+                try:
+                    storage.write_atomic(MANIFEST_NAME, body)
+                except BaseException:
+                    if plan.overwrite:
+                        _restore(storage, HF_INDEX_NAME, prev_index)
+                    raise
                 outcome = (None, "committed")
             except Exception as e:
                 outcome = (f"rank 0: commit failed: {type(e).__name__}: {e}", None)
@@ -415,6 +423,24 @@ def _write_hf_index(storage: Storage, m: Manifest) -> None:
     import json
 
     storage.write_atomic(HF_INDEX_NAME, (json.dumps(index, indent=2, sort_keys=True) + "\n").encode())
+
+
+def _read_optional(storage: Storage, rel: str) -> Optional[bytes]:
+    try:
+        return storage.read_bytes(rel, limit=MAX_MANIFEST_BYTES)
+    except FileNotFoundError:
+        return None
+
+
+def _restore(storage: Storage, rel: str, data: Optional[bytes]) -> None:
+    """Put ``rel`` back as it was (``None``: it did not exist); best effort."""
+    try:
+        if data is None:
+            storage.remove(rel)
+        else:
+            storage.write_atomic(rel, data)
+    except Exception:
+        pass
 
 
 def _remove_stale(storage: Storage, save_id: str) -> None:
@@ -587,7 +613,12 @@ def load(
                     box_view(dst, p.dst_offsets, p.sizes).copy_(box_view(src, p.src_offsets, p.sizes))
         for name, put in creates.items():
             meta = manifest.tensors[name]
-            full = torch.empty(tuple(meta.shape), dtype=torch_dtype(meta.dtype))
+            dtype = torch_dtype(meta.dtype)
+            if len(meta.chunks) == 1 and list(meta.chunks[0].sizes) == list(meta.shape):
+                # Saved whole: the verified staging bytes become the tensor, no copy.
+                put(as_dtype(staged[chunk_index[(name, 0)]], dtype, meta.shape))
+                continue
+            full = torch.empty(tuple(meta.shape), dtype=dtype)
             for i, c in enumerate(meta.chunks):
                 src = as_dtype(staged[chunk_index[(name, i)]], full.dtype, c.sizes)
                 box_view(full, c.offsets, c.sizes).copy_(src)
@@ -739,7 +770,10 @@ def verify(
             import struct
 
             (n,) = struct.unpack("<Q", head[:8]) if len(head) >= 8 else (0,)
-            if 8 + n > len(head) and 8 + n <= size:
+            from . import _format
+
+            # Re-read a long header only within the limit: the length prefix is untrusted.
+            if 8 + n > len(head) and 8 + n <= size and n <= _format.MAX_HEADER_BYTES:
                 head = storage.read_range(rel, 0, 8 + n)
             header, start = parse_safetensors_header(head, file_size=size, where=storage.url_of(rel))
         except CorruptCheckpointError as e:

@@ -257,7 +257,7 @@ def manifest_from_bytes(data: bytes, *, url: str = "") -> Manifest:
         raise UnsafeMetadataError(f"{where}: {len(data)} bytes exceeds the {MAX_MANIFEST_BYTES}-byte limit")
     try:
         raw = json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as e:
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:  # RecursionError: absurdly deep nesting
         raise CorruptCheckpointError(f"{where}: not valid JSON ({e})") from None
     if not isinstance(raw, dict) or raw.get("format") != FORMAT_NAME:
         raise CorruptCheckpointError(f"{where}: not a shardckpt manifest (format={raw.get('format') if isinstance(raw, dict) else None!r})")
@@ -386,7 +386,7 @@ def parse_safetensors_header(head: bytes, *, file_size: int, where: str) -> Tupl
         raise CorruptCheckpointError(f"{where}: header truncated ({len(head) - 8} of {n} bytes)")
     try:
         header = json.loads(head[8 : 8 + n].decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as e:
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:  # RecursionError: absurdly deep nesting
         raise CorruptCheckpointError(f"{where}: header is not valid JSON ({e})") from None
     if not isinstance(header, dict):
         raise CorruptCheckpointError(f"{where}: header is not a JSON object")

@@ -1,9 +1,17 @@
 """Moving tensor bytes: parallel writes with checksums in the same pass, coalesced ranged reads.
 
 Writes stream each chunk straight from tensor memory (a contiguous CPU tensor
-is written without a copy) in blocks, updating the CRC32C as the block goes
-out. Reads fetch whole saved chunks (checksums are per chunk), coalescing
-neighbours in a file, in parallel, into one staging buffer per range.
+is written without a copy; a GPU tensor goes through two small pinned buffers,
+the next block's copy overlapping this block's write) in blocks, updating the
+CRC32C as each block goes out, while its bytes are still in cache.
+
+Reads fetch whole saved chunks (checksums are per chunk), coalescing
+neighbours in a file, into one staging buffer per range. The range is read in
+blocks by several threads; each thread checksums the block it just read (still
+in cache) and the per-block CRCs are combined into the chunk's CRC
+(``crc32c_combine``), so verification costs no second pass over memory. Large
+local ranges are read with ``O_DIRECT`` where the filesystem allows it: the
+bytes land in the staging buffer without a page-cache copy in between.
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ from .errors import ChecksumMismatchError, CorruptCheckpointError, StorageError
 
 __all__ = [
     "WriteItem",
+    "crc32c_combine",
     "write_files",
     "partition",
     "read_chunks",
@@ -34,10 +43,16 @@ __all__ = [
 
 #: I/O threads per rank for writes and reads. Writes and CRC32C release the GIL.
 DEFAULT_IO_THREADS = 4
-#: Bytes handed to one ``write`` call (and one CRC update).
-WRITE_BLOCK_BYTES = 32 << 20
-#: Reads of a coalesced range are split into pieces of this size, read in parallel.
-READ_BLOCK_BYTES = 32 << 20
+#: Bytes handed to one ``write`` call (and one CRC update). Small enough that
+#: the block the CRC just read is still in cache when ``write`` copies it.
+WRITE_BLOCK_BYTES = 8 << 20
+#: Reads of a coalesced range are split into pieces of this size, read (and
+#: checksummed) in parallel. A multiple of ``DIRECT_IO_ALIGN``.
+READ_BLOCK_BYTES = 8 << 20
+#: Alignment of buffer addresses, file offsets and lengths for ``O_DIRECT`` reads.
+DIRECT_IO_ALIGN = 4096
+#: Coalesced local ranges at least this long are read with ``O_DIRECT``.
+DIRECT_IO_MIN_BYTES = 4 << 20
 #: Neighbouring chunks closer than this in a file are fetched in one request.
 COALESCE_GAP_BYTES = 1 << 20
 #: A rank's data is split into several files (one per I/O thread) above this size.
@@ -50,6 +65,68 @@ _BENCH_NO_CHECKSUMS = False
 
 def crc32c(data, value: int = 0) -> int:
     return _crc.crc32c(data, value)
+
+
+# CRC32C of a concatenation from the CRCs of its parts. A CRC is the message
+# polynomial times x^32 modulo P (plus pre/post conditioning, which cancels
+# here because CRC32C's initial value and final xor are equal), so
+# crc(A || B) = crc(A) * x^(8 * len(B)) mod P  xor  crc(B).
+# Polynomials are held bit-reflected, as CRC32C computes them: bit 31 is x^0.
+_CRC32C_POLY_REFLECTED = 0x82F63B78
+_X0 = 1 << 31
+
+
+def _gf2_mulmod(a: int, b: int) -> int:
+    """``a * b mod P`` for bit-reflected 32-bit polynomials."""
+    p = 0
+    while a:
+        if a & _X0:
+            p ^= b
+        a = (a << 1) & 0xFFFFFFFF
+        b = (b >> 1) ^ _CRC32C_POLY_REFLECTED if b & 1 else b >> 1
+    return p
+
+
+def _x_pow_8_pow2() -> List[int]:
+    table = [_X0 >> 8]  # x^8: one byte
+    for _ in range(63):
+        table.append(_gf2_mulmod(table[-1], table[-1]))
+    return table
+
+
+_X8_POW2 = _x_pow_8_pow2()  # x^(8 * 2^k) mod P
+_x8n_cache: Dict[int, int] = {}
+
+
+def _x_pow_8n(n: int) -> int:
+    got = _x8n_cache.get(n)
+    if got is None:
+        got, k, m = _X0, 0, n
+        while m:
+            if m & 1:
+                got = _gf2_mulmod(got, _X8_POW2[k])
+            m >>= 1
+            k += 1
+        if len(_x8n_cache) < 4096:  # the block size repeats; odd tails need not stay
+            _x8n_cache[n] = got
+    return got
+
+
+def crc32c_combine(crc_a: int, crc_b: int, len_b: int) -> int:
+    """CRC32C of ``A + B`` from ``crc32c(A)``, ``crc32c(B)`` and ``len(B)``.
+
+    Lets blocks of one chunk be checksummed in parallel, in any order.
+
+    Example:
+        >>> a, b = b"hello ", b"world"
+        >>> crc32c_combine(crc32c(a), crc32c(b), len(b)) == crc32c(a + b)
+        True
+    """
+    if len_b == 0:
+        return crc_a
+    if crc_a == 0:  # 0 * anything: skip computing the power
+        return crc_b
+    return _gf2_mulmod(crc_a, _x_pow_8n(len_b)) ^ crc_b
 
 
 def as_dtype(raw: torch.Tensor, dtype: torch.dtype, shape) -> torch.Tensor:
@@ -118,17 +195,21 @@ def _write_one(storage: Storage, rel: str, items: Sequence[WriteItem]) -> Tuple[
     try:
         w.write(header)
         size = len(header)
+        bounce: List[torch.Tensor] = []  # pinned buffers for GPU chunks, reused across them
         for it, start in zip(items, starts):
-            mv = tensor_bytes(it.tensor)
-            if len(mv) != it.nbytes:
-                raise AssertionError(f"{it.key}: {len(mv)} bytes, expected {it.nbytes}")
-            crc = 0
-            for off in range(0, len(mv), WRITE_BLOCK_BYTES):
-                block = mv[off : off + WRITE_BLOCK_BYTES]
-                if not _BENCH_NO_CHECKSUMS:
-                    crc = _crc.crc32c(block, crc)
-                w.write(block)
-            del mv
+            if it.tensor.device.type == "cuda" and it.nbytes > 0:
+                crc = _write_cuda(w, it, bounce)
+            else:
+                mv = tensor_bytes(it.tensor)
+                if len(mv) != it.nbytes:
+                    raise AssertionError(f"{it.key}: {len(mv)} bytes, expected {it.nbytes}")
+                crc = 0
+                for off in range(0, len(mv), WRITE_BLOCK_BYTES):
+                    block = mv[off : off + WRITE_BLOCK_BYTES]
+                    if not _BENCH_NO_CHECKSUMS:
+                        crc = _crc.crc32c(block, crc)
+                    w.write(block)
+                del mv
             size += it.nbytes
             out.append(
                 ChunkMeta(
@@ -146,6 +227,46 @@ def _write_one(storage: Storage, rel: str, items: Sequence[WriteItem]) -> Tuple[
         w.abort()
         raise
     return out, FileMeta(size)
+
+
+def _write_cuda(w, it: WriteItem, bounce: List[torch.Tensor]) -> int:
+    """Stream a GPU chunk through two pinned buffers: block k+1 copies while block k is written."""
+    src = it.tensor.detach()
+    if not src.is_contiguous():
+        src = src.contiguous()
+    flat = src.reshape(-1).view(torch.uint8)
+    if len(flat) != it.nbytes:
+        raise AssertionError(f"{it.key}: {len(flat)} bytes, expected {it.nbytes}")
+    block = WRITE_BLOCK_BYTES
+    if not bounce or len(bounce[0]) < min(block, it.nbytes):
+        bounce[:] = [torch.empty(min(block, max(it.nbytes, 1)), dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+    size = len(bounce[0])
+    stream = torch.cuda.Stream(device=src.device)
+    # The chunk may still be being produced on the current stream.
+    stream.wait_stream(torch.cuda.current_stream(src.device))
+    done = [torch.cuda.Event(), torch.cuda.Event()]
+    offs = list(range(0, it.nbytes, size))
+
+    def issue(k: int) -> None:
+        off = offs[k]
+        n = min(size, it.nbytes - off)
+        with torch.cuda.stream(stream):
+            bounce[k % 2][:n].copy_(flat[off : off + n], non_blocking=True)
+            done[k % 2].record(stream)
+
+    crc = 0
+    issue(0)
+    for k, off in enumerate(offs):
+        if k + 1 < len(offs):
+            # Buffer (k+1) % 2 last held block k-1, already written out.
+            issue(k + 1)
+        done[k % 2].synchronize()
+        n = min(size, it.nbytes - off)
+        mv = memoryview(bounce[k % 2][:n].numpy()).cast("B")
+        if not _BENCH_NO_CHECKSUMS:
+            crc = _crc.crc32c(mv, crc)
+        w.write(mv)
+    return crc
 
 
 def write_files(
@@ -198,6 +319,21 @@ def check_files(storage: Storage, expected: Dict[str, int]) -> None:
         raise CorruptCheckpointError(f"{storage.url}: " + "; ".join(problems))
 
 
+def _staging(nbytes: int, pin_memory: bool, align: int) -> torch.Tensor:
+    """An uninitialised uint8 buffer whose first byte sits at an ``align``-byte boundary."""
+    if align <= 1:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin_memory)
+    raw = torch.empty(nbytes + align, dtype=torch.uint8, pin_memory=pin_memory)
+    skip = (-raw.data_ptr()) % align
+    return raw[skip : skip + nbytes]
+
+
+# One unit of read work: fill these (offset, buffer) ranges of a file, with
+# O_DIRECT or not, then checksum the chunk segments (chunk index, position in
+# the chunk, bytes) that the ranges hold.
+_ReadJob = Tuple[str, List[Tuple[int, memoryview]], bool, List[Tuple[int, int, memoryview]]]
+
+
 def read_chunks(
     storage: Storage,
     chunks: Sequence[ChunkMeta],
@@ -206,12 +342,19 @@ def read_chunks(
     pin_memory: bool = False,
     verify: bool = True,
 ) -> List[torch.Tensor]:
-    """Read and checksum-verify whole chunks; returns one uint8 tensor per chunk, same order."""
+    """Read and checksum-verify whole chunks; returns one uint8 tensor per chunk, same order.
+
+    Every returned tensor is a view into a staging buffer shared by the chunks
+    coalesced with it, aligned so that a chunk stored at an offset that is a
+    multiple of its element size can be viewed as its dtype without a copy.
+    Nothing is returned unless every checksum matched.
+    """
     out: List[Optional[torch.Tensor]] = [None] * len(chunks)
+    checking = verify and not _BENCH_NO_CHECKSUMS
     by_file: Dict[str, List[int]] = {}
     for i, c in enumerate(chunks):
         by_file.setdefault(c.file, []).append(i)
-    jobs: List[Tuple[str, int, memoryview]] = []  # (file, offset, dest)
+    jobs: List[_ReadJob] = []
     for rel, idxs in by_file.items():
         idxs.sort(key=lambda i: chunks[i].byte_offset)
         groups: List[List[int]] = []
@@ -225,19 +368,35 @@ def read_chunks(
         for g in groups:
             start = chunks[g[0]].byte_offset
             end = max(chunks[i].byte_offset + chunks[i].nbytes for i in g)
-            buf = torch.empty(end - start, dtype=torch.uint8, pin_memory=pin_memory)
+            direct = storage.is_local and end - start >= DIRECT_IO_MIN_BYTES
+            # O_DIRECT needs aligned offsets: start the buffer at the aligned
+            # file offset below ``start`` (at most one page more is read).
+            base = start - start % DIRECT_IO_ALIGN if direct else start
+            buf = _staging(end - base, pin_memory, DIRECT_IO_ALIGN if direct else 0)
             for i in g:
-                s = chunks[i].byte_offset - start
+                s = chunks[i].byte_offset - base
                 out[i] = buf[s : s + chunks[i].nbytes]
-            if end > start:
-                mv = memoryview(buf.numpy()).cast("B")
-                for off in range(0, end - start, READ_BLOCK_BYTES):
-                    jobs.append((rel, start + off, mv[off : off + READ_BLOCK_BYTES]))
+            if end == start:
+                continue
+            mv = memoryview(buf.numpy()).cast("B")
+            # Aligned blocks go direct; the unaligned tail (< one page) is a plain read.
+            direct_end = base + (end - base) // DIRECT_IO_ALIGN * DIRECT_IO_ALIGN if direct else base
+            pieces = [(o, min(o + READ_BLOCK_BYTES, direct_end), True) for o in range(base, direct_end, READ_BLOCK_BYTES)]
+            pieces += [(o, min(o + READ_BLOCK_BYTES, end), False) for o in range(direct_end, end, READ_BLOCK_BYTES)]
+            for lo, hi, is_direct in pieces:
+                segs = []
+                if checking:
+                    for i in g:
+                        c = chunks[i]
+                        a, b = max(lo, c.byte_offset), min(hi, c.byte_offset + c.nbytes)
+                        if a < b and c.crc32c is not None:  # safetensors sources carry no checksum
+                            segs.append((i, a - c.byte_offset, mv[a - base : b - base]))
+                jobs.append((rel, [(lo, mv[lo - base : hi - base])], is_direct, segs))
 
-    def run(rel_jobs):
-        rel, items = rel_jobs
+    def run(job: _ReadJob) -> List[Tuple[int, int, int, int]]:
+        rel, ranges, is_direct, segs = job
         try:
-            storage.read_into(rel, items)
+            storage.read_into(rel, ranges, direct=is_direct)
         except FileNotFoundError:
             raise CorruptCheckpointError(f"{storage.url_of(rel)}: file is missing") from None
         except EOFError as e:
@@ -246,41 +405,44 @@ def read_chunks(
             raise
         except OSError as e:
             raise StorageError(f"reading {storage.url_of(rel)}: {e}") from e
+        # Checksum what this thread just read, while it is still in cache.
+        return [(i, pos, len(seg), _crc.crc32c(seg)) for i, pos, seg in segs]
 
-    # Local disk: one pread per job, many threads. Remote: one batched
+    # Local disk: one pread per block, many threads. Remote: one batched
     # cat_ranges per file so fsspec runs the ranges concurrently.
-    if storage.is_local:
-        batches = [(rel, [(off, mv)]) for rel, off, mv in jobs]
+    if not storage.is_local:
+        per: Dict[str, _ReadJob] = {}
+        for rel, ranges, _, segs in jobs:
+            job = per.setdefault(rel, (rel, [], False, []))
+            job[1].extend(ranges)
+            job[3].extend(segs)
+        jobs = list(per.values())
+    if threads > 1 and len(jobs) > 1:
+        with ThreadPoolExecutor(max_workers=min(threads, len(jobs)), thread_name_prefix="shardckpt-r") as ex:
+            done = list(ex.map(run, jobs))
     else:
-        per: Dict[str, List[Tuple[int, memoryview]]] = {}
-        for rel, off, mv in jobs:
-            per.setdefault(rel, []).append((off, mv))
-        batches = list(per.items())
-    if threads > 1 and len(batches) > 1:
-        with ThreadPoolExecutor(max_workers=min(threads, len(batches)), thread_name_prefix="shardckpt-r") as ex:
-            list(ex.map(run, batches))
-    else:
-        for b in batches:
-            run(b)
+        done = [run(j) for j in jobs]
 
-    if verify and not _BENCH_NO_CHECKSUMS:
-        def check(i):
-            c = chunks[i]
+    if checking:
+        parts: Dict[int, List[Tuple[int, int, int]]] = {}
+        for results in done:
+            for i, pos, n, crc in results:
+                parts.setdefault(i, []).append((pos, n, crc))
+        bad = []
+        for i, c in enumerate(chunks):
             if c.crc32c is None:
-                return None  # safetensors sources carry no checksum (see _hf)
-            got = _crc.crc32c(memoryview(out[i].numpy()).cast("B")) if c.nbytes else 0
+                continue
+            got, covered = 0, 0
+            for pos, n, crc in sorted(parts.get(i, [])):
+                assert pos == covered, f"{c.key}: checksummed segments do not tile the chunk"
+                got = crc32c_combine(got, crc, n)
+                covered += n
+            assert covered == c.nbytes, f"{c.key}: checksummed {covered} of {c.nbytes} bytes"
             if got != c.crc32c:
-                return (
+                bad.append(
                     f"{storage.url_of(c.file)}: chunk {c.key!r} (bytes {c.byte_offset}..{c.byte_offset + c.nbytes}) "
                     f"has crc32c {got:#010x}, manifest says {c.crc32c:#010x}"
                 )
-            return None
-
-        if threads > 1 and len(chunks) > 1:
-            with ThreadPoolExecutor(max_workers=threads) as ex:
-                bad = [m for m in ex.map(check, range(len(chunks))) if m]
-        else:
-            bad = [m for m in map(check, range(len(chunks))) if m]
         if bad:
             raise ChecksumMismatchError("checksum mismatch, the checkpoint is damaged: " + "; ".join(sorted(bad)[:10]))
     return out  # type: ignore[return-value]

@@ -10,6 +10,8 @@ the library) and is a SIGKILL of the child itself at a precise moment:
   before_manifest  data durable on every rank, manifest not written
   mid_manifest     temporary manifest written and fsynced, not renamed
   async_mid_data   mid_data in the background thread of an async save
+  stall_data       (one rank of two) the rank hangs instead of dying: its
+                   peer must give up after the manager's collective timeout
 
 Afterwards ``restore`` must return step 1 with its exact bytes, step 2 must
 not be listed, and the next save must clean up what the crash left.
@@ -30,6 +32,8 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 TESTS = os.path.dirname(HERE)
 SINGLE_FAULTS = ["before_data", "mid_data", "before_manifest", "mid_manifest", "async_mid_data"]
+STALL_S = 25.0  # how long the stuck rank sleeps in stall_data
+STALL_TIMEOUT_S = 4.0  # the manager's collective timeout in that case
 
 
 # --------------------------------------------------------------------------
@@ -47,6 +51,14 @@ def _arm(fault: str) -> None:
 
     if fault == "before_data":
         _api.write_files = lambda *a, **kw: _die()
+    elif fault == "stall_data":  # a stuck (not dead) rank: the peers must time out
+        real_write_files = _api.write_files
+
+        def stalled(*a, **kw):
+            time.sleep(STALL_S)
+            return real_write_files(*a, **kw)
+
+        _api.write_files = stalled
     elif fault in ("mid_data", "async_mid_data"):
         _io.WRITE_BLOCK_BYTES = 1024
         real = _storage._LocalWriter.write
@@ -114,7 +126,7 @@ def _child_rank(root: str, fault: str, victim: int, rank: int, world: int, port:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
     model = shard_fsdp2(build(seed=1))
-    mgr = shardckpt.CheckpointManager(root, keep_last=2, collective_timeout_s=30)
+    mgr = shardckpt.CheckpointManager(root, keep_last=2, collective_timeout_s=STALL_TIMEOUT_S if fault == "stall_data" else 30)
     mgr.save(1, {"model": model, "step": 1})
     with torch.no_grad():
         for p in model.parameters():
@@ -209,9 +221,15 @@ def _multi_rank(tmp_path, cases):
         results = [_finish(p) for p in procs]
         where = f"{fault} on rank {victim}"
         rc, out = results[victim]
-        assert rc == -signal.SIGKILL, f"{where}: victim exit {rc}\n{out}"
+        if fault == "stall_data":  # wakes up to find its peer gone, and raises too
+            assert rc == 3 and "SaveFailedError" in out, f"{where}: stuck rank exit {rc}\n{out}"
+        else:
+            assert rc == -signal.SIGKILL, f"{where}: victim exit {rc}\n{out}"
         rc, out = results[1 - victim]
         assert rc == 3 and "RAISED" in out and "SaveFailedError" in out, f"{where}: survivor exit {rc}\n{out}"
+        if fault == "stall_data":
+            took = float(out.split("RAISED after ", 1)[1].split("s:", 1)[0])
+            assert took < STALL_S, f"{where}: the survivor waited {took}s for a stuck peer (timeout {STALL_TIMEOUT_S}s)"
         assert not os.path.exists(os.path.join(root, "step-00000002", "manifest.json")), where
         mgr = shardckpt.CheckpointManager(root)
         assert mgr.steps() == [1], where
@@ -228,7 +246,7 @@ def test_sigkill_one_rank_of_two(tmp_path):
 
 @pytest.mark.slow
 def test_sigkill_one_rank_of_two_more_moments(tmp_path):
-    _multi_rank(tmp_path, [(1, "before_data"), (0, "mid_data"), (0, "mid_manifest")])
+    _multi_rank(tmp_path, [(1, "before_data"), (0, "mid_data"), (0, "mid_manifest"), (1, "stall_data")])
 
 
 # --------------------------------------------------------------------------

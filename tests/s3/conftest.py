@@ -15,6 +15,12 @@ import pytest
 
 BUCKET = "shardckpt-test"
 
+# The endpoint is on loopback: never send it through a proxy from the
+# environment (set at import, so rank processes spawned later inherit it).
+for _var in ("NO_PROXY", "no_proxy"):
+    os.environ[_var] = ",".join(x for x in (os.environ.get(_var), "127.0.0.1", "localhost") if x)
+_DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -51,7 +57,7 @@ def s3_endpoint():
             if proc.poll() is not None:
                 raise RuntimeError(f"moto_server exited with code {proc.returncode}")
             try:
-                urllib.request.urlopen(endpoint + "/", timeout=1).read()
+                _DIRECT.open(endpoint + "/", timeout=1).read()
                 break
             except Exception:
                 if time.monotonic() > deadline:
@@ -64,7 +70,7 @@ def s3_endpoint():
             "client_kwargs": {"region_name": "us-east-1"},
         }
         # moto takes unsigned requests; a plain PUT makes the bucket.
-        urllib.request.urlopen(urllib.request.Request(f"{endpoint}/{BUCKET}", method="PUT"), timeout=10).read()
+        _DIRECT.open(urllib.request.Request(f"{endpoint}/{BUCKET}", method="PUT"), timeout=10).read()
         yield f"s3://{BUCKET}", options
     finally:
         proc.terminate()

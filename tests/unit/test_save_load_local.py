@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import uuid
@@ -119,8 +120,11 @@ def test_failed_overwrite_keeps_the_old_checkpoint(tmp_path, monkeypatch):
     monkeypatch.undo()
     assert len(seen["data"]) > len(before)
     assert seen["loaded"][0] == 1 and torch.equal(seen["loaded"][1], torch.zeros(3))
-    # The failed save cleaned up its own files; the old checkpoint is intact.
+    # The failed save cleaned up its own files; the old checkpoint is intact,
+    # its HF index too (it names the old files, not the removed new ones).
     assert sorted(os.listdir(os.path.join(path, "data"))) == before
+    with open(os.path.join(path, "model.safetensors.index.json")) as f:
+        assert sorted(set(json.load(f)["weight_map"].values())) == [f"data/{n}" for n in before]
     shardckpt.verify(path)
     state = {"w": torch.empty(3), "v": 0}
     shardckpt.load(state, path)

@@ -215,6 +215,7 @@ def test_bad_manifest_is_refused_and_nothing_loaded(ckpt, case):
         (b"\xff\xfe\x00", "not valid JSON"),
         (b"[1, 2, 3]", "not a shardckpt manifest"),
         (b"", "not valid JSON"),
+        (b"[" * 200_000 + b"]" * 200_000, "not valid JSON"),  # nesting past the recursion limit
         (b'{"format": "shardckpt", "format_version": 1, "world_size": 1, "files": {}, "tensors": {}, "format_version": 9}', "format_version 9"),
     ],
 )
@@ -300,6 +301,30 @@ def test_huge_safetensors_header_length(ckpt):
         shardckpt.verify(str(ckpt))
     with pytest.raises(UnsafeMetadataError, match="exceeds the limit"):
         _format.parse_safetensors_header(bytes(data), file_size=len(data), where="f")
+
+
+def test_verify_never_reads_a_header_past_the_limit(tmp_path, monkeypatch):
+    from shardckpt._storage import Storage
+
+    path = tmp_path / "ck"
+    shardckpt.save({"w": torch.zeros(600_000)}, str(path))  # a 2.4 MB file
+    rel = next(iter(shardckpt.inspect(str(path)).files))
+    f = path / rel
+    data = bytearray(f.read_bytes())
+    data[:8] = struct.pack("<Q", len(data) - 8)  # "the header is the whole file"
+    f.write_bytes(bytes(data))
+    monkeypatch.setattr(_format, "MAX_HEADER_BYTES", 1 << 20)
+    lengths = []
+    real = Storage.read_range
+
+    def spy(self, rel, start, length):
+        lengths.append(length)
+        return real(self, rel, start, length)
+
+    monkeypatch.setattr(Storage, "read_range", spy)
+    with pytest.raises(CorruptCheckpointError, match="exceeds the limit"):
+        shardckpt.verify(str(path))
+    assert max(lengths) <= 1 << 20
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,216 @@
+"""Converters on real multi-rank checkpoints: every route back to FSDP2 bit-exact.
+
+One 2-rank call saves an FSDP2 model (shardckpt and DCP) and a column-sharded
+DTensor; the parent process converts (no process group, as a user would
+offline); one 3-rank call loads every result into FSDP2 and records which
+files each rank read.
+"""
+
+import glob
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import shardckpt
+from _dist import run_ranks
+from models import build, full_state, shard_fsdp2
+from shardckpt import converters
+
+IDX = torch.tensor([[1, 5, 36, 0], [7, 7, 2, 30]])
+
+
+def _record_reads():
+    """Patch Storage.read_into in this process: returns the list it appends (file, bytes) to."""
+    from shardckpt import _storage
+
+    log = []
+    orig = _storage.Storage.read_into
+    if getattr(orig, "_recording", False):
+        orig = orig._orig
+
+    def read_into(self, rel, ranges, **kw):
+        log.append((rel, sum(len(b) for _, b in ranges)))
+        return orig(self, rel, ranges, **kw)
+
+    read_into._recording = True
+    read_into._orig = orig
+    _storage.Storage.read_into = read_into
+    return log
+
+
+def _save(rank, world, root):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    model = shard_fsdp2(build(seed=1))
+    model.emb.weight.data[0, 0] = float("nan")  # NaN payloads must survive bit-exactly
+    shardckpt.save({"model": model, "step": 11}, f"{root}/native2")
+    dcp.save({"model": model.state_dict(), "step": 11}, checkpoint_id=f"{root}/dcp2")
+    mesh = init_device_mesh("cpu", (world,))
+    full = torch.arange(5 * 9, dtype=torch.float32).reshape(5, 9)
+    col = distribute_tensor(full, mesh, [Shard(1)])  # chunks split dim 1: exports must assemble rows
+    shardckpt.save({"w": col, "ids": torch.arange(3)}, f"{root}/tp2")
+    return full_state(model)
+
+
+def _load_all(rank, world, paths):
+    out = {}
+    for tag, path, with_step in paths:
+        model = shard_fsdp2(build(seed=2))
+        # Forward first: FSDP2 has built its all-gather buffers, so a loader
+        # that swapped Parameters would leave the next forward on old weights.
+        model(IDX).sum().backward()
+        state = {"model": model, "step": 0} if with_step else {"model": model}
+        log = _record_reads()
+        log.clear()
+        shardckpt.load(state, path)
+        out[tag] = (full_state(model), state.get("step"), model(IDX).detach(), sorted({f for f, _ in log}))
+    return out
+
+
+def _same(a, b):
+    assert a.keys() == b.keys(), sorted(set(a) ^ set(b))
+    for k in a:
+        assert a[k].dtype == b[k].dtype, k
+        assert torch.equal(a[k].view(torch.uint8), b[k].view(torch.uint8)) if a[k].is_floating_point() else torch.equal(a[k], b[k]), k
+
+
+def test_fsdp2_roundtrips_through_every_converter(tmp_path):
+    root = str(tmp_path)
+    saved = run_ranks(2, _save, root)[0]
+    model_keys = {k: v for k, v in saved.items()}
+
+    # -> HF safetensors (several shards) checked with safetensors' own reader
+    r = converters.to_safetensors(f"{root}/native2", f"{root}/hf", max_shard_size=600)
+    shards = sorted(glob.glob(f"{root}/hf/model-*.safetensors"))
+    assert len(shards) > 2 and r.files[-1] == "model.safetensors.index.json"
+    index = json.load(open(f"{root}/hf/model.safetensors.index.json"))
+    got = {}
+    for f in shards:
+        part = load_file(f)
+        # Shard size respected unless one tensor alone is bigger.
+        nbytes = sum(t.numel() * t.element_size() for t in part.values())
+        assert nbytes <= 600 or len(part) == 1, (f, nbytes)
+        for k in part:
+            assert index["weight_map"][k] == os.path.basename(f)
+        got.update(part)
+    assert set(index["weight_map"]) == set(got) == set(model_keys)
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in got.values())
+    _same(got, model_keys)
+    assert got["counts"].dtype == torch.int64 and got["mask"].dtype == torch.bool
+
+    converters.from_safetensors(f"{root}/hf", f"{root}/from_hf")
+    converters.to_full(f"{root}/native2", f"{root}/full.safetensors")
+    converters.from_safetensors(f"{root}/full.safetensors", f"{root}/from_full_st", prefix="")
+    converters.to_full(f"{root}/native2", f"{root}/full.pt")
+    pt = torch.load(f"{root}/full.pt", weights_only=True)
+    assert pt["step"] == 11
+    _same(pt["model"], model_keys)
+    converters.from_torch_save(f"{root}/full.pt", f"{root}/from_pt")
+    rs = converters.reshard(f"{root}/native2", f"{root}/rs3", world_size=3)
+    converters.from_dcp(f"{root}/dcp2", f"{root}/from_dcp")
+
+    # Column-sharded chunks: the export assembles whole rows.
+    converters.to_safetensors(f"{root}/tp2", f"{root}/hf_tp", prefix=None)
+    tp = load_file(f"{root}/hf_tp/model.safetensors")
+    assert torch.equal(tp["w"], torch.arange(45, dtype=torch.float32).reshape(5, 9))
+    assert torch.equal(tp["ids"], torch.arange(3))
+
+    paths = [
+        ("hf", f"{root}/from_hf", False),
+        ("hf_direct", f"{root}/hf", False),
+        ("full_st", f"{root}/from_full_st", False),
+        ("pt", f"{root}/from_pt", True),
+        ("rs3", f"{root}/rs3", True),
+        ("dcp", f"{root}/from_dcp", True),
+    ]
+    results = run_ranks(3, _load_all, paths)
+    ref_out = None
+    for tag, _, with_step in paths:
+        got_state, step, out, _ = results[0][tag]
+        _same(got_state, saved)
+        if with_step:
+            assert step == 11, tag
+        if ref_out is None:
+            ref_out = out
+        # NaN in the embedding: compare outputs bit for bit, NaNs included.
+        assert torch.equal(out.view(torch.int32), ref_out.view(torch.int32)), tag
+
+    # Offline reshard 2 -> 3: each rank opened its own data file and the
+    # shared one for replicated buffers, nothing else.
+    data = [f for f in rs.files]
+    own = {r: [f for f in data if f.endswith(f"-r{r:05d}.safetensors")] for r in range(3)}
+    shared = [f for f in data if f.endswith("-replicated.safetensors")]
+    assert all(len(own[r]) == 1 for r in range(3)) and len(shared) == 1
+    for r in range(3):
+        read = results[r]["rs3"][3]
+        assert set(read) <= set(own[r] + shared), (r, read)
+        assert own[r][0] in read
+
+
+class _Big(torch.nn.Module):
+    """Tensors of several MB, so one rank's rows and the other's are far apart in the file."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(512, 1536)
+        self.b = torch.nn.Linear(1536, 512)
+        self.register_buffer("steps", torch.arange(4, dtype=torch.int64))
+
+
+def _load_hf_direct(rank, world, hf_dir, ren_dir):
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(7)
+    model = _Big()
+    fully_shard(model)
+    log = _record_reads()
+    log.clear()
+    res = shardckpt.load({"model": model}, hf_dir)
+    nread = sum(n for _, n in log)
+    mine = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
+    mine += sum(b.numel() * b.element_size() for b in model.buffers())
+    # Also with HF-style renaming through key_map and a key selection.
+    torch.manual_seed(8)
+    other = _Big()
+    fully_shard(other)
+    res2 = shardckpt.load({"net": other}, ren_dir, key_map=lambda k: "net." + k.replace("proj_", ""), keys=["proj_a.*"], strict=False)
+    return full_state(model), nread, mine, res, full_state(other), res2
+
+
+def test_hf_directory_loads_into_fsdp2_reading_only_own_rows(tmp_path):
+    from safetensors.torch import save_file
+
+    torch.manual_seed(3)
+    ref = _Big()
+    sd = {k: v.detach().clone() for k, v in ref.state_dict().items()}
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    # An HF-style sharded directory written by safetensors itself.
+    save_file({k: sd[k] for k in ("a.weight", "a.bias")}, str(hf / "model-00001-of-00002.safetensors"), metadata={"format": "pt"})
+    save_file({k: sd[k] for k in ("b.weight", "b.bias", "steps")}, str(hf / "model-00002-of-00002.safetensors"), metadata={"format": "pt"})
+    wm = {k: "model-00001-of-00002.safetensors" for k in ("a.weight", "a.bias")}
+    wm.update({k: "model-00002-of-00002.safetensors" for k in ("b.weight", "b.bias", "steps")})
+    (hf / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": 0}, "weight_map": wm}))
+    # A renamed copy for the key_map/keys case.
+    ren = tmp_path / "ren"
+    ren.mkdir()
+    save_file({"proj_" + k: v for k, v in sd.items()}, str(ren / "model.safetensors"))
+
+    res = run_ranks(2, _load_hf_direct, str(hf), str(ren))
+    total = sum(v.numel() * v.element_size() for v in sd.values())
+    for rank, (state, nread, mine, lr, _, _) in enumerate(res):
+        _same(state, sd)
+        assert lr.missing_keys == [] and lr.unexpected_keys == []
+        # Ranged reads of this rank's rows only (plus page alignment), about
+        # half the model on each of the 2 ranks.
+        assert mine <= nread <= mine + (64 << 10), (rank, nread, mine)
+        assert nread < 0.6 * total
+    for state, _, _, _, other, lr2 in res:
+        assert torch.equal(other["a.weight"], sd["a.weight"]) and torch.equal(other["a.bias"], sd["a.bias"])
+        assert not torch.equal(other["b.weight"], sd["b.weight"])
+        assert sorted(lr2.missing_keys) == ["net.b.bias", "net.b.weight", "net.steps"]
