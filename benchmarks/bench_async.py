@@ -149,8 +149,19 @@ class Method:
         self.name, self.start, self.finish, self.cleanup, self.touch = name, start, finish, cleanup, touch
         self.stalls: List[float] = []
         self.totals: List[float] = []
+        self.error: Optional[str] = None
 
     def once(self, i: int, device: str) -> None:
+        if self.error is not None:
+            return
+        try:
+            self._once(i, device)
+        except Exception as e:  # e.g. a DCP stager that cannot take this state on this torch
+            self.error = f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
+            if dist.is_initialized():
+                dist.barrier()
+
+    def _once(self, i: int, device: str) -> None:
         _sync(device)
         _barrier()
         t0 = time.perf_counter()
@@ -169,12 +180,17 @@ class Method:
             self.cleanup(i)
 
     def row(self) -> Dict[str, Any]:
+        if self.error is not None or len(self.stalls) < 2:
+            return {"name": self.name, "first": None, "steady": None, "total": None, "error": self.error or "no result"}
         return {
             "name": self.name,
             "first": self.stalls[0],
             "steady": statistics.median(self.stalls[1:]),
             "total": statistics.median(self.totals[1:]),
         }
+
+
+FLOOR = "memcpy floor (copy into reused host buffers)"
 
 
 def _fmt(x: Optional[float]) -> str:
@@ -222,9 +238,11 @@ def main(argv: Optional[List[str]] = None) -> int:
             tensors[0].add_(1.0)
 
     floor = Floor(tensors, args.device)
+    # The floor runs right before shardckpt.async_save, after the sync save's
+    # fsync: neither sees page-cache writeback left by another method.
     methods = [
-        Method("memcpy floor (copy into reused host buffers)", lambda i: floor()),
         Method("shardckpt.save (sync)", lambda i: shardckpt.save(state, url("sync", i)), cleanup=rm("sync")),
+        Method(FLOOR, lambda i: floor()),
         Method(
             "shardckpt.async_save",
             lambda i: shardckpt.async_save(state, url("async", i)),
@@ -285,9 +303,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     rows = [m.row() for m in methods]
 
     if rank == 0:
-        floor_s = rows[0]["steady"]
+        floor_s = next(r for r in rows if r["name"] == FLOOR)["steady"]
         ours = next(r for r in rows if r["name"] == "shardckpt.async_save")["steady"]
-        dcp_row = next((r for r in rows if r["name"].startswith("DCP async_save (default")), None)
+        dcp_row = next((r for r in rows if r["name"].startswith("DCP async_save (default") and not r.get("error")), None)
         dev = torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or platform.machine()
         lines = [
             f"State: {nbytes / 1e9:.2f} GB per rank ({len(tensors)} tensors), {world} rank(s), device {args.device} ({dev}), "
@@ -297,8 +315,11 @@ def main(argv: Optional[List[str]] = None) -> int:
             "| method | stall, first call | stall, steady | stall / memcpy floor | until committed (steady) |",
             "| --- | ---: | ---: | ---: | ---: |",
         ]
-        for r in rows:
-            total = _fmt(r["total"]) if r["name"] != rows[0]["name"] else "-"
+        for r in sorted(rows, key=lambda r: r["name"] != FLOOR):
+            if r.get("error"):
+                lines.append(f"| {r['name']} | failed: {r['error']} | | | |")
+                continue
+            total = _fmt(r["total"]) if r["name"] != FLOOR else "-"
             lines.append(
                 f"| {r['name']} | {_fmt(r['first'])} | {_fmt(r['steady'])} | {r['steady'] / floor_s:.2f}x | {total} |"
             )

@@ -29,6 +29,7 @@ dict itself; "extra" is the peak minus the RSS just before the measured call
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -36,6 +37,7 @@ import shutil
 import statistics
 import sys
 import time
+import warnings
 from typing import Any, Dict, List, Optional, Tuple
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -202,6 +204,14 @@ def _cpu_tensors(state):
     return {k: _local(v).detach().cpu().contiguous() for k, v in state.items()}
 
 
+@contextlib.contextmanager
+def _quiet_dcp():
+    """DCP warns on every single-process call, even with ``no_dist=True``."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to (save|load) in a single process.*")
+        yield
+
+
 def do_save(case: str, path: str, state: Dict[str, Any]) -> None:
     import torch
 
@@ -227,7 +237,8 @@ def do_save(case: str, path: str, state: Dict[str, Any]) -> None:
         import torch.distributed.checkpoint as dcp
 
         writer = dcp.FileSystemWriter(path, thread_count=int(case[len("dcp-t"):]))
-        dcp.save(state, storage_writer=writer, no_dist=_dist() is None)
+        with _quiet_dcp():
+            dcp.save(state, storage_writer=writer, no_dist=_dist() is None)
     elif case == "safetensors":
         from safetensors.torch import save_file
 
@@ -267,7 +278,8 @@ def do_load(case: str, path: str, state: Optional[Dict[str, Any]], device: str) 
     if case.startswith("dcp-t"):
         import torch.distributed.checkpoint as dcp
 
-        dcp.load(state, storage_reader=dcp.FileSystemReader(path), no_dist=_dist() is None)
+        with _quiet_dcp():
+            dcp.load(state, storage_reader=dcp.FileSystemReader(path), no_dist=_dist() is None)
         return state
     if case == "safetensors":
         from safetensors.torch import load_file

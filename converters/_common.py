@@ -279,16 +279,19 @@ class _Verifier:
 
     def __init__(self):
         self.lock = threading.Lock()
-        self.pieces: Dict[Tuple[str, int], List[Tuple[int, int, int]]] = collections.defaultdict(list)
+        self.pieces: Dict[Tuple[int, int], List[Tuple[int, int, int]]] = collections.defaultdict(list)
+        self.tensors: Dict[int, SrcTensor] = {}
 
-    def add(self, name: str, idx: int, pos: int, n: int, crc: int) -> None:
+    def add(self, t: SrcTensor, idx: int, pos: int, n: int, crc: int) -> None:
         with self.lock:
-            self.pieces[(name, idx)].append((pos, n, crc))
+            self.tensors[id(t)] = t
+            self.pieces[(id(t), idx)].append((pos, n, crc))
 
     def problems(self, source: Source) -> List[str]:
         bad = []
-        for (name, idx), pieces in self.pieces.items():
-            c = source.tensors[name].chunks[idx]
+        for (tid, idx), pieces in self.pieces.items():
+            t = self.tensors[tid]
+            c = t.chunks[idx]
             if c.check is None:
                 continue
             algo, want = c.check
@@ -303,7 +306,7 @@ class _Verifier:
                 continue
             if crc != want:
                 bad.append(
-                    f"{source.storage.url_of(c.file)}: chunk {c.key!r} of tensor {name!r} "
+                    f"{source.storage.url_of(c.file)}: chunk {c.key!r} of tensor {t.name!r} "
                     f"(bytes {c.byte_offset}..{c.byte_offset + c.nbytes}) has {algo} {crc:#010x}, "
                     f"the checkpoint says {want:#010x}"
                 )
@@ -405,7 +408,7 @@ class Reader:
         for s, d in zip(segs, dests):
             c = t.chunks[s.chunk]
             if c.check is not None:
-                self.verifier.add(t.name, s.chunk, s.pos, s.n, checksum(c.check[0], d))
+                self.verifier.add(t, s.chunk, s.pos, s.n, checksum(c.check[0], d))
 
     def read(self, t: SrcTensor, blk: Block, pool: Optional[BufferPool] = None) -> torch.Tensor:
         """The block's elements as a flat uint8 tensor, row-major (from ``pool`` when given)."""

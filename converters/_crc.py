@@ -15,8 +15,8 @@ matrices over GF(2), so a combine costs ~1k integer operations whatever ``n``.
 
 from __future__ import annotations
 
+import threading
 import zlib
-from functools import lru_cache
 from typing import List
 
 import crc32c as _crc32c
@@ -51,17 +51,29 @@ def _square(mat: List[int]) -> List[int]:
     return [_apply(mat, col) for col in mat]
 
 
-@lru_cache(maxsize=None)
-def _powers(algo: str) -> List[List[int]]:
-    """``[Z_1, Z_2, Z_4, ...]``: zero-byte operators for 2^k bytes, k < 64."""
-    poly = _POLY[algo]
-    # One zero bit: shift right, xor the polynomial when the low bit falls out.
-    bit = [(poly if i == 0 else 1 << (i - 1)) for i in range(32)]
-    byte = bit
-    for _ in range(3):  # 8 bits
-        byte = _square(byte)
-    out = [byte]
-    for _ in range(63):
+_POWERS: dict = {}
+_LOCK = threading.Lock()
+
+
+def _powers(algo: str, count: int) -> List[List[int]]:
+    """``[Z_1, Z_2, Z_4, ...]`` (at least ``count``): zero-byte operators for 2^k bytes."""
+    out = _POWERS.get(algo)
+    if out is not None and len(out) >= count:
+        return out
+    with _LOCK:
+        return _grow(algo, count)
+
+
+def _grow(algo: str, count: int) -> List[List[int]]:
+    out = _POWERS.get(algo)
+    if out is None:
+        poly = _POLY[algo]
+        # One zero bit: shift right, xor the polynomial when the low bit falls out.
+        byte = [(poly if i == 0 else 1 << (i - 1)) for i in range(32)]
+        for _ in range(3):  # 8 bits
+            byte = _square(byte)
+        out = _POWERS[algo] = [byte]
+    while len(out) < count:
         out.append(_square(out[-1]))
     return out
 
@@ -70,7 +82,7 @@ def combine(algo: str, crc_a: int, crc_b: int, len_b: int) -> int:
     """CRC of ``A + B`` from ``crc(A)``, ``crc(B)`` and ``len(B)``."""
     if len_b <= 0:
         return crc_a
-    powers = _powers(algo)
+    powers = _powers(algo, len_b.bit_length())
     k = 0
     while len_b:
         if len_b & 1:

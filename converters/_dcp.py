@@ -232,14 +232,28 @@ def from_dcp(
     sizes: Dict[str, int] = {}
     formats: Dict[str, Any] = {}
 
-    def file_info(rel: str):
+    def file_info(rel: str, offset: Optional[int] = None):
+        """Size of ``rel``, and how the item at ``offset`` is stored: "zip" or the file's safetensors header."""
         if rel not in sizes:
             try:
                 sizes[rel] = storage.size(rel)
             except (FileNotFoundError, NotADirectoryError):
                 raise CorruptCheckpointError(f"{storage.url_of(rel)}: data file is missing") from None
-            head = storage.read_range(rel, 0, min(4, sizes[rel]))
-            formats[rel] = "zip" if head == b"PK\x03\x04" else read_safetensors_header(storage, rel, sizes[rel])
+        if offset is None:
+            return sizes[rel], None
+        head = storage.read_range(rel, offset, min(4, max(0, sizes[rel] - offset)))
+        if head == b"PK\x03\x04":
+            return sizes[rel], "zip"
+        # DCP's safetensors serialization: one safetensors file per rank,
+        # items found by name in its header (the recorded offsets are not used).
+        if rel not in formats:
+            try:
+                formats[rel] = read_safetensors_header(storage, rel, sizes[rel])
+            except CorruptCheckpointError as e:
+                raise UnsupportedStateError(
+                    f"{storage.url_of(rel)}: neither torch.save items nor a safetensors file ({e}); "
+                    "DCP's safetensors serialization with non-tensor items in the same file is not supported"
+                ) from None
         return sizes[rel], formats[rel]
 
     leaves: Dict[str, Any] = {}
@@ -286,7 +300,7 @@ def from_dcp(
 
 def _tensor_chunk(storage, fqn, offsets, sizes, dtype, st_dtype, info, file_info) -> SrcChunk:
     rel = info.relative_path
-    size, fmt = file_info(rel)
+    size, fmt = file_info(rel, info.offset)
     w = f"{storage.url_of(rel)}: item {fqn}@{list(offsets)}"
     nbytes = math.prod(sizes) * itemsize(st_dtype)
     if fmt == "zip":

@@ -159,10 +159,16 @@ def diff(
     floats; the report lists tensors only in one side, dtype/shape changes,
     and for changed values the number of differing elements and the largest
     absolute difference. Plain values are compared too. Checksums of both
-    sides are verified on the way (a damaged side raises).
+    sides are verified on the way (a damaged side raises). A safetensors
+    side compared with a native one has its names put under ``model.``.
     """
     sa = open_checkpoint(a, storage_options)
     sb = open_checkpoint(b, b_storage_options if b_storage_options is not None else storage_options)
+    # A safetensors directory holds bare model names; compared with a native
+    # checkpoint of {"model": ...} they sit under "model.".
+    for x, y in ((sa, sb), (sb, sa)):
+        if x.kind == "safetensors" and y.kind != "safetensors" and any(n.startswith("model.") for n in y.tensors):
+            x.tensors = {f"model.{n}": t for n, t in x.tensors.items()}
     rep = DiffReport(a=a, b=b)
     rep.removed = sorted(set(sa.tensors) - set(sb.tensors))
     rep.added = sorted(set(sb.tensors) - set(sa.tensors))
@@ -224,6 +230,6 @@ def diff(
         else:
             rep.identical += 1
     rep.changed.sort(key=lambda c: c.name)
-    if sa.values is not None or sb.values is not None:
+    if sa.values is not None and sb.values is not None:  # safetensors sources have no values
         _values_diff(sa.values, sb.values, "", rep.value_changes)
     return rep

@@ -41,7 +41,8 @@ def reshard(
     (step, RNG, scheduler...) are carried over unchanged.
 
     The result is an ordinary checkpoint: it loads at any world size; it is
-    only fastest at ``world_size``.
+    only fastest at ``world_size``. A safetensors source's bare names are
+    put under ``model.`` (as ``from_safetensors`` does).
 
     Args:
         src: checkpoint to reshard (a shardckpt checkpoint or safetensors dir).
@@ -62,6 +63,18 @@ def reshard(
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
     source = open_checkpoint(src, storage_options)
+    values = source.values
+    if source.kind == "safetensors":
+        # Bare HF names: place them under "model." as from_safetensors does,
+        # so shardckpt.load({"model": model}, dst) finds them.
+        from shardckpt._state import tensor_ref
+
+        from ._safetensors import nest_under
+
+        source.tensors = {f"model.{n}": t for n, t in source.tensors.items()}
+        for n, t in source.tensors.items():
+            t.name = n
+        values = nest_under("model.", {n[len("model."):]: tensor_ref(n) for n in source.tensors})
     files: Dict[str, List[OutEntry]] = {}
     tensors = {}
     layout = {"mesh_shape": [world_size], "mesh_dim_names": None, "placements": ["S(0)"], "resharded": True}
@@ -100,7 +113,7 @@ def reshard(
         files,
         reader,
         tensors=tensors,
-        values=source.values,
+        values=values,
         world_size=world_size,
         extra=extra,
         storage_options=dst_storage_options,

@@ -43,11 +43,14 @@ def export_names(
     """``{source name: output name}``: entries under ``prefix`` (stripped), selected, renamed.
 
     When no tensor lies under ``prefix`` all tensors are taken with their
-    names unchanged. ``keys`` match names after the prefix is stripped.
+    names unchanged, as are a safetensors source's (already bare) names.
+    ``keys`` match names after the prefix is stripped.
     """
     names = list(source.tensors)
     stripped = {n: n for n in names}
-    if prefix:
+    # Safetensors sources hold bare model names already ("model.layers.0..."
+    # is HF naming there, not a state prefix).
+    if prefix and source.kind != "safetensors":
         under = {n: n[len(prefix) :] for n in names if n.startswith(prefix) and len(n) > len(prefix)}
         if under:
             stripped = under

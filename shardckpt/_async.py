@@ -14,7 +14,8 @@ Staging:
     reused across saves. Large buffers are ordinary allocations registered
     with ``cudaHostRegister`` (torch's pinned allocator rounds every request
     up to a power of two, which can double the host memory of a big shard).
-    The call returns once the copies are done, so the stall is the copy.
+    Copies run while the ranks exchange their staging verdicts; the call
+    returns once they are done, so the stall is the copy.
 
 At most one save is in flight per process: a new save (async or through a
 ``CheckpointManager``) first waits for the previous one, and if that one
@@ -132,6 +133,7 @@ class _Stager:
     def __init__(self):
         self.free: Dict[_Key, List[_Buf]] = {}
         self.streams: Dict[int, Any] = {}
+        self.pending: List[Any] = []  # side streams with copies in flight
 
     def _alloc(self, shape: Tuple[int, ...], dtype: torch.dtype, pinned: bool, reuse: bool) -> _Buf:
         if not pinned:
@@ -173,23 +175,21 @@ class _Stager:
                 else:
                     host.append((buf.tensor, t))
             with torch.no_grad():
-                streams = []
                 # Launch the device-to-host copies first so the DMA runs while
-                # the host copies below keep the CPU busy.
+                # the host copies below keep the CPU busy. They are waited for
+                # in wait_copies(), after the peers' verdicts arrive.
                 for idx, pairs in cuda.items():
                     dev = torch.device("cuda", idx)
                     s = self._stream(dev)
                     # Order after the work already queued (e.g. an optimizer
                     # step) on the stream training uses.
                     s.wait_stream(torch.cuda.current_stream(dev))
+                    self.pending.append(s)
                     with torch.cuda.stream(s):
                         for dst, src in pairs:
                             dst.copy_(src, non_blocking=True)
-                    streams.append(s)
                 for dst, src in host:
                     dst.copy_(src)
-                for s in streams:
-                    s.synchronize()
         finally:
             # Buffers not used by this save go; the used ones are reused next
             # time (the next staging waits for this save to finish first).
@@ -200,7 +200,14 @@ class _Stager:
                 self.free = used
         return out
 
+    def wait_copies(self) -> None:
+        """Block until the device-to-host copies of the last ``stage`` are done."""
+        streams, self.pending = self.pending, []
+        for s in streams:
+            s.synchronize()
+
     def release(self) -> None:
+        self.wait_copies()
         for bucket in self.free.values():
             for b in bucket:
                 b.release()
@@ -357,7 +364,11 @@ def start_async(
     except Exception as e:  # re-raised below, after the peers know
         local = e
         verdict = ("error", f"rank {plan.rank}: staging failed: {type(e).__name__}: {e}")
-    verdicts = _all_gather(verdict, group)
+    try:
+        # The round trip overlaps the device-to-host copies still running.
+        verdicts = _all_gather(verdict, group)
+    finally:
+        _STAGER.wait_copies()
     if local is not None:
         raise local
     exists = [v[1] for v in verdicts if v and v[0] == "exists"]

@@ -24,6 +24,7 @@ from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Seque
 
 from ._format import (
     HF_INDEX_NAME,
+    MANIFEST_NAME,
     ChunkMeta,
     FileMeta,
     Manifest,
@@ -180,7 +181,7 @@ def _read_index(storage: Storage) -> Dict[str, str]:
     if not isinstance(raw, dict) or not isinstance(raw.get("weight_map"), dict):
         raise CorruptCheckpointError(f"{where}: no 'weight_map' object")
     meta = raw.get("metadata")
-    if isinstance(meta, dict) and "shardckpt_save_id" in meta:
+    if isinstance(meta, dict) and "shardckpt_save_id" in meta and not storage.exists(MANIFEST_NAME):
         # Native saves write this index just before manifest.json: without
         # the manifest, the save never finished.
         raise CheckpointNotFoundError(

@@ -132,7 +132,43 @@ def layout_of(name: str, t: Any, *, rank: int, world_size: int) -> TensorLayout:
     )
 
 
+#: DTensor geometry by (mesh, placements, global shape, local shape). The same
+#: parameters are laid out again at every save, and computing it
+#: (``DeviceMesh.mesh``, boxes, holders) costs ~100 us a tensor, paid inside
+#: the training stall of an async save. Values hold the mesh, so ids are not reused.
+_GEOMETRY_CACHE: Dict[Any, Any] = {}
+_GEOMETRY_CACHE_MAX = 1 << 16
+
+
 def _dtensor_layout(name: str, t) -> TensorLayout:
+    mesh = t.device_mesh
+    local = t._local_tensor
+    try:
+        key = (id(mesh), tuple(t.placements), tuple(t.shape), tuple(local.shape))
+        hit = _GEOMETRY_CACHE.get(key)
+    except TypeError:  # unhashable placement: no caching
+        key, hit = None, None
+    if hit is None or hit[0] is not mesh:
+        hit = (mesh, _dtensor_geometry(name, t))
+        if key is not None:
+            if len(_GEOMETRY_CACHE) >= _GEOMETRY_CACHE_MAX:
+                _GEOMETRY_CACHE.clear()
+            _GEOMETRY_CACHE[key] = hit
+    shape, boxes, holders, layout_json = hit[1]
+    return TensorLayout(
+        name=name,
+        dtype=dtype_name(t.dtype, key=name),
+        torch_dtype=t.dtype,
+        shape=shape,
+        parts=[Part(box, local, offsets) for box, offsets in boxes],
+        holders=dict(holders),
+        layout_json=dict(layout_json),
+        kind="dtensor",
+    )
+
+
+def _dtensor_geometry(name: str, t):
+    """``(shape, [(box, local offsets)], holders, layout_json)`` of a DTensor on this rank."""
     mesh = t.device_mesh
     placements = _placements(t)
     shape = tuple(t.shape)
@@ -150,26 +186,18 @@ def _dtensor_layout(name: str, t) -> TensorLayout:
                 f"{t.placements} on mesh {mesh_shape} give {expect} for global shape {shape}; "
                 "this torch version lays out the placement differently than shardckpt expects"
             )
-    parts = [Part(lb.box, local, lb.local_offsets) for lb in _plan.local_boxes(shape, mesh_shape, placements, coord)]
+    boxes = [(lb.box, lb.local_offsets) for lb in _plan.local_boxes(shape, mesh_shape, placements, coord)]
     holders: Dict[_plan.Box, Tuple[int, ...]] = {}
     for ranks in _mesh_copies(mesh):
         for box, rs in _plan.layout_holders(shape, ranks, mesh_shape, placements).items():
             holders[box] = tuple(sorted(set(holders.get(box, ())) | set(rs)))
     names = list(mesh.mesh_dim_names) if mesh.mesh_dim_names else None
-    return TensorLayout(
-        name=name,
-        dtype=dtype_name(t.dtype, key=name),
-        torch_dtype=t.dtype,
-        shape=shape,
-        parts=parts,
-        holders=holders,
-        layout_json={
-            "mesh_shape": list(mesh_shape),
-            "mesh_dim_names": names,
-            "placements": [_placement_str(p) for p in placements],
-        },
-        kind="dtensor",
-    )
+    layout_json = {
+        "mesh_shape": list(mesh_shape),
+        "mesh_dim_names": names,
+        "placements": [_placement_str(p) for p in placements],
+    }
+    return shape, boxes, holders, layout_json
 
 
 def _mesh_copies(mesh) -> List[List[int]]:

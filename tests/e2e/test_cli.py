@@ -1,0 +1,132 @@
+"""The installed ``shardckpt`` console script: outputs and exit codes, as a user runs it."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import shardckpt
+
+BIN = os.path.join(os.path.dirname(sys.executable), "shardckpt")
+
+
+def sh(*args, check=None):
+    p = subprocess.run([BIN, *map(str, args)], capture_output=True, text=True, timeout=300)
+    if check is not None:
+        assert p.returncode == check, (args, p.returncode, p.stdout, p.stderr)
+    return p
+
+
+def _state(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "model": {"emb.weight": torch.randn(37, 7, generator=g), "ids": torch.arange(5), "mask": torch.tensor([True, False])},
+        "step": 7,
+    }
+
+
+@pytest.fixture(scope="module")
+def ck(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cli")
+    shardckpt.save(_state(), str(root / "ck"))
+    return root
+
+
+def test_script_is_installed():
+    assert os.path.exists(BIN), "pip install -e . installs the shardckpt console script"
+
+
+def test_inspect_table_and_json(ck):
+    p = sh("inspect", ck / "ck", check=0)
+    lines = p.stdout.splitlines()
+    assert "3 tensors" in lines[0] and "world size 1" in lines[0]
+    assert lines[1].split() == ["name", "dtype", "shape", "chunks", "bytes"]
+    row = next(l for l in lines if l.startswith("model.emb.weight"))
+    assert row.split()[1:] == ["F32", "[37,", "7]", "1", str(37 * 7 * 4)]
+    j = json.loads(sh("inspect", ck / "ck", "--json", check=0).stdout)
+    assert j["tensors"]["model.ids"]["dtype"] == "I64" and j["total_bytes"] == 37 * 7 * 4 + 5 * 8 + 2
+    assert j["values"]["step"] == 7
+
+
+def test_verify_ok_then_damage_named(ck, tmp_path):
+    p = sh("verify", ck / "ck", check=0)
+    assert p.stdout.startswith("OK ") and "every checksum matches" in p.stdout
+    bad = tmp_path / "bad"
+    shardckpt.save(_state(), str(bad))
+    c = shardckpt.inspect(str(bad)).tensors["model.emb.weight"].chunks[0]
+    path = bad / c.file
+    raw = bytearray(path.read_bytes())
+    raw[c.byte_offset + 3] ^= 1
+    path.write_bytes(bytes(raw))
+    p = sh("verify", bad, check=1)
+    assert c.file in p.stderr and "model.emb.weight" in p.stderr and "crc32c" in p.stderr
+    assert "Traceback" not in p.stderr
+
+
+def test_diff_same_and_different(ck, tmp_path):
+    sh("reshard", ck / "ck", tmp_path / "rs", "--world-size", "3", "-q", check=0)
+    p = sh("diff", ck / "ck", tmp_path / "rs", check=0)
+    assert p.stdout.strip().splitlines()[-1].startswith("same: 3 tensors identical")
+    st = _state()
+    st["model"]["emb.weight"][3, 4] += 0.5
+    st["model"]["extra"] = torch.ones(1)
+    del st["model"]["mask"]
+    st["step"] = 8
+    shardckpt.save(st, str(tmp_path / "other"))
+    p = sh("diff", ck / "ck", tmp_path / "other", check=1)
+    out = p.stdout
+    assert "- model.mask" in out and "+ model.extra" in out
+    assert "~ model.emb.weight: 1 of 259 elements differ, max |a-b| = 0.5" in out
+    assert "~ value step: 7 -> 8" in out
+    j = json.loads(sh("diff", ck / "ck", tmp_path / "other", "--json", check=1).stdout)
+    assert j["same"] is False and j["changed"][0]["max_abs_diff"] == pytest.approx(0.5)
+
+
+def test_export_convert_reshard(ck, tmp_path):
+    p = sh("export", ck / "ck", tmp_path / "hf", "--max-shard-size", "500B", check=0)
+    assert p.stdout.startswith("wrote ") and p.stderr == ""  # not a terminal: no progress bar
+    files = sorted(os.listdir(tmp_path / "hf"))
+    assert files[-1] == "model.safetensors.index.json" and len(files) >= 3
+    got = {}
+    for f in files[:-1]:
+        got.update(load_file(str(tmp_path / "hf" / f)))
+    ref = _state()["model"]
+    assert set(got) == set(ref) and all(torch.equal(got[k], ref[k]) for k in ref)
+    sh("convert", ck / "ck", tmp_path / "full.pt", "--dtype", "bf16", "-q", check=0)
+    pt = torch.load(str(tmp_path / "full.pt"), weights_only=True)
+    assert pt["model"]["emb.weight"].dtype == torch.bfloat16 and pt["model"]["ids"].dtype == torch.int64
+    # --storage-option goes to fsspec (file:// with options takes the fsspec path).
+    sh("convert", f"file://{ck / 'ck'}", tmp_path / "rs", "--world-size", "2", "--storage-option", "auto_mkdir=true", "-q", check=0)
+    m = shardckpt.inspect(str(tmp_path / "rs"))
+    assert m.world_size == 2 and len(m.tensors["model.emb.weight"].chunks) == 2
+
+
+def test_import_detects_sources(ck, tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    ref = _state()
+    dcp.save(ref, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    torch.save(ref["model"], str(tmp_path / "sd.pt"))
+    shardckpt.converters.to_safetensors(str(ck / "ck"), str(tmp_path / "hf"))
+    for src in ["dcp", "sd.pt", "hf"]:
+        sh("import", tmp_path / src, tmp_path / f"n_{src}", "-q", check=0)
+        live = {"model": {k: torch.zeros_like(v) for k, v in ref["model"].items()}}
+        shardckpt.load(live, str(tmp_path / f"n_{src}"), strict=False)
+        assert all(torch.equal(live["model"][k], ref["model"][k]) for k in ref["model"]), src
+    assert shardckpt.inspect(str(tmp_path / "n_dcp")).values["step"] == 7
+
+
+def test_errors_are_one_line_with_status_2(tmp_path):
+    p = sh("inspect", tmp_path / "missing", check=2)
+    assert p.stderr.startswith("shardckpt: error: no committed checkpoint") and p.stderr.count("\n") == 1
+    assert "Traceback" not in p.stderr
+    p = sh("export", tmp_path / "missing", tmp_path / "x", "--storage-option", "novalue", check=2)
+    assert "key=value" in p.stderr
+    p = sh("reshard", tmp_path, tmp_path / "y", check=2)  # argparse: --world-size is required
+    assert "--world-size" in p.stderr
+    p = subprocess.run([sys.executable, "-m", "shardckpt", "inspect", str(tmp_path / "missing")], capture_output=True, text=True)
+    assert p.returncode == 2 and "no committed checkpoint" in p.stderr

@@ -1,0 +1,72 @@
+"""The save/load benchmark still runs end to end (tiny size), so it cannot rot."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SCRIPT = os.path.join(ROOT, "benchmarks", "bench_save_load.py")
+CASES = ["raw", "shardckpt", "shardckpt-nocrc", "dcp-t1", "dcp-t2", "safetensors"]
+
+
+def _args(tmp_path, *extra):
+    return ["--size-gb", "0.003", "--dir", str(tmp_path / "scratch"), "--drop-cache", "fadvise",
+            "--json", str(tmp_path / "res.json"), "--markdown", str(tmp_path / "res.md"), *extra]
+
+
+def _results(tmp_path):
+    return json.loads((tmp_path / "res.json").read_text()), (tmp_path / "res.md").read_text()
+
+
+def _run(tmp_path, *extra):
+    """The script as a user runs it: a separate interpreter."""
+    cmd = [sys.executable, SCRIPT, *_args(tmp_path, *extra)]
+    proc = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    return _results(tmp_path)
+
+
+def test_every_case_in_process(tmp_path, capsys):
+    # All cases in this process (--no-isolate: no interpreter start per case,
+    # so this stays fast). The values each load returns are checked against
+    # what was saved inside the script; a mismatch raises.
+    sys.path.insert(0, os.path.dirname(SCRIPT))
+    try:
+        import bench_save_load
+    finally:
+        sys.path.remove(os.path.dirname(SCRIPT))
+    assert bench_save_load.main(_args(tmp_path, "--no-isolate")) == 0
+    res, md = _results(tmp_path)
+    for case in CASES:
+        assert f"| {case} |" in md, case
+        runs = res["results"][case]
+        assert runs["save"][0]["seconds"] > 0 and runs["load"][0]["seconds"] > 0
+        assert runs["save"][0]["nbytes"] == runs["load"][0]["nbytes"] > 2_000_000
+    assert "checksum cost (save)" in md and "checksum cost (load)" in md
+    assert "dropped with fadvise" in md
+    assert res["machine"]["nproc"]
+    assert not os.listdir(tmp_path / "scratch"), "checkpoints left behind"
+    assert "| shardckpt |" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_isolated_case_reports_peak_rss(tmp_path):
+    # The real mode: save and load each in a fresh process with its own peak RSS.
+    res, md = _run(tmp_path, "--cases", "shardckpt")
+    s, l = res["results"]["shardckpt"]["save"][0], res["results"]["shardckpt"]["load"][0]
+    assert s["peak_rss"] > 50 << 20 and l["peak_rss"] > 50 << 20  # interpreter + torch at least
+    assert "| shardckpt |" in md
+
+
+@pytest.mark.slow
+def test_two_ranks(tmp_path):
+    # Ranks started as torchrun would; DTensors sharded over a gloo group.
+    res, md = _run(tmp_path, "--ranks", "2", "--cases", "shardckpt,dcp-t1")
+    for case in ("shardckpt", "dcp-t1"):
+        assert res["results"][case]["load"][0]["nbytes"] > 2_000_000
+    assert "2 rank(s)" in md

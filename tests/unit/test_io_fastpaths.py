@@ -1,0 +1,205 @@
+"""The I/O fast paths: CRC32C combining, blocked + O_DIRECT reads, write-behind.
+
+Block sizes are shrunk so small tensors take the same code paths as
+gigabyte checkpoints: chunks spanning many read blocks, O_DIRECT ranges with
+unaligned heads and tails, per-block checksums combined per chunk.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import random
+
+import crc32c as _crc
+import pytest
+import torch
+
+import shardckpt
+from shardckpt import _io, _storage
+from shardckpt._storage import Storage
+from shardckpt.errors import ChecksumMismatchError, CorruptCheckpointError
+
+
+@pytest.fixture
+def small_blocks(monkeypatch):
+    monkeypatch.setattr(_io, "READ_BLOCK_BYTES", 2 * _io.DIRECT_IO_ALIGN)
+    monkeypatch.setattr(_io, "DIRECT_IO_MIN_BYTES", _io.DIRECT_IO_ALIGN)
+    monkeypatch.setattr(_io, "WRITE_BLOCK_BYTES", 3000)
+    monkeypatch.setattr(_storage, "WRITEBACK_BYTES", 5000)
+
+
+@pytest.fixture
+def open_flags(monkeypatch):
+    """Record the flags of every os.open in the storage layer."""
+    seen = []
+    real = os.open
+
+    def spy(path, flags, *a, **kw):
+        seen.append((os.path.basename(path), flags))
+        return real(path, flags, *a, **kw)
+
+    monkeypatch.setattr(_storage.os, "open", spy)
+    return seen
+
+
+def test_crc32c_combine_matches_whole_crc():
+    rng = random.Random(0)
+    for _ in range(300):
+        a = rng.randbytes(rng.choice([0, 1, 7, 100, 4096, rng.randint(0, 20000)]))
+        b = rng.randbytes(rng.choice([0, 1, 3, 64, rng.randint(0, 20000)]))
+        assert _io.crc32c_combine(_crc.crc32c(a), _crc.crc32c(b), len(b)) == _crc.crc32c(a + b)
+    # many pieces folded left, as read_chunks does
+    data = rng.randbytes(100_003)
+    cuts = sorted(rng.sample(range(1, len(data)), 20))
+    acc = 0
+    for lo, hi in zip([0] + cuts, cuts + [len(data)]):
+        acc = _io.crc32c_combine(acc, _crc.crc32c(data[lo:hi]), hi - lo)
+    assert acc == _crc.crc32c(data)
+
+
+def _state(seed: int):
+    g = torch.Generator().manual_seed(seed)
+    return {
+        # byte lengths that are not multiples of the 4096 alignment or of the blocks
+        "big": torch.randn(37, 301, generator=g),
+        "f64": torch.randn(1234, generator=g, dtype=torch.float64),
+        "half": torch.randn(3001, generator=g).to(torch.bfloat16),
+        "u8": torch.randint(0, 255, (9999,), generator=g, dtype=torch.uint8),
+        "flags": torch.rand(77, generator=g) > 0.5,
+        "scalar": torch.tensor(3.5),
+        "empty": torch.empty(0, 5),
+        "step": 4,
+    }
+
+
+def test_roundtrip_through_direct_blocked_reads(tmp_path, small_blocks, open_flags):
+    src = _state(1)
+    shardckpt.save(src, str(tmp_path / "c"))
+    dst = {k: (torch.zeros_like(v) if isinstance(v, torch.Tensor) else 0) for k, v in src.items()}
+    keep = {k: v.data_ptr() for k, v in dst.items() if isinstance(v, torch.Tensor)}
+    open_flags.clear()
+    shardckpt.load(dst, str(tmp_path / "c"))
+    for k, v in src.items():
+        if isinstance(v, torch.Tensor):
+            assert torch.equal(dst[k], v), k
+            assert dst[k].data_ptr() == keep[k], f"{k} was replaced, not filled in place"
+        else:
+            assert dst[k] == v
+    direct = [f for name, f in open_flags if name.endswith(".safetensors") and f & os.O_DIRECT]
+    assert direct, "the large ranges were not read with O_DIRECT"
+
+
+class _Bag:
+    """A Stateful object whose tensors exist only after loading (like lazy optimizer state)."""
+
+    def __init__(self, sd=None):
+        self.sd = dict(sd or {})
+
+    def state_dict(self):
+        return dict(self.sd)
+
+    def load_state_dict(self, sd):
+        self.sd = dict(sd)
+
+
+def test_created_tensors_come_from_staging(tmp_path, small_blocks):
+    # Tensors the live state lacks are created from the checkpoint; saved whole,
+    # they are views of the verified staging bytes, aligned for their dtype.
+    src = {k: v for k, v in _state(2).items() if isinstance(v, torch.Tensor)}
+    shardckpt.save({"bag": _Bag(src)}, str(tmp_path / "o"))
+    bag = _Bag()
+    shardckpt.load({"bag": bag}, str(tmp_path / "o"))
+    assert sorted(bag.sd) == sorted(src)
+    for k, v in src.items():
+        t = bag.sd[k]
+        assert t.dtype == v.dtype and t.shape == v.shape and torch.equal(t, v), k
+        assert t.data_ptr() % t.element_size() == 0
+
+
+def test_bit_flip_inside_a_multi_block_chunk_is_caught(tmp_path, small_blocks):
+    src = _state(3)
+    path = str(tmp_path / "c")
+    shardckpt.save(src, path)
+    m = shardckpt.inspect(path)
+    c = m.tensors["big"].chunks[0]
+    assert c.nbytes > 4 * _io.READ_BLOCK_BYTES  # spans several blocks
+    f = os.path.join(path, c.file)
+    with open(f, "r+b") as fh:
+        pos = c.byte_offset + c.nbytes * 2 // 3
+        fh.seek(pos)
+        byte = fh.read(1)
+        fh.seek(pos)
+        fh.write(bytes([byte[0] ^ 0x10]))
+    dst = {k: (torch.zeros_like(v) if isinstance(v, torch.Tensor) else 0) for k, v in src.items()}
+    with pytest.raises(ChecksumMismatchError, match=r"chunk 'big'.*crc32c"):
+        shardckpt.load(dst, path)
+    assert all(not v.any() for v in dst.values() if isinstance(v, torch.Tensor)), "a failed load touched a tensor"
+
+
+def test_direct_read_of_a_short_file_is_eof(tmp_path):
+    st = Storage(str(tmp_path))
+    with open(tmp_path / "f.bin", "wb") as fh:
+        fh.write(os.urandom(6000))
+    buf = _io._staging(8192, False, _io.DIRECT_IO_ALIGN)
+    assert buf.data_ptr() % _io.DIRECT_IO_ALIGN == 0
+    with pytest.raises(EOFError, match="ends before byte 8192"):
+        st.read_into("f.bin", [(0, memoryview(buf.numpy()))], direct=True)
+    # an aligned, in-bounds direct read returns the bytes
+    data = (tmp_path / "f.bin").read_bytes()
+    st.read_into("f.bin", [(0, memoryview(buf.numpy())[:4096])], direct=True)
+    assert bytes(buf[:4096].numpy()) == data[:4096]
+
+
+def test_filesystem_without_o_direct_falls_back(tmp_path, small_blocks, monkeypatch):
+    real = os.open
+
+    def no_direct(path, flags, *a, **kw):
+        if flags & getattr(os, "O_DIRECT", 0):
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real(path, flags, *a, **kw)
+
+    src = _state(4)
+    path = str(tmp_path / "c")
+    shardckpt.save(src, path)
+    monkeypatch.setattr(_storage.os, "open", no_direct)
+    dst = {k: (torch.zeros_like(v) if isinstance(v, torch.Tensor) else 0) for k, v in src.items()}
+    shardckpt.load(dst, path)
+    assert all(torch.equal(dst[k], v) for k, v in src.items() if isinstance(v, torch.Tensor))
+    st = Storage(path)
+    buf = _io._staging(4096, False, _io.DIRECT_IO_ALIGN)
+    st.read_into(shardckpt.inspect(path).tensors["big"].chunks[0].file, [(0, memoryview(buf.numpy()))], direct=True)
+    assert st._direct_ok is False  # remembered: no more O_DIRECT attempts on this storage
+
+
+def test_truncated_file_under_direct_reads(tmp_path, small_blocks):
+    src = _state(5)
+    path = str(tmp_path / "c")
+    shardckpt.save(src, path)
+    c = shardckpt.inspect(path).tensors["big"].chunks[0]
+    # read_chunks on its own (load checks sizes first): the file ends mid-chunk
+    os.truncate(os.path.join(path, c.file), c.byte_offset + c.nbytes // 2 + 5)
+    with pytest.raises(CorruptCheckpointError, match="truncated"):
+        _io.read_chunks(Storage(path), [c])
+
+
+def test_write_behind_keeps_bytes_and_reads_back(tmp_path, small_blocks):
+    st = Storage(str(tmp_path))
+    data = os.urandom(50_000)
+    w = st.open_write("data/x.bin")
+    for i in range(0, len(data), 1234):
+        w.write(data[i : i + 1234])
+    w.close()
+    assert (tmp_path / "data" / "x.bin").read_bytes() == data
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_cuda_chunks_stream_through_pinned_buffers(tmp_path, small_blocks):
+    src = {k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in _state(6).items()}
+    shardckpt.save(src, str(tmp_path / "c"))
+    shardckpt.verify(str(tmp_path / "c"))
+    dst = {k: (torch.zeros_like(v) if isinstance(v, torch.Tensor) else 0) for k, v in src.items()}
+    shardckpt.load(dst, str(tmp_path / "c"))
+    for k, v in src.items():
+        if isinstance(v, torch.Tensor):
+            assert dst[k].is_cuda and torch.equal(dst[k], v), k
