@@ -169,6 +169,7 @@ def main() -> None:
                 path = os.path.join(out, dst)
                 shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) else (os.path.exists(path) and os.remove(path))
                 os.makedirs(out, exist_ok=True)
+                os.sync()  # earlier routes' dirty pages must not be flushed on this one's clock
                 r = run_isolated(__file__, "convert", {"route": route, "src": src, "dst": path}, timeout=3600)
                 if best is None or r["durable_s"] < best["durable_s"]:
                     best = r

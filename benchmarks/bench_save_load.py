@@ -314,6 +314,9 @@ def _setup(case: str, device: str, threads: Optional[int]) -> None:
 
 
 def _teardown() -> None:
+    from shardckpt import _io
+
+    _io._BENCH_NO_CHECKSUMS = False  # in-process runs (tests) must not leak it to later saves
     d = _dist()
     if d is not None:
         d.destroy_process_group()

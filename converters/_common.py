@@ -4,11 +4,12 @@ A *source* is a set of tensors whose bytes lie in byte ranges of files
 (native shardckpt chunks, safetensors entries, DCP items, ``torch.save``
 records). A conversion plans its *output files* up front — every entry's
 name, dtype, shape and byte offset is known from metadata alone — then
-streams: worker threads read *blocks* (at most ``BLOCK_BYTES``, cut from
-element ranges of a tensor with ``_plan.split_box``-style row slabs), cast
-them if asked, checksum them; one writer per output file takes the blocks in
-order and appends them. At most ``depth`` blocks per output file are in
-memory, so peak memory is a few blocks plus one tensor's worth only where a
+streams: worker threads read *blocks* (at most ``BLOCK_BYTES``: byte runs of
+dim-0 shards, or row slabs from ``_plan.split_box`` where chunks are other
+boxes), cast them if asked, checksum them, and on local disk ``pwrite`` them
+at their final offset (elsewhere one writer per output file appends them in
+order). At most ``depth`` blocks per output file are in flight, in reused
+buffers, so peak memory is a few blocks — plus one tensor only where a
 source cannot be read by ranges (a non-contiguous ``torch.save`` record).
 
 Source checksums are verified as the bytes stream through: each block's CRC
@@ -48,7 +49,7 @@ from shardckpt._format import (
 )
 from shardckpt._io import DEFAULT_IO_THREADS, check_files
 from shardckpt._layout import box_view
-from shardckpt._plan import Box, check_cover
+from shardckpt._plan import Box, check_cover, split_box
 from shardckpt._storage import Storage, fsync_dir
 from shardckpt.errors import (
     CheckpointExistsError,
@@ -256,9 +257,9 @@ def plan_blocks(t: SrcTensor, start: int, stop: int, block_bytes: int = BLOCK_BY
     if start % row or stop % row:
         raise ValueError(f"{t.name}: element range [{start}, {stop}) is not made of whole rows of {row}")
     a0, b0 = start // row, stop // row
-    per = max(1, block_bytes // (row * isz))
-    for a in range(a0, b0, per):
-        b = min(b0, a + per)
+    rows = Box((a0,) + (0,) * (len(t.shape) - 1), (b0 - a0,) + tuple(t.shape[1:]))
+    for slab in split_box(rows, max(1, block_bytes // isz)):
+        a, b = slab.offsets[0], slab.offsets[0] + slab.sizes[0]
         segs = []
         for i in order:
             c = t.chunks[i]
@@ -556,6 +557,7 @@ def _write_file(
     depth: int,
     progress: Progress,
     block_bytes: int,
+    stop: Optional[threading.Event] = None,
 ) -> Tuple[List[int], List[int], int]:
     """Stream ``entries`` into one safetensors file; returns (crcs, data starts, size)."""
     header, starts = safetensors_header([(e.key, e.dtype, e.shape, e.nbytes) for e in entries], chunks=chunks_md)
@@ -578,6 +580,8 @@ def _write_file(
 
     def _job(i, e, blk):
         def run():
+            if stop is not None and stop.is_set():
+                raise _Stopped()
             data = reader.read(e.src, blk, buffers)
             if e.dtype != e.src.dtype:
                 raw, data = data, cast_bytes(data, e.src.dtype, e.dtype, buffers)
@@ -652,13 +656,19 @@ def _write_files(
     nfiles = max(1, min(threads, len(files)))
     depth = max(2, threads // nfiles + 1)
     results: Dict[str, Tuple[List[int], List[int], int]] = {}
+    stop = threading.Event()  # one file failed: the others stop at their next block
     with ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="shardckpt-cr") as pool:
         def one(rel):
             ents = files[rel]
             md = {e.key: {"tensor": e.name, "offsets": list(e.offsets)} for e in ents} if native else None
-            return rel, _write_file(
-                storage, rel, ents, reader, pool, chunks_md=md, want_crc=native, depth=depth, progress=progress, block_bytes=block_bytes
-            )
+            try:
+                return rel, _write_file(
+                    storage, rel, ents, reader, pool, chunks_md=md, want_crc=native, depth=depth, progress=progress,
+                    block_bytes=block_bytes, stop=stop,
+                )
+            except BaseException:
+                stop.set()
+                raise
 
         if nfiles == 1:
             for rel in files:
@@ -666,15 +676,19 @@ def _write_files(
         else:
             with ThreadPoolExecutor(max_workers=nfiles, thread_name_prefix="shardckpt-cw") as fpool:
                 futs = [fpool.submit(one, rel) for rel in files]
-                try:
-                    for f in futs:
-                        rel, res = f.result()
-                        results[rel] = res
-                finally:
-                    for f in futs:
-                        f.cancel()
-                    wait(futs)
+                wait(futs)
+                errors = [f.exception() for f in futs if f.exception() is not None]
+                first = next((e for e in errors if not isinstance(e, _Stopped)), errors[0] if errors else None)
+                if first is not None:
+                    raise first
+                for f in futs:
+                    rel, res = f.result()
+                    results[rel] = res
     return results
+
+
+class _Stopped(Exception):
+    """Another output file failed; this one gave up."""
 
 
 class ConvertResult(NamedTuple):

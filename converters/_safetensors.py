@@ -6,7 +6,6 @@ import json
 import math
 from typing import Any, Dict, List, Optional, Sequence, Union
 
-from shardckpt._format import itemsize
 from shardckpt._hf import KeyMap, hf_manifest, map_names, select_names
 from shardckpt._io import DEFAULT_IO_THREADS
 from shardckpt._state import tensor_ref

@@ -253,7 +253,7 @@ def from_torch_save(
     else:
         # Legacy format: no byte ranges to stream from. Still weights_only.
         try:
-            obj = torch.load(io.BytesIO(storage.read_bytes(base)), weights_only=True)
+            obj = torch.load(io.BytesIO(storage.read_bytes(base)), weights_only=True, map_location="cpu")
         except pickle.UnpicklingError as e:
             raise UnsafeMetadataError(
                 f"{where}: refused to unpickle: {_refusal(e)}. Only tensors, containers and plain values are "

@@ -446,14 +446,15 @@ class ModuleAdapter(Adapter):
         m = unwrap(obj)
         if is_fsdp1(m):
             return fsdp1_model_state(m)
-        meta = sorted(k for k, t in m.state_dict(keep_vars=True).items() if _is_tensor(t) and t.is_meta)
+        sd = _module_tensors(m)
+        meta = [k for k, t in sd.items() if _is_tensor(t) and t.is_meta]
         if meta:
             from .errors import format_offenders
 
             raise UnsupportedStateError(
                 f"{path}: tensors on the meta device hold no data and cannot be saved: {format_offenders(meta)}"
             )
-        return _module_tensors(m)
+        return sd
 
     def load(self, obj, path, saved, walker):
         from ._runtimes import fsdp1_load_model_state, fsdp1_model_state, is_fsdp1, unwrap
@@ -488,12 +489,16 @@ class ModuleAdapter(Adapter):
         from ._runtimes import materialize_device
 
         device_of = materialize_device(m)
-        made: Dict[int, Any] = {}  # tied weights share one new tensor
+        made: Dict[int, Any] = {}  # tied weights share one new Parameter
         out = {}
         for k in meta_keys:
             t = sd[k]
             if id(t) not in made:
-                made[id(t)] = _empty_like_meta(t, device_of(t))
+                new = _empty_like_meta(t, device_of(t))
+                if isinstance(t, torch.nn.Parameter):
+                    # assign=True installs a Parameter as is: every tied name gets this one object
+                    new = torch.nn.Parameter(new, requires_grad=t.requires_grad)
+                made[id(t)] = new
             sd[k] = out[k] = made[id(t)]
         return out
 

@@ -10,7 +10,6 @@ import glob
 import json
 import os
 
-import pytest
 import torch
 from safetensors.torch import load_file
 

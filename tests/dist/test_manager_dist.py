@@ -112,6 +112,7 @@ def test_manager_two_ranks(tmp_path):
     model = build(seed=3)
     assert shardckpt.CheckpointManager(root).restore({"model": model, "step": 0}) == 6
     ref = build(seed=1)
-    _bump(ref, 5.0)  # bumped by 1 after each of steps 1..5
+    for _ in range(5):  # bumped by 1 after each of steps 1..5 (same float rounding)
+        _bump(ref, 1.0)
     for k, v in model.state_dict().items():
         assert torch.equal(v, ref.state_dict()[k]), k

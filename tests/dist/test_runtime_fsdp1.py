@@ -21,6 +21,10 @@ def _save(rank, world, root):
         T.train(model, opt, sched, 0, 2, kind, rank, world)
         shardckpt.save({"model": model, "optim": opt, "sched": sched, "step": 2}, f"{root}/{kind}")
         out[kind] = (T.full_params(model), T.full_optim(model, opt), T.train(model, opt, sched, 2, 2, kind, rank, world))
+        # an optimizer that has not stepped is saved empty and left so
+        model, opt, sched = T.make(kind, rank, world)
+        shardckpt.save({"model": model, "optim": opt}, f"{root}/{kind}-fresh")
+        assert not opt.state
     return out
 
 
@@ -35,6 +39,9 @@ def _load(rank, world, root, into):
         shardckpt.load(state, f"{root}/{kind}")
         assert state["step"] == 2
         out[kind] = (T.full_params(model), T.full_optim(model, opt), T.train(model, opt, sched, 2, 2, target, rank, world))
+        # the unstepped checkpoint empties a stepped optimizer
+        shardckpt.load({"model": model, "optim": opt}, f"{root}/{kind}-fresh")
+        assert not opt.state, (kind, target)
     return out
 
 

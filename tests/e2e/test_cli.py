@@ -68,7 +68,7 @@ def test_verify_ok_then_damage_named(ck, tmp_path):
 
 
 def test_diff_same_and_different(ck, tmp_path):
-    sh("reshard", ck / "ck", tmp_path / "rs", "--world-size", "3", "-q", check=0)
+    shardckpt.converters.reshard(str(ck / "ck"), str(tmp_path / "rs"), world_size=3)
     p = sh("diff", ck / "ck", tmp_path / "rs", check=0)
     assert p.stdout.strip().splitlines()[-1].startswith("same: 3 tensors identical")
     st = _state()
@@ -100,7 +100,7 @@ def test_export_convert_reshard(ck, tmp_path):
     pt = torch.load(str(tmp_path / "full.pt"), weights_only=True)
     assert pt["model"]["emb.weight"].dtype == torch.bfloat16 and pt["model"]["ids"].dtype == torch.int64
     # --storage-option goes to fsspec (file:// with options takes the fsspec path).
-    sh("convert", f"file://{ck / 'ck'}", tmp_path / "rs", "--world-size", "2", "--storage-option", "auto_mkdir=true", "-q", check=0)
+    sh("reshard", f"file://{ck / 'ck'}", tmp_path / "rs", "--world-size", "2", "--storage-option", "auto_mkdir=true", "-q", check=0)
     m = shardckpt.inspect(str(tmp_path / "rs"))
     assert m.world_size == 2 and len(m.tensors["model.emb.weight"].chunks) == 2
 

@@ -2,6 +2,7 @@
 
 import os
 import re
+import signal
 import subprocess
 import sys
 
@@ -13,11 +14,18 @@ SCRIPT = os.path.join(ROOT, "examples", "train_fsdp2.py")
 
 def _run(nproc, ckpt, steps, tmp_path):
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="")  # gloo on CPU even on a GPU box
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port", "0", SCRIPT]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), SCRIPT]
     cmd += ["--ckpt-dir", ckpt, "--steps", str(steps), "--save-every", "2", "--dim", "32", "--seq", "16"]
-    out = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stdout + out.stderr
-    return out.stdout
+    # A session of its own, so a time-out takes the workers down with torchrun.
+    p = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        stdout, stderr = p.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        stdout, stderr = p.communicate()
+        raise AssertionError(f"torchrun --nproc-per-node {nproc} timed out:\n{stdout}\n{stderr}")
+    assert p.returncode == 0, stdout + stderr
+    return stdout
 
 
 def _losses(text):

@@ -237,7 +237,7 @@ def test_any_fsspec_url_on_both_sides(ckpt, tmp_path):
     src, st = ckpt
     converters.to_safetensors(src, "memory://shardckpt-test/hf", max_shard_size="200B")
     converters.from_safetensors("memory://shardckpt-test/hf", "memory://shardckpt-test/nat")
-    converters.reshard("memory://shardckpt-test/nat", "memory://shardckpt-test/rs", world_size=3)
+    converters.reshard("memory://shardckpt-test/nat", "memory://shardckpt-test/rs", world_size=3, progress=True)
     converters.to_full("memory://shardckpt-test/rs", "memory://shardckpt-test/full.pt")
     converters.to_full("memory://shardckpt-test/rs", str(tmp_path / "back.safetensors"), dst_storage_options=None)
     got = load_file(str(tmp_path / "back.safetensors"))

@@ -210,6 +210,19 @@ def test_meta_model_is_filled_without_random_init(tmp_path):
     with pytest.raises(UnsupportedStateError, match="meta device"):
         shardckpt.save({"model": m3}, str(tmp_path / "d"))
 
+    # tied weights stay tied: one new Parameter for both names
+    def tied():
+        m = build(2, dim=7, vocab=37)
+        m.head.weight = m.emb.weight
+        return m
+
+    src = tied()
+    shardckpt.save({"model": src}, str(tmp_path / "t"))
+    with torch.device("meta"):
+        m4 = tied()
+    shardckpt.load({"model": m4}, str(tmp_path / "t"))
+    assert m4.head.weight is m4.emb.weight and torch.equal(m4.emb.weight, src.emb.weight)
+
 
 def test_rng_state_streams(tmp_path):
     torch.manual_seed(5), random.seed(5), np.random.seed(5)
