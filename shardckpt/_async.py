@@ -250,8 +250,9 @@ class AsyncSaveHandle:
 
         Raises:
             TimeoutError: not finished within ``timeout`` seconds (the save goes on).
-            SaveFailedError / CheckpointExistsError / ...: the save failed; nothing
-                was committed by it.
+            SaveFailedError / CheckpointExistsError / ...: the save failed. Nothing
+                was committed, except when rank 0 committed and a peer lost
+                contact just after (docs/guarantees.md).
         """
         if not self._event.wait(timeout):
             raise TimeoutError(f"async save to {self.url} still running after {timeout}s")
@@ -312,9 +313,12 @@ def release_buffers() -> None:
 
 def _run(handle: AsyncSaveHandle, plan: SavePlan, before, after) -> None:
     err: Optional[BaseException] = None
-    try:
-        if before is not None and plan.rank == 0:
+    if before is not None and plan.rank == 0:
+        try:
             before()
+        except Exception as e:  # rank 0 must still join the save's collectives
+            log.warning("shardckpt: before saving %s: %s: %s", plan.storage.url, type(e).__name__, e)
+    try:
         execute_save(plan)
     except CheckpointError as e:
         err = e
@@ -347,7 +351,8 @@ def start_async(
     committed checkpoint that may not be replaced. ``before`` runs on rank 0
     in the background before any rank writes; ``after`` runs on every rank
     once the save committed. Every rank learns whether staging (or the
-    precheck) failed anywhere before any background work starts.
+    precheck) failed anywhere before any background work starts. ``before``
+    must not raise (an error is logged and the save goes on).
     """
     global _INFLIGHT
     t0 = time.perf_counter() if t0 is None else t0

@@ -1,17 +1,20 @@
 """Moving tensor bytes: parallel writes with checksums in the same pass, coalesced ranged reads.
 
 Writes stream each chunk straight from tensor memory (a contiguous CPU tensor
-is written without a copy; a GPU tensor goes through two small pinned buffers,
-the next block's copy overlapping this block's write) in blocks, updating the
-CRC32C as each block goes out, while its bytes are still in cache.
+is written without a copy; a GPU tensor goes through two pinned buffers, the
+next block's device-to-host copy overlapping this block's write) in blocks,
+updating the CRC32C as each block goes out. Local files are written behind:
+see ``_storage.WRITEBACK_BYTES``.
 
 Reads fetch whole saved chunks (checksums are per chunk), coalescing
 neighbours in a file, into one staging buffer per range. The range is read in
-blocks by several threads; each thread checksums the block it just read (still
-in cache) and the per-block CRCs are combined into the chunk's CRC
-(``crc32c_combine``), so verification costs no second pass over memory. Large
-local ranges are read with ``O_DIRECT`` where the filesystem allows it: the
-bytes land in the staging buffer without a page-cache copy in between.
+blocks by several threads; each thread checksums the block it just read and
+the per-block CRCs are combined into the chunk's CRC (``crc32c_combine``), so
+verification needs no second pass over memory after the reads.
+
+Measured and left out: ``O_DIRECT`` reads (no faster cold on the machines
+measured, and a warm page cache no longer helps); 8 MiB blocks (no gain).
+See docs/performance.md.
 """
 
 from __future__ import annotations
@@ -43,16 +46,11 @@ __all__ = [
 
 #: I/O threads per rank for writes and reads. Writes and CRC32C release the GIL.
 DEFAULT_IO_THREADS = 4
-#: Bytes handed to one ``write`` call (and one CRC update). Small enough that
-#: the block the CRC just read is still in cache when ``write`` copies it.
-WRITE_BLOCK_BYTES = 8 << 20
+#: Bytes handed to one ``write`` call (and one CRC update).
+WRITE_BLOCK_BYTES = 32 << 20
 #: Reads of a coalesced range are split into pieces of this size, read (and
-#: checksummed) in parallel. A multiple of ``DIRECT_IO_ALIGN``.
-READ_BLOCK_BYTES = 8 << 20
-#: Alignment of buffer addresses, file offsets and lengths for ``O_DIRECT`` reads.
-DIRECT_IO_ALIGN = 4096
-#: Coalesced local ranges at least this long are read with ``O_DIRECT``.
-DIRECT_IO_MIN_BYTES = 4 << 20
+#: checksummed) in parallel.
+READ_BLOCK_BYTES = 32 << 20
 #: Neighbouring chunks closer than this in a file are fetched in one request.
 COALESCE_GAP_BYTES = 1 << 20
 #: A rank's data is split into several files (one per I/O thread) above this size.
@@ -319,19 +317,10 @@ def check_files(storage: Storage, expected: Dict[str, int]) -> None:
         raise CorruptCheckpointError(f"{storage.url}: " + "; ".join(problems))
 
 
-def _staging(nbytes: int, pin_memory: bool, align: int) -> torch.Tensor:
-    """An uninitialised uint8 buffer whose first byte sits at an ``align``-byte boundary."""
-    if align <= 1:
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin_memory)
-    raw = torch.empty(nbytes + align, dtype=torch.uint8, pin_memory=pin_memory)
-    skip = (-raw.data_ptr()) % align
-    return raw[skip : skip + nbytes]
-
-
-# One unit of read work: fill these (offset, buffer) ranges of a file, with
-# O_DIRECT or not, then checksum the chunk segments (chunk index, position in
-# the chunk, bytes) that the ranges hold.
-_ReadJob = Tuple[str, List[Tuple[int, memoryview]], bool, List[Tuple[int, int, memoryview]]]
+# One unit of read work: fill these (offset, buffer) ranges of a file, then
+# checksum the chunk segments (chunk index, position in the chunk, bytes) that
+# the ranges hold.
+_ReadJob = Tuple[str, List[Tuple[int, memoryview]], List[Tuple[int, int, memoryview]]]
 
 
 def read_chunks(
@@ -345,9 +334,7 @@ def read_chunks(
     """Read and checksum-verify whole chunks; returns one uint8 tensor per chunk, same order.
 
     Every returned tensor is a view into a staging buffer shared by the chunks
-    coalesced with it, aligned so that a chunk stored at an offset that is a
-    multiple of its element size can be viewed as its dtype without a copy.
-    Nothing is returned unless every checksum matched.
+    coalesced with it. Nothing is returned unless every checksum matched.
     """
     out: List[Optional[torch.Tensor]] = [None] * len(chunks)
     checking = verify and not _BENCH_NO_CHECKSUMS
@@ -368,35 +355,28 @@ def read_chunks(
         for g in groups:
             start = chunks[g[0]].byte_offset
             end = max(chunks[i].byte_offset + chunks[i].nbytes for i in g)
-            direct = storage.is_local and end - start >= DIRECT_IO_MIN_BYTES
-            # O_DIRECT needs aligned offsets: start the buffer at the aligned
-            # file offset below ``start`` (at most one page more is read).
-            base = start - start % DIRECT_IO_ALIGN if direct else start
-            buf = _staging(end - base, pin_memory, DIRECT_IO_ALIGN if direct else 0)
+            buf = torch.empty(end - start, dtype=torch.uint8, pin_memory=pin_memory)
             for i in g:
-                s = chunks[i].byte_offset - base
+                s = chunks[i].byte_offset - start
                 out[i] = buf[s : s + chunks[i].nbytes]
             if end == start:
                 continue
             mv = memoryview(buf.numpy()).cast("B")
-            # Aligned blocks go direct; the unaligned tail (< one page) is a plain read.
-            direct_end = base + (end - base) // DIRECT_IO_ALIGN * DIRECT_IO_ALIGN if direct else base
-            pieces = [(o, min(o + READ_BLOCK_BYTES, direct_end), True) for o in range(base, direct_end, READ_BLOCK_BYTES)]
-            pieces += [(o, min(o + READ_BLOCK_BYTES, end), False) for o in range(direct_end, end, READ_BLOCK_BYTES)]
-            for lo, hi, is_direct in pieces:
+            for lo in range(start, end, READ_BLOCK_BYTES):
+                hi = min(lo + READ_BLOCK_BYTES, end)
                 segs = []
                 if checking:
                     for i in g:
                         c = chunks[i]
                         a, b = max(lo, c.byte_offset), min(hi, c.byte_offset + c.nbytes)
                         if a < b and c.crc32c is not None:  # safetensors sources carry no checksum
-                            segs.append((i, a - c.byte_offset, mv[a - base : b - base]))
-                jobs.append((rel, [(lo, mv[lo - base : hi - base])], is_direct, segs))
+                            segs.append((i, a - c.byte_offset, mv[a - start : b - start]))
+                jobs.append((rel, [(lo, mv[lo - start : hi - start])], segs))
 
     def run(job: _ReadJob) -> List[Tuple[int, int, int, int]]:
-        rel, ranges, is_direct, segs = job
+        rel, ranges, segs = job
         try:
-            storage.read_into(rel, ranges, direct=is_direct)
+            storage.read_into(rel, ranges)
         except FileNotFoundError:
             raise CorruptCheckpointError(f"{storage.url_of(rel)}: file is missing") from None
         except EOFError as e:
@@ -405,17 +385,18 @@ def read_chunks(
             raise
         except OSError as e:
             raise StorageError(f"reading {storage.url_of(rel)}: {e}") from e
-        # Checksum what this thread just read, while it is still in cache.
+        # Checksum what this thread just read: the threads share the work,
+        # and no pass over the whole staging memory follows the reads.
         return [(i, pos, len(seg), _crc.crc32c(seg)) for i, pos, seg in segs]
 
     # Local disk: one pread per block, many threads. Remote: one batched
     # cat_ranges per file so fsspec runs the ranges concurrently.
     if not storage.is_local:
         per: Dict[str, _ReadJob] = {}
-        for rel, ranges, _, segs in jobs:
-            job = per.setdefault(rel, (rel, [], False, []))
+        for rel, ranges, segs in jobs:
+            job = per.setdefault(rel, (rel, [], []))
             job[1].extend(ranges)
-            job[3].extend(segs)
+            job[2].extend(segs)
         jobs = list(per.values())
     if threads > 1 and len(jobs) > 1:
         with ThreadPoolExecutor(max_workers=min(threads, len(jobs)), thread_name_prefix="shardckpt-r") as ex:

@@ -212,7 +212,16 @@ def _mesh_copies(mesh) -> List[List[int]]:
     its order, flattened dims too) moved last.
     """
     own = [int(r) for r in mesh.mesh.flatten().tolist()]
-    root = mesh._get_root_mesh() if hasattr(mesh, "_get_root_mesh") else None
+    root = None
+    try:
+        if hasattr(mesh, "_get_root_mesh"):
+            root = mesh._get_root_mesh()
+        else:  # older torch keeps the parent link in a registry
+            from torch.distributed.device_mesh import _mesh_resources
+
+            root = _mesh_resources.get_root_mesh(mesh)
+    except Exception:
+        root = None
     if root is None or root is mesh or root.mesh.numel() == len(own):
         return [own]
     full = root.mesh

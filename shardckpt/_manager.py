@@ -266,9 +266,15 @@ class CheckpointManager:
         name = step_dir_name(step)
 
         def before() -> None:
-            # Rank 0, before any rank writes (the others wait for its go).
-            if not self.root.exists(f"{name}/{MANIFEST_NAME}"):
-                self._remove_dir(name)
+            # Rank 0, before any rank writes (the others wait for its go). It
+            # must not raise: rank 0 would skip the save's collectives and
+            # leave its peers waiting. Files left here are not in the new
+            # manifest, and cleanup() removes them.
+            try:
+                if not self.root.exists(f"{name}/{MANIFEST_NAME}"):
+                    self._remove_dir(name)
+            except Exception as e:
+                log.warning("shardckpt: cannot remove leftovers of step %d at %s: %s: %s", step, url, type(e).__name__, e)
 
         def after() -> None:
             if plan.rank == 0:

@@ -44,9 +44,8 @@ from ._state import (
     _is_tensor,
     _join,
     _MISSING,
-    decode_value,
 )
-from .errors import CorruptCheckpointError, StateMismatchError, UnsupportedStateError, format_offenders
+from .errors import CorruptCheckpointError, StateMismatchError, UnsupportedStateError
 
 __all__ = ["OptimizerAdapter", "find_module"]
 
@@ -162,8 +161,9 @@ class OptimizerAdapter(Adapter):
             for n in names:
                 group_of[n] = i
         saved_state = saved[STATE]
+        live_set = set(live_fqns)
         missing = sorted(f for f in live_fqns if f not in group_of)
-        unexpected = sorted(f for f in group_of if f not in set(live_fqns))
+        unexpected = sorted(f for f in group_of if f not in live_set)
         walker.missing_values.extend(f"{path}.state.{f}" for f in missing)
         for f in unexpected:
             walker.unexpected(f"{path}.state.{f}")
@@ -225,7 +225,7 @@ class OptimizerAdapter(Adapter):
                     _fill_from_saved(st, k, sub, name_path, walker)
         groups_holder: Dict[str, Any] = {}
         _fill_from_saved(groups_holder, GROUPS, saved_groups, _join(path, GROUPS), walker)
-        keep_missing = {f for f in missing}
+        keep_missing = set(missing)
 
         def finish():
             osd = {STATE: new_state, GROUPS: groups_holder[GROUPS]}

@@ -10,7 +10,6 @@ the commit. Everything else goes through fsspec (``s3://``, ``gs://``,
 
 from __future__ import annotations
 
-import errno
 import os
 import time
 import uuid
@@ -27,7 +26,6 @@ _RETRY_BASE_DELAY_S = 0.2
 #: (a checkpoint is not read back soon; filling the cache with it would evict
 #: the training job's useful pages and delay the final fsync).
 WRITEBACK_BYTES = 16 << 20
-_O_DIRECT = getattr(os, "O_DIRECT", 0)
 _FADVISE = getattr(os, "posix_fadvise", None)
 
 
@@ -72,7 +70,6 @@ class Storage:
         self.url = url.rstrip("/") or url
         self.storage_options = dict(storage_options or {})
         self.retries = max(1, retries)
-        self._direct_ok = True  # cleared when the local filesystem refuses O_DIRECT
         self.is_local = _is_local(url) and not self.storage_options
         if self.is_local:
             self.root = os.path.abspath(_local_path(url))
@@ -214,56 +211,21 @@ class Storage:
             f"read {self.url_of(rel)}[{start}:{start + length}]", self.fs.cat_file, self.path(rel), start=start, end=start + length
         )
 
-    def read_into(self, rel: str, ranges: Sequence[Tuple[int, memoryview]], *, direct: bool = False) -> None:
-        """Fill each ``(offset, buffer)`` from the file; raises if the file is short.
-
-        ``direct=True`` asks for ``O_DIRECT`` reads on local disk: the device
-        writes straight into the buffers, with no page-cache copy. The caller
-        must then pass offsets, lengths and buffer addresses that are multiples
-        of 4096. Where the filesystem refuses it (tmpfs, some FUSE mounts), the
-        reads go through the page cache instead; elsewhere it is ignored.
-        """
+    def read_into(self, rel: str, ranges: Sequence[Tuple[int, memoryview]]) -> None:
+        """Fill each ``(offset, buffer)`` from the file; raises if the file is short."""
         if self.is_local:
-            path = self.path(rel)
-            direct = bool(direct and _O_DIRECT and getattr(self, "_direct_ok", True))
-            fd = -1
-            if direct:
-                try:
-                    fd = os.open(path, os.O_RDONLY | _O_DIRECT)
-                except OSError as e:
-                    if e.errno != errno.EINVAL:
-                        raise
-                    self._direct_ok = False
-                    direct = False
-            if fd < 0:
-                fd = os.open(path, os.O_RDONLY)
+            fd = os.open(self.path(rel), os.O_RDONLY)
             try:
                 for offset, buf in ranges:
                     done = 0
                     n = len(buf)
                     while done < n:
-                        try:
-                            got = os.preadv(fd, [buf[done:]], offset + done)
-                        except OSError as e:
-                            if not (direct and e.errno == errno.EINVAL):
-                                raise
-                            # Refused at an aligned offset: the device wants a
-                            # coarser alignment, stop trying. Refused after a
-                            # short read (the file ends mid-block): the offset
-                            # is no longer aligned. Either way, go on buffered.
-                            if done == 0:
-                                self._direct_ok = False
-                            os.close(fd)
-                            fd = -1
-                            fd = os.open(path, os.O_RDONLY)
-                            direct = False
-                            continue
+                        got = os.preadv(fd, [buf[done:]], offset + done)
                         if got <= 0:
                             raise EOFError(f"{self.url_of(rel)}: file ends before byte {offset + n}")
                         done += got
             finally:
-                if fd >= 0:
-                    os.close(fd)
+                os.close(fd)
             return
         path = self.path(rel)
         starts = [o for o, _ in ranges]

@@ -19,22 +19,6 @@ ROWS = 12  # global batch: divisible by 1, 2, 3, 4
 SEQ = 5
 VOCAB = 37
 
-RUNTIMES = (
-    "plain",
-    "fsdp2",
-    "fsdp2_bf16",
-    "fsdp2_offload",
-    "fsdp2_keep",  # reshard_after_forward=False
-    "fsdp2_raf2",  # reshard_after_forward=2 (needs world 4)
-    "ddp",
-    "fsdp1",
-    "fsdp1_orig",  # use_orig_params=True
-    "tp",
-    "hsdp",  # 2 x (world/2) mesh: replicate x shard
-    "fsdp2_tp",  # 2 x (world/2) mesh: dp x tp
-)
-
-
 def dp_coords(kind: str, rank: int, world: int):
     """``(dp_rank, dp_world)``: which slice of the global batch this rank trains on."""
     if kind == "plain" or world == 1:
@@ -69,7 +53,14 @@ def _tp_plan():
 
 
 def shard(model: nn.Module, kind: str, world: int) -> nn.Module:
-    """Wrap/shard ``model`` for runtime ``kind`` on the current process group."""
+    """Wrap/shard ``model`` for runtime ``kind`` on the current process group.
+
+    Kinds: plain, fsdp2, fsdp2_bf16 (MixedPrecisionPolicy), fsdp2_offload
+    (CPUOffloadPolicy), fsdp2_keep (reshard_after_forward=False), fsdp2_raf2
+    (reshard_after_forward=2, world 4), ddp, fsdp1, fsdp1_orig
+    (use_orig_params=True), tp, hsdp (2 x world/2: replicate x shard),
+    fsdp2_tp (world/2 x 2: dp x tp).
+    """
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
@@ -181,10 +172,6 @@ def train(model, opt, sched, start: int, steps: int, kind: str, rank: int, world
         losses.append(val.item())
         lrs.append(sched.get_last_lr()[0])
     return losses, lrs
-
-
-def unwrapped(model: nn.Module) -> nn.Module:
-    return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
 
 
 def full_params(model: nn.Module) -> dict:

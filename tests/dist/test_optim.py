@@ -1,6 +1,5 @@
 """Optimizers on FSDP2: state sharded like the params, resharded on load, groups and steps restored."""
 
-import pytest
 import torch
 
 import shardckpt

@@ -253,3 +253,46 @@ def test_per_rank_values(tmp_path):
     shardckpt.save({"pos": dict(pos)}, str(tmp_path / "d"))
     with pytest.raises(StateMismatchError, match="PerRank"):
         shardckpt.load({"pos": shardckpt.PerRank({})}, str(tmp_path / "d"))
+
+
+def test_per_rank_walk_resize_paths():
+    """The state layer alone: per-rank names, and what each on_resize does at another world size."""
+    from shardckpt._state import flatten_for_load, flatten_for_save
+
+    saved = [flatten_for_save({"pos": shardckpt.PerRank({"n": 10 * r, "buf": torch.full((2,), float(r))})}, rank=r, world=2) for r in range(2)]
+    assert saved[1].per_rank_tensors == ["pos.@rank1.buf"] and list(saved[1].tensors) == ["pos.@rank1.buf"]
+    assert saved[1].per_rank == {"pos": {"n": 10, "buf": {"__shardckpt__": "tensor", "name": "pos.@rank1.buf"}}}
+    tree = saved[0].tree
+    assert tree == {"pos": {"__shardckpt__": "per_rank", "world_size": 2}}
+    metas = {"pos.@rank0.buf": None, "pos.@rank1.buf": None}
+    trees = [s.per_rank for s in saved]
+
+    # same world: this rank's entry is a target, the other rank's is skipped
+    live = {"n": -1, "buf": torch.zeros(2)}
+    flat, missing, unexpected = flatten_for_load({"pos": shardckpt.PerRank(live)}, tree, metas, rank=1, world=2, per_rank=trees)
+    assert list(flat.tensors) == ["pos.@rank1.buf"] and flat.skip == ["pos.@rank0"]
+    for f in flat.finalizers:
+        f()
+    assert live["n"] == 10 and missing == [] and unexpected == []
+
+    # another world: error (default), skip, or remap
+    with pytest.raises(StateMismatchError, match=r"pos: per-rank state was saved by 2 ranks but this load runs on 3.*on_resize=fn"):
+        flatten_for_load({"pos": shardckpt.PerRank(live)}, tree, metas, rank=0, world=3, saved_world=2, per_rank=trees)
+    flat, _, _ = flatten_for_load({"pos": shardckpt.PerRank(live, on_resize="skip")}, tree, metas, rank=0, world=3, saved_world=2, per_rank=trees)
+    assert not flat.tensors and not flat.creates and not flat.finalizers and sorted(flat.skip) == ["pos.@rank0", "pos.@rank1"]
+
+    def remap(states, rank, world):
+        return {"n": sum(s["n"] for s in states) + rank, "buf": states[0]["buf"] + states[1]["buf"]}
+
+    live = {"n": -1, "buf": torch.zeros(2)}
+    flat, _, _ = flatten_for_load({"pos": shardckpt.PerRank(live, on_resize=remap)}, tree, metas, rank=2, world=3, saved_world=2, per_rank=trees)
+    assert sorted(flat.creates) == ["pos.@rank0.buf", "pos.@rank1.buf"]
+    for name, put in flat.creates.items():
+        put(torch.full((2,), float(name[len("pos.@rank")])))
+    for f in flat.finalizers:
+        f()
+    assert live["n"] == 12 and torch.equal(live["buf"], torch.ones(2))
+
+    # a manifest whose per-rank list does not match its world size is damaged
+    with pytest.raises(shardckpt.CorruptCheckpointError, match="per-rank state is damaged"):
+        flatten_for_load({"pos": shardckpt.PerRank(live)}, tree, metas, rank=0, world=2, per_rank=trees[:1])
