@@ -601,6 +601,7 @@ def _write_file(
         return run
 
     w = None
+    stream = prefetch(pool, jobs(), depth)
     try:
         if path:
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -608,7 +609,7 @@ def _write_file(
         else:
             w = storage.open_write(rel)
             w.write(header)
-        for i, data, mv, crc in prefetch(pool, jobs(), depth):
+        for i, data, mv, crc in stream:
             n = mv if isinstance(mv, int) else len(mv)
             if w is not None:
                 w.write(mv)
@@ -628,6 +629,7 @@ def _write_file(
             os.close(fd)
             fd = -1
     except BaseException:
+        stream.close()  # waits for blocks in flight: none may write after the file is gone
         if w is not None:
             w.abort()
         if fd >= 0:

@@ -270,9 +270,13 @@ def _write_pt(dst, values, by_name, reader: Reader, *, flat, storage_options, ov
                 return run
 
             with ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="shardckpt-pt") as pool:
-                for i, n, crc in prefetch(pool, jobs(), max(2, threads + 1)):
-                    crcs[i] = combine("crc32", crcs[i], crc, n)
-                    bar.update(n)
+                stream = prefetch(pool, jobs(), max(2, threads + 1))
+                try:
+                    for i, n, crc in stream:
+                        crcs[i] = combine("crc32", crcs[i], crc, n)
+                        bar.update(n)
+                finally:
+                    stream.close()  # no block may still be writing once the file is closed
             for i, e in enumerate(order):
                 rec = records.get(offsets[i])
                 if rec is None or rec["size"] != e.nbytes:

@@ -169,14 +169,15 @@ def _rename(vals: Optional[List[str]]) -> Optional[Dict[str, str]]:
 
 
 def cmd_export(args) -> int:
-    from shardckpt import converters
-
     common = dict(
         storage_options=_storage_options(args.storage_option),
         dst_storage_options=_storage_options(args.dst_storage_option),
         overwrite=args.overwrite,
         progress=_progress(args),
     )
+    key_map = _rename(getattr(args, "rename", None))
+    from shardckpt import converters  # after the cheap checks: this imports torch
+
     to = args.to
     if to is None:
         if args.world_size is not None:
@@ -188,14 +189,17 @@ def cmd_export(args) -> int:
     if to == "reshard":
         if args.world_size is None:
             raise _CliError("--to reshard needs --world-size N")
+        extra = [o for o in ("dtype", "keys", "rename") if getattr(args, o, None)]
+        if extra:
+            raise _CliError(f"reshard keeps every tensor as it is: --{', --'.join(extra)} cannot be used with it")
         r = converters.reshard(args.src, args.dst, world_size=args.world_size, **common)
     elif to == "full":
-        r = converters.to_full(args.src, args.dst, dtype=args.dtype, keys=_keys(args.keys), key_map=_rename(args.rename), **common)
+        r = converters.to_full(args.src, args.dst, dtype=args.dtype, keys=_keys(args.keys), key_map=key_map, **common)
     else:
         prefix = "" if args.no_prefix else args.prefix
         r = converters.to_safetensors(
             args.src, args.dst, dtype=args.dtype, max_shard_size=args.max_shard_size, keys=_keys(args.keys),
-            key_map=_rename(args.rename), prefix=prefix, **common,
+            key_map=key_map, prefix=prefix, **common,
         )
     _done(args, r)
     return EXIT_OK
@@ -224,10 +228,10 @@ def _detect_import(src: str, opts) -> str:
 
 
 def cmd_import(args) -> int:
-    from shardckpt import converters
-
     opts = _storage_options(args.storage_option)
     kind = args.kind or _detect_import(args.src, opts)
+    from shardckpt import converters  # after the cheap checks: this imports torch
+
     common = dict(
         storage_options=opts,
         dst_storage_options=_storage_options(args.dst_storage_option),

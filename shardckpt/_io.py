@@ -362,15 +362,19 @@ def read_chunks(
             if end == start:
                 continue
             mv = memoryview(buf.numpy()).cast("B")
+            first = 0  # g is sorted by offset: chunks before g[first] end before this block
             for lo in range(start, end, READ_BLOCK_BYTES):
                 hi = min(lo + READ_BLOCK_BYTES, end)
                 segs = []
-                if checking:
-                    for i in g:
-                        c = chunks[i]
-                        a, b = max(lo, c.byte_offset), min(hi, c.byte_offset + c.nbytes)
-                        if a < b and c.crc32c is not None:  # safetensors sources carry no checksum
-                            segs.append((i, a - c.byte_offset, mv[a - start : b - start]))
+                while first < len(g) and chunks[g[first]].byte_offset + chunks[g[first]].nbytes <= lo:
+                    first += 1
+                k = first
+                while checking and k < len(g) and chunks[g[k]].byte_offset < hi:
+                    c = chunks[g[k]]
+                    a, b = max(lo, c.byte_offset), min(hi, c.byte_offset + c.nbytes)
+                    if a < b and c.crc32c is not None:  # safetensors sources carry no checksum
+                        segs.append((g[k], a - c.byte_offset, mv[a - start : b - start]))
+                    k += 1
                 jobs.append((rel, [(lo, mv[lo - start : hi - start])], segs))
 
     def run(job: _ReadJob) -> List[Tuple[int, int, int, int]]:

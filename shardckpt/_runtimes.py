@@ -94,9 +94,14 @@ def _offloaded(module: nn.Module) -> set:
         # FSDP2 keeps its per-parameter bookkeeping private; without it the
         # mesh's device is used, which is right unless CPU offload is on.
         try:
-            groups = m._get_fsdp_state()._fsdp_param_groups
+            state = m._get_fsdp_state()
         except Exception:
             continue
+        # torch >= 2.12 keeps a list of groups; 2.11 has a single (optional) one.
+        groups = getattr(state, "_fsdp_param_groups", None)
+        if groups is None:
+            one = getattr(state, "_fsdp_param_group", None)
+            groups = [one] if one is not None else []
         for g in groups:
             for fp in getattr(g, "fsdp_params", ()):
                 if getattr(fp, "offload_to_cpu", False):
@@ -128,9 +133,14 @@ def materialize_device(module: nn.Module):
             default = mesh_device(t)
             break
 
+    # FSDP2 requires offload to be all-or-nothing in practice, and the root
+    # module's param group is not always reachable before lazy init (torch
+    # 2.11): once any parameter is offloaded, every DTensor goes to CPU.
+    any_offloaded = bool(offloaded)
+
     def device_of(t) -> torch.device:
         if is_dtensor(t):
-            return torch.device("cpu") if id(t) in offloaded else mesh_device(t)
-        return default
+            return torch.device("cpu") if any_offloaded or id(t) in offloaded else mesh_device(t)
+        return torch.device("cpu") if any_offloaded else default
 
     return device_of

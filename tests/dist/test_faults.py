@@ -32,7 +32,7 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 TESTS = os.path.dirname(HERE)
 SINGLE_FAULTS = ["before_data", "mid_data", "before_manifest", "mid_manifest", "async_mid_data"]
-STALL_S = 12.0  # how long the stuck rank sleeps in stall_data
+STALL_S = 20.0  # how long the stuck rank sleeps in stall_data
 STALL_TIMEOUT_S = 4.0  # the manager's collective timeout in that case
 
 

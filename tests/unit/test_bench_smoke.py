@@ -66,7 +66,7 @@ def test_isolated_case_reports_peak_rss(tmp_path):
 @pytest.mark.slow
 def test_two_ranks(tmp_path):
     # Ranks started as torchrun would; DTensors sharded over a gloo group.
-    res, md = _run(tmp_path, "--ranks", "2", "--cases", "shardckpt,dcp-t1")
-    for case in ("shardckpt", "dcp-t1"):
-        assert res["results"][case]["load"][0]["nbytes"] > 2_000_000
+    res, md = _run(tmp_path, "--ranks", "2", "--cases", "shardckpt")
+    load = res["results"]["shardckpt"]["load"][0]
+    assert load["nbytes"] > 2_000_000 and load["peak_rss"] > 50 << 20
     assert "2 rank(s)" in md

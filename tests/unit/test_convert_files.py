@@ -18,6 +18,7 @@ from shardckpt.errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
     ChecksumMismatchError,
+    CorruptCheckpointError,
     StateMismatchError,
     UnsafeMetadataError,
 )
@@ -122,6 +123,11 @@ def test_damaged_source_publishes_nothing(ckpt, tmp_path):
     left = [os.path.join(d, f) for d, _, fs in os.walk(tmp_path) for f in fs if not d.startswith(src)]
     assert left == [], left
     assert not any(n.startswith(".") for n in os.listdir(tmp_path))
+    # A truncated source file is caught before anything is written.
+    os.truncate(path, c.byte_offset + 10)
+    with pytest.raises(CorruptCheckpointError, match="truncated"):
+        converters.to_safetensors(src, str(tmp_path / "hf"))
+    assert not (tmp_path / "hf").exists()
 
 
 def test_from_safetensors_index_and_single_file(tmp_path):
