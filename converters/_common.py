@@ -74,7 +74,10 @@ __all__ = [
     "Reader",
     "plan_blocks",
     "write_native",
+    "write_whole",
     "write_safetensors_files",
+    "whole_entry",
+    "plan_whole_files",
     "parse_dtype",
     "parse_size",
 ]
@@ -518,6 +521,64 @@ def sort_entries(entries: List[OutEntry]) -> List[OutEntry]:
     return sorted(entries, key=lambda e: (-itemsize(e.dtype), e.key))
 
 
+def whole_entry(t: SrcTensor, key: str, dtype: Optional[str] = None, *, native: bool = False) -> OutEntry:
+    """An entry holding all of ``t`` under ``key``, cast to ``dtype`` (default: ``t``'s).
+
+    ``native``: the entry is the single chunk of the output tensor ``key``
+    (its ``name`` and zero ``offsets`` set, as native manifests need them).
+    """
+    return OutEntry(
+        key=key,
+        src=t,
+        start=0,
+        stop=t.numel,
+        shape=t.shape,
+        dtype=t.dtype if dtype is None else dtype,
+        name=key if native else "",
+        offsets=(0,) * len(t.shape) if native else (),
+    )
+
+
+def plan_whole_files(entries: List[OutEntry], threads: int, min_bytes: int = 64 << 20) -> Dict[str, List[OutEntry]]:
+    """Spread whole-tensor entries over a few files of balanced size (one writer each)."""
+    total = sum(e.nbytes for e in entries)
+    parts = max(1, min(threads, math.ceil(total / min_bytes) if total else 1, len(entries) or 1))
+    groups: List[List[OutEntry]] = [[] for _ in range(parts)]
+    load = [0] * parts
+    for e in sorted(entries, key=lambda e: (-e.nbytes, e.key)):
+        g = min(range(parts), key=lambda j: (load[j], j))
+        groups[g].append(e)
+        load[g] += e.nbytes
+    return {f"{i:02d}": g for i, g in enumerate(groups) if g}
+
+
+def entry_blocks(entries: Sequence[OutEntry], block_bytes: int) -> Iterator[Tuple[int, OutEntry, Block]]:
+    """``(entry index, entry, block)`` for every block of every entry, in file order.
+
+    Blocks are sized on the source side so a cast block still fits ``block_bytes``.
+    """
+    for i, e in enumerate(entries):
+        for blk in plan_blocks(e.src, e.start, e.stop, block_bytes_for(e.src.dtype, e.dtype, block_bytes)):
+            yield i, e, blk
+
+
+def read_entry_block(reader: Reader, e: OutEntry, blk: Block, buffers: BufferPool) -> Tuple[torch.Tensor, memoryview]:
+    """One block of ``e`` in its output dtype: the flat uint8 tensor (give it back to ``buffers``) and its bytes."""
+    data = reader.read(e.src, blk, buffers)
+    if e.dtype != e.src.dtype:
+        raw, data = data, cast_bytes(data, e.src.dtype, e.dtype, buffers)
+        buffers.give(raw)
+    return data, (memoryview(data.numpy()).cast("B") if data.numel() else memoryview(b""))
+
+
+def pwrite_all(fd: int, data: memoryview, pos: int) -> int:
+    """Write all of ``data`` at ``pos`` (``os.pwrite`` may write less than asked); returns the bytes written."""
+    n = 0
+    while n < len(data):
+        n += os.pwrite(fd, data[n:], pos + n)
+    return n
+
+
 class Progress:
     """A tqdm bar when asked and available; otherwise nothing."""
 
@@ -574,26 +635,18 @@ def _write_file(
         os.makedirs(os.path.dirname(path), exist_ok=True)
 
     def jobs():
-        for i, e in enumerate(entries):
-            for blk in plan_blocks(e.src, e.start, e.stop, block_bytes_for(e.src.dtype, e.dtype, block_bytes)):
-                yield _job(i, e, blk)
+        for i, e, blk in entry_blocks(entries, block_bytes):
+            yield _job(i, e, blk)
 
     def _job(i, e, blk):
         def run():
             if stop is not None and stop.is_set():
                 raise _Stopped()
-            data = reader.read(e.src, blk, buffers)
-            if e.dtype != e.src.dtype:
-                raw, data = data, cast_bytes(data, e.src.dtype, e.dtype, buffers)
-                buffers.give(raw)
-            mv = memoryview(data.numpy()).cast("B") if data.numel() else memoryview(b"")
+            data, mv = read_entry_block(reader, e, blk, buffers)
             crc = checksum("crc32c", mv) if want_crc else 0
             if fd < 0:
                 return i, data, mv, crc
-            pos = starts[i] + (blk.start - e.start) * itemsize(e.dtype)
-            n = 0
-            while n < len(mv):
-                n += os.pwrite(fd, mv[n:], pos + n)
+            n = pwrite_all(fd, mv, starts[i] + (blk.start - e.start) * itemsize(e.dtype))
             del mv
             buffers.give(data)
             return i, None, n, crc
@@ -790,6 +843,46 @@ def write_native(
     if overwrite:
         _remove_stale(dst, save_id)
     return ConvertResult(dst.url, sorted(named), len(metas), total, time.perf_counter() - t0)
+
+
+def write_whole(
+    source: Source,
+    dst_url: str,
+    names: Dict[str, str],
+    *,
+    values: Any,
+    extra: Dict[str, Any],
+    check_sizes: bool = True,
+    storage_options: Optional[Dict[str, Any]] = None,
+    overwrite: bool = False,
+    threads: int = DEFAULT_IO_THREADS,
+    progress: bool = False,
+    desc: str = "convert",
+) -> ConvertResult:
+    """Write ``source``'s tensors ``{source name: output name}`` whole, as a world-size-1 native checkpoint.
+
+    The imports' common tail: one chunk per tensor, spread over a few
+    balanced files, layouts carried over. ``check_sizes``: check the
+    source files' sizes first (skip it where they were just listed).
+    """
+    entries = [whole_entry(source.tensors[old], new, native=True) for old, new in names.items()]
+    reader = Reader(source)
+    if check_sizes:
+        reader.check_source_files(names)
+    return write_native(
+        dst_url,
+        plan_whole_files(entries, threads),
+        reader,
+        tensors={new: (source.tensors[old].dtype, source.tensors[old].shape, source.tensors[old].layout) for old, new in names.items()},
+        values=values,
+        world_size=1,
+        extra=extra,
+        storage_options=storage_options,
+        overwrite=overwrite,
+        threads=threads,
+        progress=progress,
+        desc=desc,
+    )
 
 
 # --------------------------------------------------------------------------

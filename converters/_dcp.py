@@ -40,7 +40,7 @@ from shardckpt.errors import (
 
 from ._common import ConvertResult, SrcChunk
 from ._safetensors import nest_under
-from ._torch_save import _memory_chunk, _refusal, _write_imported, chunk_of, load_meta, source_from_state
+from ._torch_save import _memory_chunk, _write_imported, chunk_of, load_meta, source_from_state, weights_only_load
 
 __all__ = ["from_dcp", "DCPUnpickler", "read_dcp_metadata"]
 
@@ -331,12 +331,4 @@ def _bytes_item(storage, fqn, info, file_info) -> Any:
     if info.offset + info.length > size:
         raise CorruptCheckpointError(f"{w}: bytes [{info.offset}, {info.offset + info.length}) lie outside the {size}-byte file")
     data = storage.read_range(rel, info.offset, info.length)
-    try:
-        return torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
-    except pickle.UnpicklingError as e:
-        raise UnsafeMetadataError(
-            f"{w}: refused to unpickle: {_refusal(e)}. Only tensors, containers and plain values are allowed "
-            "(torch.load weights_only=True); nothing from the file was run"
-        ) from None
-    except (RuntimeError, ValueError, EOFError) as e:
-        raise CorruptCheckpointError(f"{w}: not a torch.save payload ({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
+    return weights_only_load(io.BytesIO(data), where=w, map_location="cpu", corrupt="not a torch.save payload")

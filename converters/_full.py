@@ -23,18 +23,19 @@ from shardckpt.errors import CheckpointExistsError, UnsupportedStateError
 from ._common import (
     BLOCK_BYTES,
     BufferPool,
-    block_bytes_for,
     ConvertResult,
     OutEntry,
     Progress,
     Reader,
-    cast_bytes,
+    entry_blocks,
     open_checkpoint,
     out_dtype,
     parse_dtype,
-    plan_blocks,
     prefetch,
+    pwrite_all,
+    read_entry_block,
     split_url,
+    whole_entry,
     write_safetensors_files,
 )
 from ._crc import checksum, combine
@@ -98,11 +99,7 @@ def to_full(
     source = open_checkpoint(src, storage_options)
     names = export_names(source, prefix=None, keys=keys, key_map=key_map)
     cast = parse_dtype(dtype)
-    entries = [
-        OutEntry(key=out, src=source.tensors[n], start=0, stop=source.tensors[n].numel, shape=source.tensors[n].shape,
-                 dtype=out_dtype(source.tensors[n].dtype, cast))
-        for n, out in names.items()
-    ]
+    entries = [whole_entry(source.tensors[n], out, out_dtype(source.tensors[n].dtype, cast)) for n, out in names.items()]
     reader = Reader(source)
     reader.check_source_files(names)
     lower = dst.lower()
@@ -247,21 +244,13 @@ def _write_pt(dst, values, by_name, reader: Reader, *, flat, storage_options, ov
             buffers = BufferPool(BLOCK_BYTES, 2 * threads + 4)
 
             def jobs():
-                for i, e in enumerate(order):
-                    for blk in plan_blocks(e.src, e.start, e.stop, block_bytes_for(e.src.dtype, e.dtype, BLOCK_BYTES)):
-                        yield _job(i, e, blk)
+                for i, e, blk in entry_blocks(order, BLOCK_BYTES):
+                    yield _job(i, e, blk)
 
             def _job(i, e, blk):
                 def run():
-                    data = reader.read(e.src, blk, buffers)
-                    if e.dtype != e.src.dtype:
-                        raw, data = data, cast_bytes(data, e.src.dtype, e.dtype, buffers)
-                        buffers.give(raw)
-                    mv = memoryview(data.numpy()).cast("B") if data.numel() else memoryview(b"")
-                    pos = offsets[i] + blk.start * itemsize(e.dtype)
-                    done = 0
-                    while done < len(mv):
-                        done += os.pwrite(fdw, mv[done:], pos + done)
+                    data, mv = read_entry_block(reader, e, blk, buffers)
+                    done = pwrite_all(fdw, mv, offsets[i] + blk.start * itemsize(e.dtype))
                     crc = checksum("crc32", mv)
                     del mv
                     buffers.give(data)

@@ -8,7 +8,7 @@ from shardckpt._format import chunk_key
 from shardckpt._io import DEFAULT_IO_THREADS
 from shardckpt._plan import fsdp_boxes
 
-from ._common import ConvertResult, OutEntry, Reader, open_checkpoint, write_native
+from ._common import ConvertResult, OutEntry, Reader, open_checkpoint, whole_entry, write_native
 
 __all__ = ["reshard", "REPLICATED_FILE"]
 
@@ -81,9 +81,7 @@ def reshard(
     for name, t in source.tensors.items():
         replicated = not t.shape or t.numel == 0 or (t.layout is None and source.world_size > 1)
         if replicated:
-            files.setdefault(REPLICATED_FILE, []).append(
-                OutEntry(key=name, src=t, start=0, stop=t.numel, shape=t.shape, dtype=t.dtype, name=name, offsets=(0,) * len(t.shape))
-            )
+            files.setdefault(REPLICATED_FILE, []).append(whole_entry(t, name, native=True))
             tensors[name] = (t.dtype, t.shape, None)
             continue
         row = t.row

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import math
 from typing import Any, Dict, List, Optional, Sequence, Union
 
 from shardckpt._hf import KeyMap, hf_manifest, map_names, select_names
@@ -22,8 +21,9 @@ from ._common import (
     parse_dtype,
     parse_size,
     source_from_manifest,
-    write_native,
+    whole_entry,
     write_safetensors_files,
+    write_whole,
 )
 
 __all__ = ["to_safetensors", "from_safetensors", "export_names", "nest_under"]
@@ -135,8 +135,7 @@ def to_safetensors(
     size = 0
     for name, out in names.items():
         t = source.tensors[name]
-        dt = out_dtype(t.dtype, cast)
-        e = OutEntry(key=out, src=t, start=0, stop=t.numel, shape=t.shape, dtype=dt)
+        e = whole_entry(t, out, out_dtype(t.dtype, cast))
         if not groups or (groups[-1] and size + e.nbytes > limit):
             groups.append([])
             size = 0
@@ -175,19 +174,6 @@ def nest_under(prefix: str, leaves: Dict[str, Any]) -> Any:
     for part in reversed([p for p in (prefix or "").split(".") if p]):
         tree = {part: tree}
     return tree
-
-
-def plan_whole_files(entries: List[OutEntry], threads: int, min_bytes: int = 64 << 20) -> Dict[str, List[OutEntry]]:
-    """Spread whole-tensor entries over a few files of balanced size (one writer each)."""
-    total = sum(e.nbytes for e in entries)
-    parts = max(1, min(threads, math.ceil(total / min_bytes) if total else 1, len(entries) or 1))
-    groups: List[List[OutEntry]] = [[] for _ in range(parts)]
-    load = [0] * parts
-    for e in sorted(entries, key=lambda e: (-e.nbytes, e.key)):
-        g = min(range(parts), key=lambda j: (load[j], j))
-        groups[g].append(e)
-        load[g] += e.nbytes
-    return {f"{i:02d}": g for i, g in enumerate(groups) if g}
 
 
 def from_safetensors(
@@ -241,20 +227,15 @@ def from_safetensors(
     final = {old: (prefix or "") + new for old, new in renamed.items()}
     if not final:
         raise StateMismatchError(f"{storage.url}: no tensors to import")
-    entries = []
-    for old, name in final.items():
-        t = source.tensors[old]
-        entries.append(OutEntry(key=name, src=t, start=0, stop=t.numel, shape=t.shape, dtype=t.dtype, name=name, offsets=(0,) * len(t.shape)))
-    reader = Reader(source)
     values = nest_under(prefix, {new: tensor_ref(final[old]) for old, new in renamed.items()})
-    return write_native(
+    # hf_manifest has just listed every file's size: no second check.
+    return write_whole(
+        source,
         dst,
-        plan_whole_files(entries, io_threads),
-        reader,
-        tensors={final[o]: (source.tensors[o].dtype, source.tensors[o].shape, None) for o in final},
+        final,
         values=values,
-        world_size=1,
         extra={"converted_from": "safetensors"},
+        check_sizes=False,
         storage_options=dst_storage_options,
         overwrite=overwrite,
         threads=io_threads,

@@ -26,8 +26,8 @@ from shardckpt._state import flatten_for_save
 from shardckpt._storage import Storage
 from shardckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsafeMetadataError, UnsupportedStateError
 
-from ._common import ConvertResult, OutEntry, Reader, Source, SrcChunk, SrcTensor, split_url, write_native
-from ._safetensors import nest_under, plan_whole_files
+from ._common import ConvertResult, Source, SrcChunk, SrcTensor, split_url, write_whole
+from ._safetensors import nest_under
 
 __all__ = ["from_torch_save", "RangeFile", "load_meta", "chunk_of", "source_from_state"]
 
@@ -74,6 +74,24 @@ def _refusal(e: BaseException) -> str:
     return msg.splitlines()[0] if msg else type(e).__name__
 
 
+def weights_only_load(f: Any, *, where: str, map_location: str, corrupt: str, errors: Tuple[type, ...] = (RuntimeError, ValueError, EOFError)) -> Any:
+    """``torch.load(f, weights_only=True)``, its refusals and failures as our errors.
+
+    Raises UnsafeMetadataError when the pickle names anything outside torch's
+    weights-only allowlist (nothing from it is run), CorruptCheckpointError
+    ``"{where}: {corrupt} (why)"`` on ``errors``.
+    """
+    try:
+        return torch.load(f, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise UnsafeMetadataError(
+            f"{where}: refused to unpickle: {_refusal(e)}. Only tensors, containers and plain values are "
+            "allowed (torch.load weights_only=True); nothing from the file was run"
+        ) from None
+    except errors as e:
+        raise CorruptCheckpointError(f"{where}: {corrupt} ({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
+
+
 def load_meta(storage: Storage, rel: str, start: int, length: int, *, where: str) -> Tuple[Any, Dict[int, Tuple[int, int]]]:
     """Unpickle a torch.save payload with meta tensors; also ``{data offset: (crc32, size)}`` of its records.
 
@@ -83,15 +101,8 @@ def load_meta(storage: Storage, rel: str, start: int, length: int, *, where: str
     """
     raw = RangeFile(storage, rel, start, length)
     f = io.BufferedReader(raw, buffer_size=64 << 10)
-    try:
-        obj = torch.load(f, map_location="meta", weights_only=True)
-    except pickle.UnpicklingError as e:
-        raise UnsafeMetadataError(
-            f"{where}: refused to unpickle: {_refusal(e)}. Only tensors, containers and plain values are "
-            "allowed (torch.load weights_only=True); nothing from the file was run"
-        ) from None
-    except (RuntimeError, ValueError, EOFError, zipfile.BadZipFile) as e:
-        raise CorruptCheckpointError(f"{where}: not a readable torch.save payload ({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
+    obj = weights_only_load(f, where=where, map_location="meta", corrupt="not a readable torch.save payload",
+                            errors=(RuntimeError, ValueError, EOFError, zipfile.BadZipFile))
     return obj, _zip_records(f, where)
 
 
@@ -252,15 +263,7 @@ def from_torch_save(
             return [chunk_of(name, t, storage, base, 0, size, records, where=where)]
     else:
         # Legacy format: no byte ranges to stream from. Still weights_only.
-        try:
-            obj = torch.load(io.BytesIO(storage.read_bytes(base)), weights_only=True, map_location="cpu")
-        except pickle.UnpicklingError as e:
-            raise UnsafeMetadataError(
-                f"{where}: refused to unpickle: {_refusal(e)}. Only tensors, containers and plain values are "
-                "allowed (torch.load weights_only=True); nothing from the file was run"
-            ) from None
-        except (RuntimeError, ValueError, EOFError) as e:
-            raise CorruptCheckpointError(f"{where}: not a torch.save file ({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
+        obj = weights_only_load(io.BytesIO(storage.read_bytes(base)), where=where, map_location="cpu", corrupt="not a torch.save file")
 
         def chunk_for(name, t):
             return [_memory_chunk(name, t)]
@@ -288,21 +291,11 @@ def _write_imported(source: Source, dst: str, *, keys, key_map, dst_storage_opti
         from shardckpt._hf import _rename_refs
 
         values = _rename_refs(values, renamed)
-    entries = []
-    tensors = {}
-    for old, new in renamed.items():
-        t = source.tensors[old]
-        entries.append(OutEntry(key=new, src=t, start=0, stop=t.numel, shape=t.shape, dtype=t.dtype, name=new, offsets=(0,) * len(t.shape)))
-        tensors[new] = (t.dtype, t.shape, t.layout)
-    reader = Reader(source)
-    reader.check_source_files(renamed)
-    return write_native(
+    return write_whole(
+        source,
         dst,
-        plan_whole_files(entries, io_threads),
-        reader,
-        tensors=tensors,
+        renamed,
         values=values,
-        world_size=1,
         extra={"converted_from": what},
         storage_options=dst_storage_options,
         overwrite=overwrite,
