@@ -4,10 +4,11 @@
 
 With no launcher around it, this script starts itself under
 ``torch.distributed.run`` with 2 CPU processes (gloo), which train a small
-FSDP2 model for a few steps and save a sharded checkpoint. Then, in this one
-process with no process group at all, it loads that checkpoint into a plain
-model, checks the model computes exactly what the sharded one did, and shows
-``inspect`` and ``verify``.
+FSDP2 model with AdamW and save sharded checkpoints through a
+``CheckpointManager`` (model, optimizer, step). Then, in this one process
+with no process group at all, it restores the newest step into a plain model
+and optimizer, checks the model computes exactly what the sharded one did,
+and shows ``inspect`` and ``verify``.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ class TinyLM(nn.Module):
         return self.head(x)
 
 
-def train_sharded(ckpt: str, steps: int) -> None:
+def train_sharded(root: str, steps: int) -> None:
     """Runs on every rank under torchrun: FSDP2 training, then one collective save."""
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
@@ -57,6 +58,7 @@ def train_sharded(ckpt: str, steps: int) -> None:
         fully_shard(layer)
     fully_shard(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    mgr = shardckpt.CheckpointManager(root, keep_last=2)
     gen = torch.Generator().manual_seed(1234 + rank)
     for step in range(1, steps + 1):
         batch = torch.randint(0, 101, (4, 16), generator=gen)
@@ -67,20 +69,29 @@ def train_sharded(ckpt: str, steps: int) -> None:
         opt.zero_grad()
         if rank == 0:
             print(f"[rank 0] step {step} loss {loss.item():.4f}", flush=True)
-    with torch.no_grad():
-        probe = model(PROBE)[0, -1, :5].tolist()
-    # Every rank calls save; each writes only its own shards, rank 0 commits.
-    shardckpt.save({"model": model, "step": steps, "probe": probe}, ckpt, overwrite=True)
-    if rank == 0:
-        print(f"[rank 0] saved step {steps} to {ckpt}", flush=True)
+        if step % 2 == 1 or step == steps:
+            with torch.no_grad():
+                probe = model(PROBE)[0, -1, :5].tolist()
+            # Every rank calls save; each writes only its own shards, rank 0
+            # commits the step, and keep_last=2 prunes older steps after that.
+            mgr.save(step, {"model": model, "optim": opt, "step": step, "probe": probe}, force=True)
+            if rank == 0:
+                print(f"[rank 0] saved step {step} under {root}: committed steps {mgr.steps()}", flush=True)
+    mgr.close()
     dist.destroy_process_group()
 
 
-def resume_single(ckpt: str) -> None:
-    """One process, no process group: load the 2-rank checkpoint into a plain model."""
+def resume_single(root: str) -> None:
+    """One process, no process group: restore the 2-rank checkpoint into a plain model."""
     model = TinyLM()
-    state = {"model": model, "step": 0, "probe": []}
-    shardckpt.load(state, ckpt)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    state = {"model": model, "optim": opt, "step": 0, "probe": []}
+    mgr = shardckpt.CheckpointManager(root)
+    step = mgr.restore(state)
+    assert step is not None, f"no committed checkpoint under {root}"
+    ckpt = mgr.step_url(step)
+    # The optimizer state came back too, resharded from 2 ranks to 1.
+    assert all("exp_avg" in opt.state[p] for p in model.parameters())
     with torch.no_grad():
         probe = model(PROBE)[0, -1, :5].tolist()
     assert probe == state["probe"], f"resumed model differs: {probe} vs {state['probe']}"
@@ -102,9 +113,9 @@ def main() -> None:
     ap.add_argument("--nproc", type=int, default=2)
     ap.add_argument("--phase", choices=["all", "train"], default="all", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    ckpt = os.path.join(os.path.abspath(args.dir), f"step-{args.steps:08d}")
+    root = os.path.abspath(args.dir)
     if args.phase == "train":
-        train_sharded(ckpt, args.steps)
+        train_sharded(root, args.steps)
         return
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
@@ -113,7 +124,7 @@ def main() -> None:
     print("launching:", " ".join(cmd[1:]), flush=True)
     env = dict(os.environ, OMP_NUM_THREADS="1")
     subprocess.run(cmd, check=True, env=env)
-    resume_single(ckpt)
+    resume_single(root)
 
 
 if __name__ == "__main__":

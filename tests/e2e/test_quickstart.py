@@ -20,7 +20,7 @@ def test_quickstart_runs_under_torchrun_and_resumes_on_one_process(tmp_path):
     assert out.returncode == 0, out.stdout + out.stderr
     assert "outputs match the sharded run exactly" in out.stdout
     assert "verify: every checksum matches" in out.stdout
-    ckpt = str(tmp_path / "demo" / "step-00000003")
+    ckpt = str(tmp_path / "demo" / "step-00000003")  # the newest of the kept steps
     m = shardckpt.inspect(ckpt)
     assert m.world_size == 2
     assert m.values["step"] == 3
