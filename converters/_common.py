@@ -47,7 +47,7 @@ from shardckpt._format import (
     safetensors_header,
     torch_dtype,
 )
-from shardckpt._io import DEFAULT_IO_THREADS, check_files
+from shardckpt._io import DEFAULT_IO_THREADS, byte_view, check_files
 from shardckpt._layout import box_view
 from shardckpt._plan import Box, check_cover, split_box
 from shardckpt._storage import Storage, fsync_dir
@@ -422,7 +422,7 @@ class Reader:
         if blk.rows is None:
             buf = take(total)
             if total:
-                mv = memoryview(buf.numpy()).cast("B")
+                mv = byte_view(buf)
                 dests, pos = [], 0
                 for s in blk.segs:
                     dests.append(mv[pos : pos + s.n])
@@ -437,7 +437,7 @@ class Reader:
         for s in blk.segs:
             tmps.append(staging[pos : pos + s.n])
             pos += s.n
-        self._fill(t, blk.segs, [memoryview(x.numpy()).cast("B") for x in tmps])
+        self._fill(t, blk.segs, [byte_view(x) for x in tmps])
         for s, tmp in zip(blk.segs, tmps):
             c = t.chunks[s.chunk]
             crow = math.prod(c.sizes[1:]) * isz
@@ -568,7 +568,7 @@ def read_entry_block(reader: Reader, e: OutEntry, blk: Block, buffers: BufferPoo
     if e.dtype != e.src.dtype:
         raw, data = data, cast_bytes(data, e.src.dtype, e.dtype, buffers)
         buffers.give(raw)
-    return data, (memoryview(data.numpy()).cast("B") if data.numel() else memoryview(b""))
+    return data, byte_view(data)
 
 
 def pwrite_all(fd: int, data: memoryview, pos: int) -> int:

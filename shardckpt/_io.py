@@ -19,6 +19,7 @@ See docs/performance.md.
 
 from __future__ import annotations
 
+import ctypes
 import math
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -135,6 +136,24 @@ def as_dtype(raw: torch.Tensor, dtype: torch.dtype, shape) -> torch.Tensor:
     return raw.view(dtype).reshape(tuple(shape))
 
 
+def byte_view(t: torch.Tensor) -> memoryview:
+    """Writable flat memoryview of a contiguous CPU tensor's bytes, without a copy.
+
+    Uses NumPy when torch has it and falls back to ctypes otherwise: NumPy is
+    not a dependency of torch's CPU wheel, nor of shardckpt.
+    """
+    n = t.numel() * t.element_size()
+    if n == 0:
+        return memoryview(bytearray(0))
+    assert t.device.type == "cpu" and t.is_contiguous(), "byte_view needs a contiguous CPU tensor"
+    try:
+        return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
+    except RuntimeError:  # "Numpy is not available"
+        arr = (ctypes.c_char * n).from_address(t.data_ptr())
+        arr._shardckpt_owner = t  # the view must keep the tensor's memory alive
+        return memoryview(arr).cast("B")
+
+
 def tensor_bytes(t: torch.Tensor) -> memoryview:
     """A CPU tensor's bytes as a flat memoryview (copies only if not contiguous)."""
     if t.device.type != "cpu":
@@ -145,8 +164,7 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     flat = t.reshape(-1)
     if flat.numel() == 0:
         return memoryview(b"")
-    u8 = flat.view(torch.uint8) if flat.dtype != torch.uint8 else flat
-    return memoryview(u8.numpy()).cast("B")
+    return byte_view(flat)
 
 
 @dataclass
@@ -260,7 +278,7 @@ def _write_cuda(w, it: WriteItem, bounce: List[torch.Tensor]) -> int:
             issue(k + 1)
         done[k % 2].synchronize()
         n = min(size, it.nbytes - off)
-        mv = memoryview(bounce[k % 2][:n].numpy()).cast("B")
+        mv = byte_view(bounce[k % 2][:n])
         if not _BENCH_NO_CHECKSUMS:
             crc = _crc.crc32c(mv, crc)
         w.write(mv)
@@ -361,7 +379,7 @@ def read_chunks(
                 out[i] = buf[s : s + chunks[i].nbytes]
             if end == start:
                 continue
-            mv = memoryview(buf.numpy()).cast("B")
+            mv = byte_view(buf)
             first = 0  # g is sorted by offset: chunks before g[first] end before this block
             for lo in range(start, end, READ_BLOCK_BYTES):
                 hi = min(lo + READ_BLOCK_BYTES, end)
