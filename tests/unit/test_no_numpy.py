@@ -1,4 +1,4 @@
-"""NumPy is not a dependency (torch's CPU wheel does not need it): everything works without it."""
+"""Single-process paths never need NumPy (byte views fall back to ctypes when torch has none)."""
 
 import os
 import subprocess
