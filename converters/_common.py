@@ -45,11 +45,12 @@ from shardckpt._format import (
     itemsize,
     manifest_to_bytes,
     safetensors_header,
+    tiling_problems,
     torch_dtype,
 )
 from shardckpt._io import DEFAULT_IO_THREADS, byte_view, check_files
 from shardckpt._layout import box_view
-from shardckpt._plan import Box, check_cover, split_box
+from shardckpt._plan import Box, split_box
 from shardckpt._storage import Storage, fsync_dir
 from shardckpt.errors import (
     CheckpointExistsError,
@@ -810,11 +811,7 @@ def write_native(
                         crc32c=crc,
                     )
                 )
-        bad = []
-        for name, t in metas.items():
-            why = check_cover(t.shape, [Box(tuple(c.offsets), tuple(c.sizes)) for c in t.chunks])
-            if why:
-                bad.append(f"{name}: {why}")
+        bad = tiling_problems(metas)
         if bad:
             raise AssertionError("internal error, converted chunks do not tile: " + "; ".join(bad[:10]))
         from shardckpt import __version__

@@ -45,6 +45,7 @@ from ._format import (
     manifest_from_bytes,
     manifest_to_bytes,
     parse_safetensors_header,
+    tiling_problems,
     torch_dtype,
 )
 from ._io import DEFAULT_IO_THREADS, WriteItem, as_dtype, check_files, partition, read_chunks, write_files
@@ -401,11 +402,7 @@ def _build_manifest(layouts: Dict[str, TensorLayout], gathered, world: int, save
         for c in chunks:
             name = c.pop("name")
             tensors[name].chunks.append(ChunkMeta(**c))
-    bad = []
-    for name, t in tensors.items():
-        why = _plan.check_cover(t.shape, [_plan.Box(tuple(c.offsets), tuple(c.sizes)) for c in t.chunks])
-        if why:
-            bad.append(f"{name}: {why}")
+    bad = tiling_problems(tensors)
     assert not bad, "internal error, saved chunks do not tile: " + "; ".join(bad)
     return Manifest(world_size=world, tensors=tensors, files=files, values=tree, save_id=save_id, library_version=_version())
 

@@ -35,6 +35,7 @@ __all__ = [
     "manifest_to_bytes",
     "manifest_from_bytes",
     "check_relpath",
+    "tiling_problems",
 ]
 
 FORMAT_NAME = "shardckpt"
@@ -250,6 +251,18 @@ def _int_list(obj, key, where, *, n=None) -> List[int]:
     return val
 
 
+def tiling_problems(tensors: Dict[str, TensorMeta]) -> List[str]:
+    """Why the chunks of each tensor fail to tile it exactly (sorted; empty when all do)."""
+    from ._plan import Box, check_cover
+
+    bad = []
+    for name, t in tensors.items():
+        why = check_cover(t.shape, [Box(tuple(c.offsets), tuple(c.sizes)) for c in t.chunks])
+        if why:
+            bad.append(f"{name!r}: {why}")
+    return sorted(bad)
+
+
 def manifest_from_bytes(data: bytes, *, url: str = "") -> Manifest:
     """Parse and validate ``manifest.json``; raise on anything unsafe or inconsistent."""
     where = f"{url.rstrip('/')}/{MANIFEST_NAME}" if url else MANIFEST_NAME
@@ -313,13 +326,7 @@ def manifest_from_bytes(data: bytes, *, url: str = "") -> Manifest:
             chunks.append(c)
         layout = tm.get("layout")
         tensors[name] = TensorMeta(dtype=dt, shape=shape, chunks=chunks, layout=layout if isinstance(layout, dict) else None)
-    from ._plan import Box, check_cover
-
-    bad = []
-    for name, t in tensors.items():
-        why = check_cover(t.shape, [Box(tuple(c.offsets), tuple(c.sizes)) for c in t.chunks])
-        if why:
-            bad.append(f"{name!r}: {why}")
+    bad = tiling_problems(tensors)
     if bad:
         raise CorruptCheckpointError(f"{where}: chunks do not tile their tensors: " + "; ".join(sorted(bad)[:20]))
     extra = raw.get("extra") or {}

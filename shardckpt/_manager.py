@@ -93,7 +93,7 @@ class CheckpointManager:
     the others raise, never hang.
 
     Args:
-        root_url: directory or fsspec URL under which ``step-XXXXXXXX/``
+        root_url: directory or fsspec URL under which ``step-<8 digits>/`` (e.g. ``step-00001000/``)
             checkpoints live. One manager (one training job) per root.
         keep_last: committed steps to keep (the newest ones); None keeps all.
         keep_every: also keep every step divisible by this (milestones).

@@ -15,6 +15,7 @@ Others (optimizers, runtimes) register with :func:`register_adapter`.
 
 from __future__ import annotations
 
+import abc
 import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -83,7 +84,7 @@ class FlatLoad:
     skip: List[str] = field(default_factory=list)
 
 
-class Adapter:
+class Adapter(abc.ABC):
     """How one kind of object is saved and loaded.
 
     ``matches(obj)`` picks the adapter; ``save(obj, path, walker)`` returns the
@@ -91,14 +92,17 @@ class Adapter:
     saved_tree, walker)`` registers targets/finalizers on ``walker.flat``.
     """
 
-    def matches(self, obj: Any) -> bool:  # pragma: no cover - interface
-        raise NotImplementedError
+    @abc.abstractmethod
+    def matches(self, obj: Any) -> bool:
+        ...
 
-    def save(self, obj: Any, path: str, walker: "_SaveWalker") -> Any:  # pragma: no cover
-        raise NotImplementedError
+    @abc.abstractmethod
+    def save(self, obj: Any, path: str, walker: "_SaveWalker") -> Any:
+        ...
 
-    def load(self, obj: Any, path: str, saved: Any, walker: "_LoadWalker") -> None:  # pragma: no cover
-        raise NotImplementedError
+    @abc.abstractmethod
+    def load(self, obj: Any, path: str, saved: Any, walker: "_LoadWalker") -> None:
+        ...
 
 
 _ADAPTERS: List[Adapter] = []

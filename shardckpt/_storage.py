@@ -10,6 +10,7 @@ the commit. Everything else goes through fsspec (``s3://``, ``gs://``,
 
 from __future__ import annotations
 
+import abc
 import os
 import time
 import uuid
@@ -333,15 +334,17 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-class _Writer:
-    def write(self, data) -> None:  # pragma: no cover - interface
-        raise NotImplementedError
+class _Writer(abc.ABC):
+    """A file being written: ``close()`` makes it durable, ``abort()`` removes it."""
 
-    def close(self) -> None:  # pragma: no cover - interface
-        raise NotImplementedError
+    @abc.abstractmethod
+    def write(self, data) -> None: ...
 
-    def abort(self) -> None:  # pragma: no cover - interface
-        raise NotImplementedError
+    @abc.abstractmethod
+    def close(self) -> None: ...
+
+    @abc.abstractmethod
+    def abort(self) -> None: ...
 
 
 class _LocalWriter(_Writer):
