@@ -34,7 +34,8 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, NamedTuple, Op
 
 import torch
 
-from shardckpt._api import DATA_DIR, _remove_stale, _write_hf_index, read_manifest
+from shardckpt._load import read_manifest
+from shardckpt._save import DATA_DIR, _remove_stale, _write_hf_index
 from shardckpt._format import (
     DTYPES,
     MANIFEST_NAME,

@@ -15,7 +15,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+from ._version import __version__
 
 __all__ = [
     "save",
@@ -46,11 +46,11 @@ __all__ = [
 
 # public name -> module that defines it (imported on first access)
 _LAZY = {
-    "save": "._api",
-    "load": "._api",
-    "inspect": "._api",
-    "verify": "._api",
-    "LoadResult": "._api",
+    "save": "._save",
+    "load": "._load",
+    "inspect": "._verify",
+    "verify": "._verify",
+    "LoadResult": "._load",
     "Manifest": "._format",
     "async_save": "._async",
     "AsyncSaveHandle": "._async",
@@ -92,7 +92,9 @@ def __dir__():
 
 if TYPE_CHECKING:  # pragma: no cover
     from . import converters, errors
-    from ._api import LoadResult, inspect, load, save, verify
+    from ._load import LoadResult, load
+    from ._save import save
+    from ._verify import inspect, verify
     from ._async import AsyncSaveHandle, async_save
     from ._format import Manifest
     from ._manager import CheckpointManager

@@ -37,7 +37,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from ._api import _all_gather, execute_save, prepare_save, stage_save, SavePlan
+from ._collective import _all_gather
+from ._save import SavePlan, execute_save, prepare_save, stage_save
 from ._format import MANIFEST_NAME
 from ._io import DEFAULT_IO_THREADS
 from .errors import CheckpointError, CheckpointExistsError, SaveFailedError

@@ -24,7 +24,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Dict, Iterable, List, Optional, Set, Tuple
 
-from ._api import DATA_DIR, _broadcast, execute_save, load, prepare_save, read_manifest
+from ._collective import _broadcast
+from ._load import load, read_manifest
+from ._save import DATA_DIR, execute_save, prepare_save
 from ._async import DEFAULT_COLLECTIVE_TIMEOUT_S, AsyncSaveHandle, save_group, start_async, wait_pending
 from ._format import HF_INDEX_NAME, MANIFEST_NAME
 from ._io import DEFAULT_IO_THREADS, check_files

@@ -47,7 +47,8 @@ def _die() -> None:
 
 def _arm(fault: str) -> None:
     """Patch the engine so this process SIGKILLs itself at ``fault``."""
-    from shardckpt import _api, _io, _storage
+    from shardckpt import _io, _storage
+    from shardckpt import _save as _api
 
     if fault == "before_data":
         _api.write_files = lambda *a, **kw: _die()

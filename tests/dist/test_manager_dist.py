@@ -21,7 +21,7 @@ def _bump(model, by: float) -> None:
 
 def _fail_rank_writes(rank_to_fail: int, rank: int, where: str):
     """On ``rank_to_fail``, writes under URLs containing ``where`` raise."""
-    from shardckpt import _api
+    from shardckpt import _save as _api
 
     real = _api.write_files
 

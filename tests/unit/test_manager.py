@@ -13,7 +13,8 @@ import pytest
 import torch
 
 import shardckpt
-from shardckpt import _api, _async
+from shardckpt import _async
+from shardckpt import _save as _api
 from shardckpt._manager import parse_step_dir, step_dir_name, steps_to_delete
 from shardckpt._storage import Storage
 from shardckpt.errors import (

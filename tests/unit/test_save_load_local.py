@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import shardckpt
-from shardckpt import _api
+from shardckpt import _save as _api
 from shardckpt._storage import Storage
 from shardckpt.errors import (
     CheckpointExistsError,

@@ -19,7 +19,8 @@ import pytest
 import torch
 
 import shardckpt
-from shardckpt import _api, _format
+from shardckpt import _format
+from shardckpt import _load as _api
 from shardckpt.errors import (
     CheckpointError,
     CheckpointNotFoundError,
