@@ -955,7 +955,8 @@ def write_safetensors_files(
             if index is not None:
                 dst.write_atomic(index_name, index)
             for n in existing:
-                if n not in files and n != index_name and n.endswith((".safetensors", ".json")):
+                # A stale index too: the new export may have none (one file).
+                if n not in files and (index is None or n != index_name) and n.endswith((".safetensors", ".json")):
                     dst.remove(n)
         out = sorted(files) + ([index_name] if index is not None else [])
         return ConvertResult(dst.url, out, sum(len(v) for v in files.values()), total, time.perf_counter() - t0)

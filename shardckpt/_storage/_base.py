@@ -434,7 +434,12 @@ class Storage(abc.ABC):
         """Bytes ``[start, start + length)``; shorter if the file ends first."""
         if start < 0 or length < 0:
             raise ValueError(f"{self.url_of(rel)}: bad range start={start} length={length}")
-        return self._read(self._p(rel), start, start + length)
+        path = self._p(rel)
+        if length == 0:
+            # Some backends read [0, 0) as "the whole file": ask nothing but its existence.
+            self._size(path)
+            return b""
+        return self._read(path, start, start + length)
 
     def read_into(self, rel: str, ranges: Sequence[Tuple[int, memoryview]]) -> None:
         """Fill each ``(offset, buffer)`` from the file.

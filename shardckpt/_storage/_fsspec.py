@@ -256,6 +256,9 @@ class _FsspecWriter(Writer):
         try:
             if hasattr(self.f, "discard"):
                 self.f.discard()
+                # Discarded: closing it later (at garbage collection) must not
+                # try to flush the buffer discard dropped.
+                self.f.closed = True
             else:
                 self.f.close()
         except Exception:

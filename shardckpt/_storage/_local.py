@@ -80,7 +80,7 @@ class LocalStorage(Storage):
         parent = os.path.dirname(self.root)
         if parent == self.root:
             raise StorageError(f"{self.url!r} has no parent directory")
-        return parent
+        return "file://" + parent if self.url.startswith("file://") else parent
 
     # -- core -------------------------------------------------------------------
 
