@@ -65,7 +65,7 @@ def s3_endpoint():
                 break
             except Exception:
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"moto_server did not answer on {endpoint} within 30 s")
+                    raise RuntimeError(f"moto_server did not answer on {endpoint} within 30 s") from None
                 time.sleep(0.1)
         options = {
             "key": "testing",

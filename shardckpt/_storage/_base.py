@@ -342,9 +342,7 @@ class Storage(abc.ABC):
         Missing files and permission errors are answers, not hiccups: they are
         raised at once. The last failure becomes a ``StorageError`` naming ``what``.
         """
-        from . import _base  # the module attribute, so tests can shorten the delay
-
-        delay = _base.RETRY_BASE_DELAY_S
+        delay = RETRY_BASE_DELAY_S  # read at call time: tests shorten it
         for attempt in range(self.retries):
             try:
                 return fn(*args, **kwargs)
@@ -386,6 +384,7 @@ class Storage(abc.ABC):
 
     def invalidate_cache(self) -> None:
         """Forget cached listings (some fsspec backends cache them); a no-op elsewhere."""
+        return None
 
     def exists(self, rel: str) -> bool:
         return bool(self._exists(self._p(rel)))
@@ -482,6 +481,7 @@ class Storage(abc.ABC):
 
     def fsync_dirs(self, rels: Iterable[str]) -> None:
         """Make directory entries (new files) durable; a no-op where there is nothing to sync."""
+        return None
 
     def remove(self, rel: str) -> None:
         """Delete a file; missing is fine."""
@@ -503,6 +503,7 @@ class Storage(abc.ABC):
         Raises:
             StorageError: the backend cannot rename atomically.
         """
+        self._p(src), self._p(dst)
         raise StorageError(
             f"{self.url}: this storage cannot rename atomically (atomic_rename is False); write the final name directly"
         )

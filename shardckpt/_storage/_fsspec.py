@@ -134,8 +134,6 @@ class FsspecStorage(Storage):
 
     def _size(self, path: str) -> int:
         info = self._retry(f"stat {self._url(path)}", self.fs.info, path)
-        if info.get("type") == "directory":
-            raise IsADirectoryError(f"{self._url(path)} is a directory")
         return int(info["size"])
 
     def _listdir(self, path: str) -> List[str]:

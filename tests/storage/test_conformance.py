@@ -126,23 +126,26 @@ class StorageContract:
     def test_relative_path_escapes_refused(self, st):
         for rel in ESCAPES:
             for call in (
-                lambda: st.exists(rel),
-                lambda: st.size(rel),
-                lambda: st.read_bytes(rel),
-                lambda: st.read_range(rel, 0, 1),
-                lambda: st.read_into(rel, [(0, memoryview(bytearray(1)))]),
-                lambda: st.open_write(rel),
-                lambda: st.write_atomic(rel, b"x"),
-                lambda: st.remove(rel),
-                lambda: st.remove_tree(rel),
-                lambda: st.listdir(rel),
-                lambda: st.makedirs(rel),
-                lambda: st.child(rel),
-                lambda: st.url_of(rel),
-                lambda: st.open_staged(rel),
+                lambda r: st.exists(r),
+                lambda r: st.size(r),
+                lambda r: st.read_bytes(r),
+                lambda r: st.read_range(r, 0, 1),
+                lambda r: st.read_into(r, [(0, memoryview(bytearray(1)))]),
+                lambda r: st.open_write(r),
+                lambda r: st.write_atomic(r, b"x"),
+                lambda r: st.remove(r),
+                lambda r: st.remove_tree(r),
+                lambda r: st.listdir(r),
+                lambda r: st.makedirs(r),
+                lambda r: st.child(r),
+                lambda r: st.url_of(r),
+                lambda r: st.open_staged(r),
+                lambda r: st.is_file(r),
+                lambda r: st.walk_files(r),
+                lambda r: st.rename("a", r),
             ):
                 with pytest.raises(UnsafeMetadataError, match="escapes the checkpoint root"):
-                    call()
+                    call(rel)
         with pytest.raises(UnsafeMetadataError, match="one path component"):
             st.sibling("../x")
         assert st.walk_files() == []
