@@ -52,7 +52,7 @@ from shardckpt._format import (
 from shardckpt._io import DEFAULT_IO_THREADS, byte_view, check_files
 from shardckpt._layout import box_view
 from shardckpt._plan import Box, split_box
-from shardckpt._storage import Storage, fsync_dir
+from shardckpt._storage import Storage
 from shardckpt.errors import (
     CheckpointExistsError,
     ChecksumMismatchError,
@@ -573,14 +573,6 @@ def read_entry_block(reader: Reader, e: OutEntry, blk: Block, buffers: BufferPoo
     return data, byte_view(data)
 
 
-def pwrite_all(fd: int, data: memoryview, pos: int) -> int:
-    """Write all of ``data`` at ``pos`` (``os.pwrite`` may write less than asked); returns the bytes written."""
-    n = 0
-    while n < len(data):
-        n += os.pwrite(fd, data[n:], pos + n)
-    return n
-
-
 class Progress:
     """A tqdm bar when asked and available; otherwise nothing."""
 
@@ -628,13 +620,9 @@ def _write_file(
     done = [0] * len(entries)
 
     buffers = BufferPool(block_bytes, 2 * depth + 4)
-    # Local disk: workers write their block at its final offset with pwrite
+    # Where the storage can, workers write their block at its final offset
     # (the layout is known up front), so writes run in parallel like reads.
-    fd = -1
-    path = ""
-    if storage.is_local:
-        path = storage.path(rel)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
+    positional = storage.caps.positional_write
 
     def jobs():
         for i, e, blk in entry_blocks(entries, block_bytes):
@@ -646,27 +634,25 @@ def _write_file(
                 raise _Stopped()
             data, mv = read_entry_block(reader, e, blk, buffers)
             crc = checksum("crc32c", mv) if want_crc else 0
-            if fd < 0:
+            if not positional:
                 return i, data, mv, crc
-            n = pwrite_all(fd, mv, starts[i] + (blk.start - e.start) * itemsize(e.dtype))
+            n = w.write_at(mv, starts[i] + (blk.start - e.start) * itemsize(e.dtype))
             del mv
             buffers.give(data)
             return i, None, n, crc
 
         return run
 
-    w = None
+    w = storage.open_write(rel)
     stream = prefetch(pool, jobs(), depth)
     try:
-        if path:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-            os.pwrite(fd, header, 0)
+        if positional:
+            w.write_at(header, 0)
         else:
-            w = storage.open_write(rel)
             w.write(header)
         for i, data, mv, crc in stream:
             n = mv if isinstance(mv, int) else len(mv)
-            if w is not None:
+            if not positional:
                 w.write(mv)
             crcs[i] = combine("crc32c", crcs[i], crc, n)
             done[i] += n
@@ -677,24 +663,10 @@ def _write_file(
         for e, n in zip(entries, done):
             if n != e.nbytes:
                 raise AssertionError(f"internal error: {e.key}: wrote {n} bytes, expected {e.nbytes}")
-        if w is not None:
-            w.close()
-        else:
-            os.fsync(fd)
-            os.close(fd)
-            fd = -1
+        w.close()
     except BaseException:
         stream.close()  # waits for blocks in flight: none may write after the file is gone
-        if w is not None:
-            w.abort()
-        if fd >= 0:
-            os.close(fd)
-            fd = -1
-        if path:
-            try:
-                os.unlink(path)
-            except OSError:
-                pass
+        w.abort()
         raise
     return crcs, starts, len(header) + sum(e.nbytes for e in entries)
 
@@ -934,13 +906,12 @@ def write_safetensors_files(
             if root.exists(base) and not overwrite:
                 raise CheckpointExistsError(f"{dst_url} already exists; pass overwrite=True to replace it")
             (ents,) = files.values()
-            if root.is_local:
+            if root.caps.atomic_rename:
                 tmp = f".{base}.{uuid.uuid4().hex[:12]}.tmp"
                 try:
                     _write_files(root, {tmp: ents}, reader, native=False, threads=threads, progress=bar, block_bytes=block_bytes)
                     reader.finish()
-                    os.replace(root.path(tmp), root.path(base))
-                    fsync_dir(root.path(""))
+                    root.rename(tmp, base)
                 finally:
                     root.remove(tmp)
             else:
@@ -960,29 +931,16 @@ def write_safetensors_files(
             raise CheckpointExistsError(
                 f"{dst.url} is not empty ({format_offenders(existing, limit=5)}); pass overwrite=True to replace it"
             )
-        if dst.is_local:
-            parent, base = os.path.dirname(dst.root), os.path.basename(dst.root)
-            os.makedirs(parent, exist_ok=True)
-            tmp_root = os.path.join(parent, f".{base}.{uuid.uuid4().hex[:12]}.tmp")
-            tmp = Storage(tmp_root)
+        if dst.caps.atomic_rename:
+            _, base = split_url(dst.url)
+            tmp = dst.sibling(f".{base}.{uuid.uuid4().hex[:12]}.tmp")
             try:
                 tmp.makedirs("")
                 _write_files(tmp, files, reader, native=False, threads=threads, progress=bar, block_bytes=block_bytes)
                 reader.finish()
                 if index is not None:
                     tmp.write_atomic(index_name, index)
-                fsync_dir(tmp_root)
-                old = None
-                if os.path.exists(dst.root):
-                    if os.listdir(dst.root):
-                        old = os.path.join(parent, f".{base}.{uuid.uuid4().hex[:12]}.old")
-                        os.rename(dst.root, old)
-                    else:
-                        os.rmdir(dst.root)
-                os.rename(tmp_root, dst.root)
-                fsync_dir(parent)
-                if old:
-                    Storage(old).remove_tree("")
+                dst.replace_with(tmp)
             except BaseException:
                 tmp.remove_tree("")
                 raise
@@ -997,7 +955,8 @@ def write_safetensors_files(
             if index is not None:
                 dst.write_atomic(index_name, index)
             for n in existing:
-                if n not in files and n != index_name and n.endswith((".safetensors", ".json")):
+                # A stale index too: the new export may have none (one file).
+                if n not in files and (index is None or n != index_name) and n.endswith((".safetensors", ".json")):
                     dst.remove(n)
         out = sorted(files) + ([index_name] if index is not None else [])
         return ConvertResult(dst.url, out, sum(len(v) for v in files.values()), total, time.perf_counter() - t0)

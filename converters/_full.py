@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import os
 import struct
-import tempfile
 import time
-import uuid
 import zipfile
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Dict, List, Optional, Sequence, Union
@@ -17,7 +15,7 @@ from shardckpt._format import itemsize, torch_dtype
 from shardckpt._hf import KeyMap
 from shardckpt._io import DEFAULT_IO_THREADS
 from shardckpt._state import TAG, decode_value
-from shardckpt._storage import Storage, fsync_dir
+from shardckpt._storage import Storage
 from shardckpt.errors import CheckpointExistsError, UnsupportedStateError
 
 from ._common import (
@@ -32,7 +30,6 @@ from ._common import (
     out_dtype,
     parse_dtype,
     prefetch,
-    pwrite_all,
     read_entry_block,
     split_url,
     whole_entry,
@@ -214,12 +211,10 @@ def _write_pt(dst, values, by_name, reader: Reader, *, flat, storage_options, ov
     root = Storage(parent, storage_options=storage_options)
     if root.exists(base) and not overwrite:
         raise CheckpointExistsError(f"{dst} already exists; pass overwrite=True to replace it")
-    if root.is_local:
-        os.makedirs(root.path(""), exist_ok=True)
-        tmp = root.path(f".{base}.{uuid.uuid4().hex[:12]}.tmp")
-    else:
-        fd, tmp = tempfile.mkstemp(suffix=".pt", prefix="shardckpt-")
-        os.close(fd)
+    # torch.save needs a file path: build the file there, patch its payloads
+    # in place, publish it at the end (a rename next to it on local disk).
+    staged = root.open_staged(base)
+    tmp = staged.path
     total = sum(e.nbytes for e in by_name.values())
     bar = Progress(total, progress, "to_full")
     try:
@@ -239,65 +234,42 @@ def _write_pt(dst, values, by_name, reader: Reader, *, flat, storage_options, ov
             offsets.append(off)
         records = _record_map(tmp)
         crcs = [0] * len(order)
-        fdw = os.open(tmp, os.O_RDWR)
-        try:
-            buffers = BufferPool(BLOCK_BYTES, 2 * threads + 4)
+        buffers = BufferPool(BLOCK_BYTES, 2 * threads + 4)
 
-            def jobs():
-                for i, e, blk in entry_blocks(order, BLOCK_BYTES):
-                    yield _job(i, e, blk)
+        def jobs():
+            for i, e, blk in entry_blocks(order, BLOCK_BYTES):
+                yield _job(i, e, blk)
 
-            def _job(i, e, blk):
-                def run():
-                    data, mv = read_entry_block(reader, e, blk, buffers)
-                    done = pwrite_all(fdw, mv, offsets[i] + blk.start * itemsize(e.dtype))
-                    crc = checksum("crc32", mv)
-                    del mv
-                    buffers.give(data)
-                    return i, done, crc
+        def _job(i, e, blk):
+            def run():
+                data, mv = read_entry_block(reader, e, blk, buffers)
+                done = staged.write_at(mv, offsets[i] + blk.start * itemsize(e.dtype))
+                crc = checksum("crc32", mv)
+                del mv
+                buffers.give(data)
+                return i, done, crc
 
-                return run
+            return run
 
-            with ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="shardckpt-pt") as pool:
-                stream = prefetch(pool, jobs(), max(2, threads + 1))
-                try:
-                    for i, n, crc in stream:
-                        crcs[i] = combine("crc32", crcs[i], crc, n)
-                        bar.update(n)
-                finally:
-                    stream.close()  # no block may still be writing once the file is closed
-            for i, e in enumerate(order):
-                rec = records.get(offsets[i])
-                if rec is None or rec["size"] != e.nbytes:
-                    raise AssertionError(f"internal error: no zip record of {e.nbytes} bytes at {offsets[i]} for {e.key}")
-                packed = struct.pack("<I", crcs[i])
-                for at in (rec["crc_at"], rec["cd_at"]) if rec["crc_at"] is not None else (rec["local_crc_at"], rec["cd_at"]):
-                    if at is not None:
-                        os.pwrite(fdw, packed, at)
-            os.fsync(fdw)
-        finally:
-            os.close(fdw)
-        reader.finish()
-        if root.is_local:
-            os.replace(tmp, root.path(base))
-            fsync_dir(root.path(""))
-        else:
-            w = root.open_write(base)
+        with ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="shardckpt-pt") as pool:
+            stream = prefetch(pool, jobs(), max(2, threads + 1))
             try:
-                with open(tmp, "rb") as f:
-                    while True:
-                        block = f.read(BLOCK_BYTES)
-                        if not block:
-                            break
-                        w.write(block)
-                w.close()
-            except BaseException:
-                w.abort()
-                raise
+                for i, n, crc in stream:
+                    crcs[i] = combine("crc32", crcs[i], crc, n)
+                    bar.update(n)
+            finally:
+                stream.close()  # no block may still be writing once the file is closed
+        for i, e in enumerate(order):
+            rec = records.get(offsets[i])
+            if rec is None or rec["size"] != e.nbytes:
+                raise AssertionError(f"internal error: no zip record of {e.nbytes} bytes at {offsets[i]} for {e.key}")
+            packed = struct.pack("<I", crcs[i])
+            for at in (rec["crc_at"], rec["cd_at"]) if rec["crc_at"] is not None else (rec["local_crc_at"], rec["cd_at"]):
+                if at is not None:
+                    staged.write_at(packed, at)
+        reader.finish()
+        staged.commit()
     finally:
         bar.close()
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
+        staged.abort()  # a no-op once committed
     return ConvertResult(dst, [base], len(order), total, time.perf_counter() - t0)

@@ -17,7 +17,6 @@ from __future__ import annotations
 import fnmatch
 import json
 import math
-import os
 import struct
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Union
@@ -71,10 +70,8 @@ def read_safetensors_header(storage: Storage, rel: str, size: int):
 def _is_single_file(storage: Storage) -> bool:
     if not storage.url.endswith(".safetensors"):
         return False
-    if storage.is_local:
-        return os.path.isfile(storage.root)
     try:
-        return bool(storage.fs.isfile(storage.root))
+        return storage.is_file()
     except OSError:
         return False
 
@@ -119,7 +116,7 @@ def hf_manifest(storage: Storage) -> Optional[Manifest]:
     def head(rel):
         return rel, read_safetensors_header(storage, rel, files[rel])
 
-    if len(files) > 1 and not storage.is_local:
+    if len(files) > 1 and storage.caps.high_latency:
         with ThreadPoolExecutor(max_workers=min(16, len(files)), thread_name_prefix="shardckpt-hf") as ex:
             headers = dict(ex.map(head, sorted(files)))
     else:

@@ -320,7 +320,7 @@ def check_files(storage: Storage, expected: Dict[str, int]) -> None:
         except FileNotFoundError:
             return rel, None
 
-    if len(expected) > 4 and not storage.is_local:
+    if len(expected) > 4 and storage.caps.high_latency:
         with ThreadPoolExecutor(max_workers=16) as ex:
             sizes = list(ex.map(stat, sorted(expected)))
     else:
@@ -411,9 +411,9 @@ def read_chunks(
         # and no pass over the whole staging memory follows the reads.
         return [(i, pos, len(seg), _crc.crc32c(seg)) for i, pos, seg in segs]
 
-    # Local disk: one pread per block, many threads. Remote: one batched
-    # cat_ranges per file so fsspec runs the ranges concurrently.
-    if not storage.is_local:
+    # Local disk: one pread per block, many threads. Backends that run a
+    # call's ranges concurrently (fsspec's cat_ranges): one call per file.
+    if storage.caps.batched_reads:
         per: Dict[str, _ReadJob] = {}
         for rel, ranges, segs in jobs:
             job = per.setdefault(rel, (rel, [], []))

@@ -182,9 +182,8 @@ class CheckpointManager:
 
     def _scan(self) -> Tuple[List[int], List[Tuple[int, str]]]:
         """``(committed steps, [(step, dir name) without a manifest])``, both sorted."""
-        if self.root.fs is not None and hasattr(self.root.fs, "invalidate_cache"):
-            # Listing caches (s3fs, gcsfs) would hide steps committed since.
-            self.root.fs.invalidate_cache(self.root.root)
+        # Listing caches (s3fs, gcsfs) would hide steps committed since.
+        self.root.invalidate_cache()
         found = sorted((s, name) for name in self.root.listdir("") for s in [parse_step_dir(name)] if s is not None)
         if not found:
             return [], []
@@ -192,7 +191,7 @@ class CheckpointManager:
         def committed(item):
             return self.root.exists(f"{item[1]}/{MANIFEST_NAME}")
 
-        if self.root.is_local or len(found) <= 2:
+        if not self.root.caps.high_latency or len(found) <= 2:
             flags = [committed(it) for it in found]
         else:
             with ThreadPoolExecutor(max_workers=min(16, len(found))) as ex:

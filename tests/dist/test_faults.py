@@ -49,6 +49,7 @@ def _arm(fault: str) -> None:
     """Patch the engine so this process SIGKILLs itself at ``fault``."""
     from shardckpt import _io, _storage
     from shardckpt import _save as _api
+    from shardckpt._storage import _local
 
     if fault == "before_data":
         _api.write_files = lambda *a, **kw: _die()
@@ -62,7 +63,7 @@ def _arm(fault: str) -> None:
         _api.write_files = stalled
     elif fault in ("mid_data", "async_mid_data"):
         _io.WRITE_BLOCK_BYTES = 1024
-        real = _storage._LocalWriter.write
+        real = _local._LocalWriter.write
         calls = [0]
 
         def write(self, data):
@@ -72,7 +73,7 @@ def _arm(fault: str) -> None:
                 _die()
             real(self, data)
 
-        _storage._LocalWriter.write = write
+        _local._LocalWriter.write = write
     elif fault == "before_manifest":
         real_atomic = _storage.Storage.write_atomic
 
@@ -90,7 +91,7 @@ def _arm(fault: str) -> None:
                 _die()
             return real_replace(src, dst, *a, **kw)
 
-        _storage.os.replace = replace
+        _local.os.replace = replace
     else:
         raise ValueError(fault)
 

@@ -1,0 +1,40 @@
+"""Storage backends: one interface, a small core per backend, capability flags.
+
+``Storage(url, storage_options=...)`` returns the backend for ``url``:
+:class:`LocalStorage` (plain paths, ``file://``) or :class:`FsspecStorage`
+(any other fsspec URL). Callers ask ``storage.caps`` (:class:`Capabilities`)
+instead of checking which backend they hold. See docs/storage.md.
+"""
+
+from ._base import (
+    DEFAULT_RETRIES,
+    RANGE_MERGE_GAP_BYTES,
+    Capabilities,
+    StagedFile,
+    Storage,
+    Writer,
+    join_url,
+    plan_range_fetches,
+    pwrite_all,
+)
+from ._factory import backend_for, open_storage
+from ._fsspec import FsspecStorage
+from ._local import WRITEBACK_BYTES, LocalStorage, fsync_dir
+
+__all__ = [
+    "Capabilities",
+    "DEFAULT_RETRIES",
+    "FsspecStorage",
+    "LocalStorage",
+    "RANGE_MERGE_GAP_BYTES",
+    "StagedFile",
+    "Storage",
+    "WRITEBACK_BYTES",
+    "Writer",
+    "backend_for",
+    "fsync_dir",
+    "join_url",
+    "open_storage",
+    "plan_range_fetches",
+    "pwrite_all",
+]

@@ -1,0 +1,522 @@
+"""The storage interface: shared logic in :class:`Storage`, a small core per backend.
+
+A checkpoint lives under a root URL; every other path is a relative POSIX path
+below it (``data/x.safetensors``). :class:`Storage` holds what every backend
+shares (path checks, URL joining, retries, bounded reads, range planning for
+``read_into``, staged files) and calls a few ``_``-prefixed methods that each
+backend implements (the template style of fsspec's ``AbstractFileSystem``).
+Callers never branch on the backend: they ask its :class:`Capabilities`.
+
+``Storage(url, storage_options=...)`` is also the factory: it returns the
+backend that serves ``url`` (:class:`LocalStorage` for plain paths and
+``file://``, :class:`FsspecStorage` for everything else).
+"""
+
+from __future__ import annotations
+
+import abc
+import os
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, TypeVar
+
+from ..errors import StorageError, UnsafeMetadataError
+
+__all__ = [
+    "Capabilities",
+    "DEFAULT_RETRIES",
+    "RANGE_MERGE_GAP_BYTES",
+    "Storage",
+    "StagedFile",
+    "Writer",
+    "join_url",
+    "plan_range_fetches",
+]
+
+#: Attempts for each remote operation before giving up with a StorageError.
+DEFAULT_RETRIES = 3
+#: First back-off delay between attempts; doubles after each failure.
+RETRY_BASE_DELAY_S = 0.2
+#: ``read_into`` on a remote backend fetches two ranges as one request when at
+#: most this many bytes lie between them (one round trip costs more than
+#: reading a few hundred KiB more).
+RANGE_MERGE_GAP_BYTES = 256 << 10
+#: Block size when a staged file is uploaded to a backend without local paths.
+UPLOAD_BLOCK_BYTES = 8 << 20
+
+_T = TypeVar("_T")
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend can do; callers ask these instead of checking the backend's type.
+
+    Attributes:
+        atomic_rename: ``rename``/``replace_with`` move a file or directory
+            into place atomically (readers see the old or the new, never a
+            mix). Without it, a commit relies on single-object PUTs being
+            atomic, and ``rename``/``replace_with`` raise ``StorageError``.
+        has_dirs: directories are real entries that must exist before files
+            are created in them (the backend creates them itself). Object
+            stores, whose "directories" are key prefixes, have none.
+        positional_write: writers accept ``write_at(data, offset)`` from
+            several threads (a file is filled in parallel, out of order).
+        high_latency: every call is a network round trip; callers issue
+            independent metadata calls (stat, exists) from a thread pool.
+        batched_reads: one ``read_into`` call with many ranges runs them
+            concurrently; callers hand it all of a file's ranges at once
+            instead of one call per block from their own threads.
+    """
+
+    atomic_rename: bool
+    has_dirs: bool
+    positional_write: bool
+    high_latency: bool
+    batched_reads: bool
+
+
+def join_url(root: str, rel: str) -> str:
+    """Join a root URL and a relative path with ``/`` (never ``os.path`` on URLs).
+
+    Example: ``join_url("s3://b/run/", "data/x")`` is ``"s3://b/run/data/x"``.
+    """
+    if not rel:
+        return root
+    return root.rstrip("/") + "/" + rel.lstrip("/")
+
+
+def check_rel(rel: str, *, where: str) -> str:
+    """``rel`` if it is a relative path that stays below the root; raises otherwise.
+
+    Raises:
+        UnsafeMetadataError: ``..`` or NUL in the path, or not a str.
+    """
+    if not isinstance(rel, str):
+        raise UnsafeMetadataError(f"{where}: path must be a str, got {type(rel).__name__}")
+    if "\x00" in rel or any(part == ".." for part in rel.replace("\\", "/").split("/")):
+        raise UnsafeMetadataError(
+            f"{where}: path {rel[:200]!r} escapes the checkpoint root; paths must be relative and contain no '..'"
+        )
+    return rel
+
+
+def plan_range_fetches(ranges: Sequence[Tuple[int, int]], *, max_gap: int = RANGE_MERGE_GAP_BYTES) -> List[Tuple[int, int, List[int]]]:
+    """Merge byte ranges that overlap or lie within ``max_gap`` of each other into fetches.
+
+    Pure planning for ``read_into``: ``ranges`` are ``(offset, length)``;
+    returns ``(start, end, [indices of the ranges it serves])`` sorted by
+    start. Empty ranges are served by no fetch.
+
+    Example: ``plan_range_fetches([(0, 4), (6, 2), (100, 1)], max_gap=2)``
+    is ``[(0, 8, [0, 1]), (100, 101, [2])]``.
+    """
+    order = sorted((off, off + n, i) for i, (off, n) in enumerate(ranges) if n > 0)
+    out: List[Tuple[int, int, List[int]]] = []
+    for lo, hi, i in order:
+        if out and lo - out[-1][1] <= max_gap:
+            start, end, idx = out[-1]
+            idx.append(i)
+            out[-1] = (start, max(end, hi), idx)
+        else:
+            out.append((lo, hi, [i]))
+    return out
+
+
+class Writer(abc.ABC):
+    """A file being written: ``close()`` makes it durable, ``abort()`` removes it.
+
+    ``write`` appends; ``write_at`` (backends with ``positional_write``)
+    writes at an offset and may be called from several threads. Use one or
+    the other on a writer, not both.
+    """
+
+    url: str
+
+    @abc.abstractmethod
+    def write(self, data) -> None: ...
+
+    def write_at(self, data, offset: int) -> int:
+        """Write all of ``data`` at ``offset``; returns the bytes written."""
+        raise StorageError(f"{self.url}: this storage cannot write at offsets (positional_write is False); use write()")
+
+    @abc.abstractmethod
+    def close(self) -> None: ...
+
+    @abc.abstractmethod
+    def abort(self) -> None: ...
+
+
+class StagedFile:
+    """A file built at a local path (for tools that need one), published at ``rel`` by ``commit()``.
+
+    ``path`` is an OS path: write it with any tool (``torch.save``), patch it
+    with ``write_at``, then ``commit()`` makes it appear at ``rel`` whole, or
+    ``abort()`` (also on leaving a ``with`` block by an exception) removes it.
+    This base version stages in the system temp directory and uploads on
+    commit; local disk stages next to the target and renames.
+    """
+
+    def __init__(self, storage: "Storage", rel: str, path: str):
+        self.storage, self.rel, self.path = storage, rel, path
+        self._fd = -1
+        self._done = False
+        self._lock = threading.Lock()
+
+    def write_at(self, data, offset: int) -> int:
+        """Write all of ``data`` at ``offset`` of the staged file (thread-safe); returns the bytes written."""
+        if self._fd < 0:
+            # Opened on first use: the caller may create the file with another tool first.
+            with self._lock:
+                if self._fd < 0:
+                    self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        return pwrite_all(self._fd, data, offset)
+
+    def _close_fd(self, sync: bool) -> None:
+        if self._fd >= 0:
+            try:
+                if sync:
+                    os.fsync(self._fd)
+            finally:
+                os.close(self._fd)
+                self._fd = -1
+
+    def commit(self) -> None:
+        """Publish the staged file at ``rel`` (durably) and forget the staging copy."""
+        self._close_fd(sync=False)
+        w = self.storage.open_write(self.rel)
+        try:
+            with open(self.path, "rb") as f:
+                while True:
+                    block = f.read(UPLOAD_BLOCK_BYTES)
+                    if not block:
+                        break
+                    w.write(block)
+            w.close()
+        except BaseException:
+            w.abort()
+            raise
+        finally:
+            self._unlink()
+        self._done = True
+
+    def abort(self) -> None:
+        """Remove the staged file; ``rel`` is left as it was. A no-op after ``commit()``."""
+        if self._done:
+            return
+        self._close_fd(sync=False)
+        self._unlink()
+        self._done = True
+
+    def _unlink(self) -> None:
+        try:
+            os.unlink(self.path)
+        except OSError:
+            pass
+
+    def __enter__(self) -> "StagedFile":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None or not self._done:
+            # Leaving without commit() publishes nothing.
+            self.abort()
+
+
+def pwrite_all(fd: int, data, pos: int) -> int:
+    """Write all of ``data`` at ``pos`` (``os.pwrite`` may write less than asked); returns the bytes written."""
+    mv = memoryview(data).cast("B")
+    n = 0
+    while n < len(mv):
+        n += os.pwrite(fd, mv[n:], pos + n)
+    return n
+
+
+class Storage(abc.ABC):
+    """Files under one root URL.
+
+    ``Storage(url, ...)`` returns the backend serving ``url``; every backend
+    has the methods below, with the same errors: a missing file raises
+    ``FileNotFoundError`` from ``size``/``read_*`` (``exists`` is False,
+    ``listdir``/``walk_files`` return ``[]``, ``remove*`` do nothing); a path
+    with ``..`` raises ``UnsafeMetadataError``; other failures raise
+    ``StorageError`` (after retries on remote backends).
+
+    Args:
+        url: a local path, ``file://`` URL or any fsspec URL.
+        storage_options: passed to the fsspec filesystem (credentials, endpoint...).
+        retries: attempts for each remote operation before giving up.
+
+    Raises:
+        StorageError: empty URL, unknown protocol, or its fsspec backend is
+            not installed (the message names the package to install).
+
+    Example::
+
+        st = Storage("s3://bucket/run/step-10", storage_options={"anon": False})
+        if st.caps.high_latency: ...
+        st.write_atomic("manifest.json", body)
+
+    Limits: URLs are strings; directories are only created, never required,
+    by callers (backends with ``has_dirs`` create parents themselves).
+    """
+
+    caps: Capabilities
+
+    def __new__(cls, url: str = "", *args: Any, **kwargs: Any):
+        if cls is Storage:
+            from ._factory import backend_for
+
+            cls = backend_for(url, kwargs.get("storage_options"))
+        return super().__new__(cls)
+
+    def __init__(self, url: str, *, storage_options: Optional[Dict[str, Any]] = None, retries: int = DEFAULT_RETRIES):
+        if not isinstance(url, str) or not url:
+            raise StorageError(f"checkpoint URL must be a non-empty str, got {url!r}")
+        self.url = url.rstrip("/") or url
+        self.storage_options = dict(storage_options or {})
+        self.retries = max(1, int(retries))
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.url!r})"
+
+    @property
+    def is_local(self) -> bool:
+        """Files are plain OS files (informational: branch on ``caps``, not on this)."""
+        return False
+
+    # -- the core each backend implements ------------------------------------
+
+    @abc.abstractmethod
+    def path(self, rel: str) -> str:
+        """The backend's own path of ``rel`` (an OS path, or a bucket/key path)."""
+
+    @abc.abstractmethod
+    def _exists(self, path: str) -> bool: ...
+
+    @abc.abstractmethod
+    def _is_file(self, path: str) -> bool: ...
+
+    @abc.abstractmethod
+    def _size(self, path: str) -> int: ...
+
+    @abc.abstractmethod
+    def _listdir(self, path: str) -> List[str]:
+        """Names directly under ``path``; raises FileNotFoundError when missing."""
+
+    @abc.abstractmethod
+    def _walk(self, path: str) -> List[str]:
+        """Every file below ``path``, relative to the root."""
+
+    @abc.abstractmethod
+    def _read(self, path: str, start: int, end: Optional[int]) -> bytes:
+        """Bytes ``[start, end)`` (``end=None``: to the end); short at end of file."""
+
+    @abc.abstractmethod
+    def _read_ranges(self, rel: str, ranges: Sequence[Tuple[int, memoryview]]) -> None:
+        """Fill each buffer from its offset; raise EOFError via :meth:`_short` if the file is short."""
+
+    @abc.abstractmethod
+    def _open_writer(self, rel: str) -> Writer: ...
+
+    @abc.abstractmethod
+    def _put(self, rel: str, data: bytes) -> None:
+        """Publish ``data`` at ``rel`` atomically (see :meth:`write_atomic`)."""
+
+    @abc.abstractmethod
+    def _remove(self, path: str) -> None:
+        """Delete a file; raises FileNotFoundError when missing."""
+
+    @abc.abstractmethod
+    def _remove_tree(self, path: str) -> None: ...
+
+    @abc.abstractmethod
+    def _makedirs(self, path: str) -> None: ...
+
+    # -- shared logic -----------------------------------------------------------
+
+    def _retry(self, what: str, fn: Callable[..., _T], *args, **kwargs) -> _T:
+        """``fn(*args, **kwargs)`` with retries and back-off on transient ``OSError``s.
+
+        Missing files and permission errors are answers, not hiccups: they are
+        raised at once. The last failure becomes a ``StorageError`` naming ``what``.
+        """
+        delay = RETRY_BASE_DELAY_S  # read at call time: tests shorten it
+        for attempt in range(self.retries):
+            try:
+                return fn(*args, **kwargs)
+            except (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError):
+                raise
+            except OSError as e:  # transient on object stores: timeouts, 5xx, throttling
+                if attempt + 1 == self.retries:
+                    raise StorageError(f"{what} failed after {self.retries} attempts: {e}") from e
+                time.sleep(delay)
+                delay *= 2
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _p(self, rel: str) -> str:
+        return self.path(check_rel(rel, where=self.url))
+
+    def url_of(self, rel: str) -> str:
+        """The URL of ``rel`` (for messages and for other APIs)."""
+        return join_url(self.url, check_rel(rel, where=self.url))
+
+    def child(self, rel: str) -> "Storage":
+        """Storage rooted at ``rel`` below this root, sharing options."""
+        return type(self)(self.url_of(rel), storage_options=self.storage_options, retries=self.retries)
+
+    def sibling(self, name: str) -> "Storage":
+        """Storage rooted at ``name`` next to this root (same parent), sharing options.
+
+        Example: ``Storage("/ck/out").sibling(".out.tmp").url == "/ck/.out.tmp"``.
+        """
+        if not name or "/" in name or name in (".", ".."):
+            raise UnsafeMetadataError(f"{self.url}: sibling name must be one path component, got {name!r}")
+        head = self._parent_url()
+        return type(self)(join_url(head, name), storage_options=self.storage_options, retries=self.retries)
+
+    def _parent_url(self) -> str:
+        head, _, base = self.url.rstrip("/").rpartition("/")
+        if not base or not head or head.endswith(":/"):
+            raise StorageError(f"{self.url!r} has no parent directory")
+        return head
+
+    def invalidate_cache(self) -> None:
+        """Forget cached listings (some fsspec backends cache them); a no-op elsewhere."""
+        return None
+
+    def exists(self, rel: str) -> bool:
+        return bool(self._exists(self._p(rel)))
+
+    def is_file(self, rel: str = "") -> bool:
+        """True if ``rel`` (the root itself by default) is a file."""
+        return bool(self._is_file(self._p(rel)))
+
+    def size(self, rel: str) -> int:
+        """Size in bytes; raises ``FileNotFoundError`` when missing."""
+        return int(self._size(self._p(rel)))
+
+    def listdir(self, rel: str = "") -> List[str]:
+        """Names (not paths) directly under ``rel``, sorted; ``[]`` if it does not exist."""
+        try:
+            return sorted(set(self._listdir(self._p(rel))))
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+
+    def walk_files(self, rel: str = "") -> List[str]:
+        """Every file below ``rel``, as sorted paths relative to the root; ``[]`` if missing."""
+        try:
+            return sorted(self._walk(self._p(rel)))
+        except FileNotFoundError:
+            return []
+
+    def read_bytes(self, rel: str, *, limit: Optional[int] = None) -> bytes:
+        """Whole file, refusing more than ``limit`` bytes (never reading more than ``limit + 1``).
+
+        Raises:
+            FileNotFoundError: missing.
+            UnsafeMetadataError: the file is larger than ``limit``.
+        """
+        path = self._p(rel)
+        if limit is None:
+            return self._read(path, 0, None)
+        n = self._size(path)
+        if n > limit:
+            raise UnsafeMetadataError(f"{self.url_of(rel)}: {n} bytes exceeds the {limit}-byte limit")
+        data = self._read(path, 0, limit + 1)
+        if len(data) > limit:  # grew since the stat
+            raise UnsafeMetadataError(f"{self.url_of(rel)}: more than {limit} bytes exceeds the {limit}-byte limit")
+        return data
+
+    def read_range(self, rel: str, start: int, length: int) -> bytes:
+        """Bytes ``[start, start + length)``; shorter if the file ends first."""
+        if start < 0 or length < 0:
+            raise ValueError(f"{self.url_of(rel)}: bad range start={start} length={length}")
+        path = self._p(rel)
+        if length == 0:
+            # Some backends read [0, 0) as "the whole file": ask nothing but its existence.
+            self._size(path)
+            return b""
+        return self._read(path, start, start + length)
+
+    def read_into(self, rel: str, ranges: Sequence[Tuple[int, memoryview]]) -> None:
+        """Fill each ``(offset, buffer)`` from the file.
+
+        Raises:
+            FileNotFoundError: missing.
+            EOFError: the file ends before a buffer is full (names the byte).
+        """
+        check_rel(rel, where=self.url)
+        if ranges:
+            self._read_ranges(rel, ranges)
+
+    def _short(self, rel: str, end: int) -> EOFError:
+        return EOFError(f"{self.url_of(rel)}: file ends before byte {end}")
+
+    def makedirs(self, rel: str = "") -> None:
+        """Create directory ``rel`` and its parents where the backend has directories."""
+        self._makedirs(self._p(rel))
+
+    def open_write(self, rel: str) -> Writer:
+        """A writer that creates ``rel`` (parents included); ``close()`` makes it durable."""
+        self._p(rel)
+        return self._open_writer(rel)
+
+    def write_atomic(self, rel: str, data: bytes) -> None:
+        """Publish ``data`` at ``rel`` all at once: readers see the old state or all of it.
+
+        Local disk: temp file, fsync, rename, fsync of the directory. Object
+        stores: a single PUT, which is atomic by itself (no rename needed).
+        """
+        self._p(rel)
+        self._put(rel, bytes(data))
+
+    def open_staged(self, rel: str) -> StagedFile:
+        """A :class:`StagedFile` to build at a local path and publish at ``rel`` on ``commit()``."""
+        self._p(rel)
+        fd, tmp = tempfile.mkstemp(prefix="shardckpt-", suffix=".staged")
+        os.close(fd)
+        return StagedFile(self, rel, tmp)
+
+    def fsync_dirs(self, rels: Iterable[str]) -> None:
+        """Make directory entries (new files) durable; a no-op where there is nothing to sync."""
+        return None
+
+    def remove(self, rel: str) -> None:
+        """Delete a file; missing is fine."""
+        try:
+            self._remove(self._p(rel))
+        except FileNotFoundError:
+            pass
+
+    def remove_tree(self, rel: str = "") -> None:
+        """Delete everything under ``rel``; missing is fine."""
+        try:
+            self._remove_tree(self._p(rel))
+        except FileNotFoundError:
+            pass
+
+    def rename(self, src: str, dst: str) -> None:
+        """Move file ``src`` to ``dst`` atomically, replacing it (``caps.atomic_rename`` only).
+
+        Raises:
+            StorageError: the backend cannot rename atomically.
+        """
+        self._p(src), self._p(dst)
+        raise StorageError(
+            f"{self.url}: this storage cannot rename atomically (atomic_rename is False); write the final name directly"
+        )
+
+    def replace_with(self, staging: "Storage") -> None:
+        """Make the tree at ``staging`` (a :meth:`sibling`) appear at this root in one step.
+
+        Whatever was here is moved aside first and deleted after; an empty
+        directory is simply replaced. ``caps.atomic_rename`` only.
+
+        Raises:
+            StorageError: the backend cannot rename atomically.
+        """
+        raise StorageError(
+            f"{self.url}: this storage cannot swap directories atomically (atomic_rename is False); write in place"
+        )

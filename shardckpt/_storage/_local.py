@@ -1,0 +1,279 @@
+"""Local disk: ``os`` calls, no fsspec.
+
+``pread``/``preadv`` into caller buffers, unbuffered writes with write-behind
+hints, ``pwrite`` for parallel writers, ``fsync`` of files and of the
+directories that gained entries, and an atomic rename for every publish.
+Temp files are created with ``O_EXCL | O_NOFOLLOW``, so a link planted at a
+temp name is never written through; other opens follow links (a checkpoint
+may be reached through a "latest" symlink on purpose): the guard against
+escapes is the relative-path check in the base class.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+
+from ..errors import StorageError
+from ._base import DEFAULT_RETRIES, Capabilities, StagedFile, Storage, Writer, pwrite_all
+
+__all__ = ["LocalStorage", "WRITEBACK_BYTES", "fsync_dir"]
+
+#: Local writes hint the kernel every this many bytes: start writing back what
+#: was just written, and drop from the page cache what was written back before
+#: (a checkpoint is not read back soon; filling the cache with it would evict
+#: the training job's useful pages and delay the final fsync).
+WRITEBACK_BYTES = 16 << 20
+_FADVISE = getattr(os, "posix_fadvise", None)
+# Never create a file through a symlink someone planted at a temp name.
+_O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+
+
+def fsync_dir(path: str) -> None:
+    """fsync a directory so the entries created in it survive a crash; best effort."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some filesystems refuse fsync on directories
+    finally:
+        os.close(fd)
+
+
+def _local_path(url: str) -> str:
+    return url[len("file://") :] if url.startswith("file://") else url
+
+
+def _tmp_name(path: str, suffix: str) -> str:
+    d, base = os.path.split(path)
+    return os.path.join(d, f".{base}.{uuid.uuid4().hex[:12]}.{suffix}")
+
+
+class LocalStorage(Storage):
+    """Files on local disk (a plain path or ``file://`` URL).
+
+    Example: ``LocalStorage("/ckpt/step-10").write_atomic("manifest.json", b"{}")``.
+
+    Limits: ``storage_options`` are kept for children but change nothing here.
+    """
+
+    caps = Capabilities(atomic_rename=True, has_dirs=True, positional_write=True, high_latency=False, batched_reads=False)
+
+    def __init__(self, url: str, *, storage_options: Optional[Dict[str, Any]] = None, retries: int = DEFAULT_RETRIES, root: Optional[str] = None):
+        super().__init__(url, storage_options=storage_options, retries=retries)
+        self.root = os.path.abspath(root if root is not None else _local_path(self.url))
+
+    @property
+    def is_local(self) -> bool:
+        return True
+
+    def path(self, rel: str) -> str:
+        return os.path.join(self.root, *rel.split("/")) if rel else self.root
+
+    def _parent_url(self) -> str:
+        parent = os.path.dirname(self.root)
+        if parent == self.root:
+            raise StorageError(f"{self.url!r} has no parent directory")
+        return "file://" + parent if self.url.startswith("file://") else parent
+
+    # -- core -------------------------------------------------------------------
+
+    def _exists(self, path: str) -> bool:
+        return os.path.exists(path)
+
+    def _is_file(self, path: str) -> bool:
+        return os.path.isfile(path)
+
+    def _size(self, path: str) -> int:
+        return os.stat(path).st_size
+
+    def _listdir(self, path: str) -> List[str]:
+        return os.listdir(path)
+
+    def _walk(self, path: str) -> List[str]:
+        out = []
+        for dirpath, _, files in os.walk(path):
+            for f in files:
+                out.append(os.path.relpath(os.path.join(dirpath, f), self.root).replace(os.sep, "/"))
+        return out
+
+    def _read(self, path: str, start: int, end: Optional[int]) -> bytes:
+        with open(path, "rb") as f:
+            if end is None:
+                f.seek(start)
+                return f.read()
+            return os.pread(f.fileno(), end - start, start)
+
+    def _read_ranges(self, rel: str, ranges: Sequence[Tuple[int, memoryview]]) -> None:
+        fd = os.open(self.path(rel), os.O_RDONLY | _O_CLOEXEC)
+        try:
+            for offset, buf in ranges:
+                done = 0
+                n = len(buf)
+                while done < n:
+                    got = os.preadv(fd, [buf[done:]], offset + done)
+                    if got <= 0:
+                        raise self._short(rel, offset + n)
+                    done += got
+        finally:
+            os.close(fd)
+
+    def _open_writer(self, rel: str) -> Writer:
+        path = self.path(rel)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        return _LocalWriter(path, self.url_of(rel))
+
+    def _put(self, rel: str, data: bytes) -> None:
+        path = self.path(rel)
+        d = os.path.dirname(path)
+        os.makedirs(d, exist_ok=True)
+        tmp = _tmp_name(path, "tmp")
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_NOFOLLOW | _O_CLOEXEC, 0o644)
+            try:
+                pwrite_all(fd, data, 0)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, path)
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise
+        fsync_dir(d)
+
+    def _remove(self, path: str) -> None:
+        os.unlink(path)
+
+    def _remove_tree(self, path: str) -> None:
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=True)
+        elif os.path.lexists(path):
+            os.unlink(path)
+
+    def _makedirs(self, path: str) -> None:
+        os.makedirs(path, exist_ok=True)
+
+    # -- local-only abilities -----------------------------------------------------
+
+    def fsync_dirs(self, rels: Iterable[str]) -> None:
+        for rel in sorted(set(rels)):
+            fsync_dir(self._p(rel))
+
+    def open_staged(self, rel: str) -> StagedFile:
+        path = self._p(rel)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = _tmp_name(path, "tmp")
+        os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_NOFOLLOW | _O_CLOEXEC, 0o644))
+        return _LocalStagedFile(self, rel, tmp)
+
+    def rename(self, src: str, dst: str) -> None:
+        s, d = self._p(src), self._p(dst)
+        os.makedirs(os.path.dirname(d), exist_ok=True)
+        os.replace(s, d)
+        fsync_dir(os.path.dirname(d))
+        if os.path.dirname(s) != os.path.dirname(d):
+            fsync_dir(os.path.dirname(s))
+
+    def replace_with(self, staging: Storage) -> None:
+        if not isinstance(staging, LocalStorage) or os.path.dirname(staging.root) != os.path.dirname(self.root):
+            raise StorageError(f"{self.url}: replace_with needs a sibling on the same disk, got {staging.url!r}")
+        fsync_dir(staging.root)
+        parent = os.path.dirname(self.root)
+        old = None
+        if os.path.lexists(self.root):
+            if os.path.isdir(self.root) and not os.path.islink(self.root) and not os.listdir(self.root):
+                os.rmdir(self.root)
+            else:
+                old = _tmp_name(self.root, "old")
+                os.rename(self.root, old)
+        try:
+            os.rename(staging.root, self.root)
+        except BaseException:
+            if old is not None:
+                os.rename(old, self.root)  # put the previous contents back
+            raise
+        fsync_dir(parent)
+        if old is not None:
+            LocalStorage(old).remove_tree("")
+
+
+class _LocalStagedFile(StagedFile):
+    """Staged next to its target: ``commit()`` is fsync, rename, fsync of the directory."""
+
+    def commit(self) -> None:
+        if self._fd < 0:
+            self._fd = os.open(self.path, os.O_RDONLY)
+        self._close_fd(sync=True)
+        try:
+            self.storage.rename(os.path.relpath(self.path, self.storage.root).replace(os.sep, "/"), self.rel)
+        except BaseException:
+            self._unlink()
+            raise
+        self._done = True
+
+
+class _LocalWriter(Writer):
+    def __init__(self, path: str, url: str = ""):
+        self.path = path
+        self.url = url or path
+        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _O_CLOEXEC, 0o644)
+        self.pos = 0
+        self.hinted = 0  # bytes before this were handed to writeback
+        self.dropped = 0  # bytes before this were dropped from the page cache
+
+    def write(self, data) -> None:
+        mv = memoryview(data).cast("B")
+        while len(mv):
+            n = os.write(self.fd, mv)
+            mv = mv[n:]
+            self.pos += n
+        if self.pos - self.hinted >= WRITEBACK_BYTES:
+            self._writeback()
+
+    def write_at(self, data, offset: int) -> int:
+        # Positional writes come from several threads: no write-behind
+        # bookkeeping (close() still fsyncs and drops the cache).
+        return pwrite_all(self.fd, data, offset)
+
+    def _writeback(self) -> None:
+        # POSIX_FADV_DONTNEED on Linux starts writeback of dirty pages in the
+        # range and drops the clean ones. Over [dropped, pos): the previous
+        # window, written back by now, leaves the cache; the new one starts
+        # going to disk while the next block is prepared, so the final fsync
+        # has little left to do. A hint: failures change nothing.
+        if _FADVISE is not None:
+            try:
+                _FADVISE(self.fd, self.dropped, self.pos - self.dropped, os.POSIX_FADV_DONTNEED)
+            except OSError:
+                pass
+        self.dropped, self.hinted = self.hinted, self.pos
+
+    def close(self) -> None:
+        try:
+            os.fsync(self.fd)
+            if _FADVISE is not None:
+                try:
+                    _FADVISE(self.fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                except OSError:
+                    pass
+        finally:
+            os.close(self.fd)
+            self.fd = -1
+
+    def abort(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+        try:
+            os.unlink(self.path)
+        except OSError:
+            pass
