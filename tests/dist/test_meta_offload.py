@@ -36,7 +36,11 @@ def _fsdp_params(model):
     names = {id(p): n for n, p in model.named_parameters()}
     for m in model.modules():
         if isinstance(m, FSDPModule):
-            for g in m._get_fsdp_state()._fsdp_param_groups:
+            state = m._get_fsdp_state()
+            groups = getattr(state, "_fsdp_param_groups", None)  # torch >= 2.12; 2.11 has one group
+            if groups is None:
+                groups = [g for g in [state._fsdp_param_group] if g is not None]
+            for g in groups:
                 for fp in g.fsdp_params:
                     out[names.get(id(fp.sharded_param), f"<not a parameter of the model: {fp}>")] = fp
     return out
