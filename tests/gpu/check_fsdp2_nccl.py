@@ -65,11 +65,14 @@ class Net(nn.Module):
     def __init__(self):
         super().__init__()
         self.emb = nn.Embedding(VOCAB, DIM)
+        # A saved buffer used in forward: it must be on the compute device
+        # (where FSDP2 moves buffers), also under CPU offload and meta init.
+        self.register_buffer("pos", 0.02 * torch.randn(SEQ, DIM))
         self.blocks = nn.ModuleList([Block() for _ in range(2)])
         self.head = nn.Linear(DIM, VOCAB)
 
     def forward(self, idx):
-        x = self.emb(idx)
+        x = self.emb(idx) + self.pos
         for b in self.blocks:
             x = b(x)
         return self.head(x)
@@ -210,6 +213,9 @@ def check_config(name, cfg, out_dir, device, rank, world):
             fails.append(f"{n}: on {p.device}, expected {want_dev}")
         if cfg.get("offload") and device.type == "cuda" and not p._local_tensor.is_pinned():
             fails.append(f"{n}: CPU-offloaded parameter is not pinned")
+    for n, b in model.named_buffers():
+        if b.device != device:
+            fails.append(f"buffer {n}: on {b.device}, expected {device}")
     fails += [f"after the load: {f}" for f in fsdp2_problems(model, cfg.get("offload"), device)]
     second = train(model, opt, sched, K, K, device, rank, world)
     fails += [f"after training: {f}" for f in fsdp2_problems(model, cfg.get("offload"), device)]
