@@ -509,14 +509,9 @@ class ModuleAdapter(Adapter):
 
 def _empty_like_meta(t, device) -> torch.Tensor:
     """An uninitialized tensor (DTensor: same mesh/placements/shape) replacing meta ``t``."""
-    from ._layout import is_dtensor
+    from ._runtimes import empty_like_meta
 
-    if is_dtensor(t):
-        from torch.distributed.tensor import DTensor
-
-        local = torch.empty(t._local_tensor.shape, dtype=t.dtype, device=device)
-        return DTensor.from_local(local, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride())
-    return torch.empty(t.shape, dtype=t.dtype, device=device)
+    return empty_like_meta(t, device)
 
 
 def _module_tensors(m: torch.nn.Module) -> Dict[str, Any]:
