@@ -385,7 +385,7 @@ def _is_product_grid(shape: Tuple[int, ...], boxes: Sequence[Box]) -> bool:
     """
     cells = 1
     for d, n in enumerate(shape):
-        ivs = sorted({(b.offsets[d], b.sizes[d]) for b in boxes})
+        ivs = sorted({(o[d], z[d]) for o, z in zip([b.offsets for b in boxes], [b.sizes for b in boxes])})
         pos = 0
         for o, size in ivs:
             if o != pos:
@@ -396,7 +396,9 @@ def _is_product_grid(shape: Tuple[int, ...], boxes: Sequence[Box]) -> bool:
         cells *= len(ivs)
         if cells > len(boxes):
             return False
-    return cells == len(boxes) and len(set(boxes)) == len(boxes)
+    # Within a partition an interval is fixed by its start, so distinct
+    # offsets mean distinct boxes.
+    return cells == len(boxes) and len({b.offsets for b in boxes}) == len(boxes)
 
 
 _Item = Tuple[Tuple[int, ...], Tuple[int, ...]]  # (offsets, sizes) over the dims not yet swept
