@@ -13,6 +13,14 @@ Vocabulary
   of tensor parallelism, recorded in left-to-right order).
 * Splitting follows ``torch.chunk``: ``n`` rows over ``k`` parts gives parts
   of ``ceil(n / k)`` rows, the last ones shorter or empty.
+* A *regular layout* (``RegularLayout``: shape, mesh shape, placements) is a
+  compact description from which every chunk, its holders and its writer
+  derive on demand; the functions on it cost O(own boxes), not O(ranks)
+  (see the section near the end and ``docs/scaling.md``).
+
+Validation scales too: ``check_cover`` (exact tiling) and
+``shared_byte_ranges`` (file bytes claimed twice) are O(n log n) on the
+layouts placements produce, with no pairwise comparison of chunks.
 """
 
 from __future__ import annotations
@@ -647,8 +655,10 @@ def regular_layout(shape: Sequence[int], mesh_shape: Sequence[int], placements: 
     if _numel(mesh_shape) > MAX_MESH_RANKS:
         raise ValueError(f"mesh shape {list(mesh_shape)} has more than {MAX_MESH_RANKS} ranks")
     for i, p in enumerate(placements):
-        if isinstance(p, Shard) and p.split_factor < 1:
-            raise ValueError(f"placement {p!r} on mesh dim {i} needs split_factor >= 1")
+        # torch's split factor is a product of mesh dims; capping it by the
+        # mesh keeps a hostile record from making a split loop run for ages.
+        if isinstance(p, Shard) and not 1 <= p.split_factor <= _numel(mesh_shape):
+            raise ValueError(f"placement {p!r} on mesh dim {i} needs 1 <= split_factor <= {_numel(mesh_shape)} (the mesh size)")
     dim_intervals(shape, mesh_shape, placements, (0,) * len(mesh_shape))  # raises on bad placements
     return RegularLayout(shape, mesh_shape, placements)
 
