@@ -37,13 +37,12 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import sys
 import time
 from typing import Any, Dict, List, Sequence, Tuple
 
-from shardckpt import _plan  # noqa: E402
-from shardckpt._format import (  # noqa: E402
+from shardckpt import _plan
+from shardckpt._format import (
     ChunkMeta,
     FileMeta,
     Manifest,
@@ -53,7 +52,7 @@ from shardckpt._format import (  # noqa: E402
     manifest_to_bytes,
     tiling_problems,
 )
-from shardckpt._plan import Box, LocalBox, Replicate, Shard  # noqa: E402
+from shardckpt._plan import Box, LocalBox, Replicate, Shard
 
 DEFAULT_TP = 8
 DEFAULT_RANK = 0

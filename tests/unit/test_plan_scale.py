@@ -123,7 +123,14 @@ def test_six_d_grid_of_one_element_chunks_is_linear():
 def test_crafted_manifest_validates_in_linear_time():
     # The same attack through the format layer: a ~2 MB manifest.json of
     # one-element chunks, parsed and validated by manifest_from_bytes.
-    from shardckpt._format import ChunkMeta, FileMeta, Manifest, TensorMeta, manifest_from_bytes, manifest_to_bytes
+    from shardckpt._format import (
+        ChunkMeta,
+        FileMeta,
+        Manifest,
+        TensorMeta,
+        manifest_from_bytes,
+        manifest_to_bytes,
+    )
 
     def manifest(side):
         shape = [side] * 6
@@ -448,7 +455,7 @@ def test_balance_as_good_as_the_greedy_reference():
     ref = [0] * 8
     items = [(n, lay.shape[0] * 4, tuple(range(8))) for n, lay, _ in tensors]
     for key, w in assign_writers(items).items():
-        ref[w] += dict((n, b) for n, b, _ in items)[key]
+        ref[w] += {n: b for n, b, _ in items}[key]
     largest = max(b for _, b, _ in items)
     assert max(load) - min(load) <= largest
     assert max(load) <= max(ref) + largest
