@@ -11,7 +11,7 @@ import torch
 
 from shardckpt._format import itemsize, torch_dtype
 from shardckpt._io import DEFAULT_IO_THREADS
-from shardckpt._state import TAG
+from shardckpt._format.values import has_plain, is_tensor_ref
 
 from ._common import BLOCK_BYTES, Progress, Reader, SrcTensor, open_checkpoint, plan_blocks, prefetch
 
@@ -104,15 +104,15 @@ def _values_diff(a: Any, b: Any, path: str, out: List[str]) -> None:
     if len(out) >= 100:
         return
     if isinstance(a, dict) and isinstance(b, dict):
-        if a.get(TAG) == "tensor" and b.get(TAG) == "tensor":
+        if is_tensor_ref(a) and is_tensor_ref(b):
             return  # tensors are compared by name
         for k in sorted(set(a) | set(b), key=str):
             p = f"{path}.{k}" if path else str(k)
             if k not in a:
-                if _has_plain(b[k]):
+                if has_plain(b[k]):
                     out.append(f"{p}: only in B")
             elif k not in b:
-                if _has_plain(a[k]):
+                if has_plain(a[k]):
                     out.append(f"{p}: only in A")
             else:
                 _values_diff(a[k], b[k], p, out)
@@ -123,17 +123,6 @@ def _values_diff(a: Any, b: Any, path: str, out: List[str]) -> None:
         return
     if a != b or type(a) is not type(b):
         out.append(f"{path or '<root>'}: {json_short(a)} -> {json_short(b)}")
-
-
-def _has_plain(node: Any) -> bool:
-    """Whether a values subtree holds anything besides tensor references."""
-    if isinstance(node, dict):
-        if node.get(TAG) == "tensor":
-            return False
-        return any(_has_plain(v) for v in node.values()) if node else True
-    if isinstance(node, list):
-        return any(_has_plain(v) for v in node) if node else True
-    return True
 
 
 def json_short(v: Any) -> str:

@@ -16,7 +16,7 @@ import torch
 from shardckpt._format import itemsize, torch_dtype
 from shardckpt._hf import KeyMap
 from shardckpt._io import DEFAULT_IO_THREADS
-from shardckpt._state import TAG, decode_value
+from shardckpt._format.values import TAG, decode_value
 from shardckpt._storage import Storage, fsync_dir
 from shardckpt.errors import CheckpointExistsError, UnsupportedStateError
 
@@ -38,7 +38,7 @@ from ._common import (
     whole_entry,
     write_safetensors_files,
 )
-from ._crc import checksum, combine
+from shardckpt._format.checksum import checksum, combine
 from ._safetensors import export_names
 
 __all__ = ["to_full"]
