@@ -211,7 +211,7 @@ def _file_advice(url: str, magic: bytes) -> str:
     # torch.save writes a zip archive (since torch 1.6) or, legacy, a pickle (protocol 2+ starts 0x80).
     if magic.startswith(b"PK\x03\x04") or magic[:1] == b"\x80" or lower.endswith(TORCH_SAVE_SUFFIXES):
         return (
-            "it is a file (a torch.save checkpoint, by its contents), not a checkpoint directory; "
+            "it is a torch.save file, not a checkpoint directory; "
             "convert it with shardckpt.converters.from_torch_save(src, dst) "
             "(or `shardckpt import SRC DST`), then load DST"
         )
