@@ -7,7 +7,7 @@
 - :mod:`.values`: the JSON codec of non-tensor values (tags, tensor references);
 - :mod:`.checksum`: CRC-32C (and CRC-32) with ``combine`` for blocks checksummed apart;
 - :mod:`.hf`: a Manifest from a Hugging Face safetensors directory or file;
-- :mod:`.commit`: :func:`commit` (the one commit sequence) and :func:`open_manifest`.
+- :mod:`.committed`: :func:`commit` (the one commit sequence) and :func:`open_manifest`.
 
 Imports no torch (``tests/unit/test_imports.py`` pins it): ``shardckpt
 verify`` and ``shardckpt inspect`` run where torch is not installed.
@@ -16,7 +16,7 @@ verify`` and ``shardckpt inspect`` run where torch is not installed.
 from __future__ import annotations
 
 from .checksum import ALGOS, checksum, combine, crc32c, crc32c_combine
-from .commit import TORCH_SAVE_SUFFIXES, commit, hf_index_bytes, open_manifest
+from .committed import TORCH_SAVE_SUFFIXES, commit, hf_index_bytes, open_manifest
 from .dtypes import DTYPES, dtype_name, itemsize, torch_dtype
 from .header import MAX_HEADER_BYTES, parse_safetensors_header, read_safetensors_header, safetensors_header
 from .hf import MAX_INDEX_BYTES, SOURCE_SAFETENSORS, hf_manifest
