@@ -29,7 +29,7 @@ import torch
 
 from ._format import ChunkMeta, FileMeta, itemsize, safetensors_header
 from ._format.checksum import crc32c, crc32c_combine
-from ._format.files import check_files
+from ._format.files import check_files  # noqa: F401  (re-exported: load and the converters check files here)
 from ._storage import Storage
 from .errors import ChecksumMismatchError, CorruptCheckpointError, StorageError
 

@@ -12,7 +12,7 @@ import math
 import posixpath
 import re
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional
 
 from ..errors import CorruptCheckpointError, UnsafeMetadataError
 from .dtypes import DTYPES, itemsize
