@@ -30,7 +30,7 @@ def _storage(url: str, storage_options: Optional[Dict[str, Any]]):
     return Storage(url, storage_options=storage_options)
 
 
-def inspect(url: str, *, storage_options: Optional[Dict[str, Any]] = None) -> Manifest:
+def inspect(url: str, *, storage_options: Optional[Dict[str, Any]] = None, no_dist: bool = False) -> Manifest:
     """Return a committed checkpoint's metadata without reading tensor bytes.
 
     The result lists every tensor (dtype, global shape, chunks with file,
@@ -52,14 +52,20 @@ def inspect(url: str, *, storage_options: Optional[Dict[str, Any]] = None) -> Ma
 
 
 def verify(
-    url: str, *, storage_options: Optional[Dict[str, Any]] = None, io_threads: int = VERIFY_IO_THREADS
+    url: str,
+    *,
+    storage_options: Optional[Dict[str, Any]] = None,
+    io_threads: int = VERIFY_IO_THREADS,
+    no_dist: bool = False,
 ) -> Manifest:
     """Re-read every byte of a checkpoint and check every checksum.
 
     Also checks that each data file's safetensors header agrees with the
     manifest (keys, dtypes, shapes, offsets). Reads in bounded blocks
     (``VERIFY_BLOCK_BYTES``), so memory stays small whatever the checkpoint
-    size. Needs no torch.
+    size. Needs no torch. Never collective (``no_dist`` is accepted for
+    symmetry with ``save``/``load`` and changes nothing): every rank that
+    calls it re-reads everything, so call it on one.
 
     Raises:
         CheckpointNotFoundError: nothing committed at ``url``.
