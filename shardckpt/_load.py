@@ -19,12 +19,10 @@ import torch
 
 from . import _plan
 from ._format import (
-    MANIFEST_NAME,
-    MAX_MANIFEST_BYTES,
     ChunkMeta,
     Manifest,
     TensorMeta,
-    manifest_from_bytes,
+    open_manifest,
     torch_dtype,
 )
 from ._io import DEFAULT_IO_THREADS, as_dtype, check_files, read_chunks
@@ -32,7 +30,6 @@ from ._layout import box_view, dist_info, layout_of
 from ._state import flatten_for_load
 from ._storage import Storage
 from .errors import (
-    CheckpointNotFoundError,
     CorruptCheckpointError,
     StateMismatchError,
     format_offenders,
@@ -50,26 +47,8 @@ class LoadResult(NamedTuple):
     unexpected_keys: List[str]
 
 
-def read_manifest(storage: Storage) -> Manifest:
-    """Read and validate ``manifest.json``; raise if the checkpoint is not committed.
-
-    Without a manifest, safetensors files there (a Hugging Face directory or
-    one ``.safetensors`` file) are read as a checkpoint of whole tensors
-    without checksums (``_hf.hf_manifest``).
-    """
-    try:
-        data = storage.read_bytes(MANIFEST_NAME, limit=MAX_MANIFEST_BYTES)
-    except (FileNotFoundError, NotADirectoryError):
-        from ._hf import hf_manifest
-
-        hf = hf_manifest(storage)
-        if hf is not None:
-            return hf
-        raise CheckpointNotFoundError(
-            f"no committed checkpoint at {storage.url}: {MANIFEST_NAME} is missing "
-            "(the save never finished, or this is not a shardckpt checkpoint)"
-        ) from None
-    return manifest_from_bytes(data, url=storage.url)
+#: Read and validate a committed checkpoint (``_format.open_manifest``; a storage object or a URL).
+read_manifest = open_manifest
 
 
 def _under_roots(name: str, roots: Sequence[str]) -> bool:

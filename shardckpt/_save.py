@@ -23,16 +23,15 @@ import torch
 
 from . import _plan
 from ._format import (
-    HF_INDEX_NAME,
+    DATA_DIR,
     MANIFEST_NAME,
-    MAX_MANIFEST_BYTES,
     ChunkMeta,
     FileMeta,
     Manifest,
     TensorMeta,
     chunk_key,
+    commit,
     itemsize,
-    manifest_to_bytes,
     tiling_problems,
     torch_dtype,
 )
@@ -48,8 +47,6 @@ from .errors import (
 from ._collective import _all_gather, _broadcast
 
 __all__ = ["save", "SavePlan", "prepare_save", "stage_save", "execute_save", "DATA_DIR"]
-
-DATA_DIR = "data"
 
 
 def _version() -> str:
@@ -281,18 +278,7 @@ def execute_save(plan: SavePlan) -> None:
                 per_rank = [g[3] for g in gathered]
                 if any(p is not None for p in per_rank):
                     manifest.extra["per_rank"] = per_rank
-                body = manifest_to_bytes(manifest)
-                # The HF index first: before the commit it is just another file.
-                # When replacing a checkpoint, keep the old index to put back
-                # if the commit fails: it must keep naming the old files.
-                prev_index = _read_optional(storage, HF_INDEX_NAME) if plan.overwrite else None
-                _write_hf_index(storage, manifest)
-                try:
-                    storage.write_atomic(MANIFEST_NAME, body)
-                except BaseException:
-                    if plan.overwrite:
-                        _restore(storage, HF_INDEX_NAME, prev_index)
-                    raise
+                commit(storage, manifest, replace=plan.overwrite)
                 outcome = (None, "committed")
             except Exception as e:
                 outcome = (f"rank 0: commit failed: {type(e).__name__}: {e}", None)
@@ -304,8 +290,6 @@ def execute_save(plan: SavePlan) -> None:
             except Exception:
                 pass
         raise SaveFailedError(f"nothing was committed at {storage.url}: {outcome[0]}")
-    if rank == 0 and plan.overwrite:
-        _remove_stale(storage, save_id)
 
 
 def stage_save(plan: SavePlan, copy: Callable[[List[torch.Tensor]], List[torch.Tensor]]) -> None:
@@ -348,68 +332,3 @@ def _build_manifest(layouts: Dict[str, TensorLayout], gathered, world: int, save
     bad = tiling_problems(tensors)
     assert not bad, "internal error, saved chunks do not tile: " + "; ".join(bad)
     return Manifest(world_size=world, tensors=tensors, files=files, values=tree, save_id=save_id, library_version=_version())
-
-
-def _write_hf_index(storage: Storage, m: Manifest) -> None:
-    """When every tensor is whole, add ``model.safetensors.index.json`` (HF layout)."""
-    if not m.tensors or any(len(t.chunks) != 1 or t.chunks[0].key != name for name, t in m.tensors.items()):
-        return
-    index = {
-        # save_id marks the index as part of a native save: without the
-        # manifest (written right after) readers must not take it as HF.
-        "metadata": {"total_size": m.total_bytes, "format": "pt", "shardckpt_save_id": m.save_id},
-        "weight_map": {name: t.chunks[0].file for name, t in sorted(m.tensors.items())},
-    }
-    import json
-
-    storage.write_atomic(HF_INDEX_NAME, (json.dumps(index, indent=2, sort_keys=True) + "\n").encode())
-
-
-def _read_optional(storage: Storage, rel: str) -> Optional[bytes]:
-    try:
-        return storage.read_bytes(rel, limit=MAX_MANIFEST_BYTES)
-    except FileNotFoundError:
-        return None
-
-
-def _restore(storage: Storage, rel: str, data: Optional[bytes]) -> None:
-    """Put ``rel`` back as it was (``None``: it did not exist); best effort."""
-    try:
-        if data is None:
-            storage.remove(rel)
-        else:
-            storage.write_atomic(rel, data)
-    except Exception:
-        pass
-
-
-def _remove_stale(storage: Storage, save_id: str) -> None:
-    """After an overwrite commits, drop data files of the replaced checkpoint."""
-    prefix = save_id[:12] + "-"
-    for name in storage.listdir(DATA_DIR):
-        if name.endswith(".safetensors") and not name.startswith(prefix):
-            try:
-                storage.remove(f"{DATA_DIR}/{name}")
-            except Exception:
-                pass
-    # A sharded save over a whole one leaves the old HF index naming files
-    # just removed: drop it rather than leave a broken HF directory.
-    try:
-        import json
-
-        from ._format import check_relpath
-
-        index = json.loads(storage.read_bytes(HF_INDEX_NAME, limit=MAX_MANIFEST_BYTES))
-        named = set(index.get("weight_map", {}).values()) if isinstance(index, dict) else set()
-        for rel in named:
-            check_relpath(rel, where=HF_INDEX_NAME)
-        dangling = any(not storage.exists(rel) for rel in named)
-    except FileNotFoundError:
-        return
-    except Exception:
-        dangling = True
-    if dangling:
-        try:
-            storage.remove(HF_INDEX_NAME)
-        except Exception:
-            pass
