@@ -14,7 +14,6 @@ files (bounded header size, offsets inside the file, dtype x shape = bytes).
 from __future__ import annotations
 
 import json
-import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Dict, Optional
 
