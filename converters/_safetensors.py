@@ -26,7 +26,7 @@ from ._common import (
     write_whole,
 )
 
-__all__ = ["to_safetensors", "from_safetensors", "export_names", "nest_under"]
+__all__ = ["to_safetensors", "from_safetensors", "export_names", "nest_under", "arrange_imported", "unflatten_optimizer", "BARE_PREFIX"]
 
 HF_SINGLE = "model.safetensors"
 HF_INDEX = "model.safetensors.index.json"
@@ -174,6 +174,119 @@ def nest_under(prefix: str, leaves: Dict[str, Any]) -> Any:
     for part in reversed([p for p in (prefix or "").split(".") if p]):
         tree = {part: tree}
     return tree
+
+
+# --------------------------------------------------------------------------
+# The bare-dict rule and torchtitan's layout, shared by every importer.
+
+#: Where a bare model state dict goes on import, so ``load({"model": m}, dst)`` finds it.
+BARE_PREFIX = "model."
+#: Top-level entries of a torchtitan checkpoint besides the model's (flattened) keys.
+TORCHTITAN_ENTRIES = ("optimizer", "lr_scheduler", "dataloader", "train_state")
+#: Where torchtitan's ``optimizer`` entry goes: shardckpt's ``{"model": m, "optim": o}`` convention.
+OPTIM_KEY = "optim"
+_FLAT_STATE = "state."
+_FLAT_GROUPS = "param_groups."
+
+
+def _is_tensor_leaf(v: Any) -> bool:
+    import torch
+
+    return isinstance(v, torch.Tensor)
+
+
+def arrange_imported(tree: Any, prefix: Optional[str]) -> Any:
+    """Place an imported tree the way ``shardckpt.load({"model": m, "optim": o, ...})`` expects it.
+
+    The one rule for ``from_dcp``, ``from_torch_save`` and ``from_safetensors``:
+
+    * ``prefix`` given (``""`` included): the tree goes under it, as is.
+    * ``prefix=None`` (the default of the first two; safetensors files are
+      always bare, so ``from_safetensors`` simply defaults to ``"model."``):
+      a flat dict of tensors (a bare ``model.state_dict()``) goes under
+      ``"model."``; torchtitan's layout (model keys at the top level next to
+      ``optimizer``, ``lr_scheduler``, ``dataloader``, ``train_state``) gets its
+      model keys under ``"model"`` and its ``optimizer`` under ``"optim"``;
+      anything else (``{"model": ..., "optimizer": ..., "step": 3}``) keeps its keys.
+
+    In every case an optimizer state dict saved with
+    ``flatten_optimizer_state_dict=True`` (``state.<fqn>.exp_avg``,
+    ``param_groups.<fqn>.lr``) is rebuilt as ``{"state": {fqn: {...}},
+    "param_groups": [{..., "params": [fqn, ...]}]}``, what shardckpt's
+    optimizer support reads.
+    """
+    if isinstance(tree, dict):
+        tree = {k: unflatten_optimizer(v) for k, v in tree.items()}
+        tree = unflatten_optimizer(tree)
+    if prefix is not None:
+        return nest_under(prefix, tree)
+    if not isinstance(tree, dict) or not tree:
+        return tree
+    tops = [k for k, v in tree.items() if _is_tensor_leaf(v)]
+    if len(tops) == len(tree):
+        return nest_under(BARE_PREFIX, tree)
+    model_key = BARE_PREFIX.rstrip(".")
+    if tops and model_key not in tree and OPTIM_KEY not in tree and all(
+        k in TORCHTITAN_ENTRIES for k in tree if k not in tops
+    ):
+        out: Dict[str, Any] = {model_key: {k: tree[k] for k in tops}}
+        for k, v in tree.items():
+            if k not in tops:
+                out[OPTIM_KEY if k == "optimizer" else k] = v
+        return out
+    return tree
+
+
+def _is_flat_optimizer(d: Any) -> bool:
+    return (
+        isinstance(d, dict)
+        and bool(d)
+        and all(isinstance(k, str) and k.startswith((_FLAT_STATE, _FLAT_GROUPS)) for k in d)
+        and any(k.startswith(_FLAT_GROUPS) for k in d)
+    )
+
+
+def _same(a: Any, b: Any) -> bool:
+    import torch
+
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape and bool(torch.equal(a, b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return type(a) is type(b) and a == b
+
+
+def unflatten_optimizer(d: Any) -> Any:
+    """``{"state.<fqn>.<k>": v, "param_groups.<fqn>.<k>": v}`` -> torch's FQN-keyed optimizer state dict; else ``d``.
+
+    The state and hyperparameter names themselves hold no dots (``exp_avg``,
+    ``lr``, ``betas``), so the FQN is everything between the first and the
+    last dot. Parameters with equal hyperparameters form one group, in
+    order of first appearance (a group's members are matched by name on
+    load, so their order does not matter).
+    """
+    if not _is_flat_optimizer(d):
+        return d
+    state: Dict[str, Dict[str, Any]] = {}
+    hyper: Dict[str, Dict[str, Any]] = {}
+    for key, v in d.items():
+        flat, into = (key[len(_FLAT_STATE) :], state) if key.startswith(_FLAT_STATE) else (key[len(_FLAT_GROUPS) :], hyper)
+        fqn, _, name = flat.rpartition(".")
+        if not fqn or not name:
+            return d  # not torch's flattening after all: keep it as it is
+        into.setdefault(fqn, {})[name] = v
+    groups: List[Dict[str, Any]] = []
+    for fqn, hp in hyper.items():
+        hp = {k: v for k, v in hp.items() if k not in ("params", "param_names")}
+        for g in groups:
+            if _same({k: v for k, v in g.items() if k != "params"}, hp):
+                g["params"].append(fqn)
+                break
+        else:
+            groups.append({**hp, "params": [fqn]})
+    return {"state": state, "param_groups": groups}
 
 
 def from_safetensors(
