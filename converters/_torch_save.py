@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import pickle
 import struct
 import zipfile
@@ -219,6 +220,11 @@ def _torch_save_files(src: str, storage_options) -> Tuple[Storage, List[str]]:
         if index is None:
             if storage.exists(BIN_SINGLE):
                 return storage, [BIN_SINGLE]
+            if storage.is_local and os.path.isdir(storage.root):
+                raise CheckpointNotFoundError(
+                    f"{storage.url} is a directory without {BIN_SINGLE} or {BIN_INDEX}; pass a torch.save file, "
+                    "or use from_safetensors / from_dcp for safetensors / DCP directories"
+                )
             parent, base = split_url(src)
             return Storage(parent, storage_options=storage_options), [base]
     where = storage.url_of(index)

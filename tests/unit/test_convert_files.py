@@ -655,3 +655,8 @@ def test_dcp_metadata_of_the_wrong_shape_says_what_is_wrong(tmp_path):
     (d / ".metadata").write_bytes(pickle.dumps(torch.Size([1, 2])))
     with pytest.raises(CorruptCheckpointError, match="holds a Size, not DCP's Metadata"):
         converters.from_dcp(str(d), str(tmp_path / "o"))
+
+
+def test_from_torch_save_on_a_directory_without_bin_files_names_the_other_converters(tmp_path):
+    with pytest.raises(CheckpointNotFoundError, match="from_safetensors / from_dcp"):
+        converters.from_torch_save(str(tmp_path), str(tmp_path / "out"))
