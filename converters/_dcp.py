@@ -73,9 +73,9 @@ _ALLOWED: Dict[str, set] = {
 #: Deepest nesting of objects a ``.metadata`` pickle may build (real ones: about 10).
 MAX_PICKLE_DEPTH = 100
 #: Objects a ``.metadata`` pickle may describe once shared references are
-#: counted as copies (what a repr or a hash visits): this many per opcode,
-#: plus a floor. Real metadata stays near 1 per opcode; a 1 KB "bomb" of
-#: tuples nested through memo references describes 2**100.
+#: counted as copies (what a repr or a hash visits): this many per byte of
+#: the pickle, plus a floor. Real metadata describes about 0.3 per byte; a
+#: 1 KB "bomb" of tuples nested through memo references describes 2**150.
 MAX_PICKLE_EXPANSION = 8
 MIN_PICKLE_NODES = 1 << 20
 _INPLACE_OPS = {"APPEND", "APPENDS", "SETITEM", "SETITEMS", "ADDITEMS", "BUILD"}
@@ -99,11 +99,9 @@ def check_pickle_bounds(data: bytes, *, where: str, max_depth: int = MAX_PICKLE_
     mark = object()
     stack: List[Any] = []
     memo: Dict[Any, List[int]] = {}
-    ops = 0
     limit = MIN_PICKLE_NODES + MAX_PICKLE_EXPANSION * len(data)
     try:
         for op, arg, _pos in pickletools.genops(data):
-            ops += 1
             name = op.name
             if name in ("PROTO", "FRAME"):
                 continue
