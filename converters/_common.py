@@ -952,9 +952,10 @@ def write_safetensors_files(
                 raise
             if index is not None:
                 dst.write_atomic(index_name, index)
+            # Only stale weights and a stale index go; config/tokenizer files stay.
             for n in existing:
-                # A stale index too: the new export may have none (one file).
-                if n not in files and (index is None or n != index_name) and n.endswith((".safetensors", ".json")):
+                # Stale weights and a stale index only: never the user's config/tokenizer files.
+                if (n.endswith(".safetensors") and n not in files) or (n == index_name and index is None):
                     dst.remove(n)
         out = sorted(files) + ([index_name] if index is not None else [])
         return ConvertResult(dst.url, out, sum(len(v) for v in files.values()), total, time.perf_counter() - t0)

@@ -284,7 +284,7 @@ def cmd_import(args) -> int:
         key_map=_rename(args.rename),
     )
     if kind == "dcp":
-        r = converters.from_dcp(args.src, args.dst, prefix=args.prefix or "", **common)
+        r = converters.from_dcp(args.src, args.dst, prefix=args.prefix, **common)
     elif kind == "torch":
         r = converters.from_torch_save(args.src, args.dst, prefix=args.prefix, **common)
     else:
@@ -378,7 +378,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("dst")
     s.add_argument("--from", dest="kind", choices=["safetensors", "dcp", "torch"], help="default: detected")
     s.add_argument("--prefix", default=None,
-                   help="dotted prefix for imported names (default: 'model.' for safetensors and bare state dicts, none for DCP)")
+                   help="dotted prefix for imported names (default: 'model.' for safetensors and bare state dicts; see docs/interop.md)")
     s.set_defaults(fn=cmd_import)
     return p
 
