@@ -272,7 +272,17 @@ def wait_pending(*, raise_unobserved: bool = True, new_save: bool = False) -> No
 
 
 def release_buffers() -> None:
-    """Free the staging buffers kept for reuse (waits for the save in flight first)."""
+    """Free the host staging buffers async saves keep for reuse.
+
+    Waits for the save in flight first (its error, if any, stays for
+    ``result()`` or the next save). The next async save allocates again.
+
+    Example:
+        >>> import shardckpt
+        >>> shardckpt.release_buffers()
+
+    Limits: process-wide (every async save and manager of this process).
+    """
     wait_pending(raise_unobserved=False)
     _STAGER.release()
 
@@ -352,7 +362,7 @@ def async_save(
     url: str,
     *,
     storage_options: Optional[Dict[str, Any]] = None,
-    process_group=None,
+    process_group: Optional["ProcessGroup"] = None,
     overwrite: bool = False,
     io_threads: int = DEFAULT_IO_THREADS,
     reuse_buffers: bool = True,

@@ -24,7 +24,7 @@ import operator
 import re
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Dict, Iterable, List, Optional, Set, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Optional, Set, Tuple
 
 from ._collective import DEFAULT_COLLECTIVE_TIMEOUT_S, FROM_ROOT, Comm, agree, open_comm
 from ._load import load, read_manifest
@@ -43,6 +43,9 @@ from .errors import (
     UsageError,
     format_offenders,
 )
+
+if TYPE_CHECKING:  # pragma: no cover
+    from torch.distributed import ProcessGroup
 
 __all__ = ["CheckpointManager", "step_dir_name", "parse_step_dir", "steps_to_delete"]
 
@@ -152,7 +155,7 @@ class CheckpointManager:
         save_interval: int = 1,
         storage_options: Optional[Dict[str, Any]] = None,
         async_save: bool = False,
-        process_group=None,
+        process_group: Optional["ProcessGroup"] = None,
         io_threads: int = DEFAULT_IO_THREADS,
         collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S,
         reuse_buffers: bool = True,
