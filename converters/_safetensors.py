@@ -5,11 +5,11 @@ from __future__ import annotations
 import json
 import os
 import uuid
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Union
 
 from shardckpt._hf import KeyMap, hf_manifest, map_names, select_names
 from shardckpt._io import DEFAULT_IO_THREADS
-from shardckpt._state import TAG, tensor_ref
+from shardckpt._format.values import TAG, tensor_ref
 from shardckpt._storage import Storage, fsync_dir
 from shardckpt.errors import CheckpointExistsError, CheckpointNotFoundError, StateMismatchError, format_offenders
 

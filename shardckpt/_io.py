@@ -27,6 +27,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from . import _knobs
 from ._format import ChunkMeta, FileMeta, itemsize, safetensors_header
 from ._format.checksum import crc32c, crc32c_combine
 from ._format.files import check_files  # noqa: F401  (re-exported: load and the converters check files here)
@@ -46,21 +47,13 @@ __all__ = [
     "WRITE_BLOCK_BYTES",
 ]
 
-#: I/O threads per rank for writes and reads. Writes and CRC32C release the GIL.
-DEFAULT_IO_THREADS = 4
-#: Bytes handed to one ``write`` call (and one CRC update).
-WRITE_BLOCK_BYTES = 32 << 20
-#: Reads of a coalesced range are split into pieces of this size, read (and
-#: checksummed) in parallel.
-READ_BLOCK_BYTES = 32 << 20
-#: Neighbouring chunks closer than this in a file are fetched in one request.
-COALESCE_GAP_BYTES = 1 << 20
-#: A rank's data is split into several files (one per I/O thread) above this size.
-MIN_BYTES_PER_FILE = 64 << 20
-#: Benchmark-only switch (benchmarks/bench_save_load.py measures the checksum
-#: cost with it): skip crc32c on write (records 0) and on read. Never set by the
-#: library; a checkpoint written with it set fails verification, as it should.
-_BENCH_NO_CHECKSUMS = False
+# Tunables live in ``_knobs`` (overridable from SHARDCKPT_* environment
+# variables); the names here are the ones the engine and converters import.
+DEFAULT_IO_THREADS = _knobs.IO_THREADS
+WRITE_BLOCK_BYTES = _knobs.WRITE_BLOCK_BYTES
+READ_BLOCK_BYTES = _knobs.READ_BLOCK_BYTES
+COALESCE_GAP_BYTES = _knobs.COALESCE_GAP_BYTES
+MIN_BYTES_PER_FILE = _knobs.MIN_BYTES_PER_FILE
 
 
 def as_dtype(raw: torch.Tensor, dtype: torch.dtype, shape) -> torch.Tensor:
@@ -157,7 +150,7 @@ def _write_one(storage: Storage, rel: str, items: Sequence[WriteItem]) -> Tuple[
                 crc = 0
                 for off in range(0, len(mv), WRITE_BLOCK_BYTES):
                     block = mv[off : off + WRITE_BLOCK_BYTES]
-                    if not _BENCH_NO_CHECKSUMS:
+                    if _knobs.CHECKSUMS:
                         crc = crc32c(block, crc)
                     w.write(block)
                 del mv
@@ -214,7 +207,7 @@ def _write_cuda(w, it: WriteItem, bounce: List[torch.Tensor]) -> int:
         done[k % 2].synchronize()
         n = min(size, it.nbytes - off)
         mv = byte_view(bounce[k % 2][:n])
-        if not _BENCH_NO_CHECKSUMS:
+        if _knobs.CHECKSUMS:
             crc = crc32c(mv, crc)
         w.write(mv)
     return crc
@@ -265,7 +258,7 @@ def read_chunks(
     coalesced with it. Nothing is returned unless every checksum matched.
     """
     out: List[Optional[torch.Tensor]] = [None] * len(chunks)
-    checking = verify and not _BENCH_NO_CHECKSUMS
+    checking = verify and _knobs.CHECKSUMS
     by_file: Dict[str, List[int]] = {}
     for i, c in enumerate(chunks):
         by_file.setdefault(c.file, []).append(i)
