@@ -44,10 +44,13 @@ from ._io import DEFAULT_IO_THREADS, WriteItem, partition, write_files
 from ._collective import DEFAULT_COLLECTIVE_TIMEOUT_S, FROM_ROOT, TO_ROOT, Comm, agree, open_comm
 from ._layout import TensorLayout, layout_of
 from ._state import flatten_for_save
+from ._state.ranks import differing_paths, value_digests
 from ._storage import Storage
 from .errors import (
     CheckpointExistsError,
     SaveFailedError,
+    UnsupportedStateError,
+    format_offenders,
 )
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -220,10 +223,13 @@ def prepare_save(
         flat = flatten_for_save(state, rank=rank, world=world)
         layouts = _layouts(flat.tensors, rank, world, local_only=comm.no_dist)
         own, layouts = _own_tensors(layouts, flat.per_rank_tensors, rank)
-        return flat, layouts, own
+        # Plain values are written from rank 0 alone: the peers prove theirs are the same.
+        digests = value_digests(flat.tree) if world > 1 else None
+        return flat, layouts, (own, digests)
 
-    (flat, layouts, _), specs = agree(comm, local, what="save aborted before writing", share=lambda r: r[2])
-    layouts = _with_peer_tensors(layouts, specs, rank)
+    (flat, layouts, _), shared = agree(comm, local, what="save aborted before writing", share=lambda r: r[2])
+    _refuse_per_rank_values(differing_paths([d for _, d in shared]), url)
+    layouts = _with_peer_tensors(layouts, [s for s, _ in shared], rank)
     return SavePlan(
         storage=storage,
         comm=comm,
@@ -236,6 +242,17 @@ def prepare_save(
         per_rank=flat.per_rank or None,
         exists_hint=exists_hint,
     )
+
+
+def _refuse_per_rank_values(paths: Sequence[str], url: str) -> None:
+    """Raise (on every rank alike: every rank sees every digest) if plain values differ across ranks."""
+    if paths:
+        raise UnsupportedStateError(
+            f"save to {url} refused: these plain values differ between ranks, and only rank 0's would be "
+            f"saved: {format_offenders(paths)}. Wrap per-rank state in shardckpt.PerRank(...) (e.g. "
+            "{'loader': shardckpt.PerRank(loader)}) so each rank keeps its own copy, or make the values "
+            "the same on every rank"
+        )
 
 
 def _own_tensors(

@@ -40,6 +40,18 @@ __all__ = [
 SEP = "."
 
 
+def canonical_keys(d: Dict[Any, Any]) -> List[Any]:
+    """``d``'s keys in the order every rank walks them: sorted by their text, not by insertion.
+
+    Ranks may build the same state in different insertion orders; what the
+    walk calls on objects (``state_dict()``, ``load_state_dict()``, torch's
+    FSDP1 and optimizer state-dict helpers) may be collective, so it must
+    happen in one order on every rank or the job hangs (or pairs one object's
+    collective with another's).
+    """
+    return sorted(d, key=str)
+
+
 def _join(prefix: str, key: Any) -> str:
     key = str(key)
     return f"{prefix}{SEP}{key}" if prefix else key
@@ -126,9 +138,11 @@ class _SaveWalker:
         if isinstance(v, dict):
             if TAG in v:
                 raise UnsupportedStateError(f"{path}: dict keys may not be {TAG!r}")
+            # Walked in the canonical order (collectives), kept in the user's order.
+            done = {id(k): self.walk(v[k], _join(path, k)) for k in canonical_keys(v)}
             if all(isinstance(k, str) for k in v):
-                return {k: self.walk(x, _join(path, k)) for k, x in v.items()}
-            return {TAG: "dict", "items": [[encode_value(k, path), self.walk(x, _join(path, k))] for k, x in v.items()]}
+                return {k: done[id(k)] for k in v}
+            return {TAG: "dict", "items": [[encode_value(k, path), done[id(k)]] for k in v]}
         if isinstance(v, list):
             return [self.walk(x, _join(path, i)) for i, x in enumerate(v)]
         if isinstance(v, tuple):
@@ -147,7 +161,8 @@ def flatten_for_save(state: Dict[str, Any], *, rank: int = 0, world: int = 1) ->
     if bad:
         raise UnsupportedStateError(f"state keys must be non-empty strings, found {bad!r}")
     w = _SaveWalker(state, rank, world)
-    w.flat.tree = {k: w.walk(v, k) for k, v in state.items()}
+    done = {k: w.walk(state[k], k) for k in canonical_keys(state)}
+    w.flat.tree = {k: done[k] for k in state}
     return w.flat
 
 
@@ -206,7 +221,7 @@ class _LoadWalker:
                 items = saved
             else:
                 items = None
-            for k in list(live.keys()):
+            for k in canonical_keys(live):
                 sub = None if items is None else items.get(str(k), _MISSING)
                 self.walk(live[k], sub, _join(path, k), _dict_setter(live, k))
             if items is not None:
@@ -312,9 +327,11 @@ def flatten_for_load(
         raise UnsupportedStateError(f"state must be a dict, got {type(state).__name__}")
     saved_tree = saved_tree if isinstance(saved_tree, dict) else {}
     w = _LoadWalker(saved_tensors, strict, state, rank, world, saved_world, per_rank)
-    for k, v in state.items():
+    # The canonical order makes targets and finalizers (load_state_dict calls,
+    # which may be collective) come in the same order on every rank.
+    for k in canonical_keys(state):
         w.flat.roots.append(k)
-        w.walk(v, saved_tree.get(k, _MISSING), k, _dict_setter(state, k))
+        w.walk(state[k], saved_tree.get(k, _MISSING), k, _dict_setter(state, k))
     unexpected = sorted(p[1:] for p in w.flat.value_paths if p.startswith("?"))
     w.flat.value_paths = [p for p in w.flat.value_paths if not p.startswith("?")]
     return w.flat, sorted(w.missing_values), unexpected
