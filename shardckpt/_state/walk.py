@@ -391,10 +391,25 @@ class ModuleAdapter(Adapter):
             walker.flat.finalizers.append(lambda: fsdp1_load_model_state(m, sd))
             return
         sd = _module_tensors(m)
+        copies = throwaway_copies(m, sd)
+        if copies and not routes_state_back(m, copies):
+            from ..errors import format_offenders
+
+            raise UnsupportedStateError(
+                f"{path}: state_dict() returns tensors that are copies, not the module's parameters or buffers "
+                f"({format_offenders([_join(path, k) for k in copies])}), and no load_state_dict pre-hook or "
+                "_load_from_state_dict override could put them back: a load would fill the copies and leave the "
+                "weights as they are. Register the inverse hook (module.register_load_state_dict_pre_hook) or "
+                "make state_dict() return views of the parameters"
+            )
         assign = self._materialize_meta(m, sd, path, walker)
         self._targets(sd, path, saved, walker)
         if assign:
             walker.flat.finalizers.append(lambda: m.load_state_dict(assign, strict=False, assign=True))
+        if copies:
+            # DCP's flow for such modules: the copies were filled; the module's
+            # own load_state_dict (and its hooks) puts them into the weights.
+            walker.flat.finalizers.append(lambda: m.load_state_dict(sd, strict=True))
 
     @staticmethod
     def _targets(sd, path, saved, walker):
@@ -433,6 +448,67 @@ def _empty_like_meta(t, device) -> torch.Tensor:
     from .._runtimes import empty_like_meta
 
     return empty_like_meta(t, device)
+
+
+def _storage_ptr(t: Any) -> Optional[int]:
+    """The address of the storage under ``t`` (a DTensor's local shard), or None (meta, empty, no storage)."""
+    local = t.to_local() if hasattr(t, "to_local") else t
+    if not isinstance(local, torch.Tensor) or local.is_meta or local.numel() == 0:
+        return None
+    try:
+        return local.untyped_storage().data_ptr()
+    except Exception:  # tensor subclasses without storage
+        return None
+
+
+def throwaway_copies(m: torch.nn.Module, sd: Dict[str, Any]) -> List[str]:
+    """Keys of ``sd`` (``m.state_dict(keep_vars=True)``) whose tensors share no storage with ``m``'s weights.
+
+    A state-dict hook that splits a fused weight into new tensors, or one that
+    re-creates them, gives copies: filling them in place would not reach the
+    weights. Views of a parameter (a split that is a view) are not copies.
+
+    Example:
+        >>> m = torch.nn.Linear(2, 2)
+        >>> throwaway_copies(m, {"weight": m.weight.detach().clone(), "bias": m.bias[:1]})
+        ['weight']
+    """
+    own = set()
+    for _, t in list(m.named_parameters(remove_duplicate=False)) + list(m.named_buffers(remove_duplicate=False)):
+        ptr = _storage_ptr(t)
+        if ptr is not None:
+            own.add(ptr)
+    out = []
+    for k, t in sd.items():
+        if _is_tensor(t):
+            ptr = _storage_ptr(t)
+            if ptr is not None and ptr not in own:
+                out.append(k)
+    return sorted(out)
+
+
+def routes_state_back(m: torch.nn.Module, keys: List[str]) -> bool:
+    """True if ``m.load_state_dict`` can turn the copies under ``keys`` back into weights.
+
+    Copies under the module's own parameter/buffer names are loaded by plain
+    ``load_state_dict`` (a hook that re-creates tensors under unchanged
+    names). Other names (a fused weight split into new ones) need a
+    load-state-dict pre-hook or an overridden
+    ``load_state_dict``/``_load_from_state_dict`` somewhere in ``m``: the
+    inverse of the hook that made them.
+    """
+    names = {n for n, _ in m.named_parameters(remove_duplicate=False)} | {n for n, _ in m.named_buffers(remove_duplicate=False)}
+    if all(k in names for k in keys):
+        return True
+    base = torch.nn.Module
+    if type(m).load_state_dict is not base.load_state_dict:
+        return True
+    for sm in m.modules():
+        if getattr(sm, "_load_state_dict_pre_hooks", None) or getattr(sm, "_load_state_dict_post_hooks", None):
+            return True
+        if type(sm)._load_from_state_dict is not base._load_from_state_dict:
+            return True
+    return False
 
 
 def _module_tensors(m: torch.nn.Module) -> Dict[str, Any]:
