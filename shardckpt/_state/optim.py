@@ -48,9 +48,11 @@ PARAMS = "params"
 
 #: Param-group keys torch fills with a default when a loaded group lacks them
 #: (the optimizers' ``__setstate__``), or that are bookkeeping rather than
-#: hyperparameters (``initial_lr`` from LR schedulers, ``param_names``):
-#: present on one side only, they do not make two optimizers different kinds.
-#: Any other key on one side only does (Adam's ``betas`` vs SGD's ``momentum``).
+#: hyperparameters (``initial_lr``, ``param_names``): a live group may have
+#: them and the checkpoint not. Any other live key the saved group lacks
+#: (SGD's ``momentum`` in an Adam checkpoint) would be gone after the load and
+#: fail the first ``step()``. Saved keys the live group lacks are carried
+#: along (LR schedulers add ``max_lr``... to the groups), not refused.
 TOLERATED_GROUP_KEYS = frozenset(
     {
         "amsgrad", "nesterov", "maximize", "foreach", "capturable", "differentiable", "fused",
@@ -113,15 +115,15 @@ def optimizer_state_problems(
             optimizer; empty for a fresh one, whose state is created by the load).
         path: the optimizer's path in the state, for messages.
 
-    Checks: hyperparameter names (a key on one side only, beyond
+    Checks: hyperparameter names (a live key the checkpoint lacks, beyond
     ``TOLERATED_GROUP_KEYS``: another kind of optimizer), the kind of each
     common hyperparameter value (number, bool, sequence of n...), and the
     per-parameter state keys against a stepped live optimizer.
 
     Example:
-        ``Adam`` state into ``SGD(momentum=0.9)``: ``["optim.param_groups.0: saved
-        hyperparameters betas, eps not in the live optimizer; live momentum,
-        dampening not in the checkpoint"]``.
+        ``Adam`` state into ``SGD(momentum=0.9)``: ``["optim.param_groups.0: the
+        live SGD's hyperparameters dampening, momentum are not in the
+        checkpoint, which has betas, eps instead"]``.
     """
     problems: List[str] = []
     for si, li in sorted(live_groups_of_saved.items()):
@@ -129,16 +131,14 @@ def optimizer_state_problems(
         live = optim.param_groups[li]
         s_keys = {k for k in saved if k != PARAMS}
         l_keys = {k for k in live if k != PARAMS}
-        extra = sorted(s_keys - l_keys - TOLERATED_GROUP_KEYS)
         lack = sorted(l_keys - s_keys - TOLERATED_GROUP_KEYS)
         where = f"{path}.{GROUPS}.{si}"
-        if extra or lack:
-            said = []
+        if lack:
+            extra = sorted(s_keys - l_keys - TOLERATED_GROUP_KEYS)
+            said = f"the live {type(optim).__name__}'s hyperparameters {format_offenders(lack)} are not in the checkpoint"
             if extra:
-                said.append(f"saved hyperparameters {format_offenders(extra)} not in the live {type(optim).__name__}")
-            if lack:
-                said.append(f"live hyperparameters {format_offenders(lack)} not in the checkpoint")
-            problems.append(f"{where}: {'; '.join(said)}")
+                said += f", which has {format_offenders(extra)} instead"
+            problems.append(f"{where}: {said}")
             continue
         bad = [
             f"{k} (saved {_kind(saved[k])}, live {_kind(live[k])})"

@@ -52,7 +52,7 @@ def test_adam_state_into_sgd_is_refused_naming_the_keys(tmp_path, stepped):
     with pytest.raises(StateMismatchError) as ei:
         shardckpt.load({"model": model, "optim": optim}, url)
     msg = str(ei.value)
-    assert "optim.param_groups.0" in msg and "betas" in msg and "momentum" in msg and "SGD" in msg, msg
+    assert "optim.param_groups.0" in msg and "dampening, momentum" in msg and "betas" in msg and "SGD" in msg, msg
     if stepped:
         assert "exp_avg" in msg and "momentum_buffer" in msg, msg
     # Refused while planning: the model was not loaded either.
@@ -68,7 +68,7 @@ def test_sgd_state_into_adam_is_refused(tmp_path):
     live = _model(2)
     adam = torch.optim.Adam(live.parameters())
     before = _snapshot(live, adam)
-    with pytest.raises(StateMismatchError, match="momentum"):
+    with pytest.raises(StateMismatchError, match="betas, eps"):
         shardckpt.load({"model": live, "optim": adam}, url, strict=False)
     _assert_unchanged(live, adam, before)
 
@@ -144,7 +144,11 @@ def test_optimizer_state_problems_is_pure_and_tolerates_defaulted_flags():
     optim = torch.optim.Adam(model.parameters())
     saved = [{k: v for k, v in g.items() if k not in ("params", "decoupled_weight_decay", "fused")} for g in optim.param_groups]
     assert optimizer_state_problems(optim, saved, {0: 0}, {}, {}, "optim") == []
+    saved[0]["max_lr"] = 0.9  # an LR scheduler's key: carried along
+    assert optimizer_state_problems(optim, saved, {0: 0}, {}, {}, "optim") == []
+    del saved[0]["betas"]
     saved[0]["momentum"] = 0.9
     assert optimizer_state_problems(optim, saved, {0: 0}, {}, {}, "optim") == [
-        "optim.param_groups.0: saved hyperparameters momentum not in the live Adam"
+        "optim.param_groups.0: the live Adam's hyperparameters betas are not in the checkpoint, "
+        "which has max_lr, momentum instead"
     ]
