@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -228,7 +229,7 @@ def _check_ranks(tmp_path, cases, async_save: bool) -> None:
             assert rc in (0, 3) and ("SAVED" in out or "SaveFailedError" in out), f"{where}: survivor exit {rc}\n{out}"
         else:
             assert rc == 3 and "SaveFailedError" in out, f"{where}: survivor exit {rc}\n{out}"
-        took = float(out.split("after ", 1)[1].split("s", 1)[0])
+        took = float(re.search(r"(?:RAISED|SAVED) after ([0-9.]+)s", out).group(1))
         assert took < DEAD_PEER_NOTICED_S, f"{where}: the survivor took {took}s to notice its dead peer"
         want_step = 2 if phase in COMMITTED_BEFORE_KILL else 1
         mgr = shardckpt.CheckpointManager(root)
