@@ -629,6 +629,10 @@ class PerRank:
             tensors) and returns the state for this rank, which goes to
             ``obj.load_state_dict`` (or into the dict).
 
+    A multi-rank save compares every rank's plain values: values that differ
+    across ranks and are not wrapped are refused (``UnsupportedStateError``
+    naming their paths), never saved from rank 0 alone.
+
     Same world size: rank ``r`` gets what rank ``r`` saved. The saving and
     loading groups are matched by rank within ``process_group``.
 
