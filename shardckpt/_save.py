@@ -19,6 +19,8 @@ plan and build new objects, never change one.
 from __future__ import annotations
 
 import copy as _copy
+import json
+import logging
 import uuid
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
@@ -64,6 +66,11 @@ def _version() -> str:
 
     return __version__
 
+
+log = logging.getLogger("shardckpt")
+
+#: Bound of the manifest read that tells a peer whether rank 0 committed.
+MANIFEST_PEEK_BYTES = 1 << 30
 
 #: What a save of an existing checkpoint says to do, unless the caller has its own switch.
 OVERWRITE_HINT = "pass overwrite=True to replace it"
@@ -329,13 +336,34 @@ def execute_save(plan: SavePlan) -> None:
     try:
         _, gathered = agree(comm, write, what=f"nothing was committed at {storage.url}", share=lambda v: v, mode=TO_ROOT)
         agree(comm, lambda: commit_on_root(gathered), what=f"save to {storage.url} failed")
-    except BaseException:
+    except BaseException as e:
+        # A peer can miss rank 0's verdict although rank 0 committed (rank 0
+        # died just after, taking the store with it): removing this rank's
+        # files would then break a committed checkpoint. Remove them only
+        # when the manifest is known not to be this save's.
+        committed = _committed_by(storage, save_id) if rank != 0 else False
+        if committed and isinstance(e, Exception):
+            log.warning("shardckpt: %s was committed, then a peer failed: %s", storage.url, e)
+            return
+        if committed is not False:  # committed, or cannot tell: the files stay (cleanup() removes leftovers)
+            raise
         for rel in files:
             try:
                 storage.remove(rel)
             except Exception:
                 pass
         raise
+
+
+def _committed_by(storage: Storage, save_id: str) -> Optional[bool]:
+    """Whether the manifest at ``storage`` is this save's: True, False, or None (cannot tell)."""
+    try:
+        if not storage.exists(MANIFEST_NAME):
+            return False
+        raw = json.loads(storage.read_bytes(MANIFEST_NAME, limit=MANIFEST_PEEK_BYTES))
+        return isinstance(raw, dict) and raw.get("save_id") == save_id
+    except Exception:
+        return None
 
 
 def _commit(plan: SavePlan, gathered, save_id: str) -> None:
