@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, Optional, 
 import torch
 
 from . import _plan
+from ._collective import DEFAULT_COLLECTIVE_TIMEOUT_S, FROM_ROOT, TO_ROOT, Comm, agree, open_comm
 from ._format import (
     DATA_DIR,
     MANIFEST_NAME,
@@ -43,7 +44,6 @@ from ._format import (
     torch_dtype,
 )
 from ._io import DEFAULT_IO_THREADS, WriteItem, partition, write_files
-from ._collective import DEFAULT_COLLECTIVE_TIMEOUT_S, FROM_ROOT, TO_ROOT, Comm, agree, open_comm
 from ._layout import TensorLayout, layout_of
 from ._state import flatten_for_save
 from ._state.ranks import differing_paths, value_digests

@@ -35,10 +35,10 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.nn as nn
 
+from ..errors import CorruptCheckpointError, StateMismatchError, UnsupportedStateError, format_offenders
 from .adapters import Adapter
 from .values import TAG, _is_ref
-from .walk import SEP, _MISSING, _fill_from_saved, _is_tensor, _join
-from ..errors import CorruptCheckpointError, StateMismatchError, UnsupportedStateError, format_offenders
+from .walk import _MISSING, SEP, _fill_from_saved, _is_tensor, _join
 
 __all__ = ["OptimizerAdapter", "find_module", "optimizer_state_problems", "state_shape_fits"]
 
@@ -242,8 +242,8 @@ class OptimizerAdapter(Adapter):
         return get_optimizer_state_dict(model, optim)
 
     def load(self, optim, path, saved, walker):
-        from .._runtimes import is_fsdp1, param_fqns
         from .._format import torch_dtype
+        from .._runtimes import is_fsdp1, param_fqns
 
         if saved is _MISSING:
             walker.missing_values.append(path)

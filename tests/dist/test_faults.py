@@ -127,9 +127,9 @@ def _child_rank(root: str, fault: str, victim: int, rank: int, world: int, port:
     from datetime import timedelta
 
     import torch.distributed as dist
+    from models import build, shard_fsdp2
 
     import shardckpt
-    from models import build, shard_fsdp2
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(1)
@@ -221,9 +221,10 @@ def test_sigkill_single_process_at_each_moment(tmp_path):
 
 
 def _multi_rank(tmp_path, cases):
-    import shardckpt
     from _dist import free_port
     from models import build
+
+    import shardckpt
 
     runs = []
     for victim, fault in cases:

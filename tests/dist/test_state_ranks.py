@@ -6,9 +6,9 @@ from __future__ import annotations
 import os
 
 import torch
+from _dist import run_ranks
 
 import shardckpt
-from _dist import run_ranks
 
 
 def _torchtitan_like(rank, world, root):
@@ -93,7 +93,7 @@ def _orders(rank, world, root):
 def test_collective_state_dict_calls_run_in_one_order_on_every_rank(tmp_path):
     # Bounded: run_ranks fails the test after its timeout instead of hanging.
     results = run_ranks(2, _orders, str(tmp_path), timeout=120)
-    for rank, (saved, loaded, top, nested) in enumerate(results):
+    for rank, (saved, loaded, _top, _nested) in enumerate(results):
         assert saved == (2.0, 200.0, 20000.0), (rank, saved)
         assert loaded == (2.0, 200.0, 20000.0), (rank, loaded)
     # The user's dicts keep their own order.

@@ -128,9 +128,9 @@ def _child_rank(root: str, phase: str, async_save: bool, victim: int, rank: int,
     from datetime import timedelta
 
     import torch.distributed as dist
+    from models import build, shard_fsdp2
 
     import shardckpt
-    from models import build, shard_fsdp2
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(1)
@@ -209,9 +209,10 @@ def test_sigkill_single_process_at_every_phase(tmp_path, async_save):
 
 
 def _check_ranks(tmp_path, cases, async_save: bool) -> None:
-    import shardckpt
     from _dist import free_port
     from models import build
+
+    import shardckpt
 
     mode = "async" if async_save else "sync"
     runs = []
