@@ -445,6 +445,7 @@ def _build_manifest(layouts: Dict[str, TensorLayout], gathered, world: int, save
             files[rel] = FileMeta(size)
         if index is not None:
             indexes[index[0]] = IndexMeta(rank=rank, size=index[1], crc32c=index[2])
+            files[index[0]] = FileMeta(index[1])
         got_regular += regular_bytes
         for c in chunks:
             name = c.pop("name")

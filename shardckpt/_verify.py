@@ -106,7 +106,7 @@ def verify_manifest(
     def check_file(rel: str) -> List[str]:
         return _check_file(storage, m, rel, by_file.get(rel, []), on_bytes)
 
-    rels = sorted(m.files)
+    rels = sorted(rel for rel in m.files if rel not in m.indexes)  # index files: checked when opened
     if io_threads > 1 and len(rels) > 1:
         with ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="shardckpt-verify") as ex:
             errors = [e for errs in ex.map(check_file, rels) for e in errs]

@@ -14,13 +14,11 @@ import json
 import math
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from ..errors import CorruptCheckpointError, UnsafeMetadataError
+from ..errors import ChecksumMismatchError, CorruptCheckpointError
 from .checksum import crc32c, pack_crcs, unpack_crcs
 from .dtypes import DTYPES, itemsize
 from .manifest import (
-    FORMAT_NAME,
     MANIFEST_CRC_FIELD,
-    MAX_MANIFEST_BYTES,
     ChunkMeta,
     FileMeta,
     IndexMeta,
@@ -57,6 +55,10 @@ def nblocks(nbytes: int, block_bytes: int) -> int:
 
 def manifest_v2_from_raw(raw: Dict[str, Any], where: str) -> Manifest:
     """Validate a parsed v2 manifest; its own checksum first, so nothing damaged is interpreted."""
+    # Paths first: one escaping the checkpoint is refused as unsafe whatever else is wrong.
+    for key in ("files", "indexes"):
+        for path in (raw.get(key) or {}) if isinstance(raw.get(key), dict) else ():
+            check_relpath(path, where=f"{where}: {key}")
     if MANIFEST_CRC_FIELD not in raw:
         raise _bad(where, f"missing field {MANIFEST_CRC_FIELD!r} (the manifest's own checksum)")
     want = raw.pop(MANIFEST_CRC_FIELD)
@@ -93,8 +95,8 @@ def manifest_v2_from_raw(raw: Dict[str, Any], where: str) -> Manifest:
             raise _bad(iw, f"rank {meta.rank} outside 0..{world_size - 1} or listed twice")
         if not 0 <= meta.size <= MAX_INDEX_FILE_BYTES or not 0 <= meta.crc32c < 2**32:
             raise _bad(iw, f"size {meta.size} or crc32c {meta.crc32c} out of range")
-        if path in files:
-            raise _bad(iw, "is also listed as a data file")
+        if path not in files or files[path].size != meta.size:
+            raise _bad(iw, "must be listed in 'files' with the same size")
         ranks_seen[meta.rank] = path
         indexes[path] = meta
     meshes = _req(raw, "meshes", list, where)
@@ -225,9 +227,11 @@ def _read_index(m: Manifest, storage: Any, rank: int, cache: MetaCache) -> Dict[
     with cache.lock:
         cache.bytes_read += len(data)
     if len(data) != meta.size or crc32c(data) != meta.crc32c:
-        raise CorruptCheckpointError(
-            f"{where}: index file damaged ({len(data)} bytes, crc32c {crc32c(data):#010x}; "
-            f"the manifest says {meta.size} bytes, {meta.crc32c:#010x})"
+        what = "truncated" if len(data) < meta.size else "has extra bytes" if len(data) > meta.size else "damaged"
+        cls = ChecksumMismatchError if len(data) == meta.size else CorruptCheckpointError
+        raise cls(
+            f"{where}: index file {what} ({len(data)} bytes, crc32c {crc32c(data):#010x}; "
+            f"the manifest says {meta.size} bytes, crc32c {meta.crc32c:#010x})"
         )
     parsed = _parse_index(m, data, rank, where)
     with cache.lock:

@@ -22,7 +22,7 @@ from ..errors import CheckpointNotFoundError, format_offenders
 from . import manifest as _manifest
 from .hf import MAX_INDEX_BYTES, hf_manifest
 from .manifest import Manifest, check_relpath, manifest_from_bytes, manifest_to_bytes
-from .naming import DATA_DIR, DATA_SUFFIX, HF_INDEX_NAME, INDEX_DIR, MANIFEST_NAME, save_id_prefix
+from .naming import DATA_DIR, DATA_SUFFIX, HF_INDEX_NAME, INDEX_SUFFIX, MANIFEST_NAME, save_id_prefix
 
 __all__ = ["commit", "open_manifest", "hf_index_bytes", "TORCH_SAVE_SUFFIXES", "NOT_FOUND_LISTED"]
 
@@ -105,17 +105,12 @@ def _restore(storage: Any, rel: str, data: Optional[bytes]) -> None:
 def _remove_stale(storage: Any, save_id: str) -> None:
     """After a replacing commit, drop data files of the replaced checkpoint; best effort."""
     prefix = save_id_prefix(save_id)
-    for folder, suffix in ((DATA_DIR, DATA_SUFFIX), (INDEX_DIR, ".json")):
-        try:
-            names = storage.listdir(folder)
-        except (FileNotFoundError, NotADirectoryError):
-            continue
-        for name in names:
-            if name.endswith(suffix) and not name.startswith(prefix):
-                try:
-                    storage.remove(f"{folder}/{name}")
-                except Exception:
-                    pass
+    for name in storage.listdir(DATA_DIR):
+        if name.endswith((DATA_SUFFIX, INDEX_SUFFIX)) and not name.startswith(prefix):
+            try:
+                storage.remove(f"{DATA_DIR}/{name}")
+            except Exception:
+                pass
     # A sharded save over a whole one leaves the old HF index naming files
     # just removed: drop it rather than leave a broken HF directory.
     try:
