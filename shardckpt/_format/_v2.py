@@ -181,30 +181,27 @@ def mesh_rank(m: Manifest, t: TensorMeta, coord: Sequence[int]) -> int:
 # index files
 
 
+#: Fields of one chunk row of an index file, in order (rows, not objects: an
+#: index costs ~100 bytes a chunk). ``key`` and ``nbytes`` derive from them.
+INDEX_ROW = ("tensor", "file", "offsets", "sizes", "byte_offset", "crc32c", "blocks")
+
+
 def index_bytes(save_id: str, rank: int, block_bytes: int, chunks: Sequence[Tuple[str, ChunkMeta]]) -> bytes:
     """A rank's index file: ``(tensor name, chunk)`` for every chunk it wrote, with block CRCs."""
-    recs = []
+    files = sorted({c.file for _, c in chunks})
+    fid = {f: i for i, f in enumerate(files)}
+    rows = []
     for name, c in sorted(chunks, key=lambda nc: (nc[0], nc[1].offsets)):
-        recs.append(
-            {
-                "tensor": name,
-                "key": c.key,
-                "file": c.file,
-                "offsets": list(c.offsets),
-                "sizes": list(c.sizes),
-                "byte_offset": c.byte_offset,
-                "nbytes": c.nbytes,
-                "crc32c": c.crc32c,
-                "blocks": pack_crcs(c.blocks or []),
-            }
-        )
+        rows.append([name, fid[c.file], list(c.offsets), list(c.sizes), c.byte_offset, c.crc32c, pack_crcs(c.blocks or [])])
     body = {
         "format": INDEX_FORMAT,
         "format_version": 2,
         "save_id": save_id,
         "rank": rank,
         "block_bytes": block_bytes,
-        "chunks": recs,
+        "files": files,
+        "rows": list(INDEX_ROW),
+        "chunks": rows,
     }
     return canonical_json(body)
 
@@ -258,29 +255,39 @@ def _parse_index(m: Manifest, data: bytes, rank: int, where: str) -> Dict[str, A
         raise _bad(where, f"not the shardckpt index of rank {rank}")
     if raw.get("save_id") != m.save_id or raw.get("block_bytes") != m.block_bytes:
         raise _bad(where, "belongs to another save (save_id or block_bytes differ from the manifest)")
+    files = _req(raw, "files", list, where)
+    if raw.get("rows") != list(INDEX_ROW):
+        raise _bad(where, f"field 'rows' must be {list(INDEX_ROW)}")
+    for f in files:
+        if not isinstance(f, str) or f not in m.files:
+            raise _bad(where, f"file {f!r:.80} is not listed in the manifest")
     keys: Dict[str, Tuple[str, ChunkMeta]] = {}
     by_tensor: Dict[str, List[ChunkMeta]] = {}
     claims = []
-    for i, rec in enumerate(_req(raw, "chunks", list, where)):
+    for i, row in enumerate(_req(raw, "chunks", list, where)):
         cw = f"{where} chunk {i}"
+        if not isinstance(row, list) or len(row) != len(INDEX_ROW):
+            raise _bad(cw, f"must be a list of {len(INDEX_ROW)} fields {list(INDEX_ROW)}")
+        rec = dict(zip(INDEX_ROW, row))
         name = _req(rec, "tensor", str, cw)
         t = m.tensors.get(name)
         if t is None:
             raise _bad(cw, f"tensor {name!r} is not in the manifest")
-        file = check_relpath(_req(rec, "file", str, cw), where=cw)
-        if file not in m.files:
-            raise _bad(cw, f"file {file!r} is not listed in the manifest")
+        fi = _req(rec, "file", int, cw)
+        if not 0 <= fi < len(files):
+            raise _bad(cw, f"file number {fi} outside the index's {len(files)} files")
+        offsets = _int_list(rec, "offsets", cw, n=len(t.shape))
+        sizes = _int_list(rec, "sizes", cw, n=len(t.shape))
         c = ChunkMeta(
-            file=file,
-            key=_req(rec, "key", str, cw),
-            offsets=_int_list(rec, "offsets", cw, n=len(t.shape)),
-            sizes=_int_list(rec, "sizes", cw, n=len(t.shape)),
+            file=files[fi],
+            key=chunk_key(name, offsets, list(sizes) == list(t.shape)),
+            offsets=offsets,
+            sizes=sizes,
             byte_offset=_req(rec, "byte_offset", int, cw),
-            nbytes=_req(rec, "nbytes", int, cw),
+            nbytes=math.prod(sizes) * itemsize(t.dtype),
             crc32c=_req(rec, "crc32c", int, cw),
         )
-        if c.nbytes != math.prod(c.sizes) * itemsize(t.dtype):
-            raise _bad(cw, f"nbytes {c.nbytes} does not match sizes {c.sizes} of {t.dtype}")
+        file = c.file
         if c.byte_offset < 0 or c.byte_offset + c.nbytes > m.files[file].size:
             raise _bad(cw, f"bytes [{c.byte_offset}, {c.byte_offset + c.nbytes}) lie outside {file!r} of {m.files[file].size} bytes")
         if any(o + n > s for o, n, s in zip(c.offsets, c.sizes, t.shape)):
