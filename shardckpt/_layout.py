@@ -236,13 +236,18 @@ def _dtensor_geometry(name: str, t):
             )
     boxes = [(lb.box, lb.local_offsets) for lb in _plan.local_boxes(shape, mesh_shape, placements, coord)]
     copies, ranks, copy_index = _mesh_ranks(mesh)
-    if copies > 1:
-        # Copies of a sub-mesh along other root dims: one leading Replicate dim.
-        regular = _plan.regular_layout(shape, (copies,) + mesh_shape, [_plan.Replicate()] + placements)
-        full_coord = (copy_index,) + tuple(coord)
-    else:
-        regular = _plan.regular_layout(shape, mesh_shape, placements)
-        full_coord = tuple(coord)
+    try:
+        if copies > 1:
+            # Copies of a sub-mesh along other root dims: one leading Replicate dim.
+            regular = _plan.regular_layout(shape, (copies,) + mesh_shape, [_plan.Replicate()] + placements)
+            full_coord = (copy_index,) + tuple(coord)
+        else:
+            regular = _plan.regular_layout(shape, mesh_shape, placements)
+            full_coord = tuple(coord)
+    except ValueError as e:
+        # dim_intervals accepted it above, so this is a limit of the compact
+        # record (say a mesh over MAX_MESH_RANKS): not expected in practice.
+        raise UnsupportedStateError(f"{name}: placements {t.placements} on mesh {mesh_shape}: {e}") from None
     names = list(mesh.mesh_dim_names) if mesh.mesh_dim_names else None
     layout_json = {
         "mesh_shape": list(mesh_shape),
