@@ -298,8 +298,8 @@ def _rank_of_index(rel: str) -> int:
 
 def v2_index(lays, rank: int, block_bytes: int) -> bytes:
     """Rank ``rank``'s index file, as ``execute_save`` writes it (CRCs made up)."""
-    from shardckpt._format._v2 import index_bytes, nblocks
     from shardckpt._format import data_file_name
+    from shardckpt._format._v2 import index_bytes, nblocks
 
     mine, _ = v2_save_plan(lays, rank)
     rel = data_file_name(SAVE_ID, f"r{rank:05d}-00")

@@ -28,18 +28,19 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, Optional, 
 import torch
 
 from . import _knobs, _plan
+from ._collective import DEFAULT_COLLECTIVE_TIMEOUT_S, FROM_ROOT, TO_ROOT, Comm, agree, open_comm
 from ._format import (
-    FORMAT_VERSION,
-    IndexMeta,
-    index_file_name,
     DATA_DIR,
+    FORMAT_VERSION,
     MANIFEST_NAME,
     ChunkMeta,
     FileMeta,
+    IndexMeta,
     Manifest,
     TensorMeta,
     chunk_key,
     commit,
+    index_file_name,
     itemsize,
     tiling_problems,
     torch_dtype,
@@ -47,7 +48,6 @@ from ._format import (
 from ._format._v2 import index_bytes
 from ._format.checksum import crc32c
 from ._io import DEFAULT_IO_THREADS, WriteItem, partition, write_files
-from ._collective import DEFAULT_COLLECTIVE_TIMEOUT_S, FROM_ROOT, TO_ROOT, Comm, agree, open_comm
 from ._layout import TensorLayout, layout_of
 from ._state import flatten_for_save
 from ._storage import Storage

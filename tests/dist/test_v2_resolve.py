@@ -6,9 +6,9 @@ import os
 
 import pytest
 import torch
+from _dist import run_ranks
 
 import shardckpt
-from _dist import run_ranks
 from shardckpt import _plan
 from shardckpt._format import MetaCache, open_manifest, resolve_chunks
 from shardckpt._storage import Storage

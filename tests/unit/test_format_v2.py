@@ -131,7 +131,7 @@ def test_manifest_bit_flips_never_load_silently(saved, tmp_path):
     rng = random.Random(11)
     bits = rng.sample(range(len(good) * 8), min(300, len(good) * 8))
     equivalent = 0
-    for i, bit in enumerate(bits):
+    for bit in bits:
         data = bytearray(good)
         data[bit // 8] ^= 1 << (bit % 8)
         try:
@@ -267,8 +267,8 @@ def test_shared_file_bytes_are_refused_in_an_index(saved, tmp_path):
 
 def test_many_overlapping_chunks_are_refused():
     # 100,000 chunks claiming overlapping bytes of one file: refused (linear sweep, no blow-up).
-    from shardckpt._format.manifest import check_shared_bytes
     from shardckpt._format import ChunkMeta, TensorMeta
+    from shardckpt._format.manifest import check_shared_bytes
 
     n = 100_000
     chunks = [ChunkMeta("data/f", f"t@{i}", [i], [1], i, 8, 0) for i in range(n)]
