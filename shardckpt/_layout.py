@@ -161,7 +161,10 @@ def _whole_here(name: str, t: Any) -> TensorLayout:
     lay = _dtensor_layout(name, t) if is_dtensor(t) else _sharded_tensor_layout(name, t)
     whole = _plan.Box((0,) * len(lay.shape), tuple(lay.shape))
     if len(lay.parts) != 1 or lay.parts[0].box != whole:
-        ranks = sorted({r for rs in lay.holders.values() for r in rs})
+        if lay.regular is not None:
+            ranks = sorted(lay.mesh_ranks) if lay.mesh_ranks is not None else list(range(lay.regular.world))
+        else:
+            ranks = sorted({r for rs in lay.holders.values() for r in rs})
         raise UnsupportedStateError(
             f"{name}: sharded over ranks {ranks}, so this process holds only part of it and no_dist=True "
             "cannot save or load it. Call it from every rank without no_dist, or use a full copy "

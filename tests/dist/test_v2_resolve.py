@@ -23,7 +23,7 @@ def _full(name):
     return (torch.arange(n, dtype=torch.float32) * 0.5 - 3).reshape(SHAPES[name])
 
 
-def _save_4(path):
+def _save_4(rank, world, path):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
@@ -39,12 +39,10 @@ def _save_4(path):
     return True
 
 
-def _load_n(path):
-    import torch.distributed as dist
+def _load_n(rank, world, path):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    world = dist.get_world_size()
     mesh = init_device_mesh("cpu", (world,))
     state = {n: distribute_tensor(torch.zeros(SHAPES[n]), mesh, [Shard(0)]) for n in SHAPES}
     shardckpt.load(state, path)
