@@ -161,6 +161,11 @@ class Manifest:
         return sum(t.nbytes for t in self.tensors.values())
 
     @property
+    def data_files(self) -> Dict[str, FileMeta]:
+        """The safetensors data files (``files`` less the v2 index files)."""
+        return {rel: f for rel, f in self.files.items() if rel not in self.indexes}
+
+    @property
     def source(self) -> str:
         """``"shardckpt"``, or where a synthesized manifest came from (``"safetensors"``)."""
         src = self.extra.get("source") if isinstance(self.extra, dict) else None
@@ -174,7 +179,7 @@ class Manifest:
         saved = "safetensors files" if self.source != FORMAT_NAME else f"world_size={self.world_size}"
         return (
             f"Manifest({saved}, {plural(len(self.tensors), 'tensor')}, {plural(chunks, 'chunk')}, "
-            f"{plural(len(self.files), 'file')}, total_bytes={self.total_bytes}, tensors=[{shown}])"
+            f"{plural(len(self.data_files), 'file')}, total_bytes={self.total_bytes}, tensors=[{shown}])"
         )
 
     def to_json(self) -> Dict[str, Any]:
