@@ -415,7 +415,8 @@ def main(argv=None) -> int:
     ap.add_argument("--tensors", type=int, required=True)
     ap.add_argument("--layout", choices=["fsdp", "fsdp-tp"], required=True)
     ap.add_argument("--planner", choices=["v1", "v2"], default="v2")
-    ap.add_argument("--format", choices=["v1", "v2"], default="v2", help="manifest format committed and read (v2 needs --planner v2)")
+    ap.add_argument("--format", choices=["v1", "v2"], default=None,
+                    help="manifest format committed and read (default: v2 with --planner v2, v1 with --planner v1)")
     ap.add_argument("--tp", type=int, default=DEFAULT_TP, help="tensor-parallel degree of --layout fsdp-tp")
     ap.add_argument("--rank", type=int, default=DEFAULT_RANK, help="the rank whose save and load plans are timed")
     args = ap.parse_args(argv)
@@ -425,6 +426,8 @@ def main(argv=None) -> int:
         ap.error(f"--rank must lie in [0, {args.ranks})")
 
     lays = layouts(model_tensors(args.tensors), args.ranks, args.layout, args.tp)
+    if args.format is None:
+        args.format = args.planner
     if args.format == "v2":
         if args.planner != "v2":
             ap.error("--format v2 plans with --planner v2")
