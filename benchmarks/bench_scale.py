@@ -13,6 +13,13 @@ process group and no tensor bytes, from the real planning code
 * load_plan_s   one rank of a load at the same layout plans its reads;
 * load_meta_mb  metadata bytes that loading rank reads.
 
+``--format v2`` (the default) times what this version does: the v2
+manifest (layout records, one data file and one index file per rank, its own
+CRC-32C) built, serialised and re-parsed by rank 0; a loading rank parses it
+and resolves its chunks with ``_format.resolve_chunks``, which reads only the
+index files of the ranks that wrote them (served from memory here; their
+bytes count in load_meta_mb). ``--format v1`` keeps the v1 manifest figures.
+
 ``--planner v1`` is the planning of shardckpt 0.1 (every rank derives the
 boxes and holders of every tensor on every rank, ``layout_holders`` +
 ``assign_writers``; a load parses the whole manifest and intersects its boxes
@@ -261,6 +268,140 @@ def compact_records(lays, rot, ranks: int) -> bytes:
     return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
 
 
+# --------------------------------------------------------------------------
+# format v2: what save/load do now
+
+SAVE_ID = "0123456789abcdef0123456789abcdef"
+
+
+class _MemStorage:
+    """Serves the index files a load reads, generated on first request (generation is not timed)."""
+
+    url = "mem://bench"
+
+    def __init__(self, make):
+        self.make = make
+        self.blobs: Dict[str, bytes] = {}
+
+    def url_of(self, rel: str) -> str:
+        return f"{self.url}/{rel}"
+
+    def read_bytes(self, rel: str, limit: int = 0) -> bytes:
+        if rel not in self.blobs:
+            self.blobs[rel] = self.make(rel)
+        return self.blobs[rel]
+
+
+def _rank_of_index(rel: str) -> int:
+    return int(rel.rsplit("-r", 1)[1].split(".")[0])
+
+
+def v2_index(lays, rank: int, block_bytes: int) -> bytes:
+    """Rank ``rank``'s index file, as ``execute_save`` writes it (CRCs made up)."""
+    from shardckpt._format import data_file_name
+    from shardckpt._format._v2 import index_bytes, nblocks
+
+    mine, _ = v2_save_plan(lays, rank)
+    rel = data_file_name(SAVE_ID, f"r{rank:05d}-00")
+    chunks, pos = [], 8
+    for name, box in mine:
+        nbytes = box.numel * ITEMSIZE
+        whole = box.sizes == lays[name].shape
+        c = ChunkMeta(rel, chunk_key(name, box.offsets, whole), list(box.offsets), list(box.sizes), pos, nbytes, pos & 0xFFFFFFFF)
+        c.blocks = [(pos + i) & 0xFFFFFFFF for i in range(nblocks(nbytes, block_bytes))]
+        chunks.append((name, c))
+        pos += nbytes
+    return index_bytes(SAVE_ID, rank, block_bytes, chunks), pos
+
+
+def v2_manifest(lays, rot, ranks: int, block_bytes: int, sizes: Dict[int, Tuple[int, int]]) -> Manifest:
+    """``_save._build_manifest`` on rank 0: a layout record per tensor, two files per rank, O(T + N)."""
+    from shardckpt._format import IndexMeta, data_file_name, index_file_name
+
+    tensors = {}
+    for name, lay in lays.items():
+        rec = _plan.layout_to_json(lay)
+        t = TensorMeta(dtype=DTYPE, shape=list(lay.shape), layout={"placements": rec["placements"]})
+        t.regular = {"mesh_shape": rec["mesh_shape"], "placements": rec["placements"], "mesh": 0, "rotation": rot[name]}
+        tensors[name] = t
+    files, indexes = {}, {}
+    for r in range(ranks):
+        data_size, index_size = sizes.get(r, (1 << 30, 1 << 20))
+        files[data_file_name(SAVE_ID, f"r{r:05d}-00")] = FileMeta(data_size)
+        files[index_file_name(SAVE_ID, r)] = FileMeta(index_size)
+        indexes[index_file_name(SAVE_ID, r)] = IndexMeta(r, index_size, (r * 2654435761) & 0xFFFFFFFF)
+    return Manifest(world_size=ranks, tensors=tensors, files=files, values={"step": 1000}, save_id=SAVE_ID,
+                    version=2, block_bytes=block_bytes, meshes=["iota"], indexes=indexes)
+
+
+def run_v2(args, lays) -> int:
+    from shardckpt._format import MetaCache, resolve_chunks
+    from shardckpt._format.checksum import crc32c
+
+    block_bytes = 1 << 20
+    (mine, rot), save_s = _timed(lambda: v2_save_plan(lays, args.rank))
+    print(f"rank {args.rank} writes {len(mine)} chunks ({sum(b.numel for _, b in mine) * ITEMSIZE / 1e6:.1f} MB)")
+    indexes: Dict[int, bytes] = {}
+    sizes: Dict[int, Tuple[int, int]] = {}
+
+    def index_of(rel: str) -> bytes:
+        r = _rank_of_index(rel)
+        if r not in indexes:
+            body, data_size = v2_index(lays, r, block_bytes)
+            indexes[r] = body
+            sizes[r] = (data_size, len(body))
+        return indexes[r]
+
+    # The manifest records each index file's size and CRC: learn the ones a
+    # load at the same layout reads (dry run, not timed), then commit for real.
+    storage = _MemStorage(index_of)
+    m0 = v2_manifest(lays, rot, args.ranks, block_bytes, sizes)
+    for name in sorted(lays):
+        lay = lays[name]
+        for lb in _plan.local_boxes(lay.shape, lay.mesh_shape, lay.placements, coord_of(lay.mesh_shape, args.rank)):
+            for s, _ in _plan.chunks_overlapping(lay, lb.box):
+                wc = _plan.writer_coord(lay, rot[name], s)
+                r = 0
+                for mdim, c in zip(lay.mesh_shape, wc):
+                    r = r * mdim + c
+                index_of(f"data/x-index-r{r:05d}.json")
+    del m0
+
+    def commit():
+        m = v2_manifest(lays, rot, args.ranks, block_bytes, sizes)
+        for r, body in indexes.items():
+            from shardckpt._format import index_file_name
+
+            m.indexes[index_file_name(SAVE_ID, r)].crc32c = crc32c(body)
+        body = manifest_to_bytes(m)
+        manifest_from_bytes(body)  # the validation any reader repeats
+        return body
+
+    body, commit_s = _timed(commit)
+    print(f"manifest (format v2): {len(lays)} layout records, {2 * args.ranks} files, {len(body) / 1e6:.3f} MB")
+
+    def load_plan():
+        m = manifest_from_bytes(body)
+        cache = MetaCache()
+        pieces = 0
+        for name in sorted(lays):
+            live = lays[name]
+            for lb in _plan.local_boxes(live.shape, live.mesh_shape, live.placements, coord_of(live.mesh_shape, args.rank)):
+                got = resolve_chunks(m, storage, name, [(lb.box.offsets, lb.box.sizes)], cache=cache)
+                saved = [Box(c.offsets, c.sizes) for c in got]
+                pieces += len(_plan.plan_reads(saved, [LocalBox(lb.box, (0,) * len(live.shape))]))
+        return cache.bytes_read
+
+    index_read, load_s = _timed(load_plan)
+    meta_mb = (len(body) + index_read) / 1e6
+    print(f"a loading rank reads the manifest ({len(body) / 1e6:.3f} MB) and {index_read / 1e6:.3f} MB of index files")
+    print(
+        f"ranks={args.ranks} tensors={args.tensors} layout={args.layout} save_plan_s={save_s:.3f} "
+        f"commit_s={commit_s:.3f} manifest_mb={len(body) / 1e6:.2f} load_plan_s={load_s:.3f} load_meta_mb={meta_mb:.2f}"
+    )
+    return 0
+
+
 def _timed(fn):
     gc.collect()
     t0 = time.perf_counter()
@@ -274,6 +415,8 @@ def main(argv=None) -> int:
     ap.add_argument("--tensors", type=int, required=True)
     ap.add_argument("--layout", choices=["fsdp", "fsdp-tp"], required=True)
     ap.add_argument("--planner", choices=["v1", "v2"], default="v2")
+    ap.add_argument("--format", choices=["v1", "v2"], default=None,
+                    help="manifest format committed and read (default: v2 with --planner v2, v1 with --planner v1)")
     ap.add_argument("--tp", type=int, default=DEFAULT_TP, help="tensor-parallel degree of --layout fsdp-tp")
     ap.add_argument("--rank", type=int, default=DEFAULT_RANK, help="the rank whose save and load plans are timed")
     args = ap.parse_args(argv)
@@ -283,6 +426,12 @@ def main(argv=None) -> int:
         ap.error(f"--rank must lie in [0, {args.ranks})")
 
     lays = layouts(model_tensors(args.tensors), args.ranks, args.layout, args.tp)
+    if args.format is None:
+        args.format = args.planner
+    if args.format == "v2":
+        if args.planner != "v2":
+            ap.error("--format v2 plans with --planner v2")
+        return run_v2(args, lays)
     if args.planner == "v1":
         (mine, writers), save_s = _timed(lambda: v1_save_plan(lays, args.rank))
         per_rank = v1_all_writes(writers)

@@ -126,7 +126,7 @@ def cmd_inspect(args) -> int:
         return EXIT_OK
     if not args.quiet:
         print(f"{args.url}: {_describe(m)}, {plural(len(m.tensors), 'tensor')}, "
-              f"{plural(len(m.files), 'file')}, {_human(m.total_bytes)}")
+              f"{plural(len(m.data_files), 'file')}, {_human(m.total_bytes)}")
     rows = [("name", "dtype", "shape", "chunks", "bytes")]
     for name in sorted(m.tensors):
         t = m.tensors[name]
@@ -162,12 +162,12 @@ def cmd_verify(args) -> int:
     if args.json:
         _print_json({
             "url": args.url, "ok": True, "source": m.source, "tensors": len(m.tensors), "chunks": chunks,
-            "files": len(m.files), "total_bytes": m.total_bytes, "checksums": checked,
+            "files": len(m.data_files), "total_bytes": m.total_bytes, "checksums": checked,
         })
     elif not args.quiet:
         how = "every checksum matches" if checked else "safetensors files have no checksums: headers, bounds and sizes checked"
         print(f"OK {args.url}: {plural(len(m.tensors), 'tensor')}, {plural(chunks, 'chunk')}, "
-              f"{plural(len(m.files), 'file')}, {_human(m.total_bytes)}; {how}")
+              f"{plural(len(m.data_files), 'file')}, {_human(m.total_bytes)}; {how}")
     return EXIT_OK
 
 

@@ -25,6 +25,9 @@ environment variable                default     what it sets
                                                 (seconds after a SIGKILL, not the timeout)
 ``SHARDCKPT_REGISTER_MIN_BYTES``    1 MiB       CUDA staging buffers at least this big are
                                                 ``cudaHostRegister``-ed (exact size)
+``SHARDCKPT_BLOCK_BYTES``           1 MiB       format v2: one CRC-32C per this many bytes
+                                                of each chunk, so a ranged read verifies
+                                                on its own (at least 4 KiB)
 ``SHARDCKPT_CHECKSUMS``             1           0: skip CRC-32C on write (records 0) and
                                                 on read. Benchmarks only: a checkpoint
                                                 written so fails verification, as it should
@@ -49,6 +52,7 @@ __all__ = [
     "LIVENESS_TIMEOUT_S",
     "REGISTER_MIN_BYTES",
     "CHECKSUMS",
+    "BLOCK_BYTES",
     "ENV_PREFIX",
 ]
 
@@ -130,3 +134,8 @@ REGISTER_MIN_BYTES = _int("REGISTER_MIN_BYTES", 1 << 20, minimum=0)
 #: Checksum on write and verify on read. Only benchmarks turn it off, to
 #: measure the checksum's cost; never the library.
 CHECKSUMS = _bool("CHECKSUMS", True)
+#: Format v2 block checksums: one CRC-32C per this many bytes of a chunk
+#: (chunk-relative). 1 MiB: 4 bytes of metadata per MiB of data, and a ranged
+#: read over-reads at most one block at each end. Written into the manifest,
+#: so checkpoints saved with another value read the same.
+BLOCK_BYTES = _int("BLOCK_BYTES", 1 << 20, minimum=4096)

@@ -52,3 +52,13 @@ def chunk_key(name: str, offsets: Sequence[int], whole: bool) -> str:
     if whole:
         return name
     return f"{name}@{','.join(str(o) for o in offsets)}"
+
+
+#: v2: the per-rank index files sit next to the data files (listed in ``files`` too).
+INDEX_DIR = DATA_DIR
+INDEX_SUFFIX = ".json"
+
+
+def index_file_name(save_id: str, rank: int) -> str:
+    """``data/<save>-index-r<rank>.json``: the chunks rank ``rank`` wrote, with their block checksums."""
+    return f"{INDEX_DIR}/{save_id_prefix(save_id)}index-r{rank:05d}{INDEX_SUFFIX}"

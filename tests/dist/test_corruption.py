@@ -96,7 +96,7 @@ def _escape(d):
     rel = "data/" + os.path.basename(f)
     raw["files"]["../x"] = raw["files"].pop(rel)
     for t in raw["tensors"].values():
-        for c in t["chunks"]:
+        for c in t.get("chunks", []):  # format v2 lists no chunks
             if c["file"] == rel:
                 c["file"] = "../x"
     with open(os.path.join(d, "manifest.json"), "w") as fh:

@@ -6,13 +6,11 @@ a DTensor's local tensor really holds, and ``_plan`` must agree with them.
 
 from __future__ import annotations
 
-import itertools
 import random
 
 import numpy as np
 import pytest
 
-from shardckpt import _plan
 from shardckpt._plan import (
     Box,
     LocalBox,

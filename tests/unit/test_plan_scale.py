@@ -425,7 +425,7 @@ def test_replicated_bytes_balanced(mesh, pl, seed, even):
     written, load = _writes(tensors, rot, mesh)
     some = tensors[0][1]
     biggest = {}
-    for name, lay, size in tensors:
+    for _name, lay, size in tensors:
         for s, boxes in layout_chunks(lay):
             biggest[s] = max(biggest.get(s, 0), sum(b.numel for b in boxes) * size)
     # Co-holders (ranks of one shard coordinate) write within one box of each
