@@ -22,6 +22,11 @@ environment variable                default     what it sets
                                                 ``collective_timeout_s=`` default)
 ``SHARDCKPT_REGISTER_MIN_BYTES``    1 MiB       CUDA staging buffers at least this big are
                                                 ``cudaHostRegister``-ed (exact size)
+``SHARDCKPT_LOAD_BUFFER_BYTES``     64 MiB      bytes of read buffers one rank's load holds
+                                                at once (pinned, exact size, for CUDA
+                                                targets; released when ``load`` returns)
+``SHARDCKPT_LOAD_RANGE_BYTES``      8 MiB       largest coalesced read of a load, and the
+                                                size of one reusable read buffer
 ``SHARDCKPT_CHECKSUMS``             1           0: skip CRC-32C on write (records 0) and
                                                 on read. Benchmarks only: a checkpoint
                                                 written so fails verification, as it should
@@ -45,6 +50,8 @@ __all__ = [
     "COLLECTIVE_TIMEOUT_S",
     "REGISTER_MIN_BYTES",
     "CHECKSUMS",
+    "LOAD_BUFFER_BYTES",
+    "LOAD_RANGE_BYTES",
     "ENV_PREFIX",
 ]
 
@@ -121,3 +128,11 @@ REGISTER_MIN_BYTES = _int("REGISTER_MIN_BYTES", 1 << 20, minimum=0)
 #: Checksum on write and verify on read. Only benchmarks turn it off, to
 #: measure the checksum's cost; never the library.
 CHECKSUMS = _bool("CHECKSUMS", True)
+#: Bytes of read buffers one load holds at once: a streaming load's host
+#: memory beyond the model (pinned for CUDA targets). A v1 chunk larger than
+#: this is read into one buffer of its exact size (v1 verifies whole chunks).
+LOAD_BUFFER_BYTES = _int("LOAD_BUFFER_BYTES", 64 << 20)
+#: Largest coalesced read of a load and the size of one reusable buffer:
+#: small enough that several are in flight (reads overlap copies), large
+#: enough that a request's latency is amortised.
+LOAD_RANGE_BYTES = _int("LOAD_RANGE_BYTES", 8 << 20)
