@@ -29,7 +29,7 @@ import torch
 
 from . import _knobs
 from ._format import ChunkMeta, FileMeta, itemsize, safetensors_header
-from ._format.checksum import crc32c, crc32c_combine
+from ._format.checksum import BlockCrcs, crc32c, crc32c_combine
 from ._format.files import check_files  # noqa: F401  (re-exported: load and the converters check files here)
 from ._storage import Storage
 from .errors import ChecksumMismatchError, CorruptCheckpointError, StorageError
@@ -129,7 +129,9 @@ def partition(items: Sequence[WriteItem], parts: int) -> List[List[WriteItem]]:
     return [g for g in groups if g]
 
 
-def _write_one(storage: Storage, rel: str, items: Sequence[WriteItem]) -> Tuple[List[ChunkMeta], FileMeta]:
+def _write_one(
+    storage: Storage, rel: str, items: Sequence[WriteItem], block_bytes: int
+) -> Tuple[List[ChunkMeta], FileMeta]:
     chunks_md = {it.key: {"tensor": it.name, "offsets": list(it.offsets)} for it in items}
     header, starts = safetensors_header(
         [(it.key, it.dtype, it.sizes, it.nbytes) for it in items], chunks=chunks_md
@@ -141,19 +143,21 @@ def _write_one(storage: Storage, rel: str, items: Sequence[WriteItem]) -> Tuple[
         size = len(header)
         bounce: List[torch.Tensor] = []  # pinned buffers for GPU chunks, reused across them
         for it, start in zip(items, starts):
+            # The block CRCs (v2) are computed as the bytes go out; the
+            # chunk's CRC (v1's one number) is joined from them.
+            crcs = BlockCrcs(block_bytes, enabled=_knobs.CHECKSUMS)
             if it.tensor.device.type == "cuda" and it.nbytes > 0:
-                crc = _write_cuda(w, it, bounce)
+                _write_cuda(w, it, bounce, crcs)
             else:
                 mv = tensor_bytes(it.tensor)
                 if len(mv) != it.nbytes:
                     raise AssertionError(f"{it.key}: {len(mv)} bytes, expected {it.nbytes}")
-                crc = 0
                 for off in range(0, len(mv), WRITE_BLOCK_BYTES):
                     block = mv[off : off + WRITE_BLOCK_BYTES]
-                    if _knobs.CHECKSUMS:
-                        crc = crc32c(block, crc)
+                    crcs.update(block)
                     w.write(block)
                 del mv
+            blocks = crcs.finish()
             size += it.nbytes
             out.append(
                 ChunkMeta(
@@ -163,7 +167,8 @@ def _write_one(storage: Storage, rel: str, items: Sequence[WriteItem]) -> Tuple[
                     sizes=list(it.sizes),
                     byte_offset=start,
                     nbytes=it.nbytes,
-                    crc32c=crc,
+                    crc32c=crcs.crc,
+                    blocks=blocks,
                 )
             )
         w.close()
@@ -173,7 +178,7 @@ def _write_one(storage: Storage, rel: str, items: Sequence[WriteItem]) -> Tuple[
     return out, FileMeta(size)
 
 
-def _write_cuda(w, it: WriteItem, bounce: List[torch.Tensor]) -> int:
+def _write_cuda(w, it: WriteItem, bounce: List[torch.Tensor], crcs: BlockCrcs) -> None:
     """Stream a GPU chunk through two pinned buffers: block k+1 copies while block k is written."""
     src = it.tensor.detach()
     if not src.is_contiguous():
@@ -198,7 +203,6 @@ def _write_cuda(w, it: WriteItem, bounce: List[torch.Tensor]) -> int:
             bounce[k % 2][:n].copy_(flat[off : off + n], non_blocking=True)
             done[k % 2].record(stream)
 
-    crc = 0
     issue(0)
     for k, off in enumerate(offs):
         if k + 1 < len(offs):
@@ -207,25 +211,46 @@ def _write_cuda(w, it: WriteItem, bounce: List[torch.Tensor]) -> int:
         done[k % 2].synchronize()
         n = min(size, it.nbytes - off)
         mv = byte_view(bounce[k % 2][:n])
-        if _knobs.CHECKSUMS:
-            crc = crc32c(mv, crc)
+        crcs.update(mv)
         w.write(mv)
-    return crc
 
 
 def write_files(
-    storage: Storage, files: Dict[str, Sequence[WriteItem]], *, threads: int = DEFAULT_IO_THREADS
+    storage: Storage,
+    files: Dict[str, Sequence[WriteItem]],
+    *,
+    threads: int = DEFAULT_IO_THREADS,
+    block_bytes: Optional[int] = None,
 ) -> Tuple[List[ChunkMeta], Dict[str, FileMeta]]:
-    """Write each file in parallel; return chunk metadata and file sizes."""
+    """Write each file in parallel (safetensors, checksummed in the same pass); return chunk metadata and file sizes.
+
+    The one checksummed writer: ``save`` and every converter write tensor
+    bytes through it. Each returned chunk carries its CRC-32C and the CRC-32C
+    of every ``block_bytes`` slice (``blocks``, format v2); the caller
+    commits with :func:`shardckpt._format.commit`.
+
+    Args:
+        storage: destination.
+        files: relative path -> chunks to write into it, in order.
+        threads: files written in parallel.
+        block_bytes: block checksum size (default ``_knobs.BLOCK_BYTES``).
+
+    Raises:
+        OSError / StorageError: a write failed (the caller removes the files).
+
+    Example:
+        >>> chunks, sizes = write_files(storage, {"data/x.safetensors": items})   # doctest: +SKIP
+    """
+    bb = block_bytes or _knobs.BLOCK_BYTES
     chunks: List[ChunkMeta] = []
     metas: Dict[str, FileMeta] = {}
     if not files:
         return chunks, metas
     if len(files) == 1 or threads <= 1:
-        results = [(rel, _write_one(storage, rel, items)) for rel, items in files.items()]
+        results = [(rel, _write_one(storage, rel, items, bb)) for rel, items in files.items()]
     else:
         with ThreadPoolExecutor(max_workers=min(threads, len(files)), thread_name_prefix="shardckpt-w") as ex:
-            futs = {rel: ex.submit(_write_one, storage, rel, items) for rel, items in files.items()}
+            futs = {rel: ex.submit(_write_one, storage, rel, items, bb) for rel, items in files.items()}
             results = [(rel, f.result()) for rel, f in futs.items()]
     for rel, (c, fm) in results:
         chunks.extend(c)

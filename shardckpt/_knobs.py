@@ -27,6 +27,9 @@ environment variable                default     what it sets
                                                 targets; released when ``load`` returns)
 ``SHARDCKPT_LOAD_RANGE_BYTES``      8 MiB       largest coalesced read of a load, and the
                                                 size of one reusable read buffer
+``SHARDCKPT_BLOCK_BYTES``           1 MiB       format v2: one CRC-32C per this many bytes
+                                                of each chunk, so a ranged read verifies
+                                                on its own (at least 4 KiB)
 ``SHARDCKPT_CHECKSUMS``             1           0: skip CRC-32C on write (records 0) and
                                                 on read. Benchmarks only: a checkpoint
                                                 written so fails verification, as it should
@@ -52,6 +55,7 @@ __all__ = [
     "CHECKSUMS",
     "LOAD_BUFFER_BYTES",
     "LOAD_RANGE_BYTES",
+    "BLOCK_BYTES",
     "ENV_PREFIX",
 ]
 
@@ -136,3 +140,8 @@ LOAD_BUFFER_BYTES = _int("LOAD_BUFFER_BYTES", 64 << 20)
 #: small enough that several are in flight (reads overlap copies), large
 #: enough that a request's latency is amortised.
 LOAD_RANGE_BYTES = _int("LOAD_RANGE_BYTES", 8 << 20)
+#: Format v2 block checksums: one CRC-32C per this many bytes of a chunk
+#: (chunk-relative). 1 MiB: 4 bytes of metadata per MiB of data, and a ranged
+#: read over-reads at most one block at each end. Written into the manifest,
+#: so checkpoints saved with another value read the same.
+BLOCK_BYTES = _int("BLOCK_BYTES", 1 << 20, minimum=4096)

@@ -36,14 +36,27 @@ class Part:
 
 @dataclass
 class TensorLayout:
+    """One live tensor's geometry on this rank.
+
+    A *regular* tensor (a DTensor, or a plain tensor replicated over the
+    world) has ``regular`` (its ``_plan.RegularLayout``), ``mesh_ranks`` (the
+    global rank at each coordinate of that mesh, row-major; None: ranks
+    0..n-1) and ``coord`` (this rank's coordinate): enough to plan this rank's
+    writes in time independent of the world size. Other tensors
+    (ShardedTensor, per-rank data) list ``holders``: every box -> its ranks.
+    """
+
     name: str
     dtype: str  # safetensors name
     torch_dtype: torch.dtype
     shape: Tuple[int, ...]
     parts: List[Part]
-    holders: Dict[_plan.Box, Tuple[int, ...]]  # every box of the tensor -> global ranks
+    holders: Dict[_plan.Box, Tuple[int, ...]]  # irregular tensors: every box -> global ranks
     layout_json: Optional[Dict[str, Any]] = None
     kind: str = "tensor"  # "tensor" | "dtensor" | "sharded_tensor"
+    regular: Optional[_plan.RegularLayout] = None
+    mesh_ranks: Optional[Tuple[int, ...]] = None
+    coord: Optional[Tuple[int, ...]] = None
 
 
 def box_view(t: torch.Tensor, offsets: Sequence[int], sizes: Sequence[int]) -> torch.Tensor:
@@ -134,8 +147,14 @@ def layout_of(name: str, t: Any, *, rank: int, world_size: int, local_only: bool
         parts=[Part(whole, t, (0,) * len(shape))],
         # A plain tensor in a distributed save is taken as replicated (as in
         # DDP); per-rank data must be marked per-rank by the state layer.
-        holders={whole: tuple(range(world_size))},
+        holders={},
+        regular=_replicated(shape, world_size),
+        coord=(rank,),
     )
+
+
+def _replicated(shape: Tuple[int, ...], world: int) -> _plan.RegularLayout:
+    return _plan.RegularLayout(tuple(shape), (world,), (_plan.Replicate(),))
 
 
 def _whole_here(name: str, t: Any) -> TensorLayout:
@@ -149,7 +168,8 @@ def _whole_here(name: str, t: Any) -> TensorLayout:
             "(DTensor.full_tensor(), or a model built without sharding)"
         )
     # Whatever global rank the one-rank mesh has, this process is rank 0 of a world of one.
-    lay.holders = {whole: (0,)}
+    lay.holders = {}
+    lay.regular, lay.mesh_ranks, lay.coord = _replicated(lay.shape, 1), None, (0,)
     return lay
 
 
@@ -175,21 +195,28 @@ def _dtensor_layout(name: str, t) -> TensorLayout:
             if len(_GEOMETRY_CACHE) >= _GEOMETRY_CACHE_MAX:
                 _GEOMETRY_CACHE.clear()
             _GEOMETRY_CACHE[key] = hit
-    shape, boxes, holders, layout_json = hit[1]
+    shape, boxes, regular, mesh_ranks, coord, layout_json = hit[1]
     return TensorLayout(
         name=name,
         dtype=dtype_name(t.dtype, key=name),
         torch_dtype=t.dtype,
         shape=shape,
         parts=[Part(box, local, offsets) for box, offsets in boxes],
-        holders=dict(holders),
+        holders={},
         layout_json=dict(layout_json),
         kind="dtensor",
+        regular=regular,
+        mesh_ranks=mesh_ranks,
+        coord=coord,
     )
 
 
 def _dtensor_geometry(name: str, t):
-    """``(shape, [(box, local offsets)], holders, layout_json)`` of a DTensor on this rank."""
+    """``(shape, [(box, local offsets)], regular layout, mesh ranks, coord, layout_json)`` of a DTensor on this rank.
+
+    Costs O(own boxes) per tensor plus O(mesh) once per mesh (its copies in
+    the root mesh): no enumeration of other ranks' boxes.
+    """
     mesh = t.device_mesh
     placements = _placements(name, t)
     shape = tuple(t.shape)
@@ -208,17 +235,43 @@ def _dtensor_geometry(name: str, t):
                 "this torch version lays out the placement differently than shardckpt expects"
             )
     boxes = [(lb.box, lb.local_offsets) for lb in _plan.local_boxes(shape, mesh_shape, placements, coord)]
-    holders: Dict[_plan.Box, Tuple[int, ...]] = {}
-    for ranks in _mesh_copies(mesh):
-        for box, rs in _plan.layout_holders(shape, ranks, mesh_shape, placements).items():
-            holders[box] = tuple(sorted(set(holders.get(box, ())) | set(rs)))
+    copies, ranks, copy_index = _mesh_ranks(mesh)
+    if copies > 1:
+        # Copies of a sub-mesh along other root dims: one leading Replicate dim.
+        regular = _plan.regular_layout(shape, (copies,) + mesh_shape, [_plan.Replicate()] + placements)
+        full_coord = (copy_index,) + tuple(coord)
+    else:
+        regular = _plan.regular_layout(shape, mesh_shape, placements)
+        full_coord = tuple(coord)
     names = list(mesh.mesh_dim_names) if mesh.mesh_dim_names else None
     layout_json = {
         "mesh_shape": list(mesh_shape),
         "mesh_dim_names": names,
         "placements": [_placement_str(p) for p in placements],
     }
-    return shape, boxes, holders, layout_json
+    return shape, boxes, regular, ranks, full_coord, layout_json
+
+
+#: Per mesh (by id, the mesh kept alive in the value): (copies, rank list or
+#: None for 0..n-1, this rank's copy index). O(mesh) once per mesh.
+_MESH_CACHE: Dict[int, Any] = {}
+
+
+def _mesh_ranks(mesh) -> Tuple[int, Optional[Tuple[int, ...]], int]:
+    hit = _MESH_CACHE.get(id(mesh))
+    if hit is not None and hit[0] is mesh:
+        return hit[1]
+    import torch.distributed as dist
+
+    rows = _mesh_copies(mesh)
+    flat = tuple(r for row in rows for r in row)
+    me = dist.get_rank() if dist.is_available() and dist.is_initialized() else flat[0]
+    copy_index = next((i for i, row in enumerate(rows) if me in row), 0)
+    got = (len(rows), None if flat == tuple(range(len(flat))) else flat, copy_index)
+    if len(_MESH_CACHE) >= _GEOMETRY_CACHE_MAX:
+        _MESH_CACHE.clear()
+    _MESH_CACHE[id(mesh)] = (mesh, got)
+    return got
 
 
 def _mesh_copies(mesh) -> List[List[int]]:

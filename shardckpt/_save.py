@@ -19,6 +19,7 @@ plan and build new objects, never change one.
 from __future__ import annotations
 
 import copy as _copy
+import math
 import uuid
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
@@ -26,8 +27,11 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, Optional, 
 
 import torch
 
-from . import _plan
+from . import _knobs, _plan
 from ._format import (
+    FORMAT_VERSION,
+    IndexMeta,
+    index_file_name,
     DATA_DIR,
     MANIFEST_NAME,
     ChunkMeta,
@@ -40,6 +44,8 @@ from ._format import (
     tiling_problems,
     torch_dtype,
 )
+from ._format._v2 import index_bytes
+from ._format.checksum import crc32c
 from ._io import DEFAULT_IO_THREADS, WriteItem, partition, write_files
 from ._collective import DEFAULT_COLLECTIVE_TIMEOUT_S, FROM_ROOT, TO_ROOT, Comm, agree, open_comm
 from ._layout import TensorLayout, layout_of
@@ -72,19 +78,48 @@ def _layouts(tensors: Dict[str, Any], rank: int, world: int, local_only: bool = 
     }
 
 
+#: Writer rotations of the last save's regular tensors, keyed by their
+#: (name, layout, itemsize) signature: a manager's repeated saves of the same
+#: model plan once.
+_ROTATIONS: Dict[Any, Dict[str, int]] = {}
+
+
+def _rotations(layouts: Dict[str, TensorLayout]) -> Dict[str, int]:
+    sig = tuple((n, lay.regular, itemsize(lay.dtype)) for n, lay in layouts.items() if lay.regular is not None)
+    got = _ROTATIONS.get(sig)
+    if got is None:
+        got = _plan.writer_rotations(list(sig))
+        _ROTATIONS.clear()
+        _ROTATIONS[sig] = got
+    return got
+
+
 def _write_plan(layouts: Dict[str, TensorLayout], rank: int) -> List[WriteItem]:
-    """This rank's chunks to write: one writer per distinct box, bytes balanced."""
+    """This rank's chunks to write: one writer per distinct box, bytes balanced.
+
+    Regular tensors (DTensors, replicated plain tensors): ``_plan.is_writer``
+    from the tensor's layout, this rank's coordinate and the writer rotation,
+    O(own boxes) per tensor whatever the world size. Replicas of a box take
+    the tensors round-robin, largest first (``_plan.writer_rotations``).
+    Irregular tensors (ShardedTensor, per-rank data): greedy
+    ``assign_writers`` over their boxes.
+    """
+    rotations = _rotations(layouts)
     items = []
     for name, lay in layouts.items():
-        for box in sorted(lay.holders, key=lambda b: b.offsets):
-            items.append(((name, box), box.numel * itemsize(lay.dtype), lay.holders[box]))
-    writers = _plan.assign_writers(items)
+        if lay.regular is None:
+            for box in sorted(lay.holders, key=lambda b: b.offsets):
+                items.append(((name, box), box.numel * itemsize(lay.dtype), lay.holders[box]))
+    writers = _plan.assign_writers(items) if items else {}
     mine: List[WriteItem] = []
     seen = set()
     for name, lay in layouts.items():
+        if lay.regular is not None:
+            if not lay.parts or not _plan.is_writer(lay.regular, rotations[name], lay.coord):
+                continue
         for part in lay.parts:
             key = (name, part.box)
-            if writers.get(key) != rank or key in seen:
+            if key in seen or (lay.regular is None and writers.get(key) != rank):
                 continue
             seen.add(key)
             whole = part.box.sizes == lay.shape
@@ -246,7 +281,7 @@ def _own_tensors(
     out = dict(layouts)
     for n in names:
         lay = layouts[n]
-        out[n] = replace(lay, holders={_plan.Box((0,) * len(lay.shape), tuple(lay.shape)): (rank,)})
+        out[n] = replace(lay, holders={_plan.Box((0,) * len(lay.shape), tuple(lay.shape)): (rank,)}, regular=None)
         specs[n] = (lay.dtype, list(lay.shape))
     return specs, out
 
@@ -292,13 +327,29 @@ def execute_save(plan: SavePlan) -> None:
     # A chunk's tensor name travels with it: (file, key) identifies the item written.
     names = {(rel, it.key): it.name for rel, items in files.items() for it in items}
 
+    index_rel = index_file_name(save_id, rank)
+    block_bytes = _knobs.BLOCK_BYTES
+    regular = {n for n, lay in plan.layouts.items() if lay.regular is not None}
+
     def write() -> Tuple[Any, ...]:
-        chunks, fmetas = write_files(storage, files, threads=plan.io_threads)
+        chunks, fmetas = write_files(storage, files, threads=plan.io_threads, block_bytes=block_bytes)
+        named = [(names[(c.file, c.key)], c) for c in chunks]
+        index = None
+        if named:
+            body = index_bytes(save_id, rank, block_bytes, named)
+            storage.write_atomic(index_rel, body)
+            index = (index_rel, len(body), crc32c(body))
+        # Rank 0 needs only: the irregular tensors' chunks (to check their
+        # tiling and name their writers), whole-tensor chunks (the HF index),
+        # and the bytes written of regular tensors (a missing writer shows):
+        # O(own tensors) per rank, none of it per-box for sharded tensors.
         return (
             None,
-            [c.to_json() | {"name": names[(c.file, c.key)]} for c in chunks],
+            [c.to_json() | {"name": n} for n, c in named if n not in regular or c.key == n],
             {k: v.size for k, v in fmetas.items()},
             plan.per_rank,
+            index,
+            sum(c.nbytes for n, c in named if n in regular),
         )
 
     def commit_on_root(gathered) -> None:
@@ -313,7 +364,7 @@ def execute_save(plan: SavePlan) -> None:
         _, gathered = agree(comm, write, what=f"nothing was committed at {storage.url}", share=lambda v: v, mode=TO_ROOT)
         agree(comm, lambda: commit_on_root(gathered), what=f"save to {storage.url} failed")
     except BaseException:
-        for rel in files:
+        for rel in list(files) + [index_rel]:
             try:
                 storage.remove(rel)
             except Exception:
@@ -354,16 +405,72 @@ def stage_save(plan: SavePlan, copy: Callable[[List[torch.Tensor]], List[torch.T
 
 
 def _build_manifest(layouts: Dict[str, TensorLayout], gathered, world: int, save_id: str, tree: Any) -> Manifest:
-    tensors = {
-        name: TensorMeta(dtype=lay.dtype, shape=list(lay.shape), layout=lay.layout_json) for name, lay in layouts.items()
-    }
+    """Rank 0: the v2 manifest, O(tensors + ranks + irregular chunks).
+
+    Regular tensors get their layout record; irregular ones their writer
+    ranks, after a tiling check of their chunks. The bytes written of regular
+    tensors must add up to their sizes (a writer that wrote nothing shows).
+    """
+    from ._format import _v2  # noqa: F401  (v2 parse registered with the format layer)
+
+    tensors: Dict[str, TensorMeta] = {}
+    meshes: List[Any] = []
+    mesh_ids: Dict[Any, int] = {}
+    rotations = _rotations(layouts)
+    want_regular = 0
+    for name, lay in layouts.items():
+        t = TensorMeta(dtype=lay.dtype, shape=list(lay.shape), layout=lay.layout_json)
+        if lay.regular is not None:
+            key = "iota" if lay.mesh_ranks is None else id(lay.mesh_ranks)
+            if key not in mesh_ids:
+                mesh_ids[key] = len(meshes)
+                meshes.append("iota" if lay.mesh_ranks is None else list(lay.mesh_ranks))
+            rec = _plan.layout_to_json(lay.regular)
+            t.regular = {
+                "mesh_shape": rec["mesh_shape"],
+                "placements": rec["placements"],
+                "mesh": mesh_ids[key],
+                "rotation": rotations[name],
+            }
+            want_regular += math.prod(lay.shape) * itemsize(lay.dtype)
+        else:
+            t.writers = []
+        tensors[name] = t
     files: Dict[str, FileMeta] = {}
-    for _, chunks, fsizes, _ in gathered:
+    indexes: Dict[str, IndexMeta] = {}
+    got_regular = 0
+    explicit: Dict[str, TensorMeta] = {}
+    for rank, (_, chunks, fsizes, _, index, regular_bytes) in enumerate(gathered):
         for rel, size in fsizes.items():
             files[rel] = FileMeta(size)
+        if index is not None:
+            indexes[index[0]] = IndexMeta(rank=rank, size=index[1], crc32c=index[2])
+        got_regular += regular_bytes
         for c in chunks:
             name = c.pop("name")
-            tensors[name].chunks.append(ChunkMeta(**c))
-    bad = tiling_problems(tensors)
+            t = tensors[name]
+            cm = ChunkMeta(**c)
+            if t.regular is None:
+                t.writers.append(rank)
+                explicit.setdefault(name, TensorMeta(t.dtype, t.shape)).chunks.append(cm)
+            # Whole-tensor chunks: kept (not serialized in v2) for the HF index.
+            t.chunks.append(cm)
+    for name, t in tensors.items():
+        if t.regular is None:
+            t.writers = sorted(set(t.writers))
+            explicit.setdefault(name, TensorMeta(t.dtype, t.shape))
+    bad = tiling_problems(explicit)
     assert not bad, "internal error, saved chunks do not tile: " + "; ".join(bad)
-    return Manifest(world_size=world, tensors=tensors, files=files, values=tree, save_id=save_id, library_version=_version())
+    assert got_regular == want_regular, f"internal error: {got_regular} bytes of regular tensors written, {want_regular} expected"
+    return Manifest(
+        world_size=world,
+        tensors=tensors,
+        files=files,
+        values=tree,
+        save_id=save_id,
+        library_version=_version(),
+        version=FORMAT_VERSION,
+        block_bytes=_knobs.BLOCK_BYTES,
+        meshes=meshes,
+        indexes=indexes,
+    )

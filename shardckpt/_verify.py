@@ -141,6 +141,9 @@ def _check_file(
             if on_bytes is not None:
                 on_bytes(c.nbytes)
             continue  # safetensors source: no checksum; header, bounds and size checked
+        if c.blocks is not None and m.block_bytes:
+            errs.extend(_check_blocks(storage, m, rel, name, c, on_bytes))
+            continue
         crc = 0
         for off in range(0, c.nbytes, VERIFY_BLOCK_BYTES):
             n = min(VERIFY_BLOCK_BYTES, c.nbytes - off)
@@ -157,3 +160,33 @@ def _check_file(
                     f"{where}: chunk {c.key!r} of tensor {name!r} has crc32c {crc:#010x}, manifest says {c.crc32c:#010x}"
                 )
     return errs
+
+
+def _check_blocks(
+    storage: Any, m: Manifest, rel: str, name: str, c: ChunkMeta, on_bytes: Optional[Callable[[int], None]]
+) -> List[str]:
+    """Format v2: every block of a chunk against its own CRC-32C; names the damaged blocks by byte range."""
+    where = storage.url_of(rel)
+    bb = m.block_bytes
+    step = max(bb, VERIFY_BLOCK_BYTES // bb * bb)  # whole blocks per read
+    bad: List[int] = []
+    for off in range(0, c.nbytes, step):
+        n = min(step, c.nbytes - off)
+        data = storage.read_range(rel, c.byte_offset + off, n)
+        if len(data) != n:
+            return [f"{where}: chunk {c.key!r} truncated"]
+        mv = memoryview(data)
+        for k in range(0, n, bb):
+            i = (off + k) // bb
+            if crc32c(mv[k : k + bb]) != c.blocks[i]:
+                bad.append(i)
+        if on_bytes is not None:
+            on_bytes(n)
+    if not bad:
+        return []
+    shown = ", ".join(f"[{c.byte_offset + i * bb}, {c.byte_offset + min((i + 1) * bb, c.nbytes)})" for i in bad[:5])
+    more = f" and {len(bad) - 5} more" if len(bad) > 5 else ""
+    return [
+        f"{where}: chunk {c.key!r} of tensor {name!r}: crc32c of {plural(len(bad), 'block')} differs from the "
+        f"index (file bytes {shown}{more})"
+    ]

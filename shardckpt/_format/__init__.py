@@ -1,4 +1,4 @@
-"""The on-disk format, v1 (``docs/format.md`` is the spec): the one place that knows the bytes.
+"""The on-disk format, v1 and v2 (``docs/format.md`` is the spec): the one place that knows the bytes.
 
 - :mod:`.naming`: file names (``manifest.json``, the HF index, ``data/``, data files, chunk keys);
 - :mod:`.dtypes`: safetensors dtype names and item sizes;
@@ -27,6 +27,7 @@ from .manifest import (
     MAX_NDIM,
     ChunkMeta,
     FileMeta,
+    IndexMeta,
     Manifest,
     TensorMeta,
     check_relpath,
@@ -35,7 +36,18 @@ from .manifest import (
     plural,
     tiling_problems,
 )
-from .naming import DATA_DIR, DATA_SUFFIX, HF_INDEX_NAME, MANIFEST_NAME, chunk_key, data_file_name, save_id_prefix
+from .naming import (
+    DATA_DIR,
+    DATA_SUFFIX,
+    HF_INDEX_NAME,
+    INDEX_DIR,
+    MANIFEST_NAME,
+    chunk_key,
+    data_file_name,
+    index_file_name,
+    save_id_prefix,
+)
+from .resolve import MetaCache, ResolvedChunk, block_span, resolve_chunks
 from .values import TAG, decode_value, encode_value, is_tensor_ref, plain_values, rename_refs, tensor_ref
 
 __all__ = [
@@ -45,8 +57,10 @@ __all__ = [
     "MAX_HEADER_BYTES", "parse_safetensors_header", "read_safetensors_header", "safetensors_header",
     "MAX_INDEX_BYTES", "SOURCE_SAFETENSORS", "hf_manifest",
     "FORMAT_NAME", "FORMAT_VERSION", "MAX_MANIFEST_BYTES", "MAX_NDIM",
-    "ChunkMeta", "FileMeta", "Manifest", "TensorMeta",
+    "ChunkMeta", "FileMeta", "IndexMeta", "Manifest", "TensorMeta",
     "check_relpath", "manifest_from_bytes", "manifest_to_bytes", "plural", "tiling_problems",
-    "DATA_DIR", "DATA_SUFFIX", "HF_INDEX_NAME", "MANIFEST_NAME", "chunk_key", "data_file_name", "save_id_prefix",
+    "DATA_DIR", "DATA_SUFFIX", "HF_INDEX_NAME", "INDEX_DIR", "MANIFEST_NAME", "chunk_key", "data_file_name",
+    "index_file_name", "save_id_prefix",
+    "MetaCache", "ResolvedChunk", "block_span", "resolve_chunks",
     "TAG", "decode_value", "encode_value", "is_tensor_ref", "plain_values", "rename_refs", "tensor_ref",
 ]

@@ -23,7 +23,7 @@ from typing import Dict, List
 
 import crc32c as _crc32c
 
-__all__ = ["ALGOS", "checksum", "combine", "crc32c", "crc32c_combine"]
+__all__ = ["ALGOS", "checksum", "combine", "crc32c", "crc32c_combine", "BlockCrcs", "pack_crcs", "unpack_crcs"]
 
 _POLY_REFLECTED = {"crc32c": 0x82F63B78, "crc32": 0xEDB88320}
 ALGOS = tuple(_POLY_REFLECTED)
@@ -119,3 +119,80 @@ def crc32c_combine(crc_a: int, crc_b: int, len_b: int) -> int:
         True
     """
     return combine("crc32c", crc_a, crc_b, len_b)
+
+
+class BlockCrcs:
+    """CRC-32C of each ``block_bytes`` slice of a byte stream fed in pieces of any size.
+
+    The writer's one pass over a chunk: ``update`` with each piece as it goes
+    out, ``finish`` for the list (format v2 block checksums, the last block
+    short). ``crc`` is the whole stream's CRC (v1's per-chunk value), joined
+    from the blocks with :func:`crc32c_combine`.
+
+    Example:
+        >>> b = BlockCrcs(4); b.update(b"abcdef"); b.update(b"gh"); b.finish() == [crc32c(b"abcd"), crc32c(b"efgh")]
+        True
+    """
+
+    def __init__(self, block_bytes: int, *, enabled: bool = True):
+        if block_bytes < 1:
+            raise ValueError(f"block_bytes must be >= 1, found {block_bytes}")
+        self.block_bytes = block_bytes
+        self.enabled = enabled
+        self.crcs: List[int] = []
+        self.nbytes = 0
+        self._fill = 0
+        self._cur = 0
+
+    def update(self, data) -> None:
+        mv = memoryview(data).cast("B") if not isinstance(data, memoryview) or data.format != "B" else data
+        pos, n = 0, len(mv)
+        while pos < n:
+            take = min(self.block_bytes - self._fill, n - pos)
+            if self.enabled:
+                self._cur = _crc32c.crc32c(mv[pos : pos + take], self._cur)
+            self._fill += take
+            pos += take
+            if self._fill == self.block_bytes:
+                self.crcs.append(self._cur)
+                self._cur, self._fill = 0, 0
+        self.nbytes += n
+
+    def finish(self) -> List[int]:
+        if self._fill:
+            self.crcs.append(self._cur)
+            self._cur, self._fill = 0, 0
+        return self.crcs
+
+    @property
+    def crc(self) -> int:
+        """CRC-32C of everything fed (call after :meth:`finish`)."""
+        crc = 0
+        for i, b in enumerate(self.crcs):
+            crc = crc32c_combine(crc, b, min(self.block_bytes, self.nbytes - i * self.block_bytes))
+        return crc
+
+
+def pack_crcs(crcs: List[int]) -> str:
+    """Block CRCs as base64 of little-endian u32 (4 bytes a block; how index files store them)."""
+    import base64
+    import struct
+
+    return base64.b64encode(struct.pack(f"<{len(crcs)}I", *crcs)).decode("ascii")
+
+
+def unpack_crcs(text: str, count: int) -> List[int]:
+    """Inverse of :func:`pack_crcs`; ``ValueError`` unless ``text`` holds exactly ``count`` CRCs."""
+    import base64
+    import binascii
+    import struct
+
+    if not isinstance(text, str) or len(text) != 4 * -(-4 * count // 3):
+        raise ValueError(f"block checksums: expected base64 of {count} u32, found {len(text) if isinstance(text, str) else type(text).__name__}")
+    try:
+        raw = base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError) as e:
+        raise ValueError(f"block checksums are not base64 ({e})") from None
+    if len(raw) != 4 * count:
+        raise ValueError(f"block checksums: {len(raw)} bytes, expected {4 * count}")
+    return list(struct.unpack(f"<{count}I", raw))

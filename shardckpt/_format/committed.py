@@ -22,7 +22,7 @@ from ..errors import CheckpointNotFoundError, format_offenders
 from . import manifest as _manifest
 from .hf import MAX_INDEX_BYTES, hf_manifest
 from .manifest import Manifest, check_relpath, manifest_from_bytes, manifest_to_bytes
-from .naming import DATA_DIR, DATA_SUFFIX, HF_INDEX_NAME, MANIFEST_NAME, save_id_prefix
+from .naming import DATA_DIR, DATA_SUFFIX, HF_INDEX_NAME, INDEX_DIR, MANIFEST_NAME, save_id_prefix
 
 __all__ = ["commit", "open_manifest", "hf_index_bytes", "TORCH_SAVE_SUFFIXES", "NOT_FOUND_LISTED"]
 
@@ -105,12 +105,17 @@ def _restore(storage: Any, rel: str, data: Optional[bytes]) -> None:
 def _remove_stale(storage: Any, save_id: str) -> None:
     """After a replacing commit, drop data files of the replaced checkpoint; best effort."""
     prefix = save_id_prefix(save_id)
-    for name in storage.listdir(DATA_DIR):
-        if name.endswith(DATA_SUFFIX) and not name.startswith(prefix):
-            try:
-                storage.remove(f"{DATA_DIR}/{name}")
-            except Exception:
-                pass
+    for folder, suffix in ((DATA_DIR, DATA_SUFFIX), (INDEX_DIR, ".json")):
+        try:
+            names = storage.listdir(folder)
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        for name in names:
+            if name.endswith(suffix) and not name.startswith(prefix):
+                try:
+                    storage.remove(f"{folder}/{name}")
+                except Exception:
+                    pass
     # A sharded save over a whole one leaves the old HF index naming files
     # just removed: drop it rather than leave a broken HF directory.
     try:
@@ -134,8 +139,14 @@ def _remove_stale(storage: Any, save_id: str) -> None:
 # open
 
 
-def open_manifest(target: Any, *, storage_options: Optional[Dict[str, Any]] = None) -> Manifest:
+def open_manifest(target: Any, *, storage_options: Optional[Dict[str, Any]] = None, chunks: bool = True) -> Manifest:
     """Read and validate the committed checkpoint at ``target`` (a URL or a storage object).
+
+    The manifest's own checksum (v2) is checked before anything in it is
+    used. With ``chunks`` (the default), every tensor's chunk list is filled
+    in: for v2, from every rank's index file (each checked against its CRC in
+    the manifest). A load passes ``chunks=False`` and resolves only the chunks
+    it needs (:func:`~shardckpt._format.resolve.resolve_chunks`).
 
     Without ``manifest.json``, safetensors files there (a Hugging Face
     directory, with or without its index, or one ``.safetensors`` file) read
@@ -161,7 +172,12 @@ def open_manifest(target: Any, *, storage_options: Optional[Dict[str, Any]] = No
     except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
         pass
     else:
-        return manifest_from_bytes(data, url=storage.url)
+        m = manifest_from_bytes(data, url=storage.url)
+        if chunks:
+            from ._v2 import materialize
+
+            materialize(m, storage)
+        return m
     kind, names, magic = _probe(storage)
     if kind == "file" and not storage.url.endswith(DATA_SUFFIX):
         raise CheckpointNotFoundError(_not_found(storage, _file_advice(storage.url, magic)))

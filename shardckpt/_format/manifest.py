@@ -19,6 +19,10 @@ from .dtypes import DTYPES, itemsize
 from .naming import MANIFEST_NAME
 
 __all__ = [
+    "IndexMeta",
+    "V1",
+    "canonical_json",
+    "check_shared_bytes",
     "FORMAT_NAME",
     "FORMAT_VERSION",
     "MAX_MANIFEST_BYTES",
@@ -34,7 +38,14 @@ __all__ = [
 ]
 
 FORMAT_NAME = "shardckpt"
-FORMAT_VERSION = 1
+#: The newest version this library reads and writes (``save`` and the
+#: converters write it). A ``Manifest`` built without ``version=`` is v1, whose
+#: bytes ``tests/data/manifest_golden.json`` pins.
+FORMAT_VERSION = 2
+V1 = 1
+#: Top-level field of a v2 manifest holding the CRC-32C of its own canonical
+#: bytes without that field.
+MANIFEST_CRC_FIELD = "manifest_crc32c"
 
 #: Upper bounds on metadata read from storage (a hostile file cannot make us
 #: allocate more than this before we have validated it).
@@ -62,6 +73,9 @@ class ChunkMeta:
     # None only for chunks synthesized from foreign files without checksums
     # (Hugging Face safetensors, see _hf); manifest.json always has one.
     crc32c: Optional[int]
+    # v2: CRC-32C of each ``Manifest.block_bytes`` slice of the chunk (from the
+    # writer's index file); None for v1 chunks. Never in a v1 manifest's bytes.
+    blocks: Optional[List[int]] = field(default=None, compare=False, repr=False)
 
     def to_json(self) -> Dict[str, Any]:
         return {
@@ -83,6 +97,11 @@ class TensorMeta:
     shape: List[int]
     chunks: List[ChunkMeta] = field(default_factory=list)
     layout: Optional[Dict[str, Any]] = None  # informational: how it was sharded
+    # v2 only. ``regular``: {"mesh_shape", "placements", "mesh", "rotation"}:
+    # chunks derive from it and live in the writers' index files. Otherwise
+    # ``writers``: the ranks whose index files hold the tensor's chunks.
+    regular: Optional[Dict[str, Any]] = None
+    writers: Optional[List[int]] = None
 
     @property
     def nbytes(self) -> int:
@@ -107,6 +126,18 @@ class FileMeta:
         return {"size": self.size}
 
 
+@dataclass
+class IndexMeta:
+    """v2: a writing rank's index file (its chunks and their block checksums), checksummed here."""
+
+    rank: int
+    size: int
+    crc32c: int
+
+    def to_json(self) -> Dict[str, Any]:
+        return {"rank": self.rank, "size": self.size, "crc32c": self.crc32c}
+
+
 @dataclass(repr=False)
 class Manifest:
     """Everything ``manifest.json`` holds. Its presence is the commit."""
@@ -118,7 +149,12 @@ class Manifest:
     save_id: str = ""
     library_version: str = ""
     extra: Dict[str, Any] = field(default_factory=dict)
-    version: int = FORMAT_VERSION
+    version: int = V1
+    # v2 only: block size of the block checksums; rank lists of the meshes
+    # regular layouts refer to ("iota": ranks 0..n-1); the index files.
+    block_bytes: int = 0
+    meshes: List[Any] = field(default_factory=list)
+    indexes: Dict[str, IndexMeta] = field(default_factory=dict)
 
     @property
     def total_bytes(self) -> int:
@@ -142,6 +178,8 @@ class Manifest:
         )
 
     def to_json(self) -> Dict[str, Any]:
+        if self.version >= 2:
+            return _v2_json(self)
         return {
             "format": FORMAT_NAME,
             "format_version": self.version,
@@ -156,9 +194,53 @@ class Manifest:
         }
 
 
+def _v2_json(m: Manifest) -> Dict[str, Any]:
+    tensors = {}
+    for name in sorted(m.tensors):
+        t = m.tensors[name]
+        tj: Dict[str, Any] = {"dtype": t.dtype, "shape": list(t.shape)}
+        if t.layout is not None:
+            tj["layout"] = t.layout
+        if t.regular is not None:
+            tj["regular"] = t.regular
+        else:
+            tj["writers"] = sorted(t.writers or [])
+        tensors[name] = tj
+    return {
+        "format": FORMAT_NAME,
+        "format_version": m.version,
+        "library_version": m.library_version,
+        "save_id": m.save_id,
+        "world_size": m.world_size,
+        "checksum": "crc32c",
+        "block_bytes": m.block_bytes,
+        "meshes": m.meshes,
+        "tensors": tensors,
+        "files": {k: m.files[k].to_json() for k in sorted(m.files)},
+        "indexes": {k: m.indexes[k].to_json() for k in sorted(m.indexes)},
+        "values": m.values,
+        "extra": m.extra,
+    }
+
+
+def canonical_json(obj: Any) -> bytes:
+    """The one canonical JSON encoding of metadata: sorted keys, compact, trailing newline, no NaN."""
+    return (json.dumps(obj, sort_keys=True, separators=(",", ":"), allow_nan=False) + "\n").encode()
+
+
 def manifest_to_bytes(m: Manifest) -> bytes:
-    """Canonical bytes: sorted keys, compact separators, trailing newline, no NaN."""
-    return (json.dumps(m.to_json(), sort_keys=True, separators=(",", ":"), allow_nan=False) + "\n").encode()
+    """Canonical bytes: sorted keys, compact separators, trailing newline, no NaN.
+
+    From v2 on, the manifest carries ``manifest_crc32c``: the CRC-32C of these
+    bytes without that field, so any change to them is detected on open.
+    """
+    body = m.to_json()
+    if m.version < 2:
+        return canonical_json(body)
+    from .checksum import crc32c
+
+    body[MANIFEST_CRC_FIELD] = crc32c(canonical_json(body))
+    return canonical_json(body)
 
 
 # --------------------------------------------------------------------------
@@ -222,6 +304,23 @@ def tiling_problems(tensors: Dict[str, TensorMeta]) -> List[str]:
     return sorted(bad)
 
 
+def check_shared_bytes(tensors: Dict[str, TensorMeta], where: str) -> None:
+    """Refuse chunks that claim the same file bytes (O(n log n) for n chunks).
+
+    Raises:
+        CorruptCheckpointError: naming the clashing chunks (first
+            ``DEFAULT_OFFENDER_LIMIT``).
+    """
+    from .._plan import shared_byte_ranges
+
+    clashes = shared_byte_ranges(
+        (c.file, c.byte_offset, c.nbytes, f"{name!r} chunk {c.key!r}") for name, t in tensors.items() for c in t.chunks
+    )
+    if clashes:
+        listed = "; ".join(f"{k.file} bytes [{k.start}, {k.stop}) claimed by {k.first} and {k.second}" for k in clashes)
+        raise CorruptCheckpointError(f"{where}: chunks share file bytes (a damaged or crafted checkpoint): {listed}")
+
+
 def manifest_from_bytes(data: bytes, *, url: str = "") -> Manifest:
     """Parse and validate ``manifest.json``; raise on anything unsafe or inconsistent."""
     where = f"{url.rstrip('/')}/{MANIFEST_NAME}" if url else MANIFEST_NAME
@@ -239,6 +338,12 @@ def manifest_from_bytes(data: bytes, *, url: str = "") -> Manifest:
             f"{where}: format_version {version} is not supported by this shardckpt "
             f"(reads versions 1..{FORMAT_VERSION}); upgrade shardckpt"
         )
+    if version >= 2:
+        from ._v2 import manifest_v2_from_raw
+
+        return manifest_v2_from_raw(raw, where)
+    if MANIFEST_CRC_FIELD in raw:
+        raise CorruptCheckpointError(f"{where}: a format_version 1 manifest carries {MANIFEST_CRC_FIELD!r}: damaged")
     world_size = _req(raw, "world_size", int, where)
     if world_size < 1:
         raise CorruptCheckpointError(f"{where}: world_size must be >= 1, found {world_size}")
@@ -288,6 +393,7 @@ def manifest_from_bytes(data: bytes, *, url: str = "") -> Manifest:
     bad = tiling_problems(tensors)
     if bad:
         raise CorruptCheckpointError(f"{where}: chunks do not tile their tensors: " + "; ".join(sorted(bad)[:20]))
+    check_shared_bytes(tensors, where)
     extra = raw.get("extra") or {}
     return Manifest(
         world_size=world_size,

@@ -52,3 +52,12 @@ def chunk_key(name: str, offsets: Sequence[int], whole: bool) -> str:
     if whole:
         return name
     return f"{name}@{','.join(str(o) for o in offsets)}"
+
+
+#: v2: directory of the per-rank index files.
+INDEX_DIR = "index"
+
+
+def index_file_name(save_id: str, rank: int) -> str:
+    """``index/<save>-r<rank>.json``: the chunks rank ``rank`` wrote, with their block checksums."""
+    return f"{INDEX_DIR}/{save_id_prefix(save_id)}r{rank:05d}.json"

@@ -83,6 +83,21 @@ def encode_value(v: Any, path: str) -> Any:
     )
 
 
+#: The only spellings of the ``float`` tag (what ``repr`` gives for them).
+NONFINITE = {"nan": float("nan"), "inf": float("inf"), "-inf": float("-inf")}
+
+
+def _nonfinite(text: Any) -> float:
+    """The float a ``float`` tag stands for: exactly ``nan``/``inf``/``-inf``.
+
+    ``float("1e5000")`` is ``inf`` too: a damaged or crafted tag must not
+    turn a finite-looking string into an infinity without saying so.
+    """
+    if not isinstance(text, str) or text not in NONFINITE:
+        raise ValueError(f"float tag value {text!r:.40} is not 'nan', 'inf' or '-inf'")
+    return NONFINITE[text]
+
+
 def decode_value(node: Any) -> Any:
     """The Python value of an encoded node (tensor references are an error here).
 
@@ -97,7 +112,7 @@ def decode_value(node: Any) -> Any:
     if isinstance(node, dict) and TAG in node:
         kind = node[TAG]
         if kind == "float":
-            return float(node["value"])
+            return _nonfinite(node["value"])
         if kind == "dtype":
             import torch
 

@@ -190,7 +190,7 @@ def test_inspect_fields(tmp_path):
     state = {"model": _model(3), "x": torch.zeros(4, 2, dtype=torch.float16), "step": 5}
     shardckpt.save(state, path)
     m = shardckpt.inspect(path)
-    assert m.world_size == 1 and m.version == 1 and len(m.save_id) == 32
+    assert m.world_size == 1 and m.version == shardckpt._format.FORMAT_VERSION and len(m.save_id) == 32
     assert m.library_version == shardckpt.__version__
     assert sorted(m.tensors) == ["model.0.bias", "model.0.weight", "model.2.weight", "model.steps", "x"]
     assert m.tensors["x"].dtype == "F16" and m.tensors["x"].shape == [4, 2]

@@ -1,0 +1,435 @@
+"""Format v2 internals: the manifest's v2 fields, per-rank index files, chunk resolution.
+
+A v2 manifest lists no chunks: a tensor of a regular layout (placements over
+a mesh, or plain replicated data) carries its layout record, from which every
+chunk and its writer rank derive (``_plan``); an irregular one names its
+writer ranks. Each writing rank's index file lists the chunks it wrote with
+their block checksums; the manifest records each index file's size and
+CRC-32C, and its own CRC-32C covers all of it (a two-level tree).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from ..errors import CorruptCheckpointError, UnsafeMetadataError
+from .checksum import crc32c, pack_crcs, unpack_crcs
+from .dtypes import DTYPES, itemsize
+from .manifest import (
+    FORMAT_NAME,
+    MANIFEST_CRC_FIELD,
+    MAX_MANIFEST_BYTES,
+    ChunkMeta,
+    FileMeta,
+    IndexMeta,
+    Manifest,
+    TensorMeta,
+    _int_list,
+    _req,
+    canonical_json,
+    check_relpath,
+)
+from .naming import chunk_key
+from .resolve import MetaCache, ResolvedChunk
+
+INDEX_FORMAT = "shardckpt-index"
+#: Largest index file read (one rank's chunk list).
+MAX_INDEX_FILE_BYTES = 1 << 30
+#: Largest block size a manifest may declare, and the smallest.
+MAX_BLOCK_BYTES = 1 << 34
+MIN_BLOCK_BYTES = 4096
+_LISTED = 20
+
+
+def _bad(where: str, what: str) -> CorruptCheckpointError:
+    return CorruptCheckpointError(f"{where}: {what}")
+
+
+def nblocks(nbytes: int, block_bytes: int) -> int:
+    return -(-nbytes // block_bytes) if nbytes else 0
+
+
+# --------------------------------------------------------------------------
+# manifest v2: parse (serialization is in manifest.py)
+
+
+def manifest_v2_from_raw(raw: Dict[str, Any], where: str) -> Manifest:
+    """Validate a parsed v2 manifest; its own checksum first, so nothing damaged is interpreted."""
+    if MANIFEST_CRC_FIELD not in raw:
+        raise _bad(where, f"missing field {MANIFEST_CRC_FIELD!r} (the manifest's own checksum)")
+    want = raw.pop(MANIFEST_CRC_FIELD)
+    try:
+        got = crc32c(canonical_json(raw))
+    except (ValueError, TypeError, RecursionError):  # NaN/Infinity tokens, absurd nesting
+        raise _bad(where, "holds values canonical JSON cannot (NaN, Infinity or overflowing numbers): damaged") from None
+    if got != want:
+        raise _bad(
+            where,
+            f"checksum mismatch: {MANIFEST_CRC_FIELD} says {want!r:.20}, the manifest's bytes give {got}; "
+            "the manifest is damaged (restore it from a copy, or use an older checkpoint)",
+        )
+    world_size = _req(raw, "world_size", int, where)
+    if world_size < 1:
+        raise _bad(where, f"world_size must be >= 1, found {world_size}")
+    block_bytes = _req(raw, "block_bytes", int, where)
+    if not MIN_BLOCK_BYTES <= block_bytes <= MAX_BLOCK_BYTES:
+        raise _bad(where, f"block_bytes {block_bytes} outside [{MIN_BLOCK_BYTES}, {MAX_BLOCK_BYTES}]")
+    files: Dict[str, FileMeta] = {}
+    for path, fm in _req(raw, "files", dict, where).items():
+        check_relpath(path, where=f"{where}: files")
+        size = _req(fm, "size", int, f"{where}: files[{path!r}]")
+        if size < 0:
+            raise _bad(where, f"files[{path!r}].size is negative")
+        files[path] = FileMeta(size)
+    indexes: Dict[str, IndexMeta] = {}
+    ranks_seen: Dict[int, str] = {}
+    for path, im in _req(raw, "indexes", dict, where).items():
+        iw = f"{where}: indexes[{path!r}]"
+        check_relpath(path, where=iw)
+        meta = IndexMeta(_req(im, "rank", int, iw), _req(im, "size", int, iw), _req(im, "crc32c", int, iw))
+        if not 0 <= meta.rank < world_size or meta.rank in ranks_seen:
+            raise _bad(iw, f"rank {meta.rank} outside 0..{world_size - 1} or listed twice")
+        if not 0 <= meta.size <= MAX_INDEX_FILE_BYTES or not 0 <= meta.crc32c < 2**32:
+            raise _bad(iw, f"size {meta.size} or crc32c {meta.crc32c} out of range")
+        if path in files:
+            raise _bad(iw, "is also listed as a data file")
+        ranks_seen[meta.rank] = path
+        indexes[path] = meta
+    meshes = _req(raw, "meshes", list, where)
+    for i, mesh in enumerate(meshes):
+        if mesh != "iota" and not (
+            isinstance(mesh, list) and all(isinstance(r, int) and not isinstance(r, bool) and 0 <= r < world_size for r in mesh)
+        ):
+            raise _bad(where, f"meshes[{i}] must be 'iota' or a list of ranks in 0..{world_size - 1}")
+    tensors: Dict[str, TensorMeta] = {}
+    for name, tm in _req(raw, "tensors", dict, where).items():
+        tw = f"{where}: tensor {name!r}"
+        dt = _req(tm, "dtype", str, tw)
+        if dt not in DTYPES:
+            raise _bad(tw, f"unknown dtype {dt!r}")
+        shape = _int_list(tm, "shape", tw)
+        layout = tm.get("layout")
+        t = TensorMeta(dtype=dt, shape=shape, chunks=[], layout=layout if isinstance(layout, dict) else None)
+        if "regular" in tm:
+            reg = _req(tm, "regular", dict, tw)
+            lay = _regular_of(reg, shape, tw)
+            mesh = _req(reg, "mesh", int, tw)
+            rot = _req(reg, "rotation", int, tw)
+            if not 0 <= mesh < len(meshes):
+                raise _bad(tw, f"mesh {mesh} is not one of the {len(meshes)} meshes")
+            n = lay.world
+            if meshes[mesh] == "iota" and n > world_size or meshes[mesh] != "iota" and len(meshes[mesh]) != n:
+                raise _bad(tw, f"mesh {mesh} does not have the {n} ranks of mesh shape {list(lay.mesh_shape)}")
+            if not 0 <= rot < n:
+                raise _bad(tw, f"rotation {rot} outside 0..{n - 1}")
+            t.regular = reg
+        else:
+            writers = _req(tm, "writers", list, tw)
+            if any(not isinstance(r, int) or isinstance(r, bool) or not 0 <= r < world_size for r in writers):
+                raise _bad(tw, f"writers must be ranks in 0..{world_size - 1}")
+            t.writers = list(writers)
+        tensors[name] = t
+    extra = raw.get("extra") or {}
+    return Manifest(
+        world_size=world_size,
+        tensors=tensors,
+        files=files,
+        values=raw.get("values"),
+        save_id=str(raw.get("save_id", "")),
+        library_version=str(raw.get("library_version", "")),
+        extra=extra if isinstance(extra, dict) else {},
+        version=raw["format_version"],
+        block_bytes=block_bytes,
+        meshes=meshes,
+        indexes=indexes,
+    )
+
+
+def _regular_of(reg: Dict[str, Any], shape: List[int], where: str):
+    from .. import _plan
+
+    try:
+        return _plan.layout_from_json({"shape": list(shape), "mesh_shape": reg.get("mesh_shape"), "placements": reg.get("placements")})
+    except ValueError as e:
+        raise _bad(where, f"invalid layout record: {e}") from None
+
+
+def regular_of(t: TensorMeta):
+    """The ``_plan.RegularLayout`` of a v2 regular tensor (memoized on the TensorMeta)."""
+    lay = t.__dict__.get("_regular_layout")
+    if lay is None:
+        lay = _regular_of(t.regular, t.shape, "tensor")
+        t.__dict__["_regular_layout"] = lay
+    return lay
+
+
+def mesh_rank(m: Manifest, t: TensorMeta, coord: Sequence[int]) -> int:
+    """Global rank at mesh ``coord`` of a regular tensor's mesh."""
+    lay = regular_of(t)
+    flat = 0
+    for c, n in zip(coord, lay.mesh_shape):
+        flat = flat * n + c
+    mesh = m.meshes[t.regular["mesh"]]
+    return flat if mesh == "iota" else mesh[flat]
+
+
+# --------------------------------------------------------------------------
+# index files
+
+
+def index_bytes(save_id: str, rank: int, block_bytes: int, chunks: Sequence[Tuple[str, ChunkMeta]]) -> bytes:
+    """A rank's index file: ``(tensor name, chunk)`` for every chunk it wrote, with block CRCs."""
+    recs = []
+    for name, c in sorted(chunks, key=lambda nc: (nc[0], nc[1].offsets)):
+        recs.append(
+            {
+                "tensor": name,
+                "key": c.key,
+                "file": c.file,
+                "offsets": list(c.offsets),
+                "sizes": list(c.sizes),
+                "byte_offset": c.byte_offset,
+                "nbytes": c.nbytes,
+                "crc32c": c.crc32c,
+                "blocks": pack_crcs(c.blocks or []),
+            }
+        )
+    body = {
+        "format": INDEX_FORMAT,
+        "format_version": 2,
+        "save_id": save_id,
+        "rank": rank,
+        "block_bytes": block_bytes,
+        "chunks": recs,
+    }
+    return canonical_json(body)
+
+
+def _read_index(m: Manifest, storage: Any, rank: int, cache: MetaCache) -> Dict[str, Any]:
+    """Rank ``rank``'s index, checked against the manifest: ``{"keys": {key: (name, chunk)}, "tensors": {name: [chunk]}}``."""
+    got = cache.headers.get(("index", rank))
+    if got is not None:
+        return got
+    rels = _index_of_rank(m)
+    rel = rels.get(rank)
+    if rel is None:
+        raise CorruptCheckpointError(f"{storage.url}: the manifest lists no index file for rank {rank}, whose chunks are needed")
+    meta = m.indexes[rel]
+    where = storage.url_of(rel)
+    try:
+        data = storage.read_bytes(rel, limit=MAX_INDEX_FILE_BYTES)
+    except FileNotFoundError:
+        raise CorruptCheckpointError(f"{where}: index file is missing") from None
+    with cache.lock:
+        cache.bytes_read += len(data)
+    if len(data) != meta.size or crc32c(data) != meta.crc32c:
+        raise CorruptCheckpointError(
+            f"{where}: index file damaged ({len(data)} bytes, crc32c {crc32c(data):#010x}; "
+            f"the manifest says {meta.size} bytes, {meta.crc32c:#010x})"
+        )
+    parsed = _parse_index(m, data, rank, where)
+    with cache.lock:
+        cache.headers[("index", rank)] = parsed
+    return parsed
+
+
+def _index_of_rank(m: Manifest) -> Dict[int, str]:
+    got = m.__dict__.get("_index_of_rank")
+    if got is None:
+        got = {im.rank: rel for rel, im in m.indexes.items()}
+        m.__dict__["_index_of_rank"] = got
+    return got
+
+
+def _parse_index(m: Manifest, data: bytes, rank: int, where: str) -> Dict[str, Any]:
+    from .. import _plan
+
+    try:
+        raw = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise _bad(where, f"not valid JSON ({e})") from None
+    if not isinstance(raw, dict) or raw.get("format") != INDEX_FORMAT or raw.get("rank") != rank:
+        raise _bad(where, f"not the shardckpt index of rank {rank}")
+    if raw.get("save_id") != m.save_id or raw.get("block_bytes") != m.block_bytes:
+        raise _bad(where, "belongs to another save (save_id or block_bytes differ from the manifest)")
+    keys: Dict[str, Tuple[str, ChunkMeta]] = {}
+    by_tensor: Dict[str, List[ChunkMeta]] = {}
+    claims = []
+    for i, rec in enumerate(_req(raw, "chunks", list, where)):
+        cw = f"{where} chunk {i}"
+        name = _req(rec, "tensor", str, cw)
+        t = m.tensors.get(name)
+        if t is None:
+            raise _bad(cw, f"tensor {name!r} is not in the manifest")
+        file = check_relpath(_req(rec, "file", str, cw), where=cw)
+        if file not in m.files:
+            raise _bad(cw, f"file {file!r} is not listed in the manifest")
+        c = ChunkMeta(
+            file=file,
+            key=_req(rec, "key", str, cw),
+            offsets=_int_list(rec, "offsets", cw, n=len(t.shape)),
+            sizes=_int_list(rec, "sizes", cw, n=len(t.shape)),
+            byte_offset=_req(rec, "byte_offset", int, cw),
+            nbytes=_req(rec, "nbytes", int, cw),
+            crc32c=_req(rec, "crc32c", int, cw),
+        )
+        if c.nbytes != math.prod(c.sizes) * itemsize(t.dtype):
+            raise _bad(cw, f"nbytes {c.nbytes} does not match sizes {c.sizes} of {t.dtype}")
+        if c.byte_offset < 0 or c.byte_offset + c.nbytes > m.files[file].size:
+            raise _bad(cw, f"bytes [{c.byte_offset}, {c.byte_offset + c.nbytes}) lie outside {file!r} of {m.files[file].size} bytes")
+        if any(o + n > s for o, n, s in zip(c.offsets, c.sizes, t.shape)):
+            raise _bad(cw, f"box {c.offsets}+{c.sizes} lies outside tensor shape {t.shape}")
+        if not 0 <= c.crc32c < 2**32:
+            raise _bad(cw, f"crc32c {c.crc32c} is not a 32-bit value")
+        try:
+            c.blocks = unpack_crcs(rec.get("blocks"), nblocks(c.nbytes, m.block_bytes))
+        except ValueError as e:
+            raise _bad(cw, str(e)) from None
+        if c.key in keys:
+            raise _bad(cw, f"chunk key {c.key!r} listed twice")
+        keys[c.key] = (name, c)
+        by_tensor.setdefault(name, []).append(c)
+        claims.append((c.file, c.byte_offset, c.nbytes, f"{name!r} chunk {c.key!r}"))
+    # A data file is written by one rank, so its index holds every claim on it.
+    clashes = _plan.shared_byte_ranges(claims)
+    if clashes:
+        listed = "; ".join(f"{k.file} bytes [{k.start}, {k.stop}) claimed by {k.first} and {k.second}" for k in clashes)
+        raise _bad(where, f"chunks share file bytes (a damaged or crafted checkpoint): {listed}")
+    return {"keys": keys, "tensors": by_tensor}
+
+
+# --------------------------------------------------------------------------
+# resolution
+
+
+def _regular_chunks(m: Manifest, storage: Any, name: str, t: TensorMeta, boxes, cache: MetaCache) -> List[ChunkMeta]:
+    """Saved chunks of a regular tensor meeting ``boxes`` (all chunks when ``boxes`` is None)."""
+    from .. import _plan
+
+    lay = regular_of(t)
+    rot = t.regular["rotation"]
+    wanted: Dict[Tuple[int, ...], Tuple[int, _plan.Box]] = {}
+    if any(n == 0 for n in t.shape):
+        # One empty chunk, held by all; written by the rotation's replica.
+        wanted[(0,) * len(t.shape)] = (0, _plan.Box((0,) * len(t.shape), tuple(t.shape)))
+    elif boxes is None:
+        for s, bs in _plan.layout_chunks(lay):
+            for b in bs:
+                wanted[b.offsets] = (s, b)
+    else:
+        for offs, sizes in boxes:
+            if not t.shape:  # 0-d: the one chunk
+                wanted[()] = (0, _plan.Box((), ()))
+                continue
+            for s, b in _plan.chunks_overlapping(lay, _plan.Box(tuple(offs), tuple(sizes))):
+                wanted[b.offsets] = (s, b)
+    out = []
+    for offs in sorted(wanted):
+        s, box = wanted[offs]
+        rank = mesh_rank(m, t, _plan.writer_coord(lay, rot, s))
+        idx = _read_index(m, storage, rank, cache)
+        key = chunk_key(name, box.offsets, tuple(box.sizes) == tuple(t.shape))
+        hit = idx["keys"].get(key)
+        if hit is None or hit[0] != name or tuple(hit[1].sizes) != tuple(box.sizes) or tuple(hit[1].offsets) != tuple(box.offsets):
+            raise CorruptCheckpointError(
+                f"{storage.url}: tensor {name!r}: the index of rank {rank} lacks chunk {key!r} "
+                f"(box {list(box.offsets)}+{list(box.sizes)}) that its layout record says that rank wrote"
+            )
+        out.append(hit[1])
+    return out
+
+
+def _explicit_chunks(m: Manifest, storage: Any, name: str, t: TensorMeta, cache: MetaCache) -> List[ChunkMeta]:
+    from .manifest import tiling_problems
+
+    key = ("explicit", name)
+    got = cache.headers.get(key)
+    if got is not None:
+        return got
+    chunks: List[ChunkMeta] = []
+    for r in sorted(set(t.writers or [])):
+        chunks.extend(_read_index(m, storage, r, cache)["tensors"].get(name, []))
+    chunks.sort(key=lambda c: c.offsets)
+    bad = tiling_problems({name: TensorMeta(t.dtype, t.shape, chunks)})
+    if bad:
+        raise CorruptCheckpointError(f"{storage.url}: chunks do not tile their tensor: {bad[0]}")
+    with cache.lock:
+        cache.headers[key] = chunks
+    return chunks
+
+
+def tensor_chunks(m: Manifest, storage: Any, name: str, boxes=None, cache: Optional[MetaCache] = None) -> List[ChunkMeta]:
+    """The chunks (with block CRCs for v2) of ``name`` meeting ``boxes`` (None: all of them)."""
+    t = m.tensors[name]
+    if m.version < 2 or t.chunks:
+        if boxes is None:
+            return list(t.chunks)
+        return [c for c in t.chunks if _meets(c.offsets, c.sizes, boxes)]
+    cache = cache if cache is not None else MetaCache()
+    if t.regular is not None:
+        return _regular_chunks(m, storage, name, t, boxes, cache)
+    chunks = _explicit_chunks(m, storage, name, t, cache)
+    return chunks if boxes is None else [c for c in chunks if _meets(c.offsets, c.sizes, boxes)]
+
+
+def materialize(m: Manifest, storage: Any, cache: Optional[MetaCache] = None) -> Manifest:
+    """Fill every v2 tensor's ``chunks`` from the index files (for whole-checkpoint tools: verify, inspect, converters).
+
+    Reads every index file once; also checks each index holds nothing the
+    layouts do not account for. A v1 manifest is returned as is.
+    """
+    if m.version < 2:
+        return m
+    cache = cache if cache is not None else MetaCache()
+    for name in sorted(m.tensors):
+        t = m.tensors[name]
+        if not t.chunks:
+            t.chunks = tensor_chunks(m, storage, name, None, cache)
+    expected = {(name, c.key) for name, t in m.tensors.items() for c in t.chunks}
+    stray = []
+    for rank in sorted(_index_of_rank(m)):
+        for key, (name, _) in _read_index(m, storage, rank, cache)["keys"].items():
+            if (name, key) not in expected:
+                stray.append(f"rank {rank}: {key!r}")
+    if stray:
+        more = f" ... ({len(stray) - _LISTED} more)" if len(stray) > _LISTED else ""
+        raise CorruptCheckpointError(f"{storage.url}: index files list chunks no layout accounts for: {', '.join(stray[:_LISTED])}{more}")
+    return m
+
+
+def _meets(offsets: Sequence[int], sizes: Sequence[int], boxes) -> bool:
+    for bo, bs in boxes:
+        if len(bo) != len(offsets):
+            continue
+        if not offsets:  # 0-d: the one element
+            return True
+        if all(min(o + n, p + k) > max(o, p) for o, n, p, k in zip(offsets, sizes, bo, bs)):
+            return True
+    return False
+
+
+def resolve(manifest: Any, storage: Any, name: str, boxes, cache: MetaCache) -> List[ResolvedChunk]:
+    boxes = [(tuple(o), tuple(s)) for o, s in boxes]
+    out = []
+    for c in tensor_chunks(manifest, storage, name, boxes, cache):
+        if not c.nbytes:
+            continue
+        blocks = c.blocks if manifest.version >= 2 and c.blocks is not None else None
+        out.append(
+            ResolvedChunk(
+                name=name,
+                key=c.key,
+                file=c.file,
+                byte_offset=c.byte_offset,
+                nbytes=c.nbytes,
+                offsets=tuple(c.offsets),
+                sizes=tuple(c.sizes),
+                crc32c=c.crc32c,
+                block_bytes=manifest.block_bytes if blocks is not None else 0,
+                block_crcs=tuple(blocks or ()),
+            )
+        )
+    out.sort(key=lambda c: c.offsets)
+    return out
