@@ -37,6 +37,7 @@ from ._format import (
     torch_dtype,
 )
 from ._io import DEFAULT_IO_THREADS, byte_view, check_files
+from ._format.resolve import MetaCache, resolve_chunks
 from ._readers import DEFAULT_BUFFER_BYTES, BufferPool, ReadStats, SavedChunk, Want, read_verified
 from . import _knobs
 from ._collective import DEFAULT_COLLECTIVE_TIMEOUT_S, agree, open_comm
@@ -45,6 +46,7 @@ from ._state import flatten_for_load
 from ._storage import Storage
 from .errors import (
     CheckpointError,
+    CorruptCheckpointError,
     LoadFailedError,
     StateMismatchError,
     format_offenders,
@@ -80,6 +82,7 @@ class _Target:
     meta: TensorMeta
     parts: Tuple[Tuple[_plan.Box, torch.Tensor], ...]  # (box, destination view holding that box)
     pieces: Tuple[Tuple[_plan.Piece, ...], ...]  # per part: the saved pieces that fill it
+    chunks: Tuple[SavedChunk, ...] = ()  # the saved chunks the pieces index
 
 
 @dataclass(frozen=True)
@@ -195,12 +198,18 @@ def load(
     storage = Storage(url, storage_options=storage_options)
 
     def plan_and_check() -> LoadPlan:
-        manifest = read_manifest(storage)
+        # Chunks are resolved per tensor for the boxes this rank holds (v2:
+        # only the index files of the ranks that wrote them are read).
+        manifest = read_manifest(storage, chunks=False)
         if keys is not None or key_map is not None or manifest.extra.get("source") == "safetensors":
+            from ._format._v2 import materialize
             from ._hf import select_for_load
 
+            materialize(manifest, storage)  # renaming and selection work on whole chunk lists
             manifest = select_for_load(manifest, state, keys=keys, key_map=key_map)
-        plan = _plan_load(state, manifest, strict=strict, rank=comm.rank, world=comm.world, local_only=comm.no_dist)
+        plan = _plan_load(
+            state, manifest, strict=strict, rank=comm.rank, world=comm.world, local_only=comm.no_dist, storage=storage
+        )
         check_files(storage, _needed_files(plan))
         return plan
 
@@ -236,7 +245,7 @@ def _needed_files(plan: LoadPlan) -> Dict[str, int]:
     for t in plan.targets:
         for pieces in t.pieces:
             for p in pieces:
-                rel = t.meta.chunks[p.chunk].file
+                rel = t.chunks[p.chunk].file
                 files[rel] = plan.manifest.files[rel].size
     return files
 
@@ -246,21 +255,32 @@ def _stage_targets(plan: LoadPlan) -> List[List[torch.Tensor]]:
     return [[torch.empty(tuple(dst.shape), dtype=dst.dtype) for _, dst in t.parts] for t in plan.targets]
 
 
-def saved_chunks(name: str, meta: TensorMeta) -> List[SavedChunk]:
-    """The saved chunks of one tensor as the reader takes them (v1: one CRC per chunk)."""
-    return [
-        SavedChunk(
-            file=c.file,
-            byte_offset=c.byte_offset,
-            nbytes=c.nbytes,
-            offsets=tuple(c.offsets),
-            sizes=tuple(c.sizes),
-            block_bytes=0,
-            block_crcs=() if c.crc32c is None else (c.crc32c,),
-            name=f"{name} chunk {c.key!r}",
+def saved_chunks(manifest: Manifest, storage: Optional[Storage], name: str, boxes, cache: Optional[MetaCache]) -> List[SavedChunk]:
+    """The saved chunks of ``name`` meeting ``boxes``, as the reader takes them.
+
+    Through ``_format.resolve_chunks`` (v2: block checksums; v1: one CRC per
+    chunk). Without ``storage``, from the manifest's own chunk lists.
+    """
+    if storage is not None:
+        got = resolve_chunks(manifest, storage, name, boxes, cache=cache)
+    else:
+        got = manifest.tensors[name].chunks
+    out = []
+    for c in got:
+        blocks = tuple(getattr(c, "block_crcs", ()) or ())
+        out.append(
+            SavedChunk(
+                file=c.file,
+                byte_offset=c.byte_offset,
+                nbytes=c.nbytes,
+                offsets=tuple(c.offsets),
+                sizes=tuple(c.sizes),
+                block_bytes=getattr(c, "block_bytes", 0) if blocks else 0,
+                block_crcs=blocks or (() if c.crc32c is None else (c.crc32c,)),
+                name=f"{name} chunk {c.key!r}",
+            )
         )
-        for c in meta.chunks
-    ]
+    return out
 
 
 def _strides(sizes: Sequence[int]) -> Tuple[int, ...]:
@@ -288,7 +308,7 @@ def _wants(plan: LoadPlan, dests: Sequence[Sequence[torch.Tensor]], range_bytes:
     """Byte ranges to read, one per piece cut to at most ``range_bytes`` of its chunk (along dim 0)."""
     out: List[Want] = []
     for ti, t in enumerate(plan.targets):
-        chunks = saved_chunks(t.name, t.meta)
+        chunks = t.chunks
         dtype = torch_dtype(t.meta.dtype)
         isz = torch.empty((), dtype=dtype).element_size()
         for dst_part, pieces in zip(dests[ti], t.pieces):
@@ -399,6 +419,10 @@ def stream_into(
             events[-1].synchronize()
 
 
+def _materialized(manifest: Manifest) -> bool:
+    return any(t.chunks for t in manifest.tensors.values())
+
+
 def dtype_problem(name: str, saved: str, live: str) -> Optional[str]:
     """Why a tensor saved as ``saved`` cannot load into one of dtype ``live`` (None: it can).
 
@@ -429,7 +453,16 @@ def _self_overlapping(t: torch.Tensor) -> bool:
     return False
 
 
-def _plan_load(state, manifest: Manifest, *, strict: bool, rank: int, world: int, local_only: bool = False) -> LoadPlan:
+def _plan_load(
+    state,
+    manifest: Manifest,
+    *,
+    strict: bool,
+    rank: int,
+    world: int,
+    local_only: bool = False,
+    storage: Optional[Storage] = None,
+) -> LoadPlan:
     flat, missing_values, unexpected_values = flatten_for_load(
         state,
         manifest.values,
@@ -461,6 +494,9 @@ def _plan_load(state, manifest: Manifest, *, strict: bool, rank: int, world: int
     targets: List[_Target] = []
     created: Dict[str, torch.Tensor] = {}
     wanted = [(n, live[n]) for n in sorted(live) if n in manifest.tensors]
+    # Manifests already holding their chunk lists (v1 JSON, HF, renamed) need no resolver.
+    resolver = storage if storage is not None and not _materialized(manifest) else None
+    cache = MetaCache()
     for name in sorted(creates):
         meta = manifest.tensors[name]
         created[name] = torch.empty(tuple(meta.shape), dtype=torch_dtype(meta.dtype))
@@ -482,17 +518,19 @@ def _plan_load(state, manifest: Manifest, *, strict: bool, rank: int, world: int
                 "loading into it would write several values to one element — give it its own memory (.clone())"
             )
             continue
-        if any(c.crc32c is None for c in meta.chunks):
-            # No checksum to verify (safetensors sources): read only our rows.
-            from ._hf import narrow_unchecked
-
-            meta = narrow_unchecked(meta, [p.box for p in lay.parts])
-        saved = [_plan.Box(tuple(c.offsets), tuple(c.sizes)) for c in meta.chunks]
+        # Chunks without checksums (safetensors sources) are read exactly;
+        # checksummed ones are rounded to their blocks by the reader.
+        boxes = [(p.box.offsets, p.box.sizes) for p in lay.parts if p.box.numel]
+        chunks = tuple(saved_chunks(manifest, resolver, name, boxes, cache)) if boxes else ()
+        saved = [_plan.Box(c.offsets, c.sizes) for c in chunks]
         parts_ = tuple((p.box, v) for p, v in zip(lay.parts, views))
-        pieces = tuple(
-            tuple(_plan.plan_reads(saved, [_plan.LocalBox(box, (0,) * len(box.offsets))])) for box, _ in parts_
-        )
-        targets.append(_Target(name, meta, parts_, pieces))
+        try:
+            pieces = tuple(
+                tuple(_plan.plan_reads(saved, [_plan.LocalBox(box, (0,) * len(box.offsets))])) for box, _ in parts_
+            )
+        except ValueError as e:
+            raise CorruptCheckpointError(f"{name}: the checkpoint's chunks do not cover what this rank holds: {e}") from None
+        targets.append(_Target(name, meta, parts_, pieces, chunks))
     if problems:
         parts.append(f"{len(problems)} tensor(s) differ: " + format_offenders(problems, sep="; "))
     if parts:

@@ -163,13 +163,10 @@ def _state(seed=0, n=6):
 
 
 def _flip_last_file_byte_of(path, name):
-    import json
-
-    man = json.load(open(os.path.join(path, "manifest.json")))
-    c = man["tensors"][name]["chunks"][0]
-    f = os.path.join(path, c["file"])
+    c = shardckpt.inspect(path).tensors[name].chunks[0]
+    f = os.path.join(path, c.file)
     raw = bytearray(open(f, "rb").read())
-    raw[c["byte_offset"] + c["nbytes"] - 1] ^= 0x10
+    raw[c.byte_offset + c.nbytes - 1] ^= 0x10
     open(f, "wb").write(bytes(raw))
 
 
@@ -251,40 +248,52 @@ def test_pieces_cast_when_the_dtype_rule_allows_it(tmp_path, monkeypatch):
     assert torch.equal(live["w"], src.float())
 
 
-def test_block_checksums_read_a_fraction_of_a_whole_saved_tensor(tmp_path, monkeypatch):
-    """The v2 path in one process: ``keys``-free load of rows 16..31 of a 64-row tensor."""
-    d = str(tmp_path / "c")
-    w = torch.randn(64, 1024)
-    shardckpt.save({"w": w}, d)
-    block = 4096
-    v1 = _load.saved_chunks
-
-    def v2(name, meta):
-        out = []
-        for c in v1(name, meta):
-            data = open(os.path.join(d, c.file), "rb").read()
-            b = _blocked(c.file, data, c.byte_offset, c.nbytes, block, name=c.name)
-            out.append(dataclasses.replace(c, block_bytes=block, block_crcs=b.block_crcs))
-        return out
-
-    monkeypatch.setattr(_load, "saved_chunks", v2)
-    man = shardckpt.load.__globals__["read_manifest"](d)
-    plan = _load._plan_load({"w": torch.zeros(64, 1024)}, man, strict=True, rank=0, world=1)
-    # narrow the one target to rows 16..31, as a rank holding them would plan it
-    t = plan.targets[0]
-    dst = torch.zeros(16, 1024)
+def _rows_plan(d, live_rows, rows, cols):
+    """A load plan for rows ``live_rows`` of a saved ``rows x cols`` tensor, as a rank holding them makes it."""
     from shardckpt import _plan
 
-    box = _plan.Box((16, 0), (16, 1024))
-    pieces = tuple(_plan.plan_reads([_plan.Box((0, 0), (64, 1024))], [_plan.LocalBox(box, (0, 0))]))
-    part_plan = plan.__class__(**{**plan.__dict__, "targets": (t.__class__(t.name, t.meta, ((box, dst),), (pieces,)),)})
-    stats = _load.stream_into(Storage(d), part_plan, None, stats=ReadStats())
+    man = _load.read_manifest(d, chunks=False)
+    plan = _load._plan_load({"w": torch.zeros(rows, cols)}, man, strict=True, rank=0, world=1, storage=Storage(d))
+    t = plan.targets[0]
+    lo, hi = live_rows
+    box = _plan.Box((lo, 0), (hi - lo, cols))
+    dst = torch.zeros(hi - lo, cols)
+    pieces = tuple(_plan.plan_reads([_plan.Box(c.offsets, c.sizes) for c in t.chunks], [_plan.LocalBox(box, (0, 0))]))
+    part = t.__class__(t.name, t.meta, ((box, dst),), (pieces,), t.chunks)
+    return plan.__class__(**{**plan.__dict__, "targets": (part,)}), dst
+
+
+def test_block_checksums_read_a_fraction_of_a_whole_saved_tensor(tmp_path, monkeypatch):
+    """Format v2 (block CRCs): rows 16..31 of a 64-row tensor saved whole cost about their own bytes."""
+    d = str(tmp_path / "c")
+    w = torch.randn(64, 16384)  # 4 MiB, 4 blocks of 1 MiB
+    shardckpt.save({"w": w}, d)
+    assert shardckpt.inspect(d).version >= 2
+    plan, dst = _rows_plan(d, (16, 32), 64, 16384)
+    assert plan.targets[0].chunks[0].block_bytes > 0
+    stats = _load.stream_into(Storage(d), plan, None, stats=ReadStats())
     assert torch.equal(dst, w[16:32])
+    assert stats.wanted_bytes == 16 * 16384 * 4
     assert stats.read_bytes <= 1.1 * stats.wanted_bytes, (stats.read_bytes, stats.wanted_bytes)
-    # v1 (one checksum per chunk) must read the whole chunk for the same rows
-    monkeypatch.setattr(_load, "saved_chunks", v1)
-    stats = _load.stream_into(Storage(d), part_plan, None, stats=ReadStats())
-    assert stats.read_bytes == w.numel() * 4
+
+
+def test_v1_checksums_make_the_same_rows_read_the_whole_chunk(tmp_path):
+    """Format v1 (one CRC per chunk): the same rows read all 4 MiB (why v2 exists)."""
+    d = str(tmp_path / "c")
+    w = torch.randn(64, 16384)
+    shardckpt.save({"w": w}, d)
+    plan, dst = _rows_plan(d, (16, 32), 64, 16384)
+    t = plan.targets[0]
+    v1 = tuple(dataclasses.replace(c, block_bytes=0, block_crcs=(_whole_crc(d, c),)) for c in t.chunks)
+    plan = plan.__class__(**{**plan.__dict__, "targets": (t.__class__(t.name, t.meta, t.parts, t.pieces, v1),)})
+    stats = _load.stream_into(Storage(d), plan, None, stats=ReadStats())
+    assert torch.equal(dst, w[16:32]) and stats.read_bytes == w.numel() * 4
+
+
+def _whole_crc(d, c):
+    with open(os.path.join(d, c.file), "rb") as f:
+        f.seek(c.byte_offset)
+        return crc32c(f.read(c.nbytes))
 
 
 @pytest.mark.slow
