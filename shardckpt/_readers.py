@@ -341,7 +341,7 @@ def read_verified(
     threads: int = _knobs.IO_THREADS,
     pool: Optional[BufferPool] = None,
     range_bytes: Optional[int] = None,
-    read_block_bytes: int = _knobs.READ_BLOCK_BYTES,
+    read_block_bytes: Optional[int] = None,
     gap_bytes: int = 0,
     verify: bool = True,
     stats: Optional[ReadStats] = None,
@@ -365,7 +365,7 @@ def read_verified(
             pool is left open for reuse.
         range_bytes: largest coalesced read (default the pool's slot size).
         read_block_bytes: an oversized range is read in pieces of this size,
-            in parallel.
+            in parallel (default ``SHARDCKPT_READ_BLOCK_BYTES``).
         gap_bytes: see :func:`plan_ranges`.
         verify: False skips the CRC checks (``SHARDCKPT_CHECKSUMS=0`` does too).
         stats: filled in (bytes wanted and read) and returned.
@@ -385,6 +385,7 @@ def read_verified(
     few bytes of it are wanted, and a chunk larger than the pool occupies a
     buffer of its own size.
     """
+    read_block_bytes = read_block_bytes or _knobs.READ_BLOCK_BYTES
     own_pool = pool is None
     pool = pool or BufferPool()
     stats = stats or ReadStats()
