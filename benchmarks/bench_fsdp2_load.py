@@ -104,9 +104,10 @@ def _host_pinned() -> int:
 
 
 def _case(name, model, opt, path, want):
-    import shardckpt
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    import shardckpt
 
     # "shardckpt:T:B:R": T I/O threads, B MiB of read buffers, R MiB per read
     kind, *opts = name.split(":")

@@ -32,7 +32,6 @@ from ._format import ChunkMeta, FileMeta, itemsize, safetensors_header
 from ._format.checksum import BlockCrcs, crc32c, crc32c_combine
 from ._format.files import check_files  # noqa: F401  (re-exported: load and the converters check files here)
 from ._storage import Storage
-from .errors import ChecksumMismatchError, CorruptCheckpointError, StorageError
 
 __all__ = [
     "WriteItem",

@@ -28,20 +28,18 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, NamedTuple
 
 import torch
 
-from . import _plan
+from . import _knobs, _plan
+from ._collective import DEFAULT_COLLECTIVE_TIMEOUT_S, agree, open_comm
 from ._format import (
-    ChunkMeta,
     Manifest,
     TensorMeta,
     open_manifest,
     torch_dtype,
 )
-from ._io import DEFAULT_IO_THREADS, byte_view, check_files
 from ._format.resolve import MetaCache, resolve_chunks
-from ._readers import DEFAULT_BUFFER_BYTES, BufferPool, ReadStats, SavedChunk, Want, read_verified
-from . import _knobs
-from ._collective import DEFAULT_COLLECTIVE_TIMEOUT_S, agree, open_comm
+from ._io import DEFAULT_IO_THREADS, byte_view, check_files
 from ._layout import box_view, layout_of
+from ._readers import DEFAULT_BUFFER_BYTES, BufferPool, ReadStats, SavedChunk, Want, read_verified
 from ._state import flatten_for_load
 from ._storage import Storage
 from .errors import (

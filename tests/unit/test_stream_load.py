@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import shardckpt
-from shardckpt import _load, _readers
+from shardckpt import _load
 from shardckpt._format import crc32c
 from shardckpt._readers import BufferPool, ReadStats, SavedChunk, Want, plan_ranges, read_verified
 from shardckpt._storage import Storage

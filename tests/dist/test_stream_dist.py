@@ -9,10 +9,10 @@ from __future__ import annotations
 import os
 
 import torch
-
-import shardckpt
 from _dist import run_ranks
 from models import build, full_state, shard_fsdp2
+
+import shardckpt
 
 ROWS, COLS = 512, 4096  # 8 MiB of fp32: 8 blocks of 1 MiB when saved whole
 
@@ -117,5 +117,5 @@ def test_damage_part_way_fails_every_rank_and_names_what_changed(tmp_path):
         assert "Tensors already overwritten" in msg
         for k in changed:
             assert k in msg, (k, msg)
-    for etype, msg, changed in run_ranks(2, _load_damaged, path, True):
+    for etype, _msg, changed in run_ranks(2, _load_damaged, path, True):
         assert etype == "ChecksumMismatchError" and changed == [], (etype, changed)
