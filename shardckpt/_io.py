@@ -32,16 +32,13 @@ from ._format import ChunkMeta, FileMeta, itemsize, safetensors_header
 from ._format.checksum import BlockCrcs, crc32c, crc32c_combine
 from ._format.files import check_files  # noqa: F401  (re-exported: load and the converters check files here)
 from ._storage import Storage
-from .errors import ChecksumMismatchError, CorruptCheckpointError, StorageError
 
 __all__ = [
     "WriteItem",
     "crc32c_combine",
     "write_files",
     "partition",
-    "read_chunks",
     "tensor_bytes",
-    "as_dtype",
     "crc32c",
     "DEFAULT_IO_THREADS",
     "WRITE_BLOCK_BYTES",
@@ -51,17 +48,7 @@ __all__ = [
 # variables); the names here are the ones the engine and converters import.
 DEFAULT_IO_THREADS = _knobs.IO_THREADS
 WRITE_BLOCK_BYTES = _knobs.WRITE_BLOCK_BYTES
-READ_BLOCK_BYTES = _knobs.READ_BLOCK_BYTES
-COALESCE_GAP_BYTES = _knobs.COALESCE_GAP_BYTES
 MIN_BYTES_PER_FILE = _knobs.MIN_BYTES_PER_FILE
-
-
-def as_dtype(raw: torch.Tensor, dtype: torch.dtype, shape) -> torch.Tensor:
-    """View staged uint8 bytes as ``dtype``/``shape`` (copies only if misaligned)."""
-    size = torch.empty((), dtype=dtype).element_size()
-    if raw.storage_offset() % size:
-        raw = raw.clone()
-    return raw.view(dtype).reshape(tuple(shape))
 
 
 def byte_view(t: torch.Tensor) -> memoryview:
@@ -257,123 +244,3 @@ def write_files(
         metas[rel] = fm
     storage.fsync_dirs({rel.rsplit("/", 1)[0] if "/" in rel else "" for rel in files})
     return chunks, metas
-
-
-# --------------------------------------------------------------------------
-# reads
-
-
-# One unit of read work: fill these (offset, buffer) ranges of a file, then
-# checksum the chunk segments (chunk index, position in the chunk, bytes) that
-# the ranges hold.
-_ReadJob = Tuple[str, List[Tuple[int, memoryview]], List[Tuple[int, int, memoryview]]]
-
-
-def read_chunks(
-    storage: Storage,
-    chunks: Sequence[ChunkMeta],
-    *,
-    threads: int = DEFAULT_IO_THREADS,
-    pin_memory: bool = False,
-    verify: bool = True,
-) -> List[torch.Tensor]:
-    """Read and checksum-verify whole chunks; returns one uint8 tensor per chunk, same order.
-
-    Every returned tensor is a view into a staging buffer shared by the chunks
-    coalesced with it. Nothing is returned unless every checksum matched.
-    """
-    out: List[Optional[torch.Tensor]] = [None] * len(chunks)
-    checking = verify and _knobs.CHECKSUMS
-    by_file: Dict[str, List[int]] = {}
-    for i, c in enumerate(chunks):
-        by_file.setdefault(c.file, []).append(i)
-    jobs: List[_ReadJob] = []
-    for rel, idxs in by_file.items():
-        idxs.sort(key=lambda i: chunks[i].byte_offset)
-        groups: List[List[int]] = []
-        for i in idxs:
-            if groups:
-                last = chunks[groups[-1][-1]]
-                if chunks[i].byte_offset - (last.byte_offset + last.nbytes) <= COALESCE_GAP_BYTES and chunks[i].byte_offset >= last.byte_offset + last.nbytes:
-                    groups[-1].append(i)
-                    continue
-            groups.append([i])
-        for g in groups:
-            start = chunks[g[0]].byte_offset
-            end = max(chunks[i].byte_offset + chunks[i].nbytes for i in g)
-            buf = torch.empty(end - start, dtype=torch.uint8, pin_memory=pin_memory)
-            for i in g:
-                s = chunks[i].byte_offset - start
-                out[i] = buf[s : s + chunks[i].nbytes]
-            if end == start:
-                continue
-            mv = byte_view(buf)
-            first = 0  # g is sorted by offset: chunks before g[first] end before this block
-            for lo in range(start, end, READ_BLOCK_BYTES):
-                hi = min(lo + READ_BLOCK_BYTES, end)
-                segs = []
-                while first < len(g) and chunks[g[first]].byte_offset + chunks[g[first]].nbytes <= lo:
-                    first += 1
-                k = first
-                while checking and k < len(g) and chunks[g[k]].byte_offset < hi:
-                    c = chunks[g[k]]
-                    a, b = max(lo, c.byte_offset), min(hi, c.byte_offset + c.nbytes)
-                    if a < b and c.crc32c is not None:  # safetensors sources carry no checksum
-                        segs.append((g[k], a - c.byte_offset, mv[a - start : b - start]))
-                    k += 1
-                jobs.append((rel, [(lo, mv[lo - start : hi - start])], segs))
-
-    def run(job: _ReadJob) -> List[Tuple[int, int, int, int]]:
-        rel, ranges, segs = job
-        try:
-            storage.read_into(rel, ranges)
-        except FileNotFoundError:
-            raise CorruptCheckpointError(f"{storage.url_of(rel)}: file is missing") from None
-        except EOFError as e:
-            raise CorruptCheckpointError(f"{e} (truncated)") from None
-        except StorageError:
-            raise
-        except OSError as e:
-            raise StorageError(f"reading {storage.url_of(rel)}: {e}") from e
-        # Checksum what this thread just read: the threads share the work,
-        # and no pass over the whole staging memory follows the reads.
-        return [(i, pos, len(seg), crc32c(seg)) for i, pos, seg in segs]
-
-    # Local disk: one pread per block, many threads. Backends that run a
-    # call's ranges concurrently (fsspec's cat_ranges): one call per file.
-    if storage.caps.batched_reads:
-        per: Dict[str, _ReadJob] = {}
-        for rel, ranges, segs in jobs:
-            job = per.setdefault(rel, (rel, [], []))
-            job[1].extend(ranges)
-            job[2].extend(segs)
-        jobs = list(per.values())
-    if threads > 1 and len(jobs) > 1:
-        with ThreadPoolExecutor(max_workers=min(threads, len(jobs)), thread_name_prefix="shardckpt-r") as ex:
-            done = list(ex.map(run, jobs))
-    else:
-        done = [run(j) for j in jobs]
-
-    if checking:
-        parts: Dict[int, List[Tuple[int, int, int]]] = {}
-        for results in done:
-            for i, pos, n, crc in results:
-                parts.setdefault(i, []).append((pos, n, crc))
-        bad = []
-        for i, c in enumerate(chunks):
-            if c.crc32c is None:
-                continue
-            got, covered = 0, 0
-            for pos, n, crc in sorted(parts.get(i, [])):
-                assert pos == covered, f"{c.key}: checksummed segments do not tile the chunk"
-                got = crc32c_combine(got, crc, n)
-                covered += n
-            assert covered == c.nbytes, f"{c.key}: checksummed {covered} of {c.nbytes} bytes"
-            if got != c.crc32c:
-                bad.append(
-                    f"{storage.url_of(c.file)}: chunk {c.key!r} (bytes {c.byte_offset}..{c.byte_offset + c.nbytes}) "
-                    f"has crc32c {got:#010x}, manifest says {c.crc32c:#010x}"
-                )
-        if bad:
-            raise ChecksumMismatchError("checksum mismatch, the checkpoint is damaged: " + "; ".join(sorted(bad)[:10]))
-    return out  # type: ignore[return-value]

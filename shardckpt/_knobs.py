@@ -25,6 +25,11 @@ environment variable                default     what it sets
                                                 (seconds after a SIGKILL, not the timeout)
 ``SHARDCKPT_REGISTER_MIN_BYTES``    1 MiB       CUDA staging buffers at least this big are
                                                 ``cudaHostRegister``-ed (exact size)
+``SHARDCKPT_LOAD_BUFFER_BYTES``     64 MiB      bytes of read buffers one rank's load holds
+                                                at once (pinned, exact size, for CUDA
+                                                targets; released when ``load`` returns)
+``SHARDCKPT_LOAD_RANGE_BYTES``      8 MiB       largest coalesced read of a load, and the
+                                                size of one reusable read buffer
 ``SHARDCKPT_BLOCK_BYTES``           1 MiB       format v2: one CRC-32C per this many bytes
                                                 of each chunk, so a ranged read verifies
                                                 on its own (at least 4 KiB)
@@ -52,6 +57,8 @@ __all__ = [
     "LIVENESS_TIMEOUT_S",
     "REGISTER_MIN_BYTES",
     "CHECKSUMS",
+    "LOAD_BUFFER_BYTES",
+    "LOAD_RANGE_BYTES",
     "BLOCK_BYTES",
     "ENV_PREFIX",
 ]
@@ -134,6 +141,14 @@ REGISTER_MIN_BYTES = _int("REGISTER_MIN_BYTES", 1 << 20, minimum=0)
 #: Checksum on write and verify on read. Only benchmarks turn it off, to
 #: measure the checksum's cost; never the library.
 CHECKSUMS = _bool("CHECKSUMS", True)
+#: Bytes of read buffers one load holds at once: a streaming load's host
+#: memory beyond the model (pinned for CUDA targets). A v1 chunk larger than
+#: this is read into one buffer of its exact size (v1 verifies whole chunks).
+LOAD_BUFFER_BYTES = _int("LOAD_BUFFER_BYTES", 64 << 20)
+#: Largest coalesced read of a load and the size of one reusable buffer:
+#: small enough that several are in flight (reads overlap copies), large
+#: enough that a request's latency is amortised.
+LOAD_RANGE_BYTES = _int("LOAD_RANGE_BYTES", 8 << 20)
 #: Format v2 block checksums: one CRC-32C per this many bytes of a chunk
 #: (chunk-relative). 1 MiB: 4 bytes of metadata per MiB of data, and a ranged
 #: read over-reads at most one block at each end. Written into the manifest,

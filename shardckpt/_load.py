@@ -1,39 +1,50 @@
-"""load: validate, read, agree, apply.
+"""load: plan and check, agree, stream, agree, finish.
 
-Load (no collective except one agreement before touching tensors):
-  1. plan: read and validate the manifest; walk the live state; match names,
-     shapes and dtypes, listing every offender (``_plan_load``, a frozen
+Load (two agreements between ranks, no other collective):
+  1. plan and check everything that needs no tensor bytes: the manifest;
+     the live state walked; names, shapes and dtypes matched (every offender
+     of every kind in one error); self-overlapping targets refused; the data
+     files present at their recorded sizes (``_plan_load``, a frozen
      :class:`LoadPlan`);
-  2. read: only the saved chunks overlapping this rank's boxes, coalesced and
-     in parallel, verified against their checksums into staging memory;
-  3. agree: every rank's plan and read succeeded (``_collective.agree``,
-     bounded by ``collective_timeout_s``, the same error on every rank);
-  4. apply: copy into the live tensors in place (``copy_`` into a DTensor's
-     local tensor), then put back plain values and call ``load_state_dict``
-     on stateful objects.
+  2. agree: every rank's plan succeeded (``_collective.agree``, bounded by
+     ``collective_timeout_s``) — the point of no return;
+  3. stream: ``_readers.read_verified`` reads only the byte ranges this rank
+     needs (rounded to checksum blocks; whole chunks for v1), through a
+     bounded, reused buffer pool (pinned for CUDA targets), verifies each
+     unit, and each piece is ``copy_``-ed (casting where the dtypes differ)
+     straight into the live tensor (a DTensor's local tensor). With
+     ``atomic=True`` the pieces go to staging tensors instead;
+  4. agree: every rank streamed without error (a damaged block names the
+     tensors this rank had already overwritten); then, for ``atomic=True``,
+     the staged tensors are copied in; then plain values are put back and
+     stateful objects get ``load_state_dict``.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 
-from . import _plan
+from . import _knobs, _plan
+from ._collective import DEFAULT_COLLECTIVE_TIMEOUT_S, agree, open_comm
 from ._format import (
-    ChunkMeta,
     Manifest,
     TensorMeta,
     open_manifest,
     torch_dtype,
 )
-from ._io import DEFAULT_IO_THREADS, as_dtype, check_files, read_chunks
-from ._collective import DEFAULT_COLLECTIVE_TIMEOUT_S, agree, open_comm
+from ._format.resolve import MetaCache, resolve_chunks
+from ._io import DEFAULT_IO_THREADS, byte_view, check_files
 from ._layout import box_view, layout_of
+from ._readers import DEFAULT_BUFFER_BYTES, BufferPool, ReadStats, SavedChunk, Want, read_verified
 from ._state import flatten_for_load
 from ._storage import Storage
 from .errors import (
+    CheckpointError,
+    CorruptCheckpointError,
     LoadFailedError,
     StateMismatchError,
     format_offenders,
@@ -69,6 +80,7 @@ class _Target:
     meta: TensorMeta
     parts: Tuple[Tuple[_plan.Box, torch.Tensor], ...]  # (box, destination view holding that box)
     pieces: Tuple[Tuple[_plan.Piece, ...], ...]  # per part: the saved pieces that fill it
+    chunks: Tuple[SavedChunk, ...] = ()  # the saved chunks the pieces index
 
 
 @dataclass(frozen=True)
@@ -78,6 +90,7 @@ class LoadPlan:
     manifest: Manifest
     targets: Tuple[_Target, ...]
     creates: Mapping[str, Callable[[torch.Tensor], None]]  # names put as new tensors
+    created: Mapping[str, torch.Tensor]  # their new tensors, filled by the stream, put after it
     finalizers: Tuple[Callable[[], None], ...]
     result: "LoadResult"
 
@@ -94,23 +107,31 @@ def load(
     key_map: Optional[KeyMap] = None,
     collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S,
     no_dist: bool = False,
+    atomic: bool = False,
+    buffer_bytes: int = DEFAULT_BUFFER_BYTES,
 ) -> LoadResult:
     """Load a checkpoint into ``state`` in place, resharding to the live layout.
 
     Works at any world size and mesh, and in a single process with no process
     group. Collective when a process group is initialized: every rank of
-    ``process_group`` calls it (ranks agree before any tensor changes); to
-    load in one process alone (evaluation on rank 0), pass ``no_dist=True``.
-    Each rank reads only the saved chunks that overlap what it holds.
-    Tensors are filled with ``copy_`` into their existing storage (for a
-    DTensor, its local tensor), so Parameters, their dtype, device and object
-    identity are kept — FSDP2's all-gather buffers see the new values. Plain
-    values are put back into their dicts; stateful objects get
-    ``load_state_dict``.
+    ``process_group`` calls it; to load in one process alone (evaluation on
+    rank 0), pass ``no_dist=True``. Each rank reads only the byte ranges it
+    needs (rounded to checksum blocks; whole saved chunks for format v1),
+    through ``buffer_bytes`` of reused buffers, and copies each verified piece
+    straight into its tensor. Tensors are filled with ``copy_`` into their
+    existing storage (for a DTensor, its local tensor), so Parameters, their
+    dtype, device and object identity are kept — FSDP2's all-gather buffers
+    see the new values. Plain values are put back into their dicts; stateful
+    objects get ``load_state_dict`` once every tensor is in.
 
-    Everything is checked first — names, shapes, dtypes, files, sizes,
-    checksums of every byte read — and all ranks agree before any tensor is
-    touched: a failed load raises and leaves the state as it was.
+    Everything that needs no tensor bytes is checked first, and all ranks
+    agree on it before any tensor changes: names, shapes, dtypes (every
+    offender of every kind in one error), self-overlapping targets, files
+    present at their sizes. Every byte read is verified before it is copied.
+    A block that fails its checksum part-way raises on every rank, naming the
+    tensors already overwritten; ``atomic=True`` stages everything first (one
+    extra copy of the rank's shard in host memory) so that a failed load
+    leaves every tensor as it was.
 
     Args:
         state: the live state, same structure as when saved. Only the entries
@@ -121,18 +142,22 @@ def load(
         strict: if False, entries missing on either side are skipped and
             reported in the result instead of raising.
         process_group: group the load runs over (default: the world).
-        io_threads: parallel readers per rank.
+        io_threads: reads in flight per rank.
         keys: only these checkpoint tensors (names or glob patterns, matched
             against checkpoint names); a pattern matching nothing raises.
             Usually with ``strict=False``.
         key_map: checkpoint name -> state name: a dict (unlisted names kept)
             or a callable (``None`` drops a tensor), e.g. to load Hugging Face
             names into a differently named model.
-        collective_timeout_s: bound of the agreement between ranks (default
+        collective_timeout_s: bound of the agreements between ranks (default
             ``SHARDCKPT_COLLECTIVE_TIMEOUT_S``): a rank that does not call
             within it is named and the others raise ``LoadFailedError``.
         no_dist: this process alone, as if no process group existed; every
             tensor of ``state`` must be whole here (a sharded DTensor is refused).
+        atomic: all-or-nothing: stage every piece, agree, then copy in.
+        buffer_bytes: read buffers held at once (default
+            ``SHARDCKPT_LOAD_BUFFER_BYTES``; pinned for CUDA targets, released
+            before ``load`` returns).
 
     ``url`` may also be a Hugging Face safetensors directory (with or without
     ``model.safetensors.index.json``) or one ``.safetensors`` file: its bare
@@ -148,75 +173,294 @@ def load(
 
     Raises:
         CheckpointNotFoundError: no ``manifest.json`` at ``url``.
-        StateMismatchError: names, shapes or dtypes disagree (all listed).
-        CorruptCheckpointError: files missing, truncated, or failing their checksum.
+        StateMismatchError: names, shapes or dtypes disagree, or a target
+            tensor overlaps itself (all listed, one error).
+        CorruptCheckpointError: files missing or truncated (nothing changed),
+            or a block failing its checksum (``ChecksumMismatchError``; names
+            the tensors already overwritten unless ``atomic=True``).
         LoadFailedError: a rank did not call within ``collective_timeout_s`` (named).
         UsageError: under torchrun (``WORLD_SIZE`` > 1) with no process group
             initialised and no ``no_dist=True``.
 
     Every rank raises the same error type and message (naming the ranks that
-    found the problem); nothing was loaded on any rank.
+    found the problem).
 
-    Memory: the bytes this rank needs are staged in host memory, verified,
-    then copied — about one extra copy of the rank's shard at peak.
+    Limits: memory beyond the model is ``buffer_bytes`` (a v1 chunk larger
+    than it is read into one buffer of its size), plus one copy of the rank's
+    shard with ``atomic=True``. A stateful object's ``load_state_dict`` runs
+    after the tensors are in; if it raises, the tensors are already loaded.
     """
     comm = open_comm(
         process_group, no_dist=no_dist, collective_timeout_s=collective_timeout_s, op="shardckpt.load", error=LoadFailedError
     )
     storage = Storage(url, storage_options=storage_options)
 
-    def plan_and_read():
-        manifest = read_manifest(storage)
+    def plan_and_check() -> LoadPlan:
+        # Chunks are resolved per tensor for the boxes this rank holds (v2:
+        # only the index files of the ranks that wrote them are read).
+        manifest = read_manifest(storage, chunks=False)
         if keys is not None or key_map is not None or manifest.extra.get("source") == "safetensors":
+            from ._format._v2 import materialize
             from ._hf import select_for_load
 
+            materialize(manifest, storage)  # renaming and selection work on whole chunk lists
             manifest = select_for_load(manifest, state, keys=keys, key_map=key_map)
-        plan = _plan_load(state, manifest, strict=strict, rank=comm.rank, world=comm.world, local_only=comm.no_dist)
-        return plan, _read(storage, plan, io_threads)
+        plan = _plan_load(
+            state, manifest, strict=strict, rank=comm.rank, world=comm.world, local_only=comm.no_dist, storage=storage
+        )
+        check_files(storage, _needed_files(plan))
+        return plan
 
-    # Agree across ranks before touching any tensor: one rank's damaged file
+    # Agree across ranks before touching any tensor: one rank's missing file
     # must not leave the others loaded and this one not.
-    (plan, (staged, chunk_index)), _ = agree(comm, plan_and_read, what=f"nothing was loaded from {storage.url}")
-    _apply(plan, staged, chunk_index)
+    plan, _ = agree(comm, plan_and_check, what=f"nothing was loaded from {storage.url}")
+    if atomic:
+        staged = _stage_targets(plan)
+        agree(
+            comm,
+            lambda: stream_into(storage, plan, staged, threads=io_threads, buffer_bytes=buffer_bytes),
+            what=f"nothing was loaded from {storage.url}",
+        )
+        with torch.no_grad():
+            for t, dsts in zip(plan.targets, staged):
+                for (_, live), tmp in zip(t.parts, dsts):
+                    live.copy_(tmp)
+    else:
+        agree(
+            comm,
+            lambda: stream_into(storage, plan, None, threads=io_threads, buffer_bytes=buffer_bytes),
+            what=f"the load from {storage.url} stopped part-way (ranks not named here loaded all their tensors)",
+        )
+    for name, put in plan.creates.items():
+        put(plan.created[name])
+    for fn in plan.finalizers:
+        fn()
     return plan.result
 
 
-def _read(storage: Storage, plan: LoadPlan, io_threads: int):
-    """Fetch and verify every saved chunk this rank needs: ``(staged tensors, (name, chunk) -> index)``."""
-    chunk_list, chunk_index = _needed_chunks(plan.targets, plan.creates, plan.manifest)
-    check_files(storage, {c.file: plan.manifest.files[c.file].size for c in chunk_list})
-    pin = any(p[1].is_cuda for t in plan.targets for p in t.parts) and torch.cuda.is_available()
-    return read_chunks(storage, chunk_list, threads=io_threads, pin_memory=pin), chunk_index
+def _needed_files(plan: LoadPlan) -> Dict[str, int]:
+    files = {}
+    for t in plan.targets:
+        for pieces in t.pieces:
+            for p in pieces:
+                rel = t.chunks[p.chunk].file
+                files[rel] = plan.manifest.files[rel].size
+    return files
 
 
-def _apply(plan: LoadPlan, staged, chunk_index) -> None:
-    """Copy the verified bytes into the live state, then run the finalizers (load_state_dict...)."""
-    manifest = plan.manifest
-    with torch.no_grad():
-        for t in plan.targets:
-            dtype = torch_dtype(t.meta.dtype)
-            for (box, dst), pieces in zip(t.parts, t.pieces):
-                for p in pieces:
-                    c = t.meta.chunks[p.chunk]
-                    src = as_dtype(staged[chunk_index[(t.name, p.chunk)]], dtype, c.sizes)
-                    box_view(dst, p.dst_offsets, p.sizes).copy_(box_view(src, p.src_offsets, p.sizes))
-        for name, put in plan.creates.items():
-            meta = manifest.tensors[name]
-            dtype = torch_dtype(meta.dtype)
-            if len(meta.chunks) == 1 and list(meta.chunks[0].sizes) == list(meta.shape):
-                # Saved whole: the verified staging bytes become the tensor, no copy.
-                put(as_dtype(staged[chunk_index[(name, 0)]], dtype, meta.shape))
-                continue
-            full = torch.empty(tuple(meta.shape), dtype=dtype)
-            for i, c in enumerate(meta.chunks):
-                src = as_dtype(staged[chunk_index[(name, i)]], full.dtype, c.sizes)
-                box_view(full, c.offsets, c.sizes).copy_(src)
-            put(full)
-    for fn in plan.finalizers:
-        fn()
+def _stage_targets(plan: LoadPlan) -> List[List[torch.Tensor]]:
+    """Host tensors shaped like each destination: ``atomic=True`` streams into these first."""
+    return [[torch.empty(tuple(dst.shape), dtype=dst.dtype) for _, dst in t.parts] for t in plan.targets]
 
 
-def _plan_load(state, manifest: Manifest, *, strict: bool, rank: int, world: int, local_only: bool = False) -> LoadPlan:
+def saved_chunks(manifest: Manifest, storage: Optional[Storage], name: str, boxes, cache: Optional[MetaCache]) -> List[SavedChunk]:
+    """The saved chunks of ``name`` meeting ``boxes``, as the reader takes them.
+
+    Through ``_format.resolve_chunks`` (v2: block checksums; v1: one CRC per
+    chunk). Without ``storage``, from the manifest's own chunk lists.
+    """
+    if storage is not None:
+        got = resolve_chunks(manifest, storage, name, boxes, cache=cache)
+    else:
+        got = manifest.tensors[name].chunks
+    out = []
+    for c in got:
+        blocks = tuple(getattr(c, "block_crcs", ()) or ())
+        out.append(
+            SavedChunk(
+                file=c.file,
+                byte_offset=c.byte_offset,
+                nbytes=c.nbytes,
+                offsets=tuple(c.offsets),
+                sizes=tuple(c.sizes),
+                block_bytes=getattr(c, "block_bytes", 0) if blocks else 0,
+                block_crcs=blocks or (() if c.crc32c is None else (c.crc32c,)),
+                name=f"{name} chunk {c.key!r}",
+            )
+        )
+    return out
+
+
+def _strides(sizes: Sequence[int]) -> Tuple[int, ...]:
+    out, acc = [], 1
+    for n in reversed(sizes):
+        out.append(acc)
+        acc *= n
+    return tuple(reversed(out))
+
+
+@dataclass(frozen=True)
+class _Copy:
+    """Deliver-time job: copy elements of a saved chunk (a box of it) into ``dst``."""
+
+    target: int
+    dst: torch.Tensor
+    src_offsets: Tuple[int, ...]
+    sizes: Tuple[int, ...]
+    strides: Tuple[int, ...]  # the chunk's, contiguous
+    first: int  # flat element index of the first byte read
+    dtype: torch.dtype
+
+
+def _wants(plan: LoadPlan, dests: Sequence[Sequence[torch.Tensor]], range_bytes: int) -> List[Want]:
+    """Byte ranges to read, one per piece cut to at most ``range_bytes`` of its chunk (along dim 0)."""
+    out: List[Want] = []
+    for ti, t in enumerate(plan.targets):
+        chunks = t.chunks
+        dtype = torch_dtype(t.meta.dtype)
+        isz = torch.empty((), dtype=dtype).element_size()
+        for dst_part, pieces in zip(dests[ti], t.pieces):
+            for p in pieces:
+                c = chunks[p.chunk]
+                strides = _strides(c.sizes)
+                if not p.sizes or math.prod(p.sizes) == 0:
+                    if not p.sizes and c.nbytes:  # a 0-d tensor
+                        out.append(Want(c, 0, c.nbytes, _Copy(ti, dst_part, (), (), (), 0, dtype)))
+                    continue
+                row_bytes = strides[0] * isz
+                rows = max(1, range_bytes // max(row_bytes, 1))
+                for r in range(0, p.sizes[0], rows):
+                    n = min(rows, p.sizes[0] - r)
+                    src = (p.src_offsets[0] + r,) + tuple(p.src_offsets[1:])
+                    sizes = (n,) + tuple(p.sizes[1:])
+                    first = sum(o * st for o, st in zip(src, strides))
+                    last = sum((o + k - 1) * st for o, k, st in zip(src, sizes, strides))
+                    dst = box_view(dst_part, (p.dst_offsets[0] + r,) + tuple(p.dst_offsets[1:]), sizes)
+                    out.append(Want(c, first * isz, (last + 1) * isz, _Copy(ti, dst, src, sizes, strides, first, dtype)))
+    return out
+
+
+def _host_alloc(pinned: bool):
+    """The pool's allocator: plain host tensors, or page-locked ones of exactly the size asked."""
+
+    def alloc(n: int):
+        t = torch.empty(n, dtype=torch.uint8)
+        if pinned and n and int(torch.cuda.cudart().cudaHostRegister(t.data_ptr(), n, 0)) != 0:
+            pinned_t = torch.empty(n, dtype=torch.uint8, pin_memory=True)  # registration refused: the allocator's
+            return byte_view(pinned_t), (pinned_t, False)
+        return byte_view(t), (t, pinned and n > 0)
+
+    def free(owner) -> None:
+        t, registered = owner
+        if registered:
+            try:
+                torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
+            except Exception:  # the memory is freed either way; never fail a load on this
+                pass
+
+    return alloc, free
+
+
+def stream_into(
+    storage: Storage,
+    plan: LoadPlan,
+    staged: Optional[Sequence[Sequence[torch.Tensor]]],
+    *,
+    threads: int = DEFAULT_IO_THREADS,
+    buffer_bytes: int = DEFAULT_BUFFER_BYTES,
+    stats: Optional[ReadStats] = None,
+) -> ReadStats:
+    """Read, verify and copy every piece of ``plan`` into its tensor (or into ``staged``).
+
+    Raises:
+        ChecksumMismatchError / CorruptCheckpointError / StorageError: as the
+            reader does; unless staging, the message names the tensors this
+            rank had already overwritten.
+    """
+    dests = staged if staged is not None else [[dst for _, dst in t.parts] for t in plan.targets]
+    cuda = staged is None and torch.cuda.is_available() and any(d.is_cuda for ds in dests for d in ds)
+    range_bytes = min(_knobs.LOAD_RANGE_BYTES, buffer_bytes)
+    alloc, free = _host_alloc(cuda)
+    pool = BufferPool(buffer_bytes, slot_bytes=range_bytes, alloc=alloc, free=free)
+    touched: Dict[int, None] = {}
+    events: List[Any] = []
+
+    def deliver(w: Want, data: memoryview, owner, off: int):
+        job: _Copy = w.tag
+        raw = owner[0][off : off + len(data)]
+        isz = raw.new_empty((), dtype=job.dtype).element_size()
+        if raw.data_ptr() % isz:
+            raw = raw.clone()  # a foreign file's chunk not aligned to its item size
+        flat = raw.view(job.dtype)
+        # as_strided's offset counts from the start of the storage, not of the view.
+        at = flat.storage_offset() + sum(o * s for o, s in zip(job.src_offsets, job.strides)) - job.first
+        src = flat.as_strided(job.sizes, job.strides, at)
+        touched[job.target] = None
+        if job.dst.is_cuda:
+            job.dst.copy_(src, non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record()
+            events.append(ev)
+            return ev
+        job.dst.copy_(src)
+        return None
+
+    try:
+        with torch.no_grad():
+            return read_verified(
+                storage,
+                _wants(plan, dests, range_bytes),
+                deliver,
+                threads=threads,
+                pool=pool,
+                stats=stats,
+            )
+    except CheckpointError as e:
+        if staged is None and touched:
+            names = [plan.targets[i].name for i in touched]
+            raise type(e)(f"{e}. Tensors already overwritten: {format_offenders(names)}; load a good checkpoint "
+                          "into this state again (atomic=True stages first and changes nothing on failure)") from None
+        raise
+    finally:
+        pool.close()  # waits for the device copies; releases the pinned memory
+        if events:
+            events[-1].synchronize()
+
+
+def _materialized(manifest: Manifest) -> bool:
+    return any(t.chunks for t in manifest.tensors.values())
+
+
+def dtype_problem(name: str, saved: str, live: str) -> Optional[str]:
+    """Why a tensor saved as ``saved`` cannot load into one of dtype ``live`` (None: it can).
+
+    The one place the casting rule lives; the copy path casts per piece
+    (``copy_``), so allowing a pair here is all a new rule needs.
+    """
+    if saved != live:
+        return f"{name}: checkpoint dtype {saved}, live dtype {live}"
+    return None
+
+
+def _self_overlapping(t: torch.Tensor) -> bool:
+    """Whether some element of ``t`` shares memory with another (``expand``-ed, stride 0...)."""
+    if t.numel() <= 1:
+        return False
+    if any(st == 0 and n > 1 for st, n in zip(t.stride(), t.shape)):
+        return True
+    # 1: overlaps, 0: does not, 2: too hard to tell -> check by sorting the spans.
+    verdict = torch._debug_has_internal_overlap(t)
+    if verdict != 2:
+        return verdict == 1
+    dims = sorted((st, n) for st, n in zip(t.stride(), t.shape) if n > 1)
+    extent = 1
+    for st, n in dims:
+        if st < extent:
+            return True
+        extent = st * (n - 1) + extent
+    return False
+
+
+def _plan_load(
+    state,
+    manifest: Manifest,
+    *,
+    strict: bool,
+    rank: int,
+    world: int,
+    local_only: bool = False,
+    storage: Optional[Storage] = None,
+) -> LoadPlan:
     flat, missing_values, unexpected_values = flatten_for_load(
         state,
         manifest.values,
@@ -237,66 +481,64 @@ def _plan_load(state, manifest: Manifest, *, strict: bool, rank: int, world: int
     )
     missing_all = sorted(set(missing) | set(missing_values))
     unexpected_all = sorted(set(unexpected) | set(unexpected_values))
-    if strict and (missing_all or unexpected_all):
-        parts = []
-        if missing_all:
-            parts.append(f"missing from the checkpoint: {format_offenders(missing_all)}")
-        if unexpected_all:
-            parts.append(f"in the checkpoint but not in the state: {format_offenders(unexpected_all)}")
-        raise StateMismatchError(
-            "state and checkpoint disagree: " + "; ".join(parts) + ". Pass strict=False to load the common entries."
-        )
-    problems = []
+    # Every kind of disagreement goes into one error: fixing one kind must
+    # not only reveal the next.
+    parts: List[str] = []
+    if strict and missing_all:
+        parts.append(f"missing from the checkpoint: {format_offenders(missing_all)}")
+    if strict and unexpected_all:
+        parts.append(f"in the checkpoint but not in the state: {format_offenders(unexpected_all)}")
+    problems: List[str] = []
     targets: List[_Target] = []
-    for name in sorted(live):
-        if name not in manifest.tensors:
-            continue
+    created: Dict[str, torch.Tensor] = {}
+    wanted = [(n, live[n]) for n in sorted(live) if n in manifest.tensors]
+    # Manifests already holding their chunk lists (v1 JSON, HF, renamed) need no resolver.
+    resolver = storage if storage is not None and not _materialized(manifest) else None
+    cache = MetaCache()
+    for name in sorted(creates):
         meta = manifest.tensors[name]
-        lay = layout_of(name, live[name], rank=rank, world_size=world, local_only=local_only)
+        created[name] = torch.empty(tuple(meta.shape), dtype=torch_dtype(meta.dtype))
+        wanted.append((name, created[name]))
+    for name, tensor in wanted:
+        meta = manifest.tensors[name]
+        lay = layout_of(name, tensor, rank=rank, world_size=world, local_only=local_only if name not in created else True)
         if list(lay.shape) != list(meta.shape):
             problems.append(f"{name}: checkpoint shape {list(meta.shape)}, live shape {list(lay.shape)}")
             continue
-        if lay.dtype != meta.dtype:
-            problems.append(f"{name}: checkpoint dtype {meta.dtype}, live dtype {lay.dtype}")
+        why = dtype_problem(name, meta.dtype, lay.dtype)
+        if why:
+            problems.append(why)
             continue
-        if any(c.crc32c is None for c in meta.chunks):
-            # No checksum to verify (safetensors sources): read only our rows.
-            from ._hf import narrow_unchecked
-
-            meta = narrow_unchecked(meta, [p.box for p in lay.parts])
-        saved = [_plan.Box(tuple(c.offsets), tuple(c.sizes)) for c in meta.chunks]
-        parts = tuple((p.box, p.view()) for p in lay.parts)
-        pieces = tuple(
-            tuple(_plan.plan_reads(saved, [_plan.LocalBox(box, (0,) * len(box.offsets))])) for box, _ in parts
-        )
-        targets.append(_Target(name, meta, parts, pieces))
+        views = [p.view() for p in lay.parts]
+        if any(_self_overlapping(v) for v in views):
+            problems.append(
+                f"{name}: the live tensor overlaps itself (an expand()-ed or stride-0 tensor); "
+                "loading into it would write several values to one element — give it its own memory (.clone())"
+            )
+            continue
+        # Chunks without checksums (safetensors sources) are read exactly;
+        # checksummed ones are rounded to their blocks by the reader.
+        boxes = [(p.box.offsets, p.box.sizes) for p in lay.parts if p.box.numel]
+        chunks = tuple(saved_chunks(manifest, resolver, name, boxes, cache)) if boxes else ()
+        saved = [_plan.Box(c.offsets, c.sizes) for c in chunks]
+        parts_ = tuple((p.box, v) for p, v in zip(lay.parts, views))
+        try:
+            pieces = tuple(
+                tuple(_plan.plan_reads(saved, [_plan.LocalBox(box, (0,) * len(box.offsets))])) for box, _ in parts_
+            )
+        except ValueError as e:
+            raise CorruptCheckpointError(f"{name}: the checkpoint's chunks do not cover what this rank holds: {e}") from None
+        targets.append(_Target(name, meta, parts_, pieces, chunks))
     if problems:
-        raise StateMismatchError(
-            f"cannot load, {len(problems)} tensor(s) differ: " + format_offenders(problems, sep="; ")
-        )
+        parts.append(f"{len(problems)} tensor(s) differ: " + format_offenders(problems, sep="; "))
+    if parts:
+        hint = " Pass strict=False to load the common entries." if strict and (missing_all or unexpected_all) else ""
+        raise StateMismatchError("cannot load, state and checkpoint disagree: " + "; ".join(parts) + "." + hint)
     return LoadPlan(
         manifest=manifest,
         targets=tuple(targets),
         creates=creates,
+        created=created,
         finalizers=tuple(flat.finalizers),
         result=LoadResult(missing_all, unexpected_all),
     )
-
-
-def _needed_chunks(targets: Sequence[_Target], creates, manifest: Manifest):
-    chunk_list: List[ChunkMeta] = []
-    index: Dict[Tuple[str, int], int] = {}
-
-    def need(name: str, i: int, c: ChunkMeta):
-        if (name, i) not in index:
-            index[(name, i)] = len(chunk_list)
-            chunk_list.append(c)
-
-    for t in targets:
-        for pieces in t.pieces:
-            for p in pieces:
-                need(t.name, p.chunk, t.meta.chunks[p.chunk])
-    for name in creates:
-        for i, c in enumerate(manifest.tensors[name].chunks):
-            need(name, i, c)
-    return chunk_list, index

@@ -16,14 +16,16 @@ import pytest
 import torch
 
 import shardckpt
-from shardckpt import _io, _storage
+from shardckpt import _io, _knobs, _storage
+from shardckpt._readers import SavedChunk, Want, read_verified
 from shardckpt._storage import Storage
 from shardckpt.errors import ChecksumMismatchError, CorruptCheckpointError
 
 
 @pytest.fixture
 def small_blocks(monkeypatch):
-    monkeypatch.setattr(_io, "READ_BLOCK_BYTES", 4099)
+    monkeypatch.setattr(_knobs, "READ_BLOCK_BYTES", 4099)
+    monkeypatch.setattr(_knobs, "LOAD_RANGE_BYTES", 8192)
     monkeypatch.setattr(_io, "WRITE_BLOCK_BYTES", 3000)
     monkeypatch.setattr(_storage, "WRITEBACK_BYTES", 5000)
 
@@ -34,7 +36,7 @@ def test_crc32c_combine_matches_whole_crc():
         a = rng.randbytes(rng.choice([0, 1, 7, 100, 4096, rng.randint(0, 20000)]))
         b = rng.randbytes(rng.choice([0, 1, 3, 64, rng.randint(0, 20000)]))
         assert _io.crc32c_combine(_crc.crc32c(a), _crc.crc32c(b), len(b)) == _crc.crc32c(a + b)
-    # many pieces folded left, as read_chunks does
+    # many pieces folded left, as the reader does
     data = rng.randbytes(100_003)
     cuts = sorted(rng.sample(range(1, len(data)), 20))
     acc = 0
@@ -109,7 +111,7 @@ def test_bit_flip_inside_a_multi_block_chunk_is_caught(tmp_path, small_blocks):
     shardckpt.save(src, path)
     m = shardckpt.inspect(path)
     c = m.tensors["big"].chunks[0]
-    assert c.nbytes > 4 * _io.READ_BLOCK_BYTES  # spans several blocks
+    assert c.nbytes > 4 * _knobs.READ_BLOCK_BYTES  # spans several blocks
     f = os.path.join(path, c.file)
     with open(f, "r+b") as fh:
         pos = c.byte_offset + c.nbytes * 2 // 3
@@ -118,9 +120,15 @@ def test_bit_flip_inside_a_multi_block_chunk_is_caught(tmp_path, small_blocks):
         fh.seek(pos)
         fh.write(bytes([byte[0] ^ 0x10]))
     dst = {k: (torch.zeros_like(v) if isinstance(v, torch.Tensor) else 0) for k, v in src.items()}
+    # atomic=True: all-or-nothing staging
     with pytest.raises(ChecksumMismatchError, match=r"chunk 'big'.*crc32c"):
-        shardckpt.load(dst, path)
+        shardckpt.load(dst, path, atomic=True)
     assert all(not v.any() for v in dst.values() if isinstance(v, torch.Tensor)), "a failed load touched a tensor"
+    # streaming (the default): whatever changed before the damaged block is named
+    with pytest.raises(ChecksumMismatchError, match=r"chunk 'big'.*crc32c") as ei:
+        shardckpt.load(dst, path)
+    changed = [k for k, v in dst.items() if isinstance(v, torch.Tensor) and v.any()]
+    assert all(k in str(ei.value) for k in changed), (changed, str(ei.value))
 
 
 def test_file_ending_mid_chunk_is_truncated(tmp_path, small_blocks):
@@ -128,10 +136,11 @@ def test_file_ending_mid_chunk_is_truncated(tmp_path, small_blocks):
     path = str(tmp_path / "c")
     shardckpt.save(src, path)
     c = shardckpt.inspect(path).tensors["big"].chunks[0]
-    # read_chunks on its own (load checks sizes first): the file ends mid-chunk
+    # the reader on its own (load checks sizes first): the file ends mid-chunk
     os.truncate(os.path.join(path, c.file), c.byte_offset + c.nbytes // 2 + 5)
+    chunk = SavedChunk(c.file, c.byte_offset, c.nbytes, block_crcs=(c.crc32c,), name="big")
     with pytest.raises(CorruptCheckpointError, match="truncated"):
-        _io.read_chunks(Storage(path), [c])
+        read_verified(Storage(path), [Want(chunk, 0, c.nbytes)], lambda *a: None)
 
 
 def test_write_behind_keeps_bytes_and_reads_back(tmp_path, small_blocks):

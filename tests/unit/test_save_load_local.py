@@ -233,7 +233,8 @@ def test_memory_url():
         shardckpt.save(saved, url)
     shardckpt.save({"w": torch.ones(1)}, url, overwrite=True)
     st = Storage(url)
-    assert sorted(st.walk_files()) == sorted(["manifest.json", "model.safetensors.index.json"] + list(shardckpt.inspect(url).files))
+    m = shardckpt.inspect(url)
+    assert sorted(st.walk_files()) == sorted(["manifest.json", "model.safetensors.index.json"] + list(m.files) + list(m.indexes))
     # damaged bytes are caught on this path too
     rel = next(iter(shardckpt.inspect(url).files))
     data = bytearray(st.read_bytes(rel))

@@ -1,0 +1,191 @@
+"""Cold load of an FSDP2 model + AdamW on one GPU: shardckpt against DCP, same state, one run.
+
+Builds a ~3.2 B-parameter MLP stack on the GPU (fp32), ``fully_shard``-ed
+(world size 1), takes one AdamW step so that the optimizer state exists
+(params + exp_avg + exp_avg_sq: ~38 GB), then for each of shardckpt and DCP:
+save, fsync, drop the files from the page cache (``posix_fadvise``), zero the
+model and optimizer state, load cold, check the values, and report wall time,
+host RSS growth at peak (``VmHWM`` reset before the load) and the pinned host
+memory left after the load returns. Checkpoints are deleted between cases
+(the disk holds one).
+
+Usage (one GPU):
+  python benchmarks/bench_fsdp2_load.py --dir /tmp/bench --blocks 23
+  python benchmarks/bench_fsdp2_load.py --blocks 2 --dim 1024   # a small smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+
+def _status(key: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _reset_peak() -> None:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets VmHWM to the current RSS
+
+
+def _drop_cache(root: str) -> None:
+    for d, _, files in os.walk(root):
+        for n in files:
+            fd = os.open(os.path.join(d, n), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def _build(blocks: int, dim: int, ff: int):
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        *[
+            torch.nn.Sequential(
+                torch.nn.Linear(dim, ff, bias=False, device="cuda"), torch.nn.Linear(ff, dim, bias=False, device="cuda")
+            )
+            for _ in range(blocks)
+        ]
+    )
+    for block in model:
+        fully_shard(block)
+    fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p) * 1e-3
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return model, opt
+
+
+def _fingerprint(model, opt) -> float:
+    tot = torch.zeros((), dtype=torch.float64, device="cuda")
+    for p in model.parameters():
+        tot += p.to_local().double().sum()
+    for st in opt.state.values():
+        for v in st.values():
+            if isinstance(v, torch.Tensor) and v.is_floating_point():
+                t = v.to_local() if hasattr(v, "to_local") else v
+                tot += t.double().sum()
+    return float(tot)
+
+
+def _zero(model, opt) -> None:
+    with torch.no_grad():
+        for p in model.parameters():
+            p.to_local().zero_()
+        for st in opt.state.values():
+            for v in st.values():
+                if isinstance(v, torch.Tensor):
+                    (v.to_local() if hasattr(v, "to_local") else v).zero_()
+
+
+def _host_pinned() -> int:
+    try:
+        return int(torch.cuda.host_memory_stats().get("allocated_bytes.current", 0))
+    except Exception:  # older torch
+        return -1
+
+
+def _case(name, model, opt, path, want):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    import shardckpt
+
+    # "shardckpt:T:B:R": T I/O threads, B MiB of read buffers, R MiB per read
+    kind, *opts = name.split(":")
+    kw = {}
+    if opts:
+        from shardckpt import _knobs
+
+        kw = {"io_threads": int(opts[0]), "buffer_bytes": int(opts[1]) << 20}
+        _knobs.LOAD_RANGE_BYTES = int(opts[2]) << 20
+    shutil.rmtree(path, ignore_errors=True)
+    t0 = time.perf_counter()
+    if kind == "shardckpt":
+        shardckpt.save({"model": model, "optim": opt}, path)
+    else:
+        msd, osd = get_state_dict(model, opt)
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
+    torch.cuda.synchronize()
+    save_s = time.perf_counter() - t0
+    nbytes = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
+    _drop_cache(path)
+    _zero(model, opt)
+    torch.cuda.synchronize()
+    rss0 = _status("VmRSS")
+    pinned0 = _host_pinned()
+    _reset_peak()
+    t0 = time.perf_counter()
+    if kind == "shardckpt":
+        shardckpt.load({"model": model, "optim": opt}, path, **kw)
+    else:
+        msd, osd = get_state_dict(model, opt)
+        sd = {"model": msd, "optim": osd}
+        dcp.load(sd, checkpoint_id=path)
+        set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+    torch.cuda.synchronize()
+    load_s = time.perf_counter() - t0
+    peak = _status("VmHWM")
+    got = _fingerprint(model, opt)
+    out = {
+        "case": name,
+        "bytes": nbytes,
+        "save_s": round(save_s, 2),
+        "load_s": round(load_s, 2),
+        "load_GBps": round(nbytes / load_s / 1e9, 3),
+        "rss_growth_GiB": round((peak - rss0) / 2**30, 2),
+        "rss_after_minus_before_GiB": round((_status("VmRSS") - rss0) / 2**30, 2),
+        "pinned_before_load_bytes": pinned0,
+        "pinned_after_load_bytes": _host_pinned(),
+        "values_ok": abs(got - want) <= 1e-6 * max(1.0, abs(want)),
+    }
+    shutil.rmtree(path, ignore_errors=True)
+    print(json.dumps(out), flush=True)
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--dir", default="/tmp/bench-fsdp2")
+    p.add_argument("--blocks", type=int, default=23)
+    p.add_argument("--dim", type=int, default=4096)
+    p.add_argument("--ff", type=int, default=16384)
+    p.add_argument("--cases", default="shardckpt,dcp")
+    p.add_argument("--json")
+    a = p.parse_args(argv)
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29533")
+    dist.init_process_group("cpu:gloo,cuda:nccl", rank=0, world_size=1)
+    torch.cuda.set_device(0)
+    model, opt = _build(a.blocks, a.dim, a.ff)
+    nparams = sum(p.numel() for p in model.parameters())
+    print(f"params={nparams / 1e9:.2f}B state={nparams * 12 / 1e9:.1f}GB torch={torch.__version__}", flush=True)
+    want = _fingerprint(model, opt)
+    res = [_case(c, model, opt, os.path.join(a.dir, c.split(":")[0]), want) for c in a.cases.split(",")]
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(res, f, indent=1)
+    dist.destroy_process_group()
+    return 0 if all(r["values_ok"] for r in res) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

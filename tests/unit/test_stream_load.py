@@ -1,0 +1,330 @@
+"""Streaming loads: the verified ranged reader, its buffer pool, and load's order of checks.
+
+Real files on local disk; block checksums (format v2) are computed here from
+the saved bytes where a test needs them, through the same seam the v2
+resolver plugs into (``_load.saved_chunks``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import shardckpt
+from shardckpt import _load
+from shardckpt._format import crc32c
+from shardckpt._readers import BufferPool, ReadStats, SavedChunk, Want, plan_ranges, read_verified
+from shardckpt._storage import Storage
+from shardckpt.errors import ChecksumMismatchError, CorruptCheckpointError, StateMismatchError
+
+
+def _file(tmp_path, n=1 << 16, name="f.bin"):
+    data = bytes((i * 7 + 3) % 251 for i in range(n))
+    (tmp_path / name).write_bytes(data)
+    return data
+
+
+def _blocked(rel, data, start, nbytes, block, name="c"):
+    body = data[start : start + nbytes]
+    crcs = tuple(crc32c(body[i : i + block]) for i in range(0, nbytes, block))
+    return SavedChunk(rel, start, nbytes, block_bytes=block, block_crcs=crcs, name=name)
+
+
+# -- planning (pure) ------------------------------------------------------------------
+
+
+def test_plan_rounds_to_blocks_and_coalesces_neighbours():
+    c = SavedChunk("a", 100, 1000, block_bytes=64, block_crcs=tuple(range(16)))
+    rs = plan_ranges([Want(c, 70, 80), Want(c, 130, 140)], range_bytes=1 << 20, gap_bytes=0)
+    assert [(r.start, r.stop) for r in rs] == [(164, 292)]  # blocks 1 and 2, adjacent
+    assert [u[:2] for u in rs[0].units] == [(164, 228), (228, 292)]
+    # Two wants in one block check it once.
+    rs = plan_ranges([Want(c, 0, 4), Want(c, 10, 20)], range_bytes=1 << 20)
+    assert len(rs) == 1 and len(rs[0].units) == 1
+
+
+def test_plan_v1_reads_whole_chunks_and_unchecked_reads_exact_bytes():
+    v1 = SavedChunk("a", 8, 4096, block_crcs=(5,), name="w")
+    (r,) = plan_ranges([Want(v1, 100, 200)])
+    assert (r.start, r.stop, r.units) == (8, 8 + 4096, [(8, 4104, 5, "w")])
+    raw = SavedChunk("a", 8, 4096)
+    (r,) = plan_ranges([Want(raw, 100, 200)])
+    assert (r.start, r.stop, r.units) == (108, 208, [])
+
+
+def test_plan_never_exceeds_the_range_size_unless_one_unit_does():
+    c = SavedChunk("a", 0, 1 << 20, block_bytes=1 << 12, block_crcs=tuple(range(256)))
+    wants = [Want(c, s, s + 1000) for s in range(0, 1 << 20, 1 << 12)]
+    rs = plan_ranges(wants, range_bytes=64 << 10)
+    assert all(r.nbytes <= 64 << 10 for r in rs) and sum(len(r.wants) for r in rs) == len(wants)
+    big = SavedChunk("a", 0, 1 << 20, block_crcs=(1,))
+    assert [r.nbytes for r in plan_ranges([Want(big, 0, 1)], range_bytes=1 << 10)] == [1 << 20]
+
+
+def test_plan_refuses_wants_outside_the_chunk_and_short_block_lists():
+    c = SavedChunk("a", 0, 100, block_bytes=10, block_crcs=(1,) * 10, name="x")
+    with pytest.raises(CorruptCheckpointError, match="outside chunk 'x'"):
+        plan_ranges([Want(c, 90, 101)])
+    short = SavedChunk("a", 0, 100, block_bytes=10, block_crcs=(1,) * 9, name="x")
+    with pytest.raises(CorruptCheckpointError, match="9 block checksums, 10 needed"):
+        plan_ranges([Want(short, 0, 1)])
+
+
+# -- the reader -----------------------------------------------------------------------
+
+
+def test_reader_reads_only_the_blocks_wanted_and_delivers_exact_bytes(tmp_path):
+    data = _file(tmp_path, 1 << 20)
+    c = _blocked("f.bin", data, 4096, 900_000, 4096)
+    wants = [Want(c, s, s + 10_000, s) for s in (0, 300_000, 600_123)]
+    got = {}
+    stats = read_verified(Storage(str(tmp_path)), wants, lambda w, b, o, off: got.__setitem__(w.tag, bytes(b)), threads=3)
+    for w in wants:
+        assert got[w.tag] == data[4096 + w.start : 4096 + w.stop]
+    assert stats.wanted_bytes == 30_000
+    assert stats.read_bytes <= 30_000 + 3 * 2 * 4096  # at most one partial block each side
+    assert stats.ranges == 3
+
+
+def test_reader_refuses_a_damaged_block_and_delivers_nothing_of_its_range(tmp_path):
+    data = bytearray(_file(tmp_path, 1 << 16))
+    c = _blocked("f.bin", bytes(data), 0, 1 << 16, 1024, name="layer.w chunk 'k'")
+    data[5000] ^= 1
+    (tmp_path / "f.bin").write_bytes(bytes(data))
+    got = []
+    deliver = lambda w, b, o, off: got.append(w.tag)  # noqa: E731
+    # Blocks other than 4 still read and verify alone.
+    read_verified(Storage(str(tmp_path)), [Want(c, 0, 4096, "ok")], deliver)
+    with pytest.raises(ChecksumMismatchError, match=r"layer.w chunk 'k' block 4 \(bytes 4096..5120\)"):
+        read_verified(Storage(str(tmp_path)), [Want(c, 4000, 4200, "bad")], deliver, range_bytes=1 << 20)
+    assert got == ["ok"]
+
+
+def test_reader_names_missing_and_short_files(tmp_path):
+    _file(tmp_path, 100)
+    st = Storage(str(tmp_path))
+    with pytest.raises(CorruptCheckpointError, match="is missing"):
+        read_verified(st, [Want(SavedChunk("nope.bin", 0, 10), 0, 10)], lambda *a: None)
+    with pytest.raises(CorruptCheckpointError, match="truncated"):
+        read_verified(st, [Want(SavedChunk("f.bin", 50, 80), 0, 80)], lambda *a: None)
+
+
+def test_pool_is_bounded_reused_and_empty_after_close(tmp_path):
+    data = _file(tmp_path, 1 << 20)
+    c = _blocked("f.bin", data, 0, 1 << 20, 1 << 12)
+    allocs, frees = [], []
+
+    def alloc(n):
+        allocs.append(n)
+        b = bytearray(n)
+        return memoryview(b), b
+
+    pool = BufferPool(64 << 10, slot_bytes=16 << 10, alloc=alloc, free=frees.append)
+    wants = [Want(c, s, s + (16 << 10)) for s in range(0, 1 << 20, 16 << 10)]
+    out = bytearray(1 << 20)
+
+    def deliver(w, b, owner, off):
+        out[w.start : w.stop] = b
+
+    stats = read_verified(Storage(str(tmp_path)), wants, deliver, pool=pool, threads=4, range_bytes=16 << 10)
+    assert bytes(out) == data
+    assert pool.peak_bytes <= 64 << 10 and stats.peak_buffer_bytes <= 64 << 10
+    assert set(allocs) == {16 << 10} and len(allocs) <= 4  # exact sizes, reused
+    pool.close()
+    assert pool.held_bytes == 0 and len(frees) == len(allocs)
+
+
+def test_pool_gives_oversized_requests_an_exact_buffer_and_drops_it():
+    frees = []
+    pool = BufferPool(100, slot_bytes=10, free=frees.append)
+    b = pool.take(1000)
+    assert b.size == 1000 and not pool.fits(5)
+    pool.give(b)
+    assert pool.held_bytes == 0 and len(frees) == 1 and pool.fits(5)
+
+
+def test_reader_module_imports_no_torch():
+    code = "import sys, shardckpt._readers; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# -- load ------------------------------------------------------------------------------
+
+
+def _state(seed=0, n=6):
+    g = torch.Generator().manual_seed(seed)
+    return {f"t{i}": torch.randn(64, 33, generator=g) for i in range(n)}
+
+
+def _flip_last_file_byte_of(path, name):
+    c = shardckpt.inspect(path).tensors[name].chunks[0]
+    f = os.path.join(path, c.file)
+    raw = bytearray(open(f, "rb").read())
+    raw[c.byte_offset + c.nbytes - 1] ^= 0x10
+    open(f, "wb").write(bytes(raw))
+
+
+def test_stream_load_is_bit_exact_through_small_buffers(tmp_path):
+    d = str(tmp_path / "c")
+    src = _state(1)
+    shardckpt.save(src, d)
+    live = {k: torch.zeros_like(v) for k, v in src.items()}
+    ids = {k: v.data_ptr() for k, v in live.items()}
+    shardckpt.load(live, d, buffer_bytes=4096)  # many pieces, buffers reused
+    assert all(torch.equal(live[k], src[k]) and live[k].data_ptr() == ids[k] for k in src)
+
+
+def test_damage_mid_load_names_the_tensors_already_overwritten(tmp_path):
+    d = str(tmp_path / "c")
+    src = _state(2)
+    shardckpt.save(src, d)
+    _flip_last_file_byte_of(d, "t4")
+    live = {k: torch.zeros_like(v) for k, v in src.items()}
+    with pytest.raises(ChecksumMismatchError) as ei:
+        shardckpt.load(live, d, buffer_bytes=9000, io_threads=1)  # one chunk per read
+    msg = str(ei.value)
+    assert "t4 chunk" in msg and "Tensors already overwritten" in msg, msg
+    changed = sorted(k for k, v in live.items() if torch.count_nonzero(v))
+    assert changed, "nothing was overwritten: the test no longer exercises a mid-load failure"
+    for k in changed:
+        assert k in msg.split("Tensors already overwritten")[1], (k, msg)
+    assert not torch.count_nonzero(live["t4"]) or "t4" in msg
+
+
+def test_atomic_load_leaves_the_state_untouched_on_the_same_damage(tmp_path):
+    d = str(tmp_path / "c")
+    src = _state(3)
+    shardckpt.save({**src, "step": 7}, d)
+    _flip_last_file_byte_of(d, "t4")
+    live = {**{k: torch.zeros_like(v) for k, v in src.items()}, "step": -1}
+    with pytest.raises(ChecksumMismatchError) as ei:
+        shardckpt.load(live, d, buffer_bytes=64 << 10, atomic=True)
+    assert "already overwritten" not in str(ei.value)
+    assert all(torch.count_nonzero(live[k]) == 0 for k in src) and live["step"] == -1
+    # the intact tensors still load atomically once the damage is gone
+    shardckpt.save({**src, "step": 7}, str(tmp_path / "good"))
+    shardckpt.load(live, str(tmp_path / "good"), atomic=True)
+    assert all(torch.equal(live[k], src[k]) for k in src) and live["step"] == 7
+
+
+def test_self_overlapping_targets_are_refused_before_anything_changes(tmp_path):
+    d = str(tmp_path / "c")
+    shardckpt.save({"a": torch.arange(4.0), "b": torch.ones(3)}, d)
+    b = torch.zeros(3)
+    live = {"a": torch.zeros(1).expand(4), "b": b}
+    with pytest.raises(StateMismatchError, match=r"a: the live tensor overlaps itself.*\.clone\(\)"):
+        shardckpt.load(live, d)
+    assert torch.count_nonzero(b) == 0
+    strided = torch.zeros(8)[::2]  # gaps, but no overlap: fine
+    shardckpt.load({"a": strided, "b": b}, d)
+    assert strided.tolist() == [0.0, 1.0, 2.0, 3.0]
+
+
+def test_missing_keys_and_shape_mismatches_in_one_error(tmp_path):
+    d = str(tmp_path / "c")
+    shardckpt.save({"a": torch.ones(2), "b": torch.ones(3), "c": torch.ones(1, dtype=torch.int64)}, d)
+    live = {"a": torch.zeros(5), "b": torch.zeros(3), "c": torch.zeros(1, dtype=torch.int32), "z": torch.zeros(1)}
+    with pytest.raises(StateMismatchError) as ei:
+        shardckpt.load(live, d)
+    msg = str(ei.value)
+    for frag in ("missing from the checkpoint: z", "a: checkpoint shape [2], live shape [5]", "c: checkpoint dtype I64"):
+        assert frag in msg, (frag, msg)
+    assert torch.count_nonzero(live["b"]) == 0
+
+
+def test_pieces_cast_when_the_dtype_rule_allows_it(tmp_path, monkeypatch):
+    d = str(tmp_path / "c")
+    src = torch.randn(40, 7).to(torch.bfloat16)
+    shardckpt.save({"w": src}, d)
+    monkeypatch.setattr(_load, "dtype_problem", lambda name, saved, live: None)
+    live = {"w": torch.zeros(40, 7)}
+    shardckpt.load(live, d, buffer_bytes=256)
+    assert torch.equal(live["w"], src.float())
+
+
+def _rows_plan(d, live_rows, rows, cols):
+    """A load plan for rows ``live_rows`` of a saved ``rows x cols`` tensor, as a rank holding them makes it."""
+    from shardckpt import _plan
+
+    man = _load.read_manifest(d, chunks=False)
+    plan = _load._plan_load({"w": torch.zeros(rows, cols)}, man, strict=True, rank=0, world=1, storage=Storage(d))
+    t = plan.targets[0]
+    lo, hi = live_rows
+    box = _plan.Box((lo, 0), (hi - lo, cols))
+    dst = torch.zeros(hi - lo, cols)
+    pieces = tuple(_plan.plan_reads([_plan.Box(c.offsets, c.sizes) for c in t.chunks], [_plan.LocalBox(box, (0, 0))]))
+    part = t.__class__(t.name, t.meta, ((box, dst),), (pieces,), t.chunks)
+    return plan.__class__(**{**plan.__dict__, "targets": (part,)}), dst
+
+
+def test_block_checksums_read_a_fraction_of_a_whole_saved_tensor(tmp_path, monkeypatch):
+    """Format v2 (block CRCs): rows 16..31 of a 64-row tensor saved whole cost about their own bytes."""
+    d = str(tmp_path / "c")
+    w = torch.randn(64, 16384)  # 4 MiB, 4 blocks of 1 MiB
+    shardckpt.save({"w": w}, d)
+    assert shardckpt.inspect(d).version >= 2
+    plan, dst = _rows_plan(d, (16, 32), 64, 16384)
+    assert plan.targets[0].chunks[0].block_bytes > 0
+    stats = _load.stream_into(Storage(d), plan, None, stats=ReadStats())
+    assert torch.equal(dst, w[16:32])
+    assert stats.wanted_bytes == 16 * 16384 * 4
+    assert stats.read_bytes <= 1.1 * stats.wanted_bytes, (stats.read_bytes, stats.wanted_bytes)
+
+
+def test_v1_checksums_make_the_same_rows_read_the_whole_chunk(tmp_path):
+    """Format v1 (one CRC per chunk): the same rows read all 4 MiB (why v2 exists)."""
+    d = str(tmp_path / "c")
+    w = torch.randn(64, 16384)
+    shardckpt.save({"w": w}, d)
+    plan, dst = _rows_plan(d, (16, 32), 64, 16384)
+    t = plan.targets[0]
+    v1 = tuple(dataclasses.replace(c, block_bytes=0, block_crcs=(_whole_crc(d, c),)) for c in t.chunks)
+    plan = plan.__class__(**{**plan.__dict__, "targets": (t.__class__(t.name, t.meta, t.parts, t.pieces, v1),)})
+    stats = _load.stream_into(Storage(d), plan, None, stats=ReadStats())
+    assert torch.equal(dst, w[16:32]) and stats.read_bytes == w.numel() * 4
+
+
+def _whole_crc(d, c):
+    with open(os.path.join(d, c.file), "rb") as f:
+        f.seek(c.byte_offset)
+        return crc32c(f.read(c.nbytes))
+
+
+@pytest.mark.slow
+def test_peak_rss_of_a_1gib_load_stays_within_10_percent(tmp_path):
+    d = str(tmp_path / "c")
+    code = textwrap.dedent(
+        f"""
+        import resource, sys, torch, shardckpt
+        torch.set_num_threads(1)
+        n = 32  # 32 x 32 MiB
+        if sys.argv[1] == "save":
+            g = torch.Generator().manual_seed(0)
+            shardckpt.save({{f"t{{i}}": torch.randn(8 << 20, generator=g) for i in range(n)}}, {d!r})
+            sys.exit(0)
+        live = {{f"t{{i}}": torch.zeros(8 << 20) for i in range(n)}}
+        for v in live.values():
+            v.fill_(1.0)  # resident before the baseline
+        # Modules a load imports are not the load's memory: import them first.
+        shardckpt.save({{"w": torch.ones(4)}}, {d!r} + "-tiny")
+        shardckpt.load({{"w": torch.zeros(4)}}, {d!r} + "-tiny")
+        base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        shardckpt.load(live, {d!r})
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        g = torch.Generator().manual_seed(0)
+        assert all(torch.equal(live[f"t{{i}}"], torch.randn(8 << 20, generator=g)) for i in range(n))
+        print((peak - base) * 1024, file=sys.stderr)
+        print((peak - base) * 1024)
+        """
+    )
+    subprocess.run([sys.executable, "-c", code, "save"], check=True)
+    out = subprocess.run([sys.executable, "-c", code, "load"], check=True, capture_output=True, text=True)
+    growth = int(out.stdout.strip().splitlines()[-1])
+    state = 1 << 30
+    assert growth <= 0.10 * state, f"peak RSS grew by {growth / 2**20:.0f} MiB loading {state >> 20} MiB"
