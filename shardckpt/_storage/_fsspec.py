@@ -111,7 +111,7 @@ class FsspecStorage(Storage):
 
     def child(self, rel: str) -> "Storage":
         # Share the filesystem instance: no second url_to_fs, same caches.
-        return FsspecStorage(
+        return type(self)(
             self.url_of(rel), storage_options=self.storage_options, retries=self.retries, fs=self.fs, root=self._p(rel)
         )
 
@@ -135,6 +135,13 @@ class FsspecStorage(Storage):
     def _size(self, path: str) -> int:
         info = self._retry(f"stat {self._url(path)}", self.fs.info, path)
         return int(info["size"])
+
+    def _fresh_size(self, path: str) -> int:
+        # fsspec may answer info() from a listing cached before another
+        # process deleted the file: drop it first.
+        if hasattr(self.fs, "invalidate_cache"):
+            self.fs.invalidate_cache(path)
+        return self._size(path)
 
     def _listdir(self, path: str) -> List[str]:
         entries = self._retry(f"list {self._url(path)}", self.fs.ls, path, detail=False)
