@@ -282,6 +282,9 @@ def execute_save(plan: SavePlan) -> None:
                 if any(p is not None for p in per_rank):
                     manifest.extra["per_rank"] = per_rank
                 body = manifest_to_bytes(manifest)
+                # Data files removed since they were written (cleanup() on the
+                # same root, a lifecycle rule) must not be named by a commit.
+                storage.check_objects({rel: fm.size for rel, fm in manifest.files.items()})
                 # The HF index first: before the commit it is just another file.
                 # When replacing a checkpoint, keep the old index to put back
                 # if the commit fails: it must keep naming the old files.

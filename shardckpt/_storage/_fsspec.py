@@ -155,7 +155,10 @@ class FsspecStorage(Storage):
         return out
 
     def _walk(self, path: str) -> List[str]:
-        found = self._retry(f"find {self._url(path)}", self.fs.find, path)
+        found = self._retry(f"find {self._url(path)}", self.fs.find, path, detail=True)
+        # Files only: s3fs answers a find of an emptied prefix with the
+        # prefix itself, typed "directory", on servers that keep folders.
+        found = [p for p, info in found.items() if (info or {}).get("type") != "directory"]
         root = self.root.rstrip("/") + "/"
         out = []
         for p in found:

@@ -133,6 +133,19 @@ def _client_defaults(options: Dict[str, Any]) -> Dict[str, Any]:
     return out
 
 
+def _transient_botocore(bex) -> tuple:
+    """botocore's exception types for resets, timeouts and garbled answers (names vary by version)."""
+    names = ("HTTPClientError", "ConnectionError", "IncompleteReadError", "ResponseStreamingError", "ReadTimeoutError")
+    types = [getattr(bex, n) for n in names if isinstance(getattr(bex, n, None), type)]
+    try:
+        from botocore.parsers import ResponseParserError
+
+        types.append(ResponseParserError)
+    except ImportError:  # pragma: no cover
+        pass
+    return tuple(types)
+
+
 class _Shared:
     """Per-filesystem state shared by a root and its children: the request limit."""
 
@@ -229,7 +242,7 @@ class S3Storage(FsspecStorage):
             return e
         if isinstance(e, (OSError, asyncio.TimeoutError, cf.TimeoutError)):
             return None  # resets, timeouts, s3fs's EREMOTEIO for 5xx
-        if bex is not None and isinstance(e, (bex.HTTPClientError, bex.ConnectionError, bex.ResponseParserError, bex.IncompleteReadError)):
+        if bex is not None and isinstance(e, _transient_botocore(bex)):
             return None
         try:
             import aiohttp
