@@ -146,6 +146,37 @@ def _transient_botocore(bex) -> tuple:
     return tuple(types)
 
 
+_FS_CACHE: Dict[Tuple[int, str], Any] = {}
+_FS_LOCK = threading.Lock()
+
+
+def _filesystem(url: str, options: Dict[str, Any]):
+    """``(s3fs filesystem, path)``: one private client per process and options, reused.
+
+    A client costs a second or more to make (botocore loads its service
+    model), so Storage objects with the same options share one; it is never
+    one that fsspec's cache hands to other code (we change its retries).
+    """
+    import os
+
+    from fsspec.utils import tokenize
+
+    from ._fsspec import resolve
+
+    full = _client_defaults(options)
+    key = (os.getpid(), tokenize(full))
+    with _FS_LOCK:
+        fs = _FS_CACHE.get(key)
+    if fs is not None:
+        return fs, fs._strip_protocol(url)
+    fs, root = resolve(url, full)
+    # s3fs retries some errors itself (5 attempts): ours is the one loop.
+    fs.retries = 1
+    with _FS_LOCK:
+        fs = _FS_CACHE.setdefault(key, fs)
+    return fs, root
+
+
 class _Shared:
     """Per-filesystem state shared by a root and its children: the request limit."""
 
@@ -191,13 +222,15 @@ class S3Storage(FsspecStorage):
         _shared: Optional[_Shared] = None,
     ):
         if fs is None:
-            from ._fsspec import resolve
-
-            fs, root = resolve(url.rstrip("/") or url, _client_defaults(storage_options or {}))
-            # s3fs retries some errors itself (5 attempts): ours is the one loop.
-            fs.retries = 1
+            fs, root = _filesystem(url.rstrip("/") or url, storage_options or {})
         super().__init__(url, storage_options=storage_options, retries=retries, fs=fs, root=root)
-        self._shared = _shared or _Shared()
+        if _shared is None:
+            # One request limit per client, whichever Storage objects use it.
+            _shared = getattr(self.fs, "_shardckpt_shared", None)
+            if _shared is None:
+                _shared = _Shared()
+                self.fs._shardckpt_shared = _shared
+        self._shared = _shared
 
     def child(self, rel: str) -> "S3Storage":
         return S3Storage(
@@ -335,7 +368,13 @@ class S3Storage(FsspecStorage):
 
     def _read(self, path: str, start: int, end: Optional[int]) -> bytes:
         rel = self._rel_of(path)
-        if end is not None and end - start > S3_READ_PART_BYTES:
+        if end is None or end - start > S3_READ_PART_BYTES:
+            # Large or open-ended: learn the size (callers pass generous
+            # limits) and fetch the pieces in parallel.
+            size = self._fresh_size(path)
+            end = size if end is None else min(end, size)
+            if end - start <= S3_READ_PART_BYTES:
+                return self._sync(self._get(rel, start, end)) if end > start else b""
             buf = bytearray(end - start)
             got = self._sync(self._fill(rel, [(start, end)], [(start, memoryview(buf))], allow_short=True))
             return bytes(buf[: got - start]) if got < end else bytes(buf)

@@ -194,7 +194,7 @@ def fast_retries(monkeypatch):
 
 def _state(step):
     g = torch.Generator().manual_seed(step)
-    return {"a": torch.randn(3 << 20, generator=g), "b": torch.randn(1000, generator=g), "step": step}
+    return {"a": torch.randn(2 << 20, generator=g), "b": torch.randn(1000, generator=g), "step": step}
 
 
 def _equal(a, b):
@@ -207,7 +207,7 @@ def test_saves_through_faults_commit_whole_or_nothing(weed_url, fault_proxy, fas
     fault_proxy.set_faults(reset=0.12, slowdown=0.12, delay=0.1, stall=0.03)
     mgr = shardckpt.CheckpointManager(url, keep_last=2, storage_options=proxied)
     ok, failed = [], []
-    for step in range(1, 7):
+    for step in range(1, 6):
         try:
             mgr.save(step, _state(step))
             ok.append(step)
@@ -220,7 +220,7 @@ def test_saves_through_faults_commit_whole_or_nothing(weed_url, fault_proxy, fas
         assert set(committed) <= set(ok), f"a failed save was committed: {committed} vs {ok}"
         assert committed == ok[-2:], "retention removed a good step or kept too many"
         for s in committed:
-            live = {"a": torch.zeros(3 << 20), "b": torch.zeros(1000), "step": 0}
+            live = {"a": torch.zeros(2 << 20), "b": torch.zeros(1000), "step": 0}
             direct.restore(live, step=s)
             assert _equal(live, _state(s))
         if committed:
@@ -236,7 +236,7 @@ def test_loads_through_faults_verified_or_clear_error(weed_url, fault_proxy, fas
     fault_proxy.set_faults(reset=0.2, slowdown=0.15, delay=0.1, stall=0.03)
     results = []
     for _ in range(5):
-        live = {"a": torch.zeros(3 << 20), "b": torch.zeros(1000), "step": 0}
+        live = {"a": torch.zeros(2 << 20), "b": torch.zeros(1000), "step": 0}
         try:
             shardckpt.load(live, url, storage_options=proxied)
             assert _equal(live, _state(5)), "a load returned wrong bytes"
