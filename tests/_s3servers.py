@@ -71,6 +71,8 @@ class SeaweedServer:
             f"-volume.port={ports['volume']}",
             f"-volume.port.grpc={ports['volume.grpc']}",
             "-volume.max=0",
+            # Stop at once: the default waits 10 s for a cluster that is not there.
+            "-volume.preStopSeconds=0",
             "-filer",
             f"-filer.port={ports['filer']}",
             f"-filer.port.grpc={ports['filer.grpc']}",
