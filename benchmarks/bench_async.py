@@ -336,7 +336,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         if args.out:
             with open(args.out, "w") as f:
                 f.write(text + "\n")
-    from shardckpt._async import release_buffers
+    from shardckpt import release_buffers
 
     release_buffers()
     _barrier()

@@ -314,15 +314,15 @@ def _setup(case: str, device: str, threads: Optional[int]) -> None:
 
         dist.init_process_group("cpu:gloo,cuda:nccl" if device == "cuda" else "gloo")
     if case == "shardckpt-nocrc":
-        from shardckpt import _io
+        from shardckpt import _knobs
 
-        _io._BENCH_NO_CHECKSUMS = True
+        _knobs.CHECKSUMS = False  # the SHARDCKPT_CHECKSUMS knob, set in-process
 
 
 def _teardown() -> None:
-    from shardckpt import _io
+    from shardckpt import _knobs
 
-    _io._BENCH_NO_CHECKSUMS = False  # in-process runs (tests) must not leak it to later saves
+    _knobs.CHECKSUMS = True  # in-process runs (tests) must not leak it to later saves
     d = _dist()
     if d is not None:
         d.destroy_process_group()

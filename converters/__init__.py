@@ -13,9 +13,12 @@ local disk are built under a hidden name and renamed into place.
     >>> converters.to_full("run/step-1000", "full.pt")                    # one unsharded file
     >>> converters.reshard("run/step-1000", "run/w8", world_size=8)       # offline, no GPUs
     >>> converters.from_safetensors("Llama-3-8B/", "native/")             # HF -> native
-    >>> converters.from_dcp("dcp_ckpt/", "native/")                       # DCP -> native, no pickle runs
+    >>> converters.from_dcp("dcp_ckpt/", "native/")                       # DCP/torchtitan -> native, no pickle runs
     >>> converters.from_torch_save("model.pt", "native/")                 # weights_only, streamed
+    >>> converters.to_safetensors("run/step-1000", "hf/", copy_from="Llama-3-8B/")   # publishable: config + tokenizer
 
+Importers share one rule for where a bare state dict goes (under
+``model.``) and recognise torchtitan's layout; see docs/interop.md.
 Each returns a :class:`ConvertResult` (url, files, tensors, nbytes, seconds).
 """
 

@@ -14,7 +14,7 @@ source cannot be read by ranges (a non-contiguous ``torch.save`` record).
 
 Source checksums are verified as the bytes stream through: each block's CRC
 is computed on the thread that read it and joined in order with
-:func:`._crc.combine`; a mismatch is raised at the end, before the output is
+:func:`shardckpt._format.checksum.combine`; a mismatch is raised at the end, before the output is
 committed, so damaged input never yields committed output.
 """
 
@@ -34,17 +34,20 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, NamedTuple, Op
 
 import torch
 
-from shardckpt._load import read_manifest
-from shardckpt._save import DATA_DIR, _remove_stale, _write_hf_index
 from shardckpt._format import (
+    DATA_DIR,
     DTYPES,
     MANIFEST_NAME,
     ChunkMeta,
     FileMeta,
     Manifest,
     TensorMeta,
+    checksum,
+    combine,
+    commit,
+    data_file_name,
     itemsize,
-    manifest_to_bytes,
+    open_manifest,
     safetensors_header,
     tiling_problems,
     torch_dtype,
@@ -62,7 +65,6 @@ from shardckpt.errors import (
     format_offenders,
 )
 
-from ._crc import checksum, combine
 
 __all__ = [
     "BLOCK_BYTES",
@@ -196,7 +198,7 @@ def source_from_manifest(storage: Storage, m: Manifest) -> Source:
 def open_checkpoint(url: str, storage_options: Optional[Dict[str, Any]] = None) -> Source:
     """A shardckpt checkpoint, a safetensors directory, or one ``.safetensors`` file."""
     storage = Storage(url, storage_options=storage_options)
-    return source_from_manifest(storage, read_manifest(storage))
+    return source_from_manifest(storage, open_manifest(storage))
 
 
 # --------------------------------------------------------------------------
@@ -762,7 +764,7 @@ def write_native(
     if dst.exists(MANIFEST_NAME) and not overwrite:
         raise CheckpointExistsError(f"{dst.url_of(MANIFEST_NAME)} already exists; pass overwrite=True to replace it")
     save_id = uuid.uuid4().hex
-    named = {f"{DATA_DIR}/{save_id[:12]}-{k}.safetensors": sort_entries(v) for k, v in files.items() if v}
+    named = {data_file_name(save_id, k): sort_entries(v) for k, v in files.items() if v}
     total = sum(e.nbytes for ents in named.values() for e in ents)
     bar = Progress(total, progress, desc)
     try:
@@ -798,9 +800,7 @@ def write_native(
             library_version=__version__,
             extra=dict(extra or {}),
         )
-        body = manifest_to_bytes(m)
-        _write_hf_index(dst, m)
-        dst.write_atomic(MANIFEST_NAME, body)
+        commit(dst, m, replace=overwrite)
     except BaseException:
         for rel in named:
             try:
@@ -810,8 +810,6 @@ def write_native(
         raise
     finally:
         bar.close()
-    if overwrite:
-        _remove_stale(dst, save_id)
     return ConvertResult(dst.url, sorted(named), len(metas), total, time.perf_counter() - t0)
 
 
@@ -954,9 +952,10 @@ def write_safetensors_files(
                 raise
             if index is not None:
                 dst.write_atomic(index_name, index)
+            # Only stale weights and a stale index go; config/tokenizer files stay.
             for n in existing:
-                # A stale index too: the new export may have none (one file).
-                if n not in files and (index is None or n != index_name) and n.endswith((".safetensors", ".json")):
+                # Stale weights and a stale index only: never the user's config/tokenizer files.
+                if (n.endswith(".safetensors") and n not in files) or (n == index_name and index is None):
                     dst.remove(n)
         out = sorted(files) + ([index_name] if index is not None else [])
         return ConvertResult(dst.url, out, sum(len(v) for v in files.values()), total, time.perf_counter() - t0)

@@ -39,10 +39,10 @@ from shardckpt.errors import (
 )
 
 from ._common import ConvertResult, SrcChunk
-from ._safetensors import nest_under
+from ._safetensors import arrange_imported
 from ._torch_save import _memory_chunk, _write_imported, chunk_of, load_meta, source_from_state, weights_only_load
 
-__all__ = ["from_dcp", "DCPUnpickler", "read_dcp_metadata"]
+__all__ = ["from_dcp", "DCPUnpickler", "read_dcp_metadata", "check_pickle_bounds"]
 
 METADATA_NAME = ".metadata"
 #: A non-tensor item (a step count, a scheduler dict) is small; refuse huge ones.
@@ -70,23 +70,124 @@ _ALLOWED: Dict[str, set] = {
 }
 
 
+#: Deepest nesting of objects a ``.metadata`` pickle may build (real ones: about 10).
+MAX_PICKLE_DEPTH = 100
+#: Objects a ``.metadata`` pickle may describe once shared references are
+#: counted as copies (what a repr or a hash visits): this many per byte of
+#: the pickle, plus a floor. Real metadata describes about 0.3 per byte; a
+#: 1 KB "bomb" of tuples nested through memo references describes 2**150.
+MAX_PICKLE_EXPANSION = 8
+MIN_PICKLE_NODES = 1 << 20
+_INPLACE_OPS = {"APPEND", "APPENDS", "SETITEM", "SETITEMS", "ADDITEMS", "BUILD"}
+
+
+def check_pickle_bounds(data: bytes, *, where: str, max_depth: int = MAX_PICKLE_DEPTH) -> None:
+    """Refuse a pickle whose objects nest too deep or expand too far, before anything is built.
+
+    A dry run over the opcodes (``pickletools.genops``, linear in the
+    bytes) tracks, for every object on the stack, its nesting depth and its
+    size with shared (memo) references counted as copies. Unpickling,
+    hashing or printing such an object costs that size, so a few hundred
+    bytes of nested tuples would otherwise take minutes (or the stack).
+
+    Raises:
+        UnsafeMetadataError: too deep or too large (numbers in the message).
+        CorruptCheckpointError: not a well-formed pickle.
+    """
+    import pickletools
+
+    mark = object()
+    stack: List[Any] = []
+    memo: Dict[Any, List[int]] = {}
+    limit = MIN_PICKLE_NODES + MAX_PICKLE_EXPANSION * len(data)
+    try:
+        for op, arg, _pos in pickletools.genops(data):
+            name = op.name
+            if name in ("PROTO", "FRAME"):
+                continue
+            if name == "STOP":
+                break
+            if name == "MARK":
+                stack.append(mark)
+            elif name in ("PUT", "BINPUT", "LONG_BINPUT"):
+                memo[arg] = stack[-1]
+            elif name == "MEMOIZE":
+                memo[len(memo)] = stack[-1]
+            elif name in ("GET", "BINGET", "LONG_BINGET"):
+                stack.append(memo[arg])
+            elif name == "POP":
+                stack.pop()
+            elif name == "DUP":
+                stack.append(stack[-1])
+            elif name == "POP_MARK":
+                while stack.pop() is not mark:
+                    pass
+            else:
+                before = op.stack_before
+                popped: List[List[int]] = []
+                if pickletools.markobject in before:
+                    while stack[-1] is not mark:
+                        popped.append(stack.pop())
+                    stack.pop()
+                    extra = before.index(pickletools.markobject)
+                else:
+                    extra = len(before)
+                for _ in range(extra):
+                    popped.append(stack.pop())
+                if any(p is mark for p in popped):
+                    raise ValueError(f"{name} takes a mark as an argument")
+                if name in _INPLACE_OPS:
+                    target, args = popped[-1], popped[:-1]
+                    target[0] += sum(a[0] for a in args)
+                    target[1] = max([target[1]] + [a[1] + 1 for a in args])
+                    rec = target
+                elif op.stack_after:
+                    rec = [1 + sum(a[0] for a in popped), 1 + max([a[1] for a in popped], default=0)]
+                else:
+                    continue
+                stack.append(rec)
+                if rec[1] > max_depth:
+                    raise UnsafeMetadataError(
+                        f"{where}: objects nested deeper than {max_depth} levels; refused before unpickling"
+                        " (DCP metadata nests about 10 deep)"
+                    )
+                if rec[0] > limit:
+                    raise UnsafeMetadataError(
+                        f"{where}: {len(data)} bytes describe more than {limit} objects once shared references "
+                        "are expanded (a pickle bomb); refused before unpickling"
+                    )
+    except UnsafeMetadataError:
+        raise
+    except (ValueError, IndexError, KeyError, TypeError) as e:
+        raise CorruptCheckpointError(f"{where}: not a well-formed pickle ({type(e).__name__}: {e})") from None
+
+
+#: What ``torch.<name>`` may resolve to, read from torch's module dict so that
+#: no lazy submodule import (``torch._dynamo``, ``torch._inductor``,
+#: ``torch.onnx``) runs on a pickle's request.
+_TORCH_VALUES = (torch.dtype, torch.layout, torch.memory_format)
+
+
 class DCPUnpickler(pickle.Unpickler):
     """An unpickler that builds only DCP metadata objects; every other global is refused.
 
     ``torch.<name>`` is admitted only when it is a dtype, layout or memory
-    format object (plain values, not callables). Persistent ids are refused.
+    format object (plain values, not callables), looked up without
+    importing anything. Other globals come from :data:`_ALLOWED` modules
+    only. Persistent ids are refused. Run :func:`check_pickle_bounds` first:
+    this class bounds what is built, not how much.
     """
 
     def find_class(self, module: str, name: str):
         if module == "torch" and name != "Size":
-            val = getattr(torch, name, None)
-            if isinstance(val, (torch.dtype, torch.layout, torch.memory_format)):
+            val = vars(torch).get(name)
+            if isinstance(val, _TORCH_VALUES):
                 return val
-        elif name in _ALLOWED.get(module, ()):
+        elif isinstance(name, str) and name in _ALLOWED.get(module, ()):
             import importlib
 
             return getattr(importlib.import_module(module), name)
-        raise pickle.UnpicklingError(f"global {module}.{name} is not allowed in DCP metadata")
+        raise pickle.UnpicklingError(f"global {str(module)[:100]}.{str(name)[:100]} is not allowed in DCP metadata")
 
     def persistent_load(self, pid):
         raise pickle.UnpicklingError("persistent ids are not allowed in DCP metadata")
@@ -101,16 +202,21 @@ def read_dcp_metadata(storage: Storage) -> Any:
         data = storage.read_bytes(METADATA_NAME, limit=MAX_MANIFEST_BYTES)
     except (FileNotFoundError, NotADirectoryError):
         raise CheckpointNotFoundError(f"no DCP checkpoint at {storage.url}: {METADATA_NAME} is missing") from None
+    check_pickle_bounds(data, where=where)
     try:
         md = DCPUnpickler(io.BytesIO(data)).load()
     except pickle.UnpicklingError as e:
         raise UnsafeMetadataError(f"{where}: refused: {e}; nothing from the file was run") from None
     except Exception as e:  # truncated or garbage pickles raise all sorts
-        raise CorruptCheckpointError(f"{where}: not a DCP metadata pickle ({type(e).__name__}: {e})") from None
-    if not isinstance(md, Metadata) or not isinstance(md.state_dict_metadata, dict):
-        raise CorruptCheckpointError(f"{where}: not DCP Metadata (found {type(md).__name__})")
-    if not isinstance(md.storage_data, dict):
-        raise CorruptCheckpointError(f"{where}: storage_data is missing (not written by FileSystemWriter?)")
+        raise CorruptCheckpointError(f"{where}: not a DCP metadata pickle ({type(e).__name__}: {str(e)[:200]})") from None
+    if not isinstance(md, Metadata):
+        raise CorruptCheckpointError(f"{where}: the pickle holds a {type(md).__name__}, not DCP's Metadata")
+    for fld in ("state_dict_metadata", "storage_data"):
+        if not isinstance(getattr(md, fld, None), dict):
+            raise CorruptCheckpointError(
+                f"{where}: Metadata.{fld} is a {type(getattr(md, fld, None)).__name__}, expected a dict"
+                + (" (not written by FileSystemWriter?)" if fld == "storage_data" else "")
+            )
     for fqn, smd in md.state_dict_metadata.items():
         w = f"{where}: entry {fqn!r}"
         if not isinstance(fqn, str):
@@ -179,7 +285,7 @@ def from_dcp(
     src: str,
     dst: str,
     *,
-    prefix: str = "",
+    prefix: Optional[str] = None,
     keys: Union[str, Sequence[str], None] = None,
     key_map: Optional[KeyMap] = None,
     storage_options: Optional[Dict[str, Any]] = None,
@@ -192,14 +298,24 @@ def from_dcp(
 
     Names follow DCP's: ``dcp.save({"model": model.state_dict()})`` gives
     ``model.emb.weight``..., so ``shardckpt.load({"model": model}, dst)``
-    loads it at any world size. Non-tensor entries (steps, scheduler
-    values) become the checkpoint's values. Streams; no pickle from the
-    checkpoint can run code (see the module notes).
+    loads it at any world size; a bare ``dcp.save(model.state_dict())``
+    goes under ``model.`` the same way (the bare-dict rule shared with
+    ``from_torch_save`` / ``from_safetensors``). torchtitan checkpoints
+    (model keys at the top level, ``optimizer`` saved with
+    ``flatten_optimizer_state_dict=True``, ``lr_scheduler``, ``train_state``)
+    become ``{"model", "optim", "lr_scheduler", "train_state"}``, so
+    ``shardckpt.load({"model": m, "optim": o}, dst)`` resumes model and
+    optimizer. Non-tensor entries (steps, scheduler values) become the
+    checkpoint's values. Streams; no pickle from the checkpoint can run code
+    (see the module notes).
 
     Args:
         src: DCP directory (local path or fsspec URL) with ``.metadata``.
         dst: native checkpoint directory to create.
-        prefix: dotted prefix to put everything under (default none).
+        prefix: dotted prefix to put everything under. Default (``None``):
+            ``"model."`` for a bare model state dict, torchtitan's layout
+            rearranged as above, anything else as saved (see
+            ``arrange_imported`` in ``converters/_safetensors.py``).
         keys / key_map: select / rename tensors by their final names.
         storage_options / dst_storage_options: fsspec options.
         overwrite: replace a committed checkpoint at ``dst``.
@@ -285,7 +401,7 @@ def from_dcp(
             leaves[fqn] = _bytes_item(storage, fqn, info, file_info)
     if missing:
         raise CorruptCheckpointError(f"{where}: storage_data has no item for: {format_offenders(missing)}")
-    state = nest_under(prefix, _path_tree(md, leaves))
+    state = arrange_imported(_path_tree(md, leaves), prefix)
 
     def chunk_for(name, t):
         got = placeholders.get(id(t))

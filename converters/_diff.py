@@ -11,7 +11,8 @@ import torch
 
 from shardckpt._format import itemsize, torch_dtype
 from shardckpt._io import DEFAULT_IO_THREADS
-from shardckpt._state import TAG
+from shardckpt._format import plural
+from shardckpt._format.values import has_plain, is_tensor_ref, plain_values
 
 from ._common import BLOCK_BYTES, Progress, Reader, SrcTensor, open_checkpoint, plan_blocks, prefetch
 
@@ -25,6 +26,43 @@ class Change:
     detail: str
     differing: int = 0
     max_abs_diff: Optional[float] = None
+    a: Any = None  # dtype or shape in A (for "dtype" / "shape" changes)
+    b: Any = None
+
+    def to_json(self) -> Dict[str, Any]:
+        out: Dict[str, Any] = {"name": self.name, "what": self.what, "detail": self.detail}
+        if self.what == "values":
+            mx = self.max_abs_diff
+            out["differing"] = self.differing
+            out["max_abs_diff"] = None if mx is None or math.isnan(mx) else mx  # JSON has no NaN
+        else:
+            out["a"], out["b"] = self.a, self.b
+        return out
+
+
+@dataclass
+class ValueChange:
+    """A plain value that differs: ``what`` is "changed", "only_in_a" or "only_in_b"."""
+
+    path: str
+    what: str
+    a: Any = None
+    b: Any = None
+
+    def line(self) -> str:
+        if self.what == "only_in_a":
+            return f"{self.path}: only in A"
+        if self.what == "only_in_b":
+            return f"{self.path}: only in B"
+        return f"{self.path}: {json_short(self.a)} -> {json_short(self.b)}"
+
+    def to_json(self) -> Dict[str, Any]:
+        out: Dict[str, Any] = {"path": self.path, "what": self.what}
+        if self.what != "only_in_b":
+            out["a"] = plain_values(self.a)
+        if self.what != "only_in_a":
+            out["b"] = plain_values(self.b)
+        return out
 
 
 @dataclass
@@ -37,7 +75,7 @@ class DiffReport:
     removed: List[str] = field(default_factory=list)  # only in a
     changed: List[Change] = field(default_factory=list)
     identical: int = 0
-    value_changes: List[str] = field(default_factory=list)
+    value_changes: List[ValueChange] = field(default_factory=list)
 
     @property
     def same(self) -> bool:
@@ -47,11 +85,13 @@ class DiffReport:
         out = [f"- {n}" for n in self.removed] + [f"+ {n}" for n in self.added]
         for c in self.changed:
             out.append(f"~ {c.name}: {c.detail}")
-        out += [f"~ value {v}" for v in self.value_changes]
+        out += [f"~ value {v.line()}" for v in self.value_changes]
         verdict = "same" if self.same else "different"
+        nv = len(self.value_changes)
         out.append(
-            f"{verdict}: {self.identical} tensors identical, {len(self.changed)} changed, "
-            f"{len(self.removed)} only in A, {len(self.added)} only in B, {len(self.value_changes)} values differ"
+            f"{verdict}: {plural(self.identical, 'tensor')} identical, {len(self.changed)} changed, "
+            f"{len(self.removed)} only in A, {len(self.added)} only in B, "
+            f"{nv} {'value differs' if nv == 1 else 'values differ'}"
         )
         return out
 
@@ -62,12 +102,9 @@ class DiffReport:
             "same": self.same,
             "only_in_a": self.removed,
             "only_in_b": self.added,
-            "changed": [
-                {"name": c.name, "what": c.what, "detail": c.detail, "differing": c.differing, "max_abs_diff": c.max_abs_diff}
-                for c in self.changed
-            ],
+            "changed": [c.to_json() for c in self.changed],
             "identical": self.identical,
-            "value_changes": self.value_changes,
+            "value_changes": [v.to_json() for v in self.value_changes],
         }
 
 
@@ -100,20 +137,20 @@ def _compare(x: torch.Tensor, y: torch.Tensor, atol: float) -> Tuple[int, float]
     return n, float((x[neq].to(torch.float64) - y[neq].to(torch.float64)).abs().max())
 
 
-def _values_diff(a: Any, b: Any, path: str, out: List[str]) -> None:
+def _values_diff(a: Any, b: Any, path: str, out: List[ValueChange]) -> None:
     if len(out) >= 100:
         return
     if isinstance(a, dict) and isinstance(b, dict):
-        if a.get(TAG) == "tensor" and b.get(TAG) == "tensor":
+        if is_tensor_ref(a) and is_tensor_ref(b):
             return  # tensors are compared by name
         for k in sorted(set(a) | set(b), key=str):
             p = f"{path}.{k}" if path else str(k)
             if k not in a:
-                if _has_plain(b[k]):
-                    out.append(f"{p}: only in B")
+                if has_plain(b[k]):
+                    out.append(ValueChange(p, "only_in_b", b=b[k]))
             elif k not in b:
-                if _has_plain(a[k]):
-                    out.append(f"{p}: only in A")
+                if has_plain(a[k]):
+                    out.append(ValueChange(p, "only_in_a", a=a[k]))
             else:
                 _values_diff(a[k], b[k], p, out)
         return
@@ -122,18 +159,7 @@ def _values_diff(a: Any, b: Any, path: str, out: List[str]) -> None:
             _values_diff(x, y, f"{path}.{i}" if path else str(i), out)
         return
     if a != b or type(a) is not type(b):
-        out.append(f"{path or '<root>'}: {json_short(a)} -> {json_short(b)}")
-
-
-def _has_plain(node: Any) -> bool:
-    """Whether a values subtree holds anything besides tensor references."""
-    if isinstance(node, dict):
-        if node.get(TAG) == "tensor":
-            return False
-        return any(_has_plain(v) for v in node.values()) if node else True
-    if isinstance(node, list):
-        return any(_has_plain(v) for v in node) if node else True
-    return True
+        out.append(ValueChange(path or "<root>", "changed", a, b))
 
 
 def json_short(v: Any) -> str:
@@ -178,9 +204,11 @@ def diff(
     for name in common:
         ta, tb = sa.tensors[name], sb.tensors[name]
         if ta.dtype != tb.dtype:
-            rep.changed.append(Change(name, "dtype", f"dtype {ta.dtype} -> {tb.dtype}"))
+            rep.changed.append(Change(name, "dtype", f"dtype {ta.dtype} -> {tb.dtype}", a=ta.dtype, b=tb.dtype))
         elif tuple(ta.shape) != tuple(tb.shape):
-            rep.changed.append(Change(name, "shape", f"shape {list(ta.shape)} -> {list(tb.shape)}"))
+            rep.changed.append(
+                Change(name, "shape", f"shape {list(ta.shape)} -> {list(tb.shape)}", a=list(ta.shape), b=list(tb.shape))
+            )
         else:
             work.append(name)
     ra.check_source_files(work)

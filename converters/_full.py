@@ -14,7 +14,7 @@ import torch
 from shardckpt._format import itemsize, torch_dtype
 from shardckpt._hf import KeyMap
 from shardckpt._io import DEFAULT_IO_THREADS
-from shardckpt._state import TAG, decode_value
+from shardckpt._format.values import TAG, decode_value
 from shardckpt._storage import Storage
 from shardckpt.errors import CheckpointExistsError, UnsupportedStateError
 
@@ -35,7 +35,7 @@ from ._common import (
     whole_entry,
     write_safetensors_files,
 )
-from ._crc import checksum, combine
+from shardckpt._format.checksum import checksum, combine
 from ._safetensors import export_names
 
 __all__ = ["to_full"]

@@ -67,7 +67,7 @@ def reshard(
     if source.kind == "safetensors":
         # Bare HF names: place them under "model." as from_safetensors does,
         # so shardckpt.load({"model": model}, dst) finds them.
-        from shardckpt._state import tensor_ref
+        from shardckpt._format.values import tensor_ref
 
         from ._safetensors import nest_under
 

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import json
+import os
+import uuid
 from typing import Any, Dict, List, Optional, Sequence, Union
 
 from shardckpt._hf import KeyMap, hf_manifest, map_names, select_names
 from shardckpt._io import DEFAULT_IO_THREADS
-from shardckpt._state import tensor_ref
-from shardckpt._storage import Storage
-from shardckpt.errors import CheckpointNotFoundError, StateMismatchError
+from shardckpt._format.values import TAG, tensor_ref
+from shardckpt._storage import Storage, fsync_dir
+from shardckpt.errors import CheckpointExistsError, CheckpointNotFoundError, StateMismatchError, format_offenders
 
 from ._common import (
     ConvertResult,
@@ -26,10 +28,102 @@ from ._common import (
     write_whole,
 )
 
-__all__ = ["to_safetensors", "from_safetensors", "export_names", "nest_under"]
+__all__ = [
+    "to_safetensors",
+    "from_safetensors",
+    "export_names",
+    "nest_under",
+    "arrange_imported",
+    "unflatten_optimizer",
+    "model_prefix",
+    "BARE_PREFIX",
+    "HF_COMPANION_FILES",
+]
 
 HF_SINGLE = "model.safetensors"
 HF_INDEX = "model.safetensors.index.json"
+#: Files of a Hugging Face model directory besides its weights that ``copy_from`` brings along.
+HF_COMPANION_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+    "tokenizer.model",
+    "spiece.model",
+    "sentencepiece.bpe.model",
+    "chat_template.jinja",
+    "chat_template.json",
+    "preprocessor_config.json",
+    "processor_config.json",
+)
+#: Companion files are small; refuse to copy a huge one by mistake.
+MAX_COMPANION_BYTES = 256 << 20
+
+
+class _AutoPrefix(str):
+    """The default ``prefix`` of :func:`to_safetensors`: ``"model."``, or the one entry holding a model."""
+
+
+#: ``to_safetensors``'s default: export the model entry (``"model"``, or the
+#: only entry holding a model's tensors); refuse to guess between several.
+AUTO_PREFIX = _AutoPrefix("model.")
+
+
+def is_weight_file(name: str) -> bool:
+    """Whether an export replaces ``name`` in its target directory (weights and their index; never config/tokenizer files)."""
+    return name.endswith(".safetensors") or name == HF_INDEX
+
+
+def _optimizer_shaped(node: Any) -> bool:
+    return isinstance(node, dict) and isinstance(node.get("state"), dict) and isinstance(node.get("param_groups"), list)
+
+
+def model_prefix(source: Source, model_key: Optional[str]) -> Optional[str]:
+    """The state prefix of the model to export: ``model_key``'s, else the unambiguous model entry's.
+
+    ``None``: the source's tensors are bare (top-level names, or a safetensors
+    source) and are all exported.
+
+    Raises:
+        StateMismatchError: ``model_key`` names no model entry, or several
+            top-level entries hold tensors and none is ``"model"`` (the
+            message lists them and says to pass ``model_key=``).
+    """
+    values = source.values if isinstance(source.values, dict) else {}
+    names = list(source.tensors)
+
+    def holds_tensors(k: str) -> bool:
+        return any(n.startswith(k + ".") for n in names)
+
+    entries = {k: v for k, v in values.items() if isinstance(k, str) and isinstance(v, dict) and TAG not in v and holds_tensors(k)}
+    models = [k for k, v in entries.items() if not _optimizer_shaped(v)]
+    listing = ", ".join(f"{k!r} ({'optimizer' if _optimizer_shaped(v) else 'tensors'})" for k, v in entries.items())
+    if model_key is not None:
+        if model_key not in entries:
+            raise StateMismatchError(
+                f"{source.url}: model_key={model_key!r} names no top-level entry holding tensors; "
+                f"entries with tensors: {listing or 'none'}"
+            )
+        if _optimizer_shaped(entries[model_key]):
+            raise StateMismatchError(
+                f"{source.url}: model_key={model_key!r} is an optimizer's state, not model weights; choose among: {listing}"
+            )
+        return model_key + "."
+    if source.kind == "safetensors" or not entries:
+        return None
+    if "model" in models:
+        return "model."
+    if len(models) == 1:
+        return models[0] + "."
+    raise StateMismatchError(
+        f"{source.url}: cannot tell which top-level entry holds the model to export: {listing}. "
+        "Pass model_key='<entry>' (or prefix='<entry>.' / prefix=None for every tensor)"
+    )
 
 
 def export_names(
@@ -70,7 +164,9 @@ def to_safetensors(
     max_shard_size: Union[int, str] = "5GB",
     keys: Union[str, Sequence[str], None] = None,
     key_map: Optional[KeyMap] = None,
-    prefix: Optional[str] = "model.",
+    prefix: Optional[str] = AUTO_PREFIX,
+    model_key: Optional[str] = None,
+    copy_from: Optional[str] = None,
     storage_options: Optional[Dict[str, Any]] = None,
     dst_storage_options: Optional[Dict[str, Any]] = None,
     overwrite: bool = False,
@@ -101,8 +197,21 @@ def to_safetensors(
             or a callable returning the new name or ``None`` to drop one.
         prefix: state prefix to strip; only tensors under it are exported
             (all tensors when none is under it). ``None``/``""``: all tensors.
-        storage_options / dst_storage_options: fsspec options for src / dst.
-        overwrite: replace a non-empty ``dst``.
+            Default: the model entry: ``"model"``, else the only top-level
+            entry holding tensors that is not an optimizer's state; several
+            candidates raise (pass ``model_key``). Optimizer moments are
+            never exported by default.
+        model_key: the top-level entry holding the model (``"net"``,
+            ``"policy"``); its prefix is stripped.
+        copy_from: a Hugging Face model directory (local or fsspec URL) whose
+            ``config.json``, ``generation_config.json`` and tokenizer files
+            (:data:`HF_COMPANION_FILES`) are copied into ``dst``, so that
+            ``from_pretrained(dst)`` works.
+        storage_options / dst_storage_options: fsspec options for src / dst
+            (``copy_from`` is read with ``storage_options``).
+        overwrite: replace the weight files (``*.safetensors`` and the
+            index) of a ``dst`` that has some. Other files in ``dst``
+            (config, tokenizer, README) are always kept.
         progress: show a progress bar (needs tqdm).
         io_threads: parallel readers.
 
@@ -111,14 +220,17 @@ def to_safetensors(
 
     Raises:
         CheckpointNotFoundError: nothing committed at ``src``.
-        CheckpointExistsError: ``dst`` is not empty and ``overwrite`` is False.
+        CheckpointExistsError: ``dst`` holds weight files and ``overwrite`` is False.
+        CheckpointNotFoundError: ``copy_from`` holds none of the companion files.
         StateMismatchError: the selection is empty, a pattern matches nothing,
-            or ``key_map`` maps two tensors to one name.
+            ``key_map`` maps two tensors to one name, or the model entry is
+            ambiguous (the message lists the top-level entries).
         ChecksumMismatchError: the source is damaged (nothing published).
 
     Publication: on local disk the directory is built under a hidden
-    sibling name and renamed into place, so it appears complete or not at
-    all. On object stores each file appears whole when its upload
+    sibling name (with the kept files of ``dst`` hard-linked or copied in)
+    and renamed into place, so weights and index appear together, complete
+    or not at all. On object stores each file appears whole when its upload
     completes and the index is written last; a reader that goes through the
     index never sees a partial export, but a crash can leave shard files
     without an index.
@@ -128,7 +240,10 @@ def to_safetensors(
         >>> converters.to_safetensors("ckpt/step-1000", "hf_out", dtype="bf16", max_shard_size="2GB")
     """
     source = open_checkpoint(src, storage_options)
+    if model_key is not None or prefix is AUTO_PREFIX:
+        prefix = model_prefix(source, model_key)
     names = export_names(source, prefix=prefix, keys=keys, key_map=key_map)
+    companions = _read_companions(copy_from, storage_options) if copy_from is not None else {}
     cast = parse_dtype(dtype)
     limit = parse_size(max_shard_size)
     groups: List[List[OutEntry]] = []
@@ -154,18 +269,94 @@ def to_safetensors(
         index = (
             json.dumps({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, indent=2) + "\n"
         ).encode()
-    return write_safetensors_files(
-        dst,
-        files,
-        reader,
-        index=index,
-        index_name=HF_INDEX,
-        storage_options=dst_storage_options,
-        overwrite=overwrite,
-        threads=io_threads,
-        progress=progress,
-        desc="to_safetensors",
-    )
+    return _publish_export(dst, files, reader, index=index, companions=companions, storage_options=dst_storage_options,
+                           overwrite=overwrite, threads=io_threads, progress=progress)
+
+
+def _read_companions(url: str, storage_options: Optional[Dict[str, Any]]) -> Dict[str, bytes]:
+    """``{name: bytes}`` of the :data:`HF_COMPANION_FILES` present in the directory ``url``."""
+    storage = Storage(url, storage_options=storage_options)
+    out = {}
+    for name in HF_COMPANION_FILES:
+        if storage.exists(name):
+            out[name] = storage.read_bytes(name, limit=MAX_COMPANION_BYTES)
+    if not out:
+        raise CheckpointNotFoundError(
+            f"copy_from={url!r}: none of the files a Hugging Face model directory holds besides its weights "
+            f"({', '.join(HF_COMPANION_FILES[:5])}...) is there; pass the directory holding config.json"
+        )
+    return out
+
+
+def _publish_export(dst_url, files, reader, *, index, companions, storage_options, overwrite, threads, progress) -> ConvertResult:
+    """Write the weight files into ``dst``, keeping its other files; ``companions`` are added (replacing same-named ones)."""
+    dst = Storage(dst_url, storage_options=storage_options)
+    existing = [n for n in (dst.listdir("") if dst.exists("") else []) if not n.startswith(".")]
+    weights = [n for n in existing if is_weight_file(n)]
+    if weights and not overwrite:
+        raise CheckpointExistsError(
+            f"{dst.url} already holds weight files ({format_offenders(weights, limit=5)}); pass overwrite=True to "
+            "replace them (its other files, e.g. config.json and tokenizer files, are kept either way)"
+        )
+    kept = [n for n in existing if not is_weight_file(n)]
+    if not dst.is_local:
+        # Object stores: no directory rename. Weights first, index last (the
+        # shared writer), stale weight files removed after; kept files are
+        # never touched. Companions go in once the weights are complete.
+        res = write_safetensors_files(dst_url, files, reader, index=index, index_name=HF_INDEX, storage_options=storage_options,
+                                      overwrite=True, threads=threads, progress=progress, desc="to_safetensors")
+        for name, data in companions.items():
+            dst.write_atomic(name, data)
+        return res._replace(files=sorted(set(res.files) | set(companions)))
+    # Local disk: build the complete directory under a hidden sibling name
+    # (new weights + index from the shared writer, kept files linked in,
+    # companions written) and swap it in with two renames, so weights and
+    # index are published together and nothing of the user's is lost.
+    root = os.path.abspath(dst.root)
+    parent, base = os.path.dirname(root), os.path.basename(root)
+    stage = os.path.join(parent, f".{base}.{uuid.uuid4().hex[:12]}.export")
+    old = None
+    try:
+        res = write_safetensors_files(stage, files, reader, index=index, index_name=HF_INDEX, threads=threads,
+                                      progress=progress, desc="to_safetensors")
+        for name in kept:
+            if name not in companions:
+                _link_or_copy(os.path.join(root, name), os.path.join(stage, name))
+        staged = Storage(stage)
+        for name, data in companions.items():
+            staged.write_atomic(name, data)
+        fsync_dir(stage)
+        if os.path.exists(root):
+            old = os.path.join(parent, f".{base}.{uuid.uuid4().hex[:12]}.old")
+            os.rename(root, old)
+        os.rename(stage, root)
+        fsync_dir(parent)
+    except BaseException:
+        if old is not None and not os.path.exists(root):
+            os.rename(old, root)
+            old = None
+        if os.path.exists(stage):
+            Storage(stage).remove_tree("")
+        raise
+    if old is not None:
+        Storage(old).remove_tree("")
+    return ConvertResult(dst.url, sorted(set(res.files) | set(companions)), res.tensors, res.nbytes, res.seconds)
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+    """Hard-link ``src`` (a file or a directory tree) to ``dst``; copy where links are not possible."""
+    import shutil
+
+    def link(a: str, b: str) -> None:
+        try:
+            os.link(a, b, follow_symlinks=False)
+        except OSError:
+            shutil.copy2(a, b, follow_symlinks=False)
+
+    if os.path.isdir(src) and not os.path.islink(src):
+        shutil.copytree(src, dst, symlinks=True, copy_function=link)
+    else:
+        link(src, dst)
 
 
 def nest_under(prefix: str, leaves: Dict[str, Any]) -> Any:
@@ -174,6 +365,119 @@ def nest_under(prefix: str, leaves: Dict[str, Any]) -> Any:
     for part in reversed([p for p in (prefix or "").split(".") if p]):
         tree = {part: tree}
     return tree
+
+
+# --------------------------------------------------------------------------
+# The bare-dict rule and torchtitan's layout, shared by every importer.
+
+#: Where a bare model state dict goes on import, so ``load({"model": m}, dst)`` finds it.
+BARE_PREFIX = "model."
+#: Top-level entries of a torchtitan checkpoint besides the model's (flattened) keys.
+TORCHTITAN_ENTRIES = ("optimizer", "lr_scheduler", "dataloader", "train_state")
+#: Where torchtitan's ``optimizer`` entry goes: shardckpt's ``{"model": m, "optim": o}`` convention.
+OPTIM_KEY = "optim"
+_FLAT_STATE = "state."
+_FLAT_GROUPS = "param_groups."
+
+
+def _is_tensor_leaf(v: Any) -> bool:
+    import torch
+
+    return isinstance(v, torch.Tensor)
+
+
+def arrange_imported(tree: Any, prefix: Optional[str]) -> Any:
+    """Place an imported tree the way ``shardckpt.load({"model": m, "optim": o, ...})`` expects it.
+
+    The one rule for ``from_dcp``, ``from_torch_save`` and ``from_safetensors``:
+
+    * ``prefix`` given (``""`` included): the tree goes under it, as is.
+    * ``prefix=None`` (the default of the first two; safetensors files are
+      always bare, so ``from_safetensors`` simply defaults to ``"model."``):
+      a flat dict of tensors (a bare ``model.state_dict()``) goes under
+      ``"model."``; torchtitan's layout (model keys at the top level next to
+      ``optimizer``, ``lr_scheduler``, ``dataloader``, ``train_state``) gets its
+      model keys under ``"model"`` and its ``optimizer`` under ``"optim"``;
+      anything else (``{"model": ..., "optimizer": ..., "step": 3}``) keeps its keys.
+
+    In every case an optimizer state dict saved with
+    ``flatten_optimizer_state_dict=True`` (``state.<fqn>.exp_avg``,
+    ``param_groups.<fqn>.lr``) is rebuilt as ``{"state": {fqn: {...}},
+    "param_groups": [{..., "params": [fqn, ...]}]}``, what shardckpt's
+    optimizer support reads.
+    """
+    if isinstance(tree, dict):
+        tree = {k: unflatten_optimizer(v) for k, v in tree.items()}
+        tree = unflatten_optimizer(tree)
+    if prefix is not None:
+        return nest_under(prefix, tree)
+    if not isinstance(tree, dict) or not tree:
+        return tree
+    tops = [k for k, v in tree.items() if _is_tensor_leaf(v)]
+    if len(tops) == len(tree):
+        return nest_under(BARE_PREFIX, tree)
+    model_key = BARE_PREFIX.rstrip(".")
+    if tops and model_key not in tree and OPTIM_KEY not in tree and all(
+        k in TORCHTITAN_ENTRIES for k in tree if k not in tops
+    ):
+        out: Dict[str, Any] = {model_key: {k: tree[k] for k in tops}}
+        for k, v in tree.items():
+            if k not in tops:
+                out[OPTIM_KEY if k == "optimizer" else k] = v
+        return out
+    return tree
+
+
+def _is_flat_optimizer(d: Any) -> bool:
+    return (
+        isinstance(d, dict)
+        and bool(d)
+        and all(isinstance(k, str) and k.startswith((_FLAT_STATE, _FLAT_GROUPS)) for k in d)
+        and any(k.startswith(_FLAT_GROUPS) for k in d)
+    )
+
+
+def _same(a: Any, b: Any) -> bool:
+    import torch
+
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape and bool(torch.equal(a, b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return type(a) is type(b) and a == b
+
+
+def unflatten_optimizer(d: Any) -> Any:
+    """``{"state.<fqn>.<k>": v, "param_groups.<fqn>.<k>": v}`` -> torch's FQN-keyed optimizer state dict; else ``d``.
+
+    The state and hyperparameter names themselves hold no dots (``exp_avg``,
+    ``lr``, ``betas``), so the FQN is everything between the first and the
+    last dot. Parameters with equal hyperparameters form one group, in
+    order of first appearance (a group's members are matched by name on
+    load, so their order does not matter).
+    """
+    if not _is_flat_optimizer(d):
+        return d
+    state: Dict[str, Dict[str, Any]] = {}
+    hyper: Dict[str, Dict[str, Any]] = {}
+    for key, v in d.items():
+        flat, into = (key[len(_FLAT_STATE) :], state) if key.startswith(_FLAT_STATE) else (key[len(_FLAT_GROUPS) :], hyper)
+        fqn, _, name = flat.rpartition(".")
+        if not fqn or not name:
+            return d  # not torch's flattening after all: keep it as it is
+        into.setdefault(fqn, {})[name] = v
+    groups: List[Dict[str, Any]] = []
+    for fqn, hp in hyper.items():
+        hp = {k: v for k, v in hp.items() if k not in ("params", "param_names")}
+        for g in groups:
+            if _same({k: v for k, v in g.items() if k != "params"}, hp):
+                g["params"].append(fqn)
+                break
+        else:
+            groups.append({**hp, "params": [fqn]})
+    return {"state": state, "param_groups": groups}
 
 
 def from_safetensors(

@@ -12,22 +12,24 @@ from those byte ranges, checked against the CRC-32 of their zip records.
 from __future__ import annotations
 
 import io
+import json
+import os
 import pickle
 import struct
 import zipfile
-from typing import Any, Callable, Dict, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from shardckpt._format import dtype_name
+from shardckpt._format import check_relpath, dtype_name
 from shardckpt._hf import KeyMap, map_names, select_names
 from shardckpt._io import DEFAULT_IO_THREADS
 from shardckpt._state import flatten_for_save
 from shardckpt._storage import Storage
-from shardckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsafeMetadataError, UnsupportedStateError
+from shardckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsafeMetadataError, UnsupportedStateError, format_offenders
 
 from ._common import ConvertResult, Source, SrcChunk, SrcTensor, split_url, write_whole
-from ._safetensors import nest_under
+from ._safetensors import arrange_imported
 
 __all__ = ["from_torch_save", "RangeFile", "load_meta", "chunk_of", "source_from_state"]
 
@@ -199,6 +201,73 @@ def _memory_chunk(name: str, t: torch.Tensor) -> SrcChunk:
                     sizes=tuple(data.shape), key=name, loader=lambda: data)
 
 
+#: The index of a sharded legacy Hugging Face checkpoint (``pytorch_model-00001-of-0000N.bin``...).
+BIN_INDEX = "pytorch_model.bin.index.json"
+#: The single-file legacy Hugging Face checkpoint name.
+BIN_SINGLE = "pytorch_model.bin"
+#: The index lists a few names per tensor; refuse absurd ones before parsing.
+MAX_INDEX_BYTES = 64 << 20
+
+
+def _torch_save_files(src: str, storage_options) -> Tuple[Storage, List[str]]:
+    """``(storage, [file, ...])`` to import: one torch.save file, or a legacy HF directory's shards (from its index)."""
+    if src.endswith(".index.json"):
+        parent, index = split_url(src)
+        storage = Storage(parent, storage_options=storage_options)
+    else:
+        storage = Storage(src, storage_options=storage_options)
+        index = BIN_INDEX if storage.exists(BIN_INDEX) else None
+        if index is None:
+            if storage.exists(BIN_SINGLE):
+                return storage, [BIN_SINGLE]
+            if storage.is_local and os.path.isdir(storage.root):
+                raise CheckpointNotFoundError(
+                    f"{storage.url} is a directory without {BIN_SINGLE} or {BIN_INDEX}; pass a torch.save file, "
+                    "or use from_safetensors / from_dcp for safetensors / DCP directories"
+                )
+            parent, base = split_url(src)
+            return Storage(parent, storage_options=storage_options), [base]
+    where = storage.url_of(index)
+    try:
+        raw = storage.read_bytes(index, limit=MAX_INDEX_BYTES)
+    except (FileNotFoundError, NotADirectoryError):
+        raise CheckpointNotFoundError(f"no index at {where}") from None
+    try:
+        doc = json.loads(raw)
+    except (ValueError, RecursionError) as e:
+        raise CorruptCheckpointError(f"{where}: not JSON ({type(e).__name__}: {e})") from None
+    wm = doc.get("weight_map") if isinstance(doc, dict) else None
+    if not isinstance(wm, dict) or not wm or not all(isinstance(v, str) for v in wm.values()):
+        raise CorruptCheckpointError(f"{where}: 'weight_map' must map tensor names to file names")
+    bases = sorted(set(wm.values()))
+    for b in bases:
+        check_relpath(b, where=f"{where}: weight_map")
+    return storage, bases
+
+
+def _read_torch_file(storage: Storage, base: str):
+    """``(object with meta tensors, chunk_for, size)`` of one torch.save file (weights_only)."""
+    try:
+        size = storage.size(base)
+    except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+        raise CheckpointNotFoundError(f"no file at {storage.url_of(base)}") from None
+    where = storage.url_of(base)
+    head = storage.read_range(base, 0, 4)
+    if head[:4] == b"PK\x03\x04":
+        obj, records = load_meta(storage, base, 0, size, where=where)
+
+        def chunk_for(name, t):
+            return [chunk_of(name, t, storage, base, 0, size, records, where=where)]
+    else:
+        # Legacy format: no byte ranges to stream from. Still weights_only.
+        obj = weights_only_load(io.BytesIO(storage.read_bytes(base)), where=where, map_location="cpu", corrupt="not a torch.save file")
+
+        def chunk_for(name, t):
+            return [_memory_chunk(name, t)]
+
+    return obj, chunk_for, size
+
+
 def from_torch_save(
     src: str,
     dst: str,
@@ -212,7 +281,7 @@ def from_torch_save(
     progress: bool = False,
     io_threads: int = DEFAULT_IO_THREADS,
 ) -> ConvertResult:
-    """Import a ``torch.save`` file (``.pt``/``.pth``/``.bin``) as a native checkpoint, safely.
+    """Import a ``torch.save`` file (``.pt``/``.pth``/``.bin``) or a legacy HF ``.bin`` directory as a native checkpoint, safely.
 
     The file is read with ``torch.load(weights_only=True)``: a pickle that
     names any other callable (``os.system``, ``__reduce__`` tricks...) is
@@ -222,13 +291,17 @@ def from_torch_save(
     the checkpoint's values.
 
     Args:
-        src: the file (local path or fsspec URL).
+        src: the file (local path or fsspec URL); or a Hugging Face
+            directory of ``pytorch_model.bin`` or sharded
+            ``pytorch_model-0000K-of-0000N.bin`` files with
+            ``pytorch_model.bin.index.json`` (or the index file itself).
         dst: native checkpoint directory to create.
         prefix: put the loaded dict under this dotted prefix. Default
             (``None``): ``"model."`` when the file is a flat dict of tensors
             (a bare state dict, so ``shardckpt.load({"model": model}, dst)``
             works), else nothing (a training checkpoint like
-            ``{"model": ..., "optimizer": ..., "step": 3}`` keeps its keys).
+            ``{"model": ..., "optimizer": ..., "step": 3}`` keeps its keys);
+            the rule shared by every importer (``arrange_imported``).
         keys / key_map: select / rename tensors by their final names
             (plain values are kept as they are).
         storage_options / dst_storage_options: fsspec options.
@@ -248,34 +321,38 @@ def from_torch_save(
     Example:
         >>> converters.from_torch_save("model.pt", "ckpt-native")     # doctest: +SKIP
     """
-    parent, base = split_url(src)
-    storage = Storage(parent, storage_options=storage_options)
-    try:
-        size = storage.size(base)
-    except (FileNotFoundError, NotADirectoryError):
-        raise CheckpointNotFoundError(f"no file at {src}") from None
-    where = storage.url_of(base)
-    head = storage.read_range(base, 0, 4)
-    if head[:4] == b"PK\x03\x04":
-        obj, records = load_meta(storage, base, 0, size, where=where)
-
-        def chunk_for(name, t):
-            return [chunk_of(name, t, storage, base, 0, size, records, where=where)]
+    storage, bases = _torch_save_files(src, storage_options)
+    obj: Dict[str, Any] = {}
+    located: Dict[int, Callable[[str, torch.Tensor], Any]] = {}
+    files: Dict[str, int] = {}
+    for base in bases:
+        part, chunk_for_part, size = _read_torch_file(storage, base)
+        files[base] = size
+        if len(bases) == 1:
+            obj = part
+            break
+        if not isinstance(part, dict) or not all(isinstance(v, torch.Tensor) for v in part.values()):
+            raise UnsupportedStateError(f"{storage.url_of(base)}: a shard of a sharded .bin checkpoint must be a flat dict of tensors")
+        dup = sorted(set(part) & set(obj))
+        if dup:
+            raise CorruptCheckpointError(f"{storage.url_of(base)}: tensors also found in another shard: {format_offenders(dup)}")
+        for t in part.values():
+            located[id(t)] = chunk_for_part
+        obj.update(part)
+    if len(bases) == 1:
+        chunk_for = chunk_for_part
     else:
-        # Legacy format: no byte ranges to stream from. Still weights_only.
-        obj = weights_only_load(io.BytesIO(storage.read_bytes(base)), where=where, map_location="cpu", corrupt="not a torch.save file")
 
         def chunk_for(name, t):
-            return [_memory_chunk(name, t)]
+            return located[id(t)](name, t)
 
+    where = storage.url_of(bases[0]) if len(bases) == 1 else storage.url
     if isinstance(obj, torch.Tensor) or not isinstance(obj, dict):
         raise UnsupportedStateError(f"{where}: the top level is a {type(obj).__name__}; from_torch_save imports a dict (a state dict or a training checkpoint)")
-    if prefix is None:
-        prefix = "model." if obj and all(isinstance(v, torch.Tensor) for v in obj.values()) else ""
-    state = nest_under(prefix, obj)
+    state = arrange_imported(obj, prefix)
     if not isinstance(state, dict) or not state:
         raise UnsupportedStateError(f"{where}: nothing to import")
-    source = source_from_state(state, chunk_for, url=where, storage=storage, kind="torch_save", files={base: size})
+    source = source_from_state(state, chunk_for, url=where, storage=storage, kind="torch_save", files=files)
     return _write_imported(source, dst, keys=keys, key_map=key_map, dst_storage_options=dst_storage_options,
                            overwrite=overwrite, progress=progress, io_threads=io_threads, what="torch_save")
 

@@ -29,6 +29,9 @@ __all__ = [
     "AsyncSaveHandle",
     "RNGState",
     "PerRank",
+    "release_buffers",
+    "register_adapter",
+    "Adapter",
     "converters",
     "errors",
     "CheckpointError",
@@ -41,6 +44,8 @@ __all__ = [
     "UnsafeMetadataError",
     "StorageError",
     "SaveFailedError",
+    "LoadFailedError",
+    "UsageError",
     "__version__",
 ]
 
@@ -57,6 +62,9 @@ _LAZY = {
     "CheckpointManager": "._manager",
     "RNGState": "._rng",
     "PerRank": "._state",
+    "release_buffers": "._async",
+    "register_adapter": "._state",
+    "Adapter": "._state",
 }
 _ERRORS = {
     "CheckpointError",
@@ -69,6 +77,8 @@ _ERRORS = {
     "UnsafeMetadataError",
     "StorageError",
     "SaveFailedError",
+    "LoadFailedError",
+    "UsageError",
 }
 
 
@@ -95,9 +105,9 @@ if TYPE_CHECKING:  # pragma: no cover
     from ._load import LoadResult, load
     from ._save import save
     from ._verify import inspect, verify
-    from ._async import AsyncSaveHandle, async_save
+    from ._async import AsyncSaveHandle, async_save, release_buffers
     from ._format import Manifest
     from ._manager import CheckpointManager
     from ._rng import RNGState
-    from ._state import PerRank
+    from ._state import Adapter, PerRank, register_adapter
     from .errors import *  # noqa: F401,F403

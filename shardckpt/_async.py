@@ -22,8 +22,9 @@ At most one save is in flight per process: a new save (async or through a
 failed and nobody looked at its error yet (``result()``/``exception()``), the
 new save raises it instead of starting. Errors are never dropped.
 
-Collectives of the background thread run on a dedicated gloo group (created
-collectively on first use, with a timeout), never on the training group the
+Exchanges between ranks go through ``_collective.agree`` (the process
+group's store, bounded by ``collective_timeout_s``); the background thread
+uses its own channel of them, never the training group's collectives the
 main thread keeps using.
 """
 
@@ -32,21 +33,24 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from datetime import timedelta
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from ._collective import _all_gather
-from ._save import SavePlan, execute_save, prepare_save, stage_save
+from . import _knobs
+from ._collective import DEFAULT_COLLECTIVE_TIMEOUT_S, Comm, agree, open_comm
+from ._save import OVERWRITE_HINT, SavePlan, execute_save, prepare_save, stage_save
 from ._format import MANIFEST_NAME
 from ._io import DEFAULT_IO_THREADS
 from .errors import CheckpointError, CheckpointExistsError, SaveFailedError
 
+if TYPE_CHECKING:  # pragma: no cover
+    from torch.distributed import ProcessGroup
+
 __all__ = [
     "async_save",
     "AsyncSaveHandle",
-    "save_group",
     "start_async",
     "wait_pending",
     "release_buffers",
@@ -55,51 +59,12 @@ __all__ = [
 
 log = logging.getLogger("shardckpt")
 
-#: Timeout of the collectives on shardckpt's own gloo group. A rank that died
-#: is usually noticed at once (its sockets close); this bounds the wait for
-#: one that hangs. It must exceed the longest write of one rank's shard.
-DEFAULT_COLLECTIVE_TIMEOUT_S = 1800.0
-
 #: CUDA staging buffers at least this big are registered host memory (exact
 #: size); smaller ones come from torch's pinned allocator (power-of-two sizes).
-_REGISTER_MIN_BYTES = 1 << 20
+_REGISTER_MIN_BYTES = _knobs.REGISTER_MIN_BYTES
 
-
-# --------------------------------------------------------------------------
-# the dedicated process group
-
-_GROUPS: Dict[Any, Any] = {}
-_GROUPS_LOCK = threading.Lock()
-
-
-def save_group(process_group=None, timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S):
-    """shardckpt's own gloo group over the ranks of ``process_group`` (collective on first use).
-
-    Returns None without an initialized process group, and ``process_group``
-    itself for a group of one rank (no collective ever runs). Groups are cached
-    per (ranks, timeout), so every rank must make its first call for a given
-    group in the same order, like any ``new_group``.
-    """
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        return None
-    if dist.get_world_size(process_group) <= 1:
-        return process_group
-    world = dist.group.WORLD
-    ranks = tuple(dist.get_process_group_ranks(process_group if process_group is not None else world))
-    key = (id(world), ranks, float(timeout_s))
-    with _GROUPS_LOCK:
-        g = _GROUPS.get(key)
-        if g is None:
-            timeout = timedelta(seconds=float(timeout_s))
-            if ranks == tuple(range(dist.get_world_size())):
-                g = dist.new_group(backend="gloo", timeout=timeout)
-            else:
-                # Only the members call this, so no need for the whole world.
-                g = dist.new_group(ranks=list(ranks), backend="gloo", timeout=timeout, use_local_synchronization=True)
-            _GROUPS[key] = g
-    return g
+#: The background thread's sequence of exchanges (the main thread's is "main").
+ASYNC_CHANNEL = "async"
 
 
 # --------------------------------------------------------------------------
@@ -307,7 +272,17 @@ def wait_pending(*, raise_unobserved: bool = True, new_save: bool = False) -> No
 
 
 def release_buffers() -> None:
-    """Free the staging buffers kept for reuse (waits for the save in flight first)."""
+    """Free the host staging buffers async saves keep for reuse.
+
+    Waits for the save in flight first (its error, if any, stays for
+    ``result()`` or the next save). The next async save allocates again.
+
+    Example:
+        >>> import shardckpt
+        >>> shardckpt.release_buffers()
+
+    Limits: process-wide (every async save and manager of this process).
+    """
     wait_pending(raise_unobserved=False)
     _STAGER.release()
 
@@ -317,7 +292,7 @@ def _run(handle: AsyncSaveHandle, plan: SavePlan, before, after) -> None:
     if before is not None and plan.rank == 0:
         try:
             before()
-        except Exception as e:  # rank 0 must still join the save's collectives
+        except Exception as e:  # rank 0 must still join the save's exchanges
             log.warning("shardckpt: before saving %s: %s: %s", plan.storage.url, type(e).__name__, e)
     try:
         execute_save(plan)
@@ -326,12 +301,10 @@ def _run(handle: AsyncSaveHandle, plan: SavePlan, before, after) -> None:
     except BaseException as e:  # noqa: BLE001 - everything reaches result()
         err = SaveFailedError(f"async save to {plan.storage.url} failed: {type(e).__name__}: {e}")
         err.__cause__ = e
-    # Drop the staged tensors' references held by the plan; reusable buffers
-    # stay in the stager's pool.
-    plan.items = []
+    # Every rank saw the same outcome, so every rank runs ``after`` or none does.
     if err is None and after is not None:
         try:
-            after()
+            after(plan.comm)
         except Exception as e:  # the save is committed; housekeeping failures only warn
             log.warning("shardckpt: after committing %s: %s: %s", plan.storage.url, type(e).__name__, e)
     handle._finish(err)
@@ -342,7 +315,7 @@ def start_async(
     *,
     precheck: Optional[Callable[[], Optional[str]]] = None,
     before: Optional[Callable[[], None]] = None,
-    after: Optional[Callable[[], None]] = None,
+    after: Optional[Callable[[Comm], None]] = None,
     reuse_buffers: bool = True,
     t0: Optional[float] = None,
 ) -> AsyncSaveHandle:
@@ -350,42 +323,33 @@ def start_async(
 
     ``precheck`` (rank 0) returns a message when the target already holds a
     committed checkpoint that may not be replaced. ``before`` runs on rank 0
-    in the background before any rank writes; ``after`` runs on every rank
-    once the save committed. Every rank learns whether staging (or the
+    in the background before any rank writes; ``after(comm)`` runs on every
+    rank once the save committed, with the background thread's ``Comm`` (for
+    an agreement of its own). Every rank learns whether staging (or the
     precheck) failed anywhere before any background work starts. ``before``
     must not raise (an error is logged and the save goes on).
     """
     global _INFLIGHT
     t0 = time.perf_counter() if t0 is None else t0
-    group = plan.process_group
-    local: Optional[BaseException] = None
-    verdict = None
-    try:
+
+    def stage() -> SavePlan:
         if plan.rank == 0 and precheck is not None:
             msg = precheck()
             if msg:
-                verdict = ("exists", msg)
-        if verdict is None:
-            stage_save(plan, lambda ts: _STAGER.stage(ts, reuse=reuse_buffers))
-    except Exception as e:  # re-raised below, after the peers know
-        local = e
-        verdict = ("error", f"rank {plan.rank}: staging failed: {type(e).__name__}: {e}")
+                raise CheckpointExistsError(msg)
+        return stage_save(plan, lambda ts: _STAGER.stage(ts, reuse=reuse_buffers))
+
     try:
         # The round trip overlaps the device-to-host copies still running.
-        verdicts = _all_gather(verdict, group)
+        staged, _ = agree(plan.comm, stage, what=f"async save to {plan.storage.url} aborted before writing")
     finally:
         _STAGER.wait_copies()
-    if local is not None:
-        raise local
-    exists = [v[1] for v in verdicts if v and v[0] == "exists"]
-    if exists:
-        raise CheckpointExistsError(exists[0])
-    failed = [v[1] for v in verdicts if v]
-    if failed:
-        raise SaveFailedError(f"async save to {plan.storage.url} aborted before writing: " + "; ".join(failed))
+    # The background thread exchanges on its own channel: the main thread may
+    # run other saves and loads meanwhile, each rank in the same order.
+    staged = replace(staged, comm=staged.comm.on_channel(ASYNC_CHANNEL))
     handle = AsyncSaveHandle(plan.storage.url, time.perf_counter() - t0)
     # Non-daemon: a script that ends without wait() still finishes its save.
-    th = threading.Thread(target=_run, args=(handle, plan, before, after), name="shardckpt-async-save", daemon=False)
+    th = threading.Thread(target=_run, args=(handle, staged, before, after), name="shardckpt-async-save", daemon=False)
     handle._thread = th
     with _INFLIGHT_LOCK:
         _INFLIGHT = handle
@@ -398,15 +362,18 @@ def async_save(
     url: str,
     *,
     storage_options: Optional[Dict[str, Any]] = None,
-    process_group=None,
+    process_group: Optional["ProcessGroup"] = None,
     overwrite: bool = False,
     io_threads: int = DEFAULT_IO_THREADS,
     reuse_buffers: bool = True,
-    timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S,
+    collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S,
+    no_dist: bool = False,
+    timeout_s: Optional[float] = None,
 ) -> AsyncSaveHandle:
     """Save ``state`` to ``url`` in the background; return once it is staged.
 
-    Collective when a process group is initialized (every rank calls it).
+    Collective when a process group is initialized: every rank of
+    ``process_group`` calls it (``no_dist=True``: this process alone).
     Blocks for planning and for copying this rank's tensors into private host
     buffers — pinned and reused for CUDA tensors, copied on a side stream —
     then writes and commits in a background thread exactly as :func:`save`
@@ -421,14 +388,19 @@ def async_save(
         url: local directory or fsspec URL.
         storage_options: passed to fsspec.
         process_group: ranks that save (default: the world). The background
-            thread uses shardckpt's own gloo group over the same ranks,
-            created collectively on the first call.
+            thread never runs collectives on it (see ``_collective``).
         overwrite: replace a committed checkpoint at ``url``.
         io_threads: parallel writers per rank.
         reuse_buffers: keep the staging buffers for the next save (one host
             copy of this rank's shard stays allocated; ``release_buffers()``
             frees it). False allocates fresh buffers each time.
-        timeout_s: timeout of the collectives of this save.
+        collective_timeout_s: bound of every exchange between ranks, in the
+            call and in the background (default
+            ``SHARDCKPT_COLLECTIVE_TIMEOUT_S``); a rank that does not call
+            within it is named and the others raise ``SaveFailedError``.
+        no_dist: this process alone, as if no process group existed; every
+            tensor must be whole here (see :func:`shardckpt.save`).
+        timeout_s: the former name of ``collective_timeout_s`` (kept working).
 
     Returns:
         AsyncSaveHandle: ``result(timeout=None)`` waits and raises the save's
@@ -437,9 +409,10 @@ def async_save(
     Raises:
         CheckpointExistsError: ``url`` holds a committed checkpoint and
             ``overwrite`` is False (checked before staging returns).
-        SaveFailedError: the previous async save failed (unseen error), or
-            staging failed on some rank.
+        SaveFailedError: the previous async save failed (unseen error),
+            staging failed on some rank, or a rank did not call (named).
         UnsupportedStateError: a value in ``state`` cannot be saved.
+        UsageError: under torchrun without an initialised process group.
 
     Memory: one host copy of the tensors this rank writes, while the save
     runs (and kept for reuse unless ``reuse_buffers=False``).
@@ -454,15 +427,14 @@ def async_save(
         >>> h.result()
     """
     t0 = time.perf_counter()
+    timeout = collective_timeout_s if timeout_s is None else timeout_s
+    comm = open_comm(process_group, no_dist=no_dist, collective_timeout_s=timeout, op="shardckpt.async_save")
     wait_pending(new_save=True)
-    group = save_group(process_group, timeout_s)
-    plan = prepare_save(
-        state, url, storage_options=storage_options, process_group=group, overwrite=overwrite, io_threads=io_threads
-    )
+    plan = prepare_save(state, url, comm=comm, storage_options=storage_options, overwrite=overwrite, io_threads=io_threads)
 
     def precheck() -> Optional[str]:
         if not overwrite and plan.storage.exists(MANIFEST_NAME):
-            return f"{plan.storage.url_of(MANIFEST_NAME)} already exists; pass overwrite=True to replace it"
+            return f"{plan.storage.url_of(MANIFEST_NAME)} already exists; {OVERWRITE_HINT}"
         return None
 
     return start_async(plan, precheck=precheck, reuse_buffers=reuse_buffers, t0=t0)

@@ -2,8 +2,10 @@
 
 Exit status: 0 on success; 1 when ``verify`` finds damage or ``diff`` finds
 differences; 2 on any other error (one line on stderr, no traceback; set
-``SHARDCKPT_TRACEBACK=1`` to see one). Progress bars (tqdm) go to stderr
-when it is a terminal, unless ``--quiet``.
+``SHARDCKPT_TRACEBACK=1`` to see one). Every command takes ``--json`` (one
+JSON object on stdout) and ``-q`` (nothing on stdout: the exit status says
+it). Progress bars (tqdm) go to stderr when it is a terminal, unless ``-q``.
+``inspect`` and ``verify`` import no torch.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import argparse
 import json
 import os
 import sys
+import threading
 from typing import Any, Dict, List, Optional, Sequence
 
 __all__ = ["main"]
@@ -57,46 +60,73 @@ def _progress(args) -> bool:
     return not args.quiet and sys.stderr.isatty()
 
 
+def _print_json(obj: Any) -> None:
+    json.dump(obj, sys.stdout, indent=1, sort_keys=True)
+    sys.stdout.write("\n")
+
+
+class _Bar:
+    """A tqdm bar on stderr (bytes), or nothing; safe to update from several threads."""
+
+    def __init__(self, total: int, enabled: bool, desc: str):
+        self.bar = None
+        self.lock = threading.Lock()
+        if not enabled:
+            return
+        try:
+            from tqdm import tqdm
+        except ImportError:
+            return  # progress bars are optional: pip install "shardckpt[progress]"
+        self.bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc, leave=False, dynamic_ncols=True)
+
+    def update(self, n: int) -> None:
+        if self.bar is not None:
+            with self.lock:
+                self.bar.update(n)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
 # --------------------------------------------------------------------------
 # commands
 
 
-def _read_manifest(url: str, opts):
-    """``shardckpt.inspect`` without importing torch (seconds saved on every ``inspect``)."""
-    from ._format import MANIFEST_NAME, MAX_MANIFEST_BYTES, manifest_from_bytes
-    from ._hf import hf_manifest
+def _open(url: str, opts):
+    """The checkpoint's storage and manifest, without importing torch (``inspect`` and ``verify`` need none)."""
+    from ._format import open_manifest
     from ._storage import Storage
-    from .errors import CheckpointNotFoundError
 
     storage = Storage(url, storage_options=opts)
-    try:
-        data = storage.read_bytes(MANIFEST_NAME, limit=MAX_MANIFEST_BYTES)
-    except (FileNotFoundError, NotADirectoryError):
-        m = hf_manifest(storage)
-        if m is None:
-            raise CheckpointNotFoundError(
-                f"no committed checkpoint at {storage.url}: {MANIFEST_NAME} is missing "
-                "(the save never finished, or this is not a shardckpt checkpoint or safetensors directory)"
-            ) from None
-        return m
-    return manifest_from_bytes(data, url=storage.url)
+    return storage, open_manifest(storage)
+
+
+def _describe(m) -> str:
+    """What a checkpoint is, for a summary line."""
+    from ._format import SOURCE_SAFETENSORS
+
+    if m.source == SOURCE_SAFETENSORS:
+        return "Hugging Face safetensors (no checksums)"
+    return f"shardckpt format v{m.version}, saved by world size {m.world_size}"
 
 
 def cmd_inspect(args) -> int:
-    m = _read_manifest(args.url, _storage_options(args.storage_option))
-    source = m.extra.get("source") if isinstance(m.extra, dict) else None
+    from ._format import plain_values, plural
+
+    _, m = _open(args.url, _storage_options(args.storage_option))
     if args.json:
         out = m.to_json()
         out["url"] = args.url
         out["total_bytes"] = m.total_bytes
-        if source:
-            out["source"] = source
-        json.dump(out, sys.stdout, indent=1, sort_keys=True)
-        sys.stdout.write("\n")
+        out["source"] = m.source
+        if args.values:
+            out["plain_values"] = plain_values(m.values)
+        _print_json(out)
         return EXIT_OK
-    kind = "safetensors files (no checksums)" if source == "safetensors" else f"shardckpt format v{m.version}"
-    print(f"{args.url}: {kind}, saved by world size {m.world_size}, {len(m.tensors)} tensors, "
-          f"{len(m.files)} files, {_human(m.total_bytes)}")
+    if not args.quiet:
+        print(f"{args.url}: {_describe(m)}, {plural(len(m.tensors), 'tensor')}, "
+              f"{plural(len(m.files), 'file')}, {_human(m.total_bytes)}")
     rows = [("name", "dtype", "shape", "chunks", "bytes")]
     for name in sorted(m.tensors):
         t = m.tensors[name]
@@ -104,26 +134,40 @@ def cmd_inspect(args) -> int:
     widths = [max(len(r[i]) for r in rows) for i in range(5)]
     for r in rows:
         print(f"{r[0]:<{widths[0]}}  {r[1]:<{widths[1]}}  {r[2]:<{widths[2]}}  {r[3]:>{widths[3]}}  {r[4]:>{widths[4]}}")
-    if m.values is not None and args.values:
-        print(json.dumps(m.values, indent=1, sort_keys=True))
+    if args.values:
+        plain = plain_values(m.values)
+        print("values: " + ("(none besides tensors)" if plain is None else json.dumps(plain, indent=1, sort_keys=True)))
     return EXIT_OK
 
 
 def cmd_verify(args) -> int:
-    import shardckpt
-    from shardckpt.errors import CorruptCheckpointError
+    from ._format import SOURCE_SAFETENSORS, plural
+    from ._verify import verify_manifest
+    from .errors import CorruptCheckpointError
 
-    try:
-        m = shardckpt.verify(args.url, storage_options=_storage_options(args.storage_option))
-    except CorruptCheckpointError as e:
-        print(f"shardckpt: DAMAGED: {e}", file=sys.stderr)
-        return EXIT_DIFFERENT
+    storage, m = _open(args.url, _storage_options(args.storage_option))
     chunks = sum(len(t.chunks) for t in m.tensors.values())
-    if isinstance(m.extra, dict) and m.extra.get("source") == "safetensors":
-        how = "safetensors files have no checksums: headers, bounds and sizes checked"
-    else:
-        how = "every checksum matches"
-    print(f"OK {args.url}: {len(m.tensors)} tensors, {chunks} chunks, {len(m.files)} files, {_human(m.total_bytes)}; {how}")
+    bar = _Bar(m.total_bytes, _progress(args), "verify")
+    try:
+        verify_manifest(storage, m, on_bytes=bar.update)
+    except CorruptCheckpointError as e:
+        bar.close()
+        if args.json:
+            _print_json({"url": args.url, "ok": False, "error": type(e).__name__, "message": str(e)})
+        elif not args.quiet:
+            print(f"shardckpt: DAMAGED: {e}", file=sys.stderr)
+        return EXIT_DIFFERENT
+    bar.close()
+    checked = m.source != SOURCE_SAFETENSORS
+    if args.json:
+        _print_json({
+            "url": args.url, "ok": True, "source": m.source, "tensors": len(m.tensors), "chunks": chunks,
+            "files": len(m.files), "total_bytes": m.total_bytes, "checksums": checked,
+        })
+    elif not args.quiet:
+        how = "every checksum matches" if checked else "safetensors files have no checksums: headers, bounds and sizes checked"
+        print(f"OK {args.url}: {plural(len(m.tensors), 'tensor')}, {plural(chunks, 'chunk')}, "
+              f"{plural(len(m.files), 'file')}, {_human(m.total_bytes)}; {how}")
     return EXIT_OK
 
 
@@ -139,9 +183,8 @@ def cmd_diff(args) -> int:
         progress=_progress(args),
     )
     if args.json:
-        json.dump(report.to_json(), sys.stdout, indent=1, sort_keys=True)
-        sys.stdout.write("\n")
-    else:
+        _print_json(report.to_json())
+    elif not args.quiet:
         for line in report.lines():
             print(line)
     return EXIT_OK if report.same else EXIT_DIFFERENT
@@ -241,7 +284,7 @@ def cmd_import(args) -> int:
         key_map=_rename(args.rename),
     )
     if kind == "dcp":
-        r = converters.from_dcp(args.src, args.dst, prefix=args.prefix or "", **common)
+        r = converters.from_dcp(args.src, args.dst, prefix=args.prefix, **common)
     elif kind == "torch":
         r = converters.from_torch_save(args.src, args.dst, prefix=args.prefix, **common)
     else:
@@ -250,10 +293,19 @@ def cmd_import(args) -> int:
     return EXIT_OK
 
 
+#: Below this many bytes a conversion's rate says nothing (it is all start-up): not shown.
+RATE_MIN_BYTES = 64 << 20
+
+
 def _done(args, r) -> None:
-    if not args.quiet:
-        print(f"wrote {r.url}: {r.tensors} tensors, {len(r.files)} files, {_human(r.nbytes)} in {r.seconds:.2f}s "
-              f"({r.nbytes / 1e9 / max(r.seconds, 1e-9):.2f} GB/s)")
+    from ._format import plural
+
+    if args.json:
+        _print_json({"url": r.url, "files": list(r.files), "tensors": r.tensors, "bytes": r.nbytes, "seconds": round(r.seconds, 3)})
+    elif not args.quiet:
+        rate = f" ({r.nbytes / 1e9 / r.seconds:.2f} GB/s)" if r.nbytes >= RATE_MIN_BYTES and r.seconds > 0 else ""
+        print(f"wrote {r.url}: {plural(r.tensors, 'tensor')}, {plural(len(r.files), 'file')}, {_human(r.nbytes)} "
+              f"in {r.seconds:.2f}s{rate}")
 
 
 # --------------------------------------------------------------------------
@@ -264,7 +316,9 @@ def _parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--storage-option", action="append", metavar="KEY=VALUE",
                         help="fsspec option for the (source) URL, repeatable; dotted keys nest (client_kwargs.endpoint_url=...)")
-    common.add_argument("-q", "--quiet", action="store_true", help="no progress bars or summaries")
+    common.add_argument("-q", "--quiet", action="store_true",
+                        help="no progress bars, no summary: only the exit status (and errors on stderr)")
+    common.add_argument("--json", action="store_true", help="the result as one JSON object on stdout")
     dst = argparse.ArgumentParser(add_help=False)
     dst.add_argument("--dst-storage-option", action="append", metavar="KEY=VALUE", help="fsspec option for the destination, repeatable")
     dst.add_argument("--overwrite", action="store_true", help="replace an existing destination")
@@ -285,8 +339,7 @@ def _parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("inspect", parents=[common], help="list tensors (dtype, shape, chunks, bytes)")
     s.add_argument("url")
-    s.add_argument("--json", action="store_true", help="the full manifest as JSON")
-    s.add_argument("--values", action="store_true", help="also print the saved plain values")
+    s.add_argument("--values", action="store_true", help="also print the saved plain values (tensor references left out)")
     s.set_defaults(fn=cmd_inspect)
 
     s = sub.add_parser("verify", parents=[common], help="re-read every byte and check every checksum")
@@ -298,7 +351,6 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("b")
     s.add_argument("--b-storage-option", action="append", metavar="KEY=VALUE", help="fsspec option for B (default: same as A)")
     s.add_argument("--atol", type=float, default=0.0, help="treat float differences up to this as equal (default 0: bit-exact)")
-    s.add_argument("--json", action="store_true")
     s.set_defaults(fn=cmd_diff)
 
     for name in ("export", "convert"):
@@ -326,7 +378,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("dst")
     s.add_argument("--from", dest="kind", choices=["safetensors", "dcp", "torch"], help="default: detected")
     s.add_argument("--prefix", default=None,
-                   help="dotted prefix for imported names (default: 'model.' for safetensors and bare state dicts, none for DCP)")
+                   help="dotted prefix for imported names (default: 'model.' for safetensors and bare state dicts; see docs/interop.md)")
     s.set_defaults(fn=cmd_import)
     return p
 
@@ -346,6 +398,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if os.environ.get("SHARDCKPT_TRACEBACK") == "1":
             raise
         msg = str(e).replace("\n", " ") or type(e).__name__
+        from .errors import CheckpointExistsError
+
+        if isinstance(e, CheckpointExistsError):
+            # The library names its keyword; here the switch is a flag.
+            msg = msg.replace("overwrite=True", "--overwrite")
         print(f"shardckpt: error: {msg}", file=sys.stderr)
         return EXIT_ERROR
 

@@ -25,10 +25,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
-import crc32c as _crc
 import torch
 
+from . import _knobs
 from ._format import ChunkMeta, FileMeta, itemsize, safetensors_header
+from ._format.checksum import crc32c, crc32c_combine
+from ._format.files import check_files  # noqa: F401  (re-exported: load and the converters check files here)
 from ._storage import Storage
 from .errors import ChecksumMismatchError, CorruptCheckpointError, StorageError
 
@@ -45,87 +47,13 @@ __all__ = [
     "WRITE_BLOCK_BYTES",
 ]
 
-#: I/O threads per rank for writes and reads. Writes and CRC32C release the GIL.
-DEFAULT_IO_THREADS = 4
-#: Bytes handed to one ``write`` call (and one CRC update).
-WRITE_BLOCK_BYTES = 32 << 20
-#: Reads of a coalesced range are split into pieces of this size, read (and
-#: checksummed) in parallel.
-READ_BLOCK_BYTES = 32 << 20
-#: Neighbouring chunks closer than this in a file are fetched in one request.
-COALESCE_GAP_BYTES = 1 << 20
-#: A rank's data is split into several files (one per I/O thread) above this size.
-MIN_BYTES_PER_FILE = 64 << 20
-#: Benchmark-only switch (benchmarks/bench_save_load.py measures the checksum
-#: cost with it): skip crc32c on write (records 0) and on read. Never set by the
-#: library; a checkpoint written with it set fails verification, as it should.
-_BENCH_NO_CHECKSUMS = False
-
-
-def crc32c(data, value: int = 0) -> int:
-    return _crc.crc32c(data, value)
-
-
-# CRC32C of a concatenation from the CRCs of its parts. A CRC is the message
-# polynomial times x^32 modulo P (plus pre/post conditioning, which cancels
-# here because CRC32C's initial value and final xor are equal), so
-# crc(A || B) = crc(A) * x^(8 * len(B)) mod P  xor  crc(B).
-# Polynomials are held bit-reflected, as CRC32C computes them: bit 31 is x^0.
-_CRC32C_POLY_REFLECTED = 0x82F63B78
-_X0 = 1 << 31
-
-
-def _gf2_mulmod(a: int, b: int) -> int:
-    """``a * b mod P`` for bit-reflected 32-bit polynomials."""
-    p = 0
-    while a:
-        if a & _X0:
-            p ^= b
-        a = (a << 1) & 0xFFFFFFFF
-        b = (b >> 1) ^ _CRC32C_POLY_REFLECTED if b & 1 else b >> 1
-    return p
-
-
-def _x_pow_8_pow2() -> List[int]:
-    table = [_X0 >> 8]  # x^8: one byte
-    for _ in range(63):
-        table.append(_gf2_mulmod(table[-1], table[-1]))
-    return table
-
-
-_X8_POW2 = _x_pow_8_pow2()  # x^(8 * 2^k) mod P
-_x8n_cache: Dict[int, int] = {}
-
-
-def _x_pow_8n(n: int) -> int:
-    got = _x8n_cache.get(n)
-    if got is None:
-        got, k, m = _X0, 0, n
-        while m:
-            if m & 1:
-                got = _gf2_mulmod(got, _X8_POW2[k])
-            m >>= 1
-            k += 1
-        if len(_x8n_cache) < 4096:  # the block size repeats; odd tails need not stay
-            _x8n_cache[n] = got
-    return got
-
-
-def crc32c_combine(crc_a: int, crc_b: int, len_b: int) -> int:
-    """CRC32C of ``A + B`` from ``crc32c(A)``, ``crc32c(B)`` and ``len(B)``.
-
-    Lets blocks of one chunk be checksummed in parallel, in any order.
-
-    Example:
-        >>> a, b = b"hello ", b"world"
-        >>> crc32c_combine(crc32c(a), crc32c(b), len(b)) == crc32c(a + b)
-        True
-    """
-    if len_b == 0:
-        return crc_a
-    if crc_a == 0:  # 0 * anything: skip computing the power
-        return crc_b
-    return _gf2_mulmod(crc_a, _x_pow_8n(len_b)) ^ crc_b
+# Tunables live in ``_knobs`` (overridable from SHARDCKPT_* environment
+# variables); the names here are the ones the engine and converters import.
+DEFAULT_IO_THREADS = _knobs.IO_THREADS
+WRITE_BLOCK_BYTES = _knobs.WRITE_BLOCK_BYTES
+READ_BLOCK_BYTES = _knobs.READ_BLOCK_BYTES
+COALESCE_GAP_BYTES = _knobs.COALESCE_GAP_BYTES
+MIN_BYTES_PER_FILE = _knobs.MIN_BYTES_PER_FILE
 
 
 def as_dtype(raw: torch.Tensor, dtype: torch.dtype, shape) -> torch.Tensor:
@@ -222,8 +150,8 @@ def _write_one(storage: Storage, rel: str, items: Sequence[WriteItem]) -> Tuple[
                 crc = 0
                 for off in range(0, len(mv), WRITE_BLOCK_BYTES):
                     block = mv[off : off + WRITE_BLOCK_BYTES]
-                    if not _BENCH_NO_CHECKSUMS:
-                        crc = _crc.crc32c(block, crc)
+                    if _knobs.CHECKSUMS:
+                        crc = crc32c(block, crc)
                     w.write(block)
                 del mv
             size += it.nbytes
@@ -279,8 +207,8 @@ def _write_cuda(w, it: WriteItem, bounce: List[torch.Tensor]) -> int:
         done[k % 2].synchronize()
         n = min(size, it.nbytes - off)
         mv = byte_view(bounce[k % 2][:n])
-        if not _BENCH_NO_CHECKSUMS:
-            crc = _crc.crc32c(mv, crc)
+        if _knobs.CHECKSUMS:
+            crc = crc32c(mv, crc)
         w.write(mv)
     return crc
 
@@ -310,31 +238,6 @@ def write_files(
 # reads
 
 
-def check_files(storage: Storage, expected: Dict[str, int]) -> None:
-    """Every file exists with the recorded size; lists all offenders at once."""
-    problems = []
-
-    def stat(rel):
-        try:
-            return rel, storage.size(rel)
-        except FileNotFoundError:
-            return rel, None
-
-    if len(expected) > 4 and storage.caps.high_latency:
-        with ThreadPoolExecutor(max_workers=16) as ex:
-            sizes = list(ex.map(stat, sorted(expected)))
-    else:
-        sizes = [stat(rel) for rel in sorted(expected)]
-    for rel, size in sizes:
-        if size is None:
-            problems.append(f"{rel} is missing")
-        elif size != expected[rel]:
-            what = "truncated" if size < expected[rel] else "has extra bytes"
-            problems.append(f"{rel} {what}: {size} bytes, manifest says {expected[rel]}")
-    if problems:
-        raise CorruptCheckpointError(f"{storage.url}: " + "; ".join(problems))
-
-
 # One unit of read work: fill these (offset, buffer) ranges of a file, then
 # checksum the chunk segments (chunk index, position in the chunk, bytes) that
 # the ranges hold.
@@ -355,7 +258,7 @@ def read_chunks(
     coalesced with it. Nothing is returned unless every checksum matched.
     """
     out: List[Optional[torch.Tensor]] = [None] * len(chunks)
-    checking = verify and not _BENCH_NO_CHECKSUMS
+    checking = verify and _knobs.CHECKSUMS
     by_file: Dict[str, List[int]] = {}
     for i, c in enumerate(chunks):
         by_file.setdefault(c.file, []).append(i)
@@ -409,7 +312,7 @@ def read_chunks(
             raise StorageError(f"reading {storage.url_of(rel)}: {e}") from e
         # Checksum what this thread just read: the threads share the work,
         # and no pass over the whole staging memory follows the reads.
-        return [(i, pos, len(seg), _crc.crc32c(seg)) for i, pos, seg in segs]
+        return [(i, pos, len(seg), crc32c(seg)) for i, pos, seg in segs]
 
     # Local disk: one pread per block, many threads. Backends that run a
     # call's ranges concurrently (fsspec's cat_ranges): one call per file.

@@ -71,16 +71,11 @@ def is_sharded_tensor(t: Any) -> bool:
     return isinstance(t, ShardedTensor)
 
 
-def dist_info(group=None) -> Tuple[int, int]:
-    """``(rank, world_size)`` of the process group, ``(0, 1)`` without one."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(group), dist.get_world_size(group)
-    return 0, 1
+# dist_info lives with the other collective helpers; kept importable from here.
+from ._collective import dist_info  # noqa: E402
 
 
-def _placements(dt) -> List[object]:
+def _placements(name: str, dt) -> List[object]:
     from torch.distributed.tensor import Replicate, Shard
 
     try:
@@ -98,7 +93,7 @@ def _placements(dt) -> List[object]:
             out.append(_plan.Replicate())
         else:
             raise UnsupportedStateError(
-                f"placement {p} on mesh dim {i} cannot be saved: a Partial DTensor holds unreduced values. "
+                f"{name}: placement {p} on mesh dim {i} cannot be saved: a Partial DTensor holds unreduced values. "
                 "Call .redistribute(placements=[Replicate()]) (or .full_tensor()) first."
             )
     return out
@@ -110,8 +105,19 @@ def _placement_str(p: object) -> str:
     return "R"
 
 
-def layout_of(name: str, t: Any, *, rank: int, world_size: int) -> TensorLayout:
-    """Geometry of one live tensor on this rank."""
+def layout_of(name: str, t: Any, *, rank: int, world_size: int, local_only: bool = False) -> TensorLayout:
+    """Geometry of one live tensor on this rank.
+
+    ``local_only`` (``no_dist=True``): this process alone saves or loads, so
+    the tensor must be whole here; a DTensor on a mesh of one rank counts as
+    whole and is written by this process (rank 0 of a world of one).
+
+    Raises:
+        UnsupportedStateError: a Partial placement, or with ``local_only`` a
+            tensor sharded over several ranks (named, with the fix).
+    """
+    if local_only and (is_dtensor(t) or is_sharded_tensor(t)):
+        return _whole_here(name, t)
     if is_dtensor(t):
         return _dtensor_layout(name, t)
     if is_sharded_tensor(t):
@@ -130,6 +136,21 @@ def layout_of(name: str, t: Any, *, rank: int, world_size: int) -> TensorLayout:
         # DDP); per-rank data must be marked per-rank by the state layer.
         holders={whole: tuple(range(world_size))},
     )
+
+
+def _whole_here(name: str, t: Any) -> TensorLayout:
+    lay = _dtensor_layout(name, t) if is_dtensor(t) else _sharded_tensor_layout(name, t)
+    whole = _plan.Box((0,) * len(lay.shape), tuple(lay.shape))
+    if len(lay.parts) != 1 or lay.parts[0].box != whole:
+        ranks = sorted({r for rs in lay.holders.values() for r in rs})
+        raise UnsupportedStateError(
+            f"{name}: sharded over ranks {ranks}, so this process holds only part of it and no_dist=True "
+            "cannot save or load it. Call it from every rank without no_dist, or use a full copy "
+            "(DTensor.full_tensor(), or a model built without sharding)"
+        )
+    # Whatever global rank the one-rank mesh has, this process is rank 0 of a world of one.
+    lay.holders = {whole: (0,)}
+    return lay
 
 
 #: DTensor geometry by (mesh, placements, global shape, local shape). The same
@@ -170,7 +191,7 @@ def _dtensor_layout(name: str, t) -> TensorLayout:
 def _dtensor_geometry(name: str, t):
     """``(shape, [(box, local offsets)], holders, layout_json)`` of a DTensor on this rank."""
     mesh = t.device_mesh
-    placements = _placements(t)
+    placements = _placements(name, t)
     shape = tuple(t.shape)
     mesh_shape = tuple(mesh.shape)
     local = t._local_tensor

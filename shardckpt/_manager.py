@@ -12,7 +12,9 @@ Retention runs on rank 0 after a new step commits: it keeps the newest
 ``keep_last`` committed steps, every step divisible by ``keep_every``, and the
 step just saved; it deletes the others, manifest first (so a crash in the
 middle leaves an uncommitted leftover, never a committed step with missing
-files).
+files). Every rank waits for it (one agreement) before ``save`` returns (or,
+async, before the handle's ``result()`` does), so ``steps()`` then lists the
+same steps on every rank.
 """
 
 from __future__ import annotations
@@ -22,18 +24,28 @@ import operator
 import re
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Dict, Iterable, List, Optional, Set, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Optional, Set, Tuple
 
-from ._collective import _broadcast
+from ._collective import DEFAULT_COLLECTIVE_TIMEOUT_S, FROM_ROOT, Comm, agree, open_comm
 from ._load import load, read_manifest
 from ._save import DATA_DIR, execute_save, prepare_save
-from ._async import DEFAULT_COLLECTIVE_TIMEOUT_S, AsyncSaveHandle, save_group, start_async, wait_pending
+from ._async import AsyncSaveHandle, start_async, wait_pending
 from ._format import HF_INDEX_NAME, MANIFEST_NAME
 from ._io import DEFAULT_IO_THREADS, check_files
-from ._layout import dist_info
 from ._storage import Storage
-from . import errors as _errors
-from .errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, SaveFailedError
+from .errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    LoadFailedError,
+    SaveFailedError,
+    StorageError,
+    UsageError,
+    format_offenders,
+)
+
+if TYPE_CHECKING:  # pragma: no cover
+    from torch.distributed import ProcessGroup
 
 __all__ = ["CheckpointManager", "step_dir_name", "parse_step_dir", "steps_to_delete"]
 
@@ -90,9 +102,9 @@ class CheckpointManager:
 
     Every rank creates the manager with the same arguments and calls
     :meth:`save` and :meth:`restore` together (they are collective when a
-    process group exists). Collectives run on shardckpt's own gloo group over
-    ``process_group`` with ``collective_timeout_s``: a dead or stuck rank makes
-    the others raise, never hang.
+    process group exists). Every exchange between ranks is bounded by
+    ``collective_timeout_s``: a dead, stuck or absent rank makes the others
+    raise (naming it), never hang.
 
     Args:
         root_url: directory or fsspec URL under which ``step-<8 digits>/`` (e.g. ``step-00001000/``)
@@ -105,7 +117,9 @@ class CheckpointManager:
             memory and writes in the background (see :func:`shardckpt.async_save`).
         process_group: ranks that save and restore (default: the world).
         io_threads: parallel readers/writers per rank.
-        collective_timeout_s: timeout of every collective the manager runs.
+        collective_timeout_s: bound of every exchange between ranks the
+            manager runs (default ``SHARDCKPT_COLLECTIVE_TIMEOUT_S``, as for
+            :func:`shardckpt.save`).
         reuse_buffers: (async) keep staging buffers between saves.
         check_files: before restoring a step, check every data file it lists
             exists with its recorded size (one stat per file; checksums are
@@ -114,6 +128,7 @@ class CheckpointManager:
     Raises:
         ValueError: ``keep_last``, ``keep_every`` or ``save_interval`` not a
             positive int.
+        UsageError: ``root_url`` is empty or blank.
 
     Example:
         >>> import torch, shardckpt, tempfile
@@ -140,12 +155,17 @@ class CheckpointManager:
         save_interval: int = 1,
         storage_options: Optional[Dict[str, Any]] = None,
         async_save: bool = False,
-        process_group=None,
+        process_group: Optional["ProcessGroup"] = None,
         io_threads: int = DEFAULT_IO_THREADS,
         collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S,
         reuse_buffers: bool = True,
         check_files: bool = True,
     ):
+        if isinstance(root_url, str) and not root_url.strip():
+            raise UsageError(
+                f"CheckpointManager: root_url {root_url!r} is blank; pass the directory or URL under which "
+                "step checkpoints live, e.g. CheckpointManager('checkpoints/run1')"
+            )
         self.keep_last = _positive("keep_last", keep_last)
         self.keep_every = _positive("keep_every", keep_every)
         self.save_interval = _positive("save_interval", save_interval, allow_none=False)
@@ -172,11 +192,13 @@ class CheckpointManager:
         """URL of a step's checkpoint (usable with ``shardckpt.load``/``inspect``/``verify``)."""
         return self.root.url_of(step_dir_name(_check_step(step)))
 
-    def _rank(self) -> int:
-        return dist_info(self.process_group)[0]
+    def _rank(self, op: str) -> int:
+        # Through open_comm: under torchrun without a process group every
+        # process would think it is rank 0 and delete.
+        return self._comm(op).rank
 
-    def _group(self):
-        return save_group(self.process_group, self.collective_timeout_s)
+    def _comm(self, op: str, error=SaveFailedError) -> Comm:
+        return open_comm(self.process_group, collective_timeout_s=self.collective_timeout_s, op=op, error=error)
 
     # -- listing ----------------------------------------------------------------
 
@@ -247,28 +269,30 @@ class CheckpointManager:
         self._check_open()
         step = _check_step(step)
         t0 = time.perf_counter()
+        comm = self._comm("CheckpointManager.save")
         wait_pending(new_save=True)
         url = self.step_url(step)
-        group = self._group()
+        name = step_dir_name(step)
+        hint = "pass force=True to replace it"
         try:
             plan = prepare_save(
                 state,
                 url,
+                comm=comm,
                 storage_options=self.storage_options or None,
-                process_group=group,
                 overwrite=force,
                 io_threads=self.io_threads,
+                extra={"step": step},
+                exists_hint=f"step {step} is already committed; {hint}",
             )
         except CheckpointError:
             raise
         except Exception as e:
             raise SaveFailedError(f"save of step {step} to {url} failed: {type(e).__name__}: {e}") from e
-        plan.extra["step"] = step
-        name = step_dir_name(step)
 
         def before() -> None:
             # Rank 0, before any rank writes (the others wait for its go). It
-            # must not raise: rank 0 would skip the save's collectives and
+            # must not raise: rank 0 would skip the save's exchanges and
             # leave its peers waiting. Files left here are not in the new
             # manifest, and cleanup() removes them.
             try:
@@ -277,14 +301,13 @@ class CheckpointManager:
             except Exception as e:
                 log.warning("shardckpt: cannot remove leftovers of step %d at %s: %s: %s", step, url, type(e).__name__, e)
 
-        def after() -> None:
-            if plan.rank == 0:
-                self._housekeeping(step)
+        def after(c: Comm) -> None:
+            self._retain(c, step)
 
         if self.async_save:
             def precheck() -> Optional[str]:
                 if not force and self.root.exists(f"{name}/{MANIFEST_NAME}"):
-                    return f"step {step} is already committed at {url}; pass force=True to replace it"
+                    return f"step {step} is already committed at {url}; {hint}"
                 return None
 
             try:
@@ -306,10 +329,23 @@ class CheckpointManager:
                 "restore() only ever picks committed steps."
             ) from e
         try:
-            after()
+            after(comm)
         except Exception as e:  # committed; housekeeping trouble must not fail training
             log.warning("shardckpt: after committing step %d: %s: %s", step, type(e).__name__, e)
         return None
+
+    def _retain(self, comm: Comm, saved: int) -> None:
+        """Retention on rank 0; every rank returns once it is done, so their ``steps()`` agree."""
+
+        def housekeeping() -> None:
+            if comm.rank != 0:
+                return
+            try:
+                self._housekeeping(saved)
+            except Exception as e:  # committed; housekeeping trouble must not fail training
+                log.warning("shardckpt: retention after step %d: %s: %s", saved, type(e).__name__, e)
+
+        agree(comm, housekeeping, what=f"retention after step {saved}")
 
     def _housekeeping(self, saved: int) -> None:
         committed, partial = self._scan()
@@ -338,22 +374,34 @@ class CheckpointManager:
         if self.check_files:
             check_files(st, {rel: f.size for rel, f in m.files.items()})
 
-    def _choose(self, step: Optional[int]) -> Tuple[str, Any]:
+    def _choose(self, step: Optional[int]) -> Optional[int]:
+        """Rank 0: the step to restore, None when nothing is committed."""
         try:
-            if step is not None:
-                self._validate(step)
-                return ("ok", step)
-            for s in reversed(self.steps()):
-                try:
-                    self._validate(s)
-                    return ("ok", s)
-                except (CheckpointNotFoundError, CorruptCheckpointError) as e:
-                    log.warning("shardckpt: skipping step %d, it cannot be restored: %s", s, e)
-            return ("none", None)
-        except CheckpointError as e:
-            return ("error", (type(e).__name__, str(e)))
+            committed = self.steps()
+        except CheckpointError:
+            raise
         except Exception as e:
-            return ("error", ("StorageError", f"cannot list or read {self.root_url}: {type(e).__name__}: {e}"))
+            raise StorageError(f"cannot list {self.root_url}: {type(e).__name__}: {e}") from e
+        if step is not None:
+            if step not in committed:
+                have = f"committed steps: {format_offenders(committed)}" if committed else "no step is committed there"
+                raise CheckpointNotFoundError(
+                    f"step {step} is not committed at {self.step_url(step)}; {have}. "
+                    "Call restore() without step= for the newest one"
+                )
+            self._validate(step)
+            return step
+        for s in reversed(committed):
+            try:
+                self._validate(s)
+                return s
+            except (CheckpointNotFoundError, CorruptCheckpointError) as e:
+                log.warning("shardckpt: skipping step %d, it cannot be restored: %s", s, e)
+            except CheckpointError:
+                raise
+            except Exception as e:
+                raise StorageError(f"cannot read step {s} under {self.root_url}: {type(e).__name__}: {e}") from e
+        return None
 
     def restore(self, state: Dict[str, Any], step: Optional[int] = None, **load_kw: Any) -> Optional[int]:
         """Load the newest restorable step (or ``step``) into ``state`` in place (collective).
@@ -385,18 +433,20 @@ class CheckpointManager:
         # A failed background save stays pending for the next save()/wait():
         # it must not stand in the way of recovering.
         wait_pending(raise_unobserved=False)
-        group = self._group()
-        choice = self._choose(s) if dist_info(group)[0] == 0 else None
-        choice = _broadcast(choice, group)
-        kind, value = choice
-        if kind == "none":
+        comm = self._comm("CheckpointManager.restore", error=LoadFailedError)
+        # Rank 0 picks; its error (the same type and text) is raised on every rank.
+        _, value = agree(
+            comm,
+            lambda: self._choose(s) if comm.rank == 0 else None,
+            what=f"restore from {self.root_url}",
+            share=lambda v: v,
+            mode=FROM_ROOT,
+        )
+        if value is None:
             return None
-        if kind == "error":
-            cls_name, msg = value
-            cls = getattr(_errors, cls_name, None)
-            raise (cls if isinstance(cls, type) and issubclass(cls, CheckpointError) else CheckpointError)(msg)
         load_kw.setdefault("io_threads", self.io_threads)
-        load(state, self.step_url(value), storage_options=self.storage_options or None, process_group=group, **load_kw)
+        load_kw.setdefault("collective_timeout_s", self.collective_timeout_s)
+        load(state, self.step_url(value), storage_options=self.storage_options or None, process_group=self.process_group, **load_kw)
         return value
 
     # -- lifecycle ----------------------------------------------------------------
@@ -419,7 +469,7 @@ class CheckpointManager:
         """
         self._check_open()
         wait_pending(raise_unobserved=False)
-        if self._rank() != 0:
+        if self._rank("CheckpointManager.cleanup") != 0:
             return []
         removed = []
         committed, partial = self._scan()
@@ -448,7 +498,7 @@ class CheckpointManager:
         self._check_open()
         step = _check_step(step)
         wait_pending(raise_unobserved=False)
-        if self._rank() == 0:
+        if self._rank("CheckpointManager.delete") == 0:
             self._remove_step(step)
 
     def close(self) -> None:
@@ -472,4 +522,4 @@ class CheckpointManager:
 
     def _check_open(self) -> None:
         if self._closed:
-            raise _errors.CheckpointError(f"{self!r} is closed")
+            raise CheckpointError(f"{self!r} is closed")

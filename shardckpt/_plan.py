@@ -13,13 +13,21 @@ Vocabulary
   of tensor parallelism, recorded in left-to-right order).
 * Splitting follows ``torch.chunk``: ``n`` rows over ``k`` parts gives parts
   of ``ceil(n / k)`` rows, the last ones shorter or empty.
+* A *regular layout* (``RegularLayout``: shape, mesh shape, placements) is a
+  compact description from which every chunk, its holders and its writer
+  derive on demand; the functions on it cost O(own boxes), not O(ranks)
+  (see the section near the end and ``docs/scaling.md``).
+
+Validation scales too: ``check_cover`` (exact tiling) and
+``shared_byte_ranges`` (file bytes claimed twice) are O(n log n) on the
+layouts placements produce, with no pairwise comparison of chunks.
 """
 
 from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 __all__ = [
     "Shard",
@@ -36,7 +44,26 @@ __all__ = [
     "intersect",
     "plan_reads",
     "check_cover",
+    "shared_byte_ranges",
+    "RangeClash",
+    "DEFAULT_OFFENDER_LIMIT",
     "fsdp_boxes",
+    "RegularLayout",
+    "regular_layout",
+    "layout_to_json",
+    "layout_from_json",
+    "shard_count",
+    "replica_count",
+    "shard_index",
+    "replica_index",
+    "mesh_coord",
+    "layout_chunks",
+    "writer_rotations",
+    "writer_replica",
+    "writer_coord",
+    "is_writer",
+    "boxes_to_write",
+    "chunks_overlapping",
     "split_box",
 ]
 
@@ -313,7 +340,25 @@ def plan_reads(saved: Sequence[Box], wanted: Sequence[LocalBox]) -> List[Piece]:
 
 
 def check_cover(shape: Sequence[int], boxes: Sequence[Box]) -> Optional[str]:
-    """Return why ``boxes`` fail to tile ``shape`` exactly, or ``None`` if they do."""
+    """Return why ``boxes`` fail to tile ``shape`` exactly, or ``None`` if they do.
+
+    Args:
+        shape: the tensor's global shape.
+        boxes: its chunks (any order; empty boxes are allowed and ignored).
+
+    Returns ``None`` for an exact tiling, else one sentence naming the first
+    problem found (a box outside the shape, a volume mismatch, an overlap).
+
+    Cost: O(n d log n) for n boxes in d dims when the boxes form a product
+    grid (every layout placements produce: FSDP, TP, HSDP, strided shards);
+    other tilings (converters, foreign files) take the signed-corner check,
+    linear in n for a fixed number of dims that the boxes cut (at most 2^d
+    per box, with cancellation making it far less in practice). No pairwise
+    comparison of boxes, so a crafted manifest cannot make it quadratic.
+
+    >>> check_cover((4, 3), [Box((0, 0), (2, 3)), Box((2, 0), (2, 3))]) is None
+    True
+    """
     shape = tuple(shape)
     total = 1
     for n in shape:
@@ -327,25 +372,189 @@ def check_cover(shape: Sequence[int], boxes: Sequence[Box]) -> Optional[str]:
     if total == 0:
         return None if boxes else "no chunk"
     nonempty = [b for b in boxes if b.numel]
-    if sum(b.numel for b in nonempty) != total:
-        return f"chunks hold {sum(b.numel for b in nonempty)} elements, shape {list(shape)} has {total}"
+    held = sum(b.numel for b in nonempty)
+    if held != total:
+        return f"chunks hold {held} elements, shape {list(shape)} has {total}"
     if not shape:
         return None if len(nonempty) == 1 else f"{len(nonempty)} chunks for a 0-d tensor"
-    # Equal volume plus no overlap means exact cover. Sorted by their start on
-    # dim d, a box can only overlap later boxes that start before it ends on
-    # d. Sweeping the dim with the most distinct starts keeps this near
-    # linear for the usual layouts (e.g. thousands of column shards, where a
-    # dim-0 sweep would compare every pair).
-    d = max(range(len(shape)), key=lambda k: (len({b.offsets[k] for b in nonempty}), -k))
-    nonempty.sort(key=lambda b: (b.offsets[d], b.offsets))
-    for i, a in enumerate(nonempty):
+    # Equal volume plus no overlap means exact cover; both checks below prove
+    # exact cover directly, so a failure with the right volume is an overlap.
+    if _is_product_grid(shape, nonempty) or _tiles_by_corners(shape, nonempty):
+        return None
+    return _overlap_message(nonempty)
+
+
+def _is_product_grid(shape: Tuple[int, ...], boxes: Sequence[Box]) -> bool:
+    """True when ``boxes`` are exactly the cells of a product of per-dim partitions.
+
+    Distinct boxes, each made of one interval per dim taken from a partition
+    of that dim, and as many as the product has cells: then they are all the
+    cells, an exact tiling. Linear (plus sorting the distinct intervals).
+    """
+    cells = 1
+    for d, n in enumerate(shape):
+        ivs = sorted({(o[d], z[d]) for o, z in zip([b.offsets for b in boxes], [b.sizes for b in boxes])})
+        pos = 0
+        for o, size in ivs:
+            if o != pos:
+                return False
+            pos = o + size
+        if pos != n:
+            return False
+        cells *= len(ivs)
+        if cells > len(boxes):
+            return False
+    # Within a partition an interval is fixed by its start, so distinct
+    # offsets mean distinct boxes.
+    return cells == len(boxes) and len({b.offsets for b in boxes}) == len(boxes)
+
+
+_Item = Tuple[Tuple[int, ...], Tuple[int, ...]]  # (offsets, sizes) over the dims not yet swept
+
+
+def _tiles_by_corners(shape: Tuple[int, ...], boxes: Sequence[Box]) -> bool:
+    """True when the boxes' indicator functions sum to the tensor's: an exact tiling.
+
+    ``sum(1_box) - 1_tensor == 0`` is checked one dim at a time through its
+    discrete derivative: along dim 0 the function is zero iff, at every cut
+    coordinate x, the (d-1)-dim boxes starting at x minus those ending at x
+    sum to zero; recurse on each such group. Faces shared by neighbouring
+    boxes cancel at once, so a grid-like tiling costs about linear time.
+    Pruning (a group with non-zero signed volume, or of one sign, is not
+    zero) and a memo of groups already proven zero bound the work on hostile
+    input.
+    """
+    items: Dict[_Item, int] = {}
+    for b in boxes:
+        items[(b.offsets, b.sizes)] = items.get((b.offsets, b.sizes), 0) + 1
+    whole = ((0,) * len(shape), shape)
+    items[whole] = items.get(whole, 0) - 1
+    return _signed_sum_is_zero({k: w for k, w in items.items() if w}, {})
+
+
+def _signed_sum_is_zero(items: Dict[_Item, int], memo: Dict[Any, bool]) -> bool:
+    if not items:
+        return True
+    first = next(iter(items))
+    if not first[0]:  # no dims left: the boxes are points
+        return sum(items.values()) == 0
+    groups: Dict[int, Dict[_Item, int]] = {}
+    for (offs, sizes), w in items.items():
+        rest = (offs[1:], sizes[1:])
+        for x, sign in ((offs[0], w), (offs[0] + sizes[0], -w)):
+            g = groups.setdefault(x, {})
+            g[rest] = g.get(rest, 0) + sign
+    for x in sorted(groups):
+        g = {k: w for k, w in groups[x].items() if w}
+        if not g:
+            continue
+        signs = {w > 0 for w in g.values()}
+        if len(signs) == 1 or sum(w * _numel(k[1]) for k, w in g.items()):
+            return False
+        key = tuple(sorted(g.items()))
+        neg = tuple(sorted((k, -w) for k, w in g.items()))
+        key = min(key, neg)
+        if key in memo:
+            continue
+        if not _signed_sum_is_zero(g, memo):
+            return False
+        memo[key] = True
+    return True
+
+
+def _numel(sizes: Sequence[int]) -> int:
+    n = 1
+    for s in sizes:
+        n *= s
+    return n
+
+
+#: Pairwise comparisons spent naming an overlap once one is known to exist.
+_OVERLAP_SEARCH_BUDGET = 200_000
+
+
+def _overlap_message(boxes: Sequence[Box]) -> str:
+    """Name two overlapping boxes (the volume matched, so some overlap exists)."""
+    ordered = sorted(boxes, key=lambda b: (b.offsets, b.sizes))
+    for a, b in zip(ordered, ordered[1:]):
+        if a == b:
+            return f"chunks {a} and {b} overlap"
+    # Bounded sweep on the dim with the most distinct starts: it finds the
+    # pair for any realistic manifest; a hostile one gets the general message.
+    ndim = len(ordered[0].offsets)
+    d = max(range(ndim), key=lambda k: (len({b.offsets[k] for b in ordered}), -k))
+    ordered.sort(key=lambda b: (b.offsets[d], b.offsets))
+    budget = _OVERLAP_SEARCH_BUDGET
+    for i, a in enumerate(ordered):
         end = a.offsets[d] + a.sizes[d]
-        for b in nonempty[i + 1 :]:
+        for b in ordered[i + 1 :]:
             if b.offsets[d] >= end:
                 break
             if intersect(a, b) is not None:
                 return f"chunks {a} and {b} overlap"
-    return None
+            budget -= 1
+            if budget <= 0:
+                return f"chunks overlap: {len(ordered)} chunks hold as many elements as the tensor but do not tile it"
+    return f"chunks overlap: {len(ordered)} chunks hold as many elements as the tensor but do not tile it"
+
+
+# --------------------------------------------------------------------------
+# file byte ranges claimed twice
+
+#: Offender lists (clashing byte ranges...) stop at this many entries.
+DEFAULT_OFFENDER_LIMIT = 20
+
+
+@dataclass(frozen=True)
+class RangeClash:
+    """Two claims on the same bytes of one file: ``[start, stop)`` is shared."""
+
+    file: str
+    first: Any  # label of the claim that starts first
+    second: Any
+    start: int
+    stop: int
+
+
+def shared_byte_ranges(
+    ranges: Iterable[Tuple[str, int, int, Any]],
+    *,
+    limit: int = DEFAULT_OFFENDER_LIMIT,
+) -> List[RangeClash]:
+    """Byte ranges of a file claimed more than once (chunks sharing file bytes).
+
+    Args:
+        ranges: ``(file, byte_offset, nbytes, label)`` per claim, e.g. one per
+            chunk of every tensor of a manifest; ``label`` names the claim in
+            the result (say ``"model.w chunk 3"``). Empty ranges claim nothing.
+        limit: stop after this many clashes (offender lists stay bounded).
+
+    Returns:
+        Up to ``limit`` clashes, by file then offset; empty when every byte of
+        every file is claimed at most once. Each later claim that starts
+        inside an earlier one is reported once, against the earlier claim
+        reaching furthest.
+
+    Cost: O(n log n) for n claims (sort by offset, one sweep per file).
+
+    >>> shared_byte_ranges([("a", 0, 8, "x"), ("a", 4, 8, "y"), ("b", 4, 8, "z")])
+    [RangeClash(file='a', first='x', second='y', start=4, stop=8)]
+    """
+    by_file: Dict[str, List[Tuple[int, int, int, Any]]] = {}
+    for i, (file, start, nbytes, label) in enumerate(ranges):
+        if nbytes > 0:
+            by_file.setdefault(file, []).append((start, nbytes, i, label))
+    out: List[RangeClash] = []
+    for file in sorted(by_file):
+        reach, reach_label = None, None
+        for start, nbytes, _, label in sorted(by_file[file], key=lambda r: r[:3]):
+            if reach is not None and start < reach:
+                out.append(RangeClash(file, reach_label, label, start, min(reach, start + nbytes)))
+                if len(out) >= limit:
+                    return out
+            if reach is None or start + nbytes > reach:
+                reach, reach_label = start + nbytes, label
+    return out
 
 
 def fsdp_boxes(shape: Sequence[int], world_size: int) -> List[Box]:
@@ -378,4 +587,353 @@ def split_box(box: Box, max_elems: int) -> List[Box]:
     for start in range(0, box.sizes[0], rows):
         n = min(rows, box.sizes[0] - start)
         out.append(Box((box.offsets[0] + start,) + box.offsets[1:], (n,) + box.sizes[1:]))
+    return out
+
+
+# --------------------------------------------------------------------------
+# regular layouts: chunks derived on demand, per-rank planning
+#
+# A DTensor laid out by placements over a mesh is fully described by
+# (global shape, mesh shape, placements): every rank's boxes, which ranks hold
+# the same box, and which chunks a wanted box overlaps follow from those few
+# ints. The functions below answer those questions for one rank or one box in
+# time independent of the number of ranks, where ``layout_holders`` and
+# ``assign_writers`` enumerate every box of every rank.
+#
+# Shard coordinates and replicas: the mesh dims with a ``Shard`` placement
+# pick the box (the *shard coordinate*, numbered row-major over those dims:
+# the *shard index*); the ``Replicate`` mesh dims pick one of the ranks
+# holding the same box (the *replica index*, row-major over those dims). A
+# sub-mesh DTensor that is copied along other dims of its root mesh (FSDP on
+# ``dp`` of a ``dp x tp`` mesh, for a parameter TP leaves alone) is described
+# with one leading ``Replicate`` mesh dim per copy dimension.
+
+#: Largest mesh a regular layout record may describe (read from untrusted JSON).
+MAX_MESH_RANKS = 1 << 24
+_MAX_MESH_NDIM = 16
+
+
+@dataclass(frozen=True)
+class RegularLayout:
+    """A tensor distributed by placements over a mesh; every chunk derives from it.
+
+    Build with :func:`regular_layout` (validates); store with
+    :func:`layout_to_json` / :func:`layout_from_json`.
+    """
+
+    shape: Tuple[int, ...]
+    mesh_shape: Tuple[int, ...]
+    placements: Tuple[object, ...]
+
+    @property
+    def world(self) -> int:
+        return _numel(self.mesh_shape)
+
+
+def regular_layout(shape: Sequence[int], mesh_shape: Sequence[int], placements: Sequence[object]) -> RegularLayout:
+    """Validate and describe a regular layout.
+
+    Args:
+        shape: global tensor shape.
+        mesh_shape: sizes of the mesh dims (a leading ``Replicate`` dim per
+            set of copies of a sub-mesh, see the section comment).
+        placements: one ``Shard``/``Replicate`` per mesh dim.
+
+    Raises:
+        ValueError: mismatched lengths, a placement sharding a dim the tensor
+            lacks, a non-positive mesh size, a strided split factor that is
+            not positive, or a mesh larger than ``MAX_MESH_RANKS``.
+
+    >>> regular_layout((8, 4), (4,), (Shard(0),)).world
+    4
+    """
+    shape, mesh_shape, placements = tuple(int(n) for n in shape), tuple(int(m) for m in mesh_shape), tuple(placements)
+    if any(n < 0 for n in shape):
+        raise ValueError(f"shape {list(shape)} has a negative size")
+    if not mesh_shape or len(mesh_shape) > _MAX_MESH_NDIM or any(m < 1 for m in mesh_shape):
+        raise ValueError(f"mesh shape {list(mesh_shape)} must have 1..{_MAX_MESH_NDIM} dims, each >= 1")
+    if _numel(mesh_shape) > MAX_MESH_RANKS:
+        raise ValueError(f"mesh shape {list(mesh_shape)} has more than {MAX_MESH_RANKS} ranks")
+    for i, p in enumerate(placements):
+        # torch's split factor is a product of mesh dims; capping it by the
+        # mesh keeps a hostile record from making a split loop run for ages.
+        if isinstance(p, Shard) and not 1 <= p.split_factor <= _numel(mesh_shape):
+            raise ValueError(f"placement {p!r} on mesh dim {i} needs 1 <= split_factor <= {_numel(mesh_shape)} (the mesh size)")
+    dim_intervals(shape, mesh_shape, placements, (0,) * len(mesh_shape))  # raises on bad placements
+    return RegularLayout(shape, mesh_shape, placements)
+
+
+def _placement_text(p: object) -> str:
+    if isinstance(p, Shard):
+        return f"S({p.dim})" if p.split_factor == 1 else f"S({p.dim},sf={p.split_factor})"
+    return "R"
+
+
+_PLACEMENT_RE = None
+
+
+def _placement_of(text: Any) -> object:
+    global _PLACEMENT_RE
+    import re
+
+    if _PLACEMENT_RE is None:
+        _PLACEMENT_RE = re.compile(r"^S\((\d{1,2})(?:,sf=(\d{1,8}))?\)$")
+    if text == "R":
+        return Replicate()
+    m = _PLACEMENT_RE.match(text) if isinstance(text, str) else None
+    if m is None:
+        raise ValueError(f"placement {text!r:.40} is not 'R', 'S(d)' or 'S(d,sf=k)'")
+    return Shard(int(m.group(1)), int(m.group(2) or 1))
+
+
+def layout_to_json(layout: RegularLayout) -> Dict[str, Any]:
+    """The compact record of a regular layout (a few ints, whatever the world size).
+
+    >>> layout_to_json(regular_layout((37, 7), (2, 2), (Shard(0, 2), Shard(0))))
+    {'shape': [37, 7], 'mesh_shape': [2, 2], 'placements': ['S(0,sf=2)', 'S(0)']}
+    """
+    return {
+        "shape": list(layout.shape),
+        "mesh_shape": list(layout.mesh_shape),
+        "placements": [_placement_text(p) for p in layout.placements],
+    }
+
+
+def layout_from_json(obj: Any) -> RegularLayout:
+    """Parse (untrusted) :func:`layout_to_json` output back into a validated layout.
+
+    Raises:
+        ValueError: any field missing, of the wrong type, or describing an
+            invalid layout (the format layer re-raises it naming the tensor).
+    """
+    if not isinstance(obj, dict):
+        raise ValueError(f"layout record must be an object, found {type(obj).__name__}")
+    vals = []
+    for key in ("shape", "mesh_shape", "placements"):
+        v = obj.get(key)
+        if not isinstance(v, list) or len(v) > 64:
+            raise ValueError(f"layout record field {key!r} must be a list of at most 64 entries, found {v!r:.80}")
+        vals.append(v)
+    shape, mesh_shape, placements = vals
+    for key, v in (("shape", shape), ("mesh_shape", mesh_shape)):
+        if any(not isinstance(n, int) or isinstance(n, bool) for n in v):
+            raise ValueError(f"layout record field {key!r} must hold ints, found {v!r:.80}")
+    return regular_layout(shape, mesh_shape, [_placement_of(p) for p in placements])
+
+
+def _shard_dims(layout: RegularLayout) -> Tuple[int, ...]:
+    """Mesh dims that pick the box; a zero-size tensor has one box held by all."""
+    if any(n == 0 for n in layout.shape):
+        return ()
+    return tuple(i for i, p in enumerate(layout.placements) if isinstance(p, Shard))
+
+
+def _radix(coord: Sequence[int], mesh_shape: Sequence[int], dims: Sequence[int]) -> int:
+    idx = 0
+    for i in dims:
+        idx = idx * mesh_shape[i] + coord[i]
+    return idx
+
+
+def shard_count(layout: RegularLayout) -> int:
+    """How many shard coordinates (distinct boxes or box sets, some maybe empty) the layout has."""
+    return _numel([layout.mesh_shape[i] for i in _shard_dims(layout)])
+
+
+def replica_count(layout: RegularLayout) -> int:
+    """How many ranks hold each box."""
+    return layout.world // shard_count(layout)
+
+
+def shard_index(layout: RegularLayout, coord: Sequence[int]) -> int:
+    """Which box (set) the rank at mesh ``coord`` holds: row-major over the Shard mesh dims."""
+    return _radix(coord, layout.mesh_shape, _shard_dims(layout))
+
+
+def replica_index(layout: RegularLayout, coord: Sequence[int]) -> int:
+    """Which of the box's holders the rank at ``coord`` is: row-major over the other mesh dims."""
+    sd = set(_shard_dims(layout))
+    return _radix(coord, layout.mesh_shape, [i for i in range(len(layout.mesh_shape)) if i not in sd])
+
+
+def mesh_coord(layout: RegularLayout, shard: int, replica: int) -> Tuple[int, ...]:
+    """The mesh coordinate of replica ``replica`` of shard index ``shard`` (inverse of the two above)."""
+    sd = _shard_dims(layout)
+    rd = [i for i in range(len(layout.mesh_shape)) if i not in set(sd)]
+    coord = [0] * len(layout.mesh_shape)
+    for dims, idx in ((sd, shard), (rd, replica)):
+        for i in reversed(dims):
+            idx, coord[i] = divmod(idx, layout.mesh_shape[i])
+        if idx:
+            raise ValueError(f"index out of range for mesh {list(layout.mesh_shape)}")
+    return tuple(coord)
+
+
+def layout_chunks(layout: RegularLayout) -> Iterator[Tuple[int, List[Box]]]:
+    """Every shard index with the boxes it holds, generated on demand (none stored).
+
+    Shard indices whose boxes are empty (more ranks than rows) yield ``[]``.
+    Together the boxes tile the tensor; ``layout_holders`` gives the same set.
+    """
+    for s in range(shard_count(layout)):
+        yield s, [lb.box for lb in local_boxes(layout.shape, layout.mesh_shape, layout.placements, mesh_coord(layout, s, 0))]
+
+
+def _nominal_bytes(layout: RegularLayout, itemsize: int) -> int:
+    """Bytes of the largest box set (shard index 0 holds a ceil share on every dim)."""
+    ivs = dim_intervals(layout.shape, layout.mesh_shape, layout.placements, (0,) * len(layout.mesh_shape)) if all(layout.shape) else []
+    return _numel([_length(iv) for iv in ivs]) * itemsize if ivs else 0
+
+
+def writer_rotations(tensors: Sequence[Tuple[str, RegularLayout, int]]) -> Dict[str, int]:
+    """Per tensor, the rotation that picks which replica writes each box.
+
+    The rule (every rank derives it alone, from the names, shapes, dtypes and
+    placements every rank of an SPMD program shares; cost O(T log T) for T
+    tensors, independent of the world size): tensors whose layouts have the
+    same replica structure (mesh shape and Replicate mesh dims, hence the same
+    shard count) form a group; in a group, tensors are ordered by box size,
+    largest first (ties by name), and ``rotation`` is the tensor's position in
+    that order. Box ``s`` of a tensor is written by replica
+    ``(rotation + s) % R`` of its R holders. So for every shard coordinate the
+    R ranks holding it take the tensors' boxes round-robin, largest first,
+    which keeps each rank's bytes within about one box of its co-holders'
+    (exactly within the largest box when the shapes divide evenly); the
+    ``+ s`` staggers which replica starts, so the big first tensors do not
+    all land on replica 0. A plain (DDP-style) replicated state is the case
+    S = 1: whole tensors dealt round-robin over all ranks.
+
+    Args:
+        tensors: ``(name, layout, itemsize)`` for every tensor of the save
+            (the same list, in any order, on every rank).
+
+    Returns:
+        ``{name: rotation}``; use with :func:`is_writer` / :func:`writer_coord`.
+
+    >>> lay = regular_layout((8, 2), (2, 2), (Replicate(), Shard(0)))
+    >>> writer_rotations([("a", lay, 4), ("b", lay, 4)])
+    {'a': 0, 'b': 1}
+    """
+    groups: Dict[Tuple[Any, ...], List[Tuple[int, str, RegularLayout]]] = {}
+    for name, layout, size in tensors:
+        sd = _shard_dims(layout)
+        key = (layout.mesh_shape, tuple(i for i in range(len(layout.mesh_shape)) if i not in sd))
+        groups.setdefault(key, []).append((-_nominal_bytes(layout, size), name, layout))
+    out: Dict[str, int] = {}
+    for key in sorted(groups):
+        for pos, (_, name, layout) in enumerate(sorted(groups[key], key=lambda t: (t[0], t[1]))):
+            out[name] = pos % replica_count(layout)
+    return out
+
+
+def writer_replica(layout: RegularLayout, rotation: int, shard: int) -> int:
+    """The replica index that writes shard index ``shard``."""
+    return (rotation + shard) % replica_count(layout)
+
+
+def writer_coord(layout: RegularLayout, rotation: int, shard: int) -> Tuple[int, ...]:
+    """Mesh coordinate of the rank that writes shard index ``shard`` (who wrote a chunk, on load)."""
+    return mesh_coord(layout, shard, writer_replica(layout, rotation, shard))
+
+
+def is_writer(layout: RegularLayout, rotation: int, coord: Sequence[int]) -> bool:
+    """Whether the rank at ``coord`` writes the boxes it holds. O(mesh dims)."""
+    return writer_replica(layout, rotation, shard_index(layout, coord)) == replica_index(layout, coord)
+
+
+def boxes_to_write(layout: RegularLayout, rotation: int, coord: Sequence[int]) -> List[LocalBox]:
+    """The boxes the rank at ``coord`` writes: its own boxes if it is their writer, else none.
+
+    Cost proportional to the rank's own boxes; exactly one rank of the mesh
+    writes each box, and the boxes written by all ranks tile the tensor.
+
+    >>> lay = regular_layout((4,), (2,), (Replicate(),))
+    >>> [len(boxes_to_write(lay, 1, (r,))) for r in range(2)]
+    [0, 1]
+    """
+    if not is_writer(layout, rotation, coord):
+        return []
+    return local_boxes(layout.shape, layout.mesh_shape, layout.placements, coord)
+
+
+def _parts_meeting(seq: Sequence[Interval], parts: int, split_factor: int, lo: int, hi: int) -> List[int]:
+    """Part indices ``c`` whose ``_split(seq, parts, c, split_factor)`` meets global ``[lo, hi)``.
+
+    ``seq`` is increasing in global position (splits keep it so), so the
+    wanted range is one contiguous run of local positions; each of the
+    ``split_factor`` pieces is then cut in ``parts`` equal parts.
+    """
+    p_lo = p_hi = pos = 0
+    for s, n in seq:
+        p_lo += min(max(lo - s, 0), n)
+        p_hi += min(max(hi - s, 0), n)
+        pos += n
+    total = pos
+    if p_hi <= p_lo:
+        return []
+    found = set()
+    qs = -(-total // split_factor)
+    for j in range(p_lo // qs, min(split_factor, (p_hi - 1) // qs + 1)):
+        a, b = chunk_bounds(total, split_factor, j)
+        u, v = max(p_lo, a) - a, min(p_hi, b) - a
+        q = -(-(b - a) // parts) if b > a else 0
+        if u < v and q:
+            found.update(range(u // q, (v - 1) // q + 1))
+    return sorted(found)
+
+
+def chunks_overlapping(layout: RegularLayout, wanted: Box) -> List[Tuple[int, Box]]:
+    """Saved boxes of a regular layout that meet ``wanted``, without listing the others.
+
+    Args:
+        layout: how the checkpoint's tensor was saved.
+        wanted: a box the loading rank needs (global offsets and sizes).
+
+    Returns:
+        ``(shard index, saved box)`` for every saved box overlapping
+        ``wanted``, sorted by box offsets; feed the boxes to
+        :func:`plan_reads`. Empty for an empty ``wanted``.
+
+    Cost: proportional to the number of boxes returned (times the mesh dims),
+    not to the world size that saved: a rank of a 4,096-rank load of a
+    4,096-rank save touches one chunk per tensor.
+
+    >>> lay = regular_layout((8,), (4,), (Shard(0),))
+    >>> chunks_overlapping(lay, Box((3,), (2,)))
+    [(1, Box(offsets=(2,), sizes=(2,))), (2, Box(offsets=(4,), sizes=(2,)))]
+    """
+    shape = layout.shape
+    if len(wanted.offsets) != len(shape) or wanted.numel == 0:
+        return []
+    if any(n == 0 for n in shape):
+        return []
+    sd = _shard_dims(layout)
+    per_dim: List[List[Tuple[Dict[int, int], Interval]]] = []
+    for d, n in enumerate(shape):
+        lo, hi = max(wanted.offsets[d], 0), min(wanted.offsets[d] + wanted.sizes[d], n)
+        if hi <= lo:
+            return []
+        states: List[Tuple[Dict[int, int], List[Interval]]] = [({}, [(0, n)])]
+        for i in sd:
+            p = layout.placements[i]
+            if p.dim != d:
+                continue
+            nxt = []
+            for sub, seq in states:
+                for c in _parts_meeting(seq, layout.mesh_shape[i], p.split_factor, lo, hi):
+                    nxt.append(({**sub, i: c}, _split(seq, layout.mesh_shape[i], c, p.split_factor)))
+            states = nxt
+        hits = [(sub, (s, k)) for sub, seq in states for s, k in seq if s < hi and s + k > lo]
+        if not hits:
+            return []
+        per_dim.append(hits)
+    out = []
+    for combo in itertools.product(*per_dim):
+        coord = [0] * len(layout.mesh_shape)
+        for sub, _ in combo:
+            for i, c in sub.items():
+                coord[i] = c
+        box = Box(tuple(iv[0] for _, iv in combo), tuple(iv[1] for _, iv in combo))
+        out.append((_radix(coord, layout.mesh_shape, sd), box))
+    out.sort(key=lambda t: t[1].offsets)
     return out

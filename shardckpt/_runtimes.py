@@ -18,12 +18,12 @@ used, so the private ones are named in one place.
 
 from __future__ import annotations
 
-from typing import Any, Dict, List
+from typing import Any, Callable, Dict, List
 
 import torch
 import torch.nn as nn
 
-__all__ = ["unwrap", "is_fsdp1", "param_fqns", "fsdp1_model_state", "fsdp1_load_model_state", "materialize_device"]
+__all__ = ["unwrap", "is_fsdp1", "param_fqns", "fsdp1_model_state", "fsdp1_load_model_state", "materialize_device", "empty_like_meta"]
 
 
 def unwrap(module: nn.Module) -> nn.Module:
@@ -81,21 +81,25 @@ def fsdp1_load_model_state(model: nn.Module, sd: Dict[str, Any]) -> None:
     set_model_state_dict(model, sd, options=StateDictOptions(strict=False))
 
 
-def _offloaded(module: nn.Module) -> set:
-    """ids of FSDP2 sharded parameters under ``CPUOffloadPolicy`` (they live on CPU)."""
-    ids = set()
+def _fsdp2_params(module: nn.Module) -> Dict[int, Any]:
+    """``id(sharded parameter) -> FSDPParam`` for every FSDP2 parameter under ``module``.
+
+    FSDP2 keeps its per-parameter bookkeeping (offload, device, padding)
+    private; this is the one place that reads it. Empty when the layout of
+    that state is not recognised (a future torch): callers then fall back to
+    the mesh, and FSDP2's own lazy-init checks name anything left wrong.
+    """
+    out: Dict[int, Any] = {}
     try:
         from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # pragma: no cover
-        return ids
+    except ImportError:  # pragma: no cover - torch without distributed
+        return out
     for m in module.modules():
         if not isinstance(m, FSDPModule):
             continue
-        # FSDP2 keeps its per-parameter bookkeeping private; without it the
-        # mesh's device is used, which is right unless CPU offload is on.
         try:
             state = m._get_fsdp_state()
-        except Exception:
+        except Exception:  # pragma: no cover - private API moved
             continue
         # torch >= 2.12 keeps a list of groups; 2.11 has a single (optional) one.
         groups = getattr(state, "_fsdp_param_groups", None)
@@ -104,43 +108,94 @@ def _offloaded(module: nn.Module) -> set:
             groups = [one] if one is not None else []
         for g in groups:
             for fp in getattr(g, "fsdp_params", ()):
-                if getattr(fp, "offload_to_cpu", False):
-                    ids.add(id(fp.sharded_param))
-    return ids
+                sharded = getattr(fp, "sharded_param", None)
+                if sharded is not None:
+                    out[id(sharded)] = fp
+    return out
 
 
-def materialize_device(module: nn.Module):
+def _mesh_device(t) -> torch.device:
+    """The device a DTensor on ``t``'s mesh computes on (the current one for accelerators)."""
+    kind = t.device_mesh.device_type
+    if kind == "cpu":
+        return torch.device("cpu")
+    return torch.device(kind, torch.get_device_module(kind).current_device())
+
+
+def materialize_device(module: nn.Module) -> Callable[[torch.Tensor], torch.device]:
     """A function giving the device a meta tensor of ``module`` is materialized on.
 
-    DTensors go to their mesh's device (the current one for accelerators),
-    except FSDP2 parameters under ``CPUOffloadPolicy``, which go to CPU. Plain
-    tensors follow the first DTensor's mesh, else CPU.
+    The devices are the ones FSDP2 itself gives a model that was not built on
+    meta: an FSDP2 parameter goes to CPU under ``CPUOffloadPolicy`` and to
+    FSDP2's device otherwise; any other DTensor (TP) to its mesh's device;
+    plain tensors (buffers) to the device of the first DTensor's mesh (FSDP2
+    moves buffers there, offload or not), else CPU.
+
+    Args:
+        module: the unwrapped model, already sharded.
+
+    Example:
+        >>> device_of = materialize_device(model)          # doctest: +SKIP
+        >>> new = empty_like_meta(p, device_of(p))         # doctest: +SKIP
+
+    Limits: reads FSDP2's private per-parameter state (torch 2.11-2.13); if
+    that is not found, FSDP2 parameters follow their mesh, and FSDP2's lazy
+    init then refuses an offloaded one with its own message.
     """
     from ._layout import is_dtensor
 
-    offloaded = _offloaded(module)
-
-    def mesh_device(t) -> torch.device:
-        kind = t.device_mesh.device_type
-        if kind == "cpu":
-            return torch.device("cpu")
-        mod = torch.get_device_module(kind)
-        return torch.device(kind, mod.current_device())
-
+    fsdp = _fsdp2_params(module)
     default = torch.device("cpu")
     for t in module.state_dict(keep_vars=True).values():
         if is_dtensor(t):
-            default = mesh_device(t)
+            default = _mesh_device(t)
             break
 
-    # FSDP2 requires offload to be all-or-nothing in practice, and the root
-    # module's param group is not always reachable before lazy init (torch
-    # 2.11): once any parameter is offloaded, every DTensor goes to CPU.
-    any_offloaded = bool(offloaded)
-
     def device_of(t) -> torch.device:
+        fp = fsdp.get(id(t))
+        if fp is not None:
+            if getattr(fp, "offload_to_cpu", False):
+                return torch.device("cpu")
+            dev = getattr(fp, "device", None)
+            if isinstance(dev, torch.device):
+                return dev
         if is_dtensor(t):
-            return torch.device("cpu") if any_offloaded or id(t) in offloaded else mesh_device(t)
-        return torch.device("cpu") if any_offloaded else default
+            return _mesh_device(t)
+        return default
 
     return device_of
+
+
+def empty_like_meta(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """An uninitialized tensor on ``device`` replacing meta ``t``: same dtype, shape and sharding.
+
+    A DTensor keeps ``t``'s mesh, placements, global shape and stride; its
+    local tensor is allocated on ``device`` and stays there, so the DTensor
+    reports ``device`` — also when that differs from the mesh's device type,
+    as for FSDP2's CPU-offloaded parameters on a CUDA mesh.
+
+    Args:
+        t: a tensor or DTensor on the meta device.
+        device: where the new (local) data lives.
+
+    Example:
+        >>> empty_like_meta(meta_param, torch.device("cpu"))   # doctest: +SKIP
+
+    Limits: the data is uninitialized; pinning and FSDP2's padding are left to
+    FSDP2's post-load hook (``reset_sharded_param``), which runs when the
+    tensor is installed with ``load_state_dict(assign=True)``.
+    """
+    from ._layout import is_dtensor
+
+    if not is_dtensor(t):
+        return torch.empty(t.shape, dtype=t.dtype, device=device)
+    from torch.distributed.tensor import DTensor
+
+    local = torch.empty(t._local_tensor.shape, dtype=t.dtype, device=device)
+    # Not DTensor.from_local: it moves the local tensor to the mesh's device
+    # type, which put CPU-offloaded shards on the GPU; FSDP2's post-load hook
+    # then moved the data back to pinned CPU under a DTensor still reporting
+    # cuda:0 (issue 12, item 9). The private constructor with the meta
+    # DTensor's spec is how FSDP2 itself builds its offloaded parameters
+    # (``_from_local_no_grad``); its signature is the same in torch 2.11-2.13.
+    return DTensor(local, t._spec, requires_grad=False)

@@ -4,40 +4,45 @@ Save (collective when a process group exists):
   1. flatten the state into named tensors and a JSON tree (``_state``);
   2. compute every tensor's boxes and pick one writer per box (``_plan``),
      with no communication: every rank derives the same answer;
-  3. rank 0 checks the target and broadcasts a fresh save id;
+  3. rank 0 checks the target and shares a fresh save id;
   4. each rank writes its boxes to its own files, checksumming as it writes;
-  5. one all-gather of chunk metadata; rank 0 validates coverage and writes
+  5. chunk metadata goes to rank 0, which validates coverage and writes
      ``manifest.json`` last, atomically — that is the commit;
-  6. the outcome is broadcast so every rank returns or raises together.
+  6. every rank returns or raises together.
 
+Every exchange (1, 3, 5, 6) is one ``_collective.agree``: bounded by
+``collective_timeout_s``, the same error on every rank. Plans are frozen:
+``prepare_save`` -> ``stage_save`` (async) -> ``execute_save`` each take a
+plan and build new objects, never change one.
 """
 
 from __future__ import annotations
 
 import copy as _copy
 import uuid
-from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from dataclasses import dataclass, field, replace
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
 from . import _plan
 from ._format import (
-    HF_INDEX_NAME,
+    DATA_DIR,
     MANIFEST_NAME,
-    MAX_MANIFEST_BYTES,
     ChunkMeta,
     FileMeta,
     Manifest,
     TensorMeta,
     chunk_key,
+    commit,
     itemsize,
-    manifest_to_bytes,
     tiling_problems,
     torch_dtype,
 )
 from ._io import DEFAULT_IO_THREADS, WriteItem, partition, write_files
-from ._layout import TensorLayout, dist_info, layout_of
+from ._collective import DEFAULT_COLLECTIVE_TIMEOUT_S, FROM_ROOT, TO_ROOT, Comm, agree, open_comm
+from ._layout import TensorLayout, layout_of
 from ._state import flatten_for_save
 from ._storage import Storage
 from .errors import (
@@ -45,11 +50,10 @@ from .errors import (
     SaveFailedError,
 )
 
-from ._collective import _all_gather, _broadcast
+if TYPE_CHECKING:  # pragma: no cover
+    from torch.distributed import ProcessGroup
 
 __all__ = ["save", "SavePlan", "prepare_save", "stage_save", "execute_save", "DATA_DIR"]
-
-DATA_DIR = "data"
 
 
 def _version() -> str:
@@ -58,8 +62,14 @@ def _version() -> str:
     return __version__
 
 
-def _layouts(tensors: Dict[str, Any], rank: int, world: int) -> Dict[str, TensorLayout]:
-    return {name: layout_of(name, tensors[name], rank=rank, world_size=world) for name in sorted(tensors)}
+#: What a save of an existing checkpoint says to do, unless the caller has its own switch.
+OVERWRITE_HINT = "pass overwrite=True to replace it"
+
+
+def _layouts(tensors: Dict[str, Any], rank: int, world: int, local_only: bool = False) -> Dict[str, TensorLayout]:
+    return {
+        name: layout_of(name, tensors[name], rank=rank, world_size=world, local_only=local_only) for name in sorted(tensors)
+    }
 
 
 def _write_plan(layouts: Dict[str, TensorLayout], rank: int) -> List[WriteItem]:
@@ -96,14 +106,17 @@ def save(
     url: str,
     *,
     storage_options: Optional[Dict[str, Any]] = None,
-    process_group=None,
+    process_group: Optional["ProcessGroup"] = None,
     overwrite: bool = False,
     io_threads: int = DEFAULT_IO_THREADS,
+    collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S,
+    no_dist: bool = False,
 ) -> None:
     """Save ``state`` to ``url`` as a sharded, checksummed checkpoint.
 
-    Collective when a process group is initialized: every rank must call it
-    with the same structure of state. Each rank writes only the boxes it is
+    Collective when a process group is initialized: every rank of
+    ``process_group`` must call it, with the same structure of state (for
+    one process alone, e.g. an export on rank 0, pass ``no_dist=True``). Each rank writes only the boxes it is
     assigned (replicated data once, balanced across replicas); rank 0 commits
     by writing ``manifest.json`` last.
 
@@ -117,13 +130,23 @@ def save(
         overwrite: replace a committed checkpoint at ``url``. The old one stays
             intact and loadable until the new manifest lands.
         io_threads: parallel writers per rank.
+        collective_timeout_s: bound of every exchange between ranks (default
+            ``SHARDCKPT_COLLECTIVE_TIMEOUT_S``, 1800 s): a rank that does not
+            call within it is named and the others raise. Must exceed the
+            longest write of one rank's shard.
+        no_dist: this process alone, as if no process group existed (world
+            size 1); every tensor must be whole here (plain tensors, or
+            DTensors on a one-rank mesh), a sharded one is refused.
 
     Raises:
         CheckpointExistsError: ``url`` holds a committed checkpoint and
             ``overwrite`` is False.
         UnsupportedStateError: a value cannot be saved (its path is named).
-        SaveFailedError: writing failed on some rank; nothing was committed,
+        SaveFailedError: writing failed on some rank, or a rank did not call
+            within ``collective_timeout_s`` (named); nothing was committed,
             any previous checkpoint at ``url`` is untouched.
+        UsageError: under torchrun (``WORLD_SIZE`` > 1) with no process group
+            initialised and no ``no_dist=True``.
 
     Plain (non-distributed) tensors in a multi-rank save are assumed to be
     identical on every rank, as with DDP, and written once.
@@ -137,89 +160,95 @@ def save(
         >>> state["step"], state["w"].sum().item()
         (7, 6.0)
     """
-    plan = prepare_save(
-        state, url, storage_options=storage_options, process_group=process_group, overwrite=overwrite, io_threads=io_threads
-    )
+    comm = open_comm(process_group, no_dist=no_dist, collective_timeout_s=collective_timeout_s, op="shardckpt.save")
+    plan = prepare_save(state, url, comm=comm, storage_options=storage_options, overwrite=overwrite, io_threads=io_threads)
     execute_save(plan)
 
 
-@dataclass
+@dataclass(frozen=True)
 class SavePlan:
     """A save split from its I/O: what this rank writes, ready to execute.
 
     ``prepare_save`` builds it (collective: ranks agree the state is valid);
-    ``stage_save`` swaps the tensors for private copies (async save);
-    ``execute_save`` writes and commits (collective).
+    ``stage_save`` returns a copy whose tensors are private (async save);
+    ``execute_save`` writes and commits (collective). Never changed in place.
     """
 
     storage: Storage
-    rank: int
-    world: int
+    comm: Comm
     tree: Any
-    layouts: Dict[str, TensorLayout]
-    items: List[WriteItem]
-    process_group: Any = None
+    layouts: Mapping[str, TensorLayout]
+    items: Tuple[WriteItem, ...]
     overwrite: bool = False
     io_threads: int = DEFAULT_IO_THREADS
-    extra: Dict[str, Any] = field(default_factory=dict)
+    extra: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
     per_rank: Any = None  # this rank's per-rank JSON values, gathered at commit
+    #: Said when the target is committed and ``overwrite`` is False: the
+    #: switch of the call the user made (the manager's is ``force=True``).
+    exists_hint: str = OVERWRITE_HINT
+
+    @property
+    def rank(self) -> int:
+        return self.comm.rank
+
+    @property
+    def world(self) -> int:
+        return self.comm.world
 
 
 def prepare_save(
     state: Dict[str, Any],
     url: str,
     *,
+    comm: Comm,
     storage_options: Optional[Dict[str, Any]] = None,
-    process_group=None,
     overwrite: bool = False,
     io_threads: int = DEFAULT_IO_THREADS,
+    extra: Optional[Mapping[str, Any]] = None,
+    exists_hint: str = OVERWRITE_HINT,
 ) -> SavePlan:
-    """Flatten and plan a save; every rank learns whether any rank's state is invalid."""
-    rank, world = dist_info(process_group)
+    """Flatten and plan a save; every rank learns whether any rank's state is invalid (collective).
+
+    ``extra`` goes into the manifest's ``extra`` (the manager's step).
+    """
+    rank, world = comm.rank, comm.world
     storage = Storage(url, storage_options=storage_options)
-    # Validate the state on every rank before any other collective, so a bad
-    # state raises everywhere instead of leaving peers blocked.
-    local_err = None
-    plan = None
-    own: Dict[str, Any] = {}
-    try:
+
+    # Validate the state on every rank before any other exchange, so a bad
+    # state raises everywhere instead of leaving peers waiting.
+    def local():
         flat = flatten_for_save(state, rank=rank, world=world)
-        layouts = _layouts(flat.tensors, rank, world)
-        own = _own_tensors(layouts, flat.per_rank_tensors, rank)
-        plan = SavePlan(
-            storage=storage,
-            rank=rank,
-            world=world,
-            tree=flat.tree,
-            layouts=layouts,
-            items=[],
-            process_group=process_group,
-            overwrite=overwrite,
-            io_threads=io_threads,
-            per_rank=flat.per_rank or None,
-        )
-    except Exception as e:  # re-raised below, after peers know
-        local_err = e
-    gathered = _all_gather((None if local_err is None else f"rank {rank}: {local_err}", own), process_group)
-    errs = [g[0] for g in gathered]
-    if local_err is not None:
-        raise local_err
-    if any(errs):
-        raise SaveFailedError("save aborted before writing: " + "; ".join(e for e in errs if e))
-    assert plan is not None
-    plan.layouts = _with_peer_tensors(plan.layouts, [g[1] for g in gathered], rank)
-    plan.items = _write_plan(plan.layouts, rank)
-    return plan
+        layouts = _layouts(flat.tensors, rank, world, local_only=comm.no_dist)
+        own, layouts = _own_tensors(layouts, flat.per_rank_tensors, rank)
+        return flat, layouts, own
+
+    (flat, layouts, _), specs = agree(comm, local, what="save aborted before writing", share=lambda r: r[2])
+    layouts = _with_peer_tensors(layouts, specs, rank)
+    return SavePlan(
+        storage=storage,
+        comm=comm,
+        tree=flat.tree,
+        layouts=MappingProxyType(layouts),
+        items=tuple(_write_plan(layouts, rank)),
+        overwrite=overwrite,
+        io_threads=io_threads,
+        extra=MappingProxyType(dict(extra or {})),
+        per_rank=flat.per_rank or None,
+        exists_hint=exists_hint,
+    )
 
 
-def _own_tensors(layouts: Dict[str, TensorLayout], names: Sequence[str], rank: int) -> Dict[str, Any]:
+def _own_tensors(
+    layouts: Dict[str, TensorLayout], names: Sequence[str], rank: int
+) -> Tuple[Dict[str, Any], Dict[str, TensorLayout]]:
     """Per-rank tensors: this rank alone holds (and writes) them; their specs for the peers."""
     specs = {}
+    out = dict(layouts)
     for n in names:
         lay = layouts[n]
-        lay.holders = {_plan.Box((0,) * len(lay.shape), tuple(lay.shape)): (rank,)}
+        out[n] = replace(lay, holders={_plan.Box((0,) * len(lay.shape), tuple(lay.shape)): (rank,)})
         specs[n] = (lay.dtype, list(lay.shape))
-    return specs
+    return specs, out
 
 
 def _with_peer_tensors(layouts: Dict[str, TensorLayout], specs: List[Dict[str, Any]], rank: int) -> Dict[str, TensorLayout]:
@@ -236,83 +265,75 @@ def _with_peer_tensors(layouts: Dict[str, TensorLayout], specs: List[Dict[str, A
 
 
 def execute_save(plan: SavePlan) -> None:
-    """Write this rank's files, gather chunk metadata, commit on rank 0 (collective)."""
-    storage, rank, group = plan.storage, plan.rank, plan.process_group
-    header = None
-    if rank == 0:
-        try:
-            if storage.exists(MANIFEST_NAME) and not plan.overwrite:
-                header = ("exists", f"{storage.url_of(MANIFEST_NAME)} already exists; pass overwrite=True to replace it")
-            else:
-                header = ("ok", uuid.uuid4().hex)
-        except Exception as e:
-            header = ("error", f"rank 0: cannot check {storage.url}: {e}")
-    header = _broadcast(header, group)
-    if header[0] == "exists":
-        raise CheckpointExistsError(header[1])
-    if header[0] == "error":
-        raise SaveFailedError(header[1])
-    save_id = header[1]
+    """Write this rank's files, gather chunk metadata, commit on rank 0 (collective).
 
-    groups = partition(plan.items, plan.io_threads)
+    Three agreements: rank 0's go (target free, fresh save id), every rank's
+    write result (to rank 0), rank 0's commit outcome. A failure anywhere
+    raises on every rank, removes this save's data files and leaves any
+    previous checkpoint at the URL as it was.
+    """
+    storage, rank, comm = plan.storage, plan.rank, plan.comm
+
+    def check_target() -> Optional[str]:
+        if rank != 0:
+            return None
+        try:
+            exists = storage.exists(MANIFEST_NAME)
+        except Exception as e:
+            raise SaveFailedError(f"cannot check {storage.url}: {type(e).__name__}: {e}") from e
+        if exists and not plan.overwrite:
+            raise CheckpointExistsError(f"{storage.url_of(MANIFEST_NAME)} already exists; {plan.exists_hint}")
+        return uuid.uuid4().hex
+
+    _, save_id = agree(comm, check_target, what=f"save to {storage.url} not started", share=lambda v: v, mode=FROM_ROOT)
+
+    groups = partition(list(plan.items), plan.io_threads)
     files = {f"{DATA_DIR}/{save_id[:12]}-r{rank:05d}-{i:02d}.safetensors": g for i, g in enumerate(groups)}
-    result: Tuple[Any, ...]
-    try:
+    # A chunk's tensor name travels with it: (file, key) identifies the item written.
+    names = {(rel, it.key): it.name for rel, items in files.items() for it in items}
+
+    def write() -> Tuple[Any, ...]:
         chunks, fmetas = write_files(storage, files, threads=plan.io_threads)
-        result = (
+        return (
             None,
-            [c.to_json() | {"name": _name_of(c, files)} for c in chunks],
+            [c.to_json() | {"name": names[(c.file, c.key)]} for c in chunks],
             {k: v.size for k, v in fmetas.items()},
             plan.per_rank,
         )
-    except Exception as e:
-        result = (f"rank {rank}: {type(e).__name__}: {e}", [], {}, None)
-    gathered = _all_gather(result, group)
-    errors = [g[0] for g in gathered if g[0]]
 
-    outcome: Tuple[Optional[str], Optional[str]] = (None, None)
-    if rank == 0:
-        if errors:
-            outcome = ("; ".join(errors), None)
-        else:
-            try:
-                manifest = _build_manifest(plan.layouts, gathered, plan.world, save_id, plan.tree)
-                manifest.extra.update(plan.extra)
-                per_rank = [g[3] for g in gathered]
-                if any(p is not None for p in per_rank):
-                    manifest.extra["per_rank"] = per_rank
-                body = manifest_to_bytes(manifest)
-                # Data files removed since they were written (cleanup() on the
-                # same root, a lifecycle rule) must not be named by a commit.
-                storage.check_objects({rel: fm.size for rel, fm in manifest.files.items()})
-                # The HF index first: before the commit it is just another file.
-                # When replacing a checkpoint, keep the old index to put back
-                # if the commit fails: it must keep naming the old files.
-                prev_index = _read_optional(storage, HF_INDEX_NAME) if plan.overwrite else None
-                _write_hf_index(storage, manifest)
-                try:
-                    storage.write_atomic(MANIFEST_NAME, body)
-                except BaseException:
-                    if plan.overwrite:
-                        _restore(storage, HF_INDEX_NAME, prev_index)
-                    raise
-                outcome = (None, "committed")
-            except Exception as e:
-                outcome = (f"rank 0: commit failed: {type(e).__name__}: {e}", None)
-    outcome = _broadcast(outcome, group)
-    if outcome[0]:
+    def commit_on_root(gathered) -> None:
+        if rank != 0:
+            return
+        try:
+            _commit(plan, gathered, save_id)
+        except Exception as e:
+            raise SaveFailedError(f"nothing was committed at {storage.url}: commit failed: {type(e).__name__}: {e}") from e
+
+    try:
+        _, gathered = agree(comm, write, what=f"nothing was committed at {storage.url}", share=lambda v: v, mode=TO_ROOT)
+        agree(comm, lambda: commit_on_root(gathered), what=f"save to {storage.url} failed")
+    except BaseException:
         for rel in files:
             try:
                 storage.remove(rel)
             except Exception:
                 pass
-        raise SaveFailedError(f"nothing was committed at {storage.url}: {outcome[0]}")
-    if rank == 0 and plan.overwrite:
-        _remove_stale(storage, save_id)
+        raise
 
 
-def stage_save(plan: SavePlan, copy: Callable[[List[torch.Tensor]], List[torch.Tensor]]) -> None:
-    """Swap every tensor ``plan`` will write for a private copy (async save).
+def _commit(plan: SavePlan, gathered, save_id: str) -> None:
+    """Rank 0: build the manifest from every rank's chunks and write it last (the commit)."""
+    storage = plan.storage
+    manifest = _build_manifest(plan.layouts, gathered, plan.world, save_id, plan.tree)
+    manifest.extra.update(plan.extra)
+    per_rank = [g[3] for g in gathered]
+    if any(p is not None for p in per_rank):
+        manifest.extra["per_rank"] = per_rank
+    commit(storage, manifest, replace=plan.overwrite)
+
+
+def stage_save(plan: SavePlan, copy: Callable[[List[torch.Tensor]], List[torch.Tensor]]) -> SavePlan:
+    """A copy of ``plan`` whose tensors are private copies (async save).
 
     ``copy`` receives the tensors (views of the live state, in plan order) and
     returns same-shaped, same-dtype CPU tensors whose contents no later update
@@ -323,18 +344,13 @@ def stage_save(plan: SavePlan, copy: Callable[[List[torch.Tensor]], List[torch.T
     staged = copy([it.tensor for it in plan.items])
     if len(staged) != len(plan.items):
         raise AssertionError(f"stage_save: {len(staged)} copies for {len(plan.items)} tensors")
-    for it, t in zip(plan.items, staged):
-        it.tensor = t
-    plan.tree = _copy.deepcopy(plan.tree)
-    plan.per_rank = _copy.deepcopy(plan.per_rank)
-    plan.extra = _copy.deepcopy(plan.extra)
-
-
-def _name_of(c: ChunkMeta, files: Dict[str, List[WriteItem]]) -> str:
-    for it in files[c.file]:
-        if it.key == c.key:
-            return it.name
-    raise AssertionError(c.key)
+    return replace(
+        plan,
+        items=tuple(replace(it, tensor=t) for it, t in zip(plan.items, staged)),
+        tree=_copy.deepcopy(plan.tree),
+        per_rank=_copy.deepcopy(plan.per_rank),
+        extra=MappingProxyType(_copy.deepcopy(dict(plan.extra))),
+    )
 
 
 def _build_manifest(layouts: Dict[str, TensorLayout], gathered, world: int, save_id: str, tree: Any) -> Manifest:
@@ -351,68 +367,3 @@ def _build_manifest(layouts: Dict[str, TensorLayout], gathered, world: int, save
     bad = tiling_problems(tensors)
     assert not bad, "internal error, saved chunks do not tile: " + "; ".join(bad)
     return Manifest(world_size=world, tensors=tensors, files=files, values=tree, save_id=save_id, library_version=_version())
-
-
-def _write_hf_index(storage: Storage, m: Manifest) -> None:
-    """When every tensor is whole, add ``model.safetensors.index.json`` (HF layout)."""
-    if not m.tensors or any(len(t.chunks) != 1 or t.chunks[0].key != name for name, t in m.tensors.items()):
-        return
-    index = {
-        # save_id marks the index as part of a native save: without the
-        # manifest (written right after) readers must not take it as HF.
-        "metadata": {"total_size": m.total_bytes, "format": "pt", "shardckpt_save_id": m.save_id},
-        "weight_map": {name: t.chunks[0].file for name, t in sorted(m.tensors.items())},
-    }
-    import json
-
-    storage.write_atomic(HF_INDEX_NAME, (json.dumps(index, indent=2, sort_keys=True) + "\n").encode())
-
-
-def _read_optional(storage: Storage, rel: str) -> Optional[bytes]:
-    try:
-        return storage.read_bytes(rel, limit=MAX_MANIFEST_BYTES)
-    except FileNotFoundError:
-        return None
-
-
-def _restore(storage: Storage, rel: str, data: Optional[bytes]) -> None:
-    """Put ``rel`` back as it was (``None``: it did not exist); best effort."""
-    try:
-        if data is None:
-            storage.remove(rel)
-        else:
-            storage.write_atomic(rel, data)
-    except Exception:
-        pass
-
-
-def _remove_stale(storage: Storage, save_id: str) -> None:
-    """After an overwrite commits, drop data files of the replaced checkpoint."""
-    prefix = save_id[:12] + "-"
-    for name in storage.listdir(DATA_DIR):
-        if name.endswith(".safetensors") and not name.startswith(prefix):
-            try:
-                storage.remove(f"{DATA_DIR}/{name}")
-            except Exception:
-                pass
-    # A sharded save over a whole one leaves the old HF index naming files
-    # just removed: drop it rather than leave a broken HF directory.
-    try:
-        import json
-
-        from ._format import check_relpath
-
-        index = json.loads(storage.read_bytes(HF_INDEX_NAME, limit=MAX_MANIFEST_BYTES))
-        named = set(index.get("weight_map", {}).values()) if isinstance(index, dict) else set()
-        for rel in named:
-            check_relpath(rel, where=HF_INDEX_NAME)
-        dangling = any(not storage.exists(rel) for rel in named)
-    except FileNotFoundError:
-        return
-    except Exception:
-        dangling = True
-    if dangling:
-        try:
-            storage.remove(HF_INDEX_NAME)
-        except Exception:
-            pass

@@ -20,7 +20,15 @@ __all__ = [
     "UnsafeMetadataError",
     "StorageError",
     "SaveFailedError",
+    "LoadFailedError",
+    "UsageError",
+    "MAX_OFFENDERS",
+    "format_offenders",
 ]
+
+#: How many offenders (names, ranks, mismatches) one message lists before
+#: "... (N more)"; every list in every message shares it.
+MAX_OFFENDERS = 20
 
 
 class CheckpointError(Exception):
@@ -63,10 +71,28 @@ class SaveFailedError(CheckpointError, RuntimeError):
     """A collective save failed on at least one rank; nothing was committed."""
 
 
-def format_offenders(items, *, limit: int = 20) -> str:
-    """Render a sorted, bounded list of offending names for an error message."""
+class LoadFailedError(CheckpointError, RuntimeError):
+    """A collective load could not run on every rank (a rank never called); nothing was loaded."""
+
+
+class UsageError(CheckpointError, ValueError):
+    """A call that cannot work as made: a blank URL, a torchrun job without a process group."""
+
+
+def format_offenders(items, *, limit: int = MAX_OFFENDERS, sep: str = ", ") -> str:
+    """Render a sorted, bounded list of offenders for an error message.
+
+    Args:
+        items: names, ranks or whole mismatch descriptions (rendered with ``str``).
+        limit: how many to show; the rest are counted as ``... (N more)``.
+        sep: between items (``"; "`` for items that contain commas).
+
+    Example:
+        >>> format_offenders(["b", "a", "c"], limit=2)
+        'a, b, ... (1 more)'
+    """
     items = sorted(str(i) for i in items)
-    shown = ", ".join(items[:limit])
+    shown = sep.join(items[:limit])
     if len(items) > limit:
-        shown += f", ... ({len(items) - limit} more)"
+        shown += f"{sep}... ({len(items) - limit} more)"
     return shown

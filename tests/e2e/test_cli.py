@@ -130,3 +130,107 @@ def test_errors_are_one_line_with_status_2(tmp_path):
     assert "--world-size" in p.stderr
     p = subprocess.run([sys.executable, "-m", "shardckpt", "inspect", str(tmp_path / "missing")], capture_output=True, text=True)
     assert p.returncode == 2 and "no committed checkpoint" in p.stderr
+
+
+# --------------------------------------------------------------------------
+# --json, -q, wording
+
+
+def test_every_command_takes_json(ck, tmp_path):
+    j = json.loads(sh("verify", ck / "ck", "--json", check=0).stdout)
+    assert j["ok"] is True and j["tensors"] == 3 and j["files"] == 1 and j["checksums"] is True
+    j = json.loads(sh("export", ck / "ck", tmp_path / "hf", "--json", check=0).stdout)
+    assert j["tensors"] == 3 and j["files"] == ["model.safetensors"] and j["bytes"] == 37 * 7 * 4 + 5 * 8 + 2
+    j = json.loads(sh("reshard", ck / "ck", tmp_path / "rs", "--world-size", "2", "--json", check=0).stdout)
+    assert j["tensors"] == 3 and len(j["files"]) == 2
+    j = json.loads(sh("import", tmp_path / "hf", tmp_path / "back", "--json", check=0).stdout)
+    assert j["tensors"] == 3 and j["url"] == str(tmp_path / "back")
+    j = json.loads(sh("convert", ck / "ck", tmp_path / "full.safetensors", "--json", check=0).stdout)
+    assert j["files"] == ["full.safetensors"]
+    j = json.loads(sh("diff", ck / "ck", tmp_path / "rs", "--json", check=0).stdout)
+    assert j["same"] is True and j["identical"] == 3
+    j = json.loads(sh("inspect", tmp_path / "hf", "--json", check=0).stdout)
+    assert j["source"] == "safetensors"
+
+
+def test_quiet_prints_nothing(ck, tmp_path):
+    for args in (
+        ("verify", ck / "ck"),
+        ("export", ck / "ck", tmp_path / "hf"),
+        ("reshard", ck / "ck", tmp_path / "rs", "--world-size", "2"),
+        ("import", tmp_path / "hf", tmp_path / "back"),
+        ("diff", ck / "ck", tmp_path / "rs"),
+    ):
+        p = sh(*args, "-q", check=0)
+        assert p.stdout == "" and p.stderr == "", args
+    bad = tmp_path / "bad"
+    shardckpt.save(_state(), str(bad))
+    c = shardckpt.inspect(str(bad)).tensors["model.ids"].chunks[0]
+    raw = bytearray((bad / c.file).read_bytes())
+    raw[c.byte_offset] ^= 1
+    (bad / c.file).write_bytes(bytes(raw))
+    p = sh("verify", bad, "-q", check=1)  # the status says it
+    assert p.stdout == "" and p.stderr == ""
+    j = json.loads(sh("verify", bad, "--json", check=1).stdout)
+    assert j["ok"] is False and j["error"] == "ChecksumMismatchError" and "model.ids" in j["message"]
+
+
+def test_plurals_units_and_hf_wording(ck, tmp_path):
+    shardckpt.save({"w": torch.ones(2)}, str(tmp_path / "one"))
+    p = sh("verify", tmp_path / "one", check=0)
+    assert "1 tensor, 1 chunk, 1 file, 8 B" in p.stdout
+    p = sh("export", tmp_path / "one", tmp_path / "hf", check=0)
+    assert "1 tensor, 1 file, 8 B in " in p.stdout and "GB/s" not in p.stdout  # a rate of 8 bytes says nothing
+    first = sh("inspect", tmp_path / "hf", check=0).stdout.splitlines()[0]
+    assert "Hugging Face safetensors" in first and "world size" not in first and "1 tensor," in first
+    bad = tmp_path / "bad"
+    shardckpt.save({"w": torch.ones(2)}, str(bad))
+    c = shardckpt.inspect(str(bad)).tensors["w"].chunks[0]
+    raw = bytearray((bad / c.file).read_bytes())
+    raw[c.byte_offset] ^= 1
+    (bad / c.file).write_bytes(bytes(raw))
+    assert "(1 problem)" in sh("verify", bad, check=1).stderr
+
+
+def test_overwrite_advice_names_the_flag(ck, tmp_path):
+    sh("reshard", ck / "ck", tmp_path / "rs", "--world-size", "2", "-q", check=0)
+    p = sh("reshard", ck / "ck", tmp_path / "rs", "--world-size", "2", check=2)
+    assert "--overwrite" in p.stderr and "overwrite=True" not in p.stderr
+    p = sh("export", ck / "ck", tmp_path / "rs", check=2)
+    assert "--overwrite" in p.stderr and "overwrite=True" not in p.stderr
+    sh("reshard", ck / "ck", tmp_path / "rs", "--world-size", "3", "--overwrite", "-q", check=0)
+    assert shardckpt.verify(str(tmp_path / "rs")).world_size == 3
+
+
+def test_inspect_values_leaves_tensor_references_out(ck):
+    out = sh("inspect", ck / "ck", "--values", check=0).stdout
+    assert '"step": 7' in out and "__shardckpt__" not in out and '"tensor"' not in out
+    j = json.loads(sh("inspect", ck / "ck", "--values", "--json", check=0).stdout)
+    assert j["plain_values"] == {"step": 7}
+
+
+def test_diff_json_is_objects(ck, tmp_path):
+    st = _state()
+    st["model"]["emb.weight"][0, 0] += 1.0
+    st["model"]["ids"] = torch.arange(6)
+    st["step"] = 9
+    st["note"] = "x"
+    shardckpt.save(st, str(tmp_path / "other"))
+    j = json.loads(sh("diff", ck / "ck", tmp_path / "other", "--json", check=1).stdout)
+    by = {c["name"]: c for c in j["changed"]}
+    assert by["model.emb.weight"]["what"] == "values" and by["model.emb.weight"]["differing"] == 1
+    assert by["model.ids"]["what"] == "shape" and by["model.ids"]["a"] == [5] and by["model.ids"]["b"] == [6]
+    vals = {v["path"]: v for v in j["value_changes"]}
+    assert vals["step"] == {"path": "step", "what": "changed", "a": 7, "b": 9}
+    assert vals["note"] == {"path": "note", "what": "only_in_b", "b": "x"}
+    text = sh("diff", ck / "ck", tmp_path / "other", check=1).stdout
+    assert "2 values differ" in text and "~ value step: 7 -> 9" in text
+
+
+def test_not_found_through_the_script(tmp_path):
+    (tmp_path / "run" / "step-00000004").mkdir(parents=True)
+    p = sh("verify", tmp_path / "run", check=2)
+    assert "step-00000004" in p.stderr and "CheckpointManager" in p.stderr
+    torch.save({"w": torch.ones(1)}, str(tmp_path / "w.pt"))
+    p = sh("inspect", tmp_path / "w.pt", check=2)
+    assert "from_torch_save" in p.stderr and "NotADirectoryError" not in p.stderr

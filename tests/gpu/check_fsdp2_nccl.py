@@ -1,6 +1,7 @@
 """FSDP2 checkpoint checks for a GPU box: NCCL, CUDA RNG, bf16 mixed precision, pinned CPU offload, meta init.
 
-    torchrun --nproc-per-node 2 tests/gpu/check_fsdp2_nccl.py --out DIR
+    python3 tests/gpu/check_fsdp2_nccl.py --out DIR                       # 1 GPU, world size 1
+    torchrun --nproc-per-node N tests/gpu/check_fsdp2_nccl.py --out DIR   # N GPUs (N >= 1)
     torchrun --nproc-per-node 2 tests/gpu/check_fsdp2_nccl.py --out DIR --backend gloo --device cpu
 
 For each configuration it trains 2K steps straight, then K steps, saves
@@ -10,8 +11,16 @@ requires bit-identical per-step losses and final weights (dropout on the
 accelerator makes the CUDA RNG streams count). It also checks dtype (fp32
 master weights under bf16 compute), device and pinning (CPU offload), that a
 model built on the meta device is filled on the right device, and that the
-checkpoint verifies. Prints one PASS/FAIL line per check and a summary; exits
-1 if anything failed. Results also go to DIR/result-rank0.json.
+checkpoint verifies. Every parameter must also be FSDP2's own sharded
+parameter, a DTensor on the same device as its local tensor, whose storage is
+FSDP2's padded shard (what the all-gathers read), and ``model.state_dict()``
+must work: a meta-initialized, CPU-offloaded model once ended with DTensors
+reporting cuda:0 over pinned CPU shards. Prints one PASS/FAIL line per check
+and a summary; exits 1 if anything failed. Results also go to
+DIR/result-rank0.json.
+
+Started without torchrun (no RANK in the environment) it runs as a single
+process, world size 1, on a free loopback port.
 
 Not a pytest file: CI has no GPU. Run it by hand on a GPU machine (torch >= 2.11).
 """
@@ -56,11 +65,14 @@ class Net(nn.Module):
     def __init__(self):
         super().__init__()
         self.emb = nn.Embedding(VOCAB, DIM)
+        # A saved buffer used in forward: it must be on the compute device
+        # (where FSDP2 moves buffers), also under CPU offload and meta init.
+        self.register_buffer("pos", 0.02 * torch.randn(SEQ, DIM))
         self.blocks = nn.ModuleList([Block() for _ in range(2)])
         self.head = nn.Linear(DIM, VOCAB)
 
     def forward(self, idx):
-        x = self.emb(idx)
+        x = self.emb(idx) + self.pos
         for b in self.blocks:
             x = b(x)
         return self.head(x)
@@ -108,6 +120,49 @@ def train(model, opt, sched, start, steps, device, rank, world):
     return losses
 
 
+def fsdp2_problems(model, offload, device):
+    """What is wrong with the FSDP2 parameters of ``model`` (sharded state), as strings."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    bad = []
+    fps = {}
+    for m in model.modules():
+        if not isinstance(m, FSDPModule):
+            continue
+        state = m._get_fsdp_state()
+        groups = getattr(state, "_fsdp_param_groups", None)  # torch >= 2.12; 2.11 has one group
+        if groups is None:
+            groups = [g for g in [getattr(state, "_fsdp_param_group", None)] if g is not None]
+        for g in groups:
+            for fp in g.fsdp_params:
+                fps[id(fp.sharded_param)] = fp
+    want = torch.device("cpu") if offload else device
+    for n, p in model.named_parameters():
+        if not isinstance(p, DTensor):
+            bad.append(f"{n}: {type(p).__name__}, not a sharded DTensor")
+            continue
+        lt = p._local_tensor
+        if p.device != want or lt.device != want:
+            bad.append(f"{n}: DTensor on {p.device} over a local tensor on {lt.device}, expected {want}")
+        fp = fps.get(id(p))
+        if fp is None:
+            bad.append(f"{n}: not FSDP2's sharded parameter (identity lost)")
+            continue
+        data = fp._sharded_param_data
+        if lt.numel() and lt.untyped_storage().data_ptr() != data.untyped_storage().data_ptr():
+            bad.append(f"{n}: local tensor is not a view of FSDP2's padded shard")
+    try:
+        sd = model.state_dict()
+        for k, v in sd.items():
+            local = getattr(v, "_local_tensor", v)
+            if v.device != local.device:
+                bad.append(f"state_dict()[{k!r}]: DTensor on {v.device} over a local tensor on {local.device}")
+    except Exception as e:  # the reported symptom: state_dict() raised
+        bad.append(f"model.state_dict() raised {type(e).__name__}: {e}")
+    return bad
+
+
 def full(model):
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
@@ -144,6 +199,7 @@ def check_config(name, cfg, out_dir, device, rank, world):
     if cfg.get("meta"):
         # no optimizer yet: the model is filled (on its final device) first
         shardckpt.load({"model": model}, path, strict=False)
+        fails += [f"after the meta load: {f}" for f in fsdp2_problems(model, cfg.get("offload"), device)]
     opt, sched = make_optim(model)
     state = {"model": model, "optim": opt, "sched": sched, "rng": shardckpt.RNGState(), "step": 0}
     shardckpt.load(state, path)
@@ -157,7 +213,12 @@ def check_config(name, cfg, out_dir, device, rank, world):
             fails.append(f"{n}: on {p.device}, expected {want_dev}")
         if cfg.get("offload") and device.type == "cuda" and not p._local_tensor.is_pinned():
             fails.append(f"{n}: CPU-offloaded parameter is not pinned")
+    for n, b in model.named_buffers():
+        if b.device != device:
+            fails.append(f"buffer {n}: on {b.device}, expected {device}")
+    fails += [f"after the load: {f}" for f in fsdp2_problems(model, cfg.get("offload"), device)]
     second = train(model, opt, sched, K, K, device, rank, world)
+    fails += [f"after training: {f}" for f in fsdp2_problems(model, cfg.get("offload"), device)]
     if first + second != straight:
         fails.append(f"losses differ: straight {straight} vs resumed {first + second}")
     got = full(model)
@@ -190,6 +251,14 @@ def main(argv=None):
     ap.add_argument("--device", default=None, help="cuda (default with CUDA) or cpu")
     ap.add_argument("--only", default=None, help="comma-separated subset of: " + ",".join(CONFIGS))
     args = ap.parse_args(argv)
+    if "RANK" not in os.environ:
+        # Started as a plain script: one process, world size 1.
+        import socket
+
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     use_cuda = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")) == "cuda"
     local = int(os.environ.get("LOCAL_RANK", "0"))
     if use_cuda:

@@ -281,3 +281,382 @@ def test_exporting_1gib_grows_peak_rss_by_well_under_400mb(tmp_path):
         res = json.loads(out.stdout.strip().splitlines()[-1])
         assert res["nbytes"] >= (1 << 30) // (2 if extra else 1)
         assert res["growth"] < 400 << 20, res
+
+
+# --------------------------------------------------------------------------
+# Interop: the bare-dict rule, torchtitan's layout, model-only exports,
+# publishable exports, legacy .bin directories, hostile DCP metadata.
+
+
+class _Tiny(torch.nn.Module):
+    def __init__(self, seed=0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.emb = torch.nn.Embedding(11, 6)
+        self.layers = torch.nn.ModuleList([torch.nn.Linear(6, 6) for _ in range(2)])
+        self.head = torch.nn.Linear(6, 11, bias=False)
+
+    def forward(self, idx):
+        x = self.emb(idx)
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return self.head(x)
+
+
+_IDS = torch.tensor([[1, 4, 9, 2], [3, 3, 0, 10]])
+
+
+def _trained(seed=0, steps=2, lr=1e-2):
+    """A model and an AdamW stepped ``steps`` times (two param groups, a scheduler)."""
+    m = _Tiny(seed)
+    opt = torch.optim.AdamW(
+        [{"params": [m.emb.weight], "lr": lr, "weight_decay": 0.0},
+         {"params": [p for n, p in m.named_parameters() if not n.startswith("emb.")], "lr": lr / 2}],
+        betas=(0.8, 0.95),
+    )
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 ** s)
+    for _ in range(steps):
+        m(_IDS).logsumexp(-1).sum().backward()
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+    return m, opt, sched
+
+
+def _fresh_optim(m, lr=1e-2):
+    return torch.optim.AdamW(
+        [{"params": [m.emb.weight], "lr": 0.5, "weight_decay": 0.3},
+         {"params": [p for n, p in m.named_parameters() if not n.startswith("emb.")], "lr": 0.5}],
+    )
+
+
+def _same_optim(a, b):
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa["param_groups"] == sb["param_groups"]
+    assert sa["state"].keys() == sb["state"].keys()
+    for i in sa["state"]:
+        assert sa["state"][i].keys() == sb["state"][i].keys()
+        for k in sa["state"][i]:
+            _eq(sa["state"][i][k], sb["state"][i][k])
+
+
+def test_bare_state_dict_imports_the_same_way_from_dcp_torch_save_and_safetensors(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    ref = _Tiny(1)
+    sd = {k: v.detach().clone() for k, v in ref.state_dict().items()}
+    dcp.save(sd, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    torch.save(sd, str(tmp_path / "sd.pt"))
+    save_file(sd, str(tmp_path / "model.safetensors"))
+    converters.from_dcp(str(tmp_path / "dcp"), str(tmp_path / "n_dcp"))
+    converters.from_torch_save(str(tmp_path / "sd.pt"), str(tmp_path / "n_pt"))
+    converters.from_safetensors(str(tmp_path / "model.safetensors"), str(tmp_path / "n_st"))
+    for tag in ("n_dcp", "n_pt", "n_st"):
+        live = _Tiny(2)
+        res = shardckpt.load({"model": live}, str(tmp_path / tag))  # strict: every weight found
+        assert res.missing_keys == [] and res.unexpected_keys == [], tag
+        for k, v in live.state_dict().items():
+            _eq(v, sd[k])
+        # An explicit prefix wins over the rule, the same way everywhere.
+    converters.from_dcp(str(tmp_path / "dcp"), str(tmp_path / "n_dcp_net"), prefix="net.")
+    converters.from_torch_save(str(tmp_path / "sd.pt"), str(tmp_path / "n_pt_net"), prefix="net.")
+    for tag in ("n_dcp_net", "n_pt_net"):
+        live = _Tiny(3)
+        shardckpt.load({"net": live}, str(tmp_path / tag))
+        _eq(live.head.weight, sd["head.weight"])
+
+
+def _torchtitan_dcp(path, m, opt, sched, step):
+    """Write ``path`` the way torchtitan's checkpointer does, with the real DCP API (no torchtitan needed)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+
+    state = dict(get_model_state_dict(m))  # torchtitan flattens the model's keys to the top level
+    state["optimizer"] = get_optimizer_state_dict(m, opt, options=StateDictOptions(flatten_optimizer_state_dict=True))
+    state["lr_scheduler"] = sched.state_dict()
+    state["train_state"] = {"step": torch.tensor(step, dtype=torch.int32), "ntokens_seen": torch.tensor(step * 8)}
+    assert any(k.startswith("state.") for k in state["optimizer"])  # really the flattened form
+    dcp.save(state, checkpoint_id=str(path), no_dist=True)
+
+
+def test_torchtitan_layout_resumes_model_and_adamw_bit_exactly(tmp_path):
+    m, opt, sched = _trained(seed=4)
+    _torchtitan_dcp(tmp_path / "tt", m, opt, sched, step=2)
+    converters.from_dcp(str(tmp_path / "tt"), str(tmp_path / "native"))
+    m2 = _Tiny(9)
+    opt2 = _fresh_optim(m2)
+    state = {"model": m2, "optim": opt2, "train_state": {"step": torch.tensor(0, dtype=torch.int32), "ntokens_seen": torch.tensor(0)}}
+    res = shardckpt.load(state, str(tmp_path / "native"))
+    assert res.missing_keys == []
+    for k, v in m.state_dict().items():
+        _eq(m2.state_dict()[k], v)
+    _same_optim(opt, opt2)
+    assert int(state["train_state"]["step"]) == 2 and int(state["train_state"]["ntokens_seen"]) == 16
+    # The next step is the same step: Adam's bias correction needs the right `step`.
+    for mm, oo in ((m, opt), (m2, opt2)):
+        mm(_IDS).logsumexp(-1).sum().backward()
+        oo.step()
+    for k, v in m.state_dict().items():
+        _eq(m2.state_dict()[k], v)
+    # The scheduler's state is there too, under torchtitan's name.
+    man = json.load(open(tmp_path / "native" / "manifest.json"))
+    assert man["values"]["lr_scheduler"]["last_epoch"] == 2
+    assert "optim.state.emb.weight.exp_avg" in man["tensors"]
+
+
+def test_flattened_optimizer_in_a_dcp_recipe_checkpoint_is_rebuilt(tmp_path):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    m, opt, _ = _trained(seed=5)
+    osd = get_optimizer_state_dict(m, opt, options=StateDictOptions(flatten_optimizer_state_dict=True))
+    dcp.save({"model": m.state_dict(), "optim": osd, "step": 2}, checkpoint_id=str(tmp_path / "d"), no_dist=True)
+    converters.from_dcp(str(tmp_path / "d"), str(tmp_path / "n"))
+    m2 = _Tiny(6)
+    opt2 = _fresh_optim(m2)
+    state = {"model": m2, "optim": opt2, "step": 0}
+    shardckpt.load(state, str(tmp_path / "n"))
+    assert state["step"] == 2
+    _same_optim(opt, opt2)
+
+
+def test_unflatten_optimizer_groups_by_hyperparameters():
+    from shardckpt.converters._safetensors import unflatten_optimizer
+
+    flat = {
+        "state.a.b.weight.exp_avg": torch.ones(2),
+        "state.a.b.weight.step": torch.tensor(3.0),
+        "param_groups.a.b.weight.lr": 0.1,
+        "param_groups.a.b.weight.betas": (0.9, 0.99),
+        "param_groups.c.weight.lr": 0.2,
+        "param_groups.c.weight.betas": (0.9, 0.99),
+        "param_groups.d.lr": 0.1,
+        "param_groups.d.betas": (0.9, 0.99),
+    }
+    out = unflatten_optimizer(flat)
+    assert list(out["state"]) == ["a.b.weight"] and set(out["state"]["a.b.weight"]) == {"exp_avg", "step"}
+    assert out["param_groups"] == [
+        {"lr": 0.1, "betas": (0.9, 0.99), "params": ["a.b.weight", "d"]},
+        {"lr": 0.2, "betas": (0.9, 0.99), "params": ["c.weight"]},
+    ]
+    # Not torch's flattening: left alone.
+    assert unflatten_optimizer({"state.x": 1}) == {"state.x": 1}
+    assert unflatten_optimizer({"state.a.exp_avg": 1, "other": 2}) == {"state.a.exp_avg": 1, "other": 2}
+
+
+def test_to_safetensors_exports_only_the_model_entry(tmp_path):
+    m, opt, _ = _trained(seed=7)
+    shardckpt.save({"net": m, "optim": opt, "step": 2}, str(tmp_path / "c_net"))
+    converters.to_safetensors(str(tmp_path / "c_net"), str(tmp_path / "hf_net"))
+    got = load_file(str(tmp_path / "hf_net" / "model.safetensors"))
+    assert set(got) == set(m.state_dict())  # no exp_avg, no optim.*: only the weights, bare names
+    _eq(got["head.weight"], m.head.weight.detach())
+    shardckpt.save({"policy": m}, str(tmp_path / "c_pol"))
+    converters.to_safetensors(str(tmp_path / "c_pol"), str(tmp_path / "hf_pol"))
+    assert set(load_file(str(tmp_path / "hf_pol" / "model.safetensors"))) == set(m.state_dict())
+    # Two models: ambiguous -> the entries are listed with the option to choose.
+    shardckpt.save({"actor": m, "critic": _Tiny(8), "optim": opt}, str(tmp_path / "c_two"))
+    with pytest.raises(StateMismatchError, match=r"'actor' \(tensors\), 'critic' \(tensors\), 'optim' \(optimizer\).*model_key="):
+        converters.to_safetensors(str(tmp_path / "c_two"), str(tmp_path / "hf_two"))
+    assert not (tmp_path / "hf_two").exists()
+    converters.to_safetensors(str(tmp_path / "c_two"), str(tmp_path / "hf_two"), model_key="critic")
+    assert set(load_file(str(tmp_path / "hf_two" / "model.safetensors"))) == set(m.state_dict())
+    with pytest.raises(StateMismatchError, match="optimizer"):
+        converters.to_safetensors(str(tmp_path / "c_two"), str(tmp_path / "hf_x"), model_key="optim")
+    with pytest.raises(StateMismatchError, match="names no top-level entry"):
+        converters.to_safetensors(str(tmp_path / "c_two"), str(tmp_path / "hf_x"), model_key="nope")
+    # prefix=None still exports everything, for those who ask.
+    converters.to_safetensors(str(tmp_path / "c_net"), str(tmp_path / "hf_all"), prefix=None)
+    assert any(k.startswith("optim.state.") for k in load_file(str(tmp_path / "hf_all" / "model.safetensors")))
+
+
+COMPANIONS = {
+    "config.json": b'{"model_type": "tiny"}\n',
+    "generation_config.json": b'{"max_length": 5}\n',
+    "tokenizer.json": b'{"version": "1.0"}\n',
+    "tokenizer_config.json": b"{}\n",
+    "special_tokens_map.json": b"{}\n",
+    "vocab.json": b'{"a": 0}\n',
+    "merges.txt": b"#version: 0.2\n",
+    "tokenizer.model": b"\x00\x01spm",
+}
+
+
+def test_export_keeps_config_and_tokenizer_files_and_replaces_only_weights(tmp_path):
+    m, _, _ = _trained(seed=10)
+    shardckpt.save({"model": m}, str(tmp_path / "c"))
+    hub = tmp_path / "hub"
+    hub.mkdir()
+    for k, v in COMPANIONS.items():
+        (hub / k).write_bytes(v)
+    save_file({"junk": torch.zeros(1)}, str(hub / "model.safetensors"))
+    # copy_from brings the companion files along (and never the source's weights).
+    r = converters.to_safetensors(str(tmp_path / "c"), str(tmp_path / "out"), copy_from=str(hub))
+    assert set(r.files) == set(COMPANIONS) | {"model.safetensors"}
+    for k, v in COMPANIONS.items():
+        assert (tmp_path / "out" / k).read_bytes() == v
+    assert set(load_file(str(tmp_path / "out" / "model.safetensors"))) == set(m.state_dict())
+    # Into a directory holding config/tokenizer files and a README but no weights: no overwrite needed.
+    tgt = tmp_path / "tgt"
+    tgt.mkdir()
+    (tgt / "config.json").write_bytes(COMPANIONS["config.json"])
+    (tgt / "README.md").write_text("my model\n")
+    (tgt / "extra").mkdir()
+    (tgt / "extra" / "notes.txt").write_text("keep\n")
+    converters.to_safetensors(str(tmp_path / "c"), str(tgt), max_shard_size=400)
+    names = sorted(os.listdir(tgt))
+    assert "config.json" in names and "README.md" in names and "model.safetensors.index.json" in names
+    assert (tgt / "extra" / "notes.txt").read_text() == "keep\n"
+    shards = [n for n in names if n.endswith(".safetensors")]
+    assert len(shards) > 1
+    # Weights there now: a second export needs overwrite, and then replaces only them.
+    with pytest.raises(CheckpointExistsError, match="overwrite=True"):
+        converters.to_safetensors(str(tmp_path / "c"), str(tgt))
+    converters.to_safetensors(str(tmp_path / "c"), str(tgt), overwrite=True)
+    names = sorted(os.listdir(tgt))
+    assert names == ["README.md", "config.json", "extra", "model.safetensors"], names  # stale shards and index gone
+    assert (tgt / "README.md").read_text() == "my model\n"
+    assert not [n for n in os.listdir(tmp_path) if n.startswith(".")]  # no staging left behind
+    # A failed export (ambiguous model) leaves the directory exactly as it was.
+    shardckpt.save({"a": m, "b": _Tiny(1)}, str(tmp_path / "c2"))
+    with pytest.raises(StateMismatchError):
+        converters.to_safetensors(str(tmp_path / "c2"), str(tgt), overwrite=True)
+    assert sorted(os.listdir(tgt)) == names
+    with pytest.raises(CheckpointNotFoundError, match="config.json"):
+        converters.to_safetensors(str(tmp_path / "c"), str(tmp_path / "o3"), copy_from=str(tmp_path / "c"))
+
+
+def test_export_to_an_object_store_keeps_companion_files(tmp_path):
+    import fsspec
+
+    m, _, _ = _trained(seed=11)
+    shardckpt.save({"model": m}, str(tmp_path / "c"))
+    fs = fsspec.filesystem("memory")
+    fs.pipe("/interop-test/hf/config.json", COMPANIONS["config.json"])
+    fs.pipe("/interop-test/hf/model-00001-of-00009.safetensors", b"stale")
+    fs.pipe("/interop-test/hf/model.safetensors.index.json", b"{}")
+    try:
+        converters.to_safetensors(str(tmp_path / "c"), "memory://interop-test/hf", overwrite=True)
+        names = sorted(p.rsplit("/", 1)[1] for p in fs.ls("/interop-test/hf", detail=False))
+        assert names == ["config.json", "model.safetensors"], names
+    finally:
+        fs.rm("/interop-test", recursive=True)
+
+
+def test_sharded_legacy_bin_directory_imports(tmp_path):
+    ref = _Tiny(12)
+    sd = {k: v.detach().clone() for k, v in ref.state_dict().items()}
+    d = tmp_path / "legacy"
+    d.mkdir()
+    keys = sorted(sd)
+    parts = {"pytorch_model-00001-of-00002.bin": keys[:3], "pytorch_model-00002-of-00002.bin": keys[3:]}
+    for f, ks in parts.items():
+        torch.save({k: sd[k] for k in ks}, str(d / f))
+    wm = {k: f for f, ks in parts.items() for k in ks}
+    (d / "pytorch_model.bin.index.json").write_text(json.dumps({"metadata": {"total_size": 0}, "weight_map": wm}))
+    for src, tag in ((str(d), "n1"), (str(d / "pytorch_model.bin.index.json"), "n2")):
+        r = converters.from_torch_save(src, str(tmp_path / tag))
+        assert r.tensors == len(sd)
+        live = _Tiny(13)
+        shardckpt.load({"model": live}, str(tmp_path / tag))
+        for k, v in live.state_dict().items():
+            _eq(v, sd[k])
+    # A single legacy file in a directory imports the same way.
+    d1 = tmp_path / "legacy1"
+    d1.mkdir()
+    torch.save(sd, str(d1 / "pytorch_model.bin"))
+    converters.from_torch_save(str(d1), str(tmp_path / "n3"))
+    live = _Tiny(14)
+    shardckpt.load({"model": live}, str(tmp_path / "n3"))
+    _eq(live.emb.weight, sd["emb.weight"])
+    # Damaged indexes are named, never followed out of the directory.
+    (d / "pytorch_model.bin.index.json").write_text(json.dumps({"weight_map": {"x": "../evil.bin"}}))
+    with pytest.raises(CorruptCheckpointError):
+        converters.from_torch_save(str(d), str(tmp_path / "n4"))
+    (d / "pytorch_model.bin.index.json").write_text("[1, 2")
+    with pytest.raises(CorruptCheckpointError, match="not JSON"):
+        converters.from_torch_save(str(d), str(tmp_path / "n5"))
+
+
+def _bomb(levels: int) -> bytes:
+    """A pickle of tuples nested through memo references: ~6 bytes per level, 2**levels nodes."""
+    body = b"\x80\x04)\x94"  # PROTO 4, EMPTY_TUPLE, MEMOIZE
+    for i in range(levels):
+        body += b"h" + bytes([i]) + b"h" + bytes([i]) + b"\x86\x94"  # BINGET i, BINGET i, TUPLE2, MEMOIZE
+    return body + b"."
+
+
+def _list_bomb(depth: int) -> bytes:
+    return b"\x80\x04" + b"]" * depth + b"a" * (depth - 1) + b"."  # nested lists, 2 bytes a level
+
+
+def _dcp_dir(tmp_path, name="d"):
+    import torch.distributed.checkpoint as dcp
+
+    d = tmp_path / name
+    dcp.save({"w": torch.ones(3)}, checkpoint_id=str(d), no_dist=True)
+    return d
+
+
+def test_dcp_metadata_bombs_fail_fast(tmp_path):
+    import time
+
+    d = _dcp_dir(tmp_path)
+    for data, what in ((_bomb(200), "describe more than"), (_list_bomb(600), "nested deeper")):
+        assert len(data) <= 1300
+        (d / ".metadata").write_bytes(data)
+        t0 = time.perf_counter()
+        with pytest.raises(UnsafeMetadataError, match=what):
+            converters.from_dcp(str(d), str(tmp_path / "o"))
+        assert time.perf_counter() - t0 < 5  # bounded work; unbounded took minutes
+    # The bomb as a dict key: unpickling itself would hash 2**150 nodes.
+    (d / ".metadata").write_bytes(b"\x80\x04}" + _bomb(150)[2:-1] + b"Ns.")  # EMPTY_DICT, bomb, None, SETITEM
+    t0 = time.perf_counter()
+    with pytest.raises(UnsafeMetadataError, match="describe more than"):
+        converters.from_dcp(str(d), str(tmp_path / "o"))
+    assert time.perf_counter() - t0 < 5
+    # Garbage is corrupt, not a crash.
+    (d / ".metadata").write_bytes(b"\x80\x04h\x07.")
+    with pytest.raises(CorruptCheckpointError, match="pickle"):
+        converters.from_dcp(str(d), str(tmp_path / "o"))
+
+
+def test_dcp_unpickler_imports_nothing_on_a_pickles_request(tmp_path):
+    d = _dcp_dir(tmp_path)
+    for mod, name in (("torch", "_inductor"), ("torch", "_dynamo"), ("torch", "onnx"), ("torch", "compile"),
+                      ("torch._dynamo", "config"), ("os", "system")):
+        code = (
+            "import sys, pickle, shardckpt.converters as c, pytest\n"
+            "from shardckpt.errors import UnsafeMetadataError\n"
+            f"open(sys.argv[1] + '/.metadata', 'wb').write(b'\\x80\\x04\\x8c' + bytes([len({mod!r})]) + {mod!r}.encode()"
+            f" + b'\\x8c' + bytes([len({name!r})]) + {name!r}.encode() + b'\\x93.')\n"
+            "before = set(sys.modules)\n"
+            "try:\n    c.from_dcp(sys.argv[1], sys.argv[1] + '-out')\nexcept UnsafeMetadataError as e:\n    print('REFUSED', e)\n"
+            "new = sorted(m for m in set(sys.modules) - before if m.startswith(('torch._inductor', 'torch._dynamo', 'torch.onnx')))\n"
+            "print('NEW', new)\n"
+        )
+        out = subprocess.run([sys.executable, "-c", code, str(d)], capture_output=True, text=True, timeout=120)
+        assert "REFUSED" in out.stdout and f"{mod}.{name} is not allowed" in out.stdout, out.stdout + out.stderr
+        assert "NEW []" in out.stdout, (mod, name, out.stdout)
+
+
+def test_dcp_metadata_of_the_wrong_shape_says_what_is_wrong(tmp_path):
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    d = _dcp_dir(tmp_path)
+    good = pickle.loads((d / ".metadata").read_bytes())
+    (d / ".metadata").write_bytes(pickle.dumps(Metadata(state_dict_metadata=[1, 2], storage_data=good.storage_data)))
+    with pytest.raises(CorruptCheckpointError, match=r"Metadata\.state_dict_metadata is a list, expected a dict") as e:
+        converters.from_dcp(str(d), str(tmp_path / "o"))
+    assert "found Metadata" not in str(e.value)
+    (d / ".metadata").write_bytes(pickle.dumps(Metadata(state_dict_metadata=good.state_dict_metadata, storage_data=None)))
+    with pytest.raises(CorruptCheckpointError, match=r"Metadata\.storage_data is a NoneType"):
+        converters.from_dcp(str(d), str(tmp_path / "o"))
+    (d / ".metadata").write_bytes(pickle.dumps(torch.Size([1, 2])))
+    with pytest.raises(CorruptCheckpointError, match="holds a Size, not DCP's Metadata"):
+        converters.from_dcp(str(d), str(tmp_path / "o"))
+
+
+def test_from_torch_save_on_a_directory_without_bin_files_names_the_other_converters(tmp_path):
+    with pytest.raises(CheckpointNotFoundError, match="from_safetensors / from_dcp"):
+        converters.from_torch_save(str(tmp_path), str(tmp_path / "out"))

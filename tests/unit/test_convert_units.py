@@ -16,7 +16,7 @@ from shardckpt._plan import Box
 from shardckpt._storage import Storage
 from shardckpt.converters import parse_size
 from shardckpt.converters._common import Reader, Source, SrcChunk, SrcTensor, parse_dtype, plan_blocks
-from shardckpt.converters._crc import checksum, combine
+from shardckpt._format.checksum import checksum, combine
 from shardckpt.converters._dcp import DCPUnpickler
 from shardckpt.errors import StateMismatchError, UnsupportedStateError
 

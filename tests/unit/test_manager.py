@@ -379,3 +379,53 @@ def test_async_close_raises_unseen_error(tmp_path, monkeypatch):
 
 
 MANIFEST = "manifest.json"
+
+
+# -- messages name the right switch and what exists (issue 12) -------------------
+
+
+def test_existing_step_says_force_not_overwrite(tmp_path):
+    for async_save in (False, True):
+        root = str(tmp_path / f"run{async_save}")
+        with shardckpt.CheckpointManager(root, async_save=async_save) as mgr:
+            h = mgr.save(3, {"w": torch.ones(2)})
+            if h is not None:
+                h.result()
+            with pytest.raises(CheckpointExistsError, match="step 3 is already committed.*pass force=True") as ei:
+                mgr.save(3, {"w": torch.ones(2)})
+            assert "overwrite=True" not in str(ei.value)
+    d = str(tmp_path / "plain")
+    shardckpt.save({"w": torch.ones(2)}, d)
+    with pytest.raises(CheckpointExistsError, match="pass overwrite=True") as ei:
+        shardckpt.save({"w": torch.ones(2)}, d)
+    assert "force=True" not in str(ei.value)
+
+
+def test_restore_of_a_missing_step_lists_the_committed_ones(tmp_path):
+    mgr = shardckpt.CheckpointManager(str(tmp_path / "run"))
+    with pytest.raises(CheckpointNotFoundError, match=r"step 7 is not committed .*no step is committed there"):
+        mgr.restore({"w": torch.ones(2)}, step=7)
+    for s in (2, 4, 9):
+        mgr.save(s, {"w": torch.ones(2)})
+    with pytest.raises(CheckpointNotFoundError, match=r"step-00000007.*committed steps: 2, 4, 9\. Call restore\(\) without step="):
+        mgr.restore({"w": torch.ones(2)}, step=7)
+    many = shardckpt.CheckpointManager(str(tmp_path / "many"))
+    for s in range(30):
+        many.save(s, {"w": torch.ones(1)})
+    with pytest.raises(CheckpointNotFoundError, match=r"\.\.\. \(10 more\)"):
+        many.restore({"w": torch.ones(1)}, step=77)
+
+
+@pytest.mark.parametrize("root", ["", "   ", "\t"])
+def test_blank_root_is_refused(root):
+    with pytest.raises(shardckpt.UsageError, match="root_url .* is blank"):
+        shardckpt.CheckpointManager(root)
+
+
+def test_steps_agree_when_save_returns_with_retention(tmp_path):
+    # retention has finished before save (or result()) returns
+    mgr = shardckpt.CheckpointManager(str(tmp_path / "r"), keep_last=1, async_save=True)
+    for s in range(4):
+        mgr.save(s, {"w": torch.ones(1)}).result()
+        assert mgr.steps() == [s]
+    mgr.close()

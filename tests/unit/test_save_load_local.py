@@ -261,3 +261,47 @@ def test_load_into_tensor_keeps_dtype_and_identity(tmp_path):
     shardckpt.load(live, path)
     assert torch.equal(base.t(), torch.arange(6.0).reshape(2, 3))
     assert _api.DATA_DIR == "data"
+
+
+# -- bounded, well-aimed messages (issue 12) ---------------------------------------
+
+
+def test_shape_and_dtype_mismatches_share_the_offender_cap(tmp_path):
+    from shardckpt.errors import MAX_OFFENDERS
+
+    d = str(tmp_path / "c")
+    n = 300
+    shardckpt.save({f"t{i:03d}": torch.zeros(2, 3) for i in range(n)}, d)
+    live = {f"t{i:03d}": torch.zeros(3, 3) if i % 2 else torch.zeros(2, 3, dtype=torch.int32) for i in range(n)}
+    with pytest.raises(StateMismatchError) as ei:
+        shardckpt.load(live, d)
+    msg = str(ei.value)
+    assert f"{n} tensor(s) differ" in msg
+    assert f"... ({n - MAX_OFFENDERS} more)" in msg
+    assert "t000: checkpoint dtype F32, live dtype I32" in msg and "t001: checkpoint shape [2, 3], live shape [3, 3]" in msg
+    assert len(msg) < 2000, len(msg)
+    assert all(torch.count_nonzero(v) == 0 for v in live.values())  # nothing loaded
+
+
+def test_no_dist_in_a_single_process_and_its_argument_checks(tmp_path):
+    d = str(tmp_path / "c")
+    shardckpt.save({"w": torch.arange(3.0)}, d, no_dist=True, collective_timeout_s=1)
+    s = {"w": torch.zeros(3)}
+    shardckpt.load(s, d, no_dist=True)
+    assert s["w"].tolist() == [0.0, 1.0, 2.0]
+    for bad in (0, -1, "5", True):
+        with pytest.raises(shardckpt.UsageError, match="collective_timeout_s must be a positive number"):
+            shardckpt.save({"w": torch.ones(1)}, str(tmp_path / "x"), collective_timeout_s=bad)
+
+
+def test_knobs_come_from_the_environment(tmp_path):
+    import subprocess
+    import sys
+
+    code = "from shardckpt import _knobs as k, _io; print(k.IO_THREADS, k.WRITE_BLOCK_BYTES, k.COLLECTIVE_TIMEOUT_S, k.CHECKSUMS, _io.DEFAULT_IO_THREADS)"
+    env = dict(os.environ, SHARDCKPT_IO_THREADS="7", SHARDCKPT_WRITE_BLOCK_BYTES="8MiB", SHARDCKPT_COLLECTIVE_TIMEOUT_S="12.5", SHARDCKPT_CHECKSUMS="0")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.stdout.split() == ["7", str(8 << 20), "12.5", "False", "7"], out.stderr
+    env = dict(os.environ, SHARDCKPT_IO_THREADS="many")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and "SHARDCKPT_IO_THREADS='many'" in out.stderr

@@ -20,7 +20,8 @@ import torch
 
 import shardckpt
 from shardckpt import _format
-from shardckpt import _load as _api
+from shardckpt._format import header as _format_header
+from shardckpt._format import manifest as _format_manifest
 from shardckpt.errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -233,14 +234,14 @@ def test_garbage_manifest(ckpt, data, fragment):
 def test_manifest_over_the_size_limit(ckpt, monkeypatch):
     size = os.path.getsize(ckpt / "manifest.json")
     # Storage refuses to read it at all (a 1 GiB limit is the default; lower it).
-    monkeypatch.setattr(_api, "MAX_MANIFEST_BYTES", size - 1)
+    monkeypatch.setattr(_format_manifest, "MAX_MANIFEST_BYTES", size - 1)
     state = _live_state()
     snap = _snapshot(state)
     with pytest.raises(UnsafeMetadataError, match=f"{size} bytes exceeds the {size - 1}-byte limit"):
         shardckpt.load(state, str(ckpt))
     _assert_untouched(state, snap)
     # The parser checks the bound too, for manifests handed over as bytes.
-    monkeypatch.setattr(_format, "MAX_MANIFEST_BYTES", 10)
+    monkeypatch.setattr(_format_manifest, "MAX_MANIFEST_BYTES", 10)
     with pytest.raises(UnsafeMetadataError, match="exceeds the 10-byte limit"):
         _format.manifest_from_bytes((ckpt / "manifest.json").read_bytes())
 
@@ -314,7 +315,7 @@ def test_verify_never_reads_a_header_past_the_limit(tmp_path, monkeypatch):
     data = bytearray(f.read_bytes())
     data[:8] = struct.pack("<Q", len(data) - 8)  # "the header is the whole file"
     f.write_bytes(bytes(data))
-    monkeypatch.setattr(_format, "MAX_HEADER_BYTES", 1 << 20)
+    monkeypatch.setattr(_format_header, "MAX_HEADER_BYTES", 1 << 20)
     lengths = []
     real = Storage.read_range
 

@@ -8,48 +8,36 @@ returns the tensors to fill in place plus the actions that put everything else
 back (plain values into their dicts, ``load_state_dict`` calls) once every
 tensor has been read and checked.
 
-How each kind of value is taken apart is an *adapter*; modules, generic
-``state_dict()``/``load_state_dict()`` objects, and containers are built in.
-Others (optimizers, runtimes) register with :func:`register_adapter`.
+How each kind of object is taken apart is an *adapter* (``adapters``: one
+ordered list); the values codec is ``values``.
 """
 
 from __future__ import annotations
 
-import abc
-import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from .errors import CorruptCheckpointError, StateMismatchError, UnsupportedStateError
+from ..errors import CorruptCheckpointError, StateMismatchError, UnsupportedStateError
+from .adapters import Adapter, adapter_for
+from .values import TAG, _is_ref, decode_value, encode_value, tensor_ref
 
 __all__ = [
-    "TAG",
+    "SEP",
     "FlatSave",
     "FlatLoad",
-    "Adapter",
-    "register_adapter",
     "flatten_for_save",
     "flatten_for_load",
-    "encode_value",
-    "decode_value",
-    "tensor_ref",
     "Raw",
     "PerRank",
     "PER_RANK_MARK",
+    "ModuleAdapter",
+    "StatefulAdapter",
+    "PerRankAdapter",
 ]
 
-TAG = "__shardckpt__"
 SEP = "."
-
-
-def tensor_ref(name: str) -> Dict[str, str]:
-    return {TAG: "tensor", "name": name}
-
-
-def _is_ref(node: Any) -> bool:
-    return isinstance(node, dict) and node.get(TAG) == "tensor"
 
 
 def _join(prefix: str, key: Any) -> str:
@@ -84,92 +72,8 @@ class FlatLoad:
     skip: List[str] = field(default_factory=list)
 
 
-class Adapter(abc.ABC):
-    """How one kind of object is saved and loaded.
-
-    ``matches(obj)`` picks the adapter; ``save(obj, path, walker)`` returns the
-    value to walk in its place (usually a state dict); ``load(obj, path,
-    saved_tree, walker)`` registers targets/finalizers on ``walker.flat``.
-    """
-
-    @abc.abstractmethod
-    def matches(self, obj: Any) -> bool:
-        ...
-
-    @abc.abstractmethod
-    def save(self, obj: Any, path: str, walker: "_SaveWalker") -> Any:
-        ...
-
-    @abc.abstractmethod
-    def load(self, obj: Any, path: str, saved: Any, walker: "_LoadWalker") -> None:
-        ...
-
-
-_ADAPTERS: List[Adapter] = []
-
-
-def register_adapter(adapter: Adapter, *, first: bool = True) -> None:
-    """Add an adapter; ``first`` gives it priority over the built-in ones."""
-    if first:
-        _ADAPTERS.insert(0, adapter)
-    else:
-        _ADAPTERS.append(adapter)
-
-
-def _adapter_for(obj: Any) -> Optional[Adapter]:
-    for a in _ADAPTERS:
-        if a.matches(obj):
-            return a
-    return None
-
-
 # --------------------------------------------------------------------------
 # plain values
-
-
-def encode_value(v: Any, path: str) -> Any:
-    """A JSON-able scalar, with non-finite floats tagged (JSON has no NaN)."""
-    if v is None or isinstance(v, (bool, str)):
-        return v
-    if isinstance(v, int):
-        return int(v)
-    if isinstance(v, float):
-        if math.isfinite(v):
-            return v
-        return {TAG: "float", "value": repr(v)}
-    if isinstance(v, torch.dtype):
-        return {TAG: "dtype", "value": str(v).replace("torch.", "")}
-    if isinstance(v, torch.device):
-        return {TAG: "device", "value": str(v)}
-    raise UnsupportedStateError(
-        f"{path or '<root>'}: values of type {type(v).__module__}.{type(v).__qualname__} cannot be saved; "
-        "use tensors, numbers, strings, bools, None, or dicts/lists of those, or give the object "
-        "state_dict()/load_state_dict()"
-    )
-
-
-def decode_value(node: Any) -> Any:
-    if isinstance(node, dict) and TAG in node:
-        kind = node[TAG]
-        if kind == "float":
-            return float(node["value"])
-        if kind == "dtype":
-            dt = getattr(torch, str(node["value"]), None)
-            if not isinstance(dt, torch.dtype):
-                raise ValueError(f"{node['value']!r} is not a torch dtype")
-            return dt
-        if kind == "device":
-            return torch.device(node["value"])
-        if kind == "tuple":
-            return tuple(decode_value(x) for x in node["items"])
-        if kind == "dict":
-            return {decode_value(k): decode_value(v) for k, v in node["items"]}
-        raise StateMismatchError(f"unexpected tagged value {kind!r} in saved state")
-    if isinstance(node, dict):
-        return {k: decode_value(v) for k, v in node.items()}
-    if isinstance(node, list):
-        return [decode_value(x) for x in node]
-    return node
 
 
 def _decoded(node: Any, path: str) -> Any:
@@ -181,7 +85,7 @@ def _decoded(node: Any, path: str) -> Any:
 
 
 def _is_tensor(v: Any) -> bool:
-    from ._layout import is_sharded_tensor
+    from .._layout import is_sharded_tensor
 
     return isinstance(v, torch.Tensor) or is_sharded_tensor(v)
 
@@ -215,7 +119,7 @@ class _SaveWalker:
             if self.per_rank_depth:
                 self.flat.per_rank_tensors.append(path)
             return tensor_ref(path)
-        adapter = _adapter_for(v)
+        adapter = adapter_for(v)
         if adapter is not None:
             out = adapter.save(v, path, self)
             return out.node if isinstance(out, Raw) else self.walk(out, path)
@@ -284,7 +188,7 @@ class _LoadWalker:
         if _is_tensor(live):
             self.target(path, live)
             return
-        adapter = _adapter_for(live)
+        adapter = adapter_for(live)
         if adapter is not None:
             adapter.load(live, path, saved, self)
             return
@@ -445,7 +349,7 @@ class ModuleAdapter(Adapter):
         return isinstance(obj, torch.nn.Module)
 
     def save(self, obj, path, walker):
-        from ._runtimes import fsdp1_model_state, is_fsdp1, unwrap
+        from .._runtimes import fsdp1_model_state, is_fsdp1, unwrap
 
         m = unwrap(obj)
         if is_fsdp1(m):
@@ -453,7 +357,7 @@ class ModuleAdapter(Adapter):
         sd = _module_tensors(m)
         meta = [k for k, t in sd.items() if _is_tensor(t) and t.is_meta]
         if meta:
-            from .errors import format_offenders
+            from ..errors import format_offenders
 
             raise UnsupportedStateError(
                 f"{path}: tensors on the meta device hold no data and cannot be saved: {format_offenders(meta)}"
@@ -461,7 +365,7 @@ class ModuleAdapter(Adapter):
         return sd
 
     def load(self, obj, path, saved, walker):
-        from ._runtimes import fsdp1_load_model_state, fsdp1_model_state, is_fsdp1, unwrap
+        from .._runtimes import fsdp1_load_model_state, fsdp1_model_state, is_fsdp1, unwrap
 
         m = unwrap(obj)
         if is_fsdp1(m):
@@ -490,7 +394,7 @@ class ModuleAdapter(Adapter):
         meta_keys = [k for k, t in sd.items() if _is_tensor(t) and t.is_meta and _join(path, k) in walker.saved_tensors]
         if not meta_keys:
             return {}
-        from ._runtimes import materialize_device
+        from .._runtimes import materialize_device
 
         device_of = materialize_device(m)
         made: Dict[int, Any] = {}  # tied weights share one new Parameter
@@ -509,14 +413,9 @@ class ModuleAdapter(Adapter):
 
 def _empty_like_meta(t, device) -> torch.Tensor:
     """An uninitialized tensor (DTensor: same mesh/placements/shape) replacing meta ``t``."""
-    from ._layout import is_dtensor
+    from .._runtimes import empty_like_meta
 
-    if is_dtensor(t):
-        from torch.distributed.tensor import DTensor
-
-        local = torch.empty(t._local_tensor.shape, dtype=t.dtype, device=device)
-        return DTensor.from_local(local, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride())
-    return torch.empty(t.shape, dtype=t.dtype, device=device)
+    return empty_like_meta(t, device)
 
 
 def _module_tensors(m: torch.nn.Module) -> Dict[str, Any]:
@@ -688,7 +587,7 @@ class PerRankAdapter(Adapter):
         return Raw({TAG: "per_rank", "world_size": walker.world})
 
     def load(self, obj, path, saved, walker):
-        from .errors import CorruptCheckpointError
+        from ..errors import CorruptCheckpointError
 
         if saved is _MISSING:
             walker.missing_values.append(path)
@@ -749,7 +648,7 @@ def _load_into(live: Any, saved: Any, prefix: str, walker: "_LoadWalker") -> Non
         else:
             walker.missing_values.append(prefix + " (not saved as a tensor)")
         return
-    adapter = _adapter_for(live)
+    adapter = adapter_for(live)
     if adapter is None:
         raise UnsupportedStateError(
             f"{prefix}: PerRank needs a dict, a tensor or an object with state_dict()/load_state_dict(), "
@@ -769,9 +668,3 @@ def _apply_state(live: Any, new: Any, path: str) -> None:
             live.copy_(new)
     else:
         live.load_state_dict(new)
-
-
-_ADAPTERS.extend([PerRankAdapter(), ModuleAdapter()])
-from ._optim import OptimizerAdapter  # noqa: E402  (needs the names above)
-
-_ADAPTERS.extend([OptimizerAdapter(), StatefulAdapter()])

@@ -1,8 +1,8 @@
-"""Format v1: the manifest and safetensors headers — build, serialize, parse, validate.
+"""The manifest (``manifest.json``): build, serialize, parse and validate.
 
-``docs/format.md`` is the spec; this module is its only implementation. Bytes
-read from storage are untrusted: everything parsed here is bounded and checked
-before the rest of the library sees it. No torch import at module level.
+``docs/format.md`` is the spec; this module is its implementation. Bytes read
+from storage are untrusted: everything parsed here is bounded and checked
+before the rest of the library sees it.
 """
 
 from __future__ import annotations
@@ -11,27 +11,22 @@ import json
 import math
 import posixpath
 import re
-import struct
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional
 
-from .errors import CorruptCheckpointError, UnsafeMetadataError, UnsupportedStateError
+from ..errors import CorruptCheckpointError, UnsafeMetadataError
+from .dtypes import DTYPES, itemsize
+from .naming import MANIFEST_NAME
 
 __all__ = [
     "FORMAT_NAME",
     "FORMAT_VERSION",
-    "MANIFEST_NAME",
-    "DTYPES",
+    "MAX_MANIFEST_BYTES",
+    "MAX_NDIM",
     "ChunkMeta",
     "TensorMeta",
     "FileMeta",
     "Manifest",
-    "dtype_name",
-    "torch_dtype",
-    "itemsize",
-    "chunk_key",
-    "safetensors_header",
-    "parse_safetensors_header",
     "manifest_to_bytes",
     "manifest_from_bytes",
     "check_relpath",
@@ -40,71 +35,18 @@ __all__ = [
 
 FORMAT_NAME = "shardckpt"
 FORMAT_VERSION = 1
-MANIFEST_NAME = "manifest.json"
-HF_INDEX_NAME = "model.safetensors.index.json"
 
 #: Upper bounds on metadata read from storage (a hostile file cannot make us
 #: allocate more than this before we have validated it).
 MAX_MANIFEST_BYTES = 1 << 30
-MAX_HEADER_BYTES = 100_000_000  # same cap as the safetensors reference reader
 MAX_NDIM = 64
-
-# safetensors dtype name -> (torch attribute, item size in bytes)
-DTYPES: Dict[str, Tuple[str, int]] = {
-    "BOOL": ("bool", 1),
-    "U8": ("uint8", 1),
-    "I8": ("int8", 1),
-    "I16": ("int16", 2),
-    "U16": ("uint16", 2),
-    "I32": ("int32", 4),
-    "U32": ("uint32", 4),
-    "I64": ("int64", 8),
-    "U64": ("uint64", 8),
-    "F16": ("float16", 2),
-    "BF16": ("bfloat16", 2),
-    "F32": ("float32", 4),
-    "F64": ("float64", 8),
-    "C64": ("complex64", 8),
-    "F8_E4M3": ("float8_e4m3fn", 1),
-    "F8_E5M2": ("float8_e5m2", 1),
-    "F8_E4M3FNUZ": ("float8_e4m3fnuz", 1),
-    "F8_E5M2FNUZ": ("float8_e5m2fnuz", 1),
-}
-_BY_TORCH = {attr: name for name, (attr, _) in DTYPES.items()}
+#: Tensor names a ``Manifest`` repr shows before "... (N more)".
+REPR_TENSORS = 5
 
 
-def dtype_name(dtype: Any, *, key: str = "?") -> str:
-    """safetensors name of a torch dtype (``torch.float32`` -> ``"F32"``)."""
-    attr = str(dtype).replace("torch.", "")
-    try:
-        return _BY_TORCH[attr]
-    except KeyError:
-        raise UnsupportedStateError(
-            f"{key}: dtype {dtype} has no safetensors encoding; supported: "
-            f"{', '.join(sorted(_BY_TORCH))}. Cast it (e.g. .to(torch.float32)) before saving."
-        ) from None
-
-
-def torch_dtype(name: str) -> Any:
-    """torch dtype of a safetensors dtype name."""
-    import torch
-
-    return getattr(torch, DTYPES[name][0])
-
-
-def itemsize(name: str) -> int:
-    return DTYPES[name][1]
-
-
-def chunk_key(name: str, offsets: Sequence[int], whole: bool) -> str:
-    """Key of a chunk inside its safetensors file.
-
-    A whole tensor is stored under its own name, so a checkpoint of whole
-    tensors reads like any Hugging Face safetensors file.
-    """
-    if whole:
-        return name
-    return f"{name}@{','.join(str(o) for o in offsets)}"
+def plural(n: int, word: str) -> str:
+    """``"1 file"``, ``"2 files"``."""
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
 
 
 @dataclass
@@ -165,7 +107,7 @@ class FileMeta:
         return {"size": self.size}
 
 
-@dataclass
+@dataclass(repr=False)
 class Manifest:
     """Everything ``manifest.json`` holds. Its presence is the commit."""
 
@@ -181,6 +123,23 @@ class Manifest:
     @property
     def total_bytes(self) -> int:
         return sum(t.nbytes for t in self.tensors.values())
+
+    @property
+    def source(self) -> str:
+        """``"shardckpt"``, or where a synthesized manifest came from (``"safetensors"``)."""
+        src = self.extra.get("source") if isinstance(self.extra, dict) else None
+        return src if isinstance(src, str) else FORMAT_NAME
+
+    def __repr__(self) -> str:
+        # A few lines whatever the size: the full metadata is in .tensors / .to_json().
+        names = sorted(self.tensors)
+        shown = ", ".join(names[:REPR_TENSORS]) + (f", ... ({len(names) - REPR_TENSORS} more)" if len(names) > REPR_TENSORS else "")
+        chunks = sum(len(t.chunks) for t in self.tensors.values())
+        saved = "safetensors files" if self.source != FORMAT_NAME else f"world_size={self.world_size}"
+        return (
+            f"Manifest({saved}, {plural(len(self.tensors), 'tensor')}, {plural(chunks, 'chunk')}, "
+            f"{plural(len(self.files), 'file')}, total_bytes={self.total_bytes}, tensors=[{shown}])"
+        )
 
     def to_json(self) -> Dict[str, Any]:
         return {
@@ -253,7 +212,7 @@ def _int_list(obj, key, where, *, n=None) -> List[int]:
 
 def tiling_problems(tensors: Dict[str, TensorMeta]) -> List[str]:
     """Why the chunks of each tensor fail to tile it exactly (sorted; empty when all do)."""
-    from ._plan import Box, check_cover
+    from .._plan import Box, check_cover
 
     bad = []
     for name, t in tensors.items():
@@ -342,73 +301,3 @@ def manifest_from_bytes(data: bytes, *, url: str = "") -> Manifest:
     )
 
 
-# --------------------------------------------------------------------------
-# safetensors headers
-
-
-def safetensors_header(
-    entries: Sequence[Tuple[str, str, Sequence[int], int]],
-    *,
-    chunks: Optional[Dict[str, Any]] = None,
-) -> Tuple[bytes, List[int]]:
-    """Build a safetensors header for ``(key, dtype, shape, nbytes)`` entries, in order.
-
-    Returns the header bytes (8-byte length prefix included, padded to 8) and
-    the absolute byte offset of each entry's data in the file. ``chunks``
-    (key -> {tensor, offsets, shape}) goes into ``__metadata__`` so the file
-    describes its own boxes.
-    """
-    header: Dict[str, Any] = {}
-    meta = {"format": "pt"}
-    if chunks is not None:
-        meta["shardckpt"] = json.dumps(chunks, sort_keys=True, separators=(",", ":"))
-        meta["shardckpt_format_version"] = str(FORMAT_VERSION)
-    header["__metadata__"] = meta
-    pos = 0
-    rel = []
-    for key, dt, shape, nbytes in entries:
-        header[key] = {"dtype": dt, "shape": list(shape), "data_offsets": [pos, pos + nbytes]}
-        rel.append(pos)
-        pos += nbytes
-    body = json.dumps(header, separators=(",", ":")).encode()
-    body += b" " * (-len(body) % 8)
-    prefix = struct.pack("<Q", len(body))
-    base = len(prefix) + len(body)
-    return prefix + body, [base + r for r in rel]
-
-
-def parse_safetensors_header(head: bytes, *, file_size: int, where: str) -> Tuple[Dict[str, Any], int]:
-    """Parse a safetensors header (``head`` starts at byte 0 and holds all of it).
-
-    Returns ``(entries, data_start)`` with ``entries[key] = {dtype, shape,
-    data_offsets}`` (``__metadata__`` included as is). Checks offsets lie in
-    the file and match dtype x shape.
-    """
-    if len(head) < 8:
-        raise CorruptCheckpointError(f"{where}: {len(head)} bytes is too short for a safetensors header")
-    (n,) = struct.unpack("<Q", head[:8])
-    if n > MAX_HEADER_BYTES or 8 + n > file_size:
-        raise UnsafeMetadataError(f"{where}: header length {n} exceeds the limit or the file size {file_size}")
-    if len(head) < 8 + n:
-        raise CorruptCheckpointError(f"{where}: header truncated ({len(head) - 8} of {n} bytes)")
-    try:
-        header = json.loads(head[8 : 8 + n].decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError) as e:  # RecursionError: absurdly deep nesting
-        raise CorruptCheckpointError(f"{where}: header is not valid JSON ({e})") from None
-    if not isinstance(header, dict):
-        raise CorruptCheckpointError(f"{where}: header is not a JSON object")
-    data_start = 8 + n
-    for key, e in header.items():
-        if key == "__metadata__":
-            continue
-        ew = f"{where}: entry {key!r}"
-        dt = _req(e, "dtype", str, ew)
-        if dt not in DTYPES:
-            raise CorruptCheckpointError(f"{ew}: unknown dtype {dt!r}")
-        shape = _int_list(e, "shape", ew)
-        offs = _int_list(e, "data_offsets", ew, n=2)
-        if offs[1] < offs[0] or data_start + offs[1] > file_size:
-            raise CorruptCheckpointError(f"{ew}: data_offsets {offs} outside the file ({file_size} bytes)")
-        if offs[1] - offs[0] != math.prod(shape) * itemsize(dt):
-            raise CorruptCheckpointError(f"{ew}: {offs[1] - offs[0]} bytes for shape {shape} of {dt}")
-    return header, data_start

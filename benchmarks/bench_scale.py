@@ -1,0 +1,323 @@
+"""Metadata and planning at scale: one rank's save plan, the commit, one rank's load plan.
+
+Simulates an R-rank save and load of T tensors in one process, with no
+process group and no tensor bytes, from the real planning code
+(``shardckpt._plan``) and the real format code (``shardckpt._format``:
+``Manifest``/``TensorMeta``/``ChunkMeta``/``FileMeta``, ``manifest_to_bytes``,
+``manifest_from_bytes``, ``tiling_problems``):
+
+* save_plan_s   one rank computes what it writes;
+* commit_s      rank 0 builds the manifest of all R ranks' chunks, serialises
+                and validates it (what ``execute_save`` does before the write);
+* manifest_mb   size of ``manifest.json``;
+* load_plan_s   one rank of a load at the same layout plans its reads;
+* load_meta_mb  metadata bytes that loading rank reads.
+
+``--planner v1`` is the planning of shardckpt 0.1 (every rank derives the
+boxes and holders of every tensor on every rank, ``layout_holders`` +
+``assign_writers``; a load parses the whole manifest and intersects its boxes
+with every saved chunk). ``--planner v2`` uses the per-rank functions
+(``writer_rotations`` + ``boxes_to_write``; ``chunks_overlapping``). The
+manifest itself is still format v1 in both modes (the format wave replaces
+it): in v2 mode the v1 manifest parse is reported on its own line and left
+out of load_plan_s, and the projected size of the compact v2 records
+(docs/scaling.md) is printed for reference.
+
+Usage::
+
+    python benchmarks/bench_scale.py --ranks 1024 --tensors 1000 --layout fsdp --planner v1
+
+The last line is always
+``ranks=R tensors=T layout=L save_plan_s=.. commit_s=.. manifest_mb=.. load_plan_s=.. load_meta_mb=..``.
+Limits: plain Python, one core; v1 at 4,096 ranks needs several GB of memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+import time
+from typing import Any, Dict, List, Sequence, Tuple
+
+from shardckpt import _plan
+from shardckpt._format import (
+    ChunkMeta,
+    FileMeta,
+    Manifest,
+    TensorMeta,
+    chunk_key,
+    manifest_from_bytes,
+    manifest_to_bytes,
+    tiling_problems,
+)
+from shardckpt._plan import Box, LocalBox, Replicate, Shard
+
+DEFAULT_TP = 8
+DEFAULT_RANK = 0
+ITEMSIZE = 2  # bf16
+DTYPE = "BF16"
+
+#: One Llama-3-8B-like decoder layer: (suffix, shape, tensor-parallel style).
+_LAYER = [
+    ("attention.wq.weight", (4096, 4096), "col"),
+    ("attention.wk.weight", (1024, 4096), "col"),
+    ("attention.wv.weight", (1024, 4096), "col"),
+    ("attention.wo.weight", (4096, 4096), "row"),
+    ("feed_forward.w1.weight", (14336, 4096), "col"),
+    ("feed_forward.w3.weight", (14336, 4096), "col"),
+    ("feed_forward.w2.weight", (4096, 14336), "row"),
+    ("attention_norm.weight", (4096,), "none"),
+    ("ffn_norm.weight", (4096,), "none"),
+]
+_EDGES = [
+    ("tok_embeddings.weight", (128256, 4096), "col"),
+    ("norm.weight", (4096,), "none"),
+    ("output.weight", (128256, 4096), "col"),
+]
+
+
+def model_tensors(count: int) -> List[Tuple[str, Tuple[int, ...], str]]:
+    """``count`` tensors of a Llama-like model: embeddings, then as many layers as fit."""
+    out = list(_EDGES[:count])
+    layer = 0
+    while len(out) < count:
+        for suffix, shape, style in _LAYER:
+            if len(out) == count:
+                break
+            out.append((f"layers.{layer}.{suffix}", shape, style))
+        layer += 1
+    return out
+
+
+class _Layout:
+    """Stand-in for ``_plan.RegularLayout`` when timing shardckpt 0.1 (``--planner v1`` on an old tree)."""
+
+    def __init__(self, shape, mesh_shape, placements):
+        self.shape, self.mesh_shape, self.placements = tuple(shape), tuple(mesh_shape), tuple(placements)
+        self.world = 1
+        for m in self.mesh_shape:
+            self.world *= m
+
+
+def layouts(tensors, ranks: int, layout: str, tp: int) -> Dict[str, Any]:
+    """Each tensor's regular layout, as FSDP2 (and TP) would place it."""
+    make = getattr(_plan, "regular_layout", _Layout)
+    out = {}
+    for name, shape, style in tensors:
+        if layout == "fsdp":
+            out[name] = make(shape, (ranks,), (Shard(0),))
+            continue
+        mesh = (ranks // tp, tp)
+        if style == "col":  # ColwiseParallel + FSDP: strided shard on dp
+            pl = (Shard(0, tp), Shard(0))
+        elif style == "row":  # RowwiseParallel + FSDP
+            pl = (Shard(0), Shard(1))
+        else:  # TP leaves it alone: FSDP on the dp sub-mesh, copied over tp
+            pl = (Shard(0), Replicate())
+        out[name] = make(shape, mesh, pl)
+    return out
+
+
+def coord_of(mesh_shape: Sequence[int], rank: int) -> Tuple[int, ...]:
+    coord = []
+    for m in reversed(mesh_shape):
+        rank, c = divmod(rank, m)
+        coord.append(c)
+    return tuple(reversed(coord))
+
+
+# --------------------------------------------------------------------------
+# v1: what shardckpt 0.1 computes
+
+
+def _v1_holders(lay) -> Dict[Box, Tuple[int, ...]]:
+    """``_layout._dtensor_geometry``: holders over every copy of the sub-mesh, per tensor."""
+    if lay.placements[-1] == Replicate() and len(lay.mesh_shape) == 2:
+        # FSDP on the dp sub-mesh, one copy per tp rank (``_mesh_copies``).
+        dp, tp = lay.mesh_shape
+        holders: Dict[Box, Tuple[int, ...]] = {}
+        for t in range(tp):
+            ranks = [d * tp + t for d in range(dp)]
+            for box, rs in _plan.layout_holders(lay.shape, ranks, (dp,), lay.placements[:1]).items():
+                holders[box] = tuple(sorted(set(holders.get(box, ())) | set(rs)))
+        return holders
+    return _plan.layout_holders(lay.shape, list(range(lay.world)), lay.mesh_shape, lay.placements)
+
+
+def v1_save_plan(lays: Dict[str, Any], rank: int):
+    """``prepare_save`` + ``_write_plan`` of one rank: every box of every rank, then greedy writers."""
+    holders = {name: _v1_holders(lay) for name, lay in lays.items()}
+    items = []
+    for name in sorted(lays):
+        for box in sorted(holders[name], key=lambda b: b.offsets):
+            items.append(((name, box), box.numel * ITEMSIZE, holders[name][box]))
+    writers = _plan.assign_writers(items)
+    mine = []
+    for name in sorted(lays):
+        lay = lays[name]
+        for lb in _plan.local_boxes(lay.shape, lay.mesh_shape, lay.placements, coord_of(lay.mesh_shape, rank)):
+            if writers.get((name, lb.box)) == rank:
+                mine.append((name, lb.box))
+    return mine, writers
+
+
+def v1_all_writes(writers: Dict[Tuple[str, Box], int]) -> Dict[int, List[Tuple[str, Box]]]:
+    per_rank: Dict[int, List[Tuple[str, Box]]] = {}
+    for (name, box), r in writers.items():
+        per_rank.setdefault(r, []).append((name, box))
+    return per_rank
+
+
+# --------------------------------------------------------------------------
+# v2: per-rank planning
+
+
+def v2_save_plan(lays: Dict[str, Any], rank: int):
+    rot = _plan.writer_rotations([(name, lay, ITEMSIZE) for name, lay in lays.items()])
+    mine = []
+    for name in sorted(lays):
+        lay = lays[name]
+        for lb in _plan.boxes_to_write(lay, rot[name], coord_of(lay.mesh_shape, rank)):
+            mine.append((name, lb.box))
+    return mine, rot
+
+
+def v2_all_writes(lays, rot) -> Dict[int, List[Tuple[str, Box]]]:
+    """Who writes what, for the v1 manifest rank 0 still commits (one record per chunk)."""
+    per_rank: Dict[int, List[Tuple[str, Box]]] = {}
+    for name, lay in lays.items():
+        for s, boxes in _plan.layout_chunks(lay):
+            if not boxes:
+                continue
+            r = 0
+            for m, c in zip(lay.mesh_shape, _plan.writer_coord(lay, rot[name], s)):
+                r = r * m + c
+            per_rank.setdefault(r, []).extend((name, b) for b in boxes)
+    return per_rank
+
+
+# --------------------------------------------------------------------------
+# commit and load
+
+
+def build_manifest(lays, per_rank: Dict[int, List[Tuple[str, Box]]], ranks: int) -> Manifest:
+    """``_build_manifest``: one file per rank, its chunks back to back."""
+    tensors = {name: TensorMeta(dtype=DTYPE, shape=list(lay.shape), layout={"placements": [repr(p) for p in lay.placements]}) for name, lay in lays.items()}
+    files = {}
+    for r in sorted(per_rank):
+        rel = f"data/0123456789ab-r{r:05d}-00.safetensors"
+        pos = 8
+        for name, box in per_rank[r]:
+            nbytes = box.numel * ITEMSIZE
+            whole = box.sizes == lays[name].shape
+            tensors[name].chunks.append(
+                ChunkMeta(file=rel, key=chunk_key(name, box.offsets, whole), offsets=list(box.offsets), sizes=list(box.sizes),
+                          byte_offset=pos, nbytes=nbytes, crc32c=(pos * 2654435761) & 0xFFFFFFFF)
+            )
+            pos += nbytes
+        files[rel] = FileMeta(pos)
+    bad = tiling_problems(tensors)
+    assert not bad, bad[:3]
+    return Manifest(world_size=ranks, tensors=tensors, files=files, values={"step": 1000}, save_id="0123456789abcdef")
+
+
+def v1_load_plan(body: bytes, lays, rank: int) -> int:
+    """``_plan_load``: parse the whole manifest, intersect own boxes with every saved chunk."""
+    m = manifest_from_bytes(body)
+    pieces = 0
+    for name in sorted(lays):
+        lay = lays[name]
+        saved = [Box(tuple(c.offsets), tuple(c.sizes)) for c in m.tensors[name].chunks]
+        for lb in _plan.local_boxes(lay.shape, lay.mesh_shape, lay.placements, coord_of(lay.mesh_shape, rank)):
+            pieces += len(_plan.plan_reads(saved, [LocalBox(lb.box, (0,) * len(lay.shape))]))
+    return pieces
+
+
+def v2_load_plan(records: Dict[str, Any], lays, rank: int) -> int:
+    """Plan from the compact layout records: only the chunks each own box overlaps."""
+    pieces = 0
+    for name in sorted(lays):
+        live = lays[name]
+        saved = records[name]
+        for lb in _plan.local_boxes(live.shape, live.mesh_shape, live.placements, coord_of(live.mesh_shape, rank)):
+            hits = _plan.chunks_overlapping(saved, lb.box)
+            pieces += len(_plan.plan_reads([b for _, b in hits], [LocalBox(lb.box, (0,) * len(live.shape))]))
+    return pieces
+
+
+def compact_records(lays, rot, ranks: int) -> bytes:
+    """Projected v2 metadata a loading rank reads (docs/scaling.md): per tensor one layout record."""
+    body = {
+        "format_version": 2,
+        "world_size": ranks,
+        "tensors": {
+            name: {"dtype": DTYPE, "layout": _plan.layout_to_json(lay), "rotation": rot[name]} for name, lay in sorted(lays.items())
+        },
+        # one data file per rank, named by rank: a pattern, not a list
+        "files": {"pattern": "data/{save_id}-r{rank:05d}-{i:02d}.safetensors", "per_rank": 1},
+    }
+    return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+
+
+def _timed(fn):
+    gc.collect()
+    t0 = time.perf_counter()
+    out = fn()
+    return out, time.perf_counter() - t0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--ranks", type=int, required=True)
+    ap.add_argument("--tensors", type=int, required=True)
+    ap.add_argument("--layout", choices=["fsdp", "fsdp-tp"], required=True)
+    ap.add_argument("--planner", choices=["v1", "v2"], default="v2")
+    ap.add_argument("--tp", type=int, default=DEFAULT_TP, help="tensor-parallel degree of --layout fsdp-tp")
+    ap.add_argument("--rank", type=int, default=DEFAULT_RANK, help="the rank whose save and load plans are timed")
+    args = ap.parse_args(argv)
+    if args.layout == "fsdp-tp" and args.ranks % args.tp:
+        ap.error(f"--ranks {args.ranks} is not a multiple of --tp {args.tp}")
+    if not 0 <= args.rank < args.ranks:
+        ap.error(f"--rank must lie in [0, {args.ranks})")
+
+    lays = layouts(model_tensors(args.tensors), args.ranks, args.layout, args.tp)
+    if args.planner == "v1":
+        (mine, writers), save_s = _timed(lambda: v1_save_plan(lays, args.rank))
+        per_rank = v1_all_writes(writers)
+    else:
+        (mine, rot), save_s = _timed(lambda: v2_save_plan(lays, args.rank))
+        per_rank = v2_all_writes(lays, rot)
+    print(f"rank {args.rank} writes {len(mine)} chunks ({sum(b.numel for _, b in mine) * ITEMSIZE / 1e6:.1f} MB)")
+
+    def commit():
+        m = build_manifest(lays, per_rank, args.ranks)
+        body = manifest_to_bytes(m)
+        manifest_from_bytes(body)  # the validation any reader repeats
+        return m, body
+
+    (manifest, body), commit_s = _timed(commit)
+    nchunks = sum(len(t.chunks) for t in manifest.tensors.values())
+    print(f"manifest (format v1): {nchunks} chunks, {len(body) / 1e6:.1f} MB")
+    del manifest
+    if args.planner == "v1":
+        _, load_s = _timed(lambda: v1_load_plan(body, lays, args.rank))
+        meta_mb = len(body) / 1e6
+    else:
+        _, parse_s = _timed(lambda: manifest_from_bytes(body))
+        print(f"v1 manifest parse+validate, still done by every loading rank until format v2: {parse_s:.3f} s")
+        compact = compact_records(lays, rot, args.ranks)
+        records = {name: _plan.layout_from_json(rec["layout"]) for name, rec in json.loads(compact)["tensors"].items()}
+        print(f"projected v2 metadata (layout records, docs/scaling.md): {len(compact) / 1e6:.3f} MB")
+        _, load_s = _timed(lambda: v2_load_plan(records, lays, args.rank))
+        meta_mb = len(body) / 1e6
+    print(
+        f"ranks={args.ranks} tensors={args.tensors} layout={args.layout} save_plan_s={save_s:.3f} "
+        f"commit_s={commit_s:.3f} manifest_mb={len(body) / 1e6:.1f} load_plan_s={load_s:.3f} load_meta_mb={meta_mb:.1f}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

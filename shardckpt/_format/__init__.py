@@ -1,0 +1,52 @@
+"""The on-disk format, v1 (``docs/format.md`` is the spec): the one place that knows the bytes.
+
+- :mod:`.naming`: file names (``manifest.json``, the HF index, ``data/``, data files, chunk keys);
+- :mod:`.dtypes`: safetensors dtype names and item sizes;
+- :mod:`.manifest`: the manifest, built, serialized, parsed and validated;
+- :mod:`.header`: safetensors headers, built and parsed (bounded, checked);
+- :mod:`.values`: the JSON codec of non-tensor values (tags, tensor references);
+- :mod:`.checksum`: CRC-32C (and CRC-32) with ``combine`` for blocks checksummed apart;
+- :mod:`.hf`: a Manifest from a Hugging Face safetensors directory or file;
+- :mod:`.committed`: :func:`commit` (the one commit sequence) and :func:`open_manifest`.
+
+Imports no torch (``tests/unit/test_imports.py`` pins it): ``shardckpt
+verify`` and ``shardckpt inspect`` run where torch is not installed.
+"""
+
+from __future__ import annotations
+
+from .checksum import ALGOS, checksum, combine, crc32c, crc32c_combine
+from .committed import TORCH_SAVE_SUFFIXES, commit, hf_index_bytes, open_manifest
+from .dtypes import DTYPES, dtype_name, itemsize, torch_dtype
+from .header import MAX_HEADER_BYTES, parse_safetensors_header, read_safetensors_header, safetensors_header
+from .hf import MAX_INDEX_BYTES, SOURCE_SAFETENSORS, hf_manifest
+from .manifest import (
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    MAX_MANIFEST_BYTES,
+    MAX_NDIM,
+    ChunkMeta,
+    FileMeta,
+    Manifest,
+    TensorMeta,
+    check_relpath,
+    manifest_from_bytes,
+    manifest_to_bytes,
+    plural,
+    tiling_problems,
+)
+from .naming import DATA_DIR, DATA_SUFFIX, HF_INDEX_NAME, MANIFEST_NAME, chunk_key, data_file_name, save_id_prefix
+from .values import TAG, decode_value, encode_value, is_tensor_ref, plain_values, rename_refs, tensor_ref
+
+__all__ = [
+    "ALGOS", "checksum", "combine", "crc32c", "crc32c_combine",
+    "TORCH_SAVE_SUFFIXES", "commit", "hf_index_bytes", "open_manifest",
+    "DTYPES", "dtype_name", "itemsize", "torch_dtype",
+    "MAX_HEADER_BYTES", "parse_safetensors_header", "read_safetensors_header", "safetensors_header",
+    "MAX_INDEX_BYTES", "SOURCE_SAFETENSORS", "hf_manifest",
+    "FORMAT_NAME", "FORMAT_VERSION", "MAX_MANIFEST_BYTES", "MAX_NDIM",
+    "ChunkMeta", "FileMeta", "Manifest", "TensorMeta",
+    "check_relpath", "manifest_from_bytes", "manifest_to_bytes", "plural", "tiling_problems",
+    "DATA_DIR", "DATA_SUFFIX", "HF_INDEX_NAME", "MANIFEST_NAME", "chunk_key", "data_file_name", "save_id_prefix",
+    "TAG", "decode_value", "encode_value", "is_tensor_ref", "plain_values", "rename_refs", "tensor_ref",
+]

@@ -1,0 +1,270 @@
+"""The commit sequence and its mirror, opening a committed checkpoint.
+
+:func:`commit` is the only code that makes a checkpoint exist: every writer
+(``save``, ``async_save``, the converters) ends in it. :func:`open_manifest`
+is the only code that reads one back (``load``, ``inspect``, ``verify``, the
+CLI, the converters), and when there is nothing committed it says what *is*
+there and which function to use instead.
+
+Both take any object with the storage methods used here (``read_bytes``,
+``read_range``, ``write_atomic``, ``exists``, ``size``, ``listdir``,
+``remove``, ``url``, ``url_of``); neither imports torch.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import posixpath
+from typing import Any, Dict, List, Optional, Tuple
+
+from ..errors import CheckpointNotFoundError, format_offenders
+from . import manifest as _manifest
+from .hf import MAX_INDEX_BYTES, hf_manifest
+from .manifest import Manifest, check_relpath, manifest_from_bytes, manifest_to_bytes
+from .naming import DATA_DIR, DATA_SUFFIX, HF_INDEX_NAME, MANIFEST_NAME, save_id_prefix
+
+__all__ = ["commit", "open_manifest", "hf_index_bytes", "TORCH_SAVE_SUFFIXES", "NOT_FOUND_LISTED"]
+
+#: File suffixes ``torch.save`` output usually carries.
+TORCH_SAVE_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
+#: Names a not-found message lists before "... (N more)".
+NOT_FOUND_LISTED = 5
+#: Bytes read from the start of a file to tell what it is (zip / pickle magic).
+_MAGIC_BYTES = 8
+
+
+def hf_index_bytes(m: Manifest) -> Optional[bytes]:
+    """``model.safetensors.index.json`` for ``m`` when every tensor is whole (HF layout), else ``None``."""
+    if not m.tensors or any(len(t.chunks) != 1 or t.chunks[0].key != name for name, t in m.tensors.items()):
+        return None
+    index = {
+        # save_id marks the index as part of a native save: without the
+        # manifest (written right after) readers must not take it as HF.
+        "metadata": {"total_size": m.total_bytes, "format": "pt", "shardckpt_save_id": m.save_id},
+        "weight_map": {name: t.chunks[0].file for name, t in sorted(m.tensors.items())},
+    }
+    return (json.dumps(index, indent=2, sort_keys=True) + "\n").encode()
+
+
+def commit(storage: Any, manifest: Manifest, *, replace: bool = False) -> None:
+    """Commit ``manifest`` at ``storage``: the HF index (when whole), then ``manifest.json`` last, atomically.
+
+    Every data file the manifest names must already be written and durable.
+    If the manifest write fails, the HF index is put back as it was, so a
+    previous checkpoint at ``storage`` stays intact and loadable. After a
+    successful commit with ``replace``, data files of the replaced checkpoint
+    (other save ids) are removed, and an HF index naming removed files too.
+
+    Args:
+        storage: where the checkpoint lives.
+        manifest: the complete manifest (``save_id`` set; chunks tile their tensors).
+        replace: a committed checkpoint may be there and is being replaced.
+
+    Raises:
+        OSError / StorageError: a named data file is missing or of the wrong
+            size (``Storage.check_objects``), or the manifest could not be
+            written (nothing committed).
+
+    Example:
+        >>> commit(storage, manifest, replace=True)     # doctest: +SKIP
+    """
+    body = manifest_to_bytes(manifest)
+    index = hf_index_bytes(manifest)
+    # Data files removed since they were written (cleanup() on the same root,
+    # a lifecycle rule, an emptied bucket) must not be named by a commit.
+    storage.check_objects({rel: fm.size for rel, fm in manifest.files.items()})
+    # Before the commit the index is just another file, but it must keep
+    # naming the old checkpoint's files if the commit fails: keep it.
+    prev = _read_optional(storage, HF_INDEX_NAME) if index is not None else None
+    if index is not None:
+        storage.write_atomic(HF_INDEX_NAME, index)
+    try:
+        storage.write_atomic(MANIFEST_NAME, body)
+    except BaseException:
+        if index is not None:
+            _restore(storage, HF_INDEX_NAME, prev)
+        raise
+    if replace:
+        _remove_stale(storage, manifest.save_id)
+
+
+def _read_optional(storage: Any, rel: str) -> Optional[bytes]:
+    try:
+        return storage.read_bytes(rel, limit=MAX_INDEX_BYTES)
+    except FileNotFoundError:
+        return None
+
+
+def _restore(storage: Any, rel: str, data: Optional[bytes]) -> None:
+    """Put ``rel`` back as it was (``None``: it did not exist); best effort, the caller is raising."""
+    try:
+        if data is None:
+            storage.remove(rel)
+        else:
+            storage.write_atomic(rel, data)
+    except Exception:
+        pass
+
+
+def _remove_stale(storage: Any, save_id: str) -> None:
+    """After a replacing commit, drop data files of the replaced checkpoint; best effort."""
+    prefix = save_id_prefix(save_id)
+    for name in storage.listdir(DATA_DIR):
+        if name.endswith(DATA_SUFFIX) and not name.startswith(prefix):
+            try:
+                storage.remove(f"{DATA_DIR}/{name}")
+            except Exception:
+                pass
+    # A sharded save over a whole one leaves the old HF index naming files
+    # just removed: drop it rather than leave a broken HF directory.
+    try:
+        index = json.loads(storage.read_bytes(HF_INDEX_NAME, limit=MAX_INDEX_BYTES))
+        named = set(index.get("weight_map", {}).values()) if isinstance(index, dict) else set()
+        for rel in named:
+            check_relpath(rel, where=HF_INDEX_NAME)
+        dangling = any(not storage.exists(rel) for rel in named)
+    except FileNotFoundError:
+        return
+    except Exception:
+        dangling = True
+    if dangling:
+        try:
+            storage.remove(HF_INDEX_NAME)
+        except Exception:
+            pass
+
+
+# --------------------------------------------------------------------------
+# open
+
+
+def open_manifest(target: Any, *, storage_options: Optional[Dict[str, Any]] = None) -> Manifest:
+    """Read and validate the committed checkpoint at ``target`` (a URL or a storage object).
+
+    Without ``manifest.json``, safetensors files there (a Hugging Face
+    directory, with or without its index, or one ``.safetensors`` file) read
+    as a checkpoint of whole tensors without checksums.
+
+    Raises:
+        CheckpointNotFoundError: nothing committed there. The message says
+            what is there instead: nothing (a typo? close names are listed),
+            the ``step-*`` directories of a run root (use CheckpointManager or
+            a step directory), a DCP directory (``converters.from_dcp``), a
+            ``torch.save`` file (``converters.from_torch_save``), another
+            file, an unfinished save, or the names a directory holds.
+        CorruptCheckpointError / UnsafeMetadataError: the manifest (or an
+            HF index / header) is damaged or unsafe.
+
+    Example:
+        >>> open_manifest("run/step-00000100").world_size     # doctest: +SKIP
+        8
+    """
+    storage = _as_storage(target, storage_options)
+    try:
+        data = storage.read_bytes(MANIFEST_NAME, limit=_manifest.MAX_MANIFEST_BYTES)
+    except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+        pass
+    else:
+        return manifest_from_bytes(data, url=storage.url)
+    kind, names, magic = _probe(storage)
+    if kind == "file" and not storage.url.endswith(DATA_SUFFIX):
+        raise CheckpointNotFoundError(_not_found(storage, _file_advice(storage.url, magic)))
+    if kind != "missing":
+        hf = hf_manifest(storage)
+        if hf is not None:
+            return hf
+    raise CheckpointNotFoundError(_not_found(storage, _advice(storage, kind, names)))
+
+
+def _as_storage(target: Any, storage_options: Optional[Dict[str, Any]]) -> Any:
+    if isinstance(target, str):
+        from .._storage import Storage
+
+        return Storage(target, storage_options=storage_options)
+    return target
+
+
+def _probe(storage: Any) -> Tuple[str, List[str], bytes]:
+    """``("missing" | "file" | "dir", names under it, first bytes of a file)``."""
+    try:
+        magic = storage.read_range("", 0, _MAGIC_BYTES)
+    except OSError:
+        # A directory; or an object store prefix (not an object); or nothing.
+        magic = None
+    if magic is not None:
+        return "file", [], bytes(magic)
+    try:
+        names = storage.listdir("")
+    except (NotADirectoryError, FileNotFoundError):
+        names = []
+    if not names:
+        try:
+            if not storage.exists(""):
+                return "missing", [], b""
+        except OSError:
+            pass
+    return "dir", names, b""
+
+
+def _not_found(storage: Any, why: str) -> str:
+    return f"no committed checkpoint at {storage.url}: {why}"
+
+
+def _file_advice(url: str, magic: bytes) -> str:
+    lower = url.lower()
+    # torch.save writes a zip archive (since torch 1.6) or, legacy, a pickle (protocol 2+ starts 0x80).
+    if magic.startswith(b"PK\x03\x04") or magic[:1] == b"\x80" or lower.endswith(TORCH_SAVE_SUFFIXES):
+        return (
+            "it is a torch.save file, not a checkpoint directory; "
+            "convert it with shardckpt.converters.from_torch_save(src, dst) "
+            "(or `shardckpt import SRC DST`), then load DST"
+        )
+    return (
+        "it is a file, not a checkpoint directory; pass the directory that holds manifest.json "
+        "(or a .safetensors file)"
+    )
+
+
+def _advice(storage: Any, kind: str, names: List[str]) -> str:
+    if kind == "missing":
+        return f"{storage.url} does not exist (so {MANIFEST_NAME} is missing); check the path for a typo{_nearby(storage)}"
+    visible = [n for n in names if not n.startswith(".") or n == ".metadata"]
+    if ".metadata" in names:
+        return (
+            "this is a torch.distributed.checkpoint (DCP) directory (it has .metadata); convert it with "
+            "shardckpt.converters.from_dcp(src, dst) (or `shardckpt import SRC DST`), then load DST"
+        )
+    steps = sorted(n for n in names if n.startswith("step-"))
+    if steps:
+        return (
+            f"this looks like a run root of shardckpt.CheckpointManager, with {len(steps)} step "
+            f"director{'y' if len(steps) == 1 else 'ies'}: {format_offenders(steps, limit=NOT_FOUND_LISTED)}; "
+            f"use CheckpointManager(root).restore(state) for the latest, or pass one step directory "
+            f"(e.g. {storage.url_of(steps[-1])})"
+        )
+    if DATA_DIR in names:
+        return (
+            f"{MANIFEST_NAME} is missing (the save never finished, or was interrupted before its commit; "
+            "its data files are not a checkpoint)"
+        )
+    if not visible:
+        return f"the directory is empty ({MANIFEST_NAME} is missing)"
+    return (
+        f"{MANIFEST_NAME} is missing; the directory holds {format_offenders(visible, limit=NOT_FOUND_LISTED)}, "
+        "which is not a shardckpt checkpoint, a safetensors directory, a DCP directory or a run root"
+    )
+
+
+def _nearby(storage: Any) -> str:
+    """``"; nearby: a, b"``: names next to a missing path that look like it (typos)."""
+    url = storage.url.rstrip("/")
+    parent_url, _, base = url.rpartition("/")
+    if not base or not parent_url:
+        return ""
+    try:
+        names = _as_storage(parent_url, getattr(storage, "storage_options", None) or None).listdir("")
+    except Exception:
+        return ""
+    close = difflib.get_close_matches(base, names, n=NOT_FOUND_LISTED, cutoff=0.6)
+    return f"; nearby: {', '.join(posixpath.join(parent_url, n) for n in close)}" if close else ""

@@ -1,0 +1,47 @@
+"""App state <-> a flat map of named tensors plus a JSON tree.
+
+``walk``      flatten_for_save / flatten_for_load: the walk over the user's state,
+              and the built-in adapters for modules, Stateful objects, PerRank;
+``adapters``  the one ordered adapter list and ``register_adapter`` (public);
+``optim``     the optimizer adapter (by parameter FQN, any world size);
+``values``    the values codec (``TAG``, ``tensor_ref``, ``encode_value``,
+              ``decode_value``): what the manifest's ``values`` tree means.
+
+Import order is one way: ``values`` <- ``adapters`` <- ``walk`` <- ``optim``;
+the built-in adapters are instantiated on first use, so no module needs
+another at import time that needs it back.
+"""
+
+from __future__ import annotations
+
+from .adapters import Adapter, adapter_for, adapters, register_adapter
+from .values import TAG, decode_value, encode_value, tensor_ref
+from .walk import (
+    PER_RANK_MARK,
+    SEP,
+    FlatLoad,
+    FlatSave,
+    PerRank,
+    Raw,
+    flatten_for_load,
+    flatten_for_save,
+)
+
+__all__ = [
+    "TAG",
+    "SEP",
+    "FlatSave",
+    "FlatLoad",
+    "Adapter",
+    "register_adapter",
+    "adapters",
+    "adapter_for",
+    "flatten_for_save",
+    "flatten_for_load",
+    "encode_value",
+    "decode_value",
+    "tensor_ref",
+    "Raw",
+    "PerRank",
+    "PER_RANK_MARK",
+]

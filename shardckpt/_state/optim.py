@@ -1,0 +1,269 @@
+"""Optimizers in the state: per-parameter state by FQN, sharded like the parameters.
+
+An optimizer keeps its state by parameter object and its groups by position;
+neither survives a restart, a rewrap or a new world size. It is saved as
+
+    {"state": {fqn: {"step": t, "exp_avg": t, ...}}, "param_groups": [{..., "params": [fqn, ...]}]}
+
+(torch's FQN-keyed optimizer state dict), so names in the manifest read
+``optim.state.layers.0.attn.wq.weight.exp_avg``. States shaped like their
+parameter are DTensors / ShardedTensors exactly where the parameters are, and
+are resharded on load like any tensor.
+
+Pairing: the FQNs come from the ``nn.Module`` in the same ``state`` whose
+parameters the optimizer holds (searched through nested dicts and lists). If
+several do (a model and one of its submodules), the outermost one is used;
+modules that are not nested in one another are ambiguous and raise.
+
+Where torch's ``torch.distributed.checkpoint.state_dict`` serves, it is used:
+``get_optimizer_state_dict`` names a stepped optimizer's state for every
+runtime, ``set_optimizer_state_dict`` loads FSDP1 (it alone can turn
+``ShardedTensor`` states back into ``FlatParameter`` shards). It is not used
+
+* to save an optimizer that has not stepped: it would first run a zero-lr
+  step to create state (``step`` becomes 1, moments 0), which changes the
+  rest of the run (Adam's bias correction) — the empty state is saved as is;
+* to load non-FSDP1 optimizers: torch's path also runs that step when the
+  live optimizer is empty, and then calls ``Optimizer.load_state_dict``; here
+  the FQN -> position mapping is done directly, with the same result.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+import torch.nn as nn
+
+from .adapters import Adapter
+from .values import TAG, _is_ref
+from .walk import SEP, _MISSING, _fill_from_saved, _is_tensor, _join
+from ..errors import CorruptCheckpointError, StateMismatchError, UnsupportedStateError
+
+__all__ = ["OptimizerAdapter", "find_module"]
+
+STATE = "state"
+GROUPS = "param_groups"
+PARAMS = "params"
+
+
+def _optimizer_params(optim: torch.optim.Optimizer) -> List[Any]:
+    return [p for g in optim.param_groups for p in g[PARAMS]]
+
+
+def find_module(root: Any, optim: torch.optim.Optimizer, path: str) -> nn.Module:
+    """The module in ``root`` (the user's state) whose parameters ``optim`` holds.
+
+    Raises:
+        UnsupportedStateError: no module holds all of them, or several
+            unrelated ones do.
+    """
+    want = {id(p) for p in _optimizer_params(optim)}
+    found: List[Tuple[str, nn.Module]] = []
+
+    def visit(v: Any, where: str, depth: int) -> None:
+        if depth > 32:
+            return
+        if isinstance(v, nn.Module):
+            if want <= {id(p) for p in v.parameters()} and not any(m is v for _, m in found):
+                found.append((where, v))
+        elif isinstance(v, dict):
+            for k, x in v.items():
+                visit(x, _join(where, k), depth + 1)
+        elif isinstance(v, (list, tuple)):
+            for i, x in enumerate(v):
+                visit(x, _join(where, i), depth + 1)
+
+    visit(root, "", 0)
+    if not found:
+        raise UnsupportedStateError(
+            f"{path}: an optimizer is saved by parameter name, so its model must be in the same state; "
+            f"no nn.Module there holds all of its parameters. Put the model next to it, e.g. "
+            f"{{'model': model, {path.split(SEP)[-1]!r}: optimizer}}"
+        )
+    outer = [(w, m) for w, m in found if all(any(x is o for x in m.modules()) for _, o in found)]
+    if len(outer) != 1:
+        raise UnsupportedStateError(
+            f"{path}: the optimizer's parameters belong to several unrelated modules in the state "
+            f"({', '.join(w for w, _ in found)}); keep only the one it optimizes"
+        )
+    return outer[0][1]
+
+
+def _fqn_groups(model: nn.Module, optim: torch.optim.Optimizer, path: str) -> List[List[str]]:
+    """FQNs of each param group's parameters, in order."""
+    from .._runtimes import param_fqns
+
+    fqns = param_fqns(model)
+    groups, stray = [], 0
+    for g in optim.param_groups:
+        names: List[str] = []
+        for p in g[PARAMS]:
+            if id(p) not in fqns:
+                stray += 1
+                continue
+            names.extend(fqns[id(p)])
+        groups.append(names)
+    if stray:
+        raise UnsupportedStateError(f"{path}: {stray} optimizer parameter(s) are not parameters of its model")
+    return groups
+
+
+def _empty_state_dict(model: nn.Module, optim: torch.optim.Optimizer, path: str) -> Dict[str, Any]:
+    groups = []
+    for g, names in zip(optim.param_groups, _fqn_groups(model, optim, path)):
+        d = {k: v for k, v in g.items() if k != PARAMS}
+        d[PARAMS] = names
+        groups.append(d)
+    return {STATE: {}, GROUPS: groups}
+
+
+class OptimizerAdapter(Adapter):
+    """``torch.optim.Optimizer``: state by FQN, sharded like the parameters (see module doc)."""
+
+    def matches(self, obj):
+        return isinstance(obj, torch.optim.Optimizer)
+
+    def save(self, optim, path, walker):
+        model = find_module(walker.root, optim, path)
+        if not optim.state:
+            return _empty_state_dict(model, optim, path)
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        return get_optimizer_state_dict(model, optim)
+
+    def load(self, optim, path, saved, walker):
+        from .._runtimes import is_fsdp1, param_fqns
+        from .._format import torch_dtype
+
+        if saved is _MISSING:
+            walker.missing_values.append(path)
+            return
+        if not (isinstance(saved, dict) and isinstance(saved.get(STATE), dict) and isinstance(saved.get(GROUPS), list)):
+            raise StateMismatchError(f"{path}: the checkpoint holds no optimizer state here")
+        model = find_module(walker.root, optim, path)
+        fsdp1 = is_fsdp1(model)
+        live_groups = _fqn_groups(model, optim, path)
+        live_fqns = [f for g in live_groups for f in g]
+        saved_groups = saved[GROUPS]
+        group_of: Dict[str, int] = {}
+        for i, g in enumerate(saved_groups):
+            names = g.get(PARAMS) if isinstance(g, dict) else None
+            if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+                raise CorruptCheckpointError(f"{path}.param_groups.{i}: 'params' must be a list of parameter names")
+            for n in names:
+                group_of[n] = i
+        saved_state = saved[STATE]
+        live_set = set(live_fqns)
+        missing = sorted(f for f in live_fqns if f not in group_of)
+        unexpected = sorted(f for f in group_of if f not in live_set)
+        walker.missing_values.extend(f"{path}.state.{f}" for f in missing)
+        for f in unexpected:
+            walker.unexpected(f"{path}.state.{f}")
+            walker.flat.skip.append(f"{path}.state.{f}")
+        # A live param group must map to one saved group: its hyperparameters
+        # come from there.
+        mixed = []
+        for i, names in enumerate(live_groups):
+            src = sorted({group_of[f] for f in names if f in group_of})
+            if len(src) > 1:
+                mixed.append(f"live group {i} <- saved groups {src}")
+        if mixed and walker.strict:
+            raise StateMismatchError(
+                f"{path}: parameter groups were reorganized since the save ({'; '.join(mixed)}); "
+                "pass strict=False to take each live group's hyperparameters from the first saved group it draws from"
+            )
+
+        # Live tensors to fill. A stepped optimizer already has them (torch
+        # names them); an empty one gets tensors shaped like their parameter
+        # (same DTensor sharding) or, for other shapes (scalar ``step``), full
+        # tensors built from the checkpoint.
+        live_state: Dict[str, Any] = {}
+        if optim.state:
+            from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+            live_state = dict(get_optimizer_state_dict(model, optim)[STATE])
+        params_by_fqn: Dict[str, Any] = {}
+        if not fsdp1:
+            fq = param_fqns(model)
+            for p in _optimizer_params(optim):
+                for f in fq.get(id(p), ()):
+                    params_by_fqn[f] = p
+        new_state: Dict[str, Dict[str, Any]] = {}
+        common = [f for f in live_fqns if f in group_of]
+        for fqn in common:
+            node = saved_state.get(fqn, _MISSING)
+            if node is _MISSING:
+                continue  # saved without state (it had not been stepped)
+            if not isinstance(node, dict) or TAG in node:
+                raise CorruptCheckpointError(f"{path}.state.{fqn}: expected a dict of per-parameter state")
+            live = live_state.get(fqn) if isinstance(live_state.get(fqn), dict) else {}
+            st: Dict[str, Any] = {}
+            new_state[fqn] = st
+            for k, sub in node.items():
+                name_path = _join(_join(_join(path, STATE), fqn), k)
+                t = live.get(k)
+                if _is_ref(sub):
+                    meta = walker.saved_tensors.get(sub["name"])
+                    param = params_by_fqn.get(fqn)
+                    if _is_tensor(t):
+                        walker.target(sub["name"], t)
+                        st[k] = t
+                    elif param is not None and meta is not None and list(meta.shape) == list(param.shape):
+                        st[k] = torch.zeros_like(param, dtype=torch_dtype(meta.dtype), requires_grad=False)
+                        walker.target(sub["name"], st[k])
+                    else:
+                        _fill_from_saved(st, k, sub, name_path, walker)
+                else:
+                    _fill_from_saved(st, k, sub, name_path, walker)
+        groups_holder: Dict[str, Any] = {}
+        _fill_from_saved(groups_holder, GROUPS, saved_groups, _join(path, GROUPS), walker)
+        keep_missing = set(missing)
+
+        def finish():
+            osd = {STATE: new_state, GROUPS: groups_holder[GROUPS]}
+            if fsdp1:
+                from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+                set_optimizer_state_dict(model, optim, osd, options=StateDictOptions(strict=False))
+            else:
+                _load_by_fqn(model, optim, osd, keep_missing, path)
+
+        walker.flat.finalizers.append(finish)
+
+
+def _load_by_fqn(model: nn.Module, optim: torch.optim.Optimizer, osd: Dict[str, Any], keep: set, path: str) -> None:
+    """``optim.load_state_dict`` with FQN-keyed ``osd`` mapped onto the live positions.
+
+    Parameters in ``keep`` (absent from the checkpoint, a non-strict load)
+    keep their live state.
+    """
+    from .._runtimes import param_fqns
+
+    fq = param_fqns(model)
+    group_of: Dict[str, Dict[str, Any]] = {}
+    for g in osd[GROUPS]:
+        for n in g[PARAMS]:
+            group_of.setdefault(n, g)
+    state: Dict[int, Any] = {}
+    groups: List[Dict[str, Any]] = []
+    idx = 0
+    for g in optim.param_groups:
+        src: Optional[Dict[str, Any]] = None
+        ids = []
+        for p in g[PARAMS]:
+            fqn = fq[id(p)][0]
+            if src is None and fqn in group_of:
+                src = group_of[fqn]
+            if fqn in osd[STATE]:
+                state[idx] = osd[STATE][fqn]
+            elif fqn in keep and p in optim.state:
+                state[idx] = optim.state[p]
+            ids.append(idx)
+            idx += 1
+        ng = {k: v for k, v in (src if src is not None else g).items() if k not in (PARAMS, "param_names")}
+        if "param_names" in g:
+            ng["param_names"] = list(g["param_names"])
+        ng[PARAMS] = ids
+        groups.append(ng)
+    optim.load_state_dict({STATE: state, GROUPS: groups})
