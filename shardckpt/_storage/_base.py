@@ -23,14 +23,13 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, TypeVar
 
+from .. import _knobs
 from ..errors import StorageError, UnsafeMetadataError, format_offenders
 
 __all__ = [
     "Capabilities",
     "DEFAULT_RETRIES",
     "RANGE_MERGE_GAP_BYTES",
-    "RETRY_BASE_DELAY_S",
-    "RETRY_MAX_DELAY_S",
     "STAT_THREADS",
     "Storage",
     "backoff_delay",
@@ -40,14 +39,10 @@ __all__ = [
     "plan_range_fetches",
 ]
 
-# Retry policy of every remote operation (the one place to tune it; the S3
-# backend's timeouts and transfer sizes live in _s3.py next to their use).
-#: Attempts for each remote operation before giving up with a StorageError.
-DEFAULT_RETRIES = 5
-#: Ceiling of the first back-off delay; the ceiling doubles after each failure.
-RETRY_BASE_DELAY_S = 0.2
-#: No back-off ceiling grows past this.
-RETRY_MAX_DELAY_S = 5.0
+# The retry policy's tunables live in shardckpt/_knobs.py (STORAGE_RETRIES,
+# RETRY_BASE_DELAY_S, RETRY_MAX_DELAY_S), read at call time.
+#: Attempts for each remote operation before giving up (the ``retries=`` default).
+DEFAULT_RETRIES = _knobs.STORAGE_RETRIES
 #: Threads that stat objects concurrently in ``stat_sizes`` (high-latency backends).
 STAT_THREADS = 16
 #: ``read_into`` on a remote backend fetches two ranges as one request when at
@@ -91,13 +86,13 @@ class Capabilities:
 def backoff_delay(attempt: int, *, rng: Optional[random.Random] = None) -> float:
     """Seconds to wait before retry ``attempt + 1``: "full jitter" exponential back-off.
 
-    Uniform in ``[0, min(RETRY_MAX_DELAY_S, RETRY_BASE_DELAY_S * 2**attempt)]``:
-    random, so that ranks throttled together (503 SlowDown) do not retry in
-    lock step. Constants are read at call time (tests shorten them).
+    Uniform in ``[0, min(RETRY_MAX_DELAY_S, RETRY_BASE_DELAY_S * 2**attempt)]``
+    (``shardckpt._knobs``, read at call time): random, so that ranks throttled
+    together (503 SlowDown) do not retry in lock step.
 
-    Example: ``0 <= backoff_delay(0) <= RETRY_BASE_DELAY_S``.
+    Example: ``0 <= backoff_delay(0) <= _knobs.RETRY_BASE_DELAY_S``.
     """
-    cap = min(RETRY_MAX_DELAY_S, RETRY_BASE_DELAY_S * (2 ** min(attempt, 30)))
+    cap = min(_knobs.RETRY_MAX_DELAY_S, _knobs.RETRY_BASE_DELAY_S * (2 ** min(attempt, 30)))
     return (rng or random).uniform(0.0, cap)
 
 

@@ -13,7 +13,7 @@ own, on s3fs's aiobotocore client and event loop:
   aborted writer aborts its upload, so a partial object never appears.
 - reads: ``read_into`` merges close ranges (``plan_range_fetches``), splits
   them into ``S3_READ_PART_BYTES`` ranged GETs and runs them concurrently.
-- every request: at most ``S3_MAX_REQUESTS`` in flight per process and root,
+- every request (tunables: ``shardckpt._knobs.S3_*``): at most ``S3_MAX_REQUESTS`` in flight per process and root,
   a deadline (``S3_STALL_TIMEOUT_S`` plus the bytes at ``S3_MIN_BYTES_PER_S``)
   so a stalled transfer fails instead of hanging, and one retry loop (the
   base class's policy: ``DEFAULT_RETRIES`` attempts, jittered exponential
@@ -37,41 +37,15 @@ import concurrent.futures as cf
 import threading
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from .. import _knobs
 from ..errors import StorageError
 from ._base import DEFAULT_RETRIES, Writer, backoff_delay, plan_range_fetches
 from ._fsspec import FsspecStorage
 
-__all__ = [
-    "S3Storage",
-    "S3_CONNECT_TIMEOUT_S",
-    "S3_MAX_REQUESTS",
-    "S3_MIN_BYTES_PER_S",
-    "S3_PART_BYTES",
-    "S3_READ_PART_BYTES",
-    "S3_STALL_TIMEOUT_S",
-    "S3_WRITER_INFLIGHT_PARTS",
-]
+__all__ = ["S3Storage"]
 
-#: Multipart part size; also the largest object sent as one PutObject.
-#: (S3 needs parts >= 5 MiB but the last, and at most 10,000 parts: 16 MiB
-#: parts cover objects up to 156 GiB; larger writes grow the part size.)
-S3_PART_BYTES = 16 << 20
-#: Parts of one writer being uploaded at once; with the buffer being filled,
-#: a writer holds at most (this + 1) parts of memory.
-S3_WRITER_INFLIGHT_PARTS = 4
-#: Size of each ranged GET a read is split into.
-S3_READ_PART_BYTES = 8 << 20
-#: Requests in flight at once through one client (also its connection pool).
-S3_MAX_REQUESTS = 32
-#: TCP connect timeout of each request.
-S3_CONNECT_TIMEOUT_S = 10.0
-#: A request with no progress for this long fails (and is retried): no socket
-#: read waits longer, and no request runs longer than this plus its bytes at
-#: ``S3_MIN_BYTES_PER_S``.
-S3_STALL_TIMEOUT_S = 30.0
-#: Slowest transfer rate still considered alive (sets the request deadline).
-S3_MIN_BYTES_PER_S = 1 << 20
-
+# Tunables (part sizes, request limit, timeouts) live in shardckpt/_knobs.py
+# as S3_*, read at call time.
 _MAX_PARTS = 10_000
 
 #: Error codes that mean "try again later" whatever the HTTP status.
@@ -121,9 +95,9 @@ def _client_defaults(options: Dict[str, Any]) -> Dict[str, Any]:
     """``options`` with our timeouts, pool size and no client-side retries (the user's settings win)."""
     out = dict(options)
     cfg = dict(out.get("config_kwargs") or {})
-    cfg.setdefault("connect_timeout", S3_CONNECT_TIMEOUT_S)
-    cfg.setdefault("read_timeout", S3_STALL_TIMEOUT_S)
-    cfg.setdefault("max_pool_connections", S3_MAX_REQUESTS)
+    cfg.setdefault("connect_timeout", _knobs.S3_CONNECT_TIMEOUT_S)
+    cfg.setdefault("read_timeout", _knobs.S3_STALL_TIMEOUT_S)
+    cfg.setdefault("max_pool_connections", _knobs.S3_MAX_REQUESTS)
     # One retry loop (ours): botocore's would multiply the attempts.
     cfg.setdefault("retries", {"mode": "standard", "total_max_attempts": 1})
     out["config_kwargs"] = cfg
@@ -186,7 +160,7 @@ class _Shared:
     def semaphore(self) -> asyncio.Semaphore:
         # Created on first use, inside the filesystem's event loop.
         if self.sem is None:
-            self.sem = asyncio.Semaphore(S3_MAX_REQUESTS)
+            self.sem = asyncio.Semaphore(_knobs.S3_MAX_REQUESTS)
         return self.sem
 
 
@@ -305,7 +279,7 @@ class S3Storage(FsspecStorage):
         ``consume(response)`` (a coroutine function) reads the response body
         inside the same attempt, so that a reset while reading is retried too.
         """
-        deadline = S3_STALL_TIMEOUT_S + nbytes / S3_MIN_BYTES_PER_S
+        deadline = _knobs.S3_STALL_TIMEOUT_S + nbytes / _knobs.S3_MIN_BYTES_PER_S
         for attempt in range(self.retries):
             try:
                 async with self._shared.semaphore():
@@ -368,12 +342,12 @@ class S3Storage(FsspecStorage):
 
     def _read(self, path: str, start: int, end: Optional[int]) -> bytes:
         rel = self._rel_of(path)
-        if end is None or end - start > S3_READ_PART_BYTES:
+        if end is None or end - start > _knobs.S3_READ_PART_BYTES:
             # Large or open-ended: learn the size (callers pass generous
             # limits) and fetch the pieces in parallel.
             size = self._fresh_size(path)
             end = size if end is None else min(end, size)
-            if end - start <= S3_READ_PART_BYTES:
+            if end - start <= _knobs.S3_READ_PART_BYTES:
                 return self._sync(self._get(rel, start, end)) if end > start else b""
             buf = bytearray(end - start)
             got = self._sync(self._fill(rel, [(start, end)], [(start, memoryview(buf))], allow_short=True))
@@ -391,7 +365,7 @@ class S3Storage(FsspecStorage):
         Returns the end of the data when ``allow_short`` (the object may end
         first); otherwise a short object raises EOFError.
         """
-        pieces = [(a, min(a + S3_READ_PART_BYTES, e)) for s, e in spans for a in range(s, e, S3_READ_PART_BYTES)]
+        pieces = [(a, min(a + _knobs.S3_READ_PART_BYTES, e)) for s, e in spans for a in range(s, e, _knobs.S3_READ_PART_BYTES)]
         bufs = [(o, b if b.format == "B" else b.cast("B")) for o, b in ranges]
         got: Dict[int, int] = {}  # piece start -> bytes it returned
 
@@ -439,13 +413,13 @@ class _S3Writer(Writer):
     def __init__(self, st: S3Storage, rel: str):
         self.st, self.rel, self.url = st, rel, st.url_of(rel)
         self.bucket, self.key = st._bucket_key(rel)
-        self.part_bytes = S3_PART_BYTES
+        self.part_bytes = _knobs.S3_PART_BYTES
         self.buf = bytearray(self.part_bytes)
         self.n = 0
         self.total = 0
         self.upload_id: Optional[str] = None
         self.futures: List[Tuple[int, cf.Future]] = []
-        self.slots = threading.BoundedSemaphore(S3_WRITER_INFLIGHT_PARTS)
+        self.slots = threading.BoundedSemaphore(_knobs.S3_WRITER_INFLIGHT_PARTS)
         self.closed = False
 
     def write(self, data) -> None:
@@ -474,7 +448,7 @@ class _S3Writer(Writer):
             self.upload_id = resp["UploadId"]
         number = len(self.futures) + 1
         if number >= _MAX_PARTS:
-            raise StorageError(f"{self.url}: more than {_MAX_PARTS} parts of {self.part_bytes} bytes; raise S3_PART_BYTES")
+            raise StorageError(f"{self.url}: more than {_MAX_PARTS} parts of {self.part_bytes} bytes; raise SHARDCKPT_S3_PART_BYTES")
         body = bytes(memoryview(self.buf)[: self.n])
         self.total += self.n
         self.n = 0

@@ -15,7 +15,8 @@ import torch
 import shardckpt
 from _dist import run_ranks
 from shardckpt import converters
-from shardckpt._storage import S3Storage, Storage, _base, _s3
+from shardckpt import _knobs
+from shardckpt._storage import S3Storage, Storage
 from shardckpt.errors import CheckpointError, SaveFailedError, StorageError
 
 pytestmark = pytest.mark.s3
@@ -98,8 +99,8 @@ def test_manager_save_restore_retention(weed_url):
 
 def test_multipart_roundtrip_and_ranges(weed_url, monkeypatch):
     url, opts = weed_url
-    monkeypatch.setattr(_s3, "S3_PART_BYTES", PART)
-    monkeypatch.setattr(_s3, "S3_READ_PART_BYTES", 1 << 20)
+    monkeypatch.setattr(_knobs, "S3_PART_BYTES", PART)
+    monkeypatch.setattr(_knobs, "S3_READ_PART_BYTES", 1 << 20)
     st = Storage(url, storage_options=opts)
     assert isinstance(st, S3Storage)
     data = os.urandom(3 * PART + 12345)
@@ -121,7 +122,7 @@ def test_multipart_roundtrip_and_ranges(weed_url, monkeypatch):
 
 def test_aborted_multipart_leaves_nothing(weed_url, monkeypatch):
     url, opts = weed_url
-    monkeypatch.setattr(_s3, "S3_PART_BYTES", PART)
+    monkeypatch.setattr(_knobs, "S3_PART_BYTES", PART)
     st = Storage(url, storage_options=opts)
     w = st.open_write("data/partial")
     w.write(os.urandom(2 * PART + 1))
@@ -184,12 +185,12 @@ def test_no_credentials_is_our_error_with_a_hint(weed_url, monkeypatch):
 @pytest.fixture
 def fast_retries(monkeypatch):
     """Short back-off and stall limits so that faults cost milliseconds, not minutes."""
-    monkeypatch.setattr(_base, "RETRY_BASE_DELAY_S", 0.01)
-    monkeypatch.setattr(_base, "RETRY_MAX_DELAY_S", 0.1)
-    monkeypatch.setattr(_s3, "S3_STALL_TIMEOUT_S", 2.0)
-    monkeypatch.setattr(_s3, "S3_CONNECT_TIMEOUT_S", 2.0)
-    monkeypatch.setattr(_s3, "S3_PART_BYTES", PART)
-    monkeypatch.setattr(_s3, "S3_READ_PART_BYTES", 1 << 20)
+    monkeypatch.setattr(_knobs, "RETRY_BASE_DELAY_S", 0.01)
+    monkeypatch.setattr(_knobs, "RETRY_MAX_DELAY_S", 0.1)
+    monkeypatch.setattr(_knobs, "S3_STALL_TIMEOUT_S", 2.0)
+    monkeypatch.setattr(_knobs, "S3_CONNECT_TIMEOUT_S", 2.0)
+    monkeypatch.setattr(_knobs, "S3_PART_BYTES", PART)
+    monkeypatch.setattr(_knobs, "S3_READ_PART_BYTES", 1 << 20)
 
 
 def _state(step):
@@ -251,7 +252,7 @@ def test_loads_through_faults_verified_or_clear_error(weed_url, fault_proxy, fas
 def test_stalled_server_times_out_with_storage_error(weed_url, fault_proxy, fast_retries, monkeypatch):
     url, opts = weed_url
     shardckpt.save(_state(1), url, storage_options=opts)
-    monkeypatch.setattr(_s3, "S3_STALL_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(_knobs, "S3_STALL_TIMEOUT_S", 0.5)
     fault_proxy.set_faults(stall=1.0, stall_s=30)
     st = Storage(url, storage_options=dict(opts, endpoint_url=fault_proxy.endpoint), retries=2)
     with pytest.raises(StorageError, match=r"manifest\.json.*failed after 2 attempts"):

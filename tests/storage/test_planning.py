@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from shardckpt._storage import FsspecStorage, LocalStorage, backend_for, plan_range_fetches
+from shardckpt._storage import FsspecStorage, LocalStorage, S3Storage, backend_for, plan_range_fetches
 from shardckpt._storage._base import check_rel
 from shardckpt.errors import StorageError, UnsafeMetadataError
 
@@ -36,8 +36,10 @@ def test_check_rel_refuses(rel):
 def test_backend_for():
     assert backend_for("/tmp/x") is LocalStorage and backend_for("rel/dir") is LocalStorage
     assert backend_for("file:///tmp/x", {"auto_mkdir": True}) is LocalStorage
-    for url in ("s3://b/x", "memory://x", "local:///tmp/x", "gs://b/x"):
+    for url in ("memory://x", "local:///tmp/x", "gs://b/x", "az://c/x"):
         assert backend_for(url) is FsspecStorage
+    for url in ("s3://b/x", "s3a://b/x"):
+        assert backend_for(url) is S3Storage and issubclass(S3Storage, FsspecStorage)
     with pytest.raises(StorageError, match="non-empty str"):
         backend_for("")
 
