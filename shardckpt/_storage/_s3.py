@@ -370,7 +370,7 @@ class S3Storage(FsspecStorage):
         got: Dict[int, int] = {}  # piece start -> bytes it returned
 
         async def one(a: int, b: int) -> None:
-            data = await self._get(rel, a, b)
+            data = memoryview(await self._get(rel, a, b))  # slices of it copy nothing
             got[a] = len(data)
             for off, buf in bufs:
                 lo, hi = max(a, off), min(b, off + len(buf), a + len(data))
