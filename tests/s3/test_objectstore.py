@@ -177,6 +177,18 @@ def test_no_credentials_is_our_error_with_a_hint(weed_url, monkeypatch):
         shardckpt.verify(url, storage_options=bare)
     with pytest.raises(CheckpointError, match="credentials"):
         shardckpt.load({"x": torch.zeros(3)}, url, storage_options=bare)
+    # The CLI: the documented error status (2), one line naming the fix, no traceback.
+    import subprocess
+    import sys
+
+    r = subprocess.run(
+        [sys.executable, "-m", "shardckpt", "verify", url, "--storage-option", f"endpoint_url={opts['endpoint_url']}"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(os.environ),
+    )
+    assert r.returncode == 2 and "credentials" in r.stderr and "Traceback" not in r.stderr, (r.returncode, r.stderr)
 
 
 # -- through the fault proxy ----------------------------------------------------------------
