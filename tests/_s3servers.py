@@ -21,7 +21,7 @@ import uuid
 import pytest
 
 from _faultproxy import FaultProxy
-from _moto import _free_port
+from _moto import _die_with_parent, _free_port
 
 SEAWEED_BUCKET = "shardckpt-weed"
 #: Seconds for ``weed`` to answer S3 requests after it starts (master,
@@ -79,9 +79,14 @@ class SeaweedServer:
             "-s3",
             f"-s3.port={ports['s3']}",
             f"-s3.port.grpc={ports['s3.grpc']}",
+            # Fixed default ports (8181, 9101) would collide between servers.
+            "-s3.port.iceberg=0",
+            "-s3.port.lance=0",
         ]
         self.log = open(os.path.join(self.dir, "weed.log"), "wb")
-        self.proc = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.proc = subprocess.Popen(
+            args, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_parent
+        )
         try:
             self._wait_ready()
         except BaseException:
