@@ -33,8 +33,23 @@ outcome and posts one verdict; keys are deleted once every rank is past them,
 so the store does not grow. After a timeout the late rank, if it ever comes,
 reads the same verdict (the missing-rank error) and raises too.
 
+Dead ranks are noticed in seconds, not after ``collective_timeout_s``: every
+rank that takes part in a multi-rank call starts one daemon thread that bumps
+a counter under ``shardckpt/alive/<rank>`` every second, for the life of the
+process. A waiting rank polls the store each second and reads the counters
+of the ranks it still waits for; a counter that has not moved for
+``SHARDCKPT_LIVENESS_TIMEOUT_S`` (10 s) means the process is gone (SIGKILL,
+OOM kill, a crashed host) and the exchange fails at once naming it. A rank
+that is alive but late (still training, a slow write) keeps beating and is
+waited for up to ``collective_timeout_s``, as before. A rank that never took
+part in a multi-rank call has no counter and is waited for up to the timeout.
+The counters are compared with the waiter's own clock, so hosts' clocks need
+not agree. The store's server lives in rank 0's process: when it dies, the
+store itself fails and the peers raise naming rank 0.
+
 Cost: 2 store round trips per rank per exchange, plus rank 0 reading one key
-per rank: three exchanges per save, one per load.
+per rank: three exchanges per save, one per load; one store write per rank
+per second for the heartbeat, and one poll per second while waiting.
 """
 
 from __future__ import annotations
@@ -43,6 +58,7 @@ import hashlib
 import os
 import pickle
 import threading
+import time
 from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Type, TypeVar
@@ -59,6 +75,7 @@ __all__ = [
     "dist_info",
     "DEFAULT_COLLECTIVE_TIMEOUT_S",
     "EVERY_RANK_RULE",
+    "start_heartbeat",
 ]
 
 T = TypeVar("T")
@@ -75,6 +92,10 @@ EVERY_RANK_RULE = "every rank of the process group must call {op} (or pass no_di
 # much longer than rank 0 so that rank 0's verdict (one message, the same on
 # every rank) normally wins over each peer's own guess.
 _PEER_GRACE_S = 2.0
+
+#: How often each rank's heartbeat counter moves, and how often a waiting rank
+#: looks at the counters of the ranks it waits for.
+HEARTBEAT_INTERVAL_S = 1.0
 
 # Exchange modes: who receives the ``share`` values.
 NONE, ALL, TO_ROOT, FROM_ROOT = "none", "all", "to_root", "from_root"
@@ -163,7 +184,115 @@ def open_comm(
     if world <= 1:
         return base
     ranks = tuple(dist.get_process_group_ranks(process_group if process_group is not None else dist.group.WORLD))
+    start_heartbeat()
     return replace(base, rank=dist.get_rank(process_group), world=world, ranks=ranks)
+
+
+# --------------------------------------------------------------------------
+# liveness
+
+
+_HEARTBEAT_LOCK = threading.Lock()
+_HEARTBEAT: Dict[str, Any] = {"thread": None, "n": 0}
+
+
+def _alive_key(global_rank: int) -> str:
+    return f"shardckpt/alive/{global_rank}"
+
+
+def _beat() -> None:
+    """Move this process's counter once (on the current default store, if any)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    _HEARTBEAT["n"] += 1
+    _store().set(_alive_key(dist.get_rank()), str(_HEARTBEAT["n"]))
+
+
+def _heartbeat_loop() -> None:
+    while True:
+        time.sleep(HEARTBEAT_INTERVAL_S)
+        try:
+            _beat()
+        except Exception:  # no group right now, or the store is gone: peers judge by the counter
+            pass
+
+
+def start_heartbeat() -> None:
+    """Start this process's heartbeat thread once (it runs until the process exits).
+
+    The first beat is written before returning, so a rank killed during its
+    first call is already visible to its peers as having lived.
+    """
+    with _HEARTBEAT_LOCK:
+        if _HEARTBEAT["thread"] is not None and _HEARTBEAT["thread"].is_alive():
+            return
+        try:
+            _beat()
+        except Exception:
+            pass
+        t = threading.Thread(target=_heartbeat_loop, name="shardckpt-heartbeat", daemon=True)
+        t.start()
+        _HEARTBEAT["thread"] = t
+
+
+class _Watch:
+    """A waiter's view of its peers' heartbeats: which ones have stopped moving."""
+
+    def __init__(self, store, ranks: Sequence[int]):
+        self.store = store
+        self.ranks = list(ranks)
+        self.seen: Dict[int, Tuple[bytes, float]] = {}
+
+    def dead(self, pending: Sequence[int]) -> List[int]:
+        now = time.monotonic()
+        out = []
+        for r in pending:
+            if r not in self.ranks:
+                continue
+            key = _alive_key(r)
+            if not self.store.check([key]):
+                continue  # never beat: not started yet, cannot tell; the timeout decides
+            v = self.store.get(key)
+            old = self.seen.get(r)
+            if old is None or old[0] != v:
+                self.seen[r] = (v, now)
+            elif now - old[1] >= _knobs.LIVENESS_TIMEOUT_S:
+                out.append(r)
+        return out
+
+
+class _StoreGone(Exception):
+    pass
+
+
+def _wait_keys(store, keys: Dict[int, str], timeout_s: float, watch: _Watch) -> Optional[Tuple[str, List[int]]]:
+    """Wait until every key of ``keys`` (rank -> key) is set.
+
+    Returns None once they are; ``("timeout", ranks still missing)`` after
+    ``timeout_s``; ``("dead", ranks)`` as soon as a rank still missing has a
+    stopped heartbeat. Raises ``_StoreGone`` when the store cannot be reached.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            store.wait(list(keys.values()), timedelta(seconds=max(min(HEARTBEAT_INTERVAL_S, left), 0.001)))
+            return None
+        except Exception:
+            pass
+        try:
+            pending = [r for r, k in keys.items() if not store.check([k])]
+            if not pending:
+                continue  # arrived between the wait and the check
+            if time.monotonic() >= deadline:
+                return "timeout", pending
+            dead = watch.dead(pending)
+        except Exception as e:
+            raise _StoreGone(f"{type(e).__name__}: {e}") from None
+        if dead:
+            return "dead", dead
 
 
 # --------------------------------------------------------------------------
@@ -213,11 +342,22 @@ def _missing_message(comm: Comm, what: str, missing: Sequence[int]) -> str:
     )
 
 
+def _dead_message(comm: Comm, what: str, dead: Sequence[int]) -> str:
+    who = f"rank {dead[0]}" if len(dead) == 1 else f"ranks {format_offenders(dead)}"
+    return (
+        f"{what}: {who} of {comm.world} stopped during {comm.op} (no heartbeat for "
+        f"{_knobs.LIVENESS_TIMEOUT_S:g} s, or the store it hosts is unreachable): the process died, was killed "
+        "or is frozen. The other ranks gave up without waiting for collective_timeout_s; restart the job "
+        "(a checkpoint being written was not committed, the previous ones are intact)"
+    )
+
+
 def _exchange(comm: Comm, outcome: Any) -> Tuple[str, Any, Optional[List[Any]]]:
     """Post this rank's outcome; return ``(exchange key, verdict, outcomes seen by rank 0)``.
 
-    A verdict is ``("ok", shared)`` or ``("missing", ranks)``; the per-rank
-    outcomes are returned on rank 0 only.
+    A verdict is ``("ok", shared)``, ``("missing", ranks)`` (not arrived
+    within the timeout) or ``("dead", ranks)`` (heartbeat stopped); the
+    per-rank outcomes are returned on rank 0 only.
     """
     store = _store()
     base = _base_key(comm, store)
@@ -225,27 +365,37 @@ def _exchange(comm: Comm, outcome: Any) -> Tuple[str, Any, Optional[List[Any]]]:
     verdict_key = f"{base}/v"
     store.set(mine, pickle.dumps(outcome))
     if comm.rank == 0:
-        keys = [f"{base}/r{i}" for i in range(comm.world)]
+        keys = {r: f"{base}/r{i}" for i, r in enumerate(comm.ranks)}
         outcomes: Optional[List[Any]] = None
         try:
-            store.wait(keys, timedelta(seconds=comm.timeout_s))
-        except Exception:
-            verdict: Any = ("missing", _missing(store, comm, base) or ["unknown"])
+            late = _wait_keys(store, keys, comm.timeout_s, _Watch(store, comm.ranks[1:]))
+        except _StoreGone:
+            late = ("missing", _missing(store, comm, base) or ["unknown"])
+        if late is None:
+            outcomes = [pickle.loads(store.get(k)) for k in keys.values()]
+            verdict: Any = ("ok", None)
         else:
-            outcomes = [pickle.loads(store.get(k)) for k in keys]
-            verdict = ("ok", None)
+            verdict = ("dead", late[1]) if late[0] == "dead" else ("missing", late[1])
         # Everyone posted this exchange, so everyone read the previous verdict.
         if outcomes is not None:
             _delete(store, _prev_key(base) + "/v")
         return base, verdict, outcomes
+    root = comm.ranks[0]
     try:
-        store.wait([verdict_key], timedelta(seconds=comm.timeout_s + _PEER_GRACE_S))
-    except Exception:
-        missing = _missing(store, comm, base)
+        # Rank 0 names dead peers; this rank watches rank 0 only (whose death
+        # usually takes the store down with it, which ends the wait at once).
+        late = _wait_keys(store, {root: verdict_key}, comm.timeout_s + _PEER_GRACE_S, _Watch(store, [root]))
+    except _StoreGone:
+        return base, ("dead", [root]), None
+    if late is not None:
+        if late[0] == "dead":
+            verdict = ("dead", [root])
+        else:
+            verdict = ("missing", _missing(store, comm, base) or [root])
         # Withdraw: if rank 0 comes late, it must not take this stale outcome
         # for its own exchange.
         _delete(store, mine)
-        return base, ("missing", missing or [comm.ranks[0]]), None
+        return base, verdict, None
     return base, pickle.loads(store.get(verdict_key)), None
 
 
@@ -373,10 +523,11 @@ def agree(
     elif comm.rank == 0:
         _post_verdict(comm, base, verdict)
     kind, value = verdict
-    if kind == "missing":
+    if kind in ("missing", "dead"):
         if local is not None and not isinstance(local, Exception):
             raise local
-        raise error(_missing_message(comm, what, value)) from local
+        text = _missing_message(comm, what, value) if kind == "missing" else _dead_message(comm, what, value)
+        raise error(text) from local
     if kind == "failed":
         if local is not None and not isinstance(local, Exception):
             raise local

@@ -20,6 +20,9 @@ environment variable                default     what it sets
 ``SHARDCKPT_COLLECTIVE_TIMEOUT_S``  1800        bound of every cross-rank exchange of
                                                 save/load/async_save/the manager (the
                                                 ``collective_timeout_s=`` default)
+``SHARDCKPT_LIVENESS_TIMEOUT_S``    10          a rank whose heartbeat stopped this long
+                                                while its peers wait for it is named dead
+                                                (seconds after a SIGKILL, not the timeout)
 ``SHARDCKPT_REGISTER_MIN_BYTES``    1 MiB       CUDA staging buffers at least this big are
                                                 ``cudaHostRegister``-ed (exact size)
 ``SHARDCKPT_CHECKSUMS``             1           0: skip CRC-32C on write (records 0) and
@@ -56,6 +59,7 @@ __all__ = [
     "COALESCE_GAP_BYTES",
     "MIN_BYTES_PER_FILE",
     "COLLECTIVE_TIMEOUT_S",
+    "LIVENESS_TIMEOUT_S",
     "REGISTER_MIN_BYTES",
     "CHECKSUMS",
     "STORAGE_RETRIES",
@@ -138,6 +142,11 @@ MIN_BYTES_PER_FILE = _int("MIN_BYTES_PER_FILE", 64 << 20)
 #: the slowest rank to arrive, so it must exceed the longest write (or read)
 #: of one rank's shard; a rank that never calls is named after this long.
 COLLECTIVE_TIMEOUT_S = _float("COLLECTIVE_TIMEOUT_S", 1800.0)
+#: A rank whose heartbeat (refreshed every second by a daemon thread of each
+#: rank) has not changed for this long while peers wait for it is declared
+#: dead at once, instead of after ``COLLECTIVE_TIMEOUT_S``. Must exceed the
+#: longest stall of a live process (a GIL held by a C call, a swap storm).
+LIVENESS_TIMEOUT_S = _float("LIVENESS_TIMEOUT_S", 10.0)
 #: CUDA staging buffers at least this big are registered host memory (exact
 #: size); smaller ones come from torch's pinned allocator (power-of-two sizes).
 REGISTER_MIN_BYTES = _int("REGISTER_MIN_BYTES", 1 << 20, minimum=0)

@@ -19,6 +19,8 @@ plan and build new objects, never change one.
 from __future__ import annotations
 
 import copy as _copy
+import json
+import logging
 import uuid
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
@@ -27,6 +29,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, Optional, 
 import torch
 
 from . import _plan
+from ._collective import DEFAULT_COLLECTIVE_TIMEOUT_S, FROM_ROOT, TO_ROOT, Comm, agree, open_comm
 from ._format import (
     DATA_DIR,
     MANIFEST_NAME,
@@ -41,13 +44,15 @@ from ._format import (
     torch_dtype,
 )
 from ._io import DEFAULT_IO_THREADS, WriteItem, partition, write_files
-from ._collective import DEFAULT_COLLECTIVE_TIMEOUT_S, FROM_ROOT, TO_ROOT, Comm, agree, open_comm
 from ._layout import TensorLayout, layout_of
 from ._state import flatten_for_save
+from ._state.ranks import differing_paths, value_digests
 from ._storage import Storage
 from .errors import (
     CheckpointExistsError,
     SaveFailedError,
+    UnsupportedStateError,
+    format_offenders,
 )
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -61,6 +66,11 @@ def _version() -> str:
 
     return __version__
 
+
+log = logging.getLogger("shardckpt")
+
+#: Bound of the manifest read that tells a peer whether rank 0 committed.
+MANIFEST_PEEK_BYTES = 1 << 30
 
 #: What a save of an existing checkpoint says to do, unless the caller has its own switch.
 OVERWRITE_HINT = "pass overwrite=True to replace it"
@@ -220,10 +230,13 @@ def prepare_save(
         flat = flatten_for_save(state, rank=rank, world=world)
         layouts = _layouts(flat.tensors, rank, world, local_only=comm.no_dist)
         own, layouts = _own_tensors(layouts, flat.per_rank_tensors, rank)
-        return flat, layouts, own
+        # Plain values are written from rank 0 alone: the peers prove theirs are the same.
+        digests = value_digests(flat.tree) if world > 1 else None
+        return flat, layouts, (own, digests)
 
-    (flat, layouts, _), specs = agree(comm, local, what="save aborted before writing", share=lambda r: r[2])
-    layouts = _with_peer_tensors(layouts, specs, rank)
+    (flat, layouts, _), shared = agree(comm, local, what="save aborted before writing", share=lambda r: r[2])
+    _refuse_per_rank_values(differing_paths([d for _, d in shared]), url)
+    layouts = _with_peer_tensors(layouts, [s for s, _ in shared], rank)
     return SavePlan(
         storage=storage,
         comm=comm,
@@ -236,6 +249,17 @@ def prepare_save(
         per_rank=flat.per_rank or None,
         exists_hint=exists_hint,
     )
+
+
+def _refuse_per_rank_values(paths: Sequence[str], url: str) -> None:
+    """Raise (on every rank alike: every rank sees every digest) if plain values differ across ranks."""
+    if paths:
+        raise UnsupportedStateError(
+            f"save to {url} refused: these plain values differ between ranks, and only rank 0's would be "
+            f"saved: {format_offenders(paths)}. Wrap per-rank state in shardckpt.PerRank(...) (e.g. "
+            "{'loader': shardckpt.PerRank(loader)}) so each rank keeps its own copy, or make the values "
+            "the same on every rank"
+        )
 
 
 def _own_tensors(
@@ -312,13 +336,34 @@ def execute_save(plan: SavePlan) -> None:
     try:
         _, gathered = agree(comm, write, what=f"nothing was committed at {storage.url}", share=lambda v: v, mode=TO_ROOT)
         agree(comm, lambda: commit_on_root(gathered), what=f"save to {storage.url} failed")
-    except BaseException:
+    except BaseException as e:
+        # A peer can miss rank 0's verdict although rank 0 committed (rank 0
+        # died just after, taking the store with it): removing this rank's
+        # files would then break a committed checkpoint. Remove them only
+        # when the manifest is known not to be this save's.
+        committed = _committed_by(storage, save_id) if rank != 0 else False
+        if committed and isinstance(e, Exception):
+            log.warning("shardckpt: %s was committed, then a peer failed: %s", storage.url, e)
+            return
+        if committed is not False:  # committed, or cannot tell: the files stay (cleanup() removes leftovers)
+            raise
         for rel in files:
             try:
                 storage.remove(rel)
             except Exception:
                 pass
         raise
+
+
+def _committed_by(storage: Storage, save_id: str) -> Optional[bool]:
+    """Whether the manifest at ``storage`` is this save's: True, False, or None (cannot tell)."""
+    try:
+        if not storage.exists(MANIFEST_NAME):
+            return False
+        raw = json.loads(storage.read_bytes(MANIFEST_NAME, limit=MANIFEST_PEEK_BYTES))
+        return isinstance(raw, dict) and raw.get("save_id") == save_id
+    except Exception:
+        return None
 
 
 def _commit(plan: SavePlan, gathered, save_id: str) -> None:

@@ -4,6 +4,8 @@
               and the built-in adapters for modules, Stateful objects, PerRank;
 ``adapters``  the one ordered adapter list and ``register_adapter`` (public);
 ``optim``     the optimizer adapter (by parameter FQN, any world size);
+``ranks``     digests of plain values, to refuse at save those that differ
+              across ranks (they need ``PerRank``);
 ``values``    the values codec (``TAG``, ``tensor_ref``, ``encode_value``,
               ``decode_value``): what the manifest's ``values`` tree means.
 

@@ -30,21 +30,130 @@ runtime, ``set_optimizer_state_dict`` loads FSDP1 (it alone can turn
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
 
+from ..errors import CorruptCheckpointError, StateMismatchError, UnsupportedStateError, format_offenders
 from .adapters import Adapter
 from .values import TAG, _is_ref
-from .walk import SEP, _MISSING, _fill_from_saved, _is_tensor, _join
-from ..errors import CorruptCheckpointError, StateMismatchError, UnsupportedStateError
+from .walk import _MISSING, SEP, _fill_from_saved, _is_tensor, _join
 
-__all__ = ["OptimizerAdapter", "find_module"]
+__all__ = ["OptimizerAdapter", "find_module", "optimizer_state_problems", "state_shape_fits"]
 
 STATE = "state"
 GROUPS = "param_groups"
 PARAMS = "params"
+
+#: Param-group keys torch fills with a default when a loaded group lacks them
+#: (the optimizers' ``__setstate__``), or that are bookkeeping rather than
+#: hyperparameters (``initial_lr``, ``param_names``): a live group may have
+#: them and the checkpoint not. Any other live key the saved group lacks
+#: (SGD's ``momentum`` in an Adam checkpoint) would be gone after the load and
+#: fail the first ``step()``. Saved keys the live group lacks are carried
+#: along (LR schedulers add ``max_lr``... to the groups), not refused.
+TOLERATED_GROUP_KEYS = frozenset(
+    {
+        "amsgrad", "nesterov", "maximize", "foreach", "capturable", "differentiable", "fused",
+        "decoupled_weight_decay", "initial_lr", "param_names",
+    }
+)
+
+
+def state_shape_fits(shape: Sequence[int], param_shape: Sequence[int]) -> bool:
+    """True if a per-parameter optimizer state of ``shape`` can belong to a parameter of ``param_shape``.
+
+    Accepted: the parameter's shape (moments, momentum buffers), a scalar
+    (``step``), or the parameter's shape with some dimensions reduced to 1
+    (factored second moments: Adafactor's ``row_var``/``col_var``).
+
+    Example:
+        >>> state_shape_fits([4, 1], [4, 8]), state_shape_fits([8, 4], [4, 8])
+        (True, False)
+    """
+    shape, param_shape = list(shape), list(param_shape)
+    if shape == param_shape or len(shape) == 0 or (len(shape) == 1 and shape[0] == 1):
+        return True
+    return len(shape) == len(param_shape) and all(a == b or a == 1 for a, b in zip(shape, param_shape))
+
+
+def _kind(v: Any) -> str:
+    if v is None:
+        return "none"
+    if isinstance(v, bool):
+        return "bool"
+    if isinstance(v, (int, float)):
+        return "number"
+    if isinstance(v, torch.Tensor):
+        return "number" if v.numel() == 1 else "tensor"
+    if isinstance(v, (list, tuple)):
+        return f"sequence of {len(v)}"
+    return type(v).__name__
+
+
+def optimizer_state_problems(
+    optim: torch.optim.Optimizer,
+    saved_groups: Sequence[Any],
+    live_groups_of_saved: Dict[int, int],
+    saved_state_keys: Dict[str, Sequence[str]],
+    live_state_keys: Dict[str, Sequence[str]],
+    path: str,
+) -> List[str]:
+    """What makes a saved optimizer state unfit for ``optim``, one line per problem (empty: fits).
+
+    Pure: compares decoded saved values with the live optimizer, changes
+    nothing. The load calls it while planning, so a mismatch is raised before
+    any tensor or value of the state is touched.
+
+    Args:
+        optim: the live optimizer.
+        saved_groups: the saved ``param_groups`` (decoded values).
+        live_groups_of_saved: saved group index -> the live group index it feeds.
+        saved_state_keys: FQN -> the saved per-parameter state keys.
+        live_state_keys: FQN -> the live per-parameter state keys (a stepped
+            optimizer; empty for a fresh one, whose state is created by the load).
+        path: the optimizer's path in the state, for messages.
+
+    Checks: hyperparameter names (a live key the checkpoint lacks, beyond
+    ``TOLERATED_GROUP_KEYS``: another kind of optimizer), the kind of each
+    common hyperparameter value (number, bool, sequence of n...), and the
+    per-parameter state keys against a stepped live optimizer.
+
+    Example:
+        ``Adam`` state into ``SGD(momentum=0.9)``: ``["optim.param_groups.0: the
+        live SGD's hyperparameters dampening, momentum are not in the
+        checkpoint, which has betas, eps instead"]``.
+    """
+    problems: List[str] = []
+    for si, li in sorted(live_groups_of_saved.items()):
+        saved = saved_groups[si]
+        live = optim.param_groups[li]
+        s_keys = {k for k in saved if k != PARAMS}
+        l_keys = {k for k in live if k != PARAMS}
+        lack = sorted(l_keys - s_keys - TOLERATED_GROUP_KEYS)
+        where = f"{path}.{GROUPS}.{si}"
+        if lack:
+            extra = sorted(s_keys - l_keys - TOLERATED_GROUP_KEYS)
+            said = f"the live {type(optim).__name__}'s hyperparameters {format_offenders(lack)} are not in the checkpoint"
+            if extra:
+                said += f", which has {format_offenders(extra)} instead"
+            problems.append(f"{where}: {said}")
+            continue
+        bad = [
+            f"{k} (saved {_kind(saved[k])}, live {_kind(live[k])})"
+            for k in sorted((s_keys & l_keys) - {"param_names"})
+            if "none" not in (_kind(saved[k]), _kind(live[k])) and _kind(saved[k]) != _kind(live[k])
+        ]
+        if bad:
+            problems.append(f"{where}: values of another kind: {format_offenders(bad)}")
+    for fqn in sorted(set(saved_state_keys) & set(live_state_keys)):
+        s, l_ = set(saved_state_keys[fqn]), set(live_state_keys[fqn])
+        if s != l_:
+            problems.append(
+                f"{path}.{STATE}.{fqn}: saved state keys {sorted(s)}, the live {type(optim).__name__} has {sorted(l_)}"
+            )
+    return problems
 
 
 def _optimizer_params(optim: torch.optim.Optimizer) -> List[Any]:
@@ -133,8 +242,8 @@ class OptimizerAdapter(Adapter):
         return get_optimizer_state_dict(model, optim)
 
     def load(self, optim, path, saved, walker):
-        from .._runtimes import is_fsdp1, param_fqns
         from .._format import torch_dtype
+        from .._runtimes import is_fsdp1, param_fqns
 
         if saved is _MISSING:
             walker.missing_values.append(path)
@@ -190,6 +299,8 @@ class OptimizerAdapter(Adapter):
                 for f in fq.get(id(p), ()):
                     params_by_fqn[f] = p
         new_state: Dict[str, Dict[str, Any]] = {}
+        shape_problems: List[str] = []
+        saved_keys: Dict[str, List[str]] = {}
         common = [f for f in live_fqns if f in group_of]
         for fqn in common:
             node = saved_state.get(fqn, _MISSING)
@@ -198,6 +309,7 @@ class OptimizerAdapter(Adapter):
             if not isinstance(node, dict) or TAG in node:
                 raise CorruptCheckpointError(f"{path}.state.{fqn}: expected a dict of per-parameter state")
             live = live_state.get(fqn) if isinstance(live_state.get(fqn), dict) else {}
+            saved_keys[fqn] = list(node)
             st: Dict[str, Any] = {}
             new_state[fqn] = st
             for k, sub in node.items():
@@ -207,8 +319,12 @@ class OptimizerAdapter(Adapter):
                     meta = walker.saved_tensors.get(sub["name"])
                     param = params_by_fqn.get(fqn)
                     if _is_tensor(t):
-                        walker.target(sub["name"], t)
+                        walker.target(sub["name"], t)  # shape checked against the live tensor while planning
                         st[k] = t
+                    elif param is not None and meta is not None and not state_shape_fits(meta.shape, param.shape):
+                        # Creating it from the checkpoint would give the
+                        # optimizer a state of another parameter's shape.
+                        shape_problems.append(f"{name_path}: saved shape {list(meta.shape)}, parameter shape {list(param.shape)}")
                     elif param is not None and meta is not None and list(meta.shape) == list(param.shape):
                         st[k] = torch.zeros_like(param, dtype=torch_dtype(meta.dtype), requires_grad=False)
                         walker.target(sub["name"], st[k])
@@ -219,6 +335,24 @@ class OptimizerAdapter(Adapter):
         groups_holder: Dict[str, Any] = {}
         _fill_from_saved(groups_holder, GROUPS, saved_groups, _join(path, GROUPS), walker)
         keep_missing = set(missing)
+        # Validate now, while planning: a mismatch found by the first step()
+        # (KeyError: 'momentum') comes after the model was already loaded.
+        feeds: Dict[int, int] = {}
+        for li, names in enumerate(live_groups):
+            for f in names:
+                if f in group_of:
+                    feeds.setdefault(group_of[f], li)
+        live_keys = {f: list(v) for f, v in live_state.items() if isinstance(v, dict) and f in saved_keys}
+        problems = shape_problems + optimizer_state_problems(
+            optim, groups_holder[GROUPS], feeds, saved_keys, live_keys, path
+        )
+        if problems:
+            raise StateMismatchError(
+                f"{path}: the saved optimizer state does not fit the live {type(optim).__name__} "
+                f"(another optimizer, or another model's state): {format_offenders(problems, sep='; ')}. "
+                "Load it into the same kind of optimizer over the same model, or leave "
+                f"{path!r} out of the state you load"
+            )
 
         def finish():
             osd = {STATE: new_state, GROUPS: groups_holder[GROUPS]}

@@ -40,6 +40,18 @@ __all__ = [
 SEP = "."
 
 
+def canonical_keys(d: Dict[Any, Any]) -> List[Any]:
+    """``d``'s keys in the order every rank walks them: sorted by their text, not by insertion.
+
+    Ranks may build the same state in different insertion orders; what the
+    walk calls on objects (``state_dict()``, ``load_state_dict()``, torch's
+    FSDP1 and optimizer state-dict helpers) may be collective, so it must
+    happen in one order on every rank or the job hangs (or pairs one object's
+    collective with another's).
+    """
+    return sorted(d, key=str)
+
+
 def _join(prefix: str, key: Any) -> str:
     key = str(key)
     return f"{prefix}{SEP}{key}" if prefix else key
@@ -126,9 +138,11 @@ class _SaveWalker:
         if isinstance(v, dict):
             if TAG in v:
                 raise UnsupportedStateError(f"{path}: dict keys may not be {TAG!r}")
+            # Walked in the canonical order (collectives), kept in the user's order.
+            done = {id(k): self.walk(v[k], _join(path, k)) for k in canonical_keys(v)}
             if all(isinstance(k, str) for k in v):
-                return {k: self.walk(x, _join(path, k)) for k, x in v.items()}
-            return {TAG: "dict", "items": [[encode_value(k, path), self.walk(x, _join(path, k))] for k, x in v.items()]}
+                return {k: done[id(k)] for k in v}
+            return {TAG: "dict", "items": [[encode_value(k, path), done[id(k)]] for k in v]}
         if isinstance(v, list):
             return [self.walk(x, _join(path, i)) for i, x in enumerate(v)]
         if isinstance(v, tuple):
@@ -147,7 +161,8 @@ def flatten_for_save(state: Dict[str, Any], *, rank: int = 0, world: int = 1) ->
     if bad:
         raise UnsupportedStateError(f"state keys must be non-empty strings, found {bad!r}")
     w = _SaveWalker(state, rank, world)
-    w.flat.tree = {k: w.walk(v, k) for k, v in state.items()}
+    done = {k: w.walk(state[k], k) for k in canonical_keys(state)}
+    w.flat.tree = {k: done[k] for k in state}
     return w.flat
 
 
@@ -206,7 +221,7 @@ class _LoadWalker:
                 items = saved
             else:
                 items = None
-            for k in list(live.keys()):
+            for k in canonical_keys(live):
                 sub = None if items is None else items.get(str(k), _MISSING)
                 self.walk(live[k], sub, _join(path, k), _dict_setter(live, k))
             if items is not None:
@@ -312,9 +327,11 @@ def flatten_for_load(
         raise UnsupportedStateError(f"state must be a dict, got {type(state).__name__}")
     saved_tree = saved_tree if isinstance(saved_tree, dict) else {}
     w = _LoadWalker(saved_tensors, strict, state, rank, world, saved_world, per_rank)
-    for k, v in state.items():
+    # The canonical order makes targets and finalizers (load_state_dict calls,
+    # which may be collective) come in the same order on every rank.
+    for k in canonical_keys(state):
         w.flat.roots.append(k)
-        w.walk(v, saved_tree.get(k, _MISSING), k, _dict_setter(state, k))
+        w.walk(state[k], saved_tree.get(k, _MISSING), k, _dict_setter(state, k))
     unexpected = sorted(p[1:] for p in w.flat.value_paths if p.startswith("?"))
     w.flat.value_paths = [p for p in w.flat.value_paths if not p.startswith("?")]
     return w.flat, sorted(w.missing_values), unexpected
@@ -374,10 +391,25 @@ class ModuleAdapter(Adapter):
             walker.flat.finalizers.append(lambda: fsdp1_load_model_state(m, sd))
             return
         sd = _module_tensors(m)
+        copies = throwaway_copies(m, sd)
+        if copies and not routes_state_back(m, copies):
+            from ..errors import format_offenders
+
+            raise UnsupportedStateError(
+                f"{path}: state_dict() returns tensors that are copies, not the module's parameters or buffers "
+                f"({format_offenders([_join(path, k) for k in copies])}), and no load_state_dict pre-hook or "
+                "_load_from_state_dict override could put them back: a load would fill the copies and leave the "
+                "weights as they are. Register the inverse hook (module.register_load_state_dict_pre_hook) or "
+                "make state_dict() return views of the parameters"
+            )
         assign = self._materialize_meta(m, sd, path, walker)
         self._targets(sd, path, saved, walker)
         if assign:
             walker.flat.finalizers.append(lambda: m.load_state_dict(assign, strict=False, assign=True))
+        if copies:
+            # DCP's flow for such modules: the copies were filled; the module's
+            # own load_state_dict (and its hooks) puts them into the weights.
+            walker.flat.finalizers.append(lambda: m.load_state_dict(sd, strict=True))
 
     @staticmethod
     def _targets(sd, path, saved, walker):
@@ -416,6 +448,67 @@ def _empty_like_meta(t, device) -> torch.Tensor:
     from .._runtimes import empty_like_meta
 
     return empty_like_meta(t, device)
+
+
+def _storage_ptr(t: Any) -> Optional[int]:
+    """The address of the storage under ``t`` (a DTensor's local shard), or None (meta, empty, no storage)."""
+    local = t.to_local() if hasattr(t, "to_local") else t
+    if not isinstance(local, torch.Tensor) or local.is_meta or local.numel() == 0:
+        return None
+    try:
+        return local.untyped_storage().data_ptr()
+    except Exception:  # tensor subclasses without storage
+        return None
+
+
+def throwaway_copies(m: torch.nn.Module, sd: Dict[str, Any]) -> List[str]:
+    """Keys of ``sd`` (``m.state_dict(keep_vars=True)``) whose tensors share no storage with ``m``'s weights.
+
+    A state-dict hook that splits a fused weight into new tensors, or one that
+    re-creates them, gives copies: filling them in place would not reach the
+    weights. Views of a parameter (a split that is a view) are not copies.
+
+    Example:
+        >>> m = torch.nn.Linear(2, 2)
+        >>> throwaway_copies(m, {"weight": m.weight.detach().clone(), "bias": m.bias[:1]})
+        ['weight']
+    """
+    own = set()
+    for _, t in list(m.named_parameters(remove_duplicate=False)) + list(m.named_buffers(remove_duplicate=False)):
+        ptr = _storage_ptr(t)
+        if ptr is not None:
+            own.add(ptr)
+    out = []
+    for k, t in sd.items():
+        if _is_tensor(t):
+            ptr = _storage_ptr(t)
+            if ptr is not None and ptr not in own:
+                out.append(k)
+    return sorted(out)
+
+
+def routes_state_back(m: torch.nn.Module, keys: List[str]) -> bool:
+    """True if ``m.load_state_dict`` can turn the copies under ``keys`` back into weights.
+
+    Copies under the module's own parameter/buffer names are loaded by plain
+    ``load_state_dict`` (a hook that re-creates tensors under unchanged
+    names). Other names (a fused weight split into new ones) need a
+    load-state-dict pre-hook or an overridden
+    ``load_state_dict``/``_load_from_state_dict`` somewhere in ``m``: the
+    inverse of the hook that made them.
+    """
+    names = {n for n, _ in m.named_parameters(remove_duplicate=False)} | {n for n, _ in m.named_buffers(remove_duplicate=False)}
+    if all(k in names for k in keys):
+        return True
+    base = torch.nn.Module
+    if type(m).load_state_dict is not base.load_state_dict:
+        return True
+    for sm in m.modules():
+        if getattr(sm, "_load_state_dict_pre_hooks", None) or getattr(sm, "_load_state_dict_post_hooks", None):
+            return True
+        if type(sm)._load_from_state_dict is not base._load_from_state_dict:
+            return True
+    return False
 
 
 def _module_tensors(m: torch.nn.Module) -> Dict[str, Any]:
@@ -535,6 +628,10 @@ class PerRank:
             all saved ranks' states (JSON values decoded, tensors as full CPU
             tensors) and returns the state for this rank, which goes to
             ``obj.load_state_dict`` (or into the dict).
+
+    A multi-rank save compares every rank's plain values: values that differ
+    across ranks and are not wrapped are refused (``UnsupportedStateError``
+    naming their paths), never saved from rank 0 alone.
 
     Same world size: rank ``r`` gets what rank ``r`` saved. The saving and
     loading groups are matched by rank within ``process_group``.

@@ -34,6 +34,13 @@ TESTS = os.path.dirname(HERE)
 SINGLE_FAULTS = ["before_data", "mid_data", "before_manifest", "mid_manifest", "async_mid_data"]
 STALL_S = 20.0  # how long the stuck rank sleeps in stall_data
 STALL_TIMEOUT_S = 4.0  # the manager's collective timeout in that case
+#: Prefix of a fault run with the default collective timeout (1800 s): a dead
+#: peer must still be noticed in seconds, through its stopped heartbeat.
+DEFAULT_TIMEOUT = "default_timeout:"
+#: How long a survivor may take to give up on a SIGKILLed peer with the
+#: default timeout: the liveness timeout (10 s) plus polling and CPU
+#: contention slack. Far below 1800 s, which is what it guards against.
+DEAD_PEER_NOTICED_S = 60.0
 
 
 # --------------------------------------------------------------------------
@@ -120,15 +127,19 @@ def _child_rank(root: str, fault: str, victim: int, rank: int, world: int, port:
     from datetime import timedelta
 
     import torch.distributed as dist
+    from models import build, shard_fsdp2
 
     import shardckpt
-    from models import build, shard_fsdp2
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
     model = shard_fsdp2(build(seed=1))
-    mgr = shardckpt.CheckpointManager(root, keep_last=2, collective_timeout_s=STALL_TIMEOUT_S if fault == "stall_data" else 30)
+    if fault.startswith(DEFAULT_TIMEOUT):  # the library's default collective timeout (1800 s)
+        fault = fault[len(DEFAULT_TIMEOUT):]
+        mgr = shardckpt.CheckpointManager(root, keep_last=2)
+    else:
+        mgr = shardckpt.CheckpointManager(root, keep_last=2, collective_timeout_s=STALL_TIMEOUT_S if fault == "stall_data" else 30)
     mgr.save(1, {"model": model, "step": 1})
     with torch.no_grad():
         for p in model.parameters():
@@ -210,9 +221,10 @@ def test_sigkill_single_process_at_each_moment(tmp_path):
 
 
 def _multi_rank(tmp_path, cases):
-    import shardckpt
     from _dist import free_port
     from models import build
+
+    import shardckpt
 
     runs = []
     for victim, fault in cases:
@@ -229,9 +241,12 @@ def _multi_rank(tmp_path, cases):
             assert rc == -signal.SIGKILL, f"{where}: victim exit {rc}\n{out}"
         rc, out = results[1 - victim]
         assert rc == 3 and "RAISED" in out and "SaveFailedError" in out, f"{where}: survivor exit {rc}\n{out}"
+        took = float(out.split("RAISED after ", 1)[1].split("s:", 1)[0])
         if fault == "stall_data":
-            took = float(out.split("RAISED after ", 1)[1].split("s:", 1)[0])
             assert took < STALL_S, f"{where}: the survivor waited {took}s for a stuck peer (timeout {STALL_TIMEOUT_S}s)"
+        if fault.startswith(DEFAULT_TIMEOUT):
+            assert took < DEAD_PEER_NOTICED_S, f"{where}: the survivor took {took}s to notice its dead peer"
+            assert f"rank {victim} of 2 stopped" in out, f"{where}: the dead rank is not named\n{out}"
         assert not os.path.exists(os.path.join(root, "step-00000002", "manifest.json")), where
         mgr = shardckpt.CheckpointManager(root)
         assert mgr.steps() == [1], where
@@ -244,6 +259,17 @@ def _multi_rank(tmp_path, cases):
 
 def test_sigkill_one_rank_of_two(tmp_path):
     _multi_rank(tmp_path, [(1, "mid_data"), (0, "before_manifest")])
+
+
+def test_dead_rank_noticed_in_seconds_with_default_timeout(tmp_path):
+    """Regression: over the c10d store a killed peer was named only after collective_timeout_s (1800 s)."""
+    _multi_rank(tmp_path, [(1, DEFAULT_TIMEOUT + "mid_data")])
+
+
+@pytest.mark.slow
+def test_dead_store_host_noticed_in_seconds_with_default_timeout(tmp_path):
+    # Rank 0 hosts the store: its death ends the peer's wait through the store itself.
+    _multi_rank(tmp_path, [(0, DEFAULT_TIMEOUT + "before_manifest")])
 
 
 @pytest.mark.slow
