@@ -29,8 +29,8 @@ import argparse
 import json
 import os
 import statistics
-import tempfile
 import sys
+import tempfile
 import time
 import uuid
 
@@ -39,7 +39,6 @@ sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
 sys.path.insert(0, HERE)
 
 import torch  # noqa: E402
-
 from _common import machine_info, markdown_table  # noqa: E402
 
 GB = 1e9

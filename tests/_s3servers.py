@@ -19,7 +19,6 @@ import time
 import uuid
 
 import pytest
-
 from _faultproxy import FaultProxy
 from _moto import _die_with_parent, _free_port
 

@@ -11,11 +11,10 @@ import os
 
 import pytest
 import torch
+from _dist import run_ranks
 
 import shardckpt
-from _dist import run_ranks
-from shardckpt import converters
-from shardckpt import _knobs
+from shardckpt import _knobs, converters
 from shardckpt._storage import S3Storage, Storage
 from shardckpt.errors import CheckpointError, SaveFailedError, StorageError
 
