@@ -36,6 +36,19 @@ environment variable                default     what it sets
 ``SHARDCKPT_CHECKSUMS``             1           0: skip CRC-32C on write (records 0) and
                                                 on read. Benchmarks only: a checkpoint
                                                 written so fails verification, as it should
+``SHARDCKPT_STORAGE_RETRIES``       5           attempts of each remote storage operation
+``SHARDCKPT_RETRY_BASE_DELAY_S``    0.2         first back-off ceiling (doubles per try,
+                                                full jitter)
+``SHARDCKPT_RETRY_MAX_DELAY_S``     5           largest back-off ceiling
+``SHARDCKPT_S3_PART_BYTES``         16 MiB      multipart part size (>= 5 MiB)
+``SHARDCKPT_S3_WRITER_INFLIGHT``    4           parts of one file uploading at once
+``SHARDCKPT_S3_READ_PART_BYTES``    8 MiB       size of each parallel ranged GET
+``SHARDCKPT_S3_MAX_REQUESTS``       32          S3 requests in flight per process/client
+``SHARDCKPT_S3_CONNECT_TIMEOUT_S``  10          TCP connect timeout of an S3 request
+``SHARDCKPT_S3_STALL_TIMEOUT_S``    30          an S3 request without progress this long
+                                                fails (and is retried)
+``SHARDCKPT_S3_MIN_BYTES_PER_S``    1 MiB       slowest live transfer rate (deadline of a
+                                                request: stall timeout + bytes / this)
 ==================================  ==========  ===========================================
 
 Sizes accept plain integers or a unit suffix (``KiB``, ``MiB``, ``GiB``, ``KB``,
@@ -60,6 +73,16 @@ __all__ = [
     "LOAD_BUFFER_BYTES",
     "LOAD_RANGE_BYTES",
     "BLOCK_BYTES",
+    "STORAGE_RETRIES",
+    "RETRY_BASE_DELAY_S",
+    "RETRY_MAX_DELAY_S",
+    "S3_PART_BYTES",
+    "S3_WRITER_INFLIGHT_PARTS",
+    "S3_READ_PART_BYTES",
+    "S3_MAX_REQUESTS",
+    "S3_CONNECT_TIMEOUT_S",
+    "S3_STALL_TIMEOUT_S",
+    "S3_MIN_BYTES_PER_S",
     "ENV_PREFIX",
 ]
 
@@ -154,3 +177,30 @@ LOAD_RANGE_BYTES = _int("LOAD_RANGE_BYTES", 8 << 20)
 #: read over-reads at most one block at each end. Written into the manifest,
 #: so checkpoints saved with another value read the same.
 BLOCK_BYTES = _int("BLOCK_BYTES", 1 << 20, minimum=4096)
+
+# -- storage (shardckpt/_storage; read at call time, so in-process assignment works)
+
+#: Attempts of each remote storage operation before a StorageError naming it.
+STORAGE_RETRIES = _int("STORAGE_RETRIES", 5)
+#: Ceiling of the first back-off delay; doubles after each failure ("full
+#: jitter": the delay is uniform below the ceiling, so throttled ranks spread out).
+RETRY_BASE_DELAY_S = _float("RETRY_BASE_DELAY_S", 0.2)
+#: No back-off ceiling grows past this.
+RETRY_MAX_DELAY_S = _float("RETRY_MAX_DELAY_S", 5.0)
+#: S3 multipart part size, also the largest object sent as one PutObject
+#: (S3: parts >= 5 MiB but the last, at most 10,000 parts).
+S3_PART_BYTES = _int("S3_PART_BYTES", 16 << 20, minimum=5 << 20)
+#: Parts of one S3 writer uploading at once: a writer holds at most
+#: (this + 1) parts of memory.
+S3_WRITER_INFLIGHT_PARTS = _int("S3_WRITER_INFLIGHT", 4)
+#: Size of each ranged GET an S3 read is split into (fetched concurrently).
+S3_READ_PART_BYTES = _int("S3_READ_PART_BYTES", 8 << 20)
+#: S3 requests in flight at once through one client (also its connection pool).
+S3_MAX_REQUESTS = _int("S3_MAX_REQUESTS", 32)
+#: TCP connect timeout of each S3 request.
+S3_CONNECT_TIMEOUT_S = _float("S3_CONNECT_TIMEOUT_S", 10.0)
+#: An S3 request with no progress this long fails (and is retried).
+S3_STALL_TIMEOUT_S = _float("S3_STALL_TIMEOUT_S", 30.0)
+#: Slowest transfer rate still alive: a request's deadline is the stall
+#: timeout plus its bytes at this rate.
+S3_MIN_BYTES_PER_S = _int("S3_MIN_BYTES_PER_S", 1 << 20)

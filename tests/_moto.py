@@ -32,6 +32,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _die_with_parent() -> None:
+    """In the child before exec: SIGKILL when the test process dies (Linux; elsewhere a no-op)."""
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except Exception:
+        pass
+
+
 def _moto_server() -> str:
     # The venv's own entry point first (tests run with .venv/bin/python).
     here = os.path.join(os.path.dirname(sys.executable), "moto_server")
@@ -54,6 +65,8 @@ def s3_endpoint():
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         env=env,
+        # Stopped with the test process even when that is killed (no teardown).
+        preexec_fn=_die_with_parent,
     )
     try:
         deadline = time.monotonic() + 30

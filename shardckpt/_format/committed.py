@@ -62,13 +62,18 @@ def commit(storage: Any, manifest: Manifest, *, replace: bool = False) -> None:
         replace: a committed checkpoint may be there and is being replaced.
 
     Raises:
-        OSError / StorageError: the manifest could not be written (nothing committed).
+        OSError / StorageError: a named data file is missing or of the wrong
+            size (``Storage.check_objects``), or the manifest could not be
+            written (nothing committed).
 
     Example:
         >>> commit(storage, manifest, replace=True)     # doctest: +SKIP
     """
     body = manifest_to_bytes(manifest)
     index = hf_index_bytes(manifest)
+    # Data files removed since they were written (cleanup() on the same root,
+    # a lifecycle rule, an emptied bucket) must not be named by a commit.
+    storage.check_objects({rel: fm.size for rel, fm in manifest.files.items()})
     # Before the commit the index is just another file, but it must keep
     # naming the old checkpoint's files if the commit fails: keep it.
     prev = _read_optional(storage, HF_INDEX_NAME) if index is not None else None

@@ -2,7 +2,7 @@
 
 ``Storage(url, storage_options=...)`` returns the backend for ``url``:
 :class:`LocalStorage` (plain paths, ``file://``) or :class:`FsspecStorage`
-(any other fsspec URL). Callers ask ``storage.caps`` (:class:`Capabilities`)
+(any other fsspec URL), :class:`S3Storage` (``s3://``). Callers ask ``storage.caps`` (:class:`Capabilities`)
 instead of checking which backend they hold. See docs/storage.md.
 """
 
@@ -13,6 +13,7 @@ from ._base import (
     StagedFile,
     Storage,
     Writer,
+    backoff_delay,
     join_url,
     plan_range_fetches,
     pwrite_all,
@@ -20,6 +21,7 @@ from ._base import (
 from ._factory import backend_for, open_storage
 from ._fsspec import FsspecStorage
 from ._local import WRITEBACK_BYTES, LocalStorage, fsync_dir
+from ._s3 import S3Storage
 
 __all__ = [
     "Capabilities",
@@ -27,11 +29,13 @@ __all__ = [
     "FsspecStorage",
     "LocalStorage",
     "RANGE_MERGE_GAP_BYTES",
+    "S3Storage",
     "StagedFile",
     "Storage",
     "WRITEBACK_BYTES",
     "Writer",
     "backend_for",
+    "backoff_delay",
     "fsync_dir",
     "join_url",
     "open_storage",

@@ -16,29 +16,35 @@ from __future__ import annotations
 
 import abc
 import os
+import random
 import tempfile
 import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, TypeVar
 
-from ..errors import StorageError, UnsafeMetadataError
+from .. import _knobs
+from ..errors import StorageError, UnsafeMetadataError, format_offenders
 
 __all__ = [
     "Capabilities",
     "DEFAULT_RETRIES",
     "RANGE_MERGE_GAP_BYTES",
+    "STAT_THREADS",
     "Storage",
+    "backoff_delay",
     "StagedFile",
     "Writer",
     "join_url",
     "plan_range_fetches",
 ]
 
-#: Attempts for each remote operation before giving up with a StorageError.
-DEFAULT_RETRIES = 3
-#: First back-off delay between attempts; doubles after each failure.
-RETRY_BASE_DELAY_S = 0.2
+# The retry policy's tunables live in shardckpt/_knobs.py (STORAGE_RETRIES,
+# RETRY_BASE_DELAY_S, RETRY_MAX_DELAY_S), read at call time.
+#: Attempts for each remote operation before giving up (the ``retries=`` default).
+DEFAULT_RETRIES = _knobs.STORAGE_RETRIES
+#: Threads that stat objects concurrently in ``stat_sizes`` (high-latency backends).
+STAT_THREADS = 16
 #: ``read_into`` on a remote backend fetches two ranges as one request when at
 #: most this many bytes lie between them (one round trip costs more than
 #: reading a few hundred KiB more).
@@ -75,6 +81,19 @@ class Capabilities:
     positional_write: bool
     high_latency: bool
     batched_reads: bool
+
+
+def backoff_delay(attempt: int, *, rng: Optional[random.Random] = None) -> float:
+    """Seconds to wait before retry ``attempt + 1``: "full jitter" exponential back-off.
+
+    Uniform in ``[0, min(RETRY_MAX_DELAY_S, RETRY_BASE_DELAY_S * 2**attempt)]``
+    (``shardckpt._knobs``, read at call time): random, so that ranks throttled
+    together (503 SlowDown) do not retry in lock step.
+
+    Example: ``0 <= backoff_delay(0) <= _knobs.RETRY_BASE_DELAY_S``.
+    """
+    cap = min(_knobs.RETRY_MAX_DELAY_S, _knobs.RETRY_BASE_DELAY_S * (2 ** min(attempt, 30)))
+    return (rng or random).uniform(0.0, cap)
 
 
 def join_url(root: str, rel: str) -> str:
@@ -337,23 +356,39 @@ class Storage(abc.ABC):
     # -- shared logic -----------------------------------------------------------
 
     def _retry(self, what: str, fn: Callable[..., _T], *args, **kwargs) -> _T:
-        """``fn(*args, **kwargs)`` with retries and back-off on transient ``OSError``s.
+        """``fn(*args, **kwargs)`` with retries and jittered back-off on transient errors.
 
-        Missing files and permission errors are answers, not hiccups: they are
-        raised at once. The last failure becomes a ``StorageError`` naming ``what``.
+        What is transient is the backend's call (:meth:`_classify`): missing
+        files and permission errors are answers, not hiccups, and are raised at
+        once. The last transient failure becomes a ``StorageError`` naming ``what``.
         """
-        delay = RETRY_BASE_DELAY_S  # read at call time: tests shorten it
         for attempt in range(self.retries):
             try:
                 return fn(*args, **kwargs)
-            except (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError):
-                raise
-            except OSError as e:  # transient on object stores: timeouts, 5xx, throttling
+            except Exception as e:
+                err = self._classify(e, what)
+                if err is not None:
+                    if err is e:
+                        raise
+                    raise err from e
                 if attempt + 1 == self.retries:
                     raise StorageError(f"{what} failed after {self.retries} attempts: {e}") from e
-                time.sleep(delay)
-                delay *= 2
+                time.sleep(backoff_delay(attempt))
         raise AssertionError("unreachable")  # pragma: no cover
+
+    def _classify(self, e: Exception, what: str) -> Optional[Exception]:
+        """``None`` if ``e`` is transient (retry it), else the exception to raise for it.
+
+        Base rule: ``OSError`` is transient on remote backends (timeouts,
+        5xx, throttling) except missing files and permission errors, which
+        are raised as they are; anything else is a bug and is raised as is.
+        Backends override this to recognise their client's own exceptions.
+        """
+        if isinstance(e, (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, StorageError)):
+            return e
+        if isinstance(e, OSError):
+            return None
+        return e
 
     def _p(self, rel: str) -> str:
         return self.path(check_rel(rel, where=self.url))
@@ -396,6 +431,65 @@ class Storage(abc.ABC):
     def size(self, rel: str) -> int:
         """Size in bytes; raises ``FileNotFoundError`` when missing."""
         return int(self._size(self._p(rel)))
+
+    def stat_sizes(self, rels: Iterable[str]) -> Dict[str, Optional[int]]:
+        """Current size of each file (``None`` if missing), asked of the storage itself, not of a cache.
+
+        High-latency backends stat the files concurrently (``STAT_THREADS``).
+        No listing: each file is one stat (HEAD), so the cost does not grow
+        with what else lies under the root.
+
+        Raises:
+            StorageError: a stat failed for another reason than absence.
+        """
+        rels = sorted(set(rels))
+        for rel in rels:
+            check_rel(rel, where=self.url)
+
+        def one(rel: str) -> Tuple[str, Optional[int]]:
+            try:
+                return rel, int(self._fresh_size(self.path(rel)))
+            except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+                # A directory where a file should be is as good as missing.
+                return rel, None
+
+        if len(rels) > 1 and self.caps.high_latency:
+            from concurrent.futures import ThreadPoolExecutor
+
+            with ThreadPoolExecutor(max_workers=min(STAT_THREADS, len(rels)), thread_name_prefix="shardckpt-stat") as ex:
+                return dict(ex.map(one, rels))
+        return dict(one(rel) for rel in rels)
+
+    def check_objects(self, expected: Dict[str, int], *, what: str = "checkpoint") -> None:
+        """Raise unless every file in ``expected`` exists now with exactly its expected size.
+
+        The commit calls this right before publishing a manifest: data files
+        removed or replaced since they were written (a concurrent
+        ``cleanup()``, a lifecycle rule, an emptied bucket) must not be named
+        by a committed checkpoint.
+
+        Raises:
+            StorageError: lists (capped) every missing or wrong-sized file.
+
+        Example: ``st.check_objects({"data/a.safetensors": 1024})``.
+        """
+        sizes = self.stat_sizes(expected)
+        missing = [rel for rel, n in sizes.items() if n is None]
+        wrong = [f"{rel} ({n} bytes, expected {expected[rel]})" for rel, n in sizes.items() if n is not None and n != expected[rel]]
+        if missing or wrong:
+            parts = []
+            if missing:
+                parts.append(f"{len(missing)} missing: {format_offenders(missing, limit=10)}")
+            if wrong:
+                parts.append(f"{len(wrong)} of the wrong size: {format_offenders(wrong, limit=10)}")
+            raise StorageError(
+                f"{self.url}: {what} files changed after they were written ({'; '.join(parts)}); "
+                "another process (cleanup(), a second manager, a lifecycle rule) may be deleting files under this root"
+            )
+
+    def _fresh_size(self, path: str) -> int:
+        """``_size`` bypassing any cache the backend keeps (default: ``_size``)."""
+        return self._size(path)
 
     def listdir(self, rel: str = "") -> List[str]:
         """Names (not paths) directly under ``rel``, sorted; ``[]`` if it does not exist."""

@@ -111,7 +111,7 @@ class FsspecStorage(Storage):
 
     def child(self, rel: str) -> "Storage":
         # Share the filesystem instance: no second url_to_fs, same caches.
-        return FsspecStorage(
+        return type(self)(
             self.url_of(rel), storage_options=self.storage_options, retries=self.retries, fs=self.fs, root=self._p(rel)
         )
 
@@ -136,6 +136,13 @@ class FsspecStorage(Storage):
         info = self._retry(f"stat {self._url(path)}", self.fs.info, path)
         return int(info["size"])
 
+    def _fresh_size(self, path: str) -> int:
+        # fsspec may answer info() from a listing cached before another
+        # process deleted the file: drop it first.
+        if hasattr(self.fs, "invalidate_cache"):
+            self.fs.invalidate_cache(path)
+        return self._size(path)
+
     def _listdir(self, path: str) -> List[str]:
         entries = self._retry(f"list {self._url(path)}", self.fs.ls, path, detail=False)
         base = path.rstrip("/")
@@ -148,7 +155,10 @@ class FsspecStorage(Storage):
         return out
 
     def _walk(self, path: str) -> List[str]:
-        found = self._retry(f"find {self._url(path)}", self.fs.find, path)
+        found = self._retry(f"find {self._url(path)}", self.fs.find, path, detail=True)
+        # Files only: s3fs answers a find of an emptied prefix with the
+        # prefix itself, typed "directory", on servers that keep folders.
+        found = [p for p, info in found.items() if (info or {}).get("type") != "directory"]
         root = self.root.rstrip("/") + "/"
         out = []
         for p in found:

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _dist import run_ranks
 
 import shardckpt
-from _dist import run_ranks
 from shardckpt._storage import Storage
-from shardckpt.errors import CheckpointExistsError, ChecksumMismatchError, CheckpointNotFoundError, StorageError
+from shardckpt.errors import CheckpointExistsError, CheckpointNotFoundError, ChecksumMismatchError, StorageError
 
 pytestmark = pytest.mark.s3
 

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from shardckpt._storage import FsspecStorage, LocalStorage, backend_for, plan_range_fetches
+from shardckpt._storage import FsspecStorage, LocalStorage, S3Storage, backend_for, plan_range_fetches
 from shardckpt._storage._base import check_rel
 from shardckpt.errors import StorageError, UnsafeMetadataError
 
@@ -36,8 +36,10 @@ def test_check_rel_refuses(rel):
 def test_backend_for():
     assert backend_for("/tmp/x") is LocalStorage and backend_for("rel/dir") is LocalStorage
     assert backend_for("file:///tmp/x", {"auto_mkdir": True}) is LocalStorage
-    for url in ("s3://b/x", "memory://x", "local:///tmp/x", "gs://b/x"):
+    for url in ("memory://x", "local:///tmp/x", "gs://b/x", "az://c/x"):
         assert backend_for(url) is FsspecStorage
+    for url in ("s3://b/x", "s3a://b/x"):
+        assert backend_for(url) is S3Storage and issubclass(S3Storage, FsspecStorage)
     with pytest.raises(StorageError, match="non-empty str"):
         backend_for("")
 
@@ -45,3 +47,88 @@ def test_backend_for():
 def test_storage_imports_no_torch():
     code = "import sys; sys.modules['torch'] = None; import shardckpt._storage as s; s.Storage('memory://x/y').write_atomic('a', b'1')"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_backoff_is_jittered_and_capped(monkeypatch):
+    import random
+
+    from shardckpt import _knobs
+    from shardckpt._storage import backoff_delay
+
+    monkeypatch.setattr(_knobs, "RETRY_BASE_DELAY_S", 0.5)
+    monkeypatch.setattr(_knobs, "RETRY_MAX_DELAY_S", 3.0)
+    rng = random.Random(0)
+    for attempt, cap in [(0, 0.5), (1, 1.0), (2, 2.0), (3, 3.0), (40, 3.0)]:
+        ds = [backoff_delay(attempt, rng=rng) for _ in range(200)]
+        assert all(0 <= d <= cap for d in ds) and max(ds) > cap * 0.8 and len(set(ds)) > 150
+
+
+def _client_error(code, status):
+    from botocore.exceptions import ClientError
+
+    return ClientError({"Error": {"Code": code, "Message": "m"}, "ResponseMetadata": {"HTTPStatusCode": status}}, "GetObject")
+
+
+@pytest.mark.parametrize(
+    "code,status,outcome",
+    [
+        ("SlowDown", 503, None),
+        ("InternalError", 500, None),
+        ("ServiceUnavailable", 503, None),
+        ("RequestTimeout", 400, None),
+        ("Whatever", 502, None),
+        ("TooManyRequests", 429, None),
+        ("NoSuchKey", 404, FileNotFoundError),
+        ("AccessDenied", 403, "credentials"),
+        ("InvalidAccessKeyId", 403, "credentials"),
+        ("SignatureDoesNotMatch", 403, "credentials"),
+        ("NoSuchBucket", 404, "bucket does not exist"),
+        ("InvalidArgument", 400, "InvalidArgument"),
+    ],
+)
+def test_s3_error_classification(code, status, outcome):
+    """Transient S3 answers are retried (None); the rest become our errors, never botocore's."""
+    st = S3Storage("s3://bucket/x", storage_options={"key": "k", "secret": "s", "endpoint_url": "http://127.0.0.1:9"})
+    got = st._classify(_client_error(code, status), "read s3://bucket/x/f")
+    if outcome is None:
+        assert got is None
+    elif outcome is FileNotFoundError:
+        assert isinstance(got, FileNotFoundError)
+    else:
+        assert isinstance(got, StorageError) and outcome in str(got) and "s3://bucket/x/f" in str(got)
+
+
+def test_s3_transport_errors_are_transient_and_missing_credentials_are_ours():
+    import asyncio
+
+    import aiohttp
+    from botocore.exceptions import EndpointConnectionError, NoCredentialsError, ReadTimeoutError
+
+    st = S3Storage("s3://bucket/x", storage_options={"key": "k", "secret": "s", "endpoint_url": "http://127.0.0.1:9"})
+    for e in (
+        ConnectionResetError("reset"),
+        asyncio.TimeoutError(),
+        aiohttp.ServerDisconnectedError(),
+        EndpointConnectionError(endpoint_url="http://127.0.0.1:9"),
+        ReadTimeoutError(endpoint_url="http://127.0.0.1:9"),
+    ):
+        assert st._classify(e, "x") is None, e
+    got = st._classify(NoCredentialsError(), "stat s3://bucket/x/manifest.json")
+    assert isinstance(got, StorageError) and "storage_options" in str(got) and "AWS_ACCESS_KEY_ID" in str(got)
+    assert isinstance(st._classify(PermissionError("denied"), "x"), StorageError)
+    bug = TypeError("a bug")
+    assert st._classify(bug, "x") is bug
+
+
+def test_fault_proxy_fates_are_seeded():
+    from _faultproxy import FaultProxy
+
+    fates = []
+    for _ in range(2):
+        p = FaultProxy(("127.0.0.1", 9), seed=7)
+        try:
+            p.set_faults(reset=0.2, slowdown=0.2, delay=0.1, stall=0.1)
+            fates.append([p._fate(n)[0] for n in range(200)])
+        finally:
+            p.close()
+    assert fates[0] == fates[1] and {"pass", "reset", "slowdown", "delay", "stall"} == set(fates[0])

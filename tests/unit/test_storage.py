@@ -106,9 +106,9 @@ def test_bad_url(url):
 
 
 def test_retries_transient_errors(monkeypatch):
-    from shardckpt._storage import _base
+    from shardckpt import _knobs
 
-    monkeypatch.setattr(_base, "RETRY_BASE_DELAY_S", 0.001)
+    monkeypatch.setattr(_knobs, "RETRY_BASE_DELAY_S", 0.001)
     st = Storage(f"memory://shardckpt-storage/{uuid.uuid4().hex}", retries=3)
     st.write_atomic("f", b"abc")
     real = st.fs.cat_file
