@@ -45,7 +45,14 @@ if TYPE_CHECKING:  # pragma: no cover
 #: ``key_map``: checkpoint name -> state name, as a dict or a callable (None drops).
 KeyMap = Union[Mapping[str, str], Callable[[str], Optional[str]]]
 
-__all__ = ["load", "LoadResult", "read_manifest"]
+__all__ = ["load", "LoadResult", "read_manifest", "DEFAULT_CAST"]
+
+#: ``load(cast=...)``: floating-point checkpoint tensors load into floating-point
+#: live tensors of another precision (bf16 Hub weights into fp32 masters).
+DEFAULT_CAST = True
+
+# safetensors dtype names that may be cast into one another (``copy_`` casts).
+_FLOATING = frozenset({"F16", "BF16", "F32", "F64", "F8_E4M3", "F8_E5M2", "F8_E4M3FNUZ", "F8_E5M2FNUZ"})
 
 
 class LoadResult(NamedTuple):
@@ -94,6 +101,7 @@ def load(
     key_map: Optional[KeyMap] = None,
     collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S,
     no_dist: bool = False,
+    cast: bool = DEFAULT_CAST,
 ) -> LoadResult:
     """Load a checkpoint into ``state`` in place, resharding to the live layout.
 
@@ -133,6 +141,13 @@ def load(
             within it is named and the others raise ``LoadFailedError``.
         no_dist: this process alone, as if no process group existed; every
             tensor of ``state`` must be whole here (a sharded DTensor is refused).
+        cast: True (default) lets a floating-point checkpoint tensor (F16,
+            BF16, F32, F64, FP8) load into a live floating-point tensor of
+            another precision, cast while copying (as ``tensor.to`` rounds);
+            the live dtype is kept. Integer, bool and complex tensors never
+            cast. False demands the exact dtype (``StateMismatchError``
+            naming every differing tensor). The rule, in one place:
+            ``docs/interop.md``, "Casting on load".
 
     ``url`` may also be a Hugging Face safetensors directory (with or without
     ``model.safetensors.index.json``) or one ``.safetensors`` file: its bare
@@ -171,7 +186,9 @@ def load(
             from ._hf import select_for_load
 
             manifest = select_for_load(manifest, state, keys=keys, key_map=key_map)
-        plan = _plan_load(state, manifest, strict=strict, rank=comm.rank, world=comm.world, local_only=comm.no_dist)
+        plan = _plan_load(
+            state, manifest, strict=strict, rank=comm.rank, world=comm.world, local_only=comm.no_dist, cast=cast
+        )
         return plan, _read(storage, plan, io_threads)
 
     # Agree across ranks before touching any tensor: one rank's damaged file
@@ -216,7 +233,29 @@ def _apply(plan: LoadPlan, staged, chunk_index) -> None:
         fn()
 
 
-def _plan_load(state, manifest: Manifest, *, strict: bool, rank: int, world: int, local_only: bool = False) -> LoadPlan:
+def dtype_problem(name: str, saved: str, live: str, *, cast: bool = DEFAULT_CAST) -> Optional[str]:
+    """Why a checkpoint tensor of dtype ``saved`` cannot fill a live tensor of dtype ``live``, or None.
+
+    The one rule (``docs/interop.md``, "Casting on load"): equal dtypes
+    always load; two floating-point dtypes load when ``cast`` (the copy
+    rounds to the live dtype); anything else — integers, bool, complex,
+    integer <-> float — is refused, so no index or count is silently changed.
+
+        >>> dtype_problem("w", "BF16", "F32") is None
+        True
+    """
+    if saved == live:
+        return None
+    if saved in _FLOATING and live in _FLOATING:
+        if cast:
+            return None
+        return f"{name}: checkpoint dtype {saved}, live dtype {live} (cast=False refuses casting)"
+    return f"{name}: checkpoint dtype {saved}, live dtype {live} (only floating-point tensors are cast)"
+
+
+def _plan_load(
+    state, manifest: Manifest, *, strict: bool, rank: int, world: int, local_only: bool = False, cast: bool = DEFAULT_CAST
+) -> LoadPlan:
     flat, missing_values, unexpected_values = flatten_for_load(
         state,
         manifest.values,
@@ -256,8 +295,9 @@ def _plan_load(state, manifest: Manifest, *, strict: bool, rank: int, world: int
         if list(lay.shape) != list(meta.shape):
             problems.append(f"{name}: checkpoint shape {list(meta.shape)}, live shape {list(lay.shape)}")
             continue
-        if lay.dtype != meta.dtype:
-            problems.append(f"{name}: checkpoint dtype {meta.dtype}, live dtype {lay.dtype}")
+        why = dtype_problem(name, meta.dtype, lay.dtype, cast=cast)
+        if why is not None:
+            problems.append(why)
             continue
         if any(c.crc32c is None for c in meta.chunks):
             # No checksum to verify (safetensors sources): read only our rows.
@@ -271,8 +311,13 @@ def _plan_load(state, manifest: Manifest, *, strict: bool, rank: int, world: int
         )
         targets.append(_Target(name, meta, parts, pieces))
     if problems:
+        hint = ""
+        if any("cast=False" in p for p in problems):
+            hint = ". Pass cast=True (the default) to cast floating-point tensors to the live dtype"
+        elif any("are cast" in p for p in problems):
+            hint = ". Convert the live tensors (or the checkpoint) to the saved dtype; integers and bools are never cast"
         raise StateMismatchError(
-            f"cannot load, {len(problems)} tensor(s) differ: " + format_offenders(problems, sep="; ")
+            f"cannot load, {len(problems)} tensor(s) differ: " + format_offenders(problems, sep="; ") + hint
         )
     return LoadPlan(
         manifest=manifest,
