@@ -8,6 +8,7 @@ No torch import.
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import math
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Union
@@ -15,6 +16,8 @@ from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Seque
 from ._format import ChunkMeta, Manifest, TensorMeta, itemsize
 from ._format.header import read_safetensors_header
 from ._format.hf import MAX_INDEX_BYTES, SOURCE_SAFETENSORS, hf_manifest
+from ._format.values import TAG
+from ._format.values import is_tensor_ref as _is_ref
 from ._format.values import rename_refs as _rename_refs
 from .errors import StateMismatchError, format_offenders
 
@@ -27,6 +30,8 @@ __all__ = [
     "map_names",
     "select_for_load",
     "narrow_unchecked",
+    "aliases_of",
+    "with_aliases",
     "KeyMap",
 ]
 
@@ -182,3 +187,52 @@ def narrow_unchecked(meta: TensorMeta, boxes: Sequence[Any]) -> TensorMeta:
             )
     return TensorMeta(dtype=meta.dtype, shape=meta.shape, chunks=out, layout=meta.layout)
 
+
+
+# --------------------------------------------------------------------------
+# tied weights: one tensor saved once, referenced under several names
+
+
+def aliases_of(values: Any) -> Dict[str, str]:
+    """``{alias: saved name}`` of a values tree: references whose name is not their own path.
+
+    Tied parameters are saved once, under the first name in module order;
+    every other name is a tensor reference to it (``docs/format.md``).
+
+        >>> aliases_of({"model": {"a": {"__shardckpt__": "tensor", "name": "model.a"},
+        ...                       "b": {"__shardckpt__": "tensor", "name": "model.a"}}})
+        {'model.b': 'model.a'}
+    """
+    out: Dict[str, str] = {}
+
+    def walk(node: Any, path: str) -> None:
+        if isinstance(node, dict):
+            if _is_ref(node):
+                name = node.get("name")
+                if isinstance(name, str) and path and name != path:
+                    out[path] = name
+                return
+            if TAG in node:
+                return
+            for k, v in node.items():
+                walk(v, f"{path}.{k}" if path else str(k))
+        elif isinstance(node, list):
+            for i, v in enumerate(node):
+                walk(v, f"{path}.{i}" if path else str(i))
+
+    walk(values, "")
+    return out
+
+
+def with_aliases(manifest: Manifest) -> Manifest:
+    """The manifest with each alias also listed as a tensor (the same chunks as the tensor it names).
+
+    Lets an untied live model, a template-less load or ``keys=`` find a tied
+    weight under either name. The manifest is returned as is when it has no
+    aliases.
+    """
+    extra = {a: manifest.tensors[n] for a, n in aliases_of(manifest.values).items()
+             if a not in manifest.tensors and n in manifest.tensors}
+    if not extra:
+        return manifest
+    return dataclasses.replace(manifest, tensors={**manifest.tensors, **extra})

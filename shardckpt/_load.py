@@ -181,7 +181,9 @@ def load(
     storage = Storage(url, storage_options=storage_options)
 
     def plan_and_read():
-        manifest = read_manifest(storage)
+        from ._hf import with_aliases
+
+        manifest = with_aliases(read_manifest(storage))
         if keys is not None or key_map is not None or manifest.extra.get("source") == "safetensors":
             from ._hf import select_for_load
 

@@ -112,6 +112,8 @@ class _SaveWalker:
         self.per_rank_depth = 0  # > 0 while walking inside a PerRank value
 
     def walk(self, v: Any, path: str) -> Any:
+        if isinstance(v, Raw):
+            return v.node
         if _is_tensor(v):
             if path in self.flat.tensors:
                 raise UnsupportedStateError(f"{path}: two entries of the state map to the same name")
@@ -362,6 +364,12 @@ class ModuleAdapter(Adapter):
             raise UnsupportedStateError(
                 f"{path}: tensors on the meta device hold no data and cannot be saved: {format_offenders(meta)}"
             )
+        # Tied parameters (one tensor under several names) are written once,
+        # under the first name in module order; the others are references to
+        # it in the values tree (the manifest's record of the alias).
+        for names in tied_groups(sd):
+            for alias in names[1:]:
+                sd[alias] = Raw(tensor_ref(_join(path, names[0])))
         return sd
 
     def load(self, obj, path, saved, walker):
@@ -375,9 +383,27 @@ class ModuleAdapter(Adapter):
             return
         sd = _module_tensors(m)
         assign = self._materialize_meta(m, sd, path, walker)
+        self._untie_targets(sd, path, walker)
         self._targets(sd, path, saved, walker)
         if assign:
             walker.flat.finalizers.append(lambda: m.load_state_dict(assign, strict=False, assign=True))
+
+    @staticmethod
+    def _untie_targets(sd, path, walker):
+        """Fill each tied tensor once, from whichever of its names the checkpoint has.
+
+        The other names leave ``sd`` (not missing: they are the same tensor)
+        and, if the checkpoint holds them too, are skipped rather than
+        reported unexpected.
+        """
+        for names in tied_groups(sd):
+            present = [n for n in names if _join(path, n) in walker.saved_tensors]
+            primary = present[0] if present else names[0]
+            for n in names:
+                if n != primary:
+                    del sd[n]
+                    if n in present:
+                        walker.flat.skip.append(_join(path, n))
 
     @staticmethod
     def _targets(sd, path, saved, walker):
@@ -392,6 +418,12 @@ class ModuleAdapter(Adapter):
     def _materialize_meta(m, sd, path, walker) -> Dict[str, Any]:
         """Swap meta entries of ``sd`` the checkpoint has for empty real tensors; return them."""
         meta_keys = [k for k, t in sd.items() if _is_tensor(t) and t.is_meta and _join(path, k) in walker.saved_tensors]
+        # A tied tensor is materialized under all its names, so that
+        # load_state_dict(assign=True) installs one Parameter everywhere and
+        # the tie survives (HF directories hold only one of the names).
+        for names in tied_groups(sd):
+            if any(n in meta_keys for n in names):
+                meta_keys += [n for n in names if n not in meta_keys]
         if not meta_keys:
             return {}
         from .._runtimes import materialize_device
@@ -416,6 +448,20 @@ def _empty_like_meta(t, device) -> torch.Tensor:
     from .._runtimes import empty_like_meta
 
     return empty_like_meta(t, device)
+
+
+def tied_groups(sd: Dict[str, Any]) -> List[List[str]]:
+    """Names of ``sd`` that hold the same tensor object (tied weights), in order; only groups of two or more.
+
+        >>> w = torch.nn.Parameter(torch.ones(2))
+        >>> tied_groups({"emb.weight": w, "bias": torch.zeros(1), "head.weight": w})
+        [['emb.weight', 'head.weight']]
+    """
+    by_id: Dict[int, List[str]] = {}
+    for k, t in sd.items():
+        if _is_tensor(t):
+            by_id.setdefault(id(t), []).append(k)
+    return [names for names in by_id.values() if len(names) > 1]
 
 
 def _module_tensors(m: torch.nn.Module) -> Dict[str, Any]:
