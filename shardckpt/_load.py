@@ -90,7 +90,7 @@ class LoadPlan:
 
 
 def load(
-    state: Dict[str, Any],
+    state: Optional[Dict[str, Any]],
     url: str,
     *,
     storage_options: Optional[Dict[str, Any]] = None,
@@ -158,8 +158,18 @@ def load(
 
         >>> shardckpt.load({"model": fsdp_model}, "Llama-3-8B/")   # doctest: +SKIP
 
+    Without a live state (``state`` is ``None`` or ``{}``), on one process
+    (not collective): returns ``{path: value}`` for each path ``keys`` asks
+    (tensor names, or dotted paths into saved values: ``"train_state.step"``;
+    globs allowed), default the top-level entries. Tensors come back as
+    plain CPU tensors of the saved dtype (whole, whatever the saving world
+    size), values as Python values, containers with both rebuilt:
+
+        >>> shardckpt.load(None, url, keys=["model.lm_head.weight", "train_state.step"])  # doctest: +SKIP
+        {'model.lm_head.weight': tensor(...), 'train_state.step': 1200}
+
     Returns:
-        LoadResult(missing_keys, unexpected_keys).
+        LoadResult(missing_keys, unexpected_keys); without a live state, a dict.
 
     Raises:
         CheckpointNotFoundError: no ``manifest.json`` at ``url``.
@@ -175,6 +185,8 @@ def load(
     Memory: the bytes this rank needs are staged in host memory, verified,
     then copied — about one extra copy of the rank's shard at peak.
     """
+    if state is None or (isinstance(state, dict) and not state):
+        return _load_by_keys(url, keys=keys, storage_options=storage_options, io_threads=io_threads)
     comm = open_comm(
         process_group, no_dist=no_dist, collective_timeout_s=collective_timeout_s, op="shardckpt.load", error=LoadFailedError
     )
@@ -198,6 +210,38 @@ def load(
     (plan, (staged, chunk_index)), _ = agree(comm, plan_and_read, what=f"nothing was loaded from {storage.url}")
     _apply(plan, staged, chunk_index)
     return plan.result
+
+
+def _load_by_keys(url: str, *, keys, storage_options, io_threads: int) -> Dict[str, Any]:
+    """``load(None, url, keys=...)``: what was asked, as plain tensors and values (one process)."""
+    from ._format.values import decode_value, is_tensor_ref, tensor_names
+    from ._format.values import TAG as _TAG
+    from ._hf import select_paths, with_aliases
+
+    storage = Storage(url, storage_options=storage_options)
+    manifest = with_aliases(read_manifest(storage))
+    asked = select_paths(manifest, keys)
+    names = sorted({n for node in asked.values() for n in tensor_names(node) if n in manifest.tensors})
+    # Reading goes through the one load path (verified reads), into a flat
+    # template of new tensors named exactly as saved.
+    template = {n: torch.empty(tuple(manifest.tensors[n].shape), dtype=torch_dtype(manifest.tensors[n].dtype)) for n in names}
+    if names:
+        load(template, url, storage_options=storage_options, io_threads=io_threads, keys=names, key_map={}, no_dist=True)
+
+    def build(node: Any) -> Any:
+        if is_tensor_ref(node):
+            return template.get(node.get("name"))
+        if isinstance(node, dict) and _TAG in node and node[_TAG] in ("tuple", "dict"):
+            if node[_TAG] == "tuple":
+                return tuple(build(x) for x in node["items"])
+            return {decode_value(k): build(v) for k, v in node["items"]}
+        if isinstance(node, dict) and _TAG not in node:
+            return {k: build(v) for k, v in node.items()}
+        if isinstance(node, list):
+            return [build(x) for x in node]
+        return decode_value(node)
+
+    return {path: build(node) for path, node in asked.items()}
 
 
 def _read(storage: Storage, plan: LoadPlan, io_threads: int):
@@ -255,6 +299,13 @@ def dtype_problem(name: str, saved: str, live: str, *, cast: bool = DEFAULT_CAST
     return f"{name}: checkpoint dtype {saved}, live dtype {live} (only floating-point tensors are cast)"
 
 
+def live_nothing_loaded(flat, creates, manifest: Manifest) -> bool:
+    """A non-strict load that would fill no tensor and no value although the state asks for some."""
+    asked = bool(flat.tensors) or bool(flat.creates)
+    hit = any(n in manifest.tensors for n in flat.tensors) or bool(creates)
+    return asked and not hit and not flat.value_paths
+
+
 def _plan_load(
     state, manifest: Manifest, *, strict: bool, rank: int, world: int, local_only: bool = False, cast: bool = DEFAULT_CAST
 ) -> LoadPlan:
@@ -286,6 +337,12 @@ def _plan_load(
             parts.append(f"in the checkpoint but not in the state: {format_offenders(unexpected_all)}")
         raise StateMismatchError(
             "state and checkpoint disagree: " + "; ".join(parts) + ". Pass strict=False to load the common entries."
+        )
+    if not strict and live_nothing_loaded(flat, creates, manifest):
+        raise StateMismatchError(
+            "strict=False would load nothing: no tensor of the state is in the checkpoint "
+            f"(state: {format_offenders(missing_all, limit=5)}; checkpoint: {format_offenders(sorted(manifest.tensors), limit=5)}). "
+            "Map the names with key_map= (or keys=), or check that this is the right checkpoint"
         )
     problems = []
     targets: List[_Target] = []

@@ -194,6 +194,13 @@ class _LoadWalker:
         if adapter is not None:
             adapter.load(live, path, saved, self)
             return
+        if live is None and setter is not None and saved is not _MISSING and _contains_ref(saved):
+            # A None placeholder where the checkpoint has tensors: filled with
+            # what was saved there (new full tensors, values as saved).
+            holder: Dict[str, Any] = {}
+            _fill_from_saved(holder, "v", saved, path, self)
+            self.flat.finalizers.append(lambda s=setter, h=holder: s(h["v"]))
+            return
         if isinstance(live, (dict, list)) and _is_plain(live) and saved is not _MISSING and not _contains_ref(saved):
             # Pure JSON containers come back whole: the saved value replaces
             # the live placeholder (e.g. ``{"history": []}``).
