@@ -214,8 +214,8 @@ def load(
 
 def _load_by_keys(url: str, *, keys, storage_options, io_threads: int) -> Dict[str, Any]:
     """``load(None, url, keys=...)``: what was asked, as plain tensors and values (one process)."""
-    from ._format.values import decode_value, is_tensor_ref, tensor_names
     from ._format.values import TAG as _TAG
+    from ._format.values import decode_value, is_tensor_ref, tensor_names
     from ._hf import select_paths, with_aliases
 
     storage = Storage(url, storage_options=storage_options)

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import torch
+from _dist import run_ranks
+from test_transformers import assert_bits_equal, full_state, make_model
 
 import shardckpt
-from _dist import run_ranks
 from shardckpt.errors import StateMismatchError
-
-from test_transformers import assert_bits_equal, full_state, make_model
 
 
 def _load_bf16(rank, world, hf):

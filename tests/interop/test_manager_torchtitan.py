@@ -7,13 +7,12 @@ import os
 
 import pytest
 import torch
+from _dist import run_ranks
 from safetensors import safe_open
+from test_transformers import assert_bits_equal, full_state, logits, make_model, reference, shard
 
 import shardckpt
-from _dist import run_ranks
 from shardckpt.errors import UsageError
-
-from test_transformers import assert_bits_equal, full_state, logits, make_model, reference, shard
 
 
 def _train_state(family="qwen2", seed=0):
@@ -61,11 +60,8 @@ def test_initial_load_full_state_and_model_only_needs_a_model_entry(tmp_path):
 
 
 def test_last_save_model_only_with_export_dtype_and_in_hf(tmp_path):
+    from test_transformers import IDS, make_config
     from transformers import AutoModelForCausalLM
-
-    from test_transformers import make_config
-
-    from test_transformers import IDS
 
     state = _train_state(seed=8)
     state["model"](input_ids=IDS, labels=IDS).loss.backward()

@@ -11,12 +11,11 @@ import os
 
 import pytest
 import torch
+from _dist import run_ranks
+from test_transformers import assert_bits_equal, full_state, logits, make_config, make_model, reference, shard
 
 import shardckpt
-from _dist import run_ranks
 from shardckpt import converters
-
-from test_transformers import assert_bits_equal, full_state, logits, make_config, make_model, reference, shard
 
 TIED_FAMILIES = ("qwen2", "gpt2")
 EMBED = {"qwen2": "model.embed_tokens.weight", "gpt2": "transformer.wte.weight"}

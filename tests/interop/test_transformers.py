@@ -20,9 +20,9 @@ import os
 
 import pytest
 import torch
+from _dist import run_ranks
 
 import shardckpt
-from _dist import run_ranks
 from shardckpt import converters
 
 FAMILIES = ("llama", "qwen2", "gpt2")
