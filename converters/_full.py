@@ -137,6 +137,9 @@ def _placeholders(values: Any, by_name: Dict[str, OutEntry], flat: bool):
                 return tuple(walk(x) for x in node["items"])
             if kind == "dict":
                 return {decode_value(k): walk(v) for k, v in node["items"]}
+            if kind == "bytes":
+                # torch.load(weights_only=True) reads bytes but not io.BytesIO.
+                return bytes(decode_value(dict(node, io=False)))
             if kind is not None:
                 return decode_value(node)
             return {k: walk(v) for k, v in node.items()}

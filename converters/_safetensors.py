@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import uuid
@@ -73,6 +74,23 @@ class _AutoPrefix(str):
 #: ``to_safetensors``'s default: export the model entry (``"model"``, or the
 #: only entry holding a model's tensors); refuse to guess between several.
 AUTO_PREFIX = _AutoPrefix("model.")
+
+
+#: ``to_safetensors(tied=...)``: write a tied weight under one name (as
+#: ``save_pretrained`` does) or under all of its names.
+TIED_CHOICES = ("one", "both")
+DEFAULT_TIED = "one"
+
+
+def _with_alias_tensors(source: Source) -> Source:
+    """``source`` with each tied weight's other names listed as tensors too (same bytes)."""
+    from shardckpt._hf import aliases_of
+
+    extra = {a: source.tensors[n] for a, n in aliases_of(source.values).items()
+             if a not in source.tensors and n in source.tensors}
+    if not extra:
+        return source
+    return dataclasses.replace(source, tensors={**source.tensors, **extra})
 
 
 def is_weight_file(name: str) -> bool:
@@ -168,6 +186,7 @@ def to_safetensors(
     prefix: Optional[str] = AUTO_PREFIX,
     model_key: Optional[str] = None,
     copy_from: Optional[str] = None,
+    tied: str = DEFAULT_TIED,
     storage_options: Optional[Dict[str, Any]] = None,
     dst_storage_options: Optional[Dict[str, Any]] = None,
     overwrite: bool = False,
@@ -208,6 +227,12 @@ def to_safetensors(
             ``config.json``, ``generation_config.json`` and tokenizer files
             (:data:`HF_COMPANION_FILES`) are copied into ``dst``, so that
             ``from_pretrained(dst)`` works.
+        tied: tied weights (one tensor under several names, e.g.
+            ``lm_head.weight`` is ``embed_tokens.weight``): ``"one"``
+            (default) writes the name shardckpt saved it under — the first in
+            module order, which is the name ``save_pretrained`` keeps — as
+            transformers and ``safetensors.torch.load_model(strict=True)``
+            expect; ``"both"`` writes the data under every name.
         storage_options / dst_storage_options: fsspec options for src / dst
             (``copy_from`` is read with ``storage_options``).
         overwrite: replace the weight files (``*.safetensors`` and the
@@ -240,7 +265,11 @@ def to_safetensors(
         >>> from shardckpt import converters                      # doctest: +SKIP
         >>> converters.to_safetensors("ckpt/step-1000", "hf_out", dtype="bf16", max_shard_size="2GB")
     """
+    if tied not in TIED_CHOICES:
+        raise ValueError(f"to_safetensors(tied={tied!r}): expected one of {', '.join(map(repr, TIED_CHOICES))}")
     source = open_checkpoint(src, storage_options)
+    if tied == "both":
+        source = _with_alias_tensors(source)
     if model_key is not None or prefix is AUTO_PREFIX:
         prefix = model_prefix(source, model_key)
     names = export_names(source, prefix=prefix, keys=keys, key_map=key_map)

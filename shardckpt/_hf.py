@@ -8,13 +8,17 @@ No torch import.
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import math
+import sys
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Union
 
 from ._format import ChunkMeta, Manifest, TensorMeta, itemsize
 from ._format.header import read_safetensors_header
 from ._format.hf import MAX_INDEX_BYTES, SOURCE_SAFETENSORS, hf_manifest
+from ._format.values import TAG
+from ._format.values import is_tensor_ref as _is_ref
 from ._format.values import rename_refs as _rename_refs
 from .errors import StateMismatchError, format_offenders
 
@@ -27,6 +31,10 @@ __all__ = [
     "map_names",
     "select_for_load",
     "narrow_unchecked",
+    "aliases_of",
+    "tree_paths",
+    "select_paths",
+    "with_aliases",
     "KeyMap",
 ]
 
@@ -116,6 +124,9 @@ def select_for_load(
     entry (or under its only entry when it has one).
     """
     names = select_names(sorted(manifest.tensors), keys)
+    if key_map is None and manifest.extra.get("source") == SOURCE_SAFETENSORS and _bare_tensors(state, manifest):
+        # {"w": t} from a file holding "w": the state's keys are the file's names.
+        key_map = {}
     if key_map is None and manifest.extra.get("source") == SOURCE_SAFETENSORS:
         roots = list(state)
         root = roots[0] if len(roots) == 1 else ("model" if "model" in state else None)
@@ -142,6 +153,14 @@ def select_for_load(
         extra=manifest.extra,
         version=manifest.version,
     )
+
+
+def _bare_tensors(state: Mapping[str, Any], manifest: Manifest) -> bool:
+    """Whether ``state`` maps names straight to tensors the safetensors source holds (no model entry)."""
+    torch = sys.modules.get("torch")
+    if torch is None or not state:
+        return False
+    return all(isinstance(v, torch.Tensor) for v in state.values()) and any(k in manifest.tensors for k in state)
 
 
 def narrow_unchecked(meta: TensorMeta, boxes: Sequence[Any]) -> TensorMeta:
@@ -182,3 +201,112 @@ def narrow_unchecked(meta: TensorMeta, boxes: Sequence[Any]) -> TensorMeta:
             )
     return TensorMeta(dtype=meta.dtype, shape=meta.shape, chunks=out, layout=meta.layout)
 
+
+
+# --------------------------------------------------------------------------
+# tied weights: one tensor saved once, referenced under several names
+
+
+def aliases_of(values: Any) -> Dict[str, str]:
+    """``{alias: saved name}`` of a values tree: references whose name is not their own path.
+
+    Tied parameters are saved once, under the first name in module order;
+    every other name is a tensor reference to it (``docs/format.md``).
+
+        >>> aliases_of({"model": {"a": {"__shardckpt__": "tensor", "name": "model.a"},
+        ...                       "b": {"__shardckpt__": "tensor", "name": "model.a"}}})
+        {'model.b': 'model.a'}
+    """
+    out: Dict[str, str] = {}
+
+    def walk(node: Any, path: str) -> None:
+        if isinstance(node, dict):
+            if _is_ref(node):
+                name = node.get("name")
+                if isinstance(name, str) and path and name != path:
+                    out[path] = name
+                return
+            if TAG in node:
+                return
+            for k, v in node.items():
+                walk(v, f"{path}.{k}" if path else str(k))
+        elif isinstance(node, list):
+            for i, v in enumerate(node):
+                walk(v, f"{path}.{i}" if path else str(i))
+
+    walk(values, "")
+    return out
+
+
+#: In-memory only (never saved): alias name -> the stored tensor it stands for.
+ALIAS_OF_KEY = "_alias_of"
+
+
+def with_aliases(manifest: Manifest) -> Manifest:
+    """The manifest with each alias also listed as a tensor (the same chunks as the tensor it names).
+
+    Lets an untied live model, a template-less load or ``keys=`` find a tied
+    weight under either name. The manifest is returned as is when it has no
+    aliases.
+    """
+    extra = {a: manifest.tensors[n] for a, n in aliases_of(manifest.values).items()
+             if a not in manifest.tensors and n in manifest.tensors}
+    if not extra:
+        return manifest
+    # v2 resolves a tensor's chunks by its stored name (index rows are keyed
+    # by it): remember which stored tensor each alias stands for.
+    alias_of = {a: n for a, n in aliases_of(manifest.values).items() if a in extra}
+    return dataclasses.replace(
+        manifest, tensors={**manifest.tensors, **extra}, extra={**manifest.extra, ALIAS_OF_KEY: alias_of}
+    )
+
+
+# --------------------------------------------------------------------------
+# reading by path without a live state
+
+
+def tree_paths(values: Any) -> Dict[str, Any]:
+    """Every node of a values tree by its dotted path (string-keyed dicts and lists), root excluded."""
+    out: Dict[str, Any] = {}
+
+    def walk(node: Any, path: str) -> None:
+        if path:
+            out[path] = node
+        if isinstance(node, dict) and TAG not in node:
+            for k, v in node.items():
+                walk(v, f"{path}.{k}" if path else str(k))
+        elif isinstance(node, list):
+            for i, v in enumerate(node):
+                walk(v, f"{path}.{i}" if path else str(i))
+
+    walk(values, "")
+    return out
+
+
+def select_paths(manifest: Manifest, keys: Union[str, Sequence[str], None]) -> Dict[str, Any]:
+    """``{path: node}`` that ``keys`` ask of a checkpoint: tensor names and paths into its values tree.
+
+    ``None`` asks for the top-level entries. A tensor name outside the tree
+    (safetensors sources have no tree) maps to a reference to itself. Paths
+    are matched like ``select_names`` (exact or glob; one matching nothing
+    raises ``StateMismatchError``); a glob keeps only its outermost matches.
+    """
+    nodes = tree_paths(manifest.values)
+    for name in manifest.tensors:
+        nodes.setdefault(name, {TAG: "tensor", "name": name})
+    if keys is None:
+        tops = {p: n for p, n in nodes.items() if "." not in p or p in manifest.tensors and not _inside(p, nodes)}
+        return tops
+    picked = select_names(list(nodes), keys, what="keys")
+    keep = set(picked)
+    # "model.*" matches a module's entries and their sub-paths: keep the outermost.
+    return {p: nodes[p] for p in picked if not any(p.startswith(q + ".") for q in keep if q != p)}
+
+
+def _inside(path: str, nodes: Dict[str, Any]) -> bool:
+    head = path
+    while "." in head:
+        head = head.rpartition(".")[0]
+        if head in nodes:
+            return True
+    return False

@@ -37,6 +37,7 @@ from ._format import (
     torch_dtype,
 )
 from ._format.resolve import MetaCache, resolve_chunks
+from ._hf import ALIAS_OF_KEY
 from ._io import DEFAULT_IO_THREADS, byte_view, check_files
 from ._layout import box_view, layout_of
 from ._readers import DEFAULT_BUFFER_BYTES, BufferPool, ReadStats, SavedChunk, Want, read_verified
@@ -56,7 +57,14 @@ if TYPE_CHECKING:  # pragma: no cover
 #: ``key_map``: checkpoint name -> state name, as a dict or a callable (None drops).
 KeyMap = Union[Mapping[str, str], Callable[[str], Optional[str]]]
 
-__all__ = ["load", "LoadResult", "read_manifest"]
+__all__ = ["load", "LoadResult", "read_manifest", "DEFAULT_CAST"]
+
+#: ``load(cast=...)``: floating-point checkpoint tensors load into floating-point
+#: live tensors of another precision (bf16 Hub weights into fp32 masters).
+DEFAULT_CAST = True
+
+# safetensors dtype names that may be cast into one another (``copy_`` casts).
+_FLOATING = frozenset({"F16", "BF16", "F32", "F64", "F8_E4M3", "F8_E5M2", "F8_E4M3FNUZ", "F8_E5M2FNUZ"})
 
 
 class LoadResult(NamedTuple):
@@ -96,7 +104,7 @@ class LoadPlan:
 
 
 def load(
-    state: Dict[str, Any],
+    state: Optional[Dict[str, Any]],
     url: str,
     *,
     storage_options: Optional[Dict[str, Any]] = None,
@@ -109,6 +117,7 @@ def load(
     no_dist: bool = False,
     atomic: bool = False,
     buffer_bytes: int = DEFAULT_BUFFER_BYTES,
+    cast: bool = DEFAULT_CAST,
 ) -> LoadResult:
     """Load a checkpoint into ``state`` in place, resharding to the live layout.
 
@@ -158,6 +167,13 @@ def load(
         buffer_bytes: read buffers held at once (default
             ``SHARDCKPT_LOAD_BUFFER_BYTES``; pinned for CUDA targets, released
             before ``load`` returns).
+        cast: True (default) lets a floating-point checkpoint tensor (F16,
+            BF16, F32, F64, FP8) load into a live floating-point tensor of
+            another precision, cast while copying (as ``tensor.to`` rounds);
+            the live dtype is kept. Integer, bool and complex tensors never
+            cast. False demands the exact dtype (``StateMismatchError``
+            naming every differing tensor). The rule, in one place:
+            ``docs/interop.md``, "Casting on load".
 
     ``url`` may also be a Hugging Face safetensors directory (with or without
     ``model.safetensors.index.json``) or one ``.safetensors`` file: its bare
@@ -168,8 +184,18 @@ def load(
 
         >>> shardckpt.load({"model": fsdp_model}, "Llama-3-8B/")   # doctest: +SKIP
 
+    Without a live state (``state`` is ``None`` or ``{}``), on one process
+    (not collective): returns ``{path: value}`` for each path ``keys`` asks
+    (tensor names, or dotted paths into saved values: ``"train_state.step"``;
+    globs allowed), default the top-level entries. Tensors come back as
+    plain CPU tensors of the saved dtype (whole, whatever the saving world
+    size), values as Python values, containers with both rebuilt:
+
+        >>> shardckpt.load(None, url, keys=["model.lm_head.weight", "train_state.step"])  # doctest: +SKIP
+        {'model.lm_head.weight': tensor(...), 'train_state.step': 1200}
+
     Returns:
-        LoadResult(missing_keys, unexpected_keys).
+        LoadResult(missing_keys, unexpected_keys); without a live state, a dict.
 
     Raises:
         CheckpointNotFoundError: no ``manifest.json`` at ``url``.
@@ -190,6 +216,8 @@ def load(
     shard with ``atomic=True``. A stateful object's ``load_state_dict`` runs
     after the tensors are in; if it raises, the tensors are already loaded.
     """
+    if state is None or (isinstance(state, dict) and not state):
+        return _load_by_keys(url, keys=keys, storage_options=storage_options, io_threads=io_threads)
     comm = open_comm(
         process_group, no_dist=no_dist, collective_timeout_s=collective_timeout_s, op="shardckpt.load", error=LoadFailedError
     )
@@ -198,7 +226,9 @@ def load(
     def plan_and_check() -> LoadPlan:
         # Chunks are resolved per tensor for the boxes this rank holds (v2:
         # only the index files of the ranks that wrote them are read).
-        manifest = read_manifest(storage, chunks=False)
+        from ._hf import with_aliases
+
+        manifest = with_aliases(read_manifest(storage, chunks=False))
         if keys is not None or key_map is not None or manifest.extra.get("source") == "safetensors":
             from ._format._v2 import materialize
             from ._hf import select_for_load
@@ -206,7 +236,7 @@ def load(
             materialize(manifest, storage)  # renaming and selection work on whole chunk lists
             manifest = select_for_load(manifest, state, keys=keys, key_map=key_map)
         plan = _plan_load(
-            state, manifest, strict=strict, rank=comm.rank, world=comm.world, local_only=comm.no_dist, storage=storage
+            state, manifest, strict=strict, rank=comm.rank, world=comm.world, local_only=comm.no_dist, storage=storage, cast=cast
         )
         check_files(storage, _needed_files(plan))
         return plan
@@ -248,6 +278,40 @@ def _needed_files(plan: LoadPlan) -> Dict[str, int]:
     return files
 
 
+def _load_by_keys(url: str, *, keys, storage_options, io_threads: int) -> Dict[str, Any]:
+    """``load(None, url, keys=...)``: what was asked, as plain tensors and values (one process)."""
+    from ._format.values import TAG as _TAG
+    from ._format.values import decode_value, is_tensor_ref, tensor_names
+    from ._hf import select_paths, with_aliases
+
+    storage = Storage(url, storage_options=storage_options)
+    manifest = with_aliases(read_manifest(storage))
+    asked = select_paths(manifest, keys)
+    names = sorted({n for node in asked.values() for n in tensor_names(node) if n in manifest.tensors})
+    # Reading goes through the one load path (verified reads), into a flat
+    # template of new tensors named exactly as saved.
+    template = {n: torch.empty(tuple(manifest.tensors[n].shape), dtype=torch_dtype(manifest.tensors[n].dtype)) for n in names}
+    if names:
+        load(template, url, storage_options=storage_options, io_threads=io_threads, keys=names, key_map={}, no_dist=True)
+
+    def build(node: Any) -> Any:
+        if is_tensor_ref(node):
+            return template.get(node.get("name"))
+        if isinstance(node, dict) and _TAG in node and node[_TAG] in ("tuple", "dict"):
+            if node[_TAG] == "tuple":
+                return tuple(build(x) for x in node["items"])
+            return {decode_value(k): build(v) for k, v in node["items"]}
+        if isinstance(node, dict) and _TAG not in node:
+            return {k: build(v) for k, v in node.items()}
+        if isinstance(node, list):
+            return [build(x) for x in node]
+        return decode_value(node)
+
+    return {path: build(node) for path, node in asked.items()}
+
+
+
+
 def _stage_targets(plan: LoadPlan) -> List[List[torch.Tensor]]:
     """Host tensors shaped like each destination: ``atomic=True`` streams into these first."""
     return [[torch.empty(tuple(dst.shape), dtype=dst.dtype) for _, dst in t.parts] for t in plan.targets]
@@ -260,7 +324,8 @@ def saved_chunks(manifest: Manifest, storage: Optional[Storage], name: str, boxe
     chunk). Without ``storage``, from the manifest's own chunk lists.
     """
     if storage is not None:
-        got = resolve_chunks(manifest, storage, name, boxes, cache=cache)
+        stored = manifest.extra.get(ALIAS_OF_KEY, {}).get(name, name)
+        got = resolve_chunks(manifest, storage, stored, boxes, cache=cache)
     else:
         got = manifest.tensors[name].chunks
     out = []
@@ -421,15 +486,31 @@ def _materialized(manifest: Manifest) -> bool:
     return any(t.chunks for t in manifest.tensors.values())
 
 
-def dtype_problem(name: str, saved: str, live: str) -> Optional[str]:
-    """Why a tensor saved as ``saved`` cannot load into one of dtype ``live`` (None: it can).
+def dtype_problem(name: str, saved: str, live: str, *, cast: bool = DEFAULT_CAST) -> Optional[str]:
+    """Why a checkpoint tensor of dtype ``saved`` cannot fill a live tensor of dtype ``live``, or None.
 
-    The one place the casting rule lives; the copy path casts per piece
-    (``copy_``), so allowing a pair here is all a new rule needs.
+    The one rule (``docs/interop.md``, "Casting on load"): equal dtypes
+    always load; two floating-point dtypes load when ``cast`` (the copy
+    rounds to the live dtype); anything else — integers, bool, complex,
+    integer <-> float — is refused, so no index or count is silently changed.
+
+        >>> dtype_problem("w", "BF16", "F32") is None
+        True
     """
-    if saved != live:
-        return f"{name}: checkpoint dtype {saved}, live dtype {live}"
-    return None
+    if saved == live:
+        return None
+    if saved in _FLOATING and live in _FLOATING:
+        if cast:
+            return None
+        return f"{name}: checkpoint dtype {saved}, live dtype {live} (cast=False refuses casting)"
+    return f"{name}: checkpoint dtype {saved}, live dtype {live} (only floating-point tensors are cast)"
+
+
+def live_nothing_loaded(flat, creates, manifest: Manifest) -> bool:
+    """A non-strict load that would fill no tensor and no value although the state asks for some."""
+    asked = bool(flat.tensors) or bool(flat.creates)
+    hit = any(n in manifest.tensors for n in flat.tensors) or bool(creates)
+    return asked and not hit and not flat.value_paths
 
 
 def _self_overlapping(t: torch.Tensor) -> bool:
@@ -460,6 +541,7 @@ def _plan_load(
     world: int,
     local_only: bool = False,
     storage: Optional[Storage] = None,
+    cast: bool = DEFAULT_CAST,
 ) -> LoadPlan:
     flat, missing_values, unexpected_values = flatten_for_load(
         state,
@@ -488,6 +570,12 @@ def _plan_load(
         parts.append(f"missing from the checkpoint: {format_offenders(missing_all)}")
     if strict and unexpected_all:
         parts.append(f"in the checkpoint but not in the state: {format_offenders(unexpected_all)}")
+    if not strict and live_nothing_loaded(flat, creates, manifest):
+        raise StateMismatchError(
+            "strict=False would load nothing: no tensor of the state is in the checkpoint "
+            f"(state: {format_offenders(missing_all, limit=5)}; checkpoint: {format_offenders(sorted(manifest.tensors), limit=5)}). "
+            "Map the names with key_map= (or keys=), or check that this is the right checkpoint"
+        )
     problems: List[str] = []
     targets: List[_Target] = []
     created: Dict[str, torch.Tensor] = {}
@@ -505,8 +593,8 @@ def _plan_load(
         if list(lay.shape) != list(meta.shape):
             problems.append(f"{name}: checkpoint shape {list(meta.shape)}, live shape {list(lay.shape)}")
             continue
-        why = dtype_problem(name, meta.dtype, lay.dtype)
-        if why:
+        why = dtype_problem(name, meta.dtype, lay.dtype, cast=cast)
+        if why is not None:
             problems.append(why)
             continue
         views = [p.view() for p in lay.parts]
@@ -533,6 +621,10 @@ def _plan_load(
         parts.append(f"{len(problems)} tensor(s) differ: " + format_offenders(problems, sep="; "))
     if parts:
         hint = " Pass strict=False to load the common entries." if strict and (missing_all or unexpected_all) else ""
+        if any("cast=False" in p for p in problems):
+            hint += " Pass cast=True (the default) to cast floating-point tensors to the live dtype."
+        elif any("are cast" in p for p in problems):
+            hint += " Convert the live tensors (or the checkpoint) to the saved dtype; integers and bools are never cast."
         raise StateMismatchError("cannot load, state and checkpoint disagree: " + "; ".join(parts) + "." + hint)
     return LoadPlan(
         manifest=manifest,

@@ -56,6 +56,52 @@ STEP_DIGITS = 8
 _STEP_RE = re.compile(r"^step-(\d+)$")
 
 
+#: Suffix of the directory ``last_save_in_hf`` writes next to a step (``step-00001000-hf``).
+HF_SUFFIX = "-hf"
+
+
+def _export_dtype(dtype: Any) -> Any:
+    from .converters._common import parse_dtype
+
+    return parse_dtype(dtype)
+
+
+def _model_state(state: Dict[str, Any], dtype: Any) -> Any:
+    """``state["model"]`` for a model-only save, its floating-point tensors cast to ``dtype`` when given.
+
+    Cast copies keep ties: a tensor under several names is cast once and,
+    as ``save_pretrained`` does, kept under its first name only.
+    """
+    if not isinstance(state, dict) or "model" not in state:
+        raise UsageError(
+            "CheckpointManager: last_save_model_only saves state['model'], and the state has no 'model' entry "
+            f"(it has {format_offenders(list(state) if isinstance(state, dict) else [])})"
+        )
+    model = state["model"]
+    if dtype is None:
+        return model
+    import torch
+
+    from ._format import torch_dtype
+    from ._runtimes import unwrap
+
+    sd = unwrap(model).state_dict(keep_vars=True) if isinstance(model, torch.nn.Module) else model
+    if not isinstance(sd, dict):
+        raise UsageError(f"CheckpointManager: export_dtype needs state['model'] to be a module or a dict, got {type(model).__name__}")
+    out, seen = {}, set()
+    with torch.no_grad():
+        for k, v in sd.items():
+            if isinstance(v, torch.Tensor):
+                if id(v) in seen:
+                    continue
+                seen.add(id(v))
+                v = v.detach()
+                if v.is_floating_point():
+                    v = v.to(torch_dtype(dtype))
+            out[k] = v
+    return out
+
+
 def step_dir_name(step: int) -> str:
     """``step-00001000`` for step 1000 (sortable; more digits past 99,999,999)."""
     return f"{STEP_PREFIX}{step:0{STEP_DIGITS}d}"
@@ -125,6 +171,26 @@ class CheckpointManager:
             exists with its recorded size (one stat per file; checksums are
             always verified while reading).
 
+    torchtitan's checkpointer options (``docs/manager.md``, migration table):
+
+    Args:
+        initial_load_path: a checkpoint (shardckpt, or a Hugging Face
+            safetensors directory/file) that :meth:`restore` loads when the
+            run has no committed step of its own; ignored once it has one.
+        initial_load_model_only: (default True, as torchtitan) load only
+            ``state["model"]`` from ``initial_load_path``.
+        last_save_model_only: ``save(..., last_step=True)`` saves only
+            ``state["model"]`` (weights to publish, no optimizer).
+        export_dtype: with ``last_save_model_only`` or ``last_save_in_hf``,
+            cast floating-point weights of the last save to this dtype
+            (``torch.bfloat16``, ``"bf16"``); tied weights stay one tensor.
+        last_save_in_hf: ``save(..., last_step=True)`` also writes the model
+            as a Hugging Face safetensors directory ``<root>/step-<N>-hf``
+            (:func:`converters.to_safetensors`, one name per tied weight).
+        enable_first_step_checkpoint: :meth:`should_save` is also true at step 1.
+        load_only: :meth:`restore` works, :meth:`save` saves nothing (returns
+            None) and :meth:`should_save` is always false.
+
     Raises:
         ValueError: ``keep_last``, ``keep_every`` or ``save_interval`` not a
             positive int.
@@ -160,6 +226,13 @@ class CheckpointManager:
         collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S,
         reuse_buffers: bool = True,
         check_files: bool = True,
+        initial_load_path: Optional[str] = None,
+        initial_load_model_only: bool = True,
+        last_save_model_only: bool = False,
+        export_dtype: Any = None,
+        last_save_in_hf: bool = False,
+        enable_first_step_checkpoint: bool = False,
+        load_only: bool = False,
     ):
         if isinstance(root_url, str) and not root_url.strip():
             raise UsageError(
@@ -180,6 +253,17 @@ class CheckpointManager:
         self.collective_timeout_s = float(collective_timeout_s)
         self.reuse_buffers = reuse_buffers
         self.check_files = check_files
+        if initial_load_path is not None and (not isinstance(initial_load_path, str) or not initial_load_path.strip()):
+            raise UsageError(f"CheckpointManager: initial_load_path must be a checkpoint URL, got {initial_load_path!r}")
+        self.initial_load_path = initial_load_path
+        self.initial_load_model_only = bool(initial_load_model_only)
+        self.last_save_model_only = bool(last_save_model_only)
+        self.export_dtype = None if export_dtype is None else _export_dtype(export_dtype)
+        self.last_save_in_hf = bool(last_save_in_hf)
+        self.enable_first_step_checkpoint = bool(enable_first_step_checkpoint)
+        self.load_only = bool(load_only)
+        #: URL the last :meth:`restore` loaded (a step, or ``initial_load_path``); None if nothing.
+        self.restored_from: Optional[str] = None
         self._handle: Optional[AsyncSaveHandle] = None
         self._closed = False
 
@@ -236,12 +320,24 @@ class CheckpointManager:
         return s[-1] if s else None
 
     def should_save(self, step: int) -> bool:
-        """True when ``step`` is a multiple of ``save_interval``."""
-        return _check_step(step) % self.save_interval == 0
+        """True when ``step`` is a multiple of ``save_interval`` (or 1 with ``enable_first_step_checkpoint``).
+
+        Always False with ``load_only``.
+        """
+        step = _check_step(step)
+        if self.load_only:
+            return False
+        return step % self.save_interval == 0 or (self.enable_first_step_checkpoint and step == 1)
+
+    def hf_url(self, step: int) -> str:
+        """Where ``last_save_in_hf`` writes step ``step``'s Hugging Face directory."""
+        return self.step_url(step) + HF_SUFFIX
 
     # -- save -------------------------------------------------------------------
 
-    def save(self, step: int, state: Dict[str, Any], *, force: bool = False) -> Optional[AsyncSaveHandle]:
+    def save(
+        self, step: int, state: Dict[str, Any], *, force: bool = False, last_step: bool = False
+    ) -> Optional[AsyncSaveHandle]:
         """Save ``state`` as step ``step``; commit, then apply retention (collective).
 
         With ``async_save=True`` it returns once the state is staged and the
@@ -256,6 +352,10 @@ class CheckpointManager:
             state: as for :func:`shardckpt.save`.
             force: replace a committed checkpoint of the same step; the old
                 one stays loadable until the new one commits.
+            last_step: the run's final save: ``last_save_model_only``,
+                ``export_dtype`` and ``last_save_in_hf`` apply (the HF
+                export is written once the step is committed, after an
+                async save completes).
 
         Returns:
             The ``AsyncSaveHandle`` with ``async_save=True``, else None.
@@ -268,6 +368,32 @@ class CheckpointManager:
         """
         self._check_open()
         step = _check_step(step)
+        if self.load_only:
+            return None
+        if last_step and self.last_save_model_only:
+            state = {"model": _model_state(state, self.export_dtype)}
+        handle = self._save(step, state, force=force)
+        if last_step and self.last_save_in_hf:
+            if handle is not None:
+                handle.result()
+            self._export_hf(step)
+        return handle
+
+    def _export_hf(self, step: int) -> None:
+        """Rank 0 writes the committed step as a Hugging Face directory; every rank returns when it is there."""
+        from .converters import to_safetensors
+
+        comm = self._comm("CheckpointManager.save", error=SaveFailedError)
+
+        def export() -> None:
+            if comm.rank == 0:
+                to_safetensors(self.step_url(step), self.hf_url(step), dtype=self.export_dtype, overwrite=True,
+                               storage_options=self.storage_options or None,
+                               dst_storage_options=self.storage_options or None, io_threads=self.io_threads)
+
+        agree(comm, export, what=f"Hugging Face export of step {step} to {self.hf_url(step)}")
+
+    def _save(self, step: int, state: Dict[str, Any], *, force: bool) -> Optional[AsyncSaveHandle]:
         t0 = time.perf_counter()
         comm = self._comm("CheckpointManager.save")
         wait_pending(new_save=True)
@@ -442,11 +568,27 @@ class CheckpointManager:
             share=lambda v: v,
             mode=FROM_ROOT,
         )
-        if value is None:
-            return None
         load_kw.setdefault("io_threads", self.io_threads)
         load_kw.setdefault("collective_timeout_s", self.collective_timeout_s)
+        if value is None:
+            if self.initial_load_path is None or s is not None:
+                return None
+            # A fresh run: start from the given weights (torchtitan's
+            # initial_load_path). Once the run has its own steps they win.
+            target = state
+            if self.initial_load_model_only:
+                if not isinstance(state, dict) or "model" not in state:
+                    raise UsageError(
+                        "CheckpointManager.restore: initial_load_model_only=True loads state['model'], and the state "
+                        f"has no 'model' entry (it has {format_offenders(list(state) if isinstance(state, dict) else [])}); "
+                        "put the model under 'model' or pass initial_load_model_only=False"
+                    )
+                target = {"model": state["model"]}
+            load(target, self.initial_load_path, process_group=self.process_group, **load_kw)
+            self.restored_from = self.initial_load_path
+            return None
         load(state, self.step_url(value), storage_options=self.storage_options or None, process_group=self.process_group, **load_kw)
+        self.restored_from = self.step_url(value)
         return value
 
     # -- lifecycle ----------------------------------------------------------------

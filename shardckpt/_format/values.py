@@ -8,7 +8,10 @@ training state holds, so those become objects tagged with :data:`TAG`:
 - ``{TAG: "dtype" | "device", "value": ...}``: a ``torch.dtype`` / ``torch.device``;
 - ``{TAG: "tuple", "items": [...]}``, ``{TAG: "dict", "items": [[k, v], ...]}``:
   a tuple, and a dict whose keys are not all strings;
-- ``{TAG: "per_rank", ...}``: values each rank saved for itself (see ``_state``).
+- ``{TAG: "per_rank", ...}``: values each rank saved for itself (see ``_state``);
+- ``{TAG: "bytes", "value": base64, "io": bool}``: ``bytes`` (``io``: an
+  ``io.BytesIO``, as DCP and torchtitan's ``TrainState`` hold), stored as
+  bytes and never pickled; meant for small blobs (they live in the manifest).
 
 Imports no torch: decoding a dtype or device imports it then, and only then.
 Saved trees are untrusted input; :func:`decode_value` raises on anything it
@@ -17,6 +20,8 @@ does not know.
 
 from __future__ import annotations
 
+import base64
+import io
 import math
 import sys
 from typing import Any, Dict, Iterator, Optional
@@ -72,6 +77,9 @@ def encode_value(v: Any, path: str) -> Any:
         if math.isfinite(v):
             return v
         return {TAG: "float", "value": repr(v)}
+    if isinstance(v, (bytes, bytearray, io.BytesIO)):
+        raw = v.getvalue() if isinstance(v, io.BytesIO) else bytes(v)
+        return {TAG: "bytes", "value": base64.b64encode(raw).decode("ascii"), "io": isinstance(v, io.BytesIO)}
     if _torch_type(v, "dtype"):
         return {TAG: "dtype", "value": str(v).replace("torch.", "")}
     if _torch_type(v, "device"):
@@ -124,6 +132,9 @@ def decode_value(node: Any) -> Any:
             import torch
 
             return torch.device(node["value"])
+        if kind == "bytes":
+            raw = base64.b64decode(node["value"], validate=True)
+            return io.BytesIO(raw) if node.get("io") else raw
         if kind == "tuple":
             return tuple(decode_value(x) for x in node["items"])
         if kind == "dict":
@@ -204,6 +215,8 @@ def _plain(node: Any) -> Any:
             return f"torch.{node.get('value')}"
         if kind == "device":
             return str(node.get("value"))
+        if kind == "bytes":
+            return f"<{len(str(node.get('value', ''))) * 3 // 4} bytes>"
         if kind == "tuple":
             return _plain(node.get("items"))
         if kind == "dict":

@@ -4,7 +4,9 @@ One visible, ordered list, first match wins:
 
 1. adapters registered with ``register_adapter(a)`` (newest first);
 2. the built-ins, in this order: ``PerRankAdapter`` (``PerRank`` values and
-   ``RNGState``), ``ModuleAdapter`` (``nn.Module``), ``OptimizerAdapter``
+   ``RNGState``), ``ModuleAdapter`` (``nn.Module``), ``FlatOptimizerAdapter``
+   (optimizers with their own non-torch-shaped ``state_dict``, e.g.
+   torchtitan's ``OptimizersContainer``), ``OptimizerAdapter``
    (``torch.optim.Optimizer``), ``StatefulAdapter`` (any object with
    ``state_dict()``/``load_state_dict()``);
 3. adapters registered with ``register_adapter(a, first=False)``.
@@ -58,9 +60,11 @@ def _builtins() -> List[Adapter]:
         with _LOCK:
             if not _BUILTIN:
                 from .optim import OptimizerAdapter
-                from .walk import ModuleAdapter, PerRankAdapter, StatefulAdapter
+                from .walk import FlatOptimizerAdapter, ModuleAdapter, PerRankAdapter, StatefulAdapter
 
-                _BUILTIN.extend([PerRankAdapter(), ModuleAdapter(), OptimizerAdapter(), StatefulAdapter()])
+                _BUILTIN.extend(
+                    [PerRankAdapter(), ModuleAdapter(), FlatOptimizerAdapter(), OptimizerAdapter(), StatefulAdapter()]
+                )
     return _BUILTIN
 
 

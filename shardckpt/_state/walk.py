@@ -124,6 +124,8 @@ class _SaveWalker:
         self.per_rank_depth = 0  # > 0 while walking inside a PerRank value
 
     def walk(self, v: Any, path: str) -> Any:
+        if isinstance(v, Raw):
+            return v.node
         if _is_tensor(v):
             if path in self.flat.tensors:
                 raise UnsupportedStateError(f"{path}: two entries of the state map to the same name")
@@ -206,6 +208,13 @@ class _LoadWalker:
         adapter = adapter_for(live)
         if adapter is not None:
             adapter.load(live, path, saved, self)
+            return
+        if live is None and setter is not None and saved is not _MISSING and _contains_ref(saved):
+            # A None placeholder where the checkpoint has tensors: filled with
+            # what was saved there (new full tensors, values as saved).
+            holder: Dict[str, Any] = {}
+            _fill_from_saved(holder, "v", saved, path, self)
+            self.flat.finalizers.append(lambda s=setter, h=holder: s(h["v"]))
             return
         if isinstance(live, (dict, list)) and _is_plain(live) and saved is not _MISSING and not _contains_ref(saved):
             # Pure JSON containers come back whole: the saved value replaces
@@ -379,6 +388,12 @@ class ModuleAdapter(Adapter):
             raise UnsupportedStateError(
                 f"{path}: tensors on the meta device hold no data and cannot be saved: {format_offenders(meta)}"
             )
+        # Tied parameters (one tensor under several names) are written once,
+        # under the first name in module order; the others are references to
+        # it in the values tree (the manifest's record of the alias).
+        for names in tied_groups(sd):
+            for alias in names[1:]:
+                sd[alias] = Raw(tensor_ref(_join(path, names[0])))
         return sd
 
     def load(self, obj, path, saved, walker):
@@ -403,6 +418,7 @@ class ModuleAdapter(Adapter):
                 "make state_dict() return views of the parameters"
             )
         assign = self._materialize_meta(m, sd, path, walker)
+        self._untie_targets(sd, path, walker)
         self._targets(sd, path, saved, walker)
         if assign:
             walker.flat.finalizers.append(lambda: m.load_state_dict(assign, strict=False, assign=True))
@@ -410,6 +426,23 @@ class ModuleAdapter(Adapter):
             # DCP's flow for such modules: the copies were filled; the module's
             # own load_state_dict (and its hooks) puts them into the weights.
             walker.flat.finalizers.append(lambda: m.load_state_dict(sd, strict=True))
+
+    @staticmethod
+    def _untie_targets(sd, path, walker):
+        """Fill each tied tensor once, from whichever of its names the checkpoint has.
+
+        The other names leave ``sd`` (not missing: they are the same tensor)
+        and, if the checkpoint holds them too, are skipped rather than
+        reported unexpected.
+        """
+        for names in tied_groups(sd):
+            present = [n for n in names if _join(path, n) in walker.saved_tensors]
+            primary = present[0] if present else names[0]
+            for n in names:
+                if n != primary:
+                    del sd[n]
+                    if n in present:
+                        walker.flat.skip.append(_join(path, n))
 
     @staticmethod
     def _targets(sd, path, saved, walker):
@@ -424,6 +457,12 @@ class ModuleAdapter(Adapter):
     def _materialize_meta(m, sd, path, walker) -> Dict[str, Any]:
         """Swap meta entries of ``sd`` the checkpoint has for empty real tensors; return them."""
         meta_keys = [k for k, t in sd.items() if _is_tensor(t) and t.is_meta and _join(path, k) in walker.saved_tensors]
+        # A tied tensor is materialized under all its names, so that
+        # load_state_dict(assign=True) installs one Parameter everywhere and
+        # the tie survives (HF directories hold only one of the names).
+        for names in tied_groups(sd):
+            if any(n in meta_keys for n in names):
+                meta_keys += [n for n in names if n not in meta_keys]
         if not meta_keys:
             return {}
         from .._runtimes import materialize_device
@@ -511,6 +550,20 @@ def routes_state_back(m: torch.nn.Module, keys: List[str]) -> bool:
     return False
 
 
+def tied_groups(sd: Dict[str, Any]) -> List[List[str]]:
+    """Names of ``sd`` that hold the same tensor object (tied weights), in order; only groups of two or more.
+
+        >>> w = torch.nn.Parameter(torch.ones(2))
+        >>> tied_groups({"emb.weight": w, "bias": torch.zeros(1), "head.weight": w})
+        [['emb.weight', 'head.weight']]
+    """
+    by_id: Dict[int, List[str]] = {}
+    for k, t in sd.items():
+        if _is_tensor(t):
+            by_id.setdefault(id(t), []).append(k)
+    return [names for names in by_id.values() if len(names) > 1]
+
+
 def _module_tensors(m: torch.nn.Module) -> Dict[str, Any]:
     sd = m.state_dict(keep_vars=True)
     return dict(sd)
@@ -541,6 +594,45 @@ class StatefulAdapter(Adapter):
         holder = {"sd": live_sd}
         _fill_from_saved(holder, "sd", saved, path, walker)
         walker.flat.finalizers.append(lambda: obj.load_state_dict(holder["sd"]))
+
+
+class FlatOptimizerAdapter(Adapter):
+    """An optimizer whose own ``state_dict()`` is not torch's ``{"state", "param_groups"}`` shape.
+
+    torchtitan's ``OptimizersContainer`` is one ``torch.optim.Optimizer``
+    spanning several model parts whose ``state_dict()`` is flat by FQN
+    (``state.<fqn>.exp_avg``, ``param_groups.<fqn>.lr``). Such an object is
+    saved and loaded through its own ``state_dict()``/``load_state_dict()``
+    (tensors under their flat names, DTensors sharded as they are); an
+    optimizer returning torch's shape goes to the by-parameter-name
+    optimizer adapter as before.
+    """
+
+    def matches(self, obj):
+        return isinstance(obj, torch.optim.Optimizer) and (
+            type(obj).state_dict is not torch.optim.Optimizer.state_dict
+            and type(obj).load_state_dict is not torch.optim.Optimizer.load_state_dict
+        )
+
+    @staticmethod
+    def _torch_shaped(sd: Any) -> bool:
+        return isinstance(sd, dict) and set(sd) == {"state", "param_groups"}
+
+    def save(self, obj, path, walker):
+        sd = obj.state_dict()
+        if self._torch_shaped(sd):
+            from .optim import OptimizerAdapter
+
+            return OptimizerAdapter().save(obj, path, walker)
+        return sd
+
+    def load(self, obj, path, saved, walker):
+        if self._torch_shaped(saved):
+            from .optim import OptimizerAdapter
+
+            OptimizerAdapter().load(obj, path, saved, walker)
+            return
+        StatefulAdapter().load(obj, path, saved, walker)
 
 
 def _fill_from_saved(container: Any, key: Any, saved: Any, path: str, walker: _LoadWalker) -> None:

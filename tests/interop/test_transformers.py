@@ -8,11 +8,9 @@ accelerate and shardckpt; a second 2-rank call loads the imports into FSDP2.
 Logits are compared bit for bit with a reference model holding the saved
 weights.
 
-Tied models (GPT-2, Qwen2): ``save_pretrained`` omits ``lm_head.weight``;
-shardckpt does not yet alias tied parameters (issue 10 part 2), so a
-strict load of such a directory reports ``model.lm_head.weight`` missing.
-The tests below pin that down exactly (strict=False loads it correctly
-without meta init) so that the alias work changes them knowingly.
+Tied models (GPT-2, Qwen2): ``save_pretrained`` omits ``lm_head.weight``,
+and so do shardckpt's checkpoints and exports (the tied head is an alias of
+the embedding); a strict load of such a directory fills both names.
 """
 
 from __future__ import annotations
@@ -22,11 +20,10 @@ import os
 
 import pytest
 import torch
+from _dist import run_ranks
 
 import shardckpt
-from _dist import run_ranks
 from shardckpt import converters
-from shardckpt.errors import StateMismatchError
 
 FAMILIES = ("llama", "qwen2", "gpt2")
 TIED = {"llama": False, "qwen2": True, "gpt2": True}
@@ -168,7 +165,8 @@ def test_fsdp2_checkpoint_exports_to_from_pretrained_and_accelerate(saved, tmp_p
     r = converters.to_safetensors(f"{root}/{family}/native", export, copy_from=str(tmp_path / "hub"), max_shard_size="20KB")
     assert "model.safetensors.index.json" in r.files
     index = json.load(open(os.path.join(export, "model.safetensors.index.json")))
-    assert set(index["weight_map"]) == set(state)  # bare HF names, no optimizer moments
+    # Bare HF names, no optimizer moments; a tied head is written once, as save_pretrained does.
+    assert set(index["weight_map"]) == set(state) - ({"lm_head.weight"} if TIED[family] else set())
     for name, data in hub.items():
         assert open(os.path.join(export, name), "rb").read() == data, name
 
@@ -255,11 +253,7 @@ def test_hf_directories_import_and_load_into_fsdp2(saved, tmp_path):
         converters.from_torch_save(str(tmp_path / fam / "legacy"), str(tmp_path / fam / "from_bin"))
         for tag in ("from_hf", "from_bin"):
             url = str(tmp_path / fam / tag)
-            if TIED[fam]:
-                # Part 2 (aliasing) is not there yet: strict refuses, naming the tied head.
-                with pytest.raises(StateMismatchError, match=r"model\.lm_head\.weight"):
-                    shardckpt.load({"model": make_model(fam, 6)}, url)
-            jobs.append((fam, url, not TIED[fam]))
+            jobs.append((fam, url, True))  # strict: a tied head is the embedding, not missing
             expect[(fam, url)] = want
     results = run_ranks(2, _load_fsdp2, jobs)
     for rank_out in results:
@@ -267,5 +261,4 @@ def test_hf_directories_import_and_load_into_fsdp2(saved, tmp_path):
             assert_bits_equal(got, expect[(fam, url)], f"{fam} {url}")
             for k, v in states[fam].items():
                 assert_bits_equal(state[k], v, f"{fam} {url} {k}")
-            # strict=False on a tied model: the head is reported missing and still right (it is the embedding).
-            assert missing == (["model.lm_head.weight"] if TIED[fam] else []), (fam, url, missing)
+            assert missing == [], (fam, url, missing)
