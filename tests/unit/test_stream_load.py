@@ -242,7 +242,7 @@ def test_pieces_cast_when_the_dtype_rule_allows_it(tmp_path, monkeypatch):
     d = str(tmp_path / "c")
     src = torch.randn(40, 7).to(torch.bfloat16)
     shardckpt.save({"w": src}, d)
-    monkeypatch.setattr(_load, "dtype_problem", lambda name, saved, live: None)
+    # bf16 -> fp32 is allowed by the real casting rule (docs/interop.md): no patching needed.
     live = {"w": torch.zeros(40, 7)}
     shardckpt.load(live, d, buffer_bytes=256)
     assert torch.equal(live["w"], src.float())
