@@ -19,6 +19,7 @@ same steps on every rank.
 
 from __future__ import annotations
 
+import errno
 import logging
 import operator
 import re
@@ -77,6 +78,24 @@ def steps_to_delete(committed: Iterable[int], *, keep_last: Optional[int], keep_
     if keep_every:
         keep |= {s for s in steps if s % keep_every == 0}
     return [s for s in steps if s not in keep]
+
+
+#: ``errno``s of an OS error that says a step's own files are damaged (the
+#: manifest is a directory, a name too long, a path through a file...), not
+#: that storage is unavailable: restore skips such a step like a corrupt one.
+_DAMAGE_ERRNOS = frozenset(getattr(errno, n) for n in ("EISDIR", "ENOTDIR", "ELOOP", "ENAMETOOLONG", "ENXIO", "ENODEV", "EINVAL") if hasattr(errno, n))
+
+
+def _is_damage(e: BaseException) -> bool:
+    """Whether ``e``, met while validating a step, means the step is damaged (skip it) rather than storage trouble."""
+    if isinstance(e, (CheckpointNotFoundError, CorruptCheckpointError)):
+        return True
+    if isinstance(e, CheckpointError):
+        return False
+    if isinstance(e, OSError):
+        return e.errno in _DAMAGE_ERRNOS or isinstance(e, (FileNotFoundError, NotADirectoryError, IsADirectoryError))
+    # Malformed metadata that a parser failed to turn into our type: still the step's own damage.
+    return isinstance(e, (ValueError, TypeError, KeyError, RecursionError, UnicodeError))
 
 
 def _check_step(step: Any) -> int:
@@ -395,12 +414,12 @@ class CheckpointManager:
             try:
                 self._validate(s)
                 return s
-            except (CheckpointNotFoundError, CorruptCheckpointError) as e:
-                log.warning("shardckpt: skipping step %d, it cannot be restored: %s", s, e)
-            except CheckpointError:
-                raise
             except Exception as e:
-                raise StorageError(f"cannot read step {s} under {self.root_url}: {type(e).__name__}: {e}") from e
+                if not _is_damage(e):
+                    if isinstance(e, CheckpointError):
+                        raise
+                    raise StorageError(f"cannot read step {s} under {self.root_url}: {type(e).__name__}: {e}") from e
+                log.warning("shardckpt: skipping step %d, it cannot be restored: %s: %s", s, type(e).__name__, e)
         return None
 
     def restore(self, state: Dict[str, Any], step: Optional[int] = None, **load_kw: Any) -> Optional[int]:
