@@ -247,3 +247,16 @@ def test_restore_reports_damage_once_files_vanish_after_commit(tmp_path, caplog)
     assert "skipping step 2" in caplog.text and "missing" in caplog.text
     with pytest.raises(CorruptCheckpointError):
         mgr.restore(_blank(), step=2)
+
+
+def test_a_top_level_tensor_named_metadata_is_refused_at_save(tmp_path):
+    # It would replace the safetensors header's __metadata__ entry: no safetensors reader could open the file.
+    with pytest.raises(shardckpt.UnsupportedStateError, match="__metadata__.*reserves"):
+        shardckpt.save({"__metadata__": torch.ones(2), "w": torch.ones(3)}, str(tmp_path / "ck"))
+    assert not (tmp_path / "ck" / "manifest.json").exists()
+    # Nested under another key it is an ordinary name, and the files stay readable by safetensors.
+    shardckpt.save({"m": {"__metadata__": torch.ones(2)}}, str(tmp_path / "ok"))
+    from safetensors.torch import load_file
+
+    files = list((tmp_path / "ok" / "data").iterdir())
+    assert torch.equal(load_file(str(files[0]))["m.__metadata__"], torch.ones(2))
