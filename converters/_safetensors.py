@@ -9,6 +9,7 @@ from typing import Any, Dict, List, Optional, Sequence, Union
 
 from shardckpt._hf import KeyMap, hf_manifest, map_names, select_names
 from shardckpt._io import DEFAULT_IO_THREADS
+from shardckpt._format import DATA_DIR, MANIFEST_NAME
 from shardckpt._format.values import TAG, tensor_ref
 from shardckpt._storage import Storage, fsync_dir
 from shardckpt.errors import CheckpointExistsError, CheckpointNotFoundError, StateMismatchError, format_offenders
@@ -292,13 +293,15 @@ def _publish_export(dst_url, files, reader, *, index, companions, storage_option
     """Write the weight files into ``dst``, keeping its other files; ``companions`` are added (replacing same-named ones)."""
     dst = Storage(dst_url, storage_options=storage_options)
     existing = [n for n in (dst.listdir("") if dst.exists("") else []) if not n.startswith(".")]
-    weights = [n for n in existing if is_weight_file(n)]
+    # A native checkpoint there (manifest + data/) counts as weights too: an
+    # export must not turn it into a half-native, half-HF directory.
+    weights = [n for n in existing if is_weight_file(n) or n in (MANIFEST_NAME, DATA_DIR)]
     if weights and not overwrite:
         raise CheckpointExistsError(
             f"{dst.url} already holds weight files ({format_offenders(weights, limit=5)}); pass overwrite=True to "
             "replace them (its other files, e.g. config.json and tokenizer files, are kept either way)"
         )
-    kept = [n for n in existing if not is_weight_file(n)]
+    kept = [n for n in existing if n not in weights]
     if not dst.is_local:
         # Object stores: no directory rename. Weights first, index last (the
         # shared writer), stale weight files removed after; kept files are
