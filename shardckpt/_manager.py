@@ -27,12 +27,12 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Optional, Set, Tuple
 
-from ._collective import DEFAULT_COLLECTIVE_TIMEOUT_S, FROM_ROOT, Comm, agree, open_comm
-from ._load import load, read_manifest
-from ._save import DATA_DIR, execute_save, prepare_save
 from ._async import AsyncSaveHandle, start_async, wait_pending
+from ._collective import DEFAULT_COLLECTIVE_TIMEOUT_S, FROM_ROOT, Comm, agree, open_comm
 from ._format import HF_INDEX_NAME, MANIFEST_NAME
 from ._io import DEFAULT_IO_THREADS, check_files
+from ._load import load, read_manifest
+from ._save import DATA_DIR, execute_save, prepare_save
 from ._storage import Storage
 from .errors import (
     CheckpointError,
@@ -368,7 +368,7 @@ class CheckpointManager:
 
     def _housekeeping(self, saved: int) -> None:
         committed, partial = self._scan()
-        for s, name in partial:
+        for _, name in partial:
             log.info("shardckpt: removing leftovers of an unfinished save: %s", self.root.url_of(name))
             self._remove_dir(name)
         for s in steps_to_delete(committed, keep_last=self.keep_last, keep_every=self.keep_every, protect=[saved]):

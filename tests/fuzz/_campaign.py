@@ -420,7 +420,7 @@ def check(target: str, r: random.Random, t: Templates) -> Outcome:
                     out.ok.append(name)
                 except CheckpointError as e:
                     if not _name_problem(e):
-                        raise PropertyViolation(f"[{mutation}] {name}: {type(e).__name__} with an empty message")
+                        raise PropertyViolation(f"[{mutation}] {name}: {type(e).__name__} with an empty message") from e
                     out.errors[name] = type(e).__name__
                 except PropertyViolation:
                     raise
@@ -448,9 +448,9 @@ def _check_load(target: str, case_dir: str, out: Outcome, t: Templates) -> None:
         shardckpt.load(live, case_dir)
     except CheckpointError as e:
         if not _name_problem(e):
-            raise PropertyViolation(f"[{out.mutation}] load: {type(e).__name__} with an empty message")
+            raise PropertyViolation(f"[{out.mutation}] load: {type(e).__name__} with an empty message") from e
         if not _equal_state(live, before):
-            raise PropertyViolation(f"[{out.mutation}] load failed ({type(e).__name__}: {str(e)[:200]}) but changed the live state")
+            raise PropertyViolation(f"[{out.mutation}] load failed ({type(e).__name__}: {str(e)[:200]}) but changed the live state") from e
         out.errors["load"] = type(e).__name__
         return
     except BaseException as e:  # noqa: BLE001

@@ -7,9 +7,7 @@ data writes and the commit, and a real race with a second process running
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import shutil
 import subprocess
 import sys
