@@ -171,3 +171,19 @@ def test_cli_verify_exits_1_for_a_deeply_nested_manifest(ck):
     p = _cli("verify", ck)
     assert p.returncode == 1, p.stderr
     assert "Recursion" not in p.stderr and "Traceback" not in p.stderr
+
+
+class NoCredentialsError(Exception):
+    """Stands for botocore's (same name, not an OSError): what s3fs raises without credentials."""
+
+
+def test_a_backends_own_exception_becomes_a_storage_error_with_a_credentials_hint(tmp_path, monkeypatch):
+    from shardckpt._storage import _local
+
+    def no_credentials(self, path, start, end):
+        raise NoCredentialsError("Unable to locate credentials")
+
+    monkeypatch.setattr(_local.LocalStorage, "_read", no_credentials)
+    with pytest.raises(StorageError, match="storage_options") as ei:
+        shardckpt.inspect(str(tmp_path))
+    assert "Unable to locate credentials" in str(ei.value)
