@@ -258,3 +258,19 @@ def test_a_top_level_tensor_named_metadata_is_refused_at_save(tmp_path):
 
     files = list((tmp_path / "ok" / "data").iterdir())
     assert torch.equal(load_file(str(files[0]))["m.__metadata__"], torch.ones(2))
+
+
+def test_keys_selects_an_exact_name_holding_glob_characters(tmp_path):
+    from shardckpt._hf import select_names
+
+    names = ["layers[0].w", "layers0.w", "a*b", "axb", "q?", "qq"]
+    # Exact names win over their glob reading; true globs still glob.
+    assert select_names(names, ["layers[0].w"]) == ["layers[0].w"]
+    assert select_names(names, ["a*b"]) == ["a*b"]
+    assert select_names(names, ["q?"]) == ["q?"]
+    assert select_names(names, ["layers*"]) == ["layers[0].w", "layers0.w"]
+    url = str(tmp_path / "ck")
+    shardckpt.save({"layers[0].w": torch.ones(2), "layers0.w": torch.full((2,), 2.0)}, url)
+    got = {"layers[0].w": torch.zeros(2), "layers0.w": torch.zeros(2)}
+    shardckpt.load(got, url, keys=["layers[0].w"], strict=False)
+    assert torch.equal(got["layers[0].w"], torch.ones(2)) and not got["layers0.w"].any()
