@@ -274,3 +274,22 @@ def test_keys_selects_an_exact_name_holding_glob_characters(tmp_path):
     got = {"layers[0].w": torch.zeros(2), "layers0.w": torch.zeros(2)}
     shardckpt.load(got, url, keys=["layers[0].w"], strict=False)
     assert torch.equal(got["layers[0].w"], torch.ones(2)) and not got["layers0.w"].any()
+
+
+def test_async_save_whose_files_vanish_fails_and_retention_keeps_the_previous_step(tmp_path, vanish):
+    mgr = shardckpt.CheckpointManager(str(tmp_path), keep_last=1, async_save=True)
+    mgr.save(1, _state(1))
+    mgr.wait()
+
+    def drop_data(storage):
+        for rel in storage.walk_files("data"):
+            storage.remove(rel)
+
+    vanish(drop_data)
+    handle = mgr.save(2, _state(2))
+    with pytest.raises(SaveFailedError, match="missing"):
+        handle.result()
+    assert mgr.steps() == [1]
+    got = _blank()
+    assert mgr.restore(got) == 1 and _same(got, _state(1))
+    mgr.close()
