@@ -130,7 +130,8 @@ def _zip_records(f, where: str) -> Dict[int, Tuple[int, int]]:
                     continue
                 n, m = struct.unpack("<HH", local[26:30])
                 out[zi.header_offset + 30 + n + m] = (zi.CRC, zi.file_size)
-    except (zipfile.BadZipFile, OSError, ValueError):
+    except (zipfile.BadZipFile, OSError, ValueError, EOFError, NotImplementedError, struct.error):
+        # zipfile raises NotImplementedError for odd versions, struct.error for short records.
         return {}  # offsets come from torch; CRCs are a bonus check
     return out
 

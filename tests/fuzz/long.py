@@ -53,6 +53,8 @@ def main(argv=None) -> int:
                 out = check(target, random.Random(seed), t)
             except PropertyViolation as e:
                 key = f"{target}: " + str(e).split("] ", 1)[-1][:160]
+                if key not in violations:
+                    print(f"VIOLATION (--target {target} --seed {seed} --cases 1): {str(e)[:500]}", flush=True)
                 violations.setdefault(key, []).append(seed)
             else:
                 errors.update(f"{target}.{op}:{name}" for op, name in out.errors.items())
