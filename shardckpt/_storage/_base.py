@@ -101,6 +101,11 @@ def check_rel(rel: str, *, where: str) -> str:
         raise UnsafeMetadataError(
             f"{where}: path {rel[:200]!r} escapes the checkpoint root; paths must be relative and contain no '..'"
         )
+    if not rel.isascii():
+        try:
+            rel.encode("utf-8")
+        except UnicodeEncodeError:  # a lone surrogate (JSON "\ud800"): no file can have this name
+            raise UnsafeMetadataError(f"{where}: path {rel[:200]!r} is not valid Unicode (a lone surrogate)") from None
     return rel
 
 
