@@ -18,6 +18,7 @@ FOUND = [
     ("torch_save", 152),  # IndexError from torch.load: pop from empty list
     ("torch_save", 1001534),  # NotImplementedError from zipfile: zip file version 6.4
     ("dcp", 105),  # AttributeError: TensorStorageMetadata without properties
+    ("dcp", 1014753),  # NotImplementedError from zipfile on a damaged DCP data file
     ("hf_index", 1007937),  # UnicodeEncodeError: a file name with a lone surrogate reached realpath
 ]
 
