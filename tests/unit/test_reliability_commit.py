@@ -12,6 +12,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 import torch
@@ -180,7 +181,7 @@ _CLEANER = textwrap.dedent(
     mgr = shardckpt.CheckpointManager(root)
     rounds, bad = 0, []
     deadline = time.monotonic() + float(sys.argv[3])
-    while not os.path.exists(stop) and time.monotonic() < deadline:
+    while True:
         try:
             mgr.cleanup()
         except CheckpointError:
@@ -188,6 +189,10 @@ _CLEANER = textwrap.dedent(
         except BaseException as e:
             bad.append(f"{type(e).__name__}: {e}")
         rounds += 1
+        if rounds == 1:
+            open(stop + ".ready", "w").close()  # racing from now on
+        if os.path.exists(stop) or time.monotonic() > deadline:
+            break
     print(rounds, len(bad))
     for b in bad[:5]:
         print(b)
@@ -208,6 +213,12 @@ def test_cleanup_in_another_process_racing_saves_never_loses_the_last_good_step(
         stderr=subprocess.PIPE,
         text=True,
     )
+    ready = tmp_path / "stop.ready"
+    waited = 0.0
+    while not ready.exists() and waited < RACE_JOIN_S and proc.poll() is None:
+        time.sleep(0.05)
+        waited += 0.05
+    assert ready.exists(), proc.communicate(timeout=RACE_JOIN_S)
     good, failed, escaped = [0], 0, []
     try:
         for step in range(1, RACE_SAVES + 1):
