@@ -194,7 +194,21 @@ class DCPUnpickler(pickle.Unpickler):
 
 
 def read_dcp_metadata(storage: Storage) -> Any:
-    """Read and validate ``.metadata``; returns DCP's ``Metadata`` object."""
+    """Read and validate ``.metadata``; returns DCP's ``Metadata`` object.
+
+    Raises:
+        CorruptCheckpointError / UnsafeMetadataError: damaged, malformed or unsafe.
+    """
+    try:
+        return _read_dcp_metadata(storage)
+    except (AttributeError, TypeError, KeyError, IndexError, RecursionError, OverflowError) as e:
+        # Objects the unpickler built without the attributes DCP's classes have.
+        raise CorruptCheckpointError(
+            f"{storage.url_of(METADATA_NAME)}: malformed DCP Metadata ({type(e).__name__}: {str(e)[:200]})"
+        ) from None
+
+
+def _read_dcp_metadata(storage: Storage) -> Any:
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex, TensorStorageMetadata
 
     where = storage.url_of(METADATA_NAME)

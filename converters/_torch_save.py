@@ -76,7 +76,15 @@ def _refusal(e: BaseException) -> str:
     return msg.splitlines()[0] if msg else type(e).__name__
 
 
-def weights_only_load(f: Any, *, where: str, map_location: str, corrupt: str, errors: Tuple[type, ...] = (RuntimeError, ValueError, EOFError)) -> Any:
+#: What torch.load raises on malformed input (its zip reader and unpickler
+#: assert, index and look up while parsing); all of it means "damaged file".
+MALFORMED_ERRORS: Tuple[type, ...] = (
+    RuntimeError, ValueError, EOFError, AssertionError, KeyError, IndexError, TypeError, AttributeError,
+    RecursionError, OverflowError,
+)
+
+
+def weights_only_load(f: Any, *, where: str, map_location: str, corrupt: str, errors: Tuple[type, ...] = MALFORMED_ERRORS) -> Any:
     """``torch.load(f, weights_only=True)``, its refusals and failures as our errors.
 
     Raises UnsafeMetadataError when the pickle names anything outside torch's
@@ -104,7 +112,7 @@ def load_meta(storage: Storage, rel: str, start: int, length: int, *, where: str
     raw = RangeFile(storage, rel, start, length)
     f = io.BufferedReader(raw, buffer_size=64 << 10)
     obj = weights_only_load(f, where=where, map_location="meta", corrupt="not a readable torch.save payload",
-                            errors=(RuntimeError, ValueError, EOFError, zipfile.BadZipFile))
+                            errors=MALFORMED_ERRORS + (zipfile.BadZipFile,))
     return obj, _zip_records(f, where)
 
 
@@ -122,7 +130,8 @@ def _zip_records(f, where: str) -> Dict[int, Tuple[int, int]]:
                     continue
                 n, m = struct.unpack("<HH", local[26:30])
                 out[zi.header_offset + 30 + n + m] = (zi.CRC, zi.file_size)
-    except (zipfile.BadZipFile, OSError, ValueError):
+    except (zipfile.BadZipFile, OSError, ValueError, EOFError, NotImplementedError, struct.error):
+        # zipfile raises NotImplementedError for odd versions, struct.error for short records.
         return {}  # offsets come from torch; CRCs are a bonus check
     return out
 

@@ -1,7 +1,7 @@
 """The ``shardckpt`` command: inspect, verify, diff, export/convert, reshard, import.
 
-Exit status: 0 on success; 1 when ``verify`` finds damage or ``diff`` finds
-differences; 2 on any other error (one line on stderr, no traceback; set
+Exit status: 0 on success; 1 when ``verify`` finds damage (in the manifest
+too) or ``diff`` finds differences; 2 on any other error (one line on stderr, no traceback; set
 ``SHARDCKPT_TRACEBACK=1`` to see one). Every command takes ``--json`` (one
 JSON object on stdout) and ``-q`` (nothing on stdout: the exit status says
 it). Progress bars (tqdm) go to stderr when it is a terminal, unless ``-q``.
@@ -145,13 +145,17 @@ def cmd_verify(args) -> int:
     from ._verify import verify_manifest
     from .errors import CorruptCheckpointError
 
-    storage, m = _open(args.url, _storage_options(args.storage_option))
-    chunks = sum(len(t.chunks) for t in m.tensors.values())
-    bar = _Bar(m.total_bytes, _progress(args), "verify")
+    bar = None
     try:
+        # A damaged manifest (or a manifest.json that is a FIFO, a directory,
+        # a link out of the checkpoint) is damage found, like a bad chunk: exit 1.
+        storage, m = _open(args.url, _storage_options(args.storage_option))
+        chunks = sum(len(t.chunks) for t in m.tensors.values())
+        bar = _Bar(m.total_bytes, _progress(args), "verify")
         verify_manifest(storage, m, on_bytes=bar.update)
     except CorruptCheckpointError as e:
-        bar.close()
+        if bar is not None:
+            bar.close()
         if args.json:
             _print_json({"url": args.url, "ok": False, "error": type(e).__name__, "message": str(e)})
         elif not args.quiet:

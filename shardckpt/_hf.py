@@ -48,6 +48,10 @@ KeyMap = Union[Mapping[str, str], Callable[[str], Optional[str]]]
 def select_names(names: Iterable[str], patterns: Union[str, Sequence[str], None], *, what: str = "keys") -> List[str]:
     """Names matching any of ``patterns`` (exact names or ``fnmatch`` globs), in order.
 
+    A pattern equal to one of ``names`` selects exactly that name, even when it
+    holds ``[``, ``*`` or ``?`` (``"layers[0].w"`` is a name, not a character
+    class): the exact match wins over the glob reading.
+
     Raises ``StateMismatchError`` naming every pattern that matches nothing,
     so a typo does not silently drop tensors.
     """
@@ -59,7 +63,8 @@ def select_names(names: Iterable[str], patterns: Union[str, Sequence[str], None]
     patterns = list(patterns)
     if any(not isinstance(p, str) for p in patterns):
         raise TypeError(f"{what} must be a list of strings (names or glob patterns), got {patterns!r}")
-    exact = {p for p in patterns if not any(ch in p for ch in "*?[")}
+    known = set(names)
+    exact = {p for p in patterns if p in known or not any(ch in p for ch in "*?[")}
     globs = [p for p in patterns if p not in exact]
     hit = set()
     out = []

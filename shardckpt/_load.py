@@ -153,7 +153,9 @@ def load(
         process_group: group the load runs over (default: the world).
         io_threads: reads in flight per rank.
         keys: only these checkpoint tensors (names or glob patterns, matched
-            against checkpoint names); a pattern matching nothing raises.
+            against checkpoint names; a pattern that is a checkpoint name
+            selects that name exactly, ``[``, ``*`` or ``?`` included); a
+            pattern matching nothing raises.
             Usually with ``strict=False``.
         key_map: checkpoint name -> state name: a dict (unlisted names kept)
             or a callable (``None`` drops a tensor), e.g. to load Hugging Face

@@ -19,6 +19,7 @@ same steps on every rank.
 
 from __future__ import annotations
 
+import errno
 import logging
 import operator
 import re
@@ -26,12 +27,12 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Optional, Set, Tuple
 
-from ._collective import DEFAULT_COLLECTIVE_TIMEOUT_S, FROM_ROOT, Comm, agree, open_comm
-from ._load import load, read_manifest
-from ._save import DATA_DIR, execute_save, prepare_save
 from ._async import AsyncSaveHandle, start_async, wait_pending
+from ._collective import DEFAULT_COLLECTIVE_TIMEOUT_S, FROM_ROOT, Comm, agree, open_comm
 from ._format import HF_INDEX_NAME, MANIFEST_NAME
 from ._io import DEFAULT_IO_THREADS, check_files
+from ._load import load, read_manifest
+from ._save import DATA_DIR, execute_save, prepare_save
 from ._storage import Storage
 from .errors import (
     CheckpointError,
@@ -123,6 +124,24 @@ def steps_to_delete(committed: Iterable[int], *, keep_last: Optional[int], keep_
     if keep_every:
         keep |= {s for s in steps if s % keep_every == 0}
     return [s for s in steps if s not in keep]
+
+
+#: ``errno``s of an OS error that says a step's own files are damaged (the
+#: manifest is a directory, a name too long, a path through a file...), not
+#: that storage is unavailable: restore skips such a step like a corrupt one.
+_DAMAGE_ERRNOS = frozenset(getattr(errno, n) for n in ("EISDIR", "ENOTDIR", "ELOOP", "ENAMETOOLONG", "ENXIO", "ENODEV", "EINVAL") if hasattr(errno, n))
+
+
+def _is_damage(e: BaseException) -> bool:
+    """Whether ``e``, met while validating a step, means the step is damaged (skip it) rather than storage trouble."""
+    if isinstance(e, (CheckpointNotFoundError, CorruptCheckpointError)):
+        return True
+    if isinstance(e, CheckpointError):
+        return False
+    if isinstance(e, OSError):
+        return e.errno in _DAMAGE_ERRNOS or isinstance(e, (FileNotFoundError, NotADirectoryError, IsADirectoryError))
+    # Malformed metadata that a parser failed to turn into our type: still the step's own damage.
+    return isinstance(e, (ValueError, TypeError, KeyError, RecursionError, UnicodeError))
 
 
 def _check_step(step: Any) -> int:
@@ -475,7 +494,7 @@ class CheckpointManager:
 
     def _housekeeping(self, saved: int) -> None:
         committed, partial = self._scan()
-        for s, name in partial:
+        for _, name in partial:
             log.info("shardckpt: removing leftovers of an unfinished save: %s", self.root.url_of(name))
             self._remove_dir(name)
         for s in steps_to_delete(committed, keep_last=self.keep_last, keep_every=self.keep_every, protect=[saved]):
@@ -521,12 +540,12 @@ class CheckpointManager:
             try:
                 self._validate(s)
                 return s
-            except (CheckpointNotFoundError, CorruptCheckpointError) as e:
-                log.warning("shardckpt: skipping step %d, it cannot be restored: %s", s, e)
-            except CheckpointError:
-                raise
             except Exception as e:
-                raise StorageError(f"cannot read step {s} under {self.root_url}: {type(e).__name__}: {e}") from e
+                if not _is_damage(e):
+                    if isinstance(e, CheckpointError):
+                        raise
+                    raise StorageError(f"cannot read step {s} under {self.root_url}: {type(e).__name__}: {e}") from e
+                log.warning("shardckpt: skipping step %d, it cannot be restored: %s: %s", s, type(e).__name__, e)
         return None
 
     def restore(self, state: Dict[str, Any], step: Optional[int] = None, **load_kw: Any) -> Optional[int]:

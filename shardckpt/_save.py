@@ -241,6 +241,10 @@ class SavePlan:
         return self.comm.world
 
 
+#: The one key of a safetensors header that is not a tensor.
+RESERVED_TENSOR_NAME = "__metadata__"
+
+
 def prepare_save(
     state: Dict[str, Any],
     url: str,
@@ -263,6 +267,11 @@ def prepare_save(
     # state raises everywhere instead of leaving peers waiting.
     def local():
         flat = flatten_for_save(state, rank=rank, world=world)
+        if RESERVED_TENSOR_NAME in flat.tensors:
+            raise UnsupportedStateError(
+                f"a tensor named {RESERVED_TENSOR_NAME!r} cannot be saved: safetensors reserves that key for a file's "
+                "metadata, so the data file would be unreadable by safetensors; rename it or nest it under another key"
+            )
         layouts = _layouts(flat.tensors, rank, world, local_only=comm.no_dist)
         own, layouts = _own_tensors(layouts, flat.per_rank_tensors, rank)
         # Plain values are written from rank 0 alone: the peers prove theirs are the same.

@@ -18,6 +18,7 @@ __all__ = [
     "StateMismatchError",
     "UnsupportedStateError",
     "UnsafeMetadataError",
+    "UnreadableFileError",
     "StorageError",
     "SaveFailedError",
     "LoadFailedError",
@@ -45,6 +46,17 @@ class ChecksumMismatchError(CorruptCheckpointError):
 
 class UnsafeMetadataError(CorruptCheckpointError):
     """Metadata read from storage breaks a safety rule (path escape, huge header...)."""
+
+
+class UnreadableFileError(CorruptCheckpointError, OSError):
+    """A path in a checkpoint is not a regular file that can be read inside it.
+
+    A directory, FIFO, socket or device where a file should be; a symlink
+    loop; a name too long for the filesystem; a path through a regular file;
+    a symlink leading out of the checkpoint. It is damage (a
+    ``CorruptCheckpointError``) and also an ``OSError``, so code that treats
+    storage trouble as ``OSError`` keeps working.
+    """
 
 
 class CheckpointNotFoundError(CheckpointError, FileNotFoundError):

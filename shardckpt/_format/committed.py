@@ -18,11 +18,12 @@ import json
 import posixpath
 from typing import Any, Dict, List, Optional, Tuple
 
-from ..errors import CheckpointNotFoundError, format_offenders
+from ..errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedStateError, format_offenders
 from . import manifest as _manifest
 from .hf import MAX_INDEX_BYTES, hf_manifest
 from .manifest import Manifest, check_relpath, manifest_from_bytes, manifest_to_bytes
 from .naming import DATA_DIR, DATA_SUFFIX, HF_INDEX_NAME, INDEX_SUFFIX, MANIFEST_NAME, save_id_prefix
+from .values import value_depth_problem
 
 __all__ = ["commit", "open_manifest", "hf_index_bytes", "TORCH_SAVE_SUFFIXES", "NOT_FOUND_LISTED"]
 
@@ -50,11 +51,17 @@ def hf_index_bytes(m: Manifest) -> Optional[bytes]:
 def commit(storage: Any, manifest: Manifest, *, replace: bool = False) -> None:
     """Commit ``manifest`` at ``storage``: the HF index (when whole), then ``manifest.json`` last, atomically.
 
-    Every data file the manifest names must already be written and durable.
-    If the manifest write fails, the HF index is put back as it was, so a
-    previous checkpoint at ``storage`` stays intact and loadable. After a
-    successful commit with ``replace``, data files of the replaced checkpoint
-    (other save ids) are removed, and an HF index naming removed files too.
+    Every data file the manifest names must already be written and durable;
+    right before the first write, one size query per file checks they still
+    are (another process's ``cleanup()``, an object lifecycle rule or an
+    emptied bucket may have removed them since): a commit naming missing
+    files would be a checkpoint that cannot be restored. The step directory
+    is never re-created: if it vanished, the commit fails. If the manifest
+    write fails, the HF index is put back as it was (removed when there was
+    none), so a previous checkpoint at ``storage`` stays intact and loadable.
+    After a successful commit with ``replace``, data files of the replaced
+    checkpoint (other save ids) are removed, and an HF index naming removed
+    files too.
 
     Args:
         storage: where the checkpoint lives.
@@ -62,25 +69,38 @@ def commit(storage: Any, manifest: Manifest, *, replace: bool = False) -> None:
         replace: a committed checkpoint may be there and is being replaced.
 
     Raises:
-        OSError / StorageError: a named data file is missing or of the wrong
-            size (``Storage.check_objects``), or the manifest could not be
-            written (nothing committed).
+        StorageError: a named data file is missing or of the wrong size now
+            (``Storage.check_objects``; nothing committed).
+        UnsupportedStateError: the values tree nests deeper than
+            ``MAX_VALUE_DEPTH`` (it could not be loaded back).
+        OSError / StorageError: the manifest could not be written, e.g. the
+            directory vanished (nothing committed).
 
     Example:
         >>> commit(storage, manifest, replace=True)     # doctest: +SKIP
+
+    Limits: on object stores a file deleted after the check and before the
+    manifest PUT is not seen (no directory to vanish); ``restore`` and
+    ``load`` check sizes again before reading.
     """
+    deep = value_depth_problem(manifest.values)
+    if deep:
+        raise UnsupportedStateError(f"{storage.url}: cannot save this state: {deep}; flatten the nested values")
     body = manifest_to_bytes(manifest)
     index = hf_index_bytes(manifest)
     # Data files removed since they were written (cleanup() on the same root,
     # a lifecycle rule, an emptied bucket) must not be named by a commit.
     storage.check_objects({rel: fm.size for rel, fm in manifest.files.items()})
+    # A values-only checkpoint has no data file that could have vanished
+    # with its directory: its manifest may create the directory.
+    create_dirs = not manifest.files
     # Before the commit the index is just another file, but it must keep
     # naming the old checkpoint's files if the commit fails: keep it.
     prev = _read_optional(storage, HF_INDEX_NAME) if index is not None else None
     if index is not None:
-        storage.write_atomic(HF_INDEX_NAME, index)
+        storage.write_atomic(HF_INDEX_NAME, index, create_dirs=create_dirs)
     try:
-        storage.write_atomic(MANIFEST_NAME, body)
+        storage.write_atomic(MANIFEST_NAME, body, create_dirs=create_dirs)
     except BaseException:
         if index is not None:
             _restore(storage, HF_INDEX_NAME, prev)
@@ -92,7 +112,11 @@ def commit(storage: Any, manifest: Manifest, *, replace: bool = False) -> None:
 def _read_optional(storage: Any, rel: str) -> Optional[bytes]:
     try:
         return storage.read_bytes(rel, limit=MAX_INDEX_BYTES)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except CorruptCheckpointError:
+        # Not a file we could put back (a FIFO, over the limit): a failed
+        # commit then leaves no index rather than a damaged one.
         return None
 
 
@@ -102,7 +126,7 @@ def _restore(storage: Any, rel: str, data: Optional[bytes]) -> None:
         if data is None:
             storage.remove(rel)
         else:
-            storage.write_atomic(rel, data)
+            storage.write_atomic(rel, data, create_dirs=False)
     except Exception:
         pass
 

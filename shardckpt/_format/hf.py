@@ -138,7 +138,7 @@ def _read_index(storage: Any) -> Dict[str, str]:
     data = storage.read_bytes(HF_INDEX_NAME, limit=MAX_INDEX_BYTES)
     try:
         raw = json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as e:
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:  # RecursionError: absurdly deep nesting
         raise CorruptCheckpointError(f"{where}: not valid JSON ({e})") from None
     if not isinstance(raw, dict) or not isinstance(raw.get("weight_map"), dict):
         raise CorruptCheckpointError(f"{where}: no 'weight_map' object")

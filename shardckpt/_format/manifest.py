@@ -17,6 +17,7 @@ from typing import Any, Dict, List, Optional
 from ..errors import CorruptCheckpointError, UnsafeMetadataError
 from .dtypes import DTYPES, itemsize
 from .naming import MANIFEST_NAME
+from .values import value_depth_problem
 
 __all__ = [
     "IndexMeta",
@@ -335,6 +336,9 @@ def manifest_from_bytes(data: bytes, *, url: str = "") -> Manifest:
         raw = json.loads(data.decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError) as e:  # RecursionError: absurdly deep nesting
         raise CorruptCheckpointError(f"{where}: not valid JSON ({e})") from None
+    deep = value_depth_problem(raw.get("values")) if isinstance(raw, dict) else None
+    if deep:  # every walker of the tree recurses: refuse before any does
+        raise CorruptCheckpointError(f"{where}: {deep}")
     if not isinstance(raw, dict) or raw.get("format") != FORMAT_NAME:
         raise CorruptCheckpointError(f"{where}: not a shardckpt manifest (format={raw.get('format') if isinstance(raw, dict) else None!r})")
     version = _req(raw, "format_version", int, where)

@@ -30,6 +30,8 @@ from ..errors import StateMismatchError, UnsupportedStateError
 
 __all__ = [
     "TAG",
+    "MAX_VALUE_DEPTH",
+    "value_depth_problem",
     "tensor_ref",
     "is_tensor_ref",
     "encode_value",
@@ -41,6 +43,34 @@ __all__ = [
 ]
 
 TAG = "__shardckpt__"
+
+#: Deepest nesting of JSON containers a values tree may have (a tagged tuple
+#: or dict costs two levels). Saved trees deeper than this are refused at
+#: commit and at parse, so every walker of a tree (all recursive) stays far
+#: from Python's recursion limit however the file was made.
+MAX_VALUE_DEPTH = 200
+
+
+def value_depth_problem(node: Any, *, limit: int = MAX_VALUE_DEPTH) -> Optional[str]:
+    """Why ``node`` nests too deeply (``None`` when it is within ``limit``); iterative, never recurses.
+
+    Example:
+        >>> value_depth_problem([[[1]]], limit=2)
+        'values nest more than 2 levels deep (limit MAX_VALUE_DEPTH)'
+    """
+    stack = [(node, 1)]
+    while stack:
+        n, d = stack.pop()
+        if isinstance(n, dict):
+            children = n.values()
+        elif isinstance(n, (list, tuple)):
+            children = n
+        else:
+            continue
+        if d > limit:
+            return f"values nest more than {limit} levels deep (limit MAX_VALUE_DEPTH)"
+        stack.extend((c, d + 1) for c in children if isinstance(c, (dict, list, tuple)))
+    return None
 
 
 def tensor_ref(name: str) -> Dict[str, str]:

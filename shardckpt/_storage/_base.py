@@ -15,6 +15,8 @@ backend that serves ``url`` (:class:`LocalStorage` for plain paths and
 from __future__ import annotations
 
 import abc
+import contextlib
+import errno
 import os
 import random
 import tempfile
@@ -24,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, TypeVar
 
 from .. import _knobs
-from ..errors import StorageError, UnsafeMetadataError, format_offenders
+from ..errors import CheckpointError, StorageError, UnreadableFileError, UnsafeMetadataError, format_offenders
 
 __all__ = [
     "Capabilities",
@@ -118,6 +120,11 @@ def check_rel(rel: str, *, where: str) -> str:
         raise UnsafeMetadataError(
             f"{where}: path {rel[:200]!r} escapes the checkpoint root; paths must be relative and contain no '..'"
         )
+    if not rel.isascii():
+        try:
+            rel.encode("utf-8")
+        except UnicodeEncodeError:  # a lone surrogate (JSON "\ud800"): no file can have this name
+            raise UnsafeMetadataError(f"{where}: path {rel[:200]!r} is not valid Unicode (a lone surrogate)") from None
     return rel
 
 
@@ -250,6 +257,56 @@ def pwrite_all(fd: int, data, pos: int) -> int:
     while n < len(mv):
         n += os.pwrite(fd, mv[n:], pos + n)
     return n
+
+
+#: OS errors a read meets when the checkpoint itself is damaged (the thing at
+#: a path is not a readable file), as opposed to storage trouble (EIO, EACCES).
+_DAMAGE_ERRNOS = {
+    errno.EISDIR: "is a directory, not a file",
+    errno.ELOOP: "is a symlink loop (or too many levels of symlinks)",
+    errno.ENAMETOOLONG: "has a name too long for the filesystem",
+    errno.ENXIO: "is a device or socket, not a file",
+    errno.ENODEV: "is a device, not a file",
+}
+
+
+@contextlib.contextmanager
+def reading(url: str):
+    """Turn the OS errors of a read that mean "this path is not a readable file" into ``UnreadableFileError``.
+
+    The one place where read-side ``OSError``s of every backend become
+    shardckpt's types: a missing file stays ``FileNotFoundError`` (an answer
+    callers branch on, as is ``NotADirectoryError``: a path through a file
+    names nothing), damage becomes :class:`UnreadableFileError`, and the
+    rest (I/O errors, permissions) becomes ``StorageError``; all three are
+    ``OSError``s.
+    """
+    try:
+        yield
+    except (FileNotFoundError, NotADirectoryError, StorageError, UnreadableFileError, UnsafeMetadataError, EOFError):
+        raise
+    except OSError as e:
+        why = _DAMAGE_ERRNOS.get(e.errno)
+        if why is not None:
+            err: OSError = UnreadableFileError(f"{url} {why}; the checkpoint is damaged ({e.strerror})")
+        else:
+            err = StorageError(f"cannot read {url}: {type(e).__name__}: {e}")
+        err.errno = e.errno  # callers that branch on errno still can
+        raise err from e
+    except (CheckpointError, ValueError, MemoryError):
+        raise
+    except Exception as e:  # a backend's own types (botocore, aiohttp...): storage trouble
+        raise StorageError(f"cannot read {url}: {type(e).__name__}: {e}{_credentials_hint(e)}") from e
+
+
+def _credentials_hint(e: BaseException) -> str:
+    if "credential" not in f"{type(e).__name__} {e}".lower():
+        return ""
+    return (
+        "; no credentials were found for this storage: pass them in storage_options "
+        "(e.g. {'key': ..., 'secret': ...}, or {'anon': True} for a public bucket; the CLI takes "
+        "--storage-option key=value) or set the provider's environment variables (AWS_ACCESS_KEY_ID...)"
+    )
 
 
 class Storage(abc.ABC):
@@ -430,7 +487,9 @@ class Storage(abc.ABC):
 
     def size(self, rel: str) -> int:
         """Size in bytes; raises ``FileNotFoundError`` when missing."""
-        return int(self._size(self._p(rel)))
+        path = self._p(rel)
+        with reading(self.url_of(rel)):
+            return int(self._size(path))
 
     def stat_sizes(self, rels: Iterable[str]) -> Dict[str, Optional[int]]:
         """Current size of each file (``None`` if missing), asked of the storage itself, not of a cache.
@@ -508,19 +567,27 @@ class Storage(abc.ABC):
     def read_bytes(self, rel: str, *, limit: Optional[int] = None) -> bytes:
         """Whole file, refusing more than ``limit`` bytes (never reading more than ``limit + 1``).
 
+        The size is never trusted on its own (FIFOs and devices report 0):
+        at most ``limit + 1`` bytes are read whatever the stat said.
+
         Raises:
             FileNotFoundError: missing.
             UnsafeMetadataError: the file is larger than ``limit``.
+            UnreadableFileError: not a regular file inside the checkpoint
+                (directory, FIFO, device, symlink loop or escape...).
         """
         path = self._p(rel)
-        if limit is None:
-            return self._read(path, 0, None)
-        n = self._size(path)
-        if n > limit:
-            raise UnsafeMetadataError(f"{self.url_of(rel)}: {n} bytes exceeds the {limit}-byte limit")
-        data = self._read(path, 0, limit + 1)
-        if len(data) > limit:  # grew since the stat
-            raise UnsafeMetadataError(f"{self.url_of(rel)}: more than {limit} bytes exceeds the {limit}-byte limit")
+        with reading(self.url_of(rel)):
+            if limit is None:
+                return self._read(path, 0, None)
+            # Read first (the backend checks the file type), stat only to word a refusal.
+            data = self._read(path, 0, limit + 1)
+            if len(data) > limit:
+                try:
+                    n = f"{int(self._size(path))} bytes"
+                except Exception:
+                    n = f"more than {limit} bytes"
+                raise UnsafeMetadataError(f"{self.url_of(rel)}: {n} exceeds the {limit}-byte limit")
         return data
 
     def read_range(self, rel: str, start: int, length: int) -> bytes:
@@ -528,11 +595,12 @@ class Storage(abc.ABC):
         if start < 0 or length < 0:
             raise ValueError(f"{self.url_of(rel)}: bad range start={start} length={length}")
         path = self._p(rel)
-        if length == 0:
-            # Some backends read [0, 0) as "the whole file": ask nothing but its existence.
-            self._size(path)
-            return b""
-        return self._read(path, start, start + length)
+        with reading(self.url_of(rel)):
+            if length == 0:
+                # Some backends read [0, 0) as "the whole file": ask nothing but its existence.
+                self._size(path)
+                return b""
+            return self._read(path, start, start + length)
 
     def read_into(self, rel: str, ranges: Sequence[Tuple[int, memoryview]]) -> None:
         """Fill each ``(offset, buffer)`` from the file.
@@ -543,7 +611,8 @@ class Storage(abc.ABC):
         """
         check_rel(rel, where=self.url)
         if ranges:
-            self._read_ranges(rel, ranges)
+            with reading(self.url_of(rel)):
+                self._read_ranges(rel, ranges)
 
     def _short(self, rel: str, end: int) -> EOFError:
         return EOFError(f"{self.url_of(rel)}: file ends before byte {end}")
@@ -557,14 +626,39 @@ class Storage(abc.ABC):
         self._p(rel)
         return self._open_writer(rel)
 
-    def write_atomic(self, rel: str, data: bytes) -> None:
+    def write_atomic(self, rel: str, data: bytes, *, create_dirs: bool = True) -> None:
         """Publish ``data`` at ``rel`` all at once: readers see the old state or all of it.
 
         Local disk: temp file, fsync, rename, fsync of the directory. Object
         stores: a single PUT, which is atomic by itself (no rename needed).
+
+        Args:
+            create_dirs: create missing parent directories. ``False`` for a
+                commit: a directory removed under it (another process's
+                ``cleanup()``) must fail the write, not come back holding
+                only this file.
+
+        Raises:
+            FileNotFoundError: ``create_dirs=False`` and the parent is gone.
         """
         self._p(rel)
-        self._put(rel, bytes(data))
+        if create_dirs:
+            self._put(rel, bytes(data))
+        else:
+            self._put_existing(rel, bytes(data))
+
+    def _put_existing(self, rel: str, data: bytes) -> None:
+        """:meth:`_put` into a parent that must already exist.
+
+        Without directories there is nothing that can vanish. Backends with
+        directories but no race-free way to refuse check first (a window
+        remains; local disk overrides this without one).
+        """
+        if self.caps.has_dirs:
+            parent = rel.rpartition("/")[0]
+            if not self._exists(self.path(parent)):
+                raise FileNotFoundError(errno.ENOENT, f"{self.url_of(parent)} vanished before {rel} was written")
+        self._put(rel, data)
 
     def open_staged(self, rel: str) -> StagedFile:
         """A :class:`StagedFile` to build at a local path and publish at ``rel`` on ``commit()``."""

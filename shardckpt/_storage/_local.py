@@ -4,19 +4,24 @@
 hints, ``pwrite`` for parallel writers, ``fsync`` of files and of the
 directories that gained entries, and an atomic rename for every publish.
 Temp files are created with ``O_EXCL | O_NOFOLLOW``, so a link planted at a
-temp name is never written through; other opens follow links (a checkpoint
-may be reached through a "latest" symlink on purpose): the guard against
-escapes is the relative-path check in the base class.
+temp name is never written through. The root may be reached through a
+symlink (a "latest" link, on purpose), but reads below it never leave it: a
+symlink inside a checkpoint that resolves outside the root is refused, and
+only regular files are read (a FIFO would block the open forever, a device
+like ``/dev/zero`` never ends), opened non-blocking and checked with
+``fstat`` before the first byte.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
+import stat
 import uuid
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
-from ..errors import StorageError
+from ..errors import StorageError, UnreadableFileError
 from ._base import DEFAULT_RETRIES, Capabilities, StagedFile, Storage, Writer, pwrite_all
 
 __all__ = ["LocalStorage", "WRITEBACK_BYTES", "fsync_dir"]
@@ -30,6 +35,8 @@ _FADVISE = getattr(os, "posix_fadvise", None)
 # Never create a file through a symlink someone planted at a temp name.
 _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+# Opening a FIFO for reading blocks until a writer comes: open without waiting, then refuse it.
+_O_NONBLOCK = getattr(os, "O_NONBLOCK", 0)
 
 
 def fsync_dir(path: str) -> None:
@@ -84,6 +91,34 @@ class LocalStorage(Storage):
 
     # -- core -------------------------------------------------------------------
 
+    def _inside(self, path: str) -> str:
+        """``path`` if, symlinks resolved, it stays below the root; else UnreadableFileError."""
+        if path == self.root:
+            return path
+        real = os.path.realpath(path)
+        root = os.path.realpath(self.root)
+        if real != root and not real.startswith(root.rstrip(os.sep) + os.sep):
+            raise UnreadableFileError(
+                f"{path} is a symlink leading out of the checkpoint (to {real}); "
+                "a checkpoint's files must lie inside its directory"
+            )
+        return path
+
+    def _open_regular(self, path: str) -> int:
+        """A read-only fd of ``path``, refused unless it is a regular file inside the root."""
+        fd = os.open(self._inside(path), os.O_RDONLY | _O_CLOEXEC | _O_NONBLOCK)
+        try:
+            mode = os.fstat(fd).st_mode
+            if not stat.S_ISREG(mode):
+                what = "a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else "a device or socket"
+                err = UnreadableFileError(f"{path} is {what}, not a regular file; the checkpoint is damaged")
+                err.errno = errno.EISDIR if stat.S_ISDIR(mode) else errno.ENXIO
+                raise err
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
     def _exists(self, path: str) -> bool:
         return os.path.exists(path)
 
@@ -91,7 +126,7 @@ class LocalStorage(Storage):
         return os.path.isfile(path)
 
     def _size(self, path: str) -> int:
-        return os.stat(path).st_size
+        return os.stat(self._inside(path)).st_size
 
     def _listdir(self, path: str) -> List[str]:
         return os.listdir(path)
@@ -104,14 +139,22 @@ class LocalStorage(Storage):
         return out
 
     def _read(self, path: str, start: int, end: Optional[int]) -> bytes:
-        with open(path, "rb") as f:
+        fd = self._open_regular(path)
+        with open(fd, "rb", closefd=True) as f:
             if end is None:
                 f.seek(start)
                 return f.read()
-            return os.pread(f.fileno(), end - start, start)
+            # pread may return less than asked before the end: loop to ``end`` or EOF.
+            out = bytearray()
+            while start + len(out) < end:
+                got = os.pread(fd, end - start - len(out), start + len(out))
+                if not got:
+                    break
+                out += got
+            return bytes(out)
 
     def _read_ranges(self, rel: str, ranges: Sequence[Tuple[int, memoryview]]) -> None:
-        fd = os.open(self.path(rel), os.O_RDONLY | _O_CLOEXEC)
+        fd = self._open_regular(self.path(rel))
         try:
             for offset, buf in ranges:
                 done = 0
@@ -129,10 +172,13 @@ class LocalStorage(Storage):
         os.makedirs(os.path.dirname(path), exist_ok=True)
         return _LocalWriter(path, self.url_of(rel))
 
-    def _put(self, rel: str, data: bytes) -> None:
+    def _put(self, rel: str, data: bytes, *, make_dirs: bool = True) -> None:
         path = self.path(rel)
         d = os.path.dirname(path)
-        os.makedirs(d, exist_ok=True)
+        if make_dirs:
+            os.makedirs(d, exist_ok=True)
+        # Without make_dirs, a directory removed under us fails the O_EXCL
+        # create or the rename (FileNotFoundError): never re-created.
         tmp = _tmp_name(path, "tmp")
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_NOFOLLOW | _O_CLOEXEC, 0o644)
@@ -149,6 +195,9 @@ class LocalStorage(Storage):
                 pass
             raise
         fsync_dir(d)
+
+    def _put_existing(self, rel: str, data: bytes) -> None:
+        self._put(rel, data, make_dirs=False)
 
     def _remove(self, path: str) -> None:
         os.unlink(path)

@@ -76,7 +76,6 @@ def golden_manifest():
 
 
 def _save_rank(rank, world, path):
-    import torch
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 

@@ -84,10 +84,10 @@ def _arm(fault: str) -> None:
     elif fault == "before_manifest":
         real_atomic = _storage.Storage.write_atomic
 
-        def write_atomic(self, rel, data):
+        def write_atomic(self, rel, data, **kw):
             if rel == "manifest.json":
                 _die()
-            return real_atomic(self, rel, data)
+            return real_atomic(self, rel, data, **kw)
 
         _storage.Storage.write_atomic = write_atomic
     elif fault == "mid_manifest":

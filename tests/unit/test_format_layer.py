@@ -161,10 +161,10 @@ def test_failed_commit_puts_the_old_index_back(ck, monkeypatch):
     old_manifest = (ck / _format.MANIFEST_NAME).read_bytes()
     real = Storage.write_atomic
 
-    def fail_on_manifest(self, rel, data):
+    def fail_on_manifest(self, rel, data, **kw):
         if rel == _format.MANIFEST_NAME:
             raise OSError("disk full")
-        return real(self, rel, data)
+        return real(self, rel, data, **kw)
 
     monkeypatch.setattr(Storage, "write_atomic", fail_on_manifest)
     with pytest.raises(shardckpt.SaveFailedError, match="disk full"):

@@ -5,7 +5,6 @@ from __future__ import annotations
 import copy
 import logging
 import os
-import threading
 import time
 import uuid
 

@@ -1,6 +1,5 @@
 """Single-process paths never need NumPy (byte views fall back to ctypes when torch has none)."""
 
-import os
 import subprocess
 import sys
 import textwrap

@@ -104,7 +104,7 @@ def test_failed_overwrite_keeps_the_old_checkpoint(tmp_path, monkeypatch):
     real = Storage.write_atomic
     seen = {}
 
-    def failing_commit(self, rel, data):
+    def failing_commit(self, rel, data, **kw):
         if rel == "manifest.json":
             # The new data files are on disk now, and the old manifest still rules.
             seen["data"] = sorted(os.listdir(os.path.join(path, "data")))
@@ -112,7 +112,7 @@ def test_failed_overwrite_keeps_the_old_checkpoint(tmp_path, monkeypatch):
             shardckpt.load(state, path)
             seen["loaded"] = (state["v"], state["w"].clone())
             raise OSError("disk full")
-        return real(self, rel, data)
+        return real(self, rel, data, **kw)
 
     monkeypatch.setattr(Storage, "write_atomic", failing_commit)
     with pytest.raises(SaveFailedError, match="nothing was committed.*disk full"):
