@@ -32,14 +32,14 @@ def _local_snapshot(model):
     return out
 
 
-def _try_loads(model, cases):
+def _try_loads(model, cases, atomic=False):
     """Load every case into ``model``; report (error type, message, model unchanged?, step unchanged?)."""
     out = {}
     for name, path in cases.items():
         before = _local_snapshot(model)
         state = {"model": model, "step": -1}
         try:
-            shardckpt.load(state, path)
+            shardckpt.load(state, path, atomic=atomic)
             out[name] = (None, "loaded", True, True)
             continue
         except Exception as e:  # noqa: BLE001 - the test inspects it
@@ -50,15 +50,20 @@ def _try_loads(model, cases):
     return out
 
 
-def _load_cases(rank, world, cases):
+def _load_cases(rank, world, cases, atomic=False):
     model = shard_fsdp2(build(seed=2))
     idx = torch.tensor([[1, 5, 36, 0]])
     model(idx).sum().backward()  # FSDP2 buffers exist, as in training
-    return _try_loads(model, cases)
+    return _try_loads(model, cases, atomic=atomic)
+
+
+def _load_cases_both(rank, world, cases):
+    return {"stream": _load_cases(rank, world, cases), "atomic": _load_cases(rank, world, cases, atomic=True)}
 
 
 def _data_files(d):
-    return sorted(os.path.join(d, "data", f) for f in os.listdir(os.path.join(d, "data")))
+    # Tensor data only (format v2 keeps per-rank index files beside them).
+    return sorted(os.path.join(d, "data", f) for f in os.listdir(os.path.join(d, "data")) if f.endswith(".safetensors"))
 
 
 def _bitflip(d):
@@ -129,12 +134,21 @@ def damaged(tmp_path_factory):
     return cases, names
 
 
-def _check(results, names, where):
+# Damage only the bytes themselves reveal: a streaming load (the default)
+# finds it after copying the blocks before it, and must say which tensors it
+# overwrote; atomic=True stages everything first and changes nothing.
+FOUND_WHILE_STREAMING = {"bitflip"}
+
+
+def _check(results, names, where, atomic=True):
     assert results["intact"][0] is None, (where, results["intact"])
     for name, (_, exc, fragments) in CASES.items():
         etype, msg, same_model, same_step = results[name]
         assert etype is not None, f"{where}: {name} loaded"
-        assert same_model and same_step, f"{where}: {name}: the state changed on a failed load"
+        assert same_step, f"{where}: {name}: plain values changed on a failed load"
+        if not same_model:
+            assert not atomic and name in FOUND_WHILE_STREAMING, f"{where}: {name}: the state changed on a failed load"
+            assert "already overwritten" in msg, f"{where}: {name}: changed tensors not named: {msg!r}"
         for frag in fragments + [names[name]]:
             assert frag in msg, f"{where}: {name}: {frag!r} not in {msg!r}"
     return True
@@ -145,10 +159,12 @@ def test_damage_fails_on_every_rank_and_loads_nothing(damaged):
     # the intact copy loads first and last: a failed load leaves no residue
     order = dict(cases)
     order["intact_again"] = cases["intact"]
-    per_rank = run_ranks(2, _load_cases, order)
-    for rank, res in enumerate(per_rank):
-        _check(res, names, f"rank {rank}")
-        assert res["intact_again"][0] is None
+    both = run_ranks(2, _load_cases_both, order)
+    per_rank = [b["stream"] for b in both]
+    for rank, b in enumerate(both):
+        _check(b["stream"], names, f"rank {rank}", atomic=False)
+        _check(b["atomic"], names, f"rank {rank} atomic=True", atomic=True)
+        assert b["stream"]["intact_again"][0] is None and b["atomic"]["intact_again"][0] is None
     # The rank that found the damage raises its own type; every rank raises
     # something naming it (peers: "load aborted on another rank").
     for name, (_, exc, _) in CASES.items():
@@ -160,7 +176,8 @@ def test_damage_fails_on_every_rank_and_loads_nothing(damaged):
 def test_damage_fails_in_one_process(damaged):
     cases, names = damaged
     res = _try_loads(build(seed=3), cases)
-    _check(res, names, "world 1")
+    _check(res, names, "world 1", atomic=False)
+    _check(_try_loads(build(seed=3), cases, atomic=True), names, "world 1 atomic=True", atomic=True)
     for name, (_, exc, _) in CASES.items():
         assert res[name][0] in {exc.__name__, "CorruptCheckpointError"}, (name, res[name][0])
 
