@@ -57,7 +57,7 @@ def make_data(root: str, gb: float) -> dict:
     import shardckpt
 
     dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    world = dist.get_world_size()
     torch.set_num_threads(1)
     mesh = init_device_mesh("cpu", (world,))
     rows = max(world, int(gb * 1e9 / NTENSORS / (COLS * 4)))
@@ -87,8 +87,8 @@ def convert(route: str, src: str, dst: str) -> dict:
     if route == "dcp_to_torch_save":
         from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
     if route == "dcp_consolidate_hf":
-        from torch.distributed.checkpoint._consolidate_hf_safetensors import consolidate_safetensors_files
         from torch.distributed.checkpoint import FileSystemReader
+        from torch.distributed.checkpoint._consolidate_hf_safetensors import consolidate_safetensors_files
 
         fqns = list(FileSystemReader(src).read_metadata().state_dict_metadata) if os.path.exists(f"{src}/.metadata") else None
         os.makedirs(dst, exist_ok=True)  # it does not create its output directory

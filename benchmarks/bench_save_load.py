@@ -132,7 +132,7 @@ def make_state(size_bytes: int, device: str, *, fill: bool, seed: int = 0) -> Di
     state: Dict[str, Any] = {}
     for i, (name, shape) in enumerate(state_spec(size_bytes)):
         if mesh is not None:
-            from torch.distributed.tensor import Shard, distribute_tensor
+            from torch.distributed.tensor import Shard
             from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
             local_shape, _ = compute_local_shape_and_global_offset(shape, mesh, [Shard(0)])

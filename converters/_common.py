@@ -65,7 +65,6 @@ from shardckpt.errors import (
     format_offenders,
 )
 
-
 __all__ = [
     "BLOCK_BYTES",
     "SrcChunk",

@@ -9,10 +9,9 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from shardckpt._format import itemsize, torch_dtype
-from shardckpt._io import DEFAULT_IO_THREADS
-from shardckpt._format import plural
+from shardckpt._format import itemsize, plural, torch_dtype
 from shardckpt._format.values import has_plain, is_tensor_ref, plain_values
+from shardckpt._io import DEFAULT_IO_THREADS
 
 from ._common import BLOCK_BYTES, Progress, Reader, SrcTensor, open_checkpoint, plan_blocks, prefetch
 

@@ -12,9 +12,10 @@ from typing import Any, Dict, List, Optional, Sequence, Union
 import torch
 
 from shardckpt._format import itemsize, torch_dtype
+from shardckpt._format.checksum import checksum, combine
+from shardckpt._format.values import TAG, decode_value
 from shardckpt._hf import KeyMap
 from shardckpt._io import DEFAULT_IO_THREADS
-from shardckpt._format.values import TAG, decode_value
 from shardckpt._storage import Storage
 from shardckpt.errors import CheckpointExistsError, UnsupportedStateError
 
@@ -35,7 +36,6 @@ from ._common import (
     whole_entry,
     write_safetensors_files,
 )
-from shardckpt._format.checksum import checksum, combine
 from ._safetensors import export_names
 
 __all__ = ["to_full"]
@@ -230,7 +230,7 @@ def _write_pt(dst, values, by_name, reader: Reader, *, flat, storage_options, ov
         if len(metas) != len(order):
             raise AssertionError("internal error: torch.save structure changed on reload")
         offsets = []
-        for e, m in zip(order, metas):
+        for _, m in zip(order, metas):
             off = getattr(m.untyped_storage(), "_checkpoint_offset", None)
             if off is None:
                 raise UnsupportedStateError("this torch cannot report storage offsets of a saved file (torch >= 2.6 needed for .pt output)")

@@ -8,10 +8,10 @@ import os
 import uuid
 from typing import Any, Dict, List, Optional, Sequence, Union
 
-from shardckpt._hf import KeyMap, hf_manifest, map_names, select_names
-from shardckpt._io import DEFAULT_IO_THREADS
 from shardckpt._format import DATA_DIR, MANIFEST_NAME
 from shardckpt._format.values import TAG, tensor_ref
+from shardckpt._hf import KeyMap, hf_manifest, map_names, select_names
+from shardckpt._io import DEFAULT_IO_THREADS
 from shardckpt._storage import Storage, fsync_dir
 from shardckpt.errors import CheckpointExistsError, CheckpointNotFoundError, StateMismatchError, format_offenders
 

@@ -26,7 +26,13 @@ from shardckpt._hf import KeyMap, map_names, select_names
 from shardckpt._io import DEFAULT_IO_THREADS
 from shardckpt._state import flatten_for_save
 from shardckpt._storage import Storage
-from shardckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsafeMetadataError, UnsupportedStateError, format_offenders
+from shardckpt.errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    UnsafeMetadataError,
+    UnsupportedStateError,
+    format_offenders,
+)
 
 from ._common import ConvertResult, Source, SrcChunk, SrcTensor, split_url, write_whole
 from ._safetensors import arrange_imported

@@ -102,12 +102,12 @@ def __dir__():
 
 if TYPE_CHECKING:  # pragma: no cover
     from . import converters, errors
-    from ._load import LoadResult, load
-    from ._save import save
-    from ._verify import inspect, verify
     from ._async import AsyncSaveHandle, async_save, release_buffers
     from ._format import Manifest
+    from ._load import LoadResult, load
     from ._manager import CheckpointManager
     from ._rng import RNGState
+    from ._save import save
     from ._state import Adapter, PerRank, register_adapter
+    from ._verify import inspect, verify
     from .errors import *  # noqa: F401,F403

@@ -40,9 +40,9 @@ import torch
 
 from . import _knobs
 from ._collective import DEFAULT_COLLECTIVE_TIMEOUT_S, Comm, agree, open_comm
-from ._save import OVERWRITE_HINT, SavePlan, execute_save, prepare_save, stage_save
 from ._format import MANIFEST_NAME
 from ._io import DEFAULT_IO_THREADS
+from ._save import OVERWRITE_HINT, SavePlan, execute_save, prepare_save, stage_save
 from .errors import CheckpointError, CheckpointExistsError, SaveFailedError
 
 if TYPE_CHECKING:  # pragma: no cover

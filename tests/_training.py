@@ -12,7 +12,6 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-
 from models import Block, build
 
 ROWS = 12  # global batch: divisible by 1, 2, 3, 4

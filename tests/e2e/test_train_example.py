@@ -23,7 +23,7 @@ def _run(nproc, ckpt, steps, tmp_path):
     except subprocess.TimeoutExpired:
         os.killpg(p.pid, signal.SIGKILL)
         stdout, stderr = p.communicate()
-        raise AssertionError(f"torchrun --nproc-per-node {nproc} timed out:\n{stdout}\n{stderr}")
+        raise AssertionError(f"torchrun --nproc-per-node {nproc} timed out:\n{stdout}\n{stderr}") from None
     assert p.returncode == 0, stdout + stderr
     return stdout
 

@@ -9,15 +9,15 @@ import zlib
 import crc32c
 import pytest
 import torch
+from shardckpt.converters import parse_size
+from shardckpt.converters._common import Reader, Source, SrcChunk, SrcTensor, parse_dtype, plan_blocks
+from shardckpt.converters._dcp import DCPUnpickler
 
 from shardckpt._format import ChunkMeta, TensorMeta
+from shardckpt._format.checksum import checksum, combine
 from shardckpt._hf import map_names, narrow_unchecked, select_names
 from shardckpt._plan import Box
 from shardckpt._storage import Storage
-from shardckpt.converters import parse_size
-from shardckpt.converters._common import Reader, Source, SrcChunk, SrcTensor, parse_dtype, plan_blocks
-from shardckpt._format.checksum import checksum, combine
-from shardckpt.converters._dcp import DCPUnpickler
 from shardckpt.errors import StateMismatchError, UnsupportedStateError
 
 

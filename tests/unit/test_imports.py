@@ -14,9 +14,9 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+import shardckpt.converters
 
 import shardckpt
-import shardckpt.converters
 
 # Modules that must never need torch: `shardckpt verify` / `inspect` run where it is not installed.
 TORCH_FREE = ["shardckpt._format", "shardckpt._verify", "shardckpt._cli", "shardckpt.errors", "shardckpt._version"]

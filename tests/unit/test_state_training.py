@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from _training import VOCAB, batch
+from models import build
 
 import shardckpt
 from shardckpt.errors import StateMismatchError, UnsupportedStateError
-from models import build
-from _training import VOCAB, batch
 
 
 def _run(model, opt, sched, scaler, start, steps, noise=0.1):
