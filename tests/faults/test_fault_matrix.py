@@ -12,7 +12,7 @@ Phases (where the victim SIGKILLs itself, by patching the engine inside the chil
 
 Before the commit point the previous step must restore exactly and the new one must not be listed;
 after it (retention) the new step must restore exactly. The table of results is in
-docs/fault-matrix.md.
+docs/reliability.md ("Fault matrix").
 """
 
 from __future__ import annotations
