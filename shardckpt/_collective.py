@@ -363,7 +363,15 @@ def _exchange(comm: Comm, outcome: Any) -> Tuple[str, Any, Optional[List[Any]]]:
     base = _base_key(comm, store)
     mine = f"{base}/r{comm.rank}"
     verdict_key = f"{base}/v"
-    store.set(mine, pickle.dumps(outcome))
+    root = comm.ranks[0]
+    try:
+        store.set(mine, pickle.dumps(outcome))
+    except Exception:
+        if comm.rank == 0:
+            raise
+        # Rank 0 hosts the store: it may die before this rank posts at all
+        # (not only while this rank waits). Same verdict as a failed wait.
+        return base, ("dead", [root]), None
     if comm.rank == 0:
         keys = {r: f"{base}/r{i}" for i, r in enumerate(comm.ranks)}
         outcomes: Optional[List[Any]] = None
@@ -380,7 +388,6 @@ def _exchange(comm: Comm, outcome: Any) -> Tuple[str, Any, Optional[List[Any]]]:
         if outcomes is not None:
             _delete(store, _prev_key(base) + "/v")
         return base, verdict, outcomes
-    root = comm.ranks[0]
     try:
         # Rank 0 names dead peers; this rank watches rank 0 only (whose death
         # usually takes the store down with it, which ends the wait at once).
@@ -396,7 +403,10 @@ def _exchange(comm: Comm, outcome: Any) -> Tuple[str, Any, Optional[List[Any]]]:
         # for its own exchange.
         _delete(store, mine)
         return base, verdict, None
-    return base, pickle.loads(store.get(verdict_key)), None
+    try:
+        return base, pickle.loads(store.get(verdict_key)), None
+    except Exception:  # the verdict was posted, then its host died before this rank read it
+        return base, ("dead", [root]), None
 
 
 def _post_verdict(comm: Comm, base: str, verdict: Any) -> None:
