@@ -370,7 +370,9 @@ def execute_save(plan: SavePlan) -> None:
         index = None
         if named:
             body = index_bytes(save_id, rank, block_bytes, named)
-            storage.write_atomic(index_rel, body)
+            # The data files just written made data/: if it is gone now
+            # (cleanup(), a removed run), fail rather than re-create it.
+            storage.write_atomic(index_rel, body, create_dirs=False)
             index = (index_rel, len(body), crc32c(body))
         # Rank 0 needs only: the irregular tensors' chunks (to check their
         # tiling and name their writers), whole-tensor chunks (the HF index),

@@ -20,6 +20,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedStateError, format_offenders
 from . import manifest as _manifest
+from .files import check_files
 from .hf import MAX_INDEX_BYTES, hf_manifest
 from .manifest import Manifest, check_relpath, manifest_from_bytes, manifest_to_bytes
 from .naming import DATA_DIR, DATA_SUFFIX, HF_INDEX_NAME, INDEX_SUFFIX, MANIFEST_NAME, save_id_prefix
@@ -69,8 +70,8 @@ def commit(storage: Any, manifest: Manifest, *, replace: bool = False) -> None:
         replace: a committed checkpoint may be there and is being replaced.
 
     Raises:
-        StorageError: a named data file is missing or of the wrong size now
-            (``Storage.check_objects``; nothing committed).
+        CorruptCheckpointError: a named data file is missing or of the wrong
+            size now (``check_files``, fresh sizes; nothing committed).
         UnsupportedStateError: the values tree nests deeper than
             ``MAX_VALUE_DEPTH`` (it could not be loaded back).
         OSError / StorageError: the manifest could not be written, e.g. the
@@ -90,7 +91,7 @@ def commit(storage: Any, manifest: Manifest, *, replace: bool = False) -> None:
     index = hf_index_bytes(manifest)
     # Data files removed since they were written (cleanup() on the same root,
     # a lifecycle rule, an emptied bucket) must not be named by a commit.
-    storage.check_objects({rel: fm.size for rel, fm in manifest.files.items()})
+    check_files(storage, {rel: fm.size for rel, fm in manifest.files.items()})
     # A values-only checkpoint has no data file that could have vanished
     # with its directory: its manifest may create the directory.
     create_dirs = not manifest.files

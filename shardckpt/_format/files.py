@@ -34,7 +34,9 @@ def check_files(storage: Any, expected: Dict[str, int]) -> None:
 
     def stat(rel):
         try:
-            return rel, storage.size(rel)
+            # Asked of the storage itself, never of a listing cache: files
+            # removed under us (cleanup(), a lifecycle rule) must be seen.
+            return rel, storage.stat_sizes([rel])[rel]
         except (FileNotFoundError, NotADirectoryError):  # a path through a file names nothing
             return rel, None
         except UnreadableFileError as e:
