@@ -507,7 +507,10 @@ class Storage(abc.ABC):
 
         def one(rel: str) -> Tuple[str, Optional[int]]:
             try:
-                return rel, int(self._fresh_size(self.path(rel)))
+                # The same damage mapping as every read (symlink loops, names
+                # too long... become UnreadableFileError): no raw OSError escapes.
+                with reading(self.url_of(rel)):
+                    return rel, int(self._fresh_size(self.path(rel)))
             except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
                 # A directory where a file should be is as good as missing.
                 return rel, None
