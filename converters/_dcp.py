@@ -81,6 +81,11 @@ MIN_PICKLE_NODES = 1 << 20
 _INPLACE_OPS = {"APPEND", "APPENDS", "SETITEM", "SETITEMS", "ADDITEMS", "BUILD"}
 
 
+#: Memo indices may run this far past the entries stored so far (picklers
+#: number them in order; a little slack for hand-made pickles).
+MEMO_INDEX_SLACK = 1024
+
+
 def check_pickle_bounds(data: bytes, *, where: str, max_depth: int = MAX_PICKLE_DEPTH) -> None:
     """Refuse a pickle whose objects nest too deep or expand too far, before anything is built.
 
@@ -110,6 +115,14 @@ def check_pickle_bounds(data: bytes, *, where: str, max_depth: int = MAX_PICKLE_
             if name == "MARK":
                 stack.append(mark)
             elif name in ("PUT", "BINPUT", "LONG_BINPUT"):
+                # The C unpickler sizes its memo array by the index it is given, so
+                # one LONG_BINPUT of 2**31 costs 16+ GiB; a pickler numbers its memo
+                # entries 0, 1, 2, ... so an index past the entries so far is forged.
+                if not isinstance(arg, int) or arg > len(memo) + MEMO_INDEX_SLACK:
+                    raise UnsafeMetadataError(
+                        f"{where}: refused: memo index {arg} with {len(memo)} entries stored so far "
+                        "(a pickler numbers them in order; a larger index only allocates memory)"
+                    )
                 memo[arg] = stack[-1]
             elif name == "MEMOIZE":
                 memo[len(memo)] = stack[-1]
