@@ -1,45 +1,55 @@
-"""The streaming engine every converter runs on.
+"""What every converter shares: sources, block planning, and one path through the engine.
 
 A *source* is a set of tensors whose bytes lie in byte ranges of files
 (native shardckpt chunks, safetensors entries, DCP items, ``torch.save``
-records). A conversion plans its *output files* up front — every entry's
-name, dtype, shape and byte offset is known from metadata alone — then
-streams: worker threads read *blocks* (at most ``BLOCK_BYTES``: byte runs of
-dim-0 shards, or row slabs from ``_plan.split_box`` where chunks are other
-boxes), cast them if asked, checksum them, and on local disk ``pwrite`` them
-at their final offset (elsewhere one writer per output file appends them in
-order). At most ``depth`` blocks per output file are in flight, in reused
-buffers, so peak memory is a few blocks — plus one tensor only where a
-source cannot be read by ranges (a non-contiguous ``torch.save`` record).
+records). A conversion plans its output entries from metadata alone, then
+streams them through the engine's two byte paths, with no I/O code of its own:
 
-Source checksums are verified as the bytes stream through: each block's CRC
-is computed on the thread that read it and joined in order with
-:func:`shardckpt._format.checksum.combine`; a mismatch is raised at the end, before the output is
-committed, so damaged input never yields committed output.
+* reading: :class:`Reader` turns a block of a source tensor (at most
+  ``BLOCK_BYTES``: a byte run of dim-0 chunks, or a slab of whole rows
+  assembled from other boxes) into wants for ``_readers.read_verified``,
+  the one verified ranged reader. Format v2 sources are verified block by
+  block before a byte is used; sources with one checksum per chunk (format
+  v1 chunks, ``torch.save`` zip records' CRC-32) have their pieces'
+  checksums joined with ``_format.checksum.combine`` and checked once the
+  chunk is read, before anything is committed; foreign files without
+  checksums (Hugging Face, DCP) are read as they are.
+* writing: each output entry is an ``_io.WriteItem`` whose bytes stream from
+  the reader (the next block is read while this one is written, in reused
+  buffers), written by ``_io.write_files`` — the save's checksummed writer —
+  through ``_save.write_rank`` (data files + the v2 index with block CRCs)
+  and committed by ``_format.commit``. Hugging Face exports use the same
+  writer without shardckpt metadata.
+
+Peak memory: per output file written at once, two blocks (four when
+casting) plus the reader's ``BLOCK_BYTES`` of buffers — plus one tensor
+only where a source cannot be read by ranges (a non-contiguous
+``torch.save`` record).
 """
 
 from __future__ import annotations
 
-import collections
-import itertools
 import math
 import os
 import sys
 import threading
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterable, Iterator, List, NamedTuple, Optional, Sequence, Tuple
+from functools import partial
+from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
+from shardckpt import _knobs
 from shardckpt._format import (
-    DATA_DIR,
     DTYPES,
+    FORMAT_VERSION,
     MANIFEST_NAME,
     ChunkMeta,
     FileMeta,
+    IndexMeta,
     Manifest,
     TensorMeta,
     checksum,
@@ -48,13 +58,14 @@ from shardckpt._format import (
     data_file_name,
     itemsize,
     open_manifest,
-    safetensors_header,
     tiling_problems,
     torch_dtype,
 )
-from shardckpt._io import DEFAULT_IO_THREADS, byte_view, check_files
+from shardckpt._io import DEFAULT_IO_THREADS, WriteItem, byte_view, check_files, partition, tensor_bytes, write_files
 from shardckpt._layout import box_view
 from shardckpt._plan import Box, split_box
+from shardckpt._readers import BufferPool, ReadStats, SavedChunk, Want, read_verified
+from shardckpt._save import write_rank
 from shardckpt._storage import Storage
 from shardckpt.errors import (
     CheckpointExistsError,
@@ -67,6 +78,7 @@ from shardckpt.errors import (
 
 __all__ = [
     "BLOCK_BYTES",
+    "WANT_BYTES",
     "SrcChunk",
     "SrcTensor",
     "Source",
@@ -80,14 +92,18 @@ __all__ = [
     "write_whole",
     "write_safetensors_files",
     "whole_entry",
-    "plan_whole_files",
     "parse_dtype",
     "parse_size",
 ]
 
-#: Bytes per streamed block. With ``depth`` blocks in flight per output file
-#: this sets the memory a conversion needs.
+#: Bytes per streamed block (and of the reader's buffers per output file):
+#: with two blocks in flight per file this sets the memory a conversion needs.
 BLOCK_BYTES = 16 << 20
+#: Largest piece of a source chunk asked of the reader at once, cut at
+#: chunk-relative multiples of it: a multiple of the v2 block size, so pieces
+#: never share a checksum block (none is read twice) and up to
+#: ``BLOCK_BYTES // WANT_BYTES`` are read in parallel.
+WANT_BYTES = 4 << 20
 
 
 # --------------------------------------------------------------------------
@@ -98,9 +114,11 @@ BLOCK_BYTES = 16 << 20
 class SrcChunk:
     """A box of a source tensor and where its bytes are.
 
-    ``check`` is ``(algorithm, value)`` for the chunk's bytes (``"crc32c"``
-    for shardckpt, ``"crc32"`` for zip records) or ``None`` when the source
-    has no checksum. ``loader``, when set, materializes the chunk (a
+    ``blocks`` (format v2): the CRC-32C of each ``block_bytes`` slice, so
+    every piece is verified as it is read. Otherwise ``check`` is
+    ``(algorithm, value)`` for the whole chunk (``"crc32c"`` for v1,
+    ``"crc32"`` for zip records), checked once it is all read, or ``None``
+    (no checksum). ``loader``, when set, materializes the chunk (a
     contiguous tensor of the box) for data that is not one byte range.
     """
 
@@ -112,6 +130,8 @@ class SrcChunk:
     key: str
     check: Optional[Tuple[str, int]] = None
     loader: Optional[Callable[[], torch.Tensor]] = None
+    block_bytes: int = 0
+    blocks: Tuple[int, ...] = ()
 
 
 @dataclass
@@ -159,28 +179,28 @@ class Source:
         return sum(t.nbytes for t in self.tensors.values())
 
 
+def _src_chunk(c: ChunkMeta, block_bytes: int) -> SrcChunk:
+    blocks = tuple(c.blocks) if c.blocks is not None and block_bytes else ()
+    return SrcChunk(
+        file=c.file,
+        byte_offset=c.byte_offset,
+        nbytes=c.nbytes,
+        offsets=tuple(c.offsets),
+        sizes=tuple(c.sizes),
+        key=c.key,
+        check=None if c.crc32c is None or blocks else ("crc32c", c.crc32c),
+        block_bytes=block_bytes if blocks else 0,
+        blocks=blocks,
+    )
+
+
 def source_from_manifest(storage: Storage, m: Manifest) -> Source:
+    """The tensors of an opened manifest (chunks filled in: v1, v2, or a safetensors directory)."""
     tensors = {}
     for name in sorted(m.tensors):
         t = m.tensors[name]
-        tensors[name] = SrcTensor(
-            name=name,
-            dtype=t.dtype,
-            shape=tuple(t.shape),
-            chunks=[
-                SrcChunk(
-                    file=c.file,
-                    byte_offset=c.byte_offset,
-                    nbytes=c.nbytes,
-                    offsets=tuple(c.offsets),
-                    sizes=tuple(c.sizes),
-                    key=c.key,
-                    check=None if c.crc32c is None else ("crc32c", c.crc32c),
-                )
-                for c in t.chunks
-            ],
-            layout=t.layout,
-        )
+        bb = m.block_bytes if m.version >= 2 else 0
+        tensors[name] = SrcTensor(name=name, dtype=t.dtype, shape=tuple(t.shape), chunks=[_src_chunk(c, bb) for c in t.chunks], layout=t.layout)
     kind = m.extra.get("source", "native") if isinstance(m.extra, dict) else "native"
     return Source(
         url=storage.url,
@@ -190,12 +210,12 @@ def source_from_manifest(storage: Storage, m: Manifest) -> Source:
         world_size=m.world_size,
         kind=kind,
         extra=dict(m.extra or {}),
-        files={rel: f.size for rel, f in m.files.items()},
+        files={rel: f.size for rel, f in m.data_files.items()},
     )
 
 
 def open_checkpoint(url: str, storage_options: Optional[Dict[str, Any]] = None) -> Source:
-    """A shardckpt checkpoint, a safetensors directory, or one ``.safetensors`` file."""
+    """A shardckpt checkpoint (v1 or v2), a safetensors directory, or one ``.safetensors`` file."""
     storage = Storage(url, storage_options=storage_options)
     return source_from_manifest(storage, open_manifest(storage))
 
@@ -278,40 +298,41 @@ def plan_blocks(t: SrcTensor, start: int, stop: int, block_bytes: int = BLOCK_BY
 
 
 # --------------------------------------------------------------------------
-# reading
+# reading: wants for the one verified reader
 
 
-class _Verifier:
-    """Collects per-block CRCs of source chunks; checks whole chunks at the end."""
+class _WholeChecks:
+    """Checksums of chunks with one CRC for all their bytes (v1, zip records), joined from the pieces read.
+
+    The reader verifies what has block checksums before delivering it; a
+    chunk with one checksum can only be checked once all of it has been
+    read, so a conversion checks these in :meth:`Reader.finish`, before
+    anything is committed or published.
+    """
 
     def __init__(self):
         self.lock = threading.Lock()
-        self.pieces: Dict[Tuple[int, int], List[Tuple[int, int, int]]] = collections.defaultdict(list)
+        self.pieces: Dict[Tuple[int, int], List[Tuple[int, int, int]]] = {}
         self.tensors: Dict[int, SrcTensor] = {}
 
     def add(self, t: SrcTensor, idx: int, pos: int, n: int, crc: int) -> None:
         with self.lock:
             self.tensors[id(t)] = t
-            self.pieces[(id(t), idx)].append((pos, n, crc))
+            self.pieces.setdefault((id(t), idx), []).append((pos, n, crc))
 
     def problems(self, source: Source) -> List[str]:
         bad = []
         for (tid, idx), pieces in self.pieces.items():
             t = self.tensors[tid]
             c = t.chunks[idx]
-            if c.check is None:
-                continue
-            algo, want = c.check
-            pieces.sort()
+            algo, want = c.check  # type: ignore[misc]
             crc, pos = 0, 0
-            for p, n, v in pieces:
+            for p, n, v in sorted(pieces):
                 if p != pos:
                     break  # overlapping or partial reads: not a whole-chunk check
                 crc = combine(algo, crc, v, n)
                 pos += n
-            if pos != c.nbytes:
-                continue
-            if crc != want:
+            if pos == c.nbytes and crc != want:
                 bad.append(
                     f"{source.storage.url_of(c.file)}: chunk {c.key!r} of tensor {t.name!r} "
                     f"(bytes {c.byte_offset}..{c.byte_offset + c.nbytes}) has {algo} {crc:#010x}, "
@@ -320,52 +341,33 @@ class _Verifier:
         return sorted(bad)
 
 
-class BufferPool:
-    """Reusable byte buffers of one size, shared by threads; never blocks.
+class Reader:
+    """Reads blocks of a source's tensors through ``_readers.read_verified`` (thread-safe).
 
-    Streaming allocates and frees a 16 MiB buffer per block from several
-    threads; through malloc that fragments per-thread arenas and the
-    process's resident memory creeps up by hundreds of MB. Reusing a few
-    buffers keeps it flat. ``take`` allocates when none is free (the number
-    in use is bounded by the prefetch depth, not here); requests larger than
-    the buffer size get a one-off allocation.
+    Args:
+        source: what to read.
+        threads: reads in flight per block.
+
+    Raises (from the reads): ChecksumMismatchError (a v2 block), CorruptCheckpointError
+    (missing or short file), StorageError; :meth:`finish` raises ChecksumMismatchError
+    for whole-chunk checksums.
+
+    Example:
+        >>> r = Reader(open_checkpoint("ck")); t = r.source.tensors["w"]     # doctest: +SKIP
+        >>> data = torch.cat([r.read(t, b) for b in plan_blocks(t, 0, t.numel)]); r.finish()
     """
 
-    def __init__(self, size: int, keep: int):
-        self.size, self.keep = size, keep
-        self.free: List[torch.Tensor] = []
-        self.lock = threading.Lock()
-
-    def take(self, nbytes: int) -> torch.Tensor:
-        if nbytes > self.size:
-            return torch.empty(nbytes, dtype=torch.uint8)
-        with self.lock:
-            base = self.free.pop() if self.free else None
-        if base is None:
-            base = torch.empty(self.size, dtype=torch.uint8)
-        return base[:nbytes]
-
-    def give(self, t: Optional[torch.Tensor]) -> None:
-        if t is None:
-            return
-        base = t._base if t._base is not None else t
-        if base.numel() == self.size and base.dim() == 1:
-            with self.lock:
-                if len(self.free) < self.keep:
-                    self.free.append(base)
-
-
-class Reader:
-    """Reads blocks of source tensors (thread-safe), verifying source checksums."""
-
-    def __init__(self, source: Source):
+    def __init__(self, source: Source, *, threads: int = DEFAULT_IO_THREADS):
         self.source = source
         self.storage = source.storage
-        self.verifier = _Verifier()
-        self._cache_lock = threading.Lock()
+        self.threads = max(1, threads)
+        self.stats = ReadStats()
+        self._checks = _WholeChecks()
+        self._lock = threading.Lock()
         self._cache: Tuple[Any, Optional[torch.Tensor]] = (None, None)
+        self._saved: Dict[Tuple[int, int], SavedChunk] = {}
 
-    def check_source_files(self, names: Iterable[str]) -> None:
+    def check_source_files(self, names: Sequence[str]) -> None:
         """Every file the named tensors need exists with its recorded size."""
         if self.source.files is None:
             return
@@ -373,104 +375,101 @@ class Reader:
         check_files(self.storage, {rel: self.source.files[rel] for rel in need if rel in self.source.files})
 
     def finish(self) -> None:
-        """Raise if any fully read source chunk failed its checksum."""
-        bad = self.verifier.problems(self.source)
+        """Raise if any fully read chunk with a whole-chunk checksum does not match it."""
+        bad = self._checks.problems(self.source)
         if bad:
+            more = f" ... ({len(bad) - 10} more)" if len(bad) > 10 else ""
             raise ChecksumMismatchError(
-                f"checksum mismatch, the source {self.source.url} is damaged ({len(bad)} chunks): " + "; ".join(bad[:10])
+                f"checksum mismatch, the source {self.source.url} is damaged ({len(bad)} chunks): " + "; ".join(bad[:10]) + more
             )
 
-    def _read_into(self, rel: str, ranges: List[Tuple[int, memoryview]]) -> None:
-        try:
-            self.storage.read_into(rel, ranges)
-        except (FileNotFoundError, NotADirectoryError):
-            raise CorruptCheckpointError(f"{self.storage.url_of(rel)}: file is missing") from None
-        except EOFError as e:
-            raise CorruptCheckpointError(f"{e} (truncated)") from None
-        except StorageError:
-            raise
-        except OSError as e:
-            raise StorageError(f"reading {self.storage.url_of(rel)}: {e}") from e
+    def _saved_chunk(self, t: SrcTensor, idx: int) -> SavedChunk:
+        key = (id(t), idx)
+        got = self._saved.get(key)
+        if got is None:
+            c = t.chunks[idx]
+            # Block checksums go to the reader; a whole-chunk one is joined here.
+            got = SavedChunk(c.file, c.byte_offset, c.nbytes, block_bytes=c.block_bytes, block_crcs=c.blocks,
+                             name=f"{t.name} chunk {c.key!r}")
+            self._saved[key] = got
+        return got
 
     def _loaded(self, c: SrcChunk) -> memoryview:
-        with self._cache_lock:
+        with self._lock:
             key, t = self._cache
             if key is not c:
                 t = c.loader().contiguous()  # type: ignore[misc]
                 self._cache = (c, t)
-        from shardckpt._io import tensor_bytes
-
         return tensor_bytes(t)
 
-    def _fill(self, t: SrcTensor, segs: Sequence[Seg], dests: Sequence[memoryview]) -> None:
-        by_file: Dict[str, List[Tuple[int, memoryview]]] = {}
-        for s, d in zip(segs, dests):
-            c = t.chunks[s.chunk]
-            if c.loader is not None:
-                d[:] = self._loaded(c)[s.pos : s.pos + s.n]
-            else:
-                by_file.setdefault(c.file, []).append((c.byte_offset + s.pos, d))
-        for rel, ranges in by_file.items():
-            self._read_into(rel, ranges)
-        for s, d in zip(segs, dests):
-            c = t.chunks[s.chunk]
-            if c.check is not None:
-                self.verifier.add(t, s.chunk, s.pos, s.n, checksum(c.check[0], d))
-
-    def read(self, t: SrcTensor, blk: Block, pool: Optional[BufferPool] = None) -> torch.Tensor:
-        """The block's elements as a flat uint8 tensor, row-major (from ``pool`` when given)."""
+    def read_into(self, t: SrcTensor, blk: "Block", out: torch.Tensor, *, pool: Optional[BufferPool] = None) -> None:
+        """Fill ``out`` (flat uint8, ``blk.count`` elements of ``t``) with the block's bytes, row-major."""
         isz = itemsize(t.dtype)
-        total = blk.count * isz
-        take = pool.take if pool is not None else (lambda n: torch.empty(n, dtype=torch.uint8))
+        wants: List[Want] = []
         if blk.rows is None:
-            buf = take(total)
-            if total:
-                mv = byte_view(buf)
-                dests, pos = [], 0
-                for s in blk.segs:
-                    dests.append(mv[pos : pos + s.n])
-                    pos += s.n
-                self._fill(t, blk.segs, dests)
-            return buf
-        a, b = blk.rows
-        shape = t.shape
-        slab = take(total).view((b - a,) + tuple(shape[1:-1]) + (shape[-1] * isz,))
-        staging = take(sum(s.n for s in blk.segs))
-        tmps, pos = [], 0
-        for s in blk.segs:
-            tmps.append(staging[pos : pos + s.n])
-            pos += s.n
-        self._fill(t, blk.segs, [byte_view(x) for x in tmps])
-        for s, tmp in zip(blk.segs, tmps):
-            c = t.chunks[s.chunk]
-            crow = math.prod(c.sizes[1:]) * isz
-            r0 = c.offsets[0] + s.pos // crow
-            src = tmp.view((s.n // crow,) + tuple(c.sizes[1:-1]) + (c.sizes[-1] * isz,))
-            dst = box_view(slab, (r0 - a,) + tuple(c.offsets[1:-1]) + (c.offsets[-1] * isz,), tuple(src.shape))
-            dst.copy_(src)
-        del tmps
-        if pool is not None:
-            pool.give(staging)
-        return slab.view(-1)
+            dst = byte_view(out) if out.numel() else memoryview(bytearray(0))
+            at = 0
+            for s in blk.segs:
+                c = t.chunks[s.chunk]
+                if c.loader is not None:
+                    dst[at : at + s.n] = self._loaded(c)[s.pos : s.pos + s.n]
+                else:
+                    lo, end = s.pos, s.pos + s.n
+                    while lo < end:
+                        hi = min(end, (lo // WANT_BYTES + 1) * WANT_BYTES)
+                        wants.append(Want(self._saved_chunk(t, s.chunk), lo, hi, (t, s.chunk, dst[at + lo - s.pos : at + hi - s.pos])))
+                        lo = hi
+                at += s.n
+        else:
+            a, b = blk.rows
+            shape = t.shape
+            slab = out.view((b - a,) + tuple(shape[1:-1]) + (shape[-1] * isz,))
+            for s in blk.segs:
+                c = t.chunks[s.chunk]
+                crow = math.prod(c.sizes[1:]) * isz
+                step = max(1, WANT_BYTES // crow)
+                for r in range(s.pos // crow, (s.pos + s.n) // crow, step):
+                    k = min(step, (s.pos + s.n) // crow - r)
+                    inner = tuple(c.sizes[1:-1]) + (c.sizes[-1] * isz,)
+                    dst = box_view(slab, (c.offsets[0] + r - a,) + tuple(c.offsets[1:-1]) + (c.offsets[-1] * isz,), (k,) + inner)
+                    if c.loader is not None:
+                        src = torch.frombuffer(self._loaded(c), dtype=torch.uint8)[r * crow : (r + k) * crow]
+                        dst.copy_(src.view((k,) + inner))
+                    else:
+                        wants.append(Want(self._saved_chunk(t, s.chunk), r * crow, (r + k) * crow, (t, s.chunk, dst)))
+        if wants:
+            self._read(wants, pool)
+
+    def _read(self, wants: List[Want], pool: Optional[BufferPool]) -> None:
+        def deliver(w: Want, data: memoryview, owner: Any, off: int) -> None:
+            t, idx, dst = w.tag
+            c = t.chunks[idx]
+            if c.check is not None and not c.blocks:
+                self._checks.add(t, idx, w.start, len(data), checksum(c.check[0], data))
+            if isinstance(dst, memoryview):
+                dst[:] = data
+            else:
+                dst.copy_(torch.frombuffer(data, dtype=torch.uint8).view(dst.shape))
+
+        stats = read_verified(self.storage, wants, deliver, threads=self.threads, pool=pool, read_block_bytes=WANT_BYTES,
+                              stats=ReadStats())
+        with self._lock:
+            self.stats.wanted_bytes += stats.wanted_bytes
+            self.stats.read_bytes += stats.read_bytes
+
+    def read(self, t: SrcTensor, blk: "Block") -> torch.Tensor:
+        """The block's elements as a new flat uint8 tensor, row-major."""
+        out = torch.empty(blk.count * itemsize(t.dtype), dtype=torch.uint8)
+        self.read_into(t, blk, out)
+        return out
 
     def read_tensor(self, t: SrcTensor, block_bytes: int = BLOCK_BYTES) -> torch.Tensor:
-        """The whole tensor (for ``.pt`` output and ``diff``)."""
+        """The whole tensor."""
         out = torch.empty(t.nbytes, dtype=torch.uint8)
+        isz = itemsize(t.dtype)
         for blk in plan_blocks(t, 0, t.numel, block_bytes):
-            isz = itemsize(t.dtype)
-            out[blk.start * isz : (blk.start + blk.count) * isz] = self.read(t, blk)
+            self.read_into(t, blk, out[blk.start * isz : (blk.start + blk.count) * isz])
         return out.view(torch_dtype(t.dtype)).reshape(t.shape)
-
-
-def cast_bytes(data: torch.Tensor, src: str, dst: str, pool: Optional[BufferPool] = None) -> torch.Tensor:
-    """Cast a flat uint8 buffer of ``src`` elements to ``dst`` (same values as ``tensor.to``)."""
-    if src == dst:
-        return data
-    n = data.numel() // itemsize(src)
-    out = pool.take(n * itemsize(dst)) if pool is not None else torch.empty(n * itemsize(dst), dtype=torch.uint8)
-    if n:
-        out.view(torch_dtype(dst)).copy_(data.view(torch_dtype(src)))
-    return out
 
 
 def block_bytes_for(src: str, dst: str, block_bytes: int) -> int:
@@ -478,26 +477,8 @@ def block_bytes_for(src: str, dst: str, block_bytes: int) -> int:
     return max(itemsize(src), block_bytes * itemsize(src) // max(itemsize(src), itemsize(dst)))
 
 
-def prefetch(pool: ThreadPoolExecutor, jobs: Iterable[Callable[[], Any]], depth: int) -> Iterator[Any]:
-    """Run ``jobs`` on ``pool`` with at most ``depth`` pending; yield results in order."""
-    pending: collections.deque = collections.deque()
-    it = iter(jobs)
-    try:
-        for job in itertools.islice(it, max(1, depth)):
-            pending.append(pool.submit(job))
-        while pending:
-            res = pending.popleft().result()
-            for job in itertools.islice(it, 1):
-                pending.append(pool.submit(job))
-            yield res
-    finally:
-        for f in pending:
-            f.cancel()
-        wait(list(pending))
-
-
 # --------------------------------------------------------------------------
-# writing
+# output entries and their byte streams
 
 
 @dataclass
@@ -518,12 +499,6 @@ class OutEntry:
         return (self.stop - self.start) * itemsize(self.dtype)
 
 
-def sort_entries(entries: List[OutEntry]) -> List[OutEntry]:
-    # Widest dtypes first (as safetensors does): with the header padded to 8
-    # bytes every entry then starts aligned to its element size.
-    return sorted(entries, key=lambda e: (-itemsize(e.dtype), e.key))
-
-
 def whole_entry(t: SrcTensor, key: str, dtype: Optional[str] = None, *, native: bool = False) -> OutEntry:
     """An entry holding all of ``t`` under ``key``, cast to ``dtype`` (default: ``t``'s).
 
@@ -542,183 +517,100 @@ def whole_entry(t: SrcTensor, key: str, dtype: Optional[str] = None, *, native: 
     )
 
 
-def plan_whole_files(entries: List[OutEntry], threads: int, min_bytes: int = 64 << 20) -> Dict[str, List[OutEntry]]:
-    """Spread whole-tensor entries over a few files of balanced size (one writer each)."""
-    total = sum(e.nbytes for e in entries)
-    parts = max(1, min(threads, math.ceil(total / min_bytes) if total else 1, len(entries) or 1))
-    groups: List[List[OutEntry]] = [[] for _ in range(parts)]
-    load = [0] * parts
-    for e in sorted(entries, key=lambda e: (-e.nbytes, e.key)):
-        g = min(range(parts), key=lambda j: (load[j], j))
-        groups[g].append(e)
-        load[g] += e.nbytes
-    return {f"{i:02d}": g for i, g in enumerate(groups) if g}
-
-
-def entry_blocks(entries: Sequence[OutEntry], block_bytes: int) -> Iterator[Tuple[int, OutEntry, Block]]:
-    """``(entry index, entry, block)`` for every block of every entry, in file order.
-
-    Blocks are sized on the source side so a cast block still fits ``block_bytes``.
-    """
-    for i, e in enumerate(entries):
-        for blk in plan_blocks(e.src, e.start, e.stop, block_bytes_for(e.src.dtype, e.dtype, block_bytes)):
-            yield i, e, blk
-
-
-def read_entry_block(reader: Reader, e: OutEntry, blk: Block, buffers: BufferPool) -> Tuple[torch.Tensor, memoryview]:
-    """One block of ``e`` in its output dtype: the flat uint8 tensor (give it back to ``buffers``) and its bytes."""
-    data = reader.read(e.src, blk, buffers)
-    if e.dtype != e.src.dtype:
-        raw, data = data, cast_bytes(data, e.src.dtype, e.dtype, buffers)
-        buffers.give(raw)
-    return data, byte_view(data)
-
-
-class Progress:
-    """A tqdm bar when asked and available; otherwise nothing."""
-
-    _warned = False
-
-    def __init__(self, total: int, enabled: bool, desc: str):
-        self.bar = None
-        if not enabled:
-            return
-        try:
-            from tqdm import tqdm
-        except ImportError:
-            if not Progress._warned:
-                Progress._warned = True
-                print("shardckpt: progress bars need tqdm (pip install tqdm)", file=sys.stderr)
-            return
-        self.bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc, leave=False, dynamic_ncols=True)
-
-    def update(self, n: int) -> None:
-        if self.bar is not None:
-            self.bar.update(n)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-
-
-def _write_file(
-    storage: Storage,
-    rel: str,
-    entries: List[OutEntry],
-    reader: Reader,
-    pool: ThreadPoolExecutor,
-    *,
-    chunks_md: Optional[Dict[str, Any]],
-    want_crc: bool,
-    depth: int,
-    progress: Progress,
-    block_bytes: int,
-    stop: Optional[threading.Event] = None,
-) -> Tuple[List[int], List[int], int]:
-    """Stream ``entries`` into one safetensors file; returns (crcs, data starts, size)."""
-    header, starts = safetensors_header([(e.key, e.dtype, e.shape, e.nbytes) for e in entries], chunks=chunks_md)
-    crcs = [0] * len(entries)
-    done = [0] * len(entries)
-
-    buffers = BufferPool(block_bytes, 2 * depth + 4)
-    # Where the storage can, workers write their block at its final offset
-    # (the layout is known up front), so writes run in parallel like reads.
-    positional = storage.caps.positional_write
-
-    def jobs():
-        for i, e, blk in entry_blocks(entries, block_bytes):
-            yield _job(i, e, blk)
-
-    def _job(i, e, blk):
-        def run():
-            if stop is not None and stop.is_set():
-                raise _Stopped()
-            data, mv = read_entry_block(reader, e, blk, buffers)
-            crc = checksum("crc32c", mv) if want_crc else 0
-            if not positional:
-                return i, data, mv, crc
-            n = w.write_at(mv, starts[i] + (blk.start - e.start) * itemsize(e.dtype))
-            del mv
-            buffers.give(data)
-            return i, None, n, crc
-
-        return run
-
-    w = storage.open_write(rel)
-    stream = prefetch(pool, jobs(), depth)
-    try:
-        if positional:
-            w.write_at(header, 0)
-        else:
-            w.write(header)
-        for i, data, mv, crc in stream:
-            n = mv if isinstance(mv, int) else len(mv)
-            if not positional:
-                w.write(mv)
-            crcs[i] = combine("crc32c", crcs[i], crc, n)
-            done[i] += n
-            progress.update(n)
-            del mv
-            buffers.give(data)
-            del data
-        for e, n in zip(entries, done):
-            if n != e.nbytes:
-                raise AssertionError(f"internal error: {e.key}: wrote {n} bytes, expected {e.nbytes}")
-        w.close()
-    except BaseException:
-        stream.close()  # waits for blocks in flight: none may write after the file is gone
-        w.abort()
-        raise
-    return crcs, starts, len(header) + sum(e.nbytes for e in entries)
-
-
-def _write_files(
-    storage: Storage,
-    files: Dict[str, List[OutEntry]],
-    reader: Reader,
-    *,
-    native: bool,
-    threads: int,
-    progress: Progress,
-    block_bytes: int,
-) -> Dict[str, Tuple[List[int], List[int], int]]:
-    """Write every file; several files at once, each fed by the shared read pool."""
-    nfiles = max(1, min(threads, len(files)))
-    depth = max(2, threads // nfiles + 1)
-    results: Dict[str, Tuple[List[int], List[int], int]] = {}
-    stop = threading.Event()  # one file failed: the others stop at their next block
-    with ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="shardckpt-cr") as pool:
-        def one(rel):
-            ents = files[rel]
-            md = {e.key: {"tensor": e.name, "offsets": list(e.offsets)} for e in ents} if native else None
-            try:
-                return rel, _write_file(
-                    storage, rel, ents, reader, pool, chunks_md=md, want_crc=native, depth=depth, progress=progress,
-                    block_bytes=block_bytes, stop=stop,
-                )
-            except BaseException:
-                stop.set()
-                raise
-
-        if nfiles == 1:
-            for rel in files:
-                results[rel] = one(rel)[1]
-        else:
-            with ThreadPoolExecutor(max_workers=nfiles, thread_name_prefix="shardckpt-cw") as fpool:
-                futs = [fpool.submit(one, rel) for rel in files]
-                wait(futs)
-                errors = [f.exception() for f in futs if f.exception() is not None]
-                first = next((e for e in errors if not isinstance(e, _Stopped)), errors[0] if errors else None)
-                if first is not None:
-                    raise first
-                for f in futs:
-                    rel, res = f.result()
-                    results[rel] = res
-    return results
-
-
 class _Stopped(Exception):
     """Another output file failed; this one gave up."""
+
+
+class Streamer:
+    """Streams entries' bytes, in their output dtype, for one output file at a time.
+
+    :meth:`slabs` yields an entry's blocks in order; block ``k + 1`` is read
+    (verified, cast) on a helper thread while block ``k`` is written. Two
+    block buffers (two more when casting) and the reader's buffers are
+    reused across every entry streamed: large buffers allocated and freed
+    per block fragment malloc's arenas and resident memory creeps up.
+
+    Args:
+        reader: the source.
+        block_bytes: size of a block on the output side.
+        progress: updated with the bytes of each block handed out.
+        stop: set by a failing sibling file; the next block read raises.
+
+    Example:
+        >>> with Streamer(reader) as s:                       # doctest: +SKIP
+        ...     for piece in s.slabs(entry): f.write(piece)
+    """
+
+    def __init__(self, reader: Reader, *, block_bytes: int = BLOCK_BYTES, progress: Optional["Progress"] = None,
+                 stop: Optional[threading.Event] = None):
+        self.reader = reader
+        self.block_bytes = block_bytes
+        self.progress = progress
+        self.stop = stop
+        self.pool = BufferPool(block_bytes, slot_bytes=min(WANT_BYTES, block_bytes))
+        self._ex = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardckpt-cr")
+        self._bufs: Dict[Tuple[str, int], torch.Tensor] = {}
+
+    def __enter__(self) -> "Streamer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._ex.shutdown(wait=True)
+        self.pool.close()
+        self._bufs.clear()
+
+    def _buf(self, role: str, k: int, n: int) -> torch.Tensor:
+        if n > self.block_bytes:
+            return torch.empty(n, dtype=torch.uint8)  # one row wider than a block
+        key = (role, k % 2)
+        got = self._bufs.get(key)
+        if got is None:
+            got = self._bufs[key] = torch.empty(self.block_bytes, dtype=torch.uint8)
+        return got[:n]
+
+    def _read(self, e: OutEntry, blk: "Block", k: int) -> memoryview:
+        if self.stop is not None and self.stop.is_set():
+            raise _Stopped()
+        raw = self._buf("raw", k, blk.count * itemsize(e.src.dtype))
+        self.reader.read_into(e.src, blk, raw, pool=self.pool)
+        if e.dtype != e.src.dtype:
+            out = self._buf("cast", k, blk.count * itemsize(e.dtype))
+            if blk.count:
+                out.view(torch_dtype(e.dtype)).copy_(raw.view(torch_dtype(e.src.dtype)))
+            raw = out
+        return byte_view(raw) if raw.numel() else memoryview(b"")
+
+    def slabs(self, e: OutEntry) -> Iterator[memoryview]:
+        """``e``'s bytes in blocks, in order; each valid until the next is asked for."""
+        blocks = plan_blocks(e.src, e.start, e.stop, block_bytes_for(e.src.dtype, e.dtype, self.block_bytes))
+        fut: Optional[Future] = self._ex.submit(self._read, e, blocks[0], 0) if blocks else None
+        try:
+            for k in range(len(blocks)):
+                data = fut.result()  # type: ignore[union-attr]
+                # Buffer (k + 1) % 2 held block k - 1, already written.
+                fut = self._ex.submit(self._read, e, blocks[k + 1], k + 1) if k + 1 < len(blocks) else None
+                yield data
+                if self.progress is not None:
+                    self.progress.update(len(data))
+        finally:
+            if fut is not None:  # the writer stopped early: no read may fill a buffer after this
+                fut.cancel()
+                try:
+                    fut.result()
+                except BaseException:  # noqa: BLE001 - the writer's error is the one raised
+                    pass
+
+    def item(self, e: OutEntry) -> WriteItem:
+        """``e`` as a chunk for ``_io.write_files``, its bytes streamed from the source."""
+        return WriteItem(name=e.name or e.key, key=e.key, dtype=e.dtype, offsets=tuple(e.offsets), sizes=tuple(e.shape),
+                         tensor=None, stream=partial(self.slabs, e))
+
+
+# --------------------------------------------------------------------------
+# writing
 
 
 class ConvertResult(NamedTuple):
@@ -735,9 +627,63 @@ class ConvertResult(NamedTuple):
         return self.nbytes / 1e9 / self.seconds if self.seconds > 0 else float("inf")
 
 
+def _write_streamed(
+    storage: Storage,
+    groups: Dict[Any, Dict[str, List[OutEntry]]],
+    reader: Reader,
+    write: Callable[[Any, Dict[str, List[WriteItem]], int], Any],
+    *,
+    threads: int,
+    progress: "Progress",
+) -> Dict[Any, Any]:
+    """Run ``write(group, {file: items}, threads)`` for every group, streaming each file's entries from ``reader``.
+
+    Groups (ranks of a native output, or one group of plain files) run in
+    parallel; ``write`` parallelizes over a group's files. The read
+    threads are shared out so that about ``threads`` reads are in flight.
+    """
+    nfiles = sum(len(files) for files in groups.values())
+    busy = max(1, min(threads, nfiles))
+    reader.threads = max(1, threads // busy)
+    stop = threading.Event()  # one file failed: the others stop at their next block
+    streamers: List[Streamer] = []
+
+    def one(key: Any) -> Any:
+        files = {}
+        for rel, ents in groups[key].items():
+            s = Streamer(reader, progress=progress, stop=stop)
+            streamers.append(s)
+            files[rel] = [s.item(e) for e in ents]
+        try:
+            return write(key, files, max(1, busy // len(groups)) if len(groups) > 1 else busy)
+        except BaseException:
+            stop.set()
+            raise
+
+    try:
+        if len(groups) == 1 or busy == 1:
+            return {key: one(key) for key in groups}
+        with ThreadPoolExecutor(max_workers=min(busy, len(groups)), thread_name_prefix="shardckpt-cw") as ex:
+            futs = {key: ex.submit(one, key) for key in groups}
+            errors = [f.exception() for f in futs.values() if f.exception() is not None]
+            first = next((e for e in errors if not isinstance(e, _Stopped)), errors[0] if errors else None)
+            if first is not None:
+                raise first
+            return {key: f.result() for key, f in futs.items()}
+    finally:
+        for s in streamers:
+            s.close()
+
+
+def _sorted(entries: List[OutEntry]) -> List[OutEntry]:
+    # Widest dtypes first (as safetensors does): with the header padded to 8
+    # bytes every entry then starts aligned to its element size.
+    return sorted(entries, key=lambda e: (-itemsize(e.dtype), e.key))
+
+
 def write_native(
     dst_url: str,
-    files: Dict[str, List[OutEntry]],
+    ranks: Dict[int, Dict[str, List[OutEntry]]],
     reader: Reader,
     *,
     tensors: Dict[str, Tuple[str, Tuple[int, ...], Optional[Dict[str, Any]]]],
@@ -749,59 +695,72 @@ def write_native(
     threads: int = DEFAULT_IO_THREADS,
     progress: bool = False,
     desc: str = "convert",
-    block_bytes: int = BLOCK_BYTES,
 ) -> ConvertResult:
-    """Write a native checkpoint from planned files; ``manifest.json`` last (the commit).
+    """Write a native checkpoint (format v2) from planned entries; commit it with ``_format.commit``.
 
-    ``files`` maps a name (made unique with a fresh id under ``data/``) to
-    entries with ``name``/``offsets`` set; ``tensors`` gives each output
-    tensor's ``(dtype, shape, layout)``. Nothing is committed unless every
-    file was written and every source chunk read passed its checksum.
+    Args:
+        dst_url: the new checkpoint.
+        ranks: writing rank -> {file tag: entries}; tags become
+            ``data/<save id>-<tag>.safetensors``, entries need ``name`` and
+            ``offsets``. Each rank's files get its index file with block CRCs
+            (``_save.write_rank``), as a save's rank writes them.
+        reader: the source (its whole-chunk checksums are checked before the commit).
+        tensors: output tensor -> ``(dtype, shape, layout)``.
+        values / world_size / extra: manifest fields.
+        storage_options / overwrite / threads / progress / desc: as the converters take them.
+
+    Raises:
+        CheckpointExistsError: a committed checkpoint at ``dst_url`` and not ``overwrite``.
+        ChecksumMismatchError / CorruptCheckpointError / StorageError: from the
+            source or the writes; nothing is committed and the files written are removed.
+
+    Example:
+        >>> write_native("out", {0: {"00": [whole_entry(t, "w", native=True)]}}, Reader(src),   # doctest: +SKIP
+        ...              tensors={"w": (t.dtype, t.shape, None)}, values=None, world_size=1)
     """
     t0 = time.perf_counter()
     dst = Storage(dst_url, storage_options=storage_options)
     if dst.exists(MANIFEST_NAME) and not overwrite:
         raise CheckpointExistsError(f"{dst.url_of(MANIFEST_NAME)} already exists; pass overwrite=True to replace it")
     save_id = uuid.uuid4().hex
-    named = {data_file_name(save_id, k): sort_entries(v) for k, v in files.items() if v}
-    total = sum(e.nbytes for ents in named.values() for e in ents)
+    block_bytes = _knobs.BLOCK_BYTES
+    named = {r: {data_file_name(save_id, tag): _sorted(ents) for tag, ents in files.items() if ents} for r, files in ranks.items()}
+    named = {r: files for r, files in named.items() if files}
+    data = sorted(rel for files in named.values() for rel in files)
+    total = sum(e.nbytes for files in named.values() for ents in files.values() for e in ents)
     bar = Progress(total, progress, desc)
+    written: List[str] = []
     try:
-        results = _write_files(dst, named, reader, native=True, threads=threads, progress=bar, block_bytes=block_bytes)
-        dst.fsync_dirs([DATA_DIR])
+        def write(rank, files, n):
+            written.extend(files)
+            return write_rank(dst, files, save_id, rank, threads=n, block_bytes=block_bytes)
+
+        results = _write_streamed(dst, named, reader, write, threads=threads, progress=bar)
         reader.finish()
-        metas = {name: TensorMeta(dtype=dt, shape=list(shape), layout=layout) for name, (dt, shape, layout) in tensors.items()}
-        for rel, ents in named.items():
-            crcs, starts, _ = results[rel]
-            for e, crc, start in zip(ents, crcs, starts):
-                metas[e.name].chunks.append(
-                    ChunkMeta(
-                        file=rel,
-                        key=e.key,
-                        offsets=list(e.offsets),
-                        sizes=list(e.shape),
-                        byte_offset=start,
-                        nbytes=e.nbytes,
-                        crc32c=crc,
-                    )
-                )
+        metas = {name: TensorMeta(dtype=dt, shape=list(shape), layout=layout, writers=[]) for name, (dt, shape, layout) in tensors.items()}
+        files: Dict[str, FileMeta] = {}
+        indexes: Dict[str, IndexMeta] = {}
+        for rank, (chunks, fmetas, index) in sorted(results.items()):
+            files.update(fmetas)
+            for name, c in chunks:
+                metas[name].chunks.append(c)
+                metas[name].writers.append(rank)  # type: ignore[union-attr]
+            if index is not None:
+                written.append(index[0])
+                indexes[index[0]] = IndexMeta(rank=rank, size=index[1], crc32c=index[2])
+                files[index[0]] = FileMeta(index[1])
+        for t in metas.values():
+            t.writers = sorted(set(t.writers or []))
         bad = tiling_problems(metas)
         if bad:
             raise AssertionError("internal error, converted chunks do not tile: " + "; ".join(bad[:10]))
         from shardckpt import __version__
 
-        m = Manifest(
-            world_size=world_size,
-            tensors=metas,
-            files={rel: FileMeta(res[2]) for rel, res in results.items()},
-            values=values,
-            save_id=save_id,
-            library_version=__version__,
-            extra=dict(extra or {}),
-        )
+        m = Manifest(world_size=world_size, tensors=metas, files=files, values=values, save_id=save_id, library_version=__version__,
+                     extra=dict(extra or {}), version=FORMAT_VERSION, block_bytes=block_bytes, indexes=indexes)
         commit(dst, m, replace=overwrite)
     except BaseException:
-        for rel in named:
+        for rel in set(written) | {rel for files in named.values() for rel in files}:
             try:
                 dst.remove(rel)
             except Exception:
@@ -809,7 +768,7 @@ def write_native(
         raise
     finally:
         bar.close()
-    return ConvertResult(dst.url, sorted(named), len(metas), total, time.perf_counter() - t0)
+    return ConvertResult(dst.url, data, len(metas), total, time.perf_counter() - t0)
 
 
 def write_whole(
@@ -828,17 +787,21 @@ def write_whole(
 ) -> ConvertResult:
     """Write ``source``'s tensors ``{source name: output name}`` whole, as a world-size-1 native checkpoint.
 
-    The imports' common tail: one chunk per tensor, spread over a few
-    balanced files, layouts carried over. ``check_sizes``: check the
-    source files' sizes first (skip it where they were just listed).
+    The imports' common tail: one chunk per tensor, spread over a few files
+    of balanced size (``_io.partition``, as a save spreads a rank's
+    chunks), layouts carried over. ``check_sizes``: check the source files'
+    sizes first (skip it where they were just listed).
     """
-    entries = [whole_entry(source.tensors[old], new, native=True) for old, new in names.items()]
-    reader = Reader(source)
+    entries = {new: whole_entry(source.tensors[old], new, native=True) for old, new in names.items()}
+    reader = Reader(source, threads=threads)
     if check_sizes:
-        reader.check_source_files(names)
+        reader.check_source_files(list(names))
+    # Plan the files on placeholder items: partition balances bytes and keeps the safetensors order.
+    shells = [WriteItem(e.name, e.key, e.dtype, e.offsets, e.shape, None) for e in entries.values()]
+    files = {f"{i:02d}": [entries[it.name] for it in g] for i, g in enumerate(partition(shells, threads))}
     return write_native(
         dst_url,
-        plan_whole_files(entries, threads),
+        {0: files},
         reader,
         tensors={new: (source.tensors[old].dtype, source.tensors[old].shape, source.tensors[old].layout) for old, new in names.items()},
         values=values,
@@ -868,6 +831,15 @@ def split_url(url: str) -> Tuple[str, str]:
     return os.path.dirname(path), os.path.basename(path)
 
 
+def _write_plain(storage: Storage, files: Dict[str, List[OutEntry]], reader: Reader, *, threads: int, progress: "Progress") -> None:
+    """Plain safetensors files (no shardckpt metadata) through the same writer; the block CRCs are not kept."""
+
+    def write(_, items, n):
+        return write_files(storage, items, threads=n, chunk_metadata=False)
+
+    _write_streamed(storage, {0: {rel: _sorted(ents) for rel, ents in files.items()}}, reader, write, threads=threads, progress=progress)
+
+
 def write_safetensors_files(
     dst_url: str,
     files: Dict[str, List[OutEntry]],
@@ -881,7 +853,6 @@ def write_safetensors_files(
     threads: int = DEFAULT_IO_THREADS,
     progress: bool = False,
     desc: str = "export",
-    block_bytes: int = BLOCK_BYTES,
 ) -> ConvertResult:
     """Write plain safetensors files (no shardckpt metadata), published all at once where possible.
 
@@ -890,12 +861,13 @@ def write_safetensors_files(
     not at all. Object stores: each file appears whole when its upload
     completes, and the index (when there is one) is written last.
     ``single_file``: ``dst_url`` is the file itself and ``files`` has one
-    entry (its name is ignored).
+    entry (its name is ignored). Nothing is published unless every source
+    checksum matched.
     """
     t0 = time.perf_counter()
     total = sum(e.nbytes for ents in files.values() for e in ents)
-    files = {rel: sort_entries(ents) for rel, ents in files.items()}
     bar = Progress(total, progress, desc)
+    plain = partial(_write_plain, reader=reader, threads=threads, progress=bar)
     try:
         if single_file:
             parent, base = split_url(dst_url)
@@ -906,7 +878,7 @@ def write_safetensors_files(
             if root.caps.atomic_rename:
                 tmp = f".{base}.{uuid.uuid4().hex[:12]}.tmp"
                 try:
-                    _write_files(root, {tmp: ents}, reader, native=False, threads=threads, progress=bar, block_bytes=block_bytes)
+                    plain(root, {tmp: ents})
                     reader.finish()
                     root.rename(tmp, base)
                 finally:
@@ -914,7 +886,7 @@ def write_safetensors_files(
             else:
                 # Verify the source before the upload completes where we can:
                 # the remote object appears when its writer closes.
-                _write_files(root, {base: ents}, reader, native=False, threads=threads, progress=bar, block_bytes=block_bytes)
+                plain(root, {base: ents})
                 try:
                     reader.finish()
                 except BaseException:
@@ -933,7 +905,7 @@ def write_safetensors_files(
             tmp = dst.sibling(f".{base}.{uuid.uuid4().hex[:12]}.tmp")
             try:
                 tmp.makedirs("")
-                _write_files(tmp, files, reader, native=False, threads=threads, progress=bar, block_bytes=block_bytes)
+                plain(tmp, files)
                 reader.finish()
                 if index is not None:
                     tmp.write_atomic(index_name, index)
@@ -943,7 +915,7 @@ def write_safetensors_files(
                 raise
         else:
             try:
-                _write_files(dst, files, reader, native=False, threads=threads, progress=bar, block_bytes=block_bytes)
+                plain(dst, files)
                 reader.finish()
             except BaseException:
                 for rel in files:
@@ -951,7 +923,6 @@ def write_safetensors_files(
                 raise
             if index is not None:
                 dst.write_atomic(index_name, index)
-            # Only stale weights and a stale index go; config/tokenizer files stay.
             for n in existing:
                 # Stale weights and a stale index only: never the user's config/tokenizer files.
                 if (n.endswith(".safetensors") and n not in files) or (n == index_name and index is None):
@@ -960,6 +931,33 @@ def write_safetensors_files(
         return ConvertResult(dst.url, out, sum(len(v) for v in files.values()), total, time.perf_counter() - t0)
     finally:
         bar.close()
+
+
+class Progress:
+    """A tqdm bar when asked and available; otherwise nothing."""
+
+    _warned = False
+
+    def __init__(self, total: int, enabled: bool, desc: str):
+        self.bar = None
+        if not enabled:
+            return
+        try:
+            from tqdm import tqdm
+        except ImportError:
+            if not Progress._warned:
+                Progress._warned = True
+                print("shardckpt: progress bars need tqdm (pip install tqdm)", file=sys.stderr)
+            return
+        self.bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc, leave=False, dynamic_ncols=True)
+
+    def update(self, n: int) -> None:
+        if self.bar is not None:
+            self.bar.update(n)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
 
 
 # --------------------------------------------------------------------------

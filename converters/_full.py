@@ -6,13 +6,12 @@ import os
 import struct
 import time
 import zipfile
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Dict, List, Optional, Sequence, Union
 
 import torch
 
-from shardckpt._format import itemsize, torch_dtype
-from shardckpt._format.checksum import checksum, combine
+from shardckpt._format import torch_dtype
+from shardckpt._format.checksum import checksum
 from shardckpt._format.values import TAG, decode_value
 from shardckpt._hf import KeyMap
 from shardckpt._io import DEFAULT_IO_THREADS
@@ -20,18 +19,14 @@ from shardckpt._storage import Storage
 from shardckpt.errors import CheckpointExistsError, UnsupportedStateError
 
 from ._common import (
-    BLOCK_BYTES,
-    BufferPool,
     ConvertResult,
     OutEntry,
     Progress,
     Reader,
-    entry_blocks,
+    Streamer,
     open_checkpoint,
     out_dtype,
     parse_dtype,
-    prefetch,
-    read_entry_block,
     split_url,
     whole_entry,
     write_safetensors_files,
@@ -97,8 +92,8 @@ def to_full(
     names = export_names(source, prefix=None, keys=keys, key_map=key_map)
     cast = parse_dtype(dtype)
     entries = [whole_entry(source.tensors[n], out, out_dtype(source.tensors[n].dtype, cast)) for n, out in names.items()]
-    reader = Reader(source)
-    reader.check_source_files(names)
+    reader = Reader(source, threads=io_threads)
+    reader.check_source_files(list(names))
     lower = dst.lower()
     if lower.endswith(".safetensors"):
         return write_safetensors_files(
@@ -236,32 +231,16 @@ def _write_pt(dst, values, by_name, reader: Reader, *, flat, storage_options, ov
                 raise UnsupportedStateError("this torch cannot report storage offsets of a saved file (torch >= 2.6 needed for .pt output)")
             offsets.append(off)
         records = _record_map(tmp)
+        # The records are laid out: stream each tensor's bytes into its own
+        # (the shared reader and writer path), CRC-32 as they go.
         crcs = [0] * len(order)
-        buffers = BufferPool(BLOCK_BYTES, 2 * threads + 4)
-
-        def jobs():
-            for i, e, blk in entry_blocks(order, BLOCK_BYTES):
-                yield _job(i, e, blk)
-
-        def _job(i, e, blk):
-            def run():
-                data, mv = read_entry_block(reader, e, blk, buffers)
-                done = staged.write_at(mv, offsets[i] + blk.start * itemsize(e.dtype))
-                crc = checksum("crc32", mv)
-                del mv
-                buffers.give(data)
-                return i, done, crc
-
-            return run
-
-        with ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="shardckpt-pt") as pool:
-            stream = prefetch(pool, jobs(), max(2, threads + 1))
-            try:
-                for i, n, crc in stream:
-                    crcs[i] = combine("crc32", crcs[i], crc, n)
-                    bar.update(n)
-            finally:
-                stream.close()  # no block may still be writing once the file is closed
+        with Streamer(reader, progress=bar) as stream:
+            for i, e in enumerate(order):
+                pos = offsets[i]
+                for mv in stream.slabs(e):
+                    staged.write_at(mv, pos)
+                    pos += len(mv)
+                    crcs[i] = checksum("crc32", mv, crcs[i])
         for i, e in enumerate(order):
             rec = records.get(offsets[i])
             if rec is None or rec["size"] != e.nbytes:

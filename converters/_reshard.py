@@ -75,13 +75,14 @@ def reshard(
         for n, t in source.tensors.items():
             t.name = n
         values = nest_under("model.", {n[len("model."):]: tensor_ref(n) for n in source.tensors})
-    files: Dict[str, List[OutEntry]] = {}
+    # Writing rank -> file tag -> entries: rank r writes its own rows, rank 0 the replicated file.
+    ranks: Dict[int, Dict[str, List[OutEntry]]] = {}
     tensors = {}
     layout = {"mesh_shape": [world_size], "mesh_dim_names": None, "placements": ["S(0)"], "resharded": True}
     for name, t in source.tensors.items():
         replicated = not t.shape or t.numel == 0 or (t.layout is None and source.world_size > 1)
         if replicated:
-            files.setdefault(REPLICATED_FILE, []).append(whole_entry(t, name, native=True))
+            ranks.setdefault(0, {}).setdefault(REPLICATED_FILE, []).append(whole_entry(t, name, native=True))
             tensors[name] = (t.dtype, t.shape, None)
             continue
         row = t.row
@@ -89,7 +90,7 @@ def reshard(
             if box.numel == 0:
                 continue
             whole = box.sizes == tuple(t.shape)
-            files.setdefault(f"r{r:05d}", []).append(
+            ranks.setdefault(r, {}).setdefault(f"r{r:05d}", []).append(
                 OutEntry(
                     key=chunk_key(name, box.offsets, whole),
                     src=t,
@@ -102,13 +103,13 @@ def reshard(
                 )
             )
         tensors[name] = (t.dtype, t.shape, layout)
-    reader = Reader(source)
-    reader.check_source_files(source.tensors)
+    reader = Reader(source, threads=io_threads)
+    reader.check_source_files(list(source.tensors))
     extra = {k: v for k, v in source.extra.items() if k != "source"}
     extra["resharded_from_world_size"] = source.world_size
     return write_native(
         dst,
-        files,
+        ranks,
         reader,
         tensors=tensors,
         values=values,

@@ -286,8 +286,8 @@ def to_safetensors(
             size = 0
         groups[-1].append(e)
         size += e.nbytes
-    reader = Reader(source)
-    reader.check_source_files(names)
+    reader = Reader(source, threads=io_threads)
+    reader.check_source_files(list(names))
     if len(groups) == 1:
         files = {HF_SINGLE: groups[0]}
         index = None
