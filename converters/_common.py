@@ -36,7 +36,7 @@ import threading
 import time
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
@@ -44,10 +44,8 @@ import torch
 
 from shardckpt import _knobs
 from shardckpt._format import (
-    DTYPES,
     FORMAT_VERSION,
     MANIFEST_NAME,
-    ChunkMeta,
     FileMeta,
     IndexMeta,
     Manifest,
@@ -57,24 +55,18 @@ from shardckpt._format import (
     commit,
     data_file_name,
     itemsize,
-    open_manifest,
     tiling_problems,
     torch_dtype,
 )
 from shardckpt._io import DEFAULT_IO_THREADS, WriteItem, byte_view, check_files, partition, tensor_bytes, write_files
 from shardckpt._layout import box_view
-from shardckpt._plan import Box, split_box
 from shardckpt._readers import BufferPool, ReadStats, SavedChunk, Want, read_verified
 from shardckpt._save import write_rank
 from shardckpt._storage import Storage
-from shardckpt.errors import (
-    CheckpointExistsError,
-    ChecksumMismatchError,
-    CorruptCheckpointError,
-    StorageError,
-    UnsupportedStateError,
-    format_offenders,
-)
+from shardckpt.errors import CheckpointExistsError, ChecksumMismatchError, StorageError
+
+from ._options import FLOAT_DTYPES, out_dtype, parse_dtype, parse_size
+from ._source import BLOCK_BYTES, Block, Source, SrcChunk, SrcTensor, open_checkpoint, plan_blocks, source_from_manifest
 
 __all__ = [
     "BLOCK_BYTES",
@@ -90,211 +82,19 @@ __all__ = [
     "plan_blocks",
     "write_native",
     "write_whole",
-    "write_safetensors_files",
+    "write_plain",
     "whole_entry",
     "parse_dtype",
     "parse_size",
+    "out_dtype",
+    "FLOAT_DTYPES",
 ]
 
-#: Bytes per streamed block (and of the reader's buffers per output file):
-#: with two blocks in flight per file this sets the memory a conversion needs.
-BLOCK_BYTES = 16 << 20
 #: Largest piece of a source chunk asked of the reader at once, cut at
 #: chunk-relative multiples of it: a multiple of the v2 block size, so pieces
 #: never share a checksum block (none is read twice) and up to
 #: ``BLOCK_BYTES // WANT_BYTES`` are read in parallel.
 WANT_BYTES = 4 << 20
-
-
-# --------------------------------------------------------------------------
-# sources
-
-
-@dataclass
-class SrcChunk:
-    """A box of a source tensor and where its bytes are.
-
-    ``blocks`` (format v2): the CRC-32C of each ``block_bytes`` slice, so
-    every piece is verified as it is read. Otherwise ``check`` is
-    ``(algorithm, value)`` for the whole chunk (``"crc32c"`` for v1,
-    ``"crc32"`` for zip records), checked once it is all read, or ``None``
-    (no checksum). ``loader``, when set, materializes the chunk (a
-    contiguous tensor of the box) for data that is not one byte range.
-    """
-
-    file: str
-    byte_offset: int
-    nbytes: int
-    offsets: Tuple[int, ...]
-    sizes: Tuple[int, ...]
-    key: str
-    check: Optional[Tuple[str, int]] = None
-    loader: Optional[Callable[[], torch.Tensor]] = None
-    block_bytes: int = 0
-    blocks: Tuple[int, ...] = ()
-
-
-@dataclass
-class SrcTensor:
-    name: str
-    dtype: str  # safetensors dtype name
-    shape: Tuple[int, ...]
-    chunks: List[SrcChunk]
-    layout: Optional[Dict[str, Any]] = None
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-    @property
-    def nbytes(self) -> int:
-        return self.numel * itemsize(self.dtype)
-
-    @property
-    def row(self) -> int:
-        """Elements per dim-0 row (1 for 0-d and 1-d tensors)."""
-        return math.prod(self.shape[1:]) if self.shape else 1
-
-    @property
-    def flat(self) -> bool:
-        """Chunks split dim 0 only: the tensor's bytes are its chunks' bytes in order."""
-        return len(self.shape) <= 1 or all(tuple(c.sizes[1:]) == tuple(self.shape[1:]) for c in self.chunks if math.prod(c.sizes))
-
-
-@dataclass
-class Source:
-    """Tensors to convert, their plain values (JSON tree with refs) and where they live."""
-
-    url: str
-    storage: Storage
-    tensors: Dict[str, SrcTensor]
-    values: Any = None
-    world_size: int = 1
-    kind: str = "native"
-    extra: Dict[str, Any] = field(default_factory=dict)
-    files: Optional[Dict[str, int]] = None  # file -> expected size, checked before reading
-
-    @property
-    def total_bytes(self) -> int:
-        return sum(t.nbytes for t in self.tensors.values())
-
-
-def _src_chunk(c: ChunkMeta, block_bytes: int) -> SrcChunk:
-    blocks = tuple(c.blocks) if c.blocks is not None and block_bytes else ()
-    return SrcChunk(
-        file=c.file,
-        byte_offset=c.byte_offset,
-        nbytes=c.nbytes,
-        offsets=tuple(c.offsets),
-        sizes=tuple(c.sizes),
-        key=c.key,
-        check=None if c.crc32c is None or blocks else ("crc32c", c.crc32c),
-        block_bytes=block_bytes if blocks else 0,
-        blocks=blocks,
-    )
-
-
-def source_from_manifest(storage: Storage, m: Manifest) -> Source:
-    """The tensors of an opened manifest (chunks filled in: v1, v2, or a safetensors directory)."""
-    tensors = {}
-    for name in sorted(m.tensors):
-        t = m.tensors[name]
-        bb = m.block_bytes if m.version >= 2 else 0
-        tensors[name] = SrcTensor(name=name, dtype=t.dtype, shape=tuple(t.shape), chunks=[_src_chunk(c, bb) for c in t.chunks], layout=t.layout)
-    kind = m.extra.get("source", "native") if isinstance(m.extra, dict) else "native"
-    return Source(
-        url=storage.url,
-        storage=storage,
-        tensors=tensors,
-        values=m.values,
-        world_size=m.world_size,
-        kind=kind,
-        extra=dict(m.extra or {}),
-        files={rel: f.size for rel, f in m.data_files.items()},
-    )
-
-
-def open_checkpoint(url: str, storage_options: Optional[Dict[str, Any]] = None) -> Source:
-    """A shardckpt checkpoint (v1 or v2), a safetensors directory, or one ``.safetensors`` file."""
-    storage = Storage(url, storage_options=storage_options)
-    return source_from_manifest(storage, open_manifest(storage))
-
-
-# --------------------------------------------------------------------------
-# block planning (pure)
-
-
-class Seg(NamedTuple):
-    chunk: int  # index into SrcTensor.chunks
-    pos: int  # byte offset inside the chunk
-    n: int  # bytes
-
-
-class Block(NamedTuple):
-    start: int  # first element (row-major over the whole tensor)
-    count: int  # elements
-    segs: Tuple[Seg, ...]
-    rows: Optional[Tuple[int, int]]  # dim-0 slab [a, b) when chunks must be assembled
-
-
-def plan_blocks(t: SrcTensor, start: int, stop: int, block_bytes: int = BLOCK_BYTES) -> List[Block]:
-    """Blocks covering elements ``[start, stop)`` of ``t`` in order, each at most ``block_bytes``.
-
-    When chunks split dim 0 only, blocks are byte runs of the chunks (a
-    block may span chunks, a chunk may span blocks, a huge row is cut).
-    Otherwise a block is a slab of whole rows (``[start, stop)`` must be
-    row-aligned) assembled from every chunk it crosses; a single row larger
-    than ``block_bytes`` is then one block.
-    """
-    isz = itemsize(t.dtype)
-    if stop <= start:
-        return []
-    block_bytes = max(isz, block_bytes - block_bytes % isz)
-    order = sorted(
-        (i for i, c in enumerate(t.chunks) if math.prod(c.sizes) > 0),
-        key=lambda i: tuple(t.chunks[i].offsets),
-    )
-    out: List[Block] = []
-    row = t.row
-    if t.flat:
-        segs: List[Seg] = []
-        size = 0
-        first = start
-        for i in order:
-            c = t.chunks[i]
-            cs = (c.offsets[0] if c.offsets else 0) * row
-            ce = cs + (c.sizes[0] if c.sizes else 1) * row
-            lo, hi = max(start, cs), min(stop, ce)
-            p, end = (lo - cs) * isz, (hi - cs) * isz
-            while p < end:
-                take = min(block_bytes - size, end - p)
-                segs.append(Seg(i, p, take))
-                size += take
-                p += take
-                if size == block_bytes:
-                    out.append(Block(first, size // isz, tuple(segs), None))
-                    first += size // isz
-                    segs, size = [], 0
-        if segs:
-            out.append(Block(first, size // isz, tuple(segs), None))
-        if sum(b.count for b in out) != stop - start:
-            raise CorruptCheckpointError(f"{t.name}: chunks do not cover elements [{start}, {stop})")
-        return out
-    if start % row or stop % row:
-        raise ValueError(f"{t.name}: element range [{start}, {stop}) is not made of whole rows of {row}")
-    a0, b0 = start // row, stop // row
-    rows = Box((a0,) + (0,) * (len(t.shape) - 1), (b0 - a0,) + tuple(t.shape[1:]))
-    for slab in split_box(rows, max(1, block_bytes // isz)):
-        a, b = slab.offsets[0], slab.offsets[0] + slab.sizes[0]
-        segs = []
-        for i in order:
-            c = t.chunks[i]
-            lo, hi = max(a, c.offsets[0]), min(b, c.offsets[0] + c.sizes[0])
-            if lo < hi:
-                crow = math.prod(c.sizes[1:]) * isz
-                segs.append(Seg(i, (lo - c.offsets[0]) * crow, (hi - lo) * crow))
-        out.append(Block(a * row, (b - a) * row, tuple(segs), (a, b)))
-    return out
 
 
 # --------------------------------------------------------------------------
@@ -402,7 +202,7 @@ class Reader:
                 self._cache = (c, t)
         return tensor_bytes(t)
 
-    def read_into(self, t: SrcTensor, blk: "Block", out: torch.Tensor, *, pool: Optional[BufferPool] = None) -> None:
+    def read_into(self, t: SrcTensor, blk: Block, out: torch.Tensor, *, pool: Optional[BufferPool] = None) -> None:
         """Fill ``out`` (flat uint8, ``blk.count`` elements of ``t``) with the block's bytes, row-major."""
         isz = itemsize(t.dtype)
         wants: List[Want] = []
@@ -457,7 +257,7 @@ class Reader:
             self.stats.wanted_bytes += stats.wanted_bytes
             self.stats.read_bytes += stats.read_bytes
 
-    def read(self, t: SrcTensor, blk: "Block") -> torch.Tensor:
+    def read(self, t: SrcTensor, blk: Block) -> torch.Tensor:
         """The block's elements as a new flat uint8 tensor, row-major."""
         out = torch.empty(blk.count * itemsize(t.dtype), dtype=torch.uint8)
         self.read_into(t, blk, out)
@@ -571,7 +371,7 @@ class Streamer:
             got = self._bufs[key] = torch.empty(self.block_bytes, dtype=torch.uint8)
         return got[:n]
 
-    def _read(self, e: OutEntry, blk: "Block", k: int) -> memoryview:
+    def _read(self, e: OutEntry, blk: Block, k: int) -> memoryview:
         if self.stop is not None and self.stop.is_set():
             raise _Stopped()
         raw = self._buf("raw", k, blk.count * itemsize(e.src.dtype))
@@ -831,106 +631,54 @@ def split_url(url: str) -> Tuple[str, str]:
     return os.path.dirname(path), os.path.basename(path)
 
 
-def _write_plain(storage: Storage, files: Dict[str, List[OutEntry]], reader: Reader, *, threads: int, progress: "Progress") -> None:
-    """Plain safetensors files (no shardckpt metadata) through the same writer; the block CRCs are not kept."""
-
-    def write(_, items, n):
-        return write_files(storage, items, threads=n, chunk_metadata=False)
-
-    _write_streamed(storage, {0: {rel: _sorted(ents) for rel, ents in files.items()}}, reader, write, threads=threads, progress=progress)
-
-
-def write_safetensors_files(
-    dst_url: str,
+def write_plain(
+    storage: Storage,
     files: Dict[str, List[OutEntry]],
     reader: Reader,
     *,
     index: Optional[bytes] = None,
     index_name: str = "",
-    storage_options: Optional[Dict[str, Any]] = None,
-    overwrite: bool = False,
-    single_file: bool = False,
     threads: int = DEFAULT_IO_THREADS,
     progress: bool = False,
     desc: str = "export",
 ) -> ConvertResult:
-    """Write plain safetensors files (no shardckpt metadata), published all at once where possible.
+    """Write plain safetensors files (no shardckpt metadata) into ``storage``, then ``index`` (the HF index) last.
 
-    Local disk: everything goes into a hidden sibling directory (or file)
-    that is renamed into place at the end, so ``dst`` appears complete or
-    not at all. Object stores: each file appears whole when its upload
-    completes, and the index (when there is one) is written last.
-    ``single_file``: ``dst_url`` is the file itself and ``files`` has one
-    entry (its name is ignored). Nothing is published unless every source
-    checksum matched.
+    The same writer as native outputs (``_io.write_files``; the block CRCs
+    it computes are not kept: a Hugging Face file has no place for them).
+    The source's checksums are all checked before the index is written;
+    on any failure the files written are removed. Publication (a staging
+    directory renamed into place, or not) is the caller's.
+
+    Raises:
+        ChecksumMismatchError / CorruptCheckpointError / StorageError: nothing is left of the files.
+
+    Example:
+        >>> write_plain(Storage("hf"), {"model.safetensors": entries}, reader)   # doctest: +SKIP
     """
     t0 = time.perf_counter()
     total = sum(e.nbytes for ents in files.values() for e in ents)
     bar = Progress(total, progress, desc)
-    plain = partial(_write_plain, reader=reader, threads=threads, progress=bar)
-    try:
-        if single_file:
-            parent, base = split_url(dst_url)
-            root = Storage(parent, storage_options=storage_options)
-            if root.exists(base) and not overwrite:
-                raise CheckpointExistsError(f"{dst_url} already exists; pass overwrite=True to replace it")
-            (ents,) = files.values()
-            if root.caps.atomic_rename:
-                tmp = f".{base}.{uuid.uuid4().hex[:12]}.tmp"
-                try:
-                    plain(root, {tmp: ents})
-                    reader.finish()
-                    root.rename(tmp, base)
-                finally:
-                    root.remove(tmp)
-            else:
-                # Verify the source before the upload completes where we can:
-                # the remote object appears when its writer closes.
-                plain(root, {base: ents})
-                try:
-                    reader.finish()
-                except BaseException:
-                    root.remove(base)
-                    raise
-            return ConvertResult(dst_url, [base], sum(len(v) for v in files.values()), total, time.perf_counter() - t0)
 
-        dst = Storage(dst_url, storage_options=storage_options)
-        existing = [n for n in dst.listdir("") if not n.startswith(".")]
-        if existing and not overwrite:
-            raise CheckpointExistsError(
-                f"{dst.url} is not empty ({format_offenders(existing, limit=5)}); pass overwrite=True to replace it"
-            )
-        if dst.caps.atomic_rename:
-            _, base = split_url(dst.url)
-            tmp = dst.sibling(f".{base}.{uuid.uuid4().hex[:12]}.tmp")
+    def write(_, items, n):
+        return write_files(storage, items, threads=n, chunk_metadata=False)
+
+    try:
+        _write_streamed(storage, {0: {rel: _sorted(ents) for rel, ents in files.items()}}, reader, write, threads=threads, progress=bar)
+        reader.finish()
+        if index is not None:
+            storage.write_atomic(index_name, index)
+    except BaseException:
+        for rel in files:
             try:
-                tmp.makedirs("")
-                plain(tmp, files)
-                reader.finish()
-                if index is not None:
-                    tmp.write_atomic(index_name, index)
-                dst.replace_with(tmp)
-            except BaseException:
-                tmp.remove_tree("")
-                raise
-        else:
-            try:
-                plain(dst, files)
-                reader.finish()
-            except BaseException:
-                for rel in files:
-                    dst.remove(rel)
-                raise
-            if index is not None:
-                dst.write_atomic(index_name, index)
-            for n in existing:
-                # Stale weights and a stale index only: never the user's config/tokenizer files.
-                if (n.endswith(".safetensors") and n not in files) or (n == index_name and index is None):
-                    dst.remove(n)
-        out = sorted(files) + ([index_name] if index is not None else [])
-        return ConvertResult(dst.url, out, sum(len(v) for v in files.values()), total, time.perf_counter() - t0)
+                storage.remove(rel)
+            except Exception:
+                pass
+        raise
     finally:
         bar.close()
+    out = sorted(files) + ([index_name] if index is not None else [])
+    return ConvertResult(storage.url, out, sum(len(v) for v in files.values()), total, time.perf_counter() - t0)
 
 
 class Progress:
@@ -960,74 +708,3 @@ class Progress:
             self.bar.close()
 
 
-# --------------------------------------------------------------------------
-# option parsing
-
-
-_SIZE_UNITS = {
-    "": 1,
-    "B": 1,
-    "KB": 10**3,
-    "MB": 10**6,
-    "GB": 10**9,
-    "TB": 10**12,
-    "KIB": 2**10,
-    "MIB": 2**20,
-    "GIB": 2**30,
-    "TIB": 2**40,
-}
-
-
-def parse_size(size: Any) -> int:
-    """Bytes from ``5_000_000``, ``"5GB"`` (10**9, as huggingface_hub reads it), ``"1GiB"`` (2**30)."""
-    if isinstance(size, bool):
-        raise ValueError(f"size must be an int or a string like '5GB', got {size!r}")
-    if isinstance(size, int):
-        n = size
-    elif isinstance(size, str):
-        s = size.strip().upper().replace(" ", "")
-        num = s.rstrip("KMGTIB")
-        unit = s[len(num) :]
-        if unit not in _SIZE_UNITS or not num:
-            raise ValueError(f"cannot read size {size!r}; use an int or e.g. '500MB', '5GB', '1GiB'")
-        try:
-            val = float(num)
-        except ValueError:
-            raise ValueError(f"cannot read size {size!r}; use an int or e.g. '500MB', '5GB', '1GiB'") from None
-        n = int(val * _SIZE_UNITS[unit])
-    else:
-        raise ValueError(f"size must be an int or a string like '5GB', got {type(size).__name__}")
-    if n <= 0:
-        raise ValueError(f"size must be positive, got {size!r}")
-    return n
-
-
-_DTYPE_ALIASES = {"fp32": "F32", "fp16": "F16", "half": "F16", "bf16": "BF16", "fp64": "F64", "double": "F64", "float": "F32",
-                  "fp8": "F8_E4M3", "fp8_e4m3": "F8_E4M3", "fp8_e5m2": "F8_E5M2"}
-FLOAT_DTYPES = {"F16", "BF16", "F32", "F64", "F8_E4M3", "F8_E5M2", "F8_E4M3FNUZ", "F8_E5M2FNUZ"}
-
-
-def parse_dtype(dtype: Any) -> Optional[str]:
-    """safetensors dtype name of a floating-point ``torch.dtype`` or name (``"bf16"``, ``"bfloat16"``, ``"BF16"``)."""
-    if dtype is None:
-        return None
-    if isinstance(dtype, torch.dtype):
-        name = str(dtype).replace("torch.", "")
-    elif isinstance(dtype, str):
-        name = dtype.strip()
-    else:
-        raise TypeError(f"dtype must be a torch.dtype or a name like 'bfloat16', got {dtype!r}")
-    st = _DTYPE_ALIASES.get(name.lower())
-    if st is None:
-        st = name.upper() if name.upper() in DTYPES else next((k for k, (attr, _) in DTYPES.items() if attr == name.lower()), None)
-    if st is None or st not in FLOAT_DTYPES:
-        raise UnsupportedStateError(
-            f"dtype {dtype!r} is not a floating-point type shardckpt can write; use one of "
-            f"{', '.join(sorted(DTYPES[k][0] for k in FLOAT_DTYPES))}"
-        )
-    return st
-
-
-def out_dtype(src: str, cast: Optional[str]) -> str:
-    """``cast`` for floating-point sources; integer and bool tensors keep their dtype."""
-    return cast if cast is not None and src in FLOAT_DTYPES else src

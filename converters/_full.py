@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import struct
 import time
+import uuid
 import zipfile
 from typing import Any, Dict, List, Optional, Sequence, Union
 
@@ -29,7 +30,7 @@ from ._common import (
     parse_dtype,
     split_url,
     whole_entry,
-    write_safetensors_files,
+    write_plain,
 )
 from ._safetensors import export_names
 
@@ -96,16 +97,33 @@ def to_full(
     reader.check_source_files(list(names))
     lower = dst.lower()
     if lower.endswith(".safetensors"):
-        return write_safetensors_files(
-            dst, {"full": entries}, reader, storage_options=dst_storage_options, overwrite=overwrite,
-            single_file=True, threads=io_threads, progress=progress, desc="to_full",
-        )
+        return _write_single(dst, entries, reader, storage_options=dst_storage_options, overwrite=overwrite,
+                             threads=io_threads, progress=progress)
     if not lower.endswith(_PT_SUFFIXES):
         raise ValueError(f"to_full: {dst!r} must end in .safetensors or one of {', '.join(_PT_SUFFIXES)}")
     flat = keys is not None or key_map is not None or source.values is None
     by_name = {e.src.name: e for e in entries}
     return _write_pt(dst, source.values, by_name, reader, flat=flat, storage_options=dst_storage_options,
                      overwrite=overwrite, threads=io_threads, progress=progress)
+
+
+def _write_single(dst: str, entries: List[OutEntry], reader: Reader, *, storage_options, overwrite, threads, progress) -> ConvertResult:
+    """One plain ``.safetensors`` file: built under a hidden name and renamed into place where the storage can."""
+    parent, base = split_url(dst)
+    root = Storage(parent, storage_options=storage_options)
+    if root.exists(base) and not overwrite:
+        raise CheckpointExistsError(f"{dst} already exists; pass overwrite=True to replace it")
+    if not root.caps.atomic_rename:
+        # An object appears whole when its upload completes; removed again if the source fails its checks.
+        res = write_plain(root, {base: entries}, reader, threads=threads, progress=progress, desc="to_full")
+    else:
+        tmp = f".{base}.{uuid.uuid4().hex[:12]}.tmp"
+        try:
+            res = write_plain(root, {tmp: entries}, reader, threads=threads, progress=progress, desc="to_full")
+            root.rename(tmp, base)
+        finally:
+            root.remove(tmp)
+    return res._replace(url=dst, files=[base])
 
 
 def _placeholders(values: Any, by_name: Dict[str, OutEntry], flat: bool):
