@@ -30,15 +30,12 @@ only where a source cannot be read by ranges (a non-contiguous
 from __future__ import annotations
 
 import math
-import os
-import sys
 import threading
 import time
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from functools import partial
-from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -63,31 +60,18 @@ from shardckpt._layout import box_view
 from shardckpt._readers import BufferPool, ReadStats, SavedChunk, Want, read_verified
 from shardckpt._save import write_rank
 from shardckpt._storage import Storage
-from shardckpt.errors import CheckpointExistsError, ChecksumMismatchError, StorageError
+from shardckpt.errors import CheckpointExistsError, ChecksumMismatchError
 
-from ._options import FLOAT_DTYPES, out_dtype, parse_dtype, parse_size
-from ._source import BLOCK_BYTES, Block, Source, SrcChunk, SrcTensor, open_checkpoint, plan_blocks, source_from_manifest
+from ._options import ConvertResult, Progress, parse_dtype  # noqa: F401  (parse_dtype: the manager imports it from here)
+from ._source import BLOCK_BYTES, Block, OutEntry, Source, SrcChunk, SrcTensor, block_bytes_for, plan_blocks, whole_entry
 
 __all__ = [
-    "BLOCK_BYTES",
     "WANT_BYTES",
-    "SrcChunk",
-    "SrcTensor",
-    "Source",
-    "OutEntry",
-    "ConvertResult",
-    "open_checkpoint",
-    "source_from_manifest",
     "Reader",
-    "plan_blocks",
+    "Streamer",
     "write_native",
     "write_whole",
     "write_plain",
-    "whole_entry",
-    "parse_dtype",
-    "parse_size",
-    "out_dtype",
-    "FLOAT_DTYPES",
 ]
 
 #: Largest piece of a source chunk asked of the reader at once, cut at
@@ -99,46 +83,6 @@ WANT_BYTES = 4 << 20
 
 # --------------------------------------------------------------------------
 # reading: wants for the one verified reader
-
-
-class _WholeChecks:
-    """Checksums of chunks with one CRC for all their bytes (v1, zip records), joined from the pieces read.
-
-    The reader verifies what has block checksums before delivering it; a
-    chunk with one checksum can only be checked once all of it has been
-    read, so a conversion checks these in :meth:`Reader.finish`, before
-    anything is committed or published.
-    """
-
-    def __init__(self):
-        self.lock = threading.Lock()
-        self.pieces: Dict[Tuple[int, int], List[Tuple[int, int, int]]] = {}
-        self.tensors: Dict[int, SrcTensor] = {}
-
-    def add(self, t: SrcTensor, idx: int, pos: int, n: int, crc: int) -> None:
-        with self.lock:
-            self.tensors[id(t)] = t
-            self.pieces.setdefault((id(t), idx), []).append((pos, n, crc))
-
-    def problems(self, source: Source) -> List[str]:
-        bad = []
-        for (tid, idx), pieces in self.pieces.items():
-            t = self.tensors[tid]
-            c = t.chunks[idx]
-            algo, want = c.check  # type: ignore[misc]
-            crc, pos = 0, 0
-            for p, n, v in sorted(pieces):
-                if p != pos:
-                    break  # overlapping or partial reads: not a whole-chunk check
-                crc = combine(algo, crc, v, n)
-                pos += n
-            if pos == c.nbytes and crc != want:
-                bad.append(
-                    f"{source.storage.url_of(c.file)}: chunk {c.key!r} of tensor {t.name!r} "
-                    f"(bytes {c.byte_offset}..{c.byte_offset + c.nbytes}) has {algo} {crc:#010x}, "
-                    f"the checkpoint says {want:#010x}"
-                )
-        return sorted(bad)
 
 
 class Reader:
@@ -162,7 +106,9 @@ class Reader:
         self.storage = source.storage
         self.threads = max(1, threads)
         self.stats = ReadStats()
-        self._checks = _WholeChecks()
+        # Pieces read of chunks with one checksum for all their bytes (v1,
+        # zip records): (id of tensor, chunk index) -> (tensor, [(position, length, crc)]).
+        self._pieces: Dict[Tuple[int, int], Tuple[SrcTensor, List[Tuple[int, int, int]]]] = {}
         self._lock = threading.Lock()
         self._cache: Tuple[Any, Optional[torch.Tensor]] = (None, None)
         self._saved: Dict[Tuple[int, int], SavedChunk] = {}
@@ -175,10 +121,28 @@ class Reader:
         check_files(self.storage, {rel: self.source.files[rel] for rel in need if rel in self.source.files})
 
     def finish(self) -> None:
-        """Raise if any fully read chunk with a whole-chunk checksum does not match it."""
-        bad = self._checks.problems(self.source)
+        """Raise if a chunk with one checksum for all its bytes (v1, zip record) does not match it.
+
+        The reader checks block checksums (v2) before it delivers a byte; a
+        whole-chunk checksum can only be checked once every piece is read
+        (the pieces' CRCs joined with ``combine``): a conversion calls this
+        before it commits or publishes anything.
+        """
+        bad = []
+        for (_, idx), (t, pieces) in self._pieces.items():
+            c = t.chunks[idx]
+            algo, want = c.check  # type: ignore[misc]
+            crc, pos = 0, 0
+            for p, n, v in sorted(pieces):
+                if p != pos:
+                    break  # overlapping or partial reads: not a whole-chunk check
+                crc, pos = combine(algo, crc, v, n), pos + n
+            if pos == c.nbytes and crc != want:
+                bad.append(f"{self.storage.url_of(c.file)}: chunk {c.key!r} of tensor {t.name!r} (bytes {c.byte_offset}.."
+                           f"{c.byte_offset + c.nbytes}) has {algo} {crc:#010x}, the checkpoint says {want:#010x}")
         if bad:
             more = f" ... ({len(bad) - 10} more)" if len(bad) > 10 else ""
+            bad.sort()
             raise ChecksumMismatchError(
                 f"checksum mismatch, the source {self.source.url} is damaged ({len(bad)} chunks): " + "; ".join(bad[:10]) + more
             )
@@ -245,7 +209,9 @@ class Reader:
             t, idx, dst = w.tag
             c = t.chunks[idx]
             if c.check is not None and not c.blocks:
-                self._checks.add(t, idx, w.start, len(data), checksum(c.check[0], data))
+                crc = checksum(c.check[0], data)
+                with self._lock:
+                    self._pieces.setdefault((id(t), idx), (t, []))[1].append((w.start, len(data), crc))
             if isinstance(dst, memoryview):
                 dst[:] = data
             else:
@@ -262,59 +228,6 @@ class Reader:
         out = torch.empty(blk.count * itemsize(t.dtype), dtype=torch.uint8)
         self.read_into(t, blk, out)
         return out
-
-    def read_tensor(self, t: SrcTensor, block_bytes: int = BLOCK_BYTES) -> torch.Tensor:
-        """The whole tensor."""
-        out = torch.empty(t.nbytes, dtype=torch.uint8)
-        isz = itemsize(t.dtype)
-        for blk in plan_blocks(t, 0, t.numel, block_bytes):
-            self.read_into(t, blk, out[blk.start * isz : (blk.start + blk.count) * isz])
-        return out.view(torch_dtype(t.dtype)).reshape(t.shape)
-
-
-def block_bytes_for(src: str, dst: str, block_bytes: int) -> int:
-    """Block size on the source side so that a cast block also fits ``block_bytes``."""
-    return max(itemsize(src), block_bytes * itemsize(src) // max(itemsize(src), itemsize(dst)))
-
-
-# --------------------------------------------------------------------------
-# output entries and their byte streams
-
-
-@dataclass
-class OutEntry:
-    """One entry of an output safetensors file: elements ``[start, stop)`` of ``src``."""
-
-    key: str
-    src: SrcTensor
-    start: int
-    stop: int
-    shape: Tuple[int, ...]
-    dtype: str
-    name: str = ""  # native outputs: the tensor this chunk belongs to
-    offsets: Tuple[int, ...] = ()
-
-    @property
-    def nbytes(self) -> int:
-        return (self.stop - self.start) * itemsize(self.dtype)
-
-
-def whole_entry(t: SrcTensor, key: str, dtype: Optional[str] = None, *, native: bool = False) -> OutEntry:
-    """An entry holding all of ``t`` under ``key``, cast to ``dtype`` (default: ``t``'s).
-
-    ``native``: the entry is the single chunk of the output tensor ``key``
-    (its ``name`` and zero ``offsets`` set, as native manifests need them).
-    """
-    return OutEntry(
-        key=key,
-        src=t,
-        start=0,
-        stop=t.numel,
-        shape=t.shape,
-        dtype=t.dtype if dtype is None else dtype,
-        name=key if native else "",
-        offsets=(0,) * len(t.shape) if native else (),
-    )
 
 
 class _Stopped(Exception):
@@ -411,20 +324,6 @@ class Streamer:
 
 # --------------------------------------------------------------------------
 # writing
-
-
-class ConvertResult(NamedTuple):
-    """What a conversion wrote."""
-
-    url: str
-    files: List[str]  # paths relative to ``url`` (or the file name for a single file)
-    tensors: int
-    nbytes: int  # tensor bytes written
-    seconds: float
-
-    @property
-    def gb_per_s(self) -> float:
-        return self.nbytes / 1e9 / self.seconds if self.seconds > 0 else float("inf")
 
 
 def _write_streamed(
@@ -619,18 +518,6 @@ def write_whole(
 # plain safetensors outputs (HF directories, single files)
 
 
-def split_url(url: str) -> Tuple[str, str]:
-    """``(parent URL, base name)`` of a file URL or path."""
-    if "://" in url and not url.startswith("file://"):
-        head, _, base = url.rstrip("/").rpartition("/")
-        if not base or head.endswith(":/"):
-            raise StorageError(f"{url!r} does not name a file")
-        return head, base
-    path = url[len("file://") :] if url.startswith("file://") else url
-    path = os.path.abspath(path)
-    return os.path.dirname(path), os.path.basename(path)
-
-
 def write_plain(
     storage: Storage,
     files: Dict[str, List[OutEntry]],
@@ -679,32 +566,3 @@ def write_plain(
         bar.close()
     out = sorted(files) + ([index_name] if index is not None else [])
     return ConvertResult(storage.url, out, sum(len(v) for v in files.values()), total, time.perf_counter() - t0)
-
-
-class Progress:
-    """A tqdm bar when asked and available; otherwise nothing."""
-
-    _warned = False
-
-    def __init__(self, total: int, enabled: bool, desc: str):
-        self.bar = None
-        if not enabled:
-            return
-        try:
-            from tqdm import tqdm
-        except ImportError:
-            if not Progress._warned:
-                Progress._warned = True
-                print("shardckpt: progress bars need tqdm (pip install tqdm)", file=sys.stderr)
-            return
-        self.bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc, leave=False, dynamic_ncols=True)
-
-    def update(self, n: int) -> None:
-        if self.bar is not None:
-            self.bar.update(n)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-
-

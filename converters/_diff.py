@@ -15,7 +15,9 @@ from shardckpt._format import itemsize, plural, torch_dtype
 from shardckpt._format.values import has_plain, is_tensor_ref, plain_values
 from shardckpt._io import DEFAULT_IO_THREADS
 
-from ._common import BLOCK_BYTES, Progress, Reader, SrcTensor, open_checkpoint, plan_blocks
+from ._common import Reader
+from ._options import Progress
+from ._source import BLOCK_BYTES, SrcTensor, open_checkpoint, plan_blocks
 
 __all__ = ["diff", "DiffReport"]
 

@@ -19,20 +19,10 @@ from shardckpt._io import DEFAULT_IO_THREADS
 from shardckpt._storage import Storage
 from shardckpt.errors import CheckpointExistsError, UnsupportedStateError
 
-from ._common import (
-    ConvertResult,
-    OutEntry,
-    Progress,
-    Reader,
-    Streamer,
-    open_checkpoint,
-    out_dtype,
-    parse_dtype,
-    split_url,
-    whole_entry,
-    write_plain,
-)
+from ._common import Reader, Streamer, write_plain
+from ._options import ConvertResult, Progress, out_dtype, parse_dtype, split_url
 from ._safetensors import export_names
+from ._source import OutEntry, open_checkpoint, whole_entry
 
 __all__ = ["to_full"]
 

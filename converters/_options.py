@@ -1,15 +1,17 @@
-"""Option values the converters (and the manager's export) take: sizes and dtypes."""
+"""What the converters take and give back, besides tensors: sizes, dtypes, file URLs, results, progress bars."""
 
 from __future__ import annotations
 
-from typing import Any, Optional
+import os
+import sys
+from typing import Any, List, NamedTuple, Optional, Tuple
 
 import torch
 
 from shardckpt._format import DTYPES
-from shardckpt.errors import UnsupportedStateError
+from shardckpt.errors import StorageError, UnsupportedStateError
 
-__all__ = ["parse_size", "parse_dtype", "out_dtype", "FLOAT_DTYPES"]
+__all__ = ["parse_size", "parse_dtype", "out_dtype", "FLOAT_DTYPES", "ConvertResult", "Progress", "split_url"]
 
 
 _SIZE_UNITS = {
@@ -79,3 +81,56 @@ def parse_dtype(dtype: Any) -> Optional[str]:
 def out_dtype(src: str, cast: Optional[str]) -> str:
     """``cast`` for floating-point sources; integer and bool tensors keep their dtype."""
     return cast if cast is not None and src in FLOAT_DTYPES else src
+
+
+class ConvertResult(NamedTuple):
+    """What a conversion wrote."""
+
+    url: str
+    files: List[str]  # paths relative to ``url`` (or the file name for a single file)
+    tensors: int
+    nbytes: int  # tensor bytes written
+    seconds: float
+
+    @property
+    def gb_per_s(self) -> float:
+        return self.nbytes / 1e9 / self.seconds if self.seconds > 0 else float("inf")
+
+
+def split_url(url: str) -> Tuple[str, str]:
+    """``(parent URL, base name)`` of a file URL or path."""
+    if "://" in url and not url.startswith("file://"):
+        head, _, base = url.rstrip("/").rpartition("/")
+        if not base or head.endswith(":/"):
+            raise StorageError(f"{url!r} does not name a file")
+        return head, base
+    path = url[len("file://") :] if url.startswith("file://") else url
+    path = os.path.abspath(path)
+    return os.path.dirname(path), os.path.basename(path)
+
+
+class Progress:
+    """A tqdm bar when asked and available; otherwise nothing."""
+
+    _warned = False
+
+    def __init__(self, total: int, enabled: bool, desc: str):
+        self.bar = None
+        if not enabled:
+            return
+        try:
+            from tqdm import tqdm
+        except ImportError:
+            if not Progress._warned:
+                Progress._warned = True
+                print("shardckpt: progress bars need tqdm (pip install tqdm)", file=sys.stderr)
+            return
+        self.bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc, leave=False, dynamic_ncols=True)
+
+    def update(self, n: int) -> None:
+        if self.bar is not None:
+            self.bar.update(n)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()

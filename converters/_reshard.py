@@ -8,7 +8,9 @@ from shardckpt._format import chunk_key
 from shardckpt._io import DEFAULT_IO_THREADS
 from shardckpt._plan import fsdp_boxes
 
-from ._common import ConvertResult, OutEntry, Reader, open_checkpoint, whole_entry, write_native
+from ._common import Reader, write_native
+from ._options import ConvertResult
+from ._source import OutEntry, open_checkpoint, whole_entry
 
 __all__ = ["reshard", "REPLICATED_FILE"]
 

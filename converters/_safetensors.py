@@ -15,20 +15,9 @@ from shardckpt._io import DEFAULT_IO_THREADS
 from shardckpt._storage import Storage, fsync_dir
 from shardckpt.errors import CheckpointExistsError, CheckpointNotFoundError, StateMismatchError, format_offenders
 
-from ._common import (
-    ConvertResult,
-    OutEntry,
-    Reader,
-    Source,
-    open_checkpoint,
-    out_dtype,
-    parse_dtype,
-    parse_size,
-    source_from_manifest,
-    whole_entry,
-    write_plain,
-    write_whole,
-)
+from ._common import Reader, write_plain, write_whole
+from ._options import ConvertResult, out_dtype, parse_dtype, parse_size
+from ._source import OutEntry, Source, open_checkpoint, source_from_manifest, whole_entry
 
 __all__ = [
     "to_safetensors",

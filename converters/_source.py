@@ -1,11 +1,13 @@
-"""What a conversion reads, and how it is cut into blocks: pure, no I/O beyond opening a manifest.
+"""What a conversion reads and writes, and how it is cut into blocks: pure, no I/O beyond opening a manifest.
 
 A *source* is a set of tensors whose bytes lie in byte ranges of files:
 native shardckpt chunks (format v1 or v2), safetensors entries, DCP items,
 ``torch.save`` records. Each importer describes its input as a
 :class:`Source`; :func:`plan_blocks` cuts a range of a tensor's elements into
-blocks of bounded bytes, each a list of byte runs of its chunks. The
-reading and writing happen in ``_common`` through the engine.
+blocks of bounded bytes, each a list of byte runs of its chunks; an
+:class:`OutEntry` is a range of a source tensor's elements that goes into
+an output file. The reading and writing happen in ``_common``, through the
+engine.
 """
 
 from __future__ import annotations
@@ -21,7 +23,10 @@ from shardckpt._plan import Box, split_box
 from shardckpt._storage import Storage
 from shardckpt.errors import CorruptCheckpointError
 
-__all__ = ["BLOCK_BYTES", "SrcChunk", "SrcTensor", "Source", "Seg", "Block", "source_from_manifest", "open_checkpoint", "plan_blocks"]
+__all__ = [
+    "BLOCK_BYTES", "SrcChunk", "SrcTensor", "Source", "Seg", "Block", "OutEntry",
+    "source_from_manifest", "open_checkpoint", "plan_blocks", "whole_entry", "block_bytes_for",
+]
 
 #: Bytes per streamed block (and of the reader's buffers per output file):
 #: with two blocks in flight per file this sets the memory a conversion needs.
@@ -213,3 +218,48 @@ def plan_blocks(t: SrcTensor, start: int, stop: int, block_bytes: int = BLOCK_BY
                 segs.append(Seg(i, (lo - c.offsets[0]) * crow, (hi - lo) * crow))
         out.append(Block(a * row, (b - a) * row, tuple(segs), (a, b)))
     return out
+
+
+def block_bytes_for(src: str, dst: str, block_bytes: int) -> int:
+    """Block size on the source side so that a cast block also fits ``block_bytes``."""
+    return max(itemsize(src), block_bytes * itemsize(src) // max(itemsize(src), itemsize(dst)))
+
+
+# --------------------------------------------------------------------------
+# output entries
+
+
+@dataclass
+class OutEntry:
+    """One entry of an output safetensors file: elements ``[start, stop)`` of ``src``."""
+
+    key: str
+    src: SrcTensor
+    start: int
+    stop: int
+    shape: Tuple[int, ...]
+    dtype: str
+    name: str = ""  # native outputs: the tensor this chunk belongs to
+    offsets: Tuple[int, ...] = ()
+
+    @property
+    def nbytes(self) -> int:
+        return (self.stop - self.start) * itemsize(self.dtype)
+
+
+def whole_entry(t: SrcTensor, key: str, dtype: Optional[str] = None, *, native: bool = False) -> OutEntry:
+    """An entry holding all of ``t`` under ``key``, cast to ``dtype`` (default: ``t``'s).
+
+    ``native``: the entry is the single chunk of the output tensor ``key``
+    (its ``name`` and zero ``offsets`` set, as native manifests need them).
+    """
+    return OutEntry(
+        key=key,
+        src=t,
+        start=0,
+        stop=t.numel,
+        shape=t.shape,
+        dtype=t.dtype if dtype is None else dtype,
+        name=key if native else "",
+        offsets=(0,) * len(t.shape) if native else (),
+    )

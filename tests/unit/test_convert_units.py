@@ -10,8 +10,10 @@ import crc32c
 import pytest
 import torch
 from shardckpt.converters import parse_size
-from shardckpt.converters._common import Reader, Source, SrcChunk, SrcTensor, parse_dtype, plan_blocks
+from shardckpt.converters._common import Reader
 from shardckpt.converters._dcp import DCPUnpickler
+from shardckpt.converters._options import parse_dtype
+from shardckpt.converters._source import Source, SrcChunk, SrcTensor, plan_blocks
 
 from shardckpt._format import ChunkMeta, TensorMeta
 from shardckpt._format.checksum import checksum, combine
