@@ -11,11 +11,11 @@ import json
 import os
 
 import torch
+from _dist import run_ranks
+from models import build, full_state, shard_fsdp2
 from safetensors.torch import load_file
 
 import shardckpt
-from _dist import run_ranks
-from models import build, full_state, shard_fsdp2
 from shardckpt import converters
 
 IDX = torch.tensor([[1, 5, 36, 0], [7, 7, 2, 30]])
