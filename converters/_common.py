@@ -350,7 +350,8 @@ def _write_streamed(
     def one(key: Any) -> Any:
         files = {}
         for rel, ents in groups[key].items():
-            s = Streamer(reader, progress=progress, stop=stop)
+            # Files written at once share the memory budget: blocks shrink as their number grows.
+            s = Streamer(reader, block_bytes=max(WANT_BYTES, BLOCK_BYTES // busy), progress=progress, stop=stop)
             streamers.append(s)
             files[rel] = [s.item(e) for e in ents]
         try:
@@ -385,7 +386,7 @@ def write_native(
     ranks: Dict[int, Dict[str, List[OutEntry]]],
     reader: Reader,
     *,
-    tensors: Dict[str, Tuple[str, Tuple[int, ...], Optional[Dict[str, Any]]]],
+    tensors: Dict[str, Tuple[str, Tuple[int, ...], Optional[Dict[str, Any]], Optional[Dict[str, Any]]]],
     values: Any,
     world_size: int,
     extra: Optional[Dict[str, Any]] = None,
@@ -404,7 +405,10 @@ def write_native(
             ``offsets``. Each rank's files get its index file with block CRCs
             (``_save.write_rank``), as a save's rank writes them.
         reader: the source (its whole-chunk checksums are checked before the commit).
-        tensors: output tensor -> ``(dtype, shape, layout)``.
+        tensors: output tensor -> ``(dtype, shape, layout, regular)``; ``regular``: the
+            v2 layout record (``mesh_shape``, ``placements``, ``mesh`` 0 = all ranks,
+            ``rotation``) when the chunks are that layout's, written by the ranks it
+            names; None: the chunks are listed in their writers' index files.
         values / world_size / extra: manifest fields.
         storage_options / overwrite / threads / progress / desc: as the converters take them.
 
@@ -415,7 +419,7 @@ def write_native(
 
     Example:
         >>> write_native("out", {0: {"00": [whole_entry(t, "w", native=True)]}}, Reader(src),   # doctest: +SKIP
-        ...              tensors={"w": (t.dtype, t.shape, None)}, values=None, world_size=1)
+        ...              tensors={"w": (t.dtype, t.shape, None, None)}, values=None, world_size=1)
     """
     t0 = time.perf_counter()
     dst = Storage(dst_url, storage_options=storage_options)
@@ -436,27 +440,31 @@ def write_native(
 
         results = _write_streamed(dst, named, reader, write, threads=threads, progress=bar)
         reader.finish()
-        metas = {name: TensorMeta(dtype=dt, shape=list(shape), layout=layout, writers=[]) for name, (dt, shape, layout) in tensors.items()}
+        metas = {name: TensorMeta(dtype=dt, shape=list(shape), layout=layout, regular=reg, writers=None if reg else [])
+                 for name, (dt, shape, layout, reg) in tensors.items()}
         files: Dict[str, FileMeta] = {}
         indexes: Dict[str, IndexMeta] = {}
         for rank, (chunks, fmetas, index) in sorted(results.items()):
             files.update(fmetas)
             for name, c in chunks:
-                metas[name].chunks.append(c)
-                metas[name].writers.append(rank)  # type: ignore[union-attr]
+                metas[name].chunks.append(c)  # not serialized (v2); the HF index and the tiling check below use them
+                if metas[name].regular is None:
+                    metas[name].writers.append(rank)  # type: ignore[union-attr]
             if index is not None:
                 written.append(index[0])
                 indexes[index[0]] = IndexMeta(rank=rank, size=index[1], crc32c=index[2])
                 files[index[0]] = FileMeta(index[1])
         for t in metas.values():
-            t.writers = sorted(set(t.writers or []))
+            if t.regular is None:
+                t.writers = sorted(set(t.writers or []))
         bad = tiling_problems(metas)
         if bad:
             raise AssertionError("internal error, converted chunks do not tile: " + "; ".join(bad[:10]))
         from shardckpt import __version__
 
         m = Manifest(world_size=world_size, tensors=metas, files=files, values=values, save_id=save_id, library_version=__version__,
-                     extra=dict(extra or {}), version=FORMAT_VERSION, block_bytes=block_bytes, indexes=indexes)
+                     extra=dict(extra or {}), version=FORMAT_VERSION, block_bytes=block_bytes, indexes=indexes,
+                     meshes=["iota"] if any(t.regular for t in metas.values()) else [])
         commit(dst, m, replace=overwrite)
     except BaseException:
         for rel in set(written) | {rel for files in named.values() for rel in files}:
@@ -502,7 +510,7 @@ def write_whole(
         dst_url,
         {0: files},
         reader,
-        tensors={new: (source.tensors[old].dtype, source.tensors[old].shape, source.tensors[old].layout) for old, new in names.items()},
+        tensors={new: (source.tensors[old].dtype, source.tensors[old].shape, source.tensors[old].layout, None) for old, new in names.items()},
         values=values,
         world_size=1,
         extra=extra,

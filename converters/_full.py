@@ -7,12 +7,13 @@ import struct
 import time
 import uuid
 import zipfile
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Dict, List, Optional, Sequence, Union
 
 import torch
 
 from shardckpt._format import torch_dtype
-from shardckpt._format.checksum import checksum
+from shardckpt._format.checksum import checksum, combine
 from shardckpt._format.values import TAG, decode_value
 from shardckpt._hf import KeyMap
 from shardckpt._io import DEFAULT_IO_THREADS
@@ -242,13 +243,16 @@ def _write_pt(dst, values, by_name, reader: Reader, *, flat, storage_options, ov
         # The records are laid out: stream each tensor's bytes into its own
         # (the shared reader and writer path), CRC-32 as they go.
         crcs = [0] * len(order)
-        with Streamer(reader, progress=bar) as stream:
+        # The CRC-32 of a block runs on a helper thread while the block is
+        # written (zlib releases the GIL); the pieces' CRCs are joined.
+        with Streamer(reader, progress=bar) as stream, ThreadPoolExecutor(1, thread_name_prefix="shardckpt-crc") as crc_ex:
             for i, e in enumerate(order):
                 pos = offsets[i]
                 for mv in stream.slabs(e):
+                    piece = crc_ex.submit(checksum, "crc32", mv)
                     staged.write_at(mv, pos)
                     pos += len(mv)
-                    crcs[i] = checksum("crc32", mv, crcs[i])
+                    crcs[i] = combine("crc32", crcs[i], piece.result(), len(mv))
         for i, e in enumerate(order):
             rec = records.get(offsets[i])
             if rec is None or rec["size"] != e.nbytes:
