@@ -1,30 +1,18 @@
-"""What every converter shares: sources, block planning, and one path through the engine.
+"""The converters' one path through the engine: no byte reading or writing code of their own.
 
-A *source* is a set of tensors whose bytes lie in byte ranges of files
-(native shardckpt chunks, safetensors entries, DCP items, ``torch.save``
-records). A conversion plans its output entries from metadata alone, then
-streams them through the engine's two byte paths, with no I/O code of its own:
+* reading: :class:`Reader` turns a block of a source tensor (``_source.plan_blocks``)
+  into wants for ``_readers.read_verified``, the reader ``load`` uses: v2
+  sources are verified block by block before a byte is used; a chunk with one
+  checksum (v1, a ``torch.save`` zip record) is checked from its pieces' CRCs
+  joined (``checksum.combine``) in :meth:`Reader.finish`, before any commit.
+* writing: each output entry is an ``_io.WriteItem`` whose bytes a
+  :class:`Streamer` produces (block ``k + 1`` read while block ``k`` is
+  written), written by ``_io.write_files`` through ``_save.write_rank`` (data
+  files + v2 index with block CRCs, as a save's rank writes them) and committed
+  by ``_format.commit``; Hugging Face files come out of the same writer.
 
-* reading: :class:`Reader` turns a block of a source tensor (at most
-  ``BLOCK_BYTES``: a byte run of dim-0 chunks, or a slab of whole rows
-  assembled from other boxes) into wants for ``_readers.read_verified``,
-  the one verified ranged reader. Format v2 sources are verified block by
-  block before a byte is used; sources with one checksum per chunk (format
-  v1 chunks, ``torch.save`` zip records' CRC-32) have their pieces'
-  checksums joined with ``_format.checksum.combine`` and checked once the
-  chunk is read, before anything is committed; foreign files without
-  checksums (Hugging Face, DCP) are read as they are.
-* writing: each output entry is an ``_io.WriteItem`` whose bytes stream from
-  the reader (the next block is read while this one is written, in reused
-  buffers), written by ``_io.write_files`` — the save's checksummed writer —
-  through ``_save.write_rank`` (data files + the v2 index with block CRCs)
-  and committed by ``_format.commit``. Hugging Face exports use the same
-  writer without shardckpt metadata.
-
-Peak memory: per output file written at once, two blocks (four when
-casting) plus the reader's ``BLOCK_BYTES`` of buffers — plus one tensor
-only where a source cannot be read by ranges (a non-contiguous
-``torch.save`` record).
+Peak memory: per output file written at once, two blocks (four when casting)
+plus a block of read buffers; blocks shrink as more files are written at once.
 """
 
 from __future__ import annotations
@@ -51,13 +39,14 @@ from shardckpt._format import (
     combine,
     commit,
     data_file_name,
+    index_file_name,
     itemsize,
     tiling_problems,
     torch_dtype,
 )
 from shardckpt._io import DEFAULT_IO_THREADS, WriteItem, byte_view, check_files, partition, tensor_bytes, write_files
 from shardckpt._layout import box_view
-from shardckpt._readers import BufferPool, ReadStats, SavedChunk, Want, read_verified
+from shardckpt._readers import BufferPool, SavedChunk, Want, read_verified
 from shardckpt._save import write_rank
 from shardckpt._storage import Storage
 from shardckpt.errors import CheckpointExistsError, ChecksumMismatchError
@@ -65,14 +54,7 @@ from shardckpt.errors import CheckpointExistsError, ChecksumMismatchError
 from ._options import ConvertResult, Progress, parse_dtype  # noqa: F401  (parse_dtype: the manager imports it from here)
 from ._source import BLOCK_BYTES, Block, OutEntry, Source, SrcChunk, SrcTensor, block_bytes_for, plan_blocks, whole_entry
 
-__all__ = [
-    "WANT_BYTES",
-    "Reader",
-    "Streamer",
-    "write_native",
-    "write_whole",
-    "write_plain",
-]
+__all__ = ["WANT_BYTES", "Reader", "Streamer", "write_native", "write_whole", "write_plain"]
 
 #: Largest piece of a source chunk asked of the reader at once, cut at
 #: chunk-relative multiples of it: a multiple of the v2 block size, so pieces
@@ -105,13 +87,11 @@ class Reader:
         self.source = source
         self.storage = source.storage
         self.threads = max(1, threads)
-        self.stats = ReadStats()
         # Pieces read of chunks with one checksum for all their bytes (v1,
         # zip records): (id of tensor, chunk index) -> (tensor, [(position, length, crc)]).
         self._pieces: Dict[Tuple[int, int], Tuple[SrcTensor, List[Tuple[int, int, int]]]] = {}
         self._lock = threading.Lock()
         self._cache: Tuple[Any, Optional[torch.Tensor]] = (None, None)
-        self._saved: Dict[Tuple[int, int], SavedChunk] = {}
 
     def check_source_files(self, names: Sequence[str]) -> None:
         """Every file the named tensors need exists with its recorded size."""
@@ -147,16 +127,11 @@ class Reader:
                 f"checksum mismatch, the source {self.source.url} is damaged ({len(bad)} chunks): " + "; ".join(bad[:10]) + more
             )
 
-    def _saved_chunk(self, t: SrcTensor, idx: int) -> SavedChunk:
-        key = (id(t), idx)
-        got = self._saved.get(key)
-        if got is None:
-            c = t.chunks[idx]
-            # Block checksums go to the reader; a whole-chunk one is joined here.
-            got = SavedChunk(c.file, c.byte_offset, c.nbytes, block_bytes=c.block_bytes, block_crcs=c.blocks,
-                             name=f"{t.name} chunk {c.key!r}")
-            self._saved[key] = got
-        return got
+    @staticmethod
+    def _saved_chunk(t: SrcTensor, idx: int) -> SavedChunk:
+        c = t.chunks[idx]
+        # Block checksums go to the reader; a whole-chunk one is joined in finish().
+        return SavedChunk(c.file, c.byte_offset, c.nbytes, block_bytes=c.block_bytes, block_crcs=c.blocks, name=f"{t.name} chunk {c.key!r}")
 
     def _loaded(self, c: SrcChunk) -> memoryview:
         with self._lock:
@@ -217,11 +192,7 @@ class Reader:
             else:
                 dst.copy_(torch.frombuffer(data, dtype=torch.uint8).view(dst.shape))
 
-        stats = read_verified(self.storage, wants, deliver, threads=self.threads, pool=pool, read_block_bytes=WANT_BYTES,
-                              stats=ReadStats())
-        with self._lock:
-            self.stats.wanted_bytes += stats.wanted_bytes
-            self.stats.read_bytes += stats.read_bytes
+        read_verified(self.storage, wants, deliver, threads=self.threads, pool=pool, read_block_bytes=WANT_BYTES)
 
     def read(self, t: SrcTensor, blk: Block) -> torch.Tensor:
         """The block's elements as a new flat uint8 tensor, row-major."""
@@ -327,7 +298,6 @@ class Streamer:
 
 
 def _write_streamed(
-    storage: Storage,
     groups: Dict[Any, Dict[str, List[OutEntry]]],
     reader: Reader,
     write: Callable[[Any, Dict[str, List[WriteItem]], int], Any],
@@ -432,13 +402,11 @@ def write_native(
     data = sorted(rel for files in named.values() for rel in files)
     total = sum(e.nbytes for files in named.values() for ents in files.values() for e in ents)
     bar = Progress(total, progress, desc)
-    written: List[str] = []
     try:
         def write(rank, files, n):
-            written.extend(files)
             return write_rank(dst, files, save_id, rank, threads=n, block_bytes=block_bytes)
 
-        results = _write_streamed(dst, named, reader, write, threads=threads, progress=bar)
+        results = _write_streamed(named, reader, write, threads=threads, progress=bar)
         reader.finish()
         metas = {name: TensorMeta(dtype=dt, shape=list(shape), layout=layout, regular=reg, writers=None if reg else [])
                  for name, (dt, shape, layout, reg) in tensors.items()}
@@ -451,7 +419,6 @@ def write_native(
                 if metas[name].regular is None:
                     metas[name].writers.append(rank)  # type: ignore[union-attr]
             if index is not None:
-                written.append(index[0])
                 indexes[index[0]] = IndexMeta(rank=rank, size=index[1], crc32c=index[2])
                 files[index[0]] = FileMeta(index[1])
         for t in metas.values():
@@ -467,7 +434,7 @@ def write_native(
                      meshes=["iota"] if any(t.regular for t in metas.values()) else [])
         commit(dst, m, replace=overwrite)
     except BaseException:
-        for rel in set(written) | {rel for files in named.values() for rel in files}:
+        for rel in data + [index_file_name(save_id, r) for r in named]:
             try:
                 dst.remove(rel)
             except Exception:
@@ -559,7 +526,7 @@ def write_plain(
         return write_files(storage, items, threads=n, chunk_metadata=False)
 
     try:
-        _write_streamed(storage, {0: {rel: _sorted(ents) for rel, ents in files.items()}}, reader, write, threads=threads, progress=bar)
+        _write_streamed({0: {rel: _sorted(ents) for rel, ents in files.items()}}, reader, write, threads=threads, progress=bar)
         reader.finish()
         if index is not None:
             storage.write_atomic(index_name, index)
