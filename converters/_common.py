@@ -54,7 +54,7 @@ from shardckpt.errors import CheckpointExistsError, ChecksumMismatchError
 from ._options import ConvertResult, Progress, parse_dtype  # noqa: F401  (parse_dtype: the manager imports it from here)
 from ._source import BLOCK_BYTES, Block, OutEntry, Source, SrcChunk, SrcTensor, block_bytes_for, plan_blocks, whole_entry
 
-__all__ = ["WANT_BYTES", "Reader", "Streamer", "write_native", "write_whole", "write_plain"]
+__all__ = ["WANT_BYTES", "Reader", "Streamer", "run_parallel", "write_native", "write_whole", "write_plain"]
 
 #: Largest piece of a source chunk asked of the reader at once, cut at
 #: chunk-relative multiples of it: a multiple of the v2 block size, so pieces
@@ -324,25 +324,38 @@ def _write_streamed(
             s = Streamer(reader, block_bytes=max(WANT_BYTES, BLOCK_BYTES // busy), progress=progress, stop=stop)
             streamers.append(s)
             files[rel] = [s.item(e) for e in ents]
+        return write(key, files, max(1, busy // len(groups)) if len(groups) > 1 else busy)
+
+    try:
+        keys = list(groups)
+        return dict(zip(keys, run_parallel(one, keys, workers=min(busy, len(keys)), stop=stop)))
+    finally:
+        for s in streamers:
+            s.close()
+
+
+def run_parallel(fn: Callable[[Any], Any], args: Sequence[Any], *, workers: int, stop: threading.Event) -> List[Any]:
+    """``[fn(a) for a in args]`` on up to ``workers`` threads; a failure sets ``stop`` and is raised once all have ended.
+
+    Siblings that gave up on ``stop`` raise ``_Stopped``; the error raised
+    is the first real one.
+    """
+
+    def run(a: Any) -> Any:
         try:
-            return write(key, files, max(1, busy // len(groups)) if len(groups) > 1 else busy)
+            return fn(a)
         except BaseException:
             stop.set()
             raise
 
-    try:
-        if len(groups) == 1 or busy == 1:
-            return {key: one(key) for key in groups}
-        with ThreadPoolExecutor(max_workers=min(busy, len(groups)), thread_name_prefix="shardckpt-cw") as ex:
-            futs = {key: ex.submit(one, key) for key in groups}
-            errors = [f.exception() for f in futs.values() if f.exception() is not None]
-            first = next((e for e in errors if not isinstance(e, _Stopped)), errors[0] if errors else None)
-            if first is not None:
-                raise first
-            return {key: f.result() for key, f in futs.items()}
-    finally:
-        for s in streamers:
-            s.close()
+    if workers <= 1 or len(args) <= 1:
+        return [run(a) for a in args]
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="shardckpt-cw") as ex:
+        futs = [ex.submit(run, a) for a in args]
+        errors = [f.exception() for f in futs if f.exception() is not None]
+    if errors:
+        raise next((e for e in errors if not isinstance(e, _Stopped)), errors[0])
+    return [f.result() for f in futs]
 
 
 def _sorted(entries: List[OutEntry]) -> List[OutEntry]:

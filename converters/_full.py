@@ -4,26 +4,26 @@ from __future__ import annotations
 
 import os
 import struct
+import threading
 import time
 import uuid
 import zipfile
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Dict, List, Optional, Sequence, Union
 
 import torch
 
 from shardckpt._format import torch_dtype
-from shardckpt._format.checksum import checksum, combine
+from shardckpt._format.checksum import checksum
 from shardckpt._format.values import TAG, decode_value
 from shardckpt._hf import KeyMap
 from shardckpt._io import DEFAULT_IO_THREADS
 from shardckpt._storage import Storage
 from shardckpt.errors import CheckpointExistsError, UnsupportedStateError
 
-from ._common import Reader, Streamer, write_plain
+from ._common import WANT_BYTES, Reader, Streamer, run_parallel, write_plain
 from ._options import ConvertResult, Progress, out_dtype, parse_dtype, split_url
 from ._safetensors import export_names
-from ._source import OutEntry, open_checkpoint, whole_entry
+from ._source import BLOCK_BYTES, OutEntry, open_checkpoint, whole_entry
 
 __all__ = ["to_full"]
 
@@ -243,16 +243,29 @@ def _write_pt(dst, values, by_name, reader: Reader, *, flat, storage_options, ov
         # The records are laid out: stream each tensor's bytes into its own
         # (the shared reader and writer path), CRC-32 as they go.
         crcs = [0] * len(order)
-        # The CRC-32 of a block runs on a helper thread while the block is
-        # written (zlib releases the GIL); the pieces' CRCs are joined.
-        with Streamer(reader, progress=bar) as stream, ThreadPoolExecutor(1, thread_name_prefix="shardckpt-crc") as crc_ex:
-            for i, e in enumerate(order):
-                pos = offsets[i]
-                for mv in stream.slabs(e):
-                    piece = crc_ex.submit(checksum, "crc32", mv)
-                    staged.write_at(mv, pos)
-                    pos += len(mv)
-                    crcs[i] = combine("crc32", crcs[i], piece.result(), len(mv))
+        # Records are independent: a few workers each stream their share of
+        # the tensors (largest first, bytes balanced) into their records at
+        # once, CRC-32 as the bytes go; blocks shrink as workers are added.
+        n = max(1, min(threads, len(order)))
+        shares: List[List[int]] = [[] for _ in range(n)]
+        load = [0] * n
+        for i in sorted(range(len(order)), key=lambda i: -order[i].nbytes):
+            k = load.index(min(load))
+            shares[k].append(i)
+            load[k] += order[i].nbytes
+        reader.threads = max(1, threads // n)
+        stop = threading.Event()
+
+        def write_share(share: List[int]) -> None:
+            with Streamer(reader, block_bytes=max(WANT_BYTES, BLOCK_BYTES // n), progress=bar, stop=stop) as stream:
+                for i in share:
+                    pos = offsets[i]
+                    for mv in stream.slabs(order[i]):
+                        staged.write_at(mv, pos)
+                        pos += len(mv)
+                        crcs[i] = checksum("crc32", mv, crcs[i])
+
+        run_parallel(write_share, shares, workers=n, stop=stop)
         for i, e in enumerate(order):
             rec = records.get(offsets[i])
             if rec is None or rec["size"] != e.nbytes:
