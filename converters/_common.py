@@ -208,21 +208,14 @@ class _Stopped(Exception):
 class Streamer:
     """Streams entries' bytes, in their output dtype, for one output file at a time.
 
-    :meth:`slabs` yields an entry's blocks in order; block ``k + 1`` is read
-    (verified, cast) on a helper thread while block ``k`` is written. Two
-    block buffers (two more when casting) and the reader's buffers are
-    reused across every entry streamed: large buffers allocated and freed
-    per block fragment malloc's arenas and resident memory creeps up.
-
-    Args:
-        reader: the source.
-        block_bytes: size of a block on the output side.
-        progress: updated with the bytes of each block handed out.
-        stop: set by a failing sibling file; the next block read raises.
+    :meth:`slabs` yields an entry's blocks in order, block ``k + 1`` read
+    (verified, cast) on a helper thread while block ``k`` is written; the two
+    block buffers (four when casting) and the read buffers are reused across
+    entries (large buffers freed per block fragment malloc's arenas: RSS creeps).
+    ``stop``: set by a failing sibling; the next block read raises. Call :meth:`close`.
 
     Example:
-        >>> with Streamer(reader) as s:                       # doctest: +SKIP
-        ...     for piece in s.slabs(entry): f.write(piece)
+        >>> s = Streamer(reader); [f.write(piece) for piece in s.slabs(entry)]; s.close()   # doctest: +SKIP
     """
 
     def __init__(self, reader: Reader, *, block_bytes: int = BLOCK_BYTES, progress: Optional["Progress"] = None,
@@ -234,12 +227,6 @@ class Streamer:
         self.pool = BufferPool(block_bytes, slot_bytes=min(WANT_BYTES, block_bytes))
         self._ex = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardckpt-cr")
         self._bufs: Dict[Tuple[str, int], torch.Tensor] = {}
-
-    def __enter__(self) -> "Streamer":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
     def close(self) -> None:
         self._ex.shutdown(wait=True)
@@ -305,11 +292,10 @@ def _write_streamed(
     threads: int,
     progress: "Progress",
 ) -> Dict[Any, Any]:
-    """Run ``write(group, {file: items}, threads)`` for every group, streaming each file's entries from ``reader``.
+    """``write(group, {file: items}, threads)`` for every group (a rank, or plain files), items streamed from ``reader``.
 
-    Groups (ranks of a native output, or one group of plain files) run in
-    parallel; ``write`` parallelizes over a group's files. The read
-    threads are shared out so that about ``threads`` reads are in flight.
+    Groups run in parallel and ``write`` over a group's files; reads and block
+    memory are shared out so that about ``threads`` reads are in flight.
     """
     nfiles = sum(len(files) for files in groups.values())
     busy = max(1, min(threads, nfiles))
@@ -379,26 +365,22 @@ def write_native(
     progress: bool = False,
     desc: str = "convert",
 ) -> ConvertResult:
-    """Write a native checkpoint (format v2) from planned entries; commit it with ``_format.commit``.
+    """Write a native checkpoint, format v2, as a save's ranks would: ``_save.write_rank`` per rank, then ``commit``.
 
     Args:
-        dst_url: the new checkpoint.
-        ranks: writing rank -> {file tag: entries}; tags become
-            ``data/<save id>-<tag>.safetensors``, entries need ``name`` and
-            ``offsets``. Each rank's files get its index file with block CRCs
-            (``_save.write_rank``), as a save's rank writes them.
-        reader: the source (its whole-chunk checksums are checked before the commit).
-        tensors: output tensor -> ``(dtype, shape, layout, regular)``; ``regular``: the
-            v2 layout record (``mesh_shape``, ``placements``, ``mesh`` 0 = all ranks,
-            ``rotation``) when the chunks are that layout's, written by the ranks it
-            names; None: the chunks are listed in their writers' index files.
-        values / world_size / extra: manifest fields.
-        storage_options / overwrite / threads / progress / desc: as the converters take them.
+        ranks: writing rank -> {file tag (``data/<save id>-<tag>.safetensors``):
+            entries with ``name`` and ``offsets``}; each rank gets its index file.
+        reader: the source; its whole-chunk checksums are checked before the commit.
+        tensors: output tensor -> ``(dtype, shape, layout, regular)``; ``regular``
+            is the v2 layout record (``mesh_shape``, ``placements``, ``mesh`` 0:
+            all ranks, ``rotation``) of tensors whose chunks are that layout's,
+            None for chunks listed by their writers' index files only.
+        values / world_size / extra: manifest fields; the rest as the converters take them.
 
     Raises:
-        CheckpointExistsError: a committed checkpoint at ``dst_url`` and not ``overwrite``.
-        ChecksumMismatchError / CorruptCheckpointError / StorageError: from the
-            source or the writes; nothing is committed and the files written are removed.
+        CheckpointExistsError: committed checkpoint at ``dst_url`` and not ``overwrite``.
+        ChecksumMismatchError / CorruptCheckpointError / StorageError: nothing
+            committed, the files written removed.
 
     Example:
         >>> write_native("out", {0: {"00": [whole_entry(t, "w", native=True)]}}, Reader(src),   # doctest: +SKIP
@@ -458,26 +440,14 @@ def write_native(
     return ConvertResult(dst.url, data, len(metas), total, time.perf_counter() - t0)
 
 
-def write_whole(
-    source: Source,
-    dst_url: str,
-    names: Dict[str, str],
-    *,
-    values: Any,
-    extra: Dict[str, Any],
-    check_sizes: bool = True,
-    storage_options: Optional[Dict[str, Any]] = None,
-    overwrite: bool = False,
-    threads: int = DEFAULT_IO_THREADS,
-    progress: bool = False,
-    desc: str = "convert",
-) -> ConvertResult:
+def write_whole(source: Source, dst_url: str, names: Dict[str, str], *, check_sizes: bool = True,
+                threads: int = DEFAULT_IO_THREADS, **native: Any) -> ConvertResult:
     """Write ``source``'s tensors ``{source name: output name}`` whole, as a world-size-1 native checkpoint.
 
-    The imports' common tail: one chunk per tensor, spread over a few files
-    of balanced size (``_io.partition``, as a save spreads a rank's
-    chunks), layouts carried over. ``check_sizes``: check the source files'
-    sizes first (skip it where they were just listed).
+    The imports' common tail: one chunk per tensor, in a few files of balanced
+    size (``_io.partition``, as a save spreads a rank's chunks), layouts kept.
+    ``check_sizes``: check the source files' sizes first (skip it where they
+    were just listed); ``native``: :func:`write_native`'s options (values, extra, ...).
     """
     entries = {new: whole_entry(source.tensors[old], new, native=True) for old, new in names.items()}
     reader = Reader(source, threads=threads)
@@ -486,20 +456,8 @@ def write_whole(
     # Plan the files on placeholder items: partition balances bytes and keeps the safetensors order.
     shells = [WriteItem(e.name, e.key, e.dtype, e.offsets, e.shape, None) for e in entries.values()]
     files = {f"{i:02d}": [entries[it.name] for it in g] for i, g in enumerate(partition(shells, threads))}
-    return write_native(
-        dst_url,
-        {0: files},
-        reader,
-        tensors={new: (source.tensors[old].dtype, source.tensors[old].shape, source.tensors[old].layout, None) for old, new in names.items()},
-        values=values,
-        world_size=1,
-        extra=extra,
-        storage_options=storage_options,
-        overwrite=overwrite,
-        threads=threads,
-        progress=progress,
-        desc=desc,
-    )
+    tensors = {new: (source.tensors[old].dtype, source.tensors[old].shape, source.tensors[old].layout, None) for old, new in names.items()}
+    return write_native(dst_url, {0: files}, reader, tensors=tensors, world_size=1, threads=threads, **native)
 
 
 # --------------------------------------------------------------------------
@@ -519,14 +477,12 @@ def write_plain(
 ) -> ConvertResult:
     """Write plain safetensors files (no shardckpt metadata) into ``storage``, then ``index`` (the HF index) last.
 
-    The same writer as native outputs (``_io.write_files``; the block CRCs
-    it computes are not kept: a Hugging Face file has no place for them).
-    The source's checksums are all checked before the index is written;
-    on any failure the files written are removed. Publication (a staging
-    directory renamed into place, or not) is the caller's.
+    The native outputs' writer (``_io.write_files``); its block CRCs are not
+    kept: a Hugging Face file has no place for them. The source is fully
+    verified before the index is written; publication is the caller's.
 
     Raises:
-        ChecksumMismatchError / CorruptCheckpointError / StorageError: nothing is left of the files.
+        ChecksumMismatchError / CorruptCheckpointError / StorageError: the files written are removed.
 
     Example:
         >>> write_plain(Storage("hf"), {"model.safetensors": entries}, reader)   # doctest: +SKIP

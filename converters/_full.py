@@ -257,13 +257,16 @@ def _write_pt(dst, values, by_name, reader: Reader, *, flat, storage_options, ov
         stop = threading.Event()
 
         def write_share(share: List[int]) -> None:
-            with Streamer(reader, block_bytes=max(WANT_BYTES, BLOCK_BYTES // n), progress=bar, stop=stop) as stream:
+            stream = Streamer(reader, block_bytes=max(WANT_BYTES, BLOCK_BYTES // n), progress=bar, stop=stop)
+            try:
                 for i in share:
                     pos = offsets[i]
                     for mv in stream.slabs(order[i]):
                         staged.write_at(mv, pos)
                         pos += len(mv)
                         crcs[i] = checksum("crc32", mv, crcs[i])
+            finally:
+                stream.close()
 
         run_parallel(write_share, shares, workers=n, stop=stop)
         for i, e in enumerate(order):
