@@ -10,6 +10,8 @@ RSS is its own), from warm page cache:
 * ``shardckpt.converters.to_safetensors``  native -> HF ``model.safetensors``
 * ``shardckpt.converters.to_full``         native -> one ``.safetensors``
 * ``shardckpt.converters.to_full``         native -> one ``.pt``
+* ``shardckpt.converters.reshard``         native (2 ranks) -> native for 4 ranks
+* ``shardckpt.converters.from_safetensors`` the HF export above -> native
 * ``dcp_to_torch_save``                    DCP -> one ``.pt``
 * ``consolidate_safetensors_files``        DCP HF shards -> ``model-00001-of-00001.safetensors``
 
@@ -98,6 +100,10 @@ def convert(route: str, src: str, dst: str) -> dict:
         converters.to_safetensors(src, dst, max_shard_size="100GB")
     elif route in ("to_full_safetensors", "to_full_pt"):
         converters.to_full(src, dst)
+    elif route == "reshard":
+        converters.reshard(src, dst, world_size=4)
+    elif route == "from_safetensors":
+        converters.from_safetensors(src, dst)
     elif route == "dcp_to_torch_save":
         dcp_to_torch_save(src, dst)
     elif route == "dcp_consolidate_hf":
@@ -159,6 +165,8 @@ def main() -> None:
             ("shardckpt to_safetensors", "to_safetensors", f"{data}/native", "hf"),
             ("shardckpt to_full (.safetensors)", "to_full_safetensors", f"{data}/native", "full.safetensors"),
             ("shardckpt to_full (.pt)", "to_full_pt", f"{data}/native", "full.pt"),
+            ("shardckpt reshard (2 -> 4 ranks)", "reshard", f"{data}/native", "rs4"),
+            ("shardckpt from_safetensors (HF -> native)", "from_safetensors", f"{out}/hf", "from_hf"),
             ("DCP dcp_to_torch_save (.pt)", "dcp_to_torch_save", f"{data}/dcp", "dcp.pt"),
             ("DCP consolidate_safetensors_files", "dcp_consolidate_hf", f"{data}/dcp_hf", "dcp_hf"),
         ]

@@ -22,9 +22,9 @@ Importers share one rule for where a bare state dict goes (under
 Each returns a :class:`ConvertResult` (url, files, tensors, nbytes, seconds).
 """
 
-from ._common import ConvertResult, parse_size
 from ._dcp import from_dcp
 from ._full import to_full
+from ._options import ConvertResult, parse_size
 from ._reshard import reshard
 from ._safetensors import from_safetensors, to_safetensors
 from ._torch_save import from_torch_save

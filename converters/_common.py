@@ -1,371 +1,99 @@
-"""The streaming engine every converter runs on.
+"""The converters' one path through the engine: no byte reading or writing code of their own.
 
-A *source* is a set of tensors whose bytes lie in byte ranges of files
-(native shardckpt chunks, safetensors entries, DCP items, ``torch.save``
-records). A conversion plans its *output files* up front — every entry's
-name, dtype, shape and byte offset is known from metadata alone — then
-streams: worker threads read *blocks* (at most ``BLOCK_BYTES``: byte runs of
-dim-0 shards, or row slabs from ``_plan.split_box`` where chunks are other
-boxes), cast them if asked, checksum them, and on local disk ``pwrite`` them
-at their final offset (elsewhere one writer per output file appends them in
-order). At most ``depth`` blocks per output file are in flight, in reused
-buffers, so peak memory is a few blocks — plus one tensor only where a
-source cannot be read by ranges (a non-contiguous ``torch.save`` record).
+* reading: :class:`Reader` turns a block of a source tensor (``_source.plan_blocks``)
+  into wants for ``_readers.read_verified``, the reader ``load`` uses: v2
+  sources are verified block by block before a byte is used; a chunk with one
+  checksum (v1, a ``torch.save`` zip record) is checked from its pieces' CRCs
+  joined (``checksum.combine``) in :meth:`Reader.finish`, before any commit.
+* writing: each output entry is an ``_io.WriteItem`` whose bytes a
+  :class:`Streamer` produces (block ``k + 1`` read while block ``k`` is
+  written), written by ``_io.write_files`` through ``_save.write_rank`` (data
+  files + v2 index with block CRCs, as a save's rank writes them) and committed
+  by ``_format.commit``; Hugging Face files come out of the same writer.
 
-Source checksums are verified as the bytes stream through: each block's CRC
-is computed on the thread that read it and joined in order with
-:func:`shardckpt._format.checksum.combine`; a mismatch is raised at the end, before the output is
-committed, so damaged input never yields committed output.
+Peak memory: per output file written at once, two blocks (four when casting)
+plus a block of read buffers; blocks shrink as more files are written at once.
 """
 
 from __future__ import annotations
 
-import collections
-import itertools
 import math
-import os
-import sys
 import threading
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor, wait
-from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterable, Iterator, List, NamedTuple, Optional, Sequence, Tuple
+from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
+from shardckpt import _knobs
 from shardckpt._format import (
-    DATA_DIR,
-    DTYPES,
+    FORMAT_VERSION,
     MANIFEST_NAME,
-    ChunkMeta,
     FileMeta,
+    IndexMeta,
     Manifest,
     TensorMeta,
     checksum,
     combine,
     commit,
     data_file_name,
+    index_file_name,
     itemsize,
-    open_manifest,
-    safetensors_header,
     tiling_problems,
     torch_dtype,
 )
-from shardckpt._io import DEFAULT_IO_THREADS, byte_view, check_files
+from shardckpt._io import DEFAULT_IO_THREADS, WriteItem, byte_view, check_files, partition, tensor_bytes, write_files
 from shardckpt._layout import box_view
-from shardckpt._plan import Box, split_box
+from shardckpt._readers import BufferPool, SavedChunk, Want, read_verified
+from shardckpt._save import write_rank
 from shardckpt._storage import Storage
-from shardckpt.errors import (
-    CheckpointExistsError,
-    ChecksumMismatchError,
-    CorruptCheckpointError,
-    StorageError,
-    UnsupportedStateError,
-    format_offenders,
-)
+from shardckpt.errors import CheckpointExistsError, ChecksumMismatchError
 
-__all__ = [
-    "BLOCK_BYTES",
-    "SrcChunk",
-    "SrcTensor",
-    "Source",
-    "OutEntry",
-    "ConvertResult",
-    "open_checkpoint",
-    "source_from_manifest",
-    "Reader",
-    "plan_blocks",
-    "write_native",
-    "write_whole",
-    "write_safetensors_files",
-    "whole_entry",
-    "plan_whole_files",
-    "parse_dtype",
-    "parse_size",
-]
+from ._options import ConvertResult, Progress, parse_dtype  # noqa: F401  (parse_dtype: the manager imports it from here)
+from ._source import BLOCK_BYTES, Block, OutEntry, Source, SrcChunk, SrcTensor, block_bytes_for, plan_blocks, whole_entry
 
-#: Bytes per streamed block. With ``depth`` blocks in flight per output file
-#: this sets the memory a conversion needs.
-BLOCK_BYTES = 16 << 20
+__all__ = ["WANT_BYTES", "Reader", "Streamer", "run_parallel", "write_native", "write_whole", "write_plain"]
+
+#: Largest piece of a source chunk asked of the reader at once, cut at
+#: chunk-relative multiples of it: a multiple of the v2 block size, so pieces
+#: never share a checksum block (none is read twice) and up to
+#: ``BLOCK_BYTES // WANT_BYTES`` are read in parallel.
+WANT_BYTES = 4 << 20
 
 
 # --------------------------------------------------------------------------
-# sources
-
-
-@dataclass
-class SrcChunk:
-    """A box of a source tensor and where its bytes are.
-
-    ``check`` is ``(algorithm, value)`` for the chunk's bytes (``"crc32c"``
-    for shardckpt, ``"crc32"`` for zip records) or ``None`` when the source
-    has no checksum. ``loader``, when set, materializes the chunk (a
-    contiguous tensor of the box) for data that is not one byte range.
-    """
-
-    file: str
-    byte_offset: int
-    nbytes: int
-    offsets: Tuple[int, ...]
-    sizes: Tuple[int, ...]
-    key: str
-    check: Optional[Tuple[str, int]] = None
-    loader: Optional[Callable[[], torch.Tensor]] = None
-
-
-@dataclass
-class SrcTensor:
-    name: str
-    dtype: str  # safetensors dtype name
-    shape: Tuple[int, ...]
-    chunks: List[SrcChunk]
-    layout: Optional[Dict[str, Any]] = None
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-    @property
-    def nbytes(self) -> int:
-        return self.numel * itemsize(self.dtype)
-
-    @property
-    def row(self) -> int:
-        """Elements per dim-0 row (1 for 0-d and 1-d tensors)."""
-        return math.prod(self.shape[1:]) if self.shape else 1
-
-    @property
-    def flat(self) -> bool:
-        """Chunks split dim 0 only: the tensor's bytes are its chunks' bytes in order."""
-        return len(self.shape) <= 1 or all(tuple(c.sizes[1:]) == tuple(self.shape[1:]) for c in self.chunks if math.prod(c.sizes))
-
-
-@dataclass
-class Source:
-    """Tensors to convert, their plain values (JSON tree with refs) and where they live."""
-
-    url: str
-    storage: Storage
-    tensors: Dict[str, SrcTensor]
-    values: Any = None
-    world_size: int = 1
-    kind: str = "native"
-    extra: Dict[str, Any] = field(default_factory=dict)
-    files: Optional[Dict[str, int]] = None  # file -> expected size, checked before reading
-
-    @property
-    def total_bytes(self) -> int:
-        return sum(t.nbytes for t in self.tensors.values())
-
-
-def source_from_manifest(storage: Storage, m: Manifest) -> Source:
-    tensors = {}
-    for name in sorted(m.tensors):
-        t = m.tensors[name]
-        tensors[name] = SrcTensor(
-            name=name,
-            dtype=t.dtype,
-            shape=tuple(t.shape),
-            chunks=[
-                SrcChunk(
-                    file=c.file,
-                    byte_offset=c.byte_offset,
-                    nbytes=c.nbytes,
-                    offsets=tuple(c.offsets),
-                    sizes=tuple(c.sizes),
-                    key=c.key,
-                    check=None if c.crc32c is None else ("crc32c", c.crc32c),
-                )
-                for c in t.chunks
-            ],
-            layout=t.layout,
-        )
-    kind = m.extra.get("source", "native") if isinstance(m.extra, dict) else "native"
-    return Source(
-        url=storage.url,
-        storage=storage,
-        tensors=tensors,
-        values=m.values,
-        world_size=m.world_size,
-        kind=kind,
-        extra=dict(m.extra or {}),
-        files={rel: f.size for rel, f in m.files.items()},
-    )
-
-
-def open_checkpoint(url: str, storage_options: Optional[Dict[str, Any]] = None) -> Source:
-    """A shardckpt checkpoint, a safetensors directory, or one ``.safetensors`` file."""
-    storage = Storage(url, storage_options=storage_options)
-    return source_from_manifest(storage, open_manifest(storage))
-
-
-# --------------------------------------------------------------------------
-# block planning (pure)
-
-
-class Seg(NamedTuple):
-    chunk: int  # index into SrcTensor.chunks
-    pos: int  # byte offset inside the chunk
-    n: int  # bytes
-
-
-class Block(NamedTuple):
-    start: int  # first element (row-major over the whole tensor)
-    count: int  # elements
-    segs: Tuple[Seg, ...]
-    rows: Optional[Tuple[int, int]]  # dim-0 slab [a, b) when chunks must be assembled
-
-
-def plan_blocks(t: SrcTensor, start: int, stop: int, block_bytes: int = BLOCK_BYTES) -> List[Block]:
-    """Blocks covering elements ``[start, stop)`` of ``t`` in order, each at most ``block_bytes``.
-
-    When chunks split dim 0 only, blocks are byte runs of the chunks (a
-    block may span chunks, a chunk may span blocks, a huge row is cut).
-    Otherwise a block is a slab of whole rows (``[start, stop)`` must be
-    row-aligned) assembled from every chunk it crosses; a single row larger
-    than ``block_bytes`` is then one block.
-    """
-    isz = itemsize(t.dtype)
-    if stop <= start:
-        return []
-    block_bytes = max(isz, block_bytes - block_bytes % isz)
-    order = sorted(
-        (i for i, c in enumerate(t.chunks) if math.prod(c.sizes) > 0),
-        key=lambda i: tuple(t.chunks[i].offsets),
-    )
-    out: List[Block] = []
-    row = t.row
-    if t.flat:
-        segs: List[Seg] = []
-        size = 0
-        first = start
-        for i in order:
-            c = t.chunks[i]
-            cs = (c.offsets[0] if c.offsets else 0) * row
-            ce = cs + (c.sizes[0] if c.sizes else 1) * row
-            lo, hi = max(start, cs), min(stop, ce)
-            p, end = (lo - cs) * isz, (hi - cs) * isz
-            while p < end:
-                take = min(block_bytes - size, end - p)
-                segs.append(Seg(i, p, take))
-                size += take
-                p += take
-                if size == block_bytes:
-                    out.append(Block(first, size // isz, tuple(segs), None))
-                    first += size // isz
-                    segs, size = [], 0
-        if segs:
-            out.append(Block(first, size // isz, tuple(segs), None))
-        if sum(b.count for b in out) != stop - start:
-            raise CorruptCheckpointError(f"{t.name}: chunks do not cover elements [{start}, {stop})")
-        return out
-    if start % row or stop % row:
-        raise ValueError(f"{t.name}: element range [{start}, {stop}) is not made of whole rows of {row}")
-    a0, b0 = start // row, stop // row
-    rows = Box((a0,) + (0,) * (len(t.shape) - 1), (b0 - a0,) + tuple(t.shape[1:]))
-    for slab in split_box(rows, max(1, block_bytes // isz)):
-        a, b = slab.offsets[0], slab.offsets[0] + slab.sizes[0]
-        segs = []
-        for i in order:
-            c = t.chunks[i]
-            lo, hi = max(a, c.offsets[0]), min(b, c.offsets[0] + c.sizes[0])
-            if lo < hi:
-                crow = math.prod(c.sizes[1:]) * isz
-                segs.append(Seg(i, (lo - c.offsets[0]) * crow, (hi - lo) * crow))
-        out.append(Block(a * row, (b - a) * row, tuple(segs), (a, b)))
-    return out
-
-
-# --------------------------------------------------------------------------
-# reading
-
-
-class _Verifier:
-    """Collects per-block CRCs of source chunks; checks whole chunks at the end."""
-
-    def __init__(self):
-        self.lock = threading.Lock()
-        self.pieces: Dict[Tuple[int, int], List[Tuple[int, int, int]]] = collections.defaultdict(list)
-        self.tensors: Dict[int, SrcTensor] = {}
-
-    def add(self, t: SrcTensor, idx: int, pos: int, n: int, crc: int) -> None:
-        with self.lock:
-            self.tensors[id(t)] = t
-            self.pieces[(id(t), idx)].append((pos, n, crc))
-
-    def problems(self, source: Source) -> List[str]:
-        bad = []
-        for (tid, idx), pieces in self.pieces.items():
-            t = self.tensors[tid]
-            c = t.chunks[idx]
-            if c.check is None:
-                continue
-            algo, want = c.check
-            pieces.sort()
-            crc, pos = 0, 0
-            for p, n, v in pieces:
-                if p != pos:
-                    break  # overlapping or partial reads: not a whole-chunk check
-                crc = combine(algo, crc, v, n)
-                pos += n
-            if pos != c.nbytes:
-                continue
-            if crc != want:
-                bad.append(
-                    f"{source.storage.url_of(c.file)}: chunk {c.key!r} of tensor {t.name!r} "
-                    f"(bytes {c.byte_offset}..{c.byte_offset + c.nbytes}) has {algo} {crc:#010x}, "
-                    f"the checkpoint says {want:#010x}"
-                )
-        return sorted(bad)
-
-
-class BufferPool:
-    """Reusable byte buffers of one size, shared by threads; never blocks.
-
-    Streaming allocates and frees a 16 MiB buffer per block from several
-    threads; through malloc that fragments per-thread arenas and the
-    process's resident memory creeps up by hundreds of MB. Reusing a few
-    buffers keeps it flat. ``take`` allocates when none is free (the number
-    in use is bounded by the prefetch depth, not here); requests larger than
-    the buffer size get a one-off allocation.
-    """
-
-    def __init__(self, size: int, keep: int):
-        self.size, self.keep = size, keep
-        self.free: List[torch.Tensor] = []
-        self.lock = threading.Lock()
-
-    def take(self, nbytes: int) -> torch.Tensor:
-        if nbytes > self.size:
-            return torch.empty(nbytes, dtype=torch.uint8)
-        with self.lock:
-            base = self.free.pop() if self.free else None
-        if base is None:
-            base = torch.empty(self.size, dtype=torch.uint8)
-        return base[:nbytes]
-
-    def give(self, t: Optional[torch.Tensor]) -> None:
-        if t is None:
-            return
-        base = t._base if t._base is not None else t
-        if base.numel() == self.size and base.dim() == 1:
-            with self.lock:
-                if len(self.free) < self.keep:
-                    self.free.append(base)
+# reading: wants for the one verified reader
 
 
 class Reader:
-    """Reads blocks of source tensors (thread-safe), verifying source checksums."""
+    """Reads blocks of a source's tensors through ``_readers.read_verified`` (thread-safe).
 
-    def __init__(self, source: Source):
+    Args:
+        source: what to read.
+        threads: reads in flight per block.
+
+    Raises (from the reads): ChecksumMismatchError (a v2 block), CorruptCheckpointError
+    (missing or short file), StorageError; :meth:`finish` raises ChecksumMismatchError
+    for whole-chunk checksums.
+
+    Example:
+        >>> r = Reader(open_checkpoint("ck")); t = r.source.tensors["w"]     # doctest: +SKIP
+        >>> data = torch.cat([r.read(t, b) for b in plan_blocks(t, 0, t.numel)]); r.finish()
+    """
+
+    def __init__(self, source: Source, *, threads: int = DEFAULT_IO_THREADS):
         self.source = source
         self.storage = source.storage
-        self.verifier = _Verifier()
-        self._cache_lock = threading.Lock()
+        self.threads = max(1, threads)
+        # Pieces read of chunks with one checksum for all their bytes (v1,
+        # zip records): (id of tensor, chunk index) -> (tensor, [(position, length, crc)]).
+        self._pieces: Dict[Tuple[int, int], Tuple[SrcTensor, List[Tuple[int, int, int]]]] = {}
+        self._lock = threading.Lock()
         self._cache: Tuple[Any, Optional[torch.Tensor]] = (None, None)
 
-    def check_source_files(self, names: Iterable[str]) -> None:
+    def check_source_files(self, names: Sequence[str]) -> None:
         """Every file the named tensors need exists with its recorded size."""
         if self.source.files is None:
             return
@@ -373,374 +101,261 @@ class Reader:
         check_files(self.storage, {rel: self.source.files[rel] for rel in need if rel in self.source.files})
 
     def finish(self) -> None:
-        """Raise if any fully read source chunk failed its checksum."""
-        bad = self.verifier.problems(self.source)
+        """Raise if a chunk with one checksum for all its bytes (v1, zip record) does not match it.
+
+        The reader checks block checksums (v2) before it delivers a byte; a
+        whole-chunk checksum can only be checked once every piece is read
+        (the pieces' CRCs joined with ``combine``): a conversion calls this
+        before it commits or publishes anything.
+        """
+        bad = []
+        for (_, idx), (t, pieces) in self._pieces.items():
+            c = t.chunks[idx]
+            algo, want = c.check  # type: ignore[misc]
+            crc, pos = 0, 0
+            for p, n, v in sorted(pieces):
+                if p != pos:
+                    break  # overlapping or partial reads: not a whole-chunk check
+                crc, pos = combine(algo, crc, v, n), pos + n
+            if pos == c.nbytes and crc != want:
+                bad.append(f"{self.storage.url_of(c.file)}: chunk {c.key!r} of tensor {t.name!r} (bytes {c.byte_offset}.."
+                           f"{c.byte_offset + c.nbytes}) has {algo} {crc:#010x}, the checkpoint says {want:#010x}")
         if bad:
+            more = f" ... ({len(bad) - 10} more)" if len(bad) > 10 else ""
+            bad.sort()
             raise ChecksumMismatchError(
-                f"checksum mismatch, the source {self.source.url} is damaged ({len(bad)} chunks): " + "; ".join(bad[:10])
+                f"checksum mismatch, the source {self.source.url} is damaged ({len(bad)} chunks): " + "; ".join(bad[:10]) + more
             )
 
-    def _read_into(self, rel: str, ranges: List[Tuple[int, memoryview]]) -> None:
-        try:
-            self.storage.read_into(rel, ranges)
-        except (FileNotFoundError, NotADirectoryError):
-            raise CorruptCheckpointError(f"{self.storage.url_of(rel)}: file is missing") from None
-        except EOFError as e:
-            raise CorruptCheckpointError(f"{e} (truncated)") from None
-        except StorageError:
-            raise
-        except OSError as e:
-            raise StorageError(f"reading {self.storage.url_of(rel)}: {e}") from e
+    @staticmethod
+    def _saved_chunk(t: SrcTensor, idx: int) -> SavedChunk:
+        c = t.chunks[idx]
+        # Block checksums go to the reader; a whole-chunk one is joined in finish().
+        return SavedChunk(c.file, c.byte_offset, c.nbytes, block_bytes=c.block_bytes, block_crcs=c.blocks, name=f"{t.name} chunk {c.key!r}")
 
     def _loaded(self, c: SrcChunk) -> memoryview:
-        with self._cache_lock:
+        with self._lock:
             key, t = self._cache
             if key is not c:
                 t = c.loader().contiguous()  # type: ignore[misc]
                 self._cache = (c, t)
-        from shardckpt._io import tensor_bytes
-
         return tensor_bytes(t)
 
-    def _fill(self, t: SrcTensor, segs: Sequence[Seg], dests: Sequence[memoryview]) -> None:
-        by_file: Dict[str, List[Tuple[int, memoryview]]] = {}
-        for s, d in zip(segs, dests):
-            c = t.chunks[s.chunk]
-            if c.loader is not None:
-                d[:] = self._loaded(c)[s.pos : s.pos + s.n]
-            else:
-                by_file.setdefault(c.file, []).append((c.byte_offset + s.pos, d))
-        for rel, ranges in by_file.items():
-            self._read_into(rel, ranges)
-        for s, d in zip(segs, dests):
-            c = t.chunks[s.chunk]
-            if c.check is not None:
-                self.verifier.add(t, s.chunk, s.pos, s.n, checksum(c.check[0], d))
-
-    def read(self, t: SrcTensor, blk: Block, pool: Optional[BufferPool] = None) -> torch.Tensor:
-        """The block's elements as a flat uint8 tensor, row-major (from ``pool`` when given)."""
+    def read_into(self, t: SrcTensor, blk: Block, out: torch.Tensor, *, pool: Optional[BufferPool] = None) -> None:
+        """Fill ``out`` (flat uint8, ``blk.count`` elements of ``t``) with the block's bytes, row-major."""
         isz = itemsize(t.dtype)
-        total = blk.count * isz
-        take = pool.take if pool is not None else (lambda n: torch.empty(n, dtype=torch.uint8))
+        wants: List[Want] = []
         if blk.rows is None:
-            buf = take(total)
-            if total:
-                mv = byte_view(buf)
-                dests, pos = [], 0
-                for s in blk.segs:
-                    dests.append(mv[pos : pos + s.n])
-                    pos += s.n
-                self._fill(t, blk.segs, dests)
-            return buf
-        a, b = blk.rows
-        shape = t.shape
-        slab = take(total).view((b - a,) + tuple(shape[1:-1]) + (shape[-1] * isz,))
-        staging = take(sum(s.n for s in blk.segs))
-        tmps, pos = [], 0
-        for s in blk.segs:
-            tmps.append(staging[pos : pos + s.n])
-            pos += s.n
-        self._fill(t, blk.segs, [byte_view(x) for x in tmps])
-        for s, tmp in zip(blk.segs, tmps):
-            c = t.chunks[s.chunk]
-            crow = math.prod(c.sizes[1:]) * isz
-            r0 = c.offsets[0] + s.pos // crow
-            src = tmp.view((s.n // crow,) + tuple(c.sizes[1:-1]) + (c.sizes[-1] * isz,))
-            dst = box_view(slab, (r0 - a,) + tuple(c.offsets[1:-1]) + (c.offsets[-1] * isz,), tuple(src.shape))
-            dst.copy_(src)
-        del tmps
-        if pool is not None:
-            pool.give(staging)
-        return slab.view(-1)
-
-    def read_tensor(self, t: SrcTensor, block_bytes: int = BLOCK_BYTES) -> torch.Tensor:
-        """The whole tensor (for ``.pt`` output and ``diff``)."""
-        out = torch.empty(t.nbytes, dtype=torch.uint8)
-        for blk in plan_blocks(t, 0, t.numel, block_bytes):
-            isz = itemsize(t.dtype)
-            out[blk.start * isz : (blk.start + blk.count) * isz] = self.read(t, blk)
-        return out.view(torch_dtype(t.dtype)).reshape(t.shape)
-
-
-def cast_bytes(data: torch.Tensor, src: str, dst: str, pool: Optional[BufferPool] = None) -> torch.Tensor:
-    """Cast a flat uint8 buffer of ``src`` elements to ``dst`` (same values as ``tensor.to``)."""
-    if src == dst:
-        return data
-    n = data.numel() // itemsize(src)
-    out = pool.take(n * itemsize(dst)) if pool is not None else torch.empty(n * itemsize(dst), dtype=torch.uint8)
-    if n:
-        out.view(torch_dtype(dst)).copy_(data.view(torch_dtype(src)))
-    return out
-
-
-def block_bytes_for(src: str, dst: str, block_bytes: int) -> int:
-    """Block size on the source side so that a cast block also fits ``block_bytes``."""
-    return max(itemsize(src), block_bytes * itemsize(src) // max(itemsize(src), itemsize(dst)))
-
-
-def prefetch(pool: ThreadPoolExecutor, jobs: Iterable[Callable[[], Any]], depth: int) -> Iterator[Any]:
-    """Run ``jobs`` on ``pool`` with at most ``depth`` pending; yield results in order."""
-    pending: collections.deque = collections.deque()
-    it = iter(jobs)
-    try:
-        for job in itertools.islice(it, max(1, depth)):
-            pending.append(pool.submit(job))
-        while pending:
-            res = pending.popleft().result()
-            for job in itertools.islice(it, 1):
-                pending.append(pool.submit(job))
-            yield res
-    finally:
-        for f in pending:
-            f.cancel()
-        wait(list(pending))
-
-
-# --------------------------------------------------------------------------
-# writing
-
-
-@dataclass
-class OutEntry:
-    """One entry of an output safetensors file: elements ``[start, stop)`` of ``src``."""
-
-    key: str
-    src: SrcTensor
-    start: int
-    stop: int
-    shape: Tuple[int, ...]
-    dtype: str
-    name: str = ""  # native outputs: the tensor this chunk belongs to
-    offsets: Tuple[int, ...] = ()
-
-    @property
-    def nbytes(self) -> int:
-        return (self.stop - self.start) * itemsize(self.dtype)
-
-
-def sort_entries(entries: List[OutEntry]) -> List[OutEntry]:
-    # Widest dtypes first (as safetensors does): with the header padded to 8
-    # bytes every entry then starts aligned to its element size.
-    return sorted(entries, key=lambda e: (-itemsize(e.dtype), e.key))
-
-
-def whole_entry(t: SrcTensor, key: str, dtype: Optional[str] = None, *, native: bool = False) -> OutEntry:
-    """An entry holding all of ``t`` under ``key``, cast to ``dtype`` (default: ``t``'s).
-
-    ``native``: the entry is the single chunk of the output tensor ``key``
-    (its ``name`` and zero ``offsets`` set, as native manifests need them).
-    """
-    return OutEntry(
-        key=key,
-        src=t,
-        start=0,
-        stop=t.numel,
-        shape=t.shape,
-        dtype=t.dtype if dtype is None else dtype,
-        name=key if native else "",
-        offsets=(0,) * len(t.shape) if native else (),
-    )
-
-
-def plan_whole_files(entries: List[OutEntry], threads: int, min_bytes: int = 64 << 20) -> Dict[str, List[OutEntry]]:
-    """Spread whole-tensor entries over a few files of balanced size (one writer each)."""
-    total = sum(e.nbytes for e in entries)
-    parts = max(1, min(threads, math.ceil(total / min_bytes) if total else 1, len(entries) or 1))
-    groups: List[List[OutEntry]] = [[] for _ in range(parts)]
-    load = [0] * parts
-    for e in sorted(entries, key=lambda e: (-e.nbytes, e.key)):
-        g = min(range(parts), key=lambda j: (load[j], j))
-        groups[g].append(e)
-        load[g] += e.nbytes
-    return {f"{i:02d}": g for i, g in enumerate(groups) if g}
-
-
-def entry_blocks(entries: Sequence[OutEntry], block_bytes: int) -> Iterator[Tuple[int, OutEntry, Block]]:
-    """``(entry index, entry, block)`` for every block of every entry, in file order.
-
-    Blocks are sized on the source side so a cast block still fits ``block_bytes``.
-    """
-    for i, e in enumerate(entries):
-        for blk in plan_blocks(e.src, e.start, e.stop, block_bytes_for(e.src.dtype, e.dtype, block_bytes)):
-            yield i, e, blk
-
-
-def read_entry_block(reader: Reader, e: OutEntry, blk: Block, buffers: BufferPool) -> Tuple[torch.Tensor, memoryview]:
-    """One block of ``e`` in its output dtype: the flat uint8 tensor (give it back to ``buffers``) and its bytes."""
-    data = reader.read(e.src, blk, buffers)
-    if e.dtype != e.src.dtype:
-        raw, data = data, cast_bytes(data, e.src.dtype, e.dtype, buffers)
-        buffers.give(raw)
-    return data, byte_view(data)
-
-
-class Progress:
-    """A tqdm bar when asked and available; otherwise nothing."""
-
-    _warned = False
-
-    def __init__(self, total: int, enabled: bool, desc: str):
-        self.bar = None
-        if not enabled:
-            return
-        try:
-            from tqdm import tqdm
-        except ImportError:
-            if not Progress._warned:
-                Progress._warned = True
-                print("shardckpt: progress bars need tqdm (pip install tqdm)", file=sys.stderr)
-            return
-        self.bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc, leave=False, dynamic_ncols=True)
-
-    def update(self, n: int) -> None:
-        if self.bar is not None:
-            self.bar.update(n)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-
-
-def _write_file(
-    storage: Storage,
-    rel: str,
-    entries: List[OutEntry],
-    reader: Reader,
-    pool: ThreadPoolExecutor,
-    *,
-    chunks_md: Optional[Dict[str, Any]],
-    want_crc: bool,
-    depth: int,
-    progress: Progress,
-    block_bytes: int,
-    stop: Optional[threading.Event] = None,
-) -> Tuple[List[int], List[int], int]:
-    """Stream ``entries`` into one safetensors file; returns (crcs, data starts, size)."""
-    header, starts = safetensors_header([(e.key, e.dtype, e.shape, e.nbytes) for e in entries], chunks=chunks_md)
-    crcs = [0] * len(entries)
-    done = [0] * len(entries)
-
-    buffers = BufferPool(block_bytes, 2 * depth + 4)
-    # Where the storage can, workers write their block at its final offset
-    # (the layout is known up front), so writes run in parallel like reads.
-    positional = storage.caps.positional_write
-
-    def jobs():
-        for i, e, blk in entry_blocks(entries, block_bytes):
-            yield _job(i, e, blk)
-
-    def _job(i, e, blk):
-        def run():
-            if stop is not None and stop.is_set():
-                raise _Stopped()
-            data, mv = read_entry_block(reader, e, blk, buffers)
-            crc = checksum("crc32c", mv) if want_crc else 0
-            if not positional:
-                return i, data, mv, crc
-            n = w.write_at(mv, starts[i] + (blk.start - e.start) * itemsize(e.dtype))
-            del mv
-            buffers.give(data)
-            return i, None, n, crc
-
-        return run
-
-    w = storage.open_write(rel)
-    stream = prefetch(pool, jobs(), depth)
-    try:
-        if positional:
-            w.write_at(header, 0)
+            dst = byte_view(out) if out.numel() else memoryview(bytearray(0))
+            at = 0
+            for s in blk.segs:
+                c = t.chunks[s.chunk]
+                if c.loader is not None:
+                    dst[at : at + s.n] = self._loaded(c)[s.pos : s.pos + s.n]
+                else:
+                    lo, end = s.pos, s.pos + s.n
+                    while lo < end:
+                        hi = min(end, (lo // WANT_BYTES + 1) * WANT_BYTES)
+                        wants.append(Want(self._saved_chunk(t, s.chunk), lo, hi, (t, s.chunk, dst[at + lo - s.pos : at + hi - s.pos])))
+                        lo = hi
+                at += s.n
         else:
-            w.write(header)
-        for i, data, mv, crc in stream:
-            n = mv if isinstance(mv, int) else len(mv)
-            if not positional:
-                w.write(mv)
-            crcs[i] = combine("crc32c", crcs[i], crc, n)
-            done[i] += n
-            progress.update(n)
-            del mv
-            buffers.give(data)
-            del data
-        for e, n in zip(entries, done):
-            if n != e.nbytes:
-                raise AssertionError(f"internal error: {e.key}: wrote {n} bytes, expected {e.nbytes}")
-        w.close()
-    except BaseException:
-        stream.close()  # waits for blocks in flight: none may write after the file is gone
-        w.abort()
-        raise
-    return crcs, starts, len(header) + sum(e.nbytes for e in entries)
+            a, b = blk.rows
+            shape = t.shape
+            slab = out.view((b - a,) + tuple(shape[1:-1]) + (shape[-1] * isz,))
+            for s in blk.segs:
+                c = t.chunks[s.chunk]
+                crow = math.prod(c.sizes[1:]) * isz
+                step = max(1, WANT_BYTES // crow)
+                for r in range(s.pos // crow, (s.pos + s.n) // crow, step):
+                    k = min(step, (s.pos + s.n) // crow - r)
+                    inner = tuple(c.sizes[1:-1]) + (c.sizes[-1] * isz,)
+                    dst = box_view(slab, (c.offsets[0] + r - a,) + tuple(c.offsets[1:-1]) + (c.offsets[-1] * isz,), (k,) + inner)
+                    if c.loader is not None:
+                        src = torch.frombuffer(self._loaded(c), dtype=torch.uint8)[r * crow : (r + k) * crow]
+                        dst.copy_(src.view((k,) + inner))
+                    else:
+                        wants.append(Want(self._saved_chunk(t, s.chunk), r * crow, (r + k) * crow, (t, s.chunk, dst)))
+        if wants:
+            self._read(wants, pool)
 
+    def _read(self, wants: List[Want], pool: Optional[BufferPool]) -> None:
+        def deliver(w: Want, data: memoryview, owner: Any, off: int) -> None:
+            t, idx, dst = w.tag
+            c = t.chunks[idx]
+            if c.check is not None and not c.blocks:
+                crc = checksum(c.check[0], data)
+                with self._lock:
+                    self._pieces.setdefault((id(t), idx), (t, []))[1].append((w.start, len(data), crc))
+            if isinstance(dst, memoryview):
+                dst[:] = data
+            else:
+                dst.copy_(torch.frombuffer(data, dtype=torch.uint8).view(dst.shape))
 
-def _write_files(
-    storage: Storage,
-    files: Dict[str, List[OutEntry]],
-    reader: Reader,
-    *,
-    native: bool,
-    threads: int,
-    progress: Progress,
-    block_bytes: int,
-) -> Dict[str, Tuple[List[int], List[int], int]]:
-    """Write every file; several files at once, each fed by the shared read pool."""
-    nfiles = max(1, min(threads, len(files)))
-    depth = max(2, threads // nfiles + 1)
-    results: Dict[str, Tuple[List[int], List[int], int]] = {}
-    stop = threading.Event()  # one file failed: the others stop at their next block
-    with ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="shardckpt-cr") as pool:
-        def one(rel):
-            ents = files[rel]
-            md = {e.key: {"tensor": e.name, "offsets": list(e.offsets)} for e in ents} if native else None
-            try:
-                return rel, _write_file(
-                    storage, rel, ents, reader, pool, chunks_md=md, want_crc=native, depth=depth, progress=progress,
-                    block_bytes=block_bytes, stop=stop,
-                )
-            except BaseException:
-                stop.set()
-                raise
+        read_verified(self.storage, wants, deliver, threads=self.threads, pool=pool, read_block_bytes=WANT_BYTES)
 
-        if nfiles == 1:
-            for rel in files:
-                results[rel] = one(rel)[1]
-        else:
-            with ThreadPoolExecutor(max_workers=nfiles, thread_name_prefix="shardckpt-cw") as fpool:
-                futs = [fpool.submit(one, rel) for rel in files]
-                wait(futs)
-                errors = [f.exception() for f in futs if f.exception() is not None]
-                first = next((e for e in errors if not isinstance(e, _Stopped)), errors[0] if errors else None)
-                if first is not None:
-                    raise first
-                for f in futs:
-                    rel, res = f.result()
-                    results[rel] = res
-    return results
+    def read(self, t: SrcTensor, blk: Block) -> torch.Tensor:
+        """The block's elements as a new flat uint8 tensor, row-major."""
+        out = torch.empty(blk.count * itemsize(t.dtype), dtype=torch.uint8)
+        self.read_into(t, blk, out)
+        return out
 
 
 class _Stopped(Exception):
     """Another output file failed; this one gave up."""
 
 
-class ConvertResult(NamedTuple):
-    """What a conversion wrote."""
+class Streamer:
+    """Streams entries' bytes, in their output dtype, for one output file at a time.
 
-    url: str
-    files: List[str]  # paths relative to ``url`` (or the file name for a single file)
-    tensors: int
-    nbytes: int  # tensor bytes written
-    seconds: float
+    :meth:`slabs` yields an entry's blocks in order, block ``k + 1`` read
+    (verified, cast) on a helper thread while block ``k`` is written; the two
+    block buffers (four when casting) and the read buffers are reused across
+    entries (large buffers freed per block fragment malloc's arenas: RSS creeps).
+    ``stop``: set by a failing sibling; the next block read raises. Call :meth:`close`.
 
-    @property
-    def gb_per_s(self) -> float:
-        return self.nbytes / 1e9 / self.seconds if self.seconds > 0 else float("inf")
+    Example:
+        >>> s = Streamer(reader); [f.write(piece) for piece in s.slabs(entry)]; s.close()   # doctest: +SKIP
+    """
+
+    def __init__(self, reader: Reader, *, block_bytes: int = BLOCK_BYTES, progress: Optional["Progress"] = None,
+                 stop: Optional[threading.Event] = None):
+        self.reader = reader
+        self.block_bytes = block_bytes
+        self.progress = progress
+        self.stop = stop
+        self.pool = BufferPool(block_bytes, slot_bytes=min(WANT_BYTES, block_bytes))
+        self._ex = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardckpt-cr")
+        self._bufs: Dict[Tuple[str, int], torch.Tensor] = {}
+
+    def close(self) -> None:
+        self._ex.shutdown(wait=True)
+        self.pool.close()
+        self._bufs.clear()
+
+    def _buf(self, role: str, k: int, n: int) -> torch.Tensor:
+        if n > self.block_bytes:
+            return torch.empty(n, dtype=torch.uint8)  # one row wider than a block
+        key = (role, k % 2)
+        got = self._bufs.get(key)
+        if got is None:
+            got = self._bufs[key] = torch.empty(self.block_bytes, dtype=torch.uint8)
+        return got[:n]
+
+    def _read(self, e: OutEntry, blk: Block, k: int) -> memoryview:
+        if self.stop is not None and self.stop.is_set():
+            raise _Stopped()
+        raw = self._buf("raw", k, blk.count * itemsize(e.src.dtype))
+        self.reader.read_into(e.src, blk, raw, pool=self.pool)
+        if e.dtype != e.src.dtype:
+            out = self._buf("cast", k, blk.count * itemsize(e.dtype))
+            if blk.count:
+                out.view(torch_dtype(e.dtype)).copy_(raw.view(torch_dtype(e.src.dtype)))
+            raw = out
+        return byte_view(raw) if raw.numel() else memoryview(b"")
+
+    def slabs(self, e: OutEntry) -> Iterator[memoryview]:
+        """``e``'s bytes in blocks, in order; each valid until the next is asked for."""
+        blocks = plan_blocks(e.src, e.start, e.stop, block_bytes_for(e.src.dtype, e.dtype, self.block_bytes))
+        fut: Optional[Future] = self._ex.submit(self._read, e, blocks[0], 0) if blocks else None
+        try:
+            for k in range(len(blocks)):
+                data = fut.result()  # type: ignore[union-attr]
+                # Buffer (k + 1) % 2 held block k - 1, already written.
+                fut = self._ex.submit(self._read, e, blocks[k + 1], k + 1) if k + 1 < len(blocks) else None
+                yield data
+                if self.progress is not None:
+                    self.progress.update(len(data))
+        finally:
+            if fut is not None:  # the writer stopped early: no read may fill a buffer after this
+                fut.cancel()
+                try:
+                    fut.result()
+                except BaseException:  # noqa: BLE001 - the writer's error is the one raised
+                    pass
+
+    def item(self, e: OutEntry) -> WriteItem:
+        """``e`` as a chunk for ``_io.write_files``, its bytes streamed from the source."""
+        return WriteItem(name=e.name or e.key, key=e.key, dtype=e.dtype, offsets=tuple(e.offsets), sizes=tuple(e.shape),
+                         tensor=None, stream=partial(self.slabs, e))
+
+
+# --------------------------------------------------------------------------
+# writing
+
+
+def _write_streamed(
+    groups: Dict[Any, Dict[str, List[OutEntry]]],
+    reader: Reader,
+    write: Callable[[Any, Dict[str, List[WriteItem]], int], Any],
+    *,
+    threads: int,
+    progress: "Progress",
+) -> Dict[Any, Any]:
+    """``write(group, {file: items}, threads)`` for every group (a rank, or plain files), items streamed from ``reader``.
+
+    Groups run in parallel and ``write`` over a group's files; reads and block
+    memory are shared out so that about ``threads`` reads are in flight.
+    """
+    nfiles = sum(len(files) for files in groups.values())
+    busy = max(1, min(threads, nfiles))
+    reader.threads = max(1, threads // busy)
+    stop = threading.Event()  # one file failed: the others stop at their next block
+    streamers: List[Streamer] = []
+
+    def one(key: Any) -> Any:
+        files = {}
+        for rel, ents in groups[key].items():
+            # Files written at once share the memory budget: blocks shrink as their number grows.
+            s = Streamer(reader, block_bytes=max(WANT_BYTES, BLOCK_BYTES // busy), progress=progress, stop=stop)
+            streamers.append(s)
+            files[rel] = [s.item(e) for e in ents]
+        return write(key, files, max(1, busy // len(groups)) if len(groups) > 1 else busy)
+
+    try:
+        keys = list(groups)
+        return dict(zip(keys, run_parallel(one, keys, workers=min(busy, len(keys)), stop=stop)))
+    finally:
+        for s in streamers:
+            s.close()
+
+
+def run_parallel(fn: Callable[[Any], Any], args: Sequence[Any], *, workers: int, stop: threading.Event) -> List[Any]:
+    """``[fn(a) for a in args]`` on up to ``workers`` threads; a failure sets ``stop`` and is raised once all have ended.
+
+    Siblings that gave up on ``stop`` raise ``_Stopped``; the error raised
+    is the first real one.
+    """
+
+    def run(a: Any) -> Any:
+        try:
+            return fn(a)
+        except BaseException:
+            stop.set()
+            raise
+
+    if workers <= 1 or len(args) <= 1:
+        return [run(a) for a in args]
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="shardckpt-cw") as ex:
+        futs = [ex.submit(run, a) for a in args]
+        errors = [f.exception() for f in futs if f.exception() is not None]
+    if errors:
+        raise next((e for e in errors if not isinstance(e, _Stopped)), errors[0])
+    return [f.result() for f in futs]
+
+
+def _sorted(entries: List[OutEntry]) -> List[OutEntry]:
+    # Widest dtypes first (as safetensors does): with the header padded to 8
+    # bytes every entry then starts aligned to its element size.
+    return sorted(entries, key=lambda e: (-itemsize(e.dtype), e.key))
 
 
 def write_native(
     dst_url: str,
-    files: Dict[str, List[OutEntry]],
+    ranks: Dict[int, Dict[str, List[OutEntry]]],
     reader: Reader,
     *,
-    tensors: Dict[str, Tuple[str, Tuple[int, ...], Optional[Dict[str, Any]]]],
+    tensors: Dict[str, Tuple[str, Tuple[int, ...], Optional[Dict[str, Any]], Optional[Dict[str, Any]]]],
     values: Any,
     world_size: int,
     extra: Optional[Dict[str, Any]] = None,
@@ -749,59 +364,72 @@ def write_native(
     threads: int = DEFAULT_IO_THREADS,
     progress: bool = False,
     desc: str = "convert",
-    block_bytes: int = BLOCK_BYTES,
 ) -> ConvertResult:
-    """Write a native checkpoint from planned files; ``manifest.json`` last (the commit).
+    """Write a native checkpoint, format v2, as a save's ranks would: ``_save.write_rank`` per rank, then ``commit``.
 
-    ``files`` maps a name (made unique with a fresh id under ``data/``) to
-    entries with ``name``/``offsets`` set; ``tensors`` gives each output
-    tensor's ``(dtype, shape, layout)``. Nothing is committed unless every
-    file was written and every source chunk read passed its checksum.
+    Args:
+        ranks: writing rank -> {file tag (``data/<save id>-<tag>.safetensors``):
+            entries with ``name`` and ``offsets``}; each rank gets its index file.
+        reader: the source; its whole-chunk checksums are checked before the commit.
+        tensors: output tensor -> ``(dtype, shape, layout, regular)``; ``regular``
+            is the v2 layout record (``mesh_shape``, ``placements``, ``mesh`` 0:
+            all ranks, ``rotation``) of tensors whose chunks are that layout's,
+            None for chunks listed by their writers' index files only.
+        values / world_size / extra: manifest fields; the rest as the converters take them.
+
+    Raises:
+        CheckpointExistsError: committed checkpoint at ``dst_url`` and not ``overwrite``.
+        ChecksumMismatchError / CorruptCheckpointError / StorageError: nothing
+            committed, the files written removed.
+
+    Example:
+        >>> write_native("out", {0: {"00": [whole_entry(t, "w", native=True)]}}, Reader(src),   # doctest: +SKIP
+        ...              tensors={"w": (t.dtype, t.shape, None, None)}, values=None, world_size=1)
     """
     t0 = time.perf_counter()
     dst = Storage(dst_url, storage_options=storage_options)
     if dst.exists(MANIFEST_NAME) and not overwrite:
         raise CheckpointExistsError(f"{dst.url_of(MANIFEST_NAME)} already exists; pass overwrite=True to replace it")
     save_id = uuid.uuid4().hex
-    named = {data_file_name(save_id, k): sort_entries(v) for k, v in files.items() if v}
-    total = sum(e.nbytes for ents in named.values() for e in ents)
+    block_bytes = _knobs.BLOCK_BYTES
+    named = {r: {data_file_name(save_id, tag): _sorted(ents) for tag, ents in files.items() if ents} for r, files in ranks.items()}
+    named = {r: files for r, files in named.items() if files}
+    data = sorted(rel for files in named.values() for rel in files)
+    total = sum(e.nbytes for files in named.values() for ents in files.values() for e in ents)
     bar = Progress(total, progress, desc)
     try:
-        results = _write_files(dst, named, reader, native=True, threads=threads, progress=bar, block_bytes=block_bytes)
-        dst.fsync_dirs([DATA_DIR])
+        def write(rank, files, n):
+            return write_rank(dst, files, save_id, rank, threads=n, block_bytes=block_bytes)
+
+        results = _write_streamed(named, reader, write, threads=threads, progress=bar)
         reader.finish()
-        metas = {name: TensorMeta(dtype=dt, shape=list(shape), layout=layout) for name, (dt, shape, layout) in tensors.items()}
-        for rel, ents in named.items():
-            crcs, starts, _ = results[rel]
-            for e, crc, start in zip(ents, crcs, starts):
-                metas[e.name].chunks.append(
-                    ChunkMeta(
-                        file=rel,
-                        key=e.key,
-                        offsets=list(e.offsets),
-                        sizes=list(e.shape),
-                        byte_offset=start,
-                        nbytes=e.nbytes,
-                        crc32c=crc,
-                    )
-                )
+        metas = {name: TensorMeta(dtype=dt, shape=list(shape), layout=layout, regular=reg, writers=None if reg else [])
+                 for name, (dt, shape, layout, reg) in tensors.items()}
+        files: Dict[str, FileMeta] = {}
+        indexes: Dict[str, IndexMeta] = {}
+        for rank, (chunks, fmetas, index) in sorted(results.items()):
+            files.update(fmetas)
+            for name, c in chunks:
+                metas[name].chunks.append(c)  # not serialized (v2); the HF index and the tiling check below use them
+                if metas[name].regular is None:
+                    metas[name].writers.append(rank)  # type: ignore[union-attr]
+            if index is not None:
+                indexes[index[0]] = IndexMeta(rank=rank, size=index[1], crc32c=index[2])
+                files[index[0]] = FileMeta(index[1])
+        for t in metas.values():
+            if t.regular is None:
+                t.writers = sorted(set(t.writers or []))
         bad = tiling_problems(metas)
         if bad:
             raise AssertionError("internal error, converted chunks do not tile: " + "; ".join(bad[:10]))
         from shardckpt import __version__
 
-        m = Manifest(
-            world_size=world_size,
-            tensors=metas,
-            files={rel: FileMeta(res[2]) for rel, res in results.items()},
-            values=values,
-            save_id=save_id,
-            library_version=__version__,
-            extra=dict(extra or {}),
-        )
+        m = Manifest(world_size=world_size, tensors=metas, files=files, values=values, save_id=save_id, library_version=__version__,
+                     extra=dict(extra or {}), version=FORMAT_VERSION, block_bytes=block_bytes, indexes=indexes,
+                     meshes=["iota"] if any(t.regular for t in metas.values()) else [])
         commit(dst, m, replace=overwrite)
     except BaseException:
-        for rel in named:
+        for rel in data + [index_file_name(save_id, r) for r in named]:
             try:
                 dst.remove(rel)
             except Exception:
@@ -809,227 +437,76 @@ def write_native(
         raise
     finally:
         bar.close()
-    return ConvertResult(dst.url, sorted(named), len(metas), total, time.perf_counter() - t0)
+    return ConvertResult(dst.url, data, len(metas), total, time.perf_counter() - t0)
 
 
-def write_whole(
-    source: Source,
-    dst_url: str,
-    names: Dict[str, str],
-    *,
-    values: Any,
-    extra: Dict[str, Any],
-    check_sizes: bool = True,
-    storage_options: Optional[Dict[str, Any]] = None,
-    overwrite: bool = False,
-    threads: int = DEFAULT_IO_THREADS,
-    progress: bool = False,
-    desc: str = "convert",
-) -> ConvertResult:
+def write_whole(source: Source, dst_url: str, names: Dict[str, str], *, check_sizes: bool = True,
+                threads: int = DEFAULT_IO_THREADS, **native: Any) -> ConvertResult:
     """Write ``source``'s tensors ``{source name: output name}`` whole, as a world-size-1 native checkpoint.
 
-    The imports' common tail: one chunk per tensor, spread over a few
-    balanced files, layouts carried over. ``check_sizes``: check the
-    source files' sizes first (skip it where they were just listed).
+    The imports' common tail: one chunk per tensor, in a few files of balanced
+    size (``_io.partition``, as a save spreads a rank's chunks), layouts kept.
+    ``check_sizes``: check the source files' sizes first (skip it where they
+    were just listed); ``native``: :func:`write_native`'s options (values, extra, ...).
     """
-    entries = [whole_entry(source.tensors[old], new, native=True) for old, new in names.items()]
-    reader = Reader(source)
+    entries = {new: whole_entry(source.tensors[old], new, native=True) for old, new in names.items()}
+    reader = Reader(source, threads=threads)
     if check_sizes:
-        reader.check_source_files(names)
-    return write_native(
-        dst_url,
-        plan_whole_files(entries, threads),
-        reader,
-        tensors={new: (source.tensors[old].dtype, source.tensors[old].shape, source.tensors[old].layout) for old, new in names.items()},
-        values=values,
-        world_size=1,
-        extra=extra,
-        storage_options=storage_options,
-        overwrite=overwrite,
-        threads=threads,
-        progress=progress,
-        desc=desc,
-    )
+        reader.check_source_files(list(names))
+    # Plan the files on placeholder items: partition balances bytes and keeps the safetensors order.
+    shells = [WriteItem(e.name, e.key, e.dtype, e.offsets, e.shape, None) for e in entries.values()]
+    files = {f"{i:02d}": [entries[it.name] for it in g] for i, g in enumerate(partition(shells, threads))}
+    tensors = {new: (source.tensors[old].dtype, source.tensors[old].shape, source.tensors[old].layout, None) for old, new in names.items()}
+    return write_native(dst_url, {0: files}, reader, tensors=tensors, world_size=1, threads=threads, **native)
 
 
 # --------------------------------------------------------------------------
 # plain safetensors outputs (HF directories, single files)
 
 
-def split_url(url: str) -> Tuple[str, str]:
-    """``(parent URL, base name)`` of a file URL or path."""
-    if "://" in url and not url.startswith("file://"):
-        head, _, base = url.rstrip("/").rpartition("/")
-        if not base or head.endswith(":/"):
-            raise StorageError(f"{url!r} does not name a file")
-        return head, base
-    path = url[len("file://") :] if url.startswith("file://") else url
-    path = os.path.abspath(path)
-    return os.path.dirname(path), os.path.basename(path)
-
-
-def write_safetensors_files(
-    dst_url: str,
+def write_plain(
+    storage: Storage,
     files: Dict[str, List[OutEntry]],
     reader: Reader,
     *,
     index: Optional[bytes] = None,
     index_name: str = "",
-    storage_options: Optional[Dict[str, Any]] = None,
-    overwrite: bool = False,
-    single_file: bool = False,
     threads: int = DEFAULT_IO_THREADS,
     progress: bool = False,
     desc: str = "export",
-    block_bytes: int = BLOCK_BYTES,
 ) -> ConvertResult:
-    """Write plain safetensors files (no shardckpt metadata), published all at once where possible.
+    """Write plain safetensors files (no shardckpt metadata) into ``storage``, then ``index`` (the HF index) last.
 
-    Local disk: everything goes into a hidden sibling directory (or file)
-    that is renamed into place at the end, so ``dst`` appears complete or
-    not at all. Object stores: each file appears whole when its upload
-    completes, and the index (when there is one) is written last.
-    ``single_file``: ``dst_url`` is the file itself and ``files`` has one
-    entry (its name is ignored).
+    The native outputs' writer (``_io.write_files``); its block CRCs are not
+    kept: a Hugging Face file has no place for them. The source is fully
+    verified before the index is written; publication is the caller's.
+
+    Raises:
+        ChecksumMismatchError / CorruptCheckpointError / StorageError: the files written are removed.
+
+    Example:
+        >>> write_plain(Storage("hf"), {"model.safetensors": entries}, reader)   # doctest: +SKIP
     """
     t0 = time.perf_counter()
     total = sum(e.nbytes for ents in files.values() for e in ents)
-    files = {rel: sort_entries(ents) for rel, ents in files.items()}
     bar = Progress(total, progress, desc)
-    try:
-        if single_file:
-            parent, base = split_url(dst_url)
-            root = Storage(parent, storage_options=storage_options)
-            if root.exists(base) and not overwrite:
-                raise CheckpointExistsError(f"{dst_url} already exists; pass overwrite=True to replace it")
-            (ents,) = files.values()
-            if root.caps.atomic_rename:
-                tmp = f".{base}.{uuid.uuid4().hex[:12]}.tmp"
-                try:
-                    _write_files(root, {tmp: ents}, reader, native=False, threads=threads, progress=bar, block_bytes=block_bytes)
-                    reader.finish()
-                    root.rename(tmp, base)
-                finally:
-                    root.remove(tmp)
-            else:
-                # Verify the source before the upload completes where we can:
-                # the remote object appears when its writer closes.
-                _write_files(root, {base: ents}, reader, native=False, threads=threads, progress=bar, block_bytes=block_bytes)
-                try:
-                    reader.finish()
-                except BaseException:
-                    root.remove(base)
-                    raise
-            return ConvertResult(dst_url, [base], sum(len(v) for v in files.values()), total, time.perf_counter() - t0)
 
-        dst = Storage(dst_url, storage_options=storage_options)
-        existing = [n for n in dst.listdir("") if not n.startswith(".")]
-        if existing and not overwrite:
-            raise CheckpointExistsError(
-                f"{dst.url} is not empty ({format_offenders(existing, limit=5)}); pass overwrite=True to replace it"
-            )
-        if dst.caps.atomic_rename:
-            _, base = split_url(dst.url)
-            tmp = dst.sibling(f".{base}.{uuid.uuid4().hex[:12]}.tmp")
+    def write(_, items, n):
+        return write_files(storage, items, threads=n, chunk_metadata=False)
+
+    try:
+        _write_streamed({0: {rel: _sorted(ents) for rel, ents in files.items()}}, reader, write, threads=threads, progress=bar)
+        reader.finish()
+        if index is not None:
+            storage.write_atomic(index_name, index)
+    except BaseException:
+        for rel in files:
             try:
-                tmp.makedirs("")
-                _write_files(tmp, files, reader, native=False, threads=threads, progress=bar, block_bytes=block_bytes)
-                reader.finish()
-                if index is not None:
-                    tmp.write_atomic(index_name, index)
-                dst.replace_with(tmp)
-            except BaseException:
-                tmp.remove_tree("")
-                raise
-        else:
-            try:
-                _write_files(dst, files, reader, native=False, threads=threads, progress=bar, block_bytes=block_bytes)
-                reader.finish()
-            except BaseException:
-                for rel in files:
-                    dst.remove(rel)
-                raise
-            if index is not None:
-                dst.write_atomic(index_name, index)
-            # Only stale weights and a stale index go; config/tokenizer files stay.
-            for n in existing:
-                # Stale weights and a stale index only: never the user's config/tokenizer files.
-                if (n.endswith(".safetensors") and n not in files) or (n == index_name and index is None):
-                    dst.remove(n)
-        out = sorted(files) + ([index_name] if index is not None else [])
-        return ConvertResult(dst.url, out, sum(len(v) for v in files.values()), total, time.perf_counter() - t0)
+                storage.remove(rel)
+            except Exception:
+                pass
+        raise
     finally:
         bar.close()
-
-
-# --------------------------------------------------------------------------
-# option parsing
-
-
-_SIZE_UNITS = {
-    "": 1,
-    "B": 1,
-    "KB": 10**3,
-    "MB": 10**6,
-    "GB": 10**9,
-    "TB": 10**12,
-    "KIB": 2**10,
-    "MIB": 2**20,
-    "GIB": 2**30,
-    "TIB": 2**40,
-}
-
-
-def parse_size(size: Any) -> int:
-    """Bytes from ``5_000_000``, ``"5GB"`` (10**9, as huggingface_hub reads it), ``"1GiB"`` (2**30)."""
-    if isinstance(size, bool):
-        raise ValueError(f"size must be an int or a string like '5GB', got {size!r}")
-    if isinstance(size, int):
-        n = size
-    elif isinstance(size, str):
-        s = size.strip().upper().replace(" ", "")
-        num = s.rstrip("KMGTIB")
-        unit = s[len(num) :]
-        if unit not in _SIZE_UNITS or not num:
-            raise ValueError(f"cannot read size {size!r}; use an int or e.g. '500MB', '5GB', '1GiB'")
-        try:
-            val = float(num)
-        except ValueError:
-            raise ValueError(f"cannot read size {size!r}; use an int or e.g. '500MB', '5GB', '1GiB'") from None
-        n = int(val * _SIZE_UNITS[unit])
-    else:
-        raise ValueError(f"size must be an int or a string like '5GB', got {type(size).__name__}")
-    if n <= 0:
-        raise ValueError(f"size must be positive, got {size!r}")
-    return n
-
-
-_DTYPE_ALIASES = {"fp32": "F32", "fp16": "F16", "half": "F16", "bf16": "BF16", "fp64": "F64", "double": "F64", "float": "F32",
-                  "fp8": "F8_E4M3", "fp8_e4m3": "F8_E4M3", "fp8_e5m2": "F8_E5M2"}
-FLOAT_DTYPES = {"F16", "BF16", "F32", "F64", "F8_E4M3", "F8_E5M2", "F8_E4M3FNUZ", "F8_E5M2FNUZ"}
-
-
-def parse_dtype(dtype: Any) -> Optional[str]:
-    """safetensors dtype name of a floating-point ``torch.dtype`` or name (``"bf16"``, ``"bfloat16"``, ``"BF16"``)."""
-    if dtype is None:
-        return None
-    if isinstance(dtype, torch.dtype):
-        name = str(dtype).replace("torch.", "")
-    elif isinstance(dtype, str):
-        name = dtype.strip()
-    else:
-        raise TypeError(f"dtype must be a torch.dtype or a name like 'bfloat16', got {dtype!r}")
-    st = _DTYPE_ALIASES.get(name.lower())
-    if st is None:
-        st = name.upper() if name.upper() in DTYPES else next((k for k, (attr, _) in DTYPES.items() if attr == name.lower()), None)
-    if st is None or st not in FLOAT_DTYPES:
-        raise UnsupportedStateError(
-            f"dtype {dtype!r} is not a floating-point type shardckpt can write; use one of "
-            f"{', '.join(sorted(DTYPES[k][0] for k in FLOAT_DTYPES))}"
-        )
-    return st
-
-
-def out_dtype(src: str, cast: Optional[str]) -> str:
-    """``cast`` for floating-point sources; integer and bool tensors keep their dtype."""
-    return cast if cast is not None and src in FLOAT_DTYPES else src
+    out = sorted(files) + ([index_name] if index is not None else [])
+    return ConvertResult(storage.url, out, sum(len(v) for v in files.values()), total, time.perf_counter() - t0)

@@ -38,8 +38,9 @@ from shardckpt.errors import (
     format_offenders,
 )
 
-from ._common import ConvertResult, SrcChunk
+from ._options import ConvertResult
 from ._safetensors import arrange_imported
+from ._source import SrcChunk
 from ._torch_save import _memory_chunk, _write_imported, chunk_of, load_meta, source_from_state, weights_only_load
 
 __all__ = ["from_dcp", "DCPUnpickler", "read_dcp_metadata", "check_pickle_bounds"]

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import collections
+import itertools
 import math
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -13,7 +15,9 @@ from shardckpt._format import itemsize, plural, torch_dtype
 from shardckpt._format.values import has_plain, is_tensor_ref, plain_values
 from shardckpt._io import DEFAULT_IO_THREADS
 
-from ._common import BLOCK_BYTES, Progress, Reader, SrcTensor, open_checkpoint, plan_blocks, prefetch
+from ._common import Reader
+from ._options import Progress
+from ._source import BLOCK_BYTES, SrcTensor, open_checkpoint, plan_blocks
 
 __all__ = ["diff", "DiffReport"]
 
@@ -105,6 +109,24 @@ class DiffReport:
             "identical": self.identical,
             "value_changes": [v.to_json() for v in self.value_changes],
         }
+
+
+def prefetch(pool: ThreadPoolExecutor, jobs: Iterable[Callable[[], Any]], depth: int) -> Iterator[Any]:
+    """Run ``jobs`` on ``pool`` with at most ``depth`` pending; yield results in order."""
+    pending: collections.deque = collections.deque()
+    it = iter(jobs)
+    try:
+        for job in itertools.islice(it, max(1, depth)):
+            pending.append(pool.submit(job))
+        while pending:
+            res = pending.popleft().result()
+            for job in itertools.islice(it, 1):
+                pending.append(pool.submit(job))
+            yield res
+    finally:
+        for f in pending:
+            f.cancel()
+        wait(list(pending))
 
 
 def _read(reader: Reader, t: SrcTensor, s: int, e: int, block_bytes: int) -> torch.Tensor:

@@ -4,39 +4,26 @@ from __future__ import annotations
 
 import os
 import struct
+import threading
 import time
+import uuid
 import zipfile
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Dict, List, Optional, Sequence, Union
 
 import torch
 
-from shardckpt._format import itemsize, torch_dtype
-from shardckpt._format.checksum import checksum, combine
+from shardckpt._format import torch_dtype
+from shardckpt._format.checksum import checksum
 from shardckpt._format.values import TAG, decode_value
 from shardckpt._hf import KeyMap
 from shardckpt._io import DEFAULT_IO_THREADS
 from shardckpt._storage import Storage
 from shardckpt.errors import CheckpointExistsError, UnsupportedStateError
 
-from ._common import (
-    BLOCK_BYTES,
-    BufferPool,
-    ConvertResult,
-    OutEntry,
-    Progress,
-    Reader,
-    entry_blocks,
-    open_checkpoint,
-    out_dtype,
-    parse_dtype,
-    prefetch,
-    read_entry_block,
-    split_url,
-    whole_entry,
-    write_safetensors_files,
-)
+from ._common import WANT_BYTES, Reader, Streamer, run_parallel, write_plain
+from ._options import ConvertResult, Progress, out_dtype, parse_dtype, split_url
 from ._safetensors import export_names
+from ._source import BLOCK_BYTES, OutEntry, open_checkpoint, whole_entry
 
 __all__ = ["to_full"]
 
@@ -97,20 +84,37 @@ def to_full(
     names = export_names(source, prefix=None, keys=keys, key_map=key_map)
     cast = parse_dtype(dtype)
     entries = [whole_entry(source.tensors[n], out, out_dtype(source.tensors[n].dtype, cast)) for n, out in names.items()]
-    reader = Reader(source)
-    reader.check_source_files(names)
+    reader = Reader(source, threads=io_threads)
+    reader.check_source_files(list(names))
     lower = dst.lower()
     if lower.endswith(".safetensors"):
-        return write_safetensors_files(
-            dst, {"full": entries}, reader, storage_options=dst_storage_options, overwrite=overwrite,
-            single_file=True, threads=io_threads, progress=progress, desc="to_full",
-        )
+        return _write_single(dst, entries, reader, storage_options=dst_storage_options, overwrite=overwrite,
+                             threads=io_threads, progress=progress)
     if not lower.endswith(_PT_SUFFIXES):
         raise ValueError(f"to_full: {dst!r} must end in .safetensors or one of {', '.join(_PT_SUFFIXES)}")
     flat = keys is not None or key_map is not None or source.values is None
     by_name = {e.src.name: e for e in entries}
     return _write_pt(dst, source.values, by_name, reader, flat=flat, storage_options=dst_storage_options,
                      overwrite=overwrite, threads=io_threads, progress=progress)
+
+
+def _write_single(dst: str, entries: List[OutEntry], reader: Reader, *, storage_options, overwrite, threads, progress) -> ConvertResult:
+    """One plain ``.safetensors`` file: built under a hidden name and renamed into place where the storage can."""
+    parent, base = split_url(dst)
+    root = Storage(parent, storage_options=storage_options)
+    if root.exists(base) and not overwrite:
+        raise CheckpointExistsError(f"{dst} already exists; pass overwrite=True to replace it")
+    if not root.caps.atomic_rename:
+        # An object appears whole when its upload completes; removed again if the source fails its checks.
+        res = write_plain(root, {base: entries}, reader, threads=threads, progress=progress, desc="to_full")
+    else:
+        tmp = f".{base}.{uuid.uuid4().hex[:12]}.tmp"
+        try:
+            res = write_plain(root, {tmp: entries}, reader, threads=threads, progress=progress, desc="to_full")
+            root.rename(tmp, base)
+        finally:
+            root.remove(tmp)
+    return res._replace(url=dst, files=[base])
 
 
 def _placeholders(values: Any, by_name: Dict[str, OutEntry], flat: bool):
@@ -236,32 +240,35 @@ def _write_pt(dst, values, by_name, reader: Reader, *, flat, storage_options, ov
                 raise UnsupportedStateError("this torch cannot report storage offsets of a saved file (torch >= 2.6 needed for .pt output)")
             offsets.append(off)
         records = _record_map(tmp)
+        # The records are laid out: stream each tensor's bytes into its own
+        # (the shared reader and writer path), CRC-32 as they go.
         crcs = [0] * len(order)
-        buffers = BufferPool(BLOCK_BYTES, 2 * threads + 4)
+        # Records are independent: a few workers each stream their share of
+        # the tensors (largest first, bytes balanced) into their records at
+        # once, CRC-32 as the bytes go; blocks shrink as workers are added.
+        n = max(1, min(threads, len(order)))
+        shares: List[List[int]] = [[] for _ in range(n)]
+        load = [0] * n
+        for i in sorted(range(len(order)), key=lambda i: -order[i].nbytes):
+            k = load.index(min(load))
+            shares[k].append(i)
+            load[k] += order[i].nbytes
+        reader.threads = max(1, threads // n)
+        stop = threading.Event()
 
-        def jobs():
-            for i, e, blk in entry_blocks(order, BLOCK_BYTES):
-                yield _job(i, e, blk)
-
-        def _job(i, e, blk):
-            def run():
-                data, mv = read_entry_block(reader, e, blk, buffers)
-                done = staged.write_at(mv, offsets[i] + blk.start * itemsize(e.dtype))
-                crc = checksum("crc32", mv)
-                del mv
-                buffers.give(data)
-                return i, done, crc
-
-            return run
-
-        with ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="shardckpt-pt") as pool:
-            stream = prefetch(pool, jobs(), max(2, threads + 1))
+        def write_share(share: List[int]) -> None:
+            stream = Streamer(reader, block_bytes=max(WANT_BYTES, BLOCK_BYTES // n), progress=bar, stop=stop)
             try:
-                for i, n, crc in stream:
-                    crcs[i] = combine("crc32", crcs[i], crc, n)
-                    bar.update(n)
+                for i in share:
+                    pos = offsets[i]
+                    for mv in stream.slabs(order[i]):
+                        staged.write_at(mv, pos)
+                        pos += len(mv)
+                        crcs[i] = checksum("crc32", mv, crcs[i])
             finally:
-                stream.close()  # no block may still be writing once the file is closed
+                stream.close()
+
+        run_parallel(write_share, shares, workers=n, stop=stop)
         for i, e in enumerate(order):
             rec = records.get(offsets[i])
             if rec is None or rec["size"] != e.nbytes:

@@ -6,9 +6,11 @@ from typing import Any, Dict, List, Optional
 
 from shardckpt._format import chunk_key
 from shardckpt._io import DEFAULT_IO_THREADS
-from shardckpt._plan import fsdp_boxes
+from shardckpt._plan import Shard, layout_chunks, layout_to_json, regular_layout
 
-from ._common import ConvertResult, OutEntry, Reader, open_checkpoint, whole_entry, write_native
+from ._common import Reader, write_native
+from ._options import ConvertResult
+from ._source import OutEntry, open_checkpoint, whole_entry
 
 __all__ = ["reshard", "REPLICATED_FILE"]
 
@@ -75,40 +77,43 @@ def reshard(
         for n, t in source.tensors.items():
             t.name = n
         values = nest_under("model.", {n[len("model."):]: tensor_ref(n) for n in source.tensors})
-    files: Dict[str, List[OutEntry]] = {}
+    # Writing rank -> file tag -> entries: rank r writes its own rows, rank 0 the replicated file.
+    ranks: Dict[int, Dict[str, List[OutEntry]]] = {}
     tensors = {}
     layout = {"mesh_shape": [world_size], "mesh_dim_names": None, "placements": ["S(0)"], "resharded": True}
     for name, t in source.tensors.items():
         replicated = not t.shape or t.numel == 0 or (t.layout is None and source.world_size > 1)
         if replicated:
-            files.setdefault(REPLICATED_FILE, []).append(whole_entry(t, name, native=True))
-            tensors[name] = (t.dtype, t.shape, None)
+            ranks.setdefault(0, {}).setdefault(REPLICATED_FILE, []).append(whole_entry(t, name, native=True))
+            tensors[name] = (t.dtype, t.shape, None, None)
             continue
-        row = t.row
-        for r, box in enumerate(fsdp_boxes(t.shape, world_size)):
-            if box.numel == 0:
-                continue
-            whole = box.sizes == tuple(t.shape)
-            files.setdefault(f"r{r:05d}", []).append(
-                OutEntry(
-                    key=chunk_key(name, box.offsets, whole),
-                    src=t,
-                    start=box.offsets[0] * row,
-                    stop=(box.offsets[0] + box.sizes[0]) * row,
-                    shape=box.sizes,
-                    dtype=t.dtype,
-                    name=name,
-                    offsets=box.offsets,
+        # FSDP2's cut, as a save of Shard(0) DTensors on world_size ranks
+        # records it: a layout record in the manifest (a few ints whatever
+        # the world size), rank r's chunks in rank r's index file.
+        lay = regular_layout(t.shape, (world_size,), (Shard(0),))
+        for r, boxes in layout_chunks(lay):
+            for box in boxes:
+                ranks.setdefault(r, {}).setdefault(f"r{r:05d}", []).append(
+                    OutEntry(
+                        key=chunk_key(name, box.offsets, box.sizes == tuple(t.shape)),
+                        src=t,
+                        start=box.offsets[0] * t.row,
+                        stop=(box.offsets[0] + box.sizes[0]) * t.row,
+                        shape=box.sizes,
+                        dtype=t.dtype,
+                        name=name,
+                        offsets=box.offsets,
+                    )
                 )
-            )
-        tensors[name] = (t.dtype, t.shape, layout)
-    reader = Reader(source)
-    reader.check_source_files(source.tensors)
+        record = {k: v for k, v in layout_to_json(lay).items() if k != "shape"}
+        tensors[name] = (t.dtype, t.shape, layout, {**record, "mesh": 0, "rotation": 0})
+    reader = Reader(source, threads=io_threads)
+    reader.check_source_files(list(source.tensors))
     extra = {k: v for k, v in source.extra.items() if k != "source"}
     extra["resharded_from_world_size"] = source.world_size
     return write_native(
         dst,
-        files,
+        ranks,
         reader,
         tensors=tensors,
         values=values,

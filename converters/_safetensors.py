@@ -15,20 +15,9 @@ from shardckpt._io import DEFAULT_IO_THREADS
 from shardckpt._storage import Storage, fsync_dir
 from shardckpt.errors import CheckpointExistsError, CheckpointNotFoundError, StateMismatchError, format_offenders
 
-from ._common import (
-    ConvertResult,
-    OutEntry,
-    Reader,
-    Source,
-    open_checkpoint,
-    out_dtype,
-    parse_dtype,
-    parse_size,
-    source_from_manifest,
-    whole_entry,
-    write_safetensors_files,
-    write_whole,
-)
+from ._common import Reader, write_plain, write_whole
+from ._options import ConvertResult, out_dtype, parse_dtype, parse_size
+from ._source import OutEntry, Source, open_checkpoint, source_from_manifest, whole_entry
 
 __all__ = [
     "to_safetensors",
@@ -286,8 +275,8 @@ def to_safetensors(
             size = 0
         groups[-1].append(e)
         size += e.nbytes
-    reader = Reader(source)
-    reader.check_source_files(names)
+    reader = Reader(source, threads=io_threads)
+    reader.check_source_files(list(names))
     if len(groups) == 1:
         files = {HF_SINGLE: groups[0]}
         index = None
@@ -335,8 +324,12 @@ def _publish_export(dst_url, files, reader, *, index, companions, storage_option
         # Object stores: no directory rename. Weights first, index last (the
         # shared writer), stale weight files removed after; kept files are
         # never touched. Companions go in once the weights are complete.
-        res = write_safetensors_files(dst_url, files, reader, index=index, index_name=HF_INDEX, storage_options=storage_options,
-                                      overwrite=True, threads=threads, progress=progress, desc="to_safetensors")
+        res = write_plain(dst, files, reader, index=index, index_name=HF_INDEX, threads=threads, progress=progress,
+                          desc="to_safetensors")
+        for n in existing:
+            # Stale weights and a stale index only: never the user's config/tokenizer files.
+            if (n.endswith(".safetensors") and n not in files) or (n == HF_INDEX and index is None):
+                dst.remove(n)
         for name, data in companions.items():
             dst.write_atomic(name, data)
         return res._replace(files=sorted(set(res.files) | set(companions)))
@@ -349,12 +342,13 @@ def _publish_export(dst_url, files, reader, *, index, companions, storage_option
     stage = os.path.join(parent, f".{base}.{uuid.uuid4().hex[:12]}.export")
     old = None
     try:
-        res = write_safetensors_files(stage, files, reader, index=index, index_name=HF_INDEX, threads=threads,
-                                      progress=progress, desc="to_safetensors")
+        staged = Storage(stage)
+        staged.makedirs("")
+        res = write_plain(staged, files, reader, index=index, index_name=HF_INDEX, threads=threads, progress=progress,
+                          desc="to_safetensors")
         for name in kept:
             if name not in companions:
                 _link_or_copy(os.path.join(root, name), os.path.join(stage, name))
-        staged = Storage(stage)
         for name, data in companions.items():
             staged.write_atomic(name, data)
         fsync_dir(stage)

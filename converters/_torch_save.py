@@ -34,8 +34,10 @@ from shardckpt.errors import (
     format_offenders,
 )
 
-from ._common import ConvertResult, Source, SrcChunk, SrcTensor, split_url, write_whole
+from ._common import write_whole
+from ._options import ConvertResult, split_url
 from ._safetensors import arrange_imported
+from ._source import Source, SrcChunk, SrcTensor
 
 __all__ = ["from_torch_save", "RangeFile", "load_meta", "chunk_of", "source_from_state"]
 

@@ -23,7 +23,7 @@ import ctypes
 import math
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -84,14 +84,20 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
 
 @dataclass
 class WriteItem:
-    """One chunk to write: ``tensor`` holds exactly the box ``offsets``/``sizes``."""
+    """One chunk to write: ``tensor`` holds exactly the box ``offsets``/``sizes``.
+
+    ``stream`` (the converters): instead of a tensor, a callable returning
+    the chunk's bytes as an iterable of byte pieces, in order, pulled while
+    the file is written (bounded memory for chunks read from another file).
+    """
 
     name: str
     key: str
     dtype: str
     offsets: Tuple[int, ...]
     sizes: Tuple[int, ...]
-    tensor: torch.Tensor
+    tensor: Optional[torch.Tensor]
+    stream: Optional[Callable[[], Iterable[memoryview]]] = None
 
     @property
     def nbytes(self) -> int:
@@ -117,9 +123,9 @@ def partition(items: Sequence[WriteItem], parts: int) -> List[List[WriteItem]]:
 
 
 def _write_one(
-    storage: Storage, rel: str, items: Sequence[WriteItem], block_bytes: int
+    storage: Storage, rel: str, items: Sequence[WriteItem], block_bytes: int, chunk_metadata: bool = True
 ) -> Tuple[List[ChunkMeta], FileMeta]:
-    chunks_md = {it.key: {"tensor": it.name, "offsets": list(it.offsets)} for it in items}
+    chunks_md = {it.key: {"tensor": it.name, "offsets": list(it.offsets)} for it in items} if chunk_metadata else None
     header, starts = safetensors_header(
         [(it.key, it.dtype, it.sizes, it.nbytes) for it in items], chunks=chunks_md
     )
@@ -133,7 +139,9 @@ def _write_one(
             # The block CRCs (v2) are computed as the bytes go out; the
             # chunk's CRC (v1's one number) is joined from them.
             crcs = BlockCrcs(block_bytes, enabled=_knobs.CHECKSUMS)
-            if it.tensor.device.type == "cuda" and it.nbytes > 0:
+            if it.stream is not None:
+                _write_stream(w, it, crcs)
+            elif it.tensor.device.type == "cuda" and it.nbytes > 0:
                 _write_cuda(w, it, bounce, crcs)
             else:
                 mv = tensor_bytes(it.tensor)
@@ -163,6 +171,17 @@ def _write_one(
         w.abort()
         raise
     return out, FileMeta(size)
+
+
+def _write_stream(w, it: WriteItem, crcs: BlockCrcs) -> None:
+    """Write a chunk whose bytes come from ``it.stream`` (pieces of any size, in order)."""
+    n = 0
+    for piece in it.stream():  # type: ignore[misc]
+        crcs.update(piece)
+        w.write(piece)
+        n += len(piece)
+    if n != it.nbytes:
+        raise AssertionError(f"internal error: {it.key}: streamed {n} bytes, expected {it.nbytes}")
 
 
 def _write_cuda(w, it: WriteItem, bounce: List[torch.Tensor], crcs: BlockCrcs) -> None:
@@ -208,6 +227,7 @@ def write_files(
     *,
     threads: int = DEFAULT_IO_THREADS,
     block_bytes: Optional[int] = None,
+    chunk_metadata: bool = True,
 ) -> Tuple[List[ChunkMeta], Dict[str, FileMeta]]:
     """Write each file in parallel (safetensors, checksummed in the same pass); return chunk metadata and file sizes.
 
@@ -221,6 +241,9 @@ def write_files(
         files: relative path -> chunks to write into it, in order.
         threads: files written in parallel.
         block_bytes: block checksum size (default ``_knobs.BLOCK_BYTES``).
+        chunk_metadata: describe each chunk (tensor, offsets) in the file's
+            ``__metadata__`` (native files); False for plain safetensors
+            (Hugging Face exports).
 
     Raises:
         OSError / StorageError: a write failed (the caller removes the files).
@@ -234,10 +257,10 @@ def write_files(
     if not files:
         return chunks, metas
     if len(files) == 1 or threads <= 1:
-        results = [(rel, _write_one(storage, rel, items, bb)) for rel, items in files.items()]
+        results = [(rel, _write_one(storage, rel, items, bb, chunk_metadata)) for rel, items in files.items()]
     else:
         with ThreadPoolExecutor(max_workers=min(threads, len(files)), thread_name_prefix="shardckpt-w") as ex:
-            futs = {rel: ex.submit(_write_one, storage, rel, items, bb) for rel, items in files.items()}
+            futs = {rel: ex.submit(_write_one, storage, rel, items, bb, chunk_metadata) for rel, items in files.items()}
             results = [(rel, f.result()) for rel, f in futs.items()]
     for rel, (c, fm) in results:
         chunks.extend(c)

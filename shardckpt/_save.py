@@ -357,23 +357,11 @@ def execute_save(plan: SavePlan) -> None:
 
     groups = partition(list(plan.items), plan.io_threads)
     files = {f"{DATA_DIR}/{save_id[:12]}-r{rank:05d}-{i:02d}.safetensors": g for i, g in enumerate(groups)}
-    # A chunk's tensor name travels with it: (file, key) identifies the item written.
-    names = {(rel, it.key): it.name for rel, items in files.items() for it in items}
-
     index_rel = index_file_name(save_id, rank)
-    block_bytes = _knobs.BLOCK_BYTES
     regular = {n for n, lay in plan.layouts.items() if lay.regular is not None}
 
     def write() -> Tuple[Any, ...]:
-        chunks, fmetas = write_files(storage, files, threads=plan.io_threads, block_bytes=block_bytes)
-        named = [(names[(c.file, c.key)], c) for c in chunks]
-        index = None
-        if named:
-            body = index_bytes(save_id, rank, block_bytes, named)
-            # The data files just written made data/: if it is gone now
-            # (cleanup(), a removed run), fail rather than re-create it.
-            storage.write_atomic(index_rel, body, create_dirs=False)
-            index = (index_rel, len(body), crc32c(body))
+        named, fmetas, index = write_rank(storage, files, save_id, rank, threads=plan.io_threads)
         # Rank 0 needs only: the irregular tensors' chunks (to check their
         # tiling and name their writers), whole-tensor chunks (the HF index),
         # and the bytes written of regular tensors (a missing writer shows):
@@ -415,6 +403,49 @@ def execute_save(plan: SavePlan) -> None:
             except Exception:
                 pass
         raise
+
+
+def write_rank(
+    storage: Storage,
+    files: Dict[str, Sequence[WriteItem]],
+    save_id: str,
+    rank: int,
+    *,
+    threads: int = DEFAULT_IO_THREADS,
+    block_bytes: Optional[int] = None,
+) -> Tuple[List[Tuple[str, ChunkMeta]], Dict[str, FileMeta], Optional[Tuple[str, int, int]]]:
+    """Write one rank's data files, then its v2 index file: the bytes of a save (and of a converter's output).
+
+    Args:
+        storage: the checkpoint being written.
+        files: relative path -> this rank's chunks in it (``_io.write_files``).
+        save_id / rank: name the index file (``data/<save>-index-r<rank>.json``).
+        threads / block_bytes: as ``write_files`` (block CRC size, default ``SHARDCKPT_BLOCK_BYTES``).
+
+    Returns:
+        ``([(tensor name, chunk)], {file: FileMeta}, (index path, size, crc32c) or None)``;
+        the caller puts them in the manifest and commits with ``_format.commit``.
+
+    Raises:
+        OSError / StorageError: a write failed (the caller removes the files).
+
+    Example:
+        >>> named, sizes, index = write_rank(storage, {"data/x.safetensors": items}, sid, 0)   # doctest: +SKIP
+    """
+    block_bytes = block_bytes or _knobs.BLOCK_BYTES
+    # A chunk's tensor name travels with it: (file, key) identifies the item written.
+    names = {(rel, it.key): it.name for rel, items in files.items() for it in items}
+    chunks, fmetas = write_files(storage, files, threads=threads, block_bytes=block_bytes)
+    named = [(names[(c.file, c.key)], c) for c in chunks]
+    index = None
+    if named:
+        index_rel = index_file_name(save_id, rank)
+        body = index_bytes(save_id, rank, block_bytes, named)
+        # The data files just written made data/: if it is gone now
+        # (cleanup(), a removed run), fail rather than re-create it.
+        storage.write_atomic(index_rel, body, create_dirs=False)
+        index = (index_rel, len(body), crc32c(body))
+    return named, fmetas, index
 
 
 def _committed_by(storage: Storage, save_id: str) -> Optional[bool]:

@@ -660,3 +660,128 @@ def test_dcp_metadata_of_the_wrong_shape_says_what_is_wrong(tmp_path):
 def test_from_torch_save_on_a_directory_without_bin_files_names_the_other_converters(tmp_path):
     with pytest.raises(CheckpointNotFoundError, match="from_safetensors / from_dcp"):
         converters.from_torch_save(str(tmp_path), str(tmp_path / "out"))
+
+
+# --------------------------------------------------------------------------
+# One byte engine: native outputs are format v2 (block CRCs in per-rank
+# index files), verify checks them, v1 sources still convert.
+
+DATA = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data")
+GOLDEN_DIR = os.path.join(DATA, "v1_golden")
+
+
+def _golden():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("make_golden", os.path.join(DATA, "make_golden.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _native_outputs(ckpt, tmp_path):
+    """{name: output dir} of every converter that writes a native checkpoint, from one saved state."""
+    import torch.distributed.checkpoint as dcp
+
+    src, st = ckpt
+    out = {}
+    converters.reshard(src, str(tmp_path / "rs3"), world_size=3)
+    out["reshard"] = str(tmp_path / "rs3")
+    converters.to_safetensors(src, str(tmp_path / "hf"))
+    converters.from_safetensors(str(tmp_path / "hf"), str(tmp_path / "from_hf"))
+    out["from_safetensors"] = str(tmp_path / "from_hf")
+    torch.save({"model": st["model"], "step": 4}, str(tmp_path / "m.pt"))
+    converters.from_torch_save(str(tmp_path / "m.pt"), str(tmp_path / "from_pt"))
+    out["from_torch_save"] = str(tmp_path / "from_pt")
+    dcp.save({"model": dict(st["model"])}, checkpoint_id=str(tmp_path / "dcp"))
+    converters.from_dcp(str(tmp_path / "dcp"), str(tmp_path / "from_dcp"))
+    out["from_dcp"] = str(tmp_path / "from_dcp")
+    return out
+
+
+def test_native_outputs_are_format_v2_with_block_checksums_and_verify(ckpt, tmp_path):
+    _, st = ckpt
+    for conv, out in _native_outputs(ckpt, tmp_path).items():
+        raw = json.loads(open(os.path.join(out, "manifest.json")).read())
+        assert raw["format_version"] == 2 and "manifest_crc32c" in raw and raw["indexes"], conv
+        assert all("chunks" not in t for t in raw["tensors"].values()), conv  # chunks live in the index files
+        if conv == "reshard":  # FSDP2's cut is a layout record, a few ints whatever the world size
+            assert raw["tensors"]["model.emb"]["regular"]["mesh_shape"] == [3] and len(raw["indexes"]) == 3
+        m = shardckpt.verify(out)  # every block CRC re-read and checked
+        assert m.version == 2 and m.block_bytes > 0, conv
+        for name, t in m.tensors.items():
+            for c in t.chunks:
+                assert c.blocks is not None and len(c.blocks) == -(-c.nbytes // m.block_bytes), (conv, name)
+        state = {"model": {k: torch.zeros_like(v) for k, v in st["model"].items()}}
+        shardckpt.load(state, out, strict=False)
+        for k, v in st["model"].items():
+            _eq(state["model"][k], v)
+
+
+def test_a_flipped_byte_in_a_converter_output_is_named_by_verify(ckpt, tmp_path):
+    outs = _native_outputs(ckpt, tmp_path)
+    for conv in ("reshard", "from_safetensors"):
+        out = outs[conv]
+        m = shardckpt.inspect(out)
+        c = max(m.tensors["model.emb"].chunks, key=lambda c: c.nbytes)
+        path = os.path.join(out, c.file)
+        raw = bytearray(open(path, "rb").read())
+        raw[c.byte_offset + c.nbytes // 2] ^= 0x01
+        open(path, "wb").write(bytes(raw))
+        with pytest.raises(ChecksumMismatchError, match=r"model\.emb.*block") as e:
+            shardckpt.verify(out)
+        assert c.key in str(e.value), conv
+        # A load reads the same damaged block and refuses it.
+        with pytest.raises(ChecksumMismatchError, match=r"model\.emb"):
+            shardckpt.load({"model": {"emb": torch.zeros(37, 7)}}, out, strict=False)
+
+
+def test_v1_sources_still_convert(tmp_path):
+    golden = _golden()
+    want = golden.golden_tensors()
+    assert shardckpt.inspect(GOLDEN_DIR).version == 1
+    converters.reshard(GOLDEN_DIR, str(tmp_path / "rs"), world_size=3)
+    converters.to_safetensors(GOLDEN_DIR, str(tmp_path / "hf"), prefix=None)
+    converters.to_full(GOLDEN_DIR, str(tmp_path / "full.pt"))
+    m = shardckpt.verify(str(tmp_path / "rs"))
+    assert m.version == 2 and m.world_size == 3
+    state = {k: torch.zeros_like(v) for k, v in want.items()}
+    shardckpt.load(state, str(tmp_path / "rs"), strict=False)
+    hf = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    pt = torch.load(str(tmp_path / "full.pt"), weights_only=True)
+    assert pt["step"] == 42
+    for k, v in want.items():
+        _eq(state[k], v)
+        _eq(hf[k], v)
+        _eq(pt[k], v)
+
+
+def test_a_damaged_v1_source_converts_to_nothing(tmp_path):
+    import shutil
+
+    src = str(tmp_path / "v1")
+    shutil.copytree(GOLDEN_DIR, src)
+    c = shardckpt.inspect(src).tensors["sharded"].chunks[1]
+    path = os.path.join(src, c.file)
+    raw = bytearray(open(path, "rb").read())
+    raw[c.byte_offset + 3] ^= 0x10
+    open(path, "wb").write(bytes(raw))
+    # v1 has one CRC per chunk: pieces are checked joined, before the commit.
+    with pytest.raises(ChecksumMismatchError, match=r"chunk 'sharded@.*' of tensor 'sharded'.*crc32c"):
+        converters.reshard(src, str(tmp_path / "rs"), world_size=2)
+    with pytest.raises(ChecksumMismatchError, match="sharded"):
+        converters.to_safetensors(src, str(tmp_path / "hf"), prefix=None)
+    assert not (tmp_path / "rs" / "manifest.json").exists() and not (tmp_path / "hf").exists()
+    assert not (tmp_path / "rs").exists() or not any(f.endswith(".safetensors") for _, _, fs in os.walk(tmp_path / "rs") for f in fs)
+
+
+def test_a_damaged_torch_save_record_imports_nothing(tmp_path):
+    w = torch.arange(4096, dtype=torch.float32)
+    torch.save({"w": w}, str(tmp_path / "m.pt"))
+    raw = bytearray(open(tmp_path / "m.pt", "rb").read())
+    at = bytes(raw).index(w[100:104].numpy().tobytes())
+    raw[at] ^= 0x01
+    open(tmp_path / "m.pt", "wb").write(bytes(raw))
+    with pytest.raises(ChecksumMismatchError, match=r"crc32 "):
+        converters.from_torch_save(str(tmp_path / "m.pt"), str(tmp_path / "out"))
+    assert not (tmp_path / "out" / "manifest.json").exists()

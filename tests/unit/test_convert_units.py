@@ -10,8 +10,10 @@ import crc32c
 import pytest
 import torch
 from shardckpt.converters import parse_size
-from shardckpt.converters._common import Reader, Source, SrcChunk, SrcTensor, parse_dtype, plan_blocks
+from shardckpt.converters._common import Reader
 from shardckpt.converters._dcp import DCPUnpickler
+from shardckpt.converters._options import parse_dtype
+from shardckpt.converters._source import Source, SrcChunk, SrcTensor, plan_blocks
 
 from shardckpt._format import ChunkMeta, TensorMeta
 from shardckpt._format.checksum import checksum, combine
@@ -155,3 +157,25 @@ def test_dcp_unpickler_refuses_other_globals():
     assert DCPUnpickler(io.BytesIO(pickle.dumps(torch.bfloat16))).load() is torch.bfloat16
     with pytest.raises(pickle.UnpicklingError):
         DCPUnpickler(io.BytesIO(b"ctorch\nload\n.")).load()
+
+
+def test_block_checksummed_chunks_are_verified_before_use(tmp_path):
+    """Format v2 sources: each piece read is checked against its blocks' CRCs by the shared reader, at once."""
+    from shardckpt.errors import ChecksumMismatchError
+
+    full = torch.arange(56, dtype=torch.float32).reshape(7, 8)
+    source, t = _tensor_files(tmp_path, full, [((0, 0), (3, 8)), ((3, 0), (4, 8))])
+    for c in t.chunks:  # 32-byte blocks instead of one CRC per chunk
+        data = (tmp_path / c.file).read_bytes()[2:]
+        c.check, c.block_bytes = None, 32
+        c.blocks = tuple(crc32c.crc32c(data[i : i + 32]) for i in range(0, len(data), 32))
+    reader = Reader(source)
+    assert torch.equal(reader.read(t, plan_blocks(t, 0, t.numel)[0]).view(torch.float32).reshape(7, 8), full)
+    raw = bytearray((tmp_path / "c1").read_bytes())
+    raw[2 + 70] ^= 0x01  # chunk c1, block 2 (bytes 64..96): rows 5 and 6
+    (tmp_path / "c1").write_bytes(bytes(raw))
+    rows_ok = plan_blocks(t, 0, 5 * 8, 1 << 20)[0]  # rows 0..4: c0 and c1's blocks 0, 1
+    assert torch.equal(reader.read(t, rows_ok).view(torch.float32), full[:5].reshape(-1))
+    with pytest.raises(ChecksumMismatchError, match=r"c1.*t chunk 'c1' block 2"):
+        reader.read(t, plan_blocks(t, 5 * 8, 7 * 8, 1 << 20)[0])
+    reader.finish()  # nothing is left to check at the end: blocks were checked as read
