@@ -108,7 +108,6 @@ def _case(name, model, opt, path, want):
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     import shardckpt
-
     from shardckpt import _knobs
     from shardckpt._load import load_settings
 

@@ -17,8 +17,7 @@ import shardckpt
 from shardckpt import _knobs
 from shardckpt._format import crc32c
 from shardckpt._readers import ReadStats, SavedChunk, Want, coalesce_gap, plan_ranges, read_verified
-from shardckpt._storage import Storage
-from shardckpt._storage import _fsspec
+from shardckpt._storage import Storage, _fsspec
 from shardckpt.errors import ChecksumMismatchError
 
 KIB = 1 << 10
