@@ -109,7 +109,7 @@ def test_reader_saves_requests_on_high_latency_storage_only(tmp_path, where):
         log, got = [], {}
         _counting(st, log)
         stats = read_verified(st, [Want(c, 0, c.nbytes, i) for i, c in enumerate(chunks)],
-                              lambda w, b, o, off: got.__setitem__(w.tag, bytes(b)), threads=2, stats=ReadStats())
+                              lambda w, b, o, off, got=got: got.__setitem__(w.tag, bytes(b)), threads=2, stats=ReadStats())
         assert got == {i: data[c.byte_offset : c.byte_offset + c.nbytes] for i, c in enumerate(chunks)}
         assert stats.requests == len(log)
         assert stats.read_bytes == sum(n for _, _, n in log)
