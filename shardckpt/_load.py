@@ -234,13 +234,18 @@ def load(
         # only the index files of the ranks that wrote them are read).
         from ._hf import with_aliases
 
-        manifest = with_aliases(read_manifest(storage, chunks=False))
+        manifest = read_manifest(storage, chunks=False)
         if keys is not None or key_map is not None or manifest.extra.get("source") == "safetensors":
             from ._format._v2 import materialize
             from ._hf import select_for_load
 
-            materialize(manifest, storage)  # renaming and selection work on whole chunk lists
+            # Renaming and selection work on whole chunk lists. Materialized
+            # before the aliases are added: v2 index rows are keyed by stored
+            # names, and an alias shares its stored tensor's chunk list.
+            manifest = with_aliases(materialize(manifest, storage))
             manifest = select_for_load(manifest, state, keys=keys, key_map=key_map)
+        else:
+            manifest = with_aliases(manifest)
         plan = _plan_load(
             state, manifest, strict=strict, rank=comm.rank, world=comm.world, local_only=comm.no_dist, storage=storage, cast=cast
         )
@@ -336,7 +341,11 @@ def saved_chunks(manifest: Manifest, storage: Optional[Storage], name: str, boxe
         got = manifest.tensors[name].chunks
     out = []
     for c in got:
-        blocks = tuple(getattr(c, "block_crcs", ()) or ())
+        # A resolved chunk carries its blocks; a v2 chunk list filled in by
+        # ``materialize`` (keyed and renamed loads) keeps them in ``blocks``,
+        # in the manifest's block size.
+        blocks = tuple(getattr(c, "block_crcs", None) or getattr(c, "blocks", None) or ())
+        block_bytes = getattr(c, "block_bytes", 0) or (manifest.block_bytes if manifest.version >= 2 else 0)
         out.append(
             SavedChunk(
                 file=c.file,
@@ -344,7 +353,7 @@ def saved_chunks(manifest: Manifest, storage: Optional[Storage], name: str, boxe
                 nbytes=c.nbytes,
                 offsets=tuple(c.offsets),
                 sizes=tuple(c.sizes),
-                block_bytes=getattr(c, "block_bytes", 0) if blocks else 0,
+                block_bytes=block_bytes if blocks else 0,
                 block_crcs=blocks or (() if c.crc32c is None else (c.crc32c,)),
                 name=f"{name} chunk {c.key!r}",
             )
