@@ -13,8 +13,9 @@ environment variable                default     what it sets
 ``SHARDCKPT_WRITE_BLOCK_BYTES``     32 MiB      bytes per ``write`` call and CRC update
 ``SHARDCKPT_READ_BLOCK_BYTES``      32 MiB      a coalesced read range is split into
                                                 blocks of this size, read in parallel
-``SHARDCKPT_COALESCE_GAP_BYTES``    1 MiB       neighbouring chunks closer than this in
-                                                a file are fetched in one request
+``SHARDCKPT_COALESCE_GAP_BYTES``    1 MiB       on object storage, needed ranges of a file
+                                                closer than this share one request (the
+                                                gap is read and dropped); 0 locally
 ``SHARDCKPT_MIN_BYTES_PER_FILE``    64 MiB      a rank's data is split over several files
                                                 (one per I/O thread) above this size
 ``SHARDCKPT_COLLECTIVE_TIMEOUT_S``  1800        bound of every cross-rank exchange of
@@ -152,7 +153,8 @@ WRITE_BLOCK_BYTES = _int("WRITE_BLOCK_BYTES", 32 << 20)
 #: Reads of a coalesced range are split into pieces of this size, read (and
 #: checksummed) in parallel.
 READ_BLOCK_BYTES = _int("READ_BLOCK_BYTES", 32 << 20)
-#: Neighbouring chunks closer than this in a file are fetched in one request.
+#: On high-latency storage, needed ranges of a file at most this far apart
+#: are fetched in one request (``_readers.coalesce_gap``; read at call time).
 COALESCE_GAP_BYTES = _int("COALESCE_GAP_BYTES", 1 << 20, minimum=0)
 #: A rank's data is split into several files (one per I/O thread) above this size.
 MIN_BYTES_PER_FILE = _int("MIN_BYTES_PER_FILE", 64 << 20)
