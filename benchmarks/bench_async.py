@@ -21,6 +21,8 @@ them alike. With several ranks, every number is the slowest rank's.
 
 Usage:
     python benchmarks/bench_async.py --device cpu --size-gb 1 --out async.md
+    python benchmarks/bench_async.py --gil --device cpu --size-gb 1 --iters 3   # GIL cost of the background write
+    python benchmarks/bench_async.py --gil --device cuda --size-gb 2 --iters 5
     torchrun --nproc-per-node 2 benchmarks/bench_async.py --device cuda --size-gb 4 --out async.md
 
 The state is ``--size-gb`` of fp32 in total (split evenly across ranks as
@@ -199,48 +201,207 @@ def _fmt(x: Optional[float]) -> str:
     return "n/a" if x is None else f"{x:.3f}"
 
 
-def gil_cost(args) -> int:
-    """Median step time of a small training loop alone, then with an async_save writing in the background.
-
-    The background write runs in threads of this process; CRC-32C and file
-    writes release the GIL, Python bookkeeping between blocks does not. The
-    difference in step time is what the write costs training.
-    """
+def _gil_model(args, device: str):
+    """A training step that is Python/GIL-bound: many small layers, a small batch."""
     torch.manual_seed(0)
-    state = build_state(args.size_gb, args.tensors, "cpu", 0, 1)
-    model = torch.nn.Sequential(torch.nn.Linear(512, 2048), torch.nn.ReLU(), torch.nn.Linear(2048, 512))
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    x = torch.randn(64, 512)
+    layers = []
+    for _ in range(args.gil_layers):
+        layers += [torch.nn.Linear(args.gil_width, args.gil_width), torch.nn.ReLU()]
+    model = torch.nn.Sequential(*layers).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)  # per-parameter Python loop
+    x = torch.randn(args.gil_batch, args.gil_width, device=device)
 
     def step() -> float:
         t0 = time.perf_counter()
-        opt.zero_grad()
+        opt.zero_grad(set_to_none=True)
         model(x).square().mean().backward()
         opt.step()
+        _sync(device)
         return time.perf_counter() - t0
 
-    base = args.dir or tempfile.mkdtemp(prefix="bench_gil_")
-    for _ in range(20):
+    return step
+
+
+def _gil_child(args) -> int:
+    """The control: the same save, run by another process (shares the CPUs, not the GIL)."""
+    state = build_state(args.size_gb, args.tensors, "cpu", 0, 1)
+    print("ready", flush=True)
+    i = 0
+    for line in sys.stdin:
+        if line.strip() != "go":
+            break
+        url = os.path.join(args.dir, f"child{i}")
+        shardckpt.save(state, url, no_dist=True)
+        shutil.rmtree(url, ignore_errors=True)
+        print("done", flush=True)
+        i += 1
+    return 0
+
+
+class _Child:
+    def __init__(self, args, base: str):
+        import subprocess
+        import threading
+
+        cmd = [sys.executable, os.path.abspath(__file__), "--gil-child", "--size-gb", str(args.size_gb),
+               "--tensors", str(args.tensors), "--dir", base]
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.done = threading.Event()
+        if self.proc.stdout.readline().strip() != "ready":
+            raise RuntimeError("the control process did not start")
+
+        def reader():
+            for line in self.proc.stdout:
+                if line.strip() == "done":
+                    self.done.set()
+
+        threading.Thread(target=reader, daemon=True).start()
+
+    def go(self) -> None:
+        self.done.clear()
+        self.proc.stdin.write("go\n")
+        self.proc.stdin.flush()
+
+    def close(self) -> None:
+        try:
+            self.proc.stdin.write("quit\n")
+            self.proc.stdin.close()
+        except OSError:
+            pass
+        self.proc.wait(timeout=120)
+
+
+def gil_probe(args) -> int:
+    """Which kind of background byte work slows the GIL-bound loop: one thread of this process doing only it.
+
+    ``crc 1 MiB`` is what the writer does (one CRC-32C call per format-v2
+    block), ``crc 32 MiB`` the same bytes in 32x fewer calls, ``write 32 MiB``
+    the writer's ``os.write`` calls. Each call that releases the GIL must
+    take it back afterwards, and the training thread, which gives the GIL up
+    around every torch op, then waits for the hand-back: the cost grows with
+    the number of calls per second, not with the bytes.
+    """
+    import threading
+
+    import crc32c
+
+    step = _gil_model(args, "cpu")
+    for _ in range(30):
         step()
-    alone = [step() for _ in range(200)]
-    rows = []
-    for i in range(args.iters):
-        h = shardckpt.async_save(state, os.path.join(base, f"a{i}"))
-        during = []
-        while not h.done():
-            during.append(step())
-        h.result()
-        rows.append((statistics.median(during) if during else float("nan"), len(during)))
-        shutil.rmtree(os.path.join(base, f"a{i}"), ignore_errors=True)
-    if not args.dir:
-        shutil.rmtree(base, ignore_errors=True)
-    m_alone = statistics.median(alone)
+    buf = bytearray(os.urandom(1 << 20)) * 256  # 256 MiB
+    mv = memoryview(buf)
+    path = os.path.join(args.dir or tempfile.gettempdir(), f"gil_probe_{os.getpid()}.bin")
+
+    def work(kind: str, stop) -> None:
+        while not stop.is_set():
+            if kind == "write 32 MiB":
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+                try:
+                    for o in range(0, len(mv), 32 << 20):
+                        os.write(fd, mv[o : o + (32 << 20)])
+                finally:
+                    os.close(fd)
+            else:
+                piece = (1 << 20) if kind == "crc 1 MiB" else (32 << 20)
+                for o in range(0, len(mv), piece):
+                    crc32c.crc32c(mv[o : o + piece])
+
+    def run(kind: Optional[str], n: int) -> float:
+        stop = threading.Event()
+        th = threading.Thread(target=work, args=(kind, stop)) if kind else None
+        if th:
+            th.start()
+        xs = [step() for _ in range(n)]
+        stop.set()
+        if th:
+            th.join()
+        return statistics.median(xs)
+
+    alone = run(None, args.gil_steps)
+    lines = [f"torch threads {torch.get_num_threads()}, cpus {os.cpu_count()}; step alone median {alone * 1e3:.2f} ms"]
+    for kind in ("crc 1 MiB", "crc 32 MiB", "write 32 MiB"):
+        m = run(kind, args.gil_steps)
+        lines.append(f"with a thread doing {kind:12s}: median {m * 1e3:.2f} ms ({m / alone:.3f}x)")
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+    print("\n".join(lines))
+    return 0
+
+
+def gil_cost(args) -> int:
+    """Step time of a GIL-bound training loop: alone, with an async_save writing, with the same save in another process.
+
+    The state (``--size-gb`` of other tensors, on ``--device``) is written by
+    ``async_save`` in a background thread of this process while the loop
+    runs; the control writes the same bytes through the same writer from a
+    second process, so it competes for the CPUs but not for this process's
+    GIL. Rounds interleave the three so that noise hits them alike. The GIL
+    cost of the background write is the in-process slowdown beyond the
+    control's; the CPU cost is the control's slowdown itself (on a machine
+    with spare cores, near zero).
+    """
+    device = args.device
+    if device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no GPU visible")
+    base = args.dir or tempfile.mkdtemp(prefix="bench_gil_")
+    os.makedirs(base, exist_ok=True)
+    state = build_state(args.size_gb, args.tensors, device, 0, 1)
+    step = _gil_model(args, device)
+    child = None if args.no_control else _Child(args, base)
+    for _ in range(30):
+        step()
+    alone: List[float] = []
+    inproc: List[float] = []
+    control: List[float] = []
+    stalls: List[float] = []
+    writes: List[float] = []
+    try:
+        for i in range(args.iters):
+            alone += [step() for _ in range(args.gil_steps)]
+            t0 = time.perf_counter()
+            h = shardckpt.async_save(state, os.path.join(base, f"a{i}"), no_dist=True)
+            stalls.append(time.perf_counter() - t0)
+            n = 0
+            while not h.done():
+                inproc.append(step())
+                n += 1
+            h.result()
+            writes.append(time.perf_counter() - t0)
+            shutil.rmtree(os.path.join(base, f"a{i}"), ignore_errors=True)
+            if child is not None:
+                child.go()
+                while not child.done.is_set():
+                    control.append(step())
+    finally:
+        if child is not None:
+            child.close()
+        shardckpt.release_buffers()
+        if not args.dir:
+            shutil.rmtree(base, ignore_errors=True)
+    med = statistics.median
+    m_alone = med(alone)
+    nparams = args.gil_layers * (args.gil_width * args.gil_width + args.gil_width)
     lines = [
-        f"state {args.size_gb} GB, torch threads {torch.get_num_threads()}, cpus {os.cpu_count()}",
-        f"step alone: median {m_alone * 1e3:.2f} ms",
+        f"device {device}, state {args.size_gb} GB in {args.tensors * 3} tensors, torch {torch.__version__}, "
+        f"torch threads {torch.get_num_threads()}, cpus {os.cpu_count()}",
+        f"loop: {args.gil_layers} x Linear({args.gil_width}) + ReLU, batch {args.gil_batch}, AdamW "
+        f"({nparams / 1e6:.2f} M params); {args.iters} rounds",
+        f"async_save: stall median {med(stalls) * 1e3:.0f} ms, call to committed median {med(writes):.2f} s",
+        f"step alone:                          median {m_alone * 1e3:.2f} ms over {len(alone)} steps",
     ]
-    for med, n in rows:
-        lines.append(f"step during async_save write: median {med * 1e3:.2f} ms over {n} steps ({med / m_alone:.2f}x)")
+    if inproc:
+        m_in = med(inproc)
+        lines.append(f"step, async_save writing (thread):   median {m_in * 1e3:.2f} ms over {len(inproc)} steps "
+                     f"({m_in / m_alone:.3f}x)")
+    if control:
+        m_ctl = med(control)
+        lines.append(f"step, same save in another process:  median {m_ctl * 1e3:.2f} ms over {len(control)} steps "
+                     f"({m_ctl / m_alone:.3f}x)")
+        if inproc:
+            lines.append(f"GIL share of the slowdown: {(med(inproc) - m_ctl) / m_alone * 100:+.1f}% of a step "
+                         f"(in-process minus other-process); CPU share: {(m_ctl - m_alone) / m_alone * 100:+.1f}%")
     print("\n".join(lines))
     if args.out:
         with open(args.out, "w") as f:
@@ -258,8 +419,21 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--out", default=None, help="write the markdown table here too")
     ap.add_argument("--no-dcp", action="store_true", help="skip the DCP rows")
     ap.add_argument("--gil", action="store_true",
-                    help="instead: step time of a training loop with and without an async_save in flight")
+                    help="instead: step time of a GIL-bound training loop alone, with an async_save in flight, "
+                         "and with the same save in another process (--iters rounds)")
+    ap.add_argument("--gil-layers", type=int, default=48, help="--gil: Linear layers of the loop's MLP (default 48)")
+    ap.add_argument("--gil-width", type=int, default=64, help="--gil: their width (default 64)")
+    ap.add_argument("--gil-batch", type=int, default=8, help="--gil: batch size (default 8)")
+    ap.add_argument("--gil-steps", type=int, default=100, help="--gil: steps alone per round (default 100)")
+    ap.add_argument("--no-control", action="store_true", help="--gil: skip the other-process control")
+    ap.add_argument("--gil-probe", action="store_true",
+                    help="instead: the loop's step time next to a thread doing only CRC-32C (1 or 32 MiB calls) or writes")
+    ap.add_argument("--gil-child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.gil_child:
+        return _gil_child(args)
+    if args.gil_probe:
+        return gil_probe(args)
     if args.gil:
         return gil_cost(args)
     if args.iters < 2:

@@ -108,15 +108,23 @@ def _case(name, model, opt, path, want):
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     import shardckpt
+    from shardckpt import _knobs
+    from shardckpt._load import load_settings
 
-    # "shardckpt:T:B:R": T I/O threads, B MiB of read buffers, R MiB per read
+    # "shardckpt:T:B:R": T I/O threads, B MiB of read buffers, R MiB per read;
+    # plain "shardckpt": the defaults for CUDA targets.
     kind, *opts = name.split(":")
     kw = {}
     if opts:
-        from shardckpt import _knobs
-
         kw = {"io_threads": int(opts[0]), "buffer_bytes": int(opts[1]) << 20}
         _knobs.LOAD_RANGE_BYTES = int(opts[2]) << 20
+    knobs = {}
+    if kind == "shardckpt":
+        threads, buf = load_settings(True, threads=kw.get("io_threads"), buffer_bytes=kw.get("buffer_bytes"))
+        knobs = {"io_threads": threads, "buffer_MiB": buf >> 20, "range_MiB": _knobs.LOAD_RANGE_BYTES >> 20,
+                 "block_KiB": _knobs.BLOCK_BYTES >> 10, "defaults": not opts}
+        print(f"{name}: load with io_threads={threads} buffer_bytes={buf >> 20}MiB "
+              f"range_bytes={_knobs.LOAD_RANGE_BYTES >> 20}MiB ({'defaults' if not opts else 'given'})", flush=True)
     shutil.rmtree(path, ignore_errors=True)
     t0 = time.perf_counter()
     if kind == "shardckpt":
@@ -156,6 +164,7 @@ def _case(name, model, opt, path, want):
         "pinned_before_load_bytes": pinned0,
         "pinned_after_load_bytes": _host_pinned(),
         "values_ok": abs(got - want) <= 1e-6 * max(1.0, abs(want)),
+        **knobs,
     }
     shutil.rmtree(path, ignore_errors=True)
     print(json.dumps(out), flush=True)

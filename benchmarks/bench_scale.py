@@ -403,6 +403,9 @@ def run_v2(args, lays) -> int:
 
 
 def _timed(fn):
+    # Cold: a phase must not reuse geometry memoized by an earlier one (a
+    # loading process starts with nothing remembered).
+    getattr(_plan, "clear_geometry_caches", lambda: None)()
     gc.collect()
     t0 = time.perf_counter()
     out = fn()

@@ -148,16 +148,10 @@ def select_for_load(
     values = manifest.values
     if values is not None:
         values = _rename_refs(values, mapping)
-    return Manifest(
-        world_size=manifest.world_size,
-        tensors=tensors,
-        files=manifest.files,
-        values=values,
-        save_id=manifest.save_id,
-        library_version=manifest.library_version,
-        extra=manifest.extra,
-        version=manifest.version,
-    )
+    # replace(), not a new Manifest: every other field (v2's block size,
+    # meshes and index files) must survive, or the reader falls back to
+    # whole-chunk checksums and reads past its buffer bound.
+    return dataclasses.replace(manifest, tensors=tensors, values=values)
 
 
 def _bare_tensors(state: Mapping[str, Any], manifest: Manifest) -> bool:

@@ -38,9 +38,9 @@ from ._format import (
 )
 from ._format.resolve import MetaCache, resolve_chunks
 from ._hf import ALIAS_OF_KEY
-from ._io import DEFAULT_IO_THREADS, byte_view, check_files
+from ._io import byte_view, check_files
 from ._layout import box_view, layout_of
-from ._readers import DEFAULT_BUFFER_BYTES, BufferPool, ReadStats, SavedChunk, Want, read_verified
+from ._readers import BufferPool, ReadStats, SavedChunk, Want, read_verified
 from ._state import flatten_for_load
 from ._storage import Storage
 from .errors import (
@@ -110,13 +110,13 @@ def load(
     storage_options: Optional[Dict[str, Any]] = None,
     strict: bool = True,
     process_group: Optional["ProcessGroup"] = None,
-    io_threads: int = DEFAULT_IO_THREADS,
+    io_threads: Optional[int] = None,
     keys: Optional[Sequence[str]] = None,
     key_map: Optional[KeyMap] = None,
     collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S,
     no_dist: bool = False,
     atomic: bool = False,
-    buffer_bytes: int = DEFAULT_BUFFER_BYTES,
+    buffer_bytes: Optional[int] = None,
     cast: bool = DEFAULT_CAST,
 ) -> LoadResult:
     """Load a checkpoint into ``state`` in place, resharding to the live layout.
@@ -151,7 +151,9 @@ def load(
         strict: if False, entries missing on either side are skipped and
             reported in the result instead of raising.
         process_group: group the load runs over (default: the world).
-        io_threads: reads in flight per rank.
+        io_threads: reads in flight per rank (default: ``SHARDCKPT_IO_THREADS``,
+            or ``SHARDCKPT_LOAD_CUDA_IO_THREADS`` when this rank's targets are
+            CUDA tensors).
         keys: only these checkpoint tensors (names or glob patterns, matched
             against checkpoint names; a pattern that is a checkpoint name
             selects that name exactly, ``[``, ``*`` or ``?`` included); a
@@ -167,8 +169,10 @@ def load(
             tensor of ``state`` must be whole here (a sharded DTensor is refused).
         atomic: all-or-nothing: stage every piece, agree, then copy in.
         buffer_bytes: read buffers held at once (default
-            ``SHARDCKPT_LOAD_BUFFER_BYTES``; pinned for CUDA targets, released
-            before ``load`` returns).
+            ``SHARDCKPT_LOAD_BUFFER_BYTES``, 64 MiB; for CUDA targets
+            ``SHARDCKPT_LOAD_CUDA_BUFFER_BYTES``, 512 MiB, pinned at exact size
+            so that reads overlap the host-to-device copies; released before
+            ``load`` returns).
         cast: True (default) lets a floating-point checkpoint tensor (F16,
             BF16, F32, F64, FP8) load into a live floating-point tensor of
             another precision, cast while copying (as ``tensor.to`` rounds);
@@ -230,13 +234,18 @@ def load(
         # only the index files of the ranks that wrote them are read).
         from ._hf import with_aliases
 
-        manifest = with_aliases(read_manifest(storage, chunks=False))
+        manifest = read_manifest(storage, chunks=False)
         if keys is not None or key_map is not None or manifest.extra.get("source") == "safetensors":
             from ._format._v2 import materialize
             from ._hf import select_for_load
 
-            materialize(manifest, storage)  # renaming and selection work on whole chunk lists
+            # Renaming and selection work on whole chunk lists. Materialized
+            # before the aliases are added: v2 index rows are keyed by stored
+            # names, and an alias shares its stored tensor's chunk list.
+            manifest = with_aliases(materialize(manifest, storage))
             manifest = select_for_load(manifest, state, keys=keys, key_map=key_map)
+        else:
+            manifest = with_aliases(manifest)
         plan = _plan_load(
             state, manifest, strict=strict, rank=comm.rank, world=comm.world, local_only=comm.no_dist, storage=storage, cast=cast
         )
@@ -280,7 +289,7 @@ def _needed_files(plan: LoadPlan) -> Dict[str, int]:
     return files
 
 
-def _load_by_keys(url: str, *, keys, storage_options, io_threads: int) -> Dict[str, Any]:
+def _load_by_keys(url: str, *, keys, storage_options, io_threads: Optional[int]) -> Dict[str, Any]:
     """``load(None, url, keys=...)``: what was asked, as plain tensors and values (one process)."""
     from ._format.values import TAG as _TAG
     from ._format.values import decode_value, is_tensor_ref, tensor_names
@@ -332,7 +341,11 @@ def saved_chunks(manifest: Manifest, storage: Optional[Storage], name: str, boxe
         got = manifest.tensors[name].chunks
     out = []
     for c in got:
-        blocks = tuple(getattr(c, "block_crcs", ()) or ())
+        # A resolved chunk carries its blocks; a v2 chunk list filled in by
+        # ``materialize`` (keyed and renamed loads) keeps them in ``blocks``,
+        # in the manifest's block size.
+        blocks = tuple(getattr(c, "block_crcs", None) or getattr(c, "blocks", None) or ())
+        block_bytes = getattr(c, "block_bytes", 0) or (manifest.block_bytes if manifest.version >= 2 else 0)
         out.append(
             SavedChunk(
                 file=c.file,
@@ -340,7 +353,7 @@ def saved_chunks(manifest: Manifest, storage: Optional[Storage], name: str, boxe
                 nbytes=c.nbytes,
                 offsets=tuple(c.offsets),
                 sizes=tuple(c.sizes),
-                block_bytes=getattr(c, "block_bytes", 0) if blocks else 0,
+                block_bytes=block_bytes if blocks else 0,
                 block_crcs=blocks or (() if c.crc32c is None else (c.crc32c,)),
                 name=f"{name} chunk {c.key!r}",
             )
@@ -418,16 +431,37 @@ def _host_alloc(pinned: bool):
     return alloc, free
 
 
+def load_settings(cuda: bool, *, threads: Optional[int] = None, buffer_bytes: Optional[int] = None) -> Tuple[int, int]:
+    """``(io threads, buffer bytes)`` of a load: the values given, else the defaults for its targets.
+
+    CUDA targets: ``SHARDCKPT_LOAD_CUDA_IO_THREADS`` and
+    ``SHARDCKPT_LOAD_CUDA_BUFFER_BYTES`` (pinned buffers, so reads overlap
+    the device copies); otherwise ``SHARDCKPT_IO_THREADS`` and
+    ``SHARDCKPT_LOAD_BUFFER_BYTES`` (host memory beyond the model stays
+    small). Knobs are read at call time.
+
+        >>> load_settings(False, threads=2, buffer_bytes=1 << 20)
+        (2, 1048576)
+    """
+    if threads is None:
+        threads = _knobs.LOAD_CUDA_IO_THREADS if cuda else _knobs.IO_THREADS
+    if buffer_bytes is None:
+        buffer_bytes = _knobs.LOAD_CUDA_BUFFER_BYTES if cuda else _knobs.LOAD_BUFFER_BYTES
+    return threads, buffer_bytes
+
+
 def stream_into(
     storage: Storage,
     plan: LoadPlan,
     staged: Optional[Sequence[Sequence[torch.Tensor]]],
     *,
-    threads: int = DEFAULT_IO_THREADS,
-    buffer_bytes: int = DEFAULT_BUFFER_BYTES,
+    threads: Optional[int] = None,
+    buffer_bytes: Optional[int] = None,
     stats: Optional[ReadStats] = None,
 ) -> ReadStats:
     """Read, verify and copy every piece of ``plan`` into its tensor (or into ``staged``).
+
+    ``threads``/``buffer_bytes`` None: :func:`load_settings` for the targets.
 
     Raises:
         ChecksumMismatchError / CorruptCheckpointError / StorageError: as the
@@ -436,6 +470,7 @@ def stream_into(
     """
     dests = staged if staged is not None else [[dst for _, dst in t.parts] for t in plan.targets]
     cuda = staged is None and torch.cuda.is_available() and any(d.is_cuda for ds in dests for d in ds)
+    threads, buffer_bytes = load_settings(cuda, threads=threads, buffer_bytes=buffer_bytes)
     range_bytes = min(_knobs.LOAD_RANGE_BYTES, buffer_bytes)
     alloc, free = _host_alloc(cuda)
     pool = BufferPool(buffer_bytes, slot_bytes=range_bytes, alloc=alloc, free=free)

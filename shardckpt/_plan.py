@@ -25,6 +25,7 @@ layouts placements produce, with no pairwise comparison of chunks.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from dataclasses import dataclass
 from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
@@ -202,6 +203,36 @@ def dim_intervals(
     return per_dim
 
 
+#: Distinct geometries remembered by the memoized functions below. A model
+#: repeats a handful of layouts over its layers (every ``layers.k.wq`` is
+#: placed alike), so planning costs O(distinct layouts) of geometry plus a
+#: lookup per tensor, instead of the geometry once per tensor.
+GEOMETRY_CACHE_ENTRIES = 4096
+
+
+def _memo(fn):
+    """``fn`` memoized on its (hashable) arguments; unhashable ones are computed directly."""
+    cached = functools.lru_cache(maxsize=GEOMETRY_CACHE_ENTRIES)(fn)
+
+    @functools.wraps(fn)
+    def call(*args):
+        try:
+            hash(args)
+        except TypeError:
+            return fn(*args)
+        return cached(*args)
+
+    call.cache_clear = cached.cache_clear  # type: ignore[attr-defined]
+    call.cache_info = cached.cache_info  # type: ignore[attr-defined]
+    return call
+
+
+def clear_geometry_caches() -> None:
+    """Forget every memoized geometry (benchmarks time cold planning with it)."""
+    for fn in (_local_boxes, _regular_layout, _chunks_overlapping):
+        fn.cache_clear()
+
+
 def local_boxes(
     shape: Sequence[int],
     mesh_shape: Sequence[int],
@@ -212,18 +243,28 @@ def local_boxes(
 
     Usually one box; a strided shard of an uneven dim can give several. A rank
     that holds nothing (uneven sharding, more ranks than rows) gets ``[]``.
-    Zero-size tensors are one empty box so they still get saved.
+    Zero-size tensors are one empty box so they still get saved. Memoized
+    (the boxes are immutable; the list is the caller's).
 
     >>> [b.box for b in local_boxes((5, 3), (2,), (Shard(0),), (1,))]
     [Box(offsets=(3, 0), sizes=(2, 3))]
     """
-    shape = tuple(shape)
+    return list(_local_boxes(tuple(shape), tuple(mesh_shape), tuple(placements), tuple(coord)))
+
+
+@_memo
+def _local_boxes(
+    shape: Tuple[int, ...],
+    mesh_shape: Tuple[int, ...],
+    placements: Tuple[object, ...],
+    coord: Tuple[int, ...],
+) -> Tuple[LocalBox, ...]:
     if any(n == 0 for n in shape):
         # Nothing to hold; one canonical empty box, owned like replicated data.
-        return [LocalBox(Box((0,) * len(shape), shape), (0,) * len(shape))]
+        return (LocalBox(Box((0,) * len(shape), shape), (0,) * len(shape)),)
     per_dim = dim_intervals(shape, mesh_shape, placements, coord)
     if any(not ivs for ivs in per_dim):
-        return []
+        return ()
     boxes = []
     for combo in itertools.product(*[_with_local_offsets(ivs) for ivs in per_dim]):
         boxes.append(
@@ -232,7 +273,7 @@ def local_boxes(
                 tuple(c[2] for c in combo),
             )
         )
-    return boxes
+    return tuple(boxes)
 
 
 def _with_local_offsets(ivs: Sequence[Interval]) -> List[Tuple[int, int, int]]:
@@ -647,7 +688,13 @@ def regular_layout(shape: Sequence[int], mesh_shape: Sequence[int], placements: 
     >>> regular_layout((8, 4), (4,), (Shard(0),)).world
     4
     """
-    shape, mesh_shape, placements = tuple(int(n) for n in shape), tuple(int(m) for m in mesh_shape), tuple(placements)
+    return _regular_layout(tuple(int(n) for n in shape), tuple(int(m) for m in mesh_shape), tuple(placements))
+
+
+@_memo
+def _regular_layout(shape: Tuple[int, ...], mesh_shape: Tuple[int, ...], placements: Tuple[object, ...]) -> RegularLayout:
+    # Memoized: validating a layout splits its dims; a model's tensors share a
+    # few layouts. Failures raise and are not remembered.
     if any(n < 0 for n in shape):
         raise ValueError(f"shape {list(shape)} has a negative size")
     if not mesh_shape or len(mesh_shape) > _MAX_MESH_NDIM or any(m < 1 for m in mesh_shape):
@@ -901,18 +948,26 @@ def chunks_overlapping(layout: RegularLayout, wanted: Box) -> List[Tuple[int, Bo
     >>> lay = regular_layout((8,), (4,), (Shard(0),))
     >>> chunks_overlapping(lay, Box((3,), (2,)))
     [(1, Box(offsets=(2,), sizes=(2,))), (2, Box(offsets=(4,), sizes=(2,)))]
+
+    Memoized on ``(layout, wanted)``: the tensors of a model share a few
+    layouts, so a load computes each distinct overlap once.
     """
+    return list(_chunks_overlapping(layout, Box(tuple(wanted.offsets), tuple(wanted.sizes))))
+
+
+@_memo
+def _chunks_overlapping(layout: RegularLayout, wanted: Box) -> Tuple[Tuple[int, Box], ...]:
     shape = layout.shape
     if len(wanted.offsets) != len(shape) or wanted.numel == 0:
-        return []
+        return ()
     if any(n == 0 for n in shape):
-        return []
+        return ()
     sd = _shard_dims(layout)
     per_dim: List[List[Tuple[Dict[int, int], Interval]]] = []
     for d, n in enumerate(shape):
         lo, hi = max(wanted.offsets[d], 0), min(wanted.offsets[d] + wanted.sizes[d], n)
         if hi <= lo:
-            return []
+            return ()
         states: List[Tuple[Dict[int, int], List[Interval]]] = [({}, [(0, n)])]
         for i in sd:
             p = layout.placements[i]
@@ -925,7 +980,7 @@ def chunks_overlapping(layout: RegularLayout, wanted: Box) -> List[Tuple[int, Bo
             states = nxt
         hits = [(sub, (s, k)) for sub, seq in states for s, k in seq if s < hi and s + k > lo]
         if not hits:
-            return []
+            return ()
         per_dim.append(hits)
     out = []
     for combo in itertools.product(*per_dim):
@@ -936,4 +991,4 @@ def chunks_overlapping(layout: RegularLayout, wanted: Box) -> List[Tuple[int, Bo
         box = Box(tuple(iv[0] for _, iv in combo), tuple(iv[1] for _, iv in combo))
         out.append((_radix(coord, layout.mesh_shape, sd), box))
     out.sort(key=lambda t: t[1].offsets)
-    return out
+    return tuple(out)

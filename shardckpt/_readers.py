@@ -12,7 +12,12 @@ reader
    checksums (format v2), the whole chunk otherwise (v1) — and coalesces
    neighbouring units of a file into ranges of at most ``range_bytes``
    (a want is never split across ranges; a unit larger than that gets a range
-   of its own, sized exactly);
+   of its own, sized exactly). Units at most ``gap_bytes`` apart share a
+   range too: the bytes between them are read and discarded, never checked
+   nor delivered. :func:`coalesce_gap` picks the gap for a storage — the
+   ``SHARDCKPT_COALESCE_GAP_BYTES`` knob where each request is a network
+   round trip (object stores), 0 on local disk, where a second ``pread``
+   costs less than reading bytes nobody needs;
 2. reads each range into a buffer taken from a :class:`BufferPool` (bounded
    by bytes; buffers reused; a caller-supplied allocator makes them pinned
    for CUDA targets), several I/O threads at a time, each thread checksumming
@@ -47,6 +52,7 @@ __all__ = [
     "BufferPool",
     "ReadStats",
     "plan_ranges",
+    "coalesce_gap",
     "read_verified",
     "DEFAULT_RANGE_BYTES",
     "DEFAULT_BUFFER_BYTES",
@@ -122,12 +128,18 @@ class ReadRange:
 
 @dataclass
 class ReadStats:
-    """What a read did: bytes asked for, bytes read (the difference is block rounding and gaps)."""
+    """What a read did: bytes asked for, bytes read (the difference is block rounding and gaps).
+
+    ``gap_bytes``: bytes read only to join two ranges into one request
+    (counted in ``read_bytes``); ``requests``: storage reads issued.
+    """
 
     wanted_bytes: int = 0
     read_bytes: int = 0
     ranges: int = 0
     peak_buffer_bytes: int = 0
+    gap_bytes: int = 0
+    requests: int = 0
 
 
 def _units_of(w: Want) -> List[Tuple[int, int, int, str]]:
@@ -144,6 +156,20 @@ def _units_of(w: Want) -> List[Tuple[int, int, int, str]]:
     ]
 
 
+def coalesce_gap(storage: Any) -> int:
+    """Bytes between two needed ranges of a file worth reading to save a request on ``storage``.
+
+    ``SHARDCKPT_COALESCE_GAP_BYTES`` (read at call time) where every request
+    is a network round trip (``storage.caps.high_latency``: object stores),
+    else 0: a local read of unneeded bytes costs more than another ``pread``.
+
+    >>> coalesce_gap(None)
+    0
+    """
+    caps = getattr(storage, "caps", None)
+    return _knobs.COALESCE_GAP_BYTES if caps is not None and caps.high_latency else 0
+
+
 def plan_ranges(
     wants: Sequence[Want], *, range_bytes: int = DEFAULT_RANGE_BYTES, gap_bytes: int = 0
 ) -> List[ReadRange]:
@@ -155,7 +181,9 @@ def plan_ranges(
             want's checksum units alone are larger.
         gap_bytes: neighbours at most this far apart in a file share a read
             (default 0: only touching or overlapping ones — bytes between
-            wants are bytes not needed, and a local read costs little).
+            wants are bytes not needed, and a local read costs little); the
+            range still stays within ``range_bytes``. The gap's bytes are
+            read, never checked or delivered.
 
     Raises:
         CorruptCheckpointError: a want outside its chunk, or a chunk whose
@@ -342,7 +370,7 @@ def read_verified(
     pool: Optional[BufferPool] = None,
     range_bytes: Optional[int] = None,
     read_block_bytes: Optional[int] = None,
-    gap_bytes: int = 0,
+    gap_bytes: Optional[int] = None,
     verify: bool = True,
     stats: Optional[ReadStats] = None,
 ) -> ReadStats:
@@ -366,7 +394,8 @@ def read_verified(
         range_bytes: largest coalesced read (default the pool's slot size).
         read_block_bytes: an oversized range is read in pieces of this size,
             in parallel (default ``SHARDCKPT_READ_BLOCK_BYTES``).
-        gap_bytes: see :func:`plan_ranges`.
+        gap_bytes: see :func:`plan_ranges` (default :func:`coalesce_gap`
+            of ``storage``: the knob on object storage, 0 on local disk).
         verify: False skips the CRC checks (``SHARDCKPT_CHECKSUMS=0`` does too).
         stats: filled in (bytes wanted and read) and returned.
 
@@ -390,9 +419,12 @@ def read_verified(
     pool = pool or BufferPool()
     stats = stats or ReadStats()
     checking = verify and _knobs.CHECKSUMS
-    ranges = plan_ranges(wants, range_bytes=range_bytes or pool.slot_bytes, gap_bytes=gap_bytes)
+    gap = coalesce_gap(storage) if gap_bytes is None else gap_bytes
+    ranges = plan_ranges(wants, range_bytes=range_bytes or pool.slot_bytes, gap_bytes=gap)
     stats.wanted_bytes += sum(w.stop - w.start for w in wants)
     stats.ranges += len(ranges)
+    if gap:
+        stats.gap_bytes += sum(_gap_of(r) for r in ranges)
     pending: Deque[Tuple[ReadRange, Buffer, List[Any]]] = deque()
     ex = ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="shardckpt-r") if threads > 1 else None
 
@@ -403,6 +435,7 @@ def read_verified(
             hi = min(lo + read_block_bytes, rng.stop)
             args = (storage, rng.file, lo, mv[lo - rng.start : hi - rng.start], units)
             jobs.append(ex.submit(_read_job, *args) if ex is not None else _Done(_read_job, args))
+        stats.requests += len(jobs)
         return jobs
 
     def finish() -> None:
@@ -469,6 +502,18 @@ def read_verified(
         if own_pool:
             pool.close()
     return stats
+
+
+def _gap_of(rng: ReadRange) -> int:
+    """Bytes of ``rng`` no want's checksum units cover (read only to save a request)."""
+    spans = sorted((c.byte_offset + lo, c.byte_offset + hi) for c, lo, hi in ((w.chunk, *w.chunk.unit_bounds(w.start, w.stop)) for w in rng.wants))
+    covered, end = 0, rng.start
+    for a, b in spans:
+        a = max(a, end)
+        if b > a:
+            covered += b - a
+            end = b
+    return rng.nbytes - covered
 
 
 class _Done:

@@ -602,3 +602,44 @@ def test_bench_scale_runs_and_prints_the_line():
             assert list(fields) == ["ranks", "tensors", "layout", "save_plan_s", "commit_s", "manifest_mb", "load_plan_s", "load_meta_mb"], last
             assert (fields["ranks"], fields["tensors"], fields["layout"]) == ("16", "20", layout)
             assert float(fields["manifest_mb"]) > 0 and float(fields["load_meta_mb"]) > 0
+
+
+# --------------------------------------------------------------------------
+# load planning: geometry once per distinct layout, not once per tensor
+
+
+def test_geometry_is_computed_once_per_distinct_layout(monkeypatch):
+    # 900 tensors of a 9-layout model (FSDP+TP, 4,096 ranks): a loading rank's
+    # boxes and the saved chunks meeting them are split out once per layout.
+    from shardckpt import _plan
+
+    calls = []
+    real = _plan.dim_intervals
+    monkeypatch.setattr(_plan, "dim_intervals", lambda *a: calls.append(a) or real(*a))
+    _plan.clear_geometry_caches()
+    shapes = [((4096, 4096), "col"), ((1024, 4096), "col"), ((4096, 14336), "row"), ((4096,), "none")]
+    mesh = (512, 8)
+    pls = {"col": (Shard(0, 8), Shard(0)), "row": (Shard(0), Shard(1)), "none": (Shard(0), Replicate())}
+    pieces = 0
+    for i in range(900):
+        shape, style = shapes[i % len(shapes)]
+        lay = regular_layout(shape, mesh, pls[style])
+        for lb in local_boxes(shape, mesh, pls[style], (3, 5)):
+            hits = chunks_overlapping(lay, lb.box)
+            pieces += len(plan_reads([b for _, b in hits], [LocalBox(lb.box, (0,) * len(shape))]))
+    assert pieces == 900
+    # regular_layout validates with one split per layout, local_boxes one per (layout, coord)
+    assert len(calls) <= 2 * len(shapes), len(calls)
+    # The lists handed out are the caller's: changing one changes no later answer.
+    got = local_boxes((4096,), mesh, pls["none"], (3, 5))
+    got.clear()
+    assert len(local_boxes((4096,), mesh, pls["none"], (3, 5))) == 1
+    # Unhashable arguments still work (computed, not memoized).
+    assert local_boxes([8], [2], [Shard(0)], [1]) == [LocalBox(Box((4,), (4,)), (0,))]
+
+
+def test_bad_layouts_are_refused_every_time():
+    # A failure is never memoized as an answer.
+    for _ in range(2):
+        with pytest.raises(ValueError, match="shards dim 1"):
+            regular_layout((4,), (2,), (Shard(1),))
