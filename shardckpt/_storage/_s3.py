@@ -12,7 +12,8 @@ own, on s3fs's aiobotocore client and event loop:
   object becomes visible only at ``CompleteMultipartUpload``; a failed or
   aborted writer aborts its upload, so a partial object never appears.
 - reads: ``read_into`` merges close ranges (``plan_range_fetches``), splits
-  them into ``S3_READ_PART_BYTES`` ranged GETs and runs them concurrently.
+  them into ``S3_READ_PART_BYTES`` ranged GETs and runs them concurrently;
+  each body streams into the caller's buffer as it arrives (no joined copy).
 - every request (tunables: ``shardckpt._knobs.S3_*``): at most ``S3_MAX_REQUESTS`` in flight per process and root,
   a deadline (``S3_STALL_TIMEOUT_S`` plus the bytes at ``S3_MIN_BYTES_PER_S``)
   so a stalled transfer fails instead of hanging, and one retry loop (the
@@ -24,10 +25,13 @@ own, on s3fs's aiobotocore client and event loop:
   environment variables, endpoint); everything else after the last attempt
   a ``StorageError`` naming the object.
 
-Why this client: measured on loopback against SeaweedFS (docs/object-storage.md),
-s3fs's own writer uploads the parts of a file one after another and its
-``cat_ranges`` returns copies of whole merged ranges; driving the same
-aiobotocore client ourselves gives parallel parts with no new dependency.
+Why this client: measured against SeaweedFS on loopback (benchmarks/bench_s3.py;
+docs/object-storage.md), s3fs's own writer uploads the parts of a file one
+after another and its ``cat_ranges`` returns copies of whole merged ranges;
+driving the same aiobotocore client ourselves gives parallel parts with no
+new dependency. obstore measured faster still for uploads (one asyncio
+thread bounds every aiobotocore path) and is the next client to adopt
+behind this same interface.
 """
 
 from __future__ import annotations
