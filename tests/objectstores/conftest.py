@@ -1,7 +1,11 @@
-"""GCS through gcsfs against ``gcp-storage-emulator`` (pure Python, PyPI), started by the tests on loopback.
+"""GCS and Azure by the generic fsspec path, against emulators the tests start on loopback.
 
-The emulator is part of the test extra, so a missing one is a broken test
-environment: the fixture fails with the install hint, it never skips.
+- GCS: gcsfs against ``gcp-storage-emulator`` (pure Python, in the test extra).
+- Azure Blob: adlfs against Azurite's blob service (npm; ``.ci/run``
+  installs it under ``AZURITE_PREFIX``, default ``~/.cache/shardckpt-node``).
+
+A missing emulator is a broken test environment: the fixtures fail with the
+install hint, they never skip.
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 import uuid
@@ -18,8 +23,15 @@ import pytest
 from _weed import _die_with_parent, _free_port
 
 GCS_BUCKET = "shardckpt-gcs"
-#: Seconds for the emulator to answer after it starts.
+AZURE_CONTAINER = "shardckpt-az"
+#: Where .ci/run installs Azurite (``npm install --prefix``); SHARDCKPT_AZURITE_PREFIX overrides.
+AZURITE_PREFIX = os.environ.get("SHARDCKPT_AZURITE_PREFIX", os.path.expanduser("~/.cache/shardckpt-node"))
+#: Azurite's well-known development account (public, documented by Microsoft; not a secret).
+AZURITE_ACCOUNT = "devstoreaccount1"
+AZURITE_KEY = "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw=="
+#: Seconds for an emulator to answer after it starts.
 GCS_START_TIMEOUT_S = 60
+AZURE_START_TIMEOUT_S = 60
 
 # gcsfs >= 2025.x first asks GCS's gRPC control API whether a bucket is
 # zonal/hierarchical; the emulator speaks only JSON over HTTP, so that probe
@@ -81,4 +93,83 @@ def gcs_endpoint():
 def gcs_url(gcs_endpoint):
     """A fresh checkpoint URL in the emulator's bucket, and the storage options."""
     prefix, options = gcs_endpoint
+    return f"{prefix}/{uuid.uuid4().hex[:12]}/ck", options
+
+
+def _azurite() -> str:
+    here = os.path.join(AZURITE_PREFIX, "node_modules", ".bin", "azurite-blob")
+    if os.path.exists(here):
+        return here
+    found = shutil.which("azurite-blob")
+    if not found:
+        pytest.fail(
+            f"Azurite is not installed (looked in {AZURITE_PREFIX} and PATH): run .ci/run, or "
+            f"npm install --prefix {AZURITE_PREFIX} azurite (Node.js >= 18)",
+            pytrace=False,
+        )
+    return found
+
+
+@pytest.fixture(scope="session")
+def azure_endpoint():
+    """``(az://container, storage_options)`` of an Azurite blob service on loopback for this session (in memory)."""
+    port = _free_port()
+    log = open(os.path.join(tempfile.mkdtemp(prefix="shardckpt-azurite-"), "azurite.log"), "wb")
+    proc = subprocess.Popen(
+        [
+            _azurite(),
+            "--blobHost",
+            "127.0.0.1",
+            "--blobPort",
+            str(port),
+            "--inMemoryPersistence",
+            "--disableTelemetry",
+            "--skipApiVersionCheck",
+            "--loose",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        preexec_fn=_die_with_parent,
+    )
+    conn = (
+        f"DefaultEndpointsProtocol=http;AccountName={AZURITE_ACCOUNT};AccountKey={AZURITE_KEY};"
+        f"BlobEndpoint=http://127.0.0.1:{port}/{AZURITE_ACCOUNT};"
+    )
+    try:
+        from azure.storage.blob import BlobServiceClient
+
+        # No SDK retries: while the server starts, each refused connection must come back at once.
+        client = BlobServiceClient.from_connection_string(conn, retry_total=0)
+        deadline = time.monotonic() + AZURE_START_TIMEOUT_S
+        while True:
+            if proc.poll() is not None:
+                log.flush()
+                with open(log.name, "rb") as f:
+                    tail = f.read()[-1500:].decode(errors="replace")
+                pytest.fail(f"Azurite exited with code {proc.returncode}: {tail}", pytrace=False)
+            try:
+                client.create_container(AZURE_CONTAINER)
+                break
+            except Exception as e:
+                if "ContainerAlreadyExists" in str(e):
+                    break
+                if time.monotonic() > deadline:
+                    pytest.fail(f"Azurite did not serve 127.0.0.1:{port} within {AZURE_START_TIMEOUT_S} s: {e}", pytrace=False)
+                time.sleep(0.2)
+        yield f"az://{AZURE_CONTAINER}", {"connection_string": conn}
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+        shutil.rmtree(os.path.dirname(log.name), ignore_errors=True)
+
+
+@pytest.fixture
+def azure_url(azure_endpoint):
+    """A fresh checkpoint URL in Azurite's container, and the storage options."""
+    prefix, options = azure_endpoint
     return f"{prefix}/{uuid.uuid4().hex[:12]}/ck", options

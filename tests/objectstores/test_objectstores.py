@@ -1,7 +1,7 @@
-"""GCS by the generic fsspec path (gcsfs) against a real emulator server on loopback.
+"""GCS (gcsfs) and Azure Blob (adlfs) by the generic fsspec path, against emulator servers on loopback.
 
 Same user flow as tests/s3: save on 2 ranks, load on 1, verify, inspect,
-a damaged object caught, overwrite; through ``gs://`` URLs and
+a damaged object caught, overwrite; through ``gs://`` / ``az://`` URLs and
 ``storage_options`` only.
 """
 
@@ -15,7 +15,12 @@ import shardckpt
 from shardckpt._storage import Storage
 from shardckpt.errors import CheckpointExistsError, ChecksumMismatchError
 
-pytestmark = pytest.mark.gcs
+
+@pytest.fixture(params=["gcs", "azure"])
+def store_url(request):
+    """A fresh checkpoint URL and storage options on each emulated object store."""
+    request.applymarker(getattr(pytest.mark, request.param))
+    return request.getfixturevalue(f"{request.param}_url")
 
 
 def _save_2(rank, world, url, opts):
@@ -37,8 +42,8 @@ def _save_2(rank, world, url, opts):
     return sorted(f for f in Storage(url, storage_options=opts).walk_files("data") if f.endswith(".safetensors"))
 
 
-def test_two_rank_save_one_rank_load_verify_inspect(gcs_url):
-    url, opts = gcs_url
+def test_two_rank_save_one_rank_load_verify_inspect(store_url):
+    url, opts = store_url
     files = run_ranks(2, _save_2, url, opts)
     assert files[0] == files[1] and len(files[0]) == 2  # one file per rank, both seen by both ranks
     g = torch.Generator().manual_seed(11)
@@ -55,8 +60,8 @@ def test_two_rank_save_one_rank_load_verify_inspect(gcs_url):
     assert sorted(f for f in info.files if f.endswith(".safetensors")) == files[0]
 
 
-def test_damage_caught_and_overwrite(gcs_url):
-    url, opts = gcs_url
+def test_damage_caught_and_overwrite(store_url):
+    url, opts = store_url
     torch.manual_seed(0)
     first = {"a": torch.randn(64, 33), "b": torch.arange(100)}
     shardckpt.save(first, url, storage_options=opts)
