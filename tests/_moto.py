@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -16,6 +15,7 @@ import urllib.request
 import uuid
 
 import pytest
+from _weed import _die_with_parent, _free_port
 
 BUCKET = "shardckpt-test"
 
@@ -24,23 +24,6 @@ BUCKET = "shardckpt-test"
 for _var in ("NO_PROXY", "no_proxy"):
     os.environ[_var] = ",".join(x for x in (os.environ.get(_var), "127.0.0.1", "localhost") if x)
 _DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _die_with_parent() -> None:
-    """In the child before exec: SIGKILL when the test process dies (Linux; elsewhere a no-op)."""
-    try:
-        import ctypes
-        import signal
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except Exception:
-        pass
 
 
 def _moto_server() -> str:

@@ -12,7 +12,8 @@ own, on s3fs's aiobotocore client and event loop:
   object becomes visible only at ``CompleteMultipartUpload``; a failed or
   aborted writer aborts its upload, so a partial object never appears.
 - reads: ``read_into`` merges close ranges (``plan_range_fetches``), splits
-  them into ``S3_READ_PART_BYTES`` ranged GETs and runs them concurrently.
+  them into ``S3_READ_PART_BYTES`` ranged GETs and runs them concurrently;
+  each body streams into the caller's buffer as it arrives (no joined copy).
 - every request (tunables: ``shardckpt._knobs.S3_*``): at most ``S3_MAX_REQUESTS`` in flight per process and root,
   a deadline (``S3_STALL_TIMEOUT_S`` plus the bytes at ``S3_MIN_BYTES_PER_S``)
   so a stalled transfer fails instead of hanging, and one retry loop (the
@@ -24,10 +25,13 @@ own, on s3fs's aiobotocore client and event loop:
   environment variables, endpoint); everything else after the last attempt
   a ``StorageError`` naming the object.
 
-Why this client: measured on loopback against SeaweedFS (docs/object-storage.md),
-s3fs's own writer uploads the parts of a file one after another and its
-``cat_ranges`` returns copies of whole merged ranges; driving the same
-aiobotocore client ourselves gives parallel parts with no new dependency.
+Why this client: measured against SeaweedFS on loopback (benchmarks/bench_s3.py;
+docs/object-storage.md), s3fs's own writer uploads the parts of a file one
+after another and its ``cat_ranges`` returns copies of whole merged ranges;
+driving the same aiobotocore client ourselves gives parallel parts with no
+new dependency. obstore measured faster still for uploads (one asyncio
+thread bounds every aiobotocore path) and is the next client to adopt
+behind this same interface.
 """
 
 from __future__ import annotations
@@ -100,6 +104,13 @@ def _client_defaults(options: Dict[str, Any]) -> Dict[str, Any]:
     cfg.setdefault("max_pool_connections", _knobs.S3_MAX_REQUESTS)
     # One retry loop (ours): botocore's would multiply the attempts.
     cfg.setdefault("retries", {"mode": "standard", "total_max_attempts": 1})
+    # botocore's default checksums every PutObject/UploadPart body (CRC32)
+    # on the client's single event-loop thread, which serialised all uploads
+    # of a process (measured: docs/object-storage.md). Our data files carry
+    # CRC-32C per chunk, verified on every load, and the commit checks every
+    # object's size, so the transport checksum is only asked where S3 requires it.
+    cfg.setdefault("request_checksum_calculation", "when_required")
+    cfg.setdefault("response_checksum_validation", "when_required")
     out["config_kwargs"] = cfg
     # A private filesystem instance: we change its retry count below, which
     # must not leak into s3fs instances the caller shares through fsspec's cache.
@@ -325,11 +336,57 @@ class S3Storage(FsspecStorage):
 
         what = f"read {self.url_of(rel)}" + (f"[{start}:{end}]" if rng else "")
         try:
-            return await self._request(what, "get_object", nbytes=(end - start) if end is not None else 0, consume=body, Bucket=bucket, Key=key, **rng)
+            return await self._request(
+                what, "get_object", nbytes=(end - start) if end is not None else 0, consume=body, Bucket=bucket, Key=key, **rng
+            )
         except StorageError as e:
             # A range that starts at or past the end of the object: short read.
             if "InvalidRange" in str(e.__cause__ or ""):
                 return b""
+            raise
+
+    async def _get_into(self, rel: str, start: int, end: int, dest: memoryview) -> int:
+        """GET bytes ``[start, end)`` straight into ``dest`` (``len(dest) == end - start``); returns the bytes the object had.
+
+        The body is copied from the HTTP client's receive chunks into ``dest``
+        as they arrive: no whole-range ``bytes`` is joined and copied again
+        (profiled: that was one of three full copies on the load path).
+        """
+        bucket, key = self._bucket_key(rel)
+
+        async def body(resp):
+            want = int(resp.get("ContentLength", end - start))
+            got = 0
+            async with resp["Body"] as stream:
+                content = getattr(getattr(stream, "raw_stream", None), "content", None)
+                if content is None or not hasattr(content, "readany"):
+                    # Another HTTP backend (httpx): its own read, one extra copy.
+                    data = await stream.read()
+                    got = min(len(data), len(dest))
+                    dest[:got] = memoryview(data)[:got]
+                else:
+                    while got < want:
+                        chunk = await content.readany()
+                        if not chunk:
+                            break
+                        n = min(len(chunk), len(dest) - got)
+                        dest[got : got + n] = chunk[:n] if n < len(chunk) else chunk
+                        got += len(chunk)
+            if got != want:
+                # A body that ended early although the server announced more:
+                # a cut connection, retried like a reset.
+                raise ConnectionResetError(f"body ended after {got} of {want} bytes")
+            return min(got, len(dest))
+
+        what = f"read {self.url_of(rel)}[{start}:{end}]"
+        try:
+            return await self._request(
+                what, "get_object", nbytes=end - start, consume=body, Bucket=bucket, Key=key, Range=f"bytes={start}-{end - 1}"
+            )
+        except StorageError as e:
+            # A range that starts at or past the end of the object: nothing there.
+            if "InvalidRange" in str(e.__cause__ or ""):
+                return 0
             raise
 
     # -- core overrides -----------------------------------------------------------
@@ -359,7 +416,9 @@ class S3Storage(FsspecStorage):
         if fetches:
             self._sync(self._fill(rel, [(s, e) for s, e, _ in fetches], ranges, allow_short=False))
 
-    async def _fill(self, rel: str, spans: List[Tuple[int, int]], ranges: Sequence[Tuple[int, memoryview]], *, allow_short: bool) -> int:
+    async def _fill(
+        self, rel: str, spans: List[Tuple[int, int]], ranges: Sequence[Tuple[int, memoryview]], *, allow_short: bool
+    ) -> int:
         """GET ``spans`` in ``S3_READ_PART_BYTES`` pieces, concurrently, into the buffers they cover.
 
         Returns the end of the data when ``allow_short`` (the object may end
@@ -370,6 +429,15 @@ class S3Storage(FsspecStorage):
         got: Dict[int, int] = {}  # piece start -> bytes it returned
 
         async def one(a: int, b: int) -> None:
+            # The common case: one caller buffer holds the whole piece; the
+            # body goes straight into it.
+            for off, buf in bufs:
+                if off <= a and b <= off + len(buf):
+                    n = await self._get_into(rel, a, b, buf[a - off : b - off])
+                    got[a] = n
+                    if n < b - a and not allow_short:
+                        raise self._short(rel, off + len(buf))
+                    return
             data = memoryview(await self._get(rel, a, b))  # slices of it copy nothing
             got[a] = len(data)
             for off, buf in bufs:
@@ -448,7 +516,9 @@ class _S3Writer(Writer):
             self.upload_id = resp["UploadId"]
         number = len(self.futures) + 1
         if number >= _MAX_PARTS:
-            raise StorageError(f"{self.url}: more than {_MAX_PARTS} parts of {self.part_bytes} bytes; raise SHARDCKPT_S3_PART_BYTES")
+            raise StorageError(
+                f"{self.url}: more than {_MAX_PARTS} parts of {self.part_bytes} bytes; raise SHARDCKPT_S3_PART_BYTES"
+            )
         body = bytes(memoryview(self.buf)[: self.n])
         self.total += self.n
         self.n = 0
@@ -477,7 +547,9 @@ class _S3Writer(Writer):
                 # Small file: one PutObject, atomic by itself.
                 body = bytes(memoryview(self.buf)[: self.n])
                 self.st._sync(
-                    self.st._request(f"write {self.url}", "put_object", nbytes=len(body), Bucket=self.bucket, Key=self.key, Body=body)
+                    self.st._request(
+                        f"write {self.url}", "put_object", nbytes=len(body), Bucket=self.bucket, Key=self.key, Body=body
+                    )
                 )
             else:
                 if self.n:
@@ -526,7 +598,11 @@ class _S3Writer(Writer):
             try:
                 self.st._sync(
                     self.st._request(
-                        f"abort upload of {self.url}", "abort_multipart_upload", Bucket=self.bucket, Key=self.key, UploadId=self.upload_id
+                        f"abort upload of {self.url}",
+                        "abort_multipart_upload",
+                        Bucket=self.bucket,
+                        Key=self.key,
+                        UploadId=self.upload_id,
                     )
                 )
             except Exception:
