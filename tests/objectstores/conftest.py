@@ -1,8 +1,8 @@
 """GCS and Azure by the generic fsspec path, against emulators the tests start on loopback.
 
 - GCS: gcsfs against ``gcp-storage-emulator`` (pure Python, in the test extra).
-- Azure Blob: adlfs against Azurite's blob service (npm; ``.ci/run``
-  installs it under ``AZURITE_PREFIX``, default ``~/.cache/shardckpt-node``).
+- Azure Blob: adlfs against Azurite's blob service (npm; installed on first
+  use under ``AZURITE_PREFIX``, default ``~/.cache/shardckpt-node``).
 
 A missing emulator is a broken test environment: the fixtures fail with the
 install hint, they never skip.
@@ -24,7 +24,7 @@ from _weed import _die_with_parent, _free_port
 
 GCS_BUCKET = "shardckpt-gcs"
 AZURE_CONTAINER = "shardckpt-az"
-#: Where .ci/run installs Azurite (``npm install --prefix``); SHARDCKPT_AZURITE_PREFIX overrides.
+#: Where the tests install Azurite (``npm install --prefix``); SHARDCKPT_AZURITE_PREFIX overrides.
 AZURITE_PREFIX = os.environ.get("SHARDCKPT_AZURITE_PREFIX", os.path.expanduser("~/.cache/shardckpt-node"))
 #: Azurite's well-known development account (public, documented by Microsoft; not a secret).
 AZURITE_ACCOUNT = "devstoreaccount1"
@@ -96,18 +96,48 @@ def gcs_url(gcs_endpoint):
     return f"{prefix}/{uuid.uuid4().hex[:12]}/ck", options
 
 
+#: The Azurite release the tests install and run (npm; Node.js >= 18).
+AZURITE_VERSION = "3.35.0"
+
+
 def _azurite() -> str:
+    """The ``azurite-blob`` executable: under AZURITE_PREFIX, on PATH, or installed there now.
+
+    The README's test command needs nothing but pip and this machine's npm, so
+    the first run on a fresh machine installs Azurite from npm into a per-user
+    cache (once; a file lock keeps concurrent sessions from racing the install).
+    """
     here = os.path.join(AZURITE_PREFIX, "node_modules", ".bin", "azurite-blob")
     if os.path.exists(here):
         return here
     found = shutil.which("azurite-blob")
-    if not found:
+    if found:
+        return found
+    npm = shutil.which("npm")
+    if not npm:
         pytest.fail(
-            f"Azurite is not installed (looked in {AZURITE_PREFIX} and PATH): run .ci/run, or "
-            f"npm install --prefix {AZURITE_PREFIX} azurite (Node.js >= 18)",
+            f"Azurite is not installed (looked in {AZURITE_PREFIX} and PATH) and npm is not on PATH: install "
+            f"Node.js >= 18, or run: npm install --prefix {AZURITE_PREFIX} azurite@{AZURITE_VERSION}",
             pytrace=False,
         )
-    return found
+    import fcntl
+
+    os.makedirs(AZURITE_PREFIX, exist_ok=True)
+    with open(os.path.join(AZURITE_PREFIX, ".install.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not os.path.exists(here):
+            r = subprocess.run(
+                [npm, "install", "--no-audit", "--no-fund", "--silent", "--prefix", AZURITE_PREFIX,
+                 f"azurite@{AZURITE_VERSION}"],
+                capture_output=True, text=True, timeout=600,
+            )
+            if r.returncode != 0 or not os.path.exists(here):
+                pytest.fail(
+                    f"npm install of azurite@{AZURITE_VERSION} into {AZURITE_PREFIX} failed ({r.returncode}): "
+                    f"{(r.stderr or r.stdout)[-800:]}",
+                    pytrace=False,
+                )
+    return here
 
 
 @pytest.fixture(scope="session")
