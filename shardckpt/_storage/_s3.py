@@ -45,6 +45,8 @@ from .. import _knobs
 from ..errors import StorageError
 from ._base import DEFAULT_RETRIES, Writer, backoff_delay, plan_range_fetches
 from ._fsspec import FsspecStorage
+from ._obstore import ObstoreClient, StreamingUpload, import_obstore, request_pool
+from ._obstore import map_error as map_obstore_error
 
 __all__ = ["S3Storage"]
 
@@ -162,6 +164,20 @@ def _filesystem(url: str, options: Dict[str, Any]):
     return fs, root
 
 
+def _obstore_client(st: "S3Storage") -> Optional[ObstoreClient]:
+    """The obstore client of ``st``'s bucket, or None when s3fs serves the data path (``SHARDCKPT_S3_CLIENT``)."""
+    if _knobs.S3_CLIENT != "obstore":
+        return None
+    try:
+        import_obstore()
+    except StorageError:
+        if _knobs.S3_CLIENT_EXPLICIT:
+            raise
+        return None  # the default, without obstore installed: s3fs serves
+    bucket = st.root.lstrip("/").partition("/")[0]
+    return ObstoreClient(bucket, st.storage_options, retries=st.retries, url=st.url)
+
+
 class _Shared:
     """Per-filesystem state shared by a root and its children: the request limit."""
 
@@ -216,6 +232,7 @@ class S3Storage(FsspecStorage):
                 _shared = _Shared()
                 self.fs._shardckpt_shared = _shared
         self._shared = _shared
+        self._ob = _obstore_client(self)
 
     def child(self, rel: str) -> "S3Storage":
         return S3Storage(
@@ -226,6 +243,11 @@ class S3Storage(FsspecStorage):
             root=self._p(rel),
             _shared=self._shared,
         )
+
+    @property
+    def client(self) -> str:
+        """The data path's client: ``"obstore"`` or ``"s3fs"`` (``SHARDCKPT_S3_CLIENT``, read when the Storage is made)."""
+        return "obstore" if self._ob is not None else "s3fs"
 
     # -- errors -----------------------------------------------------------------
 
@@ -399,6 +421,8 @@ class S3Storage(FsspecStorage):
 
     def _read(self, path: str, start: int, end: Optional[int]) -> bytes:
         rel = self._rel_of(path)
+        if self._ob is not None:
+            return self._ob_read(rel, start, end)
         if end is None or end - start > _knobs.S3_READ_PART_BYTES:
             # Large or open-ended: learn the size (callers pass generous
             # limits) and fetch the pieces in parallel.
@@ -413,7 +437,9 @@ class S3Storage(FsspecStorage):
 
     def _read_ranges(self, rel: str, ranges: Sequence[Tuple[int, memoryview]]) -> None:
         fetches = plan_range_fetches([(o, len(b)) for o, b in ranges])
-        if fetches:
+        if fetches and self._ob is not None:
+            self._ob_fill(rel, [(s, e) for s, e, _ in fetches], ranges, allow_short=False)
+        elif fetches:
             self._sync(self._fill(rel, [(s, e) for s, e, _ in fetches], ranges, allow_short=False))
 
     async def _fill(
@@ -461,18 +487,124 @@ class S3Storage(FsspecStorage):
                 return a + got[a]
         return pieces[-1][1] if pieces else 0
 
+    def _size(self, path: str) -> int:
+        if self._ob is not None:
+            return self._fresh_size(path)
+        return super()._size(path)
+
     def _fresh_size(self, path: str) -> int:
         rel = self._rel_of(path)
         bucket, key = self._bucket_key(rel)
+        if self._ob is not None:
+            return int(self._ob_call(f"stat {self.url_of(rel)}", "head", key)["size"])
         resp = self._sync(self._request(f"stat {self.url_of(rel)}", "head_object", Bucket=bucket, Key=key))
         return int(resp["ContentLength"])
 
     def _put(self, rel: str, data: bytes) -> None:
         bucket, key = self._bucket_key(rel)
+        if self._ob is not None:
+            self._ob_call(f"write {self.url_of(rel)}", "put", key, data, use_multipart=False)
+            return
         self._sync(self._request(f"write {self.url_of(rel)}", "put_object", nbytes=len(data), Bucket=bucket, Key=key, Body=data))
 
     def _open_writer(self, rel: str) -> Writer:
+        if self._ob is not None:
+            return _ObstoreWriter(self, rel)
         return _S3Writer(self, rel)
+
+    def _remove(self, path: str) -> None:
+        if self._ob is None:
+            return super()._remove(path)
+        rel = self._rel_of(path)
+        # S3 answers a DELETE of a missing key with success: nothing to map.
+        self._ob_call(f"delete {self.url_of(rel)}", "delete", self._bucket_key(rel)[1])
+
+    # -- obstore data path (SHARDCKPT_S3_CLIENT=obstore; _obstore.py) ----------------
+
+    def _ob_call(self, what: str, fn: str, *args, store: str = "plain", **kwargs):
+        """``obstore.<fn>(store, *args, **kwargs)`` inside the base class's retry loop, errors mapped for it."""
+        import obstore
+
+        call = getattr(obstore, fn)
+
+        def once():
+            try:
+                return call(getattr(self._ob, store), *args, **kwargs)
+            except Exception as e:
+                mapped = map_obstore_error(e, what)
+                if mapped is e:
+                    raise
+                raise mapped from e
+
+        return self._retry(what, once)
+
+    def _ob_get_into(self, rel: str, start: int, end: int, dest: memoryview) -> int:
+        """GET ``[start, end)`` into ``dest``; returns the bytes the object had there (fewer at its end)."""
+        key = self._bucket_key(rel)[1]
+        try:
+            data = self._ob_call(f"read {self.url_of(rel)}[{start}:{end}]", "get_range", key, start=start, end=end)
+        except EOFError:
+            return 0  # the range starts at or past the end of the object
+        n = min(len(data), len(dest))
+        # One copy, Rust's buffer to the caller's, without the GIL-bound join of a body.
+        dest[:n] = memoryview(data).cast("B")[:n]
+        return n
+
+    def _ob_read(self, rel: str, start: int, end: Optional[int]) -> bytes:
+        if end is None or end - start > _knobs.S3_READ_PART_BYTES:
+            end = self._fresh_size(self.path(rel)) if end is None else min(end, self._fresh_size(self.path(rel)))
+        if end <= start:
+            return b""
+        buf = bytearray(end - start)
+        got = self._ob_fill(rel, [(start, end)], [(start, memoryview(buf))], allow_short=True)
+        return bytes(buf[: got - start]) if got < end else bytes(buf)
+
+    def _ob_fill(
+        self, rel: str, spans: List[Tuple[int, int]], ranges: Sequence[Tuple[int, memoryview]], *, allow_short: bool
+    ) -> int:
+        """:meth:`_fill` on obstore: ``S3_READ_PART_BYTES`` pieces GET concurrently on the request pool."""
+        piece = _knobs.S3_READ_PART_BYTES
+        pieces = [(a, min(a + piece, e)) for s, e in spans for a in range(s, e, piece)]
+        bufs = [(o, b if b.format == "B" else b.cast("B")) for o, b in ranges]
+
+        def one(a: int, b: int) -> int:
+            for off, buf in bufs:
+                if off <= a and b <= off + len(buf):
+                    n = self._ob_get_into(rel, a, b, buf[a - off : b - off])
+                    if n < b - a and not allow_short:
+                        raise self._short(rel, off + len(buf))
+                    return n
+            tmp = memoryview(bytearray(b - a))
+            n = self._ob_get_into(rel, a, b, tmp)
+            for off, buf in bufs:
+                lo, hi = max(a, off), min(b, off + len(buf), a + n)
+                if min(b, off + len(buf)) > a + n and lo < min(b, off + len(buf)) and not allow_short:
+                    raise self._short(rel, off + len(buf))
+                if lo < hi:
+                    buf[lo - off : hi - off] = tmp[lo - a : hi - a]
+            return n
+
+        if len(pieces) == 1:
+            got = {pieces[0][0]: one(*pieces[0])}
+        else:
+            futs = [(a, b, request_pool().submit(one, a, b)) for a, b in pieces]
+            got, first = {}, None
+            # Every piece ends before this returns or raises: no GET may write
+            # into a caller's buffer after the call is over.
+            for a, _, f in futs:
+                try:
+                    got[a] = f.result()
+                except BaseException as e:
+                    if first is None:
+                        first = e
+                        for _, _, g in futs:
+                            g.cancel()
+            if first is not None:
+                raise first
+        for a, b in pieces:
+            if a + got[a] < b:
+                return a + got[a]
+        return pieces[-1][1] if pieces else 0
 
 
 class _S3Writer(Writer):
@@ -607,3 +739,101 @@ class _S3Writer(Writer):
                 )
             except Exception:
                 pass
+
+
+class _ObstoreWriter(Writer):
+    """Bounded-memory upload on obstore: one PUT below a part, else a multipart upload fed part by part.
+
+    Memory: the part being filled, one part handed over, and at most
+    ``S3_WRITER_INFLIGHT_PARTS`` in obstore's hands. The object appears only
+    when ``close()`` completes the upload; ``abort()`` (or a failure) cancels
+    it and aborts any multipart upload left behind under the key.
+    """
+
+    def __init__(self, st: S3Storage, rel: str):
+        self.st, self.rel, self.url = st, rel, st.url_of(rel)
+        self.bucket, self.key = st._bucket_key(rel)
+        self.buf = bytearray(_knobs.S3_PART_BYTES)
+        self.n = 0
+        self.upload: Optional[StreamingUpload] = None
+        self.closed = False
+
+    def write(self, data) -> None:
+        if self.closed:
+            raise StorageError(f"{self.url}: write after close/abort")
+        mv = memoryview(data).cast("B")
+        while len(mv):
+            take = min(len(mv), len(self.buf) - self.n)
+            self.buf[self.n : self.n + take] = mv[:take]
+            self.n += take
+            mv = mv[take:]
+            if self.n == len(self.buf):
+                self._send_part()
+
+    def _send_part(self) -> None:
+        if self.upload is None:
+            self.upload = StreamingUpload(
+                self.st._ob.streaming, self.key, part_bytes=len(self.buf), inflight=_knobs.S3_WRITER_INFLIGHT_PARTS
+            )
+        part = bytes(memoryview(self.buf)[: self.n])
+        self.n = 0
+        try:
+            self.upload.send(part)
+        except Exception as e:
+            raise self._failed(e) from e
+
+    def _failed(self, e: BaseException) -> BaseException:
+        mapped = map_obstore_error(e, f"upload of {self.url}")
+        if isinstance(mapped, (StorageError, FileNotFoundError)):
+            return mapped
+        # object_store already retried each part (our attempt count): say so.
+        return StorageError(f"upload of {self.url} failed after {self.st.retries} attempts: {type(mapped).__name__}: {mapped}")
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        try:
+            if self.upload is None:
+                # Small file: one PUT, atomic by itself.
+                self.st._ob_call(f"write {self.url}", "put", self.key, bytes(memoryview(self.buf)[: self.n]), use_multipart=False)
+            else:
+                if self.n:
+                    self._send_part()
+                try:
+                    self.upload.finish()
+                except Exception as e:
+                    raise self._failed(e) from e
+        except BaseException:
+            self.abort()
+            raise
+        self.closed = True
+        self.buf = bytearray()
+
+    def abort(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.buf = bytearray()
+        if self.upload is None:
+            return
+        self.upload.cancel()
+        # obstore aborts a failed upload itself, but that request can fail
+        # too (a reset, a server still busy with a part): make sure no
+        # parts stay stored (and billed) under this key.
+        try:
+            ups = self.st._sync(
+                self.st._request(f"list uploads of {self.url}", "list_multipart_uploads", Bucket=self.bucket, Prefix=self.key)
+            )
+            for up in ups.get("Uploads") or []:
+                if up.get("Key") == self.key:
+                    self.st._sync(
+                        self.st._request(
+                            f"abort upload of {self.url}",
+                            "abort_multipart_upload",
+                            Bucket=self.bucket,
+                            Key=self.key,
+                            UploadId=up["UploadId"],
+                        )
+                    )
+        except Exception:
+            pass

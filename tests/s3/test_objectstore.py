@@ -43,16 +43,25 @@ def _split(url):
 # -- FSDP2 on 2 ranks -> 3 ranks, verify, export --------------------------------
 
 
-def _fsdp2_save(rank, world, url, opts):
+def _use(client):
+    # Rank processes are pooled across tests: the client is set per call.
+    _knobs.S3_CLIENT = client
+
+
+def _fsdp2_save(rank, world, url, opts, client):
     from models import build, full_state, shard_fsdp2
+
+    _use(client)
 
     model = shard_fsdp2(build(3))
     shardckpt.save({"model": model, "step": 11}, url, storage_options=opts)
     return full_state(model)
 
 
-def _fsdp2_load(rank, world, url, opts):
+def _fsdp2_load(rank, world, url, opts, client):
     from models import build, full_state, shard_fsdp2
+
+    _use(client)
 
     model = shard_fsdp2(build(99))
     state = {"model": model, "step": 0}
@@ -60,10 +69,10 @@ def _fsdp2_load(rank, world, url, opts):
     return full_state(model), state["step"]
 
 
-def test_fsdp2_save_2_load_3_verify_export(weed_url, tmp_path):
+def test_fsdp2_save_2_load_3_verify_export(weed_url, tmp_path, s3_client):
     url, opts = weed_url
-    saved = run_ranks(2, _fsdp2_save, url, opts)[0]
-    loaded = run_ranks(3, _fsdp2_load, url, opts)
+    saved = run_ranks(2, _fsdp2_save, url, opts, s3_client)[0]
+    loaded = run_ranks(3, _fsdp2_load, url, opts, s3_client)
     for full, step in loaded:
         assert step == 11 and full.keys() == saved.keys()
         assert all(torch.equal(full[k], saved[k]) for k in saved)
@@ -96,12 +105,12 @@ def test_manager_save_restore_retention(weed_url):
 # -- multipart: parallel parts, invisible until complete, aborted on failure ---------
 
 
-def test_multipart_roundtrip_and_ranges(weed_url, monkeypatch):
+def test_multipart_roundtrip_and_ranges(weed_url, monkeypatch, s3_client):
     url, opts = weed_url
     monkeypatch.setattr(_knobs, "S3_PART_BYTES", PART)
     monkeypatch.setattr(_knobs, "S3_READ_PART_BYTES", 1 << 20)
     st = Storage(url, storage_options=opts)
-    assert isinstance(st, S3Storage)
+    assert isinstance(st, S3Storage) and st.client == s3_client
     data = os.urandom(3 * PART + 12345)
     w = st.open_write("data/big")
     for i in range(0, len(data), 3 << 20):
