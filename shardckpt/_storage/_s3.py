@@ -431,18 +431,24 @@ class S3Storage(FsspecStorage):
             if end - start <= _knobs.S3_READ_PART_BYTES:
                 return self._sync(self._get(rel, start, end)) if end > start else b""
             buf = bytearray(end - start)
-            got = self._sync(self._fill(rel, [(start, end)], [(start, memoryview(buf))], allow_short=True))
+            got = self._fill(rel, [(start, end)], [(start, memoryview(buf))], allow_short=True)
             return bytes(buf[: got - start]) if got < end else bytes(buf)
         return self._sync(self._get(rel, start, end))
 
     def _read_ranges(self, rel: str, ranges: Sequence[Tuple[int, memoryview]]) -> None:
         fetches = plan_range_fetches([(o, len(b)) for o, b in ranges])
-        if fetches and self._ob is not None:
-            self._ob_fill(rel, [(s, e) for s, e, _ in fetches], ranges, allow_short=False)
-        elif fetches:
-            self._sync(self._fill(rel, [(s, e) for s, e, _ in fetches], ranges, allow_short=False))
+        if fetches:
+            self._fill(rel, [(s, e) for s, e, _ in fetches], ranges, allow_short=False)
 
-    async def _fill(
+    def _fill(
+        self, rel: str, spans: List[Tuple[int, int]], ranges: Sequence[Tuple[int, memoryview]], *, allow_short: bool
+    ) -> int:
+        """The one batched read: ``spans`` fetched concurrently into the buffers they cover, by the chosen client."""
+        if self._ob is not None:
+            return self._ob_fill(rel, spans, ranges, allow_short=allow_short)
+        return self._sync(self._aio_fill(rel, spans, ranges, allow_short=allow_short))
+
+    async def _aio_fill(
         self, rel: str, spans: List[Tuple[int, int]], ranges: Sequence[Tuple[int, memoryview]], *, allow_short: bool
     ) -> int:
         """GET ``spans`` in ``S3_READ_PART_BYTES`` pieces, concurrently, into the buffers they cover.
@@ -504,6 +510,7 @@ class S3Storage(FsspecStorage):
         bucket, key = self._bucket_key(rel)
         if self._ob is not None:
             self._ob_call(f"write {self.url_of(rel)}", "put", key, data, use_multipart=False)
+            self._forget(rel)
             return
         self._sync(self._request(f"write {self.url_of(rel)}", "put_object", nbytes=len(data), Bucket=bucket, Key=key, Body=data))
 
@@ -518,6 +525,11 @@ class S3Storage(FsspecStorage):
         rel = self._rel_of(path)
         # S3 answers a DELETE of a missing key with success: nothing to map.
         self._ob_call(f"delete {self.url_of(rel)}", "delete", self._bucket_key(rel)[1])
+        self._forget(rel)
+
+    def _forget(self, rel: str) -> None:
+        """Drop s3fs's cached listings of ``rel`` and its parents: listing stays s3fs's, and it did not see this change."""
+        self.fs.invalidate_cache(self.path(rel))
 
     # -- obstore data path (SHARDCKPT_S3_CLIENT=obstore; _obstore.py) ----------------
 
@@ -556,7 +568,7 @@ class S3Storage(FsspecStorage):
         if end <= start:
             return b""
         buf = bytearray(end - start)
-        got = self._ob_fill(rel, [(start, end)], [(start, memoryview(buf))], allow_short=True)
+        got = self._fill(rel, [(start, end)], [(start, memoryview(buf))], allow_short=True)
         return bytes(buf[: got - start]) if got < end else bytes(buf)
 
     def _ob_fill(
@@ -796,6 +808,7 @@ class _ObstoreWriter(Writer):
             if self.upload is None:
                 # Small file: one PUT, atomic by itself.
                 self.st._ob_call(f"write {self.url}", "put", self.key, bytes(memoryview(self.buf)[: self.n]), use_multipart=False)
+                self.st._forget(self.rel)
             else:
                 if self.n:
                     self._send_part()
@@ -803,6 +816,7 @@ class _ObstoreWriter(Writer):
                     self.upload.finish()
                 except Exception as e:
                     raise self._failed(e) from e
+                self.st._forget(self.rel)
         except BaseException:
             self.abort()
             raise
