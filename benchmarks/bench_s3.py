@@ -13,7 +13,10 @@ values), and for each repeat measures, in this order:
                 ``download_fileobj`` with a ``TransferConfig``
   raw-obstore   one object, obstore (Rust object_store; GIL released):
                 ``put`` (parallel multipart) / ``get_ranges`` (parallel ranges)
-  shardckpt     ``shardckpt.save`` / ``shardckpt.load`` (in place, checksums verified)
+  shardckpt-obstore  ``shardckpt.save`` / ``shardckpt.load`` (in place, checksums
+                verified) with S3Storage's obstore data path (the default)
+  shardckpt-s3fs    the same with its s3fs/aiobotocore data path
+                (``SHARDCKPT_S3_CLIENT=s3fs``; the "shardckpt" row of older runs)
   dcp           ``dcp.save`` with ``FsspecWriter(url, thread_count=T)`` /
                 ``dcp.load`` with ``FsspecReader(url)`` (in place)
 
@@ -25,7 +28,7 @@ client is not installed is reported as missing, not silently dropped.
 
 Usage:
   python benchmarks/bench_s3.py --size-gb 0.25 --repeat 3
-  python benchmarks/bench_s3.py --size-gb 4 --server-bin /opt/weed --cases raw-obstore,shardckpt --json out.json
+  python benchmarks/bench_s3.py --size-gb 4 --server-bin /opt/weed --cases raw-obstore,shardckpt-obstore --json out.json
 
 Needs: torch, shardckpt's deps (safetensors, fsspec, numpy, crc32c), s3fs
 (aiobotocore, botocore, aiohttp), boto3 (s3transfer) and obstore for their
@@ -189,15 +192,26 @@ def case_raw_obstore(state, prefix, opts, args):
     return save, load
 
 
-def case_shardckpt(state, prefix, opts, args):
-    import shardckpt
+def _shardckpt_with(client):
+    def case(state, prefix, opts, args):
+        import shardckpt
+        from shardckpt import _knobs
 
-    url = prefix + "/shardckpt"
-    save = timed(lambda: shardckpt.save(state, url, storage_options=opts))
-    live = zeros_like(state)
-    load = timed(lambda: shardckpt.load(live, url, storage_options=opts))
-    assert same(live, state)
-    return save, load
+        if client == "obstore":
+            import obstore  # noqa: F401  (reported as not installed, not silently s3fs)
+        old = _knobs.S3_CLIENT
+        _knobs.S3_CLIENT = client
+        try:
+            url = prefix + "/shardckpt-" + client
+            save = timed(lambda: shardckpt.save(state, url, storage_options=opts))
+            live = zeros_like(state)
+            load = timed(lambda: shardckpt.load(live, url, storage_options=opts))
+        finally:
+            _knobs.S3_CLIENT = old
+        assert same(live, state)
+        return save, load
+
+    return case
 
 
 def case_dcp(state, prefix, opts, args):
@@ -217,7 +231,8 @@ CASES = {
     "raw-s3fs": case_raw_s3fs,
     "raw-boto3": case_raw_boto3,
     "raw-obstore": case_raw_obstore,
-    "shardckpt": case_shardckpt,
+    "shardckpt-obstore": _shardckpt_with("obstore"),
+    "shardckpt-s3fs": _shardckpt_with("s3fs"),
     "dcp": case_dcp,
 }
 CEILING = "raw-botocore"
@@ -300,11 +315,12 @@ def main(argv=None) -> int:
         f"{args.part_mb} MiB parts, {args.concurrency} in flight; DCP FsspecWriter thread_count={args.dcp_threads}\n"
     )
     print(markdown_table(["case", "save GB/s", "load GB/s", f"save / {CEILING}", f"load / {CEILING}"], rows))
-    if "shardckpt" in best and "dcp" in best:
-        print(
-            f"\nshardckpt / DCP: save {best['shardckpt']['save'] / best['dcp']['save']:.2f}x, "
-            f"load {best['shardckpt']['load'] / best['dcp']['load']:.2f}x"
-        )
+    for c in ("shardckpt-obstore", "shardckpt-s3fs"):
+        if c in best and "dcp" in best:
+            print(
+                f"\n{c} / DCP: save {best[c]['save'] / best['dcp']['save']:.2f}x, "
+                f"load {best[c]['load'] / best['dcp']['load']:.2f}x"
+            )
     print()
     for c in cases:
         if c in best:
