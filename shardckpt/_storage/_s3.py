@@ -1,8 +1,14 @@
-"""S3 and S3-compatible servers (``s3://``): s3fs for metadata, our own transfers on its client.
+"""S3 and S3-compatible servers (``s3://``): s3fs for listing, our own transfers on obstore or on s3fs's client.
 
-:class:`S3Storage` is an :class:`FsspecStorage` (listing, ``exists``,
-deletes and every other metadata call stay s3fs's) whose data path is its
-own, on s3fs's aiobotocore client and event loop:
+:class:`S3Storage` is an :class:`FsspecStorage` (listing, ``exists`` and
+tree deletes stay s3fs's) whose data path (puts, multipart uploads, ranged
+gets, HEADs, deletes) is its own, on one of two clients chosen by
+``SHARDCKPT_S3_CLIENT`` when the Storage is made: ``obstore`` (the default;
+``_obstore.py``) or ``s3fs``, which drives s3fs's aiobotocore client and
+event loop as described below. Both keep the same contract (on obstore,
+its multipart writer retries parts inside object_store with our attempt
+count, and each body arrives as one Rust buffer copied once into the
+caller's: ``_obstore.py``):
 
 - writes: parallel multipart uploads. A writer fills one part buffer
   (``S3_PART_BYTES``) and hands full parts to the loop, at most
@@ -25,13 +31,12 @@ own, on s3fs's aiobotocore client and event loop:
   environment variables, endpoint); everything else after the last attempt
   a ``StorageError`` naming the object.
 
-Why this client: measured against SeaweedFS on loopback (benchmarks/bench_s3.py;
-docs/object-storage.md), s3fs's own writer uploads the parts of a file one
-after another and its ``cat_ranges`` returns copies of whole merged ranges;
-driving the same aiobotocore client ourselves gives parallel parts with no
-new dependency. obstore measured faster still for uploads (one asyncio
-thread bounds every aiobotocore path) and is the next client to adopt
-behind this same interface.
+Why two clients: measured against SeaweedFS on loopback (benchmarks/bench_s3.py;
+docs/object-storage.md), every aiobotocore path of a process runs on ONE
+asyncio thread that also signs and hashes every body, which caps uploads
+near 0.4 GB/s; obstore does that work in Rust without the GIL. s3fs stays
+selectable (``SHARDCKPT_S3_CLIENT=s3fs``) and serves when obstore is not
+installed.
 """
 
 from __future__ import annotations
@@ -787,7 +792,10 @@ class _ObstoreWriter(Writer):
             self.upload = StreamingUpload(
                 self.st._ob.streaming, self.key, part_bytes=len(self.buf), inflight=_knobs.S3_WRITER_INFLIGHT_PARTS
             )
-        part = bytes(memoryview(self.buf)[: self.n])
+        # The filled buffer itself goes to obstore (no copy); this writer
+        # never touches it again and fills a fresh one.
+        part = self.buf if self.n == len(self.buf) else memoryview(self.buf)[: self.n]
+        self.buf = bytearray(len(self.buf))
         self.n = 0
         try:
             self.upload.send(part)

@@ -10,6 +10,6 @@ from _s3servers import fault_proxy, s3_client, seaweed_endpoint, weed_url  # noq
 
 
 @pytest.fixture(autouse=True)
-def _each_client(s3_client):
+def _each_client(s3_client):  # noqa: F811  (the imported fixture, requested by name)
     """Apply the parametrized client to every test of this folder."""
     return s3_client
