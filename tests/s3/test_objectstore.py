@@ -310,3 +310,35 @@ def test_streamed_ranged_reads_are_exact_through_resets(weed_url, fault_proxy, f
         for o, b in pieces:
             assert bytes(b) == data[o : o + len(b)]
     assert fault_proxy.stats.get("reset", 0) > 0, fault_proxy.stats
+
+
+def test_retries_are_not_multiplied(weed_url, fault_proxy, fast_retries, s3_client):
+    """Every attempt is one connection at the proxy: the client's own retries never stack on ours."""
+    url, opts = weed_url
+    Storage(url, storage_options=opts).write_atomic("data/obj", os.urandom(1000))
+    st = Storage(url, storage_options=dict(opts, endpoint_url=fault_proxy.endpoint), retries=3)
+    fault_proxy.set_faults(slowdown=1.0)
+    with pytest.raises(StorageError, match=r"data/obj.*failed after 3 attempts"):
+        st.read_bytes("data/obj")
+    assert fault_proxy.stats == {"slowdown": 3}, fault_proxy.stats
+    # A multipart upload: its first request (create) is attempted 3 times too.
+    w = st.open_write("data/big")
+    with pytest.raises(StorageError, match=r"data/big.*failed after 3 attempts"):
+        w.write(os.urandom(PART + 1))
+        w.close()
+    w.abort()
+    # obstore's writer cannot tell whether its upload was created, so its
+    # abort also lists the key's uploads (3 more attempts, one each).
+    cleanup = 3 if s3_client == "obstore" else 0
+    assert fault_proxy.stats == {"slowdown": 6 + cleanup}, fault_proxy.stats
+
+
+def test_endpoint_and_region_from_client_kwargs(weed_url):
+    """botocore-style options (endpoint and region inside client_kwargs) reach either client."""
+    url, opts = weed_url
+    nested = {k: v for k, v in opts.items() if k != "endpoint_url"}
+    nested["client_kwargs"] = dict(opts.get("client_kwargs") or {}, endpoint_url=opts["endpoint_url"], region_name="us-east-1")
+    shardckpt.save({"x": torch.arange(10.0)}, url, storage_options=nested)
+    live = {"x": torch.zeros(10)}
+    shardckpt.load(live, url, storage_options=nested)
+    assert torch.equal(live["x"], torch.arange(10.0))
