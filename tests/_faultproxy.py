@@ -54,6 +54,7 @@ class FaultProxy:
         self.delay_s = 0.2
         self.stall_s = 120.0
         self.stats: Dict[str, int] = {}
+        self._first: Dict[int, str] = {}
         self._n = 0
         self._lock = threading.Lock()
         self._socks: List[socket.socket] = []
@@ -68,11 +69,23 @@ class FaultProxy:
         self._thread = threading.Thread(target=self._accept_loop, name="faultproxy", daemon=True)
         self._thread.start()
 
-    def set_faults(self, *, reset: float = 0.0, slowdown: float = 0.0, delay: float = 0.0, stall: float = 0.0, **knobs) -> None:
-        """Fractions of new connections dealt each fault (the rest pass); knobs: reset_window, delay_s, stall_s."""
+    def set_faults(
+        self, *, reset: float = 0.0, slowdown: float = 0.0, delay: float = 0.0, stall: float = 0.0, first=(), **knobs
+    ) -> None:
+        """Fractions of new connections dealt each fault (the rest pass); knobs: reset_window, delay_s, stall_s.
+
+        ``first``: fates of the next connections, in order, before the seeded
+        draw resumes. A client that keeps a few connections alive may open
+        only a handful, all of which the draw can pass: ``first`` makes
+        sure the faults a test counts on are dealt.
+        """
         if reset + slowdown + delay + stall > 1:
             raise ValueError("fault rates add up to more than 1")
+        bad = [f for f in first if f not in ("reset", "slowdown", "delay", "stall", "pass")]
+        if bad:
+            raise ValueError(f"unknown fates {bad}")
         with self._lock:
+            self._first = {self._n + i: f for i, f in enumerate(first)}
             self.rates = {"reset": reset, "slowdown": slowdown, "delay": delay, "stall": stall}
             for k, v in knobs.items():
                 if not hasattr(self, k):
@@ -101,6 +114,9 @@ class FaultProxy:
         x = rng.random()
         with self._lock:
             rates = dict(self.rates)
+            scripted = self._first.pop(n, None)
+        if scripted is not None:
+            return scripted, rng
         for kind in ("reset", "slowdown", "delay", "stall"):
             r = rates.get(kind, 0.0)
             if x < r:

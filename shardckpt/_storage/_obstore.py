@@ -163,10 +163,9 @@ def _credentials(options: Dict[str, Any], what: str) -> Tuple[Dict[str, Any], An
 
 
 def _build(bucket: str, options: Dict[str, Any], *, retries: int, what: str):
-    obstore = import_obstore()
+    import_obstore()
     from obstore.store import S3Store
 
-    del obstore
     config: Dict[str, Any] = {}
     endpoint = _endpoint(options)
     if endpoint:
