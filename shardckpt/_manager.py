@@ -48,7 +48,7 @@ from .errors import (
 if TYPE_CHECKING:  # pragma: no cover
     from torch.distributed import ProcessGroup
 
-__all__ = ["CheckpointManager", "step_dir_name", "parse_step_dir", "steps_to_delete"]
+__all__ = ["CheckpointManager", "step_dir_name", "parse_step_dir", "steps_to_delete", "stale_leftovers"]
 
 log = logging.getLogger("shardckpt")
 
@@ -130,6 +130,25 @@ def steps_to_delete(committed: Iterable[int], *, keep_last: Optional[int], keep_
 #: manifest is a directory, a name too long, a path through a file...), not
 #: that storage is unavailable: restore skips such a step like a corrupt one.
 _DAMAGE_ERRNOS = frozenset(getattr(errno, n) for n in ("EISDIR", "ENOTDIR", "ELOOP", "ENAMETOOLONG", "ENXIO", "ENODEV", "EINVAL") if hasattr(errno, n))
+
+
+def stale_leftovers(committed: Iterable[int], unfinished: Iterable[int]) -> List[int]:
+    """Steps without a manifest that retention and ``cleanup()`` may remove: those below the newest committed step.
+
+    A step directory without a manifest is either a crashed save's leftover
+    or a save in flight, maybe in another process (a ``cleanup()`` loop, a
+    second job): removing files under a save about to commit would leave a
+    committed step with missing files. Saves go forward, so one below the
+    newest committed step is no save in flight; a newer one may be and stays
+    (the next save of that step, or the first commit past it, removes it).
+
+    Example:
+        >>> stale_leftovers([3, 5], [4, 6])
+        [4]
+    """
+    done = list(committed)
+    newest = max(done) if done else None
+    return sorted(s for s in set(unfinished) if newest is not None and s < newest)
 
 
 def _is_damage(e: BaseException) -> bool:
@@ -494,9 +513,11 @@ class CheckpointManager:
 
     def _housekeeping(self, saved: int) -> None:
         committed, partial = self._scan()
-        for _, name in partial:
-            log.info("shardckpt: removing leftovers of an unfinished save: %s", self.root.url_of(name))
-            self._remove_dir(name)
+        stale = set(stale_leftovers(committed, [s for s, _ in partial]))
+        for s, name in partial:
+            if s in stale:
+                log.info("shardckpt: removing leftovers of an unfinished save: %s", self.root.url_of(name))
+                self._remove_dir(name)
         for s in steps_to_delete(committed, keep_last=self.keep_last, keep_every=self.keep_every, protect=[saved]):
             log.info("shardckpt: retention removes step %d", s)
             self._remove_step(s)
@@ -623,10 +644,16 @@ class CheckpointManager:
     def cleanup(self) -> List[str]:
         """Remove leftovers of unfinished saves; returns what was removed (rank 0).
 
-        Removes step directories without a manifest, and inside committed steps
-        any file the manifest does not list (data of a crashed ``force`` save,
-        temporary manifest files). Waits for a save in flight first. Only rank
-        0 deletes; on other ranks this is a no-op returning ``[]``.
+        Removes step directories without a manifest below the newest committed
+        step (a newer one may be a save in flight in another process:
+        :func:`stale_leftovers`), and inside committed steps any file the
+        manifest does not list (data of a crashed ``force`` save, temporary
+        manifest files). Waits for this manager's save in flight first. Only
+        rank 0 deletes; on other ranks this is a no-op returning ``[]``.
+
+        Limits: safe to run while another process saves forward (every step
+        it commits stays whole); not while another process re-saves an older
+        committed step with ``force=True`` (its new files are not yet listed).
         """
         self._check_open()
         wait_pending(raise_unobserved=False)
@@ -634,9 +661,11 @@ class CheckpointManager:
             return []
         removed = []
         committed, partial = self._scan()
-        for _, name in partial:
-            self._remove_dir(name)
-            removed.append(name)
+        stale = set(stale_leftovers(committed, [s for s, _ in partial]))
+        for s, name in partial:
+            if s in stale:
+                self._remove_dir(name)
+                removed.append(name)
         for s in committed:
             name = step_dir_name(s)
             st = self.root.child(name)

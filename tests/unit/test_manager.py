@@ -14,7 +14,7 @@ import torch
 import shardckpt
 from shardckpt import _async
 from shardckpt import _save as _api
-from shardckpt._manager import parse_step_dir, step_dir_name, steps_to_delete
+from shardckpt._manager import parse_step_dir, stale_leftovers, step_dir_name, steps_to_delete
 from shardckpt._storage import Storage
 from shardckpt.errors import (
     CheckpointError,
@@ -210,17 +210,26 @@ def test_leftovers_ignored_then_cleaned(root):
     s = _blank()
     assert mgr.restore(s) == 1
     _assert_state(s, _snapshot(_state(1)))
-    # Saving step 2 first clears step 2's own leftovers, then (after the
-    # commit) every other uncommitted step.
+    # Saving step 2 first clears step 2's own leftovers. Step 9, newer than
+    # every committed step, may be a save in flight elsewhere: it stays
+    # (stale_leftovers) until a step past it commits.
     mgr.save(2, _state(2))
-    assert sorted(st.listdir("")) == [step_dir_name(1), step_dir_name(2)]
+    assert sorted(st.listdir("")) == [step_dir_name(1), step_dir_name(2), step_dir_name(9)]
     assert mgr.cleanup() == sorted(
         [f"{step_dir_name(1)}/.manifest.json.0123.tmp", f"{step_dir_name(1)}/data/deadbeef0000-r00000-00.safetensors"]
     )
     assert mgr.cleanup() == []
+    mgr.save(10, _state(10))
+    assert sorted(st.listdir("")) == [step_dir_name(1), step_dir_name(2), step_dir_name(10)]
     s = _blank()
     assert mgr.restore(s, step=1) == 1
     shardckpt.verify(mgr.step_url(1))
+
+
+def test_stale_leftovers_are_only_those_below_the_newest_committed_step():
+    assert stale_leftovers([], [1, 2]) == []  # nothing committed: every leftover may be in flight
+    assert stale_leftovers([3, 5], [4, 6, 2]) == [2, 4]
+    assert stale_leftovers([5], [5, 7]) == []
 
 
 def test_manager_arguments_and_lifecycle(tmp_path):
