@@ -52,7 +52,8 @@ from shardckpt._format import (
     tiling_problems,
     torch_dtype,
 )
-from shardckpt._io import DEFAULT_IO_THREADS, byte_view, check_files
+from shardckpt import _knobs
+from shardckpt._io import DEFAULT_IO_THREADS, byte_view, check_files, entry_header_bytes, split_by_header
 from shardckpt._layout import box_view
 from shardckpt._plan import Box, split_box
 from shardckpt._storage import Storage
@@ -763,7 +764,11 @@ def write_native(
     if dst.exists(MANIFEST_NAME) and not overwrite:
         raise CheckpointExistsError(f"{dst.url_of(MANIFEST_NAME)} already exists; pass overwrite=True to replace it")
     save_id = uuid.uuid4().hex
-    named = {data_file_name(save_id, k): sort_entries(v) for k, v in files.items() if v}
+    named = {}
+    for k, ents in ((k, sort_entries(v)) for k, v in files.items() if v):
+        # Headers stay under the limit, as save's files do (_io.partition).
+        runs = split_by_header([entry_header_bytes(e.key, e.name, e.dtype, e.shape, e.offsets) for e in ents], _knobs.HEADER_BYTES_PER_FILE)
+        named.update({data_file_name(save_id, k if len(runs) == 1 else f"{k}-h{j:03d}"): ents[a:b] for j, (a, b) in enumerate(runs)})
     total = sum(e.nbytes for ents in named.values() for e in ents)
     bar = Progress(total, progress, desc)
     try:
