@@ -34,6 +34,7 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, NamedTuple, Op
 
 import torch
 
+from shardckpt import _knobs
 from shardckpt._format import (
     DATA_DIR,
     DTYPES,
@@ -52,7 +53,6 @@ from shardckpt._format import (
     tiling_problems,
     torch_dtype,
 )
-from shardckpt import _knobs
 from shardckpt._io import DEFAULT_IO_THREADS, byte_view, check_files, entry_header_bytes, split_by_header
 from shardckpt._layout import box_view
 from shardckpt._plan import Box, split_box

@@ -142,7 +142,6 @@ def test_save_of_many_tiny_tensors_splits_files_and_loads(tmp_path, monkeypatch)
 
 def test_converters_split_native_files_too(tmp_path, monkeypatch):
     from safetensors.torch import save_file
-
     from shardckpt.converters import from_safetensors
 
     src = tmp_path / "hf"
