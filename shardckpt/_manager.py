@@ -37,6 +37,7 @@ from ._storage import Storage
 from .errors import (
     CheckpointError,
     CheckpointNotFoundError,
+    ConcurrentUseError,
     CorruptCheckpointError,
     LoadFailedError,
     SaveFailedError,
@@ -56,6 +57,9 @@ STEP_PREFIX = "step-"
 STEP_DIGITS = 8
 _STEP_RE = re.compile(r"^step-(\d+)$")
 
+
+#: Attempts of restore() when the step it picked is deleted while it loads (another process's retention).
+RESTORE_ATTEMPTS = 3
 
 #: Suffix of the directory ``last_save_in_hf`` writes next to a step (``step-00001000-hf``).
 HF_SUFFIX = "-hf"
@@ -304,6 +308,9 @@ class CheckpointManager:
         self.restored_from: Optional[str] = None
         self._handle: Optional[AsyncSaveHandle] = None
         self._closed = False
+        # Rank 0: committed steps this manager has seen or saved (None until
+        # its first save); any other step that appears is another writer's.
+        self._known: Optional[Set[int]] = None
 
     def __repr__(self) -> str:
         return f"CheckpointManager({self.root_url!r}, keep_last={self.keep_last}, keep_every={self.keep_every}, async_save={self.async_save})"
@@ -431,10 +438,43 @@ class CheckpointManager:
 
         agree(comm, export, what=f"Hugging Face export of step {step} to {self.hf_url(step)}")
 
+    # -- one manager per root ------------------------------------------------------------
+
+    def _foreign_steps(self) -> List[int]:
+        """Rank 0: committed steps this manager did not write and had not seen (another writer's), sorted."""
+        committed = self._scan()[0]
+        if self._known is None:  # first save: what is there is the past (a restarted run's predecessor)
+            self._known = set(committed)
+            return []
+        return sorted(set(committed) - self._known)
+
+    def _claim(self, step: int) -> None:
+        """Rank 0, before each save: refuse when another writer committed steps under the root since the last save.
+
+        Two managers saving under one root would each apply retention to the
+        other's steps. Every step that appears without this manager saving
+        it is another writer's: this manager then stops saving there.
+        """
+        foreign = self._foreign_steps()
+        if foreign:
+            raise ConcurrentUseError(
+                f"save of step {step} refused: steps {format_offenders(foreign)} were committed under {self.root_url} "
+                "by another writer since this CheckpointManager's last save. Two managers must not save under one "
+                "root (the retention of one deletes what the other saves). This manager saves no more there; "
+                "restore() still works. Give each run its own root_url, or stop the other one"
+            )
+        self._known.add(step)
+
+    # -- save (engine) ---------------------------------------------------------------
+    # -- save (engine) ---------------------------------------------------------------
+
     def _save(self, step: int, state: Dict[str, Any], *, force: bool) -> Optional[AsyncSaveHandle]:
         t0 = time.perf_counter()
         comm = self._comm("CheckpointManager.save")
         wait_pending(new_save=True)
+        # Rank 0 claims (or checks) the root; its refusal is raised on every rank.
+        agree(comm, lambda: self._claim(step) if comm.rank == 0 else None, what=f"save of step {step} under {self.root_url}",
+              mode=FROM_ROOT)
         url = self.step_url(step)
         name = step_dir_name(step)
         hint = "pass force=True to replace it"
@@ -513,6 +553,13 @@ class CheckpointManager:
 
     def _housekeeping(self, saved: int) -> None:
         committed, partial = self._scan()
+        foreign = sorted(set(committed) - (self._known or set()))
+        if foreign:
+            log.warning(
+                "shardckpt: step %d committed, retention skipped: steps %s were committed under %s by another "
+                "writer (this manager's next save raises ConcurrentUseError)", saved, format_offenders(foreign), self.root_url,
+            )
+            return
         stale = set(stale_leftovers(committed, [s for s, _ in partial]))
         for s, name in partial:
             if s in stale:
@@ -600,16 +647,34 @@ class CheckpointManager:
         # it must not stand in the way of recovering.
         wait_pending(raise_unobserved=False)
         comm = self._comm("CheckpointManager.restore", error=LoadFailedError)
-        # Rank 0 picks; its error (the same type and text) is raised on every rank.
-        _, value = agree(
-            comm,
-            lambda: self._choose(s) if comm.rank == 0 else None,
-            what=f"restore from {self.root_url}",
-            share=lambda v: v,
-            mode=FROM_ROOT,
-        )
         load_kw.setdefault("io_threads", self.io_threads)
         load_kw.setdefault("collective_timeout_s", self.collective_timeout_s)
+        for attempt in range(RESTORE_ATTEMPTS):
+            # Rank 0 picks; its error (the same type and text) is raised on every rank.
+            _, value = agree(
+                comm,
+                lambda: self._choose(s) if comm.rank == 0 else None,
+                what=f"restore from {self.root_url}",
+                share=lambda v: v,
+                mode=FROM_ROOT,
+            )
+            if value is None:
+                break
+            try:
+                load(state, self.step_url(value), storage_options=self.storage_options or None, process_group=self.process_group, **load_kw)
+            except (CorruptCheckpointError, StorageError) as e:
+                # Another process's retention can delete the picked step while
+                # it loads (its manifest goes first): pick again. Errors of a
+                # load are agreed, so every rank is here and rank 0 decides.
+                name = f"{step_dir_name(value)}/{MANIFEST_NAME}"
+                _, gone = agree(comm, lambda name=name: not self.root.exists(name) if comm.rank == 0 else None,
+                                what=f"restore from {self.root_url}", share=lambda v: v, mode=FROM_ROOT)
+                if not gone or s is not None or attempt == RESTORE_ATTEMPTS - 1:
+                    raise
+                log.warning("shardckpt: step %d was deleted while it loaded (%s); picking the newest step again", value, type(e).__name__)
+                continue
+            self.restored_from = self.step_url(value)
+            return value
         if value is None:
             if self.initial_load_path is None or s is not None:
                 return None
@@ -626,10 +691,7 @@ class CheckpointManager:
                 target = {"model": state["model"]}
             load(target, self.initial_load_path, process_group=self.process_group, **load_kw)
             self.restored_from = self.initial_load_path
-            return None
-        load(state, self.step_url(value), storage_options=self.storage_options or None, process_group=self.process_group, **load_kw)
-        self.restored_from = self.step_url(value)
-        return value
+        return None
 
     # -- lifecycle ----------------------------------------------------------------
 
@@ -671,6 +733,8 @@ class CheckpointManager:
             st = self.root.child(name)
             try:
                 m = read_manifest(st)
+            except (FileNotFoundError, NotADirectoryError):
+                continue  # deleted since the scan (another process's retention): nothing left to clean
             except CheckpointError as e:
                 log.warning("shardckpt: cleanup leaves step %d alone, its manifest is unreadable: %s", s, e)
                 continue
