@@ -24,6 +24,7 @@ import logging
 import operator
 import re
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Optional, Set, Tuple
 
@@ -501,7 +502,7 @@ class CheckpointManager:
             # manifest, and cleanup() removes them.
             try:
                 if not self.root.exists(f"{name}/{MANIFEST_NAME}"):
-                    self._remove_dir(name)
+                    self._remove_leftover(name)
             except Exception as e:
                 log.warning("shardckpt: cannot remove leftovers of step %d at %s: %s: %s", step, url, type(e).__name__, e)
 
@@ -564,7 +565,7 @@ class CheckpointManager:
         for s, name in partial:
             if s in stale:
                 log.info("shardckpt: removing leftovers of an unfinished save: %s", self.root.url_of(name))
-                self._remove_dir(name)
+                self._remove_leftover(name)
         for s in steps_to_delete(committed, keep_last=self.keep_last, keep_every=self.keep_every, protect=[saved]):
             log.info("shardckpt: retention removes step %d", s)
             self._remove_step(s)
@@ -578,6 +579,35 @@ class CheckpointManager:
 
     def _remove_dir(self, name: str) -> None:
         self.root.remove_tree(name)
+
+    def _remove_leftover(self, name: str) -> None:
+        """Remove a step directory without a manifest, never one that commits meanwhile.
+
+        Another process may be committing into it right now (a second writer).
+        Where renames are atomic (local disks) the directory is first moved
+        aside: a commit after the move fails (its directory is gone, it never
+        re-creates one), and a manifest found in the moved directory means the
+        commit came first, so it is moved back whole. Object stores have no
+        such move: there a commit racing this removal can lose files (a second
+        writer is refused, see ``_claim``; ``restore`` skips such a step).
+        """
+        if not self.root.caps.atomic_rename:
+            self._remove_dir(name)
+            return
+        aside = f".removing-{name}-{uuid.uuid4().hex[:12]}"
+        try:
+            self.root.rename(name, aside)
+        except FileNotFoundError:
+            return  # gone already
+        if self.root.exists(f"{aside}/{MANIFEST_NAME}"):
+            log.warning("shardckpt: %s was committed while its leftovers were being removed: kept", self.root.url_of(name))
+            try:
+                self.root.rename(aside, name)
+                return
+            except OSError as e:  # a new directory of that name appeared: keep both, cleanup() says so
+                log.warning("shardckpt: cannot put %s back: %s", self.root.url_of(name), e)
+                return
+        self._remove_dir(aside)
 
     # -- restore ----------------------------------------------------------------
 
@@ -723,10 +753,15 @@ class CheckpointManager:
             return []
         removed = []
         committed, partial = self._scan()
+        for name in self.root.listdir(""):
+            # Moved aside by a leftover removal that did not finish (_remove_leftover).
+            if name.startswith(".removing-step-") and not self.root.exists(f"{name}/{MANIFEST_NAME}"):
+                self._remove_dir(name)
+                removed.append(name)
         stale = set(stale_leftovers(committed, [s for s, _ in partial]))
         for s, name in partial:
             if s in stale:
-                self._remove_dir(name)
+                self._remove_leftover(name)
                 removed.append(name)
         for s in committed:
             name = step_dir_name(s)
