@@ -437,3 +437,77 @@ def test_steps_agree_when_save_returns_with_retention(tmp_path):
         mgr.save(s, {"w": torch.ones(1)}).result()
         assert mgr.steps() == [s]
     mgr.close()
+
+
+def test_a_second_manager_is_refused_once_its_steps_appear(tmp_path, caplog):
+    from shardckpt.errors import ConcurrentUseError, SaveFailedError
+
+    root = str(tmp_path)
+    a = shardckpt.CheckpointManager(root, keep_last=2)
+    b = shardckpt.CheckpointManager(root, keep_last=2)
+    a.save(1, _state(1))
+    b.save(2, _state(2))  # b's first save: step 1 is the past (a restarted run's predecessor)
+    with pytest.raises(ConcurrentUseError, match=r"steps 2 were committed .* by another writer") as e:
+        a.save(3, _state(3))
+    assert isinstance(e.value, SaveFailedError) and "own root_url" in str(e.value)
+    assert a.steps() == [1, 2]  # nothing of step 3
+    b.save(4, _state(4))  # b saw 1 and saved 2: retention runs (keep_last=2)
+    assert b.steps() == [2, 4]
+    c = shardckpt.CheckpointManager(root, keep_last=1)  # a restart takes the root over
+    c.save(5, _state(5))
+    with caplog.at_level(logging.WARNING, logger="shardckpt"):
+        with pytest.raises(ConcurrentUseError, match="steps 5 were committed"):
+            b.save(6, _state(6))
+    # c's retention (keep_last=1) ran: no foreign step appeared for it.
+    assert c.steps() == [5]
+    s = _blank()
+    assert c.restore(s) == 5
+    _assert_state(s, _snapshot(_state(5)))
+
+
+def test_retention_is_skipped_once_another_writer_commits(tmp_path, caplog):
+    root = str(tmp_path)
+    a = shardckpt.CheckpointManager(root, keep_last=1)
+    a.save(1, _state(1))
+    # Another writer commits step 2 while a's save of step 3 runs (after its check).
+    real = a._claim
+
+    def claim_then_other_writer(step):
+        real(step)
+        shardckpt.save(_state(2), a.step_url(2))
+
+    a._claim = claim_then_other_writer
+    with caplog.at_level(logging.WARNING, logger="shardckpt"):
+        a.save(3, _state(3))
+    assert "retention skipped" in caplog.text
+    assert a.steps() == [1, 2, 3]  # keep_last=1 would have deleted 1 and 2
+
+
+def test_a_leftover_committed_while_it_is_removed_is_put_back(tmp_path):
+    mgr = shardckpt.CheckpointManager(str(tmp_path))
+    mgr.save(9, _state(9))
+    name = step_dir_name(9)
+    manifest = (tmp_path / name / "manifest.json").read_bytes()
+    (tmp_path / name / "manifest.json").unlink()  # a save in flight: no manifest yet
+    st = mgr.root
+    real_rename = st.rename
+    moves = []
+
+    def rename(src, dst):
+        real_rename(src, dst)
+        moves.append((src, dst))
+        if len(moves) == 1:  # the other process's commit landed just before the move
+            (tmp_path / dst / "manifest.json").write_bytes(manifest)
+
+    st.rename = rename
+    mgr._remove_leftover(name)
+    assert moves[0][0] == name and moves[1] == (moves[0][1], name)  # moved aside, then back
+    assert mgr.steps() == [9]
+    s = _blank()
+    assert mgr.restore(s) == 9
+    _assert_state(s, _snapshot(_state(9)))
+    # Without a commit it is removed, aside name included.
+    (tmp_path / name / "manifest.json").unlink()
+    st.rename = real_rename
+    mgr._remove_leftover(name)
+    assert sorted(os.listdir(tmp_path)) == []
