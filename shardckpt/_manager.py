@@ -59,6 +59,11 @@ STEP_DIGITS = 8
 _STEP_RE = re.compile(r"^step-(\d+)$")
 
 
+#: Steps saved under each root by any manager of this process. Managers of one
+#: process are one job (one save in flight per process, ``_async``): their
+#: steps are never "another writer's" to each other.
+_SAVED_IN_PROCESS: Dict[str, Set[int]] = {}
+
 #: Attempts of restore() when the step it picked is deleted while it loads (another process's retention).
 RESTORE_ATTEMPTS = 3
 
@@ -447,7 +452,12 @@ class CheckpointManager:
         if self._known is None:  # first save: what is there is the past (a restarted run's predecessor)
             self._known = set(committed)
             return []
-        return sorted(set(committed) - self._known)
+        return self._not_ours(committed)
+
+    def _not_ours(self, committed: Iterable[int]) -> List[int]:
+        """Of ``committed``, the steps neither this manager nor this process saved, nor found at its first save."""
+        ours = (self._known or set()) | _SAVED_IN_PROCESS.get(self.root_url, set())
+        return sorted(set(committed) - ours)
 
     def _claim(self, step: int) -> None:
         """Rank 0, before each save: refuse when another writer committed steps under the root since the last save.
@@ -465,6 +475,7 @@ class CheckpointManager:
                 "restore() still works. Give each run its own root_url, or stop the other one"
             )
         self._known.add(step)
+        _SAVED_IN_PROCESS.setdefault(self.root_url, set()).add(step)
 
     # -- save (engine) ---------------------------------------------------------------
     # -- save (engine) ---------------------------------------------------------------
@@ -554,7 +565,7 @@ class CheckpointManager:
 
     def _housekeeping(self, saved: int) -> None:
         committed, partial = self._scan()
-        foreign = sorted(set(committed) - (self._known or set()))
+        foreign = self._not_ours(committed)
         if foreign:
             log.warning(
                 "shardckpt: step %d committed, retention skipped: steps %s were committed under %s by another "
