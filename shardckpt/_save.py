@@ -399,10 +399,10 @@ def execute_save(plan: SavePlan) -> None:
             return
         try:
             _commit(plan, gathered, save_id)
-        except OSError as e:
-            err = _write_failed(e, storage, "commit failed")
-            raise err from err.__cause__
         except Exception as e:
+            if isinstance(e, OSError) and not isinstance(e, CheckpointError):
+                err = _write_failed(e, storage, "commit failed")
+                raise err from err.__cause__
             raise SaveFailedError(f"nothing was committed at {storage.url}: commit failed: {type(e).__name__}: {e}") from e
 
     try:
