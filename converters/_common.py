@@ -34,7 +34,6 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, NamedTuple, Op
 
 import torch
 
-from shardckpt import _knobs
 from shardckpt._format import (
     DATA_DIR,
     DTYPES,
@@ -53,7 +52,7 @@ from shardckpt._format import (
     tiling_problems,
     torch_dtype,
 )
-from shardckpt._io import DEFAULT_IO_THREADS, byte_view, check_files, entry_header_bytes, split_by_header
+from shardckpt._io import DEFAULT_IO_THREADS, byte_view, check_files, split_files_by_header
 from shardckpt._layout import box_view
 from shardckpt._plan import Box, split_box
 from shardckpt._storage import Storage
@@ -764,11 +763,8 @@ def write_native(
     if dst.exists(MANIFEST_NAME) and not overwrite:
         raise CheckpointExistsError(f"{dst.url_of(MANIFEST_NAME)} already exists; pass overwrite=True to replace it")
     save_id = uuid.uuid4().hex
-    named = {}
-    for k, ents in ((k, sort_entries(v)) for k, v in files.items() if v):
-        # Headers stay under the limit, as save's files do (_io.partition).
-        runs = split_by_header([entry_header_bytes(e.key, e.name, e.dtype, e.shape, e.offsets) for e in ents], _knobs.HEADER_BYTES_PER_FILE)
-        named.update({data_file_name(save_id, k if len(runs) == 1 else f"{k}-h{j:03d}"): ents[a:b] for j, (a, b) in enumerate(runs)})
+    # Headers stay under the limit, as save's files do.
+    named = {data_file_name(save_id, k): v for k, v in split_files_by_header({k: sort_entries(v) for k, v in files.items() if v}).items()}
     total = sum(e.nbytes for ents in named.values() for e in ents)
     bar = Progress(total, progress, desc)
     try:

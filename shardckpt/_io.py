@@ -24,7 +24,7 @@ import json
 import math
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -42,6 +42,7 @@ __all__ = [
     "write_files",
     "partition",
     "split_by_header",
+    "split_files_by_header",
     "entry_header_bytes",
     "tensor_bytes",
     "crc32c",
@@ -149,6 +150,29 @@ def split_by_header(costs: Sequence[int], limit: int) -> List[Tuple[int, int]]:
     if costs:
         runs.append((start, len(costs)))
     return runs
+
+
+def split_files_by_header(files: Dict[str, Sequence[Any]], *, header_limit: Optional[int] = None) -> Dict[str, List[Any]]:
+    """Planned files (tag -> entries in file order) with each file whose header would pass the limit cut in several.
+
+    For writers that plan their own files (the converters): an entry needs
+    ``key``, ``name``, ``dtype``, ``offsets`` and ``sizes`` (or ``shape``). A
+    file that fits keeps its tag; a cut one becomes ``<tag>-h000``,
+    ``<tag>-h001``, ... (default limit ``_knobs.HEADER_BYTES_PER_FILE``).
+
+    Example:
+        >>> split_files_by_header({"00": []})
+        {}
+    """
+    limit = header_limit if header_limit is not None else _knobs.HEADER_BYTES_PER_FILE
+    out: Dict[str, List[Any]] = {}
+    for tag, ents in files.items():
+        ents = list(ents)
+        costs = [entry_header_bytes(e.key, e.name, e.dtype, getattr(e, "sizes", None) or e.shape, e.offsets) for e in ents]
+        runs = split_by_header(costs, limit)
+        for j, (a, b) in enumerate(runs):
+            out[tag if len(runs) == 1 else f"{tag}-h{j:03d}"] = ents[a:b]
+    return out
 
 
 def partition(

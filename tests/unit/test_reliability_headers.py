@@ -159,3 +159,14 @@ def test_converters_split_native_files_too(tmp_path, monkeypatch):
     assert len(m.tensors) == 300
     raw = json.loads(open(os.path.join(dst, "manifest.json"), "rb").read())
     assert sum(1 for f in raw["files"] if f.endswith(".safetensors")) == len(files)
+
+
+def test_split_files_by_header_keeps_tags_that_fit_and_numbers_the_cut_ones():
+    from shardckpt._io import split_files_by_header
+
+    small = _items(3)
+    many = _items(300)
+    out = split_files_by_header({"00": small, "01": many, "02": []}, header_limit=SMALL_LIMIT)
+    assert out["00"] == small and "02" not in out
+    cut = [t for t in out if t.startswith("01-h")]
+    assert len(cut) > 1 and cut == sorted(cut) and [it for t in cut for it in out[t]] == many
