@@ -18,6 +18,10 @@ environment variable                default     what it sets
                                                 gap is read and dropped); 0 locally
 ``SHARDCKPT_MIN_BYTES_PER_FILE``    64 MiB      a rank's data is split over several files
                                                 (one per I/O thread) above this size
+``SHARDCKPT_HEADER_BYTES_PER_FILE`` 16 MiB      estimated safetensors header bytes per data
+                                                file: more chunks go to another file
+                                                (safetensors readers refuse headers over
+                                                100 MB; 4 KiB .. 64 MiB)
 ``SHARDCKPT_COLLECTIVE_TIMEOUT_S``  1800        bound of every cross-rank exchange of
                                                 save/load/async_save/the manager (the
                                                 ``collective_timeout_s=`` default)
@@ -72,6 +76,7 @@ __all__ = [
     "READ_BLOCK_BYTES",
     "COALESCE_GAP_BYTES",
     "MIN_BYTES_PER_FILE",
+    "HEADER_BYTES_PER_FILE",
     "COLLECTIVE_TIMEOUT_S",
     "LIVENESS_TIMEOUT_S",
     "REGISTER_MIN_BYTES",
@@ -108,7 +113,7 @@ def _bad(name: str, raw: str, want: str) -> ValueError:
     return ValueError(f"environment variable {ENV_PREFIX}{name}={raw!r} is not {want}; unset it or fix the value")
 
 
-def _int(name: str, default: int, *, minimum: int = 1) -> int:
+def _int(name: str, default: int, *, minimum: int = 1, maximum: int | None = None) -> int:
     raw = _env(name)
     if raw is None:
         return default
@@ -118,6 +123,8 @@ def _int(name: str, default: int, *, minimum: int = 1) -> int:
     value = int(m.group(1)) * _UNITS[m.group(2).lower()]
     if value < minimum:
         raise _bad(name, raw, f"at least {minimum}")
+    if maximum is not None and value > maximum:
+        raise _bad(name, raw, f"at most {maximum}")
     return value
 
 
@@ -158,6 +165,10 @@ READ_BLOCK_BYTES = _int("READ_BLOCK_BYTES", 32 << 20)
 COALESCE_GAP_BYTES = _int("COALESCE_GAP_BYTES", 1 << 20, minimum=0)
 #: A rank's data is split into several files (one per I/O thread) above this size.
 MIN_BYTES_PER_FILE = _int("MIN_BYTES_PER_FILE", 64 << 20)
+#: Estimated header bytes a data file may get before its chunks are split over
+#: more files (many small tensors): safetensors' readers refuse headers over
+#: 100 MB, so the bound stays well under that.
+HEADER_BYTES_PER_FILE = _int("HEADER_BYTES_PER_FILE", 16 << 20, minimum=4096, maximum=64 << 20)
 #: Bound of every cross-rank exchange of one save/load. An exchange waits for
 #: the slowest rank to arrive, so it must exceed the longest write (or read)
 #: of one rank's shard; a rank that never calls is named after this long.
