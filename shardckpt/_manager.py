@@ -210,7 +210,9 @@ class CheckpointManager:
         async_save: :meth:`save` returns once the state is staged in host
             memory and writes in the background (see :func:`shardckpt.async_save`).
         process_group: ranks that save and restore (default: the world).
-        io_threads: parallel readers/writers per rank.
+        io_threads: parallel readers/writers per rank (default: each
+            operation's own: ``SHARDCKPT_IO_THREADS`` for saves and CPU
+            loads, ``SHARDCKPT_LOAD_CUDA_IO_THREADS`` for loads into GPUs).
         collective_timeout_s: bound of every exchange between ranks the
             manager runs (default ``SHARDCKPT_COLLECTIVE_TIMEOUT_S``, as for
             :func:`shardckpt.save`).
@@ -270,7 +272,7 @@ class CheckpointManager:
         storage_options: Optional[Dict[str, Any]] = None,
         async_save: bool = False,
         process_group: Optional["ProcessGroup"] = None,
-        io_threads: int = DEFAULT_IO_THREADS,
+        io_threads: Optional[int] = None,
         collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S,
         reuse_buffers: bool = True,
         check_files: bool = True,
@@ -298,6 +300,8 @@ class CheckpointManager:
         self.async_save = bool(async_save)
         self.process_group = process_group
         self.io_threads = io_threads
+        # Saves and exports take a number; a load given none picks by target device.
+        self._write_threads = DEFAULT_IO_THREADS if io_threads is None else io_threads
         self.collective_timeout_s = float(collective_timeout_s)
         self.reuse_buffers = reuse_buffers
         self.check_files = check_files
@@ -440,7 +444,7 @@ class CheckpointManager:
             if comm.rank == 0:
                 to_safetensors(self.step_url(step), self.hf_url(step), dtype=self.export_dtype, overwrite=True,
                                storage_options=self.storage_options or None,
-                               dst_storage_options=self.storage_options or None, io_threads=self.io_threads)
+                               dst_storage_options=self.storage_options or None, io_threads=self._write_threads)
 
         agree(comm, export, what=f"Hugging Face export of step {step} to {self.hf_url(step)}")
 
@@ -497,7 +501,7 @@ class CheckpointManager:
                 comm=comm,
                 storage_options=self.storage_options or None,
                 overwrite=force,
-                io_threads=self.io_threads,
+                io_threads=self._write_threads,
                 extra={"step": step},
                 exists_hint=f"step {step} is already committed; {hint}",
             )
@@ -688,7 +692,8 @@ class CheckpointManager:
         # it must not stand in the way of recovering.
         wait_pending(raise_unobserved=False)
         comm = self._comm("CheckpointManager.restore", error=LoadFailedError)
-        load_kw.setdefault("io_threads", self.io_threads)
+        if self.io_threads is not None:
+            load_kw.setdefault("io_threads", self.io_threads)
         load_kw.setdefault("collective_timeout_s", self.collective_timeout_s)
         for attempt in range(RESTORE_ATTEMPTS):
             # Rank 0 picks; its error (the same type and text) is raised on every rank.

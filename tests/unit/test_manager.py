@@ -518,3 +518,26 @@ def test_a_leftover_committed_while_it_is_removed_is_put_back(tmp_path):
     st.rename = real_rename
     mgr._remove_leftover(name)
     assert sorted(os.listdir(tmp_path)) == []
+
+
+def test_restore_leaves_the_load_thread_count_to_load_unless_given(tmp_path, monkeypatch):
+    # A manager built without io_threads must not pin GPU restores to the CPU
+    # default: load() picks SHARDCKPT_LOAD_CUDA_IO_THREADS for CUDA targets.
+    import shardckpt._manager as mgr_mod
+
+    seen = []
+    real = mgr_mod.load
+
+    def spy(*a, **kw):
+        seen.append(kw.get("io_threads", "unset"))
+        return real(*a, **kw)
+
+    monkeypatch.setattr(mgr_mod, "load", spy)
+    state = {"w": torch.arange(4.0)}
+    m = shardckpt.CheckpointManager(str(tmp_path / "a"))
+    m.save(1, state)
+    assert m.restore({"w": torch.zeros(4)}) == 1
+    m2 = shardckpt.CheckpointManager(str(tmp_path / "b"), io_threads=3)
+    m2.save(1, state)
+    assert m2.restore({"w": torch.zeros(4)}) == 1
+    assert seen == ["unset", 3]
