@@ -41,6 +41,7 @@ import functools
 import logging
 import threading
 import time
+import traceback
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
@@ -368,10 +369,27 @@ def _run(handle: AsyncSaveHandle, plan: SavePlan, before, after, cleanup=None) -
             after(plan.comm)
         except Exception as e:  # the save is committed; housekeeping failures only warn
             log.warning("shardckpt: after committing %s: %s: %s", plan.storage.url, type(e).__name__, e)
+    if err is not None:
+        _drop_frame_locals(err)
+    # This frame is in err's traceback too: it must not keep the staged copies.
+    plan = None  # type: ignore[assignment]
     if cleanup is not None:
-        plan = None  # type: ignore[assignment]  # the staged views go before their memory
         cleanup()
     handle._finish(err)
+
+
+def _drop_frame_locals(err: BaseException) -> None:
+    """Clear the locals of the frames in ``err``'s tracebacks (which still print).
+
+    A failed save's error is kept until someone reads it; its frames would
+    otherwise keep the staged copies (a shared-memory arena too) alive.
+    """
+    seen = set()
+    e: Optional[BaseException] = err
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        traceback.clear_frames(e.__traceback__)
+        e = e.__cause__ or e.__context__
 
 
 def start_async(
