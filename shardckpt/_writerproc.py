@@ -132,6 +132,8 @@ def usable_for(storage) -> bool:
     """Whether a writer child can write to ``storage`` (its own ``Storage(url)`` reaches the same files)."""
     from ._storage._factory import backend_for
 
+    if not hasattr(os, "memfd_create"):
+        return False  # not Linux: no anonymous shared memory to stage into
     if storage.url.split("://", 1)[0] in _IN_PROCESS_PROTOCOLS and "://" in storage.url:
         return False
     try:

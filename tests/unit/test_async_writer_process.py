@@ -212,3 +212,16 @@ def test_bad_knob_value_names_the_variable():
     p = subprocess.run([sys.executable, "-c", "import shardckpt._knobs"], env=env, capture_output=True, text=True)
     assert p.returncode != 0
     assert "SHARDCKPT_ASYNC_WRITER='fork'" in p.stderr and "thread, process" in p.stderr
+
+
+def test_gil_benchmark_runs_both_writers(tmp_path):
+    """``bench_async.py --gil --writer both`` (tiny) runs end to end, as a user runs it."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    cmd = [sys.executable, os.path.join(root, "benchmarks", "bench_async.py"), "--gil", "--writer", "both",
+           "--size-gb", "0.01", "--tensors", "4", "--iters", "1", "--gil-steps", "3", "--gil-layers", "2",
+           "--dir", str(tmp_path / "scratch"), "--out", str(tmp_path / "gil.txt")]
+    p = subprocess.run(cmd, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-4000:]
+    out = (tmp_path / "gil.txt").read_text()
+    for w in ("thread", "process"):
+        assert f"async_save ({w}): stall median" in out and f"GIL share of the slowdown ({w})" in out, out
