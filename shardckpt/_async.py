@@ -477,6 +477,11 @@ def async_save(
     Only one save is in flight per process: the call first waits for the
     previous one, and raises its error if nobody has seen it yet.
 
+    With ``SHARDCKPT_ASYNC_WRITER=process`` the data files are written by a
+    persistent writer child from shared-memory staging (out of this
+    process's GIL; same bytes on disk); a child that dies fails the save
+    with ``SaveFailedError`` naming it. See docs/knobs.md.
+
     Args:
         state: as for :func:`shardckpt.save`.
         url: local directory or fsspec URL.

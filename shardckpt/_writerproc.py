@@ -94,6 +94,7 @@ class Arena:
             os.close(self.fd)
             raise
         self.registered = False
+        self._tried = False
         Arena._next_gen += 1
         self.gen = (os.getpid(), Arena._next_gen)
 
@@ -102,8 +103,9 @@ class Arena:
         return self.tensor.data_ptr()  # type: ignore[union-attr]
 
     def register(self) -> bool:
-        """Pin the arena for fast device-to-host copies (``cudaHostRegister``); False if CUDA refuses."""
-        if not self.registered:
+        """Pin the arena for fast device-to-host copies (``cudaHostRegister``, tried once); False if CUDA refuses."""
+        if not self.registered and not self._tried:
+            self._tried = True
             rc = int(torch.cuda.cudart().cudaHostRegister(self.base, self.nbytes, 0))
             self.registered = rc == 0
             if not self.registered:
