@@ -341,7 +341,8 @@ def gil_cost(args) -> int:
     memory) or ``both`` (each in turn, every round). The control writes the
     same bytes through the same writer from a second process, so it competes
     for the CPUs but not for this process's GIL. Rounds interleave them all so
-    that noise hits them alike; one unmeasured save per writer first (buffers
+    that noise hits them alike (the two writers in alternating order); one
+    unmeasured save per writer first (buffers
     allocated, the writer child started). The GIL cost of the background
     write is the in-process slowdown beyond the control's; the CPU cost is
     the control's slowdown itself (on a machine with spare cores, near zero).
@@ -372,7 +373,8 @@ def gil_cost(args) -> int:
             shutil.rmtree(os.path.join(base, f"warm-{w}"), ignore_errors=True)
         for i in range(args.iters):
             alone += [step() for _ in range(args.gil_steps)]
-            for w in writers:
+            # Alternate the order: a save's write-back still runs when the next one starts.
+            for w in writers if i % 2 == 0 else writers[::-1]:
                 _knobs.ASYNC_WRITER = w
                 url = os.path.join(base, f"a{i}-{w}")
                 t0 = time.perf_counter()

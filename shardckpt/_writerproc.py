@@ -62,6 +62,9 @@ CHILD_START_TIMEOUT_S = 300.0
 #: How often a wait for the child checks that it is still alive (the closed socket usually tells first).
 _POLL_S = 1.0
 
+#: How long a child whose socket closed may take to exit before it is killed.
+_EXIT_WAIT_S = 10.0
+
 #: The environment variable that gives the child its socket's file descriptor.
 _FD_ENV = "SHARDCKPT_WRITER_FD"
 
@@ -205,7 +208,13 @@ class ProcessWriter:
 
     def _died(self, what: str) -> SaveFailedError:
         proc = self._proc
-        rc = proc.wait() if proc is not None else None
+        rc = None
+        if proc is not None:
+            try:
+                rc = proc.wait(_EXIT_WAIT_S)
+            except subprocess.TimeoutExpired:  # its socket closed but it lingers: it is of no use any more
+                proc.kill()
+                rc = proc.wait()
         how = f"killed by signal {-rc}" if rc is not None and rc < 0 else f"exit code {rc}"
         pid = proc.pid if proc is not None else "?"
         self._kill()
