@@ -129,15 +129,23 @@ def test_same_bytes_as_the_thread_writer(tmp_path, monkeypatch):
     assert a["manifest.json"] == b["manifest.json"]
 
 
-def test_writer_killed_mid_save_fails_and_keeps_the_previous_checkpoint(tmp_path, process_writer):
+def test_writer_killed_mid_save_fails_and_keeps_the_previous_checkpoint(tmp_path, process_writer, monkeypatch):
     url = str(tmp_path / "ckpt")
     shardckpt.async_save(_state(4), url, no_dist=True).result(timeout=300)
     before = _tree(url)
     pid = _child_pid()
-    # Frozen, the child cannot answer the save's request; then it dies.
+    # Frozen, the child cannot answer the save's request; it dies once the
+    # request is sent (killed earlier, the save would just start a new child).
     os.kill(pid, signal.SIGSTOP)
+    real_recv = _writerproc.ProcessWriter._recv
+
+    def kill_then_recv(self, timeout, *, what):
+        if what.startswith("writing"):
+            os.kill(pid, signal.SIGKILL)
+        return real_recv(self, timeout, what=what)
+
+    monkeypatch.setattr(_writerproc.ProcessWriter, "_recv", kill_then_recv)
     h = shardckpt.async_save(_state(5), url, no_dist=True, overwrite=True)
-    os.kill(pid, signal.SIGKILL)
     with pytest.raises(SaveFailedError) as ei:
         h.result(timeout=300)
     msg = str(ei.value)
@@ -149,6 +157,7 @@ def test_writer_killed_mid_save_fails_and_keeps_the_previous_checkpoint(tmp_path
     _assert_equal(got, _state(4))
 
     # The next save starts a new child and commits.
+    monkeypatch.setattr(_writerproc.ProcessWriter, "_recv", real_recv)
     shardckpt.async_save(_state(6), url, no_dist=True, overwrite=True).result(timeout=300)
     assert _child_pid() != pid
     got = _zeros_like(_state(6))
