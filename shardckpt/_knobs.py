@@ -40,6 +40,9 @@ environment variable                default     what it sets
                                     CPUs)
 ``SHARDCKPT_LOAD_RANGE_BYTES``      8 MiB       largest coalesced read of a load, and the
                                                 size of one reusable read buffer
+``SHARDCKPT_ASYNC_WRITER``          thread      who writes an async save's bytes: ``thread``
+                                                (in the training process) or ``process``
+                                                (a writer child, out of its GIL)
 ``SHARDCKPT_BLOCK_BYTES``           1 MiB       format v2: one CRC-32C per this many bytes
                                                 of each chunk, so a ranged read verifies
                                                 on its own (at least 4 KiB)
@@ -86,6 +89,7 @@ __all__ = [
     "LOAD_CUDA_BUFFER_BYTES",
     "LOAD_CUDA_IO_THREADS",
     "BLOCK_BYTES",
+    "ASYNC_WRITER",
     "STORAGE_RETRIES",
     "RETRY_BASE_DELAY_S",
     "RETRY_MAX_DELAY_S",
@@ -206,6 +210,14 @@ LOAD_CUDA_IO_THREADS = _int("LOAD_CUDA_IO_THREADS", min(16, os.cpu_count() or 1)
 #: read over-reads at most one block at each end. Written into the manifest,
 #: so checkpoints saved with another value read the same.
 BLOCK_BYTES = _int("BLOCK_BYTES", 1 << 20, minimum=4096)
+#: Who writes an async save's data files: ``thread`` (a thread of the
+#: training process) or ``process`` (a persistent writer child fed through
+#: shared memory, so its per-block CRC work never takes the training GIL).
+#: Read at each ``async_save``. See shardckpt/_writerproc.py, docs/performance.md.
+ASYNC_WRITERS = ("thread", "process")
+ASYNC_WRITER = (_env("ASYNC_WRITER") or "thread").lower()
+if ASYNC_WRITER not in ASYNC_WRITERS:
+    raise _bad("ASYNC_WRITER", os.environ[ENV_PREFIX + "ASYNC_WRITER"], "one of " + ", ".join(ASYNC_WRITERS))
 
 # -- storage (shardckpt/_storage; read at call time, so in-process assignment works)
 

@@ -234,6 +234,9 @@ class SavePlan:
     #: Said when the target is committed and ``overwrite`` is False: the
     #: switch of the call the user made (the manager's is ``force=True``).
     exists_hint: str = OVERWRITE_HINT
+    #: Stand-in for ``_io.write_files`` (same signature): the async save's
+    #: writer process (``_writerproc``). None: this process writes.
+    writer: Optional[Callable[..., Any]] = None
 
     @property
     def rank(self) -> int:
@@ -365,7 +368,7 @@ def execute_save(plan: SavePlan) -> None:
 
     def write() -> Tuple[Any, ...]:
         try:
-            named, fmetas, index = write_rank(storage, files, save_id, rank, threads=plan.io_threads)
+            named, fmetas, index = write_rank(storage, files, save_id, rank, threads=plan.io_threads, writer=plan.writer)
         except OSError as e:
             err = _write_failed(e, storage, f"rank {rank} could not write its files")
             raise err from err.__cause__
@@ -423,6 +426,7 @@ def write_rank(
     *,
     threads: int = DEFAULT_IO_THREADS,
     block_bytes: Optional[int] = None,
+    writer: Optional[Callable[..., Any]] = None,
 ) -> Tuple[List[Tuple[str, ChunkMeta]], Dict[str, FileMeta], Optional[Tuple[str, int, int]]]:
     """Write one rank's data files, then its v2 index file: the bytes of a save (and of a converter's output).
 
@@ -431,6 +435,8 @@ def write_rank(
         files: relative path -> this rank's chunks in it (``_io.write_files``).
         save_id / rank: name the index file (``data/<save>-index-r<rank>.json``).
         threads / block_bytes: as ``write_files`` (block CRC size, default ``SHARDCKPT_BLOCK_BYTES``).
+        writer: who writes the data files (default ``_io.write_files``, here;
+            the async save's writer process passes its own, same signature).
 
     Returns:
         ``([(tensor name, chunk)], {file: FileMeta}, (index path, size, crc32c) or None)``;
@@ -445,7 +451,7 @@ def write_rank(
     block_bytes = block_bytes or _knobs.BLOCK_BYTES
     # A chunk's tensor name travels with it: (file, key) identifies the item written.
     names = {(rel, it.key): it.name for rel, items in files.items() for it in items}
-    chunks, fmetas = write_files(storage, files, threads=threads, block_bytes=block_bytes)
+    chunks, fmetas = (writer or write_files)(storage, files, threads=threads, block_bytes=block_bytes)
     named = [(names[(c.file, c.key)], c) for c in chunks]
     index = None
     if named:
