@@ -23,6 +23,7 @@ Usage:
     python benchmarks/bench_async.py --device cpu --size-gb 1 --out async.md
     python benchmarks/bench_async.py --gil --device cpu --size-gb 1 --iters 3   # GIL cost of the background write
     python benchmarks/bench_async.py --gil --device cuda --size-gb 2 --iters 5
+    python benchmarks/bench_async.py --gil --writer both --size-gb 1 --iters 4   # thread vs process writer
     torchrun --nproc-per-node 2 benchmarks/bench_async.py --device cuda --size-gb 4 --out async.md
 
 The state is ``--size-gb`` of fp32 in total (split evenly across ranks as
@@ -334,13 +335,17 @@ def gil_cost(args) -> int:
     """Step time of a GIL-bound training loop: alone, with an async_save writing, with the same save in another process.
 
     The state (``--size-gb`` of other tensors, on ``--device``) is written by
-    ``async_save`` in a background thread of this process while the loop
-    runs; the control writes the same bytes through the same writer from a
-    second process, so it competes for the CPUs but not for this process's
-    GIL. Rounds interleave the three so that noise hits them alike. The GIL
-    cost of the background write is the in-process slowdown beyond the
-    control's; the CPU cost is the control's slowdown itself (on a machine
-    with spare cores, near zero).
+    ``async_save`` while the loop runs, with the writer of ``--writer``:
+    ``thread`` (a background thread of this process), ``process``
+    (``SHARDCKPT_ASYNC_WRITER=process``: a writer child fed through shared
+    memory) or ``both`` (each in turn, every round). The control writes the
+    same bytes through the same writer from a second process, so it competes
+    for the CPUs but not for this process's GIL. Rounds interleave them all so
+    that noise hits them alike (the two writers in alternating order); one
+    unmeasured save per writer first (buffers
+    allocated, the writer child started). The GIL cost of the background
+    write is the in-process slowdown beyond the control's; the CPU cost is
+    the control's slowdown itself (on a machine with spare cores, near zero).
     """
     device = args.device
     if device == "cuda" and not torch.cuda.is_available():
@@ -349,32 +354,43 @@ def gil_cost(args) -> int:
     os.makedirs(base, exist_ok=True)
     state = build_state(args.size_gb, args.tensors, device, 0, 1)
     step = _gil_model(args, device)
+    from shardckpt import _knobs
+
+    writers = ["thread", "process"] if args.writer == "both" else [args.writer]
     child = None if args.no_control else _Child(args, base)
     for _ in range(30):
         step()
     alone: List[float] = []
-    inproc: List[float] = []
+    inproc: Dict[str, List[float]] = {w: [] for w in writers}
     control: List[float] = []
-    stalls: List[float] = []
-    writes: List[float] = []
+    stalls: Dict[str, List[float]] = {w: [] for w in writers}
+    writes: Dict[str, List[float]] = {w: [] for w in writers}
+    knob = _knobs.ASYNC_WRITER
     try:
+        for w in writers:  # warm-up: staging buffers, the writer child
+            _knobs.ASYNC_WRITER = w
+            shardckpt.async_save(state, os.path.join(base, f"warm-{w}"), no_dist=True).result()
+            shutil.rmtree(os.path.join(base, f"warm-{w}"), ignore_errors=True)
         for i in range(args.iters):
             alone += [step() for _ in range(args.gil_steps)]
-            t0 = time.perf_counter()
-            h = shardckpt.async_save(state, os.path.join(base, f"a{i}"), no_dist=True)
-            stalls.append(time.perf_counter() - t0)
-            n = 0
-            while not h.done():
-                inproc.append(step())
-                n += 1
-            h.result()
-            writes.append(time.perf_counter() - t0)
-            shutil.rmtree(os.path.join(base, f"a{i}"), ignore_errors=True)
+            # Alternate the order: a save's write-back still runs when the next one starts.
+            for w in writers if i % 2 == 0 else writers[::-1]:
+                _knobs.ASYNC_WRITER = w
+                url = os.path.join(base, f"a{i}-{w}")
+                t0 = time.perf_counter()
+                h = shardckpt.async_save(state, url, no_dist=True)
+                stalls[w].append(time.perf_counter() - t0)
+                while not h.done():
+                    inproc[w].append(step())
+                h.result()
+                writes[w].append(time.perf_counter() - t0)
+                shutil.rmtree(url, ignore_errors=True)
             if child is not None:
                 child.go()
                 while not child.done.is_set():
                     control.append(step())
     finally:
+        _knobs.ASYNC_WRITER = knob
         if child is not None:
             child.close()
         shardckpt.release_buffers()
@@ -388,20 +404,24 @@ def gil_cost(args) -> int:
         f"torch threads {torch.get_num_threads()}, cpus {os.cpu_count()}",
         f"loop: {args.gil_layers} x Linear({args.gil_width}) + ReLU, batch {args.gil_batch}, AdamW "
         f"({nparams / 1e6:.2f} M params); {args.iters} rounds",
-        f"async_save: stall median {med(stalls) * 1e3:.0f} ms, call to committed median {med(writes):.2f} s",
-        f"step alone:                          median {m_alone * 1e3:.2f} ms over {len(alone)} steps",
     ]
-    if inproc:
-        m_in = med(inproc)
-        lines.append(f"step, async_save writing (thread):   median {m_in * 1e3:.2f} ms over {len(inproc)} steps "
-                     f"({m_in / m_alone:.3f}x)")
+    for w in writers:
+        lines.append(f"async_save ({w}): stall median {med(stalls[w]) * 1e3:.0f} ms, "
+                     f"call to committed median {med(writes[w]):.2f} s")
+    lines.append(f"step alone:                          median {m_alone * 1e3:.2f} ms over {len(alone)} steps")
+    for w in writers:
+        if inproc[w]:
+            m_in = med(inproc[w])
+            lines.append(f"step, async_save writing ({w + '):':9s} median {m_in * 1e3:.2f} ms over {len(inproc[w])} steps "
+                         f"({m_in / m_alone:.3f}x)")
     if control:
         m_ctl = med(control)
         lines.append(f"step, same save in another process:  median {m_ctl * 1e3:.2f} ms over {len(control)} steps "
                      f"({m_ctl / m_alone:.3f}x)")
-        if inproc:
-            lines.append(f"GIL share of the slowdown: {(med(inproc) - m_ctl) / m_alone * 100:+.1f}% of a step "
-                         f"(in-process minus other-process); CPU share: {(m_ctl - m_alone) / m_alone * 100:+.1f}%")
+        for w in writers:
+            if inproc[w]:
+                lines.append(f"GIL share of the slowdown ({w}): {(med(inproc[w]) - m_ctl) / m_alone * 100:+.1f}% of a step "
+                             f"(in-process minus other-process); CPU share: {(m_ctl - m_alone) / m_alone * 100:+.1f}%")
     print("\n".join(lines))
     if args.out:
         with open(args.out, "w") as f:
@@ -426,6 +446,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--gil-batch", type=int, default=8, help="--gil: batch size (default 8)")
     ap.add_argument("--gil-steps", type=int, default=100, help="--gil: steps alone per round (default 100)")
     ap.add_argument("--no-control", action="store_true", help="--gil: skip the other-process control")
+    ap.add_argument("--writer", choices=["thread", "process", "both"], default="thread",
+                    help="--gil: the async save's writer (SHARDCKPT_ASYNC_WRITER); both: each in turn (default thread)")
     ap.add_argument("--gil-probe", action="store_true",
                     help="instead: the loop's step time next to a thread doing only CRC-32C (1 or 32 MiB calls) or writes")
     ap.add_argument("--gil-child", action="store_true", help=argparse.SUPPRESS)

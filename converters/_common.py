@@ -44,7 +44,16 @@ from shardckpt._format import (
     tiling_problems,
     torch_dtype,
 )
-from shardckpt._io import DEFAULT_IO_THREADS, WriteItem, byte_view, check_files, partition, tensor_bytes, write_files
+from shardckpt._io import (
+    DEFAULT_IO_THREADS,
+    WriteItem,
+    byte_view,
+    check_files,
+    partition,
+    split_files_by_header,
+    tensor_bytes,
+    write_files,
+)
 from shardckpt._layout import box_view
 from shardckpt._readers import BufferPool, SavedChunk, Want, read_verified
 from shardckpt._save import write_rank
@@ -392,7 +401,11 @@ def write_native(
         raise CheckpointExistsError(f"{dst.url_of(MANIFEST_NAME)} already exists; pass overwrite=True to replace it")
     save_id = uuid.uuid4().hex
     block_bytes = _knobs.BLOCK_BYTES
-    named = {r: {data_file_name(save_id, tag): _sorted(ents) for tag, ents in files.items() if ents} for r, files in ranks.items()}
+    # Headers stay under the limit, as save's files do.
+    named = {
+        r: {data_file_name(save_id, tag): ents for tag, ents in split_files_by_header({t: _sorted(e) for t, e in files.items() if e}).items()}
+        for r, files in ranks.items()
+    }
     named = {r: files for r, files in named.items() if files}
     data = sorted(rel for files in named.values() for rel in files)
     total = sum(e.nbytes for files in named.values() for ents in files.values() for e in ents)

@@ -44,6 +44,7 @@ __all__ = [
     "UnsafeMetadataError",
     "StorageError",
     "SaveFailedError",
+    "ConcurrentUseError",
     "LoadFailedError",
     "UsageError",
     "__version__",
@@ -77,6 +78,7 @@ _ERRORS = {
     "UnsafeMetadataError",
     "StorageError",
     "SaveFailedError",
+    "ConcurrentUseError",
     "LoadFailedError",
     "UsageError",
 }

@@ -22,6 +22,13 @@ At most one save is in flight per process: a new save (async or through a
 failed and nobody looked at its error yet (``result()``/``exception()``), the
 new save raises it instead of starting. Errors are never dropped.
 
+Writer: a thread of this process (default), or with
+``SHARDCKPT_ASYNC_WRITER=process`` a persistent writer child
+(``_writerproc``): staging then goes into one shared-memory arena (pinned
+for CUDA sources) and the child writes the data files from it with the same
+``_io.write_files``, out of this process's GIL; the index file, exchanges and
+commit stay in the background thread here, so the bytes on disk are the same.
+
 Exchanges between ranks go through ``_collective.agree`` (the process
 group's store, bounded by ``collective_timeout_s``); the background thread
 uses its own channel of them, never the training group's collectives the
@@ -30,15 +37,17 @@ main thread keeps using.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
+import traceback
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from . import _knobs
+from . import _knobs, _writerproc
 from ._collective import DEFAULT_COLLECTIVE_TIMEOUT_S, Comm, agree, open_comm
 from ._format import MANIFEST_NAME
 from ._io import DEFAULT_IO_THREADS
@@ -125,37 +134,15 @@ class _Stager:
             self.release()
         used: Dict[_Key, List[_Buf]] = {}
         out: List[torch.Tensor] = []
-        cuda: Dict[int, List[Tuple[torch.Tensor, torch.Tensor]]] = {}
-        host: List[Tuple[torch.Tensor, torch.Tensor]] = []
         try:
             for t in tensors:
-                t = t.detach()
                 pinned = t.is_cuda
                 key = (tuple(t.shape), t.dtype, pinned)
                 bucket = free.get(key)
                 buf = bucket.pop() if bucket else self._alloc(key[0], t.dtype, pinned, reuse)
                 used.setdefault(key, []).append(buf)
                 out.append(buf.tensor)
-                if pinned:
-                    cuda.setdefault(t.device.index or 0, []).append((buf.tensor, t))
-                else:
-                    host.append((buf.tensor, t))
-            with torch.no_grad():
-                # Launch the device-to-host copies first so the DMA runs while
-                # the host copies below keep the CPU busy. They are waited for
-                # in wait_copies(), after the peers' verdicts arrive.
-                for idx, pairs in cuda.items():
-                    dev = torch.device("cuda", idx)
-                    s = self._stream(dev)
-                    # Order after the work already queued (e.g. an optimizer
-                    # step) on the stream training uses.
-                    s.wait_stream(torch.cuda.current_stream(dev))
-                    self.pending.append(s)
-                    with torch.cuda.stream(s):
-                        for dst, src in pairs:
-                            dst.copy_(src, non_blocking=True)
-                for dst, src in host:
-                    dst.copy_(src)
+            self._copy(out, tensors)
         finally:
             # Buffers not used by this save go; the used ones are reused next
             # time (the next staging waits for this save to finish first).
@@ -165,6 +152,33 @@ class _Stager:
             if reuse:
                 self.free = used
         return out
+
+    def _copy(self, dsts: List[torch.Tensor], srcs: List[torch.Tensor]) -> None:
+        """Copy each source into its buffer: host copies now, device-to-host ones launched on side streams."""
+        cuda: Dict[int, List[Tuple[torch.Tensor, torch.Tensor]]] = {}
+        host: List[Tuple[torch.Tensor, torch.Tensor]] = []
+        for dst, t in zip(dsts, srcs):
+            t = t.detach()
+            if t.is_cuda:
+                cuda.setdefault(t.device.index or 0, []).append((dst, t))
+            else:
+                host.append((dst, t))
+        with torch.no_grad():
+            # Launch the device-to-host copies first so the DMA runs while
+            # the host copies below keep the CPU busy. They are waited for
+            # in wait_copies(), after the peers' verdicts arrive.
+            for idx, pairs in cuda.items():
+                dev = torch.device("cuda", idx)
+                s = self._stream(dev)
+                # Order after the work already queued (e.g. an optimizer
+                # step) on the stream training uses.
+                s.wait_stream(torch.cuda.current_stream(dev))
+                self.pending.append(s)
+                with torch.cuda.stream(s):
+                    for dst, src in pairs:
+                        dst.copy_(src, non_blocking=True)
+            for dst, src in host:
+                dst.copy_(src)
 
     def wait_copies(self) -> None:
         """Block until the device-to-host copies of the last ``stage`` are done."""
@@ -180,7 +194,50 @@ class _Stager:
         self.free = {}
 
 
+class _ArenaStager(_Stager):
+    """Stages into one shared-memory arena that the writer process maps (``SHARDCKPT_ASYNC_WRITER=process``).
+
+    The arena is reused while a save fits in it; a bigger save replaces it.
+    For CUDA sources it is pinned whole with ``cudaHostRegister`` (unpinned
+    staging if CUDA refuses: correct, slower copies).
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.arena: Optional[_writerproc.Arena] = None
+
+    def stage(self, tensors: List[torch.Tensor], *, reuse: bool = True) -> List[torch.Tensor]:
+        align = _writerproc.ARENA_ALIGN
+        offs: List[int] = []
+        total = 0
+        for t in tensors:
+            offs.append(total)
+            total += -(-(t.numel() * t.element_size()) // align) * align
+        if self.arena is None or self.arena.nbytes < total or not reuse:
+            self.release()
+            self.arena = _writerproc.Arena(total)
+        arena = self.arena
+        if any(t.is_cuda for t in tensors) and total >= _REGISTER_MIN_BYTES:
+            arena.register()
+        flat = arena.tensor
+        out = [
+            flat[o : o + t.numel() * t.element_size()].view(t.dtype).view(t.shape)  # type: ignore[index]
+            for t, o in zip(tensors, offs)
+        ]
+        self._copy(out, tensors)
+        return out
+
+    def release(self) -> None:
+        self.wait_copies()
+        arena, self.arena = self.arena, None
+        if arena is not None:
+            if _writerproc._WRITER is not None:
+                _writerproc._WRITER.drop(arena)
+            arena.close()
+
+
 _STAGER = _Stager()
+_ARENA_STAGER = _ArenaStager()
 
 
 # --------------------------------------------------------------------------
@@ -281,13 +338,18 @@ def release_buffers() -> None:
         >>> import shardckpt
         >>> shardckpt.release_buffers()
 
+    Also stops the async save writer process (``SHARDCKPT_ASYNC_WRITER=process``);
+    the next async save starts a new one.
+
     Limits: process-wide (every async save and manager of this process).
     """
     wait_pending(raise_unobserved=False)
     _STAGER.release()
+    _ARENA_STAGER.release()
+    _writerproc.shutdown()
 
 
-def _run(handle: AsyncSaveHandle, plan: SavePlan, before, after) -> None:
+def _run(handle: AsyncSaveHandle, plan: SavePlan, before, after, cleanup=None) -> None:
     err: Optional[BaseException] = None
     if before is not None and plan.rank == 0:
         try:
@@ -307,7 +369,27 @@ def _run(handle: AsyncSaveHandle, plan: SavePlan, before, after) -> None:
             after(plan.comm)
         except Exception as e:  # the save is committed; housekeeping failures only warn
             log.warning("shardckpt: after committing %s: %s: %s", plan.storage.url, type(e).__name__, e)
+    if err is not None:
+        _drop_frame_locals(err)
+    # This frame is in err's traceback too: it must not keep the staged copies.
+    plan = None  # type: ignore[assignment]
+    if cleanup is not None:
+        cleanup()
     handle._finish(err)
+
+
+def _drop_frame_locals(err: BaseException) -> None:
+    """Clear the locals of the frames in ``err``'s tracebacks (which still print).
+
+    A failed save's error is kept until someone reads it; its frames would
+    otherwise keep the staged copies (a shared-memory arena too) alive.
+    """
+    seen = set()
+    e: Optional[BaseException] = err
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        traceback.clear_frames(e.__traceback__)
+        e = e.__cause__ or e.__context__
 
 
 def start_async(
@@ -331,25 +413,37 @@ def start_async(
     """
     global _INFLIGHT
     t0 = time.perf_counter() if t0 is None else t0
+    # A writer process needs storage it can open itself (not memory://, not a wrapped backend).
+    in_process = _knobs.ASYNC_WRITER == "process" and _writerproc.usable_for(plan.storage)
+    if _knobs.ASYNC_WRITER == "process" and not in_process:
+        log.debug("shardckpt: %s cannot be written by another process; the async save writes in a thread", plan.storage.url)
+    stager = _ARENA_STAGER if in_process else _STAGER
 
     def stage() -> SavePlan:
         if plan.rank == 0 and precheck is not None:
             msg = precheck()
             if msg:
                 raise CheckpointExistsError(msg)
-        return stage_save(plan, lambda ts: _STAGER.stage(ts, reuse=reuse_buffers))
+        return stage_save(plan, lambda ts: stager.stage(ts, reuse=reuse_buffers))
 
     try:
         # The round trip overlaps the device-to-host copies still running.
         staged, _ = agree(plan.comm, stage, what=f"async save to {plan.storage.url} aborted before writing")
     finally:
-        _STAGER.wait_copies()
+        stager.wait_copies()
     # The background thread exchanges on its own channel: the main thread may
     # run other saves and loads meanwhile, each rank in the same order.
     staged = replace(staged, comm=staged.comm.on_channel(ASYNC_CHANNEL))
+    cleanup = None
+    if in_process:
+        # The writer process writes the data files from the arena; the rest
+        # of execute_save (index file, exchanges, commit) stays in this process.
+        staged = replace(staged, writer=functools.partial(_writerproc.get_writer().write_files, arena=_ARENA_STAGER.arena))
+        if not reuse_buffers:
+            cleanup = _ARENA_STAGER.release
     handle = AsyncSaveHandle(plan.storage.url, time.perf_counter() - t0)
     # Non-daemon: a script that ends without wait() still finishes its save.
-    th = threading.Thread(target=_run, args=(handle, staged, before, after), name="shardckpt-async-save", daemon=False)
+    th = threading.Thread(target=_run, args=(handle, staged, before, after, cleanup), name="shardckpt-async-save", daemon=False)
     handle._thread = th
     with _INFLIGHT_LOCK:
         _INFLIGHT = handle
@@ -382,6 +476,11 @@ def async_save(
 
     Only one save is in flight per process: the call first waits for the
     previous one, and raises its error if nobody has seen it yet.
+
+    With ``SHARDCKPT_ASYNC_WRITER=process`` the data files are written by a
+    persistent writer child from shared-memory staging (out of this
+    process's GIL; same bytes on disk); a child that dies fails the save
+    with ``SaveFailedError`` naming it. See docs/knobs.md.
 
     Args:
         state: as for :func:`shardckpt.save`.

@@ -20,10 +20,11 @@ See docs/performance.md.
 from __future__ import annotations
 
 import ctypes
+import json
 import math
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -31,13 +32,18 @@ from . import _knobs
 from ._format import ChunkMeta, FileMeta, itemsize, safetensors_header
 from ._format.checksum import BlockCrcs, crc32c, crc32c_combine
 from ._format.files import check_files  # noqa: F401  (re-exported: load and the converters check files here)
+from ._format.header import MAX_HEADER_BYTES
 from ._storage import Storage
+from .errors import UnsupportedStateError
 
 __all__ = [
     "WriteItem",
     "crc32c_combine",
     "write_files",
     "partition",
+    "split_by_header",
+    "split_files_by_header",
+    "entry_header_bytes",
     "tensor_bytes",
     "crc32c",
     "DEFAULT_IO_THREADS",
@@ -104,8 +110,99 @@ class WriteItem:
         return math.prod(self.sizes) * itemsize(self.dtype)
 
 
-def partition(items: Sequence[WriteItem], parts: int) -> List[List[WriteItem]]:
-    """Split items into at most ``parts`` groups of balanced bytes (order kept inside a group)."""
+#: Header bytes of a data file besides its entries (``__metadata__``'s fixed
+#: fields, braces, the 8-byte length and padding), rounded up.
+HEADER_BASE_BYTES = 256
+#: Widest ``data_offsets`` value (20 digits), for the header estimate.
+_MAX_OFFSET = 2**64 - 1
+
+
+def entry_header_bytes(key: str, name: str, dtype: str, sizes: Sequence[int], offsets: Sequence[int]) -> int:
+    """Upper bound of the bytes one chunk adds to its data file's safetensors header.
+
+    Its tensor entry (offsets counted at their widest) plus its record in
+    ``__metadata__["shardckpt"]``, a JSON text inside the JSON header whose
+    quotes and backslashes are escaped again (counted twice).
+
+    Example:
+        >>> entry_header_bytes("w", "w", "F32", [2, 3], [0, 0]) < 200
+        True
+    """
+    entry = json.dumps({key: {"dtype": dtype, "shape": list(sizes), "data_offsets": [_MAX_OFFSET, _MAX_OFFSET]}}, separators=(",", ":"))
+    meta = json.dumps({key: {"tensor": name, "offsets": list(offsets)}}, separators=(",", ":"))
+    return len(entry) + 2 * len(meta)
+
+
+def split_by_header(costs: Sequence[int], limit: int) -> List[Tuple[int, int]]:
+    """Cut a file's entries (header bytes ``costs``, in file order) into runs whose headers stay within ``limit``.
+
+    Pure planning on ints: returns ``[(start, stop), ...]`` covering
+    ``range(len(costs))`` in order, each run's ``HEADER_BASE_BYTES + sum``
+    at most ``limit``. An entry too big for any file alone gets a run of its
+    own (its file's header then exceeds the limit; only a name of megabytes
+    does that).
+
+    Example:
+        >>> split_by_header([100, 100, 100], HEADER_BASE_BYTES + 200)
+        [(0, 2), (2, 3)]
+    """
+    runs: List[Tuple[int, int]] = []
+    start, used = 0, HEADER_BASE_BYTES
+    for i, c in enumerate(costs):
+        if i > start and used + c > limit:
+            runs.append((start, i))
+            start, used = i, HEADER_BASE_BYTES
+        used += c
+    if costs:
+        runs.append((start, len(costs)))
+    return runs
+
+
+def split_files_by_header(files: Dict[str, Sequence[Any]], *, header_limit: Optional[int] = None) -> Dict[str, List[Any]]:
+    """Planned files (tag -> entries in file order) with each file whose header would pass the limit cut in several.
+
+    For writers that plan their own files (the converters): an entry needs
+    ``key``, ``name``, ``dtype``, ``offsets`` and ``sizes`` (or ``shape``). A
+    file that fits keeps its tag; a cut one becomes ``<tag>-h000``,
+    ``<tag>-h001``, ... (default limit ``_knobs.HEADER_BYTES_PER_FILE``).
+
+    Example:
+        >>> split_files_by_header({"00": []})
+        {}
+    """
+    limit = header_limit if header_limit is not None else _knobs.HEADER_BYTES_PER_FILE
+    out: Dict[str, List[Any]] = {}
+    for tag, ents in files.items():
+        ents = list(ents)
+        costs = [entry_header_bytes(e.key, e.name, e.dtype, getattr(e, "sizes", None) or e.shape, e.offsets) for e in ents]
+        runs = split_by_header(costs, limit)
+        for j, (a, b) in enumerate(runs):
+            out[tag if len(runs) == 1 else f"{tag}-h{j:03d}"] = ents[a:b]
+    return out
+
+
+def partition(
+    items: Sequence[WriteItem], parts: int, *, header_limit: Optional[int] = None
+) -> List[List[WriteItem]]:
+    """Split items into files: at most ``parts`` groups of balanced bytes, each cut so its header stays small.
+
+    Bytes decide the groups (one per I/O thread above ``MIN_BYTES_PER_FILE``);
+    a group whose estimated header (:func:`entry_header_bytes`) exceeds
+    ``header_limit`` (default ``_knobs.HEADER_BYTES_PER_FILE``) becomes
+    several files (:func:`split_by_header`): safetensors readers refuse
+    headers over 100 MB, which a rank of many small tensors would otherwise
+    write. Order is kept inside a file.
+    """
+    limit = header_limit if header_limit is not None else _knobs.HEADER_BYTES_PER_FILE
+    out: List[List[WriteItem]] = []
+    for g in _balance(items, parts):
+        costs = [entry_header_bytes(it.key, it.name, it.dtype, it.sizes, it.offsets) for it in g]
+        out.extend(g[a:b] for a, b in split_by_header(costs, limit))
+    return out
+
+
+def _balance(items: Sequence[WriteItem], parts: int) -> List[List[WriteItem]]:
+    """Items in at most ``parts`` groups of balanced bytes (order kept inside a group)."""
     total = sum(it.nbytes for it in items)
     parts = max(1, min(parts, math.ceil(total / MIN_BYTES_PER_FILE) if total else 1, len(items) or 1))
     groups: List[List[WriteItem]] = [[] for _ in range(parts)]
@@ -129,6 +226,14 @@ def _write_one(
     header, starts = safetensors_header(
         [(it.key, it.dtype, it.sizes, it.nbytes) for it in items], chunks=chunks_md
     )
+    if len(header) - 8 > MAX_HEADER_BYTES:
+        # Planning keeps headers far below this (``partition``); a writer must
+        # still never leave a file that safetensors' readers (and verify) refuse.
+        raise UnsupportedStateError(
+            f"{storage.url_of(rel)}: its safetensors header would be {len(header) - 8} bytes, over the "
+            f"{MAX_HEADER_BYTES} that safetensors readers accept; split the chunks over more files "
+            "(SHARDCKPT_HEADER_BYTES_PER_FILE) or shorten the tensor names"
+        )
     out: List[ChunkMeta] = []
     w = storage.open_write(rel)
     try:

@@ -18,6 +18,10 @@ environment variable                default     what it sets
                                                 gap is read and dropped); 0 locally
 ``SHARDCKPT_MIN_BYTES_PER_FILE``    64 MiB      a rank's data is split over several files
                                                 (one per I/O thread) above this size
+``SHARDCKPT_HEADER_BYTES_PER_FILE`` 16 MiB      estimated safetensors header bytes per data
+                                                file: more chunks go to another file
+                                                (safetensors readers refuse headers over
+                                                100 MB; 4 KiB .. 64 MiB)
 ``SHARDCKPT_COLLECTIVE_TIMEOUT_S``  1800        bound of every cross-rank exchange of
                                                 save/load/async_save/the manager (the
                                                 ``collective_timeout_s=`` default)
@@ -36,6 +40,9 @@ environment variable                default     what it sets
                                     CPUs)
 ``SHARDCKPT_LOAD_RANGE_BYTES``      8 MiB       largest coalesced read of a load, and the
                                                 size of one reusable read buffer
+``SHARDCKPT_ASYNC_WRITER``          thread      who writes an async save's bytes: ``thread``
+                                                (in the training process) or ``process``
+                                                (a writer child, out of its GIL)
 ``SHARDCKPT_BLOCK_BYTES``           1 MiB       format v2: one CRC-32C per this many bytes
                                                 of each chunk, so a ranged read verifies
                                                 on its own (at least 4 KiB)
@@ -74,6 +81,7 @@ __all__ = [
     "READ_BLOCK_BYTES",
     "COALESCE_GAP_BYTES",
     "MIN_BYTES_PER_FILE",
+    "HEADER_BYTES_PER_FILE",
     "COLLECTIVE_TIMEOUT_S",
     "LIVENESS_TIMEOUT_S",
     "REGISTER_MIN_BYTES",
@@ -83,6 +91,7 @@ __all__ = [
     "LOAD_CUDA_BUFFER_BYTES",
     "LOAD_CUDA_IO_THREADS",
     "BLOCK_BYTES",
+    "ASYNC_WRITER",
     "STORAGE_RETRIES",
     "RETRY_BASE_DELAY_S",
     "RETRY_MAX_DELAY_S",
@@ -112,7 +121,7 @@ def _bad(name: str, raw: str, want: str) -> ValueError:
     return ValueError(f"environment variable {ENV_PREFIX}{name}={raw!r} is not {want}; unset it or fix the value")
 
 
-def _int(name: str, default: int, *, minimum: int = 1) -> int:
+def _int(name: str, default: int, *, minimum: int = 1, maximum: int | None = None) -> int:
     raw = _env(name)
     if raw is None:
         return default
@@ -122,6 +131,8 @@ def _int(name: str, default: int, *, minimum: int = 1) -> int:
     value = int(m.group(1)) * _UNITS[m.group(2).lower()]
     if value < minimum:
         raise _bad(name, raw, f"at least {minimum}")
+    if maximum is not None and value > maximum:
+        raise _bad(name, raw, f"at most {maximum}")
     return value
 
 
@@ -171,6 +182,10 @@ READ_BLOCK_BYTES = _int("READ_BLOCK_BYTES", 32 << 20)
 COALESCE_GAP_BYTES = _int("COALESCE_GAP_BYTES", 1 << 20, minimum=0)
 #: A rank's data is split into several files (one per I/O thread) above this size.
 MIN_BYTES_PER_FILE = _int("MIN_BYTES_PER_FILE", 64 << 20)
+#: Estimated header bytes a data file may get before its chunks are split over
+#: more files (many small tensors): safetensors' readers refuse headers over
+#: 100 MB, so the bound stays well under that.
+HEADER_BYTES_PER_FILE = _int("HEADER_BYTES_PER_FILE", 16 << 20, minimum=4096, maximum=64 << 20)
 #: Bound of every cross-rank exchange of one save/load. An exchange waits for
 #: the slowest rank to arrive, so it must exceed the longest write (or read)
 #: of one rank's shard; a rank that never calls is named after this long.
@@ -208,6 +223,14 @@ LOAD_CUDA_IO_THREADS = _int("LOAD_CUDA_IO_THREADS", min(16, os.cpu_count() or 1)
 #: read over-reads at most one block at each end. Written into the manifest,
 #: so checkpoints saved with another value read the same.
 BLOCK_BYTES = _int("BLOCK_BYTES", 1 << 20, minimum=4096)
+#: Who writes an async save's data files: ``thread`` (a thread of the
+#: training process) or ``process`` (a persistent writer child fed through
+#: shared memory, so its per-block CRC work never takes the training GIL).
+#: Read at each ``async_save``. See shardckpt/_writerproc.py, docs/performance.md.
+ASYNC_WRITERS = ("thread", "process")
+ASYNC_WRITER = (_env("ASYNC_WRITER") or "thread").lower()
+if ASYNC_WRITER not in ASYNC_WRITERS:
+    raise _bad("ASYNC_WRITER", os.environ[ENV_PREFIX + "ASYNC_WRITER"], "one of " + ", ".join(ASYNC_WRITERS))
 
 # -- storage (shardckpt/_storage; read at call time, so in-process assignment works)
 

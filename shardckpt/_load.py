@@ -318,7 +318,8 @@ def _load_by_keys(url: str, *, keys, storage_options, io_threads: Optional[int])
             return [build(x) for x in node]
         return decode_value(node)
 
-    return {path: build(node) for path, node in asked.items()}
+    # Selected paths sorted (the values inside them keep their saved order).
+    return {path: build(asked[path]) for path in sorted(asked)}
 
 
 

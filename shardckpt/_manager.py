@@ -24,6 +24,7 @@ import logging
 import operator
 import re
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Optional, Set, Tuple
 
@@ -37,6 +38,7 @@ from ._storage import Storage
 from .errors import (
     CheckpointError,
     CheckpointNotFoundError,
+    ConcurrentUseError,
     CorruptCheckpointError,
     LoadFailedError,
     SaveFailedError,
@@ -48,7 +50,7 @@ from .errors import (
 if TYPE_CHECKING:  # pragma: no cover
     from torch.distributed import ProcessGroup
 
-__all__ = ["CheckpointManager", "step_dir_name", "parse_step_dir", "steps_to_delete"]
+__all__ = ["CheckpointManager", "step_dir_name", "parse_step_dir", "steps_to_delete", "stale_leftovers"]
 
 log = logging.getLogger("shardckpt")
 
@@ -56,6 +58,14 @@ STEP_PREFIX = "step-"
 STEP_DIGITS = 8
 _STEP_RE = re.compile(r"^step-(\d+)$")
 
+
+#: Steps saved under each root by any manager of this process. Managers of one
+#: process are one job (one save in flight per process, ``_async``): their
+#: steps are never "another writer's" to each other.
+_SAVED_IN_PROCESS: Dict[str, Set[int]] = {}
+
+#: Attempts of restore() when the step it picked is deleted while it loads (another process's retention).
+RESTORE_ATTEMPTS = 3
 
 #: Suffix of the directory ``last_save_in_hf`` writes next to a step (``step-00001000-hf``).
 HF_SUFFIX = "-hf"
@@ -132,6 +142,25 @@ def steps_to_delete(committed: Iterable[int], *, keep_last: Optional[int], keep_
 _DAMAGE_ERRNOS = frozenset(getattr(errno, n) for n in ("EISDIR", "ENOTDIR", "ELOOP", "ENAMETOOLONG", "ENXIO", "ENODEV", "EINVAL") if hasattr(errno, n))
 
 
+def stale_leftovers(committed: Iterable[int], unfinished: Iterable[int]) -> List[int]:
+    """Steps without a manifest that retention and ``cleanup()`` may remove: those below the newest committed step.
+
+    A step directory without a manifest is either a crashed save's leftover
+    or a save in flight, maybe in another process (a ``cleanup()`` loop, a
+    second job): removing files under a save about to commit would leave a
+    committed step with missing files. Saves go forward, so one below the
+    newest committed step is no save in flight; a newer one may be and stays
+    (the next save of that step, or the first commit past it, removes it).
+
+    Example:
+        >>> stale_leftovers([3, 5], [4, 6])
+        [4]
+    """
+    done = list(committed)
+    newest = max(done) if done else None
+    return sorted(s for s in set(unfinished) if newest is not None and s < newest)
+
+
 def _is_damage(e: BaseException) -> bool:
     """Whether ``e``, met while validating a step, means the step is damaged (skip it) rather than storage trouble."""
     if isinstance(e, (CheckpointNotFoundError, CorruptCheckpointError)):
@@ -181,7 +210,9 @@ class CheckpointManager:
         async_save: :meth:`save` returns once the state is staged in host
             memory and writes in the background (see :func:`shardckpt.async_save`).
         process_group: ranks that save and restore (default: the world).
-        io_threads: parallel readers/writers per rank.
+        io_threads: parallel readers/writers per rank (default: each
+            operation's own: ``SHARDCKPT_IO_THREADS`` for saves and CPU
+            loads, ``SHARDCKPT_LOAD_CUDA_IO_THREADS`` for loads into GPUs).
         collective_timeout_s: bound of every exchange between ranks the
             manager runs (default ``SHARDCKPT_COLLECTIVE_TIMEOUT_S``, as for
             :func:`shardckpt.save`).
@@ -241,7 +272,7 @@ class CheckpointManager:
         storage_options: Optional[Dict[str, Any]] = None,
         async_save: bool = False,
         process_group: Optional["ProcessGroup"] = None,
-        io_threads: int = DEFAULT_IO_THREADS,
+        io_threads: Optional[int] = None,
         collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S,
         reuse_buffers: bool = True,
         check_files: bool = True,
@@ -269,6 +300,8 @@ class CheckpointManager:
         self.async_save = bool(async_save)
         self.process_group = process_group
         self.io_threads = io_threads
+        # Saves and exports take a number; a load given none picks by target device.
+        self._write_threads = DEFAULT_IO_THREADS if io_threads is None else io_threads
         self.collective_timeout_s = float(collective_timeout_s)
         self.reuse_buffers = reuse_buffers
         self.check_files = check_files
@@ -285,6 +318,9 @@ class CheckpointManager:
         self.restored_from: Optional[str] = None
         self._handle: Optional[AsyncSaveHandle] = None
         self._closed = False
+        # Rank 0: committed steps this manager has seen or saved (None until
+        # its first save); any other step that appears is another writer's.
+        self._known: Optional[Set[int]] = None
 
     def __repr__(self) -> str:
         return f"CheckpointManager({self.root_url!r}, keep_last={self.keep_last}, keep_every={self.keep_every}, async_save={self.async_save})"
@@ -408,14 +444,53 @@ class CheckpointManager:
             if comm.rank == 0:
                 to_safetensors(self.step_url(step), self.hf_url(step), dtype=self.export_dtype, overwrite=True,
                                storage_options=self.storage_options or None,
-                               dst_storage_options=self.storage_options or None, io_threads=self.io_threads)
+                               dst_storage_options=self.storage_options or None, io_threads=self._write_threads)
 
         agree(comm, export, what=f"Hugging Face export of step {step} to {self.hf_url(step)}")
+
+    # -- one manager per root ------------------------------------------------------------
+
+    def _foreign_steps(self) -> List[int]:
+        """Rank 0: committed steps this manager did not write and had not seen (another writer's), sorted."""
+        committed = self._scan()[0]
+        if self._known is None:  # first save: what is there is the past (a restarted run's predecessor)
+            self._known = set(committed)
+            return []
+        return self._not_ours(committed)
+
+    def _not_ours(self, committed: Iterable[int]) -> List[int]:
+        """Of ``committed``, the steps neither this manager nor this process saved, nor found at its first save."""
+        ours = (self._known or set()) | _SAVED_IN_PROCESS.get(self.root_url, set())
+        return sorted(set(committed) - ours)
+
+    def _claim(self, step: int) -> None:
+        """Rank 0, before each save: refuse when another writer committed steps under the root since the last save.
+
+        Two managers saving under one root would each apply retention to the
+        other's steps. Every step that appears without this manager saving
+        it is another writer's: this manager then stops saving there.
+        """
+        foreign = self._foreign_steps()
+        if foreign:
+            raise ConcurrentUseError(
+                f"save of step {step} refused: steps {format_offenders(foreign)} were committed under {self.root_url} "
+                "by another writer since this CheckpointManager's last save. Two managers must not save under one "
+                "root (the retention of one deletes what the other saves). This manager saves no more there; "
+                "restore() still works. Give each run its own root_url, or stop the other one"
+            )
+        self._known.add(step)
+        _SAVED_IN_PROCESS.setdefault(self.root_url, set()).add(step)
+
+    # -- save (engine) ---------------------------------------------------------------
+    # -- save (engine) ---------------------------------------------------------------
 
     def _save(self, step: int, state: Dict[str, Any], *, force: bool) -> Optional[AsyncSaveHandle]:
         t0 = time.perf_counter()
         comm = self._comm("CheckpointManager.save")
         wait_pending(new_save=True)
+        # Rank 0 claims (or checks) the root; its refusal is raised on every rank.
+        agree(comm, lambda: self._claim(step) if comm.rank == 0 else None, what=f"save of step {step} under {self.root_url}",
+              mode=FROM_ROOT)
         url = self.step_url(step)
         name = step_dir_name(step)
         hint = "pass force=True to replace it"
@@ -426,7 +501,7 @@ class CheckpointManager:
                 comm=comm,
                 storage_options=self.storage_options or None,
                 overwrite=force,
-                io_threads=self.io_threads,
+                io_threads=self._write_threads,
                 extra={"step": step},
                 exists_hint=f"step {step} is already committed; {hint}",
             )
@@ -442,7 +517,7 @@ class CheckpointManager:
             # manifest, and cleanup() removes them.
             try:
                 if not self.root.exists(f"{name}/{MANIFEST_NAME}"):
-                    self._remove_dir(name)
+                    self._remove_leftover(name)
             except Exception as e:
                 log.warning("shardckpt: cannot remove leftovers of step %d at %s: %s: %s", step, url, type(e).__name__, e)
 
@@ -494,9 +569,18 @@ class CheckpointManager:
 
     def _housekeeping(self, saved: int) -> None:
         committed, partial = self._scan()
-        for _, name in partial:
-            log.info("shardckpt: removing leftovers of an unfinished save: %s", self.root.url_of(name))
-            self._remove_dir(name)
+        foreign = self._not_ours(committed)
+        if foreign:
+            log.warning(
+                "shardckpt: step %d committed, retention skipped: steps %s were committed under %s by another "
+                "writer (this manager's next save raises ConcurrentUseError)", saved, format_offenders(foreign), self.root_url,
+            )
+            return
+        stale = set(stale_leftovers(committed, [s for s, _ in partial]))
+        for s, name in partial:
+            if s in stale:
+                log.info("shardckpt: removing leftovers of an unfinished save: %s", self.root.url_of(name))
+                self._remove_leftover(name)
         for s in steps_to_delete(committed, keep_last=self.keep_last, keep_every=self.keep_every, protect=[saved]):
             log.info("shardckpt: retention removes step %d", s)
             self._remove_step(s)
@@ -510,6 +594,35 @@ class CheckpointManager:
 
     def _remove_dir(self, name: str) -> None:
         self.root.remove_tree(name)
+
+    def _remove_leftover(self, name: str) -> None:
+        """Remove a step directory without a manifest, never one that commits meanwhile.
+
+        Another process may be committing into it right now (a second writer).
+        Where renames are atomic (local disks) the directory is first moved
+        aside: a commit after the move fails (its directory is gone, it never
+        re-creates one), and a manifest found in the moved directory means the
+        commit came first, so it is moved back whole. Object stores have no
+        such move: there a commit racing this removal can lose files (a second
+        writer is refused, see ``_claim``; ``restore`` skips such a step).
+        """
+        if not self.root.caps.atomic_rename:
+            self._remove_dir(name)
+            return
+        aside = f".removing-{name}-{uuid.uuid4().hex[:12]}"
+        try:
+            self.root.rename(name, aside)
+        except FileNotFoundError:
+            return  # gone already
+        if self.root.exists(f"{aside}/{MANIFEST_NAME}"):
+            log.warning("shardckpt: %s was committed while its leftovers were being removed: kept", self.root.url_of(name))
+            try:
+                self.root.rename(aside, name)
+                return
+            except OSError as e:  # a new directory of that name appeared: keep both, cleanup() says so
+                log.warning("shardckpt: cannot put %s back: %s", self.root.url_of(name), e)
+                return
+        self._remove_dir(aside)
 
     # -- restore ----------------------------------------------------------------
 
@@ -579,16 +692,35 @@ class CheckpointManager:
         # it must not stand in the way of recovering.
         wait_pending(raise_unobserved=False)
         comm = self._comm("CheckpointManager.restore", error=LoadFailedError)
-        # Rank 0 picks; its error (the same type and text) is raised on every rank.
-        _, value = agree(
-            comm,
-            lambda: self._choose(s) if comm.rank == 0 else None,
-            what=f"restore from {self.root_url}",
-            share=lambda v: v,
-            mode=FROM_ROOT,
-        )
-        load_kw.setdefault("io_threads", self.io_threads)
+        if self.io_threads is not None:
+            load_kw.setdefault("io_threads", self.io_threads)
         load_kw.setdefault("collective_timeout_s", self.collective_timeout_s)
+        for attempt in range(RESTORE_ATTEMPTS):
+            # Rank 0 picks; its error (the same type and text) is raised on every rank.
+            _, value = agree(
+                comm,
+                lambda: self._choose(s) if comm.rank == 0 else None,
+                what=f"restore from {self.root_url}",
+                share=lambda v: v,
+                mode=FROM_ROOT,
+            )
+            if value is None:
+                break
+            try:
+                load(state, self.step_url(value), storage_options=self.storage_options or None, process_group=self.process_group, **load_kw)
+            except (CorruptCheckpointError, StorageError) as e:
+                # Another process's retention can delete the picked step while
+                # it loads (its manifest goes first): pick again. Errors of a
+                # load are agreed, so every rank is here and rank 0 decides.
+                name = f"{step_dir_name(value)}/{MANIFEST_NAME}"
+                _, gone = agree(comm, lambda name=name: not self.root.exists(name) if comm.rank == 0 else None,
+                                what=f"restore from {self.root_url}", share=lambda v: v, mode=FROM_ROOT)
+                if not gone or s is not None or attempt == RESTORE_ATTEMPTS - 1:
+                    raise
+                log.warning("shardckpt: step %d was deleted while it loaded (%s); picking the newest step again", value, type(e).__name__)
+                continue
+            self.restored_from = self.step_url(value)
+            return value
         if value is None:
             if self.initial_load_path is None or s is not None:
                 return None
@@ -605,10 +737,7 @@ class CheckpointManager:
                 target = {"model": state["model"]}
             load(target, self.initial_load_path, process_group=self.process_group, **load_kw)
             self.restored_from = self.initial_load_path
-            return None
-        load(state, self.step_url(value), storage_options=self.storage_options or None, process_group=self.process_group, **load_kw)
-        self.restored_from = self.step_url(value)
-        return value
+        return None
 
     # -- lifecycle ----------------------------------------------------------------
 
@@ -623,10 +752,16 @@ class CheckpointManager:
     def cleanup(self) -> List[str]:
         """Remove leftovers of unfinished saves; returns what was removed (rank 0).
 
-        Removes step directories without a manifest, and inside committed steps
-        any file the manifest does not list (data of a crashed ``force`` save,
-        temporary manifest files). Waits for a save in flight first. Only rank
-        0 deletes; on other ranks this is a no-op returning ``[]``.
+        Removes step directories without a manifest below the newest committed
+        step (a newer one may be a save in flight in another process:
+        :func:`stale_leftovers`), and inside committed steps any file the
+        manifest does not list (data of a crashed ``force`` save, temporary
+        manifest files). Waits for this manager's save in flight first. Only
+        rank 0 deletes; on other ranks this is a no-op returning ``[]``.
+
+        Limits: safe to run while another process saves forward (every step
+        it commits stays whole); not while another process re-saves an older
+        committed step with ``force=True`` (its new files are not yet listed).
         """
         self._check_open()
         wait_pending(raise_unobserved=False)
@@ -634,14 +769,23 @@ class CheckpointManager:
             return []
         removed = []
         committed, partial = self._scan()
-        for _, name in partial:
-            self._remove_dir(name)
-            removed.append(name)
+        for name in self.root.listdir(""):
+            # Moved aside by a leftover removal that did not finish (_remove_leftover).
+            if name.startswith(".removing-step-") and not self.root.exists(f"{name}/{MANIFEST_NAME}"):
+                self._remove_dir(name)
+                removed.append(name)
+        stale = set(stale_leftovers(committed, [s for s, _ in partial]))
+        for s, name in partial:
+            if s in stale:
+                self._remove_leftover(name)
+                removed.append(name)
         for s in committed:
             name = step_dir_name(s)
             st = self.root.child(name)
             try:
                 m = read_manifest(st)
+            except (FileNotFoundError, NotADirectoryError):
+                continue  # deleted since the scan (another process's retention): nothing left to clean
             except CheckpointError as e:
                 log.warning("shardckpt: cleanup leaves step %d alone, its manifest is unreadable: %s", s, e)
                 continue

@@ -19,6 +19,7 @@ plan and build new objects, never change one.
 from __future__ import annotations
 
 import copy as _copy
+import errno
 import json
 import logging
 import math
@@ -55,8 +56,10 @@ from ._state import flatten_for_save
 from ._state.ranks import differing_paths, value_digests
 from ._storage import Storage
 from .errors import (
+    CheckpointError,
     CheckpointExistsError,
     SaveFailedError,
+    StorageError,
     UnsupportedStateError,
     format_offenders,
 )
@@ -231,6 +234,9 @@ class SavePlan:
     #: Said when the target is committed and ``overwrite`` is False: the
     #: switch of the call the user made (the manager's is ``force=True``).
     exists_hint: str = OVERWRITE_HINT
+    #: Stand-in for ``_io.write_files`` (same signature): the async save's
+    #: writer process (``_writerproc``). None: this process writes.
+    writer: Optional[Callable[..., Any]] = None
 
     @property
     def rank(self) -> int:
@@ -361,7 +367,11 @@ def execute_save(plan: SavePlan) -> None:
     regular = {n for n, lay in plan.layouts.items() if lay.regular is not None}
 
     def write() -> Tuple[Any, ...]:
-        named, fmetas, index = write_rank(storage, files, save_id, rank, threads=plan.io_threads)
+        try:
+            named, fmetas, index = write_rank(storage, files, save_id, rank, threads=plan.io_threads, writer=plan.writer)
+        except OSError as e:
+            err = _write_failed(e, storage, f"rank {rank} could not write its files")
+            raise err from err.__cause__
         # Rank 0 needs only: the irregular tensors' chunks (to check their
         # tiling and name their writers), whole-tensor chunks (the HF index),
         # and the bytes written of regular tensors (a missing writer shows):
@@ -381,6 +391,9 @@ def execute_save(plan: SavePlan) -> None:
         try:
             _commit(plan, gathered, save_id)
         except Exception as e:
+            if isinstance(e, OSError) and not isinstance(e, CheckpointError):
+                err = _write_failed(e, storage, "commit failed")
+                raise err from err.__cause__
             raise SaveFailedError(f"nothing was committed at {storage.url}: commit failed: {type(e).__name__}: {e}") from e
 
     try:
@@ -413,6 +426,7 @@ def write_rank(
     *,
     threads: int = DEFAULT_IO_THREADS,
     block_bytes: Optional[int] = None,
+    writer: Optional[Callable[..., Any]] = None,
 ) -> Tuple[List[Tuple[str, ChunkMeta]], Dict[str, FileMeta], Optional[Tuple[str, int, int]]]:
     """Write one rank's data files, then its v2 index file: the bytes of a save (and of a converter's output).
 
@@ -421,6 +435,8 @@ def write_rank(
         files: relative path -> this rank's chunks in it (``_io.write_files``).
         save_id / rank: name the index file (``data/<save>-index-r<rank>.json``).
         threads / block_bytes: as ``write_files`` (block CRC size, default ``SHARDCKPT_BLOCK_BYTES``).
+        writer: who writes the data files (default ``_io.write_files``, here;
+            the async save's writer process passes its own, same signature).
 
     Returns:
         ``([(tensor name, chunk)], {file: FileMeta}, (index path, size, crc32c) or None)``;
@@ -435,7 +451,7 @@ def write_rank(
     block_bytes = block_bytes or _knobs.BLOCK_BYTES
     # A chunk's tensor name travels with it: (file, key) identifies the item written.
     names = {(rel, it.key): it.name for rel, items in files.items() for it in items}
-    chunks, fmetas = write_files(storage, files, threads=threads, block_bytes=block_bytes)
+    chunks, fmetas = (writer or write_files)(storage, files, threads=threads, block_bytes=block_bytes)
     named = [(names[(c.file, c.key)], c) for c in chunks]
     index = None
     if named:
@@ -446,6 +462,26 @@ def write_rank(
         storage.write_atomic(index_rel, body, create_dirs=False)
         index = (index_rel, len(body), crc32c(body))
     return named, fmetas, index
+
+
+def _write_failed(e: OSError, storage: Storage, doing: str) -> Exception:
+    """A save's failed write as ``SaveFailedError`` caused by a ``StorageError`` naming the path and the reason.
+
+    Our own errors (``StorageError``, ``UnreadableFileError``) pass as they are.
+    """
+    if isinstance(e, CheckpointError):
+        return e
+    path = e.filename or storage.url
+    reason = e.strerror or str(e)
+    code = errno.errorcode.get(e.errno, "") if e.errno else ""
+    cause = StorageError(f"cannot write {path}: {reason}{f' ({code})' if code else ''}")
+    cause.__cause__ = e
+    err = SaveFailedError(
+        f"nothing was committed at {storage.url}: {doing}: StorageError: {cause}. Check that the path is "
+        "writable (permissions, a read-only mount, free space); any previous checkpoint there is untouched"
+    )
+    err.__cause__ = cause
+    return err
 
 
 def _committed_by(storage: Storage, save_id: str) -> Optional[bool]:

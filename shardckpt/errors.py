@@ -21,6 +21,7 @@ __all__ = [
     "UnreadableFileError",
     "StorageError",
     "SaveFailedError",
+    "ConcurrentUseError",
     "LoadFailedError",
     "UsageError",
     "MAX_OFFENDERS",
@@ -81,6 +82,10 @@ class StorageError(CheckpointError, OSError):
 
 class SaveFailedError(CheckpointError, RuntimeError):
     """A collective save failed on at least one rank; nothing was committed."""
+
+
+class ConcurrentUseError(SaveFailedError):
+    """Another ``CheckpointManager`` took over the root this one saves under; this one saves no more."""
 
 
 class LoadFailedError(CheckpointError, RuntimeError):

@@ -28,6 +28,7 @@ from .manifest import (
     _req,
     canonical_json,
     check_relpath,
+    manifest_json_v2,
 )
 from .naming import chunk_key
 from .resolve import MetaCache, ResolvedChunk
@@ -64,7 +65,7 @@ def manifest_v2_from_raw(raw: Dict[str, Any], where: str) -> Manifest:
         raise _bad(where, f"missing field {MANIFEST_CRC_FIELD!r} (the manifest's own checksum)")
     want = raw.pop(MANIFEST_CRC_FIELD)
     try:
-        got = crc32c(canonical_json(raw))
+        got = crc32c(manifest_json_v2(raw))
     except (ValueError, TypeError, RecursionError):  # NaN/Infinity tokens, absurd nesting
         raise _bad(where, "holds values canonical JSON cannot (NaN, Infinity or overflowing numbers): damaged") from None
     if got != want:

@@ -23,6 +23,7 @@ __all__ = [
     "IndexMeta",
     "V1",
     "canonical_json",
+    "manifest_json_v2",
     "check_shared_bytes",
     "FORMAT_NAME",
     "FORMAT_VERSION",
@@ -234,19 +235,59 @@ def canonical_json(obj: Any) -> bytes:
     return (json.dumps(obj, sort_keys=True, separators=(",", ":"), allow_nan=False) + "\n").encode()
 
 
-def manifest_to_bytes(m: Manifest) -> bytes:
-    """Canonical bytes: sorted keys, compact separators, trailing newline, no NaN.
+#: v2 fields holding the user's values: their objects keep the saved order
+#: (a user dict's insertion order), every other object's keys are sorted.
+ORDERED_FIELDS = ("values", "extra")
 
-    From v2 on, the manifest carries ``manifest_crc32c``: the CRC-32C of these
-    bytes without that field, so any change to them is detected on open.
+
+def _sorted_keys(obj: Any) -> Any:
+    """``obj`` with every dict rebuilt in sorted key order (what ``sort_keys`` would write)."""
+    if isinstance(obj, dict):
+        return {k: _sorted_keys(obj[k]) for k in sorted(obj)}
+    if isinstance(obj, list):
+        return [_sorted_keys(v) for v in obj]
+    return obj
+
+
+def manifest_json_v2(body: Dict[str, Any]) -> bytes:
+    """The v2 manifest encoding of ``body``: canonical, except that ``values``/``extra`` keep their key order.
+
+    Plain dicts of a saved state come back in the order they were built
+    (``{"b": 1, "a": 2}`` stays ``["b", "a"]``), so those two fields are
+    written as given; everything else is sorted as :func:`canonical_json`
+    does. Deterministic: the same state (same insertion orders) gives the
+    same bytes. A reader re-encodes the parsed object (``json`` keeps the
+    file's key order) to check ``manifest_crc32c``; a v2 manifest written
+    fully sorted (before this rule) re-encodes to its own bytes too.
+
+    Raises:
+        ValueError: NaN/Infinity or an overflowing number (not JSON).
+        TypeError: a value JSON cannot hold.
+
+    Example:
+        >>> manifest_json_v2({"z": 1, "values": {"b": 1, "a": {"y": 0, "x": 0}}})
+        b'{"values":{"b":1,"a":{"y":0,"x":0}},"z":1}\n'
+    """
+    top = {k: (body[k] if k in ORDERED_FIELDS else _sorted_keys(body[k])) for k in sorted(body)}
+    return (json.dumps(top, separators=(",", ":"), allow_nan=False) + "\n").encode()
+
+
+def manifest_to_bytes(m: Manifest) -> bytes:
+    """The manifest's bytes: compact separators, trailing newline, no NaN.
+
+    v1: canonical JSON (every key sorted; ``tests/data`` pins these bytes).
+    From v2 on, keys are sorted except inside ``values`` and ``extra``, which
+    keep the saved order (:func:`manifest_json_v2`), and the manifest carries
+    ``manifest_crc32c``: the CRC-32C of these bytes without that field, so any
+    change to them (key order in ``values`` included) is detected on open.
     """
     body = m.to_json()
     if m.version < 2:
         return canonical_json(body)
     from .checksum import crc32c
 
-    body[MANIFEST_CRC_FIELD] = crc32c(canonical_json(body))
-    return canonical_json(body)
+    body[MANIFEST_CRC_FIELD] = crc32c(manifest_json_v2(body))
+    return manifest_json_v2(body)
 
 
 # --------------------------------------------------------------------------

@@ -355,7 +355,10 @@ class OptimizerAdapter(Adapter):
             )
 
         def finish():
-            osd = {STATE: new_state, GROUPS: groups_holder[GROUPS]}
+            # Tensors made here and values filled later land out of order:
+            # each parameter's state keeps the saved key order.
+            ordered = {f: {k: st[k] for k in saved_keys[f] if k in st} | st for f, st in new_state.items()}
+            osd = {STATE: ordered, GROUPS: groups_holder[GROUPS]}
             if fsdp1:
                 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
@@ -395,9 +398,8 @@ def _load_by_fqn(model: nn.Module, optim: torch.optim.Optimizer, osd: Dict[str, 
                 state[idx] = optim.state[p]
             ids.append(idx)
             idx += 1
-        ng = {k: v for k, v in (src if src is not None else g).items() if k not in (PARAMS, "param_names")}
-        if "param_names" in g:
-            ng["param_names"] = list(g["param_names"])
-        ng[PARAMS] = ids
-        groups.append(ng)
+        # The saved group's keys in the saved order; params (and param_names) are the live ones.
+        live = {PARAMS: ids, **({"param_names": list(g["param_names"])} if "param_names" in g else {})}
+        ng = {k: live[k] if k in live else v for k, v in (src if src is not None else g).items() if k in live or k != "param_names"}
+        groups.append(ng | {k: v for k, v in live.items() if k not in ng})
     optim.load_state_dict({STATE: state, GROUPS: groups})

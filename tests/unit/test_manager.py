@@ -14,7 +14,7 @@ import torch
 import shardckpt
 from shardckpt import _async
 from shardckpt import _save as _api
-from shardckpt._manager import parse_step_dir, step_dir_name, steps_to_delete
+from shardckpt._manager import parse_step_dir, stale_leftovers, step_dir_name, steps_to_delete
 from shardckpt._storage import Storage
 from shardckpt.errors import (
     CheckpointError,
@@ -210,17 +210,26 @@ def test_leftovers_ignored_then_cleaned(root):
     s = _blank()
     assert mgr.restore(s) == 1
     _assert_state(s, _snapshot(_state(1)))
-    # Saving step 2 first clears step 2's own leftovers, then (after the
-    # commit) every other uncommitted step.
+    # Saving step 2 first clears step 2's own leftovers. Step 9, newer than
+    # every committed step, may be a save in flight elsewhere: it stays
+    # (stale_leftovers) until a step past it commits.
     mgr.save(2, _state(2))
-    assert sorted(st.listdir("")) == [step_dir_name(1), step_dir_name(2)]
+    assert sorted(st.listdir("")) == [step_dir_name(1), step_dir_name(2), step_dir_name(9)]
     assert mgr.cleanup() == sorted(
         [f"{step_dir_name(1)}/.manifest.json.0123.tmp", f"{step_dir_name(1)}/data/deadbeef0000-r00000-00.safetensors"]
     )
     assert mgr.cleanup() == []
+    mgr.save(10, _state(10))
+    assert sorted(st.listdir("")) == [step_dir_name(1), step_dir_name(2), step_dir_name(10)]
     s = _blank()
     assert mgr.restore(s, step=1) == 1
     shardckpt.verify(mgr.step_url(1))
+
+
+def test_stale_leftovers_are_only_those_below_the_newest_committed_step():
+    assert stale_leftovers([], [1, 2]) == []  # nothing committed: every leftover may be in flight
+    assert stale_leftovers([3, 5], [4, 6, 2]) == [2, 4]
+    assert stale_leftovers([5], [5, 7]) == []
 
 
 def test_manager_arguments_and_lifecycle(tmp_path):
@@ -428,3 +437,107 @@ def test_steps_agree_when_save_returns_with_retention(tmp_path):
         mgr.save(s, {"w": torch.ones(1)}).result()
         assert mgr.steps() == [s]
     mgr.close()
+
+
+def test_a_second_manager_is_refused_once_its_steps_appear(tmp_path):
+    from shardckpt.errors import ConcurrentUseError, SaveFailedError
+
+    root = str(tmp_path)
+    a = shardckpt.CheckpointManager(root, keep_last=2)
+    a.save(1, _state(1))
+    # Another writer (another job: not a manager of this process) commits step 2.
+    shardckpt.save(_state(2), a.step_url(2))
+    with pytest.raises(ConcurrentUseError, match=r"steps 2 were committed .* by another writer") as e:
+        a.save(3, _state(3))
+    assert isinstance(e.value, SaveFailedError) and "own root_url" in str(e.value)
+    assert a.steps() == [1, 2]  # nothing of step 3
+    # A restart (a new manager) takes the root over: what is there is its past.
+    c = shardckpt.CheckpointManager(root, keep_last=1)
+    c.save(4, _state(4))
+    assert c.steps() == [4]
+    s = _blank()
+    assert c.restore(s) == 4
+    _assert_state(s, _snapshot(_state(4)))
+
+
+def test_managers_of_one_process_are_one_job(tmp_path):
+    # A sync and an async manager of the same job, used in turn: neither is refused.
+    root = str(tmp_path)
+    a = shardckpt.CheckpointManager(root, keep_last=3)
+    b = shardckpt.CheckpointManager(root, keep_last=3, async_save=True)
+    a.save(1, _state(1))
+    b.save(2, _state(2)).result()
+    a.save(3, _state(3))
+    b.save(4, _state(4)).result()
+    assert a.steps() == [2, 3, 4]
+
+
+def test_retention_is_skipped_once_another_writer_commits(tmp_path, caplog):
+    root = str(tmp_path)
+    a = shardckpt.CheckpointManager(root, keep_last=1)
+    a.save(1, _state(1))
+    # Another writer commits step 2 while a's save of step 3 runs (after its check).
+    real = a._claim
+
+    def claim_then_other_writer(step):
+        real(step)
+        shardckpt.save(_state(2), a.step_url(2))
+
+    a._claim = claim_then_other_writer
+    with caplog.at_level(logging.WARNING, logger="shardckpt"):
+        a.save(3, _state(3))
+    assert "retention skipped" in caplog.text
+    assert a.steps() == [1, 2, 3]  # keep_last=1 would have deleted 1 and 2
+
+
+def test_a_leftover_committed_while_it_is_removed_is_put_back(tmp_path):
+    mgr = shardckpt.CheckpointManager(str(tmp_path))
+    mgr.save(9, _state(9))
+    name = step_dir_name(9)
+    manifest = (tmp_path / name / "manifest.json").read_bytes()
+    (tmp_path / name / "manifest.json").unlink()  # a save in flight: no manifest yet
+    st = mgr.root
+    real_rename = st.rename
+    moves = []
+
+    def rename(src, dst):
+        real_rename(src, dst)
+        moves.append((src, dst))
+        if len(moves) == 1:  # the other process's commit landed just before the move
+            (tmp_path / dst / "manifest.json").write_bytes(manifest)
+
+    st.rename = rename
+    mgr._remove_leftover(name)
+    assert moves[0][0] == name and moves[1] == (moves[0][1], name)  # moved aside, then back
+    assert mgr.steps() == [9]
+    s = _blank()
+    assert mgr.restore(s) == 9
+    _assert_state(s, _snapshot(_state(9)))
+    # Without a commit it is removed, aside name included.
+    (tmp_path / name / "manifest.json").unlink()
+    st.rename = real_rename
+    mgr._remove_leftover(name)
+    assert sorted(os.listdir(tmp_path)) == []
+
+
+def test_restore_leaves_the_load_thread_count_to_load_unless_given(tmp_path, monkeypatch):
+    # A manager built without io_threads must not pin GPU restores to the CPU
+    # default: load() picks SHARDCKPT_LOAD_CUDA_IO_THREADS for CUDA targets.
+    import shardckpt._manager as mgr_mod
+
+    seen = []
+    real = mgr_mod.load
+
+    def spy(*a, **kw):
+        seen.append(kw.get("io_threads", "unset"))
+        return real(*a, **kw)
+
+    monkeypatch.setattr(mgr_mod, "load", spy)
+    state = {"w": torch.arange(4.0)}
+    m = shardckpt.CheckpointManager(str(tmp_path / "a"))
+    m.save(1, state)
+    assert m.restore({"w": torch.zeros(4)}) == 1
+    m2 = shardckpt.CheckpointManager(str(tmp_path / "b"), io_threads=3)
+    m2.save(1, state)
+    assert m2.restore({"w": torch.zeros(4)}) == 1
+    assert seen == ["unset", 3]
