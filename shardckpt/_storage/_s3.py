@@ -41,6 +41,7 @@ installed.
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import concurrent.futures as cf
 import threading
@@ -624,7 +625,32 @@ class S3Storage(FsspecStorage):
         return pieces[-1][1] if pieces else 0
 
 
-class _S3Writer(Writer):
+class _PartWriter(Writer):
+    """Fills one part-sized buffer and hands each full part to ``_send_part`` (both S3 clients' writers)."""
+
+    url: str
+    buf: bytearray
+    n: int
+    closed: bool
+
+    def write(self, data) -> None:
+        if self.closed:
+            raise StorageError(f"{self.url}: write after close/abort")
+        mv = memoryview(data).cast("B")
+        while len(mv):
+            take = min(len(mv), len(self.buf) - self.n)
+            self.buf[self.n : self.n + take] = mv[:take]
+            self.n += take
+            mv = mv[take:]
+            if self.n == len(self.buf):
+                self._send_part()
+
+    @abc.abstractmethod
+    def _send_part(self) -> None:
+        """Upload ``buf[:n]`` as the next part (the buffer may be handed over) and empty it."""
+
+
+class _S3Writer(_PartWriter):
     """Parallel multipart upload with bounded memory; visible only once ``close()`` completes it."""
 
     def __init__(self, st: S3Storage, rel: str):
@@ -638,18 +664,6 @@ class _S3Writer(Writer):
         self.futures: List[Tuple[int, cf.Future]] = []
         self.slots = threading.BoundedSemaphore(_knobs.S3_WRITER_INFLIGHT_PARTS)
         self.closed = False
-
-    def write(self, data) -> None:
-        if self.closed:
-            raise StorageError(f"{self.url}: write after close/abort")
-        mv = memoryview(data).cast("B")
-        while len(mv):
-            take = min(len(mv), len(self.buf) - self.n)
-            self.buf[self.n : self.n + take] = mv[:take]
-            self.n += take
-            mv = mv[take:]
-            if self.n == len(self.buf):
-                self._send_part()
 
     def _raise_failed(self) -> None:
         for _, f in self.futures:
@@ -758,7 +772,7 @@ class _S3Writer(Writer):
                 pass
 
 
-class _ObstoreWriter(Writer):
+class _ObstoreWriter(_PartWriter):
     """Bounded-memory upload on obstore: one PUT below a part, else a multipart upload fed part by part.
 
     Memory: the part being filled, one part handed over, and at most
@@ -774,18 +788,6 @@ class _ObstoreWriter(Writer):
         self.n = 0
         self.upload: Optional[StreamingUpload] = None
         self.closed = False
-
-    def write(self, data) -> None:
-        if self.closed:
-            raise StorageError(f"{self.url}: write after close/abort")
-        mv = memoryview(data).cast("B")
-        while len(mv):
-            take = min(len(mv), len(self.buf) - self.n)
-            self.buf[self.n : self.n + take] = mv[:take]
-            self.n += take
-            mv = mv[take:]
-            if self.n == len(self.buf):
-                self._send_part()
 
     def _send_part(self) -> None:
         if self.upload is None:
