@@ -27,6 +27,7 @@ import time
 
 import pytest
 import torch
+from _faultkids import finish, spawn
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TESTS = os.path.dirname(HERE)
@@ -157,24 +158,11 @@ def _child_rank(root: str, phase: str, async_save: bool, victim: int, rank: int,
 
 
 def _spawn(*args) -> subprocess.Popen:
-    env = dict(os.environ, PYTHONPATH=TESTS + os.pathsep + os.environ.get("PYTHONPATH", ""), CUDA_VISIBLE_DEVICES="")
-    return subprocess.Popen(
-        [sys.executable, os.path.abspath(__file__), "child", json.dumps(args)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=env,
-    )
+    return spawn(__file__, *args)
 
 
 def _finish(p: subprocess.Popen):
-    try:
-        out, _ = p.communicate(timeout=CHILD_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        p.kill()
-        out, _ = p.communicate()
-        pytest.fail(f"child did not finish within {CHILD_TIMEOUT_S}s (hang):\n{out}")
-    return p.returncode, out
+    return finish(p, CHILD_TIMEOUT_S)
 
 
 def _check_single(root: str, phase: str, where: str) -> None:

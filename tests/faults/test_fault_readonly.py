@@ -23,6 +23,7 @@ import sys
 
 import pytest
 import torch
+from _faultkids import finish, result, spawn
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TESTS = os.path.dirname(HERE)
@@ -157,25 +158,12 @@ def _child_rank(root: str, point: str, mode: str, async_save: bool, rank: int, w
 
 
 def _spawn(*args) -> subprocess.Popen:
-    env = dict(os.environ, PYTHONPATH=TESTS + os.pathsep + os.environ.get("PYTHONPATH", ""), CUDA_VISIBLE_DEVICES="")
-    return subprocess.Popen(
-        [sys.executable, os.path.abspath(__file__), "child", json.dumps(args)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=env,
-    )
+    return spawn(__file__, *args)
 
 
 def _finish(p: subprocess.Popen):
-    try:
-        out, _ = p.communicate(timeout=CHILD_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        p.kill()
-        out, _ = p.communicate()
-        pytest.fail(f"child did not finish within {CHILD_TIMEOUT_S}s (hang):\n{out}")
-    lines = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
-    return p.returncode, (json.loads(lines[-1][7:]) if lines else None), out
+    rc, out = finish(p, CHILD_TIMEOUT_S)
+    return rc, result(out), out
 
 
 @pytest.fixture

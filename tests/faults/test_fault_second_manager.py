@@ -19,8 +19,8 @@ import subprocess
 import sys
 import time
 
-import pytest
 import torch
+from _faultkids import finish, result, spawn
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TESTS = os.path.dirname(HERE)
@@ -110,26 +110,14 @@ def _child_restorer(root: str, stop: str) -> None:
 
 
 def _spawn(*args) -> subprocess.Popen:
-    env = dict(os.environ, PYTHONPATH=TESTS + os.pathsep + os.environ.get("PYTHONPATH", ""), CUDA_VISIBLE_DEVICES="")
-    return subprocess.Popen(
-        [sys.executable, os.path.abspath(__file__), "child", json.dumps(args)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=env,
-    )
+    return spawn(__file__, *args)
 
 
 def _finish(p: subprocess.Popen, what: str):
-    try:
-        out, _ = p.communicate(timeout=CHILD_TIMEOUT_S + 60)
-    except subprocess.TimeoutExpired:
-        p.kill()
-        out, _ = p.communicate()
-        pytest.fail(f"{what} did not finish (hang):\n{out}")
-    lines = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
-    assert p.returncode == 0 and lines, f"{what}: exit {p.returncode}\n{out}"
-    return json.loads(lines[-1][7:])
+    rc, out = finish(p, CHILD_TIMEOUT_S + 60, what)
+    res = result(out)
+    assert rc == 0 and res is not None, f"{what}: exit {rc}\n{out}"
+    return res
 
 
 def test_a_second_manager_racing_saves_is_refused_and_no_step_is_damaged(tmp_path):
