@@ -1,36 +1,119 @@
-"""The data files a manifest lists: present, with the recorded sizes."""
+"""The data files a manifest lists: present, with the recorded sizes.
+
+One listing per directory where the storage lists consistently
+(``Capabilities.consistent_listing``), one size query per file elsewhere and
+for whatever the listing does not confirm.
+"""
 
 from __future__ import annotations
 
+import posixpath
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Dict
+from typing import Any, Dict, List, Optional
 
 from ..errors import CorruptCheckpointError, UnreadableFileError, format_offenders
 
-__all__ = ["check_files", "STAT_THREADS"]
+__all__ = ["check_files", "listing_prefixes", "STAT_THREADS", "LIST_MIN_FILES", "RECHECK_REMOTE"]
 
 #: Parallel size queries on object stores (one round trip each).
 STAT_THREADS = 16
 #: Above this many files, remote size queries run in parallel.
 _PARALLEL_STAT_FILES = 4
+#: From this many files in one directory on, their sizes come from a listing
+#: (one request a 1,000 files on S3) rather than one size query each.
+LIST_MIN_FILES = 4
+#: On high-latency storage, at most this many files the listing did not
+#: confirm are asked about one by one (for the exact reason: unreadable,
+#: truncated...); beyond that the listing's answer stands, so that an emptied
+#: bucket costs one listing, not one HEAD per file, before the error.
+RECHECK_REMOTE = 64
+
+
+def listing_prefixes(paths) -> Dict[str, List[str]]:
+    """Group ``paths`` by directory: ``{listing prefix: [paths]}``, the prefix being the directory plus its names' common start.
+
+    Pure. A save's files share ``data/<save id>-``, so on S3 one listing of
+    that prefix returns them and no file of another save.
+
+    Example:
+        >>> listing_prefixes(["data/ab-r0.st", "data/ab-r1.st", "m.json"])
+        {'data/ab-r': ['data/ab-r0.st', 'data/ab-r1.st'], 'm.json': ['m.json']}
+    """
+    by_dir: Dict[str, List[str]] = {}
+    for p in sorted(paths):
+        by_dir.setdefault(posixpath.dirname(p), []).append(p)
+    out = {}
+    for d, ps in by_dir.items():
+        common = posixpath.commonprefix([posixpath.basename(p) for p in ps])
+        out[f"{d}/{common}" if d else common] = ps
+    return out
+
+
+def _listed_sizes(storage: Any, expected: Dict[str, int]) -> Dict[str, int]:
+    """Sizes of the expected files that a listing shows (``{}`` where listing is not possible)."""
+    if not getattr(storage.caps, "consistent_listing", False) or not hasattr(storage, "list_sizes"):
+        return {}
+    out: Dict[str, int] = {}
+    for prefix, rels in listing_prefixes(expected).items():
+        if len(rels) < LIST_MIN_FILES:
+            continue
+        try:
+            listed = storage.list_sizes(prefix)
+        except (OSError, UnreadableFileError):
+            # Listing refused (no s3:ListBucket permission), failed after its
+            # retries, or the directory is a symlink out of the root: every
+            # file of it gets its own size query, which says exactly why.
+            continue
+        for rel in rels:
+            if rel in listed:
+                out[rel] = listed[rel]
+    return out
 
 
 def check_files(storage: Any, expected: Dict[str, int]) -> None:
     """Check every file ``{relative path: size}`` exists with its size; lists all offenders at once.
 
-    One size query per file (in parallel on high-latency storage). The commit
-    runs it right before writing the manifest, ``restore`` before picking a
-    step, ``verify`` and ``load`` before reading: one mechanism for "the
-    files are there".
+    Where the storage lists consistently (``caps.consistent_listing``: local
+    disk, S3, GCS, Azure, ``memory://``), one listing per directory
+    (``Storage.list_sizes``: on S3 one ListObjectsV2 request a 1,000 files,
+    instead of one HEAD per file) confirms the files whose listed size is
+    right; every other file (absent from the listing, of another size, a
+    symlink or special file, or all of them where listing is not possible)
+    gets one size query of its own, in parallel on high-latency storage (at
+    most ``RECHECK_REMOTE`` there; the listing's answer stands for the rest).
+    The commit runs it right before writing the manifest, ``restore`` before
+    picking a step, ``verify`` and ``load`` before reading: one mechanism for
+    "the files are there".
+
+    Args:
+        storage: a ``Storage`` (``caps``, ``list_sizes``, ``stat_sizes``, ``url``).
+        expected: relative path -> exact size in bytes.
 
     Raises:
         CorruptCheckpointError: naming each missing, truncated, grown or
-            unreadable file (a directory, a symlink out of the checkpoint...).
+            unreadable file (a directory, a symlink out of the checkpoint...),
+            the first ``errors.MAX_OFFENDERS`` of them and how many more.
 
     Example:
         >>> check_files(storage, {rel: f.size for rel, f in manifest.files.items()})   # doctest: +SKIP
+
+    Limits: a listing is only as fresh as the storage's consistency; backends
+    without ``consistent_listing`` are never listed.
     """
-    problems = []
+    listed = _listed_sizes(storage, expected)
+    sizes: Dict[str, Any] = {}
+    suspects = []
+    for rel in sorted(expected):
+        if listed.get(rel) == expected[rel]:
+            continue
+        suspects.append(rel)
+    remote = storage.caps.high_latency
+    if remote and len(suspects) > RECHECK_REMOTE:
+        # Many files the listing does not confirm (an emptied bucket): its
+        # answer stands for all but the first few.
+        for rel in suspects[RECHECK_REMOTE:]:
+            sizes[rel] = listed.get(rel)
+        suspects = suspects[:RECHECK_REMOTE]
 
     def stat(rel):
         try:
@@ -42,12 +125,14 @@ def check_files(storage: Any, expected: Dict[str, int]) -> None:
         except UnreadableFileError as e:
             return rel, e
 
-    if len(expected) > _PARALLEL_STAT_FILES and storage.caps.high_latency:
+    if len(suspects) > _PARALLEL_STAT_FILES and remote:
         with ThreadPoolExecutor(max_workers=STAT_THREADS) as ex:
-            sizes = list(ex.map(stat, sorted(expected)))
+            sizes.update(ex.map(stat, suspects))
     else:
-        sizes = [stat(rel) for rel in sorted(expected)]
-    for rel, size in sizes:
+        sizes.update(stat(rel) for rel in suspects)
+    problems = []
+    for rel in sorted(sizes):
+        size: Optional[Any] = sizes[rel]
         if size is None:
             problems.append(f"{rel} is missing")
         elif isinstance(size, UnreadableFileError):

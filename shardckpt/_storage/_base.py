@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, TypeVar
 
 from .. import _knobs
-from ..errors import CheckpointError, StorageError, UnreadableFileError, UnsafeMetadataError, format_offenders
+from ..errors import CheckpointError, StorageError, UnreadableFileError, UnsafeMetadataError
 
 __all__ = [
     "Capabilities",
@@ -76,6 +76,12 @@ class Capabilities:
         batched_reads: one ``read_into`` call with many ranges runs them
             concurrently; callers hand it all of a file's ranges at once
             instead of one call per block from their own threads.
+        consistent_listing: :meth:`Storage.list_sizes` answers from one
+            listing (a few pages) asked of the storage itself, and that
+            listing shows every completed write and delete at once (strong
+            list-after-write/delete consistency: local disk, S3, GCS, Azure,
+            ``memory://``). Callers confirm many files' sizes with it instead
+            of one stat (HEAD) each; without it they stat each file.
     """
 
     atomic_rename: bool
@@ -83,6 +89,7 @@ class Capabilities:
     positional_write: bool
     high_latency: bool
     batched_reads: bool
+    consistent_listing: bool = False
 
 
 def backoff_delay(attempt: int, *, rng: Optional[random.Random] = None) -> float:
@@ -522,32 +529,44 @@ class Storage(abc.ABC):
                 return dict(ex.map(one, rels))
         return dict(one(rel) for rel in rels)
 
-    def check_objects(self, expected: Dict[str, int], *, what: str = "checkpoint") -> None:
-        """Raise unless every file in ``expected`` exists now with exactly its expected size.
+    def list_sizes(self, prefix: str) -> Dict[str, int]:
+        """Every regular file named ``prefix*`` in ``prefix``'s directory, with its size, from one listing.
 
-        The commit calls this right before publishing a manifest: data files
-        removed or replaced since they were written (a concurrent
-        ``cleanup()``, a lifecycle rule, an emptied bucket) must not be named
-        by a committed checkpoint.
+        ``prefix`` is a relative path whose last part is a name prefix:
+        ``"data/0123456789ab-"`` lists the files of ``data/`` whose names
+        start with ``0123456789ab-`` (not files below them, not directories,
+        not symlinks or other special files: a caller that expects a file
+        the listing lacks stats it alone). One listing request (paged: on S3
+        1,000 keys a page) instead of one stat per file, asked of the storage
+        itself, never of a listing cache. Only backends with
+        ``caps.consistent_listing``.
+
+        Returns:
+            ``{relative path: size}``; ``{}`` when the directory does not exist.
 
         Raises:
-            StorageError: lists (capped) every missing or wrong-sized file.
+            StorageError: the backend cannot list consistently, or the
+                listing failed (refused: e.g. no ``s3:ListBucket`` permission).
+            UnreadableFileError: the directory is not one inside the root
+                (a symlink out of it).
 
-        Example: ``st.check_objects({"data/a.safetensors": 1024})``.
+        Example: ``st.list_sizes("data/0123456789ab-")`` is
+        ``{"data/0123456789ab-r00000-00.safetensors": 4096, ...}``.
         """
-        sizes = self.stat_sizes(expected)
-        missing = [rel for rel, n in sizes.items() if n is None]
-        wrong = [f"{rel} ({n} bytes, expected {expected[rel]})" for rel, n in sizes.items() if n is not None and n != expected[rel]]
-        if missing or wrong:
-            parts = []
-            if missing:
-                parts.append(f"{len(missing)} missing: {format_offenders(missing, limit=10)}")
-            if wrong:
-                parts.append(f"{len(wrong)} of the wrong size: {format_offenders(wrong, limit=10)}")
-            raise StorageError(
-                f"{self.url}: {what} files changed after they were written ({'; '.join(parts)}); "
-                "another process (cleanup(), a second manager, a lifecycle rule) may be deleting files under this root"
-            )
+        if not self.caps.consistent_listing:
+            raise StorageError(f"{self.url}: this storage cannot list sizes consistently (consistent_listing is False); stat each file")
+        check_rel(prefix, where=self.url)
+        head, _, name = prefix.rpartition("/")
+        try:
+            with reading(self.url_of(head)):
+                found = self._list_sizes(self.path(head), name)
+        except (FileNotFoundError, NotADirectoryError):
+            return {}
+        return {(f"{head}/{n}" if head else n): int(size) for n, size in found.items()}
+
+    def _list_sizes(self, path: str, name_prefix: str) -> Dict[str, int]:
+        """``{name: size}`` of the regular files directly in ``path`` whose names start with ``name_prefix``."""
+        raise StorageError(f"{self.url}: listing sizes is not implemented for {type(self).__name__}")
 
     def _fresh_size(self, path: str) -> int:
         """``_size`` bypassing any cache the backend keeps (default: ``_size``)."""

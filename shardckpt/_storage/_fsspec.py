@@ -34,6 +34,11 @@ PROTOCOL_HINTS = {
 _KEY_PREFIX_PROTOCOLS = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "oss", "r2", "memory"})
 #: Protocols where each call is a local function call, not a network round trip.
 _IN_PROCESS_PROTOCOLS = frozenset({"memory", "file", "local"})
+#: Protocols whose listings show every completed write and delete at once
+#: (S3 since December 2020, GCS, Azure Blob, in-process ones): a listing may
+#: confirm files' sizes (``Capabilities.consistent_listing``). Others (http,
+#: hf, ftp...) are stat'ed file by file.
+_CONSISTENT_LIST_PROTOCOLS = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "memory", "file", "local"})
 
 
 def import_fsspec():
@@ -105,6 +110,7 @@ class FsspecStorage(Storage):
             positional_write=False,
             high_latency=not (protos & _IN_PROCESS_PROTOCOLS),
             batched_reads=True,
+            consistent_listing=bool(protos & _CONSISTENT_LIST_PROTOCOLS),
         )
         self._made: Set[str] = set()  # directories known to exist (has_dirs backends)
         self._made_lock = threading.Lock()
@@ -152,6 +158,22 @@ class FsspecStorage(Storage):
             name = e[len(base) + 1 :] if e.startswith(base + "/") else e.rsplit("/", 1)[-1]
             if name and e != base:
                 out.append(name)
+        return out
+
+    def _list_sizes(self, path: str, name_prefix: str) -> Dict[str, int]:
+        # Fresh: drop fsspec's cached listing of the directory first.
+        if hasattr(self.fs, "invalidate_cache"):
+            self.fs.invalidate_cache(path)
+        entries = self._retry(f"list {self._url(path)}", self.fs.ls, path, detail=True)
+        base = path.rstrip("/")
+        out = {}
+        for e in entries:
+            if not isinstance(e, dict) or e.get("type") != "file" or e.get("size") is None:
+                continue
+            full = str(e.get("name", "")).rstrip("/")
+            name = full[len(base) + 1 :] if full.startswith(base + "/") else full.rsplit("/", 1)[-1]
+            if name.startswith(name_prefix) and "/" not in name:
+                out[name] = int(e["size"])
         return out
 
     def _walk(self, path: str) -> List[str]:

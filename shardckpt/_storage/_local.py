@@ -70,7 +70,9 @@ class LocalStorage(Storage):
     Limits: ``storage_options`` are kept for children but change nothing here.
     """
 
-    caps = Capabilities(atomic_rename=True, has_dirs=True, positional_write=True, high_latency=False, batched_reads=False)
+    caps = Capabilities(
+        atomic_rename=True, has_dirs=True, positional_write=True, high_latency=False, batched_reads=False, consistent_listing=True
+    )
 
     def __init__(self, url: str, *, storage_options: Optional[Dict[str, Any]] = None, retries: int = DEFAULT_RETRIES, root: Optional[str] = None):
         super().__init__(url, storage_options=storage_options, retries=retries)
@@ -130,6 +132,17 @@ class LocalStorage(Storage):
 
     def _listdir(self, path: str) -> List[str]:
         return os.listdir(path)
+
+    def _list_sizes(self, path: str, name_prefix: str) -> Dict[str, int]:
+        # One directory scan. Only regular files, not followed: a symlink (or
+        # FIFO, directory) where a file is expected is left out, so the
+        # caller's own stat of it applies the checks reads apply (_inside).
+        out = {}
+        with os.scandir(self._inside(path)) as it:
+            for e in it:
+                if e.name.startswith(name_prefix) and e.is_file(follow_symlinks=False):
+                    out[e.name] = e.stat(follow_symlinks=False).st_size
+        return out
 
     def _walk(self, path: str) -> List[str]:
         out = []

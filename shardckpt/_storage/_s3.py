@@ -512,6 +512,32 @@ class S3Storage(FsspecStorage):
         resp = self._sync(self._request(f"stat {self.url_of(rel)}", "head_object", Bucket=bucket, Key=key))
         return int(resp["ContentLength"])
 
+    def _list_sizes(self, path: str, name_prefix: str) -> Dict[str, int]:
+        # ListObjectsV2 under "<dir>/<name prefix>" with a delimiter: only
+        # this directory's keys of that prefix, 1,000 a page, sizes included.
+        # On s3fs's client whichever data client is chosen (listing stays
+        # s3fs's), through _request (request limit, deadline, retries); no
+        # listing cache involved.
+        rel = self._rel_of(path)
+        bucket, key = self._bucket_key(rel)
+        base = key.rstrip("/") + "/" if key else ""
+        what = f"list {self.url_of(rel)}"
+        return self._sync(self._list_pages(what, bucket, base, name_prefix))
+
+    async def _list_pages(self, what: str, bucket: str, base: str, name_prefix: str) -> Dict[str, int]:
+        out: Dict[str, int] = {}
+        kwargs: Dict[str, Any] = {"Bucket": bucket, "Prefix": base + name_prefix, "Delimiter": "/"}
+        while True:
+            resp = await self._request(what, "list_objects_v2", **kwargs)
+            for obj in resp.get("Contents") or ():
+                name = str(obj.get("Key", ""))[len(base) :]
+                if name.startswith(name_prefix) and name and "/" not in name:
+                    out[name] = int(obj.get("Size", 0))
+            token = resp.get("NextContinuationToken")
+            if not resp.get("IsTruncated") or not token:
+                return out
+            kwargs["ContinuationToken"] = token
+
     def _put(self, rel: str, data: bytes) -> None:
         bucket, key = self._bucket_key(rel)
         if self._ob is not None:

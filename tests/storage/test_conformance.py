@@ -117,6 +117,27 @@ class StorageContract:
         st.remove_tree()
         assert st.walk_files() == [] and not st.exists("c")
 
+    def test_list_sizes(self, st, other):
+        """One listing: regular files of one directory with a name prefix, sizes fresh after writes and deletes."""
+        if not st.caps.consistent_listing:
+            with pytest.raises(StorageError):
+                st.list_sizes("data/ab-")
+            return
+        for rel, n in (("data/ab-r0", 3), ("data/ab-r1", 0), ("data/ab-r2/x", 1), ("data/zz-r0", 2), ("ab-top", 5)):
+            st.write_atomic(rel, b"x" * n)
+        assert st.list_sizes("data/ab-") == {"data/ab-r0": 3, "data/ab-r1": 0}
+        assert st.list_sizes("data/") == {"data/ab-r0": 3, "data/ab-r1": 0, "data/zz-r0": 2}
+        assert st.list_sizes("ab-") == {"ab-top": 5}
+        assert st.list_sizes("nodir/ab-") == {} and st.list_sizes("data/none-") == {}
+        # Another client's changes show at once: no cached listing answers.
+        other.write_atomic("data/ab-r0", b"y" * 7)
+        other.remove("data/ab-r1")
+        other.write_atomic("data/ab-r3", b"")
+        assert st.list_sizes("data/ab-") == {"data/ab-r0": 7, "data/ab-r3": 0}
+        for bad in ESCAPES:
+            with pytest.raises(UnsafeMetadataError):
+                st.list_sizes(bad)
+
     def test_makedirs_then_write(self, st):
         st.makedirs("x/y")
         st.makedirs("x/y")  # twice is fine
