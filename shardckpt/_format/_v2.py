@@ -12,13 +12,15 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from ..errors import ChecksumMismatchError, CorruptCheckpointError
+from ..errors import ChecksumMismatchError, CorruptCheckpointError, UnsafeMetadataError
 from .checksum import crc32c, pack_crcs, unpack_crcs
 from .dtypes import DTYPES, itemsize
 from .manifest import (
     MANIFEST_CRC_FIELD,
+    V_FILE_TABLE,
     ChunkMeta,
     FileMeta,
     IndexMeta,
@@ -30,7 +32,7 @@ from .manifest import (
     check_relpath,
     manifest_json_v2,
 )
-from .naming import chunk_key
+from .naming import DATA_DIR, DATA_SUFFIX, INDEX_DIR, INDEX_SUFFIX, chunk_key, save_id_prefix
 from .resolve import MetaCache, ResolvedChunk
 
 INDEX_FORMAT = "shardckpt-index"
@@ -61,6 +63,11 @@ def manifest_v2_from_raw(raw: Dict[str, Any], where: str) -> Manifest:
     for key in ("files", "indexes"):
         for path in (raw.get(key) or {}) if isinstance(raw.get(key), dict) else ():
             check_relpath(path, where=f"{where}: {key}")
+    version = raw.get("format_version")
+    if version >= V_FILE_TABLE:
+        _check_table_paths(raw, where)
+    elif "file_table" in raw:
+        raise _bad(where, f"a format_version {version} manifest carries 'file_table' (new in version {V_FILE_TABLE}): damaged")
     if MANIFEST_CRC_FIELD not in raw:
         raise _bad(where, f"missing field {MANIFEST_CRC_FIELD!r} (the manifest's own checksum)")
     want = raw.pop(MANIFEST_CRC_FIELD)
@@ -86,11 +93,25 @@ def manifest_v2_from_raw(raw: Dict[str, Any], where: str) -> Manifest:
         if size < 0:
             raise _bad(where, f"files[{path!r}].size is negative")
         files[path] = FileMeta(size)
+    listed_indexes = [
+        (path, IndexMeta(_req(im, "rank", int, iw), _req(im, "size", int, iw), _req(im, "crc32c", int, iw)), iw)
+        for path, im in _req(raw, "indexes", dict, where).items()
+        for iw in (f"{where}: indexes[{path!r}]",)
+    ]
+    if version >= V_FILE_TABLE:
+        table_data, table_indexes = _expand_table(raw, world_size, where)
+        for path, size in table_data:
+            if path in files:
+                raise _bad(where, f"file {path!r} is listed twice (file_table and files)")
+            files[path] = FileMeta(size)
+        for path, meta in table_indexes:
+            if path in files:
+                raise _bad(where, f"file {path!r} is listed twice (file_table and files)")
+            files[path] = FileMeta(meta.size)
+            listed_indexes.append((path, meta, f"{where}: file_table.index_files[{meta.rank}]"))
     indexes: Dict[str, IndexMeta] = {}
     ranks_seen: Dict[int, str] = {}
-    for path, im in _req(raw, "indexes", dict, where).items():
-        iw = f"{where}: indexes[{path!r}]"
-        meta = IndexMeta(_req(im, "rank", int, iw), _req(im, "size", int, iw), _req(im, "crc32c", int, iw))
+    for path, meta, iw in listed_indexes:
         if not 0 <= meta.rank < world_size or meta.rank in ranks_seen:
             raise _bad(iw, f"rank {meta.rank} outside 0..{world_size - 1} or listed twice")
         if not 0 <= meta.size <= MAX_INDEX_FILE_BYTES or not 0 <= meta.crc32c < 2**32:
@@ -176,6 +197,174 @@ def mesh_rank(m: Manifest, t: TensorMeta, coord: Sequence[int]) -> int:
     mesh = m.meshes[t.regular["mesh"]]
     return flat if mesh == "iota" else mesh[flat]
 
+
+
+# --------------------------------------------------------------------------
+# v3: the compact per-rank file table
+
+
+#: Placeholders of the table's name patterns: the rank, zero-padded to 5
+#: digits, and the file number within the rank, zero-padded to 2 (Python
+#: ``f"{rank:05d}"``, ``f"{i:02d}"``: wider numbers are written in full).
+RANK_FIELD, FILE_FIELD = "{rank}", "{i}"
+#: Bounds checked before a table is expanded (a hostile table of a few bytes
+#: per file must not make us build millions of paths): files in the table,
+#: files per rank, and ranks.
+MAX_TABLE_FILES = 1 << 22
+MAX_FILES_PER_RANK = 1 << 12
+MAX_TABLE_RANKS = 1 << 24
+
+
+def table_patterns(save_id: str) -> Tuple[str, str]:
+    """The name patterns ``save`` and the converters use: ``(data, index)``, with ``{rank}`` and ``{i}``.
+
+    Example:
+        >>> table_patterns("0123456789abcdef")
+        ('data/0123456789ab-r{rank}-{i}.safetensors', 'data/0123456789ab-index-r{rank}.json')
+    """
+    pre = save_id_prefix(save_id)
+    return f"{DATA_DIR}/{pre}r{RANK_FIELD}-{FILE_FIELD}{DATA_SUFFIX}", f"{INDEX_DIR}/{pre}index-r{RANK_FIELD}{INDEX_SUFFIX}"
+
+
+def expand_name(pattern: str, rank: int, i: int = 0) -> str:
+    """A table name: ``pattern`` with ``{rank}`` and ``{i}`` replaced (digits only, so a valid pattern gives a valid path)."""
+    return _namer(pattern)(rank, i)
+
+
+def _namer(pattern: str):
+    """``pattern``'s names as a ``str.format`` (C speed); the pattern has no braces but its placeholders (checked)."""
+    return pattern.replace(RANK_FIELD, "{0:05d}").replace(FILE_FIELD, "{1:02d}").format
+
+
+def _pattern_regex(pattern: str) -> "re.Pattern[str]":
+    """Matches exactly the names ``expand_name`` writes for ``pattern`` (groups: rank, then i if present)."""
+    out, rest = "", pattern
+    while rest:
+        r, f = rest.find(RANK_FIELD), rest.find(FILE_FIELD)
+        cands = [(p, fld) for p, fld in ((r, RANK_FIELD), (f, FILE_FIELD)) if p >= 0]
+        if not cands:
+            out += re.escape(rest)
+            break
+        p, fld = min(cands)
+        out += re.escape(rest[:p]) + (r"(?P<rank>\d{5,})" if fld == RANK_FIELD else r"(?P<i>\d{2,})")
+        rest = rest[p + len(fld) :]
+    return re.compile(out + r"\Z")
+
+
+def check_table_pattern(pattern: Any, *, fields: Tuple[str, ...], where: str) -> str:
+    """Refuse a name pattern that is not a safe relative path with exactly ``fields`` once each.
+
+    Raises:
+        UnsafeMetadataError: not a string; another placeholder or brace; a
+            placeholder missing or repeated; the expanded name not a plain
+            relative path (``manifest.check_relpath``).
+    """
+    if not isinstance(pattern, str) or not pattern:
+        raise UnsafeMetadataError(f"{where}: a file name pattern must be a non-empty string, found {pattern!r:.80}")
+    bare = pattern
+    for fld in (RANK_FIELD, FILE_FIELD):
+        n = pattern.count(fld)
+        if n != (1 if fld in fields else 0):
+            raise UnsafeMetadataError(f"{where}: file name pattern {pattern!r:.200} must hold {' and '.join(fields)} once each, nothing else in braces")
+        bare = bare.replace(fld, "")
+    if "{" in bare or "}" in bare:
+        raise UnsafeMetadataError(f"{where}: file name pattern {pattern!r:.200} holds braces other than {' and '.join(fields)}")
+    # Placeholders become digits: a pattern whose sample name is a plain
+    # relative path gives plain relative paths for every rank and file.
+    check_relpath(pattern.replace(RANK_FIELD, "00000").replace(FILE_FIELD, "00"), where=where)
+    return pattern
+
+
+def file_table_json(m: Manifest) -> Tuple[Dict[str, Any], Dict[str, FileMeta], Dict[str, IndexMeta]]:
+    """``(file_table, other files, other indexes)`` of a v3 manifest: per-rank files as patterns + sizes.
+
+    Pure. A data file named ``data/<save>-r<rank>-<i>.safetensors`` (as
+    ``table_patterns`` writes it, rank < world size) goes into the table as
+    ``data_sizes[rank][i]``; a rank's index file as ``index_files[rank] =
+    [size, crc32c]``; any other file stays in the plain maps. Deterministic.
+    """
+    data_pat, index_pat = table_patterns(m.save_id)
+    try:
+        check_table_pattern(data_pat, fields=(RANK_FIELD, FILE_FIELD), where="save id")
+        check_table_pattern(index_pat, fields=(RANK_FIELD,), where="save id")
+        usable = m.world_size <= MAX_TABLE_RANKS
+    except UnsafeMetadataError:  # a save id no writer of ours makes: list every file plainly
+        usable = False
+    world = m.world_size if usable else 0
+    data_rx, data_name, index_name = _pattern_regex(data_pat), _namer(data_pat), _namer(index_pat)
+    sizes: List[List[Optional[int]]] = [[] for _ in range(world)]
+    index_files: List[Optional[List[int]]] = [None] * world
+    other_files: Dict[str, FileMeta] = {}
+    other_indexes: Dict[str, IndexMeta] = {}
+    for rel, im in m.indexes.items():
+        if usable and 0 <= im.rank < world and index_files[im.rank] is None and rel == index_name(im.rank, 0):
+            index_files[im.rank] = [im.size, im.crc32c]
+        else:
+            other_indexes[rel] = im
+            other_files[rel] = m.files[rel]
+    for rel, fm in m.files.items():
+        if rel in m.indexes:
+            continue
+        hit = data_rx.match(rel) if usable else None
+        if hit is not None:
+            r, i = int(hit.group("rank")), int(hit.group("i"))
+            if r < world and i < MAX_FILES_PER_RANK and data_name(r, i) == rel:
+                row = sizes[r]
+                if len(row) <= i:
+                    row.extend([None] * (i + 1 - len(row)))
+                row[i] = fm.size
+                continue
+        other_files[rel] = fm
+    table = {"data": data_pat, "index": index_pat, "data_sizes": sizes, "index_files": index_files}
+    return table, other_files, other_indexes
+
+
+def _check_table_paths(raw: Dict[str, Any], where: str) -> None:
+    """The table's patterns, checked with every other path, before anything else of the manifest."""
+    table = raw.get("file_table")
+    if not isinstance(table, dict):
+        raise _bad(where, "missing field 'file_table' (a format_version 3 manifest lists its per-rank files there)")
+    check_table_pattern(table.get("data"), fields=(RANK_FIELD, FILE_FIELD), where=f"{where}: file_table.data")
+    check_table_pattern(table.get("index"), fields=(RANK_FIELD,), where=f"{where}: file_table.index")
+
+
+def _expand_table(raw: Dict[str, Any], world_size: int, where: str) -> Tuple[List[Tuple[str, int]], List[Tuple[str, IndexMeta]]]:
+    """The table's ``(data path, size)`` and ``(index path, IndexMeta)``; bounded before a single path is built."""
+    tw = f"{where}: file_table"
+    table = raw["file_table"]
+    sizes = _req(table, "data_sizes", list, tw)
+    index_files = _req(table, "index_files", list, tw)
+    if world_size > MAX_TABLE_RANKS:
+        raise UnsafeMetadataError(f"{tw}: world_size {world_size} exceeds the {MAX_TABLE_RANKS}-rank limit of a file table")
+    if len(sizes) != world_size or len(index_files) != world_size:
+        raise _bad(tw, f"data_sizes and index_files must have one entry per rank ({world_size}), found {len(sizes)} and {len(index_files)}")
+    total = world_size
+    for r, row in enumerate(sizes):
+        if not isinstance(row, list):
+            raise _bad(tw, f"data_sizes[{r}] must be a list of sizes, found {type(row).__name__}")
+        if len(row) > MAX_FILES_PER_RANK:
+            raise UnsafeMetadataError(f"{tw}: data_sizes[{r}] lists {len(row)} files, over the limit of {MAX_FILES_PER_RANK} per rank")
+        total += len(row)
+    if total > MAX_TABLE_FILES:
+        raise UnsafeMetadataError(f"{tw}: expands to {total} files, over the limit of {MAX_TABLE_FILES}: refused before expanding")
+    data_name, index_name = _namer(table["data"]), _namer(table["index"])
+    data: List[Tuple[str, int]] = []
+    for r, row in enumerate(sizes):
+        for i, n in enumerate(row):
+            if n is None:
+                continue
+            # ``type(n) is int``: JSON true/false parse as bool, refused here.
+            if type(n) is not int or n < 0:
+                raise _bad(tw, f"data_sizes[{r}][{i}] must be a non-negative int or null, found {n!r:.40}")
+            data.append((data_name(r, i), n))
+    indexes: List[Tuple[str, IndexMeta]] = []
+    for r, rec in enumerate(index_files):
+        if rec is None:
+            continue
+        if type(rec) is not list or len(rec) != 2 or type(rec[0]) is not int or type(rec[1]) is not int:
+            raise _bad(tw, f"index_files[{r}] must be [size, crc32c] or null, found {rec!r:.60}")
+        indexes.append((index_name(r, 0), IndexMeta(r, rec[0], rec[1])))
+    return data, indexes
 
 # --------------------------------------------------------------------------
 # index files

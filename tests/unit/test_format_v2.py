@@ -56,7 +56,9 @@ def saved(tmp_path_factory):
 def test_save_writes_v2_with_a_checksummed_manifest(saved):
     path, _ = saved
     raw = json.loads(open(os.path.join(path, "manifest.json"), "rb").read())
-    assert raw["format_version"] == FORMAT_VERSION == 2
+    assert raw["format_version"] == FORMAT_VERSION == 3
+    # v3: the rank's files are in the compact table, none listed one by one.
+    assert raw["files"] == {} and raw["indexes"] == {} and len(raw["file_table"]["data_sizes"]) == raw["world_size"]
     want = raw.pop("manifest_crc32c")
     # Canonical except that the user's values keep their order (docs/format.md, "Key order").
     top = {k: raw[k] if k in ("values", "extra") else json.loads(json.dumps(raw[k], sort_keys=True)) for k in sorted(raw)}
@@ -65,7 +67,7 @@ def test_save_writes_v2_with_a_checksummed_manifest(saved):
     # No per-chunk records in the manifest: regular tensors carry a layout record.
     assert all("chunks" not in t and "regular" in t for t in raw["tensors"].values())
     m = shardckpt.inspect(path)
-    assert m.version == 2 and m.block_bytes == 1 << 20 and len(m.indexes) == 1
+    assert m.version == 3 and m.block_bytes == 1 << 20 and len(m.indexes) == 1
     assert set(m.indexes) <= set(m.files)
     big = m.tensors["big"].chunks[0]
     assert len(big.blocks) == 4
@@ -85,7 +87,7 @@ def test_round_trip_bit_exact(saved):
             assert v.dtype == live[k].dtype and torch.equal(v, live[k]), k
         else:
             assert live[k] == v, k
-    assert shardckpt.verify(path).version == 2
+    assert shardckpt.verify(path).version == FORMAT_VERSION
 
 
 def test_resolve_reads_only_the_index_and_gives_blocks(saved):
@@ -283,7 +285,7 @@ def test_verify_v2_needs_no_torch(saved):
     code = (
         "import sys; sys.modules['torch'] = None\n"
         "from shardckpt._verify import verify\n"
-        f"m = verify({path!r}); assert m.version == 2, m\n"
+        f"m = verify({path!r}); assert m.version == 3, m\n"
         "assert sys.modules['torch'] is None\n"
     )
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

@@ -8,7 +8,6 @@ falling back as docs/manager.md promises.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shutil
@@ -17,6 +16,7 @@ import pytest
 import torch
 
 import shardckpt
+from shardckpt._format import manifest_from_bytes, manifest_to_bytes
 from shardckpt._manager import step_dir_name
 
 
@@ -29,12 +29,18 @@ def _blank():
     return {"w": torch.zeros(4, 6), "step": -1, "lr": 0.0}
 
 
+def _first_data_file(step_dir):
+    """The first data file the committed manifest names (v3 lists them in its file table)."""
+    return sorted(manifest_from_bytes((step_dir / "manifest.json").read_bytes()).data_files)[0]
+
+
 def _rename_data_file(step_dir, new_rel_of):
-    """Rewrite the manifest so its data file is named ``new_rel_of(old_rel)`` (every mention)."""
+    """Rewrite the manifest (checksum included) so its first data file is named ``new_rel_of(old_rel)``."""
     man = step_dir / "manifest.json"
-    body = man.read_text()
-    old = next(iter(json.loads(body)["files"]))
-    man.write_text(body.replace(old, new_rel_of(old)))
+    m = manifest_from_bytes(man.read_bytes())
+    old = sorted(m.data_files)[0]
+    m.files[new_rel_of(old)] = m.files.pop(old)
+    man.write_bytes(manifest_to_bytes(m))
 
 
 def _manifest_is_a_directory(d):
@@ -75,13 +81,13 @@ def _path_through_a_regular_file(d):
 
 
 def _data_file_is_a_directory(d):
-    rel = next(iter(json.loads((d / "manifest.json").read_text())["files"]))
+    rel = _first_data_file(d)
     (d / rel).unlink()
     (d / rel).mkdir()
 
 
 def _data_file_links_out_of_the_checkpoint(d):
-    rel = next(iter(json.loads((d / "manifest.json").read_text())["files"]))
+    rel = _first_data_file(d)
     outside = d.parent.parent / "stolen.safetensors"
     shutil.move(d / rel, outside)
     os.symlink(outside, d / rel)
@@ -144,7 +150,7 @@ def test_restore_returns_none_when_every_step_is_damaged(tmp_path, caplog):
 def test_symlink_inside_the_checkpoint_that_stays_inside_is_followed(tmp_path):
     url = tmp_path / "ck"
     shardckpt.save(_state(5), str(url))
-    rel = next(iter(json.loads((url / "manifest.json").read_text())["files"]))
+    rel = _first_data_file(url)
     os.rename(url / rel, url / "data" / "real.bin")
     os.symlink("real.bin", url / rel)
     got = _blank()

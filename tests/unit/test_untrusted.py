@@ -170,7 +170,7 @@ MANIFEST_CASES = [
         CorruptCheckpointError,
         ["'sharded'", "do not tile"],
     ),
-    ("future-version", _edit(lambda r: r.update(format_version=3)), CorruptCheckpointError, ["format_version 3", "upgrade shardckpt"]),
+    ("future-version", _edit(lambda r: r.update(format_version=4)), CorruptCheckpointError, ["format_version 4", "upgrade shardckpt"]),
     ("version-zero", _edit(lambda r: r.update(format_version=0)), CorruptCheckpointError, ["format_version 0"]),
     ("version-str", _edit(lambda r: r.update(format_version="1")), CorruptCheckpointError, ["'format_version' must be int"]),
     ("not-ours", _edit(lambda r: r.update(format="dcp")), CorruptCheckpointError, ["not a shardckpt manifest", "'dcp'"]),
@@ -406,4 +406,46 @@ def test_checksum_error_type(ckpt):
     snap = _snapshot(state)
     with pytest.raises(ChecksumMismatchError, match="crc32c"):
         shardckpt.load(state, str(ckpt))
+    _assert_untouched(state, snap)
+
+
+# --------------------------------------------------------------------------
+# format v3: the compact per-rank file table
+
+
+def _table_case(edit):
+    def apply(raw):
+        edit(raw["file_table"])
+        # A valid checksum, so that the checks after it are the ones hit.
+        raw.pop(_format_manifest.MANIFEST_CRC_FIELD)
+        raw[_format_manifest.MANIFEST_CRC_FIELD] = _format.crc32c(_format_manifest.manifest_json_v2(raw))
+        return _format_manifest.manifest_json_v2(raw)
+
+    return apply
+
+
+TABLE_CASES = [
+    ("pattern-escapes", _table_case(lambda t: t.update(data="../../x-{rank}-{i}")), UnsafeMetadataError, ["../../x-00000-00"]),
+    ("pattern-brace", _table_case(lambda t: t.update(index="data/{rank}{0}")), UnsafeMetadataError, ["braces"]),
+    ("absurd-expansion", _table_case(lambda t: t["data_sizes"][0].extend([0] * 5000)), UnsafeMetadataError, ["per rank"]),
+    ("size-lies", _table_case(lambda t: t["data_sizes"][0].__setitem__(0, t["data_sizes"][0][0] + 8)), CorruptCheckpointError, ["truncated"]),
+    ("index-crc-lies", _table_case(lambda t: t["index_files"][0].__setitem__(1, t["index_files"][0][1] ^ 1)), CorruptCheckpointError, ["index file"]),
+]
+
+
+@pytest.mark.parametrize("case", TABLE_CASES, ids=[c[0] for c in TABLE_CASES])
+def test_bad_v3_file_table_is_refused_and_nothing_loaded(tmp_path, case):
+    _, edit, exc, fragments = case
+    path = tmp_path / "v3"
+    saved = {"w": torch.randn(6, 4), "step": 9}
+    shardckpt.save(saved, str(path))
+    raw = _manifest(path)
+    assert raw["format_version"] == 3 and raw["files"] == {}
+    _write_manifest(path, edit(raw))
+    state = {"w": torch.zeros(6, 4), "step": -1}
+    snap = _snapshot(state)
+    with pytest.raises(exc) as ei:
+        shardckpt.load(state, str(path))
+    for frag in fragments:
+        assert frag in str(ei.value), (frag, str(ei.value))
     _assert_untouched(state, snap)
