@@ -49,11 +49,15 @@ def listing_prefixes(paths) -> Dict[str, List[str]]:
     return out
 
 
-def _listed_sizes(storage: Any, expected: Dict[str, int]) -> Dict[str, int]:
-    """Sizes of the expected files that a listing shows (``{}`` where listing is not possible)."""
+def _listed_sizes(storage: Any, expected: Dict[str, int]) -> Dict[str, Optional[int]]:
+    """``{path: listed size, or None if the listing lacks it}`` for the expected files a listing covered.
+
+    Files of a directory that was not listed (too few files, listing not
+    possible or refused) are absent from the result: only a stat can say.
+    """
     if not getattr(storage.caps, "consistent_listing", False) or not hasattr(storage, "list_sizes"):
         return {}
-    out: Dict[str, int] = {}
+    out: Dict[str, Optional[int]] = {}
     for prefix, rels in listing_prefixes(expected).items():
         if len(rels) < LIST_MIN_FILES:
             continue
@@ -65,8 +69,7 @@ def _listed_sizes(storage: Any, expected: Dict[str, int]) -> Dict[str, int]:
             # file of it gets its own size query, which says exactly why.
             continue
         for rel in rels:
-            if rel in listed:
-                out[rel] = listed[rel]
+            out[rel] = listed.get(rel)
     return out
 
 
@@ -79,8 +82,9 @@ def check_files(storage: Any, expected: Dict[str, int]) -> None:
     instead of one HEAD per file) confirms the files whose listed size is
     right; every other file (absent from the listing, of another size, a
     symlink or special file, or all of them where listing is not possible)
-    gets one size query of its own, in parallel on high-latency storage (at
-    most ``RECHECK_REMOTE`` there; the listing's answer stands for the rest).
+    gets one size query of its own, in parallel on high-latency storage
+    (there, of the files a listing contradicts, at most ``RECHECK_REMOTE``;
+    the listing's answer stands for the rest).
     The commit runs it right before writing the manifest, ``restore`` before
     picking a step, ``verify`` and ``load`` before reading: one mechanism for
     "the files are there".
@@ -102,18 +106,20 @@ def check_files(storage: Any, expected: Dict[str, int]) -> None:
     """
     listed = _listed_sizes(storage, expected)
     sizes: Dict[str, Any] = {}
-    suspects = []
+    unlisted, contradicted = [], []
     for rel in sorted(expected):
-        if listed.get(rel) == expected[rel]:
-            continue
-        suspects.append(rel)
+        if rel not in listed:
+            unlisted.append(rel)  # no listing covered it: stat it
+        elif listed[rel] != expected[rel]:
+            contradicted.append(rel)
     remote = storage.caps.high_latency
-    if remote and len(suspects) > RECHECK_REMOTE:
-        # Many files the listing does not confirm (an emptied bucket): its
-        # answer stands for all but the first few.
-        for rel in suspects[RECHECK_REMOTE:]:
-            sizes[rel] = listed.get(rel)
-        suspects = suspects[:RECHECK_REMOTE]
+    if remote and len(contradicted) > RECHECK_REMOTE:
+        # Many files a listing contradicts (an emptied bucket): its answer
+        # stands for all but the first few.
+        for rel in contradicted[RECHECK_REMOTE:]:
+            sizes[rel] = listed[rel]
+        contradicted = contradicted[:RECHECK_REMOTE]
+    suspects = unlisted + contradicted
 
     def stat(rel):
         try:

@@ -136,20 +136,25 @@ def test_data_dir_symlinked_out_falls_back_to_stats(tmp_path):
         check_files(st, files)
 
 
-def test_no_consistent_listing_stats_each_file(st, monkeypatch):
-    files = _rank_files(20)
+@pytest.mark.parametrize("remote", [False, True])
+def test_no_consistent_listing_stats_each_file(st, monkeypatch, remote):
+    # More files than RECHECK_REMOTE: without a listing every one is asked
+    # about, never taken as missing (that cap is for files a listing contradicts).
+    files = _rank_files(RECHECK_REMOTE)
     _write_all(st, files)
-    monkeypatch.setattr(st, "caps", dataclasses.replace(st.caps, consistent_listing=False))
+    monkeypatch.setattr(st, "caps", dataclasses.replace(st.caps, consistent_listing=False, high_latency=remote))
     count = _Count(st, monkeypatch)
     check_files(st, files)
     assert count.calls == {"stat_sizes": len(files)}
 
 
-def test_listing_refused_falls_back(st, monkeypatch):
+@pytest.mark.parametrize("remote", [False, True])
+def test_listing_refused_falls_back(st, monkeypatch, remote):
     from shardckpt.errors import StorageError
 
-    files = _rank_files(20)
+    files = _rank_files(RECHECK_REMOTE)
     _write_all(st, files)
+    monkeypatch.setattr(st, "caps", dataclasses.replace(st.caps, high_latency=remote))
 
     def refused(prefix):
         raise StorageError("list: access refused (AccessDenied)")
