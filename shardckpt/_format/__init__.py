@@ -1,4 +1,4 @@
-"""The on-disk format, v1 and v2 (``docs/format.md`` is the spec): the one place that knows the bytes.
+"""The on-disk format, v1, v2 and v3 (``docs/format.md`` is the spec): the one place that knows the bytes.
 
 - :mod:`.naming`: file names (``manifest.json``, the HF index, ``data/``, data files, chunk keys);
 - :mod:`.dtypes`: safetensors dtype names and item sizes;

@@ -1,4 +1,4 @@
-"""Format v2 internals: the manifest's v2 fields, per-rank index files, chunk resolution.
+"""Format v2 and v3 internals: the manifest's v2 fields, the v3 file table, per-rank index files, chunk resolution.
 
 A v2 manifest lists no chunks: a tensor of a regular layout (placements over
 a mesh, or plain replicated data) carries its layout record, from which every

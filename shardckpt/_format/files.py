@@ -7,13 +7,14 @@ for whatever the listing does not confirm.
 
 from __future__ import annotations
 
+import collections
 import posixpath
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Dict, List, Optional
 
 from ..errors import CorruptCheckpointError, UnreadableFileError, format_offenders
 
-__all__ = ["check_files", "listing_prefixes", "STAT_THREADS", "LIST_MIN_FILES", "RECHECK_REMOTE"]
+__all__ = ["check_files", "listing_prefixes", "STAT_THREADS", "LIST_MIN_FILES", "LIST_PAGE", "RECHECK_REMOTE"]
 
 #: Parallel size queries on object stores (one round trip each).
 STAT_THREADS = 16
@@ -27,26 +28,49 @@ LIST_MIN_FILES = 4
 #: truncated...); beyond that the listing's answer stands, so that an emptied
 #: bucket costs one listing, not one HEAD per file, before the error.
 RECHECK_REMOTE = 64
+#: Keys one S3 listing page returns (ListObjectsV2's maximum): on high-latency
+#: storage, a listing prefix covers at most this many expected files, so each
+#: listing is one request and they run concurrently.
+LIST_PAGE = 1000
 
 
-def listing_prefixes(paths) -> Dict[str, List[str]]:
-    """Group ``paths`` by directory: ``{listing prefix: [paths]}``, the prefix being the directory plus its names' common start.
+def listing_prefixes(paths, *, per_listing: Optional[int] = None) -> Dict[str, List[str]]:
+    """Plan the listings that cover ``paths``: ``{listing prefix: [paths it covers]}``.
 
-    Pure. A save's files share ``data/<save id>-``, so on S3 one listing of
-    that prefix returns them and no file of another save.
+    Pure. Each directory's paths share one prefix, the directory plus its
+    names' common start (a save's files share ``data/<save id>-``, so on S3
+    its listing returns no file of another save). With ``per_listing``, a
+    prefix covering more paths is split by the names' next character until
+    each covers at most that many (or cannot be split: a name that is itself
+    the prefix), so that the listings, one page each, can run concurrently
+    instead of as one chain of pages: 32,768 names ``index-r00000`` ...
+    ``r16383-00`` become 34 prefixes (``data/<save>-index-r00`` ...).
 
     Example:
         >>> listing_prefixes(["data/ab-r0.st", "data/ab-r1.st", "m.json"])
         {'data/ab-r': ['data/ab-r0.st', 'data/ab-r1.st'], 'm.json': ['m.json']}
+        >>> list(listing_prefixes(["d/x0", "d/x1", "d/y0"], per_listing=2))
+        ['d/x', 'd/y0']
     """
     by_dir: Dict[str, List[str]] = {}
     for p in sorted(paths):
         by_dir.setdefault(posixpath.dirname(p), []).append(p)
-    out = {}
+    out: Dict[str, List[str]] = {}
     for d, ps in by_dir.items():
-        common = posixpath.commonprefix([posixpath.basename(p) for p in ps])
-        out[f"{d}/{common}" if d else common] = ps
-    return out
+        cut = len(d) + 1 if d else 0
+        todo = [ps]
+        while todo:
+            group = todo.pop()
+            common = posixpath.commonprefix([p[cut:] for p in group])
+            n = len(common)
+            if per_listing is None or len(group) <= per_listing or any(len(p) - cut == n for p in group):
+                out[(d + "/" if d else "") + common] = group
+                continue
+            parts: Dict[str, List[str]] = {}
+            for p in group:
+                parts.setdefault(p[cut + n], []).append(p)
+            todo.extend(parts.values())
+    return dict(sorted(out.items()))
 
 
 def _listed_sizes(storage: Any, expected: Dict[str, int]) -> Dict[str, Optional[int]]:
@@ -54,22 +78,34 @@ def _listed_sizes(storage: Any, expected: Dict[str, int]) -> Dict[str, Optional[
 
     Files of a directory that was not listed (too few files, listing not
     possible or refused) are absent from the result: only a stat can say.
+    On high-latency storage the listings (one page each) run concurrently.
     """
     if not getattr(storage.caps, "consistent_listing", False) or not hasattr(storage, "list_sizes"):
         return {}
-    out: Dict[str, Optional[int]] = {}
-    for prefix, rels in listing_prefixes(expected).items():
-        if len(rels) < LIST_MIN_FILES:
-            continue
+    remote = storage.caps.high_latency
+    per_dir = collections.Counter(posixpath.dirname(p) for p in expected)
+    plan = [(prefix, rels) for prefix, rels in listing_prefixes(expected, per_listing=LIST_PAGE if remote else None).items()
+            if per_dir[posixpath.dirname(rels[0])] >= LIST_MIN_FILES]
+
+    def one(prefix: str) -> Optional[Dict[str, int]]:
         try:
-            listed = storage.list_sizes(prefix)
+            return storage.list_sizes(prefix)
         except (OSError, UnreadableFileError):
             # Listing refused (no s3:ListBucket permission), failed after its
             # retries, or the directory is a symlink out of the root: every
             # file of it gets its own size query, which says exactly why.
-            continue
-        for rel in rels:
-            out[rel] = listed.get(rel)
+            return None
+
+    if remote and len(plan) > 1:
+        with ThreadPoolExecutor(max_workers=min(STAT_THREADS, len(plan))) as ex:
+            results = list(ex.map(one, [prefix for prefix, _ in plan]))
+    else:
+        results = [one(prefix) for prefix, _ in plan]
+    out: Dict[str, Optional[int]] = {}
+    for (_, rels), listed in zip(plan, results):
+        if listed is not None:
+            for rel in rels:
+                out[rel] = listed.get(rel)
     return out
 
 

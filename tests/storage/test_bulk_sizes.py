@@ -56,6 +56,16 @@ class _Count:
             monkeypatch.setattr(st, name, counting)
 
 
+def test_listing_prefixes_split_into_one_page_each():
+    files = _rank_files(16384)
+    plan = listing_prefixes(files, per_listing=1000)
+    assert len(plan) == 34 and max(len(v) for v in plan.values()) == 1000
+    assert sorted(p for v in plan.values() for p in v) == sorted(files)  # every file once
+    assert all(p.startswith(prefix) for prefix, v in plan.items() for p in v)
+    # A name that is itself a prefix of the others cannot be split off.
+    assert listing_prefixes(["d/a", "d/ab", "d/ac"], per_listing=1) == {"d/a": ["d/a", "d/ab", "d/ac"]}
+
+
 def test_listing_prefixes_pure():
     files = _rank_files(3)
     groups = listing_prefixes(files)
@@ -231,6 +241,6 @@ def test_s3_commit_lists_instead_of_heads(s3_endpoint, monkeypatch, client):
         seen.clear()
         with pytest.raises(CorruptCheckpointError, match=r"is missing.*more\)"):
             check_files(st, files)
-        assert seen["list_objects_v2"] == 1 and seen["head_object"] <= RECHECK_REMOTE, seen
+        assert seen["list_objects_v2"] == 2 and seen["head_object"] <= RECHECK_REMOTE, seen
     finally:
         st.remove_tree()
