@@ -93,11 +93,10 @@ def manifest_v2_from_raw(raw: Dict[str, Any], where: str) -> Manifest:
         if size < 0:
             raise _bad(where, f"files[{path!r}].size is negative")
         files[path] = FileMeta(size)
-    listed_indexes = [
-        (path, IndexMeta(_req(im, "rank", int, iw), _req(im, "size", int, iw), _req(im, "crc32c", int, iw)), iw)
-        for path, im in _req(raw, "indexes", dict, where).items()
-        for iw in (f"{where}: indexes[{path!r}]",)
-    ]
+    listed_indexes = []  # (path, meta, where): the plain map's, then the table's
+    for path, im in _req(raw, "indexes", dict, where).items():
+        iw = f"{where}: indexes[{path!r}]"
+        listed_indexes.append((path, IndexMeta(_req(im, "rank", int, iw), _req(im, "size", int, iw), _req(im, "crc32c", int, iw)), iw))
     if version >= V_FILE_TABLE:
         table_data, table_indexes = _expand_table(raw, world_size, where)
         for path, size in table_data:
