@@ -99,7 +99,10 @@ def _escape(d):
     with open(os.path.join(d, "manifest.json")) as fh:
         raw = json.load(fh)
     rel = "data/" + os.path.basename(f)
-    raw["files"]["../x"] = raw["files"].pop(rel)
+    if rel in raw["files"]:
+        raw["files"]["../x"] = raw["files"].pop(rel)
+    else:  # format v3: the rank's files are in the compact file table
+        raw["files"]["../x"] = {"size": os.path.getsize(f)}
     for t in raw["tensors"].values():
         for c in t.get("chunks", []):  # format v2 lists no chunks
             if c["file"] == rel:
