@@ -26,7 +26,7 @@ smoke)
   echo "=== replicated-load smoke (small), HSDP 2x1 and FSDP2 x2"
   for l in hsdp fsdp2; do torchrun --standalone --nproc-per-node 2 benchmarks/bench_replicated_load.py --layout $l --blocks 2 --dim 1024 --ff 4096 2>&1 | grep -v Warn; done ;;
 bench)
-  for l in hsdp fsdp2; do
+  for l in ${LAYOUTS:-hsdp fsdp2}; do
     echo "=== 2 GPUs, $l, ${BLOCKS:-18} blocks of 4096x16384 (+ AdamW)"
     torchrun --standalone --nproc-per-node 2 benchmarks/bench_replicated_load.py --layout $l --blocks ${BLOCKS:-18} --dir /tmp/brl --json $OUT/bench-$l.json 2>&1 | grep -v Warn | tee $OUT/bench-$l.log
   done ;;
