@@ -139,6 +139,10 @@ def plan_shared(keys_by_rank: Sequence[Sequence[Key]], *, round_bytes: int) -> S
             queues[reader].append(Shared(k, reader, hs))
             read_bytes[reader] += _nbytes(k)
             pos += _nbytes(k)
+    for q in queues:
+        # File order, as the reader reads: one continuous read over all rounds
+        # delivers round after round.
+        q.sort(key=lambda sh: sh.key)
     widest = max((len(hs) for hs in by_set), default=1)
     # A rank's round buffer holds what it reads plus what it receives: with
     # holder sets of up to ``widest`` ranks, each reader's slice of a round is
@@ -257,7 +261,7 @@ def read_once(
         pool: the read buffer pool.
         threads: reads in flight.
         stats: a ``ReadStats`` to fill (``sent_bytes``/``received_bytes`` too).
-        round_bytes: bytes of one round buffer.
+        round_bytes: bytes of one round buffer (three are held).
 
     Returns:
         ``stats``.
@@ -266,7 +270,15 @@ def read_once(
         Whatever a read raises, on every rank (same type, one message naming
         the reading rank), and ``LoadFailedError`` naming a peer that died or
         did not send within ``collective_timeout_s``.
+
+    One background thread reads everything this rank reads — its own ranges,
+    then its shared ranges of every round, in one continuous
+    ``read_verified`` (no drain between rounds) — into three round buffers
+    used in turn; the calling thread agrees on each round, posts its
+    transfers and, one round later, waits for them and places the bytes.
     """
+    import threading
+
     import torch
 
     from ._collective import agree
@@ -276,6 +288,8 @@ def read_once(
     mine = [key_of(w) for w in wants]
     _, keys_by_rank = agree(comm, lambda: mine, what=what, share=lambda v: v)
     plan = plan_shared(keys_by_rank, round_bytes=round_bytes)
+    if not plan.rounds:
+        return read(storage, wants, deliver, threads=threads, pool=pool, stats=stats)
     shared = set(plan.shared_keys)
     by_key: Dict[Key, List[Any]] = {}
     own: List[Any] = []
@@ -288,34 +302,86 @@ def read_once(
     cuda = transfer_device(group) == "cuda"
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     layouts = [round_layout(r, me) for r in plan.rounds]
-    size = max((n for _, n in layouts), default=0)
-    bufs = [torch.empty(size, dtype=torch.uint8, device=device) for _ in range(min(2, len(layouts)))] if size else []
+    n = len(layouts)
+    nbuf = min(3, n)
+    size = max(b for _, b in layouts)
+    bufs = [torch.empty(size, dtype=torch.uint8, device=device) for _ in range(nbuf)]
+    # What this rank reads for each round (tag: (round, offset in its buffer)), in file order.
+    reads = [Want(by_key[s.key][0].chunk, s.key[2], s.key[3], (k, off))
+             for k, (groups, _) in enumerate(layouts) for g in groups if g.reader == me for s, off in g.items]
+    left = [0] * n
+    for w in reads:
+        left[w.tag[0]] += 1
+    read_done = [threading.Event() for _ in range(n)]
+    read_fence: List[Any] = [None] * n
+    freed = [threading.Event() for _ in range(n)]  # round k's buffer may be reused
+    freed_fence: List[Any] = [None] * n  # ... once the device copies out of it are done
+    for k in range(n):
+        if not left[k]:
+            read_done[k].set()
+    state: Dict[str, Any] = {"error": None, "cancel": False, "own_done": threading.Event()}
+
+    def into(w, data, owner, off):
+        k, pos = w.tag
+        if state["cancel"]:
+            raise _Cancelled()
+        if k >= nbuf:
+            while not freed[k - nbuf].wait(0.05):
+                if state["cancel"]:
+                    raise _Cancelled()
+            if state["cancel"]:
+                raise _Cancelled()
+        src = owner[0][off : off + len(data)]
+        dst = bufs[k % nbuf][pos : pos + len(data)]
+        fence = None
+        if dst.is_cuda:
+            if k >= nbuf and freed_fence[k - nbuf] is not None:
+                torch.cuda.current_stream().wait_event(freed_fence[k - nbuf])
+            dst.copy_(src, non_blocking=True)
+            fence = torch.cuda.Event()
+            fence.record()
+        else:
+            dst.copy_(src)
+        left[k] -= 1
+        if not left[k]:
+            read_fence[k] = fence
+            read_done[k].set()
+        return fence
+
+    def reader() -> None:
+        try:
+            if cuda:
+                torch.cuda.set_device(device)  # a new thread starts on device 0: events and copies belong here
+            with torch.no_grad():
+                if own:
+                    read(storage, own, deliver, threads=threads, pool=pool, stats=stats)
+                state["own_done"].set()
+                if reads:
+                    read(storage, reads, into, threads=threads, pool=pool, stats=stats)
+        except BaseException as e:  # noqa: BLE001 - raised in the calling thread at its next step
+            state["error"] = e
+        finally:
+            state["own_done"].set()
+            for ev in read_done:
+                ev.set()
+
+    def wait_read(k: int) -> None:
+        for ev in ([state["own_done"]] if k == 0 else []) + [read_done[k]]:
+            if not ev.wait(comm.timeout_s):
+                raise LoadFailedError(
+                    f"{comm.op}: this rank's reads of round {k} did not finish within "
+                    f"collective_timeout_s={comm.timeout_s:g}: the storage is stalled"
+                )
+        if state["error"] is not None and not isinstance(state["error"], _Cancelled):
+            raise state["error"]
+        if read_fence[k] is not None:
+            torch.cuda.current_stream().wait_event(read_fence[k])
+
     posted: List[Tuple[int, List[Any]]] = []  # the round whose transfers are in flight
     failed: List[BaseException] = []  # a failure between two exchanges, raised at the next one
 
-    def read_round(k: int) -> None:
-        buf = bufs[k % 2]
-        # The want's tag is its offset in the round buffer.
-        reads = [Want(by_key[s.key][0].chunk, s.key[2], s.key[3], off)
-                 for g in layouts[k][0] if g.reader == me for s, off in g.items]
-        if not reads:
-            return
-
-        def into(w, data, owner, off):
-            src = owner[0][off : off + len(data)]
-            dst = buf[w.tag : w.tag + len(data)]
-            if dst.is_cuda:
-                dst.copy_(src, non_blocking=True)
-                ev = torch.cuda.Event()
-                ev.record()
-                return ev
-            dst.copy_(src)
-            return None
-
-        read(storage, reads, into, threads=threads, pool=pool, stats=stats)
-
     def post(k: int) -> None:
-        buf = bufs[k % 2]
+        buf = bufs[k % nbuf]
         ops = []
         for g in layouts[k][0]:
             part = buf[g.start : g.stop]
@@ -335,33 +401,48 @@ def read_once(
         peers = {comm.ranks[g.reader] for g in groups if g.reader != me}
         peers |= {comm.ranks[q] for g in groups if g.reader == me for q in g.holders if q != me}
         _wait(works, comm, sorted(peers), cuda)
-        buf = bufs[k % 2]
+        buf = bufs[k % nbuf]
         for g in groups:
             for s, off in g.items:
                 for w in by_key[s.key]:
                     place(w, buf[off : off + _nbytes(s.key)])
+        if cuda:
+            # The reader's next copies into this buffer wait for these (on its own stream).
+            freed_fence[k] = torch.cuda.Event()
+            freed_fence[k].record()
+        freed[k].set()
 
     def step(k: int) -> None:
         if failed:
             raise failed.pop()
-        if k == 0 and own:
-            read(storage, own, deliver, threads=threads, pool=pool, stats=stats)
-        if k < len(layouts):
-            read_round(k)  # while the previous round's transfers are in flight
+        if k < n:
+            wait_read(k)  # the reader is ahead, on the next rounds, meanwhile
         if posted:
             finish()
 
-    for k in range(len(layouts) + 1):
-        # Every rank runs every step and then meets the others, so a failure
-        # anywhere (a damaged block on the reader) stops all ranks at the same
-        # exchange, before any byte of that round is sent.
-        agree(comm, lambda k=k: step(k), what=what)
-        if k < len(layouts):
-            try:
-                post(k)
-            except Exception as e:  # noqa: BLE001 - reported to every rank at the next exchange
-                failed.append(e)
+    th = threading.Thread(target=reader, name="shardckpt-read-once", daemon=True)
+    th.start()
+    try:
+        for k in range(n + 1):
+            # Every rank runs every step and then meets the others, so a
+            # failure anywhere (a damaged block on the reader) stops all ranks
+            # at the same exchange, before any byte of that round is sent.
+            agree(comm, lambda k=k: step(k), what=what)
+            if k < n:
+                try:
+                    post(k)
+                except Exception as e:  # noqa: BLE001 - reported to every rank at the next exchange
+                    failed.append(e)
+    finally:
+        state["cancel"] = True
+        for ev in freed:
+            ev.set()
+        th.join()
     return stats
+
+
+class _Cancelled(Exception):
+    """The calling thread gave up (another rank failed): the reader stops."""
 
 
 def _p2p(kind: str, tensor: Any, peer: int, group: Any, tag: int):

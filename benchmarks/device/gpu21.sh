@@ -3,7 +3,7 @@
 # on NCCL, 2-GPU save/async/cold-load vs DCP (HSDP 2x1 and FSDP2 x2), the raw disk, and the one-GPU
 # 3 B cold-load sweep. Run from the tree copied by `run` (this script lies in .gpu-wt/src/benchmarks/device):
 #   STEPS="matrix smoke bench" bash .gpu-wt/src/benchmarks/device/gpu21.sh
-# Steps: matrix, smoke, bench (2.4 B params, both layouts), raw (disk ceiling, 2/16 streams), sweep (one GPU, 3 B).
+# Steps: matrix (world size 2), matrix1 (world size 1), smoke, bench (2.4 B params, both layouts), raw (disk ceiling, 2/16 streams), sweep (one GPU, 3 B).
 # The host has no package registry: the crc32c wheel for its Python lies in $WHL.
 SRC="$(cd "$(dirname "$0")/../.." && pwd)"
 WHL=${WHL:-$SRC/../whl}
@@ -12,13 +12,15 @@ rm -rf /tmp/pkg && mkdir -p /tmp/pkg && cp -r "$SRC"/shardckpt "$SRC"/benchmarks
 cd /tmp/pkg && export PYTHONPATH=/tmp/pkg:/tmp/site PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/out}; mkdir -p $OUT
-STEPS=${STEPS:-matrix smoke bench}
+STEPS=${STEPS:-matrix matrix1 smoke bench}
 date -u; nvidia-smi -L; nvidia-smi topo -m | head -4; df -h /tmp | tail -1; nproc; free -g | head -2
 python3 -c "import torch, crc32c, fsspec; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'nccl', torch.cuda.nccl.version())"
 for s in $STEPS; do case $s in
 matrix)
   echo "=== matrix, world size 2 (NCCL)"
   torchrun --standalone --nproc-per-node 2 tests/gpu/check_matrix.py --out /tmp/m2 --train 2>&1 | grep -v Warn | tee $OUT/matrix-w2.log | grep -v "^    "
+  rm -rf /tmp/m2 ;;
+matrix1)
   echo "=== matrix, world size 1"
   python3 tests/gpu/check_matrix.py --out /tmp/m1 2>&1 | grep -v Warn | tee $OUT/matrix-w1.log | grep -v "^    "
   rm -rf /tmp/m1 /tmp/m2 ;;
@@ -28,7 +30,7 @@ smoke)
 bench)
   for l in ${LAYOUTS:-hsdp fsdp2}; do
     echo "=== 2 GPUs, $l, ${BLOCKS:-18} blocks of 4096x16384 (+ AdamW)"
-    torchrun --standalone --nproc-per-node 2 benchmarks/bench_replicated_load.py --layout $l --blocks ${BLOCKS:-18} --dir /tmp/brl --json $OUT/bench-$l.json 2>&1 | grep -v Warn | tee $OUT/bench-$l.log
+    torchrun --standalone --nproc-per-node 2 benchmarks/bench_replicated_load.py --layout $l --blocks ${BLOCKS:-18} --libs ${LIBS:-shardckpt,dcp} --dir /tmp/brl --json $OUT/bench-$l.json 2>&1 | grep -v Warn | tee $OUT/bench-$l.log
   done ;;
 raw)
   echo "=== raw disk: 16 files x 1.8 GB, written by 16 dd + fsync; dropped from the page cache; read by 16 and by 2 streams (bs 8M)"

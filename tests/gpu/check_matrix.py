@@ -299,7 +299,8 @@ class Matrix:
         one, many, hf = self.path("resharded-1"), self.path(f"resharded-{self.world}"), self.path("hf")
         if self.rank == 0:
             converters.reshard(path, one, world_size=1)
-            converters.reshard(path, many, world_size=self.world)
+            if self.world > 1:
+                converters.reshard(path, many, world_size=self.world)
             converters.to_safetensors(path, hf)
             from safetensors.torch import load_file
 
