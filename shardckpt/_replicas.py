@@ -18,11 +18,14 @@ Mechanism (one load, every rank of the group):
    by several ranks is *shared*; each holder set's shared ranges are split
    into contiguous spans balanced by bytes, one reader per span; the readers'
    queues are cut into rounds of at most ``round_bytes`` per rank;
-3. *stream*: ranges nobody else wants are read as before; then, per round,
-   every reader reads and verifies its ranges into a round buffer (on the
-   transfer device) — while the previous round's sends are in flight — and
-   the ranks agree (bounded by ``collective_timeout_s``) that every read of
-   the round succeeded before any byte of it is sent. A damaged block on the
+3. *stream*: one background thread per rank reads, in one continuous
+   ``read_verified`` (no drain between rounds), the ranges nobody else wants
+   (straight into their tensors) and then this rank's shared ranges of every
+   round, each into that round's buffer on the transfer device (three used in
+   turn, so reads run ahead while earlier rounds are sent). The calling
+   thread, per round, waits for that round's reads and agrees with the other
+   ranks (bounded by ``collective_timeout_s``) that every read of the round
+   succeeded before any byte of it is sent. A damaged block on the
    reading rank therefore fails the load on every rank with the same error,
    and nobody waits in a send or receive that will never come. Transfers are
    point-to-point ``isend``/``irecv`` in the load's group, one message per
@@ -37,10 +40,23 @@ Falls back to direct reads (every rank reads what it needs) with one process
 group's backend can send neither CPU nor CUDA tensors, or when
 ``SHARDCKPT_LOAD_READ_ONCE=0``.
 
-Memory: the read pool (``buffer_bytes``) plus two round buffers of at most
+Memory: the read pool (``buffer_bytes``) plus three round buffers of about
 ``buffer_bytes / 2`` each on the transfer device (a round holds every byte a
-rank reads for others or receives; one range larger than a round gets a round
-of its own).
+rank reads for others or receives; one range larger than a reader's slice of
+a round gets a round of its own).
+
+Limits: every rank's list of wanted ranges goes through the store once (rank
+0 gathers them all: O(ranks x ranges)); only ranges wanted *identically* are
+shared (two shard groups overlapping in part of a block each read that block);
+on one host with a local disk the replicas' duplicate reads were served by
+the page cache anyway, so there read-once saves storage traffic, not time
+(docs/performance.md, "Several GPUs").
+
+Example (what the plan decides; the load uses it by itself):
+
+    >>> p = plan_shared([[("f", 0, 0, 64)], [("f", 0, 0, 64)]], round_bytes=1 << 20)
+    >>> [(s.reader, s.holders) for r in p.rounds for s in r]
+    [(1, (0, 1))]
 """
 
 from __future__ import annotations
