@@ -364,13 +364,18 @@ def read_once(
             read_done[k].set()
         return fence
 
+    def own_into(w, data, owner, off):
+        if state["cancel"]:
+            raise _Cancelled()  # another rank failed: stop reading
+        return deliver(w, data, owner, off)
+
     def reader() -> None:
         try:
             if cuda:
                 torch.cuda.set_device(device)  # a new thread starts on device 0: events and copies belong here
             with torch.no_grad():
                 if own:
-                    read(storage, own, deliver, threads=threads, pool=pool, stats=stats)
+                    read(storage, own, own_into, threads=threads, pool=pool, stats=stats)
                 state["own_done"].set()
                 if reads:
                     read(storage, reads, into, threads=threads, pool=pool, stats=stats)
