@@ -219,7 +219,11 @@ def load(
 
     Limits: memory beyond the model is ``buffer_bytes`` (a v1 chunk larger
     than it is read into one buffer of its size), plus one copy of the rank's
-    shard with ``atomic=True``. A stateful object's ``load_state_dict`` runs
+    shard with ``atomic=True``. Byte ranges that several ranks load
+    (replicas: HSDP, DDP, replicated parameters) are read by one of them and
+    sent to the others over ``process_group`` (``SHARDCKPT_LOAD_READ_ONCE``,
+    default on): that adds three buffers of about ``buffer_bytes / 2`` on
+    the GPU (NCCL) or in host memory (gloo). A stateful object's ``load_state_dict`` runs
     after the tensors are in; if it raises, the tensors are already loaded.
     """
     if state is None or (isinstance(state, dict) and not state):
