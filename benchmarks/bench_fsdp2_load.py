@@ -103,7 +103,7 @@ def _host_pinned() -> int:
         return -1
 
 
-def _case(name, model, opt, path, want):
+def _case(name, model, opt, path, want, reuse=False):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
@@ -112,8 +112,12 @@ def _case(name, model, opt, path, want):
     from shardckpt._load import load_settings
 
     # "shardckpt:T:B:R": T I/O threads, B MiB of read buffers, R MiB per read;
-    # plain "shardckpt": the defaults for CUDA targets.
+    # plain "shardckpt": the defaults for CUDA targets; a trailing ":nocrc"
+    # skips the CRC checks (SHARDCKPT_CHECKSUMS=0: the checksum's cost).
     kind, *opts = name.split(":")
+    nocrc = bool(opts) and opts[-1] == "nocrc"
+    opts = [o for o in opts if o != "nocrc"]
+    _knobs.CHECKSUMS = not nocrc
     kw = {}
     if opts:
         kw = {"io_threads": int(opts[0]), "buffer_bytes": int(opts[1]) << 20}
@@ -125,11 +129,16 @@ def _case(name, model, opt, path, want):
                  "block_KiB": _knobs.BLOCK_BYTES >> 10, "defaults": not opts}
         print(f"{name}: load with io_threads={threads} buffer_bytes={buf >> 20}MiB "
               f"range_bytes={_knobs.LOAD_RANGE_BYTES >> 20}MiB ({'defaults' if not opts else 'given'})", flush=True)
-    shutil.rmtree(path, ignore_errors=True)
     t0 = time.perf_counter()
-    if kind == "shardckpt":
+    if reuse and os.path.exists(path):
+        pass  # --reuse: load the checkpoint the previous case of this kind saved
+    elif kind == "shardckpt":
+        shutil.rmtree(path, ignore_errors=True)
+        _knobs.CHECKSUMS = True
         shardckpt.save({"model": model, "optim": opt}, path)
+        _knobs.CHECKSUMS = not nocrc
     else:
+        shutil.rmtree(path, ignore_errors=True)
         msd, osd = get_state_dict(model, opt)
         dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
     torch.cuda.synchronize()
@@ -165,8 +174,11 @@ def _case(name, model, opt, path, want):
         "pinned_after_load_bytes": _host_pinned(),
         "values_ok": abs(got - want) <= 1e-6 * max(1.0, abs(want)),
         **knobs,
+        "checksums": not nocrc,
     }
-    shutil.rmtree(path, ignore_errors=True)
+    _knobs.CHECKSUMS = True
+    if not reuse:
+        shutil.rmtree(path, ignore_errors=True)
     print(json.dumps(out), flush=True)
     return out
 
@@ -179,6 +191,7 @@ def main(argv=None) -> int:
     p.add_argument("--ff", type=int, default=16384)
     p.add_argument("--cases", default="shardckpt,dcp")
     p.add_argument("--json")
+    p.add_argument("--reuse", action="store_true", help="save once per library, load it for every case of that library")
     a = p.parse_args(argv)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29533")
@@ -188,7 +201,8 @@ def main(argv=None) -> int:
     nparams = sum(p.numel() for p in model.parameters())
     print(f"params={nparams / 1e9:.2f}B state={nparams * 12 / 1e9:.1f}GB torch={torch.__version__}", flush=True)
     want = _fingerprint(model, opt)
-    res = [_case(c, model, opt, os.path.join(a.dir, c.split(":")[0]), want) for c in a.cases.split(",")]
+    res = [_case(c, model, opt, os.path.join(a.dir, c.split(":")[0]), want, a.reuse) for c in a.cases.split(",")]
+    shutil.rmtree(a.dir, ignore_errors=True)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(res, f, indent=1)

@@ -40,6 +40,9 @@ environment variable                default     what it sets
                                     CPUs)
 ``SHARDCKPT_LOAD_RANGE_BYTES``      8 MiB       largest coalesced read of a load, and the
                                                 size of one reusable read buffer
+``SHARDCKPT_LOAD_READ_ONCE``        1           0: every rank reads every byte it loads; 1:
+                                                a byte range several ranks load (replicas)
+                                                is read by one and sent to the others
 ``SHARDCKPT_ASYNC_WRITER``          thread      who writes an async save's bytes: ``thread``
                                                 (in the training process) or ``process``
                                                 (a writer child, out of its GIL)
@@ -90,6 +93,7 @@ __all__ = [
     "LOAD_RANGE_BYTES",
     "LOAD_CUDA_BUFFER_BYTES",
     "LOAD_CUDA_IO_THREADS",
+    "LOAD_READ_ONCE",
     "BLOCK_BYTES",
     "ASYNC_WRITER",
     "STORAGE_RETRIES",
@@ -218,6 +222,12 @@ LOAD_RANGE_BYTES = _int("LOAD_RANGE_BYTES", 8 << 20)
 #: registered at exact size and released when ``load`` returns.
 LOAD_CUDA_BUFFER_BYTES = _int("LOAD_CUDA_BUFFER_BYTES", 512 << 20)
 LOAD_CUDA_IO_THREADS = _int("LOAD_CUDA_IO_THREADS", min(16, os.cpu_count() or 1))
+#: A byte range that several ranks of a load need (HSDP/DDP replicas,
+#: replicated TP parameters and buffers) is read and verified by one of them
+#: and sent to the others over the process group (shardckpt/_replicas.py):
+#: storage reads stay ~1.0x the state whatever the replica count. 0: every
+#: rank reads what it loads. Read at each ``load``.
+LOAD_READ_ONCE = _bool("LOAD_READ_ONCE", True)
 #: Format v2 block checksums: one CRC-32C per this many bytes of a chunk
 #: (chunk-relative). 1 MiB: 4 bytes of metadata per MiB of data, and a ranged
 #: read over-reads at most one block at each end. Written into the manifest,

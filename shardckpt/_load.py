@@ -28,8 +28,8 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, NamedTuple
 
 import torch
 
-from . import _knobs, _plan
-from ._collective import DEFAULT_COLLECTIVE_TIMEOUT_S, agree, open_comm
+from . import _knobs, _plan, _replicas
+from ._collective import DEFAULT_COLLECTIVE_TIMEOUT_S, Comm, agree, open_comm
 from ._format import (
     Manifest,
     TensorMeta,
@@ -219,7 +219,11 @@ def load(
 
     Limits: memory beyond the model is ``buffer_bytes`` (a v1 chunk larger
     than it is read into one buffer of its size), plus one copy of the rank's
-    shard with ``atomic=True``. A stateful object's ``load_state_dict`` runs
+    shard with ``atomic=True``. Byte ranges that several ranks load
+    (replicas: HSDP, DDP, replicated parameters) are read by one of them and
+    sent to the others over ``process_group`` (``SHARDCKPT_LOAD_READ_ONCE``,
+    default on): that adds three buffers of about ``buffer_bytes / 2`` on
+    the GPU (NCCL) or in host memory (gloo). A stateful object's ``load_state_dict`` runs
     after the tensors are in; if it raises, the tensors are already loaded.
     """
     if state is None or (isinstance(state, dict) and not state):
@@ -259,7 +263,9 @@ def load(
         staged = _stage_targets(plan)
         agree(
             comm,
-            lambda: stream_into(storage, plan, staged, threads=io_threads, buffer_bytes=buffer_bytes),
+            lambda: stream_into(
+                storage, plan, staged, threads=io_threads, buffer_bytes=buffer_bytes, comm=comm, process_group=process_group
+            ),
             what=f"nothing was loaded from {storage.url}",
         )
         with torch.no_grad():
@@ -269,7 +275,9 @@ def load(
     else:
         agree(
             comm,
-            lambda: stream_into(storage, plan, None, threads=io_threads, buffer_bytes=buffer_bytes),
+            lambda: stream_into(
+                storage, plan, None, threads=io_threads, buffer_bytes=buffer_bytes, comm=comm, process_group=process_group
+            ),
             what=f"the load from {storage.url} stopped part-way (ranks not named here loaded all their tensors)",
         )
     for name, put in plan.creates.items():
@@ -459,10 +467,16 @@ def stream_into(
     threads: Optional[int] = None,
     buffer_bytes: Optional[int] = None,
     stats: Optional[ReadStats] = None,
+    comm: Optional[Comm] = None,
+    process_group: Optional["ProcessGroup"] = None,
 ) -> ReadStats:
     """Read, verify and copy every piece of ``plan`` into its tensor (or into ``staged``).
 
     ``threads``/``buffer_bytes`` None: :func:`load_settings` for the targets.
+    With ``comm`` of several ranks (the load's; collective then), a byte
+    range several ranks need is read by one of them and sent to the others
+    over ``process_group`` (``shardckpt/_replicas.py``;
+    ``SHARDCKPT_LOAD_READ_ONCE=0`` turns it off).
 
     Raises:
         ChecksumMismatchError / CorruptCheckpointError / StorageError: as the
@@ -478,9 +492,9 @@ def stream_into(
     touched: Dict[int, None] = {}
     events: List[Any] = []
 
-    def deliver(w: Want, data: memoryview, owner, off: int):
+    def place(w: Want, raw: torch.Tensor):
+        """Copy a want's bytes (``raw``: uint8, host or device) into its destination; a fence or None."""
         job: _Copy = w.tag
-        raw = owner[0][off : off + len(data)]
         isz = raw.new_empty((), dtype=job.dtype).element_size()
         if raw.data_ptr() % isz:
             raw = raw.clone()  # a foreign file's chunk not aligned to its item size
@@ -489,7 +503,7 @@ def stream_into(
         at = flat.storage_offset() + sum(o * s for o, s in zip(job.src_offsets, job.strides)) - job.first
         src = flat.as_strided(job.sizes, job.strides, at)
         touched[job.target] = None
-        if job.dst.is_cuda:
+        if job.dst.is_cuda or src.is_cuda:
             job.dst.copy_(src, non_blocking=True)
             ev = torch.cuda.Event()
             ev.record()
@@ -498,16 +512,19 @@ def stream_into(
         job.dst.copy_(src)
         return None
 
+    def deliver(w: Want, data: memoryview, owner, off: int):
+        return place(w, owner[0][off : off + len(data)])
+
+    wants = _wants(plan, dests, range_bytes)
     try:
         with torch.no_grad():
-            return read_verified(
-                storage,
-                _wants(plan, dests, range_bytes),
-                deliver,
-                threads=threads,
-                pool=pool,
-                stats=stats,
-            )
+            if comm is not None and comm.world > 1 and _replicas.enabled() and _replicas.transfer_device(process_group):
+                # Ranges several ranks need are read by one and sent to the others.
+                return _replicas.read_once(
+                    storage, wants, comm=comm, group=process_group, read=read_verified, deliver=deliver, place=place,
+                    pool=pool, threads=threads, stats=stats or ReadStats(), round_bytes=max(range_bytes, buffer_bytes // 2),
+                )
+            return read_verified(storage, wants, deliver, threads=threads, pool=pool, stats=stats)
     except CheckpointError as e:
         if staged is None and touched:
             names = [plan.targets[i].name for i in touched]

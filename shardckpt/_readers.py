@@ -131,7 +131,10 @@ class ReadStats:
     """What a read did: bytes asked for, bytes read (the difference is block rounding and gaps).
 
     ``gap_bytes``: bytes read only to join two ranges into one request
-    (counted in ``read_bytes``); ``requests``: storage reads issued.
+    (counted in ``read_bytes``); ``requests``: storage reads issued;
+    ``sent_bytes``/``received_bytes``: bytes of replicated ranges this rank
+    sent to / received from the other holders instead of reading them
+    (``shardckpt/_replicas.py``).
     """
 
     wanted_bytes: int = 0
@@ -140,6 +143,8 @@ class ReadStats:
     peak_buffer_bytes: int = 0
     gap_bytes: int = 0
     requests: int = 0
+    sent_bytes: int = 0
+    received_bytes: int = 0
 
 
 def _units_of(w: Want) -> List[Tuple[int, int, int, str]]:

@@ -61,6 +61,23 @@ TOLERATED_GROUP_KEYS = frozenset(
 )
 
 
+#: How the live optimizer runs, not what it learned: the user chose these
+#: for this machine (``fused`` kernels on CUDA, ``foreach`` off for mixed
+#: sharded and plain parameters, ``capturable`` for CUDA graphs). A load keeps
+#: the live group's values and takes every other key (``lr``, ``betas``,
+#: ``weight_decay``, ``eps``, schedulers' ``initial_lr``...) from the checkpoint.
+LIVE_GROUP_KEYS = ("foreach", "fused", "capturable", "differentiable")
+
+
+def keep_live_settings(saved_group: Dict[str, Any], live_group: Dict[str, Any]) -> Dict[str, Any]:
+    """``saved_group`` with :data:`LIVE_GROUP_KEYS` taken from ``live_group`` where it has them.
+
+        >>> keep_live_settings({"lr": 0.1, "foreach": None}, {"lr": 1.0, "foreach": False})
+        {'lr': 0.1, 'foreach': False}
+    """
+    return {**saved_group, **{k: live_group[k] for k in LIVE_GROUP_KEYS if k in live_group}}
+
+
 def state_shape_fits(shape: Sequence[int], param_shape: Sequence[int]) -> bool:
     """True if a per-parameter optimizer state of ``shape`` can belong to a parameter of ``param_shape``.
 
@@ -358,7 +375,13 @@ class OptimizerAdapter(Adapter):
             # Tensors made here and values filled later land out of order:
             # each parameter's state keeps the saved key order.
             ordered = {f: {k: st[k] for k in saved_keys[f] if k in st} | st for f, st in new_state.items()}
-            osd = {STATE: ordered, GROUPS: groups_holder[GROUPS]}
+            # Before torch's load_state_dict sees them: its placement of the
+            # ``step`` tensors follows the group's ``capturable``/``fused``.
+            saved_g = [
+                keep_live_settings(g, optim.param_groups[feeds[i]]) if i in feeds and isinstance(g, dict) else g
+                for i, g in enumerate(groups_holder[GROUPS])
+            ]
+            osd = {STATE: ordered, GROUPS: saved_g}
             if fsdp1:
                 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
@@ -400,6 +423,7 @@ def _load_by_fqn(model: nn.Module, optim: torch.optim.Optimizer, osd: Dict[str, 
             idx += 1
         # The saved group's keys in the saved order; params (and param_names) are the live ones.
         live = {PARAMS: ids, **({"param_names": list(g["param_names"])} if "param_names" in g else {})}
-        ng = {k: live[k] if k in live else v for k, v in (src if src is not None else g).items() if k in live or k != "param_names"}
+        src = keep_live_settings(src, g) if src is not None else g
+        ng = {k: live[k] if k in live else v for k, v in src.items() if k in live or k != "param_names"}
         groups.append(ng | {k: v for k, v in live.items() if k not in ng})
     optim.load_state_dict({STATE: state, GROUPS: groups})

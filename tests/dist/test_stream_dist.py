@@ -93,12 +93,20 @@ def test_fsdp2_4_to_2_bit_exact_through_small_buffers(tmp_path):
     _reshard(tmp_path, 4, 2)
 
 
-def _load_damaged(rank, world, path, atomic):
+def _load_damaged(rank, world, path, atomic, read_once=False):
+    from shardckpt import _knobs
+
+    # Plain tensors on 2 ranks are replicated: with read-once, each rank reads
+    # half and the damaged block may be the first one read (nothing changed
+    # yet); without it, each rank reads in file order and fails part-way.
+    _knobs.LOAD_READ_ONCE = read_once
     live = {f"t{i}": torch.zeros(256, 64) for i in range(6)}
     try:
         shardckpt.load(live, path, buffer_bytes=64 << 10, io_threads=1, atomic=atomic)
     except shardckpt.CorruptCheckpointError as e:
         return type(e).__name__, str(e), sorted(k for k, v in live.items() if torch.count_nonzero(v))
+    finally:
+        _knobs.LOAD_READ_ONCE = True
     return None, "", []
 
 
@@ -119,3 +127,9 @@ def test_damage_part_way_fails_every_rank_and_names_what_changed(tmp_path):
             assert k in msg, (k, msg)
     for etype, _msg, changed in run_ranks(2, _load_damaged, path, True):
         assert etype == "ChecksumMismatchError" and changed == [], (etype, changed)
+    got = run_ranks(2, _load_damaged, path, False, True)
+    for etype, msg, changed in got:
+        assert etype == "ChecksumMismatchError" and "t4 chunk" in msg, msg
+        assert msg == got[0][1]  # one message on every rank
+        for k in changed:
+            assert k in msg, (k, msg)

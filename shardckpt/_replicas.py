@@ -1,0 +1,539 @@
+"""Read once, then send: bytes that several ranks load are read by one of them and sent to the others.
+
+With HSDP replicas, DDP, replicated tensor-parallel parameters or replicated
+buffers, every holder of a box used to read the same bytes from storage: R
+replicas made R times the state in storage traffic. Here each such byte
+range is read (and verified, block by block, through the one verified reader
+``_readers.read_verified``) by exactly one of its holders, and sent from
+there to the other holders over the load's process group (NCCL on CUDA,
+gloo on CPU). Storage bytes across all ranks are then about 1.0x the state
+(plus block rounding), whatever the number of replicas.
+
+Mechanism (one load, every rank of the group):
+
+1. *gather*: each rank posts the keys of the byte ranges it wants
+   (``(file, chunk offset, start, stop)``; one store exchange through
+   ``_collective.agree``);
+2. *plan* (pure, :func:`plan_shared`, identical on every rank): a key wanted
+   by several ranks is *shared*; each holder set's shared ranges are split
+   into contiguous spans balanced by bytes, one reader per span; the readers'
+   queues are cut into rounds of at most ``round_bytes`` per rank;
+3. *stream*: one background thread per rank reads, in one continuous
+   ``read_verified`` (no drain between rounds), the ranges nobody else wants
+   (straight into their tensors) and then this rank's shared ranges of every
+   round, each into that round's buffer on the transfer device (three used in
+   turn, so reads run ahead while earlier rounds are sent). The calling
+   thread, per round, waits for that round's reads and agrees with the other
+   ranks (bounded by ``collective_timeout_s``) that every read of the round
+   succeeded before any byte of it is sent. A damaged block on the
+   reading rank therefore fails the load on every rank with the same error,
+   and nobody waits in a send or receive that will never come. Transfers are
+   point-to-point ``isend``/``irecv`` in the load's group, one message per
+   (reader, holder set, receiver), waited for with a deadline and the peers'
+   heartbeats (a killed peer fails the others in seconds, a hung one within
+   ``collective_timeout_s``);
+4. each holder (the reader too) copies its pieces out of the round buffer
+   into its tensors.
+
+Falls back to direct reads (every rank reads what it needs) with one process
+(``no_dist``, no group, world size 1), when nothing is shared, when the
+group's backend can send neither CPU nor CUDA tensors, or when
+``SHARDCKPT_LOAD_READ_ONCE=0``.
+
+Memory: the read pool (``buffer_bytes``) plus three round buffers of about
+``buffer_bytes / 2`` each on the transfer device (a round holds every byte a
+rank reads for others or receives; one range larger than a reader's slice of
+a round gets a round of its own).
+
+Limits: every rank's list of wanted ranges goes through the store once (rank
+0 gathers them all: O(ranks x ranges)); only ranges wanted *identically* are
+shared (two shard groups overlapping in part of a block each read that block);
+on one host with a local disk the replicas' duplicate reads were served by
+the page cache anyway, so there read-once saves storage traffic, not time
+(docs/performance.md, "Several GPUs").
+
+Example (what the plan decides; the load uses it by itself):
+
+    >>> p = plan_shared([[("f", 0, 0, 64)], [("f", 0, 0, 64)]], round_bytes=1 << 20)
+    >>> [(s.reader, s.holders) for r in p.rounds for s in r]
+    [(1, (0, 1))]
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+from . import _knobs
+from .errors import LoadFailedError
+
+__all__ = ["Key", "Shared", "SharedPlan", "plan_shared", "read_once", "enabled"]
+
+#: A wanted byte range: (file, chunk's byte offset in the file, start, stop within the chunk).
+Key = Tuple[str, int, int, int]
+
+# Round-buffer offsets are aligned so that every piece can be viewed as its dtype in place.
+_ALIGN = 64
+
+
+def _nbytes(k: Key) -> int:
+    return k[3] - k[2]
+
+
+def _align(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
+@dataclass(frozen=True)
+class Shared:
+    """One shared byte range: its key, the group index of its reader, and every holder (sorted)."""
+
+    key: Key
+    reader: int
+    holders: Tuple[int, ...]
+
+
+@dataclass
+class SharedPlan:
+    """Who reads what, in which round (group indices, not global ranks).
+
+    ``rounds[k]``: the shared ranges of round k, in reading order.
+    ``read_bytes[i]``: shared bytes rank ``i`` reads for itself and others.
+    """
+
+    rounds: List[List[Shared]] = field(default_factory=list)
+    read_bytes: List[int] = field(default_factory=list)
+
+    @property
+    def shared_keys(self) -> List[Key]:
+        return [s.key for r in self.rounds for s in r]
+
+
+def plan_shared(keys_by_rank: Sequence[Sequence[Key]], *, round_bytes: int) -> SharedPlan:
+    """Assign every range wanted by several ranks to one reader, and cut the reads into rounds (pure).
+
+    Args:
+        keys_by_rank: each rank's wanted ranges (group index -> keys).
+        round_bytes: bytes of shared ranges one rank reads or receives per
+            round, at most (a single larger range gets a round of its own
+            slice).
+
+    Returns:
+        :class:`SharedPlan`, identical for identical inputs on every rank.
+
+    The ranges of one holder set, in file order, are split into ``len(holders)``
+    contiguous spans of about equal bytes (contiguous: a reader's ranges
+    coalesce into large reads); the first span of the j-th holder set goes to
+    its ``j % len(holders)``-th holder, so that many small holder sets do not
+    all load the same rank.
+
+    Example:
+        >>> p = plan_shared([[("f", 0, 0, 8), ("f", 0, 8, 16)], [("f", 0, 0, 8), ("f", 0, 8, 16)]], round_bytes=64)
+        >>> [(s.key[2], s.reader) for r in p.rounds for s in r], p.read_bytes
+        ([(0, 0), (8, 1)], [8, 8])
+    """
+    world = len(keys_by_rank)
+    holders: Dict[Key, List[int]] = {}
+    for i, keys in enumerate(keys_by_rank):
+        for k in set(keys):
+            holders.setdefault(k, []).append(i)
+    by_set: Dict[Tuple[int, ...], List[Key]] = {}
+    for k, hs in holders.items():
+        if len(hs) > 1 and _nbytes(k) > 0:
+            by_set.setdefault(tuple(sorted(hs)), []).append(k)
+    queues: List[List[Shared]] = [[] for _ in range(world)]
+    read_bytes = [0] * world
+    for j, hs in enumerate(sorted(by_set)):
+        keys = sorted(by_set[hs])
+        total = sum(_nbytes(k) for k in keys)
+        n, pos = len(hs), 0
+        for k in keys:
+            # The span this range's middle falls in: contiguous and byte-balanced.
+            span = min(n - 1, ((2 * pos + _nbytes(k)) * n) // (2 * total))
+            reader = hs[(span + j) % n]
+            queues[reader].append(Shared(k, reader, hs))
+            read_bytes[reader] += _nbytes(k)
+            pos += _nbytes(k)
+    for q in queues:
+        # File order, as the reader reads: one continuous read over all rounds
+        # delivers round after round.
+        q.sort(key=lambda sh: sh.key)
+    widest = max((len(hs) for hs in by_set), default=1)
+    # A rank's round buffer holds what it reads plus what it receives: with
+    # holder sets of up to ``widest`` ranks, each reader's slice of a round is
+    # ``round_bytes / widest``.
+    slice_bytes = max(1, round_bytes // widest)
+    rounds: List[List[Shared]] = []
+    heads = [0] * world
+    while any(heads[i] < len(queues[i]) for i in range(world)):
+        rnd: List[Shared] = []
+        for i in range(world):
+            taken = 0
+            q = queues[i]
+            while heads[i] < len(q) and (taken == 0 or taken + _nbytes(q[heads[i]].key) <= slice_bytes):
+                taken += _nbytes(q[heads[i]].key)
+                rnd.append(q[heads[i]])
+                heads[i] += 1
+        rounds.append(rnd)
+    return SharedPlan(rounds, read_bytes)
+
+
+@dataclass(frozen=True)
+class _Group:
+    """The ranges of one round that one reader sends to one holder set, contiguous in every holder's buffer."""
+
+    reader: int
+    holders: Tuple[int, ...]
+    tag: int
+    start: int  # byte offset in this rank's round buffer
+    stop: int
+    items: Tuple[Tuple[Shared, int], ...]  # (range, its offset in this rank's round buffer)
+
+
+def round_layout(rnd: Sequence[Shared], me: int) -> Tuple[List[_Group], int]:
+    """The groups of round ``rnd`` that rank ``me`` holds, laid out in its round buffer (pure).
+
+    Every holder of a (reader, holder set) group lays that group out the
+    same way (same order, same relative offsets, aligned start), so one
+    message carries it. Returns ``(groups, buffer bytes)``.
+
+        >>> s = [Shared(("f", 0, 0, 10), 0, (0, 1)), Shared(("f", 0, 10, 20), 1, (0, 1))]
+        >>> [(g.reader, g.start, g.stop) for g in round_layout(s, 1)[0]]
+        [(0, 0, 64), (1, 64, 128)]
+    """
+    groups: Dict[Tuple[int, Tuple[int, ...]], List[Shared]] = {}
+    for s in rnd:
+        groups.setdefault((s.reader, s.holders), []).append(s)
+    out: List[_Group] = []
+    at = 0
+    for tag, gk in enumerate(sorted(groups)):
+        reader, hs = gk
+        if me not in hs:
+            continue
+        items = []
+        start = at
+        for s in groups[gk]:
+            items.append((s, at))
+            at += _align(_nbytes(s.key))
+        out.append(_Group(reader, hs, tag, start, at, tuple(items)))
+    return out, at
+
+
+def enabled() -> bool:
+    """Whether loads read shared bytes once (``SHARDCKPT_LOAD_READ_ONCE``, read at call time)."""
+    return bool(_knobs.LOAD_READ_ONCE)
+
+
+def key_of(w: Any) -> Key:
+    """The :data:`Key` of a ``_readers.Want``."""
+    return (w.chunk.file, w.chunk.byte_offset, w.start, w.stop)
+
+
+def transfer_device(group: Any) -> Optional[str]:
+    """``"cuda"`` or ``"cpu"``: where a group's point-to-point sends can go; None if neither.
+
+    NCCL (alone or in a ``cpu:gloo,cuda:nccl`` group) sends CUDA tensors:
+    preferred, GPU links are faster. Decided by the backend alone, so every
+    rank decides the same.
+    """
+    import torch
+    import torch.distributed as dist
+
+    backend = str(dist.get_backend(group)).lower()
+    if "nccl" in backend and torch.cuda.is_available():
+        return "cuda"
+    if "gloo" in backend or "mpi" in backend:
+        return "cpu"
+    return None
+
+
+def read_once(
+    storage: Any,
+    wants: Sequence[Any],
+    *,
+    comm: Any,
+    group: Any,
+    read: Callable[..., Any],
+    deliver: Callable[..., Any],
+    place: Callable[[Any, Any], Any],
+    pool: Any,
+    threads: int,
+    stats: Any,
+    round_bytes: int,
+) -> Any:
+    """Read ``wants`` (``_readers.Want``) with shared ranges read once and sent to their other holders.
+
+    Args:
+        storage: the checkpoint's storage.
+        wants: every range this rank needs.
+        comm: the load's ``_collective.Comm`` (``world > 1``).
+        group: its process group (None: the world).
+        read: ``_readers.read_verified``.
+        deliver: ``read``'s consumer for ranges only this rank needs.
+        place: ``place(want, uint8 tensor of its bytes) -> fence or None``:
+            copies a shared want's bytes from the round buffer into its
+            destination.
+        pool: the read buffer pool.
+        threads: reads in flight.
+        stats: a ``ReadStats`` to fill (``sent_bytes``/``received_bytes`` too).
+        round_bytes: bytes of one round buffer (three are held).
+
+    Returns:
+        ``stats``.
+
+    Raises:
+        Whatever a read raises, on every rank (same type, one message naming
+        the reading rank), and ``LoadFailedError`` naming a peer that died or
+        did not send within ``collective_timeout_s``.
+
+    One background thread reads everything this rank reads — its own ranges,
+    then its shared ranges of every round, in one continuous
+    ``read_verified`` (no drain between rounds) — into three round buffers
+    used in turn; the calling thread agrees on each round, posts its
+    transfers and, one round later, waits for them and places the bytes.
+    """
+    import threading
+
+    import torch
+
+    from ._collective import agree
+    from ._readers import Want
+
+    what = f"the load from {storage.url} stopped part-way (ranks not named here loaded all their tensors)"
+    mine = [key_of(w) for w in wants]
+    _, keys_by_rank = agree(comm, lambda: mine, what=what, share=lambda v: v)
+    plan = plan_shared(keys_by_rank, round_bytes=round_bytes)
+    if not plan.rounds:
+        return read(storage, wants, deliver, threads=threads, pool=pool, stats=stats)
+    shared = set(plan.shared_keys)
+    by_key: Dict[Key, List[Any]] = {}
+    own: List[Any] = []
+    for w, k in zip(wants, mine):
+        if k in shared:
+            by_key.setdefault(k, []).append(w)
+        else:
+            own.append(w)
+    me = comm.rank
+    cuda = transfer_device(group) == "cuda"
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    layouts = [round_layout(r, me) for r in plan.rounds]
+    n = len(layouts)
+    nbuf = min(3, n)
+    size = max(b for _, b in layouts)
+    bufs = [torch.empty(size, dtype=torch.uint8, device=device) for _ in range(nbuf)]
+    # What this rank reads for each round (tag: (round, offset in its buffer)), in file order.
+    reads = [Want(by_key[s.key][0].chunk, s.key[2], s.key[3], (k, off))
+             for k, (groups, _) in enumerate(layouts) for g in groups if g.reader == me for s, off in g.items]
+    left = [0] * n
+    for w in reads:
+        left[w.tag[0]] += 1
+    read_done = [threading.Event() for _ in range(n)]
+    read_fence: List[Any] = [None] * n
+    freed = [threading.Event() for _ in range(n)]  # round k's buffer may be reused
+    freed_fence: List[Any] = [None] * n  # ... once the device copies out of it are done
+    for k in range(n):
+        if not left[k]:
+            read_done[k].set()
+    state: Dict[str, Any] = {"error": None, "cancel": False, "own_done": threading.Event()}
+
+    def into(w, data, owner, off):
+        k, pos = w.tag
+        if state["cancel"]:
+            raise _Cancelled()
+        if k >= nbuf:
+            while not freed[k - nbuf].wait(0.05):
+                if state["cancel"]:
+                    raise _Cancelled()
+            if state["cancel"]:
+                raise _Cancelled()
+        src = owner[0][off : off + len(data)]
+        dst = bufs[k % nbuf][pos : pos + len(data)]
+        fence = None
+        if dst.is_cuda:
+            if k >= nbuf and freed_fence[k - nbuf] is not None:
+                torch.cuda.current_stream().wait_event(freed_fence[k - nbuf])
+            dst.copy_(src, non_blocking=True)
+            fence = torch.cuda.Event()
+            fence.record()
+        else:
+            dst.copy_(src)
+        left[k] -= 1
+        if not left[k]:
+            read_fence[k] = fence
+            read_done[k].set()
+        return fence
+
+    def own_into(w, data, owner, off):
+        if state["cancel"]:
+            raise _Cancelled()  # another rank failed: stop reading
+        return deliver(w, data, owner, off)
+
+    def reader() -> None:
+        try:
+            if cuda:
+                torch.cuda.set_device(device)  # a new thread starts on device 0: events and copies belong here
+            with torch.no_grad():
+                if own:
+                    read(storage, own, own_into, threads=threads, pool=pool, stats=stats)
+                state["own_done"].set()
+                if reads:
+                    read(storage, reads, into, threads=threads, pool=pool, stats=stats)
+        except BaseException as e:  # noqa: BLE001 - raised in the calling thread at its next step
+            state["error"] = e
+        finally:
+            state["own_done"].set()
+            for ev in read_done:
+                ev.set()
+
+    def wait_read(k: int) -> None:
+        for ev in ([state["own_done"]] if k == 0 else []) + [read_done[k]]:
+            if not ev.wait(comm.timeout_s):
+                raise LoadFailedError(
+                    f"{comm.op}: this rank's reads of round {k} did not finish within "
+                    f"collective_timeout_s={comm.timeout_s:g}: the storage is stalled"
+                )
+        if state["error"] is not None and not isinstance(state["error"], _Cancelled):
+            raise state["error"]
+        if read_fence[k] is not None:
+            torch.cuda.current_stream().wait_event(read_fence[k])
+
+    posted: List[Tuple[int, List[Any]]] = []  # the round whose transfers are in flight
+    failed: List[BaseException] = []  # a failure between two exchanges, raised at the next one
+
+    def post(k: int) -> None:
+        buf = bufs[k % nbuf]
+        ops = []
+        for g in layouts[k][0]:
+            part = buf[g.start : g.stop]
+            if g.reader == me:
+                for q in g.holders:
+                    if q != me:
+                        ops.append(_p2p("send", part, comm.ranks[q], group, g.tag))
+                        stats.sent_bytes += g.stop - g.start
+            else:
+                ops.append(_p2p("recv", part, comm.ranks[g.reader], group, g.tag))
+                stats.received_bytes += g.stop - g.start
+        posted.append((k, _start(ops)))
+
+    def finish() -> None:
+        k, works = posted.pop(0)
+        groups = layouts[k][0]
+        peers = {comm.ranks[g.reader] for g in groups if g.reader != me}
+        peers |= {comm.ranks[q] for g in groups if g.reader == me for q in g.holders if q != me}
+        _wait(works, comm, sorted(peers), cuda)
+        buf = bufs[k % nbuf]
+        for g in groups:
+            for s, off in g.items:
+                for w in by_key[s.key]:
+                    place(w, buf[off : off + _nbytes(s.key)])
+        if cuda:
+            # The reader's next copies into this buffer wait for these (on its own stream).
+            freed_fence[k] = torch.cuda.Event()
+            freed_fence[k].record()
+        freed[k].set()
+
+    def step(k: int) -> None:
+        if failed:
+            raise failed.pop()
+        if k < n:
+            wait_read(k)  # the reader is ahead, on the next rounds, meanwhile
+        if posted:
+            finish()
+
+    th = threading.Thread(target=reader, name="shardckpt-read-once", daemon=True)
+    th.start()
+    try:
+        for k in range(n + 1):
+            # Every rank runs every step and then meets the others, so a
+            # failure anywhere (a damaged block on the reader) stops all ranks
+            # at the same exchange, before any byte of that round is sent.
+            agree(comm, lambda k=k: step(k), what=what)
+            if k < n:
+                try:
+                    post(k)
+                except Exception as e:  # noqa: BLE001 - reported to every rank at the next exchange
+                    failed.append(e)
+    finally:
+        state["cancel"] = True
+        for ev in freed:
+            ev.set()
+        th.join()
+    return stats
+
+
+class _Cancelled(Exception):
+    """The calling thread gave up (another rank failed): the reader stops."""
+
+
+def _p2p(kind: str, tensor: Any, peer: int, group: Any, tag: int):
+    import torch.distributed as dist
+
+    return dist.P2POp(dist.isend if kind == "send" else dist.irecv, tensor, peer, group, tag)
+
+
+def _start(ops: List[Any]) -> List[Any]:
+    import torch.distributed as dist
+
+    if not ops:
+        return []
+    return list(dist.batch_isend_irecv(ops))
+
+
+def _wait(works: List[Any], comm: Any, peers: Sequence[int], cuda: bool) -> None:
+    """Wait for ``works``, failing within ``comm.timeout_s`` (and, on CUDA, as soon as a peer's heartbeat stops).
+
+    gloo works complete only inside ``wait``, which takes the deadline (a
+    killed peer's closed connection fails them at once); NCCL works are polled
+    (``is_completed``) so that a dead peer is named after its heartbeat stops
+    rather than after the timeout.
+    """
+    from datetime import timedelta
+
+    from ._collective import _store, _Watch
+
+    deadline = time.monotonic() + comm.timeout_s
+
+    def late() -> LoadFailedError:
+        return LoadFailedError(
+            f"{comm.op}: no data from ranks {list(peers)} within collective_timeout_s={comm.timeout_s:g} "
+            "while sending replicated bytes; a rank is hung or gone: restart the job"
+        )
+
+    if cuda:
+        watch = None
+        nap, next_look = 0.0002, time.monotonic() + 1.0
+        while not all(w.is_completed() for w in works):
+            now = time.monotonic()
+            if now >= deadline:
+                raise late()
+            if now >= next_look:
+                next_look = now + 1.0
+                try:
+                    watch = watch or _Watch(_store(), list(peers))
+                    dead = watch.dead(list(peers))
+                except Exception:  # the store is gone with rank 0: the works fail or time out
+                    dead = []
+                if dead:
+                    raise LoadFailedError(
+                        f"{comm.op}: rank(s) {dead} stopped (no heartbeat for {_knobs.LIVENESS_TIMEOUT_S:g} s) while "
+                        "sending replicated bytes: the process died or is frozen; restart the job"
+                    )
+            time.sleep(nap)
+            nap = min(nap * 2, 0.005)
+    for w in works:
+        left = deadline - time.monotonic()
+        try:
+            if cuda:
+                w.wait()
+            elif left <= 0 or not w.wait(timedelta(seconds=left)):
+                raise late()
+        except LoadFailedError:
+            raise
+        except Exception as e:  # gloo: the peer closed its connection (killed), or the deadline passed
+            if "timeout" in str(e).lower() or "timed out" in str(e).lower():
+                raise late() from None
+            raise LoadFailedError(
+                f"{comm.op}: sending replicated bytes between ranks {list(peers)} failed ({type(e).__name__}: {e}); "
+                "a peer died: restart the job"
+            ) from None
