@@ -123,15 +123,28 @@ class _SaveWalker:
         self.world = world
         self.per_rank_depth = 0  # > 0 while walking inside a PerRank value
 
+    def _add(self, path: str, v: Any) -> None:
+        if path in self.flat.tensors:
+            raise UnsupportedStateError(f"{path}: two entries of the state map to the same name")
+        self.flat.tensors[path] = v
+        if self.per_rank_depth:
+            self.flat.per_rank_tensors.append(path)
+
     def walk(self, v: Any, path: str) -> Any:
         if isinstance(v, Raw):
             return v.node
         if _is_tensor(v):
-            if path in self.flat.tensors:
-                raise UnsupportedStateError(f"{path}: two entries of the state map to the same name")
-            self.flat.tensors[path] = v
-            if self.per_rank_depth:
-                self.flat.per_rank_tensors.append(path)
+            from .subclass import flatten_subclass, is_wrapper_subclass
+
+            if is_wrapper_subclass(v):
+                # Taken apart through its own protocol (see ``subclass``): its
+                # inner tensors are written, never the wrapper's (absent) bytes.
+                inner, node = flatten_subclass(v, path)
+                for n, x in inner:
+                    self._add(n, x)
+                return node
+            _refuse_unwritable(v, path)
+            self._add(path, v)
             return tensor_ref(path)
         adapter = adapter_for(v)
         if adapter is not None:
@@ -150,6 +163,33 @@ class _SaveWalker:
         if isinstance(v, tuple):
             return {TAG: "tuple", "items": [self.walk(x, _join(path, i)) for i, x in enumerate(v)]}
         return encode_value(v, path)
+
+
+def _refuse_unwritable(v: Any, path: str) -> None:
+    """Refuse, while walking (before any byte is written), a tensor whose bytes cannot be read safely.
+
+    A DTensor whose local shard is a wrapper subclass (FSDP2 over NF4 or
+    low-bit optimizer states) has inner tensors with no global layout to
+    reshard; a subclass without storage and without ``__tensor_flatten__``
+    has no bytes to read at all.
+    """
+    from .._layout import is_dtensor
+    from .subclass import is_wrapper_subclass, plain_problem
+
+    local = v._local_tensor if is_dtensor(v) else v
+    kind = f"{type(local).__module__}.{type(local).__qualname__}"
+    if is_dtensor(v) and (is_wrapper_subclass(local) or plain_problem(local)):
+        raise UnsupportedStateError(
+            f"{path}: a DTensor whose local shard is a {kind} cannot be saved: the subclass's inner tensors have no "
+            "global layout to reshard. Save it unsharded (full_tensor() of a plain dtype, or the subclass on one "
+            "process), or convert it to a plain tensor first"
+        )
+    why = plain_problem(local) if isinstance(local, torch.Tensor) else None
+    if why:
+        raise UnsupportedStateError(
+            f"{path}: a {kind} cannot be saved: {why}, and the type has no __tensor_flatten__ to take it apart. "
+            "Convert it to a plain tensor, or implement the flattening protocol"
+        )
 
 
 def flatten_for_save(state: Dict[str, Any], *, rank: int = 0, world: int = 1) -> FlatSave:
@@ -197,7 +237,25 @@ class _LoadWalker:
         """Report a saved entry the live state has no place for."""
         self.flat.value_paths.append("?" + path)
 
-    def target(self, path: str, live: Any) -> None:
+    def target(self, path: str, live: Any, node: Any = None) -> None:
+        """Fill live tensor ``live`` from saved tensor ``path``; ``node``: its saved values-tree node, if known.
+
+        A live wrapper subclass is filled through its inner tensors, in place
+        (``subclass``), after its saved context is checked.
+        """
+        from .subclass import check_ctx, inner_name, is_subclass_node, is_wrapper_subclass
+
+        if is_wrapper_subclass(live):
+            if node is not None and node is not _MISSING:
+                check_ctx(live, node, path)
+                names = {a: r["name"] for a, r in node["inner"].items()}
+            else:
+                names = {a: inner_name(path, a) for a in live.__tensor_flatten__()[0]}
+            for a, n in names.items():
+                self.flat.tensors[n] = getattr(live, a)
+            return
+        if is_subclass_node(node):
+            check_ctx(live, node, path)  # raises: a plain live tensor where a subclass was saved
         self.flat.tensors[path] = live
 
     def walk(self, live: Any, saved: Any, path: str, setter: Optional[Callable[[Any], None]]) -> None:
@@ -448,7 +506,7 @@ class ModuleAdapter(Adapter):
     def _targets(sd, path, saved, walker):
         for k, t in sd.items():
             if _is_tensor(t):
-                walker.target(_join(path, k), t)
+                walker.target(_join(path, k), t, saved.get(k) if isinstance(saved, dict) else None)
             else:
                 sub = saved.get(k, _MISSING) if isinstance(saved, dict) else _MISSING
                 walker.walk(t, sub, _join(path, k), None)
@@ -643,6 +701,11 @@ def _fill_from_saved(container: Any, key: Any, saved: Any, path: str, walker: _L
     Plain values come from the checkpoint.
     """
     live = container[key] if _has(container, key) else _MISSING
+    from .subclass import is_subclass_node
+
+    if is_subclass_node(saved):
+        _fill_subclass(container, key, live, saved, path, walker)
+        return
     if _is_ref(saved):
         name = saved["name"]
         if live is not _MISSING and _is_tensor(live):
@@ -651,6 +714,11 @@ def _fill_from_saved(container: Any, key: Any, saved: Any, path: str, walker: _L
             def put(t, c=container, k=key):
                 c[k] = t
 
+            if isinstance(container, dict) and key not in container:
+                # A placeholder until the tensor is read: checks made while
+                # planning (an optimizer's hyperparameter names, e.g. torchao's
+                # tensor ``lr``) see the key the checkpoint has.
+                container[key] = None
             walker.flat.creates[name] = put
         return
     if isinstance(saved, dict) and (TAG not in saved or saved.get(TAG) == "dict"):
@@ -683,6 +751,30 @@ def _fill_from_saved(container: Any, key: Any, saved: Any, path: str, walker: _L
         walker.flat.finalizers.insert(0, rebuild)
         return
     container[key] = _decoded(saved, path)
+
+
+def _fill_subclass(container: Any, key: Any, live: Any, saved: Dict[str, Any], path: str, walker: _LoadWalker) -> None:
+    """A saved tensor subclass: its inner tensors copied into the live one, or a new one rebuilt from them."""
+    from .subclass import rebuild
+
+    if live is not _MISSING and _is_tensor(live):
+        walker.target(path, live, saved)
+        return
+    inner: Dict[str, Any] = {}
+    for a, ref in saved["inner"].items():
+        if not _is_ref(ref):
+            raise CorruptCheckpointError(f"{path}: inner tensor {a!r} of a saved tensor subclass is not a tensor reference")
+
+        def put(t, a=a):
+            inner[a] = t
+
+        walker.flat.creates[ref["name"]] = put
+
+    def make(c=container, k=key):
+        c[k] = rebuild(saved, inner, path)
+
+    # Before the finalizers that hand the container on (an optimizer's load_state_dict).
+    walker.flat.finalizers.insert(0, make)
 
 
 def _has(c: Any, k: Any) -> bool:
