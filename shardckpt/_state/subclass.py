@@ -45,6 +45,7 @@ from .values import TAG, encode_value
 
 __all__ = [
     "SUBCLASS_TAG",
+    "as_plain",
     "is_wrapper_subclass",
     "plain_problem",
     "flatten_subclass",
@@ -92,12 +93,19 @@ def plain_problem(t: torch.Tensor) -> Optional[str]:
     if type(t) in (torch.Tensor, torch.nn.Parameter) or _special(t):
         return None
     try:
-        st = t.untyped_storage()
-        if t.numel() and st.nbytes() == 0:
+        # An address compared with 0, never read: a wrapper's storage is a placeholder at 0.
+        if t.numel() and (t.untyped_storage().data_ptr() == 0 or t.untyped_storage().nbytes() == 0):
             return "it holds no storage of its own"
     except Exception as e:  # noqa: BLE001 - any failure means: no readable storage
         return f"its storage cannot be reached ({type(e).__name__})"
     return None
+
+
+def as_plain(t: Any) -> Any:
+    """A storage-backed subclass (``as_subclass``) as the plain tensor it views; anything else as is."""
+    if isinstance(t, torch.Tensor) and type(t) not in (torch.Tensor, torch.nn.Parameter) and not _special(t):
+        return torch.Tensor.as_subclass(t, torch.Tensor)
+    return t
 
 
 def inner_name(name: str, attr: str) -> str:
@@ -256,6 +264,11 @@ def check_ctx(live: torch.Tensor, node: Any, path: str) -> None:
         raise StateMismatchError(
             f"{path}: the live tensor is a {_type_name(live)} but the checkpoint holds a plain tensor here; "
             "load it into a plain tensor, or save from the same kind of model"
+        )
+    if not is_wrapper_subclass(live):
+        raise StateMismatchError(
+            f"{path}: the checkpoint holds a {node.get('type')} tensor subclass here but the live tensor is a "
+            f"{_type_name(live)}; load it into the same kind of tensor (e.g. the quantized model it was saved from)"
         )
     attrs, ctx = live.__tensor_flatten__()
     want = f"{type(live).__module__}.{type(live).__qualname__}"

@@ -134,7 +134,7 @@ class _SaveWalker:
         if isinstance(v, Raw):
             return v.node
         if _is_tensor(v):
-            from .subclass import flatten_subclass, is_wrapper_subclass
+            from .subclass import as_plain, flatten_subclass, is_wrapper_subclass
 
             if is_wrapper_subclass(v):
                 # Taken apart through its own protocol (see ``subclass``): its
@@ -144,7 +144,7 @@ class _SaveWalker:
                     self._add(n, x)
                 return node
             _refuse_unwritable(v, path)
-            self._add(path, v)
+            self._add(path, as_plain(v))
             return tensor_ref(path)
         adapter = adapter_for(v)
         if adapter is not None:
@@ -261,7 +261,7 @@ class _LoadWalker:
     def walk(self, live: Any, saved: Any, path: str, setter: Optional[Callable[[Any], None]]) -> None:
         """Match live ``live`` against the saved subtree ``saved``."""
         if _is_tensor(live):
-            self.target(path, live)
+            self.target(path, live, saved)
             return
         adapter = adapter_for(live)
         if adapter is not None:
