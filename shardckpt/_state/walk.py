@@ -464,6 +464,7 @@ class ModuleAdapter(Adapter):
             walker.flat.finalizers.append(lambda: fsdp1_load_model_state(m, sd))
             return
         sd = _module_tensors(m)
+        extra = self._extra_state(m, sd, path, saved, walker)
         copies = throwaway_copies(m, sd)
         if copies and not routes_state_back(m, copies):
             from ..errors import format_offenders
@@ -483,7 +484,39 @@ class ModuleAdapter(Adapter):
         if copies:
             # DCP's flow for such modules: the copies were filled; the module's
             # own load_state_dict (and its hooks) puts them into the weights.
-            walker.flat.finalizers.append(lambda: m.load_state_dict(sd, strict=True))
+            # Extra state goes in too: load_state_dict hands it to set_extra_state.
+            walker.flat.finalizers.append(lambda: m.load_state_dict({**sd, **{k: h["v"] for k, (_, h) in extra.items()}}, strict=True))
+        else:
+            for owner, h in extra.values():
+                walker.flat.finalizers.append(lambda o=owner, h=h: o.set_extra_state(h["v"]))
+
+    @staticmethod
+    def _extra_state(m, sd, path, saved, walker):
+        """Give each submodule's ``get_extra_state()`` value back through its ``set_extra_state``.
+
+        As ``nn.Module.load_state_dict`` does: the saved value (a dict, an
+        int, ``io.BytesIO``, a tensor, a dict holding tensors...) is rebuilt
+        whole (tensors as new full tensors, at any world size) and handed to
+        ``set_extra_state`` once every tensor was read and checked. The key
+        leaves ``sd``: the live ``get_extra_state()`` result is a copy that
+        filling would not reach. Returns ``key -> (submodule, holder)``;
+        ``holder["v"]`` is the value once the load's tensors are in.
+        """
+        from torch.nn.modules.module import _EXTRA_STATE_KEY_SUFFIX
+
+        out: Dict[str, Any] = {}
+        for k in [k for k in sd if k == _EXTRA_STATE_KEY_SUFFIX or k.endswith(SEP + _EXTRA_STATE_KEY_SUFFIX)]:
+            del sd[k]
+            owner = m.get_submodule(k[: -len(_EXTRA_STATE_KEY_SUFFIX)].rstrip(SEP))
+            node = saved.get(k, _MISSING) if isinstance(saved, dict) else _MISSING
+            where = _join(path, k)
+            if node is _MISSING:
+                walker.missing_values.append(where)
+                continue
+            holder: Dict[str, Any] = {}
+            _fill_from_saved(holder, "v", node, where, walker)
+            out[k] = (owner, holder)
+        return out
 
     @staticmethod
     def _untie_targets(sd, path, walker):
