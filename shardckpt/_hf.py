@@ -144,14 +144,93 @@ def select_for_load(
     if keys is None and key_map is None:
         return manifest
     mapping = map_names(names, key_map)
-    tensors = {mapping[n]: manifest.tensors[n] for n in names if n in mapping}
     values = manifest.values
+    if values is not None:
+        values = map_optimizers(values, mapping, set(manifest.tensors))
+    tensors = {mapping[n]: manifest.tensors[n] for n in names if n in mapping}
     if values is not None:
         values = _rename_refs(values, mapping)
     # replace(), not a new Manifest: every other field (v2's block size,
     # meshes and index files) must survive, or the reader falls back to
     # whole-chunk checksums and reads past its buffer bound.
     return dataclasses.replace(manifest, tensors=tensors, values=values)
+
+
+def _optimizer_node(node: Any) -> bool:
+    """Whether a saved values node is torch's FQN-keyed optimizer state dict."""
+    return (
+        isinstance(node, dict)
+        and TAG not in node
+        and isinstance(node.get("state"), dict)
+        and isinstance(node.get("param_groups"), list)
+        and all(isinstance(g, dict) and isinstance(g.get("params"), list) for g in node["param_groups"])
+    )
+
+
+def map_optimizers(values: Any, mapping: Dict[str, str], saved_tensors: Iterable[str]) -> Any:
+    """Carry a model's renaming (``key_map``) over to the optimizers saved beside it; ``mapping`` is updated.
+
+    An optimizer is saved by the FQNs of its parameters, relative to its
+    model (``optim.state.<fqn>.exp_avg``, ``param_groups[i]["params"]``).
+    For each optimizer at the top of ``values`` the model it belongs to is
+    the top-level entry ``m`` under which its FQNs are saved tensors
+    (``m.<fqn>``); where ``mapping`` renames ``m.<fqn>`` to ``m2.<new>``, the
+    optimizer's state keys, ``params``/``param_names`` and state tensors
+    (those ``mapping`` left unchanged) become ``<new>`` too. Linear in the
+    number of names. Returns the new values tree (the input is not changed).
+
+        >>> vals = {"model": {"a": 1}, "optim": {"state": {"a": {"m": {"__shardckpt__": "tensor",
+        ...          "name": "optim.state.a.m"}}}, "param_groups": [{"params": ["a"]}]}}
+        >>> mp = {"model.a": "model.b", "optim.state.a.m": "optim.state.a.m"}
+        >>> map_optimizers(vals, mp, ["model.a", "optim.state.a.m"])["optim"]["param_groups"]
+        [{'params': ['b']}]
+        >>> mp["optim.state.a.m"]
+        'optim.state.b.m'
+    """
+    if not isinstance(values, dict):
+        return values
+    saved = set(saved_tensors)
+    out = dict(values)
+    by_prefix: Dict[str, Dict[str, str]] = {}
+    for o, node in values.items():
+        if not _optimizer_node(node):
+            continue
+        fqns = [f for g in node["param_groups"] for f in g["params"] if isinstance(f, str)]
+        if not fqns:
+            continue
+        # The model: the top-level entry holding the most of these FQNs as tensors.
+        hits = {m: sum(f"{m}.{f}" in saved for f in fqns) for m in values if m != o}
+        model = max(hits, key=lambda m: hits[m], default=None)
+        if model is None or hits[model] == 0:
+            continue
+        fmap: Dict[str, str] = {}
+        for f in fqns:
+            new = mapping.get(f"{model}.{f}")
+            if new is not None and "." in new:
+                fmap[f] = new.split(".", 1)[1]
+        if all(fmap.get(f, f) == f for f in fqns):
+            continue
+        state = {fmap.get(f, f): v for f, v in node["state"].items()}
+        groups = []
+        for g in node["param_groups"]:
+            g = dict(g)
+            for key in ("params", "param_names"):
+                if isinstance(g.get(key), list):
+                    g[key] = [fmap.get(f, f) if isinstance(f, str) else f for f in g[key]]
+            groups.append(g)
+        out[o] = {**node, "state": state, "param_groups": groups}
+        by_prefix[f"{o}.state."] = fmap
+    if by_prefix:
+        for n, new in list(mapping.items()):
+            if new != n:
+                continue  # the key_map named this one itself
+            for pre, fmap in by_prefix.items():
+                if n.startswith(pre):
+                    fqn, _, k = n[len(pre):].rpartition(".")
+                    if fqn in fmap:
+                        mapping[n] = f"{pre}{fmap[fqn]}.{k}"
+                    break
+    return out
 
 
 def _bare_tensors(state: Mapping[str, Any], manifest: Manifest) -> bool:

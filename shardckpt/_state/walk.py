@@ -438,7 +438,7 @@ class ModuleAdapter(Adapter):
         m = unwrap(obj)
         if is_fsdp1(m):
             return fsdp1_model_state(m)
-        sd = _module_tensors(m)
+        sd = _module_tensors(m, path)
         meta = [k for k, t in sd.items() if _is_tensor(t) and t.is_meta]
         if meta:
             from ..errors import format_offenders
@@ -463,10 +463,11 @@ class ModuleAdapter(Adapter):
             self._targets(sd, path, saved, walker)
             walker.flat.finalizers.append(lambda: fsdp1_load_model_state(m, sd))
             return
-        sd = _module_tensors(m)
-        extra = self._extra_state(m, sd, path, saved, walker)
+        back: Dict[str, str] = {}
+        sd = _module_tensors(m, path, back)
+        extra = self._extra_state(m, sd, path, saved, walker, back)
         copies = throwaway_copies(m, sd)
-        if copies and not routes_state_back(m, copies):
+        if copies and not routes_state_back(m, [back[k] for k in copies]):
             from ..errors import format_offenders
 
             raise UnsupportedStateError(
@@ -480,18 +481,20 @@ class ModuleAdapter(Adapter):
         self._untie_targets(sd, path, walker)
         self._targets(sd, path, saved, walker)
         if assign:
-            walker.flat.finalizers.append(lambda: m.load_state_dict(assign, strict=False, assign=True))
+            walker.flat.finalizers.append(lambda: m.load_state_dict({back[k]: v for k, v in assign.items()}, strict=False, assign=True))
         if copies:
             # DCP's flow for such modules: the copies were filled; the module's
             # own load_state_dict (and its hooks) puts them into the weights.
             # Extra state goes in too: load_state_dict hands it to set_extra_state.
-            walker.flat.finalizers.append(lambda: m.load_state_dict({**sd, **{k: h["v"] for k, (_, h) in extra.items()}}, strict=True))
+            walker.flat.finalizers.append(
+                lambda: m.load_state_dict({back[k]: v for k, v in ({**sd, **{k: h["v"] for k, (_, h) in extra.items()}}).items()}, strict=True)
+            )
         else:
             for owner, h in extra.values():
                 walker.flat.finalizers.append(lambda o=owner, h=h: o.set_extra_state(h["v"]))
 
     @staticmethod
-    def _extra_state(m, sd, path, saved, walker):
+    def _extra_state(m, sd, path, saved, walker, back):
         """Give each submodule's ``get_extra_state()`` value back through its ``set_extra_state``.
 
         As ``nn.Module.load_state_dict`` does: the saved value (a dict, an
@@ -507,7 +510,8 @@ class ModuleAdapter(Adapter):
         out: Dict[str, Any] = {}
         for k in [k for k in sd if k == _EXTRA_STATE_KEY_SUFFIX or k.endswith(SEP + _EXTRA_STATE_KEY_SUFFIX)]:
             del sd[k]
-            owner = m.get_submodule(k[: -len(_EXTRA_STATE_KEY_SUFFIX)].rstrip(SEP))
+            own = back.get(k, k)
+            owner = m.get_submodule(own[: -len(_EXTRA_STATE_KEY_SUFFIX)].rstrip(SEP))
             node = saved.get(k, _MISSING) if isinstance(saved, dict) else _MISSING
             where = _join(path, k)
             if node is _MISSING:
@@ -655,9 +659,27 @@ def tied_groups(sd: Dict[str, Any]) -> List[List[str]]:
     return [names for names in by_id.values() if len(names) > 1]
 
 
-def _module_tensors(m: torch.nn.Module) -> Dict[str, Any]:
-    sd = m.state_dict(keep_vars=True)
-    return dict(sd)
+def _module_tensors(m: torch.nn.Module, path: str = "", back: Optional[Dict[str, str]] = None) -> Dict[str, Any]:
+    """``m.state_dict(keep_vars=True)`` under plain FQNs: wrapper segments removed at every depth.
+
+    ``back`` (if given) receives plain name -> ``m``'s own key, for calls
+    that hand a dict back to ``m.load_state_dict``.
+    """
+    from .._runtimes import wrapper_renamer
+
+    rename = wrapper_renamer(m)
+    out: Dict[str, Any] = {}
+    for k, v in m.state_dict(keep_vars=True).items():
+        n = rename(k)
+        if n in out:
+            raise UnsupportedStateError(
+                f"{_join(path, n)}: two entries of the module's state dict have this name once wrapper prefixes "
+                "(_orig_mod., _checkpoint_wrapped_module., module.) are removed"
+            )
+        out[n] = v
+        if back is not None:
+            back[n] = k
+    return out
 
 
 class StatefulAdapter(Adapter):
