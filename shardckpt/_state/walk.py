@@ -19,6 +19,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
+from .._format.values import MAX_VALUE_DEPTH
 from ..errors import CorruptCheckpointError, StateMismatchError, UnsupportedStateError
 from .adapters import Adapter, adapter_for
 from .values import TAG, _is_ref, decode_value, encode_value, tensor_ref
@@ -203,9 +204,49 @@ def flatten_for_save(state: Dict[str, Any], *, rank: int = 0, world: int = 1) ->
     if bad:
         raise UnsupportedStateError(f"state keys must be non-empty strings, found {bad!r}")
     w = _SaveWalker(state, rank, world)
-    done = {k: w.walk(state[k], k) for k in canonical_keys(state)}
+    try:
+        done = {k: w.walk(state[k], k) for k in canonical_keys(state)}
+    except RecursionError:
+        raise UnsupportedStateError(
+            f"the state nests values deeper than Python's recursion limit; values may nest at most {MAX_VALUE_DEPTH} levels"
+        ) from None
     w.flat.tree = {k: done[k] for k in state}
+    _refuse_names(w.flat)
     return w.flat
+
+
+def _refuse_names(flat: FlatSave) -> None:
+    """Refuse, while walking (every rank alike, before any byte), names and values the format cannot hold.
+
+    Tensor names that equal another tensor's chunk key (``w@0,0`` beside
+    ``w``), names safetensors cannot read back (lone surrogates), dims past
+    what a safetensors header holds, values nested past ``MAX_VALUE_DEPTH``.
+    """
+    from .._format.naming import chunk_key_clashes, unreadable_names
+    from .._format.values import value_depth_problem
+
+    bad = unreadable_names(flat.tensors)
+    if bad:
+        raise UnsupportedStateError(
+            f"tensor names {[n.encode('utf-8', 'backslashreplace').decode() for n in bad]} are not valid UTF-8 "
+            "(lone surrogates): safetensors files could not be read back; rename them"
+        )
+    clash = chunk_key_clashes(flat.tensors)
+    if clash:
+        raise UnsupportedStateError(
+            f"tensor names {clash} equal the chunk keys ('<name>@<offsets>') of other tensors of the state: their "
+            "chunks would share keys in the data files (also after converters.reshard); rename them (no '@' "
+            "followed by offsets)"
+        )
+    for n, t in flat.tensors.items():
+        shape = tuple(t.shape)
+        if any(int(d) >= 2**63 for d in shape):
+            raise UnsupportedStateError(f"{n}: shape {list(shape)} has a dim of 2**63 or more, which no data file can describe")
+    for where, tree in [("the state", flat.tree)] + [(p, v) for p, v in flat.per_rank.items()]:
+        # The manifest nests the values tree one level down.
+        why = value_depth_problem(tree, limit=MAX_VALUE_DEPTH - 1)
+        if why:
+            raise UnsupportedStateError(f"{where}: {why}; flatten the structure or store it as a tensor")
 
 
 # --------------------------------------------------------------------------

@@ -135,3 +135,50 @@ def test_nf4_under_fsdp2_refused_cleanly_on_every_rank(tmp_path):
         assert kind == "NF4Tensor"
         assert err is not None and "model.base" in err and "NF4Tensor" in err, err
         assert files == [], files
+
+
+def _save_names(rank, world, root):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    w = distribute_tensor(torch.arange(16.0).reshape(4, 4), mesh, [Shard(0)])
+    out = {}
+    for name, state in {
+        "clash": {"w": w, "w@0,0": torch.ones(2)},
+        "clash_reshard": {"w": torch.ones(4, 4), "w@2,0": torch.ones(2)},
+        "surrogate": {"\ud800": torch.ones(2)},
+    }.items():
+        try:
+            shardckpt.save(state, f"{root}/{name}")
+            out[name] = None
+        except UnsupportedStateError as e:
+            out[name] = str(e)
+    return out, sorted(os.listdir(root))
+
+
+def test_odd_names_refused_on_every_rank_before_any_byte(tmp_path):
+    out = run_ranks(2, _save_names, str(tmp_path))
+    assert out[0] == out[1]
+    errs, files = out[0]
+    assert files == []
+    assert "w@0,0" in errs["clash"] and "w@2,0" in errs["clash_reshard"], errs
+    assert "surrogate" in errs["surrogate"], errs
+
+
+def _zero_size_2d(rank, world, root, shape):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", tuple(shape))
+    t = distribute_tensor(torch.empty(0, 4), mesh, [Shard(0), Shard(1)])
+    shardckpt.save({"t": t, "v": torch.ones(3)}, f"{root}/ck")
+    back = {"t": distribute_tensor(torch.empty(0, 4), mesh, [Shard(0), Shard(1)]), "v": torch.zeros(3)}
+    shardckpt.load(back, f"{root}/ck")
+    return back["v"].tolist(), list(back["t"].shape)
+
+
+@pytest.mark.parametrize("shape", [(2, 1), (1, 2)])
+def test_zero_size_dtensor_shard0_shard1(tmp_path, shape):
+    """Saves and loads on every rank alike (it raised a raw RuntimeError on rank 0 outside the agreement)."""
+    assert run_ranks(2, _zero_size_2d, str(tmp_path), list(shape)) == [([1.0, 1.0, 1.0], [0, 4])] * 2
