@@ -273,6 +273,9 @@ class _LoadWalker:
         self.world = world
         self.saved_world = world if saved_world is None else saved_world
         self.per_rank = per_rank  # manifest.extra["per_rank"]: list by saving rank
+        # Finalizers that must run after all others: random generator
+        # restores (see ``StatefulAdapter``), whatever their key's name.
+        self.late: List[Callable[[], None]] = []
 
     def unexpected(self, path: str) -> None:
         """Report a saved entry the live state has no place for."""
@@ -440,6 +443,7 @@ def flatten_for_load(
     for k in canonical_keys(state):
         w.flat.roots.append(k)
         w.walk(state[k], saved_tree.get(k, _MISSING), k, _dict_setter(state, k))
+    w.flat.finalizers.extend(w.late)
     unexpected = sorted(p[1:] for p in w.flat.value_paths if p.startswith("?"))
     w.flat.value_paths = [p for p in w.flat.value_paths if not p.startswith("?")]
     return w.flat, sorted(w.missing_values), unexpected
@@ -747,7 +751,29 @@ class StatefulAdapter(Adapter):
         live_sd = obj.state_dict()
         holder = {"sd": live_sd}
         _fill_from_saved(holder, "sd", saved, path, walker)
-        walker.flat.finalizers.append(lambda: obj.load_state_dict(holder["sd"]))
+        def finish():
+            obj.load_state_dict(holder["sd"])
+            _prime_loader(obj)
+
+        # Generators (``RNGState``) are restored after everything else: a
+        # loader primed above draws from them first (issue 19).
+        (walker.late if getattr(obj, "restore_last", False) else walker.flat.finalizers).append(finish)
+
+
+def _prime_loader(obj: Any) -> None:
+    """Create a just-loaded torchdata ``StatefulDataLoader``'s iterator now, as its own ``state_dict()`` does.
+
+    Its next ``iter()`` draws a base seed from torch's global generator
+    unless an iterator is waiting; restored before that draw, an
+    ``RNGState`` would come out one draw off. Created here, before the
+    generators are restored (they are restored last), the draw happens
+    first and ``iter(loader)`` reuses this iterator: the natural order
+    (load, then ``iter``) is exact, and so is ``iter`` then load.
+    """
+    if type(obj).__name__ == "StatefulDataLoader" and getattr(obj, "_iterator", 1) is None and hasattr(
+        obj, "_initial_iter_for_state_dict"
+    ):
+        obj.state_dict()
 
 
 class FlatOptimizerAdapter(Adapter):
