@@ -245,3 +245,71 @@ def test_torchao_lowbit_optimizer_states_exact(tmp_path, name):
         mm(x).sum().backward()
         oo.step()
     assert torch.equal(lin.weight, stepped.weight) and torch.equal(lin.weight, fresh.weight)
+
+
+# --------------------------------------------------------------------------
+# names and values refused up front (issue 19 item 4)
+
+
+def _deep(n):
+    v = 1
+    for _ in range(n):
+        v = [v]
+    return v
+
+
+@pytest.mark.parametrize(
+    "state, match",
+    [
+        ({"\ud800": torch.ones(2)}, "surrogate"),
+        ({"w": torch.ones(2, 2), "w@0,0": torch.ones(1)}, "chunk keys"),
+        ({"w": torch.ones(2, 2), "w@": torch.ones(1)}, "chunk keys"),
+        ({"x": _deep(250), "t": torch.ones(2)}, "MAX_VALUE_DEPTH"),
+        ({"x": _deep(5000), "t": torch.ones(2)}, "recursion limit"),
+    ],
+    ids=["surrogate", "chunk-key", "chunk-key-0d", "deep", "deeper"],
+)
+def test_names_and_values_refused_before_any_byte(tmp_path, state, match):
+    with pytest.raises(UnsupportedStateError, match=match):
+        shardckpt.save(state, str(tmp_path / "ck"))
+    assert _files(tmp_path) == []
+
+
+def test_names_with_at_that_are_no_chunk_key_are_fine(tmp_path):
+    state = {"w": torch.ones(2, 2), "w@x": torch.zeros(1), "v@0": torch.ones(3)}
+    shardckpt.save(state, str(tmp_path / "ck"))
+    back = {k: torch.empty_like(v) for k, v in state.items()}
+    shardckpt.load(back, str(tmp_path / "ck"))
+    assert all(torch.equal(back[k], state[k]) for k in state)
+
+
+def test_reshard_refuses_an_old_checkpoint_with_clashing_names(tmp_path, monkeypatch):
+    from shardckpt import converters
+    from shardckpt._state import walk
+
+    monkeypatch.setattr(walk, "_refuse_names", lambda flat: None)  # as saves did before issue 19
+    shardckpt.save({"w": torch.ones(4, 4), "w@2,0": torch.ones(2)}, str(tmp_path / "old"))
+    monkeypatch.undo()
+    with pytest.raises(UnsupportedStateError, match="w@2,0"):
+        converters.reshard(str(tmp_path / "old"), str(tmp_path / "new"), world_size=2)
+    assert not (tmp_path / "new" / "manifest.json").exists()
+
+
+# --------------------------------------------------------------------------
+# DCP beside
+
+
+def test_nf4_same_as_dcp(tmp_path):
+    """DCP saves NF4 exactly; shardckpt gives back the same inner tensors."""
+    import torch.distributed.checkpoint as dcp
+
+    m = _QLoRA(0)
+    dcp.save({"model": m.state_dict()}, checkpoint_id=str(tmp_path / "dcp"))
+    shardckpt.save({"model": m}, str(tmp_path / "ck"))
+    via_dcp, via_ours = _QLoRA(1), _QLoRA(1)
+    sd = {"model": via_dcp.state_dict()}
+    dcp.load(sd, checkpoint_id=str(tmp_path / "dcp"))
+    via_dcp.load_state_dict(sd["model"])
+    shardckpt.load({"model": via_ours}, str(tmp_path / "ck"))
+    assert _inner_equal(via_dcp.base, m.base) and _inner_equal(via_ours.base, m.base)
+    assert _inner_equal(via_dcp.base, via_ours.base)
