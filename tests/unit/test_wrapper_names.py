@@ -157,3 +157,21 @@ def test_renamed_model_and_adamw_resume_exactly_with_key_map(tmp_path, key_map):
     _step(a, oa, x)
     _step(b, ob, x)
     assert torch.equal(a.enc.weight, b.encoder.weight) and torch.equal(a.head.bias, b.head.bias)
+
+
+def test_keys_carry_the_optimizer_entries_of_the_selected_parameters(tmp_path):
+    torch.manual_seed(0)
+    a = Old()
+    oa = torch.optim.AdamW(a.parameters())
+    _step(a, oa, torch.randn(2, 3))
+    ck = str(tmp_path / "ck")
+    shardckpt.save({"model": a, "optim": oa}, ck)
+    b = Old()
+    ob = torch.optim.AdamW(b.parameters())
+    _step(b, ob, torch.randn(2, 3))
+    head_state = {k: v.clone() for k, v in ob.state[b.head.weight].items()}
+    res = shardckpt.load({"model": b, "optim": ob}, ck, keys=["model.enc.*"], strict=False)
+    assert res.missing_keys == ["model.head.bias", "model.head.weight", "optim.state.head.bias", "optim.state.head.weight"]
+    assert torch.equal(a.enc.weight, b.enc.weight)
+    assert torch.equal(oa.state[a.enc.weight]["exp_avg"], ob.state[b.enc.weight]["exp_avg"])  # followed the model
+    assert all(torch.equal(ob.state[b.head.weight][k], v) for k, v in head_state.items())  # left as it was
