@@ -130,7 +130,7 @@ def _save_nf4_fsdp2(rank, world, root):
 def test_nf4_under_fsdp2_refused_cleanly_on_every_rank(tmp_path):
     """QLoRA + FSDP2: the NF4 shards live in DTensors; refused by name before a byte is written, on both ranks."""
     pytest.importorskip("torchao", reason="torchao is in the test extra")
-    out = run_ranks(2, _save_nf4_fsdp2, str(tmp_path))
+    out = run_ranks(2, _save_nf4_fsdp2, str(tmp_path), timeout=480)  # torchao imports slowly
     for kind, err, files in out:
         assert kind == "NF4Tensor"
         assert err is not None and "model.base" in err and "NF4Tensor" in err, err
@@ -182,3 +182,39 @@ def _zero_size_2d(rank, world, root, shape):
 def test_zero_size_dtensor_shard0_shard1(tmp_path, shape):
     """Saves and loads on every rank alike (it raised a raw RuntimeError on rank 0 outside the agreement)."""
     assert run_ranks(2, _zero_size_2d, str(tmp_path), list(shape)) == [([1.0, 1.0, 1.0], [0, 4])] * 2
+
+
+def _save_lowbit_fsdp2(rank, world, root, name):
+    import warnings
+
+    warnings.simplefilter("ignore")
+    import torchao.optim
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256))
+    fully_shard(model)
+    opt = getattr(torchao.optim, name)(model.parameters())
+    try:
+        model(torch.randn(2, 256)).sum().backward()
+        opt.step()
+    except Exception as e:  # noqa: BLE001 - torchao's own limits on CPU DTensors
+        return "no-step", f"{type(e).__name__}: {e}"[:300], []
+    local = type(next(iter(opt.state.values()))["exp_avg"]._local_tensor).__name__
+    try:
+        shardckpt.save({"model": model, "optim": opt}, f"{root}/{name}")
+    except UnsupportedStateError as e:
+        return local, str(e), sorted(os.listdir(root))
+    return local, None, sorted(os.listdir(root))
+
+
+@pytest.mark.parametrize("name", ["AdamW8bit", "AdamWFp8"])
+def test_torchao_lowbit_states_under_fsdp2_refused_cleanly(tmp_path, name):
+    pytest.importorskip("torchao", reason="torchao is in the test extra")
+    out = run_ranks(2, _save_lowbit_fsdp2, str(tmp_path), name, timeout=480)  # torchao imports slowly
+    if out[0][0] == "no-step":
+        pytest.skip(f"torchao {name} cannot step FSDP2 DTensors on CPU here: {out[0][1]}")
+    for local, err, files in out:
+        assert local.startswith("OptimState"), local
+        assert err is not None and "optim.state.0.weight.exp_avg" in err and local in err, err
+        assert files == [], files
