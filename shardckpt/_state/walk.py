@@ -243,8 +243,9 @@ def _refuse_names(flat: FlatSave) -> None:
         if any(int(d) >= 2**63 for d in shape):
             raise UnsupportedStateError(f"{n}: shape {list(shape)} has a dim of 2**63 or more, which no data file can describe")
     for where, tree in [("the state", flat.tree)] + [(p, v) for p, v in flat.per_rank.items()]:
-        # The manifest nests the values tree one level down.
-        why = value_depth_problem(tree, limit=MAX_VALUE_DEPTH - 1)
+        # The same bound the commit checks (tests/unit/test_tensor_kinds.py
+        # pins the two together at the boundary).
+        why = value_depth_problem(tree, limit=MAX_VALUE_DEPTH)
         if why:
             raise UnsupportedStateError(f"{where}: {why}; flatten the structure or store it as a tensor")
 

@@ -313,3 +313,11 @@ def test_nf4_same_as_dcp(tmp_path):
     shardckpt.load({"model": via_ours}, str(tmp_path / "ck"))
     assert _inner_equal(via_dcp.base, m.base) and _inner_equal(via_ours.base, m.base)
     assert _inner_equal(via_dcp.base, via_ours.base)
+
+
+def test_value_depth_refused_up_front_exactly_where_the_commit_would(tmp_path):
+    """The save-time bound is the commit's: one level less saves, the limit itself is refused up front."""
+    shardckpt.save({"x": _deep(199)}, str(tmp_path / "ok"))
+    with pytest.raises(UnsupportedStateError, match="MAX_VALUE_DEPTH"):
+        shardckpt.save({"x": _deep(200)}, str(tmp_path / "deep"))
+    assert not (tmp_path / "deep").exists()
