@@ -49,6 +49,7 @@ from shardckpt._io import (
     WriteItem,
     byte_view,
     check_files,
+    host_empty,
     partition,
     split_files_by_header,
     tensor_bytes,
@@ -205,7 +206,7 @@ class Reader:
 
     def read(self, t: SrcTensor, blk: Block) -> torch.Tensor:
         """The block's elements as a new flat uint8 tensor, row-major."""
-        out = torch.empty(blk.count * itemsize(t.dtype), dtype=torch.uint8)
+        out = host_empty(blk.count * itemsize(t.dtype))
         self.read_into(t, blk, out)
         return out
 
@@ -244,11 +245,11 @@ class Streamer:
 
     def _buf(self, role: str, k: int, n: int) -> torch.Tensor:
         if n > self.block_bytes:
-            return torch.empty(n, dtype=torch.uint8)  # one row wider than a block
+            return host_empty(n)  # one row wider than a block
         key = (role, k % 2)
         got = self._bufs.get(key)
         if got is None:
-            got = self._bufs[key] = torch.empty(self.block_bytes, dtype=torch.uint8)
+            got = self._bufs[key] = host_empty(self.block_bytes)
         return got[:n]
 
     def _read(self, e: OutEntry, blk: Block, k: int) -> memoryview:

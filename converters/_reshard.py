@@ -5,8 +5,10 @@ from __future__ import annotations
 from typing import Any, Dict, List, Optional
 
 from shardckpt._format import chunk_key
+from shardckpt._format.naming import chunk_key_clashes
 from shardckpt._io import DEFAULT_IO_THREADS
 from shardckpt._plan import Shard, layout_chunks, layout_to_json, regular_layout
+from shardckpt.errors import UnsupportedStateError
 
 from ._common import Reader, write_native
 from ._options import ConvertResult
@@ -77,6 +79,12 @@ def reshard(
         for n, t in source.tensors.items():
             t.name = n
         values = nest_under("model.", {n[len("model."):]: tensor_ref(n) for n in source.tensors})
+    clash = chunk_key_clashes(source.tensors)
+    if clash:  # checkpoints written before save refused these names (issue 19)
+        raise UnsupportedStateError(
+            f"{src}: tensor names {clash} equal chunk keys ('<name>@<offsets>') of other tensors; the resharded "
+            "checkpoint could not be loaded. Rename them (shardckpt.load(..., key_map=...)) and save again"
+        )
     # Writing rank -> file tag -> entries: rank r writes its own rows, rank 0 the replicated file.
     ranks: Dict[int, Dict[str, List[OutEntry]]] = {}
     tensors = {}

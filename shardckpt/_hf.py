@@ -129,6 +129,8 @@ def select_for_load(
     entry (or under its only entry when it has one).
     """
     names = select_names(sorted(manifest.tensors), keys)
+    if keys is not None and manifest.values is not None:
+        names = sorted(set(names) | set(optimizer_followers(manifest.values, names, manifest.tensors)))
     if key_map is None and manifest.extra.get("source") == SOURCE_SAFETENSORS and _bare_tensors(state, manifest):
         # {"w": t} from a file holding "w": the state's keys are the file's names.
         key_map = {}
@@ -144,14 +146,180 @@ def select_for_load(
     if keys is None and key_map is None:
         return manifest
     mapping = map_names(names, key_map)
-    tensors = {mapping[n]: manifest.tensors[n] for n in names if n in mapping}
     values = manifest.values
+    if values is not None and keys is not None:
+        values = prune_optimizers(values, set(names), set(manifest.tensors))
+    if values is not None:
+        values = map_optimizers(values, mapping, set(manifest.tensors))
+    tensors = {mapping[n]: manifest.tensors[n] for n in names if n in mapping}
     if values is not None:
         values = _rename_refs(values, mapping)
     # replace(), not a new Manifest: every other field (v2's block size,
     # meshes and index files) must survive, or the reader falls back to
     # whole-chunk checksums and reads past its buffer bound.
     return dataclasses.replace(manifest, tensors=tensors, values=values)
+
+
+def _optimizer_node(node: Any) -> bool:
+    """Whether a saved values node is torch's FQN-keyed optimizer state dict."""
+    return (
+        isinstance(node, dict)
+        and TAG not in node
+        and isinstance(node.get("state"), dict)
+        and isinstance(node.get("param_groups"), list)
+        and all(isinstance(g, dict) and isinstance(g.get("params"), list) for g in node["param_groups"])
+    )
+
+
+def _optimizer_models(values: Any, saved: set) -> Dict[str, tuple]:
+    """``{optimizer key: (model key, its FQNs)}`` for each optimizer at the top of a values tree.
+
+    The model is the top-level entry under which the most of the
+    optimizer's FQNs are saved tensors (``<model>.<fqn>``).
+    """
+    out: Dict[str, tuple] = {}
+    if not isinstance(values, dict):
+        return out
+    for o, node in values.items():
+        if not _optimizer_node(node):
+            continue
+        fqns = [f for g in node["param_groups"] for f in g["params"] if isinstance(f, str)]
+        hits = {m: sum(f"{m}.{f}" in saved for f in fqns) for m in values if m != o}
+        model = max(hits, key=lambda m: hits[m], default=None)
+        if fqns and model is not None and hits[model]:
+            out[o] = (model, fqns)
+    return out
+
+
+def optimizer_followers(values: Any, selected: Iterable[str], saved_tensors: Iterable[str]) -> List[str]:
+    """Optimizer state tensors of the parameters that ``selected`` (a ``keys=`` selection) picks.
+
+    ``keys=["model.layers.0.*"]`` selects those parameters and, with them,
+    ``optim.state.layers.0.….exp_avg`` of the optimizer saved beside the
+    model: a partial load carries the optimizer entries of what it loads.
+
+        >>> vals = {"model": {}, "optim": {"state": {}, "param_groups": [{"params": ["a", "b"]}]}}
+        >>> optimizer_followers(vals, ["model.a"], ["model.a", "model.b", "optim.state.a.m", "optim.state.b.m"])
+        ['optim.state.a.m']
+    """
+    saved = set(saved_tensors)
+    picked = set(selected)
+    out: List[str] = []
+    for o, (model, fqns) in _optimizer_models(values, saved).items():
+        want = {f for f in fqns if f"{model}.{f}" in picked}
+        if not want:
+            continue
+        pre = f"{o}.state."
+        for n in saved:
+            if n.startswith(pre) and n[len(pre):].rpartition(".")[0] in want:
+                out.append(n)
+    return sorted(out)
+
+
+def prune_optimizers(values: Any, selected: set, saved_tensors: set) -> Any:
+    """The values tree with each optimizer's parameters that a ``keys=`` selection left out removed.
+
+    A parameter whose saved state tensors were all left out is dropped from
+    the optimizer's ``state`` and ``param_groups`` (its live state stays, and
+    a non-strict load reports it missing), instead of reaching the optimizer
+    as a state of ``None`` values.
+
+        >>> vals = {"model": {}, "optim": {"state": {"a": {"m": {"__shardckpt__": "tensor", "name": "optim.state.a.m"}},
+        ...     "b": {"m": {"__shardckpt__": "tensor", "name": "optim.state.b.m"}}}, "param_groups": [{"params": ["a", "b"]}]}}
+        >>> prune_optimizers(vals, {"optim.state.a.m"}, {"model.a", "model.b", "optim.state.a.m", "optim.state.b.m"})["optim"]["param_groups"]
+        [{'params': ['a']}]
+    """
+    if not isinstance(values, dict):
+        return values
+    out = dict(values)
+    for o in _optimizer_models(values, saved_tensors):
+        node = values[o]
+        drop = set()
+        for f, st in node["state"].items():
+            refs = [r for r in _refs_in(st)]
+            if refs and not any(r in selected for r in refs):
+                drop.add(f)
+        if not drop:
+            continue
+        groups = []
+        for g in node["param_groups"]:
+            g = dict(g)
+            for key in ("params", "param_names"):
+                if isinstance(g.get(key), list):
+                    g[key] = [f for f in g[key] if f not in drop]
+            groups.append(g)
+        out[o] = {**node, "state": {f: v for f, v in node["state"].items() if f not in drop}, "param_groups": groups}
+    return out
+
+
+def _refs_in(node: Any) -> List[str]:
+    out: List[str] = []
+    if isinstance(node, dict):
+        if _is_ref(node):
+            name = node.get("name")
+            return [name] if isinstance(name, str) else []
+        for v in node.values():
+            out.extend(_refs_in(v))
+    elif isinstance(node, list):
+        for v in node:
+            out.extend(_refs_in(v))
+    return out
+
+
+def map_optimizers(values: Any, mapping: Dict[str, str], saved_tensors: Iterable[str]) -> Any:
+    """Carry a model's renaming (``key_map``) over to the optimizers saved beside it; ``mapping`` is updated.
+
+    An optimizer is saved by the FQNs of its parameters, relative to its
+    model (``optim.state.<fqn>.exp_avg``, ``param_groups[i]["params"]``).
+    For each optimizer at the top of ``values`` the model it belongs to is
+    the top-level entry ``m`` under which its FQNs are saved tensors
+    (``m.<fqn>``); where ``mapping`` renames ``m.<fqn>`` to ``m2.<new>``, the
+    optimizer's state keys, ``params``/``param_names`` and state tensors
+    (those ``mapping`` left unchanged) become ``<new>`` too. Linear in the
+    number of names. Returns the new values tree (the input is not changed).
+
+        >>> vals = {"model": {"a": 1}, "optim": {"state": {"a": {"m": {"__shardckpt__": "tensor",
+        ...          "name": "optim.state.a.m"}}}, "param_groups": [{"params": ["a"]}]}}
+        >>> mp = {"model.a": "model.b", "optim.state.a.m": "optim.state.a.m"}
+        >>> map_optimizers(vals, mp, ["model.a", "optim.state.a.m"])["optim"]["param_groups"]
+        [{'params': ['b']}]
+        >>> mp["optim.state.a.m"]
+        'optim.state.b.m'
+    """
+    if not isinstance(values, dict):
+        return values
+    out = dict(values)
+    by_prefix: Dict[str, Dict[str, str]] = {}
+    for o, (model, fqns) in _optimizer_models(values, set(saved_tensors)).items():
+        node = values[o]
+        fmap: Dict[str, str] = {}
+        for f in fqns:
+            new = mapping.get(f"{model}.{f}")
+            if new is not None and "." in new:
+                fmap[f] = new.split(".", 1)[1]
+        if all(fmap.get(f, f) == f for f in fqns):
+            continue
+        state = {fmap.get(f, f): v for f, v in node["state"].items()}
+        groups = []
+        for g in node["param_groups"]:
+            g = dict(g)
+            for key in ("params", "param_names"):
+                if isinstance(g.get(key), list):
+                    g[key] = [fmap.get(f, f) if isinstance(f, str) else f for f in g[key]]
+            groups.append(g)
+        out[o] = {**node, "state": state, "param_groups": groups}
+        by_prefix[f"{o}.state."] = fmap
+    if by_prefix:
+        for n, new in list(mapping.items()):
+            if new != n:
+                continue  # the key_map named this one itself
+            for pre, fmap in by_prefix.items():
+                if n.startswith(pre):
+                    fqn, _, k = n[len(pre):].rpartition(".")
+                    if fqn in fmap:
+                        mapping[n] = f"{pre}{fmap[fqn]}.{k}"
+                    break
+    return out
 
 
 def _bare_tensors(state: Mapping[str, Any], manifest: Manifest) -> bool:

@@ -19,7 +19,7 @@ See docs/performance.md.
 
 from __future__ import annotations
 
-import ctypes
+import functools
 import json
 import math
 from concurrent.futures import ThreadPoolExecutor
@@ -45,6 +45,8 @@ __all__ = [
     "split_files_by_header",
     "entry_header_bytes",
     "tensor_bytes",
+    "byte_view",
+    "host_empty",
     "crc32c",
     "DEFAULT_IO_THREADS",
     "WRITE_BLOCK_BYTES",
@@ -57,29 +59,98 @@ WRITE_BLOCK_BYTES = _knobs.WRITE_BLOCK_BYTES
 MIN_BYTES_PER_FILE = _knobs.MIN_BYTES_PER_FILE
 
 
-def byte_view(t: torch.Tensor) -> memoryview:
-    """Writable flat memoryview of a contiguous CPU tensor's bytes, without a copy.
+@functools.lru_cache(maxsize=None)
+def _numpy_ok() -> bool:
+    try:
+        torch.zeros(1, dtype=torch.uint8).numpy()
+        return True
+    except RuntimeError:  # "Numpy is not available"
+        return False
 
-    Uses NumPy when torch has it and falls back to ctypes otherwise: NumPy is
-    not a dependency of torch's CPU wheel, nor of shardckpt.
+
+def host_empty(n: int) -> torch.Tensor:
+    """An uninitialized flat uint8 CPU tensor of ``n`` bytes that :func:`byte_view` can view writably.
+
+    With NumPy this is ``torch.empty``; without it the memory is a Python
+    ``bytearray`` the tensor is built over (``torch.frombuffer``), so a
+    writable view of it needs no pointer arithmetic.
+
+        >>> len(byte_view(host_empty(3)))
+        3
+    """
+    if n == 0 or _numpy_ok():
+        return torch.empty(n, dtype=torch.uint8)
+    buf = bytearray(n)
+    t = torch.frombuffer(buf, dtype=torch.uint8)
+    t._shardckpt_buf = buf  # byte_view finds the memory here (frombuffer also keeps it alive)
+    return t
+
+
+def _check_plain(t: torch.Tensor) -> None:
+    """Refuse what has no plain bytes to view: a subclass, a lazy conj/neg view, another device."""
+    if type(t) not in (torch.Tensor, torch.nn.Parameter):
+        raise UnsupportedStateError(
+            f"internal error: a {type(t).__module__}.{type(t).__qualname__} reached the byte writer; tensor "
+            "subclasses are taken apart (or refused) by the state walk"
+        )
+    if t.is_conj() or t.is_neg():
+        raise AssertionError("internal error: byte_view of a lazy conj/neg view (tensor_bytes resolves them)")
+    if t.device.type != "cpu" or not t.is_contiguous():
+        raise AssertionError("internal error: byte_view needs a contiguous CPU tensor")
+
+
+def byte_view(t: torch.Tensor) -> memoryview:
+    """Flat memoryview of a contiguous CPU tensor's bytes, without a copy where that is safe.
+
+    Only through safe interfaces, never a raw pointer: NumPy's buffer when
+    torch has NumPy (writable, no copy). Without NumPy: a tensor from
+    :func:`host_empty` is viewed through its ``bytearray`` (writable, no
+    copy); any other tensor's bytes are copied into a new buffer and the
+    view is read-only (so a writer into it fails loudly instead of losing
+    the bytes).
+
+    Raises:
+        UnsupportedStateError: a tensor subclass (it has no bytes of its own).
+        AssertionError: a lazy conj/neg view, a non-contiguous or non-CPU
+            tensor (callers resolve those first).
+
+    Example:
+        >>> bytes(byte_view(torch.tensor([1, 2], dtype=torch.uint8)))
+        b'\\x01\\x02'
     """
     n = t.numel() * t.element_size()
     if n == 0:
         return memoryview(bytearray(0))
-    assert t.device.type == "cpu" and t.is_contiguous(), "byte_view needs a contiguous CPU tensor"
+    _check_plain(t)
+    # as_strided: a contiguous tensor with a size-1 dim may report any stride
+    # there (a [1] slice of a [256] tensor has stride 256), which view() refuses.
+    flat = t.detach().as_strided((t.numel(),), (1,)).view(torch.uint8)
     try:
-        return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
+        return memoryview(flat.numpy()).cast("B")
     except RuntimeError:  # "Numpy is not available"
-        arr = (ctypes.c_char * n).from_address(t.data_ptr())
-        arr._shardckpt_owner = t  # the view must keep the tensor's memory alive
-        return memoryview(arr).cast("B")
+        pass
+    base = t if t._base is None else t._base
+    buf = getattr(base, "_shardckpt_buf", None)
+    if buf is not None:
+        start = (t.storage_offset() - base.storage_offset()) * t.element_size()
+        return memoryview(buf)[start : start + n]
+    out = bytearray(n)
+    torch.frombuffer(out, dtype=torch.uint8).copy_(flat)
+    return memoryview(out).toreadonly()
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
-    """A CPU tensor's bytes as a flat memoryview (copies only if not contiguous)."""
-    if t.device.type != "cpu":
-        t = t.detach().cpu()
+    """A tensor's bytes as a flat memoryview (copies only if it must: another device, not contiguous, lazy view).
+
+    A lazy conjugate or negative view (``x.conj()``, ``x.neg()`` of a
+    complex view) is resolved first, so the bytes are the values the tensor
+    shows, as every writer (sync, async thread, writer process) stores them.
+    """
     t = t.detach()
+    if t.is_conj() or t.is_neg():
+        t = t.resolve_conj().resolve_neg()
+    if t.device.type != "cpu":
+        t = t.cpu()
     if not t.is_contiguous():
         t = t.contiguous()
     flat = t.reshape(-1)
@@ -292,6 +363,8 @@ def _write_stream(w, it: WriteItem, crcs: BlockCrcs) -> None:
 def _write_cuda(w, it: WriteItem, bounce: List[torch.Tensor], crcs: BlockCrcs) -> None:
     """Stream a GPU chunk through two pinned buffers: block k+1 copies while block k is written."""
     src = it.tensor.detach()
+    if src.is_conj() or src.is_neg():
+        src = src.resolve_conj().resolve_neg()
     if not src.is_contiguous():
         src = src.contiguous()
     flat = src.reshape(-1).view(torch.uint8)

@@ -31,6 +31,11 @@ class Part:
     local_offsets: Tuple[int, ...]
 
     def view(self) -> torch.Tensor:
+        if 0 in self.box.sizes:
+            # No bytes: a zero-size box may be wider than this rank's (also
+            # empty) shard in another dim (a (0, 4) DTensor under
+            # [Shard(0), Shard(1)]), where narrowing would raise (issue 19).
+            return self.tensor.new_empty(tuple(self.box.sizes))
         return box_view(self.tensor, self.local_offsets, self.box.sizes)
 
 

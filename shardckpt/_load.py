@@ -38,7 +38,7 @@ from ._format import (
 )
 from ._format.resolve import MetaCache, resolve_chunks
 from ._hf import ALIAS_OF_KEY
-from ._io import byte_view, check_files
+from ._io import byte_view, check_files, host_empty
 from ._layout import box_view, layout_of
 from ._readers import BufferPool, ReadStats, SavedChunk, Want, read_verified
 from ._state import flatten_for_load
@@ -423,7 +423,7 @@ def _host_alloc(pinned: bool):
     """The pool's allocator: plain host tensors, or page-locked ones of exactly the size asked."""
 
     def alloc(n: int):
-        t = torch.empty(n, dtype=torch.uint8)
+        t = host_empty(n)  # byte_view can view it writably, NumPy or not
         if pinned and n and int(torch.cuda.cudart().cudaHostRegister(t.data_ptr(), n, 0)) != 0:
             pinned_t = torch.empty(n, dtype=torch.uint8, pin_memory=True)  # registration refused: the allocator's
             return byte_view(pinned_t), (pinned_t, False)

@@ -16,6 +16,10 @@ __all__ = ["RNGState"]
 class _Generators:
     """The default generators: torch CPU, torch CUDA (every device), Python, NumPy."""
 
+    #: Restored after every other entry of a load (``_state.walk``): a data
+    #: loader being restored may draw from these generators first.
+    restore_last = True
+
     def __init__(self, cuda: bool):
         self.cuda = cuda
 

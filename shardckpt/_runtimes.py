@@ -3,9 +3,12 @@
 Runtimes differ in two ways that matter to a checkpoint:
 
 * names: DDP prefixes every key with ``module.``, ``torch.compile`` with
-  ``_orig_mod.``, FSDP1 hides parameters inside ``FlatParameter``\\ s. Names in
-  a checkpoint are the plain fully qualified names (FQNs) of the unwrapped
-  model, so a checkpoint moves between runtimes.
+  ``_orig_mod.`` (also in the middle, for a block compiled alone),
+  activation checkpointing with ``_checkpoint_wrapped_module.``, FSDP1 hides
+  parameters inside ``FlatParameter``\\ s. Names in a checkpoint are the
+  plain fully qualified names (FQNs) of the unwrapped model, wrapper
+  segments removed at every depth (:func:`wrapper_renamer`), so a
+  checkpoint moves between runtimes and wrappings.
 * how tensors are reached: plain modules, FSDP2, TP and HSDP expose their
   parameters (tensors or DTensors) directly and are filled in place; FSDP1
   exposes ``ShardedTensor`` copies through torch's sharded state dict and must
@@ -23,7 +26,7 @@ from typing import Any, Callable, Dict, List
 import torch
 import torch.nn as nn
 
-__all__ = ["unwrap", "is_fsdp1", "param_fqns", "fsdp1_model_state", "fsdp1_load_model_state", "materialize_device", "empty_like_meta"]
+__all__ = ["unwrap", "wrapper_renamer", "is_fsdp1", "param_fqns", "fsdp1_model_state", "fsdp1_load_model_state", "materialize_device", "empty_like_meta"]
 
 
 def unwrap(module: nn.Module) -> nn.Module:
@@ -37,6 +40,56 @@ def unwrap(module: nn.Module) -> nn.Module:
         if inner is None:
             return module
         module = inner
+
+
+#: The attribute through which each wrapper holds the module it wraps:
+#: ``torch.compile``'s OptimizedModule, activation checkpointing's
+#: CheckpointWrapper (also offload wrappers), FSDP1, DDP.
+_WRAPPER_ATTRS = {
+    "OptimizedModule": "_orig_mod",
+    "CheckpointWrapper": "_checkpoint_wrapped_module",
+    "OffloadWrapper": "_checkpoint_wrapped_module",
+    "FullyShardedDataParallel": "_fsdp_wrapped_module",
+    "DistributedDataParallel": "module",
+}
+
+
+def wrapper_renamer(model: nn.Module) -> Callable[[str], str]:
+    """A function removing wrapper segments, at any depth, from ``model``'s state-dict keys.
+
+    ``torch.compile(block)`` inside a model adds ``_orig_mod.`` in the middle
+    of names (``layers.0._orig_mod.w1.weight``), ``checkpoint_wrapper`` adds
+    ``_checkpoint_wrapped_module.``, FSDP1 ``_fsdp_wrapped_module.``, DDP
+    ``module.``. A segment is removed only where a module of that wrapper
+    type holds its inner module under that attribute, so a user's own
+    submodule named ``module`` keeps its name. Names are then the plain
+    model's FQNs, as torch's optimizer state dict (and DCP) names them: one
+    checkpoint loads into the model however it is wrapped.
+
+    Example:
+        >>> m = torch.nn.Sequential(torch.compile(torch.nn.Linear(2, 2)))   # doctest: +SKIP
+        >>> wrapper_renamer(m)("0._orig_mod.weight")                         # doctest: +SKIP
+        '0.weight'
+    """
+    wrapped = set()
+    for name, sub in model.named_modules(remove_duplicate=False):
+        attr = _WRAPPER_ATTRS.get(type(sub).__name__)
+        if attr is not None and isinstance(getattr(sub, attr, None), nn.Module):
+            wrapped.add(f"{name}.{attr}" if name else attr)
+    if not wrapped:
+        return lambda k: k
+
+    def rename(key: str) -> str:
+        parts = key.split(".")
+        kept = []
+        raw = ""
+        for p in parts:
+            raw = f"{raw}.{p}" if raw else p
+            if raw not in wrapped:
+                kept.append(p)
+        return ".".join(kept)
+
+    return rename
 
 
 def is_fsdp1(module: nn.Module) -> bool:

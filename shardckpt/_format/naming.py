@@ -7,7 +7,8 @@ are recognisable), and the key of a chunk inside its safetensors file.
 
 from __future__ import annotations
 
-from typing import Sequence
+import re
+from typing import Iterable, List, Sequence
 
 __all__ = [
     "MANIFEST_NAME",
@@ -18,6 +19,8 @@ __all__ = [
     "data_file_name",
     "save_id_prefix",
     "chunk_key",
+    "chunk_key_clashes",
+    "unreadable_names",
 ]
 
 MANIFEST_NAME = "manifest.json"
@@ -52,6 +55,44 @@ def chunk_key(name: str, offsets: Sequence[int], whole: bool) -> str:
     if whole:
         return name
     return f"{name}@{','.join(str(o) for o in offsets)}"
+
+
+_OFFSETS = re.compile(r"(?:\d+(?:,\d+)*)?")
+
+
+def chunk_key_clashes(names: Iterable[str]) -> List[str]:
+    """Names that equal a chunk key of another name (``w@0,0`` beside ``w``), sorted.
+
+    A sharded tensor ``w`` stores its chunks under ``w@<offsets>``; a tensor
+    named like one of them would share a key with it in a data file (now, or
+    after ``converters.reshard``), and the checkpoint could not be loaded.
+    Writers refuse such names before writing anything.
+
+        >>> chunk_key_clashes(["w", "w@0,0", "v@x", "u@1"])
+        ['w@0,0']
+    """
+    have = set(names)
+    out = []
+    for n in have:
+        base, sep, tail = n.rpartition("@")
+        if sep and base in have and _OFFSETS.fullmatch(tail):
+            out.append(n)
+    return sorted(out)
+
+
+def unreadable_names(names: Iterable[str]) -> List[str]:
+    """Names that cannot be written as UTF-8 (lone surrogates such as ``"\\ud800"``), which safetensors cannot read back.
+
+        >>> unreadable_names(["ok", chr(0xD800)]) == [chr(0xD800)]
+        True
+    """
+    out = []
+    for n in names:
+        try:
+            n.encode("utf-8")
+        except UnicodeEncodeError:
+            out.append(n)
+    return out
 
 
 #: v2: the per-rank index files sit next to the data files (listed in ``files`` too).

@@ -261,6 +261,7 @@ class OptimizerAdapter(Adapter):
     def load(self, optim, path, saved, walker):
         from .._format import torch_dtype
         from .._runtimes import is_fsdp1, param_fqns
+        from .subclass import is_subclass_node
 
         if saved is _MISSING:
             walker.missing_values.append(path)
@@ -347,6 +348,10 @@ class OptimizerAdapter(Adapter):
                         walker.target(sub["name"], st[k])
                     else:
                         _fill_from_saved(st, k, sub, name_path, walker)
+                elif _is_tensor(t) and is_subclass_node(sub):
+                    # A live tensor subclass (low-bit optimizer state): filled in place.
+                    walker.target(name_path, t, sub)
+                    st[k] = t
                 else:
                     _fill_from_saved(st, k, sub, name_path, walker)
         groups_holder: Dict[str, Any] = {}

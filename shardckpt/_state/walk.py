@@ -19,6 +19,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
+from .._format.values import MAX_VALUE_DEPTH
 from ..errors import CorruptCheckpointError, StateMismatchError, UnsupportedStateError
 from .adapters import Adapter, adapter_for
 from .values import TAG, _is_ref, decode_value, encode_value, tensor_ref
@@ -123,15 +124,28 @@ class _SaveWalker:
         self.world = world
         self.per_rank_depth = 0  # > 0 while walking inside a PerRank value
 
+    def _add(self, path: str, v: Any) -> None:
+        if path in self.flat.tensors:
+            raise UnsupportedStateError(f"{path}: two entries of the state map to the same name")
+        self.flat.tensors[path] = v
+        if self.per_rank_depth:
+            self.flat.per_rank_tensors.append(path)
+
     def walk(self, v: Any, path: str) -> Any:
         if isinstance(v, Raw):
             return v.node
         if _is_tensor(v):
-            if path in self.flat.tensors:
-                raise UnsupportedStateError(f"{path}: two entries of the state map to the same name")
-            self.flat.tensors[path] = v
-            if self.per_rank_depth:
-                self.flat.per_rank_tensors.append(path)
+            from .subclass import as_plain, flatten_subclass, is_wrapper_subclass
+
+            if is_wrapper_subclass(v):
+                # Taken apart through its own protocol (see ``subclass``): its
+                # inner tensors are written, never the wrapper's (absent) bytes.
+                inner, node = flatten_subclass(v, path)
+                for n, x in inner:
+                    self._add(n, x)
+                return node
+            _refuse_unwritable(v, path)
+            self._add(path, as_plain(v))
             return tensor_ref(path)
         adapter = adapter_for(v)
         if adapter is not None:
@@ -152,6 +166,33 @@ class _SaveWalker:
         return encode_value(v, path)
 
 
+def _refuse_unwritable(v: Any, path: str) -> None:
+    """Refuse, while walking (before any byte is written), a tensor whose bytes cannot be read safely.
+
+    A DTensor whose local shard is a wrapper subclass (FSDP2 over NF4 or
+    low-bit optimizer states) has inner tensors with no global layout to
+    reshard; a subclass without storage and without ``__tensor_flatten__``
+    has no bytes to read at all.
+    """
+    from .._layout import is_dtensor
+    from .subclass import is_wrapper_subclass, plain_problem
+
+    local = v._local_tensor if is_dtensor(v) else v
+    kind = f"{type(local).__module__}.{type(local).__qualname__}"
+    if is_dtensor(v) and (is_wrapper_subclass(local) or plain_problem(local)):
+        raise UnsupportedStateError(
+            f"{path}: a DTensor whose local shard is a {kind} cannot be saved: the subclass's inner tensors have no "
+            "global layout to reshard. Save it unsharded (full_tensor() of a plain dtype, or the subclass on one "
+            "process), or convert it to a plain tensor first"
+        )
+    why = plain_problem(local) if isinstance(local, torch.Tensor) else None
+    if why:
+        raise UnsupportedStateError(
+            f"{path}: a {kind} cannot be saved: {why}, and the type has no __tensor_flatten__ to take it apart. "
+            "Convert it to a plain tensor, or implement the flattening protocol"
+        )
+
+
 def flatten_for_save(state: Dict[str, Any], *, rank: int = 0, world: int = 1) -> FlatSave:
     """Split ``state`` into named tensors and a JSON tree referencing them.
 
@@ -163,9 +204,50 @@ def flatten_for_save(state: Dict[str, Any], *, rank: int = 0, world: int = 1) ->
     if bad:
         raise UnsupportedStateError(f"state keys must be non-empty strings, found {bad!r}")
     w = _SaveWalker(state, rank, world)
-    done = {k: w.walk(state[k], k) for k in canonical_keys(state)}
+    try:
+        done = {k: w.walk(state[k], k) for k in canonical_keys(state)}
+    except RecursionError:
+        raise UnsupportedStateError(
+            f"the state nests values deeper than Python's recursion limit; values may nest at most {MAX_VALUE_DEPTH} levels"
+        ) from None
     w.flat.tree = {k: done[k] for k in state}
+    _refuse_names(w.flat)
     return w.flat
+
+
+def _refuse_names(flat: FlatSave) -> None:
+    """Refuse, while walking (every rank alike, before any byte), names and values the format cannot hold.
+
+    Tensor names that equal another tensor's chunk key (``w@0,0`` beside
+    ``w``), names safetensors cannot read back (lone surrogates), dims past
+    what a safetensors header holds, values nested past ``MAX_VALUE_DEPTH``.
+    """
+    from .._format.naming import chunk_key_clashes, unreadable_names
+    from .._format.values import value_depth_problem
+
+    bad = unreadable_names(flat.tensors)
+    if bad:
+        raise UnsupportedStateError(
+            f"tensor names {[n.encode('utf-8', 'backslashreplace').decode() for n in bad]} are not valid UTF-8 "
+            "(lone surrogates): safetensors files could not be read back; rename them"
+        )
+    clash = chunk_key_clashes(flat.tensors)
+    if clash:
+        raise UnsupportedStateError(
+            f"tensor names {clash} equal the chunk keys ('<name>@<offsets>') of other tensors of the state: their "
+            "chunks would share keys in the data files (also after converters.reshard); rename them (no '@' "
+            "followed by offsets)"
+        )
+    for n, t in flat.tensors.items():
+        shape = tuple(t.shape)
+        if any(int(d) >= 2**63 for d in shape):
+            raise UnsupportedStateError(f"{n}: shape {list(shape)} has a dim of 2**63 or more, which no data file can describe")
+    for where, tree in [("the state", flat.tree)] + [(p, v) for p, v in flat.per_rank.items()]:
+        # The same bound the commit checks (tests/unit/test_tensor_kinds.py
+        # pins the two together at the boundary).
+        why = value_depth_problem(tree, limit=MAX_VALUE_DEPTH)
+        if why:
+            raise UnsupportedStateError(f"{where}: {why}; flatten the structure or store it as a tensor")
 
 
 # --------------------------------------------------------------------------
@@ -192,18 +274,39 @@ class _LoadWalker:
         self.world = world
         self.saved_world = world if saved_world is None else saved_world
         self.per_rank = per_rank  # manifest.extra["per_rank"]: list by saving rank
+        # Finalizers that must run after all others: random generator
+        # restores (see ``StatefulAdapter``), whatever their key's name.
+        self.late: List[Callable[[], None]] = []
 
     def unexpected(self, path: str) -> None:
         """Report a saved entry the live state has no place for."""
         self.flat.value_paths.append("?" + path)
 
-    def target(self, path: str, live: Any) -> None:
+    def target(self, path: str, live: Any, node: Any = None) -> None:
+        """Fill live tensor ``live`` from saved tensor ``path``; ``node``: its saved values-tree node, if known.
+
+        A live wrapper subclass is filled through its inner tensors, in place
+        (``subclass``), after its saved context is checked.
+        """
+        from .subclass import check_ctx, inner_name, is_subclass_node, is_wrapper_subclass
+
+        if is_wrapper_subclass(live):
+            if node is not None and node is not _MISSING:
+                check_ctx(live, node, path)
+                names = {a: r["name"] for a, r in node["inner"].items()}
+            else:
+                names = {a: inner_name(path, a) for a in live.__tensor_flatten__()[0]}
+            for a, n in names.items():
+                self.flat.tensors[n] = getattr(live, a)
+            return
+        if is_subclass_node(node):
+            check_ctx(live, node, path)  # raises: a plain live tensor where a subclass was saved
         self.flat.tensors[path] = live
 
     def walk(self, live: Any, saved: Any, path: str, setter: Optional[Callable[[Any], None]]) -> None:
         """Match live ``live`` against the saved subtree ``saved``."""
         if _is_tensor(live):
-            self.target(path, live)
+            self.target(path, live, saved)
             return
         adapter = adapter_for(live)
         if adapter is not None:
@@ -341,6 +444,7 @@ def flatten_for_load(
     for k in canonical_keys(state):
         w.flat.roots.append(k)
         w.walk(state[k], saved_tree.get(k, _MISSING), k, _dict_setter(state, k))
+    w.flat.finalizers.extend(w.late)
     unexpected = sorted(p[1:] for p in w.flat.value_paths if p.startswith("?"))
     w.flat.value_paths = [p for p in w.flat.value_paths if not p.startswith("?")]
     return w.flat, sorted(w.missing_values), unexpected
@@ -380,7 +484,7 @@ class ModuleAdapter(Adapter):
         m = unwrap(obj)
         if is_fsdp1(m):
             return fsdp1_model_state(m)
-        sd = _module_tensors(m)
+        sd = _module_tensors(m, path)
         meta = [k for k, t in sd.items() if _is_tensor(t) and t.is_meta]
         if meta:
             from ..errors import format_offenders
@@ -405,9 +509,11 @@ class ModuleAdapter(Adapter):
             self._targets(sd, path, saved, walker)
             walker.flat.finalizers.append(lambda: fsdp1_load_model_state(m, sd))
             return
-        sd = _module_tensors(m)
+        back: Dict[str, str] = {}
+        sd = _module_tensors(m, path, back)
+        extra = self._extra_state(m, sd, path, saved, walker, back)
         copies = throwaway_copies(m, sd)
-        if copies and not routes_state_back(m, copies):
+        if copies and not routes_state_back(m, [back[k] for k in copies]):
             from ..errors import format_offenders
 
             raise UnsupportedStateError(
@@ -421,11 +527,46 @@ class ModuleAdapter(Adapter):
         self._untie_targets(sd, path, walker)
         self._targets(sd, path, saved, walker)
         if assign:
-            walker.flat.finalizers.append(lambda: m.load_state_dict(assign, strict=False, assign=True))
+            walker.flat.finalizers.append(lambda: m.load_state_dict({back[k]: v for k, v in assign.items()}, strict=False, assign=True))
         if copies:
             # DCP's flow for such modules: the copies were filled; the module's
             # own load_state_dict (and its hooks) puts them into the weights.
-            walker.flat.finalizers.append(lambda: m.load_state_dict(sd, strict=True))
+            # Extra state goes in too: load_state_dict hands it to set_extra_state.
+            walker.flat.finalizers.append(
+                lambda: m.load_state_dict({back[k]: v for k, v in ({**sd, **{k: h["v"] for k, (_, h) in extra.items()}}).items()}, strict=True)
+            )
+        else:
+            for owner, h in extra.values():
+                walker.flat.finalizers.append(lambda o=owner, h=h: o.set_extra_state(h["v"]))
+
+    @staticmethod
+    def _extra_state(m, sd, path, saved, walker, back):
+        """Give each submodule's ``get_extra_state()`` value back through its ``set_extra_state``.
+
+        As ``nn.Module.load_state_dict`` does: the saved value (a dict, an
+        int, ``io.BytesIO``, a tensor, a dict holding tensors...) is rebuilt
+        whole (tensors as new full tensors, at any world size) and handed to
+        ``set_extra_state`` once every tensor was read and checked. The key
+        leaves ``sd``: the live ``get_extra_state()`` result is a copy that
+        filling would not reach. Returns ``key -> (submodule, holder)``;
+        ``holder["v"]`` is the value once the load's tensors are in.
+        """
+        from torch.nn.modules.module import _EXTRA_STATE_KEY_SUFFIX
+
+        out: Dict[str, Any] = {}
+        for k in [k for k in sd if k == _EXTRA_STATE_KEY_SUFFIX or k.endswith(SEP + _EXTRA_STATE_KEY_SUFFIX)]:
+            del sd[k]
+            own = back.get(k, k)
+            owner = m.get_submodule(own[: -len(_EXTRA_STATE_KEY_SUFFIX)].rstrip(SEP))
+            node = saved.get(k, _MISSING) if isinstance(saved, dict) else _MISSING
+            where = _join(path, k)
+            if node is _MISSING:
+                walker.missing_values.append(where)
+                continue
+            holder: Dict[str, Any] = {}
+            _fill_from_saved(holder, "v", node, where, walker)
+            out[k] = (owner, holder)
+        return out
 
     @staticmethod
     def _untie_targets(sd, path, walker):
@@ -448,7 +589,7 @@ class ModuleAdapter(Adapter):
     def _targets(sd, path, saved, walker):
         for k, t in sd.items():
             if _is_tensor(t):
-                walker.target(_join(path, k), t)
+                walker.target(_join(path, k), t, saved.get(k) if isinstance(saved, dict) else None)
             else:
                 sub = saved.get(k, _MISSING) if isinstance(saved, dict) else _MISSING
                 walker.walk(t, sub, _join(path, k), None)
@@ -564,9 +705,27 @@ def tied_groups(sd: Dict[str, Any]) -> List[List[str]]:
     return [names for names in by_id.values() if len(names) > 1]
 
 
-def _module_tensors(m: torch.nn.Module) -> Dict[str, Any]:
-    sd = m.state_dict(keep_vars=True)
-    return dict(sd)
+def _module_tensors(m: torch.nn.Module, path: str = "", back: Optional[Dict[str, str]] = None) -> Dict[str, Any]:
+    """``m.state_dict(keep_vars=True)`` under plain FQNs: wrapper segments removed at every depth.
+
+    ``back`` (if given) receives plain name -> ``m``'s own key, for calls
+    that hand a dict back to ``m.load_state_dict``.
+    """
+    from .._runtimes import wrapper_renamer
+
+    rename = wrapper_renamer(m)
+    out: Dict[str, Any] = {}
+    for k, v in m.state_dict(keep_vars=True).items():
+        n = rename(k)
+        if n in out:
+            raise UnsupportedStateError(
+                f"{_join(path, n)}: two entries of the module's state dict have this name once wrapper prefixes "
+                "(_orig_mod., _checkpoint_wrapped_module., module.) are removed"
+            )
+        out[n] = v
+        if back is not None:
+            back[n] = k
+    return out
 
 
 class StatefulAdapter(Adapter):
@@ -593,7 +752,29 @@ class StatefulAdapter(Adapter):
         live_sd = obj.state_dict()
         holder = {"sd": live_sd}
         _fill_from_saved(holder, "sd", saved, path, walker)
-        walker.flat.finalizers.append(lambda: obj.load_state_dict(holder["sd"]))
+        def finish():
+            obj.load_state_dict(holder["sd"])
+            _prime_loader(obj)
+
+        # Generators (``RNGState``) are restored after everything else: a
+        # loader primed above draws from them first (issue 19).
+        (walker.late if getattr(obj, "restore_last", False) else walker.flat.finalizers).append(finish)
+
+
+def _prime_loader(obj: Any) -> None:
+    """Create a just-loaded torchdata ``StatefulDataLoader``'s iterator now, as its own ``state_dict()`` does.
+
+    Its next ``iter()`` draws a base seed from torch's global generator
+    unless an iterator is waiting; restored before that draw, an
+    ``RNGState`` would come out one draw off. Created here, before the
+    generators are restored (they are restored last), the draw happens
+    first and ``iter(loader)`` reuses this iterator: the natural order
+    (load, then ``iter``) is exact, and so is ``iter`` then load.
+    """
+    if type(obj).__name__ == "StatefulDataLoader" and getattr(obj, "_iterator", 1) is None and hasattr(
+        obj, "_initial_iter_for_state_dict"
+    ):
+        obj.state_dict()
 
 
 class FlatOptimizerAdapter(Adapter):
@@ -643,6 +824,11 @@ def _fill_from_saved(container: Any, key: Any, saved: Any, path: str, walker: _L
     Plain values come from the checkpoint.
     """
     live = container[key] if _has(container, key) else _MISSING
+    from .subclass import is_subclass_node
+
+    if is_subclass_node(saved):
+        _fill_subclass(container, key, live, saved, path, walker)
+        return
     if _is_ref(saved):
         name = saved["name"]
         if live is not _MISSING and _is_tensor(live):
@@ -651,6 +837,11 @@ def _fill_from_saved(container: Any, key: Any, saved: Any, path: str, walker: _L
             def put(t, c=container, k=key):
                 c[k] = t
 
+            if isinstance(container, dict) and key not in container:
+                # A placeholder until the tensor is read: checks made while
+                # planning (an optimizer's hyperparameter names, e.g. torchao's
+                # tensor ``lr``) see the key the checkpoint has.
+                container[key] = None
             walker.flat.creates[name] = put
         return
     if isinstance(saved, dict) and (TAG not in saved or saved.get(TAG) == "dict"):
@@ -683,6 +874,30 @@ def _fill_from_saved(container: Any, key: Any, saved: Any, path: str, walker: _L
         walker.flat.finalizers.insert(0, rebuild)
         return
     container[key] = _decoded(saved, path)
+
+
+def _fill_subclass(container: Any, key: Any, live: Any, saved: Dict[str, Any], path: str, walker: _LoadWalker) -> None:
+    """A saved tensor subclass: its inner tensors copied into the live one, or a new one rebuilt from them."""
+    from .subclass import rebuild
+
+    if live is not _MISSING and _is_tensor(live):
+        walker.target(path, live, saved)
+        return
+    inner: Dict[str, Any] = {}
+    for a, ref in saved["inner"].items():
+        if not _is_ref(ref):
+            raise CorruptCheckpointError(f"{path}: inner tensor {a!r} of a saved tensor subclass is not a tensor reference")
+
+        def put(t, a=a):
+            inner[a] = t
+
+        walker.flat.creates[ref["name"]] = put
+
+    def make(c=container, k=key):
+        c[k] = rebuild(saved, inner, path)
+
+    # Before the finalizers that hand the container on (an optimizer's load_state_dict).
+    walker.flat.finalizers.insert(0, make)
 
 
 def _has(c: Any, k: Any) -> bool:

@@ -1,0 +1,304 @@
+"""Tensor subclasses: saved through their own flattening protocol, or refused up front.
+
+A *wrapper* subclass (torchao's ``NF4Tensor`` of QLoRA base weights, its
+``OptimState8bit``/``OptimState4bit``/``OptimStateFp8`` low-bit optimizer
+states, ``TwoTensor``, float8 wrappers) holds no storage of its own: its
+``data_ptr()`` is 0 and its bytes live in *inner* plain tensors. PyTorch's
+protocol for taking one apart is ``__tensor_flatten__() -> (inner attribute
+names, context)`` and ``__tensor_unflatten__(inner, context, shape, stride)``.
+
+Saving: each inner tensor becomes an ordinary tensor of the checkpoint named
+``<name>.<attr>`` (real chunks, checksummed, readable by any safetensors
+tool); the values tree holds, where the tensor was, a node
+``{TAG: "subclass", "type", "ctx", "shape", "stride", "inner": {attr: ref}}``
+with the context encoded as JSON (:func:`encode_ctx`). A context that is not
+made of JSON-safe pieces (numbers, strings, dtypes, devices, sizes, tuples,
+lists, str-keyed dicts, named tuples and dataclasses of those) is refused, as is a subclass
+without the protocol that has no storage, and one held inside a DTensor
+(its local shard's inner tensors have no global layout we could reshard):
+:class:`UnsupportedStateError` naming the tensor and its type, raised by the
+save walk, before any byte is written and on every rank alike.
+
+Loading: into a live subclass of the same type, each saved inner tensor is
+copied in place into the live inner tensor (the object, and whatever holds
+it — an optimizer, FSDP — stays the same) after the saved context is checked
+equal to the live one. Where the live state has no tensor yet (an optimizer
+before its first step), the subclass is rebuilt with ``__tensor_unflatten__``
+— only for a type whose module is already imported (nothing is imported
+because a checkpoint names it).
+
+Limits: subclasses inside a DTensor (FSDP2 sharded NF4, torchao optimizer
+states of FSDP2 parameters) are refused; so are nested wrapper subclasses
+whose inner tensors are themselves wrappers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+from ..errors import StateMismatchError, UnsupportedStateError
+from .values import TAG, encode_value
+
+__all__ = [
+    "SUBCLASS_TAG",
+    "as_plain",
+    "is_wrapper_subclass",
+    "plain_problem",
+    "flatten_subclass",
+    "encode_ctx",
+    "decode_ctx",
+    "inner_name",
+    "check_ctx",
+    "rebuild",
+]
+
+SUBCLASS_TAG = "subclass"
+
+
+def _type_name(t: Any) -> str:
+    return f"{type(t).__module__}.{type(t).__qualname__}"
+
+
+def _special(t: Any) -> bool:
+    """DTensor / ShardedTensor: handled by the layout layer, not here."""
+    from .._layout import is_dtensor, is_sharded_tensor
+
+    return is_dtensor(t) or is_sharded_tensor(t)
+
+
+def is_wrapper_subclass(t: Any) -> bool:
+    """Whether ``t`` is a tensor subclass taken apart through ``__tensor_flatten__``.
+
+    Plain tensors, Parameters, DTensors and ShardedTensors are not.
+
+        >>> is_wrapper_subclass(torch.ones(1)), is_wrapper_subclass(torch.nn.Parameter(torch.ones(1)))
+        (False, False)
+    """
+    if not isinstance(t, torch.Tensor) or type(t) in (torch.Tensor, torch.nn.Parameter) or _special(t):
+        return False
+    return callable(getattr(t, "__tensor_flatten__", None))
+
+
+def plain_problem(t: torch.Tensor) -> Optional[str]:
+    """Why ``t`` (not a wrapper subclass, not sharded) cannot be written as its bytes; None when it can.
+
+    A subclass made with ``as_subclass`` has real storage and is written as
+    the plain tensor it views; one without storage (a wrapper lacking the
+    flattening protocol) cannot be.
+    """
+    if type(t) in (torch.Tensor, torch.nn.Parameter) or _special(t):
+        return None
+    try:
+        # An address compared with 0, never read: a wrapper's storage is a placeholder at 0.
+        if t.numel() and (t.untyped_storage().data_ptr() == 0 or t.untyped_storage().nbytes() == 0):
+            return "it holds no storage of its own"
+    except Exception as e:  # noqa: BLE001 - any failure means: no readable storage
+        return f"its storage cannot be reached ({type(e).__name__})"
+    return None
+
+
+def as_plain(t: Any) -> Any:
+    """A storage-backed subclass (``as_subclass``) as the plain tensor it views; anything else as is."""
+    if isinstance(t, torch.Tensor) and type(t) not in (torch.Tensor, torch.nn.Parameter) and not _special(t):
+        return torch.Tensor.as_subclass(t, torch.Tensor)
+    return t
+
+
+def inner_name(name: str, attr: str) -> str:
+    """The checkpoint name of inner tensor ``attr`` of subclass tensor ``name``: ``name.attr``."""
+    return f"{name}.{attr}"
+
+
+def encode_ctx(v: Any, where: str, depth: int = 0) -> Any:
+    """A ``__tensor_flatten__`` context as JSON, or raise :class:`UnsupportedStateError`.
+
+    Example:
+        >>> encode_ctx([True, torch.float32], "x")
+        [True, {'__shardckpt__': 'dtype', 'value': 'float32'}]
+    """
+    if depth > 20:
+        raise UnsupportedStateError(f"{where}: its flattening context nests too deeply to save")
+    if isinstance(v, torch.Size):
+        return {TAG: "size", "items": [int(x) for x in v]}
+    if isinstance(v, tuple) and hasattr(v, "_fields"):  # a NamedTuple
+        return {
+            TAG: "namedtuple",
+            "type": f"{type(v).__module__}.{type(v).__qualname__}",
+            "fields": {f: encode_ctx(getattr(v, f), where, depth + 1) for f in v._fields},
+        }
+    if dataclasses.is_dataclass(v) and not isinstance(v, type):
+        return {
+            TAG: "dataclass",
+            "type": f"{type(v).__module__}.{type(v).__qualname__}",
+            "fields": {f.name: encode_ctx(getattr(v, f.name), where, depth + 1) for f in dataclasses.fields(v)},
+        }
+    if isinstance(v, tuple):
+        return {TAG: "tuple", "items": [encode_ctx(x, where, depth + 1) for x in v]}
+    if isinstance(v, list):
+        return [encode_ctx(x, where, depth + 1) for x in v]
+    if isinstance(v, dict):
+        if not all(isinstance(k, str) for k in v) or TAG in v:
+            raise UnsupportedStateError(f"{where}: its flattening context has a dict with non-string keys")
+        return {k: encode_ctx(x, where, depth + 1) for k, x in v.items()}
+    try:
+        return encode_value(v, where)
+    except UnsupportedStateError:
+        raise UnsupportedStateError(
+            f"{where}: its flattening context holds a {type(v).__module__}.{type(v).__qualname__}, which has no "
+            "JSON form; the tensor cannot be saved (convert it to a plain tensor, or register an adapter)"
+        ) from None
+
+
+def _imported(qualname: str) -> Any:
+    """The object ``module.Qual.Name`` if its module is already imported, else None (never imports)."""
+    mod, _, rest = qualname.rpartition(".")
+    while mod:
+        m = sys.modules.get(mod)
+        if m is not None:
+            obj: Any = m
+            for part in rest.split("."):
+                obj = getattr(obj, part, None)
+                if obj is None:
+                    return None
+            return obj
+        mod, _, head = mod.rpartition(".")
+        rest = f"{head}.{rest}"
+    return None
+
+
+def decode_ctx(node: Any) -> Any:
+    """The Python context :func:`encode_ctx` encoded (named tuple types must be imported already)."""
+    from .values import decode_value
+
+    if isinstance(node, list):
+        return [decode_ctx(x) for x in node]
+    if isinstance(node, dict):
+        kind = node.get(TAG)
+        if kind == "size":
+            return torch.Size(int(x) for x in node["items"])
+        if kind in ("namedtuple", "dataclass"):
+            cls = _imported(str(node["type"]))
+            ok = isinstance(cls, type) and (
+                dataclasses.is_dataclass(cls) if kind == "dataclass" else issubclass(cls, tuple) and hasattr(cls, "_fields")
+            )
+            if not ok:
+                raise StateMismatchError(f"{kind} type {node['type']!r} of a saved tensor subclass is not imported")
+            return cls(**{k: decode_ctx(v) for k, v in node["fields"].items()})
+        if kind == "tuple":
+            return tuple(decode_ctx(x) for x in node["items"])
+        if kind is None:
+            return {k: decode_ctx(v) for k, v in node.items()}
+        return decode_value(node)
+    return node
+
+
+def flatten_subclass(t: torch.Tensor, name: str) -> Tuple[List[Tuple[str, torch.Tensor]], Dict[str, Any]]:
+    """``([(inner name, inner tensor)], node)`` of wrapper subclass ``t`` saved under ``name``.
+
+    ``node`` goes into the values tree where the tensor was; its ``inner``
+    holds references to the inner tensors.
+
+    Raises:
+        UnsupportedStateError: an inner tensor is itself a wrapper (nested
+            subclasses), or the context has no JSON form.
+
+    Example:
+        >>> from torch.testing._internal.two_tensor import TwoTensor  # doctest: +SKIP
+        >>> flatten_subclass(TwoTensor(torch.ones(2), torch.zeros(2)), "t")[1]["inner"]  # doctest: +SKIP
+        {'a': {'__shardckpt__': 'tensor', 'name': 't.a'}, 'b': {...}}
+    """
+    from .values import tensor_ref
+
+    where = f"{name} (a {_type_name(t)})"
+    try:
+        attrs, ctx = t.__tensor_flatten__()
+    except Exception as e:  # noqa: BLE001 - a subclass's own failure, reported as ours
+        raise UnsupportedStateError(f"{where}: __tensor_flatten__ failed ({type(e).__name__}: {e})") from None
+    inner: List[Tuple[str, torch.Tensor]] = []
+    for a in attrs:
+        x = getattr(t, a)
+        if type(x) not in (torch.Tensor, torch.nn.Parameter):
+            raise UnsupportedStateError(
+                f"{where}: inner tensor {a!r} is a {_type_name(x)}; nested tensor subclasses cannot be saved"
+            )
+        inner.append((inner_name(name, a), x.detach()))
+    node = {
+        TAG: SUBCLASS_TAG,
+        "type": f"{type(t).__module__}.{type(t).__qualname__}",
+        "ctx": encode_ctx(ctx, where),
+        "shape": [int(s) for s in t.shape],
+        "stride": [int(s) for s in t.stride()],
+        "inner": {a: tensor_ref(n) for a, (n, _) in zip(attrs, inner)},
+    }
+    return inner, node
+
+
+def is_subclass_node(node: Any) -> bool:
+    """Whether a values-tree node stands for a flattened subclass tensor."""
+    return isinstance(node, dict) and node.get(TAG) == SUBCLASS_TAG and isinstance(node.get("inner"), dict)
+
+
+def _sans_devices(node: Any) -> Any:
+    """An encoded context with its devices blanked: a checkpoint moves between devices."""
+    if isinstance(node, list):
+        return [_sans_devices(x) for x in node]
+    if isinstance(node, dict):
+        if node.get(TAG) == "device":
+            return None
+        return {k: _sans_devices(v) for k, v in node.items()}
+    return node
+
+
+def check_ctx(live: torch.Tensor, node: Any, path: str) -> None:
+    """Refuse (before any tensor changes) a saved subclass that does not fit live subclass ``live``.
+
+    Raises:
+        StateMismatchError: another type, other inner tensors, another
+            context (quantization block sizes, dtype...) or shape.
+    """
+    if not is_subclass_node(node):
+        raise StateMismatchError(
+            f"{path}: the live tensor is a {_type_name(live)} but the checkpoint holds a plain tensor here; "
+            "load it into a plain tensor, or save from the same kind of model"
+        )
+    if not is_wrapper_subclass(live):
+        raise StateMismatchError(
+            f"{path}: the checkpoint holds a {node.get('type')} tensor subclass here but the live tensor is a "
+            f"{_type_name(live)}; load it into the same kind of tensor (e.g. the quantized model it was saved from)"
+        )
+    attrs, ctx = live.__tensor_flatten__()
+    want = f"{type(live).__module__}.{type(live).__qualname__}"
+    problems = []
+    if node.get("type") != want:
+        problems.append(f"type {node.get('type')} saved, {want} live")
+    if sorted(node["inner"]) != sorted(attrs):
+        problems.append(f"inner tensors {sorted(node['inner'])} saved, {sorted(attrs)} live")
+    elif _sans_devices(node.get("ctx")) != _sans_devices(encode_ctx(ctx, path)):
+        problems.append(f"context {node.get('ctx')!r:.200} saved, {encode_ctx(ctx, path)!r:.200} live")
+    if list(node.get("shape", [])) != list(live.shape):
+        problems.append(f"shape {node.get('shape')} saved, {list(live.shape)} live")
+    if problems:
+        raise StateMismatchError(f"{path}: the saved tensor subclass does not fit the live one: " + "; ".join(problems))
+
+
+def rebuild(node: Dict[str, Any], inner: Dict[str, torch.Tensor], path: str) -> torch.Tensor:
+    """A new subclass tensor from its saved node and loaded inner tensors (``__tensor_unflatten__``).
+
+    Raises:
+        StateMismatchError: its type is not imported in this process (it is
+            never imported because a checkpoint names it), or it refuses.
+    """
+    cls = _imported(str(node.get("type")))
+    if not (isinstance(cls, type) and issubclass(cls, torch.Tensor) and callable(getattr(cls, "__tensor_unflatten__", None))):
+        raise StateMismatchError(
+            f"{path}: the checkpoint holds a {node.get('type')} tensor subclass and the live state has no tensor "
+            "there to fill; import its module (or create the state first, e.g. one optimizer step) before loading"
+        )
+    try:
+        return cls.__tensor_unflatten__(inner, decode_ctx(node["ctx"]), torch.Size(node["shape"]), tuple(node["stride"]))
+    except Exception as e:  # noqa: BLE001
+        raise StateMismatchError(f"{path}: {node.get('type')}.__tensor_unflatten__ failed ({type(e).__name__}: {e})") from None
