@@ -199,3 +199,25 @@ def test_cpu_time_grows_at_most_linearly(tmp_path):
         runs = 1 if label == "save" else 2
         ta, tb = best(fa, runs), best(fb, runs)
         assert tb <= 25 * ta, f"{label}: {tb:.2f} s CPU at 20,000 keys, {ta:.2f} s at 2,000"
+
+
+def test_bench_many_tensors_runs(tmp_path):
+    # The benchmark of these costs still runs end to end (tiny sizes, one
+    # process), values checked inside it, so it cannot rot.
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    sys.path.insert(0, os.path.join(root, "benchmarks"))
+    try:
+        import bench_many_tensors
+    finally:
+        sys.path.pop(0)
+    out = tmp_path / "res.json"
+    argv = ["--tensors", "3,20", "--no-isolate", "--dir", str(tmp_path / "scratch"), "--json", str(out),
+            "--markdown", str(tmp_path / "res.md")]
+    assert bench_many_tensors.main(argv) == 0
+    import json
+
+    res = json.loads(out.read_text())["results"]
+    for n in ("3", "20"):
+        for case in ("shardckpt", "dcp", "torch.save"):
+            assert res[n][case]["save"][0]["seconds"] > 0 and res[n][case]["load"][0]["cpu_seconds"] >= 0
+    assert "| 20 | dcp |" in (tmp_path / "res.md").read_text()
