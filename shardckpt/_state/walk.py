@@ -337,8 +337,11 @@ class _LoadWalker:
                 sub = None if items is None else items.get(str(k), _MISSING)
                 self.walk(live[k], sub, _join(path, k), _dict_setter(live, k))
             if items is not None:
+                # One set of the live keys for the whole dict: rebuilding it per
+                # saved key made a load quadratic in the number of keys.
+                live_keys = {str(x) for x in live}
                 for k in items:
-                    if k not in {str(x) for x in live.keys()}:
+                    if k not in live_keys:
                         self._unexpected_value(_join(path, k), items[k])
             return
         if isinstance(live, list):
