@@ -129,6 +129,7 @@ def decide(groups, group_ranks: Sequence[int], url: str, keep: Dict[str, Any]):
             entries.setdefault(name, []).append((gi, rec))
     bad: List[str] = []
     truth: Dict[str, Tuple[Any, ...]] = {}
+    plain_meshes: Dict[Tuple[int, ...], Tuple[Any, int]] = {}
     for name in sorted(entries):
         ents = entries[name]
         first = ents[0][1]
@@ -143,9 +144,14 @@ def decide(groups, group_ranks: Sequence[int], url: str, keep: Dict[str, Any]):
         else:
             dtype, shape = first[0], tuple(first[1])
             if first[3] is None:
-                holders = sorted(p for gi, _ in ents for p in groups[gi].ranks)
-                mesh = tuple(group_ranks[p] for p in holders)
-                reg = _plan.RegularLayout(shape, (len(holders),), (_plan.Replicate(),))
+                # Holders are a union of groups: computed once per set of groups, O(N) each.
+                gset = tuple(gi for gi, _ in ents)
+                if gset not in plain_meshes:
+                    holders = sorted(p for gi in gset for p in groups[gi].ranks)
+                    m = tuple(group_ranks[p] for p in holders)
+                    plain_meshes[gset] = None if m == tuple(range(len(m))) else m, len(m)
+                mesh, count = plain_meshes[gset]
+                reg = _plan.RegularLayout(shape, (count,), (_plan.Replicate(),))
                 rows = None
             else:
                 rows = sorted({rec[3] for _, rec in ents})
@@ -163,7 +169,9 @@ def decide(groups, group_ranks: Sequence[int], url: str, keep: Dict[str, Any]):
                     reg = own
                 else:
                     reg = _plan.regular_layout(shape, (len(rows),) + own.mesh_shape, [_plan.Replicate()] + list(own.placements))
-            truth[name] = (dtype, shape, first[2], None if mesh == tuple(range(len(mesh))) else mesh, reg, rows)
+            if rows is not None and mesh == tuple(range(len(mesh))):
+                mesh = None
+            truth[name] = (dtype, shape, first[2], mesh, reg, rows)
     if bad:
         raise UnsupportedStateError(
             f"save to {url} refused: tensors held by several ranks must agree in dtype, shape and placements: "
