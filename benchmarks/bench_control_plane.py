@@ -168,7 +168,7 @@ def run(n: int, n_tensors: int = 300) -> Dict[str, Any]:
             _prepost(setup, root, comms[0], outcome, blob if mode == DISTINCT else None, digest)
             res: Dict[str, Any] = {}
 
-            def one(r: int, store) -> None:
+            def one(r: int, store, mode=mode, value=value, res=res) -> None:
                 local.store = store
                 t = time.perf_counter()
                 C.agree(comms[r], lambda: value, what="bench", share=(lambda v: v) if mode != NONE else None,

@@ -187,9 +187,10 @@ def open_comm(
             )
         return base
     world = dist.get_world_size(process_group)
-    if world <= 1:
-        return base
     ranks = tuple(dist.get_process_group_ranks(process_group if process_group is not None else dist.group.WORLD))
+    if world <= 1:
+        # A group of one: no exchange, but meshes are recorded in its numbering.
+        return replace(base, ranks=ranks)
     start_heartbeat()
     return replace(base, rank=dist.get_rank(process_group), world=world, ranks=ranks)
 
