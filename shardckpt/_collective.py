@@ -28,28 +28,73 @@ collectives. Measured and chosen because
   keeps using the training group (the store client serialises its requests).
 
 Every (group, channel) pair counts its exchanges; keys are
-``shardckpt/<channel>/<group hash>/<n>/...``. Rank 0 reads every rank's
-outcome and posts one verdict; keys are deleted once every rank is past them,
-so the store does not grow. After a timeout the late rank, if it ever comes,
-reads the same verdict (the missing-rank error) and raises too.
+``shardckpt/<channel>/<group hash>/<n>/...``. One exchange, at N ranks:
+
+* **every rank** posts ``r<i>`` (its outcome: its error or None, a value
+  hash, and in ``to_root``/``all`` mode its value) and bumps the counter
+  ``n`` (``add``); the rank that brings it to N sets ``all``. In
+  ``distinct`` mode it first bumps ``h/<hash of its value>``; the first rank
+  of each distinct value (the counter came back 1) also posts the value as
+  ``p/<hash>``, so identical values (every rank of a pipeline stage) travel
+  once. A peer then waits for ``v`` (the verdict), reads it, in ``distinct``
+  mode reads its group's piece ``g/<hash>``, and deletes its ``r<i>``:
+  **5 round trips** (7 in ``distinct`` mode, 8 for the first rank of a
+  value), independent of N.
+* **rank 0** waits for ``all`` (one key), reads the N outcomes with
+  ``multi_get`` in batches of ``BATCH_KEYS`` (ceil(N/256) round trips) and
+  the D distinct values (one ``multi_get``), posts the verdict (one ``set``;
+  the D pieces with one ``multi_set``), and deletes the exchange's keys and
+  the previous exchange's verdict (every rank has read it once every rank
+  posted again): **ceil(N/256) + 3D + 10 round trips**.
+* **bytes**: N small outcomes (~60 B; a ``to_root`` value as large as the
+  rank's own summary) to rank 0, D distinct values to rank 0, one verdict
+  (O(1): a status, ``from_root``'s value, the failing ranks' messages, capped)
+  to every rank, one piece (O(tensors of that group that need correcting),
+  nothing in the SPMD case) to every rank of a group. No value holds every
+  rank's payload: the largest is a distinct value (a stage's tensor records
+  and value tree) or one rank's summary, whatever N. ``all`` mode is the
+  exception (a list by rank, to every rank): small groups and values only.
+  A value over ``MAX_VALUE_BYTES`` (4 MiB) fails the exchange with our error
+  on every rank, never a connection reset (the libuv store's limit is 8 MiB).
+
+A save makes 4 exchanges (``prepare_save``: ``distinct``; the target check:
+``from_root``; the write summaries: ``to_root``; the commit outcome), a load
+2 (the plan check, the read outcome).
+
+After a timeout the late rank, if it ever comes, reads the same verdict (the
+missing-rank error) and raises too; a peer that gives up withdraws its
+outcome (deletes ``r<i>``, takes back its count) so a late rank 0 does not
+take it for this exchange.
+
+How ranks wait: the blocking ``store.wait`` runs in a helper thread on a
+clone of the store's connection, with one long timeout, while the calling
+thread checks liveness once a second (below): waiting in 1 s slices makes
+torch log two "socket timed out" warnings per slice. After
+``WAIT_LOG_AFTER_S`` (30 s), then every ``WAIT_LOG_EVERY_S`` (300 s), a
+waiting rank logs (``logging.getLogger("shardckpt")``, WARNING) how long it
+has waited and for whom: rank 0 names the ranks that have not arrived (found
+with ``check`` on halves, O(missing x log N) round trips), a peer names them
+up to 64 ranks and counts them above.
 
 Dead ranks are noticed in seconds, not after ``collective_timeout_s``: every
 rank that takes part in a multi-rank call starts one daemon thread that bumps
 a counter under ``shardckpt/alive/<rank>`` every second, for the life of the
-process. A waiting rank polls the store each second and reads the counters
-of the ranks it still waits for; a counter that has not moved for
-``SHARDCKPT_LIVENESS_TIMEOUT_S`` (10 s) means the process is gone (SIGKILL,
-OOM kill, a crashed host) and the exchange fails at once naming it. A rank
-that is alive but late (still training, a slow write) keeps beating and is
-waited for up to ``collective_timeout_s``, as before. A rank that never took
-part in a multi-rank call has no counter and is waited for up to the timeout.
-The counters are compared with the waiter's own clock, so hosts' clocks need
-not agree. The store's server lives in rank 0's process: when it dies, the
-store itself fails and the peers raise naming rank 0.
+process (one ``add``; the first one also appends the rank to
+``shardckpt/alive_roster``). Once a second while it waits, rank 0 reads the
+roster (one get, ~6 bytes a rank) and the counters of its peers
+(ceil(N/256) ``multi_get``s), a peer reads rank 0's counter (2 round trips).
+A counter that has not moved for ``SHARDCKPT_LIVENESS_TIMEOUT_S`` (10 s),
+of a rank that has not posted, means the process is gone (SIGKILL, OOM kill,
+a crashed host) and the exchange fails at once naming it. A rank that is
+alive but late (still training, a slow write) keeps beating and is waited for
+up to ``collective_timeout_s``. A rank that never took part in a multi-rank
+call has no counter and is waited for up to the timeout. The counters are
+compared with the waiter's own clock, so hosts' clocks need not agree. The
+store's server lives in rank 0's process: when it dies, the store itself
+fails and the peers raise naming rank 0; a frozen rank 0 (SIGSTOP) is seen
+by its stopped counter only while its store still answers.
 
-Cost: 2 store round trips per rank per exchange, plus rank 0 reading one key
-per rank: three exchanges per save, one per load; one store write per rank
-per second for the heartbeat, and one poll per second while waiting.
+Measured (``benchmarks/bench_control_plane.py``, ``docs/scaling.md``).
 """
 
 from __future__ import annotations
