@@ -38,14 +38,14 @@ Every (group, channel) pair counts its exchanges; keys are
   ``p/<hash>``, so identical values (every rank of a pipeline stage) travel
   once. A peer then waits for ``v`` (the verdict), reads it, in ``distinct``
   mode reads its group's piece ``g/<hash>``, and deletes its ``r<i>``:
-  **5 round trips** (7 in ``distinct`` mode, 8 for the first rank of a
+  **6 round trips** (8 in ``distinct`` mode, 9 for the first rank of a
   value), independent of N.
 * **rank 0** waits for ``all`` (one key), reads the N outcomes with
   ``multi_get`` in batches of ``BATCH_KEYS`` (ceil(N/256) round trips) and
   the D distinct values (one ``multi_get``), posts the verdict (one ``set``;
   the D pieces with one ``multi_set``), and deletes the exchange's keys and
   the previous exchange's verdict (every rank has read it once every rank
-  posted again): **ceil(N/256) + 3D + 10 round trips**.
+  posted again): **ceil(N/256) + 3D + about 12 round trips**.
 * **bytes**: N small outcomes (~60 B; a ``to_root`` value as large as the
   rank's own summary) to rank 0, D distinct values to rank 0, one verdict
   (O(1): a status, ``from_root``'s value, the failing ranks' messages, capped)
@@ -424,12 +424,17 @@ def _release_conn(store, conn) -> None:
         _WAITER["store"], _WAITER["conn"] = store, conn
 
 
-def _wait(store, keys: List[str], timeout_s: float, tick: Callable[[], Optional[Tuple[str, List[int]]]]):
+def _wait(
+    store, keys: List[str], timeout_s: float, tick: Callable[[], Optional[Tuple[str, List[int]]]], wake: bool = False
+):
     """Wait until every key of ``keys`` is set, calling ``tick`` about once a second meanwhile.
 
     Returns None once they are set, ``("timeout", [])`` after ``timeout_s``,
     or whatever non-None ``tick`` returned (it gives up the wait). Raises
-    ``_StoreGone`` when the store cannot be reached.
+    ``_StoreGone`` when the store cannot be reached. ``wake``: the keys are
+    this rank's own to set, so a wait given up sets them to end the helper's
+    wait (a thread left blocked in the store client aborts the interpreter
+    at exit).
 
     The blocking ``store.wait`` runs in a helper thread on its own connection
     with one long timeout: waiting in 1 s slices would make torch log two
@@ -451,25 +456,35 @@ def _wait(store, keys: List[str], timeout_s: float, tick: Callable[[], Optional[
     def run() -> None:
         try:
             # Outlives the caller's deadline: the caller decides the timeout.
-            conn.wait(keys, timedelta(seconds=timeout_s + 2 * HEARTBEAT_INTERVAL_S))
+            conn.wait(keys, timedelta(seconds=timeout_s))
             box["ok"] = True
         except Exception as e:  # noqa: BLE001 - told to the caller
             box["error"] = e
         done.set()
 
     threading.Thread(target=run, name="shardckpt-wait", daemon=True).start()
+    def give_up(why):
+        if wake:
+            try:
+                for k in keys:
+                    store.set(k, b"given-up")
+            except Exception:
+                pass
+        done.wait(2 * HEARTBEAT_INTERVAL_S)  # the helper's own timeout ends with ours
+        return why
+
     while True:
         left = deadline - time.monotonic()
         if done.wait(max(min(HEARTBEAT_INTERVAL_S, left), 0.0)):
             break
         if left <= 0:
-            return "timeout", []
+            return give_up(("timeout", []))
         try:
             got = tick()
         except Exception as e:
             raise _StoreGone(f"{type(e).__name__}: {e}") from None
         if got is not None:
-            return got
+            return give_up(got)
     if box.get("ok"):
         _release_conn(store, conn)
         return None
@@ -635,7 +650,7 @@ def _exchange(comm: Comm, outcome: Any, blob: Optional[bytes]) -> Tuple[str, Any
         return base, ("dead", [root]), None, {}
     if comm.rank == 0:
         try:
-            late = _wait(store, [f"{base}/all"], comm.timeout_s, _Ticker(store, comm, base, True))
+            late = _wait(store, [f"{base}/all"], comm.timeout_s, _Ticker(store, comm, base, True), wake=True)
         except _StoreGone:
             late = ("timeout", [])
         if late is not None:
