@@ -1,17 +1,20 @@
 """Plain values that differ across ranks: found at save, never silently dropped.
 
-A multi-rank save writes the JSON tree of plain values (step counters,
-scheduler state, a data loader's position) from rank 0 only: the other ranks
-are assumed to hold the same values, as they do for global state. Values that
-are not the same (torchtitan's per-rank data loader state under
-``dp_rank_<r>``) would be lost on every rank but 0, and a resume would keep
-their live values with no error. So every rank digests its tree, the digests
-meet through the save's first agreement, and a difference is refused naming
-the paths and the fix (wrap them in :class:`shardckpt.PerRank`, which keeps
-one copy per rank).
+A multi-rank save writes one JSON tree of plain values (step counters,
+scheduler state, a data loader's position), written by rank 0. Ranks may
+hold different paths (pipeline stages each hold their optimizer's state):
+the tree saved is their union. A path held by several ranks with different
+values (a per-rank position under one key) would keep one rank's value and
+lose the others', so it is refused naming the paths and the fix (wrap them
+in :class:`shardckpt.PerRank`, which keeps one copy per rank).
 
-Pure functions: ``value_digests`` (one rank's tree -> path -> digest) and
-``differing_paths`` (every rank's digests -> the paths that differ).
+A save is a rank-union (``_union``): rank 0 receives one value tree per
+distinct tree and merges them with ``merge_values``; a path held by several
+ranks must agree, a path held by some ranks only is kept.
+
+Pure functions: ``merge_values`` (distinct trees -> the union and the paths
+that differ), ``value_digests`` (one rank's tree -> path -> digest) and
+``differing_paths`` (several ranks' digests -> the paths that differ).
 """
 
 from __future__ import annotations
