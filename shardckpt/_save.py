@@ -2,16 +2,22 @@
 
 Save (collective when a process group exists):
   1. flatten the state into named tensors and a JSON tree (``_state``);
-  2. compute every tensor's boxes and pick one writer per box (``_plan``),
-     with no communication: every rank derives the same answer;
-  3. rank 0 checks the target and shares a fresh save id;
-  4. each rank writes its boxes to its own files, checksumming as it writes;
-  5. chunk metadata goes to rank 0, which validates coverage and writes
-     ``manifest.json`` last, atomically — that is the commit;
-  6. every rank returns or raises together.
+  2. compute every own tensor's boxes and whether this rank writes them
+     (``_plan``), alone, as if every rank held the same names;
+  3. the first exchange (``_union``, ``distinct`` mode): rank 0 receives one
+     copy of each distinct (tensor records, value tree), checks and merges
+     them (a rank-union: each tensor is written by the ranks that hold it),
+     and each group of ranks gets back the corrections to step 2's plan
+     (none when every rank holds the same names);
+  4. rank 0 checks the target and shares a fresh save id;
+  5. each rank writes its boxes to its own files, checksumming as it writes;
+  6. a small summary per rank goes to rank 0, which validates coverage and
+     writes ``manifest.json`` last, atomically — that is the commit;
+  7. every rank returns or raises together.
 
-Every exchange (1, 3, 5, 6) is one ``_collective.agree``: bounded by
-``collective_timeout_s``, the same error on every rank. Plans are frozen:
+Every exchange (3, 4, 6, 7) is one ``_collective.agree``: bounded by
+``collective_timeout_s``, the same error on every rank, O(1) store round
+trips per peer. Plans are frozen:
 ``prepare_save`` -> ``stage_save`` (async) -> ``execute_save`` each take a
 plan and build new objects, never change one.
 """
@@ -166,10 +172,14 @@ def save(
     """Save ``state`` to ``url`` as a sharded, checksummed checkpoint.
 
     Collective when a process group is initialized: every rank of
-    ``process_group`` must call it, with the same structure of state (for
-    one process alone, e.g. an export on rank 0, pass ``no_dist=True``). Each rank writes only the boxes it is
-    assigned (replicated data once, balanced across replicas); rank 0 commits
-    by writing ``manifest.json`` last.
+    ``process_group`` must call it (for one process alone, e.g. an export on
+    rank 0, pass ``no_dist=True``). Ranks may hold different names (pipeline
+    stages): the checkpoint holds the union, each tensor written by the
+    ranks that hold it; a name held by several ranks must agree in dtype,
+    shape and placements, a plain value held by several ranks must be equal.
+    Each rank writes only the boxes it is assigned (replicated data once,
+    balanced across replicas); rank 0 commits by writing ``manifest.json``
+    last.
 
     Args:
         state: dict of tensors, DTensors, ``nn.Module``s, objects with
@@ -192,15 +202,18 @@ def save(
     Raises:
         CheckpointExistsError: ``url`` holds a committed checkpoint and
             ``overwrite`` is False.
-        UnsupportedStateError: a value cannot be saved (its path is named).
+        UnsupportedStateError: a value cannot be saved (its path is named);
+            a name held by several ranks differs in dtype, shape or
+            placements, or a plain value differs (named, with the ranks).
         SaveFailedError: writing failed on some rank, or a rank did not call
             within ``collective_timeout_s`` (named); nothing was committed,
             any previous checkpoint at ``url`` is untouched.
         UsageError: under torchrun (``WORLD_SIZE`` > 1) with no process group
             initialised and no ``no_dist=True``.
 
-    Plain (non-distributed) tensors in a multi-rank save are assumed to be
-    identical on every rank, as with DDP, and written once.
+    Plain (non-distributed) tensors held by several ranks are assumed to be
+    identical on them, as with DDP, and written once. A save over a
+    sub-group records its meshes in the group's rank numbering.
 
     Example:
         >>> import torch, shardckpt, tempfile
