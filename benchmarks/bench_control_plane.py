@@ -135,7 +135,8 @@ def _prepost(raw, seq_store, comm: Comm, outcome: Any, blob=None, digest=None) -
         raw.multi_set(keys[i : i + 4096], [body] * len(keys[i : i + 4096]))
     if blob is not None:
         raw.add(f"{base}/h/{digest}", comm.world - 2)
-        raw.set(f"{base}/p/{digest}", blob)  # posted by the first peer to claim the hash
+        for k in range(C._pieces(digest)):  # posted by the first peer to claim the hash
+            raw.set(f"{base}/p/{digest}/{k}", blob[k * C.MAX_VALUE_BYTES : (k + 1) * C.MAX_VALUE_BYTES])
     raw.add(f"{base}/n", comm.world - 2)
 
 
@@ -150,7 +151,7 @@ def run(n: int, n_tensors: int = 300) -> Dict[str, Any]:
     recs, tree = state_records(n_tensors, n)
     comms = [Comm(rank=r, world=n, ranks=tuple(range(n)), timeout_s=120, op="bench", channel=f"b{n}") for r in (0, 1)]
     blob = pickle.dumps((recs, tree))
-    digest = C._hash(blob)
+    digest = f"{C._hash(blob)}.{-(-len(blob) // C.MAX_VALUE_BYTES)}"
     summary = {"data/x-r00001-00.safetensors": 1 << 30, "index": ("data/x-index-r00001.json", 4096, 1)}
     keep: Dict[str, Any] = {}
 

@@ -35,8 +35,8 @@ Every (group, channel) pair counts its exchanges; keys are
   ``n`` (``add``); the rank that brings it to N sets ``all``. In
   ``distinct`` mode it first bumps ``h/<hash of its value>``; the first rank
   of each distinct value (the counter came back 1) also posts the value as
-  ``p/<hash>``, so identical values (every rank of a pipeline stage) travel
-  once. A peer then waits for ``v`` (the verdict), reads it, in ``distinct``
+  ``p/<hash>/<k>`` (pieces of at most ``MAX_VALUE_BYTES``), so identical
+  values (every rank of a pipeline stage) travel once. A peer then waits for ``v`` (the verdict), reads it, in ``distinct``
   mode reads its group's piece ``g/<hash>``, and deletes its ``r<i>``:
   **6 round trips** (8 in ``distinct`` mode, 9 for the first rank of a
   value), independent of N.
@@ -54,8 +54,10 @@ Every (group, channel) pair counts its exchanges; keys are
   rank's payload: the largest is a distinct value (a stage's tensor records
   and value tree) or one rank's summary, whatever N. ``all`` mode is the
   exception (a list by rank, to every rank): small groups and values only.
-  A value over ``MAX_VALUE_BYTES`` (4 MiB) fails the exchange with our error
-  on every rank, never a connection reset (the libuv store's limit is 8 MiB).
+  A distinct value travels in pieces of at most ``MAX_VALUE_BYTES`` (4 MiB);
+  any other value over it (a verdict, one rank's summary) fails the exchange
+  with our error on every rank, never a connection reset (the libuv store's
+  limit is 8 MiB).
 
 A save makes 4 exchanges (``prepare_save``: ``distinct``; the target check:
 ``from_root``; the write summaries: ``to_root``; the commit outcome), a load
@@ -617,6 +619,11 @@ class _Ticker:
         )
 
 
+def _pieces(digest: str) -> int:
+    """How many store values a distinct value of this digest (``<hash>.<count>``) was posted in."""
+    return int(digest.rsplit(".", 1)[1])
+
+
 def _hash(blob: bytes) -> str:
     return hashlib.blake2b(blob, digest_size=12).hexdigest()
 
@@ -636,7 +643,11 @@ def _exchange(comm: Comm, outcome: Any, blob: Optional[bytes]) -> Tuple[str, Any
     root = comm.ranks[0]
     try:
         if blob is not None and outcome[1] is not None and store.add(f"{base}/h/{outcome[1]}", 1) == 1:
-            _set(store, f"{base}/p/{outcome[1]}", blob, "this rank's shared value")
+            # A large distinct value (a stage of 100,000 tensors) goes in
+            # pieces of at most MAX_VALUE_BYTES; its hash names their count.
+            parts = _pieces(outcome[1])
+            for k in range(parts):
+                _set(store, f"{base}/p/{outcome[1]}/{k}", blob[k * MAX_VALUE_BYTES : (k + 1) * MAX_VALUE_BYTES], "a piece")
         _set(store, mine, pickle.dumps(outcome), "this rank's outcome")
         if store.add(f"{base}/n", 1) == comm.world:
             store.set(f"{base}/all", b"1")
@@ -659,14 +670,18 @@ def _exchange(comm: Comm, outcome: Any, blob: Optional[bytes]) -> Tuple[str, Any
             return base, ("missing", _missing(store, comm, base) or ["unknown"]), None, {}
         outcomes = [pickle.loads(v) for v in _multi_get(store, [f"{base}/r{i}" for i in range(comm.world)])]
         hashes = sorted({o[1] for o in outcomes if o[1] is not None}) if blob is not None else []
-        blobs = dict(zip(hashes, _multi_get(store, [f"{base}/p/{h}" for h in hashes])))
+        keys = [(h, f"{base}/p/{h}/{k}") for h in hashes for k in range(_pieces(h))]
+        blobs: Dict[str, bytes] = {}
+        for (h, _), v in zip(keys, _multi_get(store, [k for _, k in keys])):
+            blobs[h] = blobs.get(h, b"") + v
         # Every rank posted this exchange, so every rank read the previous verdict.
         k = _seq_key(comm, store)
         for key in _STALE.pop(k, []) + [f"{base}/n", f"{base}/all"]:
             _delete(store, key)
         for h in hashes:
             _delete(store, f"{base}/h/{h}")
-            _delete(store, f"{base}/p/{h}")
+            for k in range(_pieces(h)):
+                _delete(store, f"{base}/p/{h}/{k}")
         _delete(store, mine)
         return base, ("ok", None), outcomes, blobs
     try:
@@ -835,9 +850,7 @@ def agree(
             piece = share(result)  # type: ignore[misc]
             if mode == DISTINCT:
                 blob = pickle.dumps(piece)
-                digest = _hash(blob)
-                if len(blob) > MAX_VALUE_BYTES:
-                    raise _TooBig(f"this rank's shared value is {len(blob) / 2**20:.1f} MiB")
+                digest = f"{_hash(blob)}.{-(-len(blob) // MAX_VALUE_BYTES) or 1}"
         except Exception as e:  # noqa: BLE001
             local, blob, digest = e, None, None
     if isinstance(local, _TooBig):

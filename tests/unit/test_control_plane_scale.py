@@ -50,3 +50,12 @@ def test_a_state_whose_old_verdict_exceeded_8_MiB_now_agrees(bench, monkeypatch)
     r = bench.run(1024, 300)
     assert r["save_largest"] < 1 << 20, r
     assert r["payload_bytes"] * 1024 > 8 << 20  # what every rank would have received before
+
+
+def test_a_distinct_value_over_the_value_bound_travels_in_pieces(bench, monkeypatch):
+    import shardckpt._collective as C
+
+    monkeypatch.setattr(C, "_store", C._store)
+    monkeypatch.setattr(C, "MAX_VALUE_BYTES", 50_000)
+    r = bench.run(64, 300)  # a ~160 KB map in 4 pieces: the save's exchanges complete
+    assert r["payload_bytes"] > 3 * 50_000
