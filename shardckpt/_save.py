@@ -309,15 +309,18 @@ def prepare_save(
     def decide(groups):
         return _union.decide(groups, comm.ranks, url, union)
 
-    (flat, layouts, own), (_, fix) = agree(
-        comm,
-        local,
-        what="save aborted before writing",
-        share=lambda r: (_union.records(r[1], _rotations(r[1])), r[0].tree),
-        mode=DISTINCT,
-        decide=decide,
-    )
-    layouts = _union.apply(layouts, fix, comm.ranks[rank])
+    if world == 1:  # one rank holds everything: nothing to merge
+        (flat, layouts, own), _ = agree(comm, local, what="save aborted before writing")
+    else:
+        (flat, layouts, own), (_, fix) = agree(
+            comm,
+            local,
+            what="save aborted before writing",
+            share=lambda r: (_union.records(r[1], _rotations(r[1])), r[0].tree),
+            mode=DISTINCT,
+            decide=decide,
+        )
+        layouts = _union.apply(layouts, fix, comm.ranks[rank])
     if rank == 0 and world > 1:
         layouts = _union.with_peers(layouts, union)
     tree = union.get("tree", flat.tree) if rank == 0 else flat.tree
