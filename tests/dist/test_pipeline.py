@@ -253,3 +253,20 @@ def test_per_stage_directories_over_the_dp_group(tmp_path):
     for sd in got:
         for k, v in sd.items():
             assert torch.equal(m.state_dict()[k], v), k
+
+
+def _mismatch(rank, world, root):
+    url = os.path.join(root, "bad")
+    try:
+        shardckpt.save({"w": torch.zeros(2 + rank), "opt": {"lr": 0.1}}, url)
+    except shardckpt.errors.UnsupportedStateError as e:
+        return str(e), os.path.exists(os.path.join(url, "manifest.json")), os.path.exists(os.path.join(url, "data"))
+    return None
+
+
+def test_a_name_that_differs_between_ranks_is_refused_on_every_rank_before_writing(tmp_path):
+    res = run_ranks(2, _mismatch, str(tmp_path))
+    assert res[0] is not None and res[0] == res[1], res
+    msg, committed, data = res[0]
+    assert "w: dtype F32, shape [2]" in msg and "shape [3]" in msg and "ranks 0" in msg and "ranks 1" in msg, msg
+    assert not committed and not data
