@@ -28,33 +28,81 @@ collectives. Measured and chosen because
   keeps using the training group (the store client serialises its requests).
 
 Every (group, channel) pair counts its exchanges; keys are
-``shardckpt/<channel>/<group hash>/<n>/...``. Rank 0 reads every rank's
-outcome and posts one verdict; keys are deleted once every rank is past them,
-so the store does not grow. After a timeout the late rank, if it ever comes,
-reads the same verdict (the missing-rank error) and raises too.
+``shardckpt/<channel>/<group hash>/<n>/...``. One exchange, at N ranks:
+
+* **every rank** posts ``r<i>`` (its outcome: its error or None, a value
+  hash, and in ``to_root``/``all`` mode its value) and bumps the counter
+  ``n`` (``add``); the rank that brings it to N sets ``all``. In
+  ``distinct`` mode it first bumps ``h/<hash of its value>``; the first rank
+  of each distinct value (the counter came back 1) also posts the value as
+  ``p/<hash>/<k>`` (pieces of at most ``MAX_VALUE_BYTES``), so identical
+  values (every rank of a pipeline stage) travel once. A peer then waits for ``v`` (the verdict), reads it, in ``distinct``
+  mode reads its group's piece ``g/<hash>``, and deletes its ``r<i>``:
+  **6 round trips** (8 in ``distinct`` mode, 9 for the first rank of a
+  value), independent of N.
+* **rank 0** waits for ``all`` (one key), reads the N outcomes with
+  ``multi_get`` in batches of ``BATCH_KEYS`` (ceil(N/256) round trips) and
+  the D distinct values (one ``multi_get``), posts the verdict (one ``set``;
+  the D pieces with one ``multi_set``), and deletes the exchange's keys and
+  the previous exchange's verdict (every rank has read it once every rank
+  posted again): **ceil(N/256) + 3D + about 12 round trips**.
+* **bytes**: N small outcomes (~60 B; a ``to_root`` value as large as the
+  rank's own summary) to rank 0, D distinct values to rank 0, one verdict
+  (O(1): a status, ``from_root``'s value, the failing ranks' messages, capped)
+  to every rank, one piece (O(tensors of that group that need correcting),
+  nothing in the SPMD case) to every rank of a group. No value holds every
+  rank's payload: the largest is a distinct value (a stage's tensor records
+  and value tree) or one rank's summary, whatever N. ``all`` mode is the
+  exception (a list by rank, to every rank): small groups and values only.
+  A distinct value travels in pieces of at most ``MAX_VALUE_BYTES`` (4 MiB);
+  any other value over it (a verdict, one rank's summary) fails the exchange
+  with our error on every rank, never a connection reset (the libuv store's
+  limit is 8 MiB).
+
+A save makes 4 exchanges (``prepare_save``: ``distinct``; the target check:
+``from_root``; the write summaries: ``to_root``; the commit outcome), a load
+2 (the plan check, the read outcome).
+
+After a timeout the late rank, if it ever comes, reads the same verdict (the
+missing-rank error) and raises too; a peer that gives up withdraws its
+outcome (deletes ``r<i>``, takes back its count) so a late rank 0 does not
+take it for this exchange.
+
+How ranks wait: the blocking ``store.wait`` runs in a helper thread on a
+clone of the store's connection, with one long timeout, while the calling
+thread checks liveness once a second (below): waiting in 1 s slices makes
+torch log two "socket timed out" warnings per slice. After
+``WAIT_LOG_AFTER_S`` (30 s), then every ``WAIT_LOG_EVERY_S`` (300 s), a
+waiting rank logs (``logging.getLogger("shardckpt")``, WARNING) how long it
+has waited and for whom: rank 0 names the ranks that have not arrived (found
+with ``check`` on halves, O(missing x log N) round trips), a peer names them
+up to 64 ranks and counts them above.
 
 Dead ranks are noticed in seconds, not after ``collective_timeout_s``: every
 rank that takes part in a multi-rank call starts one daemon thread that bumps
 a counter under ``shardckpt/alive/<rank>`` every second, for the life of the
-process. A waiting rank polls the store each second and reads the counters
-of the ranks it still waits for; a counter that has not moved for
-``SHARDCKPT_LIVENESS_TIMEOUT_S`` (10 s) means the process is gone (SIGKILL,
-OOM kill, a crashed host) and the exchange fails at once naming it. A rank
-that is alive but late (still training, a slow write) keeps beating and is
-waited for up to ``collective_timeout_s``, as before. A rank that never took
-part in a multi-rank call has no counter and is waited for up to the timeout.
-The counters are compared with the waiter's own clock, so hosts' clocks need
-not agree. The store's server lives in rank 0's process: when it dies, the
-store itself fails and the peers raise naming rank 0.
+process (one ``add``; the first one also appends the rank to
+``shardckpt/alive_roster``). Once a second while it waits, rank 0 reads the
+roster (one get, ~6 bytes a rank) and the counters of its peers
+(ceil(N/256) ``multi_get``s), a peer reads rank 0's counter (2 round trips).
+A counter that has not moved for ``SHARDCKPT_LIVENESS_TIMEOUT_S`` (10 s),
+of a rank that has not posted, means the process is gone (SIGKILL, OOM kill,
+a crashed host) and the exchange fails at once naming it. A rank that is
+alive but late (still training, a slow write) keeps beating and is waited for
+up to ``collective_timeout_s``. A rank that never took part in a multi-rank
+call has no counter and is waited for up to the timeout. The counters are
+compared with the waiter's own clock, so hosts' clocks need not agree. The
+store's server lives in rank 0's process: when it dies, the store itself
+fails and the peers raise naming rank 0; a frozen rank 0 (SIGSTOP) is seen
+by its stopped counter only while its store still answers.
 
-Cost: 2 store round trips per rank per exchange, plus rank 0 reading one key
-per rank: three exchanges per save, one per load; one store write per rank
-per second for the heartbeat, and one poll per second while waiting.
+Measured (``benchmarks/bench_control_plane.py``, ``docs/scaling.md``).
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import pickle
 import threading
@@ -66,6 +114,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Type, T
 from . import _knobs
 from .errors import CheckpointError, SaveFailedError, UsageError, format_offenders
 
+log = logging.getLogger("shardckpt")
+
 __all__ = [
     "Comm",
     "open_comm",
@@ -76,6 +126,9 @@ __all__ = [
     "DEFAULT_COLLECTIVE_TIMEOUT_S",
     "EVERY_RANK_RULE",
     "start_heartbeat",
+    "Group",
+    "DISTINCT",
+    "MAX_VALUE_BYTES",
 ]
 
 T = TypeVar("T")
@@ -98,7 +151,7 @@ _PEER_GRACE_S = 2.0
 HEARTBEAT_INTERVAL_S = 1.0
 
 # Exchange modes: who receives the ``share`` values.
-NONE, ALL, TO_ROOT, FROM_ROOT = "none", "all", "to_root", "from_root"
+NONE, ALL, TO_ROOT, FROM_ROOT, DISTINCT = "none", "all", "to_root", "from_root", "distinct"
 
 
 def dist_info(group: Optional["ProcessGroup"] = None) -> Tuple[int, int]:  # noqa: F821
@@ -181,11 +234,87 @@ def open_comm(
             )
         return base
     world = dist.get_world_size(process_group)
-    if world <= 1:
-        return base
     ranks = tuple(dist.get_process_group_ranks(process_group if process_group is not None else dist.group.WORLD))
+    if world <= 1:
+        # A group of one: no exchange, but meshes are recorded in its numbering.
+        return replace(base, ranks=ranks)
     start_heartbeat()
     return replace(base, rank=dist.get_rank(process_group), world=world, ranks=ranks)
+
+
+# --------------------------------------------------------------------------
+# bounds and batched store access
+
+#: Largest value shardckpt ever posts to the store. The libuv TCPStore (the
+#: default since torch 2.4) resets the connection for values over 8 MiB; a
+#: value over this bound fails the exchange with our own error instead.
+MAX_VALUE_BYTES = 4 << 20
+
+#: Keys per ``multi_get`` (rank 0 reads N outcomes in ceil(N / this) round
+#: trips). Measured (torch 2.13, loopback): a multi_get's cost grows faster
+#: than its key count (16,384 keys: 0.06 s in batches of 64-256, 0.9 s in
+#: batches of 2,048, 4 s in batches of 8,192), so batches stay small.
+BATCH_KEYS = 256
+
+#: A waiting rank logs who it still waits for after this many seconds, then
+#: every ``WAIT_LOG_EVERY_S``.
+WAIT_LOG_AFTER_S = 30.0
+WAIT_LOG_EVERY_S = 300.0
+
+#: Below this group size a waiting peer names the ranks it waits for (it
+#: costs it O(world) store round trips); above it, it counts them.
+PEER_NAMES_PENDING_UP_TO = 64
+
+
+class _TooBig(Exception):
+    pass
+
+
+def _set(store, key: str, value: bytes, what: str) -> None:
+    if len(value) > MAX_VALUE_BYTES:
+        raise _TooBig(
+            f"{what} is {len(value) / 2**20:.1f} MiB, over the {MAX_VALUE_BYTES / 2**20:g} MiB that shardckpt "
+            "posts to the process group's store as one value (the libuv TCPStore refuses values over 8 MiB)"
+        )
+    store.set(key, value)
+
+
+def _multi_get(store, keys: Sequence[str]) -> List[bytes]:
+    """Values of ``keys`` (all set), ``BATCH_KEYS`` per round trip where the store batches."""
+    if not keys:
+        return []
+    if not hasattr(store, "multi_get"):  # pragma: no cover - torch without multi_get
+        return [store.get(k) for k in keys]
+    out: List[bytes] = []
+    for i in range(0, len(keys), BATCH_KEYS):
+        out.extend(store.multi_get(list(keys[i : i + BATCH_KEYS])))
+    return out
+
+
+def _absent(store, keys: Sequence[str]) -> List[int]:
+    """Positions of the keys not set: ``check`` on halves, O(missing x log) round trips (failure paths only)."""
+    out: List[int] = []
+
+    def visit(lo: int, hi: int) -> None:
+        if lo >= hi or store.check(list(keys[lo:hi])):
+            return
+        if hi - lo == 1:
+            out.append(lo)
+            return
+        mid = (lo + hi) // 2
+        visit(lo, mid)
+        visit(mid, hi)
+
+    for lo in range(0, len(keys), 256):
+        visit(lo, min(lo + 256, len(keys)))
+    return out
+
+
+def _delete(store, key: str) -> None:
+    try:
+        store.delete_key(key)
+    except Exception:  # cleanup only
+        pass
 
 
 # --------------------------------------------------------------------------
@@ -193,7 +322,11 @@ def open_comm(
 
 
 _HEARTBEAT_LOCK = threading.Lock()
-_HEARTBEAT: Dict[str, Any] = {"thread": None, "n": 0}
+_HEARTBEAT: Dict[str, Any] = {"thread": None}
+
+#: Every process that beats appends ``"<global rank>,"`` here once per store:
+#: a waiter reads which counters exist in one get, then the counters in batches.
+_ROSTER_KEY = "shardckpt/alive_roster"
 
 
 def _alive_key(global_rank: int) -> str:
@@ -206,8 +339,12 @@ def _beat() -> None:
 
     if not (dist.is_available() and dist.is_initialized()):
         return
-    _HEARTBEAT["n"] += 1
-    _store().set(_alive_key(dist.get_rank()), str(_HEARTBEAT["n"]))
+    store = _store()
+    me = dist.get_rank()
+    # A counter just created (1) is this process's first beat on this store:
+    # list it once, so that waiters find every counter in one read.
+    if store.add(_alive_key(me), 1) == 1:
+        store.append(_ROSTER_KEY, f"{me},".encode())
 
 
 def _heartbeat_loop() -> None:
@@ -237,24 +374,16 @@ def start_heartbeat() -> None:
         _HEARTBEAT["thread"] = t
 
 
-class _Watch:
-    """A waiter's view of its peers' heartbeats: which ones have stopped moving."""
+class _Counters:
+    """A waiter's view of heartbeat counters: which ones stopped moving for ``LIVENESS_TIMEOUT_S``."""
 
-    def __init__(self, store, ranks: Sequence[int]):
-        self.store = store
-        self.ranks = list(ranks)
+    def __init__(self) -> None:
         self.seen: Dict[int, Tuple[bytes, float]] = {}
 
-    def dead(self, pending: Sequence[int]) -> List[int]:
+    def stale(self, values: Dict[int, bytes]) -> List[int]:
         now = time.monotonic()
         out = []
-        for r in pending:
-            if r not in self.ranks:
-                continue
-            key = _alive_key(r)
-            if not self.store.check([key]):
-                continue  # never beat: not started yet, cannot tell; the timeout decides
-            v = self.store.get(key)
+        for r, v in values.items():
             old = self.seen.get(r)
             if old is None or old[0] != v:
                 self.seen[r] = (v, now)
@@ -263,36 +392,130 @@ class _Watch:
         return out
 
 
+def _counters_of(store, ranks: Sequence[int]) -> Dict[int, bytes]:
+    """Heartbeat counters of those of ``ranks`` that ever beat: 1 + ceil(len / BATCH_KEYS) round trips."""
+    if not store.check([_ROSTER_KEY]):
+        return {}
+    roster = {int(x) for x in store.get(_ROSTER_KEY).decode().split(",") if x}
+    have = [r for r in ranks if r in roster]
+    return dict(zip(have, _multi_get(store, [_alive_key(r) for r in have])))
+
+
 class _StoreGone(Exception):
     pass
 
 
-def _wait_keys(store, keys: Dict[int, str], timeout_s: float, watch: _Watch) -> Optional[Tuple[str, List[int]]]:
-    """Wait until every key of ``keys`` (rank -> key) is set.
+# The connection each process waits on: a clone of the default store's, so
+# that a blocking wait never holds the connection the heartbeat and the
+# liveness checks use. A wait that was given up keeps its connection busy
+# until its own timeout; the next wait then clones a fresh one.
+_WAITER: Dict[str, Any] = {"store": None, "conn": None}
+_WAITER_LOCK = threading.Lock()
 
-    Returns None once they are; ``("timeout", ranks still missing)`` after
-    ``timeout_s``; ``("dead", ranks)`` as soon as a rank still missing has a
-    stopped heartbeat. Raises ``_StoreGone`` when the store cannot be reached.
+
+def _waiter_conn(store):
+    with _WAITER_LOCK:
+        if _WAITER["store"] is store and _WAITER["conn"] is not None:
+            conn, _WAITER["conn"] = _WAITER["conn"], None
+            return conn
+    return store.clone() if hasattr(store, "clone") else None
+
+
+def _release_conn(store, conn) -> None:
+    with _WAITER_LOCK:
+        _WAITER["store"], _WAITER["conn"] = store, conn
+
+
+def _wait(
+    store, keys: List[str], timeout_s: float, tick: Callable[[], Optional[Tuple[str, List[int]]]], wake: bool = False
+):
+    """Wait until every key of ``keys`` is set, calling ``tick`` about once a second meanwhile.
+
+    Returns None once they are set, ``("timeout", [])`` after ``timeout_s``,
+    or whatever non-None ``tick`` returned (it gives up the wait). Raises
+    ``_StoreGone`` when the store cannot be reached. ``wake``: the keys are
+    this rank's own to set, so a wait given up sets them to end the helper's
+    wait (a thread left blocked in the store client aborts the interpreter
+    at exit).
+
+    The blocking ``store.wait`` runs in a helper thread on its own connection
+    with one long timeout: waiting in 1 s slices would make torch log two
+    "socket timed out" warnings per slice (seconds of them per rank, for as
+    long as a peer is late).
     """
+    try:
+        if store.check(keys):
+            return None
+    except Exception as e:
+        raise _StoreGone(f"{type(e).__name__}: {e}") from None
     deadline = time.monotonic() + timeout_s
+    conn = _waiter_conn(store)
+    if conn is None:  # pragma: no cover - torch without Store.clone: 1 s slices
+        return _wait_sliced(store, keys, deadline, tick)
+    done = threading.Event()
+    box: Dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            # Outlives the caller's deadline: the caller decides the timeout.
+            conn.wait(keys, timedelta(seconds=timeout_s))
+            box["ok"] = True
+        except Exception as e:  # noqa: BLE001 - told to the caller
+            box["error"] = e
+        done.set()
+
+    threading.Thread(target=run, name="shardckpt-wait", daemon=True).start()
+    def give_up(why):
+        if wake:
+            try:
+                for k in keys:
+                    store.set(k, b"given-up")
+            except Exception:
+                pass
+        done.wait(2 * HEARTBEAT_INTERVAL_S)  # the helper's own timeout ends with ours
+        return why
+
+    while True:
+        left = deadline - time.monotonic()
+        if done.wait(max(min(HEARTBEAT_INTERVAL_S, left), 0.0)):
+            break
+        if left <= 0:
+            return give_up(("timeout", []))
+        try:
+            got = tick()
+        except Exception as e:
+            raise _StoreGone(f"{type(e).__name__}: {e}") from None
+        if got is not None:
+            return give_up(got)
+    if box.get("ok"):
+        _release_conn(store, conn)
+        return None
+    try:  # the helper's wait failed: a timeout of its own, or the store is gone
+        if store.check(keys):
+            return None
+    except Exception as e:
+        raise _StoreGone(f"{type(e).__name__}: {e}") from None
+    return "timeout", []
+
+
+def _wait_sliced(store, keys, deadline, tick):  # pragma: no cover - old torch only
     while True:
         left = deadline - time.monotonic()
         try:
-            store.wait(list(keys.values()), timedelta(seconds=max(min(HEARTBEAT_INTERVAL_S, left), 0.001)))
+            store.wait(keys, timedelta(seconds=max(min(HEARTBEAT_INTERVAL_S, left), 0.001)))
             return None
         except Exception:
             pass
         try:
-            pending = [r for r, k in keys.items() if not store.check([k])]
-            if not pending:
-                continue  # arrived between the wait and the check
+            if store.check(keys):
+                return None
             if time.monotonic() >= deadline:
-                return "timeout", pending
-            dead = watch.dead(pending)
+                return "timeout", []
+            got = tick()
         except Exception as e:
             raise _StoreGone(f"{type(e).__name__}: {e}") from None
-        if dead:
-            return "dead", dead
+        if got is not None:
+            return got
 
 
 # --------------------------------------------------------------------------
@@ -301,6 +524,9 @@ def _wait_keys(store, keys: Dict[int, str], timeout_s: float, watch: _Watch) -> 
 
 _SEQ: Dict[Tuple[Any, ...], int] = {}
 _SEQ_LOCK = threading.Lock()
+# Per (store, group, channel): the previous exchange's keys, deleted by rank 0
+# once every rank has posted the next one (so every rank has read them).
+_STALE: Dict[Tuple[Any, ...], List[str]] = {}
 
 
 def _store():
@@ -309,29 +535,25 @@ def _store():
     return c10d._get_default_store()
 
 
+def _seq_key(comm: Comm, store) -> Tuple[Any, ...]:
+    group = hashlib.sha1(",".join(map(str, comm.ranks)).encode()).hexdigest()[:12]
+    return (id(store), group, comm.channel)
+
+
 def _base_key(comm: Comm, store) -> str:
     # Per store (a re-initialised world starts over), group and channel.
-    group = hashlib.sha1(",".join(map(str, comm.ranks)).encode()).hexdigest()[:12]
-    k = (id(store), group, comm.channel)
+    k = _seq_key(comm, store)
     with _SEQ_LOCK:
         n = _SEQ[k] = _SEQ.get(k, 0) + 1
-    return f"shardckpt/{comm.channel}/{group}/{n}"
-
-
-def _prev_key(key: str) -> str:
-    head, n = key.rsplit("/", 1)
-    return f"{head}/{int(n) - 1}"
+    return f"shardckpt/{comm.channel}/{k[1]}/{n}"
 
 
 def _missing(store, comm: Comm, base: str) -> List[int]:
-    out = []
-    for i, r in enumerate(comm.ranks):
-        try:
-            if not store.check([f"{base}/r{i}"]):
-                out.append(r)
-        except Exception:  # the store's server (rank 0) is gone
-            out.append(r)
-    return out
+    """Ranks (global) whose outcome of exchange ``base`` is not posted; the root if the store is gone."""
+    try:
+        return [comm.ranks[i] for i in _absent(store, [f"{base}/r{i}" for i in range(comm.world)])]
+    except Exception:  # the store's server (rank 0) is gone
+        return [comm.ranks[0]]
 
 
 def _missing_message(comm: Comm, what: str, missing: Sequence[int]) -> str:
@@ -352,76 +574,166 @@ def _dead_message(comm: Comm, what: str, dead: Sequence[int]) -> str:
     )
 
 
-def _exchange(comm: Comm, outcome: Any) -> Tuple[str, Any, Optional[List[Any]]]:
-    """Post this rank's outcome; return ``(exchange key, verdict, outcomes seen by rank 0)``.
+class _Ticker:
+    """What a waiting rank does once a second: liveness of whom it waits for, and a rare log line."""
 
-    A verdict is ``("ok", shared)``, ``("missing", ranks)`` (not arrived
-    within the timeout) or ``("dead", ranks)`` (heartbeat stopped); the
-    per-rank outcomes are returned on rank 0 only.
+    def __init__(self, store, comm: Comm, base: str, root_waits: bool):
+        self.store, self.comm, self.base, self.root_waits = store, comm, base, root_waits
+        self.counters = _Counters()
+        self.start = time.monotonic()
+        self.next_log = self.start + WAIT_LOG_AFTER_S
+
+    def __call__(self) -> Optional[Tuple[str, List[int]]]:
+        store, comm = self.store, self.comm
+        if self.root_waits:
+            # Rank 0: the counters of every peer in batches, then, for the few
+            # stopped ones, whether they posted (a rank that posted and died
+            # is the next exchange's business).
+            stale = self.counters.stale(_counters_of(store, comm.ranks[1:]))
+            index = {r: i for i, r in enumerate(comm.ranks)} if stale else {}
+            dead = [r for r in stale if not store.check([f"{self.base}/r{index[r]}"])]
+            if dead:
+                return "dead", dead
+        else:
+            root = comm.ranks[0]
+            key = _alive_key(root)
+            if store.check([key]) and self.counters.stale({root: store.get(key)}):
+                return "dead", [root]
+        if time.monotonic() >= self.next_log:
+            self.next_log = time.monotonic() + WAIT_LOG_EVERY_S
+            self._log()
+        return None
+
+    def _log(self) -> None:
+        comm, store = self.comm, self.store
+        waited = time.monotonic() - self.start
+        arrived = int(store.add(f"{self.base}/n", 0))
+        if self.root_waits or comm.world <= PEER_NAMES_PENDING_UP_TO:
+            pending = _missing(store, comm, self.base)
+            who = f"ranks {format_offenders(pending)}" if len(pending) != 1 else f"rank {pending[0]}"
+        else:
+            who = f"{comm.world - arrived} ranks"
+        log.warning(
+            "shardckpt: %s has waited %.0f s for %s of %d (%d arrived; collective_timeout_s=%g); %s",
+            comm.op, waited, who, comm.world, max(arrived, 0), comm.timeout_s, EVERY_RANK_RULE.format(op=comm.op),
+        )
+
+
+def _pieces(digest: str) -> int:
+    """How many store values a distinct value of this digest (``<hash>.<count>``) was posted in."""
+    return int(digest.rsplit(".", 1)[1])
+
+
+def _hash(blob: bytes) -> str:
+    return hashlib.blake2b(blob, digest_size=12).hexdigest()
+
+
+def _exchange(comm: Comm, outcome: Any, blob: Optional[bytes]) -> Tuple[str, Any, Optional[List[Any]], Dict[str, Any]]:
+    """Post this rank's outcome; return ``(exchange key, verdict, outcomes on rank 0, distinct blobs on rank 0)``.
+
+    ``outcome`` is ``(failure or None, value hash or None, value or None)``;
+    ``blob`` (``DISTINCT`` mode) is posted once per distinct hash, by the
+    first rank to claim it. A verdict is ``("ok", ...)``, ``("missing",
+    ranks)`` (not arrived within the timeout) or ``("dead", ranks)``
+    (heartbeat stopped); the per-rank outcomes are returned on rank 0 only.
     """
     store = _store()
     base = _base_key(comm, store)
     mine = f"{base}/r{comm.rank}"
-    verdict_key = f"{base}/v"
     root = comm.ranks[0]
     try:
-        store.set(mine, pickle.dumps(outcome))
+        if blob is not None and outcome[1] is not None and store.add(f"{base}/h/{outcome[1]}", 1) == 1:
+            # A large distinct value (a stage of 100,000 tensors) goes in
+            # pieces of at most MAX_VALUE_BYTES; its hash names their count.
+            parts = _pieces(outcome[1])
+            for k in range(parts):
+                _set(store, f"{base}/p/{outcome[1]}/{k}", blob[k * MAX_VALUE_BYTES : (k + 1) * MAX_VALUE_BYTES], "a piece")
+        _set(store, mine, pickle.dumps(outcome), "this rank's outcome")
+        if store.add(f"{base}/n", 1) == comm.world:
+            store.set(f"{base}/all", b"1")
+    except _TooBig:
+        raise
     except Exception:
         if comm.rank == 0:
             raise
         # Rank 0 hosts the store: it may die before this rank posts at all
         # (not only while this rank waits). Same verdict as a failed wait.
-        return base, ("dead", [root]), None
+        return base, ("dead", [root]), None, {}
     if comm.rank == 0:
-        keys = {r: f"{base}/r{i}" for i, r in enumerate(comm.ranks)}
-        outcomes: Optional[List[Any]] = None
         try:
-            late = _wait_keys(store, keys, comm.timeout_s, _Watch(store, comm.ranks[1:]))
+            late = _wait(store, [f"{base}/all"], comm.timeout_s, _Ticker(store, comm, base, True), wake=True)
         except _StoreGone:
-            late = ("missing", _missing(store, comm, base) or ["unknown"])
-        if late is None:
-            outcomes = [pickle.loads(store.get(k)) for k in keys.values()]
-            verdict: Any = ("ok", None)
-        else:
-            verdict = ("dead", late[1]) if late[0] == "dead" else ("missing", late[1])
-        # Everyone posted this exchange, so everyone read the previous verdict.
-        if outcomes is not None:
-            _delete(store, _prev_key(base) + "/v")
-        return base, verdict, outcomes
+            late = ("timeout", [])
+        if late is not None:
+            if late[0] == "dead":
+                return base, ("dead", late[1]), None, {}
+            return base, ("missing", _missing(store, comm, base) or ["unknown"]), None, {}
+        outcomes = [pickle.loads(v) for v in _multi_get(store, [f"{base}/r{i}" for i in range(comm.world)])]
+        hashes = sorted({o[1] for o in outcomes if o[1] is not None}) if blob is not None else []
+        keys = [(h, f"{base}/p/{h}/{k}") for h in hashes for k in range(_pieces(h))]
+        blobs: Dict[str, bytes] = {}
+        for (h, _), v in zip(keys, _multi_get(store, [k for _, k in keys])):
+            blobs[h] = blobs.get(h, b"") + v
+        # Every rank posted this exchange, so every rank read the previous verdict.
+        k = _seq_key(comm, store)
+        for key in _STALE.pop(k, []) + [f"{base}/n", f"{base}/all"]:
+            _delete(store, key)
+        for h in hashes:
+            _delete(store, f"{base}/h/{h}")
+            for k in range(_pieces(h)):
+                _delete(store, f"{base}/p/{h}/{k}")
+        _delete(store, mine)
+        return base, ("ok", None), outcomes, blobs
     try:
         # Rank 0 names dead peers; this rank watches rank 0 only (whose death
         # usually takes the store down with it, which ends the wait at once).
-        late = _wait_keys(store, {root: verdict_key}, comm.timeout_s + _PEER_GRACE_S, _Watch(store, [root]))
+        late = _wait(store, [f"{base}/v"], comm.timeout_s + _PEER_GRACE_S, _Ticker(store, comm, base, False))
     except _StoreGone:
-        return base, ("dead", [root]), None
+        return base, ("dead", [root]), None, {}
     if late is not None:
         if late[0] == "dead":
-            verdict = ("dead", [root])
+            verdict: Any = ("dead", [root])
         else:
             verdict = ("missing", _missing(store, comm, base) or [root])
         # Withdraw: if rank 0 comes late, it must not take this stale outcome
         # for its own exchange.
+        try:
+            store.delete_key(mine)
+            store.add(f"{base}/n", -1)
+        except Exception:
+            pass
+        return base, verdict, None, {}
+    try:
+        verdict = pickle.loads(store.get(f"{base}/v"))
+        if verdict[0] == "ok" and verdict[2] and outcome[1] is not None:
+            verdict = ("ok", verdict[1], pickle.loads(store.get(f"{base}/g/{outcome[1]}")))
         _delete(store, mine)
-        return base, verdict, None
-    try:
-        return base, pickle.loads(store.get(verdict_key)), None
+        return base, verdict, None, {}
     except Exception:  # the verdict was posted, then its host died before this rank read it
-        return base, ("dead", [root]), None
+        return base, ("dead", [root]), None, {}
 
 
-def _post_verdict(comm: Comm, base: str, verdict: Any) -> None:
-    """Rank 0: publish the verdict of exchange ``base`` and drop the outcomes it read."""
+def _post_verdict(comm: Comm, base: str, verdict: Any, pieces: Optional[Dict[str, Any]] = None) -> None:
+    """Rank 0: publish the verdict of exchange ``base`` (and each distinct group's piece) for the peers."""
     store = _store()
-    store.set(f"{base}/v", pickle.dumps(verdict))
-    for i in range(comm.world):
-        _delete(store, f"{base}/r{i}")
-
-
-def _delete(store, key: str) -> None:
-    try:
-        store.delete_key(key)
-    except Exception:  # cleanup only
-        pass
+    keys = [f"{base}/v"]
+    if pieces:
+        names = [f"{base}/g/{h}" for h in pieces]
+        values = [pickle.dumps(p) for p in pieces.values()]
+        for v in values:
+            if len(v) > MAX_VALUE_BYTES:
+                raise _TooBig(f"one group's verdict is {len(v) / 2**20:.1f} MiB")
+        if hasattr(store, "multi_set"):
+            store.multi_set(names, values)
+        else:  # pragma: no cover
+            for n, v in zip(names, values):
+                store.set(n, v)
+        keys += names
+    body = pickle.dumps(verdict)
+    if len(body) > MAX_VALUE_BYTES:
+        raise _TooBig(f"the verdict is {len(body) / 2**20:.1f} MiB")
+    store.set(f"{base}/v", body)
+    _STALE[_seq_key(comm, store)] = keys
 
 
 # --------------------------------------------------------------------------
@@ -429,10 +741,11 @@ def _delete(store, key: str) -> None:
 
 
 def _failure(rank: int, e: BaseException) -> Tuple[Any, str]:
-    """What a rank tells its peers about its error: our class itself, or only its text."""
-    if isinstance(e, CheckpointError):
-        return type(e), str(e)
-    return None, f"{type(e).__name__}: {e}"
+    """What a rank tells its peers about its error: our class itself, or only its text (bounded)."""
+    text = str(e) if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}"
+    if len(text) > 16384:
+        text = text[:16384] + " ... (truncated)"
+    return (type(e) if isinstance(e, CheckpointError) else None), text
 
 
 def _raise_for(
@@ -453,6 +766,14 @@ def _raise_for(
     raise exc
 
 
+@dataclass(frozen=True)
+class Group:
+    """In ``DISTINCT`` mode, on rank 0: one distinct shared value and the ranks (group positions) that sent it."""
+
+    ranks: Tuple[int, ...]
+    value: Any
+
+
 def agree(
     comm: Comm,
     fn: Callable[[], T],
@@ -461,6 +782,7 @@ def agree(
     share: Optional[Callable[[T], Any]] = None,
     mode: str = ALL,
     error: Optional[Type[CheckpointError]] = None,
+    decide: Optional[Callable[[List[Group]], Tuple[Any, List[Any]]]] = None,
 ) -> Tuple[T, Any]:
     """Run ``fn`` on every rank; return together, or raise the same error everywhere.
 
@@ -469,12 +791,19 @@ def agree(
         fn: this rank's local step. Its ``CheckpointError`` crosses to every
             rank as the same class; any other exception becomes ``error``.
         what: the message's opening, e.g. ``"nothing was committed at s3://b/x"``.
-        share: maps ``fn``'s result to what the peers receive (picklable).
+        share: maps ``fn``'s result to what is exchanged (picklable).
         mode: who receives the shared values: ``"all"`` (a list by rank, on
-            every rank), ``"to_root"`` (the list on rank 0, None elsewhere),
-            ``"from_root"`` (rank 0's value, on every rank), ``"none"``.
+            every rank: small values and small groups only, the list travels
+            to every rank), ``"to_root"`` (the list on rank 0, None
+            elsewhere), ``"from_root"`` (rank 0's value, on every rank),
+            ``"none"``, or ``"distinct"``: each distinct value travels once
+            to rank 0, where ``decide`` maps the list of :class:`Group` to
+            ``(common, [piece per group])``; every rank receives
+            ``(common, its group's piece)``.
         error: class for missing ranks and foreign exceptions (default
             ``comm.error``).
+        decide: ``"distinct"`` mode's step on rank 0 (pure; a
+            ``CheckpointError`` it raises is raised on every rank, as is).
 
     Returns:
         ``(fn's result on this rank, the shared values as ``mode`` says)``.
@@ -482,9 +811,9 @@ def agree(
     Raises:
         The first failing rank's ``CheckpointError`` subclass, on every rank,
         with one message listing every failing rank (capped); ``error`` naming
-        the ranks that did not arrive within ``comm.timeout_s``. A
-        ``KeyboardInterrupt``/``SystemExit`` is re-raised as is on its rank
-        after the peers were told.
+        the ranks that did not arrive within ``comm.timeout_s``, or a value
+        over ``MAX_VALUE_BYTES``. A ``KeyboardInterrupt``/``SystemExit`` is
+        re-raised as is on its rank after the peers were told.
 
     Example:
         >>> comm = open_comm(None, op="save")
@@ -496,6 +825,8 @@ def agree(
     collective timeout.
     """
     error = error or comm.error
+    if share is None:
+        mode = NONE
     local: Optional[BaseException] = None
     result: Any = None
     try:
@@ -508,31 +839,66 @@ def agree(
                 raise local
             _raise_for(comm, what, error, [(0, None, _failure(0, local)[1])], local)
         piece = share(result) if share is not None and mode != NONE else None
+        if mode == DISTINCT:
+            common, pieces = decide([Group((0,), piece)])  # type: ignore[misc]
+            return result, (common, pieces[0])
         return result, ([piece] if mode in (ALL, TO_ROOT) else piece)
 
-    piece = None
-    if local is None and share is not None and mode != NONE:
+    piece, blob, digest = None, None, None
+    if local is None and mode != NONE and (mode != FROM_ROOT or comm.rank == 0):
         try:
-            piece = share(result)
+            piece = share(result)  # type: ignore[misc]
+            if mode == DISTINCT:
+                blob = pickle.dumps(piece)
+                digest = f"{_hash(blob)}.{-(-len(blob) // MAX_VALUE_BYTES) or 1}"
         except Exception as e:  # noqa: BLE001
-            local = e
-    outcome = (None if local is None else _failure(comm.rank, local), piece)
-    base, verdict, outcomes = _exchange(comm, outcome)
+            local, blob, digest = e, None, None
+    if isinstance(local, _TooBig):
+        local = error(f"{local}; this is a limit of shardckpt's exchange, please report it")
+    outcome = (None if local is None else _failure(comm.rank, local), digest, None if mode == DISTINCT else piece)
+    if mode == DISTINCT and blob is None:
+        blob = b""  # a failing rank claims no hash (its digest is None)
+    try:
+        base, verdict, outcomes, blobs = _exchange(comm, outcome, blob if mode == DISTINCT else None)
+    except _TooBig as e:
+        # Only a TO_ROOT/ALL value (a rank's own summary) can be too big here.
+        raise error(f"{what}: {e}") from None
     if comm.rank == 0 and verdict[0] == "ok":
         assert outcomes is not None
         failures = [(comm.ranks[i], o[0][0], o[0][1]) for i, o in enumerate(outcomes) if o[0] is not None]
+        pieces_by_hash: Optional[Dict[str, Any]] = None
         if failures:
             verdict = ("failed", failures)
         elif mode == ALL:
-            verdict = ("ok", [o[1] for o in outcomes])
+            verdict = ("ok", [o[2] for o in outcomes], False)
         elif mode == FROM_ROOT:
-            verdict = ("ok", outcomes[0][1])
+            verdict = ("ok", outcomes[0][2], False)
+        elif mode == DISTINCT:
+            members: Dict[str, List[int]] = {}
+            for i, o in enumerate(outcomes):
+                members.setdefault(o[1], []).append(i)
+            order = sorted(members, key=lambda h: members[h][0])
+            groups = [Group(tuple(members[h]), pickle.loads(blobs[h])) for h in order]
+            try:
+                common, pieces = decide(groups)  # type: ignore[misc]
+                verdict = ("ok", common, True)
+                pieces_by_hash = dict(zip(order, pieces))
+            except CheckpointError as e:
+                verdict = ("refused", type(e), str(e))
+            except Exception as e:  # noqa: BLE001
+                verdict = ("refused", None, f"{what}: internal error on rank 0: {type(e).__name__}: {e}")
         else:
-            verdict = ("ok", None)
-        _post_verdict(comm, base, verdict)
+            verdict = ("ok", None, False)
+        try:
+            _post_verdict(comm, base, verdict, pieces_by_hash)
+        except _TooBig as e:
+            verdict = ("refused", None, f"{what}: {e}; this is a limit of shardckpt's exchange, please report it")
+            _post_verdict(comm, base, verdict)
+        if verdict[0] == "ok" and mode == DISTINCT:
+            verdict = ("ok", verdict[1], pieces_by_hash[outcomes[0][1]])  # type: ignore[index]
     elif comm.rank == 0:
         _post_verdict(comm, base, verdict)
-    kind, value = verdict
+    kind, value = verdict[0], verdict[1]
     if kind in ("missing", "dead"):
         if local is not None and not isinstance(local, Exception):
             raise local
@@ -542,10 +908,18 @@ def agree(
         if local is not None and not isinstance(local, Exception):
             raise local
         _raise_for(comm, what, error, value, local)
-    shared = value
+    if kind == "refused":
+        cls = value or error
+        try:
+            exc = cls(verdict[2])
+        except Exception:
+            exc = error(verdict[2])
+        raise exc
+    if mode == DISTINCT:
+        return result, (value, verdict[2])
     if mode == TO_ROOT:
-        shared = [o[1] for o in outcomes] if comm.rank == 0 and outcomes is not None else None
-    return result, shared
+        return result, ([o[2] for o in outcomes] if comm.rank == 0 and outcomes is not None else None)
+    return result, value
 
 
 def broadcast(comm: Comm, obj: Any, *, what: str = "broadcast") -> Any:
@@ -554,5 +928,5 @@ def broadcast(comm: Comm, obj: Any, *, what: str = "broadcast") -> Any:
 
 
 def all_gather(comm: Comm, obj: Any, *, what: str = "all_gather") -> List[Any]:
-    """Every rank's ``obj``, by rank, on every rank (bounded by ``comm.timeout_s``)."""
+    """Every rank's ``obj``, by rank, on every rank (small values and groups only: the list travels to every rank)."""
     return agree(comm, lambda: obj, what=what, share=lambda v: v, mode=ALL)[1]

@@ -62,6 +62,9 @@ class TensorLayout:
     regular: Optional[_plan.RegularLayout] = None
     mesh_ranks: Optional[Tuple[int, ...]] = None
     coord: Optional[Tuple[int, ...]] = None
+    #: The writer rotation rank 0 chose over the union of every rank's
+    #: tensors (a rank-union save); None: the one this rank computes alone.
+    rotation: Optional[int] = None
 
 
 def box_view(t: torch.Tensor, offsets: Sequence[int], sizes: Sequence[int]) -> torch.Tensor:

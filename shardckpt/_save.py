@@ -2,16 +2,22 @@
 
 Save (collective when a process group exists):
   1. flatten the state into named tensors and a JSON tree (``_state``);
-  2. compute every tensor's boxes and pick one writer per box (``_plan``),
-     with no communication: every rank derives the same answer;
-  3. rank 0 checks the target and shares a fresh save id;
-  4. each rank writes its boxes to its own files, checksumming as it writes;
-  5. chunk metadata goes to rank 0, which validates coverage and writes
-     ``manifest.json`` last, atomically — that is the commit;
-  6. every rank returns or raises together.
+  2. compute every own tensor's boxes and whether this rank writes them
+     (``_plan``), alone, as if every rank held the same names;
+  3. the first exchange (``_union``, ``distinct`` mode): rank 0 receives one
+     copy of each distinct (tensor records, value tree), checks and merges
+     them (a rank-union: each tensor is written by the ranks that hold it),
+     and each group of ranks gets back the corrections to step 2's plan
+     (none when every rank holds the same names);
+  4. rank 0 checks the target and shares a fresh save id;
+  5. each rank writes its boxes to its own files, checksumming as it writes;
+  6. a small summary per rank goes to rank 0, which validates coverage and
+     writes ``manifest.json`` last, atomically — that is the commit;
+  7. every rank returns or raises together.
 
-Every exchange (1, 3, 5, 6) is one ``_collective.agree``: bounded by
-``collective_timeout_s``, the same error on every rank. Plans are frozen:
+Every exchange (3, 4, 6, 7) is one ``_collective.agree``: bounded by
+``collective_timeout_s``, the same error on every rank, O(1) store round
+trips per peer. Plans are frozen:
 ``prepare_save`` -> ``stage_save`` (async) -> ``execute_save`` each take a
 plan and build new objects, never change one.
 """
@@ -30,8 +36,8 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, Optional, 
 
 import torch
 
-from . import _knobs, _plan
-from ._collective import DEFAULT_COLLECTIVE_TIMEOUT_S, FROM_ROOT, TO_ROOT, Comm, agree, open_comm
+from . import _knobs, _plan, _union
+from ._collective import DEFAULT_COLLECTIVE_TIMEOUT_S, DISTINCT, FROM_ROOT, TO_ROOT, Comm, agree, open_comm
 from ._format import (
     DATA_DIR,
     FORMAT_VERSION,
@@ -53,7 +59,6 @@ from ._format.checksum import crc32c
 from ._io import DEFAULT_IO_THREADS, WriteItem, partition, write_files
 from ._layout import TensorLayout, layout_of
 from ._state import flatten_for_save
-from ._state.ranks import differing_paths, value_digests
 from ._storage import Storage
 from .errors import (
     CheckpointError,
@@ -61,7 +66,6 @@ from .errors import (
     SaveFailedError,
     StorageError,
     UnsupportedStateError,
-    format_offenders,
 )
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -119,16 +123,21 @@ def _write_plan(layouts: Dict[str, TensorLayout], rank: int) -> List[WriteItem]:
     """
     rotations = _rotations(layouts)
     items = []
+    writers = {}
     for name, lay in layouts.items():
         if lay.regular is None:
             for box in sorted(lay.holders, key=lambda b: b.offsets):
-                items.append(((name, box), box.numel * itemsize(lay.dtype), lay.holders[box]))
-    writers = _plan.assign_writers(items) if items else {}
+                if len(lay.holders[box]) == 1:  # per-rank data: its one holder writes it
+                    writers[(name, box)] = lay.holders[box][0]
+                else:
+                    items.append(((name, box), box.numel * itemsize(lay.dtype), lay.holders[box]))
+    writers.update(_plan.assign_writers(items) if items else {})
     mine: List[WriteItem] = []
     seen = set()
     for name, lay in layouts.items():
         if lay.regular is not None:
-            if not lay.parts or not _plan.is_writer(lay.regular, rotations[name], lay.coord):
+            rot = lay.rotation if lay.rotation is not None else rotations[name]
+            if not lay.parts or not _plan.is_writer(lay.regular, rot, lay.coord):
                 continue
         for part in lay.parts:
             key = (name, part.box)
@@ -163,10 +172,14 @@ def save(
     """Save ``state`` to ``url`` as a sharded, checksummed checkpoint.
 
     Collective when a process group is initialized: every rank of
-    ``process_group`` must call it, with the same structure of state (for
-    one process alone, e.g. an export on rank 0, pass ``no_dist=True``). Each rank writes only the boxes it is
-    assigned (replicated data once, balanced across replicas); rank 0 commits
-    by writing ``manifest.json`` last.
+    ``process_group`` must call it (for one process alone, e.g. an export on
+    rank 0, pass ``no_dist=True``). Ranks may hold different names (pipeline
+    stages): the checkpoint holds the union, each tensor written by the
+    ranks that hold it; a name held by several ranks must agree in dtype,
+    shape and placements, a plain value held by several ranks must be equal.
+    Each rank writes only the boxes it is assigned (replicated data once,
+    balanced across replicas); rank 0 commits by writing ``manifest.json``
+    last.
 
     Args:
         state: dict of tensors, DTensors, ``nn.Module``s, objects with
@@ -189,15 +202,18 @@ def save(
     Raises:
         CheckpointExistsError: ``url`` holds a committed checkpoint and
             ``overwrite`` is False.
-        UnsupportedStateError: a value cannot be saved (its path is named).
+        UnsupportedStateError: a value cannot be saved (its path is named);
+            a name held by several ranks differs in dtype, shape or
+            placements, or a plain value differs (named, with the ranks).
         SaveFailedError: writing failed on some rank, or a rank did not call
             within ``collective_timeout_s`` (named); nothing was committed,
             any previous checkpoint at ``url`` is untouched.
         UsageError: under torchrun (``WORLD_SIZE`` > 1) with no process group
             initialised and no ``no_dist=True``.
 
-    Plain (non-distributed) tensors in a multi-rank save are assumed to be
-    identical on every rank, as with DDP, and written once.
+    Plain (non-distributed) tensors held by several ranks are assumed to be
+    identical on them, as with DDP, and written once. A save over a
+    sub-group records its meshes in the group's rank numbering.
 
     Example:
         >>> import torch, shardckpt, tempfile
@@ -237,6 +253,8 @@ class SavePlan:
     #: Stand-in for ``_io.write_files`` (same signature): the async save's
     #: writer process (``_writerproc``). None: this process writes.
     writer: Optional[Callable[..., Any]] = None
+    #: This rank's per-rank tensors: name -> (dtype, shape), told to rank 0 at commit.
+    per_rank_specs: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
 
     @property
     def rank(self) -> int:
@@ -278,19 +296,38 @@ def prepare_save(
                 f"a tensor named {RESERVED_TENSOR_NAME!r} cannot be saved: safetensors reserves that key for a file's "
                 "metadata, so the data file would be unreadable by safetensors; rename it or nest it under another key"
             )
-        layouts = _layouts(flat.tensors, rank, world, local_only=comm.no_dist)
+        layouts = _union.normalize(_layouts(flat.tensors, rank, world, local_only=comm.no_dist), comm.ranks)
         own, layouts = _own_tensors(layouts, flat.per_rank_tensors, rank)
-        # Plain values are written from rank 0 alone: the peers prove theirs are the same.
-        digests = value_digests(flat.tree) if world > 1 else None
-        return flat, layouts, (own, digests)
+        return flat, layouts, own
 
-    (flat, layouts, _), shared = agree(comm, local, what="save aborted before writing", share=lambda r: r[2])
-    _refuse_per_rank_values(differing_paths([d for _, d in shared]), url)
-    layouts = _with_peer_tensors(layouts, [s for s, _ in shared], rank)
+    # Rank-union: each rank sends a hash of its tensor records and value tree;
+    # rank 0 gets one full copy per distinct hash (a handful: one per pipeline
+    # stage or sub-mesh copy), checks that shared names agree, merges, and
+    # returns to each group only the corrections to its local plan.
+    union: Dict[str, Any] = {}
+
+    def decide(groups):
+        return _union.decide(groups, comm.ranks, url, union)
+
+    if world == 1:  # one rank holds everything: nothing to merge
+        (flat, layouts, own), _ = agree(comm, local, what="save aborted before writing")
+    else:
+        (flat, layouts, own), (_, fix) = agree(
+            comm,
+            local,
+            what="save aborted before writing",
+            share=lambda r: (_union.records(r[1], _rotations(r[1])), r[0].tree),
+            mode=DISTINCT,
+            decide=decide,
+        )
+        layouts = _union.apply(layouts, fix, comm.ranks[rank])
+    if rank == 0 and world > 1:
+        layouts = _union.with_peers(layouts, union)
+    tree = union.get("tree", flat.tree) if rank == 0 else flat.tree
     return SavePlan(
         storage=storage,
         comm=comm,
-        tree=flat.tree,
+        tree=tree,
         layouts=MappingProxyType(layouts),
         items=tuple(_write_plan(layouts, rank)),
         overwrite=overwrite,
@@ -298,18 +335,8 @@ def prepare_save(
         extra=MappingProxyType(dict(extra or {})),
         per_rank=flat.per_rank or None,
         exists_hint=exists_hint,
+        per_rank_specs=MappingProxyType(own),
     )
-
-
-def _refuse_per_rank_values(paths: Sequence[str], url: str) -> None:
-    """Raise (on every rank alike: every rank sees every digest) if plain values differ across ranks."""
-    if paths:
-        raise UnsupportedStateError(
-            f"save to {url} refused: these plain values differ between ranks, and only rank 0's would be "
-            f"saved: {format_offenders(paths)}. Wrap per-rank state in shardckpt.PerRank(...) (e.g. "
-            "{'loader': shardckpt.PerRank(loader)}) so each rank keeps its own copy, or make the values "
-            "the same on every rank"
-        )
 
 
 def _own_tensors(
@@ -323,19 +350,6 @@ def _own_tensors(
         out[n] = replace(lay, holders={_plan.Box((0,) * len(lay.shape), tuple(lay.shape)): (rank,)}, regular=None)
         specs[n] = (lay.dtype, list(lay.shape))
     return specs, out
-
-
-def _with_peer_tensors(layouts: Dict[str, TensorLayout], specs: List[Dict[str, Any]], rank: int) -> Dict[str, TensorLayout]:
-    """Add the other ranks' per-rank tensors (no local parts) so every rank plans, and rank 0 commits, them all."""
-    out = dict(layouts)
-    for r, spec in enumerate(specs):
-        if r == rank:
-            continue
-        for n, (dt, shape) in spec.items():
-            box = _plan.Box((0,) * len(shape), tuple(shape))
-            out[n] = TensorLayout(name=n, dtype=dt, torch_dtype=torch_dtype(dt), shape=tuple(shape), parts=[], holders={box: (r,)})
-    # Writer assignment balances bytes greedily: every rank must see the same order.
-    return {n: out[n] for n in sorted(out)}
 
 
 def execute_save(plan: SavePlan) -> None:
@@ -383,6 +397,7 @@ def execute_save(plan: SavePlan) -> None:
             plan.per_rank,
             index,
             sum(c.nbytes for n, c in named if n in regular),
+            dict(plan.per_rank_specs),
         )
 
     def commit_on_root(gathered) -> None:
@@ -498,7 +513,13 @@ def _committed_by(storage: Storage, save_id: str) -> Optional[bool]:
 def _commit(plan: SavePlan, gathered, save_id: str) -> None:
     """Rank 0: build the manifest from every rank's chunks and write it last (the commit)."""
     storage = plan.storage
-    manifest = _build_manifest(plan.layouts, gathered, plan.world, save_id, plan.tree)
+    layouts = dict(plan.layouts)
+    for r, g in enumerate(gathered):  # the peers' per-rank tensors: only rank r holds (and wrote) them
+        for n, (dt, shape) in g[6].items():
+            box = _plan.Box((0,) * len(shape), tuple(shape))
+            layouts[n] = TensorLayout(name=n, dtype=dt, torch_dtype=torch_dtype(dt), shape=tuple(shape), parts=[], holders={box: (r,)})
+    layouts = {n: layouts[n] for n in sorted(layouts)}
+    manifest = _build_manifest(layouts, gathered, plan.world, save_id, plan.tree, plan.comm.ranks)
     manifest.extra.update(plan.extra)
     per_rank = [g[3] for g in gathered]
     if any(p is not None for p in per_rank):
@@ -527,7 +548,9 @@ def stage_save(plan: SavePlan, copy: Callable[[List[torch.Tensor]], List[torch.T
     )
 
 
-def _build_manifest(layouts: Dict[str, TensorLayout], gathered, world: int, save_id: str, tree: Any) -> Manifest:
+def _build_manifest(
+    layouts: Dict[str, TensorLayout], gathered, world: int, save_id: str, tree: Any, group_ranks: Optional[Sequence[int]] = None
+) -> Manifest:
     """Rank 0: the v2 manifest, O(tensors + ranks + irregular chunks).
 
     Regular tensors get their layout record; irregular ones their writer
@@ -544,16 +567,16 @@ def _build_manifest(layouts: Dict[str, TensorLayout], gathered, world: int, save
     for name, lay in layouts.items():
         t = TensorMeta(dtype=lay.dtype, shape=list(lay.shape), layout=lay.layout_json)
         if lay.regular is not None:
-            key = "iota" if lay.mesh_ranks is None else id(lay.mesh_ranks)
+            key = (id(lay.mesh_ranks), lay.regular.world)
             if key not in mesh_ids:
                 mesh_ids[key] = len(meshes)
-                meshes.append("iota" if lay.mesh_ranks is None else list(lay.mesh_ranks))
+                meshes.append(_group_mesh(lay.mesh_ranks, lay.regular.world, group_ranks))
             rec = _plan.layout_to_json(lay.regular)
             t.regular = {
                 "mesh_shape": rec["mesh_shape"],
                 "placements": rec["placements"],
                 "mesh": mesh_ids[key],
-                "rotation": rotations[name],
+                "rotation": lay.rotation if lay.rotation is not None else rotations[name],
             }
             want_regular += math.prod(lay.shape) * itemsize(lay.dtype)
         else:
@@ -563,7 +586,7 @@ def _build_manifest(layouts: Dict[str, TensorLayout], gathered, world: int, save
     indexes: Dict[str, IndexMeta] = {}
     got_regular = 0
     explicit: Dict[str, TensorMeta] = {}
-    for rank, (_, chunks, fsizes, _, index, regular_bytes) in enumerate(gathered):
+    for rank, (_, chunks, fsizes, _, index, regular_bytes, _) in enumerate(gathered):
         for rel, size in fsizes.items():
             files[rel] = FileMeta(size)
         if index is not None:
@@ -598,3 +621,18 @@ def _build_manifest(layouts: Dict[str, TensorLayout], gathered, world: int, save
         meshes=meshes,
         indexes=indexes,
     )
+
+
+def _group_mesh(mesh_ranks: Optional[Sequence[int]], n: int, group_ranks: Optional[Sequence[int]]) -> Any:
+    """A mesh's ranks in the save group's numbering (what the manifest records): ``"iota"`` for 0..n-1.
+
+    Layouts hold global ranks (None: 0..n-1); a save over a sub-group
+    records positions in that group, so that the checkpoint loads.
+    """
+    ranks = list(range(n)) if mesh_ranks is None else list(mesh_ranks)
+    if group_ranks is not None and tuple(group_ranks) != tuple(range(len(group_ranks))):
+        pos = {r: i for i, r in enumerate(group_ranks)}
+        outside = [r for r in ranks if r not in pos]
+        assert not outside, f"internal error: mesh ranks {outside[:8]} are outside the save's group"
+        ranks = [pos[r] for r in ranks]
+    return "iota" if ranks == list(range(len(ranks))) else ranks

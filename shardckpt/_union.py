@@ -1,0 +1,254 @@
+"""Rank-union saves: every rank saves the tensors and values it holds; rank 0 learns the union cheaply.
+
+Ranks need not hold the same names: pipeline stages hold their own layers,
+a save over a sub-group holds what its ranks hold. Each rank describes its
+regular tensors (DTensors and plain tensors) by a small record per name and
+sends it, with its value tree, through one ``DISTINCT`` exchange
+(``_collective.agree``): ranks whose records and trees are identical (every
+rank of a stage, every copy of a sub-mesh) send one copy between them, so
+rank 0 receives a handful of maps, not N. Rank 0 (:func:`decide`, pure):
+
+* checks that a name held by several ranks agrees in dtype, global shape and
+  placements (else ``UnsupportedStateError`` naming the tensor and the ranks,
+  raised on every rank before any byte is written);
+* finds each tensor's true holders: a plain tensor is replicated over the
+  ranks that hold it (not over the world); a DTensor over the copies of its
+  mesh that hold it (not every copy its root mesh has: another pipeline
+  stage holds other layers), in the group's rank numbering;
+* picks the writer rotation over the union (``_plan.writer_rotations``);
+* merges the value trees (``_state.ranks.merge_values``): a path several
+  ranks hold must agree, paths some ranks hold are kept.
+
+Each group gets back only the corrections to the plan it made alone
+(:func:`apply`): none when every rank holds the same names (the SPMD case),
+so the reply stays small. Rank 0 keeps the union for the manifest
+(:func:`with_peers`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import replace
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from . import _plan
+from ._format import itemsize, torch_dtype
+from ._layout import TensorLayout
+from ._state.ranks import merge_values
+from .errors import UnsupportedStateError, format_offenders
+
+__all__ = ["records", "decide", "apply", "with_peers", "normalize"]
+
+
+def _ranks_sig(ranks: Optional[Sequence[int]]) -> str:
+    text = "iota" if ranks is None else ",".join(map(str, ranks))
+    return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
+
+
+def _has_copies(lay: TensorLayout) -> bool:
+    lj = lay.layout_json or {}
+    return lay.kind == "dtensor" and len(lay.regular.mesh_shape) == len(lj.get("mesh_shape", ())) + 1
+
+
+def _own_mesh(lay: TensorLayout) -> Tuple[Tuple[int, ...], _plan.RegularLayout, Tuple[int, ...]]:
+    """A DTensor's own mesh (global ranks), layout and coordinate, without the copies its root mesh implies."""
+    reg = lay.regular
+    flat = lay.mesh_ranks if lay.mesh_ranks is not None else tuple(range(reg.world))
+    if not _has_copies(lay):
+        return tuple(flat), reg, tuple(lay.coord)
+    n = math.prod(reg.mesh_shape[1:])
+    ci = lay.coord[0]
+    own = _plan.regular_layout(reg.shape, reg.mesh_shape[1:], list(reg.placements[1:]))
+    return tuple(flat[ci * n : (ci + 1) * n]), own, tuple(lay.coord[1:])
+
+
+def normalize(layouts: Dict[str, TensorLayout], group_ranks: Sequence[int]) -> Dict[str, TensorLayout]:
+    """Plain tensors: replicated over the group's global ranks (``mesh_ranks`` None: ranks 0..n-1)."""
+    if tuple(group_ranks) == tuple(range(len(group_ranks))):
+        return layouts
+    ranks = tuple(group_ranks)
+    return {
+        n: (replace(lay, mesh_ranks=ranks) if lay.kind == "tensor" and lay.regular is not None else lay)
+        for n, lay in layouts.items()
+    }
+
+
+def records(layouts: Dict[str, TensorLayout], rotations: Dict[str, int]) -> Dict[str, Tuple[Any, ...]]:
+    """This rank's regular tensors: ``name -> (dtype, shape, placements record, own mesh, guess signature, rotation)``.
+
+    The own mesh is None for a plain tensor (held by "whoever holds the
+    name"), else the DTensor's own mesh ranks; the guess signature digests
+    the mesh and layout this rank planned with alone.
+    """
+    out = {}
+    sigs: Dict[int, str] = {}
+    for name, lay in layouts.items():
+        if lay.regular is None:
+            continue
+        key = id(lay.mesh_ranks)
+        if key not in sigs:
+            sigs[key] = _ranks_sig(lay.mesh_ranks)
+        guess = sigs[key] + repr(_plan.layout_to_json(lay.regular))
+        if lay.kind == "dtensor":
+            own, reg, _ = _own_mesh(lay)
+            place = (_plan.layout_to_json(reg), (lay.layout_json or {}).get("mesh_dim_names"))
+        else:
+            own, place = None, None
+        out[name] = (lay.dtype, tuple(lay.shape), place, own, guess, rotations[name])
+    return out
+
+
+def _span(positions: Sequence[int]) -> str:
+    return format_offenders(sorted(positions)[:8]) + (" ..." if len(positions) > 8 else "")
+
+
+def decide(groups, group_ranks: Sequence[int], url: str, keep: Dict[str, Any]):
+    """Rank 0: check and merge the distinct groups' records and trees; the corrections for each group.
+
+    ``groups`` are ``_collective.Group``s whose value is ``(records, tree)``.
+    Fills ``keep`` with ``"tree"`` (the merged values) and ``"truth"``
+    (name -> (dtype, shape, layout_json, mesh ranks, layout, rotation)).
+
+    Raises:
+        UnsupportedStateError: plain values, or a tensor's dtype, shape or
+            placements, differ between ranks (named, with the ranks).
+    """
+    merged, paths = merge_values([g.value[1] for g in groups])
+    if paths:
+        raise UnsupportedStateError(
+            f"save to {url} refused: these plain values differ between ranks, and only one rank's would be "
+            f"saved: {format_offenders(paths)}. Wrap per-rank state in shardckpt.PerRank(...) (e.g. "
+            "{'loader': shardckpt.PerRank(loader)}) so each rank keeps its own copy, or make the values "
+            "the same on every rank"
+        )
+    pos = {r: i for i, r in enumerate(group_ranks)}
+    entries: Dict[str, List[Tuple[int, Tuple[Any, ...]]]] = {}
+    for gi, g in enumerate(groups):
+        for name, rec in g.value[0].items():
+            entries.setdefault(name, []).append((gi, rec))
+    bad: List[str] = []
+    truth: Dict[str, Tuple[Any, ...]] = {}
+    plain_meshes: Dict[Tuple[int, ...], Tuple[Any, int]] = {}
+    for name in sorted(entries):
+        ents = entries[name]
+        first = ents[0][1]
+        for gi, rec in ents[1:]:
+            if rec[:3] != first[:3] or (rec[3] is None) != (first[3] is None):
+                bad.append(
+                    f"{name}: dtype {first[0]}, shape {list(first[1])}, layout {first[2]} on ranks "
+                    f"{_span(groups[ents[0][0]].ranks)} but dtype {rec[0]}, shape {list(rec[1])}, layout {rec[2]} "
+                    f"on ranks {_span(groups[gi].ranks)}"
+                )
+                break
+        else:
+            dtype, shape = first[0], tuple(first[1])
+            if first[3] is None:
+                # Holders are a union of groups: computed once per set of groups, O(N) each.
+                gset = tuple(gi for gi, _ in ents)
+                if gset not in plain_meshes:
+                    holders = sorted(p for gi in gset for p in groups[gi].ranks)
+                    m = tuple(group_ranks[p] for p in holders)
+                    plain_meshes[gset] = None if m == tuple(range(len(m))) else m, len(m)
+                mesh, count = plain_meshes[gset]
+                reg = _plan.RegularLayout(shape, (count,), (_plan.Replicate(),))
+                rows = None
+            else:
+                rows = sorted({rec[3] for _, rec in ents})
+                outside = sorted({r for row in rows for r in row if r not in pos})
+                if outside:
+                    bad.append(
+                        f"{name}: its mesh holds ranks {format_offenders(outside)} (global) outside the process group "
+                        "of this save, so their shards would not be written; save over a group that contains the "
+                        "whole mesh"
+                    )
+                    continue
+                own = _plan.layout_from_json(first[2][0])
+                mesh = tuple(r for row in rows for r in row)
+                if len(rows) == 1:
+                    reg = own
+                else:
+                    reg = _plan.regular_layout(shape, (len(rows),) + own.mesh_shape, [_plan.Replicate()] + list(own.placements))
+            if rows is not None and mesh == tuple(range(len(mesh))):
+                mesh = None
+            truth[name] = (dtype, shape, first[2], mesh, reg, rows)
+    if bad:
+        raise UnsupportedStateError(
+            f"save to {url} refused: tensors held by several ranks must agree in dtype, shape and placements: "
+            + format_offenders(bad, sep="; ")
+        )
+    rotations = _plan.writer_rotations([(n, t[4], itemsize(t[0])) for n, t in truth.items()])
+    keep["tree"] = merged
+    keep["truth"] = {n: t[:5] + (rotations[n],) for n, t in truth.items()}
+    pieces = []
+    sigs: Dict[Any, str] = {}
+    for g in groups:
+        meshes: List[Any] = []
+        mesh_ids: Dict[Any, int] = {}
+        fix: Dict[str, Tuple[Any, ...]] = {}
+        for name, rec in g.value[0].items():
+            dtype, shape, place, mesh, reg, rows = truth[name]
+            if mesh not in sigs:
+                sigs[mesh] = _ranks_sig(mesh)
+            rot = rotations[name]
+            if sigs[mesh] + repr(_plan.layout_to_json(reg)) == rec[4] and rot == rec[5]:
+                continue
+            if mesh not in mesh_ids:
+                mesh_ids[mesh] = len(meshes)
+                meshes.append(mesh)
+            row = None if rows is None else (rows.index(rec[3]) if len(rows) > 1 else -1)
+            fix[name] = (mesh_ids[mesh], _plan.layout_to_json(reg), rot, row)
+        pieces.append({"meshes": meshes, "fix": fix} if fix else None)
+    return None, pieces
+
+
+def apply(layouts: Dict[str, TensorLayout], piece: Optional[Dict[str, Any]], me: int) -> Dict[str, TensorLayout]:
+    """This rank's layouts with rank 0's corrections (``me``: this process's global rank)."""
+    if not piece:
+        return layouts
+    out = dict(layouts)
+    meshes = piece["meshes"]
+    index: Dict[int, Dict[int, int]] = {}
+    for name, (mi, reg_json, rot, row) in piece["fix"].items():
+        lay = layouts[name]
+        reg = _plan.layout_from_json(reg_json)
+        mesh = meshes[mi]
+        if row is None:  # a plain tensor: its place among the holders
+            if mi not in index:
+                index[mi] = {r: i for i, r in enumerate(mesh if mesh is not None else range(reg.world))}
+            coord: Tuple[int, ...] = (index[mi][me],)
+        else:
+            _, _, own_coord = _own_mesh(lay)
+            coord = own_coord if row < 0 else (row,) + own_coord
+        out[name] = replace(lay, regular=reg, mesh_ranks=mesh, coord=coord, rotation=rot)
+    return out
+
+
+def with_peers(layouts: Dict[str, TensorLayout], keep: Dict[str, Any]) -> Dict[str, TensorLayout]:
+    """Rank 0: add the tensors other ranks hold (no local parts), with their true layouts, for the manifest."""
+    out = dict(layouts)
+    for name, (dtype, shape, place, mesh, reg, rot) in keep.get("truth", {}).items():
+        if name in out:
+            out[name] = replace(out[name], rotation=rot)
+            continue
+        lj = None
+        kind = "tensor"
+        if place is not None:
+            own = _plan.layout_from_json(place[0])
+            lj = {
+                "mesh_shape": list(own.mesh_shape),
+                "mesh_dim_names": place[1],
+                "placements": [_placement_str(p) for p in own.placements],
+            }
+            kind = "dtensor"
+        out[name] = TensorLayout(
+            name=name, dtype=dtype, torch_dtype=torch_dtype(dtype), shape=tuple(shape), parts=[], holders={},
+            layout_json=lj, kind=kind, regular=reg, mesh_ranks=mesh, coord=None, rotation=rot,
+        )
+    return {n: out[n] for n in sorted(out)}
+
+
+def _placement_str(p: object) -> str:
+    from ._layout import _placement_str as f
+
+    return f(p)

@@ -1,0 +1,61 @@
+"""The exchanges of a save and a load scale: rank-0 round trips and store bytes grow ~linearly, no value grows with N.
+
+Drives the real ``_collective.agree`` (rank 0 for real, one real peer in a
+thread, the other peers' posts made beforehand) against a real TCPStore on
+loopback, through ``benchmarks/bench_control_plane.py``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.fixture(scope="module")
+def bench():
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        import bench_control_plane
+
+        yield bench_control_plane
+    finally:
+        sys.path.remove(os.path.join(ROOT, "benchmarks"))
+
+
+def test_round_trips_and_bytes_grow_linearly_not_quadratically(bench, monkeypatch):
+    import shardckpt._collective as C
+
+    monkeypatch.setattr(C, "_store", C._store)  # the bench swaps it; restored after
+    small, big = bench.run(64, 50), bench.run(1024, 50)
+    for label in ("save", "load"):
+        # 16x the ranks: round trips at rank 0 grow by far less (batched reads), a peer's not at all.
+        assert big[f"{label}_trips_root"] <= 4 * small[f"{label}_trips_root"], (small, big)
+        assert big[f"{label}_trips_peer"] <= small[f"{label}_trips_peer"] + 2, (small, big)
+        # Total bytes O(N): at most ~16x (the old all-to-all grew ~256x).
+        assert big[f"{label}_bytes_total"] <= 20 * small[f"{label}_bytes_total"], (small, big)
+        # No single value grows with N.
+        assert big[f"{label}_largest"] <= 2 * max(small[f"{label}_largest"], 1024), (small, big)
+
+
+def test_a_state_whose_old_verdict_exceeded_8_MiB_now_agrees(bench, monkeypatch):
+    import shardckpt._collective as C
+
+    monkeypatch.setattr(C, "_store", C._store)
+    # 300 tensors: the old all-to-all verdict held N maps of ~300 digests
+    # (~24 KB each): ~24 MB at 1,024 ranks, over the libuv store's 8 MiB.
+    r = bench.run(1024, 300)
+    assert r["save_largest"] < 1 << 20, r
+    assert r["payload_bytes"] * 1024 > 8 << 20  # what every rank would have received before
+
+
+def test_a_distinct_value_over_the_value_bound_travels_in_pieces(bench, monkeypatch):
+    import shardckpt._collective as C
+
+    monkeypatch.setattr(C, "_store", C._store)
+    monkeypatch.setattr(C, "MAX_VALUE_BYTES", 50_000)
+    r = bench.run(64, 300)  # a ~160 KB map in 4 pieces: the save's exchanges complete
+    assert r["payload_bytes"] > 3 * 50_000
