@@ -39,7 +39,7 @@ from ._format import (
 from ._format.resolve import MetaCache, resolve_chunks
 from ._hf import ALIAS_OF_KEY
 from ._io import byte_view, check_files, host_empty
-from ._layout import box_view, layout_of
+from ._layout import TensorLayout, box_view, layout_of
 from ._readers import BufferPool, ReadStats, SavedChunk, Want, read_verified
 from ._state import flatten_for_load
 from ._storage import Storage
@@ -108,6 +108,10 @@ class _Target:
     parts: Tuple[Tuple[_plan.Box, torch.Tensor], ...]  # (box, destination view holding that box)
     pieces: Tuple[Tuple[_plan.Piece, ...], ...]  # per part: the saved pieces that fill it
     chunks: Tuple[SavedChunk, ...] = ()  # the saved chunks the pieces index
+    #: Other ranks may hold the same boxes (a Replicate mesh dim, a plain
+    #: tensor in a multi-rank load): only such targets' ranges are offered to
+    #: the read-once exchange, so a purely sharded load exchanges nothing.
+    replicated: bool = False
 
 
 @dataclass(frozen=True)
@@ -541,6 +545,7 @@ def stream_into(
                 # Ranges several ranks need are read by one and sent to the others.
                 return _replicas.read_once(
                     storage, wants, comm=comm, group=process_group, read=read_verified, deliver=deliver, place=place,
+                    shareable=lambda w: plan.targets[w.tag.target].replicated,
                     pool=pool, threads=threads, stats=stats or ReadStats(), round_bytes=max(range_bytes, buffer_bytes // 2),
                 )
             return read_verified(storage, wants, deliver, threads=threads, pool=pool, stats=stats)
@@ -554,6 +559,13 @@ def stream_into(
         pool.close()  # waits for the device copies; releases the pinned memory
         if events:
             events[-1].synchronize()
+
+
+def _replicated(lay: TensorLayout) -> bool:
+    """Whether other ranks may hold boxes of this live tensor too (replicas: read-once candidates)."""
+    if lay.regular is not None:
+        return any(isinstance(p, _plan.Replicate) and n > 1 for p, n in zip(lay.regular.placements, lay.regular.mesh_shape))
+    return any(len(h) > 1 for h in lay.holders.values())
 
 
 def _materialized(manifest: Manifest) -> bool:
@@ -691,7 +703,7 @@ def _plan_load(
             )
         except ValueError as e:
             raise CorruptCheckpointError(f"{name}: the checkpoint's chunks do not cover what this rank holds: {e}") from None
-        targets.append(_Target(name, meta, parts_, pieces, chunks))
+        targets.append(_Target(name, meta, parts_, pieces, chunks, replicated=_replicated(lay)))
     if problems:
         parts.append(f"{len(problems)} tensor(s) differ: " + format_offenders(problems, sep="; "))
     if parts:

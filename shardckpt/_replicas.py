@@ -45,8 +45,11 @@ Memory: the read pool (``buffer_bytes``) plus three round buffers of about
 rank reads for others or receives; one range larger than a reader's slice of
 a round gets a round of its own).
 
-Limits: every rank's list of wanted ranges goes through the store once (rank
-0 gathers them all: O(ranks x ranges)); only ranges wanted *identically* are
+Limits: only ranges of replicated live tensors are offered (a purely
+sharded load exchanges two counts and nothing else); their lists travel to
+every rank, so when more than ``MAX_SHARED_KEYS`` ranges are offered in all
+(HSDP at thousands of ranks) every rank reads its own, as without read-once;
+only ranges wanted *identically* are
 shared (two shard groups overlapping in part of a block each read that block);
 on one host with a local disk the replicas' duplicate reads were served by
 the page cache anyway, so there read-once saves storage traffic, not time
@@ -72,6 +75,10 @@ __all__ = ["Key", "Shared", "SharedPlan", "plan_shared", "read_once", "enabled"]
 
 #: A wanted byte range: (file, chunk's byte offset in the file, start, stop within the chunk).
 Key = Tuple[str, int, int, int]
+
+#: Most wanted ranges (summed over ranks) the read-once exchange gathers; past
+#: it every rank reads its own (the lists would travel to every rank).
+MAX_SHARED_KEYS = 32768
 
 # Round-buffer offsets are aligned so that every piece can be viewed as its dtype in place.
 _ALIGN = 64
@@ -261,6 +268,7 @@ def read_once(
     threads: int,
     stats: Any,
     round_bytes: int,
+    shareable: Optional[Callable[[Any], bool]] = None,
 ) -> Any:
     """Read ``wants`` (``_readers.Want``) with shared ranges read once and sent to their other holders.
 
@@ -278,6 +286,8 @@ def read_once(
         threads: reads in flight.
         stats: a ``ReadStats`` to fill (``sent_bytes``/``received_bytes`` too).
         round_bytes: bytes of one round buffer (three are held).
+        shareable: which wants other ranks may hold too (None: every want);
+            only those are offered to the exchange.
 
     Returns:
         ``stats``.
@@ -301,7 +311,19 @@ def read_once(
     from ._readers import Want
 
     what = f"the load from {storage.url} stopped part-way (ranks not named here loaded all their tensors)"
-    mine = [key_of(w) for w in wants]
+    keys = [key_of(w) for w in wants]
+    offered = [shareable is None or shareable(w) for w in wants]
+    mine = sorted({k for k, o in zip(keys, offered) if o})
+    # The key lists travel to every rank, so they are gathered only when they
+    # are few in all: first their count (to rank 0), then rank 0's go (to
+    # every rank): O(1) bytes per rank. A purely sharded load (FSDP, TP)
+    # offers none and stops here; a count over MAX_SHARED_KEYS (HSDP at
+    # thousands of ranks) falls back to direct reads on every rank alike.
+    _, counts = agree(comm, lambda: len(mine), what=what, share=lambda v: v, mode="to_root")
+    _, go = agree(comm, lambda: None, what=what, mode="from_root",
+                  share=lambda _: counts is not None and 0 < sum(counts) <= MAX_SHARED_KEYS)
+    if not go:
+        return read(storage, wants, deliver, threads=threads, pool=pool, stats=stats)
     _, keys_by_rank = agree(comm, lambda: mine, what=what, share=lambda v: v)
     plan = plan_shared(keys_by_rank, round_bytes=round_bytes)
     if not plan.rounds:
@@ -309,8 +331,8 @@ def read_once(
     shared = set(plan.shared_keys)
     by_key: Dict[Key, List[Any]] = {}
     own: List[Any] = []
-    for w, k in zip(wants, mine):
-        if k in shared:
+    for w, k, o in zip(wants, keys, offered):
+        if o and k in shared:
             by_key.setdefault(k, []).append(w)
         else:
             own.append(w)
@@ -490,7 +512,7 @@ def _wait(works: List[Any], comm: Any, peers: Sequence[int], cuda: bool) -> None
     """
     from datetime import timedelta
 
-    from ._collective import _store, _Watch
+    from ._collective import _Counters, _counters_of, _store
 
     deadline = time.monotonic() + comm.timeout_s
 
@@ -510,8 +532,8 @@ def _wait(works: List[Any], comm: Any, peers: Sequence[int], cuda: bool) -> None
             if now >= next_look:
                 next_look = now + 1.0
                 try:
-                    watch = watch or _Watch(_store(), list(peers))
-                    dead = watch.dead(list(peers))
+                    watch = watch or _Counters()
+                    dead = watch.stale(_counters_of(_store(), list(peers)))
                 except Exception:  # the store is gone with rank 0: the works fail or time out
                     dead = []
                 if dead:

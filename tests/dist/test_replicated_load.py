@@ -164,6 +164,11 @@ def _dying_rank_child(rank, world, port, path):
         out = (type(e).__name__, str(e), time.monotonic() - t0)
     with open(os.path.join(path, f"outcome-{rank}"), "w") as fh:
         fh.write(repr(out))
+    # Rank 0 hosts the store: leaving before the others have read the verdict
+    # would make them report rank 0 gone instead of the rank that was killed.
+    t1 = time.monotonic()
+    while time.monotonic() - t1 < 60 and not all(os.path.exists(os.path.join(path, f"outcome-{r}")) for r in (0, 2, 3)):
+        time.sleep(0.1)
     os._exit(0)
 
 
