@@ -13,6 +13,7 @@ __all__ = [
     "CheckpointError",
     "CorruptCheckpointError",
     "ChecksumMismatchError",
+    "NewerFormatError",
     "CheckpointNotFoundError",
     "CheckpointExistsError",
     "StateMismatchError",
@@ -39,6 +40,10 @@ class CheckpointError(Exception):
 
 class CorruptCheckpointError(CheckpointError, ValueError):
     """Saved bytes or metadata are damaged, truncated, missing or inconsistent."""
+
+
+class NewerFormatError(CorruptCheckpointError):
+    """The checkpoint was written by a newer shardckpt (a format version this one does not read): upgrade shardckpt."""
 
 
 class ChecksumMismatchError(CorruptCheckpointError):
