@@ -38,7 +38,7 @@ from shardckpt.errors import (
     format_offenders,
 )
 
-from ._options import ConvertResult
+from ._options import ConvertResult, check_apart
 from ._safetensors import arrange_imported
 from ._source import SrcChunk
 from ._torch_save import _memory_chunk, _write_imported, chunk_of, load_meta, source_from_state, weights_only_load
@@ -364,6 +364,7 @@ def from_dcp(
     Example:
         >>> converters.from_dcp("dcp_ckpt/", "native_ckpt/")     # doctest: +SKIP
     """
+    check_apart(src, dst)
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     storage = Storage(src, storage_options=storage_options)

@@ -21,7 +21,7 @@ from shardckpt._storage import Storage
 from shardckpt.errors import CheckpointExistsError, UnsupportedStateError
 
 from ._common import WANT_BYTES, Reader, Streamer, run_parallel, write_plain
-from ._options import ConvertResult, Progress, out_dtype, parse_dtype, split_url
+from ._options import ConvertResult, Progress, check_apart, out_dtype, parse_dtype, split_url
 from ._safetensors import export_names
 from ._source import BLOCK_BYTES, OutEntry, open_checkpoint, whole_entry
 
@@ -80,6 +80,7 @@ def to_full(
     Example:
         >>> converters.to_full("run/step-9", "model_full.safetensors")   # doctest: +SKIP
     """
+    check_apart(src, dst)
     source = open_checkpoint(src, storage_options)
     names = export_names(source, prefix=None, keys=keys, key_map=key_map)
     cast = parse_dtype(dtype)

@@ -9,7 +9,7 @@ from shardckpt._io import DEFAULT_IO_THREADS
 from shardckpt._plan import Shard, layout_chunks, layout_to_json, regular_layout
 
 from ._common import Reader, write_native
-from ._options import ConvertResult
+from ._options import ConvertResult, check_apart
 from ._source import OutEntry, open_checkpoint, whole_entry
 
 __all__ = ["reshard", "REPLICATED_FILE"]
@@ -62,6 +62,7 @@ def reshard(
     Example:
         >>> converters.reshard("run/step-500", "run/step-500-w8", world_size=8)   # doctest: +SKIP
     """
+    check_apart(src, dst)
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
     source = open_checkpoint(src, storage_options)

@@ -35,7 +35,7 @@ from shardckpt.errors import (
 )
 
 from ._common import write_whole
-from ._options import ConvertResult, split_url
+from ._options import ConvertResult, check_apart, split_url
 from ._safetensors import arrange_imported
 from ._source import Source, SrcChunk, SrcTensor
 
@@ -341,6 +341,7 @@ def from_torch_save(
     Example:
         >>> converters.from_torch_save("model.pt", "ckpt-native")     # doctest: +SKIP
     """
+    check_apart(src, dst)
     storage, bases = _torch_save_files(src, storage_options)
     obj: Dict[str, Any] = {}
     located: Dict[int, Callable[[str, torch.Tensor], Any]] = {}
