@@ -22,6 +22,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 
 from shardckpt._format import check_relpath, dtype_name
+from shardckpt._format.values import value_depth_problem
 from shardckpt._hf import KeyMap, map_names, select_names
 from shardckpt._io import DEFAULT_IO_THREADS
 from shardckpt._state import flatten_for_save
@@ -204,7 +205,21 @@ def source_from_state(
     kind: str,
     files: Optional[Dict[str, int]] = None,
 ) -> Source:
-    """Flatten a structure holding (meta) tensors into a Source, as a save of it would name them."""
+    """Flatten a structure holding (meta) tensors into a Source, as a save of it would name them.
+
+    Names that hold the same stored bytes (one tensor under N names, DCP
+    entries naming one stored item) become one tensor and references to it,
+    as a save of tied weights writes them: an import never writes (nor a
+    load allocates) N copies of one range. Other claims on shared bytes
+    (overlapping views) are refused.
+
+    Raises:
+        CorruptCheckpointError: the structure nests deeper than ``MAX_VALUE_DEPTH``.
+        UnsafeMetadataError: different tensors claim overlapping stored bytes.
+    """
+    deep = value_depth_problem(state)
+    if deep:  # every walker of the tree recurses: refuse before any does
+        raise CorruptCheckpointError(f"{url}: {deep}")
     flat = flatten_for_save(state)
     tensors = {}
     for name in sorted(flat.tensors):
@@ -212,7 +227,56 @@ def source_from_state(
         if not isinstance(t, torch.Tensor) or t.layout != torch.strided or t.is_sparse or t.is_quantized:
             raise UnsupportedStateError(f"{url}: {name}: only dense tensors can be imported, found {type(t).__name__} {getattr(t, 'layout', '')}")
         tensors[name] = SrcTensor(name=name, dtype=dtype_name(t.dtype, key=name), shape=tuple(t.shape), chunks=list(chunk_for(name, t)))
-    return Source(url=url, storage=storage, tensors=tensors, values=flat.tree, kind=kind, files=files)
+    values = _share_stored_bytes(tensors, flat.tree, url)
+    return Source(url=url, storage=storage, tensors=tensors, values=values, kind=kind, files=files)
+
+
+def _share_stored_bytes(tensors: Dict[str, SrcTensor], tree: Any, url: str) -> Any:
+    """Keep one tensor per stored byte range (the others become references to it in ``tree``); refuse partial overlaps.
+
+    ``tensors`` is edited in place; returns the tree with references renamed.
+    """
+    from shardckpt._format.values import TAG
+    from shardckpt._plan import shared_byte_ranges
+
+    first: Dict[Any, str] = {}
+    alias: Dict[str, str] = {}
+    for name in sorted(tensors):
+        t = tensors[name]
+        if any(c.loader is not None for c in t.chunks):
+            continue  # a strided view: its bytes are not one range (checked for overlaps below)
+        sig = (t.dtype, t.shape, tuple((c.file, c.byte_offset, c.nbytes, c.offsets, c.sizes) for c in t.chunks))
+        if not t.chunks or not any(c.nbytes for c in t.chunks):
+            continue
+        if sig in first:
+            alias[name] = first[sig]
+        else:
+            first[sig] = name
+    for name in alias:
+        del tensors[name]
+    clashes = shared_byte_ranges(
+        (c.file, c.byte_offset, c.nbytes, repr(name)) for name, t in tensors.items() for c in t.chunks if c.file
+    )
+    if clashes:
+        listed = "; ".join(f"{k.file} bytes [{k.start}, {k.stop}) claimed by {k.first} and {k.second}" for k in clashes)
+        raise UnsafeMetadataError(
+            f"{url}: different tensors claim the same stored bytes (overlapping views, or a crafted file): {listed}. "
+            "Save each tensor with its own storage (.clone()) to import it"
+        )
+    if not alias:
+        return tree
+    # Rename references to the dropped names (iterative: the depth was checked, but stay flat anyway).
+    root = [tree]
+    stack: List[Any] = [root]
+    while stack:
+        node = stack.pop()
+        items = node.items() if isinstance(node, dict) else enumerate(node)
+        for k, v in list(items):
+            if isinstance(v, dict) and v.get(TAG) == "tensor" and v.get("name") in alias:
+                node[k] = dict(v, name=alias[v["name"]])
+            elif isinstance(v, (dict, list)):
+                stack.append(v)
+    return root[0]
 
 
 def _memory_chunk(name: str, t: torch.Tensor) -> SrcChunk:
