@@ -196,6 +196,12 @@ def _span(t: torch.Tensor) -> int:
     return 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()) if n > 0)
 
 
+#: Views of one storage (transposes, slices: each imported as its own tensor)
+#: may claim its bytes at most this many times over (beyond the slack below).
+MAX_SHARED_VIEWS = 8
+SHARED_VIEWS_SLACK_BYTES = 1 << 20
+
+
 def source_from_state(
     state: Dict[str, Any],
     chunk_for: Callable[[str, torch.Tensor], Sequence[SrcChunk]],
@@ -210,12 +216,13 @@ def source_from_state(
     Names that hold the same stored bytes (one tensor under N names, DCP
     entries naming one stored item) become one tensor and references to it,
     as a save of tied weights writes them: an import never writes (nor a
-    load allocates) N copies of one range. Other claims on shared bytes
-    (overlapping views) are refused.
+    load allocates) N copies of one range. Views of one storage (a
+    transpose, a slice) stay tensors of their own, up to
+    ``MAX_SHARED_VIEWS`` times the stored bytes.
 
     Raises:
         CorruptCheckpointError: the structure nests deeper than ``MAX_VALUE_DEPTH``.
-        UnsafeMetadataError: different tensors claim overlapping stored bytes.
+        UnsafeMetadataError: views claim one storage's bytes more than ``MAX_SHARED_VIEWS`` times over.
     """
     deep = value_depth_problem(state)
     if deep:  # every walker of the tree recurses: refuse before any does
@@ -237,7 +244,6 @@ def _share_stored_bytes(tensors: Dict[str, SrcTensor], tree: Any, url: str) -> A
     ``tensors`` is edited in place; returns the tree with references renamed.
     """
     from shardckpt._format.values import TAG
-    from shardckpt._plan import shared_byte_ranges
 
     first: Dict[Any, str] = {}
     alias: Dict[str, str] = {}
@@ -254,15 +260,24 @@ def _share_stored_bytes(tensors: Dict[str, SrcTensor], tree: Any, url: str) -> A
             first[sig] = name
     for name in alias:
         del tensors[name]
-    clashes = shared_byte_ranges(
-        (c.file, c.byte_offset, c.nbytes, repr(name)) for name, t in tensors.items() for c in t.chunks if c.file
-    )
-    if clashes:
-        listed = "; ".join(f"{k.file} bytes [{k.start}, {k.stop}) claimed by {k.first} and {k.second}" for k in clashes)
-        raise UnsafeMetadataError(
-            f"{url}: different tensors claim the same stored bytes (overlapping views, or a crafted file): {listed}. "
-            "Save each tensor with its own storage (.clone()) to import it"
-        )
+    # Views of one storage (a transpose, a slice) legitimately share bytes;
+    # hundreds of them over one range is an amplification, not a state dict.
+    claims: Dict[str, List[Tuple[int, int]]] = {}
+    for t in tensors.values():
+        for c in t.chunks:
+            if c.file and c.nbytes:
+                claims.setdefault(c.file, []).append((c.byte_offset, c.byte_offset + c.nbytes))
+    for file, ranges in sorted(claims.items()):
+        claimed, covered, end = sum(b - a for a, b in ranges), 0, -1
+        for a, b in sorted(ranges):
+            covered += max(0, b - max(a, end))
+            end = max(end, b)
+        if claimed > MAX_SHARED_VIEWS * covered and claimed - covered > SHARED_VIEWS_SLACK_BYTES:
+            raise UnsafeMetadataError(
+                f"{url}: tensors claim {claimed} bytes of the {covered} bytes stored in {file} (views of one storage, "
+                f"more than {MAX_SHARED_VIEWS} times over): an import would write every copy. Save each tensor with "
+                "its own storage (.clone()) to import it"
+            )
     if not alias:
         return tree
     # Rename references to the dropped names (iterative: the depth was checked, but stay flat anyway).
@@ -405,8 +420,8 @@ def from_torch_save(
     Example:
         >>> converters.from_torch_save("model.pt", "ckpt-native")     # doctest: +SKIP
     """
-    check_apart(src, dst)
     storage, bases = _torch_save_files(src, storage_options)
+    check_apart(src, dst)
     obj: Dict[str, Any] = {}
     located: Dict[int, Callable[[str, torch.Tensor], Any]] = {}
     files: Dict[str, int] = {}
