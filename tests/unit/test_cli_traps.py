@@ -67,3 +67,16 @@ def test_reshard_into_a_non_empty_directory_needs_overwrite(tmp_path, capsys):
     assert main(["reshard", src, str(dst), "--world-size", "2", "--overwrite", "-q"]) == 0
     assert (dst / "notes.txt").read_text() == "mine"
     shardckpt.verify(str(dst))
+
+
+def test_export_to_pt_skips_per_rank_values_and_says_so(tmp_path, capsys, caplog):
+    src = str(tmp_path / "ck")
+    m = torch.nn.Linear(3, 2)
+    shardckpt.save({"model": m, "rng": shardckpt.RNGState(), "extra": shardckpt.PerRank({"seed": 1}), "step": 3}, src)
+    out = str(tmp_path / "x.pt")
+    with caplog.at_level("WARNING", logger="shardckpt"):
+        assert main(["export", src, out, "-q"]) == 0, capsys.readouterr().err
+    assert "skipped extra, rng" in caplog.text
+    got = torch.load(out, weights_only=True)
+    assert sorted(got) == ["model", "step"] and got["step"] == 3
+    assert torch.equal(got["model"]["weight"], m.weight.detach())

@@ -181,3 +181,18 @@ def test_torch_save_pickle_nested_100k_deep_is_our_error(tmp_path):
             zout.writestr(info, body if info.filename.endswith("data.pkl") else zin.read(info.filename))
     with pytest.raises(CheckpointError, match="nest"):
         converters.from_torch_save(deep, str(tmp_path / "out"))
+
+
+def test_load_does_not_follow_the_hf_index_out_of_the_directory(tmp_path):
+    from safetensors.torch import save_file
+
+    from shardckpt.errors import UnreadableFileError
+
+    ck, outside = tmp_path / "ck", tmp_path / "outside"
+    ck.mkdir()
+    outside.mkdir()
+    save_file({"a": torch.ones(3)}, str(ck / "model-00001-of-00001.safetensors"))
+    (outside / "idx.json").write_text(json.dumps({"metadata": {}, "weight_map": {"a": "model-00001-of-00001.safetensors"}}))
+    os.symlink(str(outside / "idx.json"), str(ck / "model.safetensors.index.json"))
+    with pytest.raises(UnreadableFileError, match="leading out of the checkpoint"):
+        shardckpt.load(None, str(ck))
