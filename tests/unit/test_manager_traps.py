@@ -139,3 +139,22 @@ def test_torchrun_without_a_group_hint_suits_the_manager(tmp_path, monkeypatch):
     with pytest.raises(UsageError) as ei:
         mgr.save(1, {"w": torch.ones(2)})
     assert "no_dist" not in str(ei.value) and "init_process_group" in str(ei.value)
+
+
+def test_meta_model_with_an_optimizer_built_before_load_is_a_clear_error(tmp_path):
+    m = torch.nn.Linear(3, 2)
+    o = torch.optim.Adam(m.parameters())
+    m(torch.ones(1, 3)).sum().backward()
+    o.step()
+    shardckpt.save({"model": m, "optim": o}, str(tmp_path / "ck"))
+    with torch.device("meta"):
+        m2 = torch.nn.Linear(3, 2)
+    o2 = torch.optim.Adam(m2.parameters())
+    with pytest.raises(UsageError, match="Build the optimizer after load"):
+        shardckpt.load({"model": m2, "optim": o2}, str(tmp_path / "ck"))
+    assert m2.weight.is_meta and not o2.state  # nothing half-loaded
+    # The documented order works: load the model, then build the optimizer and load it.
+    shardckpt.load({"model": m2}, str(tmp_path / "ck"), strict=False)
+    o3 = torch.optim.Adam(m2.parameters())
+    shardckpt.load({"model": m2, "optim": o3}, str(tmp_path / "ck"))
+    assert torch.equal(m2.weight, m.weight) and o3.state
