@@ -757,11 +757,22 @@ class CheckpointManager:
 
         Returns:
             The restored step, or None when nothing is committed (``state``
-            untouched).
+            untouched; a warning when the root does not even exist).
 
         Raises:
             CheckpointNotFoundError: ``step`` was given and is not committed.
-            CorruptCheckpointError / StateMismatchError: as :func:`shardckpt.load`.
+            NewerFormatError: the newest undamaged step was written by a newer
+                shardckpt (never a silent resume of an older step).
+            CorruptCheckpointError: every committed step is damaged and
+                ``initial_load_path`` is set (never a silent start over);
+                or as :func:`shardckpt.load`.
+            StateMismatchError: as :func:`shardckpt.load`.
+
+        Example:
+            >>> step = CheckpointManager("runs/a").restore({"model": model, "step": 0})  # doctest: +SKIP
+
+        Limits: a step directory whose manifest records another step is
+        skipped like damage (a hand copy).
         """
         self._check_open()
         s = None if step is None else _check_step(step)
