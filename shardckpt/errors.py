@@ -86,7 +86,11 @@ class StorageError(CheckpointError, OSError):
 
 
 class SaveFailedError(CheckpointError, RuntimeError):
-    """A collective save failed on at least one rank; nothing was committed."""
+    """A collective save failed on at least one rank; nothing was committed unless the message says "was committed".
+
+    A failure after the commit point (a peer killed once rank 0's manifest
+    was written) leaves the new checkpoint complete; the message then says so.
+    """
 
 
 class ConcurrentUseError(SaveFailedError):
