@@ -59,7 +59,7 @@ from shardckpt._layout import box_view
 from shardckpt._readers import BufferPool, SavedChunk, Want, read_verified
 from shardckpt._save import write_rank
 from shardckpt._storage import Storage
-from shardckpt.errors import CheckpointExistsError, ChecksumMismatchError
+from shardckpt.errors import CheckpointExistsError, ChecksumMismatchError, format_offenders
 
 from ._options import ConvertResult, Progress, parse_dtype  # noqa: F401  (parse_dtype: the manager imports it from here)
 from ._source import BLOCK_BYTES, Block, OutEntry, Source, SrcChunk, SrcTensor, block_bytes_for, plan_blocks, whole_entry
@@ -400,6 +400,18 @@ def write_native(
     dst = Storage(dst_url, storage_options=storage_options)
     if dst.exists(MANIFEST_NAME) and not overwrite:
         raise CheckpointExistsError(f"{dst.url_of(MANIFEST_NAME)} already exists; pass overwrite=True to replace it")
+    if not overwrite:
+        try:
+            there = dst.listdir("")
+        except (FileNotFoundError, NotADirectoryError):
+            there = []
+        if there:
+            # Someone's directory (another run, a DCP checkpoint, a typo): a
+            # conversion does not mix its files into it unasked.
+            raise CheckpointExistsError(
+                f"{dst.url} is not empty (it holds {format_offenders(there, limit=5)}); write the output to a new "
+                "directory, or pass overwrite=True to write into this one"
+            )
     save_id = uuid.uuid4().hex
     block_bytes = _knobs.BLOCK_BYTES
     # Headers stay under the limit, as save's files do.

@@ -18,10 +18,11 @@ the safetensors headers. Non-tensor items (step counters, lists...) are
 
 from __future__ import annotations
 
+import contextlib
 import io
 import math
 import pickle
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -31,6 +32,7 @@ from shardckpt._io import DEFAULT_IO_THREADS
 from shardckpt._plan import Box, check_cover
 from shardckpt._storage import Storage
 from shardckpt.errors import (
+    CheckpointError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
     UnsafeMetadataError,
@@ -38,7 +40,7 @@ from shardckpt.errors import (
     format_offenders,
 )
 
-from ._options import ConvertResult
+from ._options import ConvertResult, check_apart
 from ._safetensors import arrange_imported
 from ._source import SrcChunk
 from ._torch_save import _memory_chunk, _write_imported, chunk_of, load_meta, source_from_state, weights_only_load
@@ -207,6 +209,21 @@ class DCPUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError("persistent ids are not allowed in DCP metadata")
 
 
+@contextlib.contextmanager
+def _malformed(where: str) -> Iterator[None]:
+    """Our error for DCP metadata whose objects are not what DCP writes (an int where an index goes, a path nested 100k deep).
+
+    The restricted unpickler admits DCP's classes, but not the types of their
+    fields: walking them may raise anything a wrong type raises.
+    """
+    try:
+        yield
+    except CheckpointError:
+        raise
+    except (TypeError, AttributeError, ValueError, KeyError, IndexError, RecursionError, OverflowError) as e:
+        raise CorruptCheckpointError(f"{where}: malformed DCP metadata ({type(e).__name__}: {str(e)[:200]})") from None
+
+
 def read_dcp_metadata(storage: Storage) -> Any:
     """Read and validate ``.metadata``; returns DCP's ``Metadata`` object.
 
@@ -364,72 +381,74 @@ def from_dcp(
     Example:
         >>> converters.from_dcp("dcp_ckpt/", "native_ckpt/")     # doctest: +SKIP
     """
+    check_apart(src, dst)
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     storage = Storage(src, storage_options=storage_options)
     md = read_dcp_metadata(storage)
     where = storage.url
-    index: Dict[Tuple[str, Optional[Tuple[int, ...]]], Any] = {}
-    for k, info in md.storage_data.items():
-        off = tuple(k.offset) if k.offset is not None else None
-        index[(k.fqn, off)] = info
-    sizes: Dict[str, int] = {}
-    formats: Dict[str, Any] = {}
+    with _malformed(where):
+        index: Dict[Tuple[str, Optional[Tuple[int, ...]]], Any] = {}
+        for k, info in md.storage_data.items():
+            off = tuple(k.offset) if k.offset is not None else None
+            index[(k.fqn, off)] = info
+        sizes: Dict[str, int] = {}
+        formats: Dict[str, Any] = {}
 
-    def file_info(rel: str, offset: Optional[int] = None):
-        """Size of ``rel``, and how the item at ``offset`` is stored: "zip" or the file's safetensors header."""
-        if rel not in sizes:
-            try:
-                sizes[rel] = storage.size(rel)
-            except (FileNotFoundError, NotADirectoryError):
-                raise CorruptCheckpointError(f"{storage.url_of(rel)}: data file is missing") from None
-        if offset is None:
-            return sizes[rel], None
-        head = storage.read_range(rel, offset, min(4, max(0, sizes[rel] - offset)))
-        if head == b"PK\x03\x04":
-            return sizes[rel], "zip"
-        # DCP's safetensors serialization: one safetensors file per rank,
-        # items found by name in its header (the recorded offsets are not used).
-        if rel not in formats:
-            try:
-                formats[rel] = read_safetensors_header(storage, rel, sizes[rel])
-            except CorruptCheckpointError as e:
-                raise UnsupportedStateError(
-                    f"{storage.url_of(rel)}: neither torch.save items nor a safetensors file ({e}); "
-                    "DCP's safetensors serialization with non-tensor items in the same file is not supported"
-                ) from None
-        return sizes[rel], formats[rel]
+        def file_info(rel: str, offset: Optional[int] = None):
+            """Size of ``rel``, and how the item at ``offset`` is stored: "zip" or the file's safetensors header."""
+            if rel not in sizes:
+                try:
+                    sizes[rel] = storage.size(rel)
+                except (FileNotFoundError, NotADirectoryError):
+                    raise CorruptCheckpointError(f"{storage.url_of(rel)}: data file is missing") from None
+            if offset is None:
+                return sizes[rel], None
+            head = storage.read_range(rel, offset, min(4, max(0, sizes[rel] - offset)))
+            if head == b"PK\x03\x04":
+                return sizes[rel], "zip"
+            # DCP's safetensors serialization: one safetensors file per rank,
+            # items found by name in its header (the recorded offsets are not used).
+            if rel not in formats:
+                try:
+                    formats[rel] = read_safetensors_header(storage, rel, sizes[rel])
+                except CorruptCheckpointError as e:
+                    raise UnsupportedStateError(
+                        f"{storage.url_of(rel)}: neither torch.save items nor a safetensors file ({e}); "
+                        "DCP's safetensors serialization with non-tensor items in the same file is not supported"
+                    ) from None
+            return sizes[rel], formats[rel]
 
-    leaves: Dict[str, Any] = {}
-    placeholders: Dict[int, List[SrcChunk]] = {}
-    missing = []
-    for fqn, smd in md.state_dict_metadata.items():
-        if isinstance(smd, TensorStorageMetadata):
-            shape = tuple(smd.size)
-            dtype = smd.properties.dtype
-            st_dtype = dtype_name(dtype, key=fqn)
-            chunks = []
-            for c in smd.chunks:
-                info = index.get((fqn, tuple(c.offsets)))
+        leaves: Dict[str, Any] = {}
+        placeholders: Dict[int, List[SrcChunk]] = {}
+        missing = []
+        for fqn, smd in md.state_dict_metadata.items():
+            if isinstance(smd, TensorStorageMetadata):
+                shape = tuple(smd.size)
+                dtype = smd.properties.dtype
+                st_dtype = dtype_name(dtype, key=fqn)
+                chunks = []
+                for c in smd.chunks:
+                    info = index.get((fqn, tuple(c.offsets)))
+                    if info is None:
+                        missing.append(f"{fqn}@{list(c.offsets)}")
+                        continue
+                    chunks.append(_tensor_chunk(storage, fqn, tuple(c.offsets), tuple(c.sizes), dtype, st_dtype, info, file_info))
+                why = check_cover(shape, [Box(c.offsets, c.sizes) for c in chunks])
+                if why and not missing:
+                    raise CorruptCheckpointError(f"{where}: {fqn}: chunks do not tile the tensor: {why}")
+                ph = torch.empty(shape, dtype=dtype, device="meta")
+                placeholders[id(ph)] = chunks
+                leaves[fqn] = ph
+            else:
+                info = index.get((fqn, None))
                 if info is None:
-                    missing.append(f"{fqn}@{list(c.offsets)}")
+                    missing.append(fqn)
                     continue
-                chunks.append(_tensor_chunk(storage, fqn, tuple(c.offsets), tuple(c.sizes), dtype, st_dtype, info, file_info))
-            why = check_cover(shape, [Box(c.offsets, c.sizes) for c in chunks])
-            if why and not missing:
-                raise CorruptCheckpointError(f"{where}: {fqn}: chunks do not tile the tensor: {why}")
-            ph = torch.empty(shape, dtype=dtype, device="meta")
-            placeholders[id(ph)] = chunks
-            leaves[fqn] = ph
-        else:
-            info = index.get((fqn, None))
-            if info is None:
-                missing.append(fqn)
-                continue
-            leaves[fqn] = _bytes_item(storage, fqn, info, file_info)
-    if missing:
-        raise CorruptCheckpointError(f"{where}: storage_data has no item for: {format_offenders(missing)}")
-    state = arrange_imported(_path_tree(md, leaves), prefix)
+                leaves[fqn] = _bytes_item(storage, fqn, info, file_info)
+        if missing:
+            raise CorruptCheckpointError(f"{where}: storage_data has no item for: {format_offenders(missing)}")
+        state = arrange_imported(_path_tree(md, leaves), prefix)
 
     def chunk_for(name, t):
         got = placeholders.get(id(t))

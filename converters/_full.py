@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import struct
 import threading
@@ -21,11 +22,13 @@ from shardckpt._storage import Storage
 from shardckpt.errors import CheckpointExistsError, UnsupportedStateError
 
 from ._common import WANT_BYTES, Reader, Streamer, run_parallel, write_plain
-from ._options import ConvertResult, Progress, out_dtype, parse_dtype, split_url
+from ._options import ConvertResult, Progress, check_apart, out_dtype, parse_dtype, split_url
 from ._safetensors import export_names
 from ._source import BLOCK_BYTES, OutEntry, open_checkpoint, whole_entry
 
 __all__ = ["to_full"]
+
+log = logging.getLogger("shardckpt")
 
 _PT_SUFFIXES = (".pt", ".pth", ".bin")
 
@@ -80,6 +83,7 @@ def to_full(
     Example:
         >>> converters.to_full("run/step-9", "model_full.safetensors")   # doctest: +SKIP
     """
+    check_apart(src, dst)
     source = open_checkpoint(src, storage_options)
     names = export_names(source, prefix=None, keys=keys, key_map=key_map)
     cast = parse_dtype(dtype)
@@ -129,7 +133,10 @@ def _placeholders(values: Any, by_name: Dict[str, OutEntry], flat: bool):
     if flat:
         return {e.key: ph(e) for e in by_name.values()}, names
 
-    def walk(node):
+    skip = object()
+    skipped: List[str] = []
+
+    def walk(node, path):
         if isinstance(node, dict):
             kind = node.get(TAG)
             if kind == "tensor":
@@ -137,22 +144,38 @@ def _placeholders(values: Any, by_name: Dict[str, OutEntry], flat: bool):
                 if e is None:
                     raise UnsupportedStateError(f"values refer to tensor {node.get('name')!r}, which the checkpoint lacks")
                 return ph(e)
+            if kind == "per_rank":
+                # One value per saving rank (RNGState, PerRank): a single
+                # file has no place for them, and a resumed job reads them
+                # from the checkpoint itself.
+                skipped.append(path or "<root>")
+                return skip
             if kind == "tuple":
-                return tuple(walk(x) for x in node["items"])
+                return tuple(x for x in (walk(x, f"{path}.{i}") for i, x in enumerate(node["items"])) if x is not skip)
             if kind == "dict":
-                return {decode_value(k): walk(v) for k, v in node["items"]}
+                out = ((decode_value(k), walk(v, f"{path}.{decode_value(k)}")) for k, v in node["items"])
+                return {k: v for k, v in out if v is not skip}
             if kind == "bytes":
                 # torch.load(weights_only=True) reads bytes but not io.BytesIO.
                 return bytes(decode_value(dict(node, io=False)))
             if kind is not None:
                 return decode_value(node)
-            return {k: walk(v) for k, v in node.items()}
+            out = ((k, walk(v, f"{path}.{k}" if path else k)) for k, v in node.items())
+            return {k: v for k, v in out if v is not skip}
         if isinstance(node, list):
-            return [walk(x) for x in node]
+            return [x for x in (walk(x, f"{path}.{i}") for i, x in enumerate(node)) if x is not skip]
         return node
 
-    obj = walk(values)
-    missing = set(by_name) - {e.src.name for e in names.values()}
+    obj = walk(values, "")
+    if obj is skip:
+        obj = {}
+    per_rank = tuple(f"{p}.@rank" for p in skipped)
+    missing = {n for n in set(by_name) - {e.src.name for e in names.values()} if not n.startswith(per_rank)}
+    if skipped:
+        log.warning(
+            "shardckpt: to_full: per-rank values (RNGState, PerRank) are not exported to a single file: skipped %s",
+            ", ".join(sorted(skipped)[:20]),
+        )
     if missing:
         # Tensors the values tree does not reach still belong in a full file.
         if not isinstance(obj, dict):

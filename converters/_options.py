@@ -9,9 +9,9 @@ from typing import Any, List, NamedTuple, Optional, Tuple
 import torch
 
 from shardckpt._format import DTYPES
-from shardckpt.errors import StorageError, UnsupportedStateError
+from shardckpt.errors import StorageError, UnsupportedStateError, UsageError
 
-__all__ = ["parse_size", "parse_dtype", "out_dtype", "FLOAT_DTYPES", "ConvertResult", "Progress", "split_url"]
+__all__ = ["parse_size", "parse_dtype", "out_dtype", "FLOAT_DTYPES", "ConvertResult", "Progress", "split_url", "check_apart"]
 
 
 _SIZE_UNITS = {
@@ -134,3 +134,42 @@ class Progress:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+
+
+def _place(url: str) -> str:
+    """``url`` as a comparable place: a local path resolved (symlinks, ``..``), a URL without its trailing slashes."""
+    if "://" in url and not url.startswith("file://"):
+        return url.rstrip("/")
+    path = url[len("file://") :] if url.startswith("file://") else url
+    return os.path.realpath(os.path.abspath(path))
+
+
+def check_apart(src: str, dst: str) -> None:
+    """Refuse a conversion whose output is its input, lies inside it, or holds it.
+
+    Writing (with ``overwrite``, removing the replaced weight files) under the
+    source would destroy the source while it is read; writing into a
+    directory that holds the source could remove the source's files too.
+
+    Raises:
+        UsageError: ``dst`` is ``src``, inside it, or above it.
+
+    Example:
+        >>> check_apart("ckpt", "ckpt/data")
+        Traceback (most recent call last):
+        ...
+        shardckpt.errors.UsageError: the output ckpt/data is inside the input ckpt; ...
+    """
+    if not isinstance(src, str) or not isinstance(dst, str):
+        return
+    s, d = _place(src), _place(dst)
+    sep = "/" if "://" in s else os.sep
+    if d == s:
+        why = "is the input"
+    elif d.startswith(s.rstrip(sep) + sep):
+        why = f"is inside the input {src}"
+    elif s.startswith(d.rstrip(sep) + sep):
+        why = f"holds the input {src}"
+    else:
+        return
+    raise UsageError(f"the output {dst} {why}; a conversion would overwrite what it reads. Write the output elsewhere")

@@ -11,7 +11,7 @@ from shardckpt._plan import Shard, layout_chunks, layout_to_json, regular_layout
 from shardckpt.errors import UnsupportedStateError
 
 from ._common import Reader, write_native
-from ._options import ConvertResult
+from ._options import ConvertResult, check_apart
 from ._source import OutEntry, open_checkpoint, whole_entry
 
 __all__ = ["reshard", "REPLICATED_FILE"]
@@ -64,6 +64,7 @@ def reshard(
     Example:
         >>> converters.reshard("run/step-500", "run/step-500-w8", world_size=8)   # doctest: +SKIP
     """
+    check_apart(src, dst)
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
     source = open_checkpoint(src, storage_options)

@@ -16,7 +16,7 @@ from shardckpt._storage import Storage, fsync_dir
 from shardckpt.errors import CheckpointExistsError, CheckpointNotFoundError, StateMismatchError, format_offenders
 
 from ._common import Reader, write_plain, write_whole
-from ._options import ConvertResult, out_dtype, parse_dtype, parse_size
+from ._options import ConvertResult, check_apart, out_dtype, parse_dtype, parse_size
 from ._source import OutEntry, Source, open_checkpoint, source_from_manifest, whole_entry
 
 __all__ = [
@@ -254,6 +254,7 @@ def to_safetensors(
         >>> from shardckpt import converters                      # doctest: +SKIP
         >>> converters.to_safetensors("ckpt/step-1000", "hf_out", dtype="bf16", max_shard_size="2GB")
     """
+    check_apart(src, dst)
     if tied not in TIED_CHOICES:
         raise ValueError(f"to_safetensors(tied={tied!r}): expected one of {', '.join(map(repr, TIED_CHOICES))}")
     source = open_checkpoint(src, storage_options)
@@ -547,6 +548,7 @@ def from_safetensors(
     Example:
         >>> converters.from_safetensors("Llama-3-8B/", "s3://b/llama-native")   # doctest: +SKIP
     """
+    check_apart(src, dst)
     storage = Storage(src, storage_options=storage_options)
     m = hf_manifest(storage)
     if m is None:

@@ -22,6 +22,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 
 from shardckpt._format import check_relpath, dtype_name
+from shardckpt._format.values import value_depth_problem
 from shardckpt._hf import KeyMap, map_names, select_names
 from shardckpt._io import DEFAULT_IO_THREADS
 from shardckpt._state import flatten_for_save
@@ -35,7 +36,7 @@ from shardckpt.errors import (
 )
 
 from ._common import write_whole
-from ._options import ConvertResult, split_url
+from ._options import ConvertResult, check_apart, split_url
 from ._safetensors import arrange_imported
 from ._source import Source, SrcChunk, SrcTensor
 
@@ -195,6 +196,12 @@ def _span(t: torch.Tensor) -> int:
     return 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()) if n > 0)
 
 
+#: Views of one storage (transposes, slices: each imported as its own tensor)
+#: may claim its bytes at most this many times over (beyond the slack below).
+MAX_SHARED_VIEWS = 8
+SHARED_VIEWS_SLACK_BYTES = 1 << 20
+
+
 def source_from_state(
     state: Dict[str, Any],
     chunk_for: Callable[[str, torch.Tensor], Sequence[SrcChunk]],
@@ -204,7 +211,22 @@ def source_from_state(
     kind: str,
     files: Optional[Dict[str, int]] = None,
 ) -> Source:
-    """Flatten a structure holding (meta) tensors into a Source, as a save of it would name them."""
+    """Flatten a structure holding (meta) tensors into a Source, as a save of it would name them.
+
+    Names that hold the same stored bytes (one tensor under N names, DCP
+    entries naming one stored item) become one tensor and references to it,
+    as a save of tied weights writes them: an import never writes (nor a
+    load allocates) N copies of one range. Views of one storage (a
+    transpose, a slice) stay tensors of their own, up to
+    ``MAX_SHARED_VIEWS`` times the stored bytes.
+
+    Raises:
+        CorruptCheckpointError: the structure nests deeper than ``MAX_VALUE_DEPTH``.
+        UnsafeMetadataError: views claim one storage's bytes more than ``MAX_SHARED_VIEWS`` times over.
+    """
+    deep = value_depth_problem(state)
+    if deep:  # every walker of the tree recurses: refuse before any does
+        raise CorruptCheckpointError(f"{url}: {deep}")
     flat = flatten_for_save(state)
     tensors = {}
     for name in sorted(flat.tensors):
@@ -212,7 +234,64 @@ def source_from_state(
         if not isinstance(t, torch.Tensor) or t.layout != torch.strided or t.is_sparse or t.is_quantized:
             raise UnsupportedStateError(f"{url}: {name}: only dense tensors can be imported, found {type(t).__name__} {getattr(t, 'layout', '')}")
         tensors[name] = SrcTensor(name=name, dtype=dtype_name(t.dtype, key=name), shape=tuple(t.shape), chunks=list(chunk_for(name, t)))
-    return Source(url=url, storage=storage, tensors=tensors, values=flat.tree, kind=kind, files=files)
+    values = _share_stored_bytes(tensors, flat.tree, url)
+    return Source(url=url, storage=storage, tensors=tensors, values=values, kind=kind, files=files)
+
+
+def _share_stored_bytes(tensors: Dict[str, SrcTensor], tree: Any, url: str) -> Any:
+    """Keep one tensor per stored byte range (the others become references to it in ``tree``); refuse partial overlaps.
+
+    ``tensors`` is edited in place; returns the tree with references renamed.
+    """
+    from shardckpt._format.values import TAG
+
+    first: Dict[Any, str] = {}
+    alias: Dict[str, str] = {}
+    for name in sorted(tensors):
+        t = tensors[name]
+        if any(c.loader is not None for c in t.chunks):
+            continue  # a strided view: its bytes are not one range (checked for overlaps below)
+        sig = (t.dtype, t.shape, tuple((c.file, c.byte_offset, c.nbytes, c.offsets, c.sizes) for c in t.chunks))
+        if not t.chunks or not any(c.nbytes for c in t.chunks):
+            continue
+        if sig in first:
+            alias[name] = first[sig]
+        else:
+            first[sig] = name
+    for name in alias:
+        del tensors[name]
+    # Views of one storage (a transpose, a slice) legitimately share bytes;
+    # hundreds of them over one range is an amplification, not a state dict.
+    claims: Dict[str, List[Tuple[int, int]]] = {}
+    for t in tensors.values():
+        for c in t.chunks:
+            if c.file and c.nbytes:
+                claims.setdefault(c.file, []).append((c.byte_offset, c.byte_offset + c.nbytes))
+    for file, ranges in sorted(claims.items()):
+        claimed, covered, end = sum(b - a for a, b in ranges), 0, -1
+        for a, b in sorted(ranges):
+            covered += max(0, b - max(a, end))
+            end = max(end, b)
+        if claimed > MAX_SHARED_VIEWS * covered and claimed - covered > SHARED_VIEWS_SLACK_BYTES:
+            raise UnsafeMetadataError(
+                f"{url}: tensors claim {claimed} bytes of the {covered} bytes stored in {file} (views of one storage, "
+                f"more than {MAX_SHARED_VIEWS} times over): an import would write every copy. Save each tensor with "
+                "its own storage (.clone()) to import it"
+            )
+    if not alias:
+        return tree
+    # Rename references to the dropped names (iterative: the depth was checked, but stay flat anyway).
+    root = [tree]
+    stack: List[Any] = [root]
+    while stack:
+        node = stack.pop()
+        items = node.items() if isinstance(node, dict) else enumerate(node)
+        for k, v in list(items):
+            if isinstance(v, dict) and v.get(TAG) == "tensor" and v.get("name") in alias:
+                node[k] = dict(v, name=alias[v["name"]])
+            elif isinstance(v, (dict, list)):
+                stack.append(v)
+    return root[0]
 
 
 def _memory_chunk(name: str, t: torch.Tensor) -> SrcChunk:
@@ -342,6 +421,7 @@ def from_torch_save(
         >>> converters.from_torch_save("model.pt", "ckpt-native")     # doctest: +SKIP
     """
     storage, bases = _torch_save_files(src, storage_options)
+    check_apart(src, dst)
     obj: Dict[str, Any] = {}
     located: Dict[int, Callable[[str, torch.Tensor], Any]] = {}
     files: Dict[str, int] = {}

@@ -98,7 +98,7 @@ def resume_single(root: str) -> None:
     print(f"resumed step {state['step']} on 1 process; outputs match the sharded run exactly")
 
     m = shardckpt.inspect(ckpt)
-    print(f"checkpoint: {len(m.tensors)} tensors, {m.total_bytes / 1e6:.2f} MB, saved by {m.world_size} ranks, {len(m.files)} data files")
+    print(f"checkpoint: {len(m.tensors)} tensors, {m.total_bytes / 1e6:.2f} MB, saved by {m.world_size} ranks, {len(m.data_files)} data files")
     for name in list(m.tensors)[:4]:
         t = m.tensors[name]
         print(f"  {name:32s} {t.dtype:5s} {str(t.shape):12s} {len(t.chunks)} chunk(s)")

@@ -48,6 +48,7 @@ from .errors import (
     CorruptCheckpointError,
     LoadFailedError,
     StateMismatchError,
+    UsageError,
     format_offenders,
 )
 
@@ -261,6 +262,7 @@ def load(
         # only the index files of the ranks that wrote them are read).
         from ._hf import with_aliases
 
+        _refuse_meta_optimizers(state)
         manifest = read_manifest(storage, chunks=False)
         if keys is not None or key_map is not None or manifest.extra.get("source") == "safetensors":
             from ._format._v2 import materialize
@@ -308,6 +310,32 @@ def load(
     for fn in plan.finalizers:
         fn()
     return plan.result
+
+
+def _refuse_meta_optimizers(state: Any) -> None:
+    """Refuse, before anything loads, an optimizer built over meta-device parameters.
+
+    Loading materializes a meta model by installing new parameter tensors;
+    an optimizer built before holds the old meta ones, so its state could
+    not be matched (and the model would be loaded, the optimizer not).
+    """
+    stack, seen = [(state, "")], 0
+    while stack and seen < 10_000:
+        node, path = stack.pop()
+        seen += 1
+        if isinstance(node, torch.optim.Optimizer):
+            meta = [i for i, g in enumerate(node.param_groups) for p in g.get("params", ()) if getattr(p, "is_meta", False)]
+            if meta:
+                raise UsageError(
+                    f"{path or 'state'}: the optimizer holds parameters on the meta device (param group(s) "
+                    f"{sorted(set(meta))[:10]}): load installs new parameter tensors into a meta model, which an "
+                    "optimizer built before does not hold. Build the optimizer after load(), or materialize the "
+                    "model first (model.to_empty(device=...)) and build the optimizer on it; nothing was loaded"
+                )
+        elif isinstance(node, dict):
+            stack.extend((v, f"{path}.{k}" if path else str(k)) for k, v in node.items())
+        elif isinstance(node, (list, tuple)):
+            stack.extend((v, f"{path}.{i}") for i, v in enumerate(node))
 
 
 def _needed_files(plan: LoadPlan) -> Dict[str, int]:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import errno
 import logging
 import operator
+import os
 import re
 import time
 import uuid
@@ -41,6 +42,7 @@ from .errors import (
     ConcurrentUseError,
     CorruptCheckpointError,
     LoadFailedError,
+    NewerFormatError,
     SaveFailedError,
     StorageError,
     UsageError,
@@ -63,6 +65,11 @@ _STEP_RE = re.compile(r"^step-(\d+)$")
 #: process are one job (one save in flight per process, ``_async``): their
 #: steps are never "another writer's" to each other.
 _SAVED_IN_PROCESS: Dict[str, Set[int]] = {}
+
+#: Root URL -> token of the manager of this process that saved there last. A
+#: manager that saved before and finds another's token was taken over by a
+#: second manager on its root in this process (see ``_claim``).
+_ROOT_OWNER: Dict[str, str] = {}
 
 #: Attempts of restore() when the step it picked is deleted while it loads (another process's retention).
 RESTORE_ATTEMPTS = 3
@@ -173,13 +180,19 @@ def _is_damage(e: BaseException) -> bool:
     return isinstance(e, (ValueError, TypeError, KeyError, RecursionError, UnicodeError))
 
 
+#: Largest step number (int64, what trainers count in): a bigger one has no directory name to write.
+MAX_STEP = 2**63 - 1
+
+
 def _check_step(step: Any) -> int:
     try:
         value = operator.index(step)  # ints, numpy ints, 0-d int tensors
     except TypeError:
         value = -1
-    if isinstance(step, bool) or value < 0:
-        raise ValueError(f"step must be a non-negative int, got {step!r}")
+    if isinstance(step, bool) or not 0 <= value <= MAX_STEP:
+        # repr of a 5,000-digit int would itself raise: show its size instead.
+        shown = f"an int of {value.bit_length()} bits" if value > MAX_STEP else repr(step)[:80]
+        raise UsageError(f"step must be a non-negative int (at most 2**63 - 1), got {shown}")
     return value
 
 
@@ -321,6 +334,7 @@ class CheckpointManager:
         # Rank 0: committed steps this manager has seen or saved (None until
         # its first save); any other step that appears is another writer's.
         self._known: Optional[Set[int]] = None
+        self._token = uuid.uuid4().hex
 
     def __repr__(self) -> str:
         return f"CheckpointManager({self.root_url!r}, keep_last={self.keep_last}, keep_every={self.keep_every}, async_save={self.async_save})"
@@ -337,7 +351,18 @@ class CheckpointManager:
         return self._comm(op).rank
 
     def _comm(self, op: str, error=SaveFailedError) -> Comm:
-        return open_comm(self.process_group, collective_timeout_s=self.collective_timeout_s, op=op, error=error)
+        try:
+            return open_comm(self.process_group, collective_timeout_s=self.collective_timeout_s, op=op, error=error)
+        except UsageError as e:
+            if "no_dist" not in str(e):
+                raise
+            # open_comm's hint (no_dist=True) is for save/load: the manager takes no such argument.
+            raise UsageError(
+                f"{op}: WORLD_SIZE={os.environ.get('WORLD_SIZE')} (a torchrun job) but no process group is initialised, "
+                "so the ranks would race on one root. Call torch.distributed.init_process_group() before the "
+                "manager's first save/restore (every rank then calls it together); for one process alone, run it "
+                "without torchrun (WORLD_SIZE unset or 1)"
+            ) from None
 
     # -- listing ----------------------------------------------------------------
 
@@ -470,6 +495,16 @@ class CheckpointManager:
         other's steps. Every step that appears without this manager saving
         it is another writer's: this manager then stops saving there.
         """
+        owner = _ROOT_OWNER.get(self.root_url)
+        if self._known is not None and owner is not None and owner != self._token:
+            # Across processes the steps tell (below); in one process the steps
+            # of every manager count as this job's, so the owner token does.
+            raise ConcurrentUseError(
+                f"save of step {step} refused: another CheckpointManager of this process saved under "
+                f"{self.root_url} since this one's last save. Two managers must not save under one root (the "
+                "retention of one deletes what the other saves). This manager saves no more there; restore() "
+                "still works. Keep one manager per root (close() the old one), or give each its own root_url"
+            )
         foreign = self._foreign_steps()
         if foreign:
             raise ConcurrentUseError(
@@ -479,6 +514,7 @@ class CheckpointManager:
                 "restore() still works. Give each run its own root_url, or stop the other one"
             )
         self._known.add(step)
+        _ROOT_OWNER[self.root_url] = self._token
         _SAVED_IN_PROCESS.setdefault(self.root_url, set()).add(step)
 
     # -- save (engine) ---------------------------------------------------------------
@@ -629,6 +665,14 @@ class CheckpointManager:
     def _validate(self, step: int) -> None:
         st = self.root.child(step_dir_name(step))
         m = read_manifest(st)
+        saved = m.extra.get("step") if isinstance(m.extra, dict) else None
+        # A step directory copied or renamed by hand holds another step's state:
+        # resuming it would restart the schedule at the wrong step.
+        if isinstance(saved, int) and not isinstance(saved, bool) and saved != step:
+            raise CorruptCheckpointError(
+                f"{st.url} holds the checkpoint of step {saved} (its manifest says so), not of step {step}; "
+                f"was the directory renamed or copied? Move it back to {step_dir_name(saved)} or delete it"
+            )
         if self.check_files:
             check_files(st, {rel: f.size for rel, f in m.files.items()})
 
@@ -649,17 +693,52 @@ class CheckpointManager:
                 )
             self._validate(step)
             return step
+        if not committed:
+            self._say_why_empty()
+            return None
+        skipped: List[str] = []
         for s in reversed(committed):
             try:
                 self._validate(s)
                 return s
+            except NewerFormatError as e:
+                # Not damage: a newer shardckpt wrote it. Resuming an older
+                # step instead would silently throw training away.
+                raise NewerFormatError(
+                    f"step {s} under {self.root_url} (the newest undamaged step) cannot be restored by this shardckpt: {e}. "
+                    f"To resume from an older step on purpose, pass restore(state, step=N)"
+                ) from None
             except Exception as e:
                 if not _is_damage(e):
                     if isinstance(e, CheckpointError):
                         raise
                     raise StorageError(f"cannot read step {s} under {self.root_url}: {type(e).__name__}: {e}") from e
                 log.warning("shardckpt: skipping step %d, it cannot be restored: %s: %s", s, type(e).__name__, e)
+                skipped.append(f"step {s}: {type(e).__name__}: {str(e)[:300]}")
+        if self.initial_load_path is not None:
+            # The run has steps of its own: starting again from the initial
+            # weights would silently discard all of its training.
+            raise CorruptCheckpointError(
+                f"every committed step under {self.root_url} is damaged, so restore() will not start over from "
+                f"initial_load_path={self.initial_load_path!r} (that would discard the run's training). "
+                f"{format_offenders(skipped)}. Repair or delete the damaged steps (shardckpt verify), or restore one "
+                "with restore(state, step=N)"
+            )
         return None
+
+    def _say_why_empty(self) -> None:
+        """Rank 0, nothing committed: warn when the root does not even exist (a typo would restart the run)."""
+        try:
+            exists = self.root.exists("")
+        except Exception:
+            return
+        if not exists:
+            from ._format.committed import _nearby
+
+            log.warning(
+                "shardckpt: CheckpointManager.restore: %s does not exist: nothing to restore, the run starts fresh "
+                "(check the path for a typo if it should resume)%s", self.root_url, _nearby(self.root),
+            )
 
     def restore(self, state: Dict[str, Any], step: Optional[int] = None, **load_kw: Any) -> Optional[int]:
         """Load the newest restorable step (or ``step``) into ``state`` in place (collective).
@@ -678,11 +757,22 @@ class CheckpointManager:
 
         Returns:
             The restored step, or None when nothing is committed (``state``
-            untouched).
+            untouched; a warning when the root does not even exist).
 
         Raises:
             CheckpointNotFoundError: ``step`` was given and is not committed.
-            CorruptCheckpointError / StateMismatchError: as :func:`shardckpt.load`.
+            NewerFormatError: the newest undamaged step was written by a newer
+                shardckpt (never a silent resume of an older step).
+            CorruptCheckpointError: every committed step is damaged and
+                ``initial_load_path`` is set (never a silent start over);
+                or as :func:`shardckpt.load`.
+            StateMismatchError: as :func:`shardckpt.load`.
+
+        Example:
+            >>> step = CheckpointManager("runs/a").restore({"model": model, "step": 0})  # doctest: +SKIP
+
+        Limits: a step directory whose manifest records another step is
+        skipped like damage (a hand copy).
         """
         self._check_open()
         s = None if step is None else _check_step(step)

@@ -400,12 +400,29 @@ def execute_save(plan: SavePlan) -> None:
             dict(plan.per_rank_specs),
         )
 
+    # Rank 0: how far its commit got ("before", "writing", "committed"): the
+    # commit point is decided here, once, and the failure branch reads it.
+    stage = ["before"]
+
     def commit_on_root(gathered) -> None:
         if rank != 0:
             return
         try:
-            _commit(plan, gathered, save_id)
+            _commit(plan, gathered, save_id, progress=lambda s: stage.__setitem__(0, s))
         except Exception as e:
+            landed = _commit_landed(storage, save_id, stage[0])
+            if landed:
+                # The manifest is ours (written, then an error: a lost PUT
+                # answer, a failed clean-up of the replaced files): the save
+                # is done, whatever the error says.
+                log.warning("shardckpt: %s was committed (the manifest names this save), then: %s: %s", storage.url, type(e).__name__, e)
+                return
+            if landed is None:
+                raise SaveFailedError(
+                    f"cannot tell whether {storage.url} was committed: the manifest write failed ({type(e).__name__}: "
+                    f"{e}) and the manifest cannot be read back; this save's files are kept. Run "
+                    f"shardckpt.verify({storage.url!r}) to see which checkpoint is there"
+                ) from e
             if isinstance(e, OSError) and not isinstance(e, CheckpointError):
                 err = _write_failed(e, storage, "commit failed")
                 raise err from err.__cause__
@@ -415,15 +432,25 @@ def execute_save(plan: SavePlan) -> None:
         _, gathered = agree(comm, write, what=f"nothing was committed at {storage.url}", share=lambda v: v, mode=TO_ROOT)
         agree(comm, lambda: commit_on_root(gathered), what=f"save to {storage.url} failed")
     except BaseException as e:
-        # A peer can miss rank 0's verdict although rank 0 committed (rank 0
-        # died just after, taking the store with it): removing this rank's
-        # files would then break a committed checkpoint. Remove them only
-        # when the manifest is known not to be this save's.
-        committed = _committed_by(storage, save_id) if rank != 0 else False
+        # The commit point: once rank 0's manifest write passed it, no rank
+        # removes a file the manifest names (with overwrite, the replaced
+        # checkpoint's files may already be gone: this save's are all there
+        # is). Rank 0 knows how far its commit got (and reads the manifest
+        # back when the write's outcome is unknown); a peer can miss rank 0's
+        # verdict although rank 0 committed (rank 0 died just after, taking
+        # the store with it) and reads the manifest back. Files are removed
+        # only when the manifest is known not to be this save's.
+        committed = _commit_landed(storage, save_id, stage[0]) if rank == 0 else _committed_by(storage, save_id)
         if committed and isinstance(e, Exception):
-            log.warning("shardckpt: %s was committed, then a peer failed: %s", storage.url, e)
-            return
-        if committed is not False:  # committed, or cannot tell: the files stay (cleanup() removes leftovers)
+            if rank != 0:
+                log.warning("shardckpt: %s was committed, then a peer failed: %s", storage.url, e)
+                return
+            raise SaveFailedError(
+                f"{storage.url} was committed (complete: its manifest names only files every rank had written; "
+                f"it is this save's and it loads), then a rank failed. What the failure said (about what came "
+                f"after the commit, which stands): {e}"
+            ) from e
+        if committed is not False:  # committed (an interrupt), or cannot tell: the files stay (cleanup() removes leftovers)
             raise
         for rel in list(files) + [index_rel]:
             try:
@@ -510,7 +537,21 @@ def _committed_by(storage: Storage, save_id: str) -> Optional[bool]:
         return None
 
 
-def _commit(plan: SavePlan, gathered, save_id: str) -> None:
+def _commit_landed(storage: Storage, save_id: str, stage: str) -> Optional[bool]:
+    """Rank 0: whether its commit passed the commit point, from how far it got (``commit``'s progress).
+
+    Before the manifest write: False. After it returned: True. In between
+    (the write raised or was interrupted: a lost PUT answer, Ctrl-C right
+    after the rename) only the manifest there can say: ``_committed_by``.
+    """
+    if stage == "before":
+        return False
+    if stage == "committed":
+        return True
+    return _committed_by(storage, save_id)
+
+
+def _commit(plan: SavePlan, gathered, save_id: str, progress: Optional[Callable[[str], None]] = None) -> None:
     """Rank 0: build the manifest from every rank's chunks and write it last (the commit)."""
     storage = plan.storage
     layouts = dict(plan.layouts)
@@ -524,7 +565,7 @@ def _commit(plan: SavePlan, gathered, save_id: str) -> None:
     per_rank = [g[3] for g in gathered]
     if any(p is not None for p in per_rank):
         manifest.extra["per_rank"] = per_rank
-    commit(storage, manifest, replace=plan.overwrite)
+    commit(storage, manifest, replace=plan.overwrite, progress=progress)
 
 
 def stage_save(plan: SavePlan, copy: Callable[[List[torch.Tensor]], List[torch.Tensor]]) -> SavePlan:

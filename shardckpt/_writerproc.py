@@ -150,6 +150,17 @@ def usable_for(storage) -> bool:
     return True
 
 
+#: The child's program. ``python -c`` puts the current directory first on
+#: ``sys.path``: a ``torch.py`` or ``shardckpt.py`` there would run in the
+#: child. ``sys`` is built in (no file can stand for it); the child drops that
+#: entry before importing anything else. (``-P`` does this from Python 3.11 on;
+#: ``-I`` would also drop ``PYTHONPATH``, which locates this copy of shardckpt.)
+_CHILD_CODE = (
+    "import sys; sys.path[:] = [p for p in sys.path if p not in ('', '.')]; "
+    "from shardckpt._writerproc import child_main; child_main()"
+)
+
+
 class ProcessWriter:
     """A persistent writer child and the socket to it; ``write_files`` has ``_io.write_files``'s signature."""
 
@@ -177,7 +188,7 @@ class ProcessWriter:
         env["CUDA_VISIBLE_DEVICES"] = ""
         try:
             proc = subprocess.Popen(
-                [sys.executable, "-c", "from shardckpt._writerproc import child_main; child_main()"],
+                [sys.executable, "-c", _CHILD_CODE],
                 pass_fds=[child.fileno()],
                 env=env,
                 stdin=subprocess.DEVNULL,

@@ -13,6 +13,7 @@ __all__ = [
     "CheckpointError",
     "CorruptCheckpointError",
     "ChecksumMismatchError",
+    "NewerFormatError",
     "CheckpointNotFoundError",
     "CheckpointExistsError",
     "StateMismatchError",
@@ -39,6 +40,10 @@ class CheckpointError(Exception):
 
 class CorruptCheckpointError(CheckpointError, ValueError):
     """Saved bytes or metadata are damaged, truncated, missing or inconsistent."""
+
+
+class NewerFormatError(CorruptCheckpointError):
+    """The checkpoint was written by a newer shardckpt (a format version this one does not read): upgrade shardckpt."""
 
 
 class ChecksumMismatchError(CorruptCheckpointError):
@@ -81,7 +86,11 @@ class StorageError(CheckpointError, OSError):
 
 
 class SaveFailedError(CheckpointError, RuntimeError):
-    """A collective save failed on at least one rank; nothing was committed."""
+    """A collective save failed on at least one rank; nothing was committed unless the message says "was committed".
+
+    A failure after the commit point (a peer killed once rank 0's manifest
+    was written) leaves the new checkpoint complete; the message then says so.
+    """
 
 
 class ConcurrentUseError(SaveFailedError):

@@ -42,6 +42,13 @@ MAX_INDEX_FILE_BYTES = 1 << 30
 MAX_BLOCK_BYTES = 1 << 34
 MIN_BLOCK_BYTES = 4096
 _LISTED = 20
+#: Shard coordinates a regular layout record may enumerate: at least this
+#: many, or more when more ranks wrote index files. Reading a layout costs one
+#: step per coordinate, so a 600-byte crafted record naming 2**24 shards must
+#: be refused before anything enumerates it; a real save's coordinates are at
+#: most its ranks, nearly all of which write an index file.
+MIN_SHARD_BOUND = 1 << 16
+SHARDS_PER_INDEX = 4
 
 
 def _bad(where: str, what: str) -> CorruptCheckpointError:
@@ -146,6 +153,12 @@ def manifest_v2_from_raw(raw: Dict[str, Any], where: str) -> Manifest:
                 raise _bad(tw, f"mesh {mesh} does not have the {n} ranks of mesh shape {list(lay.mesh_shape)}")
             if not 0 <= rot < n:
                 raise _bad(tw, f"rotation {rot} outside 0..{n - 1}")
+            shards, bound = _shard_count(lay), max(MIN_SHARD_BOUND, SHARDS_PER_INDEX * len(indexes))
+            if shards > bound:
+                raise UnsafeMetadataError(
+                    f"{tw}: its layout record has {shards} shard coordinates, more than the {bound} allowed for "
+                    f"{len(indexes)} index files (a crafted manifest; reading it would take one step per coordinate)"
+                )
             t.regular = reg
         else:
             writers = _req(tm, "writers", list, tw)
@@ -176,6 +189,12 @@ def _regular_of(reg: Dict[str, Any], shape: List[int], where: str):
         return _plan.layout_from_json({"shape": list(shape), "mesh_shape": reg.get("mesh_shape"), "placements": reg.get("placements")})
     except ValueError as e:
         raise _bad(where, f"invalid layout record: {e}") from None
+
+
+def _shard_count(lay) -> int:
+    from .. import _plan
+
+    return _plan.shard_count(lay)
 
 
 def regular_of(t: TensorMeta):

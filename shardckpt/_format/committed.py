@@ -16,7 +16,7 @@ from __future__ import annotations
 import difflib
 import json
 import posixpath
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedStateError, format_offenders
 from . import manifest as _manifest
@@ -49,7 +49,9 @@ def hf_index_bytes(m: Manifest) -> Optional[bytes]:
     return (json.dumps(index, indent=2, sort_keys=True) + "\n").encode()
 
 
-def commit(storage: Any, manifest: Manifest, *, replace: bool = False) -> None:
+def commit(
+    storage: Any, manifest: Manifest, *, replace: bool = False, progress: Optional[Callable[[str], None]] = None
+) -> None:
     """Commit ``manifest`` at ``storage``: the HF index (when whole), then ``manifest.json`` last, atomically.
 
     Every data file the manifest names must already be written and durable;
@@ -68,6 +70,11 @@ def commit(storage: Any, manifest: Manifest, *, replace: bool = False) -> None:
         storage: where the checkpoint lives.
         manifest: the complete manifest (``save_id`` set; chunks tile their tensors).
         replace: a committed checkpoint may be there and is being replaced.
+        progress: told how far the commit got, for a caller that must know
+            whether an error came before or after the commit point:
+            ``"writing"`` right before the manifest write (an error from here
+            on may come after the manifest landed: a lost PUT answer, an
+            interrupt after the rename), ``"committed"`` once it returned.
 
     Raises:
         CorruptCheckpointError: a named data file is missing or of the wrong
@@ -100,8 +107,12 @@ def commit(storage: Any, manifest: Manifest, *, replace: bool = False) -> None:
     prev = _read_optional(storage, HF_INDEX_NAME) if index is not None else None
     if index is not None:
         storage.write_atomic(HF_INDEX_NAME, index, create_dirs=create_dirs)
+    if progress is not None:
+        progress("writing")
     try:
         storage.write_atomic(MANIFEST_NAME, body, create_dirs=create_dirs)
+        if progress is not None:
+            progress("committed")
     except BaseException:
         if index is not None:
             _restore(storage, HF_INDEX_NAME, prev)

@@ -17,7 +17,7 @@ import json
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Dict, Optional
 
-from ..errors import CheckpointNotFoundError, CorruptCheckpointError, format_offenders
+from ..errors import CheckpointNotFoundError, CorruptCheckpointError, UnsafeMetadataError, format_offenders
 from .header import read_safetensors_header
 from .manifest import ChunkMeta, FileMeta, Manifest, TensorMeta, check_relpath
 from .naming import HF_INDEX_NAME, MANIFEST_NAME
@@ -118,6 +118,17 @@ def hf_manifest(storage: Any) -> Optional[Manifest]:
             )
     if wanted is not None:
         missing = sorted(k for k in wanted if k not in tensors)
+    # Entries sharing bytes would import (and load) as copies of one range: a
+    # small file allocating hundreds of times its size. The safetensors
+    # library refuses them too.
+    from .._plan import shared_byte_ranges
+
+    clashes = shared_byte_ranges(
+        (c.file, c.byte_offset, c.nbytes, repr(name)) for name, t in tensors.items() for c in t.chunks
+    )
+    if clashes:
+        listed = "; ".join(f"{k.file} bytes [{k.start}, {k.stop}) claimed by {k.first} and {k.second}" for k in clashes)
+        raise UnsafeMetadataError(f"{storage.url}: safetensors entries share file bytes (a damaged or crafted file): {listed}")
     if dup:
         raise CorruptCheckpointError(f"{storage.url}: tensors stored in more than one file: {format_offenders(dup)}")
     if missing:

@@ -14,7 +14,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
-from ..errors import CorruptCheckpointError, UnsafeMetadataError
+from .._version import __version__
+from ..errors import CorruptCheckpointError, NewerFormatError, UnsafeMetadataError
 from .dtypes import DTYPES, itemsize
 from .naming import MANIFEST_NAME
 from .values import value_depth_problem
@@ -389,7 +390,13 @@ def manifest_from_bytes(data: bytes, *, url: str = "") -> Manifest:
     if not isinstance(raw, dict) or raw.get("format") != FORMAT_NAME:
         raise CorruptCheckpointError(f"{where}: not a shardckpt manifest (format={raw.get('format') if isinstance(raw, dict) else None!r})")
     version = _req(raw, "format_version", int, where)
-    if version > FORMAT_VERSION or version < 1:
+    if version > FORMAT_VERSION:
+        raise NewerFormatError(
+            f"{where}: format_version {version} was written by a newer shardckpt "
+            f"({str(raw.get('library_version', '?'))[:40]}); this one ({__version__}) reads versions 1..{FORMAT_VERSION}: "
+            "upgrade shardckpt"
+        )
+    if version < 1:
         raise CorruptCheckpointError(
             f"{where}: format_version {version} is not supported by this shardckpt "
             f"(reads versions 1..{FORMAT_VERSION}); upgrade shardckpt"

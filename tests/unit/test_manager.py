@@ -460,16 +460,25 @@ def test_a_second_manager_is_refused_once_its_steps_appear(tmp_path):
     _assert_state(s, _snapshot(_state(4)))
 
 
-def test_managers_of_one_process_are_one_job(tmp_path):
-    # A sync and an async manager of the same job, used in turn: neither is refused.
+def test_managers_of_one_process_take_over_not_interleave(tmp_path):
+    # Two managers of one process on one root (issue 20): the second to save
+    # takes the root over (as a restarted run would); the first is then refused
+    # (their retentions would delete each other's steps).
+    from shardckpt.errors import ConcurrentUseError
+
     root = str(tmp_path)
     a = shardckpt.CheckpointManager(root, keep_last=3)
     b = shardckpt.CheckpointManager(root, keep_last=3, async_save=True)
     a.save(1, _state(1))
     b.save(2, _state(2)).result()
-    a.save(3, _state(3))
+    with pytest.raises(ConcurrentUseError, match="another CheckpointManager of this process"):
+        a.save(3, _state(3))
     b.save(4, _state(4)).result()
-    assert a.steps() == [2, 3, 4]
+    assert a.steps() == [1, 2, 4]
+    a.close()
+    c = shardckpt.CheckpointManager(root, keep_last=3)  # a restart in the same process
+    c.save(5, _state(5))
+    assert c.steps() == [2, 4, 5]
 
 
 def test_retention_is_skipped_once_another_writer_commits(tmp_path, caplog):
