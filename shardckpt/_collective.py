@@ -570,7 +570,7 @@ def _dead_message(comm: Comm, what: str, dead: Sequence[int]) -> str:
         f"{what}: {who} of {comm.world} stopped during {comm.op} (no heartbeat for "
         f"{_knobs.LIVENESS_TIMEOUT_S:g} s, or the store it hosts is unreachable): the process died, was killed "
         "or is frozen. The other ranks gave up without waiting for collective_timeout_s; restart the job "
-        "(a checkpoint being written was not committed, the previous ones are intact)"
+        "(committed checkpoints are intact; the opening of this message says whether this one was committed)"
     )
 
 
