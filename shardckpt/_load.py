@@ -22,6 +22,7 @@ Load (two agreements between ranks, no other collective):
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple, Union
@@ -276,14 +277,27 @@ def load(
         else:
             manifest = with_aliases(manifest)
         plan = _plan_load(
-            state, manifest, strict=strict, rank=comm.rank, world=comm.world, local_only=comm.no_dist, storage=storage, cast=cast
+            state, manifest, strict=strict, rank=comm.rank, world=comm.world, local_only=comm.no_dist, storage=storage, cast=cast,
+            union=union,
         )
         check_files(storage, _needed_files(plan))
         return plan
 
     # Agree across ranks before touching any tensor: one rank's missing file
-    # must not leave the others loaded and this one not.
-    plan, _ = agree(comm, plan_and_check, what=f"nothing was loaded from {storage.url}")
+    # must not leave the others loaded and this one not. Strict with several
+    # ranks: what a rank leaves unclaimed is unexpected only if every rank
+    # leaves it (ranks of one pipeline stage send the same list, so each
+    # distinct list travels once).
+    union = strict and comm.world > 1
+    if union:
+        plan, _ = agree(
+            comm, plan_and_check, what=f"nothing was loaded from {storage.url}", mode="distinct",
+            share=lambda p: p.result.unexpected_keys, decide=_nobody_holds,
+        )
+        # Every entry this rank left is another rank's: a strict load reports none.
+        plan = dataclasses.replace(plan, result=LoadResult(plan.result.missing_keys, []))
+    else:
+        plan, _ = agree(comm, plan_and_check, what=f"nothing was loaded from {storage.url}")
     if atomic:
         staged = _stage_targets(plan)
         agree(
@@ -589,6 +603,23 @@ def stream_into(
             events[-1].synchronize()
 
 
+def _nobody_holds(groups) -> Tuple[None, List[None]]:
+    """Rank 0 of a strict multi-rank load: refuse the checkpoint entries that no rank's state holds.
+
+    ``groups``: ``_collective.Group``s whose values are the ranks' unclaimed
+    names (sorted lists). Raises ``StateMismatchError`` (on every rank).
+    """
+    nobody = set(groups[0].value)
+    for g in groups[1:]:
+        nobody &= set(g.value)
+    if nobody:
+        raise StateMismatchError(
+            "cannot load, state and checkpoint disagree: in the checkpoint but not in the state of any rank: "
+            f"{format_offenders(sorted(nobody))}. Pass strict=False to load the common entries."
+        )
+    return None, [None] * len(groups)
+
+
 def _replicated(lay: TensorLayout) -> bool:
     """Whether other ranks may hold boxes of this live tensor too (replicas: read-once candidates)."""
     if lay.regular is not None:
@@ -656,7 +687,11 @@ def _plan_load(
     local_only: bool = False,
     storage: Optional[Storage] = None,
     cast: bool = DEFAULT_CAST,
+    union: bool = False,
 ) -> LoadPlan:
+    # union: several ranks load together; an entry this rank does not hold is
+    # unexpected only if no rank holds it (pipeline stages), which the load
+    # decides across ranks (_nobody_holds) instead of here.
     flat, missing_values, unexpected_values = flatten_for_load(
         state,
         manifest.values,
@@ -683,7 +718,7 @@ def _plan_load(
     parts: List[str] = []
     if strict and missing_all:
         parts.append(f"missing from the checkpoint: {format_offenders(missing_all)}")
-    if strict and unexpected_all:
+    if strict and unexpected_all and not union:
         parts.append(f"in the checkpoint but not in the state: {format_offenders(unexpected_all)}")
     if not strict and live_nothing_loaded(flat, creates, manifest):
         raise StateMismatchError(
@@ -735,7 +770,7 @@ def _plan_load(
     if problems:
         parts.append(f"{len(problems)} tensor(s) differ: " + format_offenders(problems, sep="; "))
     if parts:
-        hint = " Pass strict=False to load the common entries." if strict and (missing_all or unexpected_all) else ""
+        hint = " Pass strict=False to load the common entries." if strict and (missing_all or (unexpected_all and not union)) else ""
         if any("cast=False" in p for p in problems):
             hint += " Pass cast=True (the default) to cast floating-point tensors to the live dtype."
         elif any("are cast" in p for p in problems):

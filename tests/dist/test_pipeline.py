@@ -207,9 +207,9 @@ def _pp_load(rank, world, root, split, dp):
     stage = mesh.get_local_rank("pp")
     m = _stage_of(split, stage)
     opt = torch.optim.AdamW(m.parameters(), lr=0.01)
-    # strict=False: a stage holds part of the checkpoint; the strict check is
-    # per rank today (a rank-union strict check is a load-side follow-up).
-    shardckpt.load({"model": m, "optim": opt, "step": 0}, os.path.join(root, "pp"), strict=False)
+    # Strict: a stage holds part of the checkpoint, and an entry is unexpected
+    # only if no rank's state holds it (the ranks decide together).
+    shardckpt.load({"model": m, "optim": opt, "step": 0}, os.path.join(root, "pp"))
     return {k: v.clone() for k, v in m.state_dict().items()}, {
         n: {k: t.clone() for k, t in opt.state[p].items()} for n, p in m.named_parameters()
     }
@@ -270,3 +270,31 @@ def test_a_name_that_differs_between_ranks_is_refused_on_every_rank_before_writi
     msg, committed, data = res[0]
     assert "w: dtype F32, shape [2]" in msg and "shape [3]" in msg and "ranks 0" in msg and "ranks 1" in msg, msg
     assert not committed and not data
+
+
+def _strict_stage_loads(rank, world, root):
+    """Strict loads on 2 ranks of the 2-stage save: each stage its own part, then both holding only 'a'."""
+    torch.manual_seed(10 + rank)
+    m = nn.ModuleDict({"a" if rank == 0 else "b": nn.Linear(2, 2)})
+    opt = torch.optim.AdamW(m.parameters(), lr=0.1)
+    res = shardckpt.load({"model": m, "optim": opt, "step": 0}, os.path.join(root, "pp"))
+    mine = {k: v.clone() for k, v in m.state_dict().items()}
+    only_a = nn.ModuleDict({"a": nn.Linear(2, 2)})
+    try:
+        shardckpt.load({"model": only_a}, os.path.join(root, "pp"))
+        refused = None
+    except shardckpt.StateMismatchError as e:
+        refused = str(e)
+    return mine, list(res.unexpected_keys), refused
+
+
+def test_strict_stage_loads_check_the_union_of_the_ranks_states(tmp_path):
+    saved = run_ranks(2, _stages, str(tmp_path))
+    got = run_ranks(2, _strict_stage_loads, str(tmp_path))
+    for (want, _), (mine, unexpected, refused) in zip(saved, got):
+        assert mine.keys() == want.keys() and all(torch.equal(mine[k], want[k]) for k in want)
+        # Another stage's entries are not this rank's 'unexpected' after a strict load.
+        assert unexpected == []
+        # No rank holds 'b' (nor the optimizer, step): refused on every rank alike, naming it.
+        assert refused is not None and "not in the state of any rank" in refused and "model.b.weight" in refused, refused
+    assert got[0][2] == got[1][2]
