@@ -329,7 +329,7 @@ class S3Storage(FsspecStorage):
                 s3 = await self._client()
                 async with self._shared.semaphore():
 
-                    async def attempt_once():
+                    async def attempt_once(s3=s3):
                         fn = getattr(s3, method)
                         kw = kwargs
                         extra = getattr(self.fs, "_get_s3_method_kwargs", None)
