@@ -321,10 +321,15 @@ class S3Storage(FsspecStorage):
         deadline = _knobs.S3_STALL_TIMEOUT_S + nbytes / _knobs.S3_MIN_BYTES_PER_S
         for attempt in range(self.retries):
             try:
+                # The client is made (the first time: botocore's models
+                # parsed, seconds of CPU on a loaded machine) before the
+                # deadline starts: an attempt cut short here sent nothing,
+                # yet counted as one of our ``retries`` (a "stalled
+                # transfer" that never reached the server).
+                s3 = await self._client()
                 async with self._shared.semaphore():
 
-                    async def attempt_once():
-                        s3 = await self._client()
+                    async def attempt_once(s3=s3):
                         fn = getattr(s3, method)
                         kw = kwargs
                         extra = getattr(self.fs, "_get_s3_method_kwargs", None)

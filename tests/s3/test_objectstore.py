@@ -344,3 +344,26 @@ def test_endpoint_and_region_from_client_kwargs(weed_url):
     live = {"x": torch.zeros(10)}
     shardckpt.load(live, url, storage_options=nested)
     assert torch.equal(live["x"], torch.arange(10.0))
+
+
+def test_slow_client_creation_spends_no_attempt(weed_url, fault_proxy, fast_retries, monkeypatch, s3_client):
+    """Making s3fs's client (CPU work, slow on a loaded host) is not part of an attempt's deadline."""
+    if s3_client != "s3fs":
+        pytest.skip("the s3fs data path's first request (obstore's abort uses it too: test above)")
+    import time
+
+    url, opts = weed_url
+    Storage(url, storage_options=opts).write_atomic("data/obj", os.urandom(1000))
+    st = Storage(url, storage_options=dict(opts, endpoint_url=fault_proxy.endpoint), retries=3)
+    real = type(st.fs).set_session
+
+    async def slow(fs, *a, **kw):
+        if fs._s3 is None:
+            time.sleep(_knobs.S3_STALL_TIMEOUT_S + 0.5)  # longer than the deadline, blocking as CPU work does
+        return await real(fs, *a, **kw)
+
+    monkeypatch.setattr(type(st.fs), "set_session", slow)
+    fault_proxy.set_faults(slowdown=1.0)
+    with pytest.raises(StorageError, match=r"data/obj.*failed after 3 attempts"):
+        st.read_bytes("data/obj")
+    assert fault_proxy.stats == {"slowdown": 3}, fault_proxy.stats
