@@ -70,7 +70,7 @@ _FLOATING = frozenset({"F16", "BF16", "F32", "F64", "F8_E4M3", "F8_E5M2", "F8_E4
 
 
 class LoadResult(NamedTuple):
-    """What a non-strict load skipped (both empty after a strict load)."""
+    """What a non-strict load skipped (both empty after a strict load; with several ranks, entries another rank loaded are not listed)."""
 
     missing_keys: List[str]
     unexpected_keys: List[str]
@@ -174,7 +174,11 @@ def load(
         url: checkpoint directory or fsspec URL.
         storage_options: passed to fsspec.
         strict: if False, entries missing on either side are skipped and
-            reported in the result instead of raising.
+            reported in the result instead of raising. With several ranks,
+            a checkpoint entry counts as unexpected only if no rank's state
+            holds it, so pipeline stages load a rank-union checkpoint
+            strictly (each distinct list of unclaimed names goes to rank 0
+            once).
         process_group: group the load runs over (default: the world).
         io_threads: reads in flight per rank (default: ``SHARDCKPT_IO_THREADS``,
             or ``SHARDCKPT_LOAD_CUDA_IO_THREADS`` when this rank's targets are
