@@ -207,7 +207,10 @@ def test_hf_directory_loads_into_fsdp2_reading_only_own_rows(tmp_path):
         assert lr.missing_keys == [] and lr.unexpected_keys == []
         # Ranged reads of this rank's rows only (plus page alignment), about
         # half the model on each of the 2 ranks.
-        assert mine <= nread <= mine + (64 << 10), (rank, nread, mine)
+        # The replicated buffer is read by one of the ranks and sent to the
+        # other (read-once), so a rank may read it or not.
+        steps = sd["steps"].numel() * sd["steps"].element_size()
+        assert mine - steps <= nread <= mine + (64 << 10), (rank, nread, mine)
         assert nread < 0.6 * total
     for state, _, _, _, other, lr2 in res:
         assert torch.equal(other["a.weight"], sd["a.weight"]) and torch.equal(other["a.bias"], sd["a.bias"])

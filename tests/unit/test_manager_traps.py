@@ -19,6 +19,7 @@ import torch
 import shardckpt
 from shardckpt._format.checksum import crc32c
 from shardckpt._format.manifest import MANIFEST_CRC_FIELD, canonical_json
+from shardckpt._format.manifest import FORMAT_VERSION
 from shardckpt.errors import ConcurrentUseError, CorruptCheckpointError, NewerFormatError, UsageError
 
 
@@ -47,7 +48,7 @@ def _manifest(root, step):
 
 def test_newest_step_of_a_newer_shardckpt_says_upgrade_not_older(tmp_path):
     root = _run(tmp_path)
-    _resign(_manifest(root, 2), lambda raw: raw.update(format_version=3))
+    _resign(_manifest(root, 2), lambda raw: raw.update(format_version=FORMAT_VERSION + 1))
     live = {"w": torch.zeros(4), "step": 0}
     with pytest.raises(NewerFormatError, match="upgrade shardckpt") as ei:
         shardckpt.CheckpointManager(root).restore(live)
@@ -101,10 +102,11 @@ def test_a_newest_step_naming_an_impossible_path_is_skipped(tmp_path, name):
     root = _run(tmp_path)
 
     def edit(raw):
-        files = raw["files"]
-        data = [k for k in files if k.endswith(".safetensors")][0]
-        bad = data + "/under" if name == "under" else "data/" + "x" * 300 + ".safetensors"
-        files[bad] = dict(files[data])
+        # v3 keeps the save's own data files in the compact file table: the
+        # impossible name goes into the plain map beside it.
+        data = [k for k in os.listdir(os.path.dirname(_manifest(root, 2)) + "/data") if k.endswith(".safetensors")][0]
+        bad = "data/" + data + "/under" if name == "under" else "data/" + "x" * 300 + ".safetensors"
+        raw.setdefault("files", {})[bad] = {"size": 8}
 
     _resign(_manifest(root, 2), edit)
     live = {"w": torch.zeros(4), "step": 0}

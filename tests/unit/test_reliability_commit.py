@@ -23,7 +23,7 @@ from shardckpt._format import committed as _committed
 from shardckpt._format.values import MAX_VALUE_DEPTH
 from shardckpt._manager import step_dir_name
 from shardckpt._storage import Storage
-from shardckpt.errors import CheckpointError, CorruptCheckpointError, SaveFailedError
+from shardckpt.errors import CheckpointError, CorruptCheckpointError, SaveFailedError, UnsupportedStateError
 
 #: Saves the race test makes while another process cleans up (bounded: each is tiny).
 RACE_SAVES = 25
@@ -160,9 +160,10 @@ def test_values_nested_deeper_than_the_limit_are_refused_at_save(tmp_path):
     deep = 0
     for _ in range(MAX_VALUE_DEPTH + 5):
         deep = [deep]
-    with pytest.raises(SaveFailedError, match="nest more than"):
+    # Refused up front (issue 19), before any data file is written.
+    with pytest.raises(UnsupportedStateError, match="nest more than"):
         shardckpt.save({"w": torch.ones(2), "deep": deep}, str(tmp_path / "deep"))
-    assert not (tmp_path / "deep" / "manifest.json").exists()
+    assert not (tmp_path / "deep").exists() or not any((tmp_path / "deep").rglob("*.safetensors"))
     ok = 0
     for _ in range(MAX_VALUE_DEPTH - 5):
         ok = [ok]
