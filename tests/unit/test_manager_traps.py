@@ -18,8 +18,7 @@ import torch
 
 import shardckpt
 from shardckpt._format.checksum import crc32c
-from shardckpt._format.manifest import MANIFEST_CRC_FIELD, canonical_json
-from shardckpt._format.manifest import FORMAT_VERSION
+from shardckpt._format.manifest import FORMAT_VERSION, MANIFEST_CRC_FIELD, canonical_json
 from shardckpt.errors import ConcurrentUseError, CorruptCheckpointError, NewerFormatError, UsageError
 
 
