@@ -139,7 +139,9 @@ def source_from_manifest(storage: Storage, m: Manifest) -> Source:
 
 def open_checkpoint(url: str, storage_options: Optional[Dict[str, Any]] = None) -> Source:
     """A shardckpt checkpoint (v1 or v2), a safetensors directory, or one ``.safetensors`` file."""
-    storage = Storage(url, storage_options=storage_options)
+    from shardckpt._format.refs import follow
+
+    storage = follow(Storage(url, storage_options=storage_options))  # format v4 references
     return source_from_manifest(storage, open_manifest(storage))
 
 

@@ -37,6 +37,7 @@ from ._format import (
     open_manifest,
     torch_dtype,
 )
+from ._format.refs import follow
 from ._format.resolve import MetaCache, resolve_chunks
 from ._hf import ALIAS_OF_KEY
 from ._io import byte_view, check_files, host_empty
@@ -260,7 +261,7 @@ def load(
     comm = open_comm(
         process_group, no_dist=no_dist, collective_timeout_s=collective_timeout_s, op="shardckpt.load", error=LoadFailedError
     )
-    storage = Storage(url, storage_options=storage_options)
+    storage = follow(Storage(url, storage_options=storage_options))  # format v4 references (_format.refs)
 
     def plan_and_check() -> LoadPlan:
         # Chunks are resolved per tensor for the boxes this rank holds (v2:
@@ -372,7 +373,7 @@ def _load_by_keys(url: str, *, keys, storage_options, io_threads: Optional[int])
     from ._format.values import decode_value, is_tensor_ref, tensor_names
     from ._hf import select_paths, with_aliases
 
-    storage = Storage(url, storage_options=storage_options)
+    storage = follow(Storage(url, storage_options=storage_options))  # format v4 references (_format.refs)
     manifest = with_aliases(read_manifest(storage))
     asked = select_paths(manifest, keys)
     names = sorted({n for node in asked.values() for n in tensor_names(node) if n in manifest.tensors})

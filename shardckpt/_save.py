@@ -168,6 +168,7 @@ def save(
     io_threads: int = DEFAULT_IO_THREADS,
     collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S,
     no_dist: bool = False,
+    incremental: Optional[str] = None,
 ) -> None:
     """Save ``state`` to ``url`` as a sharded, checksummed checkpoint.
 
@@ -198,6 +199,15 @@ def save(
         no_dist: this process alone, as if no process group existed (world
             size 1); every tensor must be whole here (plain tensors, or
             DTensors on a one-rank mesh), a sharded one is refused.
+        incremental: an earlier committed checkpoint next to ``url`` (same
+            parent directory; its URL or its directory name). A chunk whose
+            bytes (content hash), dtype, global shape and box equal one of
+            it is not written: the new checkpoint references that one's
+            file (format v4, ``@<dir>/<path>``). Every reader follows the
+            references; the checkpoint is only whole while the files it
+            references exist (``CheckpointManager(incremental=True)``'s
+            retention keeps them; ``converters.consolidate`` makes a copy
+            without references).
 
     Raises:
         CheckpointExistsError: ``url`` holds a committed checkpoint and
@@ -225,7 +235,8 @@ def save(
         (7, 6.0)
     """
     comm = open_comm(process_group, no_dist=no_dist, collective_timeout_s=collective_timeout_s, op="shardckpt.save")
-    plan = prepare_save(state, url, comm=comm, storage_options=storage_options, overwrite=overwrite, io_threads=io_threads)
+    plan = prepare_save(state, url, comm=comm, storage_options=storage_options, overwrite=overwrite, io_threads=io_threads,
+                        incremental=incremental)
     execute_save(plan)
 
 
@@ -255,6 +266,9 @@ class SavePlan:
     writer: Optional[Callable[..., Any]] = None
     #: This rank's per-rank tensors: name -> (dtype, shape), told to rank 0 at commit.
     per_rank_specs: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+    #: Directory name of the earlier checkpoint (a sibling) whose chunks this
+    #: save references instead of rewriting (``_incremental``); None: write all.
+    incremental: Optional[str] = None
 
     @property
     def rank(self) -> int:
@@ -279,6 +293,7 @@ def prepare_save(
     io_threads: int = DEFAULT_IO_THREADS,
     extra: Optional[Mapping[str, Any]] = None,
     exists_hint: str = OVERWRITE_HINT,
+    incremental: Optional[str] = None,
 ) -> SavePlan:
     """Flatten and plan a save; every rank learns whether any rank's state is invalid (collective).
 
@@ -286,6 +301,13 @@ def prepare_save(
     """
     rank, world = comm.rank, comm.world
     storage = Storage(url, storage_options=storage_options)
+    base = None
+    if incremental:
+        from ._format.refs import follow
+        from ._incremental import base_name
+
+        base = base_name(storage.url, incremental)
+        storage = follow(storage)  # the commit checks the referenced files' sizes
 
     # Validate the state on every rank before any other exchange, so a bad
     # state raises everywhere instead of leaving peers waiting.
@@ -336,6 +358,7 @@ def prepare_save(
         per_rank=flat.per_rank or None,
         exists_hint=exists_hint,
         per_rank_specs=MappingProxyType(own),
+        incremental=base,
     )
 
 
@@ -375,17 +398,27 @@ def execute_save(plan: SavePlan) -> None:
 
     _, save_id = agree(comm, check_target, what=f"save to {storage.url} not started", share=lambda v: v, mode=FROM_ROOT)
 
-    groups = partition(list(plan.items), plan.io_threads)
-    files = {f"{DATA_DIR}/{save_id[:12]}-r{rank:05d}-{i:02d}.safetensors": g for i, g in enumerate(groups)}
+    files: Dict[str, Sequence[WriteItem]] = {}  # this rank's data files (filled by write(); removed on failure)
     index_rel = index_file_name(save_id, rank)
     regular = {n for n, lay in plan.layouts.items() if lay.regular is not None}
 
     def write() -> Tuple[Any, ...]:
+        items, referenced, ref_sizes, later = list(plan.items), [], {}, {}
+        if plan.incremental:
+            from . import _incremental
+
+            shapes = {n: tuple(lay.shape) for n, lay in plan.layouts.items()}
+            items, referenced, ref_sizes, later = _incremental.match_earlier(storage, plan.incremental, items, shapes)
+        groups = partition(items, plan.io_threads)
+        files.update({f"{DATA_DIR}/{save_id[:12]}-r{rank:05d}-{i:02d}.safetensors": g for i, g in enumerate(groups)})
         try:
-            named, fmetas, index = write_rank(storage, files, save_id, rank, threads=plan.io_threads, writer=plan.writer)
+            named, fmetas, index = write_rank(storage, files, save_id, rank, threads=plan.io_threads, writer=plan.writer,
+                                              referenced=referenced)
         except OSError as e:
             err = _write_failed(e, storage, f"rank {rank} could not write its files")
             raise err from err.__cause__
+        if plan.incremental:
+            _incremental.note_written(storage, named, referenced, later)
         # Rank 0 needs only: the irregular tensors' chunks (to check their
         # tiling and name their writers), whole-tensor chunks (the HF index),
         # and the bytes written of regular tensors (a missing writer shows):
@@ -393,7 +426,7 @@ def execute_save(plan: SavePlan) -> None:
         return (
             None,
             [c.to_json() | {"name": n} for n, c in named if n not in regular or c.key == n],
-            {k: v.size for k, v in fmetas.items()},
+            {k: v.size for k, v in fmetas.items()} | ref_sizes,
             plan.per_rank,
             index,
             sum(c.nbytes for n, c in named if n in regular),
@@ -469,6 +502,7 @@ def write_rank(
     threads: int = DEFAULT_IO_THREADS,
     block_bytes: Optional[int] = None,
     writer: Optional[Callable[..., Any]] = None,
+    referenced: Sequence[Tuple[str, ChunkMeta]] = (),
 ) -> Tuple[List[Tuple[str, ChunkMeta]], Dict[str, FileMeta], Optional[Tuple[str, int, int]]]:
     """Write one rank's data files, then its v2 index file: the bytes of a save (and of a converter's output).
 
@@ -479,6 +513,10 @@ def write_rank(
         threads / block_bytes: as ``write_files`` (block CRC size, default ``SHARDCKPT_BLOCK_BYTES``).
         writer: who writes the data files (default ``_io.write_files``, here;
             the async save's writer process passes its own, same signature).
+        referenced: ``(tensor name, chunk)`` of chunks not written but
+            referenced in an earlier checkpoint (incremental save): listed
+            in the index file beside the written ones, and returned in the
+            first list too.
 
     Returns:
         ``([(tensor name, chunk)], {file: FileMeta}, (index path, size, crc32c) or None)``;
@@ -494,7 +532,7 @@ def write_rank(
     # A chunk's tensor name travels with it: (file, key) identifies the item written.
     names = {(rel, it.key): it.name for rel, items in files.items() for it in items}
     chunks, fmetas = (writer or write_files)(storage, files, threads=threads, block_bytes=block_bytes)
-    named = [(names[(c.file, c.key)], c) for c in chunks]
+    named = [(names[(c.file, c.key)], c) for c in chunks] + list(referenced)
     index = None
     if named:
         index_rel = index_file_name(save_id, rank)

@@ -25,9 +25,10 @@ MAX_LISTED_PROBLEMS = 20
 
 
 def _storage(url: str, storage_options: Optional[Dict[str, Any]]):
+    from ._format.refs import follow
     from ._storage import Storage
 
-    return Storage(url, storage_options=storage_options)
+    return follow(Storage(url, storage_options=storage_options))  # format v4 references
 
 
 def inspect(url: str, *, storage_options: Optional[Dict[str, Any]] = None, no_dist: bool = False) -> Manifest:
@@ -162,6 +163,15 @@ def _check_file(
     return errs
 
 
+def _hasher(m: Manifest, c: ChunkMeta):
+    """A hash object for the chunk's content hash (format v4) when it has one, else None."""
+    if not c.hash or not m.content_hash:
+        return None
+    from ._format.checksum import new_hasher
+
+    return new_hasher(m.content_hash)
+
+
 def _check_blocks(
     storage: Any, m: Manifest, rel: str, name: str, c: ChunkMeta, on_bytes: Optional[Callable[[int], None]]
 ) -> List[str]:
@@ -170,12 +180,15 @@ def _check_blocks(
     bb = m.block_bytes
     step = max(bb, VERIFY_BLOCK_BYTES // bb * bb)  # whole blocks per read
     bad: List[int] = []
+    hasher = _hasher(m, c)
     for off in range(0, c.nbytes, step):
         n = min(step, c.nbytes - off)
         data = storage.read_range(rel, c.byte_offset + off, n)
         if len(data) != n:
             return [f"{where}: chunk {c.key!r} truncated"]
         mv = memoryview(data)
+        if hasher is not None:
+            hasher.update(mv)
         for k in range(0, n, bb):
             i = (off + k) // bb
             if crc32c(mv[k : k + bb]) != c.blocks[i]:
@@ -183,6 +196,8 @@ def _check_blocks(
         if on_bytes is not None:
             on_bytes(n)
     if not bad:
+        if hasher is not None and hasher.hexdigest() != c.hash:
+            return [f"{where}: chunk {c.key!r} of tensor {name!r}: {m.content_hash} content hash differs from the index"]
         return []
     shown = ", ".join(f"[{c.byte_offset + i * bb}, {c.byte_offset + min((i + 1) * bb, c.nbytes)})" for i in bad[:5])
     more = f" and {len(bad) - 5} more" if len(bad) > 5 else ""

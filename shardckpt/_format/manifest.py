@@ -45,10 +45,14 @@ FORMAT_NAME = "shardckpt"
 #: converters write it). A ``Manifest`` built without ``version=`` is v1, whose
 #: bytes ``tests/data/manifest_golden.json`` pins. v3 is v2 with the per-rank
 #: files in a compact table (``file_table``, see :mod:`._v2`).
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 V1 = 1
 #: First version whose manifest holds the compact per-rank file table.
 V_FILE_TABLE = 3
+#: First version with a content hash per chunk (index files' ``hash``
+#: column, the manifest's ``content_hash``) and references to files of
+#: sibling checkpoints (``@<dir>/<path>``, see :mod:`.refs`).
+V_CONTENT_HASH = 4
 #: Top-level field of a v2 manifest holding the CRC-32C of its own canonical
 #: bytes without that field.
 MANIFEST_CRC_FIELD = "manifest_crc32c"
@@ -82,6 +86,10 @@ class ChunkMeta:
     # v2: CRC-32C of each ``Manifest.block_bytes`` slice of the chunk (from the
     # writer's index file); None for v1 chunks. Never in a v1 manifest's bytes.
     blocks: Optional[List[int]] = field(default=None, compare=False, repr=False)
+    # v4: content hash of the chunk's bytes (hex, algorithm
+    # ``Manifest.content_hash``), from the writer's index file; what
+    # incremental saves compare chunks by. None before v4.
+    hash: Optional[str] = field(default=None, compare=False, repr=False)
 
     def to_json(self) -> Dict[str, Any]:
         return {
@@ -161,6 +169,9 @@ class Manifest:
     block_bytes: int = 0
     meshes: List[Any] = field(default_factory=list)
     indexes: Dict[str, IndexMeta] = field(default_factory=dict)
+    # v4: the content hash algorithm of every chunk (``checksum.HASH_ALGOS``);
+    # a writer's manifest gets the one ``_io.write_files`` hashes with.
+    content_hash: str = field(default_factory=lambda: _default_hash_algo())
 
     @property
     def total_bytes(self) -> int:
@@ -205,6 +216,12 @@ class Manifest:
         }
 
 
+def _default_hash_algo() -> str:
+    from .checksum import default_hash_algo
+
+    return default_hash_algo()
+
+
 def _v2_json(m: Manifest) -> Dict[str, Any]:
     tensors = {}
     for name in sorted(m.tensors):
@@ -230,6 +247,8 @@ def _v2_json(m: Manifest) -> Dict[str, Any]:
         "values": m.values,
         "extra": m.extra,
     }
+    if m.version >= V_CONTENT_HASH:
+        out["content_hash"] = m.content_hash
     files, indexes = m.files, m.indexes
     if m.version >= V_FILE_TABLE:
         from ._v2 import file_table_json
@@ -467,6 +486,7 @@ def manifest_from_bytes(data: bytes, *, url: str = "") -> Manifest:
         library_version=str(raw.get("library_version", "")),
         extra=extra if isinstance(extra, dict) else {},
         version=version,
+        content_hash="",
     )
 
 
