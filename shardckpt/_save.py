@@ -538,8 +538,9 @@ def write_rank(
         index_rel = index_file_name(save_id, rank)
         body = index_bytes(save_id, rank, block_bytes, named)
         # The data files just written made data/: if it is gone now
-        # (cleanup(), a removed run), fail rather than re-create it.
-        storage.write_atomic(index_rel, body, create_dirs=False)
+        # (cleanup(), a removed run), fail rather than re-create it. A rank
+        # whose chunks are all references (incremental) wrote none: it makes data/.
+        storage.write_atomic(index_rel, body, create_dirs=not fmetas)
         index = (index_rel, len(body), crc32c(body))
     return named, fmetas, index
 
