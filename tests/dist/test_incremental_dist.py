@@ -55,16 +55,19 @@ def _save_run(rank, world, root):
     return snaps, _adapter_bytes(Lora())
 
 
-def _restore(rank, world, url):
+def _restore(rank, world, urls):
     from torch.distributed.fsdp import fully_shard
 
     model = fully_shard(Lora())
-    with torch.no_grad():
-        for p in model.parameters():
-            p.zero_()
-    st = {"model": model, "step": 0}
-    shardckpt.load(st, url)
-    return _full(model), st["step"]
+    out = []
+    for url in urls:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.zero_()
+        st = {"model": model, "step": 0}
+        shardckpt.load(st, url)
+        out.append((_full(model), st["step"]))
+    return out
 
 
 def _own_data_bytes(path: str) -> int:
@@ -94,9 +97,8 @@ def test_lora_incremental_on_2_ranks_restores_on_1_2_3(tmp_path):
         for k, v in one.state_dict().items():
             assert torch.equal(v, snaps[s][k]), (s, k)
     for world in (2, 3):
-        for s in (2, 3):
-            got = run_ranks(world, _restore, steps[s])
-            for full, step in got:
+        for per_rank in run_ranks(world, _restore, [steps[2], steps[3]]):
+            for s, (full, step) in zip((2, 3), per_rank):
                 assert step == s
                 for k, v in full.items():
                     assert torch.equal(v, snaps[s][k]), (world, s, k)
