@@ -9,10 +9,10 @@ from __future__ import annotations
 import os
 
 import torch
+from _dist import run_ranks
 from torch import nn
 
 import shardckpt
-from _dist import run_ranks
 
 D, R, LAYERS = 256, 4, 4  # base: 4 x (256x256 + 256) fp32 ~ 1 MiB; adapter: 4 x 2 x 4x256 fp32 = 32 KiB
 
