@@ -124,6 +124,8 @@ def _worker(rank: int, world: int, port: int, args, q) -> None:
                     per.append({"seconds": round(dt, 3), "bytes": _own_bytes(path)})
             if rank == 0:
                 results[f"{case}/{how}"] = per
+                shutil.rmtree(root, ignore_errors=True)  # disk: a few GB per case otherwise
+            dist.barrier()
     if rank == 0:
         q.put(results)
     dist.destroy_process_group()
@@ -137,6 +139,7 @@ def main(argv=None) -> int:
     p.add_argument("--adapter-pct", type=float, default=1.0)
     p.add_argument("--saves", type=int, default=4)
     p.add_argument("--out", default=None)
+    p.add_argument("--verbose", action="store_true", help="indent the JSON")
     args = p.parse_args(argv)
     if args.hash_only:
         print(json.dumps({"hash_gbps_256MiB": hash_speeds()}, indent=1))
@@ -158,7 +161,24 @@ def main(argv=None) -> int:
     for pr in procs:
         pr.join()
     res["ranks"], res["saves"] = args.ranks, args.saves
-    print(json.dumps(res, indent=1))
+    summary = {}
+    for key, per in res.items():
+        if isinstance(per, list) and len(per) > 1:
+            later = per[1:]
+            secs = sorted(p["seconds"] for p in later)
+            summary[key] = {"first_save_bytes": per[0]["bytes"],
+                            "later_save_bytes_mean": round(sum(p["bytes"] for p in later) / len(later)),
+                            "later_save_seconds_median": secs[len(secs) // 2]}
+    for case in ("lora", "dense"):
+        inc, full = summary.get(f"{case}/incremental"), summary.get(f"{case}/full")
+        if inc and full:
+            summary[f"{case}/incremental_vs_full"] = {
+                "bytes": round(inc["later_save_bytes_mean"] / full["later_save_bytes_mean"], 4),
+                "seconds": round(inc["later_save_seconds_median"] / full["later_save_seconds_median"], 3)}
+    if "lora/incremental" in summary:
+        summary["lora/later_bytes_over_changed"] = round(summary["lora/incremental"]["later_save_bytes_mean"] / res["adapter_bytes"], 4)
+    res["summary"] = summary
+    print(json.dumps(res, indent=None if not args.verbose else 1).replace('], "', '],\n "'))
     shutil.rmtree(args.out, ignore_errors=True)
     return 0
 

@@ -35,7 +35,7 @@ from dataclasses import replace
 from typing import Any, Dict, List, Mapping, Set, Tuple
 
 from ._format import ChunkMeta
-from ._format.checksum import HASH_ALGOS, default_hash_algo, new_hasher
+from ._format.checksum import HASH_ALGOS, default_hash_algo, hash_available, new_hasher
 from ._format.refs import follow, ref_path
 from ._io import WRITE_BLOCK_BYTES, WriteItem, tensor_bytes
 from .errors import UsageError
@@ -107,8 +107,8 @@ def match_earlier(
     base_st = follow(storage.sibling(base))
     m = open_manifest(base_st, chunks=False)
     algo = m.content_hash if m.version >= 4 else ""
-    if algo not in HASH_ALGOS:
-        return list(items), [], {}, {}
+    if algo not in HASH_ALGOS or not hash_available(algo):
+        return list(items), [], {}, {}  # nothing to compare with: a full save
     changed = _CHANGED.get(root_key(storage), set())
     cache = MetaCache()
     write: List[WriteItem] = []

@@ -164,10 +164,15 @@ def _check_file(
 
 
 def _hasher(m: Manifest, c: ChunkMeta):
-    """A hash object for the chunk's content hash (format v4) when it has one, else None."""
-    if not c.hash or not m.content_hash:
+    """A hash object for the chunk's content hash (format v4) when it has one, else None.
+
+    None too when this process cannot compute the algorithm (``blake3``
+    without its package): the CRC-32C blocks are still checked.
+    """
+    from ._format.checksum import hash_available, new_hasher
+
+    if not c.hash or not m.content_hash or not hash_available(m.content_hash):
         return None
-    from ._format.checksum import new_hasher
 
     return new_hasher(m.content_hash)
 

@@ -25,7 +25,7 @@ import crc32c as _crc32c
 
 __all__ = [
     "ALGOS", "checksum", "combine", "crc32c", "crc32c_combine", "BlockCrcs", "pack_crcs", "unpack_crcs",
-    "HASH_ALGOS", "default_hash_algo", "new_hasher", "content_hash",
+    "HASH_ALGOS", "default_hash_algo", "hash_available", "new_hasher", "content_hash",
 ]
 
 _POLY_REFLECTED = {"crc32c": 0x82F63B78, "crc32": 0xEDB88320}
@@ -224,6 +224,11 @@ def _blake3():
 def default_hash_algo() -> str:
     """The algorithm a writer uses: ``"blake3"`` when importable, else ``"sha256"``."""
     return "blake3" if _blake3() is not None else "sha256"
+
+
+def hash_available(algo: str) -> bool:
+    """Whether this process can compute ``algo`` (``blake3`` needs its package)."""
+    return algo == "sha256" or (algo == "blake3" and _blake3() is not None)
 
 
 def new_hasher(algo: str):
