@@ -98,8 +98,13 @@ def _worker(rank: int, world: int, port: int, args, q) -> None:
                 if case == "dense" or not k.startswith("base"):
                     v.to_local().add_(1.0)
 
-    for case in ("lora", "dense"):
-        for how in ("full", "incremental", "dcp"):
+    import shardckpt._io as sio
+
+    hash_algo = sio.default_hash_algo
+    for case in args.cases.split(","):
+        for how in ("full", "incremental", "dcp", "full-nohash"):
+            # full-nohash: a save without the content hash (format v3's work), to price the hash.
+            sio.default_hash_algo = (lambda: "") if how == "full-nohash" else hash_algo
             root = os.path.join(args.out, f"{case}-{how}")
             if rank == 0:
                 shutil.rmtree(root, ignore_errors=True)
@@ -140,6 +145,7 @@ def main(argv=None) -> int:
     p.add_argument("--saves", type=int, default=4)
     p.add_argument("--out", default=None)
     p.add_argument("--verbose", action="store_true", help="indent the JSON")
+    p.add_argument("--cases", default="lora,dense", help="comma-separated: lora, dense")
     args = p.parse_args(argv)
     if args.hash_only:
         print(json.dumps({"hash_gbps_256MiB": hash_speeds()}, indent=1))
@@ -170,11 +176,13 @@ def main(argv=None) -> int:
                             "later_save_bytes_mean": round(sum(p["bytes"] for p in later) / len(later)),
                             "later_save_seconds_median": secs[len(secs) // 2]}
     for case in ("lora", "dense"):
-        inc, full = summary.get(f"{case}/incremental"), summary.get(f"{case}/full")
-        if inc and full:
-            summary[f"{case}/incremental_vs_full"] = {
-                "bytes": round(inc["later_save_bytes_mean"] / full["later_save_bytes_mean"], 4),
-                "seconds": round(inc["later_save_seconds_median"] / full["later_save_seconds_median"], 3)}
+        full = summary.get(f"{case}/full")
+        for other in ("incremental", "full-nohash", "dcp"):
+            got = summary.get(f"{case}/{other}")
+            if got and full:
+                summary[f"{case}/{other}_vs_full"] = {
+                    "bytes": round(got["later_save_bytes_mean"] / full["later_save_bytes_mean"], 4),
+                    "seconds": round(got["later_save_seconds_median"] / full["later_save_seconds_median"], 3)}
     if "lora/incremental" in summary:
         summary["lora/later_bytes_over_changed"] = round(summary["lora/incremental"]["later_save_bytes_mean"] / res["adapter_bytes"], 4)
     res["summary"] = summary
