@@ -241,3 +241,41 @@ def test_restore_skips_a_step_whose_referenced_file_is_gone(tmp_path):
     os.remove(os.path.join(root, ref[1:]))
     out = {k: (torch.zeros_like(v) if isinstance(v, torch.Tensor) else 0) for k, v in state.items()}
     assert shardckpt.CheckpointManager(root).restore(out) == 1  # steps 3 and 2 lack the adapter's bytes
+
+
+def test_a_tensor_that_stops_changing_is_referenced_again(tmp_path):
+    """The write-order memo: a chunk written at the last save is written once more unlooked-up, then referenced."""
+    root = str(tmp_path / "run")
+    state = _lora()
+    _incremental._CHANGED.clear()
+    with shardckpt.CheckpointManager(root, incremental=True) as mgr:
+        for step in (1, 2, 3, 4):
+            if step == 2:
+                state["lora_a"] = state["lora_a"] + 1
+            mgr.save(step, state)
+    own = {s: [r for r in open_manifest(mgr.step_url(s)).data_files if not r.startswith("@")] for s in (2, 3, 4)}
+    assert own[2] and own[3] and not own[4]  # step 3 rewrote the adapter (changed at 2), step 4 referenced it
+
+
+def test_cli_gc_inspect_consolidate(tmp_path, capsys):
+    import json
+
+    from shardckpt._cli import main
+
+    root = str(tmp_path / "run")
+    saved = _frozen_run(root, [1, 2, 3], keep_last=1)
+    junk = os.path.join(root, step_dir_name(1), "data", "junk.safetensors")
+    open(junk, "wb").write(b"x")
+    capsys.readouterr()
+    assert main(["gc", root, "--dry-run", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["removed"] == [f"{step_dir_name(1)}/data/junk.safetensors"]
+    assert os.path.exists(junk)
+    assert main(["gc", root, "-q"]) == 0 and not os.path.exists(junk)
+    step3 = os.path.join(root, step_dir_name(3))
+    assert main(["inspect", step3, "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["shared_bytes"] > 0 and got["own_bytes"] > 0
+    dst = str(tmp_path / "copy")
+    assert main(["consolidate", step3, dst, "-q"]) == 0
+    assert not any(r.startswith("@") for r in open_manifest(dst).files)
+    _same(_load(dst, saved[3]), saved[3])
