@@ -279,3 +279,15 @@ def test_cli_gc_inspect_consolidate(tmp_path, capsys):
     assert main(["consolidate", step3, dst, "-q"]) == 0
     assert not any(r.startswith("@") for r in open_manifest(dst).files)
     _same(_load(dst, saved[3]), saved[3])
+
+
+def test_async_manager_saves_incrementally(tmp_path):
+    root = str(tmp_path / "run")
+    state = _lora()
+    with shardckpt.CheckpointManager(root, incremental=True, async_save=True) as mgr:
+        mgr.save(1, state)
+        state["lora_a"] = state["lora_a"] - 1  # after staging: step 1 keeps the old adapter
+        mgr.save(2, state).result()
+    m = open_manifest(mgr.step_url(2))
+    assert {c.file[:15] for c in m.tensors["base"].chunks} == {"@step-00000001/"}
+    _same(_load(mgr.step_url(2), state), state)
