@@ -180,6 +180,9 @@ def _is_damage(e: BaseException) -> bool:
     return isinstance(e, (ValueError, TypeError, KeyError, RecursionError, UnicodeError))
 
 
+#: ``_clear_dir``'s "liveness not computed yet".
+_UNKNOWN = object()
+
 #: Largest step number (int64, what trainers count in): a bigger one has no directory name to write.
 MAX_STEP = 2**63 - 1
 
@@ -634,9 +637,11 @@ class CheckpointManager:
         for s in drop:
             log.info("shardckpt: retention removes step %d", s)
             self._uncommit(step_dir_name(s))
+        stale = set(stale_leftovers(committed, [s for s, _ in partial]))
+        if not drop and not stale:
+            return  # nothing to delete: no manifest to read
         kept = [s for s in committed if s not in set(drop)]
         live = self._live_files(kept)
-        stale = set(stale_leftovers(committed, [s for s, _ in partial]))
         for s, name in partial:
             if s in stale:
                 log.info("shardckpt: removing leftovers of an unfinished save: %s", self.root.url_of(name))
@@ -670,7 +675,7 @@ class CheckpointManager:
             name = step_dir_name(s)
             try:
                 named[name] = list(read_manifest(self.root.child(name), chunks=False).files)
-            except (FileNotFoundError, NotADirectoryError):
+            except (FileNotFoundError, NotADirectoryError, CheckpointNotFoundError):
                 continue  # deleted since the scan: names nothing
             except Exception as e:
                 log.warning("shardckpt: cannot read the manifest of kept step %d (%s: %s): files other steps may "
@@ -678,30 +683,27 @@ class CheckpointManager:
                 return None
         return live_files(named)
 
-    def _clear_dir(self, name: str, live: Optional[Set[Tuple[str, str]]] = ..., *, dry_run: bool = False) -> List[str]:  # type: ignore[assignment]
+    def _clear_dir(self, name: str, live: Any = _UNKNOWN, *, dry_run: bool = False) -> List[str]:
         """Delete a step directory without a manifest, except the files a kept step names (references).
 
-        ``live``: from :meth:`_live_files` (computed when not given; None:
-        unknown, so only directories holding no data file are removed).
+        ``live``: from :meth:`_live_files` (read from the committed steps
+        when not given, and only when the directory holds files; None:
+        unknown, so only a directory holding no data file is removed).
         Returns what was (or, ``dry_run``, would be) removed.
         """
         from ._format.refs import removable
 
-        if live is ...:
-            live = self._live_files(self._scan()[0])
         try:
             present = self.root.child(name).walk_files("")
         except (FileNotFoundError, NotADirectoryError):
             return []
-        if not present:
-            if not dry_run:
-                self._remove_leftover(name)
-            return [name]
+        if present and live is _UNKNOWN:
+            live = self._live_files(self._scan()[0])
         if live is None:
             if any(rel.endswith(".safetensors") for rel in present):
                 return []
             live = set()
-        gone = removable(name, present, live)
+        gone = removable(name, present, live or set())
         if len(gone) == len(present):
             if not dry_run:
                 self._remove_leftover(name)
