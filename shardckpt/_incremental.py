@@ -12,13 +12,14 @@ is not written: this save's index names it by a reference path
 Each rank decides for its own chunks and reads only the index files of the
 ranks of ``BASE`` that wrote the boxes it saves; nothing is exchanged.
 
-Hashing costs one pass over a chunk before its write. A chunk that was
-written (changed) at this process's previous save of the same root is
-written straight away instead, hashed in the write pass (no second pass:
-dense training pays no extra hashing); its hash is then compared with
-``BASE``'s after the fact, and a chunk found unchanged that way is looked up
-again at the next save. This memo only decides the order of work, never
-whether bytes are saved: a chunk is referenced only after its hash matched.
+Hashing costs one pass over a chunk before its write. A chunk that changed
+at this process's previous save of the same root is written straight away
+instead, hashed in the write pass (no second pass, and no lookup: dense
+training pays nothing extra); whether it changed this time is told by
+comparing that hash with the one saved last time, and a chunk found
+unchanged is looked up again at the next save (one extra write when a tensor
+stops changing). This memo only decides the order of work, never whether
+bytes are saved: a chunk is referenced only after its hash matched the base.
 
 Not used, and why: skipping the hash of a tensor whose ``_version`` counter
 and ``data_ptr`` did not move since the last save. ``p.data.add_(1)`` (and
@@ -32,7 +33,7 @@ from __future__ import annotations
 
 import posixpath
 from dataclasses import replace
-from typing import Any, Dict, List, Mapping, Set, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from ._format import ChunkMeta
 from ._format.checksum import HASH_ALGOS, default_hash_algo, hash_available, new_hasher
@@ -42,10 +43,11 @@ from .errors import UsageError
 
 __all__ = ["base_name", "match_earlier", "note_written"]
 
-#: Chunks written (changed) at the previous save of a root in this process:
-#: root URL -> {(tensor name, offsets)}. Decides only whether a chunk is
-#: hashed before its write or in it (see the module docstring).
-_CHANGED: Dict[str, Set[Tuple[str, Tuple[int, ...]]]] = {}
+#: This process's previous save into a root: root URL -> {(tensor name,
+#: offsets): (content hash, whether the chunk changed at that save)}. Decides
+#: only whether a chunk is hashed before its write (looked up) or in it (see
+#: the module docstring); never whether bytes are saved.
+_MEMO: Dict[str, Dict[Tuple[str, Tuple[int, ...]], Tuple[Optional[str], bool]]] = {}
 
 
 def base_name(url: str, base: str) -> str:
@@ -82,8 +84,12 @@ def _hash(algo: str, it: WriteItem) -> str:
 
 def match_earlier(
     storage: Any, base: str, items: List[WriteItem], shapes: Mapping[str, Tuple[int, ...]]
-) -> Tuple[List[WriteItem], List[Tuple[str, ChunkMeta]], Dict[str, int], Dict[Tuple[str, Tuple[int, ...]], str]]:
+) -> Tuple[List[WriteItem], List[Tuple[str, ChunkMeta]], Dict[str, int]]:
     """Split this rank's chunks into those to write and those ``base`` holds already.
+
+    A chunk that changed at this process's previous save of the root is
+    written without a lookup (hashed in the write pass); the base is opened
+    only when some chunk needs a lookup.
 
     Args:
         storage: the checkpoint being written (its sibling ``base`` is read).
@@ -92,9 +98,7 @@ def match_earlier(
         shapes: global shape of each tensor saved.
 
     Returns:
-        ``(to write, [(tensor, referencing chunk)], {reference path: file size},
-        {(tensor, offsets): base hash}`` of the chunks written without a
-        lookup, for :func:`note_written`).
+        ``(to write, [(tensor, referencing chunk)], {reference path: file size})``.
 
     Raises:
         CheckpointNotFoundError / CorruptCheckpointError: ``base`` is not a
@@ -104,20 +108,25 @@ def match_earlier(
     from ._format._v2 import tensor_chunks
     from ._format.resolve import MetaCache
 
+    memo = _MEMO.get(root_key(storage), {})
+    write: List[WriteItem] = []
+    lookup: List[WriteItem] = []
+    for it in items:
+        seen = memo.get((it.name, tuple(it.offsets)))
+        (write if it.tensor is None or it.nbytes == 0 or (seen is not None and seen[1]) else lookup).append(it)
+    refs: List[Tuple[str, ChunkMeta]] = []
+    sizes: Dict[str, int] = {}
+    if not lookup:
+        return write, refs, sizes
     base_st = follow(storage.sibling(base))
     m = open_manifest(base_st, chunks=False)
     algo = m.content_hash if m.version >= 4 else ""
     if algo not in HASH_ALGOS or not hash_available(algo):
-        return list(items), [], {}, {}  # nothing to compare with: a full save
-    changed = _CHANGED.get(root_key(storage), set())
+        return write + lookup, refs, sizes  # nothing to compare with: these are written
     cache = MetaCache()
-    write: List[WriteItem] = []
-    refs: List[Tuple[str, ChunkMeta]] = []
-    sizes: Dict[str, int] = {}
-    later: Dict[Tuple[str, Tuple[int, ...]], str] = {}
-    for it in items:
+    for it in lookup:
         t = m.tensors.get(it.name)
-        if t is None or t.dtype != it.dtype or tuple(t.shape) != tuple(shapes[it.name]) or it.tensor is None or it.nbytes == 0:
+        if t is None or t.dtype != it.dtype or tuple(t.shape) != tuple(shapes[it.name]):
             write.append(it)
             continue
         earlier = [c for c in tensor_chunks(m, base_st, it.name, [(it.offsets, it.sizes)], cache)
@@ -126,10 +135,6 @@ def match_earlier(
             write.append(it)
             continue
         c = earlier[0]
-        if (it.name, tuple(it.offsets)) in changed and algo == default_hash_algo():
-            later[(it.name, tuple(it.offsets))] = c.hash  # type: ignore[assignment]
-            write.append(it)  # changed last time: hashed in the write pass, compared after
-            continue
         h = _hash(algo, it)
         if h != c.hash:
             write.append(replace(it, hash=h) if algo == default_hash_algo() else it)
@@ -138,23 +143,25 @@ def match_earlier(
         refs.append((it.name, ChunkMeta(file=rel, key=it.key, offsets=list(it.offsets), sizes=list(it.sizes),
                                          byte_offset=c.byte_offset, nbytes=c.nbytes, crc32c=c.crc32c, blocks=c.blocks, hash=c.hash)))
         sizes[rel] = m.files[c.file].size
-    return write, refs, sizes, later
+    return write, refs, sizes
 
 
-def note_written(storage: Any, named: List[Tuple[str, ChunkMeta]], referenced: List[Tuple[str, ChunkMeta]],
-                 later: Dict[Tuple[str, Tuple[int, ...]], str]) -> None:
-    """Remember which chunks changed at this save into ``storage``'s root (see the module docstring)."""
+def note_written(storage: Any, named: List[Tuple[str, ChunkMeta]], referenced: List[Tuple[str, ChunkMeta]]) -> None:
+    """Remember each chunk's hash and whether it changed at this save into ``storage``'s root.
+
+    Changed: written, and its hash differs from the one this process saved
+    for it last time (or there was none). Referenced chunks did not change.
+    """
+    key = root_key(storage)
+    last = _MEMO.get(key, {})
     ref_keys = {(n, tuple(c.offsets)) for n, c in referenced}
-    changed = set()
+    memo: Dict[Tuple[str, Tuple[int, ...]], Tuple[Optional[str], bool]] = {}
     for n, c in named:
         k = (n, tuple(c.offsets))
-        if k in ref_keys:
-            continue
-        if k in later and later[k] == c.hash:
-            continue  # written without a lookup, found unchanged: look it up next time
-        changed.add(k)
-    _CHANGED.clear()  # one root remembered: a manager's run
-    _CHANGED[root_key(storage)] = changed
+        prev = last.get(k)
+        memo[k] = (c.hash, k not in ref_keys and (prev is None or c.hash is None or prev[0] != c.hash))
+    _MEMO.clear()  # one root remembered: a manager's run
+    _MEMO[key] = memo
 
 
 def root_key(storage: Any) -> str:

@@ -403,12 +403,12 @@ def execute_save(plan: SavePlan) -> None:
     regular = {n for n, lay in plan.layouts.items() if lay.regular is not None}
 
     def write() -> Tuple[Any, ...]:
-        items, referenced, ref_sizes, later = list(plan.items), [], {}, {}
+        items, referenced, ref_sizes = list(plan.items), [], {}
         if plan.incremental:
             from . import _incremental
 
             shapes = {n: tuple(lay.shape) for n, lay in plan.layouts.items()}
-            items, referenced, ref_sizes, later = _incremental.match_earlier(storage, plan.incremental, items, shapes)
+            items, referenced, ref_sizes = _incremental.match_earlier(storage, plan.incremental, items, shapes)
         groups = partition(items, plan.io_threads)
         files.update({f"{DATA_DIR}/{save_id[:12]}-r{rank:05d}-{i:02d}.safetensors": g for i, g in enumerate(groups)})
         try:
@@ -418,7 +418,7 @@ def execute_save(plan: SavePlan) -> None:
             err = _write_failed(e, storage, f"rank {rank} could not write its files")
             raise err from err.__cause__
         if plan.incremental:
-            _incremental.note_written(storage, named, referenced, later)
+            _incremental.note_written(storage, named, referenced)
         # Rank 0 needs only: the irregular tensors' chunks (to check their
         # tiling and name their writers), whole-tensor chunks (the HF index),
         # and the bytes written of regular tensors (a missing writer shows):

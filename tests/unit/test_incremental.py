@@ -233,7 +233,7 @@ def test_restore_skips_a_step_whose_referenced_file_is_gone(tmp_path):
         mgr.save(1, state)
         state["lora_a"] = state["lora_a"] + 1
         mgr.save(2, state)
-        _incremental._CHANGED.clear()  # a restarted job: no memo of what changed at step 2 (it only orders work)
+        _incremental._MEMO.clear()  # a restarted job: no memo of what changed at step 2 (it only orders work)
         mgr.save(3, state)  # nothing changed: all references, the adapter's to step 2
     m3 = open_manifest(mgr.step_url(3))
     assert not [r for r in m3.data_files if not r.startswith("@")]  # wrote no data file
@@ -247,7 +247,7 @@ def test_a_tensor_that_stops_changing_is_referenced_again(tmp_path):
     """The write-order memo: a chunk written at the last save is written once more unlooked-up, then referenced."""
     root = str(tmp_path / "run")
     state = _lora()
-    _incremental._CHANGED.clear()
+    _incremental._MEMO.clear()
     with shardckpt.CheckpointManager(root, incremental=True) as mgr:
         for step in (1, 2, 3, 4):
             if step == 2:
