@@ -75,7 +75,9 @@ def _own_data_bytes(path: str) -> int:
     return sum(os.path.getsize(os.path.join(d, f)) for f in os.listdir(d) if f.endswith(".safetensors"))
 
 
-def test_lora_incremental_on_2_ranks_restores_on_1_2_3(tmp_path):
+@pytest.mark.parametrize("worlds", [(2,), pytest.param((2, 3), marks=pytest.mark.slow)], ids=["1-2", "1-2-3"])
+def test_lora_incremental_on_2_ranks_restores_on_1_2_3(tmp_path, worlds):
+    """Restores on 1 and 2 ranks in the suite (the save's 2-rank pool is reused); 3 ranks too in the slow case."""
     root = str(tmp_path / "run")
     (snaps, _), _ = run_ranks(2, _save_run, root)
     adapter = _adapter_bytes(Lora())
@@ -96,7 +98,7 @@ def test_lora_incremental_on_2_ranks_restores_on_1_2_3(tmp_path):
         assert st["step"] == s
         for k, v in one.state_dict().items():
             assert torch.equal(v, snaps[s][k]), (s, k)
-    for world in (2, 3):
+    for world in worlds:
         for per_rank in run_ranks(world, _restore, [steps[2], steps[3]]):
             for s, (full, step) in zip((2, 3), per_rank):
                 assert step == s
