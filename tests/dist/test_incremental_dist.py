@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 from _dist import run_ranks
 from torch import nn
