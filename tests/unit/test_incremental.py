@@ -291,3 +291,43 @@ def test_async_manager_saves_incrementally(tmp_path):
     m = open_manifest(mgr.step_url(2))
     assert {c.file[:15] for c in m.tensors["base"].chunks} == {"@step-00000001/"}
     _same(_load(mgr.step_url(2), state), state)
+
+
+def test_delete_keeps_what_later_steps_reference_and_converters_follow(tmp_path):
+    root = str(tmp_path / "run")
+    saved = _frozen_run(root, [1, 2])
+    mgr = shardckpt.CheckpointManager(root)
+    mgr.delete(1)
+    assert mgr.steps() == [2]
+    _same(_load(mgr.step_url(2), saved[2]), saved[2])
+    hf = str(tmp_path / "hf")
+    converters.to_safetensors(mgr.step_url(2), hf, prefix="")
+    from safetensors.torch import load_file
+
+    got = {}
+    for f in os.listdir(hf):
+        if f.endswith(".safetensors"):
+            got.update(load_file(os.path.join(hf, f)))
+    assert torch.equal(got["base"], saved[2]["base"]) and torch.equal(got["lora_a"], saved[2]["lora_a"])
+
+
+def test_verify_checks_the_content_hash(tmp_path):
+    import json
+
+    from shardckpt._format import IndexMeta, manifest_to_bytes
+    from shardckpt._format.checksum import crc32c
+
+    d = str(tmp_path / "ck")
+    shardckpt.save({"w": torch.arange(64.0)}, d)
+    m = open_manifest(d, chunks=False)
+    rel = next(iter(m.indexes))
+    idx = json.loads(open(os.path.join(d, rel), "rb").read())
+    at = idx["rows"].index("hash")
+    idx["chunks"][0][at] = "0" * 64  # CRCs still match the bytes; the hash does not
+    body = (json.dumps(idx, sort_keys=True, separators=(",", ":")) + "\n").encode()
+    open(os.path.join(d, rel), "wb").write(body)
+    m.indexes[rel] = IndexMeta(rank=0, size=len(body), crc32c=crc32c(body))
+    m.files[rel].size = len(body)
+    open(os.path.join(d, "manifest.json"), "wb").write(manifest_to_bytes(m))
+    with pytest.raises(CorruptCheckpointError, match="content hash"):
+        shardckpt.verify(d)
