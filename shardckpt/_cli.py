@@ -17,6 +17,8 @@ import sys
 import threading
 from typing import Any, Dict, List, Optional, Sequence
 
+from ._version import __version__
+
 __all__ = ["main"]
 
 EXIT_OK, EXIT_DIFFERENT, EXIT_ERROR = 0, 1, 2
@@ -335,8 +337,6 @@ def _parser() -> argparse.ArgumentParser:
         description="Inspect, verify, compare and convert shardckpt checkpoints (local paths or fsspec URLs).",
         epilog="Exit status: 0 ok; 1 damage (verify) or differences (diff); 2 error.",
     )
-    from shardckpt import __version__
-
     p.add_argument("--version", action="version", version=f"shardckpt {__version__}")
     sub = p.add_subparsers(dest="cmd", metavar="COMMAND")
     sub.required = True

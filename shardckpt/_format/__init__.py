@@ -15,6 +15,7 @@ verify`` and ``shardckpt inspect`` run where torch is not installed.
 
 from __future__ import annotations
 
+from ._v2 import resolve_chunks
 from .checksum import ALGOS, checksum, combine, crc32c, crc32c_combine
 from .committed import TORCH_SAVE_SUFFIXES, commit, hf_index_bytes, open_manifest
 from .dtypes import DTYPES, dtype_name, itemsize, torch_dtype
@@ -47,7 +48,7 @@ from .naming import (
     index_file_name,
     save_id_prefix,
 )
-from .resolve import MetaCache, ResolvedChunk, block_span, resolve_chunks
+from .resolve import MetaCache, ResolvedChunk, block_span
 from .values import TAG, decode_value, encode_value, is_tensor_ref, plain_values, rename_refs, tensor_ref
 
 __all__ = [
