@@ -1,6 +1,8 @@
 """load: plan and check, agree, stream, agree, finish.
 
-Load (two agreements between ranks, no other collective):
+Load (two agreements between ranks; with several ranks, byte ranges that
+several need are read by one and sent to the others in ``_replicas``' agreed
+rounds of point-to-point transfers, between steps 2 and 4):
   1. plan and check everything that needs no tensor bytes: the manifest;
      the live state walked; names, shapes and dtypes matched (every offender
      of every kind in one error); self-overlapping targets refused; the data

@@ -9,9 +9,12 @@
 ``values``    the values codec (``TAG``, ``tensor_ref``, ``encode_value``,
               ``decode_value``): what the manifest's ``values`` tree means.
 
-Import order is one way: ``values`` <- ``adapters`` <- ``walk`` <- ``optim``;
-the built-in adapters are instantiated on first use, so no module needs
-another at import time that needs it back.
+``subclass``  wrapper tensor subclasses: taken apart by ``__tensor_flatten__``, or refused.
+
+At import time the order is one way: ``values`` <- ``adapters`` <- ``walk``
+<- ``optim``; but ``adapters`` imports the built-ins from ``walk`` and
+``optim`` on first use, and ``walk`` imports ``optim`` inside functions: a
+circle that ``tests/unit/test_layers.py`` lists as still to break (issue 22).
 """
 
 from __future__ import annotations
