@@ -7,8 +7,7 @@
 ``ranks``     digests of plain values, to refuse at save those that differ
               across ranks (they need ``PerRank``);
 ``values``    the values codec (``TAG``, ``tensor_ref``, ``encode_value``,
-              ``decode_value``): what the manifest's ``values`` tree means.
-
+              ``decode_value``): what the manifest's ``values`` tree means;
 ``subclass``  wrapper tensor subclasses: taken apart by ``__tensor_flatten__``, or refused.
 
 At import time the order is one way: ``values`` <- ``adapters`` <- ``walk``
