@@ -35,13 +35,12 @@ from . import _knobs, _plan, _replicas
 from ._collective import DEFAULT_COLLECTIVE_TIMEOUT_S, Comm, agree, open_comm
 from ._format import (
     Manifest,
-    MetaCache,
     TensorMeta,
     open_manifest,
-    resolve_chunks,
     torch_dtype,
 )
 from ._format._v2 import materialize
+from ._format.resolve import MetaCache, resolve_chunks
 from ._format.values import TAG as _TAG
 from ._format.values import decode_value, is_tensor_ref, tensor_names
 from ._hf import ALIAS_OF_KEY, select_for_load, select_paths, with_aliases
@@ -267,7 +266,6 @@ def load(
     def plan_and_check() -> LoadPlan:
         # Chunks are resolved per tensor for the boxes this rank holds (v2:
         # only the index files of the ranks that wrote them are read).
-
         _refuse_meta_optimizers(state)
         manifest = open_manifest(storage, chunks=False)
         if keys is not None or key_map is not None or manifest.extra.get("source") == "safetensors":

@@ -9,8 +9,8 @@
 - :mod:`.hf`: a Manifest from a Hugging Face safetensors directory or file;
 - :mod:`.committed`: :func:`commit` (the one commit sequence) and :func:`open_manifest`;
 - :mod:`.files`: ``check_files``, every file present with its recorded size;
-- :mod:`._v2`: v2/v3 manifests, the v3 file table, per-rank index files, :func:`resolve_chunks`;
-- :mod:`.resolve`: ``ResolvedChunk`` (what a loading rank reads), ``MetaCache``, block arithmetic.
+- :mod:`._v2`: v2/v3 manifests, the v3 file table, per-rank index files;
+- :mod:`.resolve`: :func:`resolve_chunks`, the chunks a loading rank reads.
 
 Imports no torch (``tests/unit/test_imports.py`` pins it): ``shardckpt
 verify`` and ``shardckpt inspect`` run where torch is not installed.
@@ -18,7 +18,6 @@ verify`` and ``shardckpt inspect`` run where torch is not installed.
 
 from __future__ import annotations
 
-from ._v2 import resolve_chunks
 from .checksum import ALGOS, checksum, combine, crc32c, crc32c_combine
 from .committed import TORCH_SAVE_SUFFIXES, commit, hf_index_bytes, open_manifest
 from .dtypes import DTYPES, dtype_name, itemsize, torch_dtype
@@ -51,7 +50,7 @@ from .naming import (
     index_file_name,
     save_id_prefix,
 )
-from .resolve import MetaCache, ResolvedChunk, block_span
+from .resolve import MetaCache, ResolvedChunk, block_span, resolve_chunks
 from .values import TAG, decode_value, encode_value, is_tensor_ref, plain_values, rename_refs, tensor_ref
 
 __all__ = [

@@ -620,34 +620,7 @@ def _meets(offsets: Sequence[int], sizes: Sequence[int], boxes) -> bool:
     return False
 
 
-def resolve_chunks(
-    manifest: Any,
-    storage: Any,
-    name: str,
-    boxes: Sequence[Tuple[Sequence[int], Sequence[int]]],
-    *,
-    cache: Optional[MetaCache] = None,
-) -> List[ResolvedChunk]:
-    """The saved chunks of tensor ``name`` that overlap any of ``boxes``, each once, by offsets.
-
-    Args:
-        manifest: from ``open_manifest(..., chunks=False)`` (or any opened manifest).
-        storage: the checkpoint's storage (v2 reads the index files of the ranks involved).
-        name: a tensor of ``manifest.tensors``.
-        boxes: ``(offsets, sizes)`` in global coordinates, as the rank wants them.
-        cache: metadata read so far in this load (a new one when None).
-
-    Raises:
-        KeyError: ``name`` is not in the manifest.
-        CorruptCheckpointError / UnsafeMetadataError: an index file read for
-            v2 is damaged (its CRC differs from the manifest's), lacks the
-            chunk, or disagrees with the manifest.
-
-    Example:
-        >>> cs = resolve_chunks(m, storage, "w", [((0, 0), (4, 8))])   # doctest: +SKIP
-        >>> [(c.file, c.byte_offset, c.nbytes, c.block_bytes) for c in cs]   # doctest: +SKIP
-    """
-    cache = cache if cache is not None else MetaCache()
+def resolve(manifest: Any, storage: Any, name: str, boxes, cache: MetaCache) -> List[ResolvedChunk]:
     boxes = [(tuple(o), tuple(s)) for o, s in boxes]
     out = []
     for c in tensor_chunks(manifest, storage, name, boxes, cache):

@@ -183,7 +183,7 @@ def open_manifest(target: Any, *, storage_options: Optional[Dict[str, Any]] = No
     used. With ``chunks`` (the default), every tensor's chunk list is filled
     in: for v2, from every rank's index file (each checked against its CRC in
     the manifest). A load passes ``chunks=False`` and resolves only the chunks
-    it needs (:func:`~shardckpt._format._v2.resolve_chunks`).
+    it needs (:func:`~shardckpt._format.resolve.resolve_chunks`).
 
     Without ``manifest.json``, safetensors files there (a Hugging Face
     directory, with or without its index, or one ``.safetensors`` file) read

@@ -1,33 +1,31 @@
-"""What a loading rank reads of a saved chunk: :class:`ResolvedChunk`, the per-load :class:`MetaCache`, block arithmetic (torch-free).
+"""Which saved bytes a loading rank reads: the one chunk resolver, v1 and v2 (torch-free).
 
-The shared interface between the format layer and the load engine.
-``_format.resolve_chunks`` (in ``_v2``, which reads the index files) turns an
-opened manifest, the storage, a tensor name and the boxes a rank wants into
-``ResolvedChunk`` records, each with where its bytes are and how to verify
-any range of them:
+The shared interface between the format layer and the load engine. Given an
+opened manifest, the storage, a tensor name and the boxes a rank wants,
+:func:`resolve_chunks` returns the saved chunks to read, each with where its
+bytes are and how to verify any range of them:
 
 * format v1: the manifest's chunk list; one CRC-32C per chunk
   (``block_bytes == 0``: a reader must read and check the whole chunk);
-* format v2/v3: chunks of regular layouts are derived from the tensor's layout
-  record (``_plan.chunks_overlapping``) and located in the index file of the
-  rank that wrote them; the index also carries each chunk's block checksums
-  (``block_bytes`` each, chunk-relative, the last block short), so any
-  block-aligned range verifies on its own. Each index read is checked against
-  the size and CRC the (checksummed) manifest records for it.
+* format v2: chunks of regular layouts are derived from the tensor's layout
+  record (``_plan.chunks_overlapping``) and located in the safetensors header
+  of the files of the rank that wrote them; the header also carries the
+  chunk's block checksums (``block_bytes`` each, chunk-relative, the last
+  block short), so any block-aligned range verifies on its own. Each header
+  read is checked against the CRC the (checksummed) manifest records for it.
 
-Index files are read once per :class:`MetaCache`: keep one cache for one load.
-This module imports nothing of the format's own, so ``_v2`` can build on it.
+Headers are read once per :class:`MetaCache`: keep one cache for one load.
 """
 
 from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Dict, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from .checksum import crc32c_combine
 
-__all__ = ["ResolvedChunk", "MetaCache", "block_span", "chunk_blocks_crc"]
+__all__ = ["ResolvedChunk", "MetaCache", "resolve_chunks", "block_span", "chunk_blocks_crc"]
 
 
 @dataclass(frozen=True)
@@ -54,9 +52,9 @@ class ResolvedChunk:
 
 @dataclass
 class MetaCache:
-    """Metadata read during one load (parsed index files); thread-safe.
+    """Metadata read during one load (parsed data file headers); thread-safe.
 
-    ``bytes_read`` counts the metadata bytes fetched through it (index files), for
+    ``bytes_read`` counts the metadata bytes fetched through it (headers), for
     ``load_meta_mb`` figures and tests.
     """
 
@@ -91,3 +89,36 @@ def chunk_blocks_crc(block_crcs: Sequence[int], nbytes: int, block_bytes: int) -
     for i, b in enumerate(block_crcs):
         crc = crc32c_combine(crc, b, min(block_bytes, nbytes - i * block_bytes))
     return crc
+
+
+def resolve_chunks(
+    manifest: Any,
+    storage: Any,
+    name: str,
+    boxes: Sequence[Tuple[Sequence[int], Sequence[int]]],
+    *,
+    cache: Optional[MetaCache] = None,
+) -> List[ResolvedChunk]:
+    """The saved chunks of tensor ``name`` that overlap any of ``boxes``, each once, by offsets.
+
+    Args:
+        manifest: from ``open_manifest(..., chunks=False)`` (or any opened manifest).
+        storage: the checkpoint's storage (v2 reads headers of the files involved).
+        name: a tensor of ``manifest.tensors``.
+        boxes: ``(offsets, sizes)`` in global coordinates, as the rank wants them.
+        cache: metadata read so far in this load (a new one when None).
+
+    Raises:
+        KeyError: ``name`` is not in the manifest.
+        CorruptCheckpointError / UnsafeMetadataError: a header read for v2 is
+            damaged (its CRC differs from the manifest's), lacks the chunk, or
+            disagrees with the manifest.
+
+    Example:
+        >>> cs = resolve_chunks(m, storage, "w", [((0, 0), (4, 8))])   # doctest: +SKIP
+        >>> [(c.file, c.byte_offset, c.nbytes, c.block_bytes) for c in cs]   # doctest: +SKIP
+    """
+    from . import _v2
+
+    cache = cache if cache is not None else MetaCache()
+    return _v2.resolve(manifest, storage, name, boxes, cache)
