@@ -62,7 +62,7 @@ from shardckpt._storage import Storage
 from shardckpt._version import __version__
 from shardckpt.errors import CheckpointExistsError, ChecksumMismatchError, format_offenders
 
-from ._options import ConvertResult, Progress, parse_dtype  # noqa: F401  (parse_dtype: the manager imports it from here)
+from ._options import ConvertResult, Progress
 from ._source import BLOCK_BYTES, Block, OutEntry, Source, SrcChunk, SrcTensor, block_bytes_for, plan_blocks, whole_entry
 
 __all__ = ["WANT_BYTES", "Reader", "Streamer", "run_parallel", "write_native", "write_whole", "write_plain"]

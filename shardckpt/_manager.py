@@ -81,7 +81,8 @@ HF_SUFFIX = "-hf"
 
 
 def _export_dtype(dtype: Any) -> Any:
-    from .converters._common import parse_dtype
+    # The converters package imports every converter: only when a dtype is given.
+    from .converters._options import parse_dtype
 
     return parse_dtype(dtype)
 
@@ -460,6 +461,7 @@ class CheckpointManager:
 
     def _export_hf(self, step: int) -> None:
         """Rank 0 writes the committed step as a Hugging Face directory; every rank returns when it is there."""
+        # The converters package imports every converter: only when exporting.
         from .converters import to_safetensors
 
         comm = self._comm("CheckpointManager.save", error=SaveFailedError)

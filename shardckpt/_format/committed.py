@@ -225,6 +225,7 @@ def open_manifest(target: Any, *, storage_options: Optional[Dict[str, Any]] = No
 
 def _as_storage(target: Any, storage_options: Optional[Dict[str, Any]]) -> Any:
     if isinstance(target, str):
+        # The storage backends (S3 clients) cost more to import than the format: only for a URL.
         from .._storage import Storage
 
         return Storage(target, storage_options=storage_options)

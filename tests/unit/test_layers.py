@@ -95,14 +95,13 @@ LOCAL_IMPORTS: Dict[Tuple[str, str], str] = {
     ("shardckpt._cli", "shardckpt._verify"): "CLI start-up",
     ("shardckpt._cli", "shardckpt.converters"): "CLI start-up: the converters import torch",
     ("shardckpt._cli", "shardckpt.converters._diff"): "CLI start-up: the converters import torch",
-    ("shardckpt._cli", "shardckpt.errors"): "CLI start-up",
     # The storage package costs more to import than the whole format layer
     # (S3 clients): a caller passing a Storage never pays for it.
     ("shardckpt._format.committed", "shardckpt._storage"): "storage backends load only when a URL string is opened",
     ("shardckpt._verify", "shardckpt._storage"): "storage backends load only when a URL string is opened",
     # The converters import every converter (DCP's unpickler, torch.save's reader, ...).
     ("shardckpt._manager", "shardckpt.converters"): "the converters load only for last_save_in_hf exports",
-    ("shardckpt._manager", "shardckpt.converters._common"): "the converters load only when export_dtype is given",
+    ("shardckpt._manager", "shardckpt.converters._options"): "the converters load only when export_dtype is given",
 }
 
 #: Circles not broken yet, each with who breaks it (issue 22's other parts
