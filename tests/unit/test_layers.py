@@ -47,6 +47,9 @@ LAYERS: Dict[str, int] = {
     "shardckpt._async": 2,
     "shardckpt._writerproc": 2,
     "shardckpt._verify": 2,
+    # (issues 23 and 24, landing in the same wave: the rows are ready for them)
+    "shardckpt._incremental": 2,
+    "shardckpt._memory": 2,
     # 3. state: app state <-> flat map of tensors and values
     "shardckpt._state": 3,
     "shardckpt._rng": 3,
@@ -224,7 +227,8 @@ def test_every_module_has_a_layer():
 
 
 def test_no_import_runs_up_the_layers():
-    up = [e for e in EDGES if layer_of(e[1]) < layer_of(e[0])]
+    # (a module with no layer is reported by the test above)
+    up = [e for e in EDGES if None not in (layer_of(e[0]), layer_of(e[1])) and layer_of(e[1]) < layer_of(e[0])]
     assert not up, "imports that run up the layers (import from a lower layer, or move the shared piece down):\n" + "\n".join(
         f"  {_where(e)}: layer {layer_of(e[0])} {LAYER_NAMES[layer_of(e[0])]} imports layer {layer_of(e[1])} {LAYER_NAMES[layer_of(e[1])]}"
         for e in up
