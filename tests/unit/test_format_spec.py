@@ -153,6 +153,12 @@ def test_a_reader_written_from_the_spec_reads_a_real_checkpoint(tmp_path, small_
     m = read_manifest(ckpt)
     assert m["tensors"]["w"]["dtype"] == "F32" and m["tensors"]["w"]["shape"] == [30, 100]
     assert m["values"]["step"] == 3
+    # Every data file of the table is there with its size (names: rank 5 digits, file 2).
+    table = m["file_table"]
+    for rank, sizes in enumerate(table["data_sizes"]):
+        for i, size in enumerate(sizes):
+            name = table["data"].replace("{rank}", f"{rank:05d}").replace("{i}", f"{i:02d}")
+            assert size is None or (ckpt / name).stat().st_size == size
     indexes = index_files(m)
     assert sorted(indexes) == [0]
     chunks = read_index(ckpt, m, *indexes[0], rank=0)
