@@ -59,9 +59,10 @@ from shardckpt._layout import box_view
 from shardckpt._readers import BufferPool, SavedChunk, Want, read_verified
 from shardckpt._save import write_rank
 from shardckpt._storage import Storage
+from shardckpt._version import __version__
 from shardckpt.errors import CheckpointExistsError, ChecksumMismatchError, format_offenders
 
-from ._options import ConvertResult, Progress, parse_dtype  # noqa: F401  (parse_dtype: the manager imports it from here)
+from ._options import ConvertResult, Progress
 from ._source import BLOCK_BYTES, Block, OutEntry, Source, SrcChunk, SrcTensor, block_bytes_for, plan_blocks, whole_entry
 
 __all__ = ["WANT_BYTES", "Reader", "Streamer", "run_parallel", "write_native", "write_whole", "write_plain"]
@@ -448,8 +449,6 @@ def write_native(
         bad = tiling_problems(metas)
         if bad:
             raise AssertionError("internal error, converted chunks do not tile: " + "; ".join(bad[:10]))
-        from shardckpt import __version__
-
         m = Manifest(world_size=world_size, tensors=metas, files=files, values=values, save_id=save_id, library_version=__version__,
                      extra=dict(extra or {}), version=FORMAT_VERSION, block_bytes=block_bytes, indexes=indexes,
                      meshes=["iota"] if any(t.regular for t in metas.values()) else [])

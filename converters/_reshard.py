@@ -6,12 +6,14 @@ from typing import Any, Dict, List, Optional
 
 from shardckpt._format import chunk_key
 from shardckpt._format.naming import chunk_key_clashes
+from shardckpt._format.values import tensor_ref
 from shardckpt._io import DEFAULT_IO_THREADS
 from shardckpt._plan import Shard, layout_chunks, layout_to_json, regular_layout
 from shardckpt.errors import UnsupportedStateError
 
 from ._common import Reader, write_native
 from ._options import ConvertResult, check_apart
+from ._safetensors import nest_under
 from ._source import OutEntry, open_checkpoint, whole_entry
 
 __all__ = ["reshard", "REPLICATED_FILE"]
@@ -72,9 +74,6 @@ def reshard(
     if source.kind == "safetensors":
         # Bare HF names: place them under "model." as from_safetensors does,
         # so shardckpt.load({"model": model}, dst) finds them.
-        from shardckpt._format.values import tensor_ref
-
-        from ._safetensors import nest_under
 
         source.tensors = {f"model.{n}": t for n, t in source.tensors.items()}
         for n, t in source.tensors.items():

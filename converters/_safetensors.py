@@ -10,7 +10,7 @@ from typing import Any, Dict, List, Optional, Sequence, Union
 
 from shardckpt._format import DATA_DIR, MANIFEST_NAME
 from shardckpt._format.values import TAG, tensor_ref
-from shardckpt._hf import KeyMap, hf_manifest, map_names, select_names
+from shardckpt._hf import KeyMap, aliases_of, hf_manifest, map_names, select_names
 from shardckpt._io import DEFAULT_IO_THREADS
 from shardckpt._storage import Storage, fsync_dir
 from shardckpt.errors import CheckpointExistsError, CheckpointNotFoundError, StateMismatchError, format_offenders
@@ -73,8 +73,6 @@ DEFAULT_TIED = "one"
 
 def _with_alias_tensors(source: Source) -> Source:
     """``source`` with each tied weight's other names listed as tensors too (same bytes)."""
-    from shardckpt._hf import aliases_of
-
     extra = {a: source.tensors[n] for a, n in aliases_of(source.values).items()
              if a not in source.tensors and n in source.tensors}
     if not extra:

@@ -22,8 +22,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 
 from shardckpt._format import check_relpath, dtype_name
-from shardckpt._format.values import value_depth_problem
-from shardckpt._hf import KeyMap, map_names, select_names
+from shardckpt._format.values import TAG, value_depth_problem
+from shardckpt._hf import KeyMap, _rename_refs, map_names, select_names
 from shardckpt._io import DEFAULT_IO_THREADS
 from shardckpt._state import flatten_for_save
 from shardckpt._storage import Storage
@@ -243,8 +243,6 @@ def _share_stored_bytes(tensors: Dict[str, SrcTensor], tree: Any, url: str) -> A
 
     ``tensors`` is edited in place; returns the tree with references renamed.
     """
-    from shardckpt._format.values import TAG
-
     first: Dict[Any, str] = {}
     alias: Dict[str, str] = {}
     for name in sorted(tensors):
@@ -465,8 +463,6 @@ def _write_imported(source: Source, dst: str, *, keys, key_map, dst_storage_opti
         raise UnsupportedStateError(f"{source.url}: no tensors to import")
     values = source.values
     if keys is not None or key_map is not None:
-        from shardckpt._hf import _rename_refs
-
         values = _rename_refs(values, renamed)
     return write_whole(
         source,

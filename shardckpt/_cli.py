@@ -17,6 +17,11 @@ import sys
 import threading
 from typing import Any, Dict, List, Optional, Sequence
 
+# Each subcommand imports the format, storage or converters inside its
+# function: `shardckpt --help` starts at once and inspect/verify never import torch.
+from ._version import __version__
+from .errors import CheckpointExistsError, CorruptCheckpointError
+
 __all__ = ["main"]
 
 EXIT_OK, EXIT_DIFFERENT, EXIT_ERROR = 0, 1, 2
@@ -143,7 +148,6 @@ def cmd_inspect(args) -> int:
 def cmd_verify(args) -> int:
     from ._format import SOURCE_SAFETENSORS, plural
     from ._verify import verify_manifest
-    from .errors import CorruptCheckpointError
 
     bar = None
     try:
@@ -335,8 +339,6 @@ def _parser() -> argparse.ArgumentParser:
         description="Inspect, verify, compare and convert shardckpt checkpoints (local paths or fsspec URLs).",
         epilog="Exit status: 0 ok; 1 damage (verify) or differences (diff); 2 error.",
     )
-    from shardckpt import __version__
-
     p.add_argument("--version", action="version", version=f"shardckpt {__version__}")
     sub = p.add_subparsers(dest="cmd", metavar="COMMAND")
     sub.required = True
@@ -402,8 +404,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if os.environ.get("SHARDCKPT_TRACEBACK") == "1":
             raise
         msg = str(e).replace("\n", " ") or type(e).__name__
-        from .errors import CheckpointExistsError
-
         if isinstance(e, CheckpointExistsError):
             # The library names its keyword; here the switch is a flag.
             msg = msg.replace("overwrite=True", "--overwrite")

@@ -32,20 +32,30 @@ Every (group, channel) pair counts its exchanges; keys are
 
 * **every rank** posts ``r<i>`` (its outcome: its error or None, a value
   hash, and in ``to_root``/``all`` mode its value) and bumps the counter
-  ``n`` (``add``); the rank that brings it to N sets ``all``. In
+  ``n`` (``add``); the rank that brings it to N sets ``all`` (one more). In
   ``distinct`` mode it first bumps ``h/<hash of its value>``; the first rank
   of each distinct value (the counter came back 1) also posts the value as
-  ``p/<hash>/<k>`` (pieces of at most ``MAX_VALUE_BYTES``), so identical
-  values (every rank of a pipeline stage) travel once. A peer then waits for ``v`` (the verdict), reads it, in ``distinct``
-  mode reads its group's piece ``g/<hash>``, and deletes its ``r<i>``:
-  **6 round trips** (8 in ``distinct`` mode, 9 for the first rank of a
-  value), independent of N.
-* **rank 0** waits for ``all`` (one key), reads the N outcomes with
-  ``multi_get`` in batches of ``BATCH_KEYS`` (ceil(N/256) round trips) and
-  the D distinct values (one ``multi_get``), posts the verdict (one ``set``;
-  the D pieces with one ``multi_set``), and deletes the exchange's keys and
-  the previous exchange's verdict (every rank has read it once every rank
-  posted again): **ceil(N/256) + 3D + about 12 round trips**.
+  ``p/<hash>/<k>`` (pieces of at most ``MAX_VALUE_BYTES``, one ``set``
+  each), so identical values (every rank of a pipeline stage) travel once.
+* **a peer** then checks for ``v`` (the verdict; one ``check``), waits for
+  it if it is not there yet (one ``wait``, on the helper connection below),
+  reads it, in ``distinct`` mode reads its group's piece ``g/<hash>``, and
+  deletes its ``r<i>``: **6 round trips** (5 when the verdict is already
+  there; 8 in ``distinct`` mode, plus one per piece for the first rank of a
+  value; plus one for the rank that arrives last), independent of N.
+* **rank 0** checks (or waits) for ``all``, reads the N outcomes with
+  ``multi_get`` in batches of ``BATCH_KEYS`` (ceil(N/256) round trips),
+  deletes ``n``, ``all``, its ``r0`` and the previous exchange's verdict
+  (every rank has read it once every rank posted again), and posts the
+  verdict (one ``set``): with its own two posts, **ceil(N/256) + 9 round
+  trips** when it arrives last. In ``distinct`` mode, with D distinct values
+  of one piece each, also one ``add`` of its hash, one ``multi_get`` of the
+  D values, one ``multi_set`` of the D group pieces, and per value three
+  deletes (``h``, its piece, last exchange's ``g``): **ceil(N/256) + 3D +
+  12**. Counted by ``benchmarks/bench_control_plane.py`` (whose counting
+  store does not see the helper connection's ``wait``): rank 0 10 and 16
+  (D=1) at N=4, 12 and 18 at N=600; a peer 5 and 7 plus its wait
+  (torch 2.13, 2026-11-26).
 * **bytes**: N small outcomes (~60 B; a ``to_root`` value as large as the
   rank's own summary) to rank 0, D distinct values to rank 0, one verdict
   (O(1): a status, ``from_root``'s value, the failing ranks' messages, capped)

@@ -1,20 +1,14 @@
-"""Moving tensor bytes: parallel writes with checksums in the same pass, coalesced ranged reads.
+"""Writing tensor bytes: the one checksummed writer (parallel files, block CRCs in the same pass).
 
 Writes stream each chunk straight from tensor memory (a contiguous CPU tensor
 is written without a copy; a GPU tensor goes through two pinned buffers, the
 next block's device-to-host copy overlapping this block's write) in blocks,
-updating the CRC32C as each block goes out. Local files are written behind:
-see ``_storage.WRITEBACK_BYTES``.
+updating the block CRC-32Cs (``_format.checksum.BlockCrcs``) as each block
+goes out. Local files are written behind: see ``_storage.WRITEBACK_BYTES``.
+Files are cut so no safetensors header passes ``SHARDCKPT_HEADER_BYTES_PER_FILE``.
 
-Reads fetch whole saved chunks (checksums are per chunk), coalescing
-neighbours in a file, into one staging buffer per range. The range is read in
-blocks by several threads; each thread checksums the block it just read and
-the per-block CRCs are combined into the chunk's CRC (``crc32c_combine``), so
-verification needs no second pass over memory after the reads.
-
-Measured and left out: ``O_DIRECT`` reads (no faster cold on the machines
-measured, and a warm page cache no longer helps); 8 MiB blocks (no gain).
-See docs/performance.md.
+Reads are not here: every read of saved bytes goes through the one verified
+reader, ``_readers.read_verified``. See docs/performance.md.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ from . import _plan
 from ._format import dtype_name
 from .errors import UnsupportedStateError
 
-__all__ = ["TensorLayout", "Part", "layout_of", "is_dtensor", "is_sharded_tensor", "box_view", "dist_info"]
+__all__ = ["TensorLayout", "Part", "layout_of", "is_dtensor", "is_sharded_tensor", "box_view"]
 
 
 @dataclass
@@ -90,10 +90,6 @@ def is_sharded_tensor(t: Any) -> bool:
     except ImportError:  # pragma: no cover
         return False
     return isinstance(t, ShardedTensor)
-
-
-# dist_info lives with the other collective helpers; kept importable from here.
-from ._collective import dist_info  # noqa: E402
 
 
 def _placements(name: str, dt) -> List[object]:

@@ -31,9 +31,11 @@ from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Optional, Set, Tupl
 
 from ._async import AsyncSaveHandle, start_async, wait_pending
 from ._collective import DEFAULT_COLLECTIVE_TIMEOUT_S, FROM_ROOT, Comm, agree, open_comm
-from ._format import HF_INDEX_NAME, MANIFEST_NAME
+from ._format import HF_INDEX_NAME, MANIFEST_NAME, open_manifest, torch_dtype
+from ._format.committed import _nearby
 from ._io import DEFAULT_IO_THREADS, check_files
-from ._load import load, read_manifest
+from ._load import load
+from ._runtimes import unwrap
 from ._save import DATA_DIR, execute_save, prepare_save
 from ._storage import Storage
 from .errors import (
@@ -79,7 +81,8 @@ HF_SUFFIX = "-hf"
 
 
 def _export_dtype(dtype: Any) -> Any:
-    from .converters._common import parse_dtype
+    # The converters package imports every converter: only when a dtype is given.
+    from .converters._options import parse_dtype
 
     return parse_dtype(dtype)
 
@@ -99,9 +102,6 @@ def _model_state(state: Dict[str, Any], dtype: Any) -> Any:
     if dtype is None:
         return model
     import torch
-
-    from ._format import torch_dtype
-    from ._runtimes import unwrap
 
     sd = unwrap(model).state_dict(keep_vars=True) if isinstance(model, torch.nn.Module) else model
     if not isinstance(sd, dict):
@@ -461,6 +461,7 @@ class CheckpointManager:
 
     def _export_hf(self, step: int) -> None:
         """Rank 0 writes the committed step as a Hugging Face directory; every rank returns when it is there."""
+        # The converters package imports every converter: only when exporting.
         from .converters import to_safetensors
 
         comm = self._comm("CheckpointManager.save", error=SaveFailedError)
@@ -664,7 +665,7 @@ class CheckpointManager:
 
     def _validate(self, step: int) -> None:
         st = self.root.child(step_dir_name(step))
-        m = read_manifest(st)
+        m = open_manifest(st)
         saved = m.extra.get("step") if isinstance(m.extra, dict) else None
         # A step directory copied or renamed by hand holds another step's state:
         # resuming it would restart the schedule at the wrong step.
@@ -733,8 +734,6 @@ class CheckpointManager:
         except Exception:
             return
         if not exists:
-            from ._format.committed import _nearby
-
             log.warning(
                 "shardckpt: CheckpointManager.restore: %s does not exist: nothing to restore, the run starts fresh "
                 "(check the path for a typo if it should resume)%s", self.root_url, _nearby(self.root),
@@ -873,7 +872,7 @@ class CheckpointManager:
             name = step_dir_name(s)
             st = self.root.child(name)
             try:
-                m = read_manifest(st)
+                m = open_manifest(st)
             except (FileNotFoundError, NotADirectoryError):
                 continue  # deleted since the scan (another process's retention): nothing left to clean
             except CheckpointError as e:

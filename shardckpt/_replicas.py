@@ -69,6 +69,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from . import _knobs
+from ._collective import _Counters, _counters_of, _store, agree
+from ._readers import Want
 from .errors import LoadFailedError
 
 __all__ = ["Key", "Shared", "SharedPlan", "plan_shared", "read_once", "enabled"]
@@ -307,9 +309,6 @@ def read_once(
 
     import torch
 
-    from ._collective import agree
-    from ._readers import Want
-
     what = f"the load from {storage.url} stopped part-way (ranks not named here loaded all their tensors)"
     keys = [key_of(w) for w in wants]
     offered = [shareable is None or shareable(w) for w in wants]
@@ -511,8 +510,6 @@ def _wait(works: List[Any], comm: Any, peers: Sequence[int], cuda: bool) -> None
     rather than after the timeout.
     """
     from datetime import timedelta
-
-    from ._collective import _Counters, _counters_of, _store
 
     deadline = time.monotonic() + comm.timeout_s
 

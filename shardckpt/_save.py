@@ -60,6 +60,7 @@ from ._io import DEFAULT_IO_THREADS, WriteItem, partition, write_files
 from ._layout import TensorLayout, layout_of
 from ._state import flatten_for_save
 from ._storage import Storage
+from ._version import __version__
 from .errors import (
     CheckpointError,
     CheckpointExistsError,
@@ -75,8 +76,6 @@ __all__ = ["save", "SavePlan", "prepare_save", "stage_save", "execute_save", "DA
 
 
 def _version() -> str:
-    from ._version import __version__
-
     return __version__
 
 
@@ -598,8 +597,6 @@ def _build_manifest(
     ranks, after a tiling check of their chunks. The bytes written of regular
     tensors must add up to their sizes (a writer that wrote nothing shows).
     """
-    from ._format import _v2  # noqa: F401  (v2 parse registered with the format layer)
-
     tensors: Dict[str, TensorMeta] = {}
     meshes: List[Any] = []
     mesh_ids: Dict[Any, int] = {}

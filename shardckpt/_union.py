@@ -35,6 +35,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from . import _plan
 from ._format import itemsize, torch_dtype
 from ._layout import TensorLayout
+from ._layout import _placement_str as f
 from ._state.ranks import merge_values
 from .errors import UnsupportedStateError, format_offenders
 
@@ -249,6 +250,4 @@ def with_peers(layouts: Dict[str, TensorLayout], keep: Dict[str, Any]) -> Dict[s
 
 
 def _placement_str(p: object) -> str:
-    from ._layout import _placement_str as f
-
     return f(p)

@@ -25,6 +25,7 @@ MAX_LISTED_PROBLEMS = 20
 
 
 def _storage(url: str, storage_options: Optional[Dict[str, Any]]):
+    # The storage backends (S3 clients) cost more to import than the format: only when used.
     from ._storage import Storage
 
     return Storage(url, storage_options=storage_options)

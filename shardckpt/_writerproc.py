@@ -47,6 +47,10 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from ._format import itemsize
+from ._io import WriteItem, write_files
+from ._storage import Storage
+from ._storage._factory import backend_for
 from .errors import SaveFailedError
 
 __all__ = ["Arena", "ProcessWriter", "usable_for", "get_writer", "shutdown", "ARENA_ALIGN", "CHILD_START_TIMEOUT_S"]
@@ -135,8 +139,6 @@ class Arena:
 
 def usable_for(storage) -> bool:
     """Whether a writer child can write to ``storage`` (its own ``Storage(url)`` reaches the same files)."""
-    from ._storage._factory import backend_for
-
     if not hasattr(os, "memfd_create"):
         return False  # not Linux: no anonymous shared memory to stage into
     if storage.url.split("://", 1)[0] in _IN_PROCESS_PROTOCOLS and "://" in storage.url:
@@ -366,8 +368,6 @@ def child_main() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     conn = Connection(int(os.environ.pop(_FD_ENV)))
     torch.set_num_threads(1)
-    from ._io import WriteItem, write_files
-    from ._storage import Storage
 
     arenas: Dict[Any, torch.Tensor] = {}
     conn.send(("ready",))
@@ -417,8 +417,6 @@ def child_main() -> None:
 
 
 def _view(arena: torch.Tensor, off: int, sizes: Sequence[int], dtype: str) -> torch.Tensor:
-    from ._format import itemsize
-
     n = itemsize(dtype)
     for s in sizes:
         n *= s

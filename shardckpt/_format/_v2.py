@@ -15,6 +15,7 @@ import math
 import re
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from .. import _plan
 from ..errors import ChecksumMismatchError, CorruptCheckpointError, UnsafeMetadataError
 from .checksum import crc32c, pack_crcs, unpack_crcs
 from .dtypes import DTYPES, itemsize
@@ -31,6 +32,7 @@ from .manifest import (
     canonical_json,
     check_relpath,
     manifest_json_v2,
+    tiling_problems,
 )
 from .naming import DATA_DIR, DATA_SUFFIX, INDEX_DIR, INDEX_SUFFIX, chunk_key, save_id_prefix
 from .resolve import MetaCache, ResolvedChunk
@@ -183,8 +185,6 @@ def manifest_v2_from_raw(raw: Dict[str, Any], where: str) -> Manifest:
 
 
 def _regular_of(reg: Dict[str, Any], shape: List[int], where: str):
-    from .. import _plan
-
     try:
         return _plan.layout_from_json({"shape": list(shape), "mesh_shape": reg.get("mesh_shape"), "placements": reg.get("placements")})
     except ValueError as e:
@@ -192,8 +192,6 @@ def _regular_of(reg: Dict[str, Any], shape: List[int], where: str):
 
 
 def _shard_count(lay) -> int:
-    from .. import _plan
-
     return _plan.shard_count(lay)
 
 
@@ -452,8 +450,6 @@ def _index_of_rank(m: Manifest) -> Dict[int, str]:
 
 
 def _parse_index(m: Manifest, data: bytes, rank: int, where: str) -> Dict[str, Any]:
-    from .. import _plan
-
     try:
         raw = json.loads(data.decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
@@ -524,8 +520,6 @@ def _parse_index(m: Manifest, data: bytes, rank: int, where: str) -> Dict[str, A
 
 def _regular_chunks(m: Manifest, storage: Any, name: str, t: TensorMeta, boxes, cache: MetaCache) -> List[ChunkMeta]:
     """Saved chunks of a regular tensor meeting ``boxes`` (all chunks when ``boxes`` is None)."""
-    from .. import _plan
-
     lay = regular_of(t)
     rot = t.regular["rotation"]
     wanted: Dict[Tuple[int, ...], Tuple[int, _plan.Box]] = {}
@@ -560,8 +554,6 @@ def _regular_chunks(m: Manifest, storage: Any, name: str, t: TensorMeta, boxes, 
 
 
 def _explicit_chunks(m: Manifest, storage: Any, name: str, t: TensorMeta, cache: MetaCache) -> List[ChunkMeta]:
-    from .manifest import tiling_problems
-
     key = ("explicit", name)
     got = cache.headers.get(key)
     if got is not None:

@@ -40,8 +40,9 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
+from .._layout import is_dtensor, is_sharded_tensor
 from ..errors import StateMismatchError, UnsupportedStateError
-from .values import TAG, encode_value
+from .values import TAG, decode_value, encode_value, tensor_ref
 
 __all__ = [
     "SUBCLASS_TAG",
@@ -65,8 +66,6 @@ def _type_name(t: Any) -> str:
 
 def _special(t: Any) -> bool:
     """DTensor / ShardedTensor: handled by the layout layer, not here."""
-    from .._layout import is_dtensor, is_sharded_tensor
-
     return is_dtensor(t) or is_sharded_tensor(t)
 
 
@@ -172,8 +171,6 @@ def _imported(qualname: str) -> Any:
 
 def decode_ctx(node: Any) -> Any:
     """The Python context :func:`encode_ctx` encoded (named tuple types must be imported already)."""
-    from .values import decode_value
-
     if isinstance(node, list):
         return [decode_ctx(x) for x in node]
     if isinstance(node, dict):
@@ -211,8 +208,6 @@ def flatten_subclass(t: torch.Tensor, name: str) -> Tuple[List[Tuple[str, torch.
         >>> flatten_subclass(TwoTensor(torch.ones(2), torch.zeros(2)), "t")[1]["inner"]  # doctest: +SKIP
         {'a': {'__shardckpt__': 'tensor', 'name': 't.a'}, 'b': {...}}
     """
-    from .values import tensor_ref
-
     where = f"{name} (a {_type_name(t)})"
     try:
         attrs, ctx = t.__tensor_flatten__()
