@@ -13,7 +13,7 @@ import threading
 from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 from ..errors import StorageError
-from ._base import DEFAULT_RETRIES, Capabilities, Storage, Writer, plan_range_fetches
+from ._base import Capabilities, Storage, Writer, plan_range_fetches
 
 __all__ = ["FsspecStorage", "PROTOCOL_HINTS"]
 
@@ -94,7 +94,7 @@ class FsspecStorage(Storage):
         url: str,
         *,
         storage_options: Optional[Dict[str, Any]] = None,
-        retries: int = DEFAULT_RETRIES,
+        retries: Optional[int] = None,
         fs=None,
         root: Optional[str] = None,
     ):
