@@ -45,7 +45,6 @@ from shardckpt._format import (
     torch_dtype,
 )
 from shardckpt._io import (
-    DEFAULT_IO_THREADS,
     WriteItem,
     byte_view,
     check_files,
@@ -93,10 +92,10 @@ class Reader:
         >>> data = torch.cat([r.read(t, b) for b in plan_blocks(t, 0, t.numel)]); r.finish()
     """
 
-    def __init__(self, source: Source, *, threads: int = DEFAULT_IO_THREADS):
+    def __init__(self, source: Source, *, threads: Optional[int] = None):
         self.source = source
         self.storage = source.storage
-        self.threads = max(1, threads)
+        self.threads = max(1, _knobs.IO_THREADS if threads is None else threads)
         # Pieces read of chunks with one checksum for all their bytes (v1,
         # zip records): (id of tensor, chunk index) -> (tensor, [(position, length, crc)]).
         self._pieces: Dict[Tuple[int, int], Tuple[SrcTensor, List[Tuple[int, int, int]]]] = {}
@@ -371,7 +370,7 @@ def write_native(
     extra: Optional[Dict[str, Any]] = None,
     storage_options: Optional[Dict[str, Any]] = None,
     overwrite: bool = False,
-    threads: int = DEFAULT_IO_THREADS,
+    threads: Optional[int] = None,
     progress: bool = False,
     desc: str = "convert",
 ) -> ConvertResult:
@@ -396,6 +395,7 @@ def write_native(
         >>> write_native("out", {0: {"00": [whole_entry(t, "w", native=True)]}}, Reader(src),   # doctest: +SKIP
         ...              tensors={"w": (t.dtype, t.shape, None, None)}, values=None, world_size=1)
     """
+    threads = _knobs.IO_THREADS if threads is None else threads  # read at each call
     t0 = time.perf_counter()
     dst = Storage(dst_url, storage_options=storage_options)
     if dst.exists(MANIFEST_NAME) and not overwrite:
@@ -467,7 +467,7 @@ def write_native(
 
 
 def write_whole(source: Source, dst_url: str, names: Dict[str, str], *, check_sizes: bool = True,
-                threads: int = DEFAULT_IO_THREADS, **native: Any) -> ConvertResult:
+                threads: Optional[int] = None, **native: Any) -> ConvertResult:
     """Write ``source``'s tensors ``{source name: output name}`` whole, as a world-size-1 native checkpoint.
 
     The imports' common tail: one chunk per tensor, in a few files of balanced
@@ -475,6 +475,7 @@ def write_whole(source: Source, dst_url: str, names: Dict[str, str], *, check_si
     ``check_sizes``: check the source files' sizes first (skip it where they
     were just listed); ``native``: :func:`write_native`'s options (values, extra, ...).
     """
+    threads = _knobs.IO_THREADS if threads is None else threads  # read at each call
     entries = {new: whole_entry(source.tensors[old], new, native=True) for old, new in names.items()}
     reader = Reader(source, threads=threads)
     if check_sizes:
@@ -497,7 +498,7 @@ def write_plain(
     *,
     index: Optional[bytes] = None,
     index_name: str = "",
-    threads: int = DEFAULT_IO_THREADS,
+    threads: Optional[int] = None,
     progress: bool = False,
     desc: str = "export",
 ) -> ConvertResult:
@@ -513,6 +514,7 @@ def write_plain(
     Example:
         >>> write_plain(Storage("hf"), {"model.safetensors": entries}, reader)   # doctest: +SKIP
     """
+    threads = _knobs.IO_THREADS if threads is None else threads  # read at each call
     t0 = time.perf_counter()
     total = sum(e.nbytes for ents in files.values() for e in ents)
     bar = Progress(total, progress, desc)

@@ -8,10 +8,10 @@ import os
 import uuid
 from typing import Any, Dict, List, Optional, Sequence, Union
 
+from shardckpt import _knobs
 from shardckpt._format import DATA_DIR, MANIFEST_NAME
 from shardckpt._format.values import TAG, tensor_ref
 from shardckpt._hf import KeyMap, hf_manifest, map_names, select_names
-from shardckpt._io import DEFAULT_IO_THREADS
 from shardckpt._storage import Storage, fsync_dir
 from shardckpt.errors import CheckpointExistsError, CheckpointNotFoundError, StateMismatchError, format_offenders
 
@@ -180,7 +180,7 @@ def to_safetensors(
     dst_storage_options: Optional[Dict[str, Any]] = None,
     overwrite: bool = False,
     progress: bool = False,
-    io_threads: int = DEFAULT_IO_THREADS,
+    io_threads: Optional[int] = None,
 ) -> ConvertResult:
     """Export a checkpoint's model as a Hugging Face safetensors directory.
 
@@ -254,6 +254,7 @@ def to_safetensors(
         >>> from shardckpt import converters                      # doctest: +SKIP
         >>> converters.to_safetensors("ckpt/step-1000", "hf_out", dtype="bf16", max_shard_size="2GB")
     """
+    io_threads = _knobs.IO_THREADS if io_threads is None else io_threads  # read at each call
     check_apart(src, dst)
     if tied not in TIED_CHOICES:
         raise ValueError(f"to_safetensors(tied={tied!r}): expected one of {', '.join(map(repr, TIED_CHOICES))}")
@@ -518,7 +519,7 @@ def from_safetensors(
     dst_storage_options: Optional[Dict[str, Any]] = None,
     overwrite: bool = False,
     progress: bool = False,
-    io_threads: int = DEFAULT_IO_THREADS,
+    io_threads: Optional[int] = None,
 ) -> ConvertResult:
     """Import safetensors weights (an HF directory, sharded with an index or not, or one file) as a native checkpoint.
 
@@ -548,6 +549,7 @@ def from_safetensors(
     Example:
         >>> converters.from_safetensors("Llama-3-8B/", "s3://b/llama-native")   # doctest: +SKIP
     """
+    io_threads = _knobs.IO_THREADS if io_threads is None else io_threads  # read at each call
     check_apart(src, dst)
     storage = Storage(src, storage_options=storage_options)
     m = hf_manifest(storage)

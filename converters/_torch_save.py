@@ -21,10 +21,10 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
+from shardckpt import _knobs
 from shardckpt._format import check_relpath, dtype_name
 from shardckpt._format.values import value_depth_problem
 from shardckpt._hf import KeyMap, map_names, select_names
-from shardckpt._io import DEFAULT_IO_THREADS
 from shardckpt._state import flatten_for_save
 from shardckpt._storage import Storage
 from shardckpt.errors import (
@@ -378,7 +378,7 @@ def from_torch_save(
     dst_storage_options: Optional[Dict[str, Any]] = None,
     overwrite: bool = False,
     progress: bool = False,
-    io_threads: int = DEFAULT_IO_THREADS,
+    io_threads: Optional[int] = None,
 ) -> ConvertResult:
     """Import a ``torch.save`` file (``.pt``/``.pth``/``.bin``) or a legacy HF ``.bin`` directory as a native checkpoint, safely.
 
@@ -420,6 +420,7 @@ def from_torch_save(
     Example:
         >>> converters.from_torch_save("model.pt", "ckpt-native")     # doctest: +SKIP
     """
+    io_threads = _knobs.IO_THREADS if io_threads is None else io_threads  # read at each call
     storage, bases = _torch_save_files(src, storage_options)
     check_apart(src, dst)
     obj: Dict[str, Any] = {}

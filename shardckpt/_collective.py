@@ -107,7 +107,7 @@ import os
 import pickle
 import threading
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Type, TypeVar
 
@@ -119,11 +119,11 @@ log = logging.getLogger("shardckpt")
 __all__ = [
     "Comm",
     "open_comm",
+    "NoProcessGroupError",
     "agree",
     "broadcast",
     "all_gather",
     "dist_info",
-    "DEFAULT_COLLECTIVE_TIMEOUT_S",
     "EVERY_RANK_RULE",
     "start_heartbeat",
     "Group",
@@ -136,7 +136,6 @@ T = TypeVar("T")
 #: Default ``collective_timeout_s`` of save, load, async_save and the manager
 #: (``SHARDCKPT_COLLECTIVE_TIMEOUT_S``). An exchange waits for the slowest
 #: rank, so it must exceed the longest write (or read) of one rank's shard.
-DEFAULT_COLLECTIVE_TIMEOUT_S = _knobs.COLLECTIVE_TIMEOUT_S
 
 #: Said whenever a rank is missing or the process group is.
 EVERY_RANK_RULE = "every rank of the process group must call {op} (or pass no_dist=True to {op} from this process alone)"
@@ -175,7 +174,7 @@ class Comm:
     rank: int = 0
     world: int = 1
     ranks: Tuple[int, ...] = (0,)
-    timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S
+    timeout_s: float = field(default_factory=lambda: _knobs.COLLECTIVE_TIMEOUT_S)
     op: str = "save"
     error: Type[CheckpointError] = SaveFailedError
     channel: str = "main"
@@ -184,6 +183,15 @@ class Comm:
     def on_channel(self, channel: str) -> "Comm":
         """The same ranks on another sequence of exchanges (the async save's background thread)."""
         return replace(self, channel=channel)
+
+
+class NoProcessGroupError(UsageError):
+    """A collective call in a torchrun job (``WORLD_SIZE`` > 1) before ``init_process_group``.
+
+    Its own type so that callers with other advice to give (the manager,
+    which has no ``no_dist``) can tell it from other misuse without reading
+    the message.
+    """
 
 
 def _torchrun_world() -> int:
@@ -207,16 +215,17 @@ def open_comm(
         process_group: the group the call runs over (default: the world).
         no_dist: this process alone, whatever the environment.
         collective_timeout_s: bound of every exchange (default
-            ``DEFAULT_COLLECTIVE_TIMEOUT_S``).
+            ``SHARDCKPT_COLLECTIVE_TIMEOUT_S``, read now).
         op: the call's name for messages, e.g. ``"shardckpt.save"``.
         error: raised for a missing rank or a failure that is not a
             ``CheckpointError``.
 
     Raises:
-        UsageError: ``WORLD_SIZE`` > 1 in the environment (torchrun) but no
-            process group is initialised; or a non-positive timeout.
+        NoProcessGroupError: ``WORLD_SIZE`` > 1 in the environment (torchrun)
+            but no process group is initialised (a ``UsageError``).
+        UsageError: a non-positive timeout.
     """
-    timeout = DEFAULT_COLLECTIVE_TIMEOUT_S if collective_timeout_s is None else collective_timeout_s
+    timeout = _knobs.COLLECTIVE_TIMEOUT_S if collective_timeout_s is None else collective_timeout_s
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
         raise UsageError(f"{op}: collective_timeout_s must be a positive number of seconds, got {collective_timeout_s!r}")
     base = Comm(timeout_s=float(timeout), op=op, error=error, no_dist=bool(no_dist))
@@ -226,7 +235,7 @@ def open_comm(
 
     if not (dist.is_available() and dist.is_initialized()):
         if _torchrun_world() > 1:
-            raise UsageError(
+            raise NoProcessGroupError(
                 f"{op}: WORLD_SIZE={os.environ.get('WORLD_SIZE')} (a torchrun job) but no process group is "
                 "initialised, so the ranks would race on one checkpoint. Call "
                 "torch.distributed.init_process_group() first, or pass no_dist=True for a deliberate "

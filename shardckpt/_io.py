@@ -48,15 +48,11 @@ __all__ = [
     "byte_view",
     "host_empty",
     "crc32c",
-    "DEFAULT_IO_THREADS",
-    "WRITE_BLOCK_BYTES",
 ]
 
-# Tunables live in ``_knobs`` (overridable from SHARDCKPT_* environment
-# variables); the names here are the ones the engine and converters import.
-DEFAULT_IO_THREADS = _knobs.IO_THREADS
-WRITE_BLOCK_BYTES = _knobs.WRITE_BLOCK_BYTES
-MIN_BYTES_PER_FILE = _knobs.MIN_BYTES_PER_FILE
+# Tunables live in ``_knobs`` (SHARDCKPT_* environment variables) and are
+# read there at each use (``_knobs.WRITE_BLOCK_BYTES``...), never copied, so
+# that an in-process override takes effect at the next call.
 
 
 @functools.lru_cache(maxsize=None)
@@ -257,7 +253,7 @@ def partition(
 ) -> List[List[WriteItem]]:
     """Split items into files: at most ``parts`` groups of balanced bytes, each cut so its header stays small.
 
-    Bytes decide the groups (one per I/O thread above ``MIN_BYTES_PER_FILE``);
+    Bytes decide the groups (one per I/O thread above ``_knobs.MIN_BYTES_PER_FILE``);
     a group whose estimated header (:func:`entry_header_bytes`) exceeds
     ``header_limit`` (default ``_knobs.HEADER_BYTES_PER_FILE``) becomes
     several files (:func:`split_by_header`): safetensors readers refuse
@@ -275,7 +271,7 @@ def partition(
 def _balance(items: Sequence[WriteItem], parts: int) -> List[List[WriteItem]]:
     """Items in at most ``parts`` groups of balanced bytes (order kept inside a group)."""
     total = sum(it.nbytes for it in items)
-    parts = max(1, min(parts, math.ceil(total / MIN_BYTES_PER_FILE) if total else 1, len(items) or 1))
+    parts = max(1, min(parts, math.ceil(total / _knobs.MIN_BYTES_PER_FILE) if total else 1, len(items) or 1))
     groups: List[List[WriteItem]] = [[] for _ in range(parts)]
     load = [0] * parts
     for idx in sorted(range(len(items)), key=lambda i: (-items[i].nbytes, i)):
@@ -323,8 +319,8 @@ def _write_one(
                 mv = tensor_bytes(it.tensor)
                 if len(mv) != it.nbytes:
                     raise AssertionError(f"{it.key}: {len(mv)} bytes, expected {it.nbytes}")
-                for off in range(0, len(mv), WRITE_BLOCK_BYTES):
-                    block = mv[off : off + WRITE_BLOCK_BYTES]
+                for off in range(0, len(mv), _knobs.WRITE_BLOCK_BYTES):
+                    block = mv[off : off + _knobs.WRITE_BLOCK_BYTES]
                     crcs.update(block)
                     w.write(block)
                 del mv
@@ -370,7 +366,7 @@ def _write_cuda(w, it: WriteItem, bounce: List[torch.Tensor], crcs: BlockCrcs) -
     flat = src.reshape(-1).view(torch.uint8)
     if len(flat) != it.nbytes:
         raise AssertionError(f"{it.key}: {len(flat)} bytes, expected {it.nbytes}")
-    block = WRITE_BLOCK_BYTES
+    block = _knobs.WRITE_BLOCK_BYTES
     if not bounce or len(bounce[0]) < min(block, it.nbytes):
         bounce[:] = [torch.empty(min(block, max(it.nbytes, 1)), dtype=torch.uint8, pin_memory=True) for _ in range(2)]
     size = len(bounce[0])
@@ -403,7 +399,7 @@ def write_files(
     storage: Storage,
     files: Dict[str, Sequence[WriteItem]],
     *,
-    threads: int = DEFAULT_IO_THREADS,
+    threads: Optional[int] = None,
     block_bytes: Optional[int] = None,
     chunk_metadata: bool = True,
 ) -> Tuple[List[ChunkMeta], Dict[str, FileMeta]]:
@@ -417,7 +413,7 @@ def write_files(
     Args:
         storage: destination.
         files: relative path -> chunks to write into it, in order.
-        threads: files written in parallel.
+        threads: files written in parallel (default ``SHARDCKPT_IO_THREADS``, read now).
         block_bytes: block checksum size (default ``_knobs.BLOCK_BYTES``).
         chunk_metadata: describe each chunk (tensor, offsets) in the file's
             ``__metadata__`` (native files); False for plain safetensors
@@ -430,6 +426,7 @@ def write_files(
         >>> chunks, sizes = write_files(storage, {"data/x.safetensors": items})   # doctest: +SKIP
     """
     bb = block_bytes or _knobs.BLOCK_BYTES
+    threads = _knobs.IO_THREADS if threads is None else threads
     chunks: List[ChunkMeta] = []
     metas: Dict[str, FileMeta] = {}
     if not files:

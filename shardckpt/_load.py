@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, NamedTuple
 import torch
 
 from . import _knobs, _plan, _replicas
-from ._collective import DEFAULT_COLLECTIVE_TIMEOUT_S, Comm, agree, open_comm
+from ._collective import Comm, agree, open_comm
 from ._format import (
     Manifest,
     TensorMeta,
@@ -138,7 +138,7 @@ def load(
     io_threads: Optional[int] = None,
     keys: Optional[Sequence[str]] = None,
     key_map: Optional[KeyMap] = None,
-    collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S,
+    collective_timeout_s: Optional[float] = None,
     no_dist: bool = False,
     atomic: bool = False,
     buffer_bytes: Optional[int] = None,

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, Optional, 
 import torch
 
 from . import _knobs, _plan, _union
-from ._collective import DEFAULT_COLLECTIVE_TIMEOUT_S, DISTINCT, FROM_ROOT, TO_ROOT, Comm, agree, open_comm
+from ._collective import DISTINCT, FROM_ROOT, TO_ROOT, Comm, agree, open_comm
 from ._format import (
     DATA_DIR,
     FORMAT_VERSION,
@@ -56,7 +56,7 @@ from ._format import (
 )
 from ._format._v2 import index_bytes
 from ._format.checksum import crc32c
-from ._io import DEFAULT_IO_THREADS, WriteItem, partition, write_files
+from ._io import WriteItem, partition, write_files
 from ._layout import TensorLayout, layout_of
 from ._state import flatten_for_save
 from ._storage import Storage
@@ -165,8 +165,8 @@ def save(
     storage_options: Optional[Dict[str, Any]] = None,
     process_group: Optional["ProcessGroup"] = None,
     overwrite: bool = False,
-    io_threads: int = DEFAULT_IO_THREADS,
-    collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S,
+    io_threads: Optional[int] = None,
+    collective_timeout_s: Optional[float] = None,
     no_dist: bool = False,
 ) -> None:
     """Save ``state`` to ``url`` as a sharded, checksummed checkpoint.
@@ -244,7 +244,7 @@ class SavePlan:
     layouts: Mapping[str, TensorLayout]
     items: Tuple[WriteItem, ...]
     overwrite: bool = False
-    io_threads: int = DEFAULT_IO_THREADS
+    io_threads: int = field(default_factory=lambda: _knobs.IO_THREADS)
     extra: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
     per_rank: Any = None  # this rank's per-rank JSON values, gathered at commit
     #: Said when the target is committed and ``overwrite`` is False: the
@@ -276,7 +276,7 @@ def prepare_save(
     comm: Comm,
     storage_options: Optional[Dict[str, Any]] = None,
     overwrite: bool = False,
-    io_threads: int = DEFAULT_IO_THREADS,
+    io_threads: Optional[int] = None,
     extra: Optional[Mapping[str, Any]] = None,
     exists_hint: str = OVERWRITE_HINT,
 ) -> SavePlan:
@@ -331,7 +331,7 @@ def prepare_save(
         layouts=MappingProxyType(layouts),
         items=tuple(_write_plan(layouts, rank)),
         overwrite=overwrite,
-        io_threads=io_threads,
+        io_threads=_knobs.IO_THREADS if io_threads is None else io_threads,
         extra=MappingProxyType(dict(extra or {})),
         per_rank=flat.per_rank or None,
         exists_hint=exists_hint,
@@ -466,7 +466,7 @@ def write_rank(
     save_id: str,
     rank: int,
     *,
-    threads: int = DEFAULT_IO_THREADS,
+    threads: Optional[int] = None,
     block_bytes: Optional[int] = None,
     writer: Optional[Callable[..., Any]] = None,
 ) -> Tuple[List[Tuple[str, ChunkMeta]], Dict[str, FileMeta], Optional[Tuple[str, int, int]]]:

@@ -60,7 +60,9 @@ def resolve(url: str, storage_options: Dict[str, Any]):
         raise StorageError(f"cannot open {url!r}: {e}. Install {pkg} (e.g. pip install {pkg})") from None
     except ValueError as e:
         hint = ""
-        if "protocol not known" in str(e).lower():
+        # fsspec says "Protocol not known" with a plain ValueError: ask its
+        # registry instead of reading the message.
+        if proto not in fsspec.available_protocols():
             pkg = PROTOCOL_HINTS.get(proto)
             hint = (
                 f". Install {pkg} (e.g. pip install {pkg})"

@@ -84,6 +84,10 @@ def map_error(e: BaseException, what: str) -> BaseException:
     """
     import obstore.exceptions as oe
 
+    # obstore's exceptions carry no status or S3 error code (obstore 0.12:
+    # only the message; its GenericError covers 5xx, 416 and auth alike), so
+    # this one function reads the text; everything downstream branches on
+    # the type it returns (EOFError, StorageError, TimeoutError...).
     if not isinstance(e, oe.BaseError) or isinstance(e, FileNotFoundError):
         if isinstance(e, FileNotFoundError):
             text = str(e)
