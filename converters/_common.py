@@ -23,7 +23,7 @@ import time
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, cast
 
 import torch
 
@@ -148,7 +148,7 @@ class Reader:
             if key is not c:
                 t = c.loader().contiguous()  # type: ignore[misc]
                 self._cache = (c, t)
-        return tensor_bytes(t)
+        return tensor_bytes(cast(torch.Tensor, t))
 
     def read_into(self, t: SrcTensor, blk: Block, out: torch.Tensor, *, pool: Optional[BufferPool] = None) -> None:
         """Fill ``out`` (flat uint8, ``blk.count`` elements of ``t``) with the block's bytes, row-major."""
@@ -179,10 +179,10 @@ class Reader:
                 for r in range(s.pos // crow, (s.pos + s.n) // crow, step):
                     k = min(step, (s.pos + s.n) // crow - r)
                     inner = tuple(c.sizes[1:-1]) + (c.sizes[-1] * isz,)
-                    dst = box_view(slab, (c.offsets[0] + r - a,) + tuple(c.offsets[1:-1]) + (c.offsets[-1] * isz,), (k,) + inner)
+                    dst = box_view(slab, (c.offsets[0] + r - a,) + tuple(c.offsets[1:-1]) + (c.offsets[-1] * isz,), (k,) + inner)  # type: ignore[assignment]
                     if c.loader is not None:
                         src = torch.frombuffer(self._loaded(c), dtype=torch.uint8)[r * crow : (r + k) * crow]
-                        dst.copy_(src.view((k,) + inner))
+                        cast(Any, dst).copy_(src.view((k,) + inner))
                     else:
                         wants.append(Want(self._saved_chunk(t, s.chunk), r * crow, (r + k) * crow, (t, s.chunk, dst)))
         if wants:
@@ -349,7 +349,7 @@ def run_parallel(fn: Callable[[Any], Any], args: Sequence[Any], *, workers: int,
         futs = [ex.submit(run, a) for a in args]
         errors = [f.exception() for f in futs if f.exception() is not None]
     if errors:
-        raise next((e for e in errors if not isinstance(e, _Stopped)), errors[0])
+        raise next((e for e in errors if not isinstance(e, _Stopped)), errors[0])  # type: ignore[misc]  # only failed futures are listed
     return [f.result() for f in futs]
 
 
@@ -483,7 +483,9 @@ def write_whole(source: Source, dst_url: str, names: Dict[str, str], *, check_si
     # Plan the files on placeholder items: partition balances bytes and keeps the safetensors order.
     shells = [WriteItem(e.name, e.key, e.dtype, e.offsets, e.shape, None) for e in entries.values()]
     files = {f"{i:02d}": [entries[it.name] for it in g] for i, g in enumerate(partition(shells, threads))}
-    tensors = {new: (source.tensors[old].dtype, source.tensors[old].shape, source.tensors[old].layout, None) for old, new in names.items()}
+    tensors: Dict[str, Tuple[str, Tuple[int, ...], Optional[Dict[str, Any]], Optional[Dict[str, Any]]]] = {
+        new: (source.tensors[old].dtype, source.tensors[old].shape, source.tensors[old].layout, None) for old, new in names.items()
+    }
     return write_native(dst_url, {0: files}, reader, tensors=tensors, world_size=1, threads=threads, **native)
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from shardckpt import _knobs
 from shardckpt._format import chunk_key
@@ -89,7 +89,7 @@ def reshard(
         )
     # Writing rank -> file tag -> entries: rank r writes its own rows, rank 0 the replicated file.
     ranks: Dict[int, Dict[str, List[OutEntry]]] = {}
-    tensors = {}
+    tensors: Dict[str, Tuple[str, Tuple[int, ...], Optional[Dict[str, Any]], Optional[Dict[str, Any]]]] = {}
     layout = {"mesh_shape": [world_size], "mesh_dim_names": None, "placements": ["S(0)"], "resharded": True}
     for name, t in source.tensors.items():
         replicated = not t.shape or t.numel == 0 or (t.layout is None and source.world_size > 1)

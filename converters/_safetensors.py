@@ -6,7 +6,7 @@ import dataclasses
 import json
 import os
 import uuid
-from typing import Any, Dict, List, Optional, Sequence, Union
+from typing import Any, Dict, List, Optional, Sequence, Union, cast
 
 from shardckpt import _knobs
 from shardckpt._format import DATA_DIR, MANIFEST_NAME
@@ -339,7 +339,7 @@ def _publish_export(dst_url, files, reader, *, index, companions, storage_option
     # (new weights + index from the shared writer, kept files linked in,
     # companions written) and swap it in with two renames, so weights and
     # index are published together and nothing of the user's is lost.
-    root = os.path.abspath(dst.root)
+    root = os.path.abspath(cast(Any, dst).root)  # local disk here
     parent, base = os.path.dirname(root), os.path.basename(root)
     stage = os.path.join(parent, f".{base}.{uuid.uuid4().hex[:12]}.export")
     old = None

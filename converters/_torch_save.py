@@ -17,7 +17,7 @@ import os
 import pickle
 import struct
 import zipfile
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Type, Union
 
 import torch
 
@@ -87,7 +87,7 @@ def _refusal(e: BaseException) -> str:
 
 #: What torch.load raises on malformed input (its zip reader and unpickler
 #: assert, index and look up while parsing); all of it means "damaged file".
-MALFORMED_ERRORS: Tuple[type, ...] = (
+MALFORMED_ERRORS: Tuple[Type[BaseException], ...] = (
     RuntimeError, ValueError, EOFError, AssertionError, KeyError, IndexError, TypeError, AttributeError,
     RecursionError, OverflowError,
     # torch 2.11's weights-only unpickler unpacks lengths with struct and lets
@@ -96,7 +96,7 @@ MALFORMED_ERRORS: Tuple[type, ...] = (
 )
 
 
-def weights_only_load(f: Any, *, where: str, map_location: str, corrupt: str, errors: Tuple[type, ...] = MALFORMED_ERRORS) -> Any:
+def weights_only_load(f: Any, *, where: str, map_location: str, corrupt: str, errors: Tuple[Type[BaseException], ...] = MALFORMED_ERRORS) -> Any:
     """``torch.load(f, weights_only=True)``, its refusals and failures as our errors.
 
     Raises UnsafeMetadataError when the pickle names anything outside torch's
@@ -315,7 +315,7 @@ def _torch_save_files(src: str, storage_options) -> Tuple[Storage, List[str]]:
         storage = Storage(parent, storage_options=storage_options)
     else:
         storage = Storage(src, storage_options=storage_options)
-        index = BIN_INDEX if storage.exists(BIN_INDEX) else None
+        index = BIN_INDEX if storage.exists(BIN_INDEX) else None  # type: ignore[assignment]
         if index is None:
             if storage.exists(BIN_SINGLE):
                 return storage, [BIN_SINGLE]

@@ -43,7 +43,7 @@ import threading
 import time
 import traceback
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple, cast
 
 import torch
 
@@ -433,7 +433,7 @@ def start_async(
     if in_process:
         # The writer process writes the data files from the arena; the rest
         # of execute_save (index file, exchanges, commit) stays in this process.
-        staged = replace(staged, writer=functools.partial(_writerproc.get_writer().write_files, arena=_ARENA_STAGER.arena))
+        staged = replace(staged, writer=functools.partial(_writerproc.get_writer().write_files, arena=cast(Any, _ARENA_STAGER.arena)))
         if not reuse_buffers:
             cleanup = _ARENA_STAGER.release
     handle = AsyncSaveHandle(plan.storage.url, time.perf_counter() - t0)

@@ -109,10 +109,13 @@ import threading
 import time
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Type, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple, Type, TypeVar
 
 from . import _knobs
 from .errors import CheckpointError, SaveFailedError, UsageError, format_offenders
+
+if TYPE_CHECKING:  # torch is imported only inside the calls that need it
+    from torch.distributed import ProcessGroup
 
 log = logging.getLogger("shardckpt")
 
@@ -153,7 +156,7 @@ HEARTBEAT_INTERVAL_S = 1.0
 NONE, ALL, TO_ROOT, FROM_ROOT, DISTINCT = "none", "all", "to_root", "from_root", "distinct"
 
 
-def dist_info(group: Optional["ProcessGroup"] = None) -> Tuple[int, int]:  # noqa: F821
+def dist_info(group: Optional["ProcessGroup"] = None) -> Tuple[int, int]:
     """``(rank, world_size)`` of the process group, ``(0, 1)`` without one."""
     import torch.distributed as dist
 
@@ -202,7 +205,7 @@ def _torchrun_world() -> int:
 
 
 def open_comm(
-    process_group: Optional["ProcessGroup"] = None,  # noqa: F821
+    process_group: Optional["ProcessGroup"] = None,
     *,
     no_dist: bool = False,
     collective_timeout_s: Optional[float] = None,
@@ -676,7 +679,7 @@ def _exchange(comm: Comm, outcome: Any, blob: Optional[bytes]) -> Tuple[str, Any
         if late is not None:
             if late[0] == "dead":
                 return base, ("dead", late[1]), None, {}
-            return base, ("missing", _missing(store, comm, base) or ["unknown"]), None, {}
+            return base, ("missing", _missing(store, comm, base) or ["unknown"]), None, {}  # type: ignore[list-item]  # "unknown": no rank could be named
         outcomes = [pickle.loads(v) for v in _multi_get(store, [f"{base}/r{i}" for i in range(comm.world)])]
         hashes = sorted({o[1] for o in outcomes if o[1] is not None}) if blob is not None else []
         keys = [(h, f"{base}/p/{h}/{k}") for h in hashes for k in range(_pieces(h))]
@@ -684,8 +687,8 @@ def _exchange(comm: Comm, outcome: Any, blob: Optional[bytes]) -> Tuple[str, Any
         for (h, _), v in zip(keys, _multi_get(store, [k for _, k in keys])):
             blobs[h] = blobs.get(h, b"") + v
         # Every rank posted this exchange, so every rank read the previous verdict.
-        k = _seq_key(comm, store)
-        for key in _STALE.pop(k, []) + [f"{base}/n", f"{base}/all"]:
+        seq = _seq_key(comm, store)
+        for key in _STALE.pop(seq, []) + [f"{base}/n", f"{base}/all"]:
             _delete(store, key)
         for h in hashes:
             _delete(store, f"{base}/h/{h}")

@@ -24,7 +24,7 @@ import json
 import math
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, cast
 
 import torch
 
@@ -78,7 +78,7 @@ def host_empty(n: int) -> torch.Tensor:
         return torch.empty(n, dtype=torch.uint8)
     buf = bytearray(n)
     t = torch.frombuffer(buf, dtype=torch.uint8)
-    t._shardckpt_buf = buf  # byte_view finds the memory here (frombuffer also keeps it alive)
+    t._shardckpt_buf = buf  # type: ignore[attr-defined]  # byte_view finds the memory here (frombuffer also keeps it alive)
     return t
 
 
@@ -122,7 +122,7 @@ def byte_view(t: torch.Tensor) -> memoryview:
     # there (a [1] slice of a [256] tensor has stride 256), which view() refuses.
     flat = t.detach().as_strided((t.numel(),), (1,)).view(torch.uint8)
     try:
-        return memoryview(flat.numpy()).cast("B")
+        return memoryview(cast(Any, flat.numpy())).cast("B")
     except RuntimeError:  # "Numpy is not available"
         pass
     base = t if t._base is None else t._base
@@ -278,11 +278,11 @@ def _balance(items: Sequence[WriteItem], parts: int) -> List[List[WriteItem]]:
         g = min(range(parts), key=lambda j: (load[j], j))
         groups[g].append(items[idx])
         load[g] += items[idx].nbytes
-    for g in groups:
+    for group in groups:
         # Widest dtypes first (as safetensors does): with the header padded to
         # 8 bytes, every chunk then starts aligned to its element size, so a
         # reader can view the bytes as the dtype without a copy.
-        g.sort(key=lambda it: (-itemsize(it.dtype), it.name, it.offsets))
+        group.sort(key=lambda it: (-itemsize(it.dtype), it.name, it.offsets))
     return [g for g in groups if g]
 
 
@@ -313,10 +313,10 @@ def _write_one(
             crcs = BlockCrcs(block_bytes, enabled=_knobs.CHECKSUMS)
             if it.stream is not None:
                 _write_stream(w, it, crcs)
-            elif it.tensor.device.type == "cuda" and it.nbytes > 0:
+            elif cast(torch.Tensor, it.tensor).device.type == "cuda" and it.nbytes > 0:
                 _write_cuda(w, it, bounce, crcs)
             else:
-                mv = tensor_bytes(it.tensor)
+                mv = tensor_bytes(cast(torch.Tensor, it.tensor))
                 if len(mv) != it.nbytes:
                     raise AssertionError(f"{it.key}: {len(mv)} bytes, expected {it.nbytes}")
                 for off in range(0, len(mv), _knobs.WRITE_BLOCK_BYTES):
@@ -358,7 +358,7 @@ def _write_stream(w, it: WriteItem, crcs: BlockCrcs) -> None:
 
 def _write_cuda(w, it: WriteItem, bounce: List[torch.Tensor], crcs: BlockCrcs) -> None:
     """Stream a GPU chunk through two pinned buffers: block k+1 copies while block k is written."""
-    src = it.tensor.detach()
+    src = cast(torch.Tensor, it.tensor).detach()
     if src.is_conj() or src.is_neg():
         src = src.resolve_conj().resolve_neg()
     if not src.is_contiguous():
@@ -397,7 +397,7 @@ def _write_cuda(w, it: WriteItem, bounce: List[torch.Tensor], crcs: BlockCrcs) -
 
 def write_files(
     storage: Storage,
-    files: Dict[str, Sequence[WriteItem]],
+    files: Mapping[str, Sequence[WriteItem]],
     *,
     threads: Optional[int] = None,
     block_bytes: Optional[int] = None,

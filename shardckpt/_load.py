@@ -256,7 +256,7 @@ def load(
     after the tensors are in; if it raises, the tensors are already loaded.
     """
     if state is None or (isinstance(state, dict) and not state):
-        return _load_by_keys(url, keys=keys, storage_options=storage_options, io_threads=io_threads)
+        return _load_by_keys(url, keys=keys, storage_options=storage_options, io_threads=io_threads)  # type: ignore[return-value]  # keys=: a dict
     comm = open_comm(
         process_group, no_dist=no_dist, collective_timeout_s=collective_timeout_s, op="shardckpt.load", error=LoadFailedError
     )
@@ -416,7 +416,7 @@ def saved_chunks(manifest: Manifest, storage: Optional[Storage], name: str, boxe
         stored = manifest.extra.get(ALIAS_OF_KEY, {}).get(name, name)
         got = resolve_chunks(manifest, storage, stored, boxes, cache=cache)
     else:
-        got = manifest.tensors[name].chunks
+        got = manifest.tensors[name].chunks  # type: ignore[assignment]
     out = []
     for c in got:
         # A resolved chunk carries its blocks; a v2 chunk list filled in by

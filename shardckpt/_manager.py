@@ -27,7 +27,7 @@ import re
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Optional, Set, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Optional, Set, Tuple, cast
 
 from ._async import AsyncSaveHandle, start_async, wait_pending
 from ._collective import FROM_ROOT, Comm, NoProcessGroupError, agree, open_comm
@@ -405,7 +405,7 @@ class CheckpointManager:
         step = _check_step(step)
         if self.load_only:
             return False
-        return step % self.save_interval == 0 or (self.enable_first_step_checkpoint and step == 1)
+        return step % cast(int, self.save_interval) == 0 or (self.enable_first_step_checkpoint and step == 1)
 
     def hf_url(self, step: int) -> str:
         """Where ``last_save_in_hf`` writes step ``step``'s Hugging Face directory."""
@@ -511,7 +511,7 @@ class CheckpointManager:
                 "root (the retention of one deletes what the other saves). This manager saves no more there; "
                 "restore() still works. Give each run its own root_url, or stop the other one"
             )
-        self._known.add(step)
+        cast(Set[int], self._known).add(step)
         _ROOT_OWNER[self.root_url] = self._token
         _SAVED_IN_PROCESS.setdefault(self.root_url, set()).add(step)
 
@@ -801,7 +801,7 @@ class CheckpointManager:
                 # it loads (its manifest goes first): pick again. Errors of a
                 # load are agreed, so every rank is here and rank 0 decides.
                 name = f"{step_dir_name(value)}/{MANIFEST_NAME}"
-                _, gone = agree(comm, lambda name=name: not self.root.exists(name) if comm.rank == 0 else None,
+                _, gone = agree(comm, lambda name=name: not self.root.exists(name) if comm.rank == 0 else None,  # type: ignore[misc]
                                 what=f"restore from {self.root_url}", share=lambda v: v, mode=FROM_ROOT)
                 if not gone or s is not None or attempt == RESTORE_ATTEMPTS - 1:
                     raise

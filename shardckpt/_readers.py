@@ -220,7 +220,7 @@ def plan_ranges(
                 and lo - cur.stop <= gap
                 and max(hi, cur.stop) - cur.start <= range_bytes
             )
-            if not joins:
+            if not joins or cur is None:  # (``joins`` implies a range: for type checkers)
                 cur = ReadRange(rel, lo, hi)
                 out.append(cur)
                 seen = set()

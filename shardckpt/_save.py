@@ -32,7 +32,7 @@ import math
 import uuid
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, cast
 
 import torch
 
@@ -131,13 +131,13 @@ def _write_plan(layouts: Dict[str, TensorLayout], rank: int) -> List[WriteItem]:
                     writers[(name, box)] = lay.holders[box][0]
                 else:
                     items.append(((name, box), box.numel * itemsize(lay.dtype), lay.holders[box]))
-    writers.update(_plan.assign_writers(items) if items else {})
+    writers.update(cast(Any, _plan.assign_writers(items)) if items else {})
     mine: List[WriteItem] = []
     seen = set()
     for name, lay in layouts.items():
         if lay.regular is not None:
             rot = lay.rotation if lay.rotation is not None else rotations[name]
-            if not lay.parts or not _plan.is_writer(lay.regular, rot, lay.coord):
+            if not lay.parts or not _plan.is_writer(lay.regular, rot, cast(Tuple[int, ...], lay.coord)):
                 continue
         for part in lay.parts:
             key = (name, part.box)
@@ -462,7 +462,7 @@ def execute_save(plan: SavePlan) -> None:
 
 def write_rank(
     storage: Storage,
-    files: Dict[str, Sequence[WriteItem]],
+    files: Mapping[str, Sequence[WriteItem]],
     save_id: str,
     rank: int,
     *,
@@ -577,7 +577,7 @@ def stage_save(plan: SavePlan, copy: Callable[[List[torch.Tensor]], List[torch.T
     ``execute_save`` may then run in a background thread while training goes on.
     Local to this rank, no collective.
     """
-    staged = copy([it.tensor for it in plan.items])
+    staged = copy([cast(Any, it.tensor) for it in plan.items])
     if len(staged) != len(plan.items):
         raise AssertionError(f"stage_save: {len(staged)} copies for {len(plan.items)} tensors")
     return replace(
@@ -639,13 +639,13 @@ def _build_manifest(
             t = tensors[name]
             cm = ChunkMeta(**c)
             if t.regular is None:
-                t.writers.append(rank)
+                cast(List[int], t.writers).append(rank)
                 explicit.setdefault(name, TensorMeta(t.dtype, t.shape)).chunks.append(cm)
             # Whole-tensor chunks: kept (not serialized in v2) for the HF index.
             t.chunks.append(cm)
     for name, t in tensors.items():
         if t.regular is None:
-            t.writers = sorted(set(t.writers))
+            t.writers = sorted(set(cast(List[int], t.writers)))
             explicit.setdefault(name, TensorMeta(t.dtype, t.shape))
     bad = tiling_problems(explicit)
     assert not bad, "internal error, saved chunks do not tile: " + "; ".join(bad)

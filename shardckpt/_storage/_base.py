@@ -310,7 +310,7 @@ def reading(url: str):
     except (FileNotFoundError, NotADirectoryError, StorageError, UnreadableFileError, UnsafeMetadataError, EOFError):
         raise
     except OSError as e:
-        why = _DAMAGE_ERRNOS.get(e.errno)
+        why = _DAMAGE_ERRNOS.get(e.errno) if e.errno is not None else None
         if why is not None:
             err: OSError = UnreadableFileError(f"{url} {why}; the checkpoint is damaged ({e.strerror})")
         else:

@@ -63,10 +63,10 @@ def resolve(url: str, storage_options: Dict[str, Any]):
         # fsspec says "Protocol not known" with a plain ValueError: ask its
         # registry instead of reading the message.
         if proto not in fsspec.available_protocols():
-            pkg = PROTOCOL_HINTS.get(proto)
+            known = PROTOCOL_HINTS.get(proto)
             hint = (
-                f". Install {pkg} (e.g. pip install {pkg})"
-                if pkg
+                f". Install {known} (e.g. pip install {known})"
+                if known
                 else f". No fsspec backend handles {proto!r}: pip install the package that provides it "
                 "(s3fs for s3://, gcsfs for gs://, adlfs for az://; see fsspec's list of known implementations)"
             )

@@ -19,7 +19,7 @@ import os
 import shutil
 import stat
 import uuid
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, cast
 
 from ..errors import StorageError, UnreadableFileError
 from ._base import Capabilities, StagedFile, Storage, Writer, pwrite_all
@@ -276,7 +276,7 @@ class _LocalStagedFile(StagedFile):
             self._fd = os.open(self.path, os.O_RDONLY)
         self._close_fd(sync=True)
         try:
-            self.storage.rename(os.path.relpath(self.path, self.storage.root).replace(os.sep, "/"), self.rel)
+            self.storage.rename(os.path.relpath(self.path, cast(LocalStorage, self.storage).root).replace(os.sep, "/"), self.rel)
         except BaseException:
             self._unlink()
             raise

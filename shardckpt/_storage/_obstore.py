@@ -202,7 +202,7 @@ def _build(bucket: str, options: Dict[str, Any], *, retries: int, what: str):
         # Bounded by the attempt count, not by a clock.
         "retry_timeout": _dt.timedelta(days=1),
     }
-    kw = {"config": config, "client_options": client, "retry_config": retry}
+    kw: Dict[str, Any] = {"config": config, "client_options": client, "retry_config": retry}
     if provider is not None:
         kw["credential_provider"] = provider
     try:
