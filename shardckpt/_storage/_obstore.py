@@ -541,14 +541,6 @@ class _ObstoreWriter(PartWriter):
             )
             for up in ups.get("Uploads") or []:
                 if up.get("Key") == self.key:
-                    self.st._sync(
-                        self.st._request(
-                            f"abort upload of {self.url}",
-                            "abort_multipart_upload",
-                            Bucket=self.bucket,
-                            Key=self.key,
-                            UploadId=up["UploadId"],
-                        )
-                    )
+                    self.st._abort_upload(self.rel, up["UploadId"])
         except Exception:
             pass

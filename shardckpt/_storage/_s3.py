@@ -444,6 +444,17 @@ class S3Storage(FsspecStorage):
     def _remove(self, path: str) -> None:
         self._data.remove(path)
 
+    def _abort_upload(self, rel: str, upload_id: str) -> None:
+        """Abort multipart upload ``upload_id`` of ``rel``: its parts are stored (and billed) until then.
+
+        On s3fs's client whichever data client started it (obstore has no
+        call for it).
+        """
+        bucket, key = self._bucket_key(rel)
+        self._sync(
+            self._request(f"abort upload of {self.url_of(rel)}", "abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id)
+        )
+
     def _forget(self, rel: str) -> None:
         """Drop s3fs's cached listings of ``rel`` and its parents: listing stays s3fs's, and it did not see this change."""
         self.fs.invalidate_cache(self.path(rel))

@@ -269,14 +269,6 @@ class _BotocoreWriter(PartWriter):
         if self.upload_id is not None:
             # The parts are stored (and billed) until the upload is aborted.
             try:
-                self.st._sync(
-                    self.st._request(
-                        f"abort upload of {self.url}",
-                        "abort_multipart_upload",
-                        Bucket=self.bucket,
-                        Key=self.key,
-                        UploadId=self.upload_id,
-                    )
-                )
+                self.st._abort_upload(self.rel, self.upload_id)
             except Exception:
                 pass
