@@ -98,10 +98,10 @@ def _placements(name: str, dt) -> List[object]:
     try:
         from torch.distributed.tensor.placement_types import _StridedShard
     except ImportError:  # pragma: no cover - very old torch
-        _StridedShard = ()
+        _StridedShard = ()  # type: ignore[misc, assignment]  # isinstance(p, ()) is False
     out: List[object] = []
     for i, p in enumerate(dt.placements):
-        if _StridedShard and isinstance(p, _StridedShard):
+        if _StridedShard and isinstance(p, _StridedShard):  # type: ignore[truthy-function]
             sf = p._split_factor_int() if hasattr(p, "_split_factor_int") else int(p.split_factor)
             out.append(_plan.Shard(p.dim, sf))
         elif isinstance(p, Shard):

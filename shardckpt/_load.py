@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, NamedTuple
 import torch
 
 from . import _knobs, _plan, _replicas
-from ._collective import DEFAULT_COLLECTIVE_TIMEOUT_S, Comm, agree, open_comm
+from ._collective import Comm, agree, open_comm
 from ._format import (
     Manifest,
     TensorMeta,
@@ -139,7 +139,7 @@ def load(
     io_threads: Optional[int] = None,
     keys: Optional[Sequence[str]] = None,
     key_map: Optional[KeyMap] = None,
-    collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S,
+    collective_timeout_s: Optional[float] = None,
     no_dist: bool = False,
     atomic: bool = False,
     buffer_bytes: Optional[int] = None,
@@ -257,7 +257,7 @@ def load(
     after the tensors are in; if it raises, the tensors are already loaded.
     """
     if state is None or (isinstance(state, dict) and not state):
-        return _load_by_keys(url, keys=keys, storage_options=storage_options, io_threads=io_threads)
+        return _load_by_keys(url, keys=keys, storage_options=storage_options, io_threads=io_threads)  # type: ignore[return-value]  # keys=: a dict
     comm = open_comm(
         process_group, no_dist=no_dist, collective_timeout_s=collective_timeout_s, op="shardckpt.load", error=LoadFailedError
     )
@@ -408,7 +408,7 @@ def saved_chunks(manifest: Manifest, storage: Optional[Storage], name: str, boxe
         stored = manifest.extra.get(ALIAS_OF_KEY, {}).get(name, name)
         got = resolve_chunks(manifest, storage, stored, boxes, cache=cache)
     else:
-        got = manifest.tensors[name].chunks
+        got = manifest.tensors[name].chunks  # type: ignore[assignment]
     out = []
     for c in got:
         # A resolved chunk carries its blocks; a v2 chunk list filled in by

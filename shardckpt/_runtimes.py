@@ -242,11 +242,11 @@ def empty_like_meta(t: torch.Tensor, device: torch.device) -> torch.Tensor:
         return torch.empty(t.shape, dtype=t.dtype, device=device)
     from torch.distributed.tensor import DTensor
 
-    local = torch.empty(t._local_tensor.shape, dtype=t.dtype, device=device)
+    local = torch.empty(t._local_tensor.shape, dtype=t.dtype, device=device)  # type: ignore[attr-defined]  # a DTensor
     # Not DTensor.from_local: it moves the local tensor to the mesh's device
     # type, which put CPU-offloaded shards on the GPU; FSDP2's post-load hook
     # then moved the data back to pinned CPU under a DTensor still reporting
     # cuda:0 (issue 12, item 9). The private constructor with the meta
     # DTensor's spec is how FSDP2 itself builds its offloaded parameters
     # (``_from_local_no_grad``); its signature is the same in torch 2.11-2.13.
-    return DTensor(local, t._spec, requires_grad=False)
+    return DTensor(local, t._spec, requires_grad=False)  # type: ignore[attr-defined]

@@ -43,7 +43,7 @@ import threading
 import traceback
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import recv_handle, send_handle
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Optional, Sequence, Tuple, cast
 
 import torch
 
@@ -280,7 +280,7 @@ class ProcessWriter:
             try:
                 if arena.gen not in self._sent:
                     conn.send(("arena", arena.gen, arena.nbytes))  # type: ignore[union-attr]
-                    send_handle(conn, arena.fd, self._proc.pid)  # type: ignore[union-attr]
+                    send_handle(cast(Any, conn), arena.fd, self._proc.pid)  # type: ignore[union-attr]
                     self._sent = {arena.gen}  # the child keeps only the arena of the latest request
                 conn.send(("write", arena.gen, storage.url, storage.storage_options, spec, threads, block_bytes, chunk_metadata))  # type: ignore[union-attr]
             except (OSError, EOFError):
@@ -394,7 +394,7 @@ def child_main() -> None:
             del arenas[g]  # the parent moved to a newer arena
         try:
             arena = arenas[gen]
-            files: Dict[str, List[WriteItem]] = {
+            files: Dict[str, Sequence[WriteItem]] = {
                 rel: [
                     WriteItem(name=name, key=key, dtype=dtype, offsets=offsets, sizes=sizes, tensor=_view(arena, off, sizes, dtype))
                     for name, key, dtype, offsets, sizes, off in items

@@ -113,7 +113,7 @@ def hf_manifest(storage: Any) -> Optional[Manifest]:
                         sizes=shape,
                         byte_offset=start + e["data_offsets"][0],
                         nbytes=e["data_offsets"][1] - e["data_offsets"][0],
-                        crc32c=None,  # type: ignore[arg-type]  # safetensors has no checksums
+                        crc32c=None,  # safetensors has no checksums
                     )
                 ],
             )

@@ -12,7 +12,7 @@ import math
 import posixpath
 import re
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, cast
 
 from .._plan import Box, check_cover, shared_byte_ranges
 from .._version import __version__
@@ -444,7 +444,7 @@ def manifest_from_bytes(data: bytes, *, url: str = "") -> Manifest:
                     f"{cw}: bytes [{c.byte_offset}, {c.byte_offset + c.nbytes}) lie outside "
                     f"{file!r} of {files[file].size} bytes"
                 )
-            if not 0 <= c.crc32c < 2**32:
+            if not 0 <= cast(int, c.crc32c) < 2**32:
                 raise CorruptCheckpointError(f"{cw}: crc32c {c.crc32c} is not a 32-bit value")
             chunks.append(c)
         layout = tm.get("layout")

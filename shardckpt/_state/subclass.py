@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple, cast
 
 import torch
 
@@ -210,7 +210,7 @@ def flatten_subclass(t: torch.Tensor, name: str) -> Tuple[List[Tuple[str, torch.
     """
     where = f"{name} (a {_type_name(t)})"
     try:
-        attrs, ctx = t.__tensor_flatten__()
+        attrs, ctx = cast(Any, t).__tensor_flatten__()
     except Exception as e:  # noqa: BLE001 - a subclass's own failure, reported as ours
         raise UnsupportedStateError(f"{where}: __tensor_flatten__ failed ({type(e).__name__}: {e})") from None
     inner: List[Tuple[str, torch.Tensor]] = []
@@ -265,7 +265,7 @@ def check_ctx(live: torch.Tensor, node: Any, path: str) -> None:
             f"{path}: the checkpoint holds a {node.get('type')} tensor subclass here but the live tensor is a "
             f"{_type_name(live)}; load it into the same kind of tensor (e.g. the quantized model it was saved from)"
         )
-    attrs, ctx = live.__tensor_flatten__()
+    attrs, ctx = cast(Any, live).__tensor_flatten__()
     want = f"{type(live).__module__}.{type(live).__qualname__}"
     problems = []
     if node.get("type") != want:
@@ -294,6 +294,6 @@ def rebuild(node: Dict[str, Any], inner: Dict[str, torch.Tensor], path: str) -> 
             "there to fill; import its module (or create the state first, e.g. one optimizer step) before loading"
         )
     try:
-        return cls.__tensor_unflatten__(inner, decode_ctx(node["ctx"]), torch.Size(node["shape"]), tuple(node["stride"]))
+        return cast(Any, cls).__tensor_unflatten__(inner, decode_ctx(node["ctx"]), torch.Size(node["shape"]), tuple(node["stride"]))
     except Exception as e:  # noqa: BLE001
         raise StateMismatchError(f"{path}: {node.get('type')}.__tensor_unflatten__ failed ({type(e).__name__}: {e})") from None

@@ -326,14 +326,14 @@ class _LoadWalker:
             # what was saved there (new full tensors, values as saved).
             holder: Dict[str, Any] = {}
             _fill_from_saved(holder, "v", saved, path, self)
-            self.flat.finalizers.append(lambda s=setter, h=holder: s(h["v"]))
+            self.flat.finalizers.append(lambda s=setter, h=holder: s(h["v"]))  # type: ignore[misc]
             return
         if isinstance(live, (dict, list)) and _is_plain(live) and saved is not _MISSING and not _contains_ref(saved):
             # Pure JSON containers come back whole: the saved value replaces
             # the live placeholder (e.g. ``{"history": []}``).
             if setter is not None:
                 self.flat.value_paths.append(path)
-                self.flat.finalizers.append(lambda s=setter, v=_decoded(saved, path): s(v))
+                self.flat.finalizers.append(lambda s=setter, v=_decoded(saved, path): s(v))  # type: ignore[misc]
             return
         if isinstance(live, dict):
             if isinstance(saved, dict) and saved.get(TAG) == "dict":
@@ -367,7 +367,7 @@ class _LoadWalker:
                 sub = seq[i] if seq is not None and i < len(seq) else _MISSING
                 self.walk(x, sub, _join(path, i), None)
             if setter is not None and seq is not None and not any(_is_tensor(x) for x in live):
-                self.flat.finalizers.append(lambda s=setter, v=_decoded(saved, path): s(v))
+                self.flat.finalizers.append(lambda s=setter, v=_decoded(saved, path): s(v))  # type: ignore[misc]
             return
         # A plain value: the saved one replaces it.
         if saved is _MISSING:
@@ -378,7 +378,7 @@ class _LoadWalker:
             return
         if setter is not None:
             self.flat.value_paths.append(path)
-            self.flat.finalizers.append(lambda s=setter, v=_decoded(saved, path): s(v))
+            self.flat.finalizers.append(lambda s=setter, v=_decoded(saved, path): s(v))  # type: ignore[misc]
 
     def _unexpected_value(self, path: str, node: Any) -> None:
         # Unexpected tensors are found by name against the manifest; plain
@@ -861,7 +861,7 @@ def _fill_from_saved(container: Any, key: Any, saved: Any, path: str, walker: _L
             _fill_from_saved(live, i, sub, _join(path, i), walker)
         return
     if isinstance(saved, dict) and saved.get(TAG) == "tuple":
-        items = list(live) if isinstance(live, tuple) and len(live) == len(saved["items"]) else [None] * len(saved["items"])
+        items = list(live) if isinstance(live, tuple) and len(live) == len(saved["items"]) else [None] * len(saved["items"])  # type: ignore[list-item]
         for i, sub in enumerate(saved["items"]):
             _fill_from_saved(items, i, sub, _join(path, i), walker)
         # Rebuild the tuple after tensors are in (finalizers run in order).
