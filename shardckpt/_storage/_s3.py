@@ -52,7 +52,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from .. import _knobs
 from ..errors import StorageError
 from ._base import Writer, backoff_delay, plan_range_fetches
-from ._fsspec import FsspecStorage
+from ._fsspec import FsspecStorage, resolve
 from ._obstore import ObstoreData, import_obstore
 from ._s3_botocore import BotocoreData
 from ._s3_data import S3DataClient
@@ -155,8 +155,6 @@ def _filesystem(url: str, options: Dict[str, Any]):
     import os
 
     from fsspec.utils import tokenize
-
-    from ._fsspec import resolve
 
     full = _client_defaults(options)
     key = (os.getpid(), tokenize(full))

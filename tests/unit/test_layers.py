@@ -120,13 +120,6 @@ KNOWN_CIRCLES: Dict[Tuple[str, ...], str] = {
         "hload (issue 22, the built-in adapters out of walk.py): adapters.py lists the built-ins that "
         "subclass its Adapter; walk and optim share helpers both ways"
     ),
-    (
-        "shardckpt._storage._base",
-        "shardckpt._storage._factory",
-        "shardckpt._storage._fsspec",
-        "shardckpt._storage._local",
-        "shardckpt._storage._s3",
-    ): "hstore (issue 22, one storage factory): Storage.__new__ asks the factory for a subclass of itself",
 }
 
 
