@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from typing import Any, Dict, Optional
 
-from shardckpt._io import DEFAULT_IO_THREADS
-
 from ._options import ConvertResult
 from ._reshard import reshard
 from ._source import open_checkpoint
@@ -21,7 +19,7 @@ def consolidate(
     dst_storage_options: Optional[Dict[str, Any]] = None,
     overwrite: bool = False,
     progress: bool = False,
-    io_threads: int = DEFAULT_IO_THREADS,
+    io_threads: Optional[int] = None,
 ) -> ConvertResult:
     """Write ``src`` (a step of an incremental run, whose chunks may live in other steps) as a standalone checkpoint.
 
@@ -39,7 +37,7 @@ def consolidate(
         storage_options / dst_storage_options: fsspec options.
         overwrite: replace a committed checkpoint at ``dst``.
         progress: progress bar.
-        io_threads: files written in parallel.
+        io_threads: files written in parallel (default ``SHARDCKPT_IO_THREADS``).
 
     Raises:
         CheckpointNotFoundError: nothing committed at ``src``.

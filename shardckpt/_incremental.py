@@ -35,10 +35,11 @@ import posixpath
 from dataclasses import replace
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
+from . import _knobs
 from ._format import ChunkMeta
 from ._format.checksum import HASH_ALGOS, default_hash_algo, hash_available, new_hasher
 from ._format.refs import follow, ref_path
-from ._io import WRITE_BLOCK_BYTES, WriteItem, tensor_bytes
+from ._io import WriteItem, tensor_bytes
 from .errors import UsageError
 
 __all__ = ["base_name", "match_earlier", "note_written"]
@@ -77,8 +78,9 @@ def base_name(url: str, base: str) -> str:
 def _hash(algo: str, it: WriteItem) -> str:
     h = new_hasher(algo)
     mv = tensor_bytes(it.tensor)
-    for off in range(0, len(mv), WRITE_BLOCK_BYTES):
-        h.update(mv[off : off + WRITE_BLOCK_BYTES])
+    block = _knobs.WRITE_BLOCK_BYTES
+    for off in range(0, len(mv), block):
+        h.update(mv[off : off + block])
     return h.hexdigest()
 
 

@@ -7,7 +7,7 @@ where torch is not installed, and start in a fraction of a second.
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple, cast
 
 from ._format import ChunkMeta, Manifest, open_manifest, plural, read_safetensors_header
 from ._format.checksum import crc32c
@@ -26,6 +26,8 @@ MAX_LISTED_PROBLEMS = 20
 
 def _storage(url: str, storage_options: Optional[Dict[str, Any]]):
     from ._format.refs import follow
+
+    # The storage backends (S3 clients) cost more to import than the format: only when used.
     from ._storage import Storage
 
     return follow(Storage(url, storage_options=storage_options))  # format v4 references
@@ -132,9 +134,9 @@ def _check_file(
     except CorruptCheckpointError as e:
         return [str(e)]
     for name, c in chunks:
-        e = header.get(c.key)
-        if not isinstance(e, dict) or e.get("dtype") != m.tensors[name].dtype or e.get("shape") != c.sizes or (
-            start + e["data_offsets"][0] != c.byte_offset
+        ent = header.get(c.key)
+        if not isinstance(ent, dict) or ent.get("dtype") != m.tensors[name].dtype or ent.get("shape") != c.sizes or (
+            start + ent["data_offsets"][0] != c.byte_offset
         ):
             errs.append(f"{where}: header entry {c.key!r} disagrees with the manifest")
             continue
@@ -196,7 +198,7 @@ def _check_blocks(
             hasher.update(mv)
         for k in range(0, n, bb):
             i = (off + k) // bb
-            if crc32c(mv[k : k + bb]) != c.blocks[i]:
+            if crc32c(mv[k : k + bb]) != cast(List[int], c.blocks)[i]:
                 bad.append(i)
         if on_bytes is not None:
             on_bytes(n)
