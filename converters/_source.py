@@ -19,6 +19,7 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 import torch
 
 from shardckpt._format import ChunkMeta, Manifest, itemsize, open_manifest
+from shardckpt._format.refs import follow
 from shardckpt._plan import Box, split_box
 from shardckpt._storage import Storage
 from shardckpt.errors import CorruptCheckpointError
@@ -139,8 +140,6 @@ def source_from_manifest(storage: Storage, m: Manifest) -> Source:
 
 def open_checkpoint(url: str, storage_options: Optional[Dict[str, Any]] = None) -> Source:
     """A shardckpt checkpoint (v1 or v2), a safetensors directory, or one ``.safetensors`` file."""
-    from shardckpt._format.refs import follow
-
     storage = follow(Storage(url, storage_options=storage_options))  # format v4 references
     return source_from_manifest(storage, open_manifest(storage))
 

@@ -36,9 +36,11 @@ from dataclasses import replace
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from . import _knobs
-from ._format import ChunkMeta
+from ._format import ChunkMeta, open_manifest
+from ._format._v2 import tensor_chunks
 from ._format.checksum import HASH_ALGOS, default_hash_algo, hash_available, new_hasher
 from ._format.refs import follow, ref_path
+from ._format.resolve import MetaCache
 from ._io import WriteItem, tensor_bytes
 from .errors import UsageError
 
@@ -106,10 +108,6 @@ def match_earlier(
         CheckpointNotFoundError / CorruptCheckpointError: ``base`` is not a
             committed, readable checkpoint.
     """
-    from ._format import open_manifest
-    from ._format._v2 import tensor_chunks
-    from ._format.resolve import MetaCache
-
     memo = _MEMO.get(root_key(storage), {})
     write: List[WriteItem] = []
     lookup: List[WriteItem] = []

@@ -33,6 +33,7 @@ from ._async import AsyncSaveHandle, start_async, wait_pending
 from ._collective import FROM_ROOT, Comm, NoProcessGroupError, agree, open_comm
 from ._format import HF_INDEX_NAME, MANIFEST_NAME, open_manifest, torch_dtype
 from ._format.committed import _nearby
+from ._format.refs import follow, live_files, removable
 from ._io import check_files
 from ._load import load
 from ._runtimes import unwrap
@@ -667,8 +668,6 @@ class CheckpointManager:
         None makes the caller delete nothing a reference could need: an
         unreadable manifest's references are unknown.
         """
-        from ._format.refs import live_files
-
         named: Dict[str, List[str]] = {}
         for s in kept:
             name = step_dir_name(s)
@@ -690,8 +689,6 @@ class CheckpointManager:
         unknown, so only a directory holding no data file is removed).
         Returns what was (or, ``dry_run``, would be) removed.
         """
-        from ._format.refs import removable
-
         try:
             present = self.root.child(name).walk_files("")
         except (FileNotFoundError, NotADirectoryError):
@@ -747,8 +744,6 @@ class CheckpointManager:
     # -- restore ----------------------------------------------------------------
 
     def _validate(self, step: int) -> None:
-        from ._format.refs import follow
-
         st = follow(self.root.child(step_dir_name(step)))  # a referenced file is checked where it lies
         m = open_manifest(st)
         saved = m.extra.get("step") if isinstance(m.extra, dict) else None

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, Optional, 
 
 import torch
 
-from . import _knobs, _plan, _union
+from . import _incremental, _knobs, _plan, _union
 from ._collective import DISTINCT, FROM_ROOT, TO_ROOT, Comm, agree, open_comm
 from ._format import (
     DATA_DIR,
@@ -56,6 +56,7 @@ from ._format import (
 )
 from ._format._v2 import index_bytes
 from ._format.checksum import crc32c
+from ._format.refs import follow
 from ._io import WriteItem, partition, write_files
 from ._layout import TensorLayout, layout_of
 from ._state import flatten_for_save
@@ -302,10 +303,7 @@ def prepare_save(
     storage = Storage(url, storage_options=storage_options)
     base = None
     if incremental:
-        from ._format.refs import follow
-        from ._incremental import base_name
-
-        base = base_name(storage.url, incremental)
+        base = _incremental.base_name(storage.url, incremental)
         storage = follow(storage)  # the commit checks the referenced files' sizes
 
     # Validate the state on every rank before any other exchange, so a bad
@@ -404,8 +402,6 @@ def execute_save(plan: SavePlan) -> None:
     def write() -> Tuple[Any, ...]:
         items, referenced, ref_sizes = list(plan.items), [], {}
         if plan.incremental:
-            from . import _incremental
-
             shapes = {n: tuple(lay.shape) for n, lay in plan.layouts.items()}
             items, referenced, ref_sizes = _incremental.match_earlier(storage, plan.incremental, items, shapes)
         groups = partition(items, plan.io_threads)

@@ -10,8 +10,9 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Dict, List, Optional, Tuple, cast
 
 from ._format import ChunkMeta, Manifest, open_manifest, plural, read_safetensors_header
-from ._format.checksum import crc32c
+from ._format.checksum import crc32c, hash_available, new_hasher
 from ._format.files import check_files
+from ._format.refs import follow
 from .errors import ChecksumMismatchError, CorruptCheckpointError
 
 __all__ = ["inspect", "verify", "verify_manifest", "VERIFY_BLOCK_BYTES", "VERIFY_IO_THREADS", "MAX_LISTED_PROBLEMS"]
@@ -25,8 +26,6 @@ MAX_LISTED_PROBLEMS = 20
 
 
 def _storage(url: str, storage_options: Optional[Dict[str, Any]]):
-    from ._format.refs import follow
-
     # The storage backends (S3 clients) cost more to import than the format: only when used.
     from ._storage import Storage
 
@@ -171,8 +170,6 @@ def _hasher(m: Manifest, c: ChunkMeta):
     None too when this process cannot compute the algorithm (``blake3``
     without its package): the CRC-32C blocks are still checked.
     """
-    from ._format.checksum import hash_available, new_hasher
-
     if not c.hash or not m.content_hash or not hash_available(m.content_hash):
         return None
 

@@ -36,6 +36,7 @@ from .manifest import (
     tiling_problems,
 )
 from .naming import DATA_DIR, DATA_SUFFIX, INDEX_DIR, INDEX_SUFFIX, chunk_key, save_id_prefix
+from .refs import check_ref_paths
 from .resolve import MetaCache, ResolvedChunk
 
 INDEX_FORMAT = "shardckpt-index"
@@ -174,8 +175,6 @@ def manifest_v2_from_raw(raw: Dict[str, Any], where: str) -> Manifest:
         content_hash = _req(raw, "content_hash", str, where)
         if content_hash not in HASH_ALGOS:
             raise _bad(where, f"content_hash {content_hash!r:.40} is not one of {', '.join(HASH_ALGOS)} (a newer shardckpt? upgrade)")
-        from .refs import check_ref_paths
-
         check_ref_paths(files, where)
     extra = raw.get("extra") or {}
     return Manifest(

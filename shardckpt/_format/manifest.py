@@ -17,7 +17,7 @@ from typing import Any, Dict, List, Optional, cast
 from .._plan import Box, check_cover, shared_byte_ranges
 from .._version import __version__
 from ..errors import CorruptCheckpointError, NewerFormatError, UnsafeMetadataError
-from .checksum import crc32c
+from .checksum import crc32c, default_hash_algo
 from .dtypes import DTYPES, itemsize
 from .naming import MANIFEST_NAME
 from .values import value_depth_problem
@@ -219,8 +219,6 @@ class Manifest:
 
 
 def _default_hash_algo() -> str:
-    from .checksum import default_hash_algo
-
     return default_hash_algo()
 
 
