@@ -78,6 +78,7 @@ def base_name(url: str, base: str) -> str:
 
 
 def _hash(algo: str, it: WriteItem) -> str:
+    assert it.tensor is not None  # match_earlier looks up only chunks with a tensor
     h = new_hasher(algo)
     mv = tensor_bytes(it.tensor)
     block = _knobs.WRITE_BLOCK_BYTES

@@ -400,7 +400,9 @@ def execute_save(plan: SavePlan) -> None:
     regular = {n for n, lay in plan.layouts.items() if lay.regular is not None}
 
     def write() -> Tuple[Any, ...]:
-        items, referenced, ref_sizes = list(plan.items), [], {}
+        items = list(plan.items)
+        referenced: List[Tuple[str, ChunkMeta]] = []
+        ref_sizes: Dict[str, int] = {}
         if plan.incremental:
             shapes = {n: tuple(lay.shape) for n, lay in plan.layouts.items()}
             items, referenced, ref_sizes = _incremental.match_earlier(storage, plan.incremental, items, shapes)
