@@ -35,6 +35,7 @@ Restore (``CheckpointManager.restore``, before the storage step it picked):
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import shutil
@@ -138,7 +139,7 @@ class MemoryStore:
         if problems:
             self._disable("; ".join(problems[:4]))
             return False
-        execute_save(plan)
+        execute_save(dataclasses.replace(plan, files_here=False))
 
         # The manifest to every node: each node can then tell which step it holds.
         def read_manifest_bytes() -> Optional[bytes]:

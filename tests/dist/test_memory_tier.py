@@ -142,7 +142,7 @@ def _flip(path):
 def test_first_run_keeps_a_peer_copy(first):
     base, out = first
     # Each node holds its own ranks' files and the other node's: every rank sent as many bytes as it wrote.
-    assert all(o["saved"]["step"] == STEPS and o["saved"]["peer_bytes_sent"] == o["saved"]["own_bytes"] > 0 for o in out)
+    assert all(o["saved"]["step"] == STEPS and o["saved"]["peer_bytes_sent"] > o["saved"]["own_bytes"] > 0 for o in out)
     for node in ("node0", "node1"):
         assert sorted(os.listdir(os.path.join(base, node))) == [f"step-{STEPS:08d}"]  # older steps freed
     a = set(os.listdir(os.path.join(base, "node0", f"step-{STEPS:08d}", "data")))
