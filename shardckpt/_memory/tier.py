@@ -309,7 +309,7 @@ class _Fetch:
                 found_bad.append((node, rel))
             todo.add(rel)
         for attempt in range(FETCH_ROUNDS + 1):
-            _, reports = agree(comm, lambda: (sorted(todo), found_bad), what=f"restore of step {self.step} from the memory tier",
+            _, reports = agree(comm, lambda bad=found_bad: (sorted(todo), bad), what=f"restore of step {self.step} from the memory tier",
                                share=lambda v: v, mode=ALL)
             for _, b in reports:
                 self.bad.update(tuple(x) for x in b)
@@ -325,10 +325,10 @@ class _Fetch:
                 log.warning("shardckpt: memory tier: step %d cannot be restored from memory (no good copy of %s); restoring from storage", self.step, shown)
                 return False
 
-            def transfer() -> List[str]:
+            def transfer(sends=sends) -> List[str]:
                 got, _, nbytes = run_sends(
                     sends, me=me, group_ranks=comm.ranks, group=self.group, sizes=self.sizes,
-                    src_path=lambda rel: os.path.join(self.own_dir, rel), dst_path=lambda rel: os.path.join(self.stage, rel),
+                    src_path=lambda f: os.path.join(self.own_dir, f), dst_path=lambda f: os.path.join(self.stage, f),
                 )
                 self.stats["peer_bytes"] += nbytes
                 return got

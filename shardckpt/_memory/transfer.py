@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import uuid
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
