@@ -53,8 +53,10 @@ def run_sends(
     receiver's verification then rejects the copy): the other side is never
     left waiting. Raises only for transport errors (a dead peer).
     """
-    device = wire_device(group)
     got: List[str] = []
+    if not any(me in (src, dst) for src, dst, _ in sends):
+        return got, 0, 0  # nothing to do here (also: no process group at all)
+    device = wire_device(group)
     sent_bytes = recv_bytes = 0
     for src, dst, rel in sends:
         if me not in (src, dst):
