@@ -15,6 +15,7 @@ FSDP2-sharded MLP stack with AdamW state (one step taken), then:
 
 Usage:
   python benchmarks/bench_memory_restore.py --world 4 --dim 1024 --layers 8
+  python benchmarks/bench_memory_restore.py --world 2 --backend nccl --dim 8192 --layers 40   # 2 GPUs (benchmarks/device/memtier2gpu.sh)
 Prints one JSON line per case and a markdown table.
 """
 
@@ -33,17 +34,18 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import drop_page_cache, machine_info, markdown_table, run_isolated_ranks  # noqa: E402
 
 
-def _build(dim: int, layers: int):
+def _build(dim: int, layers: int, device: str):
     import torch
     from torch.distributed.fsdp import fully_shard
 
     torch.manual_seed(0)
-    model = torch.nn.Sequential(*[torch.nn.Linear(dim, dim) for _ in range(layers)])
+    with torch.device(device):
+        model = torch.nn.Sequential(*[torch.nn.Linear(dim, dim) for _ in range(layers)])
     for m in model:
         fully_shard(m)
     fully_shard(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    model(torch.randn(2, dim)).sum().backward()
+    model(torch.randn(2, dim, device=device)).sum().backward()
     opt.step()
     opt.zero_grad()
     return model, opt
@@ -75,7 +77,27 @@ def _zero(model, opt):
                     v.to_local().zero_()
 
 
-def rank_main(dim: int, layers: int, base: str, shm: str, world: int) -> dict:
+def _link_gbps(rank: int, peer: int, device: str, nbytes: int = 256 << 20) -> float:
+    """Rank 0 -> its peer on the other node: measured bytes/s of one send (after a warm-up)."""
+    import torch
+    import torch.distributed as dist
+
+    buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    rate = 0.0
+    for _ in range(2):
+        dist.barrier()
+        t = time.perf_counter()
+        if rank == 0:
+            dist.send(buf, dst=peer)
+        elif rank == peer:
+            dist.recv(buf, src=0)
+        if device != "cpu":
+            torch.cuda.synchronize()
+        rate = nbytes / (time.perf_counter() - t) / 1e9
+    return rate
+
+
+def rank_main(dim: int, layers: int, base: str, shm: str, world: int, backend: str = "gloo") -> dict:
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
@@ -84,15 +106,19 @@ def rank_main(dim: int, layers: int, base: str, shm: str, world: int) -> dict:
     import shardckpt
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    dist.init_process_group(backend)
     rank = dist.get_rank()
+    device = "cpu"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+        device = f"cuda:{torch.cuda.current_device()}"
     rpn = world // 2
     node = os.path.join(shm, f"node{rank // rpn}")
-    model, opt = _build(dim, layers)
+    model, opt = _build(dim, layers, device)
     want = _snapshot(model, opt)
     state = {"model": model, "optim": opt, "step": 1}
     tier = shardckpt.MemoryTier(dir=node, ranks_per_node=rpn)
-    out = {}
+    out = {"link_gbps": _link_gbps(rank, rpn, device)}
     mgr = shardckpt.CheckpointManager(os.path.join(base, "root"), memory=tier)
     dist.barrier()
     t = time.perf_counter()
@@ -144,6 +170,7 @@ def main() -> None:
     ap.add_argument("--dir", default=None, help="storage and DCP checkpoints (default: a temporary directory)")
     ap.add_argument("--shm", default="/dev/shm", help="where the two nodes' memory directories go")
     ap.add_argument("--repeat", type=int, default=1)
+    ap.add_argument("--backend", default="gloo", help="gloo (CPU) or nccl (one GPU per rank)")
     a = ap.parse_args()
     if a.world < 2 or a.world % 2:
         raise SystemExit("--world must be even (2 nodes)")
@@ -153,18 +180,22 @@ def main() -> None:
         shm = tempfile.mkdtemp(prefix="bench-memtier-", dir=a.shm)
         run_base = os.path.join(base, f"run{i}")
         try:
-            res = run_isolated_ranks(__file__, "rank_main", {"dim": a.dim, "layers": a.layers, "base": run_base, "shm": shm, "world": a.world}, a.world, timeout=1800)
+            res = run_isolated_ranks(__file__, "rank_main", {"dim": a.dim, "layers": a.layers, "base": run_base, "shm": shm, "world": a.world, "backend": a.backend}, a.world, timeout=1800)
         finally:
             shutil.rmtree(shm, ignore_errors=True)
             shutil.rmtree(run_base, ignore_errors=True)
         agg = {k: max(r[k] for r in res) for k in ("memory_save_s", "memory_restore_s", "storage_restore_s", "dcp_load_s")}
         agg["state_bytes"] = sum(r["bytes"] for r in res)
+        agg["link_gbps"] = max(r["link_gbps"] for r in res)
+        # The issue's aim for the memory path: max(1 s, 1.25 x bytes a node receives / link bandwidth).
+        agg["aim_s"] = max(1.0, 1.25 * agg["state_bytes"] / 2 / (agg["link_gbps"] * 1e9))
         agg.update(world=a.world, dim=a.dim, layers=a.layers, run=i)
         print(json.dumps(agg), flush=True)
         rows.append(agg)
     print(markdown_table(
-        ["run", "state MiB", "memory save s", "memory restore s", "storage restore s", "DCP load s"],
-        [[r["run"], f"{r['state_bytes'] / 2**20:.0f}", f"{r['memory_save_s']:.2f}", f"{r['memory_restore_s']:.2f}",
+        ["run", "state MiB", "link GB/s", "memory save s", "memory restore s", "aim s", "storage restore s", "DCP load s"],
+        [[r["run"], f"{r['state_bytes'] / 2**20:.0f}", f"{r['link_gbps']:.2f}", f"{r['memory_save_s']:.2f}",
+          f"{r['memory_restore_s']:.2f}", f"{r['aim_s']:.2f}",
           f"{r['storage_restore_s']:.2f}", f"{r['dcp_load_s']:.2f}"] for r in rows],
     ))
     print(json.dumps(machine_info(base)))
