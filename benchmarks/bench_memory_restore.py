@@ -147,7 +147,10 @@ def rank_main(dim: int, layers: int, base: str, shm: str, world: int, backend: s
         out[name] = time.perf_counter() - t
         check()
 
-    timed("memory_restore_s", lambda: shardckpt.CheckpointManager(os.path.join(base, "root"), memory=tier).restore(state))
+    restorer = shardckpt.CheckpointManager(os.path.join(base, "root"), memory=tier)
+    timed("memory_restore_s", lambda: restorer.restore(state))
+    out["memory_phases"] = restorer._memory.last_restore.get("seconds", {})
+    assert restorer.restored_from == "memory:1", restorer.restored_from
     timed("storage_restore_s", lambda: shardckpt.CheckpointManager(os.path.join(base, "root")).restore(state), os.path.join(base, "root"))
 
     def dcp_load():
@@ -187,6 +190,7 @@ def main() -> None:
         agg = {k: max(r[k] for r in res) for k in ("memory_save_s", "memory_restore_s", "storage_restore_s", "dcp_load_s")}
         agg["state_bytes"] = sum(r["bytes"] for r in res)
         agg["link_gbps"] = max(r["link_gbps"] for r in res)
+        agg["memory_phases_slowest_rank"] = max((r["memory_phases"] for r in res), key=lambda p: sum(p.values()))
         # The aim for the memory path: max(1 s, 1.25 x bytes a node receives / link bandwidth).
         agg["aim_s"] = max(1.0, 1.25 * agg["state_bytes"] / 2 / (agg["link_gbps"] * 1e9))
         agg.update(world=a.world, dim=a.dim, layers=a.layers, run=i)

@@ -40,6 +40,7 @@ import logging
 import os
 import shutil
 import socket
+import time
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 from .._collective import ALL, FROM_ROOT, Comm, agree
@@ -215,7 +216,15 @@ class MemoryStore:
         shutil.rmtree(stage, ignore_errors=True)
         os.makedirs(stage, exist_ok=True)
         st = Storage(stage)
-        stats = {"step": step, "local_bytes": 0, "peer_bytes": 0, "damaged": []}
+        stats: Dict[str, Any] = {"step": step, "local_bytes": 0, "peer_bytes": 0, "damaged": [], "seconds": {}}
+        t0 = time.perf_counter()
+
+        def lap(what: str) -> None:
+            nonlocal t0
+            now = time.perf_counter()
+            stats["seconds"][what] = round(now - t0, 4)
+            t0 = now
+
         ctx = _Fetch(self, comm, process_group, step, own_dir, own_held, stage, holders, sizes, node_of, stats)
         try:
             manifest: List[Any] = [None]
@@ -233,22 +242,27 @@ class MemoryStore:
             if not ctx.fetch([MANIFEST_NAME], check_manifest):
                 return None
             m = manifest[0]
+            lap("manifest")
             if not ctx.fetch(sorted(m.indexes), lambda rel: store.check_file(st, m, rel, None)):
                 return None
+            lap("indexes")
             full = open_manifest(st)
             by_file: Dict[str, list] = {}
             for name, t in full.tensors.items():
                 for c in t.chunks:
                     by_file.setdefault(c.file, []).append((name, c))
             need = _needed_data_files(state, st, comm, full, load_kw)
+            lap("plan")
             if not ctx.fetch(sorted(need), lambda rel: store.check_file(st, full, rel, by_file)):
                 return None
+            lap("data")
             try:
                 load(stage)
             except CorruptCheckpointError as e:
                 # Verified above, so this is not a damaged copy: say so, and let storage have its turn.
                 log.warning("shardckpt: memory tier: loading step %d from memory failed (%s: %s); restoring from storage", step, type(e).__name__, e)
                 return None
+            lap("load")
             self.last_restore = stats
             log.info(
                 "shardckpt: restored step %d from the memory tier: %d bytes from this node, %d from peers%s",
