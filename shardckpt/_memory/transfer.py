@@ -49,57 +49,76 @@ def run_sends(
 ) -> Tuple[List[str], int, int]:
     """Take part in ``sends`` (group positions); returns ``(files received, bytes sent, bytes received)``.
 
+    The files move in *waves*: wave k carries the k-th piece of every file
+    still being sent, all of a rank's sends and receives of a wave posted at
+    once (``batch_isend_irecv``), so transfers between different pairs run
+    together. Both ends of a send agree on its pieces (the sizes are shared),
+    and a rank waits only on the wave it is in, which its partners reach
+    after the earlier waves: no cycle, no deadlock. Memory: one piece per
+    transfer this rank is in, per wave.
+
     A sender that cannot read its file sends zeros of the recorded size (the
     receiver's verification then rejects the copy): the other side is never
     left waiting. Raises only for transport errors (a dead peer).
     """
+    mine = [(src, dst, rel) for src, dst, rel in sends if me in (src, dst)]
     got: List[str] = []
-    if not any(me in (src, dst) for src, dst, _ in sends):
+    if not mine:
         return got, 0, 0  # nothing to do here (also: no process group at all)
     device = wire_device(group)
     sent_bytes = recv_bytes = 0
-    for src, dst, rel in sends:
-        if me not in (src, dst):
-            continue
-        size = int(sizes[rel])
-        if me == src:
-            peer = group_ranks[dst]
-            f = None
-            try:
-                f = open(src_path(rel), "rb")
-            except OSError as e:
-                log.warning("shardckpt: memory tier: cannot read %s to send it to rank %d: %s", src_path(rel), dst, e)
-            try:
-                for off in range(0, size, piece_bytes):
-                    n = min(piece_bytes, size - off)
+    readers: Dict[int, object] = {}
+    writers: Dict[int, Tuple[str, object]] = {}
+    try:
+        for i, (src, dst, rel) in enumerate(mine):
+            if me == src:
+                try:
+                    readers[i] = open(src_path(rel), "rb")
+                except OSError as e:
+                    log.warning("shardckpt: memory tier: cannot read %s to send it to rank %d: %s", src_path(rel), dst, e)
+                    readers[i] = None
+            else:
+                path = dst_path(rel)
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.{uuid.uuid4().hex[:12]}.part")
+                writers[i] = (tmp, open(tmp, "wb"))
+        waves = max(-(-int(sizes[rel]) // piece_bytes) for _, _, rel in mine)
+        for w in range(waves):
+            ops, received = [], []
+            for i, (src, dst, rel) in enumerate(mine):
+                off = w * piece_bytes
+                size = int(sizes[rel])
+                if off >= size:
+                    continue
+                n = min(piece_bytes, size - off)
+                if me == src:
                     buf = torch.zeros(n, dtype=torch.uint8)
+                    f = readers[i]
                     if f is not None:
                         f.readinto(memoryview(buf.numpy()))  # short read: the rest stays zero, verification rejects it
-                    dist.send(buf.to(device), dst=peer, group=group)
+                    ops.append(dist.P2POp(dist.isend, buf.to(device), group_ranks[dst], group))
                     sent_bytes += n
-            finally:
-                if f is not None:
-                    f.close()
-        else:
-            peer = group_ranks[src]
-            path = dst_path(rel)
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.{uuid.uuid4().hex[:12]}.part")
+                else:
+                    buf = torch.empty(n, dtype=torch.uint8, device=device)
+                    ops.append(dist.P2POp(dist.irecv, buf, group_ranks[src], group))
+                    received.append((i, buf))
+            for req in dist.batch_isend_irecv(ops) if ops else ():
+                req.wait()
+            for i, buf in received:
+                writers[i][1].write(memoryview(buf.cpu().numpy()))
+                recv_bytes += buf.numel()
+        for i, (tmp, f) in sorted(writers.items()):
+            f.close()
+            os.replace(tmp, dst_path(mine[i][2]))
+            got.append(mine[i][2])
+    finally:
+        for f in readers.values():
+            if f is not None:
+                f.close()
+        for tmp, f in writers.values():
+            f.close()
             try:
-                with open(tmp, "wb") as out:
-                    for off in range(0, size, piece_bytes):
-                        n = min(piece_bytes, size - off)
-                        buf = torch.empty(n, dtype=torch.uint8, device=device)
-                        dist.recv(buf, src=peer, group=group)
-                        out.write(memoryview(buf.cpu().numpy()))
-                        recv_bytes += n
-                os.replace(tmp, path)
-            except BaseException:
-                try:
-                    os.remove(tmp)
-                except OSError:
-                    pass
-                raise
-            got.append(rel)
+                os.remove(tmp)  # gone already when renamed
+            except OSError:
+                pass
     return got, sent_bytes, recv_bytes
-
