@@ -187,3 +187,29 @@ def test_both_copies_lost_restores_the_last_storage_step(first, tmp_path):
         assert o["step"] == STORAGE_EVERY and o["from"].endswith(f"step-{STORAGE_EVERY:08d}")
         assert _same(o["params"], ref[0]["params"][STORAGE_EVERY])
     assert any("restoring from storage" in line for o in out for line in o["logs"])
+
+
+def _sends(rank, world, base):
+    from shardckpt._memory.transfer import run_sends
+
+    src, dst = os.path.join(base, f"src{rank}"), os.path.join(base, f"dst{rank}")
+    os.makedirs(src)
+    files = {"a": bytes(range(10)), "b": b"", "c": bytes(range(100, 125)), "d": b"xyz"}
+    for name, data in files.items():
+        with open(os.path.join(src, name), "wb") as f:
+            f.write(data)
+    # Several files between one pair, both ways, an empty one, and a missing source (zeros arrive).
+    os.remove(os.path.join(src, "d"))
+    sends = [(0, 1, "a"), (1, 0, "c"), (0, 1, "b"), (2, 3, "c"), (0, 1, "c"), (3, 1, "d")]
+    got, sent, recv = run_sends(
+        sends, me=rank, group_ranks=list(range(world)), group=None, sizes={k: len(v) for k, v in files.items()},
+        src_path=lambda f: os.path.join(src, f), dst_path=lambda f: os.path.join(dst, f), piece_bytes=4,
+    )
+    return {g: open(os.path.join(dst, g), "rb").read() for g in got}, sent, recv
+
+
+def test_transfers_in_pieces_both_ways(tmp_path):
+    out = run_ranks(4, _sends, str(tmp_path))
+    assert out[1][0] == {"a": bytes(range(10)), "b": b"", "c": bytes(range(100, 125)), "d": b"\0\0\0"}
+    assert out[0][0] == {"c": bytes(range(100, 125))} and out[3][0] == {"c": bytes(range(100, 125))}
+    assert out[0][1] == 10 + 25 and out[1][2] == 10 + 25 + 3
