@@ -148,7 +148,16 @@ def rank_main(dim: int, layers: int, base: str, shm: str, world: int, backend: s
         check()
 
     restorer = shardckpt.CheckpointManager(os.path.join(base, "root"), memory=tier)
-    timed("memory_restore_s", lambda: restorer.restore(state))
+    if os.environ.get("BENCH_PROFILE") == str(rank):  # where the memory restore's time goes, on one rank
+        import cProfile
+        import pstats
+
+        prof = cProfile.Profile()
+        timed("memory_restore_s", lambda: prof.runcall(restorer.restore, state))
+        with open(os.environ.get("BENCH_PROFILE_OUT", "memory_restore.prof.txt"), "w") as f:
+            pstats.Stats(prof, stream=f).sort_stats("cumulative").print_stats(30)
+    else:
+        timed("memory_restore_s", lambda: restorer.restore(state))
     out["memory_phases"] = restorer._memory.last_restore.get("seconds", {})
     assert restorer.restored_from == "memory:1", restorer.restored_from
     timed("storage_restore_s", lambda: shardckpt.CheckpointManager(os.path.join(base, "root")).restore(state), os.path.join(base, "root"))

@@ -22,7 +22,7 @@ import logging
 import os
 import re
 import shutil
-from typing import Dict, List, Optional, Set, Tuple
+from typing import List, Optional, Set, Tuple
 
 from .._format import MANIFEST_NAME, open_manifest
 from .._format.checksum import crc32c
@@ -139,11 +139,11 @@ def free_bytes(path: str) -> Optional[int]:
         return None
 
 
-def check_file(storage: Storage, manifest, rel: str, chunks_by_file: Optional[Dict[str, list]]) -> Optional[str]:
+def check_file(storage: Storage, manifest, rel: str, chunks: Optional[list]) -> Optional[str]:
     """What is wrong with file ``rel`` of a staged step (None: it is good): size, then its checksums.
 
     An index file is checked against its CRC-32C in the manifest; a data file
-    chunk by chunk (block CRCs from the index files, as ``shardckpt.verify``
+    chunk by chunk (``chunks``: its ``(tensor name, chunk)`` pairs) (block CRCs from the index files, as ``shardckpt.verify``
     does, through ``_verify``). The manifest itself is checked when opened.
     """
     from .._verify import _check_file
@@ -162,5 +162,5 @@ def check_file(storage: Storage, manifest, rel: str, chunks_by_file: Optional[Di
             got = crc32c(f.read())
         exp = manifest.indexes[rel].crc32c
         return None if got == exp else f"{rel} has crc32c {got:#010x}, the manifest says {exp:#010x}"
-    errs = _check_file(storage, manifest, rel, (chunks_by_file or {}).get(rel, []), None)
+    errs = _check_file(storage, manifest, rel, list(chunks or []), None)
     return "; ".join(errs) if errs else None

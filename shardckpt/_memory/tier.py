@@ -246,14 +246,21 @@ class MemoryStore:
             if not ctx.fetch(sorted(m.indexes), lambda rel: store.check_file(st, m, rel, None)):
                 return None
             lap("indexes")
-            full = open_manifest(st)
-            by_file: Dict[str, list] = {}
-            for name, t in full.tensors.items():
-                for c in t.chunks:
-                    by_file.setdefault(c.file, []).append((name, c))
-            need = _needed_data_files(state, st, comm, full, load_kw)
+            # A data file's chunks (with block CRCs) are in its writer's index:
+            # only the indexes of the files this rank uses are parsed.
+            from .._format._v2 import _read_index
+            from .._format.resolve import MetaCache
+
+            cache = MetaCache()
+            index_ranks = {rel: im.rank for rel, im in m.indexes.items()}
+
+            def data_chunks(rel: str) -> list:
+                keys = _read_index(m, st, P.writer_of(rel, index_ranks), cache)["keys"]
+                return [(name, c) for name, c in keys.values() if c.file == rel]
+
+            need = _needed_data_files(state, st, comm, m, load_kw)
             lap("plan")
-            if not ctx.fetch(sorted(need), lambda rel: store.check_file(st, full, rel, by_file)):
+            if not ctx.fetch(sorted(need), lambda rel: store.check_file(st, m, rel, data_chunks(rel))):
                 return None
             lap("data")
             try:
