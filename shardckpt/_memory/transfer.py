@@ -20,6 +20,8 @@ from typing import Callable, Dict, List, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from .._io import byte_view, host_empty
+
 __all__ = ["PIECE_BYTES", "wire_device", "run_sends"]
 
 log = logging.getLogger("shardckpt")
@@ -92,10 +94,12 @@ def run_sends(
                     continue
                 n = min(piece_bytes, size - off)
                 if me == src:
-                    buf = torch.zeros(n, dtype=torch.uint8)
+                    buf = host_empty(n)
+                    view = byte_view(buf)
                     f = readers[i]
-                    if f is not None:
-                        f.readinto(memoryview(buf.numpy()))  # short read: the rest stays zero, verification rejects it
+                    got_n = f.readinto(view) if f is not None else 0
+                    if got_n < n:  # short read: zeros; the receiver's verification rejects the copy
+                        view[got_n:] = bytes(n - got_n)
                     ops.append(dist.P2POp(dist.isend, buf.to(device), group_ranks[dst], group))
                     sent_bytes += n
                 else:
@@ -105,7 +109,7 @@ def run_sends(
             for req in dist.batch_isend_irecv(ops) if ops else ():
                 req.wait()
             for i, buf in received:
-                writers[i][1].write(memoryview(buf.cpu().numpy()))
+                writers[i][1].write(byte_view(buf.cpu()))
                 recv_bytes += buf.numel()
         for i, (tmp, f) in sorted(writers.items()):
             f.close()
