@@ -27,6 +27,7 @@ from typing import List, Optional, Set, Tuple
 from .._format import MANIFEST_NAME, open_manifest
 from .._format.checksum import crc32c
 from .._storage import Storage
+from .._verify import _check_file
 from .plan import Inventory
 
 __all__ = ["step_dir", "memory_steps", "inventory", "remove_steps_except", "clean_stale", "check_file", "free_bytes"]
@@ -146,8 +147,6 @@ def check_file(storage: Storage, manifest, rel: str, chunks: Optional[list]) -> 
     chunk by chunk (``chunks``: its ``(tensor name, chunk)`` pairs) (block CRCs from the index files, as ``shardckpt.verify``
     does, through ``_verify``). The manifest itself is checked when opened.
     """
-    from .._verify import _check_file
-
     want = manifest.files.get(rel)
     if want is None:
         return f"{rel} is not a file of the checkpoint"

@@ -45,10 +45,16 @@ from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 from .._collective import ALL, FROM_ROOT, Comm, agree
 from .._format import MANIFEST_NAME, open_manifest
+from .._format._v2 import _read_index
+from .._format.resolve import MetaCache
+from .._hf import with_aliases
+from .._load import _needed_files, _plan_load
+from .._save import execute_save, prepare_save
 from .._storage import Storage
 from ..errors import CorruptCheckpointError
 from . import plan as P
 from . import store
+from .transfer import run_sends
 
 __all__ = ["MemoryStore"]
 
@@ -104,8 +110,6 @@ class MemoryStore:
 
     def save(self, step: int, state: Dict[str, Any], comm: Comm, *, process_group, io_threads: int) -> bool:
         """Save ``step`` into memory with its peer copy (collective). False when the tier is (or turns) off."""
-        from .._save import execute_save, prepare_save
-        from .transfer import run_sends
 
         if self.disabled is not None:
             return False
@@ -248,9 +252,6 @@ class MemoryStore:
             lap("indexes")
             # A data file's chunks (with block CRCs) are in its writer's index:
             # only the indexes of the files this rank uses are parsed.
-            from .._format._v2 import _read_index
-            from .._format.resolve import MetaCache
-
             cache = MetaCache()
             index_ranks = {rel: im.rank for rel, im in m.indexes.items()}
 
@@ -311,7 +312,6 @@ class _Fetch:
 
     def fetch(self, rels: List[str], check: Callable[[str], Optional[str]]) -> bool:
         """Stage ``rels`` (this rank's needs; collective). False on every rank when some file has no good holder."""
-        from .transfer import run_sends
 
         comm, me = self.comm, self.comm.rank
         node = self.node_of[me]
@@ -377,9 +377,6 @@ def _needed_data_files(state, st: Storage, comm: Comm, manifest, load_kw: Dict[s
     if load_kw.get("keys") is not None or load_kw.get("key_map") is not None:
         return data
     try:
-        from .._hf import with_aliases
-        from .._load import _needed_files, _plan_load
-
         m = with_aliases(open_manifest(st, chunks=False))
         plan = _plan_load(state, m, strict=False, rank=comm.rank, world=comm.world, local_only=comm.no_dist, storage=st,
                           cast=load_kw.get("cast", True))
