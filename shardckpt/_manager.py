@@ -790,6 +790,13 @@ class CheckpointManager:
         verified while reading: a damaged chunk raises instead of silently
         falling back.
 
+        With a memory tier (``memory=``) and no ``step``, the newest step held
+        in the live ranks' memory wins when it is at least as new as the
+        storage step: each rank takes its files from its own node, else a peer
+        over the process group, each file verified first; a damaged copy is
+        fetched from the next holder, and with no good copy left the storage
+        step is restored (logged). ``restored_from`` is then ``"memory:<step>"``.
+
         Args:
             state: live state, as for :func:`shardckpt.load`.
             step: restore exactly this step instead of the newest.
