@@ -110,7 +110,6 @@ class MemoryStore:
 
     def save(self, step: int, state: Dict[str, Any], comm: Comm, *, process_group, io_threads: int) -> bool:
         """Save ``step`` into memory with its peer copy (collective). False when the tier is (or turns) off."""
-
         if self.disabled is not None:
             return False
         self._start()
@@ -132,15 +131,19 @@ class MemoryStore:
         node_of = {r: facts[r][0] for r in range(world)}
         problems = []
         share = None if self.config.max_bytes is None else self.config.max_bytes // self._ranks_per_node(world)
+        need_on: Dict[str, int] = {}
         for r in range(world):
             node, own_r, free = facts[r]
             held = own_r + sum(facts[s][1] for s in P.senders_to(r, peers) if node_of[s] != node)
+            need_on[node] = need_on.get(node, 0) + held
             if free == -1:
                 problems.append(f"rank {r}: cannot create {node}")
             elif share is not None and 2 * held > share:
                 problems.append(f"rank {r}: a step needs {held} bytes here (twice that while the old step stays), over its share {share} of max_bytes")
-            elif free is not None and held > free:
-                problems.append(f"rank {r}: {node} has {free} bytes free, a step needs {held}")
+        for r in range(world):  # the ranks of a node share its free space
+            node, _, free = facts[r]
+            if free is not None and free != -1 and need_on[node] > free and not any(node in p for p in problems):
+                problems.append(f"{node} has {free} bytes free, a step needs {need_on[node]} there")
         if problems:
             self._disable("; ".join(problems[:4]))
             return False
@@ -155,24 +158,26 @@ class MemoryStore:
 
         _, mbytes = agree(comm, read_manifest_bytes, what=f"memory save of step {step}", share=lambda v: v, mode=FROM_ROOT)
         here = Storage(url)
-        mpath = os.path.join(url, MANIFEST_NAME)
-        try:
-            with open(mpath, "rb") as f:
-                same = f.read() == mbytes
-        except OSError:
-            same = False
-        if not same:
-            here.write_atomic(MANIFEST_NAME, mbytes)
-        m = open_manifest(here, chunks=False)
-        index_ranks = {rel: im.rank for rel, im in m.indexes.items()}
-        sizes = {rel: f.size for rel, f in m.files.items()}
-        by_writer = P.files_by_writer(sizes, index_ranks)
-        sends = [
-            (r, p, rel)
-            for r, p in sorted(peers.items())
-            if p is not None and node_of[p] != node_of[r]
-            for rel in by_writer.get(r, [])
-        ]
+
+        def place_manifest() -> Tuple[Dict[str, int], List[Tuple[int, int, str]]]:
+            try:
+                with open(os.path.join(url, MANIFEST_NAME), "rb") as f:
+                    same = f.read() == mbytes
+            except OSError:
+                same = False
+            if not same:
+                here.write_atomic(MANIFEST_NAME, mbytes)
+            m = open_manifest(here, chunks=False)
+            by_writer = P.files_by_writer(m.files, {rel: im.rank for rel, im in m.indexes.items()})
+            sends = [
+                (r, p, rel)
+                for r, p in sorted(peers.items())
+                if p is not None and node_of[p] != node_of[r]
+                for rel in by_writer.get(r, [])
+            ]
+            return {rel: f.size for rel, f in m.files.items()}, sends
+
+        (sizes, sends), _ = agree(comm, place_manifest, what=f"memory save of step {step}: the manifest on every node")
 
         def transfer() -> Tuple[int, int]:
             _, sent, got = run_sends(
