@@ -27,13 +27,15 @@ import re
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Optional, Set, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Optional, Set, Tuple, cast
 
 from ._async import AsyncSaveHandle, start_async, wait_pending
-from ._collective import DEFAULT_COLLECTIVE_TIMEOUT_S, FROM_ROOT, Comm, agree, open_comm
-from ._format import HF_INDEX_NAME, MANIFEST_NAME
-from ._io import DEFAULT_IO_THREADS, check_files
-from ._load import load, read_manifest
+from ._collective import FROM_ROOT, Comm, NoProcessGroupError, agree, open_comm
+from ._format import HF_INDEX_NAME, MANIFEST_NAME, open_manifest, torch_dtype
+from ._format.committed import _nearby
+from ._io import check_files
+from ._load import load
+from ._runtimes import unwrap
 from ._save import DATA_DIR, execute_save, prepare_save
 from ._storage import Storage
 from .errors import (
@@ -79,7 +81,8 @@ HF_SUFFIX = "-hf"
 
 
 def _export_dtype(dtype: Any) -> Any:
-    from .converters._common import parse_dtype
+    # The converters package imports every converter: only when a dtype is given.
+    from .converters._options import parse_dtype
 
     return parse_dtype(dtype)
 
@@ -99,9 +102,6 @@ def _model_state(state: Dict[str, Any], dtype: Any) -> Any:
     if dtype is None:
         return model
     import torch
-
-    from ._format import torch_dtype
-    from ._runtimes import unwrap
 
     sd = unwrap(model).state_dict(keep_vars=True) if isinstance(model, torch.nn.Module) else model
     if not isinstance(sd, dict):
@@ -292,7 +292,7 @@ class CheckpointManager:
         async_save: bool = False,
         process_group: Optional["ProcessGroup"] = None,
         io_threads: Optional[int] = None,
-        collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S,
+        collective_timeout_s: Optional[float] = None,
         reuse_buffers: bool = True,
         check_files: bool = True,
         initial_load_path: Optional[str] = None,
@@ -312,7 +312,7 @@ class CheckpointManager:
         self.keep_last = _positive("keep_last", keep_last)
         self.keep_every = _positive("keep_every", keep_every)
         self.save_interval = _positive("save_interval", save_interval, allow_none=False)
-        if not (isinstance(collective_timeout_s, (int, float)) and collective_timeout_s > 0):
+        if collective_timeout_s is not None and not (isinstance(collective_timeout_s, (int, float)) and collective_timeout_s > 0):
             raise ValueError(f"collective_timeout_s must be a positive number, got {collective_timeout_s!r}")
         self.root = Storage(root_url, storage_options=storage_options)
         self.root_url = self.root.url
@@ -320,9 +320,9 @@ class CheckpointManager:
         self.async_save = bool(async_save)
         self.process_group = process_group
         self.io_threads = io_threads
-        # Saves and exports take a number; a load given none picks by target device.
-        self._write_threads = DEFAULT_IO_THREADS if io_threads is None else io_threads
-        self.collective_timeout_s = float(collective_timeout_s)
+        # None: each save/export reads SHARDCKPT_IO_THREADS; a load picks by target device.
+        self._write_threads = io_threads  # None: SHARDCKPT_IO_THREADS, read at each save
+        self.collective_timeout_s = None if collective_timeout_s is None else float(collective_timeout_s)  # None: the knob, at each call
         self.reuse_buffers = reuse_buffers
         self.check_files = check_files
         if initial_load_path is not None and (not isinstance(initial_load_path, str) or not initial_load_path.strip()):
@@ -366,9 +366,7 @@ class CheckpointManager:
     def _comm(self, op: str, error=SaveFailedError) -> Comm:
         try:
             return open_comm(self.process_group, collective_timeout_s=self.collective_timeout_s, op=op, error=error)
-        except UsageError as e:
-            if "no_dist" not in str(e):
-                raise
+        except NoProcessGroupError:
             # open_comm's hint (no_dist=True) is for save/load: the manager takes no such argument.
             raise UsageError(
                 f"{op}: WORLD_SIZE={os.environ.get('WORLD_SIZE')} (a torchrun job) but no process group is initialised, "
@@ -420,7 +418,7 @@ class CheckpointManager:
         step = _check_step(step)
         if self.load_only:
             return False
-        return step % self.save_interval == 0 or (self.enable_first_step_checkpoint and step == 1)
+        return step % cast(int, self.save_interval) == 0 or (self.enable_first_step_checkpoint and step == 1)
 
     def hf_url(self, step: int) -> str:
         """Where ``last_save_in_hf`` writes step ``step``'s Hugging Face directory."""
@@ -501,6 +499,7 @@ class CheckpointManager:
 
     def _export_hf(self, step: int) -> None:
         """Rank 0 writes the committed step as a Hugging Face directory; every rank returns when it is there."""
+        # The converters package imports every converter: only when exporting.
         from .converters import to_safetensors
 
         comm = self._comm("CheckpointManager.save", error=SaveFailedError)
@@ -553,7 +552,7 @@ class CheckpointManager:
                 "root (the retention of one deletes what the other saves). This manager saves no more there; "
                 "restore() still works. Give each run its own root_url, or stop the other one"
             )
-        self._known.add(step)
+        cast(Set[int], self._known).add(step)
         _ROOT_OWNER[self.root_url] = self._token
         _SAVED_IN_PROCESS.setdefault(self.root_url, set()).add(step)
 
@@ -704,7 +703,7 @@ class CheckpointManager:
 
     def _validate(self, step: int) -> None:
         st = self.root.child(step_dir_name(step))
-        m = read_manifest(st)
+        m = open_manifest(st)
         saved = m.extra.get("step") if isinstance(m.extra, dict) else None
         # A step directory copied or renamed by hand holds another step's state:
         # resuming it would restart the schedule at the wrong step.
@@ -773,8 +772,6 @@ class CheckpointManager:
         except Exception:
             return
         if not exists:
-            from ._format.committed import _nearby
-
             log.warning(
                 "shardckpt: CheckpointManager.restore: %s does not exist: nothing to restore, the run starts fresh "
                 "(check the path for a typo if it should resume)%s", self.root_url, _nearby(self.root),
@@ -858,7 +855,7 @@ class CheckpointManager:
                 # it loads (its manifest goes first): pick again. Errors of a
                 # load are agreed, so every rank is here and rank 0 decides.
                 name = f"{step_dir_name(value)}/{MANIFEST_NAME}"
-                _, gone = agree(comm, lambda name=name: not self.root.exists(name) if comm.rank == 0 else None,
+                _, gone = agree(comm, lambda name=name: not self.root.exists(name) if comm.rank == 0 else None,  # type: ignore[misc]
                                 what=f"restore from {self.root_url}", share=lambda v: v, mode=FROM_ROOT)
                 if not gone or s is not None or attempt == RESTORE_ATTEMPTS - 1:
                     raise
@@ -928,7 +925,7 @@ class CheckpointManager:
             name = step_dir_name(s)
             st = self.root.child(name)
             try:
-                m = read_manifest(st)
+                m = open_manifest(st)
             except (FileNotFoundError, NotADirectoryError):
                 continue  # deleted since the scan (another process's retention): nothing left to clean
             except CheckpointError as e:

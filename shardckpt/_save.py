@@ -32,12 +32,12 @@ import math
 import uuid
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, cast
 
 import torch
 
 from . import _knobs, _plan, _union
-from ._collective import DEFAULT_COLLECTIVE_TIMEOUT_S, DISTINCT, FROM_ROOT, TO_ROOT, Comm, agree, open_comm
+from ._collective import DISTINCT, FROM_ROOT, TO_ROOT, Comm, agree, open_comm
 from ._format import (
     DATA_DIR,
     FORMAT_VERSION,
@@ -56,10 +56,11 @@ from ._format import (
 )
 from ._format._v2 import index_bytes
 from ._format.checksum import crc32c
-from ._io import DEFAULT_IO_THREADS, WriteItem, partition, write_files
+from ._io import WriteItem, partition, write_files
 from ._layout import TensorLayout, layout_of
 from ._state import flatten_for_save
 from ._storage import Storage
+from ._version import __version__
 from .errors import (
     CheckpointError,
     CheckpointExistsError,
@@ -75,8 +76,6 @@ __all__ = ["save", "SavePlan", "prepare_save", "stage_save", "execute_save", "DA
 
 
 def _version() -> str:
-    from ._version import __version__
-
     return __version__
 
 
@@ -131,13 +130,13 @@ def _write_plan(layouts: Dict[str, TensorLayout], rank: int) -> List[WriteItem]:
                     writers[(name, box)] = lay.holders[box][0]
                 else:
                     items.append(((name, box), box.numel * itemsize(lay.dtype), lay.holders[box]))
-    writers.update(_plan.assign_writers(items) if items else {})
+    writers.update(cast(Any, _plan.assign_writers(items)) if items else {})
     mine: List[WriteItem] = []
     seen = set()
     for name, lay in layouts.items():
         if lay.regular is not None:
             rot = lay.rotation if lay.rotation is not None else rotations[name]
-            if not lay.parts or not _plan.is_writer(lay.regular, rot, lay.coord):
+            if not lay.parts or not _plan.is_writer(lay.regular, rot, cast(Tuple[int, ...], lay.coord)):
                 continue
         for part in lay.parts:
             key = (name, part.box)
@@ -165,8 +164,8 @@ def save(
     storage_options: Optional[Dict[str, Any]] = None,
     process_group: Optional["ProcessGroup"] = None,
     overwrite: bool = False,
-    io_threads: int = DEFAULT_IO_THREADS,
-    collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S,
+    io_threads: Optional[int] = None,
+    collective_timeout_s: Optional[float] = None,
     no_dist: bool = False,
 ) -> None:
     """Save ``state`` to ``url`` as a sharded, checksummed checkpoint.
@@ -244,7 +243,7 @@ class SavePlan:
     layouts: Mapping[str, TensorLayout]
     items: Tuple[WriteItem, ...]
     overwrite: bool = False
-    io_threads: int = DEFAULT_IO_THREADS
+    io_threads: int = field(default_factory=lambda: _knobs.IO_THREADS)
     extra: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
     per_rank: Any = None  # this rank's per-rank JSON values, gathered at commit
     #: Said when the target is committed and ``overwrite`` is False: the
@@ -279,7 +278,7 @@ def prepare_save(
     comm: Comm,
     storage_options: Optional[Dict[str, Any]] = None,
     overwrite: bool = False,
-    io_threads: int = DEFAULT_IO_THREADS,
+    io_threads: Optional[int] = None,
     extra: Optional[Mapping[str, Any]] = None,
     exists_hint: str = OVERWRITE_HINT,
 ) -> SavePlan:
@@ -334,7 +333,7 @@ def prepare_save(
         layouts=MappingProxyType(layouts),
         items=tuple(_write_plan(layouts, rank)),
         overwrite=overwrite,
-        io_threads=io_threads,
+        io_threads=_knobs.IO_THREADS if io_threads is None else io_threads,
         extra=MappingProxyType(dict(extra or {})),
         per_rank=flat.per_rank or None,
         exists_hint=exists_hint,
@@ -465,11 +464,11 @@ def execute_save(plan: SavePlan) -> None:
 
 def write_rank(
     storage: Storage,
-    files: Dict[str, Sequence[WriteItem]],
+    files: Mapping[str, Sequence[WriteItem]],
     save_id: str,
     rank: int,
     *,
-    threads: int = DEFAULT_IO_THREADS,
+    threads: Optional[int] = None,
     block_bytes: Optional[int] = None,
     writer: Optional[Callable[..., Any]] = None,
 ) -> Tuple[List[Tuple[str, ChunkMeta]], Dict[str, FileMeta], Optional[Tuple[str, int, int]]]:
@@ -580,7 +579,7 @@ def stage_save(plan: SavePlan, copy: Callable[[List[torch.Tensor]], List[torch.T
     ``execute_save`` may then run in a background thread while training goes on.
     Local to this rank, no collective.
     """
-    staged = copy([it.tensor for it in plan.items])
+    staged = copy([cast(Any, it.tensor) for it in plan.items])
     if len(staged) != len(plan.items):
         raise AssertionError(f"stage_save: {len(staged)} copies for {len(plan.items)} tensors")
     return replace(
@@ -601,8 +600,6 @@ def _build_manifest(
     ranks, after a tiling check of their chunks. The bytes written of regular
     tensors must add up to their sizes (a writer that wrote nothing shows).
     """
-    from ._format import _v2  # noqa: F401  (v2 parse registered with the format layer)
-
     tensors: Dict[str, TensorMeta] = {}
     meshes: List[Any] = []
     mesh_ids: Dict[Any, int] = {}
@@ -642,13 +639,13 @@ def _build_manifest(
             t = tensors[name]
             cm = ChunkMeta(**c)
             if t.regular is None:
-                t.writers.append(rank)
+                cast(List[int], t.writers).append(rank)
                 explicit.setdefault(name, TensorMeta(t.dtype, t.shape)).chunks.append(cm)
             # Whole-tensor chunks: kept (not serialized in v2) for the HF index.
             t.chunks.append(cm)
     for name, t in tensors.items():
         if t.regular is None:
-            t.writers = sorted(set(t.writers))
+            t.writers = sorted(set(cast(List[int], t.writers)))
             explicit.setdefault(name, TensorMeta(t.dtype, t.shape))
     bad = tiling_problems(explicit)
     assert not bad, "internal error, saved chunks do not tile: " + "; ".join(bad)

@@ -7,7 +7,7 @@ where torch is not installed, and start in a fraction of a second.
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple, cast
 
 from ._format import ChunkMeta, Manifest, open_manifest, plural, read_safetensors_header
 from ._format.checksum import crc32c
@@ -25,6 +25,7 @@ MAX_LISTED_PROBLEMS = 20
 
 
 def _storage(url: str, storage_options: Optional[Dict[str, Any]]):
+    # The storage backends (S3 clients) cost more to import than the format: only when used.
     from ._storage import Storage
 
     return Storage(url, storage_options=storage_options)
@@ -131,9 +132,9 @@ def _check_file(
     except CorruptCheckpointError as e:
         return [str(e)]
     for name, c in chunks:
-        e = header.get(c.key)
-        if not isinstance(e, dict) or e.get("dtype") != m.tensors[name].dtype or e.get("shape") != c.sizes or (
-            start + e["data_offsets"][0] != c.byte_offset
+        ent = header.get(c.key)
+        if not isinstance(ent, dict) or ent.get("dtype") != m.tensors[name].dtype or ent.get("shape") != c.sizes or (
+            start + ent["data_offsets"][0] != c.byte_offset
         ):
             errs.append(f"{where}: header entry {c.key!r} disagrees with the manifest")
             continue
@@ -178,7 +179,7 @@ def _check_blocks(
         mv = memoryview(data)
         for k in range(0, n, bb):
             i = (off + k) // bb
-            if crc32c(mv[k : k + bb]) != c.blocks[i]:
+            if crc32c(mv[k : k + bb]) != cast(List[int], c.blocks)[i]:
                 bad.append(i)
         if on_bytes is not None:
             on_bytes(n)

@@ -20,6 +20,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedStateError, format_offenders
 from . import manifest as _manifest
+from ._v2 import materialize
 from .files import check_files
 from .hf import MAX_INDEX_BYTES, hf_manifest
 from .manifest import Manifest, check_relpath, manifest_from_bytes, manifest_to_bytes
@@ -216,8 +217,6 @@ def open_manifest(target: Any, *, storage_options: Optional[Dict[str, Any]] = No
     else:
         m = manifest_from_bytes(data, url=storage.url)
         if chunks:
-            from ._v2 import materialize
-
             materialize(m, storage)
         return m
     kind, names, magic = _probe(storage)
@@ -232,6 +231,7 @@ def open_manifest(target: Any, *, storage_options: Optional[Dict[str, Any]] = No
 
 def _as_storage(target: Any, storage_options: Optional[Dict[str, Any]]) -> Any:
     if isinstance(target, str):
+        # The storage backends (S3 clients) cost more to import than the format: only for a URL.
         from .._storage import Storage
 
         return Storage(target, storage_options=storage_options)

@@ -23,6 +23,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from .checksum import crc32c_combine
+
 __all__ = ["ResolvedChunk", "MetaCache", "resolve_chunks", "block_span", "chunk_blocks_crc"]
 
 
@@ -83,8 +85,6 @@ def block_span(c: ResolvedChunk, lo: int, hi: int) -> Tuple[int, int, int]:
 
 def chunk_blocks_crc(block_crcs: Sequence[int], nbytes: int, block_bytes: int) -> int:
     """The whole chunk's CRC-32C from its block CRCs (what v1 records per chunk)."""
-    from .checksum import crc32c_combine
-
     crc = 0
     for i, b in enumerate(block_crcs):
         crc = crc32c_combine(crc, b, min(block_bytes, nbytes - i * block_bytes))

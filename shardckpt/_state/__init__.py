@@ -7,11 +7,13 @@
 ``ranks``     digests of plain values, to refuse at save those that differ
               across ranks (they need ``PerRank``);
 ``values``    the values codec (``TAG``, ``tensor_ref``, ``encode_value``,
-              ``decode_value``): what the manifest's ``values`` tree means.
+              ``decode_value``): what the manifest's ``values`` tree means;
+``subclass``  wrapper tensor subclasses: taken apart by ``__tensor_flatten__``, or refused.
 
-Import order is one way: ``values`` <- ``adapters`` <- ``walk`` <- ``optim``;
-the built-in adapters are instantiated on first use, so no module needs
-another at import time that needs it back.
+At import time the order is one way: ``values`` <- ``adapters`` <- ``walk``
+<- ``optim``; but ``adapters`` imports the built-ins from ``walk`` and
+``optim`` on first use, and ``walk`` imports ``optim`` inside functions: a
+circle that ``tests/unit/test_layers.py`` lists as still to break (issue 22).
 """
 
 from __future__ import annotations

@@ -35,8 +35,11 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.nn as nn
 
+from .._format import torch_dtype
+from .._runtimes import is_fsdp1, param_fqns
 from ..errors import CorruptCheckpointError, StateMismatchError, UnsupportedStateError, format_offenders
 from .adapters import Adapter
+from .subclass import is_subclass_node
 from .values import TAG, _is_ref
 from .walk import _MISSING, SEP, _fill_from_saved, _is_tensor, _join
 
@@ -218,8 +221,6 @@ def find_module(root: Any, optim: torch.optim.Optimizer, path: str) -> nn.Module
 
 def _fqn_groups(model: nn.Module, optim: torch.optim.Optimizer, path: str) -> List[List[str]]:
     """FQNs of each param group's parameters, in order."""
-    from .._runtimes import param_fqns
-
     fqns = param_fqns(model)
     groups, stray = [], 0
     for g in optim.param_groups:
@@ -259,10 +260,6 @@ class OptimizerAdapter(Adapter):
         return get_optimizer_state_dict(model, optim)
 
     def load(self, optim, path, saved, walker):
-        from .._format import torch_dtype
-        from .._runtimes import is_fsdp1, param_fqns
-        from .subclass import is_subclass_node
-
         if saved is _MISSING:
             walker.missing_values.append(path)
             return
@@ -403,8 +400,6 @@ def _load_by_fqn(model: nn.Module, optim: torch.optim.Optimizer, osd: Dict[str, 
     Parameters in ``keep`` (absent from the checkpoint, a non-strict load)
     keep their live state.
     """
-    from .._runtimes import param_fqns
-
     fq = param_fqns(model)
     group_of: Dict[str, Dict[str, Any]] = {}
     for g in osd[GROUPS]:

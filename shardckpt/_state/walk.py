@@ -19,9 +19,30 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from .._format.values import MAX_VALUE_DEPTH
-from ..errors import CorruptCheckpointError, StateMismatchError, UnsupportedStateError
+from .._format.naming import chunk_key_clashes, unreadable_names
+from .._format.values import MAX_VALUE_DEPTH, value_depth_problem
+from .._layout import is_dtensor, is_sharded_tensor
+from .._runtimes import (
+    empty_like_meta,
+    fsdp1_load_model_state,
+    fsdp1_model_state,
+    is_fsdp1,
+    materialize_device,
+    unwrap,
+    wrapper_renamer,
+)
+from ..errors import CorruptCheckpointError, StateMismatchError, UnsupportedStateError, format_offenders
 from .adapters import Adapter, adapter_for
+from .subclass import (
+    as_plain,
+    check_ctx,
+    flatten_subclass,
+    inner_name,
+    is_subclass_node,
+    is_wrapper_subclass,
+    plain_problem,
+    rebuild,
+)
 from .values import TAG, _is_ref, decode_value, encode_value, tensor_ref
 
 __all__ = [
@@ -98,8 +119,6 @@ def _decoded(node: Any, path: str) -> Any:
 
 
 def _is_tensor(v: Any) -> bool:
-    from .._layout import is_sharded_tensor
-
     return isinstance(v, torch.Tensor) or is_sharded_tensor(v)
 
 
@@ -135,8 +154,6 @@ class _SaveWalker:
         if isinstance(v, Raw):
             return v.node
         if _is_tensor(v):
-            from .subclass import as_plain, flatten_subclass, is_wrapper_subclass
-
             if is_wrapper_subclass(v):
                 # Taken apart through its own protocol (see ``subclass``): its
                 # inner tensors are written, never the wrapper's (absent) bytes.
@@ -174,9 +191,6 @@ def _refuse_unwritable(v: Any, path: str) -> None:
     reshard; a subclass without storage and without ``__tensor_flatten__``
     has no bytes to read at all.
     """
-    from .._layout import is_dtensor
-    from .subclass import is_wrapper_subclass, plain_problem
-
     local = v._local_tensor if is_dtensor(v) else v
     kind = f"{type(local).__module__}.{type(local).__qualname__}"
     if is_dtensor(v) and (is_wrapper_subclass(local) or plain_problem(local)):
@@ -222,9 +236,6 @@ def _refuse_names(flat: FlatSave) -> None:
     ``w``), names safetensors cannot read back (lone surrogates), dims past
     what a safetensors header holds, values nested past ``MAX_VALUE_DEPTH``.
     """
-    from .._format.naming import chunk_key_clashes, unreadable_names
-    from .._format.values import value_depth_problem
-
     bad = unreadable_names(flat.tensors)
     if bad:
         raise UnsupportedStateError(
@@ -288,8 +299,6 @@ class _LoadWalker:
         A live wrapper subclass is filled through its inner tensors, in place
         (``subclass``), after its saved context is checked.
         """
-        from .subclass import check_ctx, inner_name, is_subclass_node, is_wrapper_subclass
-
         if is_wrapper_subclass(live):
             if node is not None and node is not _MISSING:
                 check_ctx(live, node, path)
@@ -317,14 +326,14 @@ class _LoadWalker:
             # what was saved there (new full tensors, values as saved).
             holder: Dict[str, Any] = {}
             _fill_from_saved(holder, "v", saved, path, self)
-            self.flat.finalizers.append(lambda s=setter, h=holder: s(h["v"]))
+            self.flat.finalizers.append(lambda s=setter, h=holder: s(h["v"]))  # type: ignore[misc]
             return
         if isinstance(live, (dict, list)) and _is_plain(live) and saved is not _MISSING and not _contains_ref(saved):
             # Pure JSON containers come back whole: the saved value replaces
             # the live placeholder (e.g. ``{"history": []}``).
             if setter is not None:
                 self.flat.value_paths.append(path)
-                self.flat.finalizers.append(lambda s=setter, v=_decoded(saved, path): s(v))
+                self.flat.finalizers.append(lambda s=setter, v=_decoded(saved, path): s(v))  # type: ignore[misc]
             return
         if isinstance(live, dict):
             if isinstance(saved, dict) and saved.get(TAG) == "dict":
@@ -358,7 +367,7 @@ class _LoadWalker:
                 sub = seq[i] if seq is not None and i < len(seq) else _MISSING
                 self.walk(x, sub, _join(path, i), None)
             if setter is not None and seq is not None and not any(_is_tensor(x) for x in live):
-                self.flat.finalizers.append(lambda s=setter, v=_decoded(saved, path): s(v))
+                self.flat.finalizers.append(lambda s=setter, v=_decoded(saved, path): s(v))  # type: ignore[misc]
             return
         # A plain value: the saved one replaces it.
         if saved is _MISSING:
@@ -369,7 +378,7 @@ class _LoadWalker:
             return
         if setter is not None:
             self.flat.value_paths.append(path)
-            self.flat.finalizers.append(lambda s=setter, v=_decoded(saved, path): s(v))
+            self.flat.finalizers.append(lambda s=setter, v=_decoded(saved, path): s(v))  # type: ignore[misc]
 
     def _unexpected_value(self, path: str, node: Any) -> None:
         # Unexpected tensors are found by name against the manifest; plain
@@ -482,16 +491,12 @@ class ModuleAdapter(Adapter):
         return isinstance(obj, torch.nn.Module)
 
     def save(self, obj, path, walker):
-        from .._runtimes import fsdp1_model_state, is_fsdp1, unwrap
-
         m = unwrap(obj)
         if is_fsdp1(m):
             return fsdp1_model_state(m)
         sd = _module_tensors(m, path)
         meta = [k for k, t in sd.items() if _is_tensor(t) and t.is_meta]
         if meta:
-            from ..errors import format_offenders
-
             raise UnsupportedStateError(
                 f"{path}: tensors on the meta device hold no data and cannot be saved: {format_offenders(meta)}"
             )
@@ -504,8 +509,6 @@ class ModuleAdapter(Adapter):
         return sd
 
     def load(self, obj, path, saved, walker):
-        from .._runtimes import fsdp1_load_model_state, fsdp1_model_state, is_fsdp1, unwrap
-
         m = unwrap(obj)
         if is_fsdp1(m):
             sd = fsdp1_model_state(m)
@@ -517,8 +520,6 @@ class ModuleAdapter(Adapter):
         extra = self._extra_state(m, sd, path, saved, walker, back)
         copies = throwaway_copies(m, sd)
         if copies and not routes_state_back(m, [back[k] for k in copies]):
-            from ..errors import format_offenders
-
             raise UnsupportedStateError(
                 f"{path}: state_dict() returns tensors that are copies, not the module's parameters or buffers "
                 f"({format_offenders([_join(path, k) for k in copies])}), and no load_state_dict pre-hook or "
@@ -609,7 +610,6 @@ class ModuleAdapter(Adapter):
                 meta_keys += [n for n in names if n not in meta_keys]
         if not meta_keys:
             return {}
-        from .._runtimes import materialize_device
 
         device_of = materialize_device(m)
         made: Dict[int, Any] = {}  # tied weights share one new Parameter
@@ -628,8 +628,6 @@ class ModuleAdapter(Adapter):
 
 def _empty_like_meta(t, device) -> torch.Tensor:
     """An uninitialized tensor (DTensor: same mesh/placements/shape) replacing meta ``t``."""
-    from .._runtimes import empty_like_meta
-
     return empty_like_meta(t, device)
 
 
@@ -714,8 +712,6 @@ def _module_tensors(m: torch.nn.Module, path: str = "", back: Optional[Dict[str,
     ``back`` (if given) receives plain name -> ``m``'s own key, for calls
     that hand a dict back to ``m.load_state_dict``.
     """
-    from .._runtimes import wrapper_renamer
-
     rename = wrapper_renamer(m)
     out: Dict[str, Any] = {}
     for k, v in m.state_dict(keep_vars=True).items():
@@ -827,7 +823,6 @@ def _fill_from_saved(container: Any, key: Any, saved: Any, path: str, walker: _L
     Plain values come from the checkpoint.
     """
     live = container[key] if _has(container, key) else _MISSING
-    from .subclass import is_subclass_node
 
     if is_subclass_node(saved):
         _fill_subclass(container, key, live, saved, path, walker)
@@ -866,7 +861,7 @@ def _fill_from_saved(container: Any, key: Any, saved: Any, path: str, walker: _L
             _fill_from_saved(live, i, sub, _join(path, i), walker)
         return
     if isinstance(saved, dict) and saved.get(TAG) == "tuple":
-        items = list(live) if isinstance(live, tuple) and len(live) == len(saved["items"]) else [None] * len(saved["items"])
+        items = list(live) if isinstance(live, tuple) and len(live) == len(saved["items"]) else [None] * len(saved["items"])  # type: ignore[list-item]
         for i, sub in enumerate(saved["items"]):
             _fill_from_saved(items, i, sub, _join(path, i), walker)
         # Rebuild the tuple after tensors are in (finalizers run in order).
@@ -881,8 +876,6 @@ def _fill_from_saved(container: Any, key: Any, saved: Any, path: str, walker: _L
 
 def _fill_subclass(container: Any, key: Any, live: Any, saved: Dict[str, Any], path: str, walker: _LoadWalker) -> None:
     """A saved tensor subclass: its inner tensors copied into the live one, or a new one rebuilt from them."""
-    from .subclass import rebuild
-
     if live is not _MISSING and _is_tensor(live):
         walker.target(path, live, saved)
         return
@@ -994,8 +987,6 @@ class PerRankAdapter(Adapter):
         return Raw({TAG: "per_rank", "world_size": walker.world})
 
     def load(self, obj, path, saved, walker):
-        from ..errors import CorruptCheckpointError
-
         if saved is _MISSING:
             walker.missing_values.append(path)
             return
