@@ -35,6 +35,8 @@ from ._format import HF_INDEX_NAME, MANIFEST_NAME, open_manifest, torch_dtype
 from ._format.committed import _nearby
 from ._io import check_files
 from ._load import load
+from ._memory import MemoryTier
+from ._memory.tier import MemoryStore
 from ._runtimes import unwrap
 from ._save import DATA_DIR, execute_save, prepare_save
 from ._storage import Storage
@@ -344,9 +346,6 @@ class CheckpointManager:
         self._token = uuid.uuid4().hex
         self._memory = None
         if memory is not None and memory is not False:
-            from ._memory import MemoryTier
-            from ._memory.tier import MemoryStore
-
             self._memory = MemoryStore(MemoryTier.of(memory))
 
     def __repr__(self) -> str:
