@@ -110,7 +110,7 @@ def _alive(pid: int) -> bool:
 
 def clean_stale(node_dir: str) -> List[str]:
     """Remove what a dead process left: restore staging directories and half-written temporary files."""
-    removed = []
+    removed: List[str] = []
     try:
         names = os.listdir(node_dir)
     except OSError:

@@ -108,7 +108,7 @@ class MemoryStore:
 
     # -- save -----------------------------------------------------------------
 
-    def save(self, step: int, state: Dict[str, Any], comm: Comm, *, process_group, io_threads: int) -> bool:
+    def save(self, step: int, state: Dict[str, Any], comm: Comm, *, process_group, io_threads: Optional[int]) -> bool:
         """Save ``step`` into memory with its peer copy (collective). False when the tier is (or turns) off."""
         if self.disabled is not None:
             return False
@@ -219,8 +219,8 @@ class MemoryStore:
             for rel in entry[2]:
                 holders.setdefault(rel, []).append(r)
         own_dir = store.step_dir(self.dir, step)
-        own_held = mine.get(step, ("", {}, set()))
-        own_held = own_held[2] if own_held[0] == sid else set()
+        own_entry = mine.get(step, ("", {}, set()))
+        own_held = own_entry[2] if own_entry[0] == sid else set()
         stage = os.path.join(self.dir, f".restore-r{comm.rank}-{os.getpid()}")
         shutil.rmtree(stage, ignore_errors=True)
         os.makedirs(stage, exist_ok=True)
@@ -335,8 +335,10 @@ class _Fetch:
                 found_bad.append((node, rel))
             todo.add(rel)
         for attempt in range(FETCH_ROUNDS + 1):
-            _, reports = agree(comm, lambda bad=found_bad: (sorted(todo), bad), what=f"restore of step {self.step} from the memory tier",
-                               share=lambda v: v, mode=ALL)
+            def report(bad: List[Tuple[str, str]] = found_bad) -> Tuple[List[str], List[Tuple[str, str]]]:
+                return sorted(todo), bad
+
+            _, reports = agree(comm, report, what=f"restore of step {self.step} from the memory tier", share=lambda v: v, mode=ALL)
             for _, b in reports:
                 self.bad.update(tuple(x) for x in b)
             needs = {r: rs for r, (rs, _) in enumerate(reports) if rs}

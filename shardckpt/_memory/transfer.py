@@ -15,7 +15,8 @@ from __future__ import annotations
 import logging
 import os
 import uuid
-from typing import Callable, Dict, List, Sequence, Tuple
+from io import BufferedReader, BufferedWriter
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -69,8 +70,8 @@ def run_sends(
         return got, 0, 0  # nothing to do here (also: no process group at all)
     device = wire_device(group)
     sent_bytes = recv_bytes = 0
-    readers: Dict[int, object] = {}
-    writers: Dict[int, Tuple[str, object]] = {}
+    readers: Dict[int, Optional[BufferedReader]] = {}
+    writers: Dict[int, Tuple[str, BufferedWriter]] = {}
     try:
         for i, (src, dst, rel) in enumerate(mine):
             if me == src:
@@ -111,16 +112,16 @@ def run_sends(
             for i, buf in received:
                 writers[i][1].write(byte_view(buf.cpu()))
                 recv_bytes += buf.numel()
-        for i, (tmp, f) in sorted(writers.items()):
-            f.close()
+        for i, (tmp, out) in sorted(writers.items()):
+            out.close()
             os.replace(tmp, dst_path(mine[i][2]))
             got.append(mine[i][2])
     finally:
-        for f in readers.values():
-            if f is not None:
-                f.close()
-        for tmp, f in writers.values():
-            f.close()
+        for src_f in readers.values():
+            if src_f is not None:
+                src_f.close()
+        for tmp, out in writers.values():
+            out.close()
             try:
                 os.remove(tmp)  # gone already when renamed
             except OSError:
