@@ -36,6 +36,8 @@ from ._format.committed import _nearby
 from ._format.refs import follow, live_files, removable
 from ._io import check_files
 from ._load import load
+from ._memory import MemoryTier
+from ._memory.tier import MemoryStore
 from ._runtimes import unwrap
 from ._save import DATA_DIR, execute_save, prepare_save
 from ._storage import Storage
@@ -262,6 +264,12 @@ class CheckpointManager:
         enable_first_step_checkpoint: :meth:`should_save` is also true at step 1.
         load_only: :meth:`restore` works, :meth:`save` saves nothing (returns
             None) and :meth:`should_save` is always false.
+        memory: a host-memory tier with a copy on a peer node
+            (``shardckpt.MemoryTier(...)``, True for its defaults, a
+            directory, or a dict of its options): :meth:`save_to_memory`
+            keeps the newest step there, and :meth:`restore` takes the
+            newest step held in memory or storage (``docs/manager.md``,
+            "Memory tier").
 
     Raises:
         ValueError: ``keep_last``, ``keep_every`` or ``save_interval`` not a
@@ -305,6 +313,7 @@ class CheckpointManager:
         last_save_in_hf: bool = False,
         enable_first_step_checkpoint: bool = False,
         load_only: bool = False,
+        memory: Any = None,
         incremental: bool = False,
     ):
         if isinstance(root_url, str) and not root_url.strip():
@@ -346,6 +355,9 @@ class CheckpointManager:
         # its first save); any other step that appears is another writer's.
         self._known: Optional[Set[int]] = None
         self._token = uuid.uuid4().hex
+        self._memory = None
+        if memory is not None and memory is not False:
+            self._memory = MemoryStore(MemoryTier.of(memory))
 
     def __repr__(self) -> str:
         return f"CheckpointManager({self.root_url!r}, keep_last={self.keep_last}, keep_every={self.keep_every}, async_save={self.async_save})"
@@ -467,6 +479,33 @@ class CheckpointManager:
                 handle.result()
             self._export_hf(step)
         return handle
+
+    def save_to_memory(self, step: int, state: Dict[str, Any]) -> bool:
+        """Keep ``state`` as step ``step`` in the memory tier, with its copy on the peer node (collective).
+
+        Synchronous: returns once every rank's files are in its node's shared
+        memory and in its peer's. The previous memory step is then removed.
+        Storage is not touched: persistent saves stay :meth:`save`'s.
+
+        Returns:
+            True when the step is in memory; False when the manager has no
+            memory tier or the tier is off (over ``max_bytes``, directory
+            missing or full: one warning, then storage only).
+
+        Raises:
+            SaveFailedError: a rank failed or died while saving.
+            UnsupportedStateError: a value in ``state`` cannot be saved.
+
+        Example:
+            >>> mgr = CheckpointManager("runs/a", memory=True)   # doctest: +SKIP
+            >>> mgr.save_to_memory(step, state)                  # doctest: +SKIP
+        """
+        self._check_open()
+        step = _check_step(step)
+        if self._memory is None or self.load_only:
+            return False
+        comm = self._comm("CheckpointManager.save_to_memory")
+        return self._memory.save(step, state, comm, process_group=self.process_group, io_threads=self._write_threads)
 
     def _export_hf(self, step: int) -> None:
         """Rank 0 writes the committed step as a Hugging Face directory; every rank returns when it is there."""
@@ -829,6 +868,13 @@ class CheckpointManager:
         verified while reading: a damaged chunk raises instead of silently
         falling back.
 
+        With a memory tier (``memory=``) and no ``step``, the newest step held
+        in the live ranks' memory wins when it is at least as new as the
+        storage step: each rank takes its files from its own node, else a peer
+        over the process group, each file verified first; a damaged copy is
+        fetched from the next holder, and with no good copy left the storage
+        step is restored (logged). ``restored_from`` is then ``"memory:<step>"``.
+
         Args:
             state: live state, as for :func:`shardckpt.load`.
             step: restore exactly this step instead of the newest.
@@ -873,6 +919,14 @@ class CheckpointManager:
                 share=lambda v: v,
                 mode=FROM_ROOT,
             )
+            if self._memory is not None and s is None and attempt == 0:
+                got = self._memory.restore(
+                    state, comm, storage_step=value, process_group=self.process_group, load_kw=load_kw,
+                    load=lambda url: load(state, url, process_group=self.process_group, **load_kw),
+                )
+                if got is not None:
+                    self.restored_from = f"memory:{got}"
+                    return got
             if value is None:
                 break
             try:
@@ -992,7 +1046,11 @@ class CheckpointManager:
         if self._closed:
             return
         self._closed = True
-        wait_pending()
+        try:
+            wait_pending()
+        finally:
+            if self._memory is not None:
+                self._memory.close()
 
     def __enter__(self) -> "CheckpointManager":
         return self

@@ -269,6 +269,9 @@ class SavePlan:
     #: Directory name of the earlier checkpoint (a sibling) whose chunks this
     #: save references instead of rewriting (``_incremental``); None: write all.
     incremental: Optional[str] = None
+    #: False for the memory tier: each rank writes on its own host, so rank 0's
+    #: commit cannot see the other hosts' files (``commit(files_here=False)``).
+    files_here: bool = True
 
     @property
     def rank(self) -> int:
@@ -601,7 +604,7 @@ def _commit(plan: SavePlan, gathered, save_id: str, progress: Optional[Callable[
     per_rank = [g[3] for g in gathered]
     if any(p is not None for p in per_rank):
         manifest.extra["per_rank"] = per_rank
-    commit(storage, manifest, replace=plan.overwrite, progress=progress)
+    commit(storage, manifest, replace=plan.overwrite, progress=progress, files_here=plan.files_here)
 
 
 def stage_save(plan: SavePlan, copy: Callable[[List[torch.Tensor]], List[torch.Tensor]]) -> SavePlan:

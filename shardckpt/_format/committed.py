@@ -53,7 +53,8 @@ def hf_index_bytes(m: Manifest) -> Optional[bytes]:
 
 
 def commit(
-    storage: Any, manifest: Manifest, *, replace: bool = False, progress: Optional[Callable[[str], None]] = None
+    storage: Any, manifest: Manifest, *, replace: bool = False, progress: Optional[Callable[[str], None]] = None,
+    files_here: bool = True,
 ) -> None:
     """Commit ``manifest`` at ``storage``: the HF index (when whole), then ``manifest.json`` last, atomically.
 
@@ -78,6 +79,8 @@ def commit(
             ``"writing"`` right before the manifest write (an error from here
             on may come after the manifest landed: a lost PUT answer, an
             interrupt after the rename), ``"committed"`` once it returned.
+        files_here: check the data files at ``storage`` first (False only for
+            the memory tier, whose files are on other hosts).
 
     Raises:
         CorruptCheckpointError: a named data file is missing or of the wrong
@@ -101,7 +104,10 @@ def commit(
     index = hf_index_bytes(manifest)
     # Data files removed since they were written (cleanup() on the same root,
     # a lifecycle rule, an emptied bucket) must not be named by a commit.
-    check_files(storage, {rel: fm.size for rel, fm in manifest.files.items()})
+    # files_here=False: the memory tier, whose ranks write on their own
+    # hosts' shared memory; its restore verifies every file before use.
+    if files_here:
+        check_files(storage, {rel: fm.size for rel, fm in manifest.files.items()})
     # A values-only checkpoint has no data file that could have vanished
     # with its directory: its manifest may create the directory.
     create_dirs = not manifest.files
