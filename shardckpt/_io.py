@@ -24,7 +24,7 @@ import torch
 
 from . import _knobs
 from ._format import ChunkMeta, FileMeta, itemsize, safetensors_header
-from ._format.checksum import BlockCrcs, crc32c, crc32c_combine, default_hash_algo, new_hasher
+from ._format.checksum import BlockCrcs, crc32c, crc32c_combine, new_hasher
 from ._format.files import check_files  # noqa: F401  (re-exported: load and the converters check files here)
 from ._format.header import MAX_HEADER_BYTES
 from ._storage import Storage
@@ -433,8 +433,8 @@ def write_files(
             ``__metadata__`` (native files); False for plain safetensors
             (Hugging Face exports).
         hash_algo: content hash of each chunk (format v4, ``ChunkMeta.hash``),
-            in the same pass; default ``default_hash_algo()`` for native files
-            (``chunk_metadata``), none for plain safetensors; ``""``: none.
+            in the same pass (``checksum.HASH_ALGOS``); default none: it
+            costs CPU time, and only incremental saves need it.
 
     Raises:
         OSError / StorageError: a write failed (the caller removes the files).
@@ -444,8 +444,7 @@ def write_files(
     """
     bb = block_bytes or _knobs.BLOCK_BYTES
     threads = _knobs.IO_THREADS if threads is None else threads
-    if hash_algo is None:
-        hash_algo = default_hash_algo() if chunk_metadata else ""
+    hash_algo = hash_algo or ""
     chunks: List[ChunkMeta] = []
     metas: Dict[str, FileMeta] = {}
     if not files:

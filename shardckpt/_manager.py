@@ -596,6 +596,7 @@ class CheckpointManager:
                 extra={"step": step},
                 exists_hint=f"step {step} is already committed; {hint}",
                 incremental=base,
+                content_hash=self.incremental,  # the first step too: later ones reference it
             )
         except CheckpointError:
             raise

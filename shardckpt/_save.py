@@ -55,7 +55,7 @@ from ._format import (
     torch_dtype,
 )
 from ._format._v2 import index_bytes
-from ._format.checksum import crc32c
+from ._format.checksum import crc32c, default_hash_algo
 from ._format.refs import follow
 from ._io import WriteItem, partition, write_files
 from ._layout import TensorLayout, layout_of
@@ -169,6 +169,7 @@ def save(
     collective_timeout_s: Optional[float] = None,
     no_dist: bool = False,
     incremental: Optional[str] = None,
+    content_hash: bool = False,
 ) -> None:
     """Save ``state`` to ``url`` as a sharded, checksummed checkpoint.
 
@@ -207,7 +208,12 @@ def save(
             references; the checkpoint is only whole while the files it
             references exist (``CheckpointManager(incremental=True)``'s
             retention keeps them; ``converters.consolidate`` makes a copy
-            without references).
+            without references). Implies ``content_hash``.
+        content_hash: record a content hash (BLAKE3) of every chunk, so that
+            a later ``incremental`` save can reference this one (a base
+            saved without hashes is compared with nothing: everything is
+            written again). Off by default: hashing runs in the write pass
+            and costs CPU time (docs/incremental.md has the numbers).
 
     Raises:
         CheckpointExistsError: ``url`` holds a committed checkpoint and
@@ -236,7 +242,7 @@ def save(
     """
     comm = open_comm(process_group, no_dist=no_dist, collective_timeout_s=collective_timeout_s, op="shardckpt.save")
     plan = prepare_save(state, url, comm=comm, storage_options=storage_options, overwrite=overwrite, io_threads=io_threads,
-                        incremental=incremental)
+                        incremental=incremental, content_hash=content_hash)
     execute_save(plan)
 
 
@@ -269,6 +275,9 @@ class SavePlan:
     #: Directory name of the earlier checkpoint (a sibling) whose chunks this
     #: save references instead of rewriting (``_incremental``); None: write all.
     incremental: Optional[str] = None
+    #: Content hash algorithm of this save's chunks (``_io.write_files``'s
+    #: ``hash_algo``): "" hashes nothing (the default: it costs CPU time).
+    hash_algo: str = ""
     #: False for the memory tier: each rank writes on its own host, so rank 0's
     #: commit cannot see the other hosts' files (``commit(files_here=False)``).
     files_here: bool = True
@@ -297,10 +306,12 @@ def prepare_save(
     extra: Optional[Mapping[str, Any]] = None,
     exists_hint: str = OVERWRITE_HINT,
     incremental: Optional[str] = None,
+    content_hash: bool = False,
 ) -> SavePlan:
     """Flatten and plan a save; every rank learns whether any rank's state is invalid (collective).
 
     ``extra`` goes into the manifest's ``extra`` (the manager's step).
+    ``content_hash`` (implied by ``incremental``): hash every chunk written.
     """
     rank, world = comm.rank, comm.world
     storage = Storage(url, storage_options=storage_options)
@@ -359,6 +370,7 @@ def prepare_save(
         exists_hint=exists_hint,
         per_rank_specs=MappingProxyType(own),
         incremental=base,
+        hash_algo=default_hash_algo() if (content_hash or incremental) else "",
     )
 
 
@@ -413,7 +425,7 @@ def execute_save(plan: SavePlan) -> None:
         files.update({f"{DATA_DIR}/{save_id[:12]}-r{rank:05d}-{i:02d}.safetensors": g for i, g in enumerate(groups)})
         try:
             named, fmetas, index = write_rank(storage, files, save_id, rank, threads=plan.io_threads, writer=plan.writer,
-                                              referenced=referenced)
+                                              referenced=referenced, hash_algo=plan.hash_algo)
         except OSError as e:
             err = _write_failed(e, storage, f"rank {rank} could not write its files")
             raise err from err.__cause__
@@ -503,6 +515,7 @@ def write_rank(
     block_bytes: Optional[int] = None,
     writer: Optional[Callable[..., Any]] = None,
     referenced: Sequence[Tuple[str, ChunkMeta]] = (),
+    hash_algo: str = "",
 ) -> Tuple[List[Tuple[str, ChunkMeta]], Dict[str, FileMeta], Optional[Tuple[str, int, int]]]:
     """Write one rank's data files, then its v2 index file: the bytes of a save (and of a converter's output).
 
@@ -531,7 +544,7 @@ def write_rank(
     block_bytes = block_bytes or _knobs.BLOCK_BYTES
     # A chunk's tensor name travels with it: (file, key) identifies the item written.
     names = {(rel, it.key): it.name for rel, items in files.items() for it in items}
-    chunks, fmetas = (writer or write_files)(storage, files, threads=threads, block_bytes=block_bytes)
+    chunks, fmetas = (writer or write_files)(storage, files, threads=threads, block_bytes=block_bytes, hash_algo=hash_algo)
     named = [(names[(c.file, c.key)], c) for c in chunks] + list(referenced)
     index = None
     if named:

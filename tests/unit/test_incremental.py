@@ -102,7 +102,7 @@ def _same(a, b):
 def test_incremental_save_references_unchanged_chunks(tmp_path):
     s1, s2 = str(tmp_path / "step-1"), str(tmp_path / "step-2")
     state = _lora()
-    shardckpt.save(state, s1)
+    shardckpt.save(state, s1, content_hash=True)
     full = _data_bytes(s1)
     state["lora_a"] = state["lora_a"] + 1
     state["step"] = 2
@@ -123,10 +123,28 @@ def test_incremental_save_references_unchanged_chunks(tmp_path):
         assert content_hash(m.content_hash, f.read(ck.nbytes)) == ck.hash
 
 
+def test_a_base_saved_without_hashes_is_compared_with_nothing(tmp_path):
+    # Hashing is opt-in (it costs CPU time in the write pass): a plain save
+    # records no hashes, so an incremental save on top of it writes every
+    # chunk again, and is whole on its own.
+    s1, s2 = str(tmp_path / "step-1"), str(tmp_path / "step-2")
+    state = _lora()
+    shardckpt.save(state, s1)
+    m1 = open_manifest(s1)
+    assert all(c.hash is None for t in m1.tensors.values() for c in t.chunks)
+    state["step"] = 2
+    shardckpt.save(state, s2, incremental=s1)
+    m2 = open_manifest(s2)
+    assert not any(rel.startswith("@") for rel in m2.files)
+    assert _data_bytes(s2) == _data_bytes(s1)
+    assert all(c.hash for t in m2.tensors.values() for c in t.chunks)  # the next one can build on it
+    _same(_load(s2, state), state)
+
+
 def test_frozen_flag_lie_is_saved(tmp_path):
     s1, s2 = str(tmp_path / "a"), str(tmp_path / "b")
     p = torch.nn.Parameter(torch.randn(32, 32), requires_grad=False)
-    shardckpt.save({"p": p}, s1)
+    shardckpt.save({"p": p}, s1, content_hash=True)
     with torch.no_grad():
         p[3, 4] += 1  # "frozen", yet changed
     shardckpt.save({"p": p}, s2, incremental="a")
@@ -154,7 +172,7 @@ def test_incremental_base_must_be_a_sibling(tmp_path):
 def test_damaged_referenced_file_names_the_step(tmp_path, damage):
     s1, s2 = str(tmp_path / "step-1"), str(tmp_path / "step-2")
     state = _lora()
-    shardckpt.save(state, s1)
+    shardckpt.save(state, s1, content_hash=True)
     state["lora_a"] = state["lora_a"] * 2
     shardckpt.save(state, s2, incremental=s1)
     ref = [r for r in open_manifest(s2).files if r.startswith("@")][0]
@@ -318,7 +336,7 @@ def test_verify_checks_the_content_hash(tmp_path):
     from shardckpt._format.checksum import crc32c
 
     d = str(tmp_path / "ck")
-    shardckpt.save({"w": torch.arange(64.0)}, d)
+    shardckpt.save({"w": torch.arange(64.0)}, d, content_hash=True)
     m = open_manifest(d, chunks=False)
     rel = next(iter(m.indexes))
     idx = json.loads(open(os.path.join(d, rel), "rb").read())
