@@ -12,14 +12,23 @@ is not written: this save's index names it by a reference path
 Each rank decides for its own chunks and reads only the index files of the
 ranks of ``BASE`` that wrote the boxes it saves; nothing is exchanged.
 
-Hashing costs one pass over a chunk before its write. A chunk that changed
-at this process's previous save of the same root is written straight away
-instead, hashed in the write pass (no second pass, and no lookup: dense
-training pays nothing extra); whether it changed this time is told by
-comparing that hash with the one saved last time, and a chunk found
-unchanged is looked up again at the next save (one extra write when a tensor
-stops changing). This memo only decides the order of work, never whether
-bytes are saved: a chunk is referenced only after its hash matched the base.
+Hashing costs one pass over a chunk before its write. This process
+remembers, per chunk, what its previous save into the root learnt, and
+orders the work by it (``_MEMO``):
+
+* ``lookup`` (nothing known, or unchanged last time): hash, compare with the
+  base, reference on a match.
+* ``changed`` (its CRC-32C differed from the save before): written straight
+  away, not hashed at all: dense training pays no hash. Whether it changed
+  this time is told by the CRC-32C the write pass computes anyway.
+* ``hash-next`` (written without a hash, and its CRC-32C equalled the save
+  before's): written once more, hashed in the write pass, so the save after
+  can reference it.
+
+A tensor that stops changing is thus written twice more, then referenced.
+The memo only orders the work, never decides that bytes need not be saved:
+a chunk is referenced only after its hash matched the base's, and a CRC
+that matches by chance leads only to more hashing.
 
 Not used, and why: skipping the hash of a tensor whose ``_version`` counter
 and ``data_ptr`` did not move since the last save. ``p.data.add_(1)`` (and
@@ -46,11 +55,13 @@ from .errors import UsageError
 
 __all__ = ["base_name", "match_earlier", "note_written"]
 
+LOOKUP, CHANGED, HASH_NEXT = "lookup", "changed", "hash-next"
+
 #: This process's previous save into a root: root URL -> {(tensor name,
-#: offsets): (content hash, whether the chunk changed at that save)}. Decides
-#: only whether a chunk is hashed before its write (looked up) or in it (see
-#: the module docstring); never whether bytes are saved.
-_MEMO: Dict[str, Dict[Tuple[str, Tuple[int, ...]], Tuple[Optional[str], bool]]] = {}
+#: offsets): (CRC-32C, content hash or None, what to do next time: LOOKUP,
+#: CHANGED or HASH_NEXT)}. Orders the work only (module docstring); never
+#: decides whether bytes are saved.
+_MEMO: Dict[str, Dict[Tuple[str, Tuple[int, ...]], Tuple[int, Optional[str], str]]] = {}
 
 
 def base_name(url: str, base: str) -> str:
@@ -114,7 +125,13 @@ def match_earlier(
     lookup: List[WriteItem] = []
     for it in items:
         seen = memo.get((it.name, tuple(it.offsets)))
-        (write if it.tensor is None or it.nbytes == 0 or (seen is not None and seen[1]) else lookup).append(it)
+        todo = LOOKUP if seen is None else seen[2]
+        if it.tensor is None or it.nbytes == 0 or todo == HASH_NEXT:
+            write.append(it)
+        elif todo == CHANGED:
+            write.append(replace(it, hash=""))  # "": not hashed in the write pass either
+        else:
+            lookup.append(it)
     refs: List[Tuple[str, ChunkMeta]] = []
     sizes: Dict[str, int] = {}
     if not lookup:
@@ -148,19 +165,25 @@ def match_earlier(
 
 
 def note_written(storage: Any, named: List[Tuple[str, ChunkMeta]], referenced: List[Tuple[str, ChunkMeta]]) -> None:
-    """Remember each chunk's hash and whether it changed at this save into ``storage``'s root.
+    """Remember, per chunk of this save into ``storage``'s root, what the next save does first (module docstring).
 
-    Changed: written, and its hash differs from the one this process saved
-    for it last time (or there was none). Referenced chunks did not change.
+    Changed: written, and its CRC-32C (or hash) differs from what this
+    process saved for it last time. Referenced chunks did not change.
     """
     key = root_key(storage)
     last = _MEMO.get(key, {})
     ref_keys = {(n, tuple(c.offsets)) for n, c in referenced}
-    memo: Dict[Tuple[str, Tuple[int, ...]], Tuple[Optional[str], bool]] = {}
+    memo: Dict[Tuple[str, Tuple[int, ...]], Tuple[int, Optional[str], str]] = {}
     for n, c in named:
         k = (n, tuple(c.offsets))
         prev = last.get(k)
-        memo[k] = (c.hash, k not in ref_keys and (prev is None or c.hash is None or prev[0] != c.hash))
+        if k in ref_keys or prev is None:
+            todo = LOOKUP  # unchanged, or no history in this process: hash and compare next time
+        elif prev[0] != c.crc32c or (c.hash and prev[1] and c.hash != prev[1]):
+            todo = CHANGED
+        else:
+            todo = LOOKUP if c.hash else HASH_NEXT
+        memo[k] = (c.crc32c, c.hash, todo)
     _MEMO.clear()  # one root remembered: a manager's run
     _MEMO[key] = memo
 

@@ -166,7 +166,8 @@ class WriteItem:
     tensor: Optional[torch.Tensor]
     stream: Optional[Callable[[], Iterable[memoryview]]] = None
     #: The chunk's content hash when already known (an incremental save hashed
-    #: it to look for an earlier copy): the write pass then does not hash again.
+    #: it to look for an earlier copy): the write pass then does not hash again;
+    #: "": not hashed at all (a chunk an incremental run knows is changing).
     hash: Optional[str] = None
 
     @property
@@ -348,7 +349,7 @@ def _write_one(
                     nbytes=it.nbytes,
                     crc32c=crcs.crcs.crc,
                     blocks=blocks,
-                    hash=it.hash if crcs.hasher is None else crcs.hasher.hexdigest(),
+                    hash=(it.hash or None) if crcs.hasher is None else crcs.hasher.hexdigest(),
                 )
             )
         w.close()

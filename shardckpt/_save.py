@@ -429,7 +429,7 @@ def execute_save(plan: SavePlan) -> None:
         except OSError as e:
             err = _write_failed(e, storage, f"rank {rank} could not write its files")
             raise err from err.__cause__
-        if plan.incremental:
+        if plan.hash_algo:  # an incremental run's first save too: the next one orders its work by it
             _incremental.note_written(storage, named, referenced)
         # Rank 0 needs only: the irregular tensors' chunks (to check their
         # tiling and name their writers), whole-tensor chunks (the HF index),

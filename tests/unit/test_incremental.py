@@ -262,17 +262,40 @@ def test_restore_skips_a_step_whose_referenced_file_is_gone(tmp_path):
 
 
 def test_a_tensor_that_stops_changing_is_referenced_again(tmp_path):
-    """The write-order memo: a chunk written at the last save is written once more unlooked-up, then referenced."""
+    """The write-order memo: a chunk that changed is written unhashed while its CRC keeps changing, hashed once its CRC
+    stands still, then referenced."""
+    root = str(tmp_path / "run")
+    state = _lora()
+    _incremental._MEMO.clear()
+    with shardckpt.CheckpointManager(root, incremental=True) as mgr:
+        for step in (1, 2, 3, 4, 5):
+            if step == 2:
+                state["lora_a"] = state["lora_a"] + 1
+            mgr.save(step, state)
+    manifests = {s: open_manifest(mgr.step_url(s)) for s in (2, 3, 4, 5)}
+    own = {s: [r for r in m.data_files if not r.startswith("@")] for s, m in manifests.items()}
+    # Step 2 found the adapter changed (hashed, looked up); step 3 wrote it unhashed (its CRC equalled step 2's);
+    # step 4 wrote it hashed; step 5 referenced it.
+    assert own[2] and own[3] and own[4] and not own[5]
+    hashes = {s: [c.hash for c in m.tensors["lora_a"].chunks] for s, m in manifests.items()}
+    assert all(h is None for h in hashes[3]) and all(hashes[4]) and hashes[5] == hashes[4]
+
+
+def test_dense_training_in_an_incremental_run_hashes_nothing_once_known_to_change(tmp_path):
+    # Every tensor changes before every save: after the first lookup, the CRC the write pass computes anyway
+    # tells each save that the chunk changed again, so no content hash is computed (dense pays no hash).
     root = str(tmp_path / "run")
     state = _lora()
     _incremental._MEMO.clear()
     with shardckpt.CheckpointManager(root, incremental=True) as mgr:
         for step in (1, 2, 3, 4):
-            if step == 2:
-                state["lora_a"] = state["lora_a"] + 1
+            state = {k: (v + 1 if isinstance(v, torch.Tensor) else step) for k, v in state.items()}
             mgr.save(step, state)
-    own = {s: [r for r in open_manifest(mgr.step_url(s)).data_files if not r.startswith("@")] for s in (2, 3, 4)}
-    assert own[2] and own[3] and not own[4]  # step 3 rewrote the adapter (changed at 2), step 4 referenced it
+    for s in (3, 4):
+        m = open_manifest(mgr.step_url(s))
+        assert not any(r.startswith("@") for r in m.files)
+        assert all(c.hash is None for t in m.tensors.values() for c in t.chunks), s
+    _same(_load(mgr.step_url(4), state), state)
 
 
 def test_cli_gc_inspect_consolidate(tmp_path, capsys):
