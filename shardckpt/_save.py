@@ -40,21 +40,19 @@ from . import _knobs, _plan, _union
 from ._collective import DEFAULT_COLLECTIVE_TIMEOUT_S, DISTINCT, FROM_ROOT, TO_ROOT, Comm, agree, open_comm
 from ._format import (
     DATA_DIR,
-    FORMAT_VERSION,
     MANIFEST_NAME,
     ChunkMeta,
     FileMeta,
-    IndexMeta,
     Manifest,
     TensorMeta,
     chunk_key,
     commit,
     index_file_name,
     itemsize,
-    tiling_problems,
     torch_dtype,
 )
 from ._format._v2 import index_bytes
+from ._format.build import RankOutput, build_manifest
 from ._format.checksum import crc32c
 from ._io import DEFAULT_IO_THREADS, WriteItem, partition, write_files
 from ._layout import TensorLayout, layout_of
@@ -72,12 +70,6 @@ if TYPE_CHECKING:  # pragma: no cover
     from torch.distributed import ProcessGroup
 
 __all__ = ["save", "SavePlan", "prepare_save", "stage_save", "execute_save", "DATA_DIR"]
-
-
-def _version() -> str:
-    from ._version import __version__
-
-    return __version__
 
 
 log = logging.getLogger("shardckpt")
@@ -620,47 +612,15 @@ def _build_manifest(
                 "rotation": lay.rotation if lay.rotation is not None else rotations[name],
             }
             want_regular += math.prod(lay.shape) * itemsize(lay.dtype)
-        else:
-            t.writers = []
         tensors[name] = t
-    files: Dict[str, FileMeta] = {}
-    indexes: Dict[str, IndexMeta] = {}
+    outputs = []
     got_regular = 0
-    explicit: Dict[str, TensorMeta] = {}
     for rank, (_, chunks, fsizes, _, index, regular_bytes, _) in enumerate(gathered):
-        for rel, size in fsizes.items():
-            files[rel] = FileMeta(size)
-        if index is not None:
-            indexes[index[0]] = IndexMeta(rank=rank, size=index[1], crc32c=index[2])
-            files[index[0]] = FileMeta(index[1])
         got_regular += regular_bytes
-        for c in chunks:
-            name = c.pop("name")
-            t = tensors[name]
-            cm = ChunkMeta(**c)
-            if t.regular is None:
-                t.writers.append(rank)
-                explicit.setdefault(name, TensorMeta(t.dtype, t.shape)).chunks.append(cm)
-            # Whole-tensor chunks: kept (not serialized in v2) for the HF index.
-            t.chunks.append(cm)
-    for name, t in tensors.items():
-        if t.regular is None:
-            t.writers = sorted(set(t.writers))
-            explicit.setdefault(name, TensorMeta(t.dtype, t.shape))
-    bad = tiling_problems(explicit)
-    assert not bad, "internal error, saved chunks do not tile: " + "; ".join(bad)
+        outputs.append(RankOutput(rank, [(c.pop("name"), ChunkMeta(**c)) for c in chunks], dict(fsizes), index))
     assert got_regular == want_regular, f"internal error: {got_regular} bytes of regular tensors written, {want_regular} expected"
-    return Manifest(
-        world_size=world,
-        tensors=tensors,
-        files=files,
-        values=tree,
-        save_id=save_id,
-        library_version=_version(),
-        version=FORMAT_VERSION,
-        block_bytes=_knobs.BLOCK_BYTES,
-        meshes=meshes,
-        indexes=indexes,
+    return build_manifest(
+        tensors, outputs, world_size=world, values=tree, save_id=save_id, block_bytes=_knobs.BLOCK_BYTES, meshes=meshes
     )
 
 

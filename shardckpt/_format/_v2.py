@@ -17,10 +17,10 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ..errors import ChecksumMismatchError, CorruptCheckpointError, UnsafeMetadataError
 from .checksum import crc32c, pack_crcs, unpack_crcs
+from .chunk import Chunk
 from .dtypes import DTYPES, itemsize
 from .manifest import (
     MANIFEST_CRC_FIELD,
-    V_FILE_TABLE,
     ChunkMeta,
     FileMeta,
     IndexMeta,
@@ -33,7 +33,8 @@ from .manifest import (
     manifest_json_v2,
 )
 from .naming import DATA_DIR, DATA_SUFFIX, INDEX_DIR, INDEX_SUFFIX, chunk_key, save_id_prefix
-from .resolve import MetaCache, ResolvedChunk
+from .resolve import MetaCache
+from .versions import VERSIONS, spec
 
 INDEX_FORMAT = "shardckpt-index"
 #: Largest index file read (one rank's chunk list).
@@ -71,10 +72,12 @@ def manifest_v2_from_raw(raw: Dict[str, Any], where: str) -> Manifest:
         for path in (raw.get(key) or {}) if isinstance(raw.get(key), dict) else ():
             check_relpath(path, where=f"{where}: {key}")
     version = raw.get("format_version")
-    if version >= V_FILE_TABLE:
+    table = spec(version).file_table
+    if table:
         _check_table_paths(raw, where)
     elif "file_table" in raw:
-        raise _bad(where, f"a format_version {version} manifest carries 'file_table' (new in version {V_FILE_TABLE}): damaged")
+        since = min(v for v, s in VERSIONS.items() if s.file_table)
+        raise _bad(where, f"a format_version {version} manifest carries 'file_table' (new in version {since}): damaged")
     if MANIFEST_CRC_FIELD not in raw:
         raise _bad(where, f"missing field {MANIFEST_CRC_FIELD!r} (the manifest's own checksum)")
     want = raw.pop(MANIFEST_CRC_FIELD)
@@ -104,7 +107,7 @@ def manifest_v2_from_raw(raw: Dict[str, Any], where: str) -> Manifest:
     for path, im in _req(raw, "indexes", dict, where).items():
         iw = f"{where}: indexes[{path!r}]"
         listed_indexes.append((path, IndexMeta(_req(im, "rank", int, iw), _req(im, "size", int, iw), _req(im, "crc32c", int, iw)), iw))
-    if version >= V_FILE_TABLE:
+    if table:
         table_data, table_indexes = _expand_table(raw, world_size, where)
         for path, size in table_data:
             if path in files:
@@ -581,7 +584,7 @@ def _explicit_chunks(m: Manifest, storage: Any, name: str, t: TensorMeta, cache:
 def tensor_chunks(m: Manifest, storage: Any, name: str, boxes=None, cache: Optional[MetaCache] = None) -> List[ChunkMeta]:
     """The chunks (with block CRCs for v2) of ``name`` meeting ``boxes`` (None: all of them)."""
     t = m.tensors[name]
-    if m.version < 2 or t.chunks:
+    if spec(m.version).chunk_lists or t.chunks:
         if boxes is None:
             return list(t.chunks)
         return [c for c in t.chunks if _meets(c.offsets, c.sizes, boxes)]
@@ -598,7 +601,7 @@ def materialize(m: Manifest, storage: Any, cache: Optional[MetaCache] = None) ->
     Reads every index file once; also checks each index holds nothing the
     layouts do not account for. A v1 manifest is returned as is.
     """
-    if m.version < 2:
+    if spec(m.version).chunk_lists:
         return m
     cache = cache if cache is not None else MetaCache()
     for name in sorted(m.tensors):
@@ -628,26 +631,10 @@ def _meets(offsets: Sequence[int], sizes: Sequence[int], boxes) -> bool:
     return False
 
 
-def resolve(manifest: Any, storage: Any, name: str, boxes, cache: MetaCache) -> List[ResolvedChunk]:
+def resolve(manifest: Any, storage: Any, name: str, boxes, cache: MetaCache) -> List[Chunk]:
+    """``resolve_chunks`` for every version: the non-empty chunks of ``name`` meeting ``boxes``, by offsets."""
     boxes = [(tuple(o), tuple(s)) for o, s in boxes]
-    out = []
-    for c in tensor_chunks(manifest, storage, name, boxes, cache):
-        if not c.nbytes:
-            continue
-        blocks = c.blocks if manifest.version >= 2 and c.blocks is not None else None
-        out.append(
-            ResolvedChunk(
-                name=name,
-                key=c.key,
-                file=c.file,
-                byte_offset=c.byte_offset,
-                nbytes=c.nbytes,
-                offsets=tuple(c.offsets),
-                sizes=tuple(c.sizes),
-                crc32c=c.crc32c,
-                block_bytes=manifest.block_bytes if blocks is not None else 0,
-                block_crcs=tuple(blocks or ()),
-            )
-        )
+    block_bytes = manifest.block_bytes if spec(manifest.version).block_checksums else 0
+    out = [Chunk.from_meta(name, c, block_bytes) for c in tensor_chunks(manifest, storage, name, boxes, cache) if c.nbytes]
     out.sort(key=lambda c: c.offsets)
     return out
