@@ -37,6 +37,7 @@ import torch.nn as nn
 
 from ..errors import CorruptCheckpointError, StateMismatchError, UnsupportedStateError, format_offenders
 from .adapters import Adapter
+from .stateful import StatefulAdapter
 from .values import TAG, _is_ref
 from .walk import _MISSING, SEP, _fill_from_saved, _is_tensor, _join
 
@@ -499,3 +500,42 @@ def _load_by_fqn(model: nn.Module, optim: torch.optim.Optimizer, osd: Dict[str, 
         ng = {k: live[k] if k in live else v for k, v in src.items() if k in live or k != "param_names"}
         groups.append(ng | {k: v for k, v in live.items() if k not in ng})
     optim.load_state_dict({STATE: state, GROUPS: groups})
+
+
+class FlatOptimizerAdapter(Adapter):
+    """An optimizer whose own ``state_dict()`` is not torch's ``{"state", "param_groups"}`` shape.
+
+    torchtitan's ``OptimizersContainer`` is one ``torch.optim.Optimizer``
+    spanning several model parts whose ``state_dict()`` is flat by FQN
+    (``state.<fqn>.exp_avg``, ``param_groups.<fqn>.lr``). Such an object is
+    saved and loaded through its own ``state_dict()``/``load_state_dict()``
+    (tensors under their flat names, DTensors sharded as they are); an
+    optimizer returning torch's shape goes to the by-parameter-name
+    optimizer adapter as before.
+    """
+
+    def matches(self, obj):
+        return isinstance(obj, torch.optim.Optimizer) and (
+            type(obj).state_dict is not torch.optim.Optimizer.state_dict
+            and type(obj).load_state_dict is not torch.optim.Optimizer.load_state_dict
+        )
+
+    @staticmethod
+    def _torch_shaped(sd: Any) -> bool:
+        return isinstance(sd, dict) and set(sd) == {"state", "param_groups"}
+
+    def save(self, obj, path, walker):
+        sd = obj.state_dict()
+        if self._torch_shaped(sd):
+            from .optim import OptimizerAdapter
+
+            return OptimizerAdapter().save(obj, path, walker)
+        return sd
+
+    def load(self, obj, path, saved, walker):
+        if self._torch_shaped(saved):
+            from .optim import OptimizerAdapter
+
+            OptimizerAdapter().load(obj, path, saved, walker)
+            return
+        StatefulAdapter().load(obj, path, saved, walker)
