@@ -27,9 +27,9 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 import torch
 
 from shardckpt._format import MAX_MANIFEST_BYTES, check_relpath, dtype_name, itemsize
+from shardckpt._geometry import Box, check_cover
 from shardckpt._hf import KeyMap, read_safetensors_header
 from shardckpt._io import DEFAULT_IO_THREADS
-from shardckpt._plan import Box, check_cover
 from shardckpt._storage import Storage
 from shardckpt.errors import (
     CheckpointError,

@@ -6,8 +6,8 @@ from typing import Any, Dict, List, Optional
 
 from shardckpt._format import chunk_key
 from shardckpt._format.naming import chunk_key_clashes
+from shardckpt._geometry import Shard, layout_chunks, layout_to_json, regular_layout
 from shardckpt._io import DEFAULT_IO_THREADS
-from shardckpt._plan import Shard, layout_chunks, layout_to_json, regular_layout
 from shardckpt.errors import UnsupportedStateError
 
 from ._common import Reader, write_native

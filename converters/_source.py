@@ -20,7 +20,7 @@ import torch
 
 from shardckpt._format import ChunkMeta, Manifest, itemsize, open_manifest
 from shardckpt._format.versions import spec
-from shardckpt._plan import Box, split_box
+from shardckpt._geometry import Box, split_box
 from shardckpt._storage import Storage
 from shardckpt.errors import CorruptCheckpointError
 

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, NamedTuple
 
 import torch
 
-from . import _knobs, _plan, _replicas
+from . import _geometry, _knobs, _replicas
 from ._collective import DEFAULT_COLLECTIVE_TIMEOUT_S, Comm, agree, open_comm
 from ._format import (
     Manifest,
@@ -108,8 +108,8 @@ def _under_roots(name: str, roots: "set[str] | frozenset[str] | Sequence[str]") 
 class _Target:
     name: str
     meta: TensorMeta
-    parts: Tuple[Tuple[_plan.Box, torch.Tensor], ...]  # (box, destination view holding that box)
-    pieces: Tuple[Tuple[_plan.Piece, ...], ...]  # per part: the saved pieces that fill it
+    parts: Tuple[Tuple[_geometry.Box, torch.Tensor], ...]  # (box, destination view holding that box)
+    pieces: Tuple[Tuple[_geometry.Piece, ...], ...]  # per part: the saved pieces that fill it
     chunks: Tuple[Chunk, ...] = ()  # the saved chunks the pieces index
     #: Other ranks may hold the same boxes (a Replicate mesh dim, a plain
     #: tensor in a multi-rank load): only such targets' ranges are offered to
@@ -606,7 +606,7 @@ def _nobody_holds(groups) -> Tuple[None, List[None]]:
 def _replicated(lay: TensorLayout) -> bool:
     """Whether other ranks may hold boxes of this live tensor too (replicas: read-once candidates)."""
     if lay.regular is not None:
-        return any(isinstance(p, _plan.Replicate) and n > 1 for p, n in zip(lay.regular.placements, lay.regular.mesh_shape))
+        return any(isinstance(p, _geometry.Replicate) and n > 1 for p, n in zip(lay.regular.placements, lay.regular.mesh_shape))
     return any(len(h) > 1 for h in lay.holders.values())
 
 
@@ -735,11 +735,11 @@ def _plan_load(
         # checksummed ones are rounded to their blocks by the reader.
         boxes = [(p.box.offsets, p.box.sizes) for p in lay.parts if p.box.numel]
         chunks = tuple(saved_chunks(manifest, storage, name, boxes, cache)) if boxes else ()
-        saved = [_plan.Box(c.offsets, c.sizes) for c in chunks]
+        saved = [_geometry.Box(c.offsets, c.sizes) for c in chunks]
         parts_ = tuple((p.box, v) for p, v in zip(lay.parts, views))
         try:
             pieces = tuple(
-                tuple(_plan.plan_reads(saved, [_plan.LocalBox(box, (0,) * len(box.offsets))])) for box, _ in parts_
+                tuple(_geometry.plan_reads(saved, [_geometry.LocalBox(box, (0,) * len(box.offsets))])) for box, _ in parts_
             )
         except ValueError as e:
             raise CorruptCheckpointError(f"{name}: the checkpoint's chunks do not cover what this rank holds: {e}") from None

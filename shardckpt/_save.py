@@ -3,7 +3,7 @@
 Save (collective when a process group exists):
   1. flatten the state into named tensors and a JSON tree (``_state``);
   2. compute every own tensor's boxes and whether this rank writes them
-     (``_plan``), alone, as if every rank held the same names;
+     (``_geometry``), alone, as if every rank held the same names;
   3. the first exchange (``_union``, ``distinct`` mode): rank 0 receives one
      copy of each distinct (tensor records, value tree), checks and merges
      them (a rank-union: each tensor is written by the ranks that hold it),
@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, Optional, 
 
 import torch
 
-from . import _knobs, _plan, _union
+from . import _geometry, _knobs, _union
 from ._collective import DEFAULT_COLLECTIVE_TIMEOUT_S, DISTINCT, FROM_ROOT, TO_ROOT, Comm, agree, open_comm
 from ._format import (
     DATA_DIR,
@@ -97,7 +97,7 @@ def _rotations(layouts: Dict[str, TensorLayout]) -> Dict[str, int]:
     sig = tuple((n, lay.regular, itemsize(lay.dtype)) for n, lay in layouts.items() if lay.regular is not None)
     got = _ROTATIONS.get(sig)
     if got is None:
-        got = _plan.writer_rotations(list(sig))
+        got = _geometry.writer_rotations(list(sig))
         _ROTATIONS.clear()
         _ROTATIONS[sig] = got
     return got
@@ -106,10 +106,10 @@ def _rotations(layouts: Dict[str, TensorLayout]) -> Dict[str, int]:
 def _write_plan(layouts: Dict[str, TensorLayout], rank: int) -> List[WriteItem]:
     """This rank's chunks to write: one writer per distinct box, bytes balanced.
 
-    Regular tensors (DTensors, replicated plain tensors): ``_plan.is_writer``
+    Regular tensors (DTensors, replicated plain tensors): ``_geometry.is_writer``
     from the tensor's layout, this rank's coordinate and the writer rotation,
     O(own boxes) per tensor whatever the world size. Replicas of a box take
-    the tensors round-robin, largest first (``_plan.writer_rotations``).
+    the tensors round-robin, largest first (``_geometry.writer_rotations``).
     Irregular tensors (ShardedTensor, per-rank data): greedy
     ``assign_writers`` over their boxes.
     """
@@ -123,13 +123,13 @@ def _write_plan(layouts: Dict[str, TensorLayout], rank: int) -> List[WriteItem]:
                     writers[(name, box)] = lay.holders[box][0]
                 else:
                     items.append(((name, box), box.numel * itemsize(lay.dtype), lay.holders[box]))
-    writers.update(_plan.assign_writers(items) if items else {})
+    writers.update(_geometry.assign_writers(items) if items else {})
     mine: List[WriteItem] = []
     seen = set()
     for name, lay in layouts.items():
         if lay.regular is not None:
             rot = lay.rotation if lay.rotation is not None else rotations[name]
-            if not lay.parts or not _plan.is_writer(lay.regular, rot, lay.coord):
+            if not lay.parts or not _geometry.is_writer(lay.regular, rot, lay.coord):
                 continue
         for part in lay.parts:
             key = (name, part.box)
@@ -339,7 +339,7 @@ def _own_tensors(
     out = dict(layouts)
     for n in names:
         lay = layouts[n]
-        out[n] = replace(lay, holders={_plan.Box((0,) * len(lay.shape), tuple(lay.shape)): (rank,)}, regular=None)
+        out[n] = replace(lay, holders={_geometry.Box((0,) * len(lay.shape), tuple(lay.shape)): (rank,)}, regular=None)
         specs[n] = (lay.dtype, list(lay.shape))
     return specs, out
 
@@ -549,7 +549,7 @@ def _commit(plan: SavePlan, gathered, save_id: str, progress: Optional[Callable[
     layouts = dict(plan.layouts)
     for r, g in enumerate(gathered):  # the peers' per-rank tensors: only rank r holds (and wrote) them
         for n, (dt, shape) in g[6].items():
-            box = _plan.Box((0,) * len(shape), tuple(shape))
+            box = _geometry.Box((0,) * len(shape), tuple(shape))
             layouts[n] = TensorLayout(name=n, dtype=dt, torch_dtype=torch_dtype(dt), shape=tuple(shape), parts=[], holders={box: (r,)})
     layouts = {n: layouts[n] for n in sorted(layouts)}
     manifest = _build_manifest(layouts, gathered, plan.world, save_id, plan.tree, plan.comm.ranks)
@@ -604,7 +604,7 @@ def _build_manifest(
             if key not in mesh_ids:
                 mesh_ids[key] = len(meshes)
                 meshes.append(_group_mesh(lay.mesh_ranks, lay.regular.world, group_ranks))
-            rec = _plan.layout_to_json(lay.regular)
+            rec = _geometry.layout_to_json(lay.regular)
             t.regular = {
                 "mesh_shape": rec["mesh_shape"],
                 "placements": rec["placements"],

@@ -2,7 +2,7 @@
 
 A v2 manifest lists no chunks: a tensor of a regular layout (placements over
 a mesh, or plain replicated data) carries its layout record, from which every
-chunk and its writer rank derive (``_plan``); an irregular one names its
+chunk and its writer rank derive (``_geometry``); an irregular one names its
 writer ranks. Each writing rank's index file lists the chunks it wrote with
 their block checksums; the manifest records each index file's size and
 CRC-32C, and its own CRC-32C covers all of it (a two-level tree).
@@ -186,22 +186,22 @@ def manifest_v2_from_raw(raw: Dict[str, Any], where: str) -> Manifest:
 
 
 def _regular_of(reg: Dict[str, Any], shape: List[int], where: str):
-    from .. import _plan
+    from .. import _geometry
 
     try:
-        return _plan.layout_from_json({"shape": list(shape), "mesh_shape": reg.get("mesh_shape"), "placements": reg.get("placements")})
+        return _geometry.layout_from_json({"shape": list(shape), "mesh_shape": reg.get("mesh_shape"), "placements": reg.get("placements")})
     except ValueError as e:
         raise _bad(where, f"invalid layout record: {e}") from None
 
 
 def _shard_count(lay) -> int:
-    from .. import _plan
+    from .. import _geometry
 
-    return _plan.shard_count(lay)
+    return _geometry.shard_count(lay)
 
 
 def regular_of(t: TensorMeta):
-    """The ``_plan.RegularLayout`` of a v2 regular tensor (memoized on the TensorMeta)."""
+    """The ``_geometry.RegularLayout`` of a v2 regular tensor (memoized on the TensorMeta)."""
     lay = t.__dict__.get("_regular_layout")
     if lay is None:
         lay = _regular_of(t.regular, t.shape, "tensor")
@@ -455,7 +455,7 @@ def _index_of_rank(m: Manifest) -> Dict[int, str]:
 
 
 def _parse_index(m: Manifest, data: bytes, rank: int, where: str) -> Dict[str, Any]:
-    from .. import _plan
+    from .. import _geometry
 
     try:
         raw = json.loads(data.decode("utf-8"))
@@ -514,7 +514,7 @@ def _parse_index(m: Manifest, data: bytes, rank: int, where: str) -> Dict[str, A
         by_tensor.setdefault(name, []).append(c)
         claims.append((c.file, c.byte_offset, c.nbytes, f"{name!r} chunk {c.key!r}"))
     # A data file is written by one rank, so its index holds every claim on it.
-    clashes = _plan.shared_byte_ranges(claims)
+    clashes = _geometry.shared_byte_ranges(claims)
     if clashes:
         listed = "; ".join(f"{k.file} bytes [{k.start}, {k.stop}) claimed by {k.first} and {k.second}" for k in clashes)
         raise _bad(where, f"chunks share file bytes (a damaged or crafted checkpoint): {listed}")
@@ -527,29 +527,29 @@ def _parse_index(m: Manifest, data: bytes, rank: int, where: str) -> Dict[str, A
 
 def _regular_chunks(m: Manifest, storage: Any, name: str, t: TensorMeta, boxes, cache: MetaCache) -> List[ChunkMeta]:
     """Saved chunks of a regular tensor meeting ``boxes`` (all chunks when ``boxes`` is None)."""
-    from .. import _plan
+    from .. import _geometry
 
     lay = regular_of(t)
     rot = t.regular["rotation"]
-    wanted: Dict[Tuple[int, ...], Tuple[int, _plan.Box]] = {}
+    wanted: Dict[Tuple[int, ...], Tuple[int, _geometry.Box]] = {}
     if any(n == 0 for n in t.shape):
         # One empty chunk, held by all; written by the rotation's replica.
-        wanted[(0,) * len(t.shape)] = (0, _plan.Box((0,) * len(t.shape), tuple(t.shape)))
+        wanted[(0,) * len(t.shape)] = (0, _geometry.Box((0,) * len(t.shape), tuple(t.shape)))
     elif boxes is None:
-        for s, bs in _plan.layout_chunks(lay):
+        for s, bs in _geometry.layout_chunks(lay):
             for b in bs:
                 wanted[b.offsets] = (s, b)
     else:
         for offs, sizes in boxes:
             if not t.shape:  # 0-d: the one chunk
-                wanted[()] = (0, _plan.Box((), ()))
+                wanted[()] = (0, _geometry.Box((), ()))
                 continue
-            for s, b in _plan.chunks_overlapping(lay, _plan.Box(tuple(offs), tuple(sizes))):
+            for s, b in _geometry.chunks_overlapping(lay, _geometry.Box(tuple(offs), tuple(sizes))):
                 wanted[b.offsets] = (s, b)
     out = []
     for offs in sorted(wanted):
         s, box = wanted[offs]
-        rank = mesh_rank(m, t, _plan.writer_coord(lay, rot, s))
+        rank = mesh_rank(m, t, _geometry.writer_coord(lay, rot, s))
         idx = _read_index(m, storage, rank, cache)
         key = chunk_key(name, box.offsets, tuple(box.sizes) == tuple(t.shape))
         hit = idx["keys"].get(key)

@@ -121,7 +121,7 @@ def hf_manifest(storage: Any) -> Optional[Manifest]:
     # Entries sharing bytes would import (and load) as copies of one range: a
     # small file allocating hundreds of times its size. The safetensors
     # library refuses them too.
-    from .._plan import shared_byte_ranges
+    from .._geometry import shared_byte_ranges
 
     clashes = shared_byte_ranges(
         (c.file, c.byte_offset, c.nbytes, repr(name)) for name, t in tensors.items() for c in t.chunks

@@ -352,7 +352,7 @@ def _int_list(obj, key, where, *, n=None) -> List[int]:
 
 def tiling_problems(tensors: Dict[str, TensorMeta]) -> List[str]:
     """Why the chunks of each tensor fail to tile it exactly (sorted; empty when all do)."""
-    from .._plan import Box, check_cover
+    from .._geometry import Box, check_cover
 
     bad = []
     for name, t in tensors.items():
@@ -369,7 +369,7 @@ def check_shared_bytes(tensors: Dict[str, TensorMeta], where: str) -> None:
         CorruptCheckpointError: naming the clashing chunks (first
             ``DEFAULT_OFFENDER_LIMIT``).
     """
-    from .._plan import shared_byte_ranges
+    from .._geometry import shared_byte_ranges
 
     clashes = shared_byte_ranges(
         (c.file, c.byte_offset, c.nbytes, f"{name!r} chunk {c.key!r}") for name, t in tensors.items() for c in t.chunks

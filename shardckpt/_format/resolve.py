@@ -8,7 +8,7 @@ bytes are and how to verify any range of them:
 * format v1: the manifest's chunk list; one CRC-32C per chunk (no block
   checksums: a reader must read and check the whole chunk);
 * format v2/v3: chunks of regular layouts are derived from the tensor's layout
-  record (``_plan.chunks_overlapping``) and located in the index file of the
+  record (``_geometry.chunks_overlapping``) and located in the index file of the
   rank that wrote them; the index row also carries the chunk's block
   checksums (``block_bytes`` each, chunk-relative, the last block short), so
   any block-aligned range verifies on its own. Each index read is checked

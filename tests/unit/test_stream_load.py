@@ -251,15 +251,15 @@ def test_pieces_cast_when_the_dtype_rule_allows_it(tmp_path, monkeypatch):
 
 def _rows_plan(d, live_rows, rows, cols):
     """A load plan for rows ``live_rows`` of a saved ``rows x cols`` tensor, as a rank holding them makes it."""
-    from shardckpt import _plan
+    from shardckpt import _geometry
 
     man = _load.read_manifest(d, chunks=False)
     plan = _load._plan_load({"w": torch.zeros(rows, cols)}, man, strict=True, rank=0, world=1, storage=Storage(d))
     t = plan.targets[0]
     lo, hi = live_rows
-    box = _plan.Box((lo, 0), (hi - lo, cols))
+    box = _geometry.Box((lo, 0), (hi - lo, cols))
     dst = torch.zeros(hi - lo, cols)
-    pieces = tuple(_plan.plan_reads([_plan.Box(c.offsets, c.sizes) for c in t.chunks], [_plan.LocalBox(box, (0, 0))]))
+    pieces = tuple(_geometry.plan_reads([_geometry.Box(c.offsets, c.sizes) for c in t.chunks], [_geometry.LocalBox(box, (0, 0))]))
     part = t.__class__(t.name, t.meta, ((box, dst),), (pieces,), t.chunks)
     return plan.__class__(**{**plan.__dict__, "targets": (part,)}), dst
 
