@@ -107,6 +107,22 @@ def test_reader_refuses_a_damaged_block_and_delivers_nothing_of_its_range(tmp_pa
     assert got == ["ok"]
 
 
+def test_reader_with_on_mismatch_lists_every_damaged_unit_and_delivers_the_rest(tmp_path):
+    # How verify lists all damage in one pass: no raise, bad units reported, good wants delivered.
+    data = bytearray(_file(tmp_path, 1 << 16))
+    c = _blocked("f.bin", bytes(data), 0, 1 << 16, 1024, name="w")
+    whole = Chunk("f.bin", 0, 1024, crc32c=crc32c(bytes(data[:1024])) ^ 1, tensor="v1")  # a wrong whole-chunk CRC
+    for i in (5000, 40_000):
+        data[i] ^= 1
+    (tmp_path / "f.bin").write_bytes(bytes(data))
+    bad, got = [], []
+    wants = [Want(c, s, s + 8192, s) for s in range(0, 1 << 16, 8192)] + [Want(whole, 0, 1024, "v1")]
+    read_verified(Storage(str(tmp_path)), wants, lambda w, b, o, off: got.append(w.tag),
+                  on_mismatch=lambda u, crc: bad.append((u.label, crc is not None)), range_bytes=16384)
+    assert sorted(bad) == [("v1", True), ("w block 39", True), ("w block 4", True)]
+    assert sorted(got) == [s for s in range(0, 1 << 16, 8192) if s not in (0, 32768)]  # "v1" not delivered either
+
+
 def test_reader_names_missing_and_short_files(tmp_path):
     _file(tmp_path, 100)
     st = Storage(str(tmp_path))
