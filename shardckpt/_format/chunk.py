@@ -11,7 +11,7 @@ tensor:
   renamed or keyed loads);
 * ``_readers`` plans and verifies reads of them (:meth:`Chunk.unit_bounds`);
 * ``_replicas`` keys shared byte ranges by them;
-* ``_load`` copies their bytes into tensors; ``_verify`` re-reads them whole;
+* ``_load`` copies their bytes into tensors; ``_verify`` re-reads every one;
   the converters read their sources' chunks through them.
 
 Words: a *block* is only ever the checksum block — ``block_bytes`` of a chunk,
