@@ -45,6 +45,7 @@ from shardckpt._format import FileMeta, IndexMeta, Manifest, commit, manifest_fr
 from shardckpt._format.files import check_files  # noqa: E402
 from shardckpt._format.naming import data_file_name, index_file_name  # noqa: E402
 from shardckpt._storage import S3Storage, Storage  # noqa: E402
+from shardckpt._storage._obstore import ObstoreData  # noqa: E402
 
 SAVE_ID = uuid.UUID(int=0x0123456789ABCDEF0123456789ABCDEF).hex
 
@@ -98,7 +99,7 @@ class Requests:
 
     def __init__(self):
         self.seen = collections.Counter()
-        real_request, real_ob = S3Storage._request, S3Storage._ob_call
+        real_request, real_ob = S3Storage._request, ObstoreData.call
         seen = self.seen
 
         async def request(self, what, method, **kw):
@@ -109,7 +110,7 @@ class Requests:
             seen[{"head": "head_object", "put": "put_object"}.get(fn, fn)] += 1
             return real_ob(self, what, fn, *a, **kw)
 
-        S3Storage._request, S3Storage._ob_call = request, ob_call
+        S3Storage._request, ObstoreData.call = request, ob_call
 
 
 def bench_check(st, ranks: int, repeat: int, counter=None) -> dict:

@@ -23,7 +23,7 @@ import time
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, cast
 
 import torch
 
@@ -42,7 +42,6 @@ from shardckpt._format import (
 from shardckpt._format.build import RankOutput, build_manifest
 from shardckpt._format.chunk import Chunk
 from shardckpt._io import (
-    DEFAULT_IO_THREADS,
     WriteItem,
     byte_view,
     check_files,
@@ -58,7 +57,7 @@ from shardckpt._save import write_rank
 from shardckpt._storage import Storage
 from shardckpt.errors import CheckpointExistsError, ChecksumMismatchError, format_offenders
 
-from ._options import ConvertResult, Progress, parse_dtype  # noqa: F401  (parse_dtype: the manager imports it from here)
+from ._options import ConvertResult, Progress
 from ._source import BLOCK_BYTES, Block, OutEntry, Source, SrcChunk, SrcTensor, block_bytes_for, plan_blocks, whole_entry
 
 __all__ = ["WANT_BYTES", "Reader", "Streamer", "run_parallel", "write_native", "write_whole", "write_plain"]
@@ -90,10 +89,10 @@ class Reader:
         >>> data = torch.cat([r.read(t, b) for b in plan_blocks(t, 0, t.numel)]); r.finish()
     """
 
-    def __init__(self, source: Source, *, threads: int = DEFAULT_IO_THREADS):
+    def __init__(self, source: Source, *, threads: Optional[int] = None):
         self.source = source
         self.storage = source.storage
-        self.threads = max(1, threads)
+        self.threads = max(1, _knobs.IO_THREADS if threads is None else threads)
         # Pieces read of chunks with one checksum for all their bytes (v1,
         # zip records): (id of tensor, chunk index) -> (tensor, [(position, length, crc)]).
         self._pieces: Dict[Tuple[int, int], Tuple[SrcTensor, List[Tuple[int, int, int]]]] = {}
@@ -148,7 +147,7 @@ class Reader:
             if key is not c:
                 t = c.loader().contiguous()  # type: ignore[misc]
                 self._cache = (c, t)
-        return tensor_bytes(t)
+        return tensor_bytes(cast(torch.Tensor, t))
 
     def read_into(self, t: SrcTensor, blk: Block, out: torch.Tensor, *, pool: Optional[BufferPool] = None) -> None:
         """Fill ``out`` (flat uint8, ``blk.count`` elements of ``t``) with the block's bytes, row-major."""
@@ -179,10 +178,10 @@ class Reader:
                 for r in range(s.pos // crow, (s.pos + s.n) // crow, step):
                     k = min(step, (s.pos + s.n) // crow - r)
                     inner = tuple(c.sizes[1:-1]) + (c.sizes[-1] * isz,)
-                    dst = box_view(slab, (c.offsets[0] + r - a,) + tuple(c.offsets[1:-1]) + (c.offsets[-1] * isz,), (k,) + inner)
+                    dst = box_view(slab, (c.offsets[0] + r - a,) + tuple(c.offsets[1:-1]) + (c.offsets[-1] * isz,), (k,) + inner)  # type: ignore[assignment]
                     if c.loader is not None:
                         src = torch.frombuffer(self._loaded(c), dtype=torch.uint8)[r * crow : (r + k) * crow]
-                        dst.copy_(src.view((k,) + inner))
+                        cast(Any, dst).copy_(src.view((k,) + inner))
                     else:
                         wants.append(Want(self._saved_chunk(t, s.chunk), r * crow, (r + k) * crow, (t, s.chunk, dst)))
         if wants:
@@ -349,7 +348,7 @@ def run_parallel(fn: Callable[[Any], Any], args: Sequence[Any], *, workers: int,
         futs = [ex.submit(run, a) for a in args]
         errors = [f.exception() for f in futs if f.exception() is not None]
     if errors:
-        raise next((e for e in errors if not isinstance(e, _Stopped)), errors[0])
+        raise next((e for e in errors if not isinstance(e, _Stopped)), errors[0])  # type: ignore[misc]  # only failed futures are listed
     return [f.result() for f in futs]
 
 
@@ -370,7 +369,7 @@ def write_native(
     extra: Optional[Dict[str, Any]] = None,
     storage_options: Optional[Dict[str, Any]] = None,
     overwrite: bool = False,
-    threads: int = DEFAULT_IO_THREADS,
+    threads: Optional[int] = None,
     progress: bool = False,
     desc: str = "convert",
 ) -> ConvertResult:
@@ -395,6 +394,7 @@ def write_native(
         >>> write_native("out", {0: {"00": [whole_entry(t, "w", native=True)]}}, Reader(src),   # doctest: +SKIP
         ...              tensors={"w": (t.dtype, t.shape, None, None)}, values=None, world_size=1)
     """
+    threads = _knobs.IO_THREADS if threads is None else threads  # read at each call
     t0 = time.perf_counter()
     dst = Storage(dst_url, storage_options=storage_options)
     if dst.exists(MANIFEST_NAME) and not overwrite:
@@ -448,7 +448,7 @@ def write_native(
 
 
 def write_whole(source: Source, dst_url: str, names: Dict[str, str], *, check_sizes: bool = True,
-                threads: int = DEFAULT_IO_THREADS, **native: Any) -> ConvertResult:
+                threads: Optional[int] = None, **native: Any) -> ConvertResult:
     """Write ``source``'s tensors ``{source name: output name}`` whole, as a world-size-1 native checkpoint.
 
     The imports' common tail: one chunk per tensor, in a few files of balanced
@@ -456,6 +456,7 @@ def write_whole(source: Source, dst_url: str, names: Dict[str, str], *, check_si
     ``check_sizes``: check the source files' sizes first (skip it where they
     were just listed); ``native``: :func:`write_native`'s options (values, extra, ...).
     """
+    threads = _knobs.IO_THREADS if threads is None else threads  # read at each call
     entries = {new: whole_entry(source.tensors[old], new, native=True) for old, new in names.items()}
     reader = Reader(source, threads=threads)
     if check_sizes:
@@ -463,7 +464,9 @@ def write_whole(source: Source, dst_url: str, names: Dict[str, str], *, check_si
     # Plan the files on placeholder items: partition balances bytes and keeps the safetensors order.
     shells = [WriteItem(e.name, e.key, e.dtype, e.offsets, e.shape, None) for e in entries.values()]
     files = {f"{i:02d}": [entries[it.name] for it in g] for i, g in enumerate(partition(shells, threads))}
-    tensors = {new: (source.tensors[old].dtype, source.tensors[old].shape, source.tensors[old].layout, None) for old, new in names.items()}
+    tensors: Dict[str, Tuple[str, Tuple[int, ...], Optional[Dict[str, Any]], Optional[Dict[str, Any]]]] = {
+        new: (source.tensors[old].dtype, source.tensors[old].shape, source.tensors[old].layout, None) for old, new in names.items()
+    }
     return write_native(dst_url, {0: files}, reader, tensors=tensors, world_size=1, threads=threads, **native)
 
 
@@ -478,7 +481,7 @@ def write_plain(
     *,
     index: Optional[bytes] = None,
     index_name: str = "",
-    threads: int = DEFAULT_IO_THREADS,
+    threads: Optional[int] = None,
     progress: bool = False,
     desc: str = "export",
 ) -> ConvertResult:
@@ -494,6 +497,7 @@ def write_plain(
     Example:
         >>> write_plain(Storage("hf"), {"model.safetensors": entries}, reader)   # doctest: +SKIP
     """
+    threads = _knobs.IO_THREADS if threads is None else threads  # read at each call
     t0 = time.perf_counter()
     total = sum(e.nbytes for ents in files.values() for e in ents)
     bar = Progress(total, progress, desc)

@@ -26,10 +26,10 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 
+from shardckpt import _knobs
 from shardckpt._format import MAX_MANIFEST_BYTES, check_relpath, dtype_name, itemsize
 from shardckpt._geometry import Box, check_cover
 from shardckpt._hf import KeyMap, read_safetensors_header
-from shardckpt._io import DEFAULT_IO_THREADS
 from shardckpt._storage import Storage
 from shardckpt.errors import (
     CheckpointError,
@@ -337,7 +337,7 @@ def from_dcp(
     dst_storage_options: Optional[Dict[str, Any]] = None,
     overwrite: bool = False,
     progress: bool = False,
-    io_threads: int = DEFAULT_IO_THREADS,
+    io_threads: Optional[int] = None,
 ) -> ConvertResult:
     """Import a DCP checkpoint directory (``dcp.save`` output) as a native checkpoint.
 
@@ -381,6 +381,7 @@ def from_dcp(
     Example:
         >>> converters.from_dcp("dcp_ckpt/", "native_ckpt/")     # doctest: +SKIP
     """
+    io_threads = _knobs.IO_THREADS if io_threads is None else io_threads  # read at each call
     check_apart(src, dst)
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 

@@ -11,9 +11,9 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tupl
 
 import torch
 
+from shardckpt import _knobs
 from shardckpt._format import itemsize, plural, torch_dtype
 from shardckpt._format.values import has_plain, is_tensor_ref, plain_values
-from shardckpt._io import DEFAULT_IO_THREADS
 
 from ._common import Reader
 from ._options import Progress
@@ -196,7 +196,7 @@ def diff(
     b_storage_options: Optional[Dict[str, Any]] = None,
     atol: float = 0.0,
     progress: bool = False,
-    io_threads: int = DEFAULT_IO_THREADS,
+    io_threads: Optional[int] = None,
     block_bytes: int = BLOCK_BYTES,
 ) -> DiffReport:
     """Compare checkpoints ``a`` and ``b`` (any layouts/world sizes; safetensors dirs too).
@@ -209,6 +209,7 @@ def diff(
     sides are verified on the way (a damaged side raises). A safetensors
     side compared with a native one has its names put under ``model.``.
     """
+    io_threads = _knobs.IO_THREADS if io_threads is None else io_threads  # read at each call
     sa = open_checkpoint(a, storage_options)
     sb = open_checkpoint(b, b_storage_options if b_storage_options is not None else storage_options)
     # A safetensors directory holds bare model names; compared with a native

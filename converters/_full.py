@@ -13,11 +13,11 @@ from typing import Any, Dict, List, Optional, Sequence, Union
 
 import torch
 
+from shardckpt import _knobs
 from shardckpt._format import torch_dtype
 from shardckpt._format.checksum import checksum
 from shardckpt._format.values import TAG, decode_value
 from shardckpt._hf import KeyMap
-from shardckpt._io import DEFAULT_IO_THREADS
 from shardckpt._storage import Storage
 from shardckpt.errors import CheckpointExistsError, UnsupportedStateError
 
@@ -44,7 +44,7 @@ def to_full(
     dst_storage_options: Optional[Dict[str, Any]] = None,
     overwrite: bool = False,
     progress: bool = False,
-    io_threads: int = DEFAULT_IO_THREADS,
+    io_threads: Optional[int] = None,
 ) -> ConvertResult:
     """Write a checkpoint as one unsharded file, streaming.
 
@@ -83,6 +83,7 @@ def to_full(
     Example:
         >>> converters.to_full("run/step-9", "model_full.safetensors")   # doctest: +SKIP
     """
+    io_threads = _knobs.IO_THREADS if io_threads is None else io_threads  # read at each call
     check_apart(src, dst)
     source = open_checkpoint(src, storage_options)
     names = export_names(source, prefix=None, keys=keys, key_map=key_map)

@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
+from shardckpt import _knobs
 from shardckpt._format import chunk_key
 from shardckpt._format.naming import chunk_key_clashes
+from shardckpt._format.values import tensor_ref
 from shardckpt._geometry import Shard, layout_chunks, layout_to_json, regular_layout
-from shardckpt._io import DEFAULT_IO_THREADS
 from shardckpt.errors import UnsupportedStateError
 
 from ._common import Reader, write_native
 from ._options import ConvertResult, check_apart
+from ._safetensors import nest_under
 from ._source import OutEntry, open_checkpoint, whole_entry
 
 __all__ = ["reshard", "REPLICATED_FILE"]
@@ -29,7 +31,7 @@ def reshard(
     dst_storage_options: Optional[Dict[str, Any]] = None,
     overwrite: bool = False,
     progress: bool = False,
-    io_threads: int = DEFAULT_IO_THREADS,
+    io_threads: Optional[int] = None,
 ) -> ConvertResult:
     """Rewrite a checkpoint for ``world_size`` FSDP2 ranks, offline (no GPUs, no process group).
 
@@ -64,6 +66,7 @@ def reshard(
     Example:
         >>> converters.reshard("run/step-500", "run/step-500-w8", world_size=8)   # doctest: +SKIP
     """
+    io_threads = _knobs.IO_THREADS if io_threads is None else io_threads  # read at each call
     check_apart(src, dst)
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
@@ -72,9 +75,6 @@ def reshard(
     if source.kind == "safetensors":
         # Bare HF names: place them under "model." as from_safetensors does,
         # so shardckpt.load({"model": model}, dst) finds them.
-        from shardckpt._format.values import tensor_ref
-
-        from ._safetensors import nest_under
 
         source.tensors = {f"model.{n}": t for n, t in source.tensors.items()}
         for n, t in source.tensors.items():
@@ -88,7 +88,7 @@ def reshard(
         )
     # Writing rank -> file tag -> entries: rank r writes its own rows, rank 0 the replicated file.
     ranks: Dict[int, Dict[str, List[OutEntry]]] = {}
-    tensors = {}
+    tensors: Dict[str, Tuple[str, Tuple[int, ...], Optional[Dict[str, Any]], Optional[Dict[str, Any]]]] = {}
     layout = {"mesh_shape": [world_size], "mesh_dim_names": None, "placements": ["S(0)"], "resharded": True}
     for name, t in source.tensors.items():
         replicated = not t.shape or t.numel == 0 or (t.layout is None and source.world_size > 1)

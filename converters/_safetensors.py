@@ -6,12 +6,12 @@ import dataclasses
 import json
 import os
 import uuid
-from typing import Any, Dict, List, Optional, Sequence, Union
+from typing import Any, Dict, List, Optional, Sequence, Union, cast
 
+from shardckpt import _knobs
 from shardckpt._format import DATA_DIR, MANIFEST_NAME
 from shardckpt._format.values import TAG, tensor_ref
-from shardckpt._hf import KeyMap, hf_manifest, map_names, select_names
-from shardckpt._io import DEFAULT_IO_THREADS
+from shardckpt._hf import KeyMap, aliases_of, hf_manifest, map_names, select_names
 from shardckpt._storage import Storage, fsync_dir
 from shardckpt.errors import CheckpointExistsError, CheckpointNotFoundError, StateMismatchError, format_offenders
 
@@ -73,8 +73,6 @@ DEFAULT_TIED = "one"
 
 def _with_alias_tensors(source: Source) -> Source:
     """``source`` with each tied weight's other names listed as tensors too (same bytes)."""
-    from shardckpt._hf import aliases_of
-
     extra = {a: source.tensors[n] for a, n in aliases_of(source.values).items()
              if a not in source.tensors and n in source.tensors}
     if not extra:
@@ -180,7 +178,7 @@ def to_safetensors(
     dst_storage_options: Optional[Dict[str, Any]] = None,
     overwrite: bool = False,
     progress: bool = False,
-    io_threads: int = DEFAULT_IO_THREADS,
+    io_threads: Optional[int] = None,
 ) -> ConvertResult:
     """Export a checkpoint's model as a Hugging Face safetensors directory.
 
@@ -254,6 +252,7 @@ def to_safetensors(
         >>> from shardckpt import converters                      # doctest: +SKIP
         >>> converters.to_safetensors("ckpt/step-1000", "hf_out", dtype="bf16", max_shard_size="2GB")
     """
+    io_threads = _knobs.IO_THREADS if io_threads is None else io_threads  # read at each call
     check_apart(src, dst)
     if tied not in TIED_CHOICES:
         raise ValueError(f"to_safetensors(tied={tied!r}): expected one of {', '.join(map(repr, TIED_CHOICES))}")
@@ -338,7 +337,7 @@ def _publish_export(dst_url, files, reader, *, index, companions, storage_option
     # (new weights + index from the shared writer, kept files linked in,
     # companions written) and swap it in with two renames, so weights and
     # index are published together and nothing of the user's is lost.
-    root = os.path.abspath(dst.root)
+    root = os.path.abspath(cast(Any, dst).root)  # local disk here
     parent, base = os.path.dirname(root), os.path.basename(root)
     stage = os.path.join(parent, f".{base}.{uuid.uuid4().hex[:12]}.export")
     old = None
@@ -518,7 +517,7 @@ def from_safetensors(
     dst_storage_options: Optional[Dict[str, Any]] = None,
     overwrite: bool = False,
     progress: bool = False,
-    io_threads: int = DEFAULT_IO_THREADS,
+    io_threads: Optional[int] = None,
 ) -> ConvertResult:
     """Import safetensors weights (an HF directory, sharded with an index or not, or one file) as a native checkpoint.
 
@@ -548,6 +547,7 @@ def from_safetensors(
     Example:
         >>> converters.from_safetensors("Llama-3-8B/", "s3://b/llama-native")   # doctest: +SKIP
     """
+    io_threads = _knobs.IO_THREADS if io_threads is None else io_threads  # read at each call
     check_apart(src, dst)
     storage = Storage(src, storage_options=storage_options)
     m = hf_manifest(storage)

@@ -156,7 +156,7 @@ class Seg(NamedTuple):
 
 class Block(NamedTuple):
     start: int  # first element (row-major over the whole tensor)
-    count: int  # elements
+    count: int  # type: ignore[assignment]  # elements (shadows tuple.count, unused here)
     segs: Tuple[Seg, ...]
     rows: Optional[Tuple[int, int]]  # dim-0 slab [a, b) when chunks must be assembled
 

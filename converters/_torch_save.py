@@ -17,14 +17,14 @@ import os
 import pickle
 import struct
 import zipfile
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Type, Union
 
 import torch
 
+from shardckpt import _knobs
 from shardckpt._format import check_relpath, dtype_name
-from shardckpt._format.values import value_depth_problem
-from shardckpt._hf import KeyMap, map_names, select_names
-from shardckpt._io import DEFAULT_IO_THREADS
+from shardckpt._format.values import TAG, value_depth_problem
+from shardckpt._hf import KeyMap, _rename_refs, map_names, select_names
 from shardckpt._state import flatten_for_save
 from shardckpt._storage import Storage
 from shardckpt.errors import (
@@ -87,7 +87,7 @@ def _refusal(e: BaseException) -> str:
 
 #: What torch.load raises on malformed input (its zip reader and unpickler
 #: assert, index and look up while parsing); all of it means "damaged file".
-MALFORMED_ERRORS: Tuple[type, ...] = (
+MALFORMED_ERRORS: Tuple[Type[BaseException], ...] = (
     RuntimeError, ValueError, EOFError, AssertionError, KeyError, IndexError, TypeError, AttributeError,
     RecursionError, OverflowError,
     # torch 2.11's weights-only unpickler unpacks lengths with struct and lets
@@ -96,7 +96,7 @@ MALFORMED_ERRORS: Tuple[type, ...] = (
 )
 
 
-def weights_only_load(f: Any, *, where: str, map_location: str, corrupt: str, errors: Tuple[type, ...] = MALFORMED_ERRORS) -> Any:
+def weights_only_load(f: Any, *, where: str, map_location: str, corrupt: str, errors: Tuple[Type[BaseException], ...] = MALFORMED_ERRORS) -> Any:
     """``torch.load(f, weights_only=True)``, its refusals and failures as our errors.
 
     Raises UnsafeMetadataError when the pickle names anything outside torch's
@@ -243,8 +243,6 @@ def _share_stored_bytes(tensors: Dict[str, SrcTensor], tree: Any, url: str) -> A
 
     ``tensors`` is edited in place; returns the tree with references renamed.
     """
-    from shardckpt._format.values import TAG
-
     first: Dict[Any, str] = {}
     alias: Dict[str, str] = {}
     for name in sorted(tensors):
@@ -315,7 +313,7 @@ def _torch_save_files(src: str, storage_options) -> Tuple[Storage, List[str]]:
         storage = Storage(parent, storage_options=storage_options)
     else:
         storage = Storage(src, storage_options=storage_options)
-        index = BIN_INDEX if storage.exists(BIN_INDEX) else None
+        index = BIN_INDEX if storage.exists(BIN_INDEX) else None  # type: ignore[assignment]
         if index is None:
             if storage.exists(BIN_SINGLE):
                 return storage, [BIN_SINGLE]
@@ -378,7 +376,7 @@ def from_torch_save(
     dst_storage_options: Optional[Dict[str, Any]] = None,
     overwrite: bool = False,
     progress: bool = False,
-    io_threads: int = DEFAULT_IO_THREADS,
+    io_threads: Optional[int] = None,
 ) -> ConvertResult:
     """Import a ``torch.save`` file (``.pt``/``.pth``/``.bin``) or a legacy HF ``.bin`` directory as a native checkpoint, safely.
 
@@ -420,6 +418,7 @@ def from_torch_save(
     Example:
         >>> converters.from_torch_save("model.pt", "ckpt-native")     # doctest: +SKIP
     """
+    io_threads = _knobs.IO_THREADS if io_threads is None else io_threads  # read at each call
     storage, bases = _torch_save_files(src, storage_options)
     check_apart(src, dst)
     obj: Dict[str, Any] = {}
@@ -465,8 +464,6 @@ def _write_imported(source: Source, dst: str, *, keys, key_map, dst_storage_opti
         raise UnsupportedStateError(f"{source.url}: no tensors to import")
     values = source.values
     if keys is not None or key_map is not None:
-        from shardckpt._hf import _rename_refs
-
         values = _rename_refs(values, renamed)
     return write_whole(
         source,

@@ -26,6 +26,7 @@ __all__ = [
     "LoadResult",
     "Manifest",
     "CheckpointManager",
+    "MemoryTier",
     "AsyncSaveHandle",
     "RNGState",
     "PerRank",
@@ -52,6 +53,7 @@ __all__ = [
 
 # public name -> module that defines it (imported on first access)
 _LAZY = {
+    "MemoryTier": "._memory",
     "save": "._save",
     "load": "._load",
     "inspect": "._verify",
@@ -108,6 +110,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from ._format import Manifest
     from ._load import LoadResult, load
     from ._manager import CheckpointManager
+    from ._memory import MemoryTier
     from ._rng import RNGState
     from ._save import save
     from ._state import Adapter, PerRank, register_adapter

@@ -43,14 +43,13 @@ import threading
 import time
 import traceback
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple, cast
 
 import torch
 
 from . import _knobs, _writerproc
-from ._collective import DEFAULT_COLLECTIVE_TIMEOUT_S, Comm, agree, open_comm
+from ._collective import Comm, agree, open_comm
 from ._format import MANIFEST_NAME
-from ._io import DEFAULT_IO_THREADS
 from ._save import OVERWRITE_HINT, SavePlan, execute_save, prepare_save, stage_save
 from .errors import CheckpointError, CheckpointExistsError, SaveFailedError
 
@@ -63,14 +62,10 @@ __all__ = [
     "start_async",
     "wait_pending",
     "release_buffers",
-    "DEFAULT_COLLECTIVE_TIMEOUT_S",
 ]
 
 log = logging.getLogger("shardckpt")
 
-#: CUDA staging buffers at least this big are registered host memory (exact
-#: size); smaller ones come from torch's pinned allocator (power-of-two sizes).
-_REGISTER_MIN_BYTES = _knobs.REGISTER_MIN_BYTES
 
 #: The background thread's sequence of exchanges (the main thread's is "main").
 ASYNC_CHANNEL = "async"
@@ -114,7 +109,7 @@ class _Stager:
         if not pinned:
             return _Buf(torch.empty(shape, dtype=dtype), False)
         nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-        if reuse and nbytes >= _REGISTER_MIN_BYTES:
+        if reuse and nbytes >= _knobs.REGISTER_MIN_BYTES:
             t = torch.empty(shape, dtype=dtype)
             if int(torch.cuda.cudart().cudaHostRegister(t.data_ptr(), nbytes, 0)) == 0:
                 return _Buf(t, True)
@@ -217,7 +212,7 @@ class _ArenaStager(_Stager):
             self.release()
             self.arena = _writerproc.Arena(total)
         arena = self.arena
-        if any(t.is_cuda for t in tensors) and total >= _REGISTER_MIN_BYTES:
+        if any(t.is_cuda for t in tensors) and total >= _knobs.REGISTER_MIN_BYTES:
             arena.register()
         flat = arena.tensor
         out = [
@@ -438,7 +433,7 @@ def start_async(
     if in_process:
         # The writer process writes the data files from the arena; the rest
         # of execute_save (index file, exchanges, commit) stays in this process.
-        staged = replace(staged, writer=functools.partial(_writerproc.get_writer().write_files, arena=_ARENA_STAGER.arena))
+        staged = replace(staged, writer=functools.partial(_writerproc.get_writer().write_files, arena=cast(Any, _ARENA_STAGER.arena)))
         if not reuse_buffers:
             cleanup = _ARENA_STAGER.release
     handle = AsyncSaveHandle(plan.storage.url, time.perf_counter() - t0)
@@ -458,9 +453,9 @@ def async_save(
     storage_options: Optional[Dict[str, Any]] = None,
     process_group: Optional["ProcessGroup"] = None,
     overwrite: bool = False,
-    io_threads: int = DEFAULT_IO_THREADS,
+    io_threads: Optional[int] = None,
     reuse_buffers: bool = True,
-    collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S,
+    collective_timeout_s: Optional[float] = None,
     no_dist: bool = False,
     timeout_s: Optional[float] = None,
 ) -> AsyncSaveHandle:

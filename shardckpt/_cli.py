@@ -17,6 +17,11 @@ import sys
 import threading
 from typing import Any, Dict, List, Optional, Sequence
 
+# Each subcommand imports the format, storage or converters inside its
+# function: `shardckpt --help` starts at once and inspect/verify never import torch.
+from ._version import __version__
+from .errors import CheckpointExistsError, CorruptCheckpointError
+
 __all__ = ["main"]
 
 EXIT_OK, EXIT_DIFFERENT, EXIT_ERROR = 0, 1, 2
@@ -143,7 +148,6 @@ def cmd_inspect(args) -> int:
 def cmd_verify(args) -> int:
     from ._format import SOURCE_SAFETENSORS, plural
     from ._verify import verify_manifest
-    from .errors import CorruptCheckpointError
 
     bar = None
     try:
@@ -197,7 +201,7 @@ def cmd_diff(args) -> int:
 def _keys(vals: Optional[List[str]]) -> Optional[List[str]]:
     if not vals:
         return None
-    out = []
+    out: List[str] = []
     for v in vals:
         out.extend(x for x in v.split(",") if x)
     return out
@@ -223,7 +227,10 @@ def cmd_export(args) -> int:
         progress=_progress(args),
     )
     key_map = _rename(getattr(args, "rename", None))
-    from shardckpt import converters  # after the cheap checks: this imports torch
+    from shardckpt import converters as _converters  # after the cheap checks: this imports torch
+
+    # mypy cannot follow shardckpt.converters (mapped from converters/ at install).
+    converters: Any = _converters
 
     to = args.to
     if to is None:
@@ -277,7 +284,10 @@ def _detect_import(src: str, opts) -> str:
 def cmd_import(args) -> int:
     opts = _storage_options(args.storage_option)
     kind = args.kind or _detect_import(args.src, opts)
-    from shardckpt import converters  # after the cheap checks: this imports torch
+    from shardckpt import converters as _converters  # after the cheap checks: this imports torch
+
+    # mypy cannot follow shardckpt.converters (mapped from converters/ at install).
+    converters: Any = _converters
 
     common = dict(
         storage_options=opts,
@@ -335,8 +345,6 @@ def _parser() -> argparse.ArgumentParser:
         description="Inspect, verify, compare and convert shardckpt checkpoints (local paths or fsspec URLs).",
         epilog="Exit status: 0 ok; 1 damage (verify) or differences (diff); 2 error.",
     )
-    from shardckpt import __version__
-
     p.add_argument("--version", action="version", version=f"shardckpt {__version__}")
     sub = p.add_subparsers(dest="cmd", metavar="COMMAND")
     sub.required = True
@@ -402,8 +410,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if os.environ.get("SHARDCKPT_TRACEBACK") == "1":
             raise
         msg = str(e).replace("\n", " ") or type(e).__name__
-        from .errors import CheckpointExistsError
-
         if isinstance(e, CheckpointExistsError):
             # The library names its keyword; here the switch is a flag.
             msg = msg.replace("overwrite=True", "--overwrite")

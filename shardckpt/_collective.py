@@ -32,20 +32,30 @@ Every (group, channel) pair counts its exchanges; keys are
 
 * **every rank** posts ``r<i>`` (its outcome: its error or None, a value
   hash, and in ``to_root``/``all`` mode its value) and bumps the counter
-  ``n`` (``add``); the rank that brings it to N sets ``all``. In
+  ``n`` (``add``); the rank that brings it to N sets ``all`` (one more). In
   ``distinct`` mode it first bumps ``h/<hash of its value>``; the first rank
   of each distinct value (the counter came back 1) also posts the value as
-  ``p/<hash>/<k>`` (pieces of at most ``MAX_VALUE_BYTES``), so identical
-  values (every rank of a pipeline stage) travel once. A peer then waits for ``v`` (the verdict), reads it, in ``distinct``
-  mode reads its group's piece ``g/<hash>``, and deletes its ``r<i>``:
-  **6 round trips** (8 in ``distinct`` mode, 9 for the first rank of a
-  value), independent of N.
-* **rank 0** waits for ``all`` (one key), reads the N outcomes with
-  ``multi_get`` in batches of ``BATCH_KEYS`` (ceil(N/256) round trips) and
-  the D distinct values (one ``multi_get``), posts the verdict (one ``set``;
-  the D pieces with one ``multi_set``), and deletes the exchange's keys and
-  the previous exchange's verdict (every rank has read it once every rank
-  posted again): **ceil(N/256) + 3D + about 12 round trips**.
+  ``p/<hash>/<k>`` (pieces of at most ``MAX_VALUE_BYTES``, one ``set``
+  each), so identical values (every rank of a pipeline stage) travel once.
+* **a peer** then checks for ``v`` (the verdict; one ``check``), waits for
+  it if it is not there yet (one ``wait``, on the helper connection below),
+  reads it, in ``distinct`` mode reads its group's piece ``g/<hash>``, and
+  deletes its ``r<i>``: **6 round trips** (5 when the verdict is already
+  there; 8 in ``distinct`` mode, plus one per piece for the first rank of a
+  value; plus one for the rank that arrives last), independent of N.
+* **rank 0** checks (or waits) for ``all``, reads the N outcomes with
+  ``multi_get`` in batches of ``BATCH_KEYS`` (ceil(N/256) round trips),
+  deletes ``n``, ``all``, its ``r0`` and the previous exchange's verdict
+  (every rank has read it once every rank posted again), and posts the
+  verdict (one ``set``): with its own two posts, **ceil(N/256) + 9 round
+  trips** when it arrives last. In ``distinct`` mode, with D distinct values
+  of one piece each, also one ``add`` of its hash, one ``multi_get`` of the
+  D values, one ``multi_set`` of the D group pieces, and per value three
+  deletes (``h``, its piece, last exchange's ``g``): **ceil(N/256) + 3D +
+  12**. Counted by ``benchmarks/bench_control_plane.py`` (whose counting
+  store does not see the helper connection's ``wait``): rank 0 10 and 16
+  (D=1) at N=4, 12 and 18 at N=600; a peer 5 and 7 plus its wait
+  (torch 2.13, 2026-11-26).
 * **bytes**: N small outcomes (~60 B; a ``to_root`` value as large as the
   rank's own summary) to rank 0, D distinct values to rank 0, one verdict
   (O(1): a status, ``from_root``'s value, the failing ranks' messages, capped)
@@ -107,23 +117,26 @@ import os
 import pickle
 import threading
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Type, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple, Type, TypeVar
 
 from . import _knobs
 from .errors import CheckpointError, SaveFailedError, UsageError, format_offenders
+
+if TYPE_CHECKING:  # torch is imported only inside the calls that need it
+    from torch.distributed import ProcessGroup
 
 log = logging.getLogger("shardckpt")
 
 __all__ = [
     "Comm",
     "open_comm",
+    "NoProcessGroupError",
     "agree",
     "broadcast",
     "all_gather",
     "dist_info",
-    "DEFAULT_COLLECTIVE_TIMEOUT_S",
     "EVERY_RANK_RULE",
     "start_heartbeat",
     "Group",
@@ -136,7 +149,6 @@ T = TypeVar("T")
 #: Default ``collective_timeout_s`` of save, load, async_save and the manager
 #: (``SHARDCKPT_COLLECTIVE_TIMEOUT_S``). An exchange waits for the slowest
 #: rank, so it must exceed the longest write (or read) of one rank's shard.
-DEFAULT_COLLECTIVE_TIMEOUT_S = _knobs.COLLECTIVE_TIMEOUT_S
 
 #: Said whenever a rank is missing or the process group is.
 EVERY_RANK_RULE = "every rank of the process group must call {op} (or pass no_dist=True to {op} from this process alone)"
@@ -154,7 +166,7 @@ HEARTBEAT_INTERVAL_S = 1.0
 NONE, ALL, TO_ROOT, FROM_ROOT, DISTINCT = "none", "all", "to_root", "from_root", "distinct"
 
 
-def dist_info(group: Optional["ProcessGroup"] = None) -> Tuple[int, int]:  # noqa: F821
+def dist_info(group: Optional["ProcessGroup"] = None) -> Tuple[int, int]:
     """``(rank, world_size)`` of the process group, ``(0, 1)`` without one."""
     import torch.distributed as dist
 
@@ -175,7 +187,7 @@ class Comm:
     rank: int = 0
     world: int = 1
     ranks: Tuple[int, ...] = (0,)
-    timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S
+    timeout_s: float = field(default_factory=lambda: _knobs.COLLECTIVE_TIMEOUT_S)
     op: str = "save"
     error: Type[CheckpointError] = SaveFailedError
     channel: str = "main"
@@ -186,6 +198,15 @@ class Comm:
         return replace(self, channel=channel)
 
 
+class NoProcessGroupError(UsageError):
+    """A collective call in a torchrun job (``WORLD_SIZE`` > 1) before ``init_process_group``.
+
+    Its own type so that callers with other advice to give (the manager,
+    which has no ``no_dist``) can tell it from other misuse without reading
+    the message.
+    """
+
+
 def _torchrun_world() -> int:
     try:
         return int(os.environ.get("WORLD_SIZE", "1"))
@@ -194,7 +215,7 @@ def _torchrun_world() -> int:
 
 
 def open_comm(
-    process_group: Optional["ProcessGroup"] = None,  # noqa: F821
+    process_group: Optional["ProcessGroup"] = None,
     *,
     no_dist: bool = False,
     collective_timeout_s: Optional[float] = None,
@@ -207,16 +228,17 @@ def open_comm(
         process_group: the group the call runs over (default: the world).
         no_dist: this process alone, whatever the environment.
         collective_timeout_s: bound of every exchange (default
-            ``DEFAULT_COLLECTIVE_TIMEOUT_S``).
+            ``SHARDCKPT_COLLECTIVE_TIMEOUT_S``, read now).
         op: the call's name for messages, e.g. ``"shardckpt.save"``.
         error: raised for a missing rank or a failure that is not a
             ``CheckpointError``.
 
     Raises:
-        UsageError: ``WORLD_SIZE`` > 1 in the environment (torchrun) but no
-            process group is initialised; or a non-positive timeout.
+        NoProcessGroupError: ``WORLD_SIZE`` > 1 in the environment (torchrun)
+            but no process group is initialised (a ``UsageError``).
+        UsageError: a non-positive timeout.
     """
-    timeout = DEFAULT_COLLECTIVE_TIMEOUT_S if collective_timeout_s is None else collective_timeout_s
+    timeout = _knobs.COLLECTIVE_TIMEOUT_S if collective_timeout_s is None else collective_timeout_s
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
         raise UsageError(f"{op}: collective_timeout_s must be a positive number of seconds, got {collective_timeout_s!r}")
     base = Comm(timeout_s=float(timeout), op=op, error=error, no_dist=bool(no_dist))
@@ -226,7 +248,7 @@ def open_comm(
 
     if not (dist.is_available() and dist.is_initialized()):
         if _torchrun_world() > 1:
-            raise UsageError(
+            raise NoProcessGroupError(
                 f"{op}: WORLD_SIZE={os.environ.get('WORLD_SIZE')} (a torchrun job) but no process group is "
                 "initialised, so the ranks would race on one checkpoint. Call "
                 "torch.distributed.init_process_group() first, or pass no_dist=True for a deliberate "
@@ -667,7 +689,7 @@ def _exchange(comm: Comm, outcome: Any, blob: Optional[bytes]) -> Tuple[str, Any
         if late is not None:
             if late[0] == "dead":
                 return base, ("dead", late[1]), None, {}
-            return base, ("missing", _missing(store, comm, base) or ["unknown"]), None, {}
+            return base, ("missing", _missing(store, comm, base) or ["unknown"]), None, {}  # type: ignore[list-item]  # "unknown": no rank could be named
         outcomes = [pickle.loads(v) for v in _multi_get(store, [f"{base}/r{i}" for i in range(comm.world)])]
         hashes = sorted({o[1] for o in outcomes if o[1] is not None}) if blob is not None else []
         keys = [(h, f"{base}/p/{h}/{k}") for h in hashes for k in range(_pieces(h))]
@@ -675,8 +697,8 @@ def _exchange(comm: Comm, outcome: Any, blob: Optional[bytes]) -> Tuple[str, Any
         for (h, _), v in zip(keys, _multi_get(store, [k for _, k in keys])):
             blobs[h] = blobs.get(h, b"") + v
         # Every rank posted this exchange, so every rank read the previous verdict.
-        k = _seq_key(comm, store)
-        for key in _STALE.pop(k, []) + [f"{base}/n", f"{base}/all"]:
+        seq = _seq_key(comm, store)
+        for key in _STALE.pop(seq, []) + [f"{base}/n", f"{base}/all"]:
             _delete(store, key)
         for h in hashes:
             _delete(store, f"{base}/h/{h}")

@@ -222,8 +222,8 @@ def _memo(fn):
             return fn(*args)
         return cached(*args)
 
-    call.cache_clear = cached.cache_clear  # type: ignore[attr-defined]
-    call.cache_info = cached.cache_info  # type: ignore[attr-defined]
+    call.cache_clear = cached.cache_clear
+    call.cache_info = cached.cache_info
     return call
 
 
@@ -490,7 +490,7 @@ def _signed_sum_is_zero(items: Dict[_Item, int], memo: Dict[Any, bool]) -> bool:
         if not g:
             continue
         signs = {w > 0 for w in g.values()}
-        if len(signs) == 1 or sum(w * _numel(k[1]) for k, w in g.items()):
+        if len(signs) == 1 or sum(w * _numel(k[1]) for k, w in g.items()) != 0:
             return False
         key = tuple(sorted(g.items()))
         neg = tuple(sorted((k, -w) for k, w in g.items()))
@@ -918,7 +918,7 @@ def _parts_meeting(seq: Sequence[Interval], parts: int, split_factor: int, lo: i
     total = pos
     if p_hi <= p_lo:
         return []
-    found = set()
+    found: set = set()
     qs = -(-total // split_factor)
     for j in range(p_lo // qs, min(split_factor, (p_hi - 1) // qs + 1)):
         a, b = chunk_bounds(total, split_factor, j)
@@ -970,7 +970,7 @@ def _chunks_overlapping(layout: RegularLayout, wanted: Box) -> Tuple[Tuple[int, 
             return ()
         states: List[Tuple[Dict[int, int], List[Interval]]] = [({}, [(0, n)])]
         for i in sd:
-            p = layout.placements[i]
+            p: Any = layout.placements[i]
             if p.dim != d:
                 continue
             nxt = []

@@ -363,7 +363,7 @@ def narrow_unchecked(meta: TensorMeta, boxes: Sequence[Any]) -> TensorMeta:
                     sizes=[b - a] + list(c.sizes[1:]),
                     byte_offset=c.byte_offset + (a - lo) * row,
                     nbytes=(b - a) * row,
-                    crc32c=None,  # type: ignore[arg-type]
+                    crc32c=None,
                 )
             )
     return TensorMeta(dtype=meta.dtype, shape=meta.shape, chunks=out, layout=meta.layout)

@@ -1,20 +1,14 @@
-"""Moving tensor bytes: parallel writes with checksums in the same pass, coalesced ranged reads.
+"""Writing tensor bytes: the one checksummed writer (parallel files, block CRCs in the same pass).
 
 Writes stream each chunk straight from tensor memory (a contiguous CPU tensor
 is written without a copy; a GPU tensor goes through two pinned buffers, the
 next block's device-to-host copy overlapping this block's write) in blocks,
-updating the CRC32C as each block goes out. Local files are written behind:
-see ``_storage.WRITEBACK_BYTES``.
+updating the block CRC-32Cs (``_format.checksum.BlockCrcs``) as each block
+goes out. Local files are written behind: see ``_storage.WRITEBACK_BYTES``.
+Files are cut so no safetensors header passes ``SHARDCKPT_HEADER_BYTES_PER_FILE``.
 
-Reads fetch whole saved chunks (checksums are per chunk), coalescing
-neighbours in a file, into one staging buffer per range. The range is read in
-blocks by several threads; each thread checksums the block it just read and
-the per-block CRCs are combined into the chunk's CRC (``crc32c_combine``), so
-verification needs no second pass over memory after the reads.
-
-Measured and left out: ``O_DIRECT`` reads (no faster cold on the machines
-measured, and a warm page cache no longer helps); 8 MiB blocks (no gain).
-See docs/performance.md.
+Reads are not here: every read of saved bytes goes through the one verified
+reader, ``_readers.read_verified``. See docs/performance.md.
 """
 
 from __future__ import annotations
@@ -24,7 +18,7 @@ import json
 import math
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, cast
 
 import torch
 
@@ -48,15 +42,11 @@ __all__ = [
     "byte_view",
     "host_empty",
     "crc32c",
-    "DEFAULT_IO_THREADS",
-    "WRITE_BLOCK_BYTES",
 ]
 
-# Tunables live in ``_knobs`` (overridable from SHARDCKPT_* environment
-# variables); the names here are the ones the engine and converters import.
-DEFAULT_IO_THREADS = _knobs.IO_THREADS
-WRITE_BLOCK_BYTES = _knobs.WRITE_BLOCK_BYTES
-MIN_BYTES_PER_FILE = _knobs.MIN_BYTES_PER_FILE
+# Tunables live in ``_knobs`` (SHARDCKPT_* environment variables) and are
+# read there at each use (``_knobs.WRITE_BLOCK_BYTES``...), never copied, so
+# that an in-process override takes effect at the next call.
 
 
 @functools.lru_cache(maxsize=None)
@@ -82,7 +72,7 @@ def host_empty(n: int) -> torch.Tensor:
         return torch.empty(n, dtype=torch.uint8)
     buf = bytearray(n)
     t = torch.frombuffer(buf, dtype=torch.uint8)
-    t._shardckpt_buf = buf  # byte_view finds the memory here (frombuffer also keeps it alive)
+    t._shardckpt_buf = buf  # type: ignore[attr-defined]  # byte_view finds the memory here (frombuffer also keeps it alive)
     return t
 
 
@@ -126,7 +116,7 @@ def byte_view(t: torch.Tensor) -> memoryview:
     # there (a [1] slice of a [256] tensor has stride 256), which view() refuses.
     flat = t.detach().as_strided((t.numel(),), (1,)).view(torch.uint8)
     try:
-        return memoryview(flat.numpy()).cast("B")
+        return memoryview(cast(Any, flat.numpy())).cast("B")
     except RuntimeError:  # "Numpy is not available"
         pass
     base = t if t._base is None else t._base
@@ -257,7 +247,7 @@ def partition(
 ) -> List[List[WriteItem]]:
     """Split items into files: at most ``parts`` groups of balanced bytes, each cut so its header stays small.
 
-    Bytes decide the groups (one per I/O thread above ``MIN_BYTES_PER_FILE``);
+    Bytes decide the groups (one per I/O thread above ``_knobs.MIN_BYTES_PER_FILE``);
     a group whose estimated header (:func:`entry_header_bytes`) exceeds
     ``header_limit`` (default ``_knobs.HEADER_BYTES_PER_FILE``) becomes
     several files (:func:`split_by_header`): safetensors readers refuse
@@ -275,18 +265,18 @@ def partition(
 def _balance(items: Sequence[WriteItem], parts: int) -> List[List[WriteItem]]:
     """Items in at most ``parts`` groups of balanced bytes (order kept inside a group)."""
     total = sum(it.nbytes for it in items)
-    parts = max(1, min(parts, math.ceil(total / MIN_BYTES_PER_FILE) if total else 1, len(items) or 1))
+    parts = max(1, min(parts, math.ceil(total / _knobs.MIN_BYTES_PER_FILE) if total else 1, len(items) or 1))
     groups: List[List[WriteItem]] = [[] for _ in range(parts)]
     load = [0] * parts
     for idx in sorted(range(len(items)), key=lambda i: (-items[i].nbytes, i)):
         g = min(range(parts), key=lambda j: (load[j], j))
         groups[g].append(items[idx])
         load[g] += items[idx].nbytes
-    for g in groups:
+    for group in groups:
         # Widest dtypes first (as safetensors does): with the header padded to
         # 8 bytes, every chunk then starts aligned to its element size, so a
         # reader can view the bytes as the dtype without a copy.
-        g.sort(key=lambda it: (-itemsize(it.dtype), it.name, it.offsets))
+        group.sort(key=lambda it: (-itemsize(it.dtype), it.name, it.offsets))
     return [g for g in groups if g]
 
 
@@ -317,14 +307,14 @@ def _write_one(
             crcs = BlockCrcs(block_bytes, enabled=_knobs.CHECKSUMS)
             if it.stream is not None:
                 _write_stream(w, it, crcs)
-            elif it.tensor.device.type == "cuda" and it.nbytes > 0:
+            elif cast(torch.Tensor, it.tensor).device.type == "cuda" and it.nbytes > 0:
                 _write_cuda(w, it, bounce, crcs)
             else:
-                mv = tensor_bytes(it.tensor)
+                mv = tensor_bytes(cast(torch.Tensor, it.tensor))
                 if len(mv) != it.nbytes:
                     raise AssertionError(f"{it.key}: {len(mv)} bytes, expected {it.nbytes}")
-                for off in range(0, len(mv), WRITE_BLOCK_BYTES):
-                    block = mv[off : off + WRITE_BLOCK_BYTES]
+                for off in range(0, len(mv), _knobs.WRITE_BLOCK_BYTES):
+                    block = mv[off : off + _knobs.WRITE_BLOCK_BYTES]
                     crcs.update(block)
                     w.write(block)
                 del mv
@@ -362,7 +352,7 @@ def _write_stream(w, it: WriteItem, crcs: BlockCrcs) -> None:
 
 def _write_cuda(w, it: WriteItem, bounce: List[torch.Tensor], crcs: BlockCrcs) -> None:
     """Stream a GPU chunk through two pinned buffers: block k+1 copies while block k is written."""
-    src = it.tensor.detach()
+    src = cast(torch.Tensor, it.tensor).detach()
     if src.is_conj() or src.is_neg():
         src = src.resolve_conj().resolve_neg()
     if not src.is_contiguous():
@@ -370,7 +360,7 @@ def _write_cuda(w, it: WriteItem, bounce: List[torch.Tensor], crcs: BlockCrcs) -
     flat = src.reshape(-1).view(torch.uint8)
     if len(flat) != it.nbytes:
         raise AssertionError(f"{it.key}: {len(flat)} bytes, expected {it.nbytes}")
-    block = WRITE_BLOCK_BYTES
+    block = _knobs.WRITE_BLOCK_BYTES
     if not bounce or len(bounce[0]) < min(block, it.nbytes):
         bounce[:] = [torch.empty(min(block, max(it.nbytes, 1)), dtype=torch.uint8, pin_memory=True) for _ in range(2)]
     size = len(bounce[0])
@@ -401,9 +391,9 @@ def _write_cuda(w, it: WriteItem, bounce: List[torch.Tensor], crcs: BlockCrcs) -
 
 def write_files(
     storage: Storage,
-    files: Dict[str, Sequence[WriteItem]],
+    files: Mapping[str, Sequence[WriteItem]],
     *,
-    threads: int = DEFAULT_IO_THREADS,
+    threads: Optional[int] = None,
     block_bytes: Optional[int] = None,
     chunk_metadata: bool = True,
 ) -> Tuple[List[ChunkMeta], Dict[str, FileMeta]]:
@@ -417,7 +407,7 @@ def write_files(
     Args:
         storage: destination.
         files: relative path -> chunks to write into it, in order.
-        threads: files written in parallel.
+        threads: files written in parallel (default ``SHARDCKPT_IO_THREADS``, read now).
         block_bytes: block checksum size (default ``_knobs.BLOCK_BYTES``).
         chunk_metadata: describe each chunk (tensor, offsets) in the file's
             ``__metadata__`` (native files); False for plain safetensors
@@ -430,6 +420,7 @@ def write_files(
         >>> chunks, sizes = write_files(storage, {"data/x.safetensors": items})   # doctest: +SKIP
     """
     bb = block_bytes or _knobs.BLOCK_BYTES
+    threads = _knobs.IO_THREADS if threads is None else threads
     chunks: List[ChunkMeta] = []
     metas: Dict[str, FileMeta] = {}
     if not files:

@@ -1,9 +1,11 @@
 """Every tunable of the engine, in one place, each overridable from the environment.
 
-A knob's value is read once, when this module is first imported: set the
-environment variable before the first ``import shardckpt`` work (or assign the
-attribute of this module in-process, as the benchmarks do). A value that does
-not parse raises ``ValueError`` naming the variable.
+The environment is read once, when this module is first imported; the engine
+reads the attributes here at each use (``_knobs.IO_THREADS``, never a copy
+taken at import, never a signature default), so assigning an attribute
+in-process (as the benchmarks do) changes every call that starts after it
+(docs/knobs.md says when each is read; tests/unit/test_knobs.py checks it).
+A value that does not parse raises ``ValueError`` naming the variable.
 
 ==================================  ==========  ===========================================
 environment variable                default     what it sets
@@ -242,7 +244,7 @@ ASYNC_WRITER = (_env("ASYNC_WRITER") or "thread").lower()
 if ASYNC_WRITER not in ASYNC_WRITERS:
     raise _bad("ASYNC_WRITER", os.environ[ENV_PREFIX + "ASYNC_WRITER"], "one of " + ", ".join(ASYNC_WRITERS))
 
-# -- storage (shardckpt/_storage; read at call time, so in-process assignment works)
+# -- storage (shardckpt/_storage)
 
 #: Attempts of each remote storage operation before a StorageError naming it.
 STORAGE_RETRIES = _int("STORAGE_RETRIES", 5)

@@ -19,7 +19,7 @@ from . import _geometry
 from ._format import dtype_name
 from .errors import UnsupportedStateError
 
-__all__ = ["TensorLayout", "Part", "layout_of", "is_dtensor", "is_sharded_tensor", "box_view", "dist_info"]
+__all__ = ["TensorLayout", "Part", "layout_of", "is_dtensor", "is_sharded_tensor", "box_view"]
 
 
 @dataclass
@@ -92,20 +92,16 @@ def is_sharded_tensor(t: Any) -> bool:
     return isinstance(t, ShardedTensor)
 
 
-# dist_info lives with the other collective helpers; kept importable from here.
-from ._collective import dist_info  # noqa: E402
-
-
 def _placements(name: str, dt) -> List[object]:
     from torch.distributed.tensor import Replicate, Shard
 
     try:
         from torch.distributed.tensor.placement_types import _StridedShard
     except ImportError:  # pragma: no cover - very old torch
-        _StridedShard = ()
+        _StridedShard = ()  # type: ignore[misc, assignment]  # isinstance(p, ()) is False
     out: List[object] = []
     for i, p in enumerate(dt.placements):
-        if _StridedShard and isinstance(p, _StridedShard):
+        if _StridedShard and isinstance(p, _StridedShard):  # type: ignore[truthy-function]
             sf = p._split_factor_int() if hasattr(p, "_split_factor_int") else int(p.split_factor)
             out.append(_geometry.Shard(p.dim, sf))
         elif isinstance(p, Shard):

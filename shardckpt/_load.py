@@ -1,6 +1,8 @@
 """load: plan and check, agree, stream, agree, finish.
 
-Load (two agreements between ranks, no other collective):
+Load (two agreements between ranks; with several ranks, byte ranges that
+several need are read by one and sent to the others in ``_replicas``' agreed
+rounds of point-to-point transfers, between steps 2 and 4):
   1. plan and check everything that needs no tensor bytes: the manifest;
      the live state walked; names, shapes and dtypes matched (every offender
      of every kind in one error); self-overlapping targets refused; the data
@@ -30,16 +32,19 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, NamedTuple
 import torch
 
 from . import _geometry, _knobs, _replicas
-from ._collective import DEFAULT_COLLECTIVE_TIMEOUT_S, Comm, agree, open_comm
+from ._collective import Comm, agree, open_comm
 from ._format import (
     Manifest,
     TensorMeta,
     open_manifest,
     torch_dtype,
 )
+from ._format._v2 import materialize
 from ._format.chunk import Chunk
 from ._format.resolve import MetaCache, resolve_chunks
-from ._hf import ALIAS_OF_KEY
+from ._format.values import TAG as _TAG
+from ._format.values import decode_value, is_tensor_ref, tensor_names
+from ._hf import ALIAS_OF_KEY, select_for_load, select_paths, with_aliases
 from ._io import byte_view, check_files, host_empty
 from ._layout import TensorLayout, box_view, layout_of
 from ._readers import BufferPool, ReadStats, Want, read_verified
@@ -60,7 +65,7 @@ if TYPE_CHECKING:  # pragma: no cover
 #: ``key_map``: checkpoint name -> state name, as a dict or a callable (None drops).
 KeyMap = Union[Mapping[str, str], Callable[[str], Optional[str]]]
 
-__all__ = ["load", "LoadResult", "read_manifest", "DEFAULT_CAST"]
+__all__ = ["load", "LoadResult", "DEFAULT_CAST"]
 
 #: ``load(cast=...)``: floating-point checkpoint tensors load into floating-point
 #: live tensors of another precision (bf16 Hub weights into fp32 masters).
@@ -75,10 +80,6 @@ class LoadResult(NamedTuple):
 
     missing_keys: List[str]
     unexpected_keys: List[str]
-
-
-#: Read and validate a committed checkpoint (``_format.open_manifest``; a storage object or a URL).
-read_manifest = open_manifest
 
 
 def _under_roots(name: str, roots: "set[str] | frozenset[str] | Sequence[str]") -> bool:
@@ -139,7 +140,7 @@ def load(
     io_threads: Optional[int] = None,
     keys: Optional[Sequence[str]] = None,
     key_map: Optional[KeyMap] = None,
-    collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S,
+    collective_timeout_s: Optional[float] = None,
     no_dist: bool = False,
     atomic: bool = False,
     buffer_bytes: Optional[int] = None,
@@ -257,7 +258,7 @@ def load(
     after the tensors are in; if it raises, the tensors are already loaded.
     """
     if state is None or (isinstance(state, dict) and not state):
-        return _load_by_keys(url, keys=keys, storage_options=storage_options, io_threads=io_threads)
+        return _load_by_keys(url, keys=keys, storage_options=storage_options, io_threads=io_threads)  # type: ignore[return-value]  # keys=: a dict
     comm = open_comm(
         process_group, no_dist=no_dist, collective_timeout_s=collective_timeout_s, op="shardckpt.load", error=LoadFailedError
     )
@@ -266,14 +267,9 @@ def load(
     def plan_and_check() -> LoadPlan:
         # Chunks are resolved per tensor for the boxes this rank holds (v2:
         # only the index files of the ranks that wrote them are read).
-        from ._hf import with_aliases
-
         _refuse_meta_optimizers(state)
-        manifest = read_manifest(storage, chunks=False)
+        manifest = open_manifest(storage, chunks=False)
         if keys is not None or key_map is not None or manifest.extra.get("source") == "safetensors":
-            from ._format._v2 import materialize
-            from ._hf import select_for_load
-
             # Renaming and selection work on whole chunk lists. Materialized
             # before the aliases are added: v2 index rows are keyed by stored
             # names, and an alias shares its stored tensor's chunk list.
@@ -369,12 +365,8 @@ def _needed_files(plan: LoadPlan) -> Dict[str, int]:
 
 def _load_by_keys(url: str, *, keys, storage_options, io_threads: Optional[int]) -> Dict[str, Any]:
     """``load(None, url, keys=...)``: what was asked, as plain tensors and values (one process)."""
-    from ._format.values import TAG as _TAG
-    from ._format.values import decode_value, is_tensor_ref, tensor_names
-    from ._hf import select_paths, with_aliases
-
     storage = Storage(url, storage_options=storage_options)
-    manifest = with_aliases(read_manifest(storage))
+    manifest = with_aliases(open_manifest(storage))
     asked = select_paths(manifest, keys)
     names = sorted({n for node in asked.values() for n in tensor_names(node) if n in manifest.tensors})
     # Reading goes through the one load path (verified reads), into a flat

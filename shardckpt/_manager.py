@@ -27,13 +27,17 @@ import re
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Optional, Set, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Optional, Set, Tuple, cast
 
 from ._async import AsyncSaveHandle, start_async, wait_pending
-from ._collective import DEFAULT_COLLECTIVE_TIMEOUT_S, FROM_ROOT, Comm, agree, open_comm
-from ._format import HF_INDEX_NAME, MANIFEST_NAME
-from ._io import DEFAULT_IO_THREADS, check_files
-from ._load import load, read_manifest
+from ._collective import FROM_ROOT, Comm, NoProcessGroupError, agree, open_comm
+from ._format import HF_INDEX_NAME, MANIFEST_NAME, open_manifest, torch_dtype
+from ._format.committed import _nearby
+from ._io import check_files
+from ._load import load
+from ._memory import MemoryTier
+from ._memory.tier import MemoryStore
+from ._runtimes import unwrap
 from ._save import DATA_DIR, execute_save, prepare_save
 from ._storage import Storage
 from .errors import (
@@ -79,7 +83,8 @@ HF_SUFFIX = "-hf"
 
 
 def _export_dtype(dtype: Any) -> Any:
-    from .converters._common import parse_dtype
+    # The converters package imports every converter: only when a dtype is given.
+    from .converters._options import parse_dtype
 
     return parse_dtype(dtype)
 
@@ -99,9 +104,6 @@ def _model_state(state: Dict[str, Any], dtype: Any) -> Any:
     if dtype is None:
         return model
     import torch
-
-    from ._format import torch_dtype
-    from ._runtimes import unwrap
 
     sd = unwrap(model).state_dict(keep_vars=True) if isinstance(model, torch.nn.Module) else model
     if not isinstance(sd, dict):
@@ -253,6 +255,12 @@ class CheckpointManager:
         enable_first_step_checkpoint: :meth:`should_save` is also true at step 1.
         load_only: :meth:`restore` works, :meth:`save` saves nothing (returns
             None) and :meth:`should_save` is always false.
+        memory: a host-memory tier with a copy on a peer node
+            (``shardckpt.MemoryTier(...)``, True for its defaults, a
+            directory, or a dict of its options): :meth:`save_to_memory`
+            keeps the newest step there, and :meth:`restore` takes the
+            newest step held in memory or storage (``docs/manager.md``,
+            "Memory tier").
 
     Raises:
         ValueError: ``keep_last``, ``keep_every`` or ``save_interval`` not a
@@ -286,7 +294,7 @@ class CheckpointManager:
         async_save: bool = False,
         process_group: Optional["ProcessGroup"] = None,
         io_threads: Optional[int] = None,
-        collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S,
+        collective_timeout_s: Optional[float] = None,
         reuse_buffers: bool = True,
         check_files: bool = True,
         initial_load_path: Optional[str] = None,
@@ -296,6 +304,7 @@ class CheckpointManager:
         last_save_in_hf: bool = False,
         enable_first_step_checkpoint: bool = False,
         load_only: bool = False,
+        memory: Any = None,
     ):
         if isinstance(root_url, str) and not root_url.strip():
             raise UsageError(
@@ -305,7 +314,7 @@ class CheckpointManager:
         self.keep_last = _positive("keep_last", keep_last)
         self.keep_every = _positive("keep_every", keep_every)
         self.save_interval = _positive("save_interval", save_interval, allow_none=False)
-        if not (isinstance(collective_timeout_s, (int, float)) and collective_timeout_s > 0):
+        if collective_timeout_s is not None and not (isinstance(collective_timeout_s, (int, float)) and collective_timeout_s > 0):
             raise ValueError(f"collective_timeout_s must be a positive number, got {collective_timeout_s!r}")
         self.root = Storage(root_url, storage_options=storage_options)
         self.root_url = self.root.url
@@ -313,9 +322,9 @@ class CheckpointManager:
         self.async_save = bool(async_save)
         self.process_group = process_group
         self.io_threads = io_threads
-        # Saves and exports take a number; a load given none picks by target device.
-        self._write_threads = DEFAULT_IO_THREADS if io_threads is None else io_threads
-        self.collective_timeout_s = float(collective_timeout_s)
+        # None: each save/export reads SHARDCKPT_IO_THREADS; a load picks by target device.
+        self._write_threads = io_threads  # None: SHARDCKPT_IO_THREADS, read at each save
+        self.collective_timeout_s = None if collective_timeout_s is None else float(collective_timeout_s)  # None: the knob, at each call
         self.reuse_buffers = reuse_buffers
         self.check_files = check_files
         if initial_load_path is not None and (not isinstance(initial_load_path, str) or not initial_load_path.strip()):
@@ -335,6 +344,9 @@ class CheckpointManager:
         # its first save); any other step that appears is another writer's.
         self._known: Optional[Set[int]] = None
         self._token = uuid.uuid4().hex
+        self._memory = None
+        if memory is not None and memory is not False:
+            self._memory = MemoryStore(MemoryTier.of(memory))
 
     def __repr__(self) -> str:
         return f"CheckpointManager({self.root_url!r}, keep_last={self.keep_last}, keep_every={self.keep_every}, async_save={self.async_save})"
@@ -353,9 +365,7 @@ class CheckpointManager:
     def _comm(self, op: str, error=SaveFailedError) -> Comm:
         try:
             return open_comm(self.process_group, collective_timeout_s=self.collective_timeout_s, op=op, error=error)
-        except UsageError as e:
-            if "no_dist" not in str(e):
-                raise
+        except NoProcessGroupError:
             # open_comm's hint (no_dist=True) is for save/load: the manager takes no such argument.
             raise UsageError(
                 f"{op}: WORLD_SIZE={os.environ.get('WORLD_SIZE')} (a torchrun job) but no process group is initialised, "
@@ -407,7 +417,7 @@ class CheckpointManager:
         step = _check_step(step)
         if self.load_only:
             return False
-        return step % self.save_interval == 0 or (self.enable_first_step_checkpoint and step == 1)
+        return step % cast(int, self.save_interval) == 0 or (self.enable_first_step_checkpoint and step == 1)
 
     def hf_url(self, step: int) -> str:
         """Where ``last_save_in_hf`` writes step ``step``'s Hugging Face directory."""
@@ -459,8 +469,36 @@ class CheckpointManager:
             self._export_hf(step)
         return handle
 
+    def save_to_memory(self, step: int, state: Dict[str, Any]) -> bool:
+        """Keep ``state`` as step ``step`` in the memory tier, with its copy on the peer node (collective).
+
+        Synchronous: returns once every rank's files are in its node's shared
+        memory and in its peer's. The previous memory step is then removed.
+        Storage is not touched: persistent saves stay :meth:`save`'s.
+
+        Returns:
+            True when the step is in memory; False when the manager has no
+            memory tier or the tier is off (over ``max_bytes``, directory
+            missing or full: one warning, then storage only).
+
+        Raises:
+            SaveFailedError: a rank failed or died while saving.
+            UnsupportedStateError: a value in ``state`` cannot be saved.
+
+        Example:
+            >>> mgr = CheckpointManager("runs/a", memory=True)   # doctest: +SKIP
+            >>> mgr.save_to_memory(step, state)                  # doctest: +SKIP
+        """
+        self._check_open()
+        step = _check_step(step)
+        if self._memory is None or self.load_only:
+            return False
+        comm = self._comm("CheckpointManager.save_to_memory")
+        return self._memory.save(step, state, comm, process_group=self.process_group, io_threads=self._write_threads)
+
     def _export_hf(self, step: int) -> None:
         """Rank 0 writes the committed step as a Hugging Face directory; every rank returns when it is there."""
+        # The converters package imports every converter: only when exporting.
         from .converters import to_safetensors
 
         comm = self._comm("CheckpointManager.save", error=SaveFailedError)
@@ -513,7 +551,7 @@ class CheckpointManager:
                 "root (the retention of one deletes what the other saves). This manager saves no more there; "
                 "restore() still works. Give each run its own root_url, or stop the other one"
             )
-        self._known.add(step)
+        cast(Set[int], self._known).add(step)
         _ROOT_OWNER[self.root_url] = self._token
         _SAVED_IN_PROCESS.setdefault(self.root_url, set()).add(step)
 
@@ -664,7 +702,7 @@ class CheckpointManager:
 
     def _validate(self, step: int) -> None:
         st = self.root.child(step_dir_name(step))
-        m = read_manifest(st)
+        m = open_manifest(st)
         saved = m.extra.get("step") if isinstance(m.extra, dict) else None
         # A step directory copied or renamed by hand holds another step's state:
         # resuming it would restart the schedule at the wrong step.
@@ -733,8 +771,6 @@ class CheckpointManager:
         except Exception:
             return
         if not exists:
-            from ._format.committed import _nearby
-
             log.warning(
                 "shardckpt: CheckpointManager.restore: %s does not exist: nothing to restore, the run starts fresh "
                 "(check the path for a typo if it should resume)%s", self.root_url, _nearby(self.root),
@@ -749,6 +785,13 @@ class CheckpointManager:
         rank 0 picks and every rank loads the same step. Checksums are
         verified while reading: a damaged chunk raises instead of silently
         falling back.
+
+        With a memory tier (``memory=``) and no ``step``, the newest step held
+        in the live ranks' memory wins when it is at least as new as the
+        storage step: each rank takes its files from its own node, else a peer
+        over the process group, each file verified first; a damaged copy is
+        fetched from the next holder, and with no good copy left the storage
+        step is restored (logged). ``restored_from`` is then ``"memory:<step>"``.
 
         Args:
             state: live state, as for :func:`shardckpt.load`.
@@ -794,6 +837,14 @@ class CheckpointManager:
                 share=lambda v: v,
                 mode=FROM_ROOT,
             )
+            if self._memory is not None and s is None and attempt == 0:
+                got = self._memory.restore(
+                    state, comm, storage_step=value, process_group=self.process_group, load_kw=load_kw,
+                    load=lambda url: load(state, url, process_group=self.process_group, **load_kw),
+                )
+                if got is not None:
+                    self.restored_from = f"memory:{got}"
+                    return got
             if value is None:
                 break
             try:
@@ -803,7 +854,7 @@ class CheckpointManager:
                 # it loads (its manifest goes first): pick again. Errors of a
                 # load are agreed, so every rank is here and rank 0 decides.
                 name = f"{step_dir_name(value)}/{MANIFEST_NAME}"
-                _, gone = agree(comm, lambda name=name: not self.root.exists(name) if comm.rank == 0 else None,
+                _, gone = agree(comm, lambda name=name: not self.root.exists(name) if comm.rank == 0 else None,  # type: ignore[misc]
                                 what=f"restore from {self.root_url}", share=lambda v: v, mode=FROM_ROOT)
                 if not gone or s is not None or attempt == RESTORE_ATTEMPTS - 1:
                     raise
@@ -873,7 +924,7 @@ class CheckpointManager:
             name = step_dir_name(s)
             st = self.root.child(name)
             try:
-                m = read_manifest(st)
+                m = open_manifest(st)
             except (FileNotFoundError, NotADirectoryError):
                 continue  # deleted since the scan (another process's retention): nothing left to clean
             except CheckpointError as e:
@@ -901,7 +952,11 @@ class CheckpointManager:
         if self._closed:
             return
         self._closed = True
-        wait_pending()
+        try:
+            wait_pending()
+        finally:
+            if self._memory is not None:
+                self._memory.close()
 
     def __enter__(self) -> "CheckpointManager":
         return self

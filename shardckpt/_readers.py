@@ -55,14 +55,8 @@ __all__ = [
     "plan_ranges",
     "coalesce_gap",
     "read_verified",
-    "DEFAULT_RANGE_BYTES",
-    "DEFAULT_BUFFER_BYTES",
 ]
 
-#: Largest coalesced read (bytes) and the size of a pooled buffer (``SHARDCKPT_LOAD_RANGE_BYTES``).
-DEFAULT_RANGE_BYTES = _knobs.LOAD_RANGE_BYTES
-#: Bytes of buffers a read holds at once (``SHARDCKPT_LOAD_BUFFER_BYTES``).
-DEFAULT_BUFFER_BYTES = _knobs.LOAD_BUFFER_BYTES
 #: Mismatches listed in one error before "... (N more)".
 _MAX_LISTED = 10
 
@@ -160,14 +154,15 @@ def coalesce_gap(storage: Any) -> int:
 
 
 def plan_ranges(
-    wants: Sequence[Want], *, range_bytes: int = DEFAULT_RANGE_BYTES, gap_bytes: int = 0
+    wants: Sequence[Want], *, range_bytes: Optional[int] = None, gap_bytes: int = 0
 ) -> List[ReadRange]:
     """Group wants into coalesced, verifiable reads (pure: no I/O).
 
     Args:
         wants: byte ranges of saved chunks; empty ones are skipped.
         range_bytes: a range grows to at most this many bytes, unless one
-            want's checksum units alone are larger.
+            want's checksum units alone are larger (default
+            ``SHARDCKPT_LOAD_RANGE_BYTES``, read now).
         gap_bytes: neighbours at most this far apart in a file share a read
             (default 0: only touching or overlapping ones — bytes between
             wants are bytes not needed, and a local read costs little); the
@@ -184,6 +179,7 @@ def plan_ranges(
         [(4, 8)]
     """
     gap = gap_bytes
+    range_bytes = _knobs.LOAD_RANGE_BYTES if range_bytes is None else range_bytes
     by_file: Dict[str, List[Tuple[int, int, Want]]] = {}
     for w in wants:
         c = w.chunk
@@ -208,7 +204,7 @@ def plan_ranges(
                 and lo - cur.stop <= gap
                 and max(hi, cur.stop) - cur.start <= range_bytes
             )
-            if not joins:
+            if not joins or cur is None:  # (``joins`` implies a range: for type checkers)
                 cur = ReadRange(rel, lo, hi)
                 out.append(cur)
                 seen = set()
@@ -256,14 +252,15 @@ class BufferPool:
 
     def __init__(
         self,
-        capacity: int = DEFAULT_BUFFER_BYTES,
+        capacity: Optional[int] = None,
         *,
-        slot_bytes: int = DEFAULT_RANGE_BYTES,
+        slot_bytes: Optional[int] = None,
         alloc: Optional[Callable[[int], Tuple[memoryview, Any]]] = None,
         free: Optional[Callable[[Any], None]] = None,
     ):
-        self.capacity = max(1, capacity)
-        self.slot_bytes = max(1, min(slot_bytes, self.capacity))
+        # Defaults read now: SHARDCKPT_LOAD_BUFFER_BYTES, SHARDCKPT_LOAD_RANGE_BYTES.
+        self.capacity = max(1, _knobs.LOAD_BUFFER_BYTES if capacity is None else capacity)
+        self.slot_bytes = max(1, min(_knobs.LOAD_RANGE_BYTES if slot_bytes is None else slot_bytes, self.capacity))
         self._alloc = alloc or _bytearray_alloc
         self._free = free
         self._idle: List[Tuple[Buffer, Any]] = []  # (buffer, fence to wait for before reuse)
@@ -355,7 +352,7 @@ def read_verified(
     wants: Sequence[Want],
     deliver: Callable[[Want, memoryview, Any, int], Any],
     *,
-    threads: int = _knobs.IO_THREADS,
+    threads: Optional[int] = None,
     pool: Optional[BufferPool] = None,
     range_bytes: Optional[int] = None,
     piece_bytes: Optional[int] = None,
@@ -377,7 +374,7 @@ def read_verified(
         storage: the checkpoint's storage.
         wants: what to read (see :func:`plan_ranges`).
         deliver: the consumer.
-        threads: reads in flight at once.
+        threads: reads in flight at once (default ``SHARDCKPT_IO_THREADS``, read now).
         pool: buffers to read into (default: a fresh one of
             ``SHARDCKPT_LOAD_BUFFER_BYTES``, closed on return); a caller's
             pool is left open for reuse.
@@ -412,6 +409,7 @@ def read_verified(
     buffer of its own size.
     """
     piece_bytes = piece_bytes or _knobs.READ_BLOCK_BYTES
+    threads = _knobs.IO_THREADS if threads is None else threads
     own_pool = pool is None
     pool = pool or BufferPool()
     stats = stats or ReadStats()

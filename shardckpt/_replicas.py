@@ -69,6 +69,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from . import _knobs
+from ._collective import _Counters, _counters_of, _store, agree
+from ._readers import Want
 from .errors import LoadFailedError
 
 __all__ = ["Key", "Shared", "SharedPlan", "plan_shared", "read_once", "enabled"]
@@ -82,6 +84,9 @@ MAX_SHARED_KEYS = 32768
 
 # Round-buffer offsets are aligned so that every piece can be viewed as its dtype in place.
 _ALIGN = 64
+#: A gloo wait given the time left may end this early by its own timer
+#: (milliseconds); a failure past ``deadline - this`` counts as the timeout.
+_GLOO_TIMER_SLACK_S = 0.05
 
 
 def _nbytes(k: Key) -> int:
@@ -146,9 +151,9 @@ def plan_shared(keys_by_rank: Sequence[Sequence[Key]], *, round_bytes: int) -> S
         for k in set(keys):
             holders.setdefault(k, []).append(i)
     by_set: Dict[Tuple[int, ...], List[Key]] = {}
-    for k, hs in holders.items():
-        if len(hs) > 1 and _nbytes(k) > 0:
-            by_set.setdefault(tuple(sorted(hs)), []).append(k)
+    for k, holding in holders.items():
+        if len(holding) > 1 and _nbytes(k) > 0:
+            by_set.setdefault(tuple(sorted(holding)), []).append(k)
     queues: List[List[Shared]] = [[] for _ in range(world)]
     read_bytes = [0] * world
     for j, hs in enumerate(sorted(by_set)):
@@ -307,13 +312,10 @@ def read_once(
 
     import torch
 
-    from ._collective import agree
-    from ._readers import Want
-
     what = f"the load from {storage.url} stopped part-way (ranks not named here loaded all their tensors)"
     keys = [key_of(w) for w in wants]
     offered = [shareable is None or shareable(w) for w in wants]
-    mine = sorted({k for k, o in zip(keys, offered) if o})
+    mine = sorted({key for key, o in zip(keys, offered) if o})
     # The key lists travel to every rank, so they are gathered only when they
     # are few in all: first their count (to rank 0), then rank 0's go (to
     # every rank): O(1) bytes per rank. A purely sharded load (FSDP, TP)
@@ -331,9 +333,9 @@ def read_once(
     shared = set(plan.shared_keys)
     by_key: Dict[Key, List[Any]] = {}
     own: List[Any] = []
-    for w, k, o in zip(wants, keys, offered):
-        if o and k in shared:
-            by_key.setdefault(k, []).append(w)
+    for w, key, o in zip(wants, keys, offered):
+        if o and key in shared:
+            by_key.setdefault(key, []).append(w)
         else:
             own.append(w)
     me = comm.rank
@@ -470,7 +472,7 @@ def read_once(
             # Every rank runs every step and then meets the others, so a
             # failure anywhere (a damaged block on the reader) stops all ranks
             # at the same exchange, before any byte of that round is sent.
-            agree(comm, lambda k=k: step(k), what=what)
+            agree(comm, lambda k=k: step(k), what=what)  # type: ignore[misc]
             if k < n:
                 try:
                     post(k)
@@ -512,8 +514,6 @@ def _wait(works: List[Any], comm: Any, peers: Sequence[int], cuda: bool) -> None
     """
     from datetime import timedelta
 
-    from ._collective import _Counters, _counters_of, _store
-
     deadline = time.monotonic() + comm.timeout_s
 
     def late() -> LoadFailedError:
@@ -553,7 +553,9 @@ def _wait(works: List[Any], comm: Any, peers: Sequence[int], cuda: bool) -> None
         except LoadFailedError:
             raise
         except Exception as e:  # gloo: the peer closed its connection (killed), or the deadline passed
-            if "timeout" in str(e).lower() or "timed out" in str(e).lower():
+            # Both come as the same type (DistBackendError): our own clock
+            # tells them apart (gloo's timer may fire a few ms early).
+            if time.monotonic() >= deadline - _GLOO_TIMER_SLACK_S:
                 raise late() from None
             raise LoadFailedError(
                 f"{comm.op}: sending replicated bytes between ranks {list(peers)} failed ({type(e).__name__}: {e}); "

@@ -26,6 +26,8 @@ from typing import Any, Callable, Dict, List
 import torch
 import torch.nn as nn
 
+from ._layout import is_dtensor
+
 __all__ = ["unwrap", "wrapper_renamer", "is_fsdp1", "param_fqns", "fsdp1_model_state", "fsdp1_load_model_state", "materialize_device", "empty_like_meta"]
 
 
@@ -195,8 +197,6 @@ def materialize_device(module: nn.Module) -> Callable[[torch.Tensor], torch.devi
     that is not found, FSDP2 parameters follow their mesh, and FSDP2's lazy
     init then refuses an offloaded one with its own message.
     """
-    from ._layout import is_dtensor
-
     fsdp = _fsdp2_params(module)
     default = torch.device("cpu")
     for t in module.state_dict(keep_vars=True).values():
@@ -238,17 +238,15 @@ def empty_like_meta(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     FSDP2's post-load hook (``reset_sharded_param``), which runs when the
     tensor is installed with ``load_state_dict(assign=True)``.
     """
-    from ._layout import is_dtensor
-
     if not is_dtensor(t):
         return torch.empty(t.shape, dtype=t.dtype, device=device)
     from torch.distributed.tensor import DTensor
 
-    local = torch.empty(t._local_tensor.shape, dtype=t.dtype, device=device)
+    local = torch.empty(t._local_tensor.shape, dtype=t.dtype, device=device)  # type: ignore[attr-defined]  # a DTensor
     # Not DTensor.from_local: it moves the local tensor to the mesh's device
     # type, which put CPU-offloaded shards on the GPU; FSDP2's post-load hook
     # then moved the data back to pinned CPU under a DTensor still reporting
     # cuda:0 (issue 12, item 9). The private constructor with the meta
     # DTensor's spec is how FSDP2 itself builds its offloaded parameters
     # (``_from_local_no_grad``); its signature is the same in torch 2.11-2.13.
-    return DTensor(local, t._spec, requires_grad=False)
+    return DTensor(local, t._spec, requires_grad=False)  # type: ignore[attr-defined]

@@ -32,12 +32,12 @@ import math
 import uuid
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, cast
 
 import torch
 
 from . import _geometry, _knobs, _union
-from ._collective import DEFAULT_COLLECTIVE_TIMEOUT_S, DISTINCT, FROM_ROOT, TO_ROOT, Comm, agree, open_comm
+from ._collective import DISTINCT, FROM_ROOT, TO_ROOT, Comm, agree, open_comm
 from ._format import (
     DATA_DIR,
     MANIFEST_NAME,
@@ -54,7 +54,7 @@ from ._format import (
 from ._format._v2 import index_bytes
 from ._format.build import RankOutput, build_manifest
 from ._format.checksum import crc32c
-from ._io import DEFAULT_IO_THREADS, WriteItem, partition, write_files
+from ._io import WriteItem, partition, write_files
 from ._layout import TensorLayout, layout_of
 from ._state import flatten_for_save
 from ._storage import Storage
@@ -123,13 +123,13 @@ def _write_plan(layouts: Dict[str, TensorLayout], rank: int) -> List[WriteItem]:
                     writers[(name, box)] = lay.holders[box][0]
                 else:
                     items.append(((name, box), box.numel * itemsize(lay.dtype), lay.holders[box]))
-    writers.update(_geometry.assign_writers(items) if items else {})
+    writers.update(cast(Any, _geometry.assign_writers(items)) if items else {})
     mine: List[WriteItem] = []
     seen = set()
     for name, lay in layouts.items():
         if lay.regular is not None:
             rot = lay.rotation if lay.rotation is not None else rotations[name]
-            if not lay.parts or not _geometry.is_writer(lay.regular, rot, lay.coord):
+            if not lay.parts or not _geometry.is_writer(lay.regular, rot, cast(Tuple[int, ...], lay.coord)):
                 continue
         for part in lay.parts:
             key = (name, part.box)
@@ -157,8 +157,8 @@ def save(
     storage_options: Optional[Dict[str, Any]] = None,
     process_group: Optional["ProcessGroup"] = None,
     overwrite: bool = False,
-    io_threads: int = DEFAULT_IO_THREADS,
-    collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S,
+    io_threads: Optional[int] = None,
+    collective_timeout_s: Optional[float] = None,
     no_dist: bool = False,
 ) -> None:
     """Save ``state`` to ``url`` as a sharded, checksummed checkpoint.
@@ -236,7 +236,7 @@ class SavePlan:
     layouts: Mapping[str, TensorLayout]
     items: Tuple[WriteItem, ...]
     overwrite: bool = False
-    io_threads: int = DEFAULT_IO_THREADS
+    io_threads: int = field(default_factory=lambda: _knobs.IO_THREADS)
     extra: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
     per_rank: Any = None  # this rank's per-rank JSON values, gathered at commit
     #: Said when the target is committed and ``overwrite`` is False: the
@@ -247,6 +247,9 @@ class SavePlan:
     writer: Optional[Callable[..., Any]] = None
     #: This rank's per-rank tensors: name -> (dtype, shape), told to rank 0 at commit.
     per_rank_specs: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+    #: False for the memory tier: each rank writes on its own host, so rank 0's
+    #: commit cannot see the other hosts' files (``commit(files_here=False)``).
+    files_here: bool = True
 
     @property
     def rank(self) -> int:
@@ -268,7 +271,7 @@ def prepare_save(
     comm: Comm,
     storage_options: Optional[Dict[str, Any]] = None,
     overwrite: bool = False,
-    io_threads: int = DEFAULT_IO_THREADS,
+    io_threads: Optional[int] = None,
     extra: Optional[Mapping[str, Any]] = None,
     exists_hint: str = OVERWRITE_HINT,
 ) -> SavePlan:
@@ -323,7 +326,7 @@ def prepare_save(
         layouts=MappingProxyType(layouts),
         items=tuple(_write_plan(layouts, rank)),
         overwrite=overwrite,
-        io_threads=io_threads,
+        io_threads=_knobs.IO_THREADS if io_threads is None else io_threads,
         extra=MappingProxyType(dict(extra or {})),
         per_rank=flat.per_rank or None,
         exists_hint=exists_hint,
@@ -454,11 +457,11 @@ def execute_save(plan: SavePlan) -> None:
 
 def write_rank(
     storage: Storage,
-    files: Dict[str, Sequence[WriteItem]],
+    files: Mapping[str, Sequence[WriteItem]],
     save_id: str,
     rank: int,
     *,
-    threads: int = DEFAULT_IO_THREADS,
+    threads: Optional[int] = None,
     block_bytes: Optional[int] = None,
     writer: Optional[Callable[..., Any]] = None,
 ) -> Tuple[List[Tuple[str, ChunkMeta]], Dict[str, FileMeta], Optional[Tuple[str, int, int]]]:
@@ -557,7 +560,7 @@ def _commit(plan: SavePlan, gathered, save_id: str, progress: Optional[Callable[
     per_rank = [g[3] for g in gathered]
     if any(p is not None for p in per_rank):
         manifest.extra["per_rank"] = per_rank
-    commit(storage, manifest, replace=plan.overwrite, progress=progress)
+    commit(storage, manifest, replace=plan.overwrite, progress=progress, files_here=plan.files_here)
 
 
 def stage_save(plan: SavePlan, copy: Callable[[List[torch.Tensor]], List[torch.Tensor]]) -> SavePlan:
@@ -569,7 +572,7 @@ def stage_save(plan: SavePlan, copy: Callable[[List[torch.Tensor]], List[torch.T
     ``execute_save`` may then run in a background thread while training goes on.
     Local to this rank, no collective.
     """
-    staged = copy([it.tensor for it in plan.items])
+    staged = copy([cast(Any, it.tensor) for it in plan.items])
     if len(staged) != len(plan.items):
         raise AssertionError(f"stage_save: {len(staged)} copies for {len(plan.items)} tensors")
     return replace(
@@ -590,8 +593,6 @@ def _build_manifest(
     ranks, after a tiling check of their chunks. The bytes written of regular
     tensors must add up to their sizes (a writer that wrote nothing shows).
     """
-    from ._format import _v2  # noqa: F401  (v2 parse registered with the format layer)
-
     tensors: Dict[str, TensorMeta] = {}
     meshes: List[Any] = []
     mesh_ids: Dict[Any, int] = {}

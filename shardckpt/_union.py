@@ -30,11 +30,12 @@ from __future__ import annotations
 import hashlib
 import math
 from dataclasses import replace
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple, cast
 
 from . import _geometry
 from ._format import itemsize, torch_dtype
 from ._layout import TensorLayout
+from ._layout import _placement_str as f
 from ._state.ranks import merge_values
 from .errors import UnsupportedStateError, format_offenders
 
@@ -48,19 +49,20 @@ def _ranks_sig(ranks: Optional[Sequence[int]]) -> str:
 
 def _has_copies(lay: TensorLayout) -> bool:
     lj = lay.layout_json or {}
-    return lay.kind == "dtensor" and len(lay.regular.mesh_shape) == len(lj.get("mesh_shape", ())) + 1
+    return lay.kind == "dtensor" and len(cast(Any, lay.regular).mesh_shape) == len(lj.get("mesh_shape", ())) + 1
 
 
 def _own_mesh(lay: TensorLayout) -> Tuple[Tuple[int, ...], _geometry.RegularLayout, Tuple[int, ...]]:
     """A DTensor's own mesh (global ranks), layout and coordinate, without the copies its root mesh implies."""
-    reg = lay.regular
+    reg = cast(_geometry.RegularLayout, lay.regular)  # a DTensor's layout has both
+    coord = cast(Tuple[int, ...], lay.coord)
     flat = lay.mesh_ranks if lay.mesh_ranks is not None else tuple(range(reg.world))
     if not _has_copies(lay):
-        return tuple(flat), reg, tuple(lay.coord)
+        return tuple(flat), reg, tuple(coord)
     n = math.prod(reg.mesh_shape[1:])
-    ci = lay.coord[0]
+    ci = coord[0]
     own = _geometry.regular_layout(reg.shape, reg.mesh_shape[1:], list(reg.placements[1:]))
-    return tuple(flat[ci * n : (ci + 1) * n]), own, tuple(lay.coord[1:])
+    return tuple(flat[ci * n : (ci + 1) * n]), own, tuple(coord[1:])
 
 
 def normalize(layouts: Dict[str, TensorLayout], group_ranks: Sequence[int]) -> Dict[str, TensorLayout]:
@@ -249,6 +251,4 @@ def with_peers(layouts: Dict[str, TensorLayout], keep: Dict[str, Any]) -> Dict[s
 
 
 def _placement_str(p: object) -> str:
-    from ._layout import _placement_str as f
-
     return f(p)

@@ -29,6 +29,7 @@ MAX_LISTED_PROBLEMS = 20
 
 
 def _storage(url: str, storage_options: Optional[Dict[str, Any]]):
+    # The storage backends (S3 clients) cost more to import than the format: only when used.
     from ._storage import Storage
 
     return Storage(url, storage_options=storage_options)
@@ -163,9 +164,9 @@ def _check_header(storage: Any, m: Manifest, rel: str, chunks: List[Tuple[str, C
     good: List[Chunk] = []
     block_bytes = m.block_bytes if spec(m.version).block_checksums else 0
     for name, c in chunks:
-        e = header.get(c.key)
-        if not isinstance(e, dict) or e.get("dtype") != m.tensors[name].dtype or e.get("shape") != c.sizes or (
-            start + e["data_offsets"][0] != c.byte_offset
+        ent = header.get(c.key)
+        if not isinstance(ent, dict) or ent.get("dtype") != m.tensors[name].dtype or ent.get("shape") != c.sizes or (
+            start + ent["data_offsets"][0] != c.byte_offset
         ):
             errs.append(f"{where}: header entry {c.key!r} disagrees with the manifest")
             continue

@@ -43,10 +43,14 @@ import threading
 import traceback
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import recv_handle, send_handle
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Optional, Sequence, Tuple, cast
 
 import torch
 
+from ._format import itemsize
+from ._io import WriteItem, write_files
+from ._storage import Storage
+from ._storage._factory import backend_for
 from .errors import SaveFailedError
 
 __all__ = ["Arena", "ProcessWriter", "usable_for", "get_writer", "shutdown", "ARENA_ALIGN", "CHILD_START_TIMEOUT_S"]
@@ -135,8 +139,6 @@ class Arena:
 
 def usable_for(storage) -> bool:
     """Whether a writer child can write to ``storage`` (its own ``Storage(url)`` reaches the same files)."""
-    from ._storage._factory import backend_for
-
     if not hasattr(os, "memfd_create"):
         return False  # not Linux: no anonymous shared memory to stage into
     if storage.url.split("://", 1)[0] in _IN_PROCESS_PROTOCOLS and "://" in storage.url:
@@ -278,7 +280,7 @@ class ProcessWriter:
             try:
                 if arena.gen not in self._sent:
                     conn.send(("arena", arena.gen, arena.nbytes))  # type: ignore[union-attr]
-                    send_handle(conn, arena.fd, self._proc.pid)  # type: ignore[union-attr]
+                    send_handle(cast(Any, conn), arena.fd, self._proc.pid)  # type: ignore[union-attr]
                     self._sent = {arena.gen}  # the child keeps only the arena of the latest request
                 conn.send(("write", arena.gen, storage.url, storage.storage_options, spec, threads, block_bytes, chunk_metadata))  # type: ignore[union-attr]
             except (OSError, EOFError):
@@ -366,8 +368,6 @@ def child_main() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     conn = Connection(int(os.environ.pop(_FD_ENV)))
     torch.set_num_threads(1)
-    from ._io import WriteItem, write_files
-    from ._storage import Storage
 
     arenas: Dict[Any, torch.Tensor] = {}
     conn.send(("ready",))
@@ -394,7 +394,7 @@ def child_main() -> None:
             del arenas[g]  # the parent moved to a newer arena
         try:
             arena = arenas[gen]
-            files: Dict[str, List[WriteItem]] = {
+            files: Dict[str, Sequence[WriteItem]] = {
                 rel: [
                     WriteItem(name=name, key=key, dtype=dtype, offsets=offsets, sizes=sizes, tensor=_view(arena, off, sizes, dtype))
                     for name, key, dtype, offsets, sizes, off in items
@@ -417,8 +417,6 @@ def child_main() -> None:
 
 
 def _view(arena: torch.Tensor, off: int, sizes: Sequence[int], dtype: str) -> torch.Tensor:
-    from ._format import itemsize
-
     n = itemsize(dtype)
     for s in sizes:
         n *= s

@@ -9,6 +9,8 @@ catches all of them.
 
 from __future__ import annotations
 
+from typing import Optional
+
 __all__ = [
     "CheckpointError",
     "CorruptCheckpointError",
@@ -82,7 +84,22 @@ class UnsupportedStateError(CheckpointError, TypeError):
 
 
 class StorageError(CheckpointError, OSError):
-    """Storage failed in a way that is not a damaged checkpoint (I/O, permissions)."""
+    """Storage failed in a way that is not a damaged checkpoint (I/O, permissions).
+
+    Attributes:
+        code: the storage service's own error code when it gave one (S3:
+            ``"InvalidRange"``, ``"NoSuchUpload"``...), else ``None``; code
+            that must tell such answers apart branches on this, never on
+            the message text.
+
+    Example: ``StorageError("read s3://b/k: ...", code="InvalidRange").code == "InvalidRange"``.
+    """
+
+    code: Optional[str] = None
+
+    def __init__(self, *args: object, code: Optional[str] = None) -> None:
+        super().__init__(*args)
+        self.code = code
 
 
 class SaveFailedError(CheckpointError, RuntimeError):

@@ -7,7 +7,10 @@
 - :mod:`.values`: the JSON codec of non-tensor values (tags, tensor references);
 - :mod:`.checksum`: CRC-32C (and CRC-32) with ``combine`` for blocks checksummed apart;
 - :mod:`.hf`: a Manifest from a Hugging Face safetensors directory or file;
-- :mod:`.committed`: :func:`commit` (the one commit sequence) and :func:`open_manifest`.
+- :mod:`.committed`: :func:`commit` (the one commit sequence) and :func:`open_manifest`;
+- :mod:`.files`: ``check_files``, every file present with its recorded size;
+- :mod:`._v2`: v2/v3 manifests, the v3 file table, per-rank index files;
+- :mod:`.resolve`: :func:`resolve_chunks`, the chunks a loading rank reads.
 
 Imports no torch (``tests/unit/test_imports.py`` pins it): ``shardckpt
 verify`` and ``shardckpt inspect`` run where torch is not installed.

@@ -13,8 +13,9 @@ from __future__ import annotations
 import json
 import math
 import re
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple, cast
 
+from .. import _geometry
 from ..errors import ChecksumMismatchError, CorruptCheckpointError, UnsafeMetadataError
 from .checksum import crc32c, pack_crcs, unpack_crcs
 from .chunk import Chunk
@@ -31,6 +32,7 @@ from .manifest import (
     canonical_json,
     check_relpath,
     manifest_json_v2,
+    tiling_problems,
 )
 from .naming import DATA_DIR, DATA_SUFFIX, INDEX_DIR, INDEX_SUFFIX, chunk_key, save_id_prefix
 from .resolve import MetaCache
@@ -71,7 +73,7 @@ def manifest_v2_from_raw(raw: Dict[str, Any], where: str) -> Manifest:
     for key in ("files", "indexes"):
         for path in (raw.get(key) or {}) if isinstance(raw.get(key), dict) else ():
             check_relpath(path, where=f"{where}: {key}")
-    version = raw.get("format_version")
+    version: Any = raw.get("format_version")
     table = spec(version).file_table
     if table:
         _check_table_paths(raw, where)
@@ -186,8 +188,6 @@ def manifest_v2_from_raw(raw: Dict[str, Any], where: str) -> Manifest:
 
 
 def _regular_of(reg: Dict[str, Any], shape: List[int], where: str):
-    from .. import _geometry
-
     try:
         return _geometry.layout_from_json({"shape": list(shape), "mesh_shape": reg.get("mesh_shape"), "placements": reg.get("placements")})
     except ValueError as e:
@@ -195,8 +195,6 @@ def _regular_of(reg: Dict[str, Any], shape: List[int], where: str):
 
 
 def _shard_count(lay) -> int:
-    from .. import _geometry
-
     return _geometry.shard_count(lay)
 
 
@@ -204,7 +202,7 @@ def regular_of(t: TensorMeta):
     """The ``_geometry.RegularLayout`` of a v2 regular tensor (memoized on the TensorMeta)."""
     lay = t.__dict__.get("_regular_layout")
     if lay is None:
-        lay = _regular_of(t.regular, t.shape, "tensor")
+        lay = _regular_of(cast(Dict[str, Any], t.regular), t.shape, "tensor")
         t.__dict__["_regular_layout"] = lay
     return lay
 
@@ -215,7 +213,7 @@ def mesh_rank(m: Manifest, t: TensorMeta, coord: Sequence[int]) -> int:
     flat = 0
     for c, n in zip(coord, lay.mesh_shape):
         flat = flat * n + c
-    mesh = m.meshes[t.regular["mesh"]]
+    mesh = m.meshes[cast(Dict[str, Any], t.regular)["mesh"]]
     return flat if mesh == "iota" else mesh[flat]
 
 
@@ -418,7 +416,8 @@ def index_bytes(save_id: str, rank: int, block_bytes: int, chunks: Sequence[Tupl
 
 def _read_index(m: Manifest, storage: Any, rank: int, cache: MetaCache) -> Dict[str, Any]:
     """Rank ``rank``'s index, checked against the manifest: ``{"keys": {key: (name, chunk)}, "tensors": {name: [chunk]}}``."""
-    got = cache.headers.get(("index", rank))
+    headers = cast(Dict[Any, Any], cache.headers)  # keyed by tuples here
+    got = headers.get(("index", rank))
     if got is not None:
         return got
     rels = _index_of_rank(m)
@@ -442,7 +441,7 @@ def _read_index(m: Manifest, storage: Any, rank: int, cache: MetaCache) -> Dict[
         )
     parsed = _parse_index(m, data, rank, where)
     with cache.lock:
-        cache.headers[("index", rank)] = parsed
+        headers[("index", rank)] = parsed
     return parsed
 
 
@@ -455,8 +454,6 @@ def _index_of_rank(m: Manifest) -> Dict[int, str]:
 
 
 def _parse_index(m: Manifest, data: bytes, rank: int, where: str) -> Dict[str, Any]:
-    from .. import _geometry
-
     try:
         raw = json.loads(data.decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
@@ -502,10 +499,10 @@ def _parse_index(m: Manifest, data: bytes, rank: int, where: str) -> Dict[str, A
             raise _bad(cw, f"bytes [{c.byte_offset}, {c.byte_offset + c.nbytes}) lie outside {file!r} of {m.files[file].size} bytes")
         if any(o + n > s for o, n, s in zip(c.offsets, c.sizes, t.shape)):
             raise _bad(cw, f"box {c.offsets}+{c.sizes} lies outside tensor shape {t.shape}")
-        if not 0 <= c.crc32c < 2**32:
+        if not 0 <= cast(int, c.crc32c) < 2**32:
             raise _bad(cw, f"crc32c {c.crc32c} is not a 32-bit value")
         try:
-            c.blocks = unpack_crcs(rec.get("blocks"), nblocks(c.nbytes, m.block_bytes))
+            c.blocks = unpack_crcs(cast(str, rec.get("blocks")), nblocks(c.nbytes, m.block_bytes))
         except ValueError as e:
             raise _bad(cw, str(e)) from None
         if c.key in keys:
@@ -527,10 +524,8 @@ def _parse_index(m: Manifest, data: bytes, rank: int, where: str) -> Dict[str, A
 
 def _regular_chunks(m: Manifest, storage: Any, name: str, t: TensorMeta, boxes, cache: MetaCache) -> List[ChunkMeta]:
     """Saved chunks of a regular tensor meeting ``boxes`` (all chunks when ``boxes`` is None)."""
-    from .. import _geometry
-
     lay = regular_of(t)
-    rot = t.regular["rotation"]
+    rot = cast(Dict[str, Any], t.regular)["rotation"]
     wanted: Dict[Tuple[int, ...], Tuple[int, _geometry.Box]] = {}
     if any(n == 0 for n in t.shape):
         # One empty chunk, held by all; written by the rotation's replica.
@@ -563,10 +558,9 @@ def _regular_chunks(m: Manifest, storage: Any, name: str, t: TensorMeta, boxes, 
 
 
 def _explicit_chunks(m: Manifest, storage: Any, name: str, t: TensorMeta, cache: MetaCache) -> List[ChunkMeta]:
-    from .manifest import tiling_problems
-
     key = ("explicit", name)
-    got = cache.headers.get(key)
+    headers = cast(Dict[Any, Any], cache.headers)  # keyed by tuples here
+    got = headers.get(key)
     if got is not None:
         return got
     chunks: List[ChunkMeta] = []
@@ -577,7 +571,7 @@ def _explicit_chunks(m: Manifest, storage: Any, name: str, t: TensorMeta, cache:
     if bad:
         raise CorruptCheckpointError(f"{storage.url}: chunks do not tile their tensor: {bad[0]}")
     with cache.lock:
-        cache.headers[key] = chunks
+        headers[key] = chunks
     return chunks
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
+from .._version import __version__
 from .manifest import FORMAT_VERSION, ChunkMeta, FileMeta, IndexMeta, Manifest, TensorMeta, tiling_problems
 
 __all__ = ["RankOutput", "build_manifest"]
@@ -72,8 +73,6 @@ def build_manifest(
         >>> m.tensors["w"].writers, m.version == FORMAT_VERSION
         ([0], True)
     """
-    from .._version import __version__
-
     files: Dict[str, FileMeta] = {}
     indexes: Dict[str, IndexMeta] = {}
     for out in outputs:

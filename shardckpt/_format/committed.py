@@ -20,6 +20,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedStateError, format_offenders
 from . import manifest as _manifest
+from ._v2 import materialize
 from .files import check_files
 from .hf import MAX_INDEX_BYTES, hf_manifest
 from .manifest import Manifest, check_relpath, manifest_from_bytes, manifest_to_bytes
@@ -50,7 +51,8 @@ def hf_index_bytes(m: Manifest) -> Optional[bytes]:
 
 
 def commit(
-    storage: Any, manifest: Manifest, *, replace: bool = False, progress: Optional[Callable[[str], None]] = None
+    storage: Any, manifest: Manifest, *, replace: bool = False, progress: Optional[Callable[[str], None]] = None,
+    files_here: bool = True,
 ) -> None:
     """Commit ``manifest`` at ``storage``: the HF index (when whole), then ``manifest.json`` last, atomically.
 
@@ -75,6 +77,8 @@ def commit(
             ``"writing"`` right before the manifest write (an error from here
             on may come after the manifest landed: a lost PUT answer, an
             interrupt after the rename), ``"committed"`` once it returned.
+        files_here: check the data files at ``storage`` first (False only for
+            the memory tier, whose files are on other hosts).
 
     Raises:
         CorruptCheckpointError: a named data file is missing or of the wrong
@@ -98,7 +102,10 @@ def commit(
     index = hf_index_bytes(manifest)
     # Data files removed since they were written (cleanup() on the same root,
     # a lifecycle rule, an emptied bucket) must not be named by a commit.
-    check_files(storage, {rel: fm.size for rel, fm in manifest.files.items()})
+    # files_here=False: the memory tier, whose ranks write on their own
+    # hosts' shared memory; its restore verifies every file before use.
+    if files_here:
+        check_files(storage, {rel: fm.size for rel, fm in manifest.files.items()})
     # A values-only checkpoint has no data file that could have vanished
     # with its directory: its manifest may create the directory.
     create_dirs = not manifest.files
@@ -210,8 +217,6 @@ def open_manifest(target: Any, *, storage_options: Optional[Dict[str, Any]] = No
     else:
         m = manifest_from_bytes(data, url=storage.url)
         if chunks:
-            from ._v2 import materialize
-
             materialize(m, storage)
         return m
     kind, names, magic = _probe(storage)
@@ -226,6 +231,7 @@ def open_manifest(target: Any, *, storage_options: Optional[Dict[str, Any]] = No
 
 def _as_storage(target: Any, storage_options: Optional[Dict[str, Any]]) -> Any:
     if isinstance(target, str):
+        # The storage backends (S3 clients) cost more to import than the format: only for a URL.
         from .._storage import Storage
 
         return Storage(target, storage_options=storage_options)

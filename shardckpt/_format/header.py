@@ -71,15 +71,15 @@ def parse_safetensors_header(head: bytes, *, file_size: int, where: str) -> Tupl
     if not isinstance(header, dict):
         raise CorruptCheckpointError(f"{where}: header is not a JSON object")
     data_start = 8 + n
-    for key, e in header.items():
+    for key, entry in header.items():
         if key == "__metadata__":
             continue
         ew = f"{where}: entry {key!r}"
-        dt = _req(e, "dtype", str, ew)
+        dt = _req(entry, "dtype", str, ew)
         if dt not in DTYPES:
             raise CorruptCheckpointError(f"{ew}: unknown dtype {dt!r}")
-        shape = _int_list(e, "shape", ew)
-        offs = _int_list(e, "data_offsets", ew, n=2)
+        shape = _int_list(entry, "shape", ew)
+        offs = _int_list(entry, "data_offsets", ew, n=2)
         if offs[1] < offs[0] or data_start + offs[1] > file_size:
             raise CorruptCheckpointError(f"{ew}: data_offsets {offs} outside the file ({file_size} bytes)")
         if offs[1] - offs[0] != math.prod(shape) * itemsize(dt):

@@ -17,6 +17,7 @@ import json
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Dict, Optional
 
+from .._geometry import shared_byte_ranges
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, UnsafeMetadataError, format_offenders
 from .header import read_safetensors_header
 from .manifest import ChunkMeta, FileMeta, Manifest, TensorMeta, check_relpath
@@ -112,7 +113,7 @@ def hf_manifest(storage: Any) -> Optional[Manifest]:
                         sizes=shape,
                         byte_offset=start + e["data_offsets"][0],
                         nbytes=e["data_offsets"][1] - e["data_offsets"][0],
-                        crc32c=None,  # type: ignore[arg-type]  # safetensors has no checksums
+                        crc32c=None,  # safetensors has no checksums
                     )
                 ],
             )
@@ -121,8 +122,6 @@ def hf_manifest(storage: Any) -> Optional[Manifest]:
     # Entries sharing bytes would import (and load) as copies of one range: a
     # small file allocating hundreds of times its size. The safetensors
     # library refuses them too.
-    from .._geometry import shared_byte_ranges
-
     clashes = shared_byte_ranges(
         (c.file, c.byte_offset, c.nbytes, repr(name)) for name, t in tensors.items() for c in t.chunks
     )

@@ -12,10 +12,12 @@ import math
 import posixpath
 import re
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, cast
 
+from .._geometry import Box, check_cover, shared_byte_ranges
 from .._version import __version__
 from ..errors import CorruptCheckpointError, NewerFormatError, UnsafeMetadataError
+from .checksum import crc32c
 from .dtypes import DTYPES, itemsize
 from .naming import MANIFEST_NAME
 from .values import value_depth_problem
@@ -295,8 +297,6 @@ def manifest_to_bytes(m: Manifest) -> bytes:
     body = m.to_json()
     if not spec(m.version).manifest_crc:
         return canonical_json(body)
-    from .checksum import crc32c
-
     body[MANIFEST_CRC_FIELD] = crc32c(manifest_json_v2(body))
     return manifest_json_v2(body)
 
@@ -352,8 +352,6 @@ def _int_list(obj, key, where, *, n=None) -> List[int]:
 
 def tiling_problems(tensors: Dict[str, TensorMeta]) -> List[str]:
     """Why the chunks of each tensor fail to tile it exactly (sorted; empty when all do)."""
-    from .._geometry import Box, check_cover
-
     bad = []
     for name, t in tensors.items():
         why = check_cover(t.shape, [Box(tuple(c.offsets), tuple(c.sizes)) for c in t.chunks])
@@ -369,8 +367,6 @@ def check_shared_bytes(tensors: Dict[str, TensorMeta], where: str) -> None:
         CorruptCheckpointError: naming the clashing chunks (first
             ``DEFAULT_OFFENDER_LIMIT``).
     """
-    from .._geometry import shared_byte_ranges
-
     clashes = shared_byte_ranges(
         (c.file, c.byte_offset, c.nbytes, f"{name!r} chunk {c.key!r}") for name, t in tensors.items() for c in t.chunks
     )
@@ -454,7 +450,7 @@ def manifest_v1_from_raw(raw: Dict[str, Any], where: str) -> Manifest:
                     f"{cw}: bytes [{c.byte_offset}, {c.byte_offset + c.nbytes}) lie outside "
                     f"{file!r} of {files[file].size} bytes"
                 )
-            if not 0 <= c.crc32c < 2**32:
+            if not 0 <= cast(int, c.crc32c) < 2**32:
                 raise CorruptCheckpointError(f"{cw}: crc32c {c.crc32c} is not a 32-bit value")
             chunks.append(c)
         layout = tm.get("layout")

@@ -24,7 +24,7 @@ import base64
 import io
 import math
 import sys
-from typing import Any, Dict, Iterator, Optional
+from typing import Any, Dict, Iterable, Iterator, Optional
 
 from ..errors import StateMismatchError, UnsupportedStateError
 
@@ -61,6 +61,7 @@ def value_depth_problem(node: Any, *, limit: int = MAX_VALUE_DEPTH) -> Optional[
     stack = [(node, 1)]
     while stack:
         n, d = stack.pop()
+        children: Iterable[Any]
         if isinstance(n, dict):
             children = n.values()
         elif isinstance(n, (list, tuple)):

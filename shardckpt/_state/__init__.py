@@ -9,7 +9,8 @@
 ``ranks``     digests of plain values, to refuse at save those that differ
               across ranks (they need ``PerRank``);
 ``values``    the values codec (``TAG``, ``tensor_ref``, ``encode_value``,
-              ``decode_value``): what the manifest's ``values`` tree means.
+              ``decode_value``): what the manifest's ``values`` tree means;
+``subclass``  wrapper tensor subclasses: taken apart by ``__tensor_flatten__``, or refused.
 
 Import order is one way: ``values`` <- ``adapters`` <- ``walk`` <-
 ``stateful``/``module``/``per_rank`` <- ``optim``; the built-in adapters are

@@ -11,7 +11,16 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from ..errors import UnsupportedStateError
+from .._runtimes import (
+    empty_like_meta,
+    fsdp1_load_model_state,
+    fsdp1_model_state,
+    is_fsdp1,
+    materialize_device,
+    unwrap,
+    wrapper_renamer,
+)
+from ..errors import UnsupportedStateError, format_offenders
 from .adapters import Adapter
 from .values import tensor_ref
 from .walk import (
@@ -51,16 +60,12 @@ class ModuleAdapter(Adapter):
         return isinstance(obj, torch.nn.Module)
 
     def save(self, obj, path, walker):
-        from .._runtimes import fsdp1_model_state, is_fsdp1, unwrap
-
         m = unwrap(obj)
         if is_fsdp1(m):
             return fsdp1_model_state(m)
         sd = _module_tensors(m, path)
         meta = [k for k, t in sd.items() if _is_tensor(t) and t.is_meta]
         if meta:
-            from ..errors import format_offenders
-
             raise UnsupportedStateError(
                 f"{path}: tensors on the meta device hold no data and cannot be saved: {format_offenders(meta)}"
             )
@@ -73,8 +78,6 @@ class ModuleAdapter(Adapter):
         return sd
 
     def load(self, obj, path, saved, walker):
-        from .._runtimes import fsdp1_load_model_state, fsdp1_model_state, is_fsdp1, unwrap
-
         m = unwrap(obj)
         if is_fsdp1(m):
             sd = fsdp1_model_state(m)
@@ -86,8 +89,6 @@ class ModuleAdapter(Adapter):
         extra = self._extra_state(m, sd, path, saved, walker, back)
         copies = throwaway_copies(m, sd)
         if copies and not routes_state_back(m, [back[k] for k in copies]):
-            from ..errors import format_offenders
-
             raise UnsupportedStateError(
                 f"{path}: state_dict() returns tensors that are copies, not the module's parameters or buffers "
                 f"({format_offenders([_join(path, k) for k in copies])}), and no load_state_dict pre-hook or "
@@ -178,7 +179,6 @@ class ModuleAdapter(Adapter):
                 meta_keys += [n for n in names if n not in meta_keys]
         if not meta_keys:
             return {}
-        from .._runtimes import materialize_device
 
         device_of = materialize_device(m)
         made: Dict[int, Any] = {}  # tied weights share one new Parameter
@@ -197,8 +197,6 @@ class ModuleAdapter(Adapter):
 
 def _empty_like_meta(t, device) -> torch.Tensor:
     """An uninitialized tensor (DTensor: same mesh/placements/shape) replacing meta ``t``."""
-    from .._runtimes import empty_like_meta
-
     return empty_like_meta(t, device)
 
 
@@ -283,8 +281,6 @@ def _module_tensors(m: torch.nn.Module, path: str = "", back: Optional[Dict[str,
     ``back`` (if given) receives plain name -> ``m``'s own key, for calls
     that hand a dict back to ``m.load_state_dict``.
     """
-    from .._runtimes import wrapper_renamer
-
     rename = wrapper_renamer(m)
     out: Dict[str, Any] = {}
     for k, v in m.state_dict(keep_vars=True).items():

@@ -35,9 +35,12 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.nn as nn
 
+from .._format import torch_dtype
+from .._runtimes import is_fsdp1, param_fqns
 from ..errors import CorruptCheckpointError, StateMismatchError, UnsupportedStateError, format_offenders
 from .adapters import Adapter
 from .stateful import StatefulAdapter
+from .subclass import is_subclass_node
 from .values import TAG, _is_ref
 from .walk import _MISSING, SEP, _fill_from_saved, _is_tensor, _join
 
@@ -219,8 +222,6 @@ def find_module(root: Any, optim: torch.optim.Optimizer, path: str) -> nn.Module
 
 def _fqn_groups(model: nn.Module, optim: torch.optim.Optimizer, path: str) -> List[List[str]]:
     """FQNs of each param group's parameters, in order."""
-    from .._runtimes import param_fqns
-
     fqns = param_fqns(model)
     groups, stray = [], 0
     for g in optim.param_groups:
@@ -280,8 +281,6 @@ class OptimizerAdapter(Adapter):
                 reorganized groups (strict); state that does not fit.
             CorruptCheckpointError: a malformed saved state.
         """
-        from .._runtimes import is_fsdp1
-
         if saved is _MISSING:
             walker.missing_values.append(path)
             return
@@ -341,8 +340,6 @@ def _match_groups(model: nn.Module, optim: Any, path: str, saved: Dict[str, Any]
 
 def _live_tensors(model: nn.Module, optim: Any, fsdp1: bool) -> Tuple[Dict[str, Any], Dict[str, Any]]:
     """Phase 2: the optimizer's current state by FQN (empty before its first step), and its parameters by FQN."""
-    from .._runtimes import param_fqns
-
     live_state: Dict[str, Any] = {}
     if optim.state:
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
@@ -368,9 +365,6 @@ def _plan_param_state(
     built from the checkpoint. A saved state shaped like no parameter is a
     shape problem, refused in phase 4 together with the others.
     """
-    from .._format import torch_dtype
-    from .subclass import is_subclass_node
-
     new_state: Dict[str, Dict[str, Any]] = {}
     shape_problems: List[str] = []
     saved_keys: Dict[str, List[str]] = {}
@@ -471,8 +465,6 @@ def _load_by_fqn(model: nn.Module, optim: torch.optim.Optimizer, osd: Dict[str, 
     Parameters in ``keep`` (absent from the checkpoint, a non-strict load)
     keep their live state.
     """
-    from .._runtimes import param_fqns
-
     fq = param_fqns(model)
     group_of: Dict[str, Dict[str, Any]] = {}
     for g in osd[GROUPS]:

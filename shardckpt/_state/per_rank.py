@@ -101,7 +101,6 @@ class PerRankAdapter(Adapter):
         return Raw({TAG: "per_rank", "world_size": walker.world})
 
     def load(self, obj, path, saved, walker):
-
         if saved is _MISSING:
             walker.missing_values.append(path)
             return

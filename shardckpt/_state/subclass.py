@@ -36,12 +36,13 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple, cast
 
 import torch
 
+from .._layout import is_dtensor, is_sharded_tensor
 from ..errors import StateMismatchError, UnsupportedStateError
-from .values import TAG, encode_value
+from .values import TAG, decode_value, encode_value, tensor_ref
 
 __all__ = [
     "SUBCLASS_TAG",
@@ -65,8 +66,6 @@ def _type_name(t: Any) -> str:
 
 def _special(t: Any) -> bool:
     """DTensor / ShardedTensor: handled by the layout layer, not here."""
-    from .._layout import is_dtensor, is_sharded_tensor
-
     return is_dtensor(t) or is_sharded_tensor(t)
 
 
@@ -172,8 +171,6 @@ def _imported(qualname: str) -> Any:
 
 def decode_ctx(node: Any) -> Any:
     """The Python context :func:`encode_ctx` encoded (named tuple types must be imported already)."""
-    from .values import decode_value
-
     if isinstance(node, list):
         return [decode_ctx(x) for x in node]
     if isinstance(node, dict):
@@ -211,11 +208,9 @@ def flatten_subclass(t: torch.Tensor, name: str) -> Tuple[List[Tuple[str, torch.
         >>> flatten_subclass(TwoTensor(torch.ones(2), torch.zeros(2)), "t")[1]["inner"]  # doctest: +SKIP
         {'a': {'__shardckpt__': 'tensor', 'name': 't.a'}, 'b': {...}}
     """
-    from .values import tensor_ref
-
     where = f"{name} (a {_type_name(t)})"
     try:
-        attrs, ctx = t.__tensor_flatten__()
+        attrs, ctx = cast(Any, t).__tensor_flatten__()
     except Exception as e:  # noqa: BLE001 - a subclass's own failure, reported as ours
         raise UnsupportedStateError(f"{where}: __tensor_flatten__ failed ({type(e).__name__}: {e})") from None
     inner: List[Tuple[str, torch.Tensor]] = []
@@ -270,7 +265,7 @@ def check_ctx(live: torch.Tensor, node: Any, path: str) -> None:
             f"{path}: the checkpoint holds a {node.get('type')} tensor subclass here but the live tensor is a "
             f"{_type_name(live)}; load it into the same kind of tensor (e.g. the quantized model it was saved from)"
         )
-    attrs, ctx = live.__tensor_flatten__()
+    attrs, ctx = cast(Any, live).__tensor_flatten__()
     want = f"{type(live).__module__}.{type(live).__qualname__}"
     problems = []
     if node.get("type") != want:
@@ -299,6 +294,6 @@ def rebuild(node: Dict[str, Any], inner: Dict[str, torch.Tensor], path: str) -> 
             "there to fill; import its module (or create the state first, e.g. one optimizer step) before loading"
         )
     try:
-        return cls.__tensor_unflatten__(inner, decode_ctx(node["ctx"]), torch.Size(node["shape"]), tuple(node["stride"]))
+        return cast(Any, cls).__tensor_unflatten__(inner, decode_ctx(node["ctx"]), torch.Size(node["shape"]), tuple(node["stride"]))
     except Exception as e:  # noqa: BLE001
         raise StateMismatchError(f"{path}: {node.get('type')}.__tensor_unflatten__ failed ({type(e).__name__}: {e})") from None

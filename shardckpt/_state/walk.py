@@ -20,9 +20,21 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from .._format.values import MAX_VALUE_DEPTH
+from .._format.naming import chunk_key_clashes, unreadable_names
+from .._format.values import MAX_VALUE_DEPTH, value_depth_problem
+from .._layout import is_dtensor, is_sharded_tensor
 from ..errors import CorruptCheckpointError, UnsupportedStateError
 from .adapters import adapter_for
+from .subclass import (
+    as_plain,
+    check_ctx,
+    flatten_subclass,
+    inner_name,
+    is_subclass_node,
+    is_wrapper_subclass,
+    plain_problem,
+    rebuild,
+)
 from .values import TAG, _is_ref, decode_value, encode_value, tensor_ref
 
 __all__ = [
@@ -94,8 +106,6 @@ def _decoded(node: Any, path: str) -> Any:
 
 
 def _is_tensor(v: Any) -> bool:
-    from .._layout import is_sharded_tensor
-
     return isinstance(v, torch.Tensor) or is_sharded_tensor(v)
 
 
@@ -131,8 +141,6 @@ class _SaveWalker:
         if isinstance(v, Raw):
             return v.node
         if _is_tensor(v):
-            from .subclass import as_plain, flatten_subclass, is_wrapper_subclass
-
             if is_wrapper_subclass(v):
                 # Taken apart through its own protocol (see ``subclass``): its
                 # inner tensors are written, never the wrapper's (absent) bytes.
@@ -170,9 +178,6 @@ def _refuse_unwritable(v: Any, path: str) -> None:
     reshard; a subclass without storage and without ``__tensor_flatten__``
     has no bytes to read at all.
     """
-    from .._layout import is_dtensor
-    from .subclass import is_wrapper_subclass, plain_problem
-
     local = v._local_tensor if is_dtensor(v) else v
     kind = f"{type(local).__module__}.{type(local).__qualname__}"
     if is_dtensor(v) and (is_wrapper_subclass(local) or plain_problem(local)):
@@ -218,9 +223,6 @@ def _refuse_names(flat: FlatSave) -> None:
     ``w``), names safetensors cannot read back (lone surrogates), dims past
     what a safetensors header holds, values nested past ``MAX_VALUE_DEPTH``.
     """
-    from .._format.naming import chunk_key_clashes, unreadable_names
-    from .._format.values import value_depth_problem
-
     bad = unreadable_names(flat.tensors)
     if bad:
         raise UnsupportedStateError(
@@ -284,8 +286,6 @@ class _LoadWalker:
         A live wrapper subclass is filled through its inner tensors, in place
         (``subclass``), after its saved context is checked.
         """
-        from .subclass import check_ctx, inner_name, is_subclass_node, is_wrapper_subclass
-
         if is_wrapper_subclass(live):
             if node is not None and node is not _MISSING:
                 check_ctx(live, node, path)
@@ -313,14 +313,14 @@ class _LoadWalker:
             # what was saved there (new full tensors, values as saved).
             holder: Dict[str, Any] = {}
             _fill_from_saved(holder, "v", saved, path, self)
-            self.flat.finalizers.append(lambda s=setter, h=holder: s(h["v"]))
+            self.flat.finalizers.append(lambda s=setter, h=holder: s(h["v"]))  # type: ignore[misc]
             return
         if isinstance(live, (dict, list)) and _is_plain(live) and saved is not _MISSING and not _contains_ref(saved):
             # Pure JSON containers come back whole: the saved value replaces
             # the live placeholder (e.g. ``{"history": []}``).
             if setter is not None:
                 self.flat.value_paths.append(path)
-                self.flat.finalizers.append(lambda s=setter, v=_decoded(saved, path): s(v))
+                self.flat.finalizers.append(lambda s=setter, v=_decoded(saved, path): s(v))  # type: ignore[misc]
             return
         if isinstance(live, dict):
             if isinstance(saved, dict) and saved.get(TAG) == "dict":
@@ -354,7 +354,7 @@ class _LoadWalker:
                 sub = seq[i] if seq is not None and i < len(seq) else _MISSING
                 self.walk(x, sub, _join(path, i), None)
             if setter is not None and seq is not None and not any(_is_tensor(x) for x in live):
-                self.flat.finalizers.append(lambda s=setter, v=_decoded(saved, path): s(v))
+                self.flat.finalizers.append(lambda s=setter, v=_decoded(saved, path): s(v))  # type: ignore[misc]
             return
         # A plain value: the saved one replaces it.
         if saved is _MISSING:
@@ -365,7 +365,7 @@ class _LoadWalker:
             return
         if setter is not None:
             self.flat.value_paths.append(path)
-            self.flat.finalizers.append(lambda s=setter, v=_decoded(saved, path): s(v))
+            self.flat.finalizers.append(lambda s=setter, v=_decoded(saved, path): s(v))  # type: ignore[misc]
 
     def _unexpected_value(self, path: str, node: Any) -> None:
         # Unexpected tensors are found by name against the manifest; plain
@@ -457,7 +457,6 @@ def _fill_from_saved(container: Any, key: Any, saved: Any, path: str, walker: _L
     Plain values come from the checkpoint.
     """
     live = container[key] if _has(container, key) else _MISSING
-    from .subclass import is_subclass_node
 
     if is_subclass_node(saved):
         _fill_subclass(container, key, live, saved, path, walker)
@@ -496,7 +495,7 @@ def _fill_from_saved(container: Any, key: Any, saved: Any, path: str, walker: _L
             _fill_from_saved(live, i, sub, _join(path, i), walker)
         return
     if isinstance(saved, dict) and saved.get(TAG) == "tuple":
-        items = list(live) if isinstance(live, tuple) and len(live) == len(saved["items"]) else [None] * len(saved["items"])
+        items = list(live) if isinstance(live, tuple) and len(live) == len(saved["items"]) else [None] * len(saved["items"])  # type: ignore[list-item]
         for i, sub in enumerate(saved["items"]):
             _fill_from_saved(items, i, sub, _join(path, i), walker)
         # Rebuild the tuple after tensors are in (finalizers run in order).
@@ -511,8 +510,6 @@ def _fill_from_saved(container: Any, key: Any, saved: Any, path: str, walker: _L
 
 def _fill_subclass(container: Any, key: Any, live: Any, saved: Dict[str, Any], path: str, walker: _LoadWalker) -> None:
     """A saved tensor subclass: its inner tensors copied into the live one, or a new one rebuilt from them."""
-    from .subclass import rebuild
-
     if live is not _MISSING and _is_tensor(live):
         walker.target(path, live, saved)
         return

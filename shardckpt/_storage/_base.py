@@ -8,8 +8,9 @@ backend implements (the template style of fsspec's ``AbstractFileSystem``).
 Callers never branch on the backend: they ask its :class:`Capabilities`.
 
 ``Storage(url, storage_options=...)`` is also the factory: it returns the
-backend that serves ``url`` (:class:`LocalStorage` for plain paths and
-``file://``, :class:`FsspecStorage` for everything else).
+backend that serves ``url`` (``_factory.backend_for``: :class:`LocalStorage`
+for plain paths and ``file://``, :class:`S3Storage` for ``s3://``,
+:class:`FsspecStorage` for everything else).
 """
 
 from __future__ import annotations
@@ -23,14 +24,13 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, TypeVar
+from typing import Any, Callable, ClassVar, Dict, Iterable, List, Optional, Sequence, Tuple, Type, TypeVar
 
 from .. import _knobs
 from ..errors import CheckpointError, StorageError, UnreadableFileError, UnsafeMetadataError
 
 __all__ = [
     "Capabilities",
-    "DEFAULT_RETRIES",
     "RANGE_MERGE_GAP_BYTES",
     "STAT_THREADS",
     "Storage",
@@ -41,10 +41,9 @@ __all__ = [
     "plan_range_fetches",
 ]
 
-# The retry policy's tunables live in shardckpt/_knobs.py (STORAGE_RETRIES,
-# RETRY_BASE_DELAY_S, RETRY_MAX_DELAY_S), read at call time.
-#: Attempts for each remote operation before giving up (the ``retries=`` default).
-DEFAULT_RETRIES = _knobs.STORAGE_RETRIES
+# The retry policy's tunables live in shardckpt/_knobs.py (STORAGE_RETRIES: the
+# ``retries=`` default, read when a Storage is made; RETRY_BASE_DELAY_S,
+# RETRY_MAX_DELAY_S, read at each back-off).
 #: Threads that stat objects concurrently in ``stat_sizes`` (high-latency backends).
 STAT_THREADS = 16
 #: ``read_into`` on a remote backend fetches two ranges as one request when at
@@ -55,6 +54,24 @@ RANGE_MERGE_GAP_BYTES = 256 << 10
 UPLOAD_BLOCK_BYTES = 8 << 20
 
 _T = TypeVar("_T")
+
+#: The core each backend implements (the ``_``-prefixed template methods and
+#: ``path``); everything else in :class:`Storage` is built on these.
+CORE = (
+    "path",
+    "_exists",
+    "_is_file",
+    "_size",
+    "_listdir",
+    "_walk",
+    "_read",
+    "_read_ranges",
+    "_open_writer",
+    "_put",
+    "_remove",
+    "_remove_tree",
+    "_makedirs",
+)
 
 
 @dataclass(frozen=True)
@@ -293,7 +310,7 @@ def reading(url: str):
     except (FileNotFoundError, NotADirectoryError, StorageError, UnreadableFileError, UnsafeMetadataError, EOFError):
         raise
     except OSError as e:
-        why = _DAMAGE_ERRNOS.get(e.errno)
+        why = _DAMAGE_ERRNOS.get(e.errno) if e.errno is not None else None
         if why is not None:
             err: OSError = UnreadableFileError(f"{url} {why}; the checkpoint is damaged ({e.strerror})")
         else:
@@ -316,7 +333,7 @@ def _credentials_hint(e: BaseException) -> str:
     )
 
 
-class Storage(abc.ABC):
+class Storage:
     """Files under one root URL.
 
     ``Storage(url, ...)`` returns the backend serving ``url``; every backend
@@ -329,7 +346,8 @@ class Storage(abc.ABC):
     Args:
         url: a local path, ``file://`` URL or any fsspec URL.
         storage_options: passed to the fsspec filesystem (credentials, endpoint...).
-        retries: attempts for each remote operation before giving up.
+        retries: attempts for each remote operation before giving up
+            (default: ``SHARDCKPT_STORAGE_RETRIES``, read now).
 
     Raises:
         StorageError: empty URL, unknown protocol, or its fsspec backend is
@@ -346,20 +364,31 @@ class Storage(abc.ABC):
     """
 
     caps: Capabilities
+    #: URL -> backend class: ``_factory.backend_for``, installed by that module
+    #: (it imports every backend, so this module cannot import it).
+    _backend_for: ClassVar[Callable[[str, Optional[Dict[str, Any]]], Type["Storage"]]]
 
-    def __new__(cls, url: str = "", *args: Any, **kwargs: Any):
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        # A plain class rather than an ABC, so that ``Storage(url)`` (the
+        # factory) type-checks; this keeps the ABC's guarantee, earlier: a
+        # backend that misses part of the core fails where it is defined.
+        super().__init_subclass__(**kwargs)
+        missing = [name for name in CORE if getattr(cls, name) is getattr(Storage, name)]
+        if missing:
+            raise TypeError(f"{cls.__name__} must implement the storage core: {', '.join(missing)} (see Storage)")
+
+    def __new__(cls, url: str = "", *args: Any, **kwargs: Any) -> "Storage":
+        # ``Storage(url)`` is the factory; a backend class builds itself.
         if cls is Storage:
-            from ._factory import backend_for
-
-            cls = backend_for(url, kwargs.get("storage_options"))
+            cls = Storage._backend_for(url, kwargs.get("storage_options"))
         return super().__new__(cls)
 
-    def __init__(self, url: str, *, storage_options: Optional[Dict[str, Any]] = None, retries: int = DEFAULT_RETRIES):
+    def __init__(self, url: str, *, storage_options: Optional[Dict[str, Any]] = None, retries: Optional[int] = None):
         if not isinstance(url, str) or not url:
             raise StorageError(f"checkpoint URL must be a non-empty str, got {url!r}")
         self.url = url.rstrip("/") or url
         self.storage_options = dict(storage_options or {})
-        self.retries = max(1, int(retries))
+        self.retries = max(1, int(_knobs.STORAGE_RETRIES if retries is None else retries))
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.url!r})"
@@ -371,51 +400,54 @@ class Storage(abc.ABC):
 
     # -- the core each backend implements ------------------------------------
 
-    @abc.abstractmethod
     def path(self, rel: str) -> str:
         """The backend's own path of ``rel`` (an OS path, or a bucket/key path)."""
+        raise self._unimplemented("path")
 
-    @abc.abstractmethod
-    def _exists(self, path: str) -> bool: ...
+    def _exists(self, path: str) -> bool:
+        raise self._unimplemented("_exists")
 
-    @abc.abstractmethod
-    def _is_file(self, path: str) -> bool: ...
+    def _is_file(self, path: str) -> bool:
+        raise self._unimplemented("_is_file")
 
-    @abc.abstractmethod
-    def _size(self, path: str) -> int: ...
+    def _size(self, path: str) -> int:
+        raise self._unimplemented("_size")
 
-    @abc.abstractmethod
     def _listdir(self, path: str) -> List[str]:
         """Names directly under ``path``; raises FileNotFoundError when missing."""
+        raise self._unimplemented("_listdir")
 
-    @abc.abstractmethod
     def _walk(self, path: str) -> List[str]:
         """Every file below ``path``, relative to the root."""
+        raise self._unimplemented("_walk")
 
-    @abc.abstractmethod
     def _read(self, path: str, start: int, end: Optional[int]) -> bytes:
         """Bytes ``[start, end)`` (``end=None``: to the end); short at end of file."""
+        raise self._unimplemented("_read")
 
-    @abc.abstractmethod
     def _read_ranges(self, rel: str, ranges: Sequence[Tuple[int, memoryview]]) -> None:
         """Fill each buffer from its offset; raise EOFError via :meth:`_short` if the file is short."""
+        raise self._unimplemented("_read_ranges")
 
-    @abc.abstractmethod
-    def _open_writer(self, rel: str) -> Writer: ...
+    def _open_writer(self, rel: str) -> Writer:
+        raise self._unimplemented("_open_writer")
 
-    @abc.abstractmethod
     def _put(self, rel: str, data: bytes) -> None:
         """Publish ``data`` at ``rel`` atomically (see :meth:`write_atomic`)."""
+        raise self._unimplemented("_put")
 
-    @abc.abstractmethod
     def _remove(self, path: str) -> None:
         """Delete a file; raises FileNotFoundError when missing."""
+        raise self._unimplemented("_remove")
 
-    @abc.abstractmethod
-    def _remove_tree(self, path: str) -> None: ...
+    def _remove_tree(self, path: str) -> None:
+        raise self._unimplemented("_remove_tree")
 
-    @abc.abstractmethod
-    def _makedirs(self, path: str) -> None: ...
+    def _makedirs(self, path: str) -> None:
+        raise self._unimplemented("_makedirs")
+
+    def _unimplemented(self, name: str) -> NotImplementedError:
+        return NotImplementedError(f"{type(self).__name__}.{name}: part of the storage core every backend implements")
 
     # -- shared logic -----------------------------------------------------------
 

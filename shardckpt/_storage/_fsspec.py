@@ -13,7 +13,7 @@ import threading
 from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 from ..errors import StorageError
-from ._base import DEFAULT_RETRIES, Capabilities, Storage, Writer, plan_range_fetches
+from ._base import Capabilities, Storage, Writer, plan_range_fetches
 
 __all__ = ["FsspecStorage", "PROTOCOL_HINTS"]
 
@@ -60,11 +60,13 @@ def resolve(url: str, storage_options: Dict[str, Any]):
         raise StorageError(f"cannot open {url!r}: {e}. Install {pkg} (e.g. pip install {pkg})") from None
     except ValueError as e:
         hint = ""
-        if "protocol not known" in str(e).lower():
-            pkg = PROTOCOL_HINTS.get(proto)
+        # fsspec says "Protocol not known" with a plain ValueError: ask its
+        # registry instead of reading the message.
+        if proto not in fsspec.available_protocols():
+            known = PROTOCOL_HINTS.get(proto)
             hint = (
-                f". Install {pkg} (e.g. pip install {pkg})"
-                if pkg
+                f". Install {known} (e.g. pip install {known})"
+                if known
                 else f". No fsspec backend handles {proto!r}: pip install the package that provides it "
                 "(s3fs for s3://, gcsfs for gs://, adlfs for az://; see fsspec's list of known implementations)"
             )
@@ -94,7 +96,7 @@ class FsspecStorage(Storage):
         url: str,
         *,
         storage_options: Optional[Dict[str, Any]] = None,
-        retries: int = DEFAULT_RETRIES,
+        retries: Optional[int] = None,
         fs=None,
         root: Optional[str] = None,
     ):

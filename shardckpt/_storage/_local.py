@@ -19,10 +19,10 @@ import os
 import shutil
 import stat
 import uuid
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, cast
 
 from ..errors import StorageError, UnreadableFileError
-from ._base import DEFAULT_RETRIES, Capabilities, StagedFile, Storage, Writer, pwrite_all
+from ._base import Capabilities, StagedFile, Storage, Writer, pwrite_all
 
 __all__ = ["LocalStorage", "WRITEBACK_BYTES", "fsync_dir"]
 
@@ -74,7 +74,7 @@ class LocalStorage(Storage):
         atomic_rename=True, has_dirs=True, positional_write=True, high_latency=False, batched_reads=False, consistent_listing=True
     )
 
-    def __init__(self, url: str, *, storage_options: Optional[Dict[str, Any]] = None, retries: int = DEFAULT_RETRIES, root: Optional[str] = None):
+    def __init__(self, url: str, *, storage_options: Optional[Dict[str, Any]] = None, retries: Optional[int] = None, root: Optional[str] = None):
         super().__init__(url, storage_options=storage_options, retries=retries)
         self.root = os.path.abspath(root if root is not None else _local_path(self.url))
 
@@ -276,7 +276,7 @@ class _LocalStagedFile(StagedFile):
             self._fd = os.open(self.path, os.O_RDONLY)
         self._close_fd(sync=True)
         try:
-            self.storage.rename(os.path.relpath(self.path, self.storage.root).replace(os.sep, "/"), self.rel)
+            self.storage.rename(os.path.relpath(self.path, cast(LocalStorage, self.storage).root).replace(os.sep, "/"), self.rel)
         except BaseException:
             self._unlink()
             raise

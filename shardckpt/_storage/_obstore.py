@@ -1,6 +1,7 @@
 """S3Storage's data path on obstore (Rust ``object_store``): puts, multipart uploads, ranged gets, HEADs, deletes.
 
-Selected by ``SHARDCKPT_S3_CLIENT=obstore`` (the default when obstore is
+:class:`ObstoreData` is the :class:`~shardckpt._storage._s3_data.S3DataClient`
+selected by ``SHARDCKPT_S3_CLIENT=obstore`` (the default when obstore is
 installed). :class:`~shardckpt._storage._s3.S3Storage` stays the one class
 for ``s3://``: listing and ``exists`` stay s3fs's, and the calls here run
 inside the base class's retry loop (``Storage._retry``), so what is
@@ -36,12 +37,17 @@ import os
 import queue
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Dict, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
 
 from .. import _knobs
 from ..errors import StorageError
+from ._base import Writer
+from ._s3_data import PartWriter, S3DataClient, data_end, split_pieces
 
-__all__ = ["ObstoreClient", "import_obstore", "map_error", "request_pool"]
+if TYPE_CHECKING:
+    from ._s3 import S3Storage
+
+__all__ = ["ObstoreClient", "ObstoreData", "import_obstore", "map_error", "request_pool"]
 
 #: Seconds a blocked writer waits between checks that its upload thread is still alive.
 _HANDOFF_POLL_S = 0.5
@@ -78,6 +84,10 @@ def map_error(e: BaseException, what: str) -> BaseException:
     """
     import obstore.exceptions as oe
 
+    # obstore's exceptions carry no status or S3 error code (obstore 0.12:
+    # only the message; its GenericError covers 5xx, 416 and auth alike), so
+    # this one function reads the text; everything downstream branches on
+    # the type it returns (EOFError, StorageError, TimeoutError...).
     if not isinstance(e, oe.BaseError) or isinstance(e, FileNotFoundError):
         if isinstance(e, FileNotFoundError):
             text = str(e)
@@ -192,7 +202,7 @@ def _build(bucket: str, options: Dict[str, Any], *, retries: int, what: str):
         # Bounded by the attempt count, not by a clock.
         "retry_timeout": _dt.timedelta(days=1),
     }
-    kw = {"config": config, "client_options": client, "retry_config": retry}
+    kw: Dict[str, Any] = {"config": config, "client_options": client, "retry_config": retry}
     if provider is not None:
         kw["credential_provider"] = provider
     try:
@@ -334,3 +344,203 @@ class StreamingUpload:
             pass
         self.done.wait()
         self.thread.join()
+
+
+class ObstoreData(S3DataClient):
+    """Transfers through obstore (see :class:`S3DataClient` for each method's contract).
+
+    Single requests run in the base class's retry loop (:meth:`call`);
+    ``fill`` runs its pieces on :func:`request_pool`; uploads stream through
+    :class:`StreamingUpload`. Every change drops s3fs's cached listings of
+    the key (listing stays s3fs's, and it did not see the change).
+    """
+
+    name = "obstore"
+
+    def __init__(self, st: "S3Storage") -> None:
+        super().__init__(st)
+        bucket = st.root.lstrip("/").partition("/")[0]
+        self.client = ObstoreClient(bucket, st.storage_options, retries=st.retries, url=st.url)
+
+    def _key(self, rel: str) -> str:
+        return self.st._bucket_key(rel)[1]
+
+    def call(self, what: str, fn: str, *args: Any, store: str = "plain", **kwargs: Any) -> Any:
+        """``obstore.<fn>(store, *args, **kwargs)`` inside the storage's retry loop, errors mapped for it."""
+        import obstore
+
+        call = getattr(obstore, fn)
+
+        def once():
+            try:
+                return call(getattr(self.client, store), *args, **kwargs)
+            except Exception as e:
+                mapped = map_error(e, what)
+                if mapped is e:
+                    raise
+                raise mapped from e
+
+        return self.st._retry(what, once)
+
+    def put(self, rel: str, data: bytes) -> None:
+        self.call(f"write {self.st.url_of(rel)}", "put", self._key(rel), data, use_multipart=False)
+        self.st._forget(rel)
+
+    def open_writer(self, rel: str) -> Writer:
+        return _ObstoreWriter(self, rel)
+
+    def remove(self, path: str) -> None:
+        rel = self.st._rel_of(path)
+        # S3 answers a DELETE of a missing key with success: nothing to map.
+        self.call(f"delete {self.st.url_of(rel)}", "delete", self._key(rel))
+        self.st._forget(rel)
+
+    def size(self, path: str) -> int:
+        # No listing cache on this path: always a HEAD.
+        return self.head(self.st._rel_of(path))
+
+    def head(self, rel: str) -> int:
+        return int(self.call(f"stat {self.st.url_of(rel)}", "head", self._key(rel))["size"])
+
+    def get(self, rel: str, start: int, end: int) -> bytes:
+        buf = bytearray(end - start)
+        n = self._get_into(rel, start, end, memoryview(buf))
+        return bytes(buf[:n]) if n < len(buf) else bytes(buf)
+
+    def _get_into(self, rel: str, start: int, end: int, dest: memoryview) -> int:
+        """GET ``[start, end)`` into ``dest``; returns the bytes the object had there (fewer at its end)."""
+        try:
+            data = self.call(f"read {self.st.url_of(rel)}[{start}:{end}]", "get_range", self._key(rel), start=start, end=end)
+        except EOFError:
+            return 0  # the range starts at or past the end of the object
+        n = min(len(data), len(dest))
+        # One copy, Rust's buffer to the caller's, without the GIL-bound join of a body.
+        dest[:n] = memoryview(data).cast("B")[:n]
+        return n
+
+    def fill(
+        self, rel: str, spans: List[Tuple[int, int]], ranges: Sequence[Tuple[int, memoryview]], *, allow_short: bool
+    ) -> int:
+        pieces = split_pieces(spans, _knobs.S3_READ_PART_BYTES)
+        bufs = [(o, b if b.format == "B" else b.cast("B")) for o, b in ranges]
+
+        def one(a: int, b: int) -> int:
+            for off, buf in bufs:
+                if off <= a and b <= off + len(buf):
+                    n = self._get_into(rel, a, b, buf[a - off : b - off])
+                    if n < b - a and not allow_short:
+                        raise self.st._short(rel, off + len(buf))
+                    return n
+            tmp = memoryview(bytearray(b - a))
+            n = self._get_into(rel, a, b, tmp)
+            for off, buf in bufs:
+                lo, hi = max(a, off), min(b, off + len(buf), a + n)
+                if min(b, off + len(buf)) > a + n and lo < min(b, off + len(buf)) and not allow_short:
+                    raise self.st._short(rel, off + len(buf))
+                if lo < hi:
+                    buf[lo - off : hi - off] = tmp[lo - a : hi - a]
+            return n
+
+        got: Dict[int, int] = {}
+        if len(pieces) == 1:
+            got[pieces[0][0]] = one(*pieces[0])
+        else:
+            futs = [(a, b, request_pool().submit(one, a, b)) for a, b in pieces]
+            first: Optional[BaseException] = None
+            # Every piece ends before this returns or raises: no GET may write
+            # into a caller's buffer after the call is over.
+            for a, _, f in futs:
+                try:
+                    got[a] = f.result()
+                except BaseException as e:
+                    if first is None:
+                        first = e
+                        for _, _, g in futs:
+                            g.cancel()
+            if first is not None:
+                raise first
+        return data_end(pieces, got)
+
+
+class _ObstoreWriter(PartWriter):
+    """Bounded-memory upload on obstore: one PUT below a part, else a multipart upload fed part by part.
+
+    Memory: the part being filled, one part handed over, and at most
+    ``S3_WRITER_INFLIGHT_PARTS`` in obstore's hands. The object appears only
+    when ``close()`` completes the upload; ``abort()`` (or a failure) cancels
+    it and aborts any multipart upload left behind under the key.
+    """
+
+    def __init__(self, data: ObstoreData, rel: str):
+        self.data, self.st, self.rel = data, data.st, rel
+        self.url = self.st.url_of(rel)
+        self.bucket, self.key = self.st._bucket_key(rel)
+        self.buf = bytearray(_knobs.S3_PART_BYTES)
+        self.n = 0
+        self.upload: Optional[StreamingUpload] = None
+        self.closed = False
+
+    def _send_part(self) -> None:
+        if self.upload is None:
+            self.upload = StreamingUpload(
+                self.data.client.streaming, self.key, part_bytes=len(self.buf), inflight=_knobs.S3_WRITER_INFLIGHT_PARTS
+            )
+        # The filled buffer itself goes to obstore (no copy); this writer
+        # never touches it again and fills a fresh one.
+        part = self.buf if self.n == len(self.buf) else memoryview(self.buf)[: self.n]
+        self.buf = bytearray(len(self.buf))
+        self.n = 0
+        try:
+            self.upload.send(part)
+        except Exception as e:
+            raise self._failed(e) from e
+
+    def _failed(self, e: BaseException) -> BaseException:
+        mapped = map_error(e, f"upload of {self.url}")
+        if isinstance(mapped, (StorageError, FileNotFoundError)):
+            return mapped
+        # object_store already retried each part (our attempt count): say so.
+        return StorageError(f"upload of {self.url} failed after {self.st.retries} attempts: {type(mapped).__name__}: {mapped}")
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        try:
+            if self.upload is None:
+                # Small file: one PUT, atomic by itself.
+                self.data.put(self.rel, bytes(memoryview(self.buf)[: self.n]))
+            else:
+                if self.n:
+                    self._send_part()
+                try:
+                    self.upload.finish()
+                except Exception as e:
+                    raise self._failed(e) from e
+                self.st._forget(self.rel)
+        except BaseException:
+            self.abort()
+            raise
+        self.closed = True
+        self.buf = bytearray()
+
+    def abort(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.buf = bytearray()
+        if self.upload is None:
+            return
+        self.upload.cancel()
+        # obstore aborts a failed upload itself, but that request can fail
+        # too (a reset, a server still busy with a part): make sure no
+        # parts stay stored (and billed) under this key. Listing uploads is
+        # not in obstore's API: s3fs's client asks.
+        try:
+            ups = self.st._sync(
+                self.st._request(f"list uploads of {self.url}", "list_multipart_uploads", Bucket=self.bucket, Prefix=self.key)
+            )
+            for up in ups.get("Uploads") or []:
+                if up.get("Key") == self.key:
+                    self.st._abort_upload(self.rel, up["UploadId"])
+        except Exception:
+            pass

@@ -54,7 +54,7 @@ def _die() -> None:
 
 def _arm(fault: str) -> None:
     """Patch the engine so this process SIGKILLs itself at ``fault``."""
-    from shardckpt import _io, _storage
+    from shardckpt import _knobs, _storage
     from shardckpt import _save as _api
     from shardckpt._storage import _local
 
@@ -69,7 +69,7 @@ def _arm(fault: str) -> None:
 
         _api.write_files = stalled
     elif fault in ("mid_data", "async_mid_data"):
-        _io.WRITE_BLOCK_BYTES = 1024
+        _knobs.WRITE_BLOCK_BYTES = 1024
         real = _local._LocalWriter.write
         calls = [0]
 

@@ -56,7 +56,7 @@ def _then_die(real):
 
 def _arm(phase: str, async_save: bool) -> None:
     """Patch the engine so that this process SIGKILLs itself at ``phase``."""
-    from shardckpt import _async, _io, _manager, _save
+    from shardckpt import _async, _knobs, _manager, _save
     from shardckpt._storage import _local
 
     if phase == "stage":
@@ -65,7 +65,7 @@ def _arm(phase: str, async_save: bool) -> None:
         else:
             _manager.prepare_save = _then_die(_manager.prepare_save)
     elif phase == "data":
-        _io.WRITE_BLOCK_BYTES = 1024
+        _knobs.WRITE_BLOCK_BYTES = 1024
         real = _local._LocalWriter.write
         calls = [0]
 

@@ -20,6 +20,7 @@ import pytest
 from shardckpt._format import FORMAT_VERSION, FileMeta, IndexMeta, Manifest, commit, save_id_prefix
 from shardckpt._format.files import LIST_MIN_FILES, RECHECK_REMOTE, check_files, listing_prefixes
 from shardckpt._storage import S3Storage, Storage
+from shardckpt._storage._obstore import ObstoreData
 from shardckpt.errors import CorruptCheckpointError
 
 SAVE_ID = uuid.UUID(int=0x0123456789ABCDEF0123456789ABCDEF).hex
@@ -190,7 +191,7 @@ def test_few_files_no_listing(st, monkeypatch):
 def _count_requests(st, monkeypatch):
     """Count S3 requests by kind, on both data clients (aiobotocore's and obstore's calls)."""
     seen = collections.Counter()
-    real_request, real_ob = S3Storage._request, S3Storage._ob_call
+    real_request, real_ob = S3Storage._request, ObstoreData.call
 
     async def request(self, what, method, **kw):
         seen[method] += 1
@@ -201,7 +202,7 @@ def _count_requests(st, monkeypatch):
         return real_ob(self, what, fn, *a, **kw)
 
     monkeypatch.setattr(S3Storage, "_request", request)
-    monkeypatch.setattr(S3Storage, "_ob_call", ob_call)
+    monkeypatch.setattr(ObstoreData, "call", ob_call)
     return seen
 
 

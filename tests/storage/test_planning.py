@@ -7,8 +7,12 @@ import sys
 
 import pytest
 
-from shardckpt._storage import FsspecStorage, LocalStorage, S3Storage, backend_for, plan_range_fetches
-from shardckpt._storage._base import check_rel
+from shardckpt import _knobs
+from shardckpt._storage import FsspecStorage, LocalStorage, S3Storage, Storage, backend_for, plan_range_fetches
+from shardckpt._storage._base import CORE, check_rel
+from shardckpt._storage._obstore import ObstoreData
+from shardckpt._storage._s3_botocore import BotocoreData
+from shardckpt._storage._s3_data import data_end, split_pieces
 from shardckpt.errors import StorageError, UnsafeMetadataError
 
 
@@ -31,6 +35,36 @@ def test_check_rel_accepts(rel):
 def test_check_rel_refuses(rel):
     with pytest.raises(UnsafeMetadataError, match="s3://b/r: path .* escapes the checkpoint root"):
         check_rel(rel, where="s3://b/r")
+
+
+def test_a_backend_missing_part_of_the_core_fails_where_it_is_defined():
+    """Storage is a plain class (so ``Storage(url)`` type-checks) that still refuses an incomplete backend."""
+    with pytest.raises(TypeError, match="Half must implement the storage core: .*_read_ranges"):
+
+        class Half(Storage):
+            def path(self, rel):
+                return rel
+
+    body = {name: (lambda self, *a, **k: None) for name in CORE}
+    assert issubclass(type("Whole", (Storage,), body), Storage)
+
+
+def test_s3_read_pieces():
+    assert split_pieces([(0, 10), (20, 21)], 4) == [(0, 4), (4, 8), (8, 10), (20, 21)]
+    pieces = split_pieces([(0, 10)], 4)
+    assert data_end(pieces, {0: 4, 4: 4, 8: 2}) == 10
+    assert data_end(pieces, {0: 4, 4: 1, 8: 0}) == 5  # the first short piece ends the data
+    assert data_end([], {}) == 0
+
+
+@pytest.mark.parametrize("client,cls", [("obstore", ObstoreData), ("s3fs", BotocoreData)])
+def test_s3_data_client_is_chosen_once(monkeypatch, client, cls):
+    """SHARDCKPT_S3_CLIENT picks S3Storage's data client when the storage is made, and only then."""
+    monkeypatch.setattr(_knobs, "S3_CLIENT", client)
+    st = Storage("s3://bucket/x", storage_options={"key": "k", "secret": "s", "endpoint_url": "http://127.0.0.1:9"})
+    assert type(st._data) is cls and st.client == client
+    monkeypatch.setattr(_knobs, "S3_CLIENT", "s3fs" if client == "obstore" else "obstore")
+    assert type(st._data) is cls and st.client == client
 
 
 def test_backend_for():

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import shardckpt
-from shardckpt import _async, _io, _knobs, _writerproc
+from shardckpt import _async, _knobs, _writerproc
 from shardckpt.errors import SaveFailedError
 
 ARENA_NAME = "memfd:shardckpt-staging"
@@ -111,7 +111,7 @@ def test_same_bytes_as_the_thread_writer(tmp_path, monkeypatch):
     fixed = uuid.UUID("12345678123456781234567812345678")
     monkeypatch.setattr(uuid, "uuid4", lambda: fixed)
     # Several files (one per I/O thread) and several blocks per chunk.
-    monkeypatch.setattr(_io, "MIN_BYTES_PER_FILE", 256 << 10)
+    monkeypatch.setattr(_knobs, "MIN_BYTES_PER_FILE", 256 << 10)
     state = _state(3)
     try:
         for mode in ("thread", "process"):

@@ -27,7 +27,7 @@ from shardckpt.errors import ChecksumMismatchError, CorruptCheckpointError
 def small_blocks(monkeypatch):
     monkeypatch.setattr(_knobs, "READ_BLOCK_BYTES", 4099)
     monkeypatch.setattr(_knobs, "LOAD_RANGE_BYTES", 8192)
-    monkeypatch.setattr(_io, "WRITE_BLOCK_BYTES", 3000)
+    monkeypatch.setattr(_knobs, "WRITE_BLOCK_BYTES", 3000)
     monkeypatch.setattr(_storage, "WRITEBACK_BYTES", 5000)
 
 

@@ -18,7 +18,7 @@ import torch
 
 import shardckpt
 from shardckpt import _load
-from shardckpt._format import crc32c
+from shardckpt._format import crc32c, open_manifest
 from shardckpt._format.chunk import Chunk
 from shardckpt._readers import BufferPool, ReadStats, Want, plan_ranges, read_verified
 from shardckpt._storage import Storage
@@ -269,7 +269,7 @@ def _rows_plan(d, live_rows, rows, cols):
     """A load plan for rows ``live_rows`` of a saved ``rows x cols`` tensor, as a rank holding them makes it."""
     from shardckpt import _geometry
 
-    man = _load.read_manifest(d, chunks=False)
+    man = open_manifest(d, chunks=False)
     plan = _load._plan_load({"w": torch.zeros(rows, cols)}, man, strict=True, rank=0, world=1, storage=Storage(d))
     t = plan.targets[0]
     lo, hi = live_rows
