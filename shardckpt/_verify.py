@@ -123,16 +123,28 @@ def verify_manifest(
     else:
         found = [check_header(rel) for rel in rels]
     errors = [e for errs, _ in found for e in errs]
+    errors.extend(_check_chunks(storage, [c for _, good in found for c in good], io_threads=io_threads, on_bytes=on_bytes))
+    if errors:
+        cls = ChecksumMismatchError if all("crc32c" in e for e in errors) else CorruptCheckpointError
+        errors.sort()
+        more = len(errors) - MAX_LISTED_PROBLEMS
+        listed = "; ".join(errors[:MAX_LISTED_PROBLEMS]) + (f"; ... ({more} more)" if more > 0 else "")
+        raise cls(f"{storage.url} is damaged ({plural(len(errors), 'problem')}): {listed}")
+
+
+def _check_chunks(
+    storage: Any, chunks: List[Chunk], *, io_threads: int = VERIFY_IO_THREADS, on_bytes: Optional[Callable[[int], None]] = None
+) -> List[str]:
+    """Every byte of ``chunks`` read and checked through the one verified reader: one problem line per damaged chunk."""
     wants: List[Want] = []
-    for _, chunks in found:
-        for c in chunks:
-            if not c.checked:
-                if on_bytes is not None:
-                    on_bytes(c.nbytes)  # safetensors source: no checksum; header, bounds and size checked
-                continue
-            # Whole checksum units per want, so that each want is verified alone and none is split.
-            step = max(c.block_bytes, VERIFY_RANGE_BYTES // c.block_bytes * c.block_bytes) if c.blocked else c.nbytes
-            wants.extend(Want(c, lo, min(lo + step, c.nbytes)) for lo in range(0, c.nbytes, max(1, step)))
+    for c in chunks:
+        if not c.checked:
+            if on_bytes is not None:
+                on_bytes(c.nbytes)  # safetensors source: no checksum; header, bounds and size checked
+            continue
+        # Whole checksum units per want, so that each want is verified alone and none is split.
+        step = max(c.block_bytes, VERIFY_RANGE_BYTES // c.block_bytes * c.block_bytes) if c.blocked else c.nbytes
+        wants.extend(Want(c, lo, min(lo + step, c.nbytes)) for lo in range(0, c.nbytes, max(1, step)))
     damaged: Dict[Chunk, List[Tuple[int, Optional[int]]]] = {}
 
     def deliver(w: Want, data: memoryview, owner: Any, off: int) -> None:
@@ -144,13 +156,18 @@ def verify_manifest(
 
     pool = BufferPool(max(1, io_threads) * VERIFY_RANGE_BYTES, slot_bytes=VERIFY_RANGE_BYTES)
     read_verified(storage, wants, deliver, threads=io_threads, pool=pool, piece_bytes=VERIFY_RANGE_BYTES, on_mismatch=mismatch)
-    errors.extend(_damage_message(storage, c, bad) for c, bad in damaged.items())
-    if errors:
-        cls = ChecksumMismatchError if all("crc32c" in e for e in errors) else CorruptCheckpointError
-        errors.sort()
-        more = len(errors) - MAX_LISTED_PROBLEMS
-        listed = "; ".join(errors[:MAX_LISTED_PROBLEMS]) + (f"; ... ({more} more)" if more > 0 else "")
-        raise cls(f"{storage.url} is damaged ({plural(len(errors), 'problem')}): {listed}")
+    return [_damage_message(storage, c, bad) for c, bad in damaged.items()]
+
+
+def _check_file(
+    storage: Any, m: Manifest, rel: str, chunks: List[Tuple[str, ChunkMeta]], on_bytes: Optional[Callable[[int], None]]
+) -> List[str]:
+    """Problems of one data file: its header against the manifest, then every byte of ``chunks`` (its ``(tensor, chunk)`` pairs).
+
+    What :func:`verify` does, for one file (the memory tier checks a staged file with it).
+    """
+    errs, good = _check_header(storage, m, rel, chunks)
+    return errs + _check_chunks(storage, good, io_threads=1, on_bytes=on_bytes)
 
 
 def _check_header(storage: Any, m: Manifest, rel: str, chunks: List[Tuple[str, ChunkMeta]]) -> Tuple[List[str], List[Chunk]]:

@@ -30,7 +30,7 @@ runtime, ``set_optimizer_state_dict`` loads FSDP1 (it alone can turn
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, cast
 
 import torch
 import torch.nn as nn
@@ -344,7 +344,7 @@ def _live_tensors(model: nn.Module, optim: Any, fsdp1: bool) -> Tuple[Dict[str, 
     if optim.state:
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-        live_state = dict(get_optimizer_state_dict(model, optim)[STATE])
+        live_state = dict(cast(Dict[str, Any], get_optimizer_state_dict(model, optim)[STATE]))
     params_by_fqn: Dict[str, Any] = {}
     if not fsdp1:
         fq = param_fqns(model)
@@ -374,7 +374,8 @@ def _plan_param_state(
             continue  # saved without state (it had not been stepped)
         if not isinstance(node, dict) or TAG in node:
             raise CorruptCheckpointError(f"{path}.state.{fqn}: expected a dict of per-parameter state")
-        live = live_state.get(fqn) if isinstance(live_state.get(fqn), dict) else {}
+        got = live_state.get(fqn)
+        live: Dict[str, Any] = got if isinstance(got, dict) else {}
         saved_keys[fqn] = list(node)
         st: Dict[str, Any] = {}
         new_state[fqn] = st
@@ -421,7 +422,9 @@ def _check_fits(
             if f in group_of:
                 feeds.setdefault(group_of[f], li)
     live_keys = {f: list(v) for f, v in live_state.items() if isinstance(v, dict) and f in saved_keys}
-    problems = shape_problems + optimizer_state_problems(optim, groups_holder[GROUPS], feeds, saved_keys, live_keys, path)
+    problems = shape_problems + optimizer_state_problems(
+        optim, groups_holder[GROUPS], feeds, cast(Dict[str, Sequence[str]], saved_keys), cast(Dict[str, Sequence[str]], live_keys), path
+    )
     if problems:
         raise StateMismatchError(
             f"{path}: the saved optimizer state does not fit the live {type(optim).__name__} "
