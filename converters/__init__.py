@@ -22,6 +22,7 @@ Importers share one rule for where a bare state dict goes (under
 Each returns a :class:`ConvertResult` (url, files, tensors, nbytes, seconds).
 """
 
+from ._consolidate import consolidate
 from ._dcp import from_dcp
 from ._full import to_full
 from ._options import ConvertResult, parse_size
@@ -33,6 +34,7 @@ __all__ = [
     "to_safetensors",
     "to_full",
     "reshard",
+    "consolidate",
     "from_safetensors",
     "from_dcp",
     "from_torch_save",

@@ -19,6 +19,7 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 import torch
 
 from shardckpt._format import ChunkMeta, Manifest, itemsize, open_manifest
+from shardckpt._format.refs import follow
 from shardckpt._format.versions import spec
 from shardckpt._geometry import Box, split_box
 from shardckpt._storage import Storage
@@ -140,7 +141,7 @@ def source_from_manifest(storage: Storage, m: Manifest) -> Source:
 
 def open_checkpoint(url: str, storage_options: Optional[Dict[str, Any]] = None) -> Source:
     """A shardckpt checkpoint (v1 or v2), a safetensors directory, or one ``.safetensors`` file."""
-    storage = Storage(url, storage_options=storage_options)
+    storage = follow(Storage(url, storage_options=storage_options))  # format v4 references
     return source_from_manifest(storage, open_manifest(storage))
 
 

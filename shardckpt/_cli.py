@@ -1,4 +1,4 @@
-"""The ``shardckpt`` command: inspect, verify, diff, export/convert, reshard, import.
+"""The ``shardckpt`` command: inspect, verify, diff, export/convert, reshard, import, gc, consolidate.
 
 Exit status: 0 on success; 1 when ``verify`` finds damage (in the manifest
 too) or ``diff`` finds differences; 2 on any other error (one line on stderr, no traceback; set
@@ -101,9 +101,10 @@ class _Bar:
 def _open(url: str, opts):
     """The checkpoint's storage and manifest, without importing torch (``inspect`` and ``verify`` need none)."""
     from ._format import open_manifest
+    from ._format.refs import follow
     from ._storage import Storage
 
-    storage = Storage(url, storage_options=opts)
+    storage = follow(Storage(url, storage_options=opts))  # format v4 references
     return storage, open_manifest(storage)
 
 
@@ -118,10 +119,12 @@ def _describe(m) -> str:
 
 def cmd_inspect(args) -> int:
     from ._format import plain_values, plural
+    from ._format.refs import own_and_shared
 
     _, m = _open(args.url, _storage_options(args.storage_option))
     if args.json:
         out = m.to_json()
+        out["own_bytes"], out["shared_bytes"] = own_and_shared({rel: f.size for rel, f in m.data_files.items()})
         out["url"] = args.url
         out["total_bytes"] = m.total_bytes
         out["source"] = m.source
@@ -142,6 +145,9 @@ def cmd_inspect(args) -> int:
     if args.values:
         plain = plain_values(m.values)
         print("values: " + ("(none besides tensors)" if plain is None else json.dumps(plain, indent=1, sort_keys=True)))
+    own, shared = own_and_shared({rel: f.size for rel, f in m.data_files.items()})
+    if shared:
+        print(f"files: {_human(own)} own, {_human(shared)} in files of other steps it references (incremental)")
     return EXIT_OK
 
 
@@ -255,6 +261,29 @@ def cmd_export(args) -> int:
             args.src, args.dst, dtype=args.dtype, max_shard_size=args.max_shard_size, keys=_keys(args.keys),
             key_map=key_map, prefix=prefix, **common,
         )
+    _done(args, r)
+    return EXIT_OK
+
+
+def cmd_gc(args) -> int:
+    from ._manager import CheckpointManager
+
+    mgr = CheckpointManager(args.root, storage_options=_storage_options(args.storage_option))
+    removed = mgr.cleanup(dry_run=args.dry_run)
+    if args.json:
+        _print_json({"root": args.root, "dry_run": args.dry_run, "removed": removed})
+    elif not args.quiet:
+        verb = "would remove" if args.dry_run else "removed"
+        print(f"{args.root}: {verb} {len(removed)} path(s)" + "".join(f"\n  {r}" for r in removed))
+    return EXIT_OK
+
+
+def cmd_consolidate(args) -> int:
+    from shardckpt.converters import consolidate
+
+    opts = _storage_options(args.storage_option)
+    r = consolidate(args.src, args.dst, storage_options=opts, dst_storage_options=opts, overwrite=args.overwrite,
+                    progress=_progress(args))
     _done(args, r)
     return EXIT_OK
 
@@ -384,6 +413,18 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("dst")
     s.add_argument("--world-size", type=int, required=True)
     s.set_defaults(fn=cmd_reshard)
+
+    s = sub.add_parser("gc", parents=[common],
+                       help="remove files of a run root no committed step names (reference-safe; incremental runs)")
+    s.add_argument("root")
+    s.add_argument("--dry-run", action="store_true", help="list what would be removed, remove nothing")
+    s.set_defaults(fn=cmd_gc)
+
+    s = sub.add_parser("consolidate", parents=[common, dst],
+                       help="write a standalone copy of a step (no references to other steps)")
+    s.add_argument("src")
+    s.add_argument("dst")
+    s.set_defaults(fn=cmd_consolidate)
 
     s = sub.add_parser("import", parents=[common, dst, sel], help="from safetensors, DCP or torch.save to a native checkpoint")
     s.add_argument("src")

@@ -24,7 +24,7 @@ import torch
 
 from . import _knobs
 from ._format import ChunkMeta, FileMeta, itemsize, safetensors_header
-from ._format.checksum import BlockCrcs, crc32c, crc32c_combine
+from ._format.checksum import BlockCrcs, crc32c, crc32c_combine, new_hasher
 from ._format.files import check_files  # noqa: F401  (re-exported: load and the converters check files here)
 from ._format.header import MAX_HEADER_BYTES
 from ._storage import Storage
@@ -165,6 +165,9 @@ class WriteItem:
     sizes: Tuple[int, ...]
     tensor: Optional[torch.Tensor]
     stream: Optional[Callable[[], Iterable[memoryview]]] = None
+    #: The chunk's content hash when already known (an incremental save hashed
+    #: it to look for an earlier copy): the write pass then does not hash again.
+    hash: Optional[str] = None
 
     @property
     def nbytes(self) -> int:
@@ -280,8 +283,22 @@ def _balance(items: Sequence[WriteItem], parts: int) -> List[List[WriteItem]]:
     return [g for g in groups if g]
 
 
+class _Pass:
+    """The checksums of one chunk's write pass: block CRC-32Cs and, when asked, the content hash."""
+
+    def __init__(self, block_bytes: int, hasher: Any):
+        self.crcs = BlockCrcs(block_bytes, enabled=_knobs.CHECKSUMS)
+        self.hasher = hasher
+
+    def update(self, data) -> None:
+        self.crcs.update(data)
+        if self.hasher is not None:
+            self.hasher.update(data)
+
+
 def _write_one(
-    storage: Storage, rel: str, items: Sequence[WriteItem], block_bytes: int, chunk_metadata: bool = True
+    storage: Storage, rel: str, items: Sequence[WriteItem], block_bytes: int, chunk_metadata: bool = True,
+    hash_algo: Optional[str] = None,
 ) -> Tuple[List[ChunkMeta], FileMeta]:
     chunks_md = {it.key: {"tensor": it.name, "offsets": list(it.offsets)} for it in items} if chunk_metadata else None
     header, starts = safetensors_header(
@@ -302,9 +319,10 @@ def _write_one(
         size = len(header)
         bounce: List[torch.Tensor] = []  # pinned buffers for GPU chunks, reused across them
         for it, start in zip(items, starts):
-            # The block CRCs (v2) are computed as the bytes go out; the
-            # chunk's CRC (v1's one number) is joined from them.
-            crcs = BlockCrcs(block_bytes, enabled=_knobs.CHECKSUMS)
+            # The block CRCs (v2) and the content hash (v4) are computed as
+            # the bytes go out; the chunk's CRC (v1's one number) is joined
+            # from the blocks. A hash known already is not computed again.
+            crcs = _Pass(block_bytes, new_hasher(hash_algo) if hash_algo and it.hash is None else None)
             if it.stream is not None:
                 _write_stream(w, it, crcs)
             elif cast(torch.Tensor, it.tensor).device.type == "cuda" and it.nbytes > 0:
@@ -318,7 +336,7 @@ def _write_one(
                     crcs.update(block)
                     w.write(block)
                 del mv
-            blocks = crcs.finish()
+            blocks = crcs.crcs.finish()
             size += it.nbytes
             out.append(
                 ChunkMeta(
@@ -328,8 +346,9 @@ def _write_one(
                     sizes=list(it.sizes),
                     byte_offset=start,
                     nbytes=it.nbytes,
-                    crc32c=crcs.crc,
+                    crc32c=crcs.crcs.crc,
                     blocks=blocks,
+                    hash=it.hash if crcs.hasher is None else crcs.hasher.hexdigest(),
                 )
             )
         w.close()
@@ -339,7 +358,7 @@ def _write_one(
     return out, FileMeta(size)
 
 
-def _write_stream(w, it: WriteItem, crcs: BlockCrcs) -> None:
+def _write_stream(w, it: WriteItem, crcs: _Pass) -> None:
     """Write a chunk whose bytes come from ``it.stream`` (pieces of any size, in order)."""
     n = 0
     for piece in it.stream():  # type: ignore[misc]
@@ -350,7 +369,7 @@ def _write_stream(w, it: WriteItem, crcs: BlockCrcs) -> None:
         raise AssertionError(f"internal error: {it.key}: streamed {n} bytes, expected {it.nbytes}")
 
 
-def _write_cuda(w, it: WriteItem, bounce: List[torch.Tensor], crcs: BlockCrcs) -> None:
+def _write_cuda(w, it: WriteItem, bounce: List[torch.Tensor], crcs: _Pass) -> None:
     """Stream a GPU chunk through two pinned buffers: block k+1 copies while block k is written."""
     src = cast(torch.Tensor, it.tensor).detach()
     if src.is_conj() or src.is_neg():
@@ -396,6 +415,7 @@ def write_files(
     threads: Optional[int] = None,
     block_bytes: Optional[int] = None,
     chunk_metadata: bool = True,
+    hash_algo: Optional[str] = None,
 ) -> Tuple[List[ChunkMeta], Dict[str, FileMeta]]:
     """Write each file in parallel (safetensors, checksummed in the same pass); return chunk metadata and file sizes.
 
@@ -412,6 +432,9 @@ def write_files(
         chunk_metadata: describe each chunk (tensor, offsets) in the file's
             ``__metadata__`` (native files); False for plain safetensors
             (Hugging Face exports).
+        hash_algo: content hash of each chunk (format v4, ``ChunkMeta.hash``),
+            in the same pass (``checksum.HASH_ALGOS``); default none: it
+            costs CPU time, and only incremental saves need it.
 
     Raises:
         OSError / StorageError: a write failed (the caller removes the files).
@@ -421,15 +444,16 @@ def write_files(
     """
     bb = block_bytes or _knobs.BLOCK_BYTES
     threads = _knobs.IO_THREADS if threads is None else threads
+    hash_algo = hash_algo or ""
     chunks: List[ChunkMeta] = []
     metas: Dict[str, FileMeta] = {}
     if not files:
         return chunks, metas
     if len(files) == 1 or threads <= 1:
-        results = [(rel, _write_one(storage, rel, items, bb, chunk_metadata)) for rel, items in files.items()]
+        results = [(rel, _write_one(storage, rel, items, bb, chunk_metadata, hash_algo)) for rel, items in files.items()]
     else:
         with ThreadPoolExecutor(max_workers=min(threads, len(files)), thread_name_prefix="shardckpt-w") as ex:
-            futs = {rel: ex.submit(_write_one, storage, rel, items, bb, chunk_metadata) for rel, items in files.items()}
+            futs = {rel: ex.submit(_write_one, storage, rel, items, bb, chunk_metadata, hash_algo) for rel, items in files.items()}
             results = [(rel, f.result()) for rel, f in futs.items()]
     for rel, (c, fm) in results:
         chunks.extend(c)

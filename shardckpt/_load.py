@@ -41,6 +41,7 @@ from ._format import (
 )
 from ._format._v2 import materialize
 from ._format.chunk import Chunk
+from ._format.refs import follow
 from ._format.resolve import MetaCache, resolve_chunks
 from ._format.values import TAG as _TAG
 from ._format.values import decode_value, is_tensor_ref, tensor_names
@@ -262,7 +263,7 @@ def load(
     comm = open_comm(
         process_group, no_dist=no_dist, collective_timeout_s=collective_timeout_s, op="shardckpt.load", error=LoadFailedError
     )
-    storage = Storage(url, storage_options=storage_options)
+    storage = follow(Storage(url, storage_options=storage_options))  # format v4 references (_format.refs)
 
     def plan_and_check() -> LoadPlan:
         # Chunks are resolved per tensor for the boxes this rank holds (v2:
@@ -365,7 +366,7 @@ def _needed_files(plan: LoadPlan) -> Dict[str, int]:
 
 def _load_by_keys(url: str, *, keys, storage_options, io_threads: Optional[int]) -> Dict[str, Any]:
     """``load(None, url, keys=...)``: what was asked, as plain tensors and values (one process)."""
-    storage = Storage(url, storage_options=storage_options)
+    storage = follow(Storage(url, storage_options=storage_options))  # format v4 references (_format.refs)
     manifest = with_aliases(open_manifest(storage))
     asked = select_paths(manifest, keys)
     names = sorted({n for node in asked.values() for n in tensor_names(node) if n in manifest.tensors})

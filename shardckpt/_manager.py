@@ -33,6 +33,7 @@ from ._async import AsyncSaveHandle, start_async, wait_pending
 from ._collective import FROM_ROOT, Comm, NoProcessGroupError, agree, open_comm
 from ._format import HF_INDEX_NAME, MANIFEST_NAME, open_manifest, torch_dtype
 from ._format.committed import _nearby
+from ._format.refs import follow, live_files, removable
 from ._io import check_files
 from ._load import load
 from ._memory import MemoryTier
@@ -182,6 +183,9 @@ def _is_damage(e: BaseException) -> bool:
     return isinstance(e, (ValueError, TypeError, KeyError, RecursionError, UnicodeError))
 
 
+#: ``_clear_dir``'s "liveness not computed yet".
+_UNKNOWN = object()
+
 #: Largest step number (int64, what trainers count in): a bigger one has no directory name to write.
 MAX_STEP = 2**63 - 1
 
@@ -235,6 +239,11 @@ class CheckpointManager:
         check_files: before restoring a step, check every data file it lists
             exists with its recorded size (one stat per file; checksums are
             always verified while reading).
+        incremental: each save references the chunks whose bytes the newest
+            committed step already holds instead of rewriting them
+            (:func:`shardckpt.save`'s ``incremental``). Retention then
+            deletes a dropped step's files only when no kept step names
+            them (docs/manager.md, "Retention with incremental steps").
 
     torchtitan's checkpointer options (``docs/manager.md``, migration table):
 
@@ -305,6 +314,7 @@ class CheckpointManager:
         enable_first_step_checkpoint: bool = False,
         load_only: bool = False,
         memory: Any = None,
+        incremental: bool = False,
     ):
         if isinstance(root_url, str) and not root_url.strip():
             raise UsageError(
@@ -336,6 +346,7 @@ class CheckpointManager:
         self.last_save_in_hf = bool(last_save_in_hf)
         self.enable_first_step_checkpoint = bool(enable_first_step_checkpoint)
         self.load_only = bool(load_only)
+        self.incremental = bool(incremental)
         #: URL the last :meth:`restore` loaded (a step, or ``initial_load_path``); None if nothing.
         self.restored_from: Optional[str] = None
         self._handle: Optional[AsyncSaveHandle] = None
@@ -526,7 +537,7 @@ class CheckpointManager:
         ours = (self._known or set()) | _SAVED_IN_PROCESS.get(self.root_url, set())
         return sorted(set(committed) - ours)
 
-    def _claim(self, step: int) -> None:
+    def _claim(self, step: int) -> Optional[str]:
         """Rank 0, before each save: refuse when another writer committed steps under the root since the last save.
 
         Two managers saving under one root would each apply retention to the
@@ -554,6 +565,10 @@ class CheckpointManager:
         cast(Set[int], self._known).add(step)
         _ROOT_OWNER[self.root_url] = self._token
         _SAVED_IN_PROCESS.setdefault(self.root_url, set()).add(step)
+        if not self.incremental:
+            return None
+        earlier = [s for s in self._scan()[0] if s < step]
+        return step_dir_name(earlier[-1]) if earlier else None
 
     # -- save (engine) ---------------------------------------------------------------
     # -- save (engine) ---------------------------------------------------------------
@@ -563,8 +578,10 @@ class CheckpointManager:
         comm = self._comm("CheckpointManager.save")
         wait_pending(new_save=True)
         # Rank 0 claims (or checks) the root; its refusal is raised on every rank.
-        agree(comm, lambda: self._claim(step) if comm.rank == 0 else None, what=f"save of step {step} under {self.root_url}",
-              mode=FROM_ROOT)
+        # With incremental saves rank 0 also names the base (the newest
+        # committed step before this one), the same for every rank.
+        _, base = agree(comm, lambda: self._claim(step) if comm.rank == 0 else None,
+                        what=f"save of step {step} under {self.root_url}", share=lambda v: v, mode=FROM_ROOT)
         url = self.step_url(step)
         name = step_dir_name(step)
         hint = "pass force=True to replace it"
@@ -578,6 +595,8 @@ class CheckpointManager:
                 io_threads=self._write_threads,
                 extra={"step": step},
                 exists_hint=f"step {step} is already committed; {hint}",
+                incremental=base,
+                content_hash=self.incremental,  # the first step too: later ones reference it
             )
         except CheckpointError:
             raise
@@ -591,7 +610,7 @@ class CheckpointManager:
             # manifest, and cleanup() removes them.
             try:
                 if not self.root.exists(f"{name}/{MANIFEST_NAME}"):
-                    self._remove_leftover(name)
+                    self._clear_dir(name)
             except Exception as e:
                 log.warning("shardckpt: cannot remove leftovers of step %d at %s: %s: %s", step, url, type(e).__name__, e)
 
@@ -650,21 +669,85 @@ class CheckpointManager:
                 "writer (this manager's next save raises ConcurrentUseError)", saved, format_offenders(foreign), self.root_url,
             )
             return
+        drop = steps_to_delete(committed, keep_last=self.keep_last, keep_every=self.keep_every, protect=[saved])
+        # Uncommit the dropped steps first: if we die half way, what remains
+        # are leftovers that restore skips, never a committed step with
+        # missing files. Then delete only files no kept manifest names
+        # (the kept manifests are never touched here).
+        for s in drop:
+            log.info("shardckpt: retention removes step %d", s)
+            self._uncommit(step_dir_name(s))
         stale = set(stale_leftovers(committed, [s for s, _ in partial]))
+        if not drop and not stale:
+            return  # nothing to delete: no manifest to read
+        kept = [s for s in committed if s not in set(drop)]
+        live = self._live_files(kept)
         for s, name in partial:
             if s in stale:
                 log.info("shardckpt: removing leftovers of an unfinished save: %s", self.root.url_of(name))
-                self._remove_leftover(name)
-        for s in steps_to_delete(committed, keep_last=self.keep_last, keep_every=self.keep_every, protect=[saved]):
-            log.info("shardckpt: retention removes step %d", s)
-            self._remove_step(s)
+                self._clear_dir(name, live)
+        for s in drop:
+            self._clear_dir(step_dir_name(s), live)
+
+    def _uncommit(self, name: str) -> None:
+        try:
+            self.root.remove(f"{name}/{MANIFEST_NAME}")
+        except FileNotFoundError:
+            pass
 
     def _remove_step(self, step: int) -> None:
         name = step_dir_name(step)
         # Uncommit first: if we die half way, what remains is a leftover that
         # restore skips, never a committed step with missing files.
-        self.root.remove(f"{name}/{MANIFEST_NAME}")
-        self._remove_dir(name)
+        self._uncommit(name)
+        self._clear_dir(name)
+
+    def _live_files(self, kept: Iterable[int]) -> Optional[Set[Tuple[str, str]]]:
+        """``(dir, path)`` of every file the manifests of ``kept`` steps name (own and referenced); None if one is unreadable.
+
+        None makes the caller delete nothing a reference could need: an
+        unreadable manifest's references are unknown.
+        """
+        named: Dict[str, List[str]] = {}
+        for s in kept:
+            name = step_dir_name(s)
+            try:
+                named[name] = list(open_manifest(self.root.child(name), chunks=False).files)
+            except (FileNotFoundError, NotADirectoryError, CheckpointNotFoundError):
+                continue  # deleted since the scan: names nothing
+            except Exception as e:
+                log.warning("shardckpt: cannot read the manifest of kept step %d (%s: %s): files other steps may "
+                            "reference are kept this time", s, type(e).__name__, e)
+                return None
+        return live_files(named)
+
+    def _clear_dir(self, name: str, live: Any = _UNKNOWN, *, dry_run: bool = False) -> List[str]:
+        """Delete a step directory without a manifest, except the files a kept step names (references).
+
+        ``live``: from :meth:`_live_files` (read from the committed steps
+        when not given, and only when the directory holds files; None:
+        unknown, so only a directory holding no data file is removed).
+        Returns what was (or, ``dry_run``, would be) removed.
+        """
+        try:
+            present = self.root.child(name).walk_files("")
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        if present and live is _UNKNOWN:
+            live = self._live_files(self._scan()[0])
+        if live is None:
+            if any(rel.endswith(".safetensors") for rel in present):
+                return []
+            live = set()
+        gone = removable(name, present, live or set())
+        if len(gone) == len(present):
+            if not dry_run:
+                self._remove_leftover(name)
+            return [name]
+        if not dry_run:
+            for rel in gone:
+                self.root.remove(f"{name}/{rel}")
+        return [f"{name}/{rel}" for rel in gone]
 
     def _remove_dir(self, name: str) -> None:
         self.root.remove_tree(name)
@@ -701,7 +784,7 @@ class CheckpointManager:
     # -- restore ----------------------------------------------------------------
 
     def _validate(self, step: int) -> None:
-        st = self.root.child(step_dir_name(step))
+        st = follow(self.root.child(step_dir_name(step)))  # a referenced file is checked where it lies
         m = open_manifest(st)
         saved = m.extra.get("step") if isinstance(m.extra, dict) else None
         # A step directory copied or renamed by hand holds another step's state:
@@ -890,7 +973,7 @@ class CheckpointManager:
         """
         wait_pending()
 
-    def cleanup(self) -> List[str]:
+    def cleanup(self, *, dry_run: bool = False) -> List[str]:
         """Remove leftovers of unfinished saves; returns what was removed (rank 0).
 
         Removes step directories without a manifest below the newest committed
@@ -899,6 +982,12 @@ class CheckpointManager:
         manifest does not list (data of a crashed ``force`` save, temporary
         manifest files). Waits for this manager's save in flight first. Only
         rank 0 deletes; on other ranks this is a no-op returning ``[]``.
+
+        Reference-safe (incremental steps): a file that a committed step's
+        manifest names is never removed, wherever it lies; a directory
+        without a manifest that still holds such files (a step retention
+        dropped while later steps reference its bytes) keeps exactly those.
+        This is ``shardckpt gc ROOT``; ``dry_run`` lists without removing.
 
         Limits: safe to run while another process saves forward (every step
         it commits stays whole); not while another process re-saves an older
@@ -913,13 +1002,14 @@ class CheckpointManager:
         for name in self.root.listdir(""):
             # Moved aside by a leftover removal that did not finish (_remove_leftover).
             if name.startswith(".removing-step-") and not self.root.exists(f"{name}/{MANIFEST_NAME}"):
-                self._remove_dir(name)
+                if not dry_run:
+                    self._remove_dir(name)
                 removed.append(name)
+        live = self._live_files(committed)
         stale = set(stale_leftovers(committed, [s for s, _ in partial]))
         for s, name in partial:
             if s in stale:
-                self._remove_leftover(name)
-                removed.append(name)
+                removed.extend(self._clear_dir(name, live, dry_run=dry_run))
         for s in committed:
             name = step_dir_name(s)
             st = self.root.child(name)
@@ -930,12 +1020,17 @@ class CheckpointManager:
             except CheckpointError as e:
                 log.warning("shardckpt: cleanup leaves step %d alone, its manifest is unreadable: %s", s, e)
                 continue
-            keep = set(m.files) | {MANIFEST_NAME, HF_INDEX_NAME}
+            # Files another kept step references stay too (a forced re-save's
+            # replaced data may be referenced by later incremental steps).
+            keep = set(m.files) | {MANIFEST_NAME, HF_INDEX_NAME} | {rel for d, rel in (live or ()) if d == name}
+            if live is None:
+                continue  # a kept manifest is unreadable: its references are unknown
             for rel in st.walk_files(""):
                 stale_tmp = rel.rsplit("/", 1)[-1].startswith(".") and rel.endswith(".tmp")
                 orphan = rel.startswith(DATA_DIR + "/") and rel.endswith(".safetensors") and rel not in keep
                 if stale_tmp or orphan:
-                    st.remove(rel)
+                    if not dry_run:
+                        st.remove(rel)
                     removed.append(f"{name}/{rel}")
         return sorted(removed)
 

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, Optional, 
 
 import torch
 
-from . import _geometry, _knobs, _union
+from . import _geometry, _incremental, _knobs, _union
 from ._collective import DISTINCT, FROM_ROOT, TO_ROOT, Comm, agree, open_comm
 from ._format import (
     DATA_DIR,
@@ -53,7 +53,8 @@ from ._format import (
 )
 from ._format._v2 import index_bytes
 from ._format.build import RankOutput, build_manifest
-from ._format.checksum import crc32c
+from ._format.checksum import crc32c, default_hash_algo
+from ._format.refs import follow
 from ._io import WriteItem, partition, write_files
 from ._layout import TensorLayout, layout_of
 from ._state import flatten_for_save
@@ -160,6 +161,8 @@ def save(
     io_threads: Optional[int] = None,
     collective_timeout_s: Optional[float] = None,
     no_dist: bool = False,
+    incremental: Optional[str] = None,
+    content_hash: bool = False,
 ) -> None:
     """Save ``state`` to ``url`` as a sharded, checksummed checkpoint.
 
@@ -190,6 +193,20 @@ def save(
         no_dist: this process alone, as if no process group existed (world
             size 1); every tensor must be whole here (plain tensors, or
             DTensors on a one-rank mesh), a sharded one is refused.
+        incremental: an earlier committed checkpoint next to ``url`` (same
+            parent directory; its URL or its directory name). A chunk whose
+            bytes (content hash), dtype, global shape and box equal one of
+            it is not written: the new checkpoint references that one's
+            file (format v4, ``@<dir>/<path>``). Every reader follows the
+            references; the checkpoint is only whole while the files it
+            references exist (``CheckpointManager(incremental=True)``'s
+            retention keeps them; ``converters.consolidate`` makes a copy
+            without references). Implies ``content_hash``.
+        content_hash: record a content hash (BLAKE3) of every chunk, so that
+            a later ``incremental`` save can reference this one (a base
+            saved without hashes is compared with nothing: everything is
+            written again). Off by default: hashing runs in the write pass
+            and costs CPU time (docs/incremental.md has the numbers).
 
     Raises:
         CheckpointExistsError: ``url`` holds a committed checkpoint and
@@ -217,7 +234,8 @@ def save(
         (7, 6.0)
     """
     comm = open_comm(process_group, no_dist=no_dist, collective_timeout_s=collective_timeout_s, op="shardckpt.save")
-    plan = prepare_save(state, url, comm=comm, storage_options=storage_options, overwrite=overwrite, io_threads=io_threads)
+    plan = prepare_save(state, url, comm=comm, storage_options=storage_options, overwrite=overwrite, io_threads=io_threads,
+                        incremental=incremental, content_hash=content_hash)
     execute_save(plan)
 
 
@@ -247,6 +265,12 @@ class SavePlan:
     writer: Optional[Callable[..., Any]] = None
     #: This rank's per-rank tensors: name -> (dtype, shape), told to rank 0 at commit.
     per_rank_specs: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+    #: Directory name of the earlier checkpoint (a sibling) whose chunks this
+    #: save references instead of rewriting (``_incremental``); None: write all.
+    incremental: Optional[str] = None
+    #: Content hash algorithm of this save's chunks (``_io.write_files``'s
+    #: ``hash_algo``): "" hashes nothing (the default: it costs CPU time).
+    hash_algo: str = ""
     #: False for the memory tier: each rank writes on its own host, so rank 0's
     #: commit cannot see the other hosts' files (``commit(files_here=False)``).
     files_here: bool = True
@@ -274,13 +298,20 @@ def prepare_save(
     io_threads: Optional[int] = None,
     extra: Optional[Mapping[str, Any]] = None,
     exists_hint: str = OVERWRITE_HINT,
+    incremental: Optional[str] = None,
+    content_hash: bool = False,
 ) -> SavePlan:
     """Flatten and plan a save; every rank learns whether any rank's state is invalid (collective).
 
     ``extra`` goes into the manifest's ``extra`` (the manager's step).
+    ``content_hash`` (implied by ``incremental``): hash every chunk written.
     """
     rank, world = comm.rank, comm.world
     storage = Storage(url, storage_options=storage_options)
+    base = None
+    if incremental:
+        base = _incremental.base_name(storage.url, incremental)
+        storage = follow(storage)  # the commit checks the referenced files' sizes
 
     # Validate the state on every rank before any other exchange, so a bad
     # state raises everywhere instead of leaving peers waiting.
@@ -331,6 +362,8 @@ def prepare_save(
         per_rank=flat.per_rank or None,
         exists_hint=exists_hint,
         per_rank_specs=MappingProxyType(own),
+        incremental=base,
+        hash_algo=default_hash_algo() if (content_hash or incremental) else "",
     )
 
 
@@ -370,17 +403,27 @@ def execute_save(plan: SavePlan) -> None:
 
     _, save_id = agree(comm, check_target, what=f"save to {storage.url} not started", share=lambda v: v, mode=FROM_ROOT)
 
-    groups = partition(list(plan.items), plan.io_threads)
-    files = {f"{DATA_DIR}/{save_id[:12]}-r{rank:05d}-{i:02d}.safetensors": g for i, g in enumerate(groups)}
+    files: Dict[str, Sequence[WriteItem]] = {}  # this rank's data files (filled by write(); removed on failure)
     index_rel = index_file_name(save_id, rank)
     regular = {n for n, lay in plan.layouts.items() if lay.regular is not None}
 
     def write() -> Tuple[Any, ...]:
+        items = list(plan.items)
+        referenced: List[Tuple[str, ChunkMeta]] = []
+        ref_sizes: Dict[str, int] = {}
+        if plan.incremental:
+            shapes = {n: tuple(lay.shape) for n, lay in plan.layouts.items()}
+            items, referenced, ref_sizes = _incremental.match_earlier(storage, plan.incremental, items, shapes)
+        groups = partition(items, plan.io_threads)
+        files.update({f"{DATA_DIR}/{save_id[:12]}-r{rank:05d}-{i:02d}.safetensors": g for i, g in enumerate(groups)})
         try:
-            named, fmetas, index = write_rank(storage, files, save_id, rank, threads=plan.io_threads, writer=plan.writer)
+            named, fmetas, index = write_rank(storage, files, save_id, rank, threads=plan.io_threads, writer=plan.writer,
+                                              referenced=referenced, hash_algo=plan.hash_algo)
         except OSError as e:
             err = _write_failed(e, storage, f"rank {rank} could not write its files")
             raise err from err.__cause__
+        if plan.incremental:
+            _incremental.note_written(storage, named, referenced)
         # Rank 0 needs only: the irregular tensors' chunks (to check their
         # tiling and name their writers), whole-tensor chunks (the HF index),
         # and the bytes written of regular tensors (a missing writer shows):
@@ -388,7 +431,7 @@ def execute_save(plan: SavePlan) -> None:
         return (
             None,
             [c.to_json() | {"name": n} for n, c in named if n not in regular or c.key == n],
-            {k: v.size for k, v in fmetas.items()},
+            {k: v.size for k, v in fmetas.items()} | ref_sizes,
             plan.per_rank,
             index,
             sum(c.nbytes for n, c in named if n in regular),
@@ -464,6 +507,8 @@ def write_rank(
     threads: Optional[int] = None,
     block_bytes: Optional[int] = None,
     writer: Optional[Callable[..., Any]] = None,
+    referenced: Sequence[Tuple[str, ChunkMeta]] = (),
+    hash_algo: str = "",
 ) -> Tuple[List[Tuple[str, ChunkMeta]], Dict[str, FileMeta], Optional[Tuple[str, int, int]]]:
     """Write one rank's data files, then its v2 index file: the bytes of a save (and of a converter's output).
 
@@ -474,6 +519,10 @@ def write_rank(
         threads / block_bytes: as ``write_files`` (block CRC size, default ``SHARDCKPT_BLOCK_BYTES``).
         writer: who writes the data files (default ``_io.write_files``, here;
             the async save's writer process passes its own, same signature).
+        referenced: ``(tensor name, chunk)`` of chunks not written but
+            referenced in an earlier checkpoint (incremental save): listed
+            in the index file beside the written ones, and returned in the
+            first list too.
 
     Returns:
         ``([(tensor name, chunk)], {file: FileMeta}, (index path, size, crc32c) or None)``;
@@ -488,15 +537,16 @@ def write_rank(
     block_bytes = block_bytes or _knobs.BLOCK_BYTES
     # A chunk's tensor name travels with it: (file, key) identifies the item written.
     names = {(rel, it.key): it.name for rel, items in files.items() for it in items}
-    chunks, fmetas = (writer or write_files)(storage, files, threads=threads, block_bytes=block_bytes)
-    named = [(names[(c.file, c.key)], c) for c in chunks]
+    chunks, fmetas = (writer or write_files)(storage, files, threads=threads, block_bytes=block_bytes, hash_algo=hash_algo)
+    named = [(names[(c.file, c.key)], c) for c in chunks] + list(referenced)
     index = None
     if named:
         index_rel = index_file_name(save_id, rank)
         body = index_bytes(save_id, rank, block_bytes, named)
         # The data files just written made data/: if it is gone now
-        # (cleanup(), a removed run), fail rather than re-create it.
-        storage.write_atomic(index_rel, body, create_dirs=False)
+        # (cleanup(), a removed run), fail rather than re-create it. A rank
+        # whose chunks are all references (incremental) wrote none: it makes data/.
+        storage.write_atomic(index_rel, body, create_dirs=not fmetas)
         index = (index_rel, len(body), crc32c(body))
     return named, fmetas, index
 

@@ -10,8 +10,10 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from ._format import ChunkMeta, Manifest, open_manifest, plural, read_safetensors_header
+from ._format.checksum import hash_available, new_hasher
 from ._format.chunk import Chunk
 from ._format.files import check_files
+from ._format.refs import follow
 from ._format.versions import spec
 from ._readers import BufferPool, Want, read_verified
 from .errors import ChecksumMismatchError, CorruptCheckpointError
@@ -32,7 +34,7 @@ def _storage(url: str, storage_options: Optional[Dict[str, Any]]):
     # The storage backends (S3 clients) cost more to import than the format: only when used.
     from ._storage import Storage
 
-    return Storage(url, storage_options=storage_options)
+    return follow(Storage(url, storage_options=storage_options))  # format v4 references
 
 
 def inspect(url: str, *, storage_options: Optional[Dict[str, Any]] = None, no_dist: bool = False) -> Manifest:
@@ -123,7 +125,8 @@ def verify_manifest(
     else:
         found = [check_header(rel) for rel in rels]
     errors = [e for errs, _ in found for e in errs]
-    errors.extend(_check_chunks(storage, [c for _, good in found for c in good], io_threads=io_threads, on_bytes=on_bytes))
+    errors.extend(_check_chunks(storage, [c for _, good in found for c in good], io_threads=io_threads, on_bytes=on_bytes,
+                                hash_algo=_hash_algo(m)))
     if errors:
         cls = ChecksumMismatchError if all("crc32c" in e for e in errors) else CorruptCheckpointError
         errors.sort()
@@ -133,9 +136,17 @@ def verify_manifest(
 
 
 def _check_chunks(
-    storage: Any, chunks: List[Chunk], *, io_threads: int = VERIFY_IO_THREADS, on_bytes: Optional[Callable[[int], None]] = None
+    storage: Any, chunks: List[Chunk], *, io_threads: int = VERIFY_IO_THREADS, on_bytes: Optional[Callable[[int], None]] = None,
+    hash_algo: str = "",
 ) -> List[str]:
-    """Every byte of ``chunks`` read and checked through the one verified reader: one problem line per damaged chunk."""
+    """Every byte of ``chunks`` read and checked through the one verified reader: one problem line per damaged chunk.
+
+    ``hash_algo`` (format v4's ``content_hash``): a chunk with a content hash
+    whose blocks all match is hashed too, as its bytes are delivered (in
+    order), and must match; skipped where this process cannot compute it.
+    """
+    hashing = bool(hash_algo) and hash_available(hash_algo)
+    hashers: Dict[Chunk, Any] = {}
     wants: List[Want] = []
     for c in chunks:
         if not c.checked:
@@ -148,6 +159,11 @@ def _check_chunks(
     damaged: Dict[Chunk, List[Tuple[int, Optional[int]]]] = {}
 
     def deliver(w: Want, data: memoryview, owner: Any, off: int) -> None:
+        c = w.chunk
+        if hashing and c.content_hash:
+            if c not in hashers:
+                hashers[c] = new_hasher(hash_algo)
+            hashers[c].update(data)
         if on_bytes is not None:
             on_bytes(len(data))
 
@@ -156,7 +172,11 @@ def _check_chunks(
 
     pool = BufferPool(max(1, io_threads) * VERIFY_RANGE_BYTES, slot_bytes=VERIFY_RANGE_BYTES)
     read_verified(storage, wants, deliver, threads=io_threads, pool=pool, piece_bytes=VERIFY_RANGE_BYTES, on_mismatch=mismatch)
-    return [_damage_message(storage, c, bad) for c, bad in damaged.items()]
+    out = [_damage_message(storage, c, bad) for c, bad in damaged.items()]
+    for c, h in hashers.items():
+        if c not in damaged and h.hexdigest() != c.content_hash:
+            out.append(f"{storage.url_of(c.file)}: chunk {c.key!r} of tensor {c.tensor!r}: {hash_algo} content hash differs from the index")
+    return out
 
 
 def _check_file(
@@ -167,7 +187,12 @@ def _check_file(
     What :func:`verify` does, for one file (the memory tier checks a staged file with it).
     """
     errs, good = _check_header(storage, m, rel, chunks)
-    return errs + _check_chunks(storage, good, io_threads=1, on_bytes=on_bytes)
+    return errs + _check_chunks(storage, good, io_threads=1, on_bytes=on_bytes, hash_algo=_hash_algo(m))
+
+
+def _hash_algo(m: Manifest) -> str:
+    """The manifest's content hash algorithm (format v4), or "" (earlier versions: none)."""
+    return m.content_hash if spec(m.version).content_hash else ""
 
 
 def _check_header(storage: Any, m: Manifest, rel: str, chunks: List[Tuple[str, ChunkMeta]]) -> Tuple[List[str], List[Chunk]]:

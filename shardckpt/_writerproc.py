@@ -260,6 +260,7 @@ class ProcessWriter:
         threads: int,
         block_bytes: Optional[int] = None,
         chunk_metadata: bool = True,
+        hash_algo: str = "",
     ):
         """Have the child write ``files`` (items are views of ``arena``); return ``_io.write_files``'s result.
 
@@ -282,7 +283,7 @@ class ProcessWriter:
                     conn.send(("arena", arena.gen, arena.nbytes))  # type: ignore[union-attr]
                     send_handle(cast(Any, conn), arena.fd, self._proc.pid)  # type: ignore[union-attr]
                     self._sent = {arena.gen}  # the child keeps only the arena of the latest request
-                conn.send(("write", arena.gen, storage.url, storage.storage_options, spec, threads, block_bytes, chunk_metadata))  # type: ignore[union-attr]
+                conn.send(("write", arena.gen, storage.url, storage.storage_options, spec, threads, block_bytes, chunk_metadata, hash_algo))  # type: ignore[union-attr]
             except (OSError, EOFError):
                 raise self._died(f"receiving the save to {storage.url}") from None
             reply = self._recv(None, what=f"writing the save to {storage.url}")
@@ -389,7 +390,7 @@ def child_main() -> None:
             finally:
                 os.close(fd)
             continue
-        _, gen, url, options, spec, threads, block_bytes, chunk_metadata = msg
+        _, gen, url, options, spec, threads, block_bytes, chunk_metadata, hash_algo = msg
         for g in [g for g in arenas if g != gen]:
             del arenas[g]  # the parent moved to a newer arena
         try:
@@ -401,7 +402,8 @@ def child_main() -> None:
                 ]
                 for rel, items in spec.items()
             }
-            out = write_files(Storage(url, storage_options=options), files, threads=threads, block_bytes=block_bytes, chunk_metadata=chunk_metadata)
+            out = write_files(Storage(url, storage_options=options), files, threads=threads, block_bytes=block_bytes, chunk_metadata=chunk_metadata,
+                              hash_algo=hash_algo)
             reply: Tuple[Any, ...] = ("ok", out)
         except BaseException as e:  # noqa: BLE001 - every failure goes back to the save
             text = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"

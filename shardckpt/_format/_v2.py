@@ -17,11 +17,12 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, cast
 
 from .. import _geometry
 from ..errors import ChecksumMismatchError, CorruptCheckpointError, UnsafeMetadataError
-from .checksum import crc32c, pack_crcs, unpack_crcs
+from .checksum import HASH_ALGOS, check_hash_hex, crc32c, pack_crcs, unpack_crcs
 from .chunk import Chunk
 from .dtypes import DTYPES, itemsize
 from .manifest import (
     MANIFEST_CRC_FIELD,
+    V_CONTENT_HASH,
     ChunkMeta,
     FileMeta,
     IndexMeta,
@@ -35,6 +36,7 @@ from .manifest import (
     tiling_problems,
 )
 from .naming import DATA_DIR, DATA_SUFFIX, INDEX_DIR, INDEX_SUFFIX, chunk_key, save_id_prefix
+from .refs import check_ref_paths
 from .resolve import MetaCache
 from .versions import VERSIONS, spec
 
@@ -171,8 +173,15 @@ def manifest_v2_from_raw(raw: Dict[str, Any], where: str) -> Manifest:
                 raise _bad(tw, f"writers must be ranks in 0..{world_size - 1}")
             t.writers = list(writers)
         tensors[name] = t
+    content_hash = ""
+    if version >= V_CONTENT_HASH:
+        content_hash = _req(raw, "content_hash", str, where)
+        if content_hash not in HASH_ALGOS:
+            raise _bad(where, f"content_hash {content_hash!r:.40} is not one of {', '.join(HASH_ALGOS)} (a newer shardckpt? upgrade)")
+        check_ref_paths(files, where)
     extra = raw.get("extra") or {}
     return Manifest(
+        content_hash=content_hash,
         world_size=world_size,
         tensors=tensors,
         files=files,
@@ -392,15 +401,21 @@ def _expand_table(raw: Dict[str, Any], world_size: int, where: str) -> Tuple[Lis
 #: Fields of one chunk row of an index file, in order (rows, not objects: an
 #: index costs ~100 bytes a chunk). ``key`` and ``nbytes`` derive from them.
 INDEX_ROW = ("tensor", "file", "offsets", "sizes", "byte_offset", "crc32c", "blocks")
+#: Format v4 rows: one more column, the chunk's content hash (hex, or null
+#: for a chunk written without one); the algorithm is the manifest's
+#: ``content_hash``.
+INDEX_ROW_V4 = INDEX_ROW + ("hash",)
 
 
 def index_bytes(save_id: str, rank: int, block_bytes: int, chunks: Sequence[Tuple[str, ChunkMeta]]) -> bytes:
     """A rank's index file: ``(tensor name, chunk)`` for every chunk it wrote, with block CRCs."""
     files = sorted({c.file for _, c in chunks})
     fid = {f: i for i, f in enumerate(files)}
+    hashed = any(c.hash is not None for _, c in chunks)
     rows = []
     for name, c in sorted(chunks, key=lambda nc: (nc[0], nc[1].offsets)):
-        rows.append([name, fid[c.file], list(c.offsets), list(c.sizes), c.byte_offset, c.crc32c, pack_crcs(c.blocks or [])])
+        row = [name, fid[c.file], list(c.offsets), list(c.sizes), c.byte_offset, c.crc32c, pack_crcs(c.blocks or [])]
+        rows.append(row + [c.hash] if hashed else row)
     body = {
         "format": INDEX_FORMAT,
         "format_version": 2,
@@ -408,7 +423,7 @@ def index_bytes(save_id: str, rank: int, block_bytes: int, chunks: Sequence[Tupl
         "rank": rank,
         "block_bytes": block_bytes,
         "files": files,
-        "rows": list(INDEX_ROW),
+        "rows": list(INDEX_ROW_V4 if hashed else INDEX_ROW),
         "chunks": rows,
     }
     return canonical_json(body)
@@ -463,8 +478,10 @@ def _parse_index(m: Manifest, data: bytes, rank: int, where: str) -> Dict[str, A
     if raw.get("save_id") != m.save_id or raw.get("block_bytes") != m.block_bytes:
         raise _bad(where, "belongs to another save (save_id or block_bytes differ from the manifest)")
     files = _req(raw, "files", list, where)
-    if raw.get("rows") != list(INDEX_ROW):
-        raise _bad(where, f"field 'rows' must be {list(INDEX_ROW)}")
+    row_kinds = [list(INDEX_ROW)] + ([list(INDEX_ROW_V4)] if m.version >= V_CONTENT_HASH else [])
+    if raw.get("rows") not in row_kinds:
+        raise _bad(where, f"field 'rows' must be {' or '.join(str(k) for k in row_kinds)}")
+    columns = tuple(raw["rows"])
     for f in files:
         if not isinstance(f, str) or f not in m.files:
             raise _bad(where, f"file {f!r:.80} is not listed in the manifest")
@@ -473,9 +490,9 @@ def _parse_index(m: Manifest, data: bytes, rank: int, where: str) -> Dict[str, A
     claims = []
     for i, row in enumerate(_req(raw, "chunks", list, where)):
         cw = f"{where} chunk {i}"
-        if not isinstance(row, list) or len(row) != len(INDEX_ROW):
-            raise _bad(cw, f"must be a list of {len(INDEX_ROW)} fields {list(INDEX_ROW)}")
-        rec = dict(zip(INDEX_ROW, row))
+        if not isinstance(row, list) or len(row) != len(columns):
+            raise _bad(cw, f"must be a list of {len(columns)} fields {list(columns)}")
+        rec = dict(zip(columns, row))
         name = _req(rec, "tensor", str, cw)
         t = m.tensors.get(name)
         if t is None:
@@ -503,6 +520,8 @@ def _parse_index(m: Manifest, data: bytes, rank: int, where: str) -> Dict[str, A
             raise _bad(cw, f"crc32c {c.crc32c} is not a 32-bit value")
         try:
             c.blocks = unpack_crcs(cast(str, rec.get("blocks")), nblocks(c.nbytes, m.block_bytes))
+            if rec.get("hash") is not None:
+                c.hash = check_hash_hex(rec["hash"], "hash")
         except ValueError as e:
             raise _bad(cw, str(e)) from None
         if c.key in keys:

@@ -23,7 +23,10 @@ from typing import Dict, List
 
 import crc32c as _crc32c
 
-__all__ = ["ALGOS", "checksum", "combine", "crc32c", "crc32c_combine", "BlockCrcs", "pack_crcs", "unpack_crcs"]
+__all__ = [
+    "ALGOS", "checksum", "combine", "crc32c", "crc32c_combine", "BlockCrcs", "pack_crcs", "unpack_crcs",
+    "HASH_ALGOS", "default_hash_algo", "hash_available", "new_hasher", "content_hash",
+]
 
 _POLY_REFLECTED = {"crc32c": 0x82F63B78, "crc32": 0xEDB88320}
 ALGOS = tuple(_POLY_REFLECTED)
@@ -196,3 +199,75 @@ def unpack_crcs(text: str, count: int) -> List[int]:
     if len(raw) != 4 * count:
         raise ValueError(f"block checksums: {len(raw)} bytes, expected {4 * count}")
     return list(struct.unpack(f"<{count}I", raw))
+
+
+# --------------------------------------------------------------------------
+# content hashes (format v4): what incremental saves compare chunks by
+
+
+#: Content hash algorithms a manifest may name (``content_hash``), strongest
+#: first. BLAKE3 (the ``blake3`` package, a dependency) is what writers use;
+#: SHA-256 (hashlib) is what a writer falls back to without it, and both read.
+HASH_ALGOS = ("blake3", "sha256")
+#: Hex digits of a content hash (32 bytes, both algorithms).
+HASH_HEX_DIGITS = 64
+
+
+def _blake3():
+    try:
+        import blake3  # noqa: PLC0415  (only writers and verify need it: keep `import shardckpt` cheap)
+    except ImportError:
+        return None
+    return blake3.blake3
+
+
+def default_hash_algo() -> str:
+    """The algorithm a writer uses: ``"blake3"`` when importable, else ``"sha256"``."""
+    return "blake3" if _blake3() is not None else "sha256"
+
+
+def hash_available(algo: str) -> bool:
+    """Whether this process can compute ``algo`` (``blake3`` needs its package)."""
+    return algo == "sha256" or (algo == "blake3" and _blake3() is not None)
+
+
+def new_hasher(algo: str):
+    """A fresh hash object (``update(bytes)``, ``hexdigest()``) of ``algo`` in :data:`HASH_ALGOS`.
+
+    Raises:
+        ValueError: an unknown algorithm, or ``blake3`` without the package
+            (``pip install blake3``).
+
+    Example:
+        >>> h = new_hasher("sha256"); h.update(b"abc"); h.hexdigest()[:8]
+        'ba7816bf'
+    """
+    if algo == "blake3":
+        b3 = _blake3()
+        if b3 is None:
+            raise ValueError("content hash 'blake3' needs the blake3 package: pip install blake3")
+        return b3()
+    if algo == "sha256":
+        import hashlib
+
+        return hashlib.sha256()
+    raise ValueError(f"unknown content hash {algo!r}; known: {', '.join(HASH_ALGOS)}")
+
+
+def content_hash(algo: str, data) -> str:
+    """Hex content hash of ``data`` (bytes-like) with ``algo``.
+
+    Example:
+        >>> content_hash("blake3", b"") == content_hash("blake3", memoryview(b""))
+        True
+    """
+    h = new_hasher(algo)
+    h.update(data)
+    return h.hexdigest()
+
+
+def check_hash_hex(value, where: str) -> str:
+    """``value`` if it is a content hash as index files hold it (64 lowercase hex digits); ValueError otherwise."""
+    if not isinstance(value, str) or len(value) != HASH_HEX_DIGITS or value.strip("0123456789abcdef"):
+        raise ValueError(f"{where}: content hash must be {HASH_HEX_DIGITS} lowercase hex digits, found {value!r:.80}")
+    return value

@@ -20,11 +20,11 @@ short). A read of several blocks or chunks is a *range*; what the reader asks
 storage for at once is a *read piece*; memory a range is read into is a
 *buffer*.
 
-Extending (incremental checkpoints): a chunk whose bytes live in another
-checkpoint adds fields with defaults at the end (say ``content_hash`` and
-``source``, the root the ``file`` is relative to); resolution fills them,
-and :meth:`Chunk.from_meta` copies them from the manifest row — nothing else
-constructs a chunk from a manifest row.
+Extending: a new field goes at the end with a default, and
+:meth:`Chunk.from_meta` copies it from the manifest row — nothing else
+constructs a chunk from a manifest row. A chunk whose bytes live in a sibling
+checkpoint (format v4) needs no field: its ``file`` is the reference path
+(``@<dir>/<path>``) that the storage of ``_format.refs.follow`` reads.
 """
 
 from __future__ import annotations
@@ -51,6 +51,8 @@ class Chunk:
             ``block_bytes`` 0 and ``block_crcs`` empty: no block checksums.
         tensor, key: the tensor it belongs to and its safetensors key (for
             messages, :attr:`label`).
+        content_hash: format v4: the hex digest of the chunk's bytes (in the
+            manifest's ``content_hash`` algorithm); "" when none.
 
     How a reader verifies it (:meth:`unit_bounds`): by blocks when it has
     block checksums, else whole against ``crc32c``, else (no checksum at all)
@@ -72,6 +74,7 @@ class Chunk:
     block_crcs: Tuple[int, ...] = ()
     tensor: str = ""
     key: str = ""
+    content_hash: str = ""
 
     @property
     def blocked(self) -> bool:
@@ -126,5 +129,6 @@ class Chunk:
             block_crcs=blocks,
             tensor=tensor,
             key=meta.key,
+            content_hash=meta.hash or "",
         )
 

@@ -41,6 +41,8 @@ def hf_index_bytes(m: Manifest) -> Optional[bytes]:
     """``model.safetensors.index.json`` for ``m`` when every tensor is whole (HF layout), else ``None``."""
     if not m.tensors or any(len(t.chunks) != 1 or t.chunks[0].key != name for name, t in m.tensors.items()):
         return None
+    if any(rel.startswith("@") for rel in m.files):
+        return None  # references another checkpoint's files (format v4): not a Hugging Face directory
     index = {
         # save_id marks the index as part of a native save: without the
         # manifest (written right after) readers must not take it as HF.

@@ -17,7 +17,7 @@ from typing import Any, Dict, List, Optional, cast
 from .._geometry import Box, check_cover, shared_byte_ranges
 from .._version import __version__
 from ..errors import CorruptCheckpointError, NewerFormatError, UnsafeMetadataError
-from .checksum import crc32c
+from .checksum import crc32c, default_hash_algo
 from .dtypes import DTYPES, itemsize
 from .naming import MANIFEST_NAME
 from .values import value_depth_problem
@@ -50,6 +50,12 @@ FORMAT_NAME = "shardckpt"
 #: ``version=`` is v1, whose bytes ``tests/data/manifest_golden.json`` pins.
 FORMAT_VERSION = NEWEST
 V1 = 1
+#: First version whose manifest holds the compact per-rank file table.
+V_FILE_TABLE = min(v for v, s in VERSIONS.items() if s.file_table)
+#: First version with a content hash per chunk (index files' ``hash``
+#: column, the manifest's ``content_hash``) and references to files of
+#: sibling checkpoints (``@<dir>/<path>``, see :mod:`.refs`).
+V_CONTENT_HASH = min(v for v, s in VERSIONS.items() if s.content_hash)
 #: Top-level field of a v2 manifest holding the CRC-32C of its own canonical
 #: bytes without that field.
 MANIFEST_CRC_FIELD = "manifest_crc32c"
@@ -83,6 +89,10 @@ class ChunkMeta:
     # v2: CRC-32C of each ``Manifest.block_bytes`` slice of the chunk (from the
     # writer's index file); None for v1 chunks. Never in a v1 manifest's bytes.
     blocks: Optional[List[int]] = field(default=None, compare=False, repr=False)
+    # v4: content hash of the chunk's bytes (hex, algorithm
+    # ``Manifest.content_hash``), from the writer's index file; what
+    # incremental saves compare chunks by. None before v4.
+    hash: Optional[str] = field(default=None, compare=False, repr=False)
 
     def to_json(self) -> Dict[str, Any]:
         return {
@@ -162,6 +172,9 @@ class Manifest:
     block_bytes: int = 0
     meshes: List[Any] = field(default_factory=list)
     indexes: Dict[str, IndexMeta] = field(default_factory=dict)
+    # v4: the content hash algorithm of every chunk (``checksum.HASH_ALGOS``);
+    # a writer's manifest gets the one ``_io.write_files`` hashes with.
+    content_hash: str = field(default_factory=lambda: _default_hash_algo())
 
     @property
     def total_bytes(self) -> int:
@@ -192,6 +205,10 @@ class Manifest:
     def to_json(self) -> Dict[str, Any]:
         """The manifest's JSON object, as its version lays it out (``versions.spec``)."""
         return to_json(self)
+
+
+def _default_hash_algo() -> str:
+    return default_hash_algo()
 
 
 def manifest_v1_json(m: Manifest) -> Dict[str, Any]:
@@ -236,6 +253,8 @@ def manifest_v2_json(m: Manifest) -> Dict[str, Any]:
         "values": m.values,
         "extra": m.extra,
     }
+    if m.version >= V_CONTENT_HASH:
+        out["content_hash"] = m.content_hash
     files, indexes = m.files, m.indexes
     if spec(m.version).file_table:
         from ._v2 import file_table_json
@@ -469,6 +488,7 @@ def manifest_v1_from_raw(raw: Dict[str, Any], where: str) -> Manifest:
         library_version=str(raw.get("library_version", "")),
         extra=extra if isinstance(extra, dict) else {},
         version=version,
+        content_hash="",
     )
 
 

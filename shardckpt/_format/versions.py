@@ -13,6 +13,7 @@ version  what it adds
 2        checksummed manifest; per-rank index files with block CRCs;
          chunks derived from layout records
 3        the per-rank files in a compact table (``file_table``)
+4        a content hash per chunk; references to sibling checkpoints
 =======  ============================================================
 """
 
@@ -35,6 +36,8 @@ class VersionSpec:
             files).
         manifest_crc: the manifest carries the CRC-32C of its own bytes.
         file_table: the per-rank data and index files are a compact table.
+        content_hash: chunks carry a content hash (index rows' ``hash``), and
+            files may be references to sibling checkpoints (``_format.refs``).
         parse: ``(raw JSON object, where) -> Manifest``, validating.
         to_json: ``Manifest -> JSON object`` (before canonical encoding).
     """
@@ -44,6 +47,7 @@ class VersionSpec:
     block_checksums: bool
     manifest_crc: bool
     file_table: bool
+    content_hash: bool
     parse: Callable[[Dict[str, Any], str], Any]
     to_json: Callable[[Any], Dict[str, Any]]
 
@@ -74,11 +78,13 @@ def _v2_json(m: Any) -> Dict[str, Any]:
 
 #: Every version this library reads, by number; the last one is written.
 VERSIONS: Dict[int, VersionSpec] = {
-    1: VersionSpec(1, chunk_lists=True, block_checksums=False, manifest_crc=False, file_table=False,
+    1: VersionSpec(1, chunk_lists=True, block_checksums=False, manifest_crc=False, file_table=False, content_hash=False,
                    parse=_v1_parse, to_json=_v1_json),
-    2: VersionSpec(2, chunk_lists=False, block_checksums=True, manifest_crc=True, file_table=False,
+    2: VersionSpec(2, chunk_lists=False, block_checksums=True, manifest_crc=True, file_table=False, content_hash=False,
                    parse=_v2_parse, to_json=_v2_json),
-    3: VersionSpec(3, chunk_lists=False, block_checksums=True, manifest_crc=True, file_table=True,
+    3: VersionSpec(3, chunk_lists=False, block_checksums=True, manifest_crc=True, file_table=True, content_hash=False,
+                   parse=_v2_parse, to_json=_v2_json),
+    4: VersionSpec(4, chunk_lists=False, block_checksums=True, manifest_crc=True, file_table=True, content_hash=True,
                    parse=_v2_parse, to_json=_v2_json),
 }
 #: The version ``save`` and the converters write.

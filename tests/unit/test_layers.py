@@ -96,6 +96,8 @@ LOCAL_IMPORTS: Dict[Tuple[str, str], str] = {
     ("shardckpt._cli", "shardckpt._format"): "CLI start-up: format only for the subcommands that read",
     ("shardckpt._cli", "shardckpt._storage"): "CLI start-up: storage backends only when a URL is opened",
     ("shardckpt._cli", "shardckpt._verify"): "CLI start-up",
+    ("shardckpt._cli", "shardckpt._format.refs"): "CLI start-up: format only for the subcommands that read",
+    ("shardckpt._cli", "shardckpt._manager"): "CLI start-up: `gc` imports the manager (torch)",
     ("shardckpt._cli", "shardckpt.converters"): "CLI start-up: the converters import torch",
     ("shardckpt._cli", "shardckpt.converters._diff"): "CLI start-up: the converters import torch",
     # The storage package costs more to import than the whole format layer
