@@ -2,7 +2,7 @@
 
 Simulates an R-rank save and load of T tensors in one process, with no
 process group and no tensor bytes, from the real planning code
-(``shardckpt._plan``) and the real format code (``shardckpt._format``:
+(``shardckpt._geometry``) and the real format code (``shardckpt._format``:
 ``Manifest``/``TensorMeta``/``ChunkMeta``/``FileMeta``, ``manifest_to_bytes``,
 ``manifest_from_bytes``, ``tiling_problems``):
 
@@ -48,7 +48,7 @@ import sys
 import time
 from typing import Any, Dict, List, Sequence, Tuple
 
-from shardckpt import _plan
+from shardckpt import _geometry
 from shardckpt._format import (
     ChunkMeta,
     FileMeta,
@@ -59,7 +59,7 @@ from shardckpt._format import (
     manifest_to_bytes,
     tiling_problems,
 )
-from shardckpt._plan import Box, LocalBox, Replicate, Shard
+from shardckpt._geometry import Box, LocalBox, Replicate, Shard
 
 DEFAULT_TP = 8
 DEFAULT_RANK = 0
@@ -99,7 +99,7 @@ def model_tensors(count: int) -> List[Tuple[str, Tuple[int, ...], str]]:
 
 
 class _Layout:
-    """Stand-in for ``_plan.RegularLayout`` when timing shardckpt 0.1 (``--planner v1`` on an old tree)."""
+    """Stand-in for ``_geometry.RegularLayout`` when timing shardckpt 0.1 (``--planner v1`` on an old tree)."""
 
     def __init__(self, shape, mesh_shape, placements):
         self.shape, self.mesh_shape, self.placements = tuple(shape), tuple(mesh_shape), tuple(placements)
@@ -110,7 +110,7 @@ class _Layout:
 
 def layouts(tensors, ranks: int, layout: str, tp: int) -> Dict[str, Any]:
     """Each tensor's regular layout, as FSDP2 (and TP) would place it."""
-    make = getattr(_plan, "regular_layout", _Layout)
+    make = getattr(_geometry, "regular_layout", _Layout)
     out = {}
     for name, shape, style in tensors:
         if layout == "fsdp":
@@ -147,10 +147,10 @@ def _v1_holders(lay) -> Dict[Box, Tuple[int, ...]]:
         holders: Dict[Box, Tuple[int, ...]] = {}
         for t in range(tp):
             ranks = [d * tp + t for d in range(dp)]
-            for box, rs in _plan.layout_holders(lay.shape, ranks, (dp,), lay.placements[:1]).items():
+            for box, rs in _geometry.layout_holders(lay.shape, ranks, (dp,), lay.placements[:1]).items():
                 holders[box] = tuple(sorted(set(holders.get(box, ())) | set(rs)))
         return holders
-    return _plan.layout_holders(lay.shape, list(range(lay.world)), lay.mesh_shape, lay.placements)
+    return _geometry.layout_holders(lay.shape, list(range(lay.world)), lay.mesh_shape, lay.placements)
 
 
 def v1_save_plan(lays: Dict[str, Any], rank: int):
@@ -160,11 +160,11 @@ def v1_save_plan(lays: Dict[str, Any], rank: int):
     for name in sorted(lays):
         for box in sorted(holders[name], key=lambda b: b.offsets):
             items.append(((name, box), box.numel * ITEMSIZE, holders[name][box]))
-    writers = _plan.assign_writers(items)
+    writers = _geometry.assign_writers(items)
     mine = []
     for name in sorted(lays):
         lay = lays[name]
-        for lb in _plan.local_boxes(lay.shape, lay.mesh_shape, lay.placements, coord_of(lay.mesh_shape, rank)):
+        for lb in _geometry.local_boxes(lay.shape, lay.mesh_shape, lay.placements, coord_of(lay.mesh_shape, rank)):
             if writers.get((name, lb.box)) == rank:
                 mine.append((name, lb.box))
     return mine, writers
@@ -182,11 +182,11 @@ def v1_all_writes(writers: Dict[Tuple[str, Box], int]) -> Dict[int, List[Tuple[s
 
 
 def v2_save_plan(lays: Dict[str, Any], rank: int):
-    rot = _plan.writer_rotations([(name, lay, ITEMSIZE) for name, lay in lays.items()])
+    rot = _geometry.writer_rotations([(name, lay, ITEMSIZE) for name, lay in lays.items()])
     mine = []
     for name in sorted(lays):
         lay = lays[name]
-        for lb in _plan.boxes_to_write(lay, rot[name], coord_of(lay.mesh_shape, rank)):
+        for lb in _geometry.boxes_to_write(lay, rot[name], coord_of(lay.mesh_shape, rank)):
             mine.append((name, lb.box))
     return mine, rot
 
@@ -195,11 +195,11 @@ def v2_all_writes(lays, rot) -> Dict[int, List[Tuple[str, Box]]]:
     """Who writes what, for the v1 manifest rank 0 still commits (one record per chunk)."""
     per_rank: Dict[int, List[Tuple[str, Box]]] = {}
     for name, lay in lays.items():
-        for s, boxes in _plan.layout_chunks(lay):
+        for s, boxes in _geometry.layout_chunks(lay):
             if not boxes:
                 continue
             r = 0
-            for m, c in zip(lay.mesh_shape, _plan.writer_coord(lay, rot[name], s)):
+            for m, c in zip(lay.mesh_shape, _geometry.writer_coord(lay, rot[name], s)):
                 r = r * m + c
             per_rank.setdefault(r, []).extend((name, b) for b in boxes)
     return per_rank
@@ -237,8 +237,8 @@ def v1_load_plan(body: bytes, lays, rank: int) -> int:
     for name in sorted(lays):
         lay = lays[name]
         saved = [Box(tuple(c.offsets), tuple(c.sizes)) for c in m.tensors[name].chunks]
-        for lb in _plan.local_boxes(lay.shape, lay.mesh_shape, lay.placements, coord_of(lay.mesh_shape, rank)):
-            pieces += len(_plan.plan_reads(saved, [LocalBox(lb.box, (0,) * len(lay.shape))]))
+        for lb in _geometry.local_boxes(lay.shape, lay.mesh_shape, lay.placements, coord_of(lay.mesh_shape, rank)):
+            pieces += len(_geometry.plan_reads(saved, [LocalBox(lb.box, (0,) * len(lay.shape))]))
     return pieces
 
 
@@ -248,9 +248,9 @@ def v2_load_plan(records: Dict[str, Any], lays, rank: int) -> int:
     for name in sorted(lays):
         live = lays[name]
         saved = records[name]
-        for lb in _plan.local_boxes(live.shape, live.mesh_shape, live.placements, coord_of(live.mesh_shape, rank)):
-            hits = _plan.chunks_overlapping(saved, lb.box)
-            pieces += len(_plan.plan_reads([b for _, b in hits], [LocalBox(lb.box, (0,) * len(live.shape))]))
+        for lb in _geometry.local_boxes(live.shape, live.mesh_shape, live.placements, coord_of(live.mesh_shape, rank)):
+            hits = _geometry.chunks_overlapping(saved, lb.box)
+            pieces += len(_geometry.plan_reads([b for _, b in hits], [LocalBox(lb.box, (0,) * len(live.shape))]))
     return pieces
 
 
@@ -260,7 +260,7 @@ def compact_records(lays, rot, ranks: int) -> bytes:
         "format_version": 2,
         "world_size": ranks,
         "tensors": {
-            name: {"dtype": DTYPE, "layout": _plan.layout_to_json(lay), "rotation": rot[name]} for name, lay in sorted(lays.items())
+            name: {"dtype": DTYPE, "layout": _geometry.layout_to_json(lay), "rotation": rot[name]} for name, lay in sorted(lays.items())
         },
         # one data file per rank, named by rank: a pattern, not a list
         "files": {"pattern": "data/{save_id}-r{rank:05d}-{i:02d}.safetensors", "per_rank": 1},
@@ -320,7 +320,7 @@ def v2_manifest(lays, rot, ranks: int, block_bytes: int, sizes: Dict[int, Tuple[
 
     tensors = {}
     for name, lay in lays.items():
-        rec = _plan.layout_to_json(lay)
+        rec = _geometry.layout_to_json(lay)
         t = TensorMeta(dtype=DTYPE, shape=list(lay.shape), layout={"placements": rec["placements"]})
         t.regular = {"mesh_shape": rec["mesh_shape"], "placements": rec["placements"], "mesh": 0, "rotation": rot[name]}
         tensors[name] = t
@@ -358,9 +358,9 @@ def run_v2(args, lays) -> int:
     m0 = v2_manifest(lays, rot, args.ranks, block_bytes, sizes)
     for name in sorted(lays):
         lay = lays[name]
-        for lb in _plan.local_boxes(lay.shape, lay.mesh_shape, lay.placements, coord_of(lay.mesh_shape, args.rank)):
-            for s, _ in _plan.chunks_overlapping(lay, lb.box):
-                wc = _plan.writer_coord(lay, rot[name], s)
+        for lb in _geometry.local_boxes(lay.shape, lay.mesh_shape, lay.placements, coord_of(lay.mesh_shape, args.rank)):
+            for s, _ in _geometry.chunks_overlapping(lay, lb.box):
+                wc = _geometry.writer_coord(lay, rot[name], s)
                 r = 0
                 for mdim, c in zip(lay.mesh_shape, wc):
                     r = r * mdim + c
@@ -386,10 +386,10 @@ def run_v2(args, lays) -> int:
         pieces = 0
         for name in sorted(lays):
             live = lays[name]
-            for lb in _plan.local_boxes(live.shape, live.mesh_shape, live.placements, coord_of(live.mesh_shape, args.rank)):
+            for lb in _geometry.local_boxes(live.shape, live.mesh_shape, live.placements, coord_of(live.mesh_shape, args.rank)):
                 got = resolve_chunks(m, storage, name, [(lb.box.offsets, lb.box.sizes)], cache=cache)
                 saved = [Box(c.offsets, c.sizes) for c in got]
-                pieces += len(_plan.plan_reads(saved, [LocalBox(lb.box, (0,) * len(live.shape))]))
+                pieces += len(_geometry.plan_reads(saved, [LocalBox(lb.box, (0,) * len(live.shape))]))
         return cache.bytes_read
 
     index_read, load_s = _timed(load_plan)
@@ -405,7 +405,7 @@ def run_v2(args, lays) -> int:
 def _timed(fn):
     # Cold: a phase must not reuse geometry memoized by an earlier one (a
     # loading process starts with nothing remembered).
-    getattr(_plan, "clear_geometry_caches", lambda: None)()
+    getattr(_geometry, "clear_geometry_caches", lambda: None)()
     gc.collect()
     t0 = time.perf_counter()
     out = fn()
@@ -460,7 +460,7 @@ def main(argv=None) -> int:
         _, parse_s = _timed(lambda: manifest_from_bytes(body))
         print(f"v1 manifest parse+validate, still done by every loading rank until format v2: {parse_s:.3f} s")
         compact = compact_records(lays, rot, args.ranks)
-        records = {name: _plan.layout_from_json(rec["layout"]) for name, rec in json.loads(compact)["tensors"].items()}
+        records = {name: _geometry.layout_from_json(rec["layout"]) for name, rec in json.loads(compact)["tensors"].items()}
         print(f"projected v2 metadata (layout records, docs/scaling.md): {len(compact) / 1e6:.3f} MB")
         _, load_s = _timed(lambda: v2_load_plan(records, lays, args.rank))
         meta_mb = len(body) / 1e6

@@ -29,11 +29,7 @@ import torch
 
 from shardckpt import _knobs
 from shardckpt._format import (
-    FORMAT_VERSION,
     MANIFEST_NAME,
-    FileMeta,
-    IndexMeta,
-    Manifest,
     TensorMeta,
     checksum,
     combine,
@@ -41,9 +37,10 @@ from shardckpt._format import (
     data_file_name,
     index_file_name,
     itemsize,
-    tiling_problems,
     torch_dtype,
 )
+from shardckpt._format.build import RankOutput, build_manifest
+from shardckpt._format.chunk import Chunk
 from shardckpt._io import (
     WriteItem,
     byte_view,
@@ -55,10 +52,9 @@ from shardckpt._io import (
     write_files,
 )
 from shardckpt._layout import box_view
-from shardckpt._readers import BufferPool, SavedChunk, Want, read_verified
+from shardckpt._readers import BufferPool, Want, read_verified
 from shardckpt._save import write_rank
 from shardckpt._storage import Storage
-from shardckpt._version import __version__
 from shardckpt.errors import CheckpointExistsError, ChecksumMismatchError, format_offenders
 
 from ._options import ConvertResult, Progress
@@ -138,10 +134,12 @@ class Reader:
             )
 
     @staticmethod
-    def _saved_chunk(t: SrcTensor, idx: int) -> SavedChunk:
+    def _saved_chunk(t: SrcTensor, idx: int) -> Chunk:
         c = t.chunks[idx]
-        # Block checksums go to the reader; a whole-chunk one is joined in finish().
-        return SavedChunk(c.file, c.byte_offset, c.nbytes, block_bytes=c.block_bytes, block_crcs=c.blocks, name=f"{t.name} chunk {c.key!r}")
+        # Block checksums go to the reader; a whole-chunk one (any algorithm)
+        # is joined in finish(), so the reader is given none.
+        return Chunk(c.file, c.byte_offset, c.nbytes, tuple(c.offsets), tuple(c.sizes), block_bytes=c.block_bytes,
+                     block_crcs=tuple(c.blocks), tensor=t.name, key=c.key)
 
     def _loaded(self, c: SrcChunk) -> memoryview:
         with self._lock:
@@ -202,7 +200,7 @@ class Reader:
             else:
                 dst.copy_(torch.frombuffer(data, dtype=torch.uint8).view(dst.shape))
 
-        read_verified(self.storage, wants, deliver, threads=self.threads, pool=pool, read_block_bytes=WANT_BYTES)
+        read_verified(self.storage, wants, deliver, threads=self.threads, pool=pool, piece_bytes=WANT_BYTES)
 
     def read(self, t: SrcTensor, blk: Block) -> torch.Tensor:
         """The block's elements as a new flat uint8 tensor, row-major."""
@@ -430,28 +428,12 @@ def write_native(
 
         results = _write_streamed(named, reader, write, threads=threads, progress=bar)
         reader.finish()
-        metas = {name: TensorMeta(dtype=dt, shape=list(shape), layout=layout, regular=reg, writers=None if reg else [])
+        metas = {name: TensorMeta(dtype=dt, shape=list(shape), layout=layout, regular=reg)
                  for name, (dt, shape, layout, reg) in tensors.items()}
-        files: Dict[str, FileMeta] = {}
-        indexes: Dict[str, IndexMeta] = {}
-        for rank, (chunks, fmetas, index) in sorted(results.items()):
-            files.update(fmetas)
-            for name, c in chunks:
-                metas[name].chunks.append(c)  # not serialized (v2); the HF index and the tiling check below use them
-                if metas[name].regular is None:
-                    metas[name].writers.append(rank)  # type: ignore[union-attr]
-            if index is not None:
-                indexes[index[0]] = IndexMeta(rank=rank, size=index[1], crc32c=index[2])
-                files[index[0]] = FileMeta(index[1])
-        for t in metas.values():
-            if t.regular is None:
-                t.writers = sorted(set(t.writers or []))
-        bad = tiling_problems(metas)
-        if bad:
-            raise AssertionError("internal error, converted chunks do not tile: " + "; ".join(bad[:10]))
-        m = Manifest(world_size=world_size, tensors=metas, files=files, values=values, save_id=save_id, library_version=__version__,
-                     extra=dict(extra or {}), version=FORMAT_VERSION, block_bytes=block_bytes, indexes=indexes,
-                     meshes=["iota"] if any(t.regular for t in metas.values()) else [])
+        outputs = [RankOutput(rank, chunks, {rel: f.size for rel, f in fmetas.items()}, index)
+                   for rank, (chunks, fmetas, index) in sorted(results.items())]
+        m = build_manifest(metas, outputs, world_size=world_size, values=values, save_id=save_id, block_bytes=block_bytes,
+                           meshes=["iota"] if any(t.regular for t in metas.values()) else [], extra=extra, check_regular=True)
         commit(dst, m, replace=overwrite)
     except BaseException:
         for rel in data + [index_file_name(save_id, r) for r in named]:

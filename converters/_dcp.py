@@ -28,8 +28,8 @@ import torch
 
 from shardckpt import _knobs
 from shardckpt._format import MAX_MANIFEST_BYTES, check_relpath, dtype_name, itemsize
+from shardckpt._geometry import Box, check_cover
 from shardckpt._hf import KeyMap, read_safetensors_header
-from shardckpt._plan import Box, check_cover
 from shardckpt._storage import Storage
 from shardckpt.errors import (
     CheckpointError,

@@ -8,7 +8,7 @@ from shardckpt import _knobs
 from shardckpt._format import chunk_key
 from shardckpt._format.naming import chunk_key_clashes
 from shardckpt._format.values import tensor_ref
-from shardckpt._plan import Shard, layout_chunks, layout_to_json, regular_layout
+from shardckpt._geometry import Shard, layout_chunks, layout_to_json, regular_layout
 from shardckpt.errors import UnsupportedStateError
 
 from ._common import Reader, write_native

@@ -20,7 +20,8 @@ import torch
 
 from shardckpt._format import ChunkMeta, Manifest, itemsize, open_manifest
 from shardckpt._format.refs import follow
-from shardckpt._plan import Box, split_box
+from shardckpt._format.versions import spec
+from shardckpt._geometry import Box, split_box
 from shardckpt._storage import Storage
 from shardckpt.errors import CorruptCheckpointError
 
@@ -123,7 +124,7 @@ def source_from_manifest(storage: Storage, m: Manifest) -> Source:
     tensors = {}
     for name in sorted(m.tensors):
         t = m.tensors[name]
-        bb = m.block_bytes if m.version >= 2 else 0
+        bb = m.block_bytes if spec(m.version).block_checksums else 0
         tensors[name] = SrcTensor(name=name, dtype=t.dtype, shape=tuple(t.shape), chunks=[_src_chunk(c, bb) for c in t.chunks], layout=t.layout)
     kind = m.extra.get("source", "native") if isinstance(m.extra, dict) else "native"
     return Source(

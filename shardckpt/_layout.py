@@ -1,7 +1,7 @@
 """Live tensors -> geometry: which boxes of which global tensor this rank holds.
 
 Bridges torch objects (plain tensors, DTensors, ShardedTensors) to the pure
-geometry in ``_plan``. A :class:`TensorLayout` lists the rank's parts — each a
+geometry in ``_geometry``. A :class:`TensorLayout` lists the rank's parts — each a
 box of the global tensor and the local tensor it lives in — and, for writer
 assignment, which ranks hold every box.
 """
@@ -15,7 +15,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from . import _plan
+from . import _geometry
 from ._format import dtype_name
 from .errors import UnsupportedStateError
 
@@ -26,7 +26,7 @@ __all__ = ["TensorLayout", "Part", "layout_of", "is_dtensor", "is_sharded_tensor
 class Part:
     """A box of the global tensor held here, and the tensor whose region it is."""
 
-    box: _plan.Box
+    box: _geometry.Box
     tensor: torch.Tensor  # the local tensor (a DTensor's _local_tensor, a shard...)
     local_offsets: Tuple[int, ...]
 
@@ -44,7 +44,7 @@ class TensorLayout:
     """One live tensor's geometry on this rank.
 
     A *regular* tensor (a DTensor, or a plain tensor replicated over the
-    world) has ``regular`` (its ``_plan.RegularLayout``), ``mesh_ranks`` (the
+    world) has ``regular`` (its ``_geometry.RegularLayout``), ``mesh_ranks`` (the
     global rank at each coordinate of that mesh, row-major; None: ranks
     0..n-1) and ``coord`` (this rank's coordinate): enough to plan this rank's
     writes in time independent of the world size. Other tensors
@@ -56,10 +56,10 @@ class TensorLayout:
     torch_dtype: torch.dtype
     shape: Tuple[int, ...]
     parts: List[Part]
-    holders: Dict[_plan.Box, Tuple[int, ...]]  # irregular tensors: every box -> global ranks
+    holders: Dict[_geometry.Box, Tuple[int, ...]]  # irregular tensors: every box -> global ranks
     layout_json: Optional[Dict[str, Any]] = None
     kind: str = "tensor"  # "tensor" | "dtensor" | "sharded_tensor"
-    regular: Optional[_plan.RegularLayout] = None
+    regular: Optional[_geometry.RegularLayout] = None
     mesh_ranks: Optional[Tuple[int, ...]] = None
     coord: Optional[Tuple[int, ...]] = None
     #: The writer rotation rank 0 chose over the union of every rank's
@@ -103,11 +103,11 @@ def _placements(name: str, dt) -> List[object]:
     for i, p in enumerate(dt.placements):
         if _StridedShard and isinstance(p, _StridedShard):  # type: ignore[truthy-function]
             sf = p._split_factor_int() if hasattr(p, "_split_factor_int") else int(p.split_factor)
-            out.append(_plan.Shard(p.dim, sf))
+            out.append(_geometry.Shard(p.dim, sf))
         elif isinstance(p, Shard):
-            out.append(_plan.Shard(p.dim))
+            out.append(_geometry.Shard(p.dim))
         elif isinstance(p, Replicate):
-            out.append(_plan.Replicate())
+            out.append(_geometry.Replicate())
         else:
             raise UnsupportedStateError(
                 f"{name}: placement {p} on mesh dim {i} cannot be saved: a Partial DTensor holds unreduced values. "
@@ -117,7 +117,7 @@ def _placements(name: str, dt) -> List[object]:
 
 
 def _placement_str(p: object) -> str:
-    if isinstance(p, _plan.Shard):
+    if isinstance(p, _geometry.Shard):
         return f"S({p.dim})" if p.split_factor == 1 else f"S({p.dim},sf={p.split_factor})"
     return "R"
 
@@ -142,7 +142,7 @@ def layout_of(name: str, t: Any, *, rank: int, world_size: int, local_only: bool
     if not isinstance(t, torch.Tensor):
         raise UnsupportedStateError(f"{name}: expected a tensor, found {type(t).__name__}")
     shape = tuple(t.shape)
-    whole = _plan.Box((0,) * len(shape), shape)
+    whole = _geometry.Box((0,) * len(shape), shape)
     return TensorLayout(
         name=name,
         dtype=dtype_name(t.dtype, key=name),
@@ -157,13 +157,13 @@ def layout_of(name: str, t: Any, *, rank: int, world_size: int, local_only: bool
     )
 
 
-def _replicated(shape: Tuple[int, ...], world: int) -> _plan.RegularLayout:
-    return _plan.RegularLayout(tuple(shape), (world,), (_plan.Replicate(),))
+def _replicated(shape: Tuple[int, ...], world: int) -> _geometry.RegularLayout:
+    return _geometry.RegularLayout(tuple(shape), (world,), (_geometry.Replicate(),))
 
 
 def _whole_here(name: str, t: Any) -> TensorLayout:
     lay = _dtensor_layout(name, t) if is_dtensor(t) else _sharded_tensor_layout(name, t)
-    whole = _plan.Box((0,) * len(lay.shape), tuple(lay.shape))
+    whole = _geometry.Box((0,) * len(lay.shape), tuple(lay.shape))
     if len(lay.parts) != 1 or lay.parts[0].box != whole:
         if lay.regular is not None:
             ranks = sorted(lay.mesh_ranks) if lay.mesh_ranks is not None else list(range(lay.regular.world))
@@ -232,7 +232,7 @@ def _dtensor_geometry(name: str, t):
     coord = mesh.get_coordinate()
     if coord is None:
         raise UnsupportedStateError(f"{name}: this rank is not part of the DTensor's mesh")
-    per_dim = _plan.dim_intervals(shape, mesh_shape, placements, coord) if all(shape) else None
+    per_dim = _geometry.dim_intervals(shape, mesh_shape, placements, coord) if all(shape) else None
     if per_dim is not None:
         expect = tuple(sum(n for _, n in ivs) for ivs in per_dim)
         if expect != tuple(local.shape):
@@ -241,15 +241,15 @@ def _dtensor_geometry(name: str, t):
                 f"{t.placements} on mesh {mesh_shape} give {expect} for global shape {shape}; "
                 "this torch version lays out the placement differently than shardckpt expects"
             )
-    boxes = [(lb.box, lb.local_offsets) for lb in _plan.local_boxes(shape, mesh_shape, placements, coord)]
+    boxes = [(lb.box, lb.local_offsets) for lb in _geometry.local_boxes(shape, mesh_shape, placements, coord)]
     copies, ranks, copy_index = _mesh_ranks(mesh)
     try:
         if copies > 1:
             # Copies of a sub-mesh along other root dims: one leading Replicate dim.
-            regular = _plan.regular_layout(shape, (copies,) + mesh_shape, [_plan.Replicate()] + placements)
+            regular = _geometry.regular_layout(shape, (copies,) + mesh_shape, [_geometry.Replicate()] + placements)
             full_coord = (copy_index,) + tuple(coord)
         else:
-            regular = _plan.regular_layout(shape, mesh_shape, placements)
+            regular = _geometry.regular_layout(shape, mesh_shape, placements)
             full_coord = tuple(coord)
     except ValueError as e:
         # dim_intervals accepted it above, so this is a limit of the compact
@@ -326,14 +326,14 @@ def _mesh_copies(mesh) -> List[List[int]]:
 def _sharded_tensor_layout(name: str, st) -> TensorLayout:
     shape = tuple(st.size())
     md = st.metadata()
-    holders: Dict[_plan.Box, Tuple[int, ...]] = {}
+    holders: Dict[_geometry.Box, Tuple[int, ...]] = {}
     for sm in md.shards_metadata:
-        box = _plan.Box(tuple(sm.shard_offsets), tuple(sm.shard_sizes))
+        box = _geometry.Box(tuple(sm.shard_offsets), tuple(sm.shard_sizes))
         rank = sm.placement.rank() if sm.placement is not None else 0
         holders[box] = tuple(sorted(set(holders.get(box, ())) | {int(rank)}))
     parts = []
     for shard in st.local_shards():
-        box = _plan.Box(tuple(shard.metadata.shard_offsets), tuple(shard.metadata.shard_sizes))
+        box = _geometry.Box(tuple(shard.metadata.shard_offsets), tuple(shard.metadata.shard_sizes))
         parts.append(Part(box, shard.tensor, (0,) * len(shape)))
     dtype = md.tensor_properties.dtype
     return TensorLayout(

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, NamedTuple
 
 import torch
 
-from . import _knobs, _plan, _replicas
+from . import _geometry, _knobs, _replicas
 from ._collective import Comm, agree, open_comm
 from ._format import (
     Manifest,
@@ -40,6 +40,7 @@ from ._format import (
     torch_dtype,
 )
 from ._format._v2 import materialize
+from ._format.chunk import Chunk
 from ._format.refs import follow
 from ._format.resolve import MetaCache, resolve_chunks
 from ._format.values import TAG as _TAG
@@ -47,7 +48,7 @@ from ._format.values import decode_value, is_tensor_ref, tensor_names
 from ._hf import ALIAS_OF_KEY, select_for_load, select_paths, with_aliases
 from ._io import byte_view, check_files, host_empty
 from ._layout import TensorLayout, box_view, layout_of
-from ._readers import BufferPool, ReadStats, SavedChunk, Want, read_verified
+from ._readers import BufferPool, ReadStats, Want, read_verified
 from ._state import flatten_for_load
 from ._storage import Storage
 from .errors import (
@@ -109,9 +110,9 @@ def _under_roots(name: str, roots: "set[str] | frozenset[str] | Sequence[str]") 
 class _Target:
     name: str
     meta: TensorMeta
-    parts: Tuple[Tuple[_plan.Box, torch.Tensor], ...]  # (box, destination view holding that box)
-    pieces: Tuple[Tuple[_plan.Piece, ...], ...]  # per part: the saved pieces that fill it
-    chunks: Tuple[SavedChunk, ...] = ()  # the saved chunks the pieces index
+    parts: Tuple[Tuple[_geometry.Box, torch.Tensor], ...]  # (box, destination view holding that box)
+    pieces: Tuple[Tuple[_geometry.Piece, ...], ...]  # per part: the saved pieces that fill it
+    chunks: Tuple[Chunk, ...] = ()  # the saved chunks the pieces index
     #: Other ranks may hold the same boxes (a Replicate mesh dim, a plain
     #: tensor in a multi-rank load): only such targets' ranges are offered to
     #: the read-once exchange, so a purely sharded load exchanges nothing.
@@ -399,37 +400,15 @@ def _stage_targets(plan: LoadPlan) -> List[List[torch.Tensor]]:
     return [[torch.empty(tuple(dst.shape), dtype=dst.dtype) for _, dst in t.parts] for t in plan.targets]
 
 
-def saved_chunks(manifest: Manifest, storage: Optional[Storage], name: str, boxes, cache: Optional[MetaCache]) -> List[SavedChunk]:
-    """The saved chunks of ``name`` meeting ``boxes``, as the reader takes them.
+def saved_chunks(manifest: Manifest, storage: Optional[Storage], name: str, boxes, cache: Optional[MetaCache]) -> List[Chunk]:
+    """The saved chunks of ``name`` meeting ``boxes``, as the reader takes them (``_format.resolve_chunks``).
 
-    Through ``_format.resolve_chunks`` (v2: block checksums; v1: one CRC per
-    chunk). Without ``storage``, from the manifest's own chunk lists.
+    A tensor whose chunk list the manifest holds (v1, Hugging Face, renamed
+    or keyed loads) reads no index file; ``storage`` may then be None. An
+    alias of a tied weight resolves through the tensor it names.
     """
-    if storage is not None:
-        stored = manifest.extra.get(ALIAS_OF_KEY, {}).get(name, name)
-        got = resolve_chunks(manifest, storage, stored, boxes, cache=cache)
-    else:
-        got = manifest.tensors[name].chunks  # type: ignore[assignment]
-    out = []
-    for c in got:
-        # A resolved chunk carries its blocks; a v2 chunk list filled in by
-        # ``materialize`` (keyed and renamed loads) keeps them in ``blocks``,
-        # in the manifest's block size.
-        blocks = tuple(getattr(c, "block_crcs", None) or getattr(c, "blocks", None) or ())
-        block_bytes = getattr(c, "block_bytes", 0) or (manifest.block_bytes if manifest.version >= 2 else 0)
-        out.append(
-            SavedChunk(
-                file=c.file,
-                byte_offset=c.byte_offset,
-                nbytes=c.nbytes,
-                offsets=tuple(c.offsets),
-                sizes=tuple(c.sizes),
-                block_bytes=block_bytes if blocks else 0,
-                block_crcs=blocks or (() if c.crc32c is None else (c.crc32c,)),
-                name=f"{name} chunk {c.key!r}",
-            )
-        )
-    return out
+    stored = manifest.extra.get(ALIAS_OF_KEY, {}).get(name, name)
+    return resolve_chunks(manifest, storage, stored, boxes, cache=cache)
 
 
 def _strides(sizes: Sequence[int]) -> Tuple[int, ...]:
@@ -620,12 +599,8 @@ def _nobody_holds(groups) -> Tuple[None, List[None]]:
 def _replicated(lay: TensorLayout) -> bool:
     """Whether other ranks may hold boxes of this live tensor too (replicas: read-once candidates)."""
     if lay.regular is not None:
-        return any(isinstance(p, _plan.Replicate) and n > 1 for p, n in zip(lay.regular.placements, lay.regular.mesh_shape))
+        return any(isinstance(p, _geometry.Replicate) and n > 1 for p, n in zip(lay.regular.placements, lay.regular.mesh_shape))
     return any(len(h) > 1 for h in lay.holders.values())
-
-
-def _materialized(manifest: Manifest) -> bool:
-    return any(t.chunks for t in manifest.tensors.values())
 
 
 def dtype_problem(name: str, saved: str, live: str, *, cast: bool = DEFAULT_CAST) -> Optional[str]:
@@ -727,8 +702,6 @@ def _plan_load(
     targets: List[_Target] = []
     created: Dict[str, torch.Tensor] = {}
     wanted = [(n, live[n]) for n in sorted(live) if n in manifest.tensors]
-    # Manifests already holding their chunk lists (v1 JSON, HF, renamed) need no resolver.
-    resolver = storage if storage is not None and not _materialized(manifest) else None
     cache = MetaCache()
     for name in sorted(creates):
         meta = manifest.tensors[name]
@@ -754,12 +727,12 @@ def _plan_load(
         # Chunks without checksums (safetensors sources) are read exactly;
         # checksummed ones are rounded to their blocks by the reader.
         boxes = [(p.box.offsets, p.box.sizes) for p in lay.parts if p.box.numel]
-        chunks = tuple(saved_chunks(manifest, resolver, name, boxes, cache)) if boxes else ()
-        saved = [_plan.Box(c.offsets, c.sizes) for c in chunks]
+        chunks = tuple(saved_chunks(manifest, storage, name, boxes, cache)) if boxes else ()
+        saved = [_geometry.Box(c.offsets, c.sizes) for c in chunks]
         parts_ = tuple((p.box, v) for p, v in zip(lay.parts, views))
         try:
             pieces = tuple(
-                tuple(_plan.plan_reads(saved, [_plan.LocalBox(box, (0,) * len(box.offsets))])) for box, _ in parts_
+                tuple(_geometry.plan_reads(saved, [_geometry.LocalBox(box, (0,) * len(box.offsets))])) for box, _ in parts_
             )
         except ValueError as e:
             raise CorruptCheckpointError(f"{name}: the checkpoint's chunks do not cover what this rank holds: {e}") from None

@@ -4,8 +4,8 @@ No torch here (``verify``, the converters and ``shardckpt inspect`` use it
 where torch is absent); it works on plain memoryviews.
 
 A caller names the bytes it wants (:class:`Want`: a byte range inside one
-saved chunk, :class:`SavedChunk` as ``_format.resolve`` describes it). The
-reader
+saved chunk, the :class:`~shardckpt._format.chunk.Chunk` that
+``_format.resolve`` produces). The reader
 
 1. plans (pure, :func:`plan_ranges`): rounds each want out to the chunk's
    checksum units — blocks of ``block_bytes`` when the chunk has block
@@ -37,16 +37,17 @@ import threading
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Deque, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 from . import _knobs
 from ._format.checksum import crc32c, crc32c_combine
+from ._format.chunk import Chunk
 from ._storage import Storage
 from .errors import ChecksumMismatchError, CorruptCheckpointError, StorageError
 
 __all__ = [
-    "SavedChunk",
     "Want",
+    "Unit",
     "ReadRange",
     "Buffer",
     "BufferPool",
@@ -61,47 +62,31 @@ _MAX_LISTED = 10
 
 
 @dataclass(frozen=True)
-class SavedChunk:
-    """Where one saved chunk's bytes are, and how they are checksummed.
-
-    Attributes:
-        file, byte_offset, nbytes: the bytes, relative to the checkpoint root.
-        offsets, sizes: the chunk's box in the global tensor.
-        block_bytes: 0 — ``block_crcs`` holds one CRC-32C over the whole chunk
-            (format v1); otherwise the chunk is checksummed in blocks of this
-            many bytes (the last one shorter), one CRC each.
-        block_crcs: the expected CRC-32Cs; empty — no checksum (foreign
-            safetensors files): bytes are read unchecked.
-        name: for messages (``"layer.w chunk 'w/0'"``).
-    """
-
-    file: str
-    byte_offset: int
-    nbytes: int
-    offsets: Tuple[int, ...] = ()
-    sizes: Tuple[int, ...] = ()
-    block_bytes: int = 0
-    block_crcs: Tuple[int, ...] = ()
-    name: str = ""
-
-    def unit_bounds(self, start: int, stop: int) -> Tuple[int, int]:
-        """Bytes ``[start, stop)`` of the chunk rounded out to what can be verified alone."""
-        if not self.block_crcs:
-            return start, stop
-        if self.block_bytes <= 0:
-            return 0, self.nbytes
-        b = self.block_bytes
-        return (start // b) * b, min(self.nbytes, -(-stop // b) * b)
-
-
-@dataclass(frozen=True)
 class Want:
     """Bytes ``[start, stop)`` of ``chunk`` that a caller needs, labelled ``tag`` for delivery."""
 
-    chunk: SavedChunk
+    chunk: Chunk
     start: int
     stop: int
     tag: Any = None
+
+
+class Unit(NamedTuple):
+    """One checksum unit a range verifies: file bytes ``[start, stop)`` and their expected CRC-32C.
+
+    ``block``: the chunk's block number, or -1 when the unit is the whole chunk (v1).
+    """
+
+    start: int
+    stop: int
+    crc: int
+    chunk: Chunk
+    block: int
+
+    @property
+    def label(self) -> str:
+        """How messages name it: ``"w chunk 'w/0' block 3"`` (the chunk's label alone for a whole chunk)."""
+        return self.chunk.label if self.block < 0 else f"{self.chunk.label} block {self.block}"
 
 
 @dataclass
@@ -112,8 +97,7 @@ class ReadRange:
     start: int
     stop: int
     wants: List[Want] = field(default_factory=list)
-    # (file start, file stop, expected crc, label) of every checksum unit inside
-    units: List[Tuple[int, int, int, str]] = field(default_factory=list)
+    units: List[Unit] = field(default_factory=list)
 
     @property
     def nbytes(self) -> int:
@@ -141,18 +125,18 @@ class ReadStats:
     received_bytes: int = 0
 
 
-def _units_of(w: Want) -> List[Tuple[int, int, int, str]]:
+def _units_of(w: Want) -> List[Unit]:
     c = w.chunk
-    if not c.block_crcs:
-        return []
-    if c.block_bytes <= 0:
-        return [(c.byte_offset, c.byte_offset + c.nbytes, c.block_crcs[0], c.name)]
-    b = c.block_bytes
-    lo, hi = c.unit_bounds(w.start, w.stop)
-    return [
-        (c.byte_offset + s, c.byte_offset + min(s + b, c.nbytes), c.block_crcs[s // b], f"{c.name} block {s // b}")
-        for s in range(lo, hi, b)
-    ]
+    if c.blocked:
+        b = c.block_bytes
+        lo, hi = c.unit_bounds(w.start, w.stop)
+        return [
+            Unit(c.byte_offset + s, c.byte_offset + min(s + b, c.nbytes), c.block_crcs[s // b], c, s // b)
+            for s in range(lo, hi, b)
+        ]
+    if c.crc32c is not None:
+        return [Unit(c.byte_offset, c.byte_offset + c.nbytes, c.crc32c, c, -1)]
+    return []
 
 
 def coalesce_gap(storage: Any) -> int:
@@ -190,7 +174,7 @@ def plan_ranges(
             block checksums do not cover it.
 
     Example:
-        >>> c = SavedChunk("a", 0, 10, block_bytes=4, block_crcs=(1, 2, 3))
+        >>> c = Chunk("a", 0, 10, block_bytes=4, block_crcs=(1, 2, 3))
         >>> [(r.start, r.stop) for r in plan_ranges([Want(c, 5, 6)])]
         [(4, 8)]
     """
@@ -200,10 +184,10 @@ def plan_ranges(
     for w in wants:
         c = w.chunk
         if not 0 <= w.start <= w.stop <= c.nbytes:
-            raise CorruptCheckpointError(f"{c.file}: bytes {w.start}..{w.stop} requested outside chunk {c.name!r} of {c.nbytes} bytes")
-        if c.block_crcs and c.block_bytes > 0 and len(c.block_crcs) != -(-c.nbytes // c.block_bytes):
+            raise CorruptCheckpointError(f"{c.file}: bytes {w.start}..{w.stop} requested outside {c.label} of {c.nbytes} bytes")
+        if c.blocked and len(c.block_crcs) != -(-c.nbytes // c.block_bytes):
             raise CorruptCheckpointError(
-                f"{c.file}: chunk {c.name!r} has {len(c.block_crcs)} block checksums, "
+                f"{c.file}: {c.label} has {len(c.block_crcs)} block checksums, "
                 f"{-(-c.nbytes // c.block_bytes)} needed for {c.nbytes} bytes in blocks of {c.block_bytes}"
             )
         if w.stop == w.start:
@@ -341,7 +325,7 @@ def _bytearray_alloc(n: int) -> Tuple[memoryview, Any]:
     return memoryview(b), b
 
 
-def _read_job(storage: Storage, rel: str, lo: int, view: memoryview, units: List[Tuple[int, int, int, str]]):
+def _read_job(storage: Storage, rel: str, lo: int, view: memoryview, units: List[Unit]):
     try:
         storage.read_into(rel, [(lo, view)])
     except FileNotFoundError:
@@ -356,10 +340,10 @@ def _read_job(storage: Storage, rel: str, lo: int, view: memoryview, units: List
     # Checksum what this thread just read, while it is in cache: the threads
     # share the work and no second pass over memory follows.
     out = []
-    for k, (us, ue, _, _) in enumerate(units):
-        a, b = max(us, lo), min(ue, hi)
+    for k, u in enumerate(units):
+        a, b = max(u.start, lo), min(u.stop, hi)
         if a < b:
-            out.append((k, a - us, b - a, crc32c(view[a - lo : b - lo])))
+            out.append((k, a - u.start, b - a, crc32c(view[a - lo : b - lo])))
     return out
 
 
@@ -371,10 +355,11 @@ def read_verified(
     threads: Optional[int] = None,
     pool: Optional[BufferPool] = None,
     range_bytes: Optional[int] = None,
-    read_block_bytes: Optional[int] = None,
+    piece_bytes: Optional[int] = None,
     gap_bytes: Optional[int] = None,
     verify: bool = True,
     stats: Optional[ReadStats] = None,
+    on_mismatch: Optional[Callable[[Unit, Optional[int]], None]] = None,
 ) -> ReadStats:
     """Read ``wants``, verify every checksum unit they touch, hand each one's bytes to ``deliver``.
 
@@ -394,16 +379,23 @@ def read_verified(
             ``SHARDCKPT_LOAD_BUFFER_BYTES``, closed on return); a caller's
             pool is left open for reuse.
         range_bytes: largest coalesced read (default the pool's slot size).
-        read_block_bytes: an oversized range is read in pieces of this size,
-            in parallel (default ``SHARDCKPT_READ_BLOCK_BYTES``).
+        piece_bytes: a range is read in *read pieces* of at most this size,
+            in parallel (default ``SHARDCKPT_READ_BLOCK_BYTES``; a read
+            piece is not a checksum block: its CRCs are joined per unit).
         gap_bytes: see :func:`plan_ranges` (default :func:`coalesce_gap`
             of ``storage``: the knob on object storage, 0 on local disk).
         verify: False skips the CRC checks (``SHARDCKPT_CHECKSUMS=0`` does too).
         stats: filled in (bytes wanted and read) and returned.
+        on_mismatch: None (default): the first range with a damaged unit
+            raises. Given: ``on_mismatch(unit, crc)`` is called for every
+            damaged unit (``crc`` None when its bytes were not all read), the
+            wants that touch one are not delivered, and the read goes on —
+            how ``verify`` lists every damaged chunk.
 
     Raises:
         ChecksumMismatchError: a unit's bytes differ from its checksum (file,
-            chunk, block and byte range named); nothing of that range was delivered.
+            chunk, block and byte range named); nothing of that range was
+            delivered (unless ``on_mismatch`` is given).
         CorruptCheckpointError: a file is missing or ends early.
         StorageError: the storage failed.
         Whatever ``deliver`` raises; reads in flight are drained first.
@@ -416,7 +408,7 @@ def read_verified(
     few bytes of it are wanted, and a chunk larger than the pool occupies a
     buffer of its own size.
     """
-    read_block_bytes = read_block_bytes or _knobs.READ_BLOCK_BYTES
+    piece_bytes = piece_bytes or _knobs.READ_BLOCK_BYTES
     threads = _knobs.IO_THREADS if threads is None else threads
     own_pool = pool is None
     pool = pool or BufferPool()
@@ -434,8 +426,8 @@ def read_verified(
     def submit(rng: ReadRange, mv: memoryview):
         jobs = []
         units = rng.units if checking else []
-        for lo in range(rng.start, rng.stop, max(1, read_block_bytes)):
-            hi = min(lo + read_block_bytes, rng.stop)
+        for lo in range(rng.start, rng.stop, max(1, piece_bytes)):
+            hi = min(lo + piece_bytes, rng.stop)
             args = (storage, rng.file, lo, mv[lo - rng.start : hi - rng.start], units)
             jobs.append(ex.submit(_read_job, *args) if ex is not None else _Done(_read_job, args))
         stats.requests += len(jobs)
@@ -450,18 +442,22 @@ def read_verified(
                 for k, pos, n, crc in j.result():
                     parts.setdefault(k, []).append((pos, n, crc))
             stats.read_bytes += rng.nbytes
+            damaged: List[Unit] = []
             if checking:
                 bad = []
-                for k, (us, ue, want_crc, label) in enumerate(rng.units):
+                for k, u in enumerate(rng.units):
                     got, covered = 0, 0
                     for pos, n, crc in sorted(parts.get(k, [])):
                         if pos != covered:
                             break  # a gap: reported as a mismatch below, never passed as checked
                         got = crc32c_combine(got, crc, n)
                         covered += n
-                    if covered != ue - us or got != want_crc:
-                        bad.append(f"{label} (bytes {us}..{ue}): crc32c {got:#010x}, expected {want_crc:#010x}")
-                if bad:
+                    if covered != u.stop - u.start or got != u.crc:
+                        damaged.append(u)
+                        if on_mismatch is not None:
+                            on_mismatch(u, got if covered == u.stop - u.start else None)
+                        bad.append(f"{u.label} (bytes {u.start}..{u.stop}): crc32c {got:#010x}, expected {u.crc:#010x}")
+                if bad and on_mismatch is None:
                     more = f" ... ({len(bad) - _MAX_LISTED} more)" if len(bad) > _MAX_LISTED else ""
                     raise ChecksumMismatchError(
                         f"checksum mismatch in {storage.url_of(rng.file)}, the checkpoint is damaged: "
@@ -469,6 +465,8 @@ def read_verified(
                     )
             mv = buf.view
             for w in rng.wants:
+                if damaged and _touches(w, damaged):
+                    continue
                 off = w.chunk.byte_offset + w.start - rng.start
                 f = deliver(w, mv[off : off + (w.stop - w.start)], buf.owner, off)
                 fence = f if f is not None else fence
@@ -505,6 +503,14 @@ def read_verified(
         if own_pool:
             pool.close()
     return stats
+
+
+def _touches(w: Want, units: Sequence[Unit]) -> bool:
+    """Whether the checksum units under ``w`` include one of ``units`` (damaged ones: not delivered)."""
+    c = w.chunk
+    lo, hi = c.unit_bounds(w.start, w.stop)
+    lo, hi = c.byte_offset + lo, c.byte_offset + hi
+    return any(u.start < hi and lo < u.stop for u in units)  # one file: byte spans decide
 
 
 def _gap_of(rng: ReadRange) -> int:

@@ -3,7 +3,7 @@
 Save (collective when a process group exists):
   1. flatten the state into named tensors and a JSON tree (``_state``);
   2. compute every own tensor's boxes and whether this rank writes them
-     (``_plan``), alone, as if every rank held the same names;
+     (``_geometry``), alone, as if every rank held the same names;
   3. the first exchange (``_union``, ``distinct`` mode): rank 0 receives one
      copy of each distinct (tensor records, value tree), checks and merges
      them (a rank-union: each tensor is written by the ranks that hold it),
@@ -36,32 +36,29 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, Optional, 
 
 import torch
 
-from . import _incremental, _knobs, _plan, _union
+from . import _geometry, _incremental, _knobs, _union
 from ._collective import DISTINCT, FROM_ROOT, TO_ROOT, Comm, agree, open_comm
 from ._format import (
     DATA_DIR,
-    FORMAT_VERSION,
     MANIFEST_NAME,
     ChunkMeta,
     FileMeta,
-    IndexMeta,
     Manifest,
     TensorMeta,
     chunk_key,
     commit,
     index_file_name,
     itemsize,
-    tiling_problems,
     torch_dtype,
 )
 from ._format._v2 import index_bytes
+from ._format.build import RankOutput, build_manifest
 from ._format.checksum import crc32c, default_hash_algo
 from ._format.refs import follow
 from ._io import WriteItem, partition, write_files
 from ._layout import TensorLayout, layout_of
 from ._state import flatten_for_save
 from ._storage import Storage
-from ._version import __version__
 from .errors import (
     CheckpointError,
     CheckpointExistsError,
@@ -74,10 +71,6 @@ if TYPE_CHECKING:  # pragma: no cover
     from torch.distributed import ProcessGroup
 
 __all__ = ["save", "SavePlan", "prepare_save", "stage_save", "execute_save", "DATA_DIR"]
-
-
-def _version() -> str:
-    return __version__
 
 
 log = logging.getLogger("shardckpt")
@@ -105,7 +98,7 @@ def _rotations(layouts: Dict[str, TensorLayout]) -> Dict[str, int]:
     sig = tuple((n, lay.regular, itemsize(lay.dtype)) for n, lay in layouts.items() if lay.regular is not None)
     got = _ROTATIONS.get(sig)
     if got is None:
-        got = _plan.writer_rotations(list(sig))
+        got = _geometry.writer_rotations(list(sig))
         _ROTATIONS.clear()
         _ROTATIONS[sig] = got
     return got
@@ -114,10 +107,10 @@ def _rotations(layouts: Dict[str, TensorLayout]) -> Dict[str, int]:
 def _write_plan(layouts: Dict[str, TensorLayout], rank: int) -> List[WriteItem]:
     """This rank's chunks to write: one writer per distinct box, bytes balanced.
 
-    Regular tensors (DTensors, replicated plain tensors): ``_plan.is_writer``
+    Regular tensors (DTensors, replicated plain tensors): ``_geometry.is_writer``
     from the tensor's layout, this rank's coordinate and the writer rotation,
     O(own boxes) per tensor whatever the world size. Replicas of a box take
-    the tensors round-robin, largest first (``_plan.writer_rotations``).
+    the tensors round-robin, largest first (``_geometry.writer_rotations``).
     Irregular tensors (ShardedTensor, per-rank data): greedy
     ``assign_writers`` over their boxes.
     """
@@ -131,13 +124,13 @@ def _write_plan(layouts: Dict[str, TensorLayout], rank: int) -> List[WriteItem]:
                     writers[(name, box)] = lay.holders[box][0]
                 else:
                     items.append(((name, box), box.numel * itemsize(lay.dtype), lay.holders[box]))
-    writers.update(cast(Any, _plan.assign_writers(items)) if items else {})
+    writers.update(cast(Any, _geometry.assign_writers(items)) if items else {})
     mine: List[WriteItem] = []
     seen = set()
     for name, lay in layouts.items():
         if lay.regular is not None:
             rot = lay.rotation if lay.rotation is not None else rotations[name]
-            if not lay.parts or not _plan.is_writer(lay.regular, rot, cast(Tuple[int, ...], lay.coord)):
+            if not lay.parts or not _geometry.is_writer(lay.regular, rot, cast(Tuple[int, ...], lay.coord)):
                 continue
         for part in lay.parts:
             key = (name, part.box)
@@ -382,7 +375,7 @@ def _own_tensors(
     out = dict(layouts)
     for n in names:
         lay = layouts[n]
-        out[n] = replace(lay, holders={_plan.Box((0,) * len(lay.shape), tuple(lay.shape)): (rank,)}, regular=None)
+        out[n] = replace(lay, holders={_geometry.Box((0,) * len(lay.shape), tuple(lay.shape)): (rank,)}, regular=None)
         specs[n] = (lay.dtype, list(lay.shape))
     return specs, out
 
@@ -609,7 +602,7 @@ def _commit(plan: SavePlan, gathered, save_id: str, progress: Optional[Callable[
     layouts = dict(plan.layouts)
     for r, g in enumerate(gathered):  # the peers' per-rank tensors: only rank r holds (and wrote) them
         for n, (dt, shape) in g[6].items():
-            box = _plan.Box((0,) * len(shape), tuple(shape))
+            box = _geometry.Box((0,) * len(shape), tuple(shape))
             layouts[n] = TensorLayout(name=n, dtype=dt, torch_dtype=torch_dtype(dt), shape=tuple(shape), parts=[], holders={box: (r,)})
     layouts = {n: layouts[n] for n in sorted(layouts)}
     manifest = _build_manifest(layouts, gathered, plan.world, save_id, plan.tree, plan.comm.ranks)
@@ -662,7 +655,7 @@ def _build_manifest(
             if key not in mesh_ids:
                 mesh_ids[key] = len(meshes)
                 meshes.append(_group_mesh(lay.mesh_ranks, lay.regular.world, group_ranks))
-            rec = _plan.layout_to_json(lay.regular)
+            rec = _geometry.layout_to_json(lay.regular)
             t.regular = {
                 "mesh_shape": rec["mesh_shape"],
                 "placements": rec["placements"],
@@ -670,47 +663,15 @@ def _build_manifest(
                 "rotation": lay.rotation if lay.rotation is not None else rotations[name],
             }
             want_regular += math.prod(lay.shape) * itemsize(lay.dtype)
-        else:
-            t.writers = []
         tensors[name] = t
-    files: Dict[str, FileMeta] = {}
-    indexes: Dict[str, IndexMeta] = {}
+    outputs = []
     got_regular = 0
-    explicit: Dict[str, TensorMeta] = {}
     for rank, (_, chunks, fsizes, _, index, regular_bytes, _) in enumerate(gathered):
-        for rel, size in fsizes.items():
-            files[rel] = FileMeta(size)
-        if index is not None:
-            indexes[index[0]] = IndexMeta(rank=rank, size=index[1], crc32c=index[2])
-            files[index[0]] = FileMeta(index[1])
         got_regular += regular_bytes
-        for c in chunks:
-            name = c.pop("name")
-            t = tensors[name]
-            cm = ChunkMeta(**c)
-            if t.regular is None:
-                cast(List[int], t.writers).append(rank)
-                explicit.setdefault(name, TensorMeta(t.dtype, t.shape)).chunks.append(cm)
-            # Whole-tensor chunks: kept (not serialized in v2) for the HF index.
-            t.chunks.append(cm)
-    for name, t in tensors.items():
-        if t.regular is None:
-            t.writers = sorted(set(cast(List[int], t.writers)))
-            explicit.setdefault(name, TensorMeta(t.dtype, t.shape))
-    bad = tiling_problems(explicit)
-    assert not bad, "internal error, saved chunks do not tile: " + "; ".join(bad)
+        outputs.append(RankOutput(rank, [(c.pop("name"), ChunkMeta(**c)) for c in chunks], dict(fsizes), index))
     assert got_regular == want_regular, f"internal error: {got_regular} bytes of regular tensors written, {want_regular} expected"
-    return Manifest(
-        world_size=world,
-        tensors=tensors,
-        files=files,
-        values=tree,
-        save_id=save_id,
-        library_version=_version(),
-        version=FORMAT_VERSION,
-        block_bytes=_knobs.BLOCK_BYTES,
-        meshes=meshes,
-        indexes=indexes,
+    return build_manifest(
+        tensors, outputs, world_size=world, values=tree, save_id=save_id, block_bytes=_knobs.BLOCK_BYTES, meshes=meshes
     )
 
 

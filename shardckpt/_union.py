@@ -15,7 +15,7 @@ rank 0 receives a handful of maps, not N. Rank 0 (:func:`decide`, pure):
   ranks that hold it (not over the world); a DTensor over the copies of its
   mesh that hold it (not every copy its root mesh has: another pipeline
   stage holds other layers), in the group's rank numbering;
-* picks the writer rotation over the union (``_plan.writer_rotations``);
+* picks the writer rotation over the union (``_geometry.writer_rotations``);
 * merges the value trees (``_state.ranks.merge_values``): a path several
   ranks hold must agree, paths some ranks hold are kept.
 
@@ -32,7 +32,7 @@ import math
 from dataclasses import replace
 from typing import Any, Dict, List, Optional, Sequence, Tuple, cast
 
-from . import _plan
+from . import _geometry
 from ._format import itemsize, torch_dtype
 from ._layout import TensorLayout
 from ._layout import _placement_str as f
@@ -52,16 +52,16 @@ def _has_copies(lay: TensorLayout) -> bool:
     return lay.kind == "dtensor" and len(cast(Any, lay.regular).mesh_shape) == len(lj.get("mesh_shape", ())) + 1
 
 
-def _own_mesh(lay: TensorLayout) -> Tuple[Tuple[int, ...], _plan.RegularLayout, Tuple[int, ...]]:
+def _own_mesh(lay: TensorLayout) -> Tuple[Tuple[int, ...], _geometry.RegularLayout, Tuple[int, ...]]:
     """A DTensor's own mesh (global ranks), layout and coordinate, without the copies its root mesh implies."""
-    reg = cast(_plan.RegularLayout, lay.regular)  # a DTensor's layout has both
+    reg = cast(_geometry.RegularLayout, lay.regular)  # a DTensor's layout has both
     coord = cast(Tuple[int, ...], lay.coord)
     flat = lay.mesh_ranks if lay.mesh_ranks is not None else tuple(range(reg.world))
     if not _has_copies(lay):
         return tuple(flat), reg, tuple(coord)
     n = math.prod(reg.mesh_shape[1:])
     ci = coord[0]
-    own = _plan.regular_layout(reg.shape, reg.mesh_shape[1:], list(reg.placements[1:]))
+    own = _geometry.regular_layout(reg.shape, reg.mesh_shape[1:], list(reg.placements[1:]))
     return tuple(flat[ci * n : (ci + 1) * n]), own, tuple(coord[1:])
 
 
@@ -91,10 +91,10 @@ def records(layouts: Dict[str, TensorLayout], rotations: Dict[str, int]) -> Dict
         key = id(lay.mesh_ranks)
         if key not in sigs:
             sigs[key] = _ranks_sig(lay.mesh_ranks)
-        guess = sigs[key] + repr(_plan.layout_to_json(lay.regular))
+        guess = sigs[key] + repr(_geometry.layout_to_json(lay.regular))
         if lay.kind == "dtensor":
             own, reg, _ = _own_mesh(lay)
-            place = (_plan.layout_to_json(reg), (lay.layout_json or {}).get("mesh_dim_names"))
+            place = (_geometry.layout_to_json(reg), (lay.layout_json or {}).get("mesh_dim_names"))
         else:
             own, place = None, None
         out[name] = (lay.dtype, tuple(lay.shape), place, own, guess, rotations[name])
@@ -153,7 +153,7 @@ def decide(groups, group_ranks: Sequence[int], url: str, keep: Dict[str, Any]):
                     m = tuple(group_ranks[p] for p in holders)
                     plain_meshes[gset] = None if m == tuple(range(len(m))) else m, len(m)
                 mesh, count = plain_meshes[gset]
-                reg = _plan.RegularLayout(shape, (count,), (_plan.Replicate(),))
+                reg = _geometry.RegularLayout(shape, (count,), (_geometry.Replicate(),))
                 rows = None
             else:
                 rows = sorted({rec[3] for _, rec in ents})
@@ -165,12 +165,12 @@ def decide(groups, group_ranks: Sequence[int], url: str, keep: Dict[str, Any]):
                         "whole mesh"
                     )
                     continue
-                own = _plan.layout_from_json(first[2][0])
+                own = _geometry.layout_from_json(first[2][0])
                 mesh = tuple(r for row in rows for r in row)
                 if len(rows) == 1:
                     reg = own
                 else:
-                    reg = _plan.regular_layout(shape, (len(rows),) + own.mesh_shape, [_plan.Replicate()] + list(own.placements))
+                    reg = _geometry.regular_layout(shape, (len(rows),) + own.mesh_shape, [_geometry.Replicate()] + list(own.placements))
             if rows is not None and mesh == tuple(range(len(mesh))):
                 mesh = None
             truth[name] = (dtype, shape, first[2], mesh, reg, rows)
@@ -179,7 +179,7 @@ def decide(groups, group_ranks: Sequence[int], url: str, keep: Dict[str, Any]):
             f"save to {url} refused: tensors held by several ranks must agree in dtype, shape and placements: "
             + format_offenders(bad, sep="; ")
         )
-    rotations = _plan.writer_rotations([(n, t[4], itemsize(t[0])) for n, t in truth.items()])
+    rotations = _geometry.writer_rotations([(n, t[4], itemsize(t[0])) for n, t in truth.items()])
     keep["tree"] = merged
     keep["truth"] = {n: t[:5] + (rotations[n],) for n, t in truth.items()}
     pieces = []
@@ -193,13 +193,13 @@ def decide(groups, group_ranks: Sequence[int], url: str, keep: Dict[str, Any]):
             if mesh not in sigs:
                 sigs[mesh] = _ranks_sig(mesh)
             rot = rotations[name]
-            if sigs[mesh] + repr(_plan.layout_to_json(reg)) == rec[4] and rot == rec[5]:
+            if sigs[mesh] + repr(_geometry.layout_to_json(reg)) == rec[4] and rot == rec[5]:
                 continue
             if mesh not in mesh_ids:
                 mesh_ids[mesh] = len(meshes)
                 meshes.append(mesh)
             row = None if rows is None else (rows.index(rec[3]) if len(rows) > 1 else -1)
-            fix[name] = (mesh_ids[mesh], _plan.layout_to_json(reg), rot, row)
+            fix[name] = (mesh_ids[mesh], _geometry.layout_to_json(reg), rot, row)
         pieces.append({"meshes": meshes, "fix": fix} if fix else None)
     return None, pieces
 
@@ -213,7 +213,7 @@ def apply(layouts: Dict[str, TensorLayout], piece: Optional[Dict[str, Any]], me:
     index: Dict[int, Dict[int, int]] = {}
     for name, (mi, reg_json, rot, row) in piece["fix"].items():
         lay = layouts[name]
-        reg = _plan.layout_from_json(reg_json)
+        reg = _geometry.layout_from_json(reg_json)
         mesh = meshes[mi]
         if row is None:  # a plain tensor: its place among the holders
             if mi not in index:
@@ -236,7 +236,7 @@ def with_peers(layouts: Dict[str, TensorLayout], keep: Dict[str, Any]) -> Dict[s
         lj = None
         kind = "tensor"
         if place is not None:
-            own = _plan.layout_from_json(place[0])
+            own = _geometry.layout_from_json(place[0])
             lj = {
                 "mesh_shape": list(own.mesh_shape),
                 "mesh_dim_names": place[1],

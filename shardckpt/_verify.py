@@ -7,18 +7,23 @@ where torch is not installed, and start in a fraction of a second.
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Dict, List, Optional, Tuple, cast
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from ._format import ChunkMeta, Manifest, open_manifest, plural, read_safetensors_header
-from ._format.checksum import crc32c, hash_available, new_hasher
+from ._format.checksum import hash_available, new_hasher
+from ._format.chunk import Chunk
 from ._format.files import check_files
 from ._format.refs import follow
+from ._format.versions import spec
+from ._readers import BufferPool, Want, read_verified
 from .errors import ChecksumMismatchError, CorruptCheckpointError
 
-__all__ = ["inspect", "verify", "verify_manifest", "VERIFY_BLOCK_BYTES", "VERIFY_IO_THREADS", "MAX_LISTED_PROBLEMS"]
+__all__ = ["inspect", "verify", "verify_manifest", "VERIFY_RANGE_BYTES", "VERIFY_IO_THREADS", "MAX_LISTED_PROBLEMS"]
 
-#: Bytes read (and checksummed) at a time: memory stays this small per thread.
-VERIFY_BLOCK_BYTES = 32 << 20
+#: Largest read range (bytes read and checked at once by one thread): memory
+#: stays ``io_threads`` times this (a v1 chunk is one checksum unit and is read
+#: whole, whatever its size).
+VERIFY_RANGE_BYTES = 32 << 20
 #: Files checked in parallel (the engine's default I/O threads per rank).
 VERIFY_IO_THREADS = 4
 #: Problems a damage report lists before "... (N more)".
@@ -63,9 +68,10 @@ def verify(
     """Re-read every byte of a checkpoint and check every checksum.
 
     Also checks that each data file's safetensors header agrees with the
-    manifest (keys, dtypes, shapes, offsets). Reads in bounded blocks
-    (``VERIFY_BLOCK_BYTES``), so memory stays small whatever the checkpoint
-    size. Needs no torch. Never collective (``no_dist`` is accepted for
+    manifest (keys, dtypes, shapes, offsets). Reads through the one verified
+    reader in bounded ranges (``VERIFY_RANGE_BYTES`` per I/O thread), so
+    memory stays small whatever the checkpoint size (a format v1 chunk, one
+    checksum for all its bytes, is read whole). Needs no torch. Never collective (``no_dist`` is accepted for
     symmetry with ``save``/``load`` and changes nothing): every rank that
     calls it re-reads everything, so call it on one.
 
@@ -94,6 +100,10 @@ def verify_manifest(
 ) -> None:
     """Check the files of an opened manifest: sizes, headers, every checksum.
 
+    Sizes and headers are metadata, checked here; every chunk byte is read
+    and checked by the one verified reader (``_readers.read_verified``), in
+    ranges of at most ``VERIFY_RANGE_BYTES``, ``io_threads`` at a time. A
+    damaged checksum unit does not stop the read: every one is listed.
     ``on_bytes(n)`` is called as chunk bytes are checked (progress bars).
 
     Raises:
@@ -105,15 +115,18 @@ def verify_manifest(
         for c in t.chunks:
             by_file.setdefault(c.file, []).append((name, c))
 
-    def check_file(rel: str) -> List[str]:
-        return _check_file(storage, m, rel, by_file.get(rel, []), on_bytes)
+    def check_header(rel: str) -> Tuple[List[str], List[Chunk]]:
+        return _check_header(storage, m, rel, by_file.get(rel, []))
 
     rels = sorted(rel for rel in m.files if rel not in m.indexes)  # index files: checked when opened
     if io_threads > 1 and len(rels) > 1:
         with ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="shardckpt-verify") as ex:
-            errors = [e for errs in ex.map(check_file, rels) for e in errs]
+            found = list(ex.map(check_header, rels))
     else:
-        errors = [e for rel in rels for e in check_file(rel)]
+        found = [check_header(rel) for rel in rels]
+    errors = [e for errs, _ in found for e in errs]
+    errors.extend(_check_chunks(storage, [c for _, good in found for c in good], io_threads=io_threads, on_bytes=on_bytes,
+                                hash_algo=_hash_algo(m)))
     if errors:
         cls = ChecksumMismatchError if all("crc32c" in e for e in errors) else CorruptCheckpointError
         errors.sort()
@@ -122,16 +135,76 @@ def verify_manifest(
         raise cls(f"{storage.url} is damaged ({plural(len(errors), 'problem')}): {listed}")
 
 
+def _check_chunks(
+    storage: Any, chunks: List[Chunk], *, io_threads: int = VERIFY_IO_THREADS, on_bytes: Optional[Callable[[int], None]] = None,
+    hash_algo: str = "",
+) -> List[str]:
+    """Every byte of ``chunks`` read and checked through the one verified reader: one problem line per damaged chunk.
+
+    ``hash_algo`` (format v4's ``content_hash``): a chunk with a content hash
+    whose blocks all match is hashed too, as its bytes are delivered (in
+    order), and must match; skipped where this process cannot compute it.
+    """
+    hashing = bool(hash_algo) and hash_available(hash_algo)
+    hashers: Dict[Chunk, Any] = {}
+    wants: List[Want] = []
+    for c in chunks:
+        if not c.checked:
+            if on_bytes is not None:
+                on_bytes(c.nbytes)  # safetensors source: no checksum; header, bounds and size checked
+            continue
+        # Whole checksum units per want, so that each want is verified alone and none is split.
+        step = max(c.block_bytes, VERIFY_RANGE_BYTES // c.block_bytes * c.block_bytes) if c.blocked else c.nbytes
+        wants.extend(Want(c, lo, min(lo + step, c.nbytes)) for lo in range(0, c.nbytes, max(1, step)))
+    damaged: Dict[Chunk, List[Tuple[int, Optional[int]]]] = {}
+
+    def deliver(w: Want, data: memoryview, owner: Any, off: int) -> None:
+        c = w.chunk
+        if hashing and c.content_hash:
+            if c not in hashers:
+                hashers[c] = new_hasher(hash_algo)
+            hashers[c].update(data)
+        if on_bytes is not None:
+            on_bytes(len(data))
+
+    def mismatch(u: Any, crc: Optional[int]) -> None:
+        damaged.setdefault(u.chunk, []).append((u.block, crc))
+
+    pool = BufferPool(max(1, io_threads) * VERIFY_RANGE_BYTES, slot_bytes=VERIFY_RANGE_BYTES)
+    read_verified(storage, wants, deliver, threads=io_threads, pool=pool, piece_bytes=VERIFY_RANGE_BYTES, on_mismatch=mismatch)
+    out = [_damage_message(storage, c, bad) for c, bad in damaged.items()]
+    for c, h in hashers.items():
+        if c not in damaged and h.hexdigest() != c.content_hash:
+            out.append(f"{storage.url_of(c.file)}: chunk {c.key!r} of tensor {c.tensor!r}: {hash_algo} content hash differs from the index")
+    return out
+
+
 def _check_file(
     storage: Any, m: Manifest, rel: str, chunks: List[Tuple[str, ChunkMeta]], on_bytes: Optional[Callable[[int], None]]
 ) -> List[str]:
-    """Problems found in one data file: header against the manifest, then each chunk's checksum."""
-    errs = []
+    """Problems of one data file: its header against the manifest, then every byte of ``chunks`` (its ``(tensor, chunk)`` pairs).
+
+    What :func:`verify` does, for one file (the memory tier checks a staged file with it).
+    """
+    errs, good = _check_header(storage, m, rel, chunks)
+    return errs + _check_chunks(storage, good, io_threads=1, on_bytes=on_bytes, hash_algo=_hash_algo(m))
+
+
+def _hash_algo(m: Manifest) -> str:
+    """The manifest's content hash algorithm (format v4), or "" (earlier versions: none)."""
+    return m.content_hash if spec(m.version).content_hash else ""
+
+
+def _check_header(storage: Any, m: Manifest, rel: str, chunks: List[Tuple[str, ChunkMeta]]) -> Tuple[List[str], List[Chunk]]:
+    """One data file's safetensors header against the manifest: its problems, and the chunks whose bytes to check."""
     where = storage.url_of(rel)
     try:
         header, start = read_safetensors_header(storage, rel, m.files[rel].size)
     except CorruptCheckpointError as e:
-        return [str(e)]
+        return [str(e)], []
+    errs: List[str] = []
+    good: List[Chunk] = []
+    block_bytes = m.block_bytes if spec(m.version).block_checksums else 0
     for name, c in chunks:
         ent = header.get(c.key)
         if not isinstance(ent, dict) or ent.get("dtype") != m.tensors[name].dtype or ent.get("shape") != c.sizes or (
@@ -139,73 +212,26 @@ def _check_file(
         ):
             errs.append(f"{where}: header entry {c.key!r} disagrees with the manifest")
             continue
-        if c.crc32c is None:
-            if on_bytes is not None:
-                on_bytes(c.nbytes)
-            continue  # safetensors source: no checksum; header, bounds and size checked
-        if c.blocks is not None and m.block_bytes:
-            errs.extend(_check_blocks(storage, m, rel, name, c, on_bytes))
+        if c.nbytes == 0 and c.crc32c not in (None, 0):
+            errs.append(f"{where}: chunk {c.key!r} of tensor {name!r} has crc32c 0x00000000, manifest says {c.crc32c:#010x}")
             continue
-        crc = 0
-        for off in range(0, c.nbytes, VERIFY_BLOCK_BYTES):
-            n = min(VERIFY_BLOCK_BYTES, c.nbytes - off)
-            data = storage.read_range(rel, c.byte_offset + off, n)
-            if len(data) != n:
-                errs.append(f"{where}: chunk {c.key!r} truncated")
-                break
-            crc = crc32c(data, crc)
-            if on_bytes is not None:
-                on_bytes(n)
-        else:
-            if crc != c.crc32c:
-                errs.append(
-                    f"{where}: chunk {c.key!r} of tensor {name!r} has crc32c {crc:#010x}, manifest says {c.crc32c:#010x}"
-                )
-    return errs
+        good.append(Chunk.from_meta(name, c, block_bytes))
+    return errs, good
 
 
-def _hasher(m: Manifest, c: ChunkMeta):
-    """A hash object for the chunk's content hash (format v4) when it has one, else None.
-
-    None too when this process cannot compute the algorithm (``blake3``
-    without its package): the CRC-32C blocks are still checked.
-    """
-    if not c.hash or not m.content_hash or not hash_available(m.content_hash):
-        return None
-
-    return new_hasher(m.content_hash)
-
-
-def _check_blocks(
-    storage: Any, m: Manifest, rel: str, name: str, c: ChunkMeta, on_bytes: Optional[Callable[[int], None]]
-) -> List[str]:
-    """Format v2: every block of a chunk against its own CRC-32C; names the damaged blocks by byte range."""
-    where = storage.url_of(rel)
-    bb = m.block_bytes
-    step = max(bb, VERIFY_BLOCK_BYTES // bb * bb)  # whole blocks per read
-    bad: List[int] = []
-    hasher = _hasher(m, c)
-    for off in range(0, c.nbytes, step):
-        n = min(step, c.nbytes - off)
-        data = storage.read_range(rel, c.byte_offset + off, n)
-        if len(data) != n:
-            return [f"{where}: chunk {c.key!r} truncated"]
-        mv = memoryview(data)
-        if hasher is not None:
-            hasher.update(mv)
-        for k in range(0, n, bb):
-            i = (off + k) // bb
-            if crc32c(mv[k : k + bb]) != cast(List[int], c.blocks)[i]:
-                bad.append(i)
-        if on_bytes is not None:
-            on_bytes(n)
-    if not bad:
-        if hasher is not None and hasher.hexdigest() != c.hash:
-            return [f"{where}: chunk {c.key!r} of tensor {name!r}: {m.content_hash} content hash differs from the index"]
-        return []
-    shown = ", ".join(f"[{c.byte_offset + i * bb}, {c.byte_offset + min((i + 1) * bb, c.nbytes)})" for i in bad[:5])
-    more = f" and {len(bad) - 5} more" if len(bad) > 5 else ""
-    return [
-        f"{where}: chunk {c.key!r} of tensor {name!r}: crc32c of {plural(len(bad), 'block')} differs from the "
+def _damage_message(storage: Any, c: Chunk, bad: List[Tuple[int, Optional[int]]]) -> str:
+    """The problem line of one damaged chunk: its CRC (v1), or its damaged blocks by file byte range (v2/v3)."""
+    where = storage.url_of(c.file)
+    if not c.blocked:
+        crc = bad[0][1]
+        if crc is None:
+            return f"{where}: chunk {c.key!r} truncated"
+        return f"{where}: chunk {c.key!r} of tensor {c.tensor!r} has crc32c {crc:#010x}, manifest says {c.crc32c:#010x}"
+    bb = c.block_bytes
+    blocks = sorted(b for b, _ in bad)
+    shown = ", ".join(f"[{c.byte_offset + i * bb}, {c.byte_offset + min((i + 1) * bb, c.nbytes)})" for i in blocks[:5])
+    more = f" and {len(blocks) - 5} more" if len(blocks) > 5 else ""
+    return (
+        f"{where}: chunk {c.key!r} of tensor {c.tensor!r}: crc32c of {plural(len(blocks), 'block')} differs from the "
         f"index (file bytes {shown}{more})"
-    ]
+    )

@@ -19,6 +19,7 @@ verify`` and ``shardckpt inspect`` run where torch is not installed.
 from __future__ import annotations
 
 from .checksum import ALGOS, checksum, combine, crc32c, crc32c_combine
+from .chunk import Chunk
 from .committed import TORCH_SAVE_SUFFIXES, commit, hf_index_bytes, open_manifest
 from .dtypes import DTYPES, dtype_name, itemsize, torch_dtype
 from .header import MAX_HEADER_BYTES, parse_safetensors_header, read_safetensors_header, safetensors_header
@@ -50,7 +51,7 @@ from .naming import (
     index_file_name,
     save_id_prefix,
 )
-from .resolve import MetaCache, ResolvedChunk, block_span, resolve_chunks
+from .resolve import MetaCache, resolve_chunks
 from .values import TAG, decode_value, encode_value, is_tensor_ref, plain_values, rename_refs, tensor_ref
 
 __all__ = [
@@ -64,6 +65,6 @@ __all__ = [
     "check_relpath", "manifest_from_bytes", "manifest_to_bytes", "plural", "tiling_problems",
     "DATA_DIR", "DATA_SUFFIX", "HF_INDEX_NAME", "INDEX_DIR", "MANIFEST_NAME", "chunk_key", "data_file_name",
     "index_file_name", "save_id_prefix",
-    "MetaCache", "ResolvedChunk", "block_span", "resolve_chunks",
+    "Chunk", "MetaCache", "resolve_chunks",
     "TAG", "decode_value", "encode_value", "is_tensor_ref", "plain_values", "rename_refs", "tensor_ref",
 ]

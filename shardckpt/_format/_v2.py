@@ -2,7 +2,7 @@
 
 A v2 manifest lists no chunks: a tensor of a regular layout (placements over
 a mesh, or plain replicated data) carries its layout record, from which every
-chunk and its writer rank derive (``_plan``); an irregular one names its
+chunk and its writer rank derive (``_geometry``); an irregular one names its
 writer ranks. Each writing rank's index file lists the chunks it wrote with
 their block checksums; the manifest records each index file's size and
 CRC-32C, and its own CRC-32C covers all of it (a two-level tree).
@@ -15,14 +15,14 @@ import math
 import re
 from typing import Any, Dict, List, Optional, Sequence, Tuple, cast
 
-from .. import _plan
+from .. import _geometry
 from ..errors import ChecksumMismatchError, CorruptCheckpointError, UnsafeMetadataError
 from .checksum import HASH_ALGOS, check_hash_hex, crc32c, pack_crcs, unpack_crcs
+from .chunk import Chunk
 from .dtypes import DTYPES, itemsize
 from .manifest import (
     MANIFEST_CRC_FIELD,
     V_CONTENT_HASH,
-    V_FILE_TABLE,
     ChunkMeta,
     FileMeta,
     IndexMeta,
@@ -37,7 +37,8 @@ from .manifest import (
 )
 from .naming import DATA_DIR, DATA_SUFFIX, INDEX_DIR, INDEX_SUFFIX, chunk_key, save_id_prefix
 from .refs import check_ref_paths
-from .resolve import MetaCache, ResolvedChunk
+from .resolve import MetaCache
+from .versions import VERSIONS, spec
 
 INDEX_FORMAT = "shardckpt-index"
 #: Largest index file read (one rank's chunk list).
@@ -75,10 +76,12 @@ def manifest_v2_from_raw(raw: Dict[str, Any], where: str) -> Manifest:
         for path in (raw.get(key) or {}) if isinstance(raw.get(key), dict) else ():
             check_relpath(path, where=f"{where}: {key}")
     version: Any = raw.get("format_version")
-    if version >= V_FILE_TABLE:
+    table = spec(version).file_table
+    if table:
         _check_table_paths(raw, where)
     elif "file_table" in raw:
-        raise _bad(where, f"a format_version {version} manifest carries 'file_table' (new in version {V_FILE_TABLE}): damaged")
+        since = min(v for v, s in VERSIONS.items() if s.file_table)
+        raise _bad(where, f"a format_version {version} manifest carries 'file_table' (new in version {since}): damaged")
     if MANIFEST_CRC_FIELD not in raw:
         raise _bad(where, f"missing field {MANIFEST_CRC_FIELD!r} (the manifest's own checksum)")
     want = raw.pop(MANIFEST_CRC_FIELD)
@@ -108,7 +111,7 @@ def manifest_v2_from_raw(raw: Dict[str, Any], where: str) -> Manifest:
     for path, im in _req(raw, "indexes", dict, where).items():
         iw = f"{where}: indexes[{path!r}]"
         listed_indexes.append((path, IndexMeta(_req(im, "rank", int, iw), _req(im, "size", int, iw), _req(im, "crc32c", int, iw)), iw))
-    if version >= V_FILE_TABLE:
+    if table:
         table_data, table_indexes = _expand_table(raw, world_size, where)
         for path, size in table_data:
             if path in files:
@@ -195,17 +198,17 @@ def manifest_v2_from_raw(raw: Dict[str, Any], where: str) -> Manifest:
 
 def _regular_of(reg: Dict[str, Any], shape: List[int], where: str):
     try:
-        return _plan.layout_from_json({"shape": list(shape), "mesh_shape": reg.get("mesh_shape"), "placements": reg.get("placements")})
+        return _geometry.layout_from_json({"shape": list(shape), "mesh_shape": reg.get("mesh_shape"), "placements": reg.get("placements")})
     except ValueError as e:
         raise _bad(where, f"invalid layout record: {e}") from None
 
 
 def _shard_count(lay) -> int:
-    return _plan.shard_count(lay)
+    return _geometry.shard_count(lay)
 
 
 def regular_of(t: TensorMeta):
-    """The ``_plan.RegularLayout`` of a v2 regular tensor (memoized on the TensorMeta)."""
+    """The ``_geometry.RegularLayout`` of a v2 regular tensor (memoized on the TensorMeta)."""
     lay = t.__dict__.get("_regular_layout")
     if lay is None:
         lay = _regular_of(cast(Dict[str, Any], t.regular), t.shape, "tensor")
@@ -527,7 +530,7 @@ def _parse_index(m: Manifest, data: bytes, rank: int, where: str) -> Dict[str, A
         by_tensor.setdefault(name, []).append(c)
         claims.append((c.file, c.byte_offset, c.nbytes, f"{name!r} chunk {c.key!r}"))
     # A data file is written by one rank, so its index holds every claim on it.
-    clashes = _plan.shared_byte_ranges(claims)
+    clashes = _geometry.shared_byte_ranges(claims)
     if clashes:
         listed = "; ".join(f"{k.file} bytes [{k.start}, {k.stop}) claimed by {k.first} and {k.second}" for k in clashes)
         raise _bad(where, f"chunks share file bytes (a damaged or crafted checkpoint): {listed}")
@@ -542,25 +545,25 @@ def _regular_chunks(m: Manifest, storage: Any, name: str, t: TensorMeta, boxes, 
     """Saved chunks of a regular tensor meeting ``boxes`` (all chunks when ``boxes`` is None)."""
     lay = regular_of(t)
     rot = cast(Dict[str, Any], t.regular)["rotation"]
-    wanted: Dict[Tuple[int, ...], Tuple[int, _plan.Box]] = {}
+    wanted: Dict[Tuple[int, ...], Tuple[int, _geometry.Box]] = {}
     if any(n == 0 for n in t.shape):
         # One empty chunk, held by all; written by the rotation's replica.
-        wanted[(0,) * len(t.shape)] = (0, _plan.Box((0,) * len(t.shape), tuple(t.shape)))
+        wanted[(0,) * len(t.shape)] = (0, _geometry.Box((0,) * len(t.shape), tuple(t.shape)))
     elif boxes is None:
-        for s, bs in _plan.layout_chunks(lay):
+        for s, bs in _geometry.layout_chunks(lay):
             for b in bs:
                 wanted[b.offsets] = (s, b)
     else:
         for offs, sizes in boxes:
             if not t.shape:  # 0-d: the one chunk
-                wanted[()] = (0, _plan.Box((), ()))
+                wanted[()] = (0, _geometry.Box((), ()))
                 continue
-            for s, b in _plan.chunks_overlapping(lay, _plan.Box(tuple(offs), tuple(sizes))):
+            for s, b in _geometry.chunks_overlapping(lay, _geometry.Box(tuple(offs), tuple(sizes))):
                 wanted[b.offsets] = (s, b)
     out = []
     for offs in sorted(wanted):
         s, box = wanted[offs]
-        rank = mesh_rank(m, t, _plan.writer_coord(lay, rot, s))
+        rank = mesh_rank(m, t, _geometry.writer_coord(lay, rot, s))
         idx = _read_index(m, storage, rank, cache)
         key = chunk_key(name, box.offsets, tuple(box.sizes) == tuple(t.shape))
         hit = idx["keys"].get(key)
@@ -594,7 +597,7 @@ def _explicit_chunks(m: Manifest, storage: Any, name: str, t: TensorMeta, cache:
 def tensor_chunks(m: Manifest, storage: Any, name: str, boxes=None, cache: Optional[MetaCache] = None) -> List[ChunkMeta]:
     """The chunks (with block CRCs for v2) of ``name`` meeting ``boxes`` (None: all of them)."""
     t = m.tensors[name]
-    if m.version < 2 or t.chunks:
+    if spec(m.version).chunk_lists or t.chunks:
         if boxes is None:
             return list(t.chunks)
         return [c for c in t.chunks if _meets(c.offsets, c.sizes, boxes)]
@@ -611,7 +614,7 @@ def materialize(m: Manifest, storage: Any, cache: Optional[MetaCache] = None) ->
     Reads every index file once; also checks each index holds nothing the
     layouts do not account for. A v1 manifest is returned as is.
     """
-    if m.version < 2:
+    if spec(m.version).chunk_lists:
         return m
     cache = cache if cache is not None else MetaCache()
     for name in sorted(m.tensors):
@@ -641,26 +644,10 @@ def _meets(offsets: Sequence[int], sizes: Sequence[int], boxes) -> bool:
     return False
 
 
-def resolve(manifest: Any, storage: Any, name: str, boxes, cache: MetaCache) -> List[ResolvedChunk]:
+def resolve(manifest: Any, storage: Any, name: str, boxes, cache: MetaCache) -> List[Chunk]:
+    """``resolve_chunks`` for every version: the non-empty chunks of ``name`` meeting ``boxes``, by offsets."""
     boxes = [(tuple(o), tuple(s)) for o, s in boxes]
-    out = []
-    for c in tensor_chunks(manifest, storage, name, boxes, cache):
-        if not c.nbytes:
-            continue
-        blocks = c.blocks if manifest.version >= 2 and c.blocks is not None else None
-        out.append(
-            ResolvedChunk(
-                name=name,
-                key=c.key,
-                file=c.file,
-                byte_offset=c.byte_offset,
-                nbytes=c.nbytes,
-                offsets=tuple(c.offsets),
-                sizes=tuple(c.sizes),
-                crc32c=c.crc32c,
-                block_bytes=manifest.block_bytes if blocks is not None else 0,
-                block_crcs=tuple(blocks or ()),
-            )
-        )
+    block_bytes = manifest.block_bytes if spec(manifest.version).block_checksums else 0
+    out = [Chunk.from_meta(name, c, block_bytes) for c in tensor_chunks(manifest, storage, name, boxes, cache) if c.nbytes]
     out.sort(key=lambda c: c.offsets)
     return out

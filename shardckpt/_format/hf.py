@@ -17,7 +17,7 @@ import json
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Dict, Optional
 
-from .._plan import shared_byte_ranges
+from .._geometry import shared_byte_ranges
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, UnsafeMetadataError, format_offenders
 from .header import read_safetensors_header
 from .manifest import ChunkMeta, FileMeta, Manifest, TensorMeta, check_relpath

@@ -14,13 +14,14 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, cast
 
-from .._plan import Box, check_cover, shared_byte_ranges
+from .._geometry import Box, check_cover, shared_byte_ranges
 from .._version import __version__
 from ..errors import CorruptCheckpointError, NewerFormatError, UnsafeMetadataError
 from .checksum import crc32c, default_hash_algo
 from .dtypes import DTYPES, itemsize
 from .naming import MANIFEST_NAME
 from .values import value_depth_problem
+from .versions import NEWEST, VERSIONS, parse_raw, spec, to_json
 
 __all__ = [
     "IndexMeta",
@@ -44,17 +45,17 @@ __all__ = [
 
 FORMAT_NAME = "shardckpt"
 #: The newest version this library reads and writes (``save`` and the
-#: converters write it). A ``Manifest`` built without ``version=`` is v1, whose
-#: bytes ``tests/data/manifest_golden.json`` pins. v3 is v2 with the per-rank
-#: files in a compact table (``file_table``, see :mod:`._v2`).
-FORMAT_VERSION = 4
+#: converters write it): the last entry of ``versions.VERSIONS``, where each
+#: version's features and parser are. A ``Manifest`` built without
+#: ``version=`` is v1, whose bytes ``tests/data/manifest_golden.json`` pins.
+FORMAT_VERSION = NEWEST
 V1 = 1
 #: First version whose manifest holds the compact per-rank file table.
-V_FILE_TABLE = 3
+V_FILE_TABLE = min(v for v, s in VERSIONS.items() if s.file_table)
 #: First version with a content hash per chunk (index files' ``hash``
 #: column, the manifest's ``content_hash``) and references to files of
 #: sibling checkpoints (``@<dir>/<path>``, see :mod:`.refs`).
-V_CONTENT_HASH = 4
+V_CONTENT_HASH = min(v for v, s in VERSIONS.items() if s.content_hash)
 #: Top-level field of a v2 manifest holding the CRC-32C of its own canonical
 #: bytes without that field.
 MANIFEST_CRC_FIELD = "manifest_crc32c"
@@ -202,27 +203,32 @@ class Manifest:
         )
 
     def to_json(self) -> Dict[str, Any]:
-        if self.version >= 2:
-            return _v2_json(self)
-        return {
-            "format": FORMAT_NAME,
-            "format_version": self.version,
-            "library_version": self.library_version,
-            "save_id": self.save_id,
-            "world_size": self.world_size,
-            "checksum": "crc32c",
-            "tensors": {k: self.tensors[k].to_json() for k in sorted(self.tensors)},
-            "files": {k: self.files[k].to_json() for k in sorted(self.files)},
-            "values": self.values,
-            "extra": self.extra,
-        }
+        """The manifest's JSON object, as its version lays it out (``versions.spec``)."""
+        return to_json(self)
 
 
 def _default_hash_algo() -> str:
     return default_hash_algo()
 
 
-def _v2_json(m: Manifest) -> Dict[str, Any]:
+def manifest_v1_json(m: Manifest) -> Dict[str, Any]:
+    """Format v1's JSON object: every chunk listed."""
+    return {
+        "format": FORMAT_NAME,
+        "format_version": m.version,
+        "library_version": m.library_version,
+        "save_id": m.save_id,
+        "world_size": m.world_size,
+        "checksum": "crc32c",
+        "tensors": {k: m.tensors[k].to_json() for k in sorted(m.tensors)},
+        "files": {k: m.files[k].to_json() for k in sorted(m.files)},
+        "values": m.values,
+        "extra": m.extra,
+    }
+
+
+def manifest_v2_json(m: Manifest) -> Dict[str, Any]:
+    """Format v2/v3's JSON object: layouts and writers instead of chunks; v3's file table."""
     tensors = {}
     for name in sorted(m.tensors):
         t = m.tensors[name]
@@ -250,7 +256,7 @@ def _v2_json(m: Manifest) -> Dict[str, Any]:
     if m.version >= V_CONTENT_HASH:
         out["content_hash"] = m.content_hash
     files, indexes = m.files, m.indexes
-    if m.version >= V_FILE_TABLE:
+    if spec(m.version).file_table:
         from ._v2 import file_table_json
 
         out["file_table"], files, indexes = file_table_json(m)
@@ -308,7 +314,7 @@ def manifest_to_bytes(m: Manifest) -> bytes:
     change to them (key order in ``values`` included) is detected on open.
     """
     body = m.to_json()
-    if m.version < 2:
+    if not spec(m.version).manifest_crc:
         return canonical_json(body)
     body[MANIFEST_CRC_FIELD] = crc32c(manifest_json_v2(body))
     return manifest_json_v2(body)
@@ -409,15 +415,17 @@ def manifest_from_bytes(data: bytes, *, url: str = "") -> Manifest:
             f"({str(raw.get('library_version', '?'))[:40]}); this one ({__version__}) reads versions 1..{FORMAT_VERSION}: "
             "upgrade shardckpt"
         )
-    if version < 1:
+    if version not in VERSIONS:
         raise CorruptCheckpointError(
             f"{where}: format_version {version} is not supported by this shardckpt "
             f"(reads versions 1..{FORMAT_VERSION}); upgrade shardckpt"
         )
-    if version >= 2:
-        from ._v2 import manifest_v2_from_raw
+    return parse_raw(raw, version, where)
 
-        return manifest_v2_from_raw(raw, where)
+
+def manifest_v1_from_raw(raw: Dict[str, Any], where: str) -> Manifest:
+    """Format v1: the manifest's JSON object (format and version checked) into a validated ``Manifest``."""
+    version = raw["format_version"]
     if MANIFEST_CRC_FIELD in raw:
         raise CorruptCheckpointError(f"{where}: a format_version 1 manifest carries {MANIFEST_CRC_FIELD!r}: damaged")
     world_size = _req(raw, "world_size", int, where)

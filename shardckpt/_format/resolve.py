@@ -5,16 +5,21 @@ opened manifest, the storage, a tensor name and the boxes a rank wants,
 :func:`resolve_chunks` returns the saved chunks to read, each with where its
 bytes are and how to verify any range of them:
 
-* format v1: the manifest's chunk list; one CRC-32C per chunk
-  (``block_bytes == 0``: a reader must read and check the whole chunk);
-* format v2: chunks of regular layouts are derived from the tensor's layout
-  record (``_plan.chunks_overlapping``) and located in the safetensors header
-  of the files of the rank that wrote them; the header also carries the
-  chunk's block checksums (``block_bytes`` each, chunk-relative, the last
-  block short), so any block-aligned range verifies on its own. Each header
-  read is checked against the CRC the (checksummed) manifest records for it.
+* format v1: the manifest's chunk list; one CRC-32C per chunk (no block
+  checksums: a reader must read and check the whole chunk);
+* format v2/v3: chunks of regular layouts are derived from the tensor's layout
+  record (``_geometry.chunks_overlapping``) and located in the index file of the
+  rank that wrote them; the index row also carries the chunk's block
+  checksums (``block_bytes`` each, chunk-relative, the last block short), so
+  any block-aligned range verifies on its own. Each index read is checked
+  against the CRC the (checksummed) manifest records for it;
+* a manifest whose chunk lists are already filled in (v1, Hugging Face
+  sources, ``materialize``-d v2): those lists, and no storage is needed.
 
-Headers are read once per :class:`MetaCache`: keep one cache for one load.
+Every chunk comes back as the one :class:`~shardckpt._format.chunk.Chunk`
+the reader, the read-once exchange and the copy into tensors take.
+
+Index files are read once per :class:`MetaCache`: keep one cache for one load.
 """
 
 from __future__ import annotations
@@ -23,31 +28,9 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from .checksum import crc32c_combine
+from .chunk import Chunk
 
-__all__ = ["ResolvedChunk", "MetaCache", "resolve_chunks", "block_span", "chunk_blocks_crc"]
-
-
-@dataclass(frozen=True)
-class ResolvedChunk:
-    """A saved chunk to read: its bytes in ``file`` and their checksums.
-
-    ``block_bytes`` 0 means one checksum for the whole chunk (``crc32c``; v1):
-    read it whole. Otherwise ``block_crcs[i]`` is the CRC-32C of chunk bytes
-    ``[i * block_bytes, min((i + 1) * block_bytes, nbytes))``. ``crc32c`` is
-    None only for foreign sources without checksums (Hugging Face files).
-    """
-
-    name: str
-    key: str
-    file: str
-    byte_offset: int
-    nbytes: int
-    offsets: Tuple[int, ...]
-    sizes: Tuple[int, ...]
-    crc32c: Optional[int]
-    block_bytes: int = 0
-    block_crcs: Tuple[int, ...] = ()
+__all__ = ["Chunk", "MetaCache", "resolve_chunks"]
 
 
 @dataclass
@@ -63,47 +46,20 @@ class MetaCache:
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
 
-def block_span(c: ResolvedChunk, lo: int, hi: int) -> Tuple[int, int, int]:
-    """The chunk-relative byte range to read so that ``[lo, hi)`` can be verified, and its first block.
-
-    Returns ``(start, stop, first_block)``: ``[lo, hi)`` widened to block
-    boundaries (the whole chunk when ``block_bytes`` is 0).
-
-    >>> c = ResolvedChunk("w", "w", "f", 0, 10, (0,), (10,), 0, 4, (1, 2, 3))
-    >>> block_span(c, 5, 6)
-    (4, 8, 1)
-    """
-    if not 0 <= lo <= hi <= c.nbytes:
-        raise ValueError(f"range [{lo}, {hi}) outside chunk {c.key!r} of {c.nbytes} bytes")
-    if c.block_bytes <= 0:
-        return 0, c.nbytes, 0
-    b = c.block_bytes
-    first = lo // b
-    stop = min(c.nbytes, -(-hi // b) * b) if hi > lo else first * b
-    return first * b, stop, first
-
-
-def chunk_blocks_crc(block_crcs: Sequence[int], nbytes: int, block_bytes: int) -> int:
-    """The whole chunk's CRC-32C from its block CRCs (what v1 records per chunk)."""
-    crc = 0
-    for i, b in enumerate(block_crcs):
-        crc = crc32c_combine(crc, b, min(block_bytes, nbytes - i * block_bytes))
-    return crc
-
-
 def resolve_chunks(
     manifest: Any,
-    storage: Any,
+    storage: Optional[Any],
     name: str,
     boxes: Sequence[Tuple[Sequence[int], Sequence[int]]],
     *,
     cache: Optional[MetaCache] = None,
-) -> List[ResolvedChunk]:
+) -> List[Chunk]:
     """The saved chunks of tensor ``name`` that overlap any of ``boxes``, each once, by offsets.
 
     Args:
         manifest: from ``open_manifest(..., chunks=False)`` (or any opened manifest).
-        storage: the checkpoint's storage (v2 reads headers of the files involved).
+        storage: the checkpoint's storage (v2/v3 read the index files involved); may
+            be None when the manifest's chunk lists are filled in.
         name: a tensor of ``manifest.tensors``.
         boxes: ``(offsets, sizes)`` in global coordinates, as the rank wants them.
         cache: metadata read so far in this load (a new one when None).

@@ -12,10 +12,9 @@ One visible, ordered list, first match wins:
 3. adapters registered with ``register_adapter(a, first=False)``.
 
 Containers (dicts, lists, tuples), tensors and plain values need no adapter.
-The built-ins are created on first use (a function-local import of
-``walk`` and ``optim``, whose adapters subclass :class:`Adapter`): that hides
-an import circle rather than removing it; ``tests/unit/test_layers.py`` lists
-it among the circles still to break (issue 22).
+Each built-in family has its own module (``module``, ``optim``,
+``stateful``, ``per_rank``), built on the walker's helpers (``walk``); they
+are imported and created on first use, since ``walk`` asks this list.
 """
 
 from __future__ import annotations
@@ -61,8 +60,10 @@ def _builtins() -> List[Adapter]:
     if not _BUILTIN:
         with _LOCK:
             if not _BUILTIN:
-                from .optim import OptimizerAdapter
-                from .walk import FlatOptimizerAdapter, ModuleAdapter, PerRankAdapter, StatefulAdapter
+                from .module import ModuleAdapter
+                from .optim import FlatOptimizerAdapter, OptimizerAdapter
+                from .per_rank import PerRankAdapter
+                from .stateful import StatefulAdapter
 
                 _BUILTIN.extend(
                     [PerRankAdapter(), ModuleAdapter(), FlatOptimizerAdapter(), OptimizerAdapter(), StatefulAdapter()]

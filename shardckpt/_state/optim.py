@@ -30,7 +30,7 @@ runtime, ``set_optimizer_state_dict`` loads FSDP1 (it alone can turn
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, cast
 
 import torch
 import torch.nn as nn
@@ -39,6 +39,7 @@ from .._format import torch_dtype
 from .._runtimes import is_fsdp1, param_fqns
 from ..errors import CorruptCheckpointError, StateMismatchError, UnsupportedStateError, format_offenders
 from .adapters import Adapter
+from .stateful import StatefulAdapter
 from .subclass import is_subclass_node
 from .values import TAG, _is_ref
 from .walk import _MISSING, SEP, _fill_from_saved, _is_tensor, _join
@@ -260,6 +261,26 @@ class OptimizerAdapter(Adapter):
         return get_optimizer_state_dict(model, optim)
 
     def load(self, optim, path, saved, walker):
+        """Plan the load of ``optim``'s state, in five phases; the optimizer changes only in the finalizer.
+
+        1. :func:`_match_groups`: the saved parameter names against the live
+           ones (missing and unexpected recorded; reorganized groups refused
+           when strict);
+        2. :func:`_live_tensors`: the state tensors the optimizer already has
+           and its parameters by name;
+        3. :func:`_plan_param_state`: each parameter's saved state: live
+           tensors filled in place, new ones created like their parameter or
+           from the checkpoint, plain values filled later;
+        4. :func:`_check_fits`: hyperparameters and state keys against the
+           live optimizer, so a mismatch is refused before anything is loaded;
+        5. :func:`_finisher`: after every tensor is in, the state dict handed
+           to torch (``set_optimizer_state_dict`` for FSDP1, by FQN otherwise).
+
+        Raises:
+            StateMismatchError: no optimizer state saved at ``path``;
+                reorganized groups (strict); state that does not fit.
+            CorruptCheckpointError: a malformed saved state.
+        """
         if saved is _MISSING:
             walker.missing_values.append(path)
             return
@@ -267,131 +288,178 @@ class OptimizerAdapter(Adapter):
             raise StateMismatchError(f"{path}: the checkpoint holds no optimizer state here")
         model = find_module(walker.root, optim, path)
         fsdp1 = is_fsdp1(model)
-        live_groups = _fqn_groups(model, optim, path)
-        live_fqns = [f for g in live_groups for f in g]
-        saved_groups = saved[GROUPS]
-        group_of: Dict[str, int] = {}
-        for i, g in enumerate(saved_groups):
-            names = g.get(PARAMS) if isinstance(g, dict) else None
-            if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
-                raise CorruptCheckpointError(f"{path}.param_groups.{i}: 'params' must be a list of parameter names")
-            for n in names:
-                group_of[n] = i
-        saved_state = saved[STATE]
-        live_set = set(live_fqns)
-        missing = sorted(f for f in live_fqns if f not in group_of)
-        unexpected = sorted(f for f in group_of if f not in live_set)
-        walker.missing_values.extend(f"{path}.state.{f}" for f in missing)
-        for f in unexpected:
-            walker.unexpected(f"{path}.state.{f}")
-            walker.flat.skip.append(f"{path}.state.{f}")
-        # A live param group must map to one saved group: its hyperparameters
-        # come from there.
-        mixed = []
-        for i, names in enumerate(live_groups):
-            src = sorted({group_of[f] for f in names if f in group_of})
-            if len(src) > 1:
-                mixed.append(f"live group {i} <- saved groups {src}")
-        if mixed and walker.strict:
-            raise StateMismatchError(
-                f"{path}: parameter groups were reorganized since the save ({'; '.join(mixed)}); "
-                "pass strict=False to take each live group's hyperparameters from the first saved group it draws from"
-            )
+        live_groups, group_of, missing = _match_groups(model, optim, path, saved, walker)
+        live_state, params_by_fqn = _live_tensors(model, optim, fsdp1)
+        common = [f for g in live_groups for f in g if f in group_of]
+        new_state, saved_keys, shape_problems = _plan_param_state(path, saved[STATE], common, live_state, params_by_fqn, walker)
+        groups_holder: Dict[str, Any] = {}
+        _fill_from_saved(groups_holder, GROUPS, saved[GROUPS], _join(path, GROUPS), walker)
+        feeds = _check_fits(optim, path, live_groups, group_of, groups_holder, saved_keys, live_state, shape_problems)
+        walker.flat.finalizers.append(
+            _finisher(model, optim, path, fsdp1, new_state, saved_keys, groups_holder, feeds, set(missing))
+        )
 
-        # Live tensors to fill. A stepped optimizer already has them (torch
-        # names them); an empty one gets tensors shaped like their parameter
-        # (same DTensor sharding) or, for other shapes (scalar ``step``), full
-        # tensors built from the checkpoint.
-        live_state: Dict[str, Any] = {}
-        if optim.state:
-            from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-            live_state = dict(get_optimizer_state_dict(model, optim)[STATE])
-        params_by_fqn: Dict[str, Any] = {}
-        if not fsdp1:
-            fq = param_fqns(model)
-            for p in _optimizer_params(optim):
-                for f in fq.get(id(p), ()):
-                    params_by_fqn[f] = p
-        new_state: Dict[str, Dict[str, Any]] = {}
-        shape_problems: List[str] = []
-        saved_keys: Dict[str, List[str]] = {}
-        common = [f for f in live_fqns if f in group_of]
-        for fqn in common:
-            node = saved_state.get(fqn, _MISSING)
-            if node is _MISSING:
-                continue  # saved without state (it had not been stepped)
-            if not isinstance(node, dict) or TAG in node:
-                raise CorruptCheckpointError(f"{path}.state.{fqn}: expected a dict of per-parameter state")
-            live = live_state.get(fqn) if isinstance(live_state.get(fqn), dict) else {}
-            saved_keys[fqn] = list(node)
-            st: Dict[str, Any] = {}
-            new_state[fqn] = st
-            for k, sub in node.items():
-                name_path = _join(_join(_join(path, STATE), fqn), k)
-                t = live.get(k)
-                if _is_ref(sub):
-                    meta = walker.saved_tensors.get(sub["name"])
-                    param = params_by_fqn.get(fqn)
-                    if _is_tensor(t):
-                        walker.target(sub["name"], t)  # shape checked against the live tensor while planning
-                        st[k] = t
-                    elif param is not None and meta is not None and not state_shape_fits(meta.shape, param.shape):
-                        # Creating it from the checkpoint would give the
-                        # optimizer a state of another parameter's shape.
-                        shape_problems.append(f"{name_path}: saved shape {list(meta.shape)}, parameter shape {list(param.shape)}")
-                    elif param is not None and meta is not None and list(meta.shape) == list(param.shape):
-                        st[k] = torch.zeros_like(param, dtype=torch_dtype(meta.dtype), requires_grad=False)
-                        walker.target(sub["name"], st[k])
-                    else:
-                        _fill_from_saved(st, k, sub, name_path, walker)
-                elif _is_tensor(t) and is_subclass_node(sub):
-                    # A live tensor subclass (low-bit optimizer state): filled in place.
-                    walker.target(name_path, t, sub)
+def _match_groups(model: nn.Module, optim: Any, path: str, saved: Dict[str, Any], walker: Any) -> Tuple[List[List[str]], Dict[str, int], List[str]]:
+    """Phase 1: live parameter groups (FQNs), each saved FQN's group, and the live FQNs the checkpoint lacks.
+
+    Records missing and unexpected parameters on ``walker``; with
+    ``walker.strict`` refuses a live group drawing from several saved groups
+    (its hyperparameters would be ambiguous).
+    """
+    live_groups = _fqn_groups(model, optim, path)
+    live_fqns = [f for g in live_groups for f in g]
+    group_of: Dict[str, int] = {}
+    for i, g in enumerate(saved[GROUPS]):
+        names = g.get(PARAMS) if isinstance(g, dict) else None
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            raise CorruptCheckpointError(f"{path}.param_groups.{i}: 'params' must be a list of parameter names")
+        for n in names:
+            group_of[n] = i
+    live_set = set(live_fqns)
+    missing = sorted(f for f in live_fqns if f not in group_of)
+    unexpected = sorted(f for f in group_of if f not in live_set)
+    walker.missing_values.extend(f"{path}.state.{f}" for f in missing)
+    for f in unexpected:
+        walker.unexpected(f"{path}.state.{f}")
+        walker.flat.skip.append(f"{path}.state.{f}")
+    # A live param group must map to one saved group: its hyperparameters
+    # come from there.
+    mixed = []
+    for i, names in enumerate(live_groups):
+        src = sorted({group_of[f] for f in names if f in group_of})
+        if len(src) > 1:
+            mixed.append(f"live group {i} <- saved groups {src}")
+    if mixed and walker.strict:
+        raise StateMismatchError(
+            f"{path}: parameter groups were reorganized since the save ({'; '.join(mixed)}); "
+            "pass strict=False to take each live group's hyperparameters from the first saved group it draws from"
+        )
+    return live_groups, group_of, missing
+
+
+def _live_tensors(model: nn.Module, optim: Any, fsdp1: bool) -> Tuple[Dict[str, Any], Dict[str, Any]]:
+    """Phase 2: the optimizer's current state by FQN (empty before its first step), and its parameters by FQN."""
+    live_state: Dict[str, Any] = {}
+    if optim.state:
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        live_state = dict(cast(Dict[str, Any], get_optimizer_state_dict(model, optim)[STATE]))
+    params_by_fqn: Dict[str, Any] = {}
+    if not fsdp1:
+        fq = param_fqns(model)
+        for p in _optimizer_params(optim):
+            for f in fq.get(id(p), ()):
+                params_by_fqn[f] = p
+    return live_state, params_by_fqn
+
+
+def _plan_param_state(
+    path: str, saved_state: Dict[str, Any], common: List[str], live_state: Dict[str, Any], params_by_fqn: Dict[str, Any], walker: Any
+) -> Tuple[Dict[str, Dict[str, Any]], Dict[str, List[str]], List[str]]:
+    """Phase 3: each common parameter's state to load: ``(new state by FQN, saved keys by FQN, shape problems)``.
+
+    A stepped optimizer already has its tensors (torch names them): filled
+    in place. An empty one gets tensors shaped like their parameter (same
+    DTensor sharding) or, for other shapes (scalar ``step``), full tensors
+    built from the checkpoint. A saved state shaped like no parameter is a
+    shape problem, refused in phase 4 together with the others.
+    """
+    new_state: Dict[str, Dict[str, Any]] = {}
+    shape_problems: List[str] = []
+    saved_keys: Dict[str, List[str]] = {}
+    for fqn in common:
+        node = saved_state.get(fqn, _MISSING)
+        if node is _MISSING:
+            continue  # saved without state (it had not been stepped)
+        if not isinstance(node, dict) or TAG in node:
+            raise CorruptCheckpointError(f"{path}.state.{fqn}: expected a dict of per-parameter state")
+        got = live_state.get(fqn)
+        live: Dict[str, Any] = got if isinstance(got, dict) else {}
+        saved_keys[fqn] = list(node)
+        st: Dict[str, Any] = {}
+        new_state[fqn] = st
+        for k, sub in node.items():
+            name_path = _join(_join(_join(path, STATE), fqn), k)
+            t = live.get(k)
+            if _is_ref(sub):
+                meta = walker.saved_tensors.get(sub["name"])
+                param = params_by_fqn.get(fqn)
+                if _is_tensor(t):
+                    walker.target(sub["name"], t)  # shape checked against the live tensor while planning
                     st[k] = t
+                elif param is not None and meta is not None and not state_shape_fits(meta.shape, param.shape):
+                    # Creating it from the checkpoint would give the
+                    # optimizer a state of another parameter's shape.
+                    shape_problems.append(f"{name_path}: saved shape {list(meta.shape)}, parameter shape {list(param.shape)}")
+                elif param is not None and meta is not None and list(meta.shape) == list(param.shape):
+                    st[k] = torch.zeros_like(param, dtype=torch_dtype(meta.dtype), requires_grad=False)
+                    walker.target(sub["name"], st[k])
                 else:
                     _fill_from_saved(st, k, sub, name_path, walker)
-        groups_holder: Dict[str, Any] = {}
-        _fill_from_saved(groups_holder, GROUPS, saved_groups, _join(path, GROUPS), walker)
-        keep_missing = set(missing)
-        # Validate now, while planning: a mismatch found by the first step()
-        # (KeyError: 'momentum') comes after the model was already loaded.
-        feeds: Dict[int, int] = {}
-        for li, names in enumerate(live_groups):
-            for f in names:
-                if f in group_of:
-                    feeds.setdefault(group_of[f], li)
-        live_keys = {f: list(v) for f, v in live_state.items() if isinstance(v, dict) and f in saved_keys}
-        problems = shape_problems + optimizer_state_problems(
-            optim, groups_holder[GROUPS], feeds, saved_keys, live_keys, path
-        )
-        if problems:
-            raise StateMismatchError(
-                f"{path}: the saved optimizer state does not fit the live {type(optim).__name__} "
-                f"(another optimizer, or another model's state): {format_offenders(problems, sep='; ')}. "
-                "Load it into the same kind of optimizer over the same model, or leave "
-                f"{path!r} out of the state you load"
-            )
-
-        def finish():
-            # Tensors made here and values filled later land out of order:
-            # each parameter's state keeps the saved key order.
-            ordered = {f: {k: st[k] for k in saved_keys[f] if k in st} | st for f, st in new_state.items()}
-            # Before torch's load_state_dict sees them: its placement of the
-            # ``step`` tensors follows the group's ``capturable``/``fused``.
-            saved_g = [
-                keep_live_settings(g, optim.param_groups[feeds[i]]) if i in feeds and isinstance(g, dict) else g
-                for i, g in enumerate(groups_holder[GROUPS])
-            ]
-            osd = {STATE: ordered, GROUPS: saved_g}
-            if fsdp1:
-                from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-
-                set_optimizer_state_dict(model, optim, osd, options=StateDictOptions(strict=False))
+            elif _is_tensor(t) and is_subclass_node(sub):
+                # A live tensor subclass (low-bit optimizer state): filled in place.
+                walker.target(name_path, t, sub)
+                st[k] = t
             else:
-                _load_by_fqn(model, optim, osd, keep_missing, path)
+                _fill_from_saved(st, k, sub, name_path, walker)
+    return new_state, saved_keys, shape_problems
 
-        walker.flat.finalizers.append(finish)
+
+def _check_fits(
+    optim: Any, path: str, live_groups: List[List[str]], group_of: Dict[str, int], groups_holder: Dict[str, Any],
+    saved_keys: Dict[str, List[str]], live_state: Dict[str, Any], shape_problems: List[str],
+) -> Dict[int, int]:
+    """Phase 4: refuse saved state that does not fit the live optimizer, now, while planning.
+
+    A mismatch found by the first ``step()`` (``KeyError: 'momentum'``)
+    would come after the model was already loaded. Returns which live group
+    each saved group feeds (saved index -> live index).
+    """
+    feeds: Dict[int, int] = {}
+    for li, names in enumerate(live_groups):
+        for f in names:
+            if f in group_of:
+                feeds.setdefault(group_of[f], li)
+    live_keys = {f: list(v) for f, v in live_state.items() if isinstance(v, dict) and f in saved_keys}
+    problems = shape_problems + optimizer_state_problems(
+        optim, groups_holder[GROUPS], feeds, cast(Dict[str, Sequence[str]], saved_keys), cast(Dict[str, Sequence[str]], live_keys), path
+    )
+    if problems:
+        raise StateMismatchError(
+            f"{path}: the saved optimizer state does not fit the live {type(optim).__name__} "
+            f"(another optimizer, or another model's state): {format_offenders(problems, sep='; ')}. "
+            "Load it into the same kind of optimizer over the same model, or leave "
+            f"{path!r} out of the state you load"
+        )
+    return feeds
+
+
+def _finisher(
+    model: nn.Module, optim: Any, path: str, fsdp1: bool, new_state: Dict[str, Dict[str, Any]], saved_keys: Dict[str, List[str]],
+    groups_holder: Dict[str, Any], feeds: Dict[int, int], keep_missing: set,
+) -> Callable[[], None]:
+    """Phase 5: the finalizer that hands the loaded state to the optimizer once every tensor is in."""
+
+    def finish():
+        # Tensors made here and values filled later land out of order:
+        # each parameter's state keeps the saved key order.
+        ordered = {f: {k: st[k] for k in saved_keys[f] if k in st} | st for f, st in new_state.items()}
+        # Before torch's load_state_dict sees them: its placement of the
+        # ``step`` tensors follows the group's ``capturable``/``fused``.
+        saved_g = [
+            keep_live_settings(g, optim.param_groups[feeds[i]]) if i in feeds and isinstance(g, dict) else g
+            for i, g in enumerate(groups_holder[GROUPS])
+        ]
+        osd = {STATE: ordered, GROUPS: saved_g}
+        if fsdp1:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+            set_optimizer_state_dict(model, optim, osd, options=StateDictOptions(strict=False))
+        else:
+            _load_by_fqn(model, optim, osd, keep_missing, path)
+
+    return finish
 
 
 def _load_by_fqn(model: nn.Module, optim: torch.optim.Optimizer, osd: Dict[str, Any], keep: set, path: str) -> None:
@@ -427,3 +495,42 @@ def _load_by_fqn(model: nn.Module, optim: torch.optim.Optimizer, osd: Dict[str, 
         ng = {k: live[k] if k in live else v for k, v in src.items() if k in live or k != "param_names"}
         groups.append(ng | {k: v for k, v in live.items() if k not in ng})
     optim.load_state_dict({STATE: state, GROUPS: groups})
+
+
+class FlatOptimizerAdapter(Adapter):
+    """An optimizer whose own ``state_dict()`` is not torch's ``{"state", "param_groups"}`` shape.
+
+    torchtitan's ``OptimizersContainer`` is one ``torch.optim.Optimizer``
+    spanning several model parts whose ``state_dict()`` is flat by FQN
+    (``state.<fqn>.exp_avg``, ``param_groups.<fqn>.lr``). Such an object is
+    saved and loaded through its own ``state_dict()``/``load_state_dict()``
+    (tensors under their flat names, DTensors sharded as they are); an
+    optimizer returning torch's shape goes to the by-parameter-name
+    optimizer adapter as before.
+    """
+
+    def matches(self, obj):
+        return isinstance(obj, torch.optim.Optimizer) and (
+            type(obj).state_dict is not torch.optim.Optimizer.state_dict
+            and type(obj).load_state_dict is not torch.optim.Optimizer.load_state_dict
+        )
+
+    @staticmethod
+    def _torch_shaped(sd: Any) -> bool:
+        return isinstance(sd, dict) and set(sd) == {"state", "param_groups"}
+
+    def save(self, obj, path, walker):
+        sd = obj.state_dict()
+        if self._torch_shaped(sd):
+            from .optim import OptimizerAdapter
+
+            return OptimizerAdapter().save(obj, path, walker)
+        return sd
+
+    def load(self, obj, path, saved, walker):
+        if self._torch_shaped(saved):
+            from .optim import OptimizerAdapter
+
+            OptimizerAdapter().load(obj, path, saved, walker)
+            return
+        StatefulAdapter().load(obj, path, saved, walker)

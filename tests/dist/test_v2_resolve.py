@@ -9,7 +9,7 @@ import torch
 from _dist import run_ranks
 
 import shardckpt
-from shardckpt import _plan
+from shardckpt import _geometry
 from shardckpt._format import MetaCache, open_manifest, resolve_chunks
 from shardckpt._storage import Storage
 
@@ -71,8 +71,8 @@ def test_each_rank_reads_only_the_indexes_it_needs(saved, rank):
     m = open_manifest(st, chunks=False)
     cache = MetaCache()
     # Rank `rank` of a load at the save's layout wants its own fsdp rows: written by itself.
-    lay = _plan.regular_layout(SHAPES["fsdp"], (4,), (_plan.Shard(0),))
-    (lb,) = _plan.local_boxes(lay.shape, lay.mesh_shape, lay.placements, (rank,))
+    lay = _geometry.regular_layout(SHAPES["fsdp"], (4,), (_geometry.Shard(0),))
+    (lb,) = _geometry.local_boxes(lay.shape, lay.mesh_shape, lay.placements, (rank,))
     got = resolve_chunks(m, st, "fsdp", [(lb.box.offsets, lb.box.sizes)], cache=cache)
     assert [(c.offsets, c.sizes) for c in got] == [(lb.box.offsets, lb.box.sizes)]
     assert f"-r{rank:05d}-" in got[0].file

@@ -17,8 +17,8 @@ from shardckpt.converters._source import Source, SrcChunk, SrcTensor, plan_block
 
 from shardckpt._format import ChunkMeta, TensorMeta
 from shardckpt._format.checksum import checksum, combine
+from shardckpt._geometry import Box
 from shardckpt._hf import map_names, narrow_unchecked, select_names
-from shardckpt._plan import Box
 from shardckpt._storage import Storage
 from shardckpt.errors import StateMismatchError, UnsupportedStateError
 

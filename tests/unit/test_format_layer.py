@@ -286,3 +286,33 @@ def test_header_limit_does_not_break_hf(tmp_path):
     with pytest.raises(CorruptCheckpointError):
         (tmp_path / "bad.safetensors").write_bytes(b"\xff" * 16)
         shardckpt.inspect(str(tmp_path / "bad.safetensors"))
+
+
+# -- the version table and the one manifest builder (pure) -------------------------------
+
+
+def test_every_version_is_one_table_entry_and_the_newest_is_written():
+    from shardckpt._format import FORMAT_VERSION
+    from shardckpt._format.versions import NEWEST, VERSIONS, spec
+
+    assert FORMAT_VERSION == NEWEST == max(VERSIONS)
+    assert [v for v in VERSIONS if spec(v).chunk_lists] == [1]
+    assert all(spec(v).block_checksums == spec(v).manifest_crc for v in VERSIONS)
+    with pytest.raises(ValueError, match="format_version 99"):
+        spec(99)
+
+
+def test_the_manifest_builder_files_each_ranks_output_and_refuses_a_gap():
+    from shardckpt._format import ChunkMeta, TensorMeta, manifest_from_bytes, manifest_to_bytes
+    from shardckpt._format.build import RankOutput, build_manifest
+
+    def chunk(rel, row):
+        return ChunkMeta(rel, f"w@{row}", [row, 0], [1, 2], 8, 8, 0)
+
+    outs = [RankOutput(1, [("w", chunk("b", 1))], {"b": 16}, ("i1", 10, 7)), RankOutput(0, [("w", chunk("a", 0))], {"a": 16})]
+    m = build_manifest({"w": TensorMeta("F32", [2, 2])}, outs, world_size=2, values={"w": tensor_ref("w")},
+                       save_id="s", block_bytes=1 << 20)
+    assert m.tensors["w"].writers == [0, 1] and sorted(m.files) == ["a", "b", "i1"] and m.indexes["i1"].rank == 1
+    assert manifest_from_bytes(manifest_to_bytes(m)).tensors["w"].writers == [0, 1]
+    with pytest.raises(AssertionError, match="do not tile"):
+        build_manifest({"w": TensorMeta("F32", [2, 2])}, outs[:1], world_size=2, values=None, save_id="s", block_bytes=1 << 20)

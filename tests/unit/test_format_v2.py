@@ -15,7 +15,6 @@ import shardckpt
 from shardckpt._format import (
     FORMAT_VERSION,
     MetaCache,
-    block_span,
     manifest_from_bytes,
     manifest_to_bytes,
     open_manifest,
@@ -101,7 +100,8 @@ def test_resolve_reads_only_the_index_and_gives_blocks(saved):
     assert 0 < cache.bytes_read == m.indexes[next(iter(m.indexes))].size
     c = got[0]
     lo, hi = 300000 * 4, 300010 * 4
-    start, stop, first = block_span(c, lo, hi)
+    start, stop = c.unit_bounds(lo, hi)
+    first = start // c.block_bytes
     assert (start, stop, first) == (1 << 20, 2 << 20, 1)
     raw = open(os.path.join(path, c.file), "rb").read()[c.byte_offset + start : c.byte_offset + stop]
     assert crc32c(raw) == c.block_crcs[first]
@@ -117,7 +117,7 @@ def test_v1_golden_resolves_with_whole_chunk_checksums():
     assert m.version == 1
     got = resolve_chunks(m, st, "sharded", [((0, 0), (5, 3))])
     assert [c.offsets for c in got] == [(0, 0), (3, 0)]
-    assert all(c.block_bytes == 0 and c.block_crcs == () and c.crc32c is not None for c in got)
+    assert all(c.block_bytes == 0 and c.block_crcs == () and c.crc32c is not None and not c.blocked for c in got)
     assert shardckpt.verify(GOLDEN_DIR).version == 1
 
 

@@ -17,7 +17,8 @@ import torch
 
 import shardckpt
 from shardckpt import _io, _knobs, _storage
-from shardckpt._readers import SavedChunk, Want, read_verified
+from shardckpt._format.chunk import Chunk
+from shardckpt._readers import Want, read_verified
 from shardckpt._storage import Storage
 from shardckpt.errors import ChecksumMismatchError, CorruptCheckpointError
 
@@ -138,7 +139,7 @@ def test_file_ending_mid_chunk_is_truncated(tmp_path, small_blocks):
     c = shardckpt.inspect(path).tensors["big"].chunks[0]
     # the reader on its own (load checks sizes first): the file ends mid-chunk
     os.truncate(os.path.join(path, c.file), c.byte_offset + c.nbytes // 2 + 5)
-    chunk = SavedChunk(c.file, c.byte_offset, c.nbytes, block_crcs=(c.crc32c,), name="big")
+    chunk = Chunk(c.file, c.byte_offset, c.nbytes, crc32c=c.crc32c, tensor="big", key="big")
     with pytest.raises(CorruptCheckpointError, match="truncated"):
         read_verified(Storage(path), [Want(chunk, 0, c.nbytes)], lambda *a: None)
 

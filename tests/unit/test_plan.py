@@ -1,7 +1,7 @@
-"""Pure geometry (``shardckpt._plan``) with plain ints.
+"""Pure geometry (``shardckpt._geometry``) with plain ints.
 
 torch appears only as an oracle: its own placement split functions tell what
-a DTensor's local tensor really holds, and ``_plan`` must agree with them.
+a DTensor's local tensor really holds, and ``_geometry`` must agree with them.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import random
 import numpy as np
 import pytest
 
-from shardckpt._plan import (
+from shardckpt._geometry import (
     Box,
     LocalBox,
     Replicate,
@@ -542,5 +542,5 @@ def test_plan_is_torch_free():
     import subprocess
     import sys
 
-    code = "import sys, shardckpt._plan, shardckpt._format; sys.exit(1 if 'torch' in sys.modules else 0)"
-    assert subprocess.run([sys.executable, "-c", code]).returncode == 0, "_plan/_format imported torch"
+    code = "import sys, shardckpt._geometry, shardckpt._format; sys.exit(1 if 'torch' in sys.modules else 0)"
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0, "_geometry/_format imported torch"

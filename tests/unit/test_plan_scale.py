@@ -1,6 +1,6 @@
 """Planning that scales: linear-time tiling checks, shared file bytes, regular layouts.
 
-Every new function is checked against the reference functions of ``_plan``
+Every new function is checked against the reference functions of ``_geometry``
 (``local_boxes``, ``layout_holders``, ``check_cover``, ``plan_reads``) or a
 brute-force paint of the tensor, with plain ints. Complexity is asserted as a
 ratio of times between two sizes, never as an absolute time.
@@ -19,7 +19,7 @@ import time
 import numpy as np
 import pytest
 
-from shardckpt._plan import (
+from shardckpt._geometry import (
     DEFAULT_OFFENDER_LIMIT,
     Box,
     LocalBox,
@@ -446,7 +446,7 @@ def test_replicated_bytes_balanced(mesh, pl, seed, even):
 def test_balance_as_good_as_the_greedy_reference():
     # DDP-style: 60 whole tensors on 8 ranks. The per-rank rule must not be
     # materially worse than assign_writers, which sees every box at once.
-    from shardckpt._plan import assign_writers
+    from shardckpt._geometry import assign_writers
 
     rng = random.Random(5)
     mesh = (8,)
@@ -611,12 +611,12 @@ def test_bench_scale_runs_and_prints_the_line():
 def test_geometry_is_computed_once_per_distinct_layout(monkeypatch):
     # 900 tensors of a 9-layout model (FSDP+TP, 4,096 ranks): a loading rank's
     # boxes and the saved chunks meeting them are split out once per layout.
-    from shardckpt import _plan
+    from shardckpt import _geometry
 
     calls = []
-    real = _plan.dim_intervals
-    monkeypatch.setattr(_plan, "dim_intervals", lambda *a: calls.append(a) or real(*a))
-    _plan.clear_geometry_caches()
+    real = _geometry.dim_intervals
+    monkeypatch.setattr(_geometry, "dim_intervals", lambda *a: calls.append(a) or real(*a))
+    _geometry.clear_geometry_caches()
     shapes = [((4096, 4096), "col"), ((1024, 4096), "col"), ((4096, 14336), "row"), ((4096,), "none")]
     mesh = (512, 8)
     pls = {"col": (Shard(0, 8), Shard(0)), "row": (Shard(0), Shard(1)), "none": (Shard(0), Replicate())}

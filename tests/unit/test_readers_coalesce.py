@@ -16,7 +16,8 @@ import torch
 import shardckpt
 from shardckpt import _knobs
 from shardckpt._format import crc32c
-from shardckpt._readers import ReadStats, SavedChunk, Want, coalesce_gap, plan_ranges, read_verified
+from shardckpt._format.chunk import Chunk
+from shardckpt._readers import ReadStats, Want, coalesce_gap, plan_ranges, read_verified
 from shardckpt._storage import Storage, _fsspec
 from shardckpt.errors import ChecksumMismatchError
 
@@ -29,7 +30,7 @@ def _chunk(rel, start, nbytes, block=4 * KIB, name="c", data=None):
     else:
         body = data[start : start + nbytes]
         crcs = tuple(crc32c(body[i : i + block]) for i in range(0, nbytes, block))
-    return SavedChunk(rel, start, nbytes, block_bytes=block, block_crcs=crcs, name=name)
+    return Chunk(rel, start, nbytes, block_bytes=block, block_crcs=crcs, tensor=name)
 
 
 # -- planning (pure) ------------------------------------------------------------------

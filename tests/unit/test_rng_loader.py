@@ -58,9 +58,9 @@ def test_stateful_dataloader_and_rng_resume_exact(tmp_path, order, rng_key):
 
 def test_without_priming_the_natural_order_is_one_draw_off(tmp_path, monkeypatch):
     """The trap the load avoids: restore the generators, then iter() draws a seed from them."""
-    from shardckpt._state import walk
+    from shardckpt._state import stateful
 
-    monkeypatch.setattr(walk, "_prime_loader", lambda obj: None)
+    monkeypatch.setattr(stateful, "_prime_loader", lambda obj: None)
     got, want = _run(tmp_path, "rng", "load-then-iter")
     assert [b for b, _ in got] == [b for b, _ in want]  # the loader's own position is right...
     assert [r for _, r in got] != [r for _, r in want]  # ...main-process randomness is not

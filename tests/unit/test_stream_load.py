@@ -19,7 +19,8 @@ import torch
 import shardckpt
 from shardckpt import _load
 from shardckpt._format import crc32c, open_manifest
-from shardckpt._readers import BufferPool, ReadStats, SavedChunk, Want, plan_ranges, read_verified
+from shardckpt._format.chunk import Chunk
+from shardckpt._readers import BufferPool, ReadStats, Want, plan_ranges, read_verified
 from shardckpt._storage import Storage
 from shardckpt.errors import ChecksumMismatchError, CorruptCheckpointError, StateMismatchError
 
@@ -33,14 +34,14 @@ def _file(tmp_path, n=1 << 16, name="f.bin"):
 def _blocked(rel, data, start, nbytes, block, name="c"):
     body = data[start : start + nbytes]
     crcs = tuple(crc32c(body[i : i + block]) for i in range(0, nbytes, block))
-    return SavedChunk(rel, start, nbytes, block_bytes=block, block_crcs=crcs, name=name)
+    return Chunk(rel, start, nbytes, block_bytes=block, block_crcs=crcs, tensor=name)
 
 
 # -- planning (pure) ------------------------------------------------------------------
 
 
 def test_plan_rounds_to_blocks_and_coalesces_neighbours():
-    c = SavedChunk("a", 100, 1000, block_bytes=64, block_crcs=tuple(range(16)))
+    c = Chunk("a", 100, 1000, block_bytes=64, block_crcs=tuple(range(16)))
     rs = plan_ranges([Want(c, 70, 80), Want(c, 130, 140)], range_bytes=1 << 20, gap_bytes=0)
     assert [(r.start, r.stop) for r in rs] == [(164, 292)]  # blocks 1 and 2, adjacent
     assert [u[:2] for u in rs[0].units] == [(164, 228), (228, 292)]
@@ -50,28 +51,28 @@ def test_plan_rounds_to_blocks_and_coalesces_neighbours():
 
 
 def test_plan_v1_reads_whole_chunks_and_unchecked_reads_exact_bytes():
-    v1 = SavedChunk("a", 8, 4096, block_crcs=(5,), name="w")
+    v1 = Chunk("a", 8, 4096, crc32c=5, tensor="w")
     (r,) = plan_ranges([Want(v1, 100, 200)])
-    assert (r.start, r.stop, r.units) == (8, 8 + 4096, [(8, 4104, 5, "w")])
-    raw = SavedChunk("a", 8, 4096)
+    assert (r.start, r.stop, [(u.start, u.stop, u.crc, u.label) for u in r.units]) == (8, 8 + 4096, [(8, 4104, 5, "w")])
+    raw = Chunk("a", 8, 4096)
     (r,) = plan_ranges([Want(raw, 100, 200)])
     assert (r.start, r.stop, r.units) == (108, 208, [])
 
 
 def test_plan_never_exceeds_the_range_size_unless_one_unit_does():
-    c = SavedChunk("a", 0, 1 << 20, block_bytes=1 << 12, block_crcs=tuple(range(256)))
+    c = Chunk("a", 0, 1 << 20, block_bytes=1 << 12, block_crcs=tuple(range(256)))
     wants = [Want(c, s, s + 1000) for s in range(0, 1 << 20, 1 << 12)]
     rs = plan_ranges(wants, range_bytes=64 << 10)
     assert all(r.nbytes <= 64 << 10 for r in rs) and sum(len(r.wants) for r in rs) == len(wants)
-    big = SavedChunk("a", 0, 1 << 20, block_crcs=(1,))
+    big = Chunk("a", 0, 1 << 20, crc32c=1)
     assert [r.nbytes for r in plan_ranges([Want(big, 0, 1)], range_bytes=1 << 10)] == [1 << 20]
 
 
 def test_plan_refuses_wants_outside_the_chunk_and_short_block_lists():
-    c = SavedChunk("a", 0, 100, block_bytes=10, block_crcs=(1,) * 10, name="x")
-    with pytest.raises(CorruptCheckpointError, match="outside chunk 'x'"):
+    c = Chunk("a", 0, 100, block_bytes=10, block_crcs=(1,) * 10, tensor="x")
+    with pytest.raises(CorruptCheckpointError, match="outside x of 100 bytes"):
         plan_ranges([Want(c, 90, 101)])
-    short = SavedChunk("a", 0, 100, block_bytes=10, block_crcs=(1,) * 9, name="x")
+    short = Chunk("a", 0, 100, block_bytes=10, block_crcs=(1,) * 9, tensor="x")
     with pytest.raises(CorruptCheckpointError, match="9 block checksums, 10 needed"):
         plan_ranges([Want(short, 0, 1)])
 
@@ -106,13 +107,29 @@ def test_reader_refuses_a_damaged_block_and_delivers_nothing_of_its_range(tmp_pa
     assert got == ["ok"]
 
 
+def test_reader_with_on_mismatch_lists_every_damaged_unit_and_delivers_the_rest(tmp_path):
+    # How verify lists all damage in one pass: no raise, bad units reported, good wants delivered.
+    data = bytearray(_file(tmp_path, 1 << 16))
+    c = _blocked("f.bin", bytes(data), 0, 1 << 16, 1024, name="w")
+    whole = Chunk("f.bin", 0, 1024, crc32c=crc32c(bytes(data[:1024])) ^ 1, tensor="v1")  # a wrong whole-chunk CRC
+    for i in (5000, 40_000):
+        data[i] ^= 1
+    (tmp_path / "f.bin").write_bytes(bytes(data))
+    bad, got = [], []
+    wants = [Want(c, s, s + 8192, s) for s in range(0, 1 << 16, 8192)] + [Want(whole, 0, 1024, "v1")]
+    read_verified(Storage(str(tmp_path)), wants, lambda w, b, o, off: got.append(w.tag),
+                  on_mismatch=lambda u, crc: bad.append((u.label, crc is not None)), range_bytes=16384)
+    assert sorted(bad) == [("v1", True), ("w block 39", True), ("w block 4", True)]
+    assert sorted(got) == [s for s in range(0, 1 << 16, 8192) if s not in (0, 32768)]  # "v1" not delivered either
+
+
 def test_reader_names_missing_and_short_files(tmp_path):
     _file(tmp_path, 100)
     st = Storage(str(tmp_path))
     with pytest.raises(CorruptCheckpointError, match="is missing"):
-        read_verified(st, [Want(SavedChunk("nope.bin", 0, 10), 0, 10)], lambda *a: None)
+        read_verified(st, [Want(Chunk("nope.bin", 0, 10), 0, 10)], lambda *a: None)
     with pytest.raises(CorruptCheckpointError, match="truncated"):
-        read_verified(st, [Want(SavedChunk("f.bin", 50, 80), 0, 80)], lambda *a: None)
+        read_verified(st, [Want(Chunk("f.bin", 50, 80), 0, 80)], lambda *a: None)
 
 
 def test_pool_is_bounded_reused_and_empty_after_close(tmp_path):
@@ -250,15 +267,15 @@ def test_pieces_cast_when_the_dtype_rule_allows_it(tmp_path, monkeypatch):
 
 def _rows_plan(d, live_rows, rows, cols):
     """A load plan for rows ``live_rows`` of a saved ``rows x cols`` tensor, as a rank holding them makes it."""
-    from shardckpt import _plan
+    from shardckpt import _geometry
 
     man = open_manifest(d, chunks=False)
     plan = _load._plan_load({"w": torch.zeros(rows, cols)}, man, strict=True, rank=0, world=1, storage=Storage(d))
     t = plan.targets[0]
     lo, hi = live_rows
-    box = _plan.Box((lo, 0), (hi - lo, cols))
+    box = _geometry.Box((lo, 0), (hi - lo, cols))
     dst = torch.zeros(hi - lo, cols)
-    pieces = tuple(_plan.plan_reads([_plan.Box(c.offsets, c.sizes) for c in t.chunks], [_plan.LocalBox(box, (0, 0))]))
+    pieces = tuple(_geometry.plan_reads([_geometry.Box(c.offsets, c.sizes) for c in t.chunks], [_geometry.LocalBox(box, (0, 0))]))
     part = t.__class__(t.name, t.meta, ((box, dst),), (pieces,), t.chunks)
     return plan.__class__(**{**plan.__dict__, "targets": (part,)}), dst
 

@@ -1,0 +1,117 @@
+"""Format versions: what each one holds, and the one place that dispatches on them (torch-free).
+
+Every reader and writer asks :func:`spec` what a manifest's version has
+(``spec(m.version).block_checksums``) instead of comparing version numbers,
+and parses or serializes it through the entry's functions. Adding a version
+is one entry in :data:`VERSIONS` (and its parser and serializer); the newest
+entry is what ``save`` and the converters write.
+
+=======  ============================================================
+version  what it adds
+=======  ============================================================
+1        chunk lists in the manifest, one CRC-32C per chunk
+2        checksummed manifest; per-rank index files with block CRCs;
+         chunks derived from layout records
+3        the per-rank files in a compact table (``file_table``)
+4        a content hash per chunk; references to sibling checkpoints
+=======  ============================================================
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Dict
+
+__all__ = ["VersionSpec", "VERSIONS", "NEWEST", "spec", "parse_raw", "to_json"]
+
+
+@dataclass(frozen=True)
+class VersionSpec:
+    """What a format version's manifest and files hold.
+
+    Attributes:
+        number: ``format_version``.
+        chunk_lists: the manifest lists every chunk (else index files do).
+        block_checksums: chunks carry block CRCs of ``block_bytes`` (index
+            files).
+        manifest_crc: the manifest carries the CRC-32C of its own bytes.
+        file_table: the per-rank data and index files are a compact table.
+        content_hash: chunks carry a content hash (index rows' ``hash``), and
+            files may be references to sibling checkpoints (``_format.refs``).
+        parse: ``(raw JSON object, where) -> Manifest``, validating.
+        to_json: ``Manifest -> JSON object`` (before canonical encoding).
+    """
+
+    number: int
+    chunk_lists: bool
+    block_checksums: bool
+    manifest_crc: bool
+    file_table: bool
+    content_hash: bool
+    parse: Callable[[Dict[str, Any], str], Any]
+    to_json: Callable[[Any], Dict[str, Any]]
+
+
+def _v1_parse(raw: Dict[str, Any], where: str) -> Any:
+    from .manifest import manifest_v1_from_raw
+
+    return manifest_v1_from_raw(raw, where)
+
+
+def _v2_parse(raw: Dict[str, Any], where: str) -> Any:
+    from ._v2 import manifest_v2_from_raw
+
+    return manifest_v2_from_raw(raw, where)
+
+
+def _v1_json(m: Any) -> Dict[str, Any]:
+    from .manifest import manifest_v1_json
+
+    return manifest_v1_json(m)
+
+
+def _v2_json(m: Any) -> Dict[str, Any]:
+    from .manifest import manifest_v2_json
+
+    return manifest_v2_json(m)
+
+
+#: Every version this library reads, by number; the last one is written.
+VERSIONS: Dict[int, VersionSpec] = {
+    1: VersionSpec(1, chunk_lists=True, block_checksums=False, manifest_crc=False, file_table=False, content_hash=False,
+                   parse=_v1_parse, to_json=_v1_json),
+    2: VersionSpec(2, chunk_lists=False, block_checksums=True, manifest_crc=True, file_table=False, content_hash=False,
+                   parse=_v2_parse, to_json=_v2_json),
+    3: VersionSpec(3, chunk_lists=False, block_checksums=True, manifest_crc=True, file_table=True, content_hash=False,
+                   parse=_v2_parse, to_json=_v2_json),
+    4: VersionSpec(4, chunk_lists=False, block_checksums=True, manifest_crc=True, file_table=True, content_hash=True,
+                   parse=_v2_parse, to_json=_v2_json),
+}
+#: The version ``save`` and the converters write.
+NEWEST = max(VERSIONS)
+
+
+def spec(version: int) -> VersionSpec:
+    """The entry of ``version`` (a version of a ``Manifest`` already built or parsed).
+
+    Raises:
+        ValueError: a version this library does not know (parsing refuses
+            those first, with ``NewerFormatError`` or ``CorruptCheckpointError``).
+
+        >>> spec(1).block_checksums, spec(3).file_table
+        (False, True)
+    """
+    try:
+        return VERSIONS[version]
+    except KeyError:
+        raise ValueError(f"format_version {version} is not one this shardckpt knows ({sorted(VERSIONS)})") from None
+
+
+def parse_raw(raw: Dict[str, Any], version: int, where: str) -> Any:
+    """Parse a manifest's JSON object of a known ``version`` (checked by the caller) into a ``Manifest``."""
+    return spec(version).parse(raw, where)
+
+
+def to_json(m: Any) -> Dict[str, Any]:
+    """A ``Manifest``'s JSON object, as its version lays it out."""
+    return spec(m.version).to_json(m)

@@ -1,0 +1,296 @@
+"""The built-in adapter of ``nn.Module``: its state dict by FQN, filled in place (any runtime).
+
+Also what it needs to tell: state-dict hooks that return throwaway copies
+(``throwaway_copies``) or route state back (``routes_state_back``), tied
+weights (``tied_groups``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional
+
+import torch
+
+from .._runtimes import (
+    empty_like_meta,
+    fsdp1_load_model_state,
+    fsdp1_model_state,
+    is_fsdp1,
+    materialize_device,
+    unwrap,
+    wrapper_renamer,
+)
+from ..errors import UnsupportedStateError, format_offenders
+from .adapters import Adapter
+from .values import tensor_ref
+from .walk import (
+    _MISSING,
+    SEP,
+    Raw,
+    _fill_from_saved,
+    _is_tensor,
+    _join,
+)
+
+__all__ = ["ModuleAdapter", "throwaway_copies", "routes_state_back", "tied_groups"]
+
+
+class ModuleAdapter(Adapter):
+    """``nn.Module`` of any runtime: its state dict by FQN, filled in place.
+
+    Plain modules, FSDP2, TP and HSDP: ``state_dict(keep_vars=True)`` yields
+    the Parameters themselves (DTensors when sharded), so a load ``copy_``-es
+    into their storage and never swaps a Parameter or its ``.data`` — FSDP2's
+    all-gathers and the optimizer keep seeing the same objects.
+
+    DDP and ``torch.compile`` wrappers are looked through, so names carry no
+    ``module.``/``_orig_mod.`` prefix and checkpoints move between runtimes.
+
+    FSDP1 goes through torch's sharded state dict (``ShardedTensor``\\ s),
+    filled and handed back with ``set_model_state_dict`` (collective).
+
+    Parameters or buffers still on the meta device get new tensors of their
+    live dtype and sharding, on the device ``_runtimes.materialize_device``
+    picks, installed with ``load_state_dict(assign=True)`` — FSDP2's post-load
+    hook then re-pads its sharded storage. Only entries the checkpoint has
+    are materialized; the rest stay on meta and are reported missing.
+    """
+
+    def matches(self, obj):
+        return isinstance(obj, torch.nn.Module)
+
+    def save(self, obj, path, walker):
+        m = unwrap(obj)
+        if is_fsdp1(m):
+            return fsdp1_model_state(m)
+        sd = _module_tensors(m, path)
+        meta = [k for k, t in sd.items() if _is_tensor(t) and t.is_meta]
+        if meta:
+            raise UnsupportedStateError(
+                f"{path}: tensors on the meta device hold no data and cannot be saved: {format_offenders(meta)}"
+            )
+        # Tied parameters (one tensor under several names) are written once,
+        # under the first name in module order; the others are references to
+        # it in the values tree (the manifest's record of the alias).
+        for names in tied_groups(sd):
+            for alias in names[1:]:
+                sd[alias] = Raw(tensor_ref(_join(path, names[0])))
+        return sd
+
+    def load(self, obj, path, saved, walker):
+        m = unwrap(obj)
+        if is_fsdp1(m):
+            sd = fsdp1_model_state(m)
+            self._targets(sd, path, saved, walker)
+            walker.flat.finalizers.append(lambda: fsdp1_load_model_state(m, sd))
+            return
+        back: Dict[str, str] = {}
+        sd = _module_tensors(m, path, back)
+        extra = self._extra_state(m, sd, path, saved, walker, back)
+        copies = throwaway_copies(m, sd)
+        if copies and not routes_state_back(m, [back[k] for k in copies]):
+            raise UnsupportedStateError(
+                f"{path}: state_dict() returns tensors that are copies, not the module's parameters or buffers "
+                f"({format_offenders([_join(path, k) for k in copies])}), and no load_state_dict pre-hook or "
+                "_load_from_state_dict override could put them back: a load would fill the copies and leave the "
+                "weights as they are. Register the inverse hook (module.register_load_state_dict_pre_hook) or "
+                "make state_dict() return views of the parameters"
+            )
+        assign = self._materialize_meta(m, sd, path, walker)
+        self._untie_targets(sd, path, walker)
+        self._targets(sd, path, saved, walker)
+        if assign:
+            walker.flat.finalizers.append(lambda: m.load_state_dict({back[k]: v for k, v in assign.items()}, strict=False, assign=True))
+        if copies:
+            # DCP's flow for such modules: the copies were filled; the module's
+            # own load_state_dict (and its hooks) puts them into the weights.
+            # Extra state goes in too: load_state_dict hands it to set_extra_state.
+            walker.flat.finalizers.append(
+                lambda: m.load_state_dict({back[k]: v for k, v in ({**sd, **{k: h["v"] for k, (_, h) in extra.items()}}).items()}, strict=True)
+            )
+        else:
+            for owner, h in extra.values():
+                walker.flat.finalizers.append(lambda o=owner, h=h: o.set_extra_state(h["v"]))
+
+    @staticmethod
+    def _extra_state(m, sd, path, saved, walker, back):
+        """Give each submodule's ``get_extra_state()`` value back through its ``set_extra_state``.
+
+        As ``nn.Module.load_state_dict`` does: the saved value (a dict, an
+        int, ``io.BytesIO``, a tensor, a dict holding tensors...) is rebuilt
+        whole (tensors as new full tensors, at any world size) and handed to
+        ``set_extra_state`` once every tensor was read and checked. The key
+        leaves ``sd``: the live ``get_extra_state()`` result is a copy that
+        filling would not reach. Returns ``key -> (submodule, holder)``;
+        ``holder["v"]`` is the value once the load's tensors are in.
+        """
+        from torch.nn.modules.module import _EXTRA_STATE_KEY_SUFFIX
+
+        out: Dict[str, Any] = {}
+        for k in [k for k in sd if k == _EXTRA_STATE_KEY_SUFFIX or k.endswith(SEP + _EXTRA_STATE_KEY_SUFFIX)]:
+            del sd[k]
+            own = back.get(k, k)
+            owner = m.get_submodule(own[: -len(_EXTRA_STATE_KEY_SUFFIX)].rstrip(SEP))
+            node = saved.get(k, _MISSING) if isinstance(saved, dict) else _MISSING
+            where = _join(path, k)
+            if node is _MISSING:
+                walker.missing_values.append(where)
+                continue
+            holder: Dict[str, Any] = {}
+            _fill_from_saved(holder, "v", node, where, walker)
+            out[k] = (owner, holder)
+        return out
+
+    @staticmethod
+    def _untie_targets(sd, path, walker):
+        """Fill each tied tensor once, from whichever of its names the checkpoint has.
+
+        The other names leave ``sd`` (not missing: they are the same tensor)
+        and, if the checkpoint holds them too, are skipped rather than
+        reported unexpected.
+        """
+        for names in tied_groups(sd):
+            present = [n for n in names if _join(path, n) in walker.saved_tensors]
+            primary = present[0] if present else names[0]
+            for n in names:
+                if n != primary:
+                    del sd[n]
+                    if n in present:
+                        walker.flat.skip.append(_join(path, n))
+
+    @staticmethod
+    def _targets(sd, path, saved, walker):
+        for k, t in sd.items():
+            if _is_tensor(t):
+                walker.target(_join(path, k), t, saved.get(k) if isinstance(saved, dict) else None)
+            else:
+                sub = saved.get(k, _MISSING) if isinstance(saved, dict) else _MISSING
+                walker.walk(t, sub, _join(path, k), None)
+
+    @staticmethod
+    def _materialize_meta(m, sd, path, walker) -> Dict[str, Any]:
+        """Swap meta entries of ``sd`` the checkpoint has for empty real tensors; return them."""
+        meta_keys = [k for k, t in sd.items() if _is_tensor(t) and t.is_meta and _join(path, k) in walker.saved_tensors]
+        # A tied tensor is materialized under all its names, so that
+        # load_state_dict(assign=True) installs one Parameter everywhere and
+        # the tie survives (HF directories hold only one of the names).
+        for names in tied_groups(sd):
+            if any(n in meta_keys for n in names):
+                meta_keys += [n for n in names if n not in meta_keys]
+        if not meta_keys:
+            return {}
+
+        device_of = materialize_device(m)
+        made: Dict[int, Any] = {}  # tied weights share one new Parameter
+        out = {}
+        for k in meta_keys:
+            t = sd[k]
+            if id(t) not in made:
+                new = _empty_like_meta(t, device_of(t))
+                if isinstance(t, torch.nn.Parameter):
+                    # assign=True installs a Parameter as is: every tied name gets this one object
+                    new = torch.nn.Parameter(new, requires_grad=t.requires_grad)
+                made[id(t)] = new
+            sd[k] = out[k] = made[id(t)]
+        return out
+
+
+def _empty_like_meta(t, device) -> torch.Tensor:
+    """An uninitialized tensor (DTensor: same mesh/placements/shape) replacing meta ``t``."""
+    return empty_like_meta(t, device)
+
+
+def _storage_ptr(t: Any) -> Optional[int]:
+    """The address of the storage under ``t`` (a DTensor's local shard), or None (meta, empty, no storage)."""
+    local = t.to_local() if hasattr(t, "to_local") else t
+    if not isinstance(local, torch.Tensor) or local.is_meta or local.numel() == 0:
+        return None
+    try:
+        return local.untyped_storage().data_ptr()
+    except Exception:  # tensor subclasses without storage
+        return None
+
+
+def throwaway_copies(m: torch.nn.Module, sd: Dict[str, Any]) -> List[str]:
+    """Keys of ``sd`` (``m.state_dict(keep_vars=True)``) whose tensors share no storage with ``m``'s weights.
+
+    A state-dict hook that splits a fused weight into new tensors, or one that
+    re-creates them, gives copies: filling them in place would not reach the
+    weights. Views of a parameter (a split that is a view) are not copies.
+
+    Example:
+        >>> m = torch.nn.Linear(2, 2)
+        >>> throwaway_copies(m, {"weight": m.weight.detach().clone(), "bias": m.bias[:1]})
+        ['weight']
+    """
+    own = set()
+    for _, t in list(m.named_parameters(remove_duplicate=False)) + list(m.named_buffers(remove_duplicate=False)):
+        ptr = _storage_ptr(t)
+        if ptr is not None:
+            own.add(ptr)
+    out = []
+    for k, t in sd.items():
+        if _is_tensor(t):
+            ptr = _storage_ptr(t)
+            if ptr is not None and ptr not in own:
+                out.append(k)
+    return sorted(out)
+
+
+def routes_state_back(m: torch.nn.Module, keys: List[str]) -> bool:
+    """True if ``m.load_state_dict`` can turn the copies under ``keys`` back into weights.
+
+    Copies under the module's own parameter/buffer names are loaded by plain
+    ``load_state_dict`` (a hook that re-creates tensors under unchanged
+    names). Other names (a fused weight split into new ones) need a
+    load-state-dict pre-hook or an overridden
+    ``load_state_dict``/``_load_from_state_dict`` somewhere in ``m``: the
+    inverse of the hook that made them.
+    """
+    names = {n for n, _ in m.named_parameters(remove_duplicate=False)} | {n for n, _ in m.named_buffers(remove_duplicate=False)}
+    if all(k in names for k in keys):
+        return True
+    base = torch.nn.Module
+    if type(m).load_state_dict is not base.load_state_dict:
+        return True
+    for sm in m.modules():
+        if getattr(sm, "_load_state_dict_pre_hooks", None) or getattr(sm, "_load_state_dict_post_hooks", None):
+            return True
+        if type(sm)._load_from_state_dict is not base._load_from_state_dict:
+            return True
+    return False
+
+
+def tied_groups(sd: Dict[str, Any]) -> List[List[str]]:
+    """Names of ``sd`` that hold the same tensor object (tied weights), in order; only groups of two or more.
+
+        >>> w = torch.nn.Parameter(torch.ones(2))
+        >>> tied_groups({"emb.weight": w, "bias": torch.zeros(1), "head.weight": w})
+        [['emb.weight', 'head.weight']]
+    """
+    by_id: Dict[int, List[str]] = {}
+    for k, t in sd.items():
+        if _is_tensor(t):
+            by_id.setdefault(id(t), []).append(k)
+    return [names for names in by_id.values() if len(names) > 1]
+
+
+def _module_tensors(m: torch.nn.Module, path: str = "", back: Optional[Dict[str, str]] = None) -> Dict[str, Any]:
+    """``m.state_dict(keep_vars=True)`` under plain FQNs: wrapper segments removed at every depth.
+
+    ``back`` (if given) receives plain name -> ``m``'s own key, for calls
+    that hand a dict back to ``m.load_state_dict``.
+    """
+    rename = wrapper_renamer(m)
+    out: Dict[str, Any] = {}
+    for k, v in m.state_dict(keep_vars=True).items():
+        n = rename(k)
+        if n in out:
+            raise UnsupportedStateError(
+                f"{_join(path, n)}: two entries of the module's state dict have this name once wrapper prefixes "
+                "(_orig_mod., _checkpoint_wrapped_module., module.) are removed"
+            )
+        out[n] = v
+        if back is not None:
+            back[n] = k
+    return out
