@@ -61,7 +61,7 @@ LOOKUP, CHANGED, HASH_NEXT = "lookup", "changed", "hash-next"
 #: offsets): (CRC-32C, content hash or None, what to do next time: LOOKUP,
 #: CHANGED or HASH_NEXT)}. Orders the work only (module docstring); never
 #: decides whether bytes are saved.
-_MEMO: Dict[str, Dict[Tuple[str, Tuple[int, ...]], Tuple[int, Optional[str], str]]] = {}
+_MEMO: Dict[str, Dict[Tuple[str, Tuple[int, ...]], Tuple[Optional[int], Optional[str], str]]] = {}
 
 
 def base_name(url: str, base: str) -> str:
@@ -173,7 +173,7 @@ def note_written(storage: Any, named: List[Tuple[str, ChunkMeta]], referenced: L
     key = root_key(storage)
     last = _MEMO.get(key, {})
     ref_keys = {(n, tuple(c.offsets)) for n, c in referenced}
-    memo: Dict[Tuple[str, Tuple[int, ...]], Tuple[int, Optional[str], str]] = {}
+    memo: Dict[Tuple[str, Tuple[int, ...]], Tuple[Optional[int], Optional[str], str]] = {}
     for n, c in named:
         k = (n, tuple(c.offsets))
         prev = last.get(k)
