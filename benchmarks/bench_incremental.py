@@ -98,13 +98,9 @@ def _worker(rank: int, world: int, port: int, args, q) -> None:
                 if case == "dense" or not k.startswith("base"):
                     v.to_local().add_(1.0)
 
-    import shardckpt._io as sio
-
-    hash_algo = sio.default_hash_algo
     for case in args.cases.split(","):
-        for how in ("full", "incremental", "dcp", "full-nohash"):
-            # full-nohash: a save without the content hash (format v3's work), to price the hash.
-            sio.default_hash_algo = (lambda: "") if how == "full-nohash" else hash_algo
+        # full: plain saves (no content hash); incremental: CheckpointManager(incremental=True).
+        for how in ("full", "incremental", "dcp"):
             root = os.path.join(args.out, f"{case}-{how}")
             if rank == 0:
                 shutil.rmtree(root, ignore_errors=True)
@@ -164,7 +160,15 @@ def main(argv=None) -> int:
     procs = [ctx.Process(target=_worker, args=(r, args.ranks, port, args, q)) for r in range(args.ranks)]
     for pr in procs:
         pr.start()
-    res = q.get()
+    res = None
+    while res is None:
+        try:
+            res = q.get(timeout=5)
+        except Exception:
+            if any(pr.exitcode not in (None, 0) for pr in procs) or all(pr.exitcode is not None for pr in procs):
+                for pr in procs:
+                    pr.kill()
+                raise SystemExit(f"a rank failed: exit codes {[pr.exitcode for pr in procs]}") from None
     for pr in procs:
         pr.join()
     res["ranks"], res["saves"] = args.ranks, args.saves
@@ -180,7 +184,7 @@ def main(argv=None) -> int:
                             "later_save_cpu_seconds_median": cpus[len(cpus) // 2]}
     for case in ("lora", "dense"):
         full = summary.get(f"{case}/full")
-        for other in ("incremental", "full-nohash", "dcp"):
+        for other in ("incremental", "dcp"):
             got = summary.get(f"{case}/{other}")
             if got and full:
                 summary[f"{case}/{other}_vs_full"] = {
