@@ -18,9 +18,10 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, cast
 from .. import _geometry
 from ..errors import ChecksumMismatchError, CorruptCheckpointError, UnsafeMetadataError
 from .checksum import HASH_ALGOS, check_hash_hex, crc32c, pack_crcs, unpack_crcs
-from .chunk import Chunk
+from .chunk import Chunk, MetaCache
 from .dtypes import DTYPES, itemsize
 from .manifest import (
+    FORMAT_NAME,
     MANIFEST_CRC_FIELD,
     V_CONTENT_HASH,
     ChunkMeta,
@@ -37,8 +38,7 @@ from .manifest import (
 )
 from .naming import DATA_DIR, DATA_SUFFIX, INDEX_DIR, INDEX_SUFFIX, chunk_key, save_id_prefix
 from .refs import check_ref_paths
-from .resolve import MetaCache
-from .versions import VERSIONS, spec
+from .versions import VERSIONS, register, spec
 
 INDEX_FORMAT = "shardckpt-index"
 #: Largest index file read (one rank's chunk list).
@@ -347,6 +347,42 @@ def file_table_json(m: Manifest) -> Tuple[Dict[str, Any], Dict[str, FileMeta], D
     return table, other_files, other_indexes
 
 
+def manifest_v2_json(m: Manifest) -> Dict[str, Any]:
+    """Format v2/v3's JSON object: layouts and writers instead of chunks; v3's file table."""
+    tensors = {}
+    for name in sorted(m.tensors):
+        t = m.tensors[name]
+        tj: Dict[str, Any] = {"dtype": t.dtype, "shape": list(t.shape)}
+        if t.layout is not None:
+            tj["layout"] = t.layout
+        if t.regular is not None:
+            tj["regular"] = t.regular
+        else:
+            tj["writers"] = sorted(t.writers or [])
+        tensors[name] = tj
+    out = {
+        "format": FORMAT_NAME,
+        "format_version": m.version,
+        "library_version": m.library_version,
+        "save_id": m.save_id,
+        "world_size": m.world_size,
+        "checksum": "crc32c",
+        "block_bytes": m.block_bytes,
+        "meshes": m.meshes,
+        "tensors": tensors,
+        "values": m.values,
+        "extra": m.extra,
+    }
+    if m.version >= V_CONTENT_HASH:
+        out["content_hash"] = m.content_hash
+    files, indexes = m.files, m.indexes
+    if spec(m.version).file_table:
+        out["file_table"], files, indexes = file_table_json(m)
+    out["files"] = {k: files[k].to_json() for k in sorted(files)}
+    out["indexes"] = {k: indexes[k].to_json() for k in sorted(indexes)}
+    return out
+
+
 def _check_table_paths(raw: Dict[str, Any], where: str) -> None:
     """The table's patterns, checked with every other path, before anything else of the manifest."""
     table = raw.get("file_table")
@@ -651,3 +687,7 @@ def resolve(manifest: Any, storage: Any, name: str, boxes, cache: MetaCache) -> 
     out = [Chunk.from_meta(name, c, block_bytes) for c in tensor_chunks(manifest, storage, name, boxes, cache) if c.nbytes]
     out.sort(key=lambda c: c.offsets)
     return out
+
+
+# Format v2 and later parse and serialize through this module (``versions.register``).
+register([v for v, s in VERSIONS.items() if not s.chunk_lists], parse=manifest_v2_from_raw, to_json=manifest_v2_json)

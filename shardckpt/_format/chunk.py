@@ -25,14 +25,18 @@ Extending: a new field goes at the end with a default, and
 constructs a chunk from a manifest row. A chunk whose bytes live in a sibling
 checkpoint (format v4) needs no field: its ``file`` is the reference path
 (``@<dir>/<path>``) that the storage of ``_format.refs.follow`` reads.
+
+:class:`MetaCache` (the metadata one load reads while resolving chunks) lives
+here too, below both ``_format.resolve`` and ``_format._v2``, which share it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Optional, Tuple
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Dict, Optional, Tuple
 
-__all__ = ["Chunk"]
+__all__ = ["Chunk", "MetaCache"]
 
 
 @dataclass(frozen=True)
@@ -132,3 +136,15 @@ class Chunk:
             content_hash=meta.hash or "",
         )
 
+
+@dataclass
+class MetaCache:
+    """Metadata read during one load (parsed data file headers); thread-safe.
+
+    ``bytes_read`` counts the metadata bytes fetched through it (headers), for
+    ``load_meta_mb`` figures and tests.
+    """
+
+    headers: Dict[str, Any] = field(default_factory=dict)
+    bytes_read: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)

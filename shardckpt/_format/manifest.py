@@ -21,7 +21,7 @@ from .checksum import crc32c, default_hash_algo
 from .dtypes import DTYPES, itemsize
 from .naming import MANIFEST_NAME
 from .values import value_depth_problem
-from .versions import NEWEST, VERSIONS, parse_raw, spec, to_json
+from .versions import NEWEST, VERSIONS, parse_raw, register, spec, to_json
 
 __all__ = [
     "IndexMeta",
@@ -225,44 +225,6 @@ def manifest_v1_json(m: Manifest) -> Dict[str, Any]:
         "values": m.values,
         "extra": m.extra,
     }
-
-
-def manifest_v2_json(m: Manifest) -> Dict[str, Any]:
-    """Format v2/v3's JSON object: layouts and writers instead of chunks; v3's file table."""
-    tensors = {}
-    for name in sorted(m.tensors):
-        t = m.tensors[name]
-        tj: Dict[str, Any] = {"dtype": t.dtype, "shape": list(t.shape)}
-        if t.layout is not None:
-            tj["layout"] = t.layout
-        if t.regular is not None:
-            tj["regular"] = t.regular
-        else:
-            tj["writers"] = sorted(t.writers or [])
-        tensors[name] = tj
-    out = {
-        "format": FORMAT_NAME,
-        "format_version": m.version,
-        "library_version": m.library_version,
-        "save_id": m.save_id,
-        "world_size": m.world_size,
-        "checksum": "crc32c",
-        "block_bytes": m.block_bytes,
-        "meshes": m.meshes,
-        "tensors": tensors,
-        "values": m.values,
-        "extra": m.extra,
-    }
-    if m.version >= V_CONTENT_HASH:
-        out["content_hash"] = m.content_hash
-    files, indexes = m.files, m.indexes
-    if spec(m.version).file_table:
-        from ._v2 import file_table_json
-
-        out["file_table"], files, indexes = file_table_json(m)
-    out["files"] = {k: files[k].to_json() for k in sorted(files)}
-    out["indexes"] = {k: indexes[k].to_json() for k in sorted(indexes)}
-    return out
 
 
 def canonical_json(obj: Any) -> bytes:
@@ -492,3 +454,6 @@ def manifest_v1_from_raw(raw: Dict[str, Any], where: str) -> Manifest:
     )
 
 
+# Format v1 parses and serializes through this module (``versions.register``;
+# v2 and later: ``_v2``).
+register([v for v, s in VERSIONS.items() if s.chunk_lists], parse=manifest_v1_from_raw, to_json=manifest_v1_json)

@@ -19,31 +19,18 @@ bytes are and how to verify any range of them:
 Every chunk comes back as the one :class:`~shardckpt._format.chunk.Chunk`
 the reader, the read-once exchange and the copy into tensors take.
 
-Index files are read once per :class:`MetaCache`: keep one cache for one load.
+Index files are read once per :class:`MetaCache` (defined in ``chunk``, which
+``_v2`` takes it from; re-exported here): keep one cache for one load.
 """
 
 from __future__ import annotations
 
-import threading
-from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
-from .chunk import Chunk
+from . import _v2
+from .chunk import Chunk, MetaCache
 
 __all__ = ["Chunk", "MetaCache", "resolve_chunks"]
-
-
-@dataclass
-class MetaCache:
-    """Metadata read during one load (parsed data file headers); thread-safe.
-
-    ``bytes_read`` counts the metadata bytes fetched through it (headers), for
-    ``load_meta_mb`` figures and tests.
-    """
-
-    headers: Dict[str, Any] = field(default_factory=dict)
-    bytes_read: int = 0
-    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
 
 def resolve_chunks(
@@ -74,7 +61,5 @@ def resolve_chunks(
         >>> cs = resolve_chunks(m, storage, "w", [((0, 0), (4, 8))])   # doctest: +SKIP
         >>> [(c.file, c.byte_offset, c.nbytes, c.block_bytes) for c in cs]   # doctest: +SKIP
     """
-    from . import _v2
-
     cache = cache if cache is not None else MetaCache()
     return _v2.resolve(manifest, storage, name, boxes, cache)

@@ -3,8 +3,10 @@
 Every reader and writer asks :func:`spec` what a manifest's version has
 (``spec(m.version).block_checksums``) instead of comparing version numbers,
 and parses or serializes it through the entry's functions. Adding a version
-is one entry in :data:`VERSIONS` (and its parser and serializer); the newest
-entry is what ``save`` and the converters write.
+is one entry in :data:`VERSIONS` (and its parser and serializer, which the
+implementing module installs with :func:`register`: the table imports none of
+them, they import it); the newest entry is what ``save`` and the converters
+write.
 
 =======  ============================================================
 version  what it adds
@@ -19,10 +21,14 @@ version  what it adds
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Callable, Dict
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Dict, Iterable
 
-__all__ = ["VersionSpec", "VERSIONS", "NEWEST", "spec", "parse_raw", "to_json"]
+__all__ = ["VersionSpec", "VERSIONS", "NEWEST", "spec", "register", "parse_raw", "to_json"]
+
+
+def _unregistered(*args: Any) -> Any:
+    raise RuntimeError("no parser/serializer registered for this format version (import shardckpt._format)")
 
 
 @dataclass(frozen=True)
@@ -48,44 +54,28 @@ class VersionSpec:
     manifest_crc: bool
     file_table: bool
     content_hash: bool
-    parse: Callable[[Dict[str, Any], str], Any]
-    to_json: Callable[[Any], Dict[str, Any]]
+    parse: Callable[[Dict[str, Any], str], Any] = _unregistered
+    to_json: Callable[[Any], Dict[str, Any]] = _unregistered
 
 
-def _v1_parse(raw: Dict[str, Any], where: str) -> Any:
-    from .manifest import manifest_v1_from_raw
+def register(numbers: Iterable[int], *, parse: Callable[[Dict[str, Any], str], Any], to_json: Callable[[Any], Dict[str, Any]]) -> None:
+    """Install the parser and serializer of versions ``numbers`` (called by the module that implements them).
 
-    return manifest_v1_from_raw(raw, where)
-
-
-def _v2_parse(raw: Dict[str, Any], where: str) -> Any:
-    from ._v2 import manifest_v2_from_raw
-
-    return manifest_v2_from_raw(raw, where)
-
-
-def _v1_json(m: Any) -> Dict[str, Any]:
-    from .manifest import manifest_v1_json
-
-    return manifest_v1_json(m)
-
-
-def _v2_json(m: Any) -> Dict[str, Any]:
-    from .manifest import manifest_v2_json
-
-    return manifest_v2_json(m)
+    The table sits below its parsers: ``manifest`` (v1) and ``_v2`` (v2 and
+    later) ask it for features at import time, then register their functions
+    here. ``shardckpt._format``'s package import loads both, so every entry
+    has its functions before anything parses or serializes.
+    """
+    for n in numbers:
+        VERSIONS[n] = replace(VERSIONS[n], parse=parse, to_json=to_json)
 
 
 #: Every version this library reads, by number; the last one is written.
 VERSIONS: Dict[int, VersionSpec] = {
-    1: VersionSpec(1, chunk_lists=True, block_checksums=False, manifest_crc=False, file_table=False, content_hash=False,
-                   parse=_v1_parse, to_json=_v1_json),
-    2: VersionSpec(2, chunk_lists=False, block_checksums=True, manifest_crc=True, file_table=False, content_hash=False,
-                   parse=_v2_parse, to_json=_v2_json),
-    3: VersionSpec(3, chunk_lists=False, block_checksums=True, manifest_crc=True, file_table=True, content_hash=False,
-                   parse=_v2_parse, to_json=_v2_json),
-    4: VersionSpec(4, chunk_lists=False, block_checksums=True, manifest_crc=True, file_table=True, content_hash=True,
-                   parse=_v2_parse, to_json=_v2_json),
+    1: VersionSpec(1, chunk_lists=True, block_checksums=False, manifest_crc=False, file_table=False, content_hash=False),
+    2: VersionSpec(2, chunk_lists=False, block_checksums=True, manifest_crc=True, file_table=False, content_hash=False),
+    3: VersionSpec(3, chunk_lists=False, block_checksums=True, manifest_crc=True, file_table=True, content_hash=False),
+    4: VersionSpec(4, chunk_lists=False, block_checksums=True, manifest_crc=True, file_table=True, content_hash=True),
 }
 #: The version ``save`` and the converters write.
 NEWEST = max(VERSIONS)

@@ -1,7 +1,9 @@
 """App state <-> a flat map of named tensors plus a JSON tree.
 
 ``walk``      flatten_for_save / flatten_for_load: the walk over the user's state;
-``adapters``  the one ordered adapter list and ``register_adapter`` (public);
+``base``      the ``Adapter`` base class and ``register_adapter`` (public),
+              and the walk's helpers every adapter builds on;
+``adapters``  the one ordered adapter list (registered ones around the built-ins);
 ``module``    the ``nn.Module`` adapter (state dict by FQN, filled in place);
 ``optim``     the optimizer adapters (by parameter FQN, any world size; flat ones);
 ``stateful``  the adapter of objects with ``state_dict``/``load_state_dict``;
@@ -12,10 +14,9 @@
               ``decode_value``): what the manifest's ``values`` tree means;
 ``subclass``  wrapper tensor subclasses: taken apart by ``__tensor_flatten__``, or refused.
 
-Import order is one way: ``values`` <- ``adapters`` <- ``walk`` <-
-``stateful``/``module``/``per_rank`` <- ``optim``; the built-in adapters are
-instantiated on first use, so no module needs another at import time that
-needs it back.
+Import order is top-down only: ``values``/``subclass`` <- ``base`` <-
+``stateful``/``module``/``per_rank`` <- ``optim`` <- ``adapters`` <- ``walk``;
+no module imports one that imports it back.
 """
 
 from __future__ import annotations

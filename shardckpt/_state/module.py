@@ -21,16 +21,16 @@ from .._runtimes import (
     wrapper_renamer,
 )
 from ..errors import UnsupportedStateError, format_offenders
-from .adapters import Adapter
-from .values import tensor_ref
-from .walk import (
+from .base import (
     _MISSING,
     SEP,
+    Adapter,
     Raw,
     _fill_from_saved,
     _is_tensor,
     _join,
 )
+from .values import tensor_ref
 
 __all__ = ["ModuleAdapter", "throwaway_copies", "routes_state_back", "tied_groups"]
 

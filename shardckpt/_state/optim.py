@@ -38,11 +38,10 @@ import torch.nn as nn
 from .._format import torch_dtype
 from .._runtimes import is_fsdp1, param_fqns
 from ..errors import CorruptCheckpointError, StateMismatchError, UnsupportedStateError, format_offenders
-from .adapters import Adapter
+from .base import _MISSING, SEP, Adapter, _fill_from_saved, _is_tensor, _join
 from .stateful import StatefulAdapter
 from .subclass import is_subclass_node
 from .values import TAG, _is_ref
-from .walk import _MISSING, SEP, _fill_from_saved, _is_tensor, _join
 
 __all__ = ["OptimizerAdapter", "find_module", "optimizer_state_problems", "state_shape_fits"]
 

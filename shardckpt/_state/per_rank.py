@@ -2,21 +2,23 @@
 
 from __future__ import annotations
 
-from typing import Any, Dict
+from typing import TYPE_CHECKING, Any, Dict
 
 import torch
 
 from ..errors import CorruptCheckpointError, StateMismatchError, UnsupportedStateError
-from .adapters import Adapter, adapter_for
-from .values import TAG, _is_ref
-from .walk import (
+from .base import (
     _MISSING,
     SEP,
+    Adapter,
     Raw,
     _fill_from_saved,
     _is_tensor,
-    _LoadWalker,
 )
+from .values import TAG, _is_ref
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .walk import _LoadWalker
 
 __all__ = ["PER_RANK_MARK", "PerRank", "PerRankAdapter", "per_rank_prefix"]
 
@@ -160,7 +162,7 @@ def _load_into(live: Any, saved: Any, prefix: str, walker: "_LoadWalker") -> Non
         else:
             walker.missing_values.append(prefix + " (not saved as a tensor)")
         return
-    adapter = adapter_for(live)
+    adapter = walker.adapter_for(live)
     if adapter is None:
         raise UnsupportedStateError(
             f"{prefix}: PerRank needs a dict, a tensor or an object with state_dict()/load_state_dict(), "

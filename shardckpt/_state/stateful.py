@@ -6,9 +6,9 @@ from typing import Any
 
 import torch
 
-from .adapters import Adapter
-from .walk import (
+from .base import (
     _MISSING,
+    Adapter,
     _fill_from_saved,
 )
 

@@ -10,7 +10,8 @@ tensor has been read and checked.
 
 How each kind of object is taken apart is an *adapter* (``adapters``: one
 ordered list; the built-ins live in ``module``, ``optim``, ``stateful`` and
-``per_rank``); the values codec is ``values``.
+``per_rank``, on the base class and helpers of ``base``); the values codec
+is ``values``.
 """
 
 from __future__ import annotations
@@ -22,9 +23,20 @@ import torch
 
 from .._format.naming import chunk_key_clashes, unreadable_names
 from .._format.values import MAX_VALUE_DEPTH, value_depth_problem
-from .._layout import is_dtensor, is_sharded_tensor
-from ..errors import CorruptCheckpointError, UnsupportedStateError
+from .._layout import is_dtensor
+from ..errors import UnsupportedStateError
 from .adapters import adapter_for
+from .base import (
+    _MISSING,
+    SEP,
+    Adapter,
+    Raw,
+    _decoded,
+    _fill_from_saved,
+    _is_tensor,
+    _join,
+    canonical_keys,
+)
 from .subclass import (
     as_plain,
     check_ctx,
@@ -33,7 +45,6 @@ from .subclass import (
     is_subclass_node,
     is_wrapper_subclass,
     plain_problem,
-    rebuild,
 )
 from .values import TAG, _is_ref, decode_value, encode_value, tensor_ref
 
@@ -45,26 +56,6 @@ __all__ = [
     "flatten_for_load",
     "Raw",
 ]
-
-SEP = "."
-
-
-def canonical_keys(d: Dict[Any, Any]) -> List[Any]:
-    """``d``'s keys in the order every rank walks them: sorted by their text, not by insertion.
-
-    Ranks may build the same state in different insertion orders; what the
-    walk calls on objects (``state_dict()``, ``load_state_dict()``, torch's
-    FSDP1 and optimizer state-dict helpers) may be collective, so it must
-    happen in one order on every rank or the job hangs (or pairs one object's
-    collective with another's).
-    """
-    return sorted(d, key=str)
-
-
-def _join(prefix: str, key: Any) -> str:
-    key = str(key)
-    return f"{prefix}{SEP}{key}" if prefix else key
-
 
 @dataclass
 class FlatSave:
@@ -97,29 +88,8 @@ class FlatLoad:
 # plain values
 
 
-def _decoded(node: Any, path: str) -> Any:
-    """Decode a saved value now, while planning: a load must fail before any tensor is written."""
-    try:
-        return decode_value(node)
-    except Exception as e:
-        raise CorruptCheckpointError(f"{path}: saved value {node!r:.100} cannot be decoded ({type(e).__name__}: {e})") from None
-
-
-def _is_tensor(v: Any) -> bool:
-    return isinstance(v, torch.Tensor) or is_sharded_tensor(v)
-
-
 # --------------------------------------------------------------------------
 # save walk
-
-
-class Raw:
-    """An adapter's already-encoded JSON node, put in the tree as is."""
-
-    __slots__ = ("node",)
-
-    def __init__(self, node: Any):
-        self.node = node
 
 
 class _SaveWalker:
@@ -276,6 +246,10 @@ class _LoadWalker:
         # restores (see ``StatefulAdapter``), whatever their key's name.
         self.late: List[Callable[[], None]] = []
 
+    def adapter_for(self, obj: Any) -> Optional[Adapter]:
+        """The adapter that takes ``obj`` (``adapters.adapter_for``), for adapters below the list (``per_rank``)."""
+        return adapter_for(obj)
+
     def unexpected(self, path: str) -> None:
         """Report a saved entry the live state has no place for."""
         self.flat.value_paths.append("?" + path)
@@ -374,14 +348,6 @@ class _LoadWalker:
             self.flat.value_paths.append("?" + path)
 
 
-class _Missing:
-    def __repr__(self):
-        return "<missing>"
-
-
-_MISSING = _Missing()
-
-
 def _is_plain(v: Any) -> bool:
     """True if ``v`` holds only JSON-able values (no tensors, modules or stateful objects)."""
     if isinstance(v, dict):
@@ -447,96 +413,3 @@ def flatten_for_load(
     unexpected = sorted(p[1:] for p in w.flat.value_paths if p.startswith("?"))
     w.flat.value_paths = [p for p in w.flat.value_paths if not p.startswith("?")]
     return w.flat, sorted(w.missing_values), unexpected
-
-
-def _fill_from_saved(container: Any, key: Any, saved: Any, path: str, walker: _LoadWalker) -> None:
-    """Rebuild ``container[key]`` from the saved tree, filling live tensors in place.
-
-    Where the live structure has a tensor, it is a target. Where the saved
-    tree has a tensor the live one lacks, a new full tensor is created.
-    Plain values come from the checkpoint.
-    """
-    live = container[key] if _has(container, key) else _MISSING
-
-    if is_subclass_node(saved):
-        _fill_subclass(container, key, live, saved, path, walker)
-        return
-    if _is_ref(saved):
-        name = saved["name"]
-        if live is not _MISSING and _is_tensor(live):
-            walker.target(name, live)
-        else:
-            def put(t, c=container, k=key):
-                c[k] = t
-
-            if isinstance(container, dict) and key not in container:
-                # A placeholder until the tensor is read: checks made while
-                # planning (an optimizer's hyperparameter names, e.g. torchao's
-                # tensor ``lr``) see the key the checkpoint has.
-                container[key] = None
-            walker.flat.creates[name] = put
-        return
-    if isinstance(saved, dict) and (TAG not in saved or saved.get(TAG) == "dict"):
-        if saved.get(TAG) == "dict":
-            items = [(decode_value(k), v) for k, v in saved["items"]]
-        else:
-            items = list(saved.items())
-        if not isinstance(live, dict):
-            live = {}
-            container[key] = live
-        for k, sub in items:
-            _fill_from_saved(live, k, sub, _join(path, k), walker)
-        return
-    if isinstance(saved, list):
-        if not isinstance(live, list) or len(live) != len(saved):
-            live = [None] * len(saved) if not isinstance(live, list) else (live + [None] * (len(saved) - len(live)))[: len(saved)]
-            container[key] = live
-        for i, sub in enumerate(saved):
-            _fill_from_saved(live, i, sub, _join(path, i), walker)
-        return
-    if isinstance(saved, dict) and saved.get(TAG) == "tuple":
-        items = list(live) if isinstance(live, tuple) and len(live) == len(saved["items"]) else [None] * len(saved["items"])  # type: ignore[list-item]
-        for i, sub in enumerate(saved["items"]):
-            _fill_from_saved(items, i, sub, _join(path, i), walker)
-        # Rebuild the tuple after tensors are in (finalizers run in order).
-        def rebuild(c=container, k=key, it=items):
-            c[k] = tuple(it)
-
-        rebuild()
-        walker.flat.finalizers.insert(0, rebuild)
-        return
-    container[key] = _decoded(saved, path)
-
-
-def _fill_subclass(container: Any, key: Any, live: Any, saved: Dict[str, Any], path: str, walker: _LoadWalker) -> None:
-    """A saved tensor subclass: its inner tensors copied into the live one, or a new one rebuilt from them."""
-    if live is not _MISSING and _is_tensor(live):
-        walker.target(path, live, saved)
-        return
-    inner: Dict[str, Any] = {}
-    for a, ref in saved["inner"].items():
-        if not _is_ref(ref):
-            raise CorruptCheckpointError(f"{path}: inner tensor {a!r} of a saved tensor subclass is not a tensor reference")
-
-        def put(t, a=a):
-            inner[a] = t
-
-        walker.flat.creates[ref["name"]] = put
-
-    def make(c=container, k=key):
-        c[k] = rebuild(saved, inner, path)
-
-    # Before the finalizers that hand the container on (an optimizer's load_state_dict).
-    walker.flat.finalizers.insert(0, make)
-
-
-def _has(c: Any, k: Any) -> bool:
-    if isinstance(c, dict):
-        return k in c
-    if isinstance(c, list):
-        return 0 <= k < len(c)
-    return False
-
-
-# --------------------------------------------------------------------------
-# per-rank state

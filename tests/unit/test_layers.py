@@ -112,19 +112,7 @@ LOCAL_IMPORTS: Dict[Tuple[str, str], str] = {
 #: Circles not broken yet, each with who breaks it (issue 22's other parts
 #: restructure these very modules). The test fails on any circle not listed
 #: here and on a listed one that is gone, so the list only shrinks.
-KNOWN_CIRCLES: Dict[Tuple[str, ...], str] = {
-    ("shardckpt._format._v2", "shardckpt._format.manifest", "shardckpt._format.resolve", "shardckpt._format.versions"): (
-        "hload (issue 22): versions.py is the one version table, but its parsers and serializers live in "
-        "manifest (v1) and _v2 (v2/v3), which ask it for features: the table reaches them function-locally; "
-        "manifest's v2 serializer calls _v2.file_table_json; resolve_chunks calls _v2.resolve while _v2 "
-        "takes MetaCache from resolve. Next: the parsers registered into the table from below"
-    ),
-    ("shardckpt._state.adapters", "shardckpt._state.module", "shardckpt._state.optim", "shardckpt._state.per_rank",
-     "shardckpt._state.stateful", "shardckpt._state.walk"): (
-        "hload (issue 22, the built-in adapters out of walk.py, one module per family): adapters.py creates "
-        "the built-ins on first use (function-local), and they subclass its Adapter; walk asks adapters.py"
-    ),
-}
+KNOWN_CIRCLES: Dict[Tuple[str, ...], str] = {}
 
 
 # --------------------------------------------------------------------------
