@@ -89,14 +89,14 @@ def _arm(phase: str, async_save: bool) -> None:
 
         _local.os.replace = replace
     elif phase == "retention":
-        real_remove_dir = _manager.CheckpointManager._remove_dir
+        real_clear_dir = _manager.CheckpointManager._clear_dir
 
-        def remove_dir(self, name):
-            if name == "step-00000001":  # retention, after it uncommitted the old step
+        def clear_dir(self, name, *a, **kw):
+            if name == "step-00000001":  # retention, after it uncommitted the old step, before any file goes
                 _die()
-            return real_remove_dir(self, name)
+            return real_clear_dir(self, name, *a, **kw)
 
-        _manager.CheckpointManager._remove_dir = remove_dir
+        _manager.CheckpointManager._clear_dir = clear_dir
     else:
         raise ValueError(phase)
 
