@@ -1,10 +1,22 @@
-"""Files between ranks over the process group: point-to-point sends of byte tensors.
+"""Files between ranks over the process group, on the one transfer engine of ``_replicas``.
 
-Works the same under gloo and NCCL: the bytes travel as ``uint8`` tensors on
-the group's device (CPU for gloo, the current CUDA device for NCCL), in
-pieces of at most ``PIECE_BYTES`` so memory stays bounded whatever the file
-size. Every rank walks one global list of ``(src, dst, file)`` sends in the
-same order and takes part in the ones it is in: blocking sends in one total
+The memory tier moves bytes between ranks in two ways, both over the
+primitives of ``shardckpt/_replicas.py`` (one device choice,
+``transfer_device``: CUDA tensors under NCCL, CPU under gloo; one wait,
+``wait_ops``, bounded by ``collective_timeout_s`` and watching the peers'
+heartbeats, so a dead peer is named instead of hanging a rank):
+
+* byte ranges of a load (the restore): ``_replicas.read_once`` with
+  ``Sources`` — each range read, verified, by a rank whose node holds it and
+  sent to the rank that loads it, pipelined through reused round buffers
+  (``_memory/restore.py``);
+* whole files (:func:`run_sends`: the save's peer copy, a restore's
+  manifest and index files), in pieces of at most ``PIECE_BYTES`` through
+  buffers allocated once per call and reused for every piece (pinned host
+  memory when the wire is CUDA).
+
+Every rank walks one global list of ``(src, dst, file)`` sends in the same
+order and takes part in the ones it is in: blocking sends in one total
 order cannot deadlock (the earliest unfinished send has both ends waiting on
 it). The receiver writes a temporary file and renames it whole; what it
 received is verified by the caller before any use.
@@ -16,12 +28,12 @@ import logging
 import os
 import uuid
 from io import BufferedReader, BufferedWriter
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
-import torch.distributed as dist
 
 from .._io import byte_view, host_empty
+from .._replicas import p2p_op, start_ops, transfer_device, wait_ops
 
 __all__ = ["PIECE_BYTES", "wire_device", "run_sends"]
 
@@ -32,11 +44,16 @@ PIECE_BYTES = 64 << 20
 
 
 def wire_device(group) -> torch.device:
-    """Where the bytes must be for this group's backend: the current CUDA device for NCCL, else CPU."""
-    backend = str(dist.get_backend(group)).lower()
-    if "nccl" in backend:
+    """Where the bytes must be for this group's backend (``_replicas.transfer_device``): CUDA for NCCL, else CPU."""
+    if transfer_device(group) == "cuda":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def _host(n: int, pinned: bool) -> torch.Tensor:
+    if pinned and n:
+        return torch.empty(n, dtype=torch.uint8, pin_memory=True)
+    return host_empty(n)
 
 
 def run_sends(
@@ -49,6 +66,7 @@ def run_sends(
     src_path: Callable[[str], str],
     dst_path: Callable[[str], str],
     piece_bytes: int = PIECE_BYTES,
+    comm: Any = None,
 ) -> Tuple[List[str], int, int]:
     """Take part in ``sends`` (group positions); returns ``(files received, bytes sent, bytes received)``.
 
@@ -62,18 +80,29 @@ def run_sends(
 
     A sender that cannot read its file sends zeros of the recorded size (the
     receiver's verification then rejects the copy): the other side is never
-    left waiting. Raises only for transport errors (a dead peer).
+    left waiting. With ``comm`` (the caller's ``_collective.Comm``), each
+    wave's wait is bounded by its ``collective_timeout_s`` and a peer whose
+    heartbeat stops is named (``LoadFailedError``); without, waits are
+    the backend's. Buffers: one host piece per transfer this rank is in
+    (pinned when the wire is CUDA, plus one device piece), allocated once
+    and reused for every wave.
     """
     mine = [(src, dst, rel) for src, dst, rel in sends if me in (src, dst)]
     got: List[str] = []
     if not mine:
         return got, 0, 0  # nothing to do here (also: no process group at all)
     device = wire_device(group)
+    cuda = device.type == "cuda"
     sent_bytes = recv_bytes = 0
     readers: Dict[int, Optional[BufferedReader]] = {}
     writers: Dict[int, Tuple[str, BufferedWriter]] = {}
+    host: Dict[int, torch.Tensor] = {}
+    wire: Dict[int, torch.Tensor] = {}
     try:
         for i, (src, dst, rel) in enumerate(mine):
+            n = min(piece_bytes, int(sizes[rel]))
+            host[i] = _host(n, cuda)
+            wire[i] = torch.empty(n, dtype=torch.uint8, device=device) if cuda else host[i]
             if me == src:
                 try:
                     readers[i] = open(src_path(rel), "rb")
@@ -84,10 +113,11 @@ def run_sends(
                 path = dst_path(rel)
                 os.makedirs(os.path.dirname(path), exist_ok=True)
                 tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.{uuid.uuid4().hex[:12]}.part")
-                writers[i] = (tmp, open(tmp, "wb"))
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
+                writers[i] = (tmp, os.fdopen(fd, "wb"))
         waves = max(-(-int(sizes[rel]) // piece_bytes) for _, _, rel in mine)
         for w in range(waves):
-            ops, received = [], []
+            ops, received, peers = [], [], set()
             for i, (src, dst, rel) in enumerate(mine):
                 off = w * piece_bytes
                 size = int(sizes[rel])
@@ -95,23 +125,33 @@ def run_sends(
                     continue
                 n = min(piece_bytes, size - off)
                 if me == src:
-                    buf = host_empty(n)
-                    view = byte_view(buf)
+                    view = byte_view(host[i])[:n]
                     f = readers[i]
-                    got_n = f.readinto(view) if f is not None else 0
+                    got_n = (f.readinto(view) or 0) if f is not None else 0
                     if got_n < n:  # short read: zeros; the receiver's verification rejects the copy
                         view[got_n:] = bytes(n - got_n)
-                    ops.append(dist.P2POp(dist.isend, buf.to(device), group_ranks[dst], group))
+                    if cuda:
+                        wire[i][:n].copy_(host[i][:n], non_blocking=True)
+                    ops.append(p2p_op("send", wire[i][:n], group_ranks[dst], group, 0))
+                    peers.add(group_ranks[dst])
                     sent_bytes += n
                 else:
-                    buf = torch.empty(n, dtype=torch.uint8, device=device)
-                    ops.append(dist.P2POp(dist.irecv, buf, group_ranks[src], group))
-                    received.append((i, buf))
-            for req in dist.batch_isend_irecv(ops) if ops else ():
-                req.wait()
-            for i, buf in received:
-                writers[i][1].write(byte_view(buf.cpu()))
-                recv_bytes += buf.numel()
+                    ops.append(p2p_op("recv", wire[i][:n], group_ranks[src], group, 0))
+                    peers.add(group_ranks[src])
+                    received.append((i, n))
+            if cuda:
+                torch.cuda.current_stream().synchronize()  # the pieces are on the device before NCCL reads them
+            works = start_ops(ops)
+            if comm is not None:
+                wait_ops(works, comm, sorted(peers), cuda, doing="copying memory-tier files between ranks")
+            else:
+                for req in works:
+                    req.wait()
+            for i, n in received:
+                if cuda:
+                    host[i][:n].copy_(wire[i][:n])
+                writers[i][1].write(byte_view(host[i])[:n])
+                recv_bytes += n
         for i, (tmp, out) in sorted(writers.items()):
             out.close()
             os.replace(tmp, dst_path(mine[i][2]))
