@@ -290,6 +290,7 @@ def load_into(
     cast: bool = DEFAULT_CAST,
     held: Optional[Callable[[str], bool]] = None,
     stream: Optional[StreamHook] = None,
+    opened: Optional[Manifest] = None,
 ) -> LoadResult:
     """:func:`load` from an open storage and comm (collective): plan and check, agree, stream, agree, finish.
 
@@ -299,7 +300,8 @@ def load_into(
     ``stream``, which runs the stream itself — ``stream(run)``, ``run`` being
     :func:`stream_into` bound to this load's plan and destinations, taking
     its ``sources=``/``read=`` options, and possibly run again after a
-    damaged copy (the plan is made once).
+    damaged copy (the plan is made once). ``opened``: the storage's
+    manifest, already opened and checked by the caller (not parsed again).
 
     Raises:
         As :func:`load`.
@@ -309,7 +311,7 @@ def load_into(
         # Chunks are resolved per tensor for the boxes this rank holds (v2:
         # only the index files of the ranks that wrote them are read).
         _refuse_meta_optimizers(state)
-        manifest = open_manifest(storage, chunks=False)
+        manifest = opened if opened is not None else open_manifest(storage, chunks=False)
         if keys is not None or key_map is not None or manifest.extra.get("source") == "safetensors":
             # Renaming and selection work on whole chunk lists. Materialized
             # before the aliases are added: v2 index rows are keyed by stored

@@ -158,11 +158,19 @@ def restore_from_memory(
             manifest[0] = m
             return None
 
-        if not ctx.fetch([MANIFEST_NAME], check_manifest):
+        def check_meta(rel: str) -> Optional[str]:
+            if rel == MANIFEST_NAME:
+                return check_manifest(rel)
+            if manifest[0] is None:  # checked after the manifest; without a good one here, fetched with it
+                return "no manifest to check it against on this node"
+            return store.check_file(st, manifest[0], rel, None)
+
+        # The manifest and the index files in one fetch (their names are in
+        # every inventory): the manifest is checked first, the indexes against it.
+        index_files = sorted(rel for rel in sizes if rel != MANIFEST_NAME and not rel.endswith(".safetensors"))
+        if not ctx.fetch([MANIFEST_NAME] + index_files, check_meta):
             return None
         m = manifest[0]
-        if not ctx.fetch(sorted(m.indexes), lambda rel: store.check_file(st, m, rel, None)):
-            return None
         lap("metadata")
         data = set(m.data_files)
         for rel in sorted(own_held & data):
@@ -225,7 +233,8 @@ def restore_from_memory(
 
         opts = {k: load_kw[k] for k in _LOAD_OPTIONS if k in load_kw}
         try:
-            load_into(state, st, comm=comm, process_group=process_group, held=lambda rel: rel in own_held, stream=hook, **opts)
+            load_into(state, st, comm=comm, process_group=process_group, held=lambda rel: rel in own_held, stream=hook,
+                      opened=m, **opts)
         except CorruptCheckpointError as e:
             # The load's own checks passed on every rank: the copies are the
             # problem. Storage has its turn (it overwrites every tensor).
@@ -309,6 +318,9 @@ class _Fetch:
                 if why is None:
                     continue
                 self._discard(rel)
+                if why.startswith("no manifest"):
+                    todo.add(rel)  # not damaged: fetched with the manifest, checked then
+                    continue
                 log.warning("shardckpt: memory tier: this node's copy of %s (step %d) is damaged: %s; fetching it from another holder", rel, self.step, why)
                 self.stats["damaged"].append(f"{node}:{rel}")
                 found_bad.append((node, rel))
@@ -343,7 +355,7 @@ class _Fetch:
             got, _ = agree(comm, transfer, what=f"restore of step {self.step} from the memory tier: peer transfers")
             source = {rel: src for src, dst, rel in sends if dst == me}
             found_bad = []
-            for rel in got:
+            for rel in sorted(got, key=lambda r: r != MANIFEST_NAME):  # the manifest first: the others are checked against it
                 why = check(rel)
                 if why is None:
                     todo.discard(rel)
