@@ -19,10 +19,11 @@ Mechanism (one load, every rank of the group):
    into contiguous spans balanced by bytes, one reader per span; the readers'
    queues are cut into rounds of at most ``round_bytes`` per rank;
 3. *stream*: one background thread per rank reads, in one continuous
-   ``read_verified`` (no drain between rounds), the ranges nobody else wants
-   (straight into their tensors) and then this rank's shared ranges of every
-   round, each into that round's buffer on the transfer device (three used in
-   turn, so reads run ahead while earlier rounds are sent). The calling
+   ``read_verified`` (no drain between rounds), this rank's shared ranges of
+   every round, each into that round's buffer on the transfer device (three
+   used in turn, so reads run ahead while earlier rounds are sent), and then
+   the ranges nobody else wants (straight into their tensors: the other
+   ranks do not wait for those). The calling
    thread, per round, waits for that round's reads and agrees with the other
    ranks (bounded by ``collective_timeout_s``) that every read of the round
    succeeded before any byte of it is sent. A damaged block on the
@@ -359,11 +360,12 @@ def read_once(
         the reading rank), and ``LoadFailedError`` naming a peer that died or
         did not send within ``collective_timeout_s``.
 
-    One background thread reads everything this rank reads — its own ranges,
-    then its shared ranges of every round, in one continuous
-    ``read_verified`` (no drain between rounds) — into three round buffers
-    used in turn; the calling thread agrees on each round, posts its
-    transfers and, one round later, waits for them and places the bytes.
+    One background thread reads everything this rank reads — its shared
+    ranges of every round, in one continuous ``read_verified`` (no drain
+    between rounds) into three round buffers used in turn, then its own
+    ranges; the calling thread agrees on each round, posts its transfers
+    and, one round later, waits for them and places the bytes; the last
+    exchange waits for the own ranges too.
     """
     import threading
 
@@ -467,11 +469,12 @@ def read_once(
             if cuda:
                 torch.cuda.set_device(device)  # a new thread starts on device 0: events and copies belong here
             with torch.no_grad():
-                if own:
-                    read(storage, own, own_into, threads=threads, pool=pool, stats=stats)
-                state["own_done"].set()
+                # Ranges others wait for first (their rounds go out while this
+                # rank reads its own), then this rank's own.
                 if reads:
                     read(storage, reads, into, threads=threads, pool=pool, stats=stats)
+                if own:
+                    read(storage, own, own_into, threads=threads, pool=pool, stats=stats)
         except BaseException as e:  # noqa: BLE001 - raised in the calling thread at its next step
             state["error"] = e
         finally:
@@ -480,15 +483,16 @@ def read_once(
                 ev.set()
 
     def wait_read(k: int) -> None:
-        for ev in ([state["own_done"]] if k == 0 else []) + [read_done[k]]:
-            if not ev.wait(comm.timeout_s):
-                raise LoadFailedError(
-                    f"{comm.op}: this rank's reads of round {k} did not finish within "
-                    f"collective_timeout_s={comm.timeout_s:g}: the storage is stalled"
-                )
+        """Wait for round ``k``'s reads (``k == n``: for this rank's own ranges, read last)."""
+        ev = read_done[k] if k < n else state["own_done"]
+        if not ev.wait(comm.timeout_s):
+            raise LoadFailedError(
+                f"{comm.op}: this rank's reads of {'round %d' % k if k < n else 'its own ranges'} did not finish "
+                f"within collective_timeout_s={comm.timeout_s:g}: the storage is stalled"
+            )
         if state["error"] is not None and not isinstance(state["error"], _Cancelled):
             raise state["error"]
-        if read_fence[k] is not None:
+        if k < n and read_fence[k] is not None:
             torch.cuda.current_stream().wait_event(read_fence[k])
 
     posted: List[Tuple[int, List[Any]]] = []  # the round whose transfers are in flight
@@ -529,8 +533,7 @@ def read_once(
     def step(k: int) -> None:
         if failed:
             raise failed.pop()
-        if k < n:
-            wait_read(k)  # the reader is ahead, on the next rounds, meanwhile
+        wait_read(k)  # the reader is ahead, on the next rounds (then its own ranges), meanwhile
         if posted:
             finish()
 
