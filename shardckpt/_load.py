@@ -612,12 +612,19 @@ def stream_into(
     stats.needed_bytes += sum(w.stop - w.start for w in wants)
     try:
         with torch.no_grad():
+            if sources is not None and comm is not None and comm.world > 1 and not _replicas.transfer_device(process_group):
+                raise LoadFailedError(
+                    f"{comm.op}: the process group's backend ({process_group!r}) can send neither CPU nor CUDA tensors: "
+                    "the memory tier needs gloo or NCCL"
+                )
             if comm is not None and comm.world > 1 and (_replicas.enabled() or sources is not None) and _replicas.transfer_device(process_group):
                 # Ranges several ranks need are read by one and sent to the others.
                 return _replicas.read_once(
                     storage, wants, comm=comm, group=process_group, read=read, deliver=deliver, place=place,
                     shareable=lambda w: plan.targets[w.tag.target].replicated and _replicas.enabled(),
-                    pool=pool, threads=threads, stats=stats, round_bytes=max(range_bytes, buffer_bytes // 2),
+                    pool=pool, threads=threads, stats=stats,
+                    # The memory tier's rounds carry a shard, not a few replicated tensors: fewer, larger ones.
+                    round_bytes=max(range_bytes, buffer_bytes if sources is not None else buffer_bytes // 2),
                     sources=sources,
                 )
             return read(storage, wants, deliver, threads=threads, pool=pool, stats=stats)

@@ -350,7 +350,8 @@ def read_once(
             a want whose file this rank cannot read is offered too, and is
             read (verified) by a rank that can and sent here; the exchange
             always runs (no ``MAX_SHARED_KEYS`` fallback: there is no direct
-            read to fall back to).
+            read to fall back to), and a failure anywhere is raised on every
+            rank (same type), so the caller may run the stream again.
 
     Returns:
         ``stats``.
@@ -393,7 +394,13 @@ def read_once(
     _, keys_by_rank = agree(comm, lambda: mine, what=what, share=lambda v: v)
     plan = plan_shared(keys_by_rank, round_bytes=round_bytes, readers=None if sources is None else sources.readers)
     if not plan.rounds:
-        return read(storage, wants, deliver, threads=threads, pool=pool, stats=stats)
+        if sources is None:
+            return read(storage, wants, deliver, threads=threads, pool=pool, stats=stats)
+        # With sources every failure is agreed (as in the rounds below), so a
+        # caller that runs the stream again after a damaged copy finds every
+        # rank failed or every rank done, never some of each.
+        agree(comm, lambda: read(storage, wants, deliver, threads=threads, pool=pool, stats=stats), what=what)
+        return stats
     # The keys this rank receives or reads for itself (a key it wants but did
     # not offer, because it reads it itself, stays its own read).
     shared = {s.key for r in plan.rounds for s in r if me in s.holders}

@@ -204,17 +204,19 @@ def restore_from_memory(
                     run(sources=sources(), read=read, stats=got)
                 except (CheckpointError, ValueError) as e:
                     failure = f"{type(e).__name__}: {e}"
-                _, outcomes = agree(
-                    comm, lambda found=found, failure=failure: (node_of[comm.rank], sorted(set(found)), failure),  # type: ignore[misc]
-                    what=f"restore of step {step} from the memory tier", share=lambda v: v, mode=ALL,
-                )
                 stats["local_bytes"] += got.read_bytes
                 stats["peer_bytes"] += got.received_bytes
                 stats["sent_bytes"] += got.sent_bytes
                 stats["needed_bytes"] = got.needed_bytes
-                newly = [(node, rel) for node, rels, _ in outcomes for rel in rels]
-                if not newly and all(f is None for _, _, f in outcomes):
+                if failure is None:
+                    # With sources (several ranks) every failure is raised on
+                    # every rank: none here means none anywhere.
                     return got
+                _, outcomes = agree(
+                    comm, lambda found=found, failure=failure: (node_of[comm.rank], sorted(set(found)), failure),  # type: ignore[misc]
+                    what=f"restore of step {step} from the memory tier", share=lambda v: v, mode=ALL,
+                )
+                newly = [(node, rel) for node, rels, _ in outcomes for rel in rels]
                 if not newly or attempt == FETCH_ROUNDS:
                     why = next(f for _, _, f in outcomes if f is not None)
                     raise CorruptCheckpointError(f"the memory copies of step {step} cannot be read: {why}")
@@ -325,16 +327,15 @@ class _Fetch:
                 self.stats["damaged"].append(f"{node}:{rel}")
                 found_bad.append((node, rel))
             todo.add(rel)
+        # Round 0's needs come from the inventories (what each node holds), so
+        # its transfer needs no exchange of its own; damage found here or in
+        # what arrives is shared by the transfer's agreement and joins the next round.
+        needs: Dict[int, List[str]] = {}
+        for r in range(comm.world):
+            lacks = [rel for rel in rels if r not in self.holders.get(rel, ())]
+            if lacks:
+                needs[r] = lacks
         for attempt in range(FETCH_ROUNDS + 1):
-            def report(bad: List[Tuple[str, str]] = found_bad) -> Tuple[List[str], List[Tuple[str, str]]]:
-                return sorted(todo), bad
-
-            _, reports = agree(comm, report, what=f"restore of step {self.step} from the memory tier", share=lambda v: v, mode=ALL)
-            for _, b in reports:
-                self.bad.update(tuple(x) for x in b)
-            needs = {r: rs for r, (rs, _) in enumerate(reports) if rs}
-            if not needs:
-                return True
             if attempt == FETCH_ROUNDS:
                 log.warning("shardckpt: memory tier: step %d: copies still damaged after %d rounds; restoring from storage", self.step, FETCH_ROUNDS)
                 return False
@@ -344,26 +345,32 @@ class _Fetch:
                 log.warning("shardckpt: memory tier: step %d cannot be restored from memory (no good copy of %s); restoring from storage", self.step, shown)
                 return False
 
-            def transfer(sends=sends) -> List[str]:
+            def transfer(sends=sends, bad=found_bad) -> Tuple[List[str], List[Tuple[str, str]]]:
                 got, _, nbytes = run_sends(
                     sends, me=me, group_ranks=comm.ranks, group=self.group, sizes=self.sizes, comm=comm,
                     src_path=lambda f: os.path.join(self.own_dir, f), dst_path=lambda f: os.path.join(self.stage, f),
                 )
                 self.stats["meta_bytes"] += nbytes
-                return got
+                source = {rel: src for src, dst, rel in sends if dst == me}
+                for rel in sorted(got, key=lambda f: f != MANIFEST_NAME):  # the manifest first: the others are checked against it
+                    why = check(rel)
+                    if why is None:
+                        todo.discard(rel)
+                        continue
+                    self._discard(rel)
+                    holder = self.node_of[source[rel]]
+                    log.warning("shardckpt: memory tier: the copy of %s (step %d) from rank %d (%s) is damaged: %s; trying the next holder",
+                                rel, self.step, source[rel], holder, why)
+                    self.stats["damaged"].append(f"{holder}:{rel}")
+                    bad.append((holder, rel))
+                return sorted(todo), list(bad)
 
-            got, _ = agree(comm, transfer, what=f"restore of step {self.step} from the memory tier: peer transfers")
-            source = {rel: src for src, dst, rel in sends if dst == me}
+            _, reports = agree(comm, transfer, what=f"restore of step {self.step} from the memory tier: metadata transfers",
+                               share=lambda v: v, mode=ALL)
             found_bad = []
-            for rel in sorted(got, key=lambda r: r != MANIFEST_NAME):  # the manifest first: the others are checked against it
-                why = check(rel)
-                if why is None:
-                    todo.discard(rel)
-                    continue
-                self._discard(rel)
-                holder = self.node_of[source[rel]]
-                log.warning("shardckpt: memory tier: the copy of %s (step %d) from rank %d (%s) is damaged: %s; trying the next holder",
-                            rel, self.step, source[rel], holder, why)
-                self.stats["damaged"].append(f"{holder}:{rel}")
-                found_bad.append((holder, rel))
+            for _, b in reports:
+                self.bad.update(tuple(x) for x in b)
+            needs = {r: rs for r, (rs, _) in enumerate(reports) if rs}
+            if not needs:
+                return True
         return False  # not reached: the last round returns above

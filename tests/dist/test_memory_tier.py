@@ -218,3 +218,17 @@ def test_transfers_in_pieces_both_ways(tmp_path):
     assert out[1][0] == {"a": bytes(range(10)), "b": b"", "c": bytes(range(100, 125)), "d": b"\0\0\0"}
     assert out[0][0] == {"c": bytes(range(100, 125))} and out[3][0] == {"c": bytes(range(100, 125))}
     assert out[0][1] == 10 + 25 and out[1][2] == 10 + 25 + 3
+
+
+def test_damaged_index_copy_is_fetched_from_the_other_node(first, tmp_path):
+    base, ref = _copy(first, tmp_path)
+    d = os.path.join(base, "node0", f"step-{STEPS:08d}", "data")
+    index = os.path.join(d, next(f for f in sorted(os.listdir(d)) if f.endswith("-index-r00000.json")))
+    _flip(index)
+    out = run_ranks(4, _restart, base, 2)
+    for o in out:
+        assert o["step"] == STEPS and o["from"] == f"memory:{STEPS}" and o["storage_bytes"] == 0
+        assert _same(o["params"], ref[0]["params"][STEPS])
+    said = [line for o in out[:2] for line in o["logs"] if "this node's copy of" in line and "index-r00000" in line]
+    assert len(said) == 2  # both ranks of node 0 found it, and fetched it from node 1
+    assert out[0]["stats"]["meta_bytes"] == os.path.getsize(index) and out[2]["stats"]["meta_bytes"] == 0
