@@ -115,7 +115,8 @@ def main(argv=None) -> int:
 
             url = os.path.join(args.dir, f"dcp-{i}")
             msd, osd = get_state_dict(model, opt)
-            res["dcp"].append(timed(lambda: dcp.save({"model": msd, "optim": osd}, checkpoint_id=url)))
+            sd = {"model": msd, "optim": osd}
+            res["dcp"].append(timed(lambda sd=sd, url=url: dcp.save(sd, checkpoint_id=url)))
             if rank == 0:
                 shutil.rmtree(url)
             dist.barrier()

@@ -182,7 +182,7 @@ def compare(groups: Sequence[Tuple[Sequence[int], Mapping[Key, Tuple[int, ...]]]
     seen: Dict[Key, Dict[Tuple[int, ...], List[int]]] = {}
     for ranks, fps in groups:
         for key, fp in fps.items():
-            seen.setdefault(key, {}).setdefault(tuple(fp), []).extend(ranks)  # type: ignore[arg-type]
+            seen.setdefault(key, {}).setdefault(tuple(fp), []).extend(ranks)
     out = []
     for key in sorted(seen):
         versions = seen[key]

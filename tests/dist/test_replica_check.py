@@ -73,7 +73,7 @@ def test_ddp_one_ulp_refused_on_every_rank_nothing_written(tmp_path):
     name = "module.blocks.0.up.weight"
     res = run_ranks(2, _diverge, str(tmp_path), "ddp", 1, name, "check")
     files_before = None
-    for rank, (outcome, records, same, files) in enumerate(res):
+    for rank, (outcome, _records, same, files) in enumerate(res):
         kind, text = outcome
         assert kind == "ReplicaDivergenceError", (rank, outcome)
         assert "model.blocks.0.up.weight chunk [0:" in text, text
@@ -89,7 +89,7 @@ def test_ddp_one_ulp_refused_on_every_rank_nothing_written(tmp_path):
 def test_ddp_warn_commits_and_logs(tmp_path):
     name = "module.blocks.0.up.weight"
     res = run_ranks(2, _diverge, str(tmp_path), "ddp", 1, name, "warn")
-    for rank, (outcome, records, same, _files) in enumerate(res):
+    for rank, (outcome, records, _same, _files) in enumerate(res):
         assert outcome == ("saved", None), outcome
         logged = [r for r in records if "replicas differ" in r]
         if rank == 0:
