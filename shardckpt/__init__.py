@@ -46,6 +46,7 @@ __all__ = [
     "StorageError",
     "SaveFailedError",
     "ConcurrentUseError",
+    "ReplicaDivergenceError",
     "LoadFailedError",
     "UsageError",
     "__version__",
@@ -81,6 +82,7 @@ _ERRORS = {
     "StorageError",
     "SaveFailedError",
     "ConcurrentUseError",
+    "ReplicaDivergenceError",
     "LoadFailedError",
     "UsageError",
 }
