@@ -7,8 +7,7 @@ import stat
 
 import pytest
 
-from shardckpt._memory import MemoryTier, default_dir, normalize_root
-from shardckpt._memory import store
+from shardckpt._memory import MemoryTier, default_dir, normalize_root, store
 
 
 def test_default_directory_is_per_user_and_root_never_per_launch(monkeypatch, tmp_path):
