@@ -41,6 +41,7 @@ import re
 import shutil
 import socket
 import stat
+import tempfile
 import uuid
 from typing import Any, Dict, List, Optional, Set, Tuple
 
@@ -60,6 +61,7 @@ __all__ = [
     "check_dir",
     "close_dir",
     "make_private_dir",
+    "staging_dir",
     "step_dir",
     "memory_steps",
     "inventory",
@@ -346,6 +348,35 @@ def make_private_dir(path: str) -> str:
     if not stat.S_ISDIR(st.st_mode) or st.st_uid != uid():
         raise OSError(errno.EEXIST, f"{path} exists and is not a directory of this user (a link or a planted entry); not used")
     return path
+
+
+def staging_dir(node_dir: str, root_url: str, rank: int) -> str:
+    """A new private directory for one restore's staging: ``<node_dir>/.restore-r<rank>-<pid>``, else one in the temp dir.
+
+    Never fails: a rank whose node has no directory yet (a replacement node)
+    gets it made (:func:`open_dir`); where the tier directory is refused or
+    the name is taken by a link, a fresh ``tempfile.mkdtemp`` (0700) serves
+    (hard links to this node's files then become copies). The caller removes
+    it. Every rank of a restore must take part in its exchanges, so no rank
+    may give up here.
+    """
+    stage = os.path.join(node_dir, f".restore-r{rank}-{os.getpid()}")
+    if open_dir(node_dir, root_url) is None:
+        try:
+            dfd = os.open(node_dir, _O_DIR)
+            try:
+                _remove_at(dfd, os.path.basename(stage))  # this pid's leftover: never followed
+            finally:
+                os.close(dfd)
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            log.debug("shardckpt: memory tier: cannot clear %s: %s", stage, e)
+        try:
+            return make_private_dir(stage)
+        except OSError as e:
+            log.warning("shardckpt: memory tier: cannot stage a restore in %s (%s); staging in the temporary directory", stage, e)
+    return tempfile.mkdtemp(prefix="shardckpt-restore-")
 
 
 def close_dir(node_dir: str, *, root: str) -> List[str]:

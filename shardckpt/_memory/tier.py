@@ -40,7 +40,6 @@ import logging
 import os
 import shutil
 import socket
-import tempfile
 import time
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
@@ -113,18 +112,6 @@ class MemoryStore:
                 "tier survives a training process crash but not the loss of that node; storage saves cover that", shown,
             )
         self._said_no_copy = True
-
-    def _staging_dir(self, rank: int) -> str:
-        """A private staging directory for a restore: in the tier directory (hard links), else a fresh one in the temp dir."""
-        stage = os.path.join(self.dir, f".restore-r{rank}-{os.getpid()}")
-        # A replacement node has no directory yet: make it (0700, claimed for this root).
-        if store.open_dir(self.dir, self.root) is None:
-            shutil.rmtree(stage, ignore_errors=True)
-            try:
-                return store.make_private_dir(stage)
-            except OSError as e:
-                log.warning("shardckpt: memory tier: cannot stage a restore in %s (%s); staging in the temporary directory", stage, e)
-        return tempfile.mkdtemp(prefix="shardckpt-restore-")  # 0700, a fresh name
 
     def _disable(self, why: str) -> None:
         if self.disabled is None:
@@ -247,7 +234,7 @@ class MemoryStore:
         own_dir = store.step_dir(self.dir, step)
         own_entry = mine.get(step, ("", {}, set()))
         own_held = own_entry[2] if own_entry[0] == sid else set()
-        stage = self._staging_dir(comm.rank)  # never returns early: every rank takes part in the fetches
+        stage = store.staging_dir(self.dir, self.root, comm.rank)  # no early return: every rank takes part in the fetches
         st = Storage(stage, storage_options=store.PRIVATE)
         stats: Dict[str, Any] = {"step": step, "local_bytes": 0, "peer_bytes": 0, "damaged": [], "seconds": {}}
         t0 = time.perf_counter()

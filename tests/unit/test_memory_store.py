@@ -97,3 +97,19 @@ def test_close_dir_removes_only_its_own_root(tmp_path):
     os.remove(os.path.join(d, ".slot-r00001-p1-own0-0"))
     assert store.open_dir(d, "s3://b/a") is None
     assert store.close_dir(d, root="s3://b/a") == [d] and not os.path.exists(d)
+
+
+def test_staging_dir_is_private_and_always_given(tmp_path):
+    d = str(tmp_path / "new-node")  # a replacement node: no directory yet
+    s = store.staging_dir(d, "s3://b/a", 3)
+    assert s == os.path.join(d, f".restore-r3-{os.getpid()}") and stat.S_IMODE(os.stat(s).st_mode) == 0o700
+    os.rmdir(s)
+    (tmp_path / "victim").mkdir()
+    os.symlink(tmp_path / "victim", s)  # a link at the name: unlinked (not followed), a real directory made
+    assert store.staging_dir(d, "s3://b/a", 3) == s and not os.path.islink(s)
+    assert stat.S_IMODE(os.lstat(s).st_mode) == 0o700 and (tmp_path / "victim").is_dir()
+    os.rmdir(s)
+    os.chmod(d, 0o777)  # refused directory: the staging goes elsewhere
+    u = store.staging_dir(d, "s3://b/a", 3)
+    assert not u.startswith(d) and stat.S_IMODE(os.stat(u).st_mode) == 0o700
+    os.rmdir(u)
