@@ -272,8 +272,9 @@ def _dir(node_dir: str, root_url: str, *, create: bool) -> Optional[str]:
         _say(logging.ERROR, node_dir, f"refusing {e}")
         return str(e)
     except OSError as e:
-        _say(logging.WARNING, node_dir, f"cannot open {node_dir}: {e}")
-        return f"cannot open {node_dir}: {e}"
+        why = f"cannot {'create or ' if create else ''}open {node_dir}: {e}"
+        _say(logging.WARNING, node_dir, why)
+        return why
     try:
         try:
             got = _read_identity(dfd)
