@@ -151,16 +151,16 @@ def test_unsafe_directory_is_refused_tier_off_storage_used(tmp_path, how):
             os.chown(tier, OTHER_UID, OTHER_UID)
         else:
             os.chmod(tier, 0o777)
-    out = _launch(root, [("save", 1), ("restore", None), ("mem", 2), ("save", 3), ("restore", None)], tier=tier)
+    out = _launch(root, [("save", 1), ("restore", None), ("mem", 2), ("save", 3), ("restore", None), ("close", None)], tier=tier)
     for r in out:
-        _, first, mem, _, second = r["out"]
+        _, first, mem, _, second, _ = r["out"]
         assert first == (1, str(root / "step-00000001"), 1.0, 1)  # storage, not the planted step 9
         assert mem is False  # tier off
         assert second == (3, str(root / "step-00000003"), 3.0, 3)  # storage saves go on
     refused = _said(out, "refusing", "ERROR")
     assert refused and str(tier) in refused[0]
     assert _said(out, "memory tier off, storage only", "WARNING")
-    # Nothing of ours went there.
+    # Nothing of ours went there, and nothing there was removed (close() included).
     assert sorted(os.listdir(src)) == ["identity.json", "step-00000009"]
     if how != "symlink":
         assert sorted(os.listdir(tier)) == ["identity.json", "step-00000009"]
