@@ -52,7 +52,13 @@ def _run(rank, world, root, tier, env, script):
     logging.getLogger("shardckpt").addHandler(logs)
     out = []
     try:
-        mgr = shardckpt.CheckpointManager(root, memory=True if tier is None else shardckpt.MemoryTier(dir=tier))
+        if tier is None:
+            memory = True
+        elif "{node}" in tier:  # several simulated nodes on this host: 2 ranks each, a directory each
+            memory = shardckpt.MemoryTier(dir=tier.format(node=rank // 2), ranks_per_node=2)
+        else:
+            memory = shardckpt.MemoryTier(dir=tier)
+        mgr = shardckpt.CheckpointManager(root, memory=memory)
         for op, arg in script:
             if op == "mem":
                 out.append(mgr.save_to_memory(arg, _state(rank, arg, arg)))
@@ -78,8 +84,8 @@ def _run(rank, world, root, tier, env, script):
     return {"out": out, "logs": logs.lines}
 
 
-def _launch(root, script, *, tier=None, env=None):
-    return run_ranks(WORLD, _run, str(root), None if tier is None else str(tier), dict(env or {}), script)
+def _launch(root, script, *, tier=None, env=None, world=WORLD):
+    return run_ranks(world, _run, str(root), None if tier is None else str(tier), dict(env or {}), script)
 
 
 def _said(res, text, level=None):
@@ -167,18 +173,20 @@ def test_unsafe_directory_is_refused_tier_off_storage_used(tmp_path, how):
 
 
 def test_files_are_0600_and_directories_0700(tmp_path):
-    root, tier = tmp_path / "root", tmp_path / "shm" / "node"
-    _launch(root, [("mem", 1), ("mem", 2)], tier=tier)
+    # 4 ranks as 2 nodes: each node's directory holds its own ranks' files and the peer copies it received.
+    root = tmp_path / "root"
+    out = _launch(root, [("mem", 1), ("mem", 2)], tier=tmp_path / "shm" / "node{node}", world=4)
+    assert [r["out"] for r in out] == [[True, True]] * 4
     seen = 0
-    for d in (tmp_path / "shm", tier):
-        assert stat.S_IMODE(os.lstat(d).st_mode) == 0o700, d  # the parent we created too
-    for d, dirs, files in os.walk(tier):
+    assert stat.S_IMODE(os.lstat(tmp_path / "shm").st_mode) == 0o700  # the parent we created too
+    for d, dirs, files in os.walk(tmp_path / "shm"):
         for n in dirs:
             assert stat.S_IMODE(os.lstat(os.path.join(d, n)).st_mode) == 0o700, os.path.join(d, n)
         for n in files:
             assert stat.S_IMODE(os.lstat(os.path.join(d, n)).st_mode) == 0o600, os.path.join(d, n)
             seen += 1
-    assert seen >= 5  # identity, manifest, index files, data files
+    # Per node: identity, manifest, 4 index files, 4 data files (2 own ranks' + 2 received).
+    assert seen >= 2 * (2 + 4 + 4)
 
 
 def test_planted_step_symlinks_are_never_followed(tmp_path):
