@@ -363,7 +363,7 @@ class CheckpointManager:
         self._token = uuid.uuid4().hex
         self._memory = None
         if memory is not None and memory is not False:
-            self._memory = MemoryStore(MemoryTier.of(memory))
+            self._memory = MemoryStore(MemoryTier.of(memory), self.root_url)
 
     def __repr__(self) -> str:
         return f"CheckpointManager({self.root_url!r}, keep_last={self.keep_last}, keep_every={self.keep_every}, async_save={self.async_save})"
