@@ -113,6 +113,8 @@ def test_every_module_imports_from_the_installed_wheel(installed):
     bad = {n: f for n, f in res["modules"].items() if not (f and os.path.realpath(f).startswith(os.path.realpath(venv) + os.sep))}
     assert not bad, f"modules not importable from the installed wheel (or imported from elsewhere): {bad}"
     assert set(res["public"]) >= {"CheckpointManager", "MemoryTier", "NewerFormatError"}, res["public"]
+    # PEP 561: the type hints ship too.
+    assert os.path.exists(os.path.join(os.path.dirname(res["modules"]["shardckpt"]), "py.typed"))
 
 
 def test_cli_help_runs_from_the_installed_wheel(installed):
