@@ -26,6 +26,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 # What a source checkout needs to build the wheel (pyproject.toml's readme too).
 BUILD_INPUTS = ("pyproject.toml", "setup.py", "README.md", "shardckpt", "converters")
 
+# 20-60 s (a wheel build, a venv, a torchrun quickstart): CI runs it.
+pytestmark = pytest.mark.slow
+
 
 
 def source_modules():
