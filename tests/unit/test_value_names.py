@@ -23,7 +23,9 @@ import shardckpt
 from shardckpt._format.checksum import crc32c
 from shardckpt._format.manifest import MANIFEST_CRC_FIELD, canonical_json
 
-HOSTILE = ["onnx", "_inductor", "_dynamo", "distributions", "__class__", "Tensor", 5, None, ["float32"], "float32\x00"]
+HOSTILE = [("dt", "dtype", v) for v in ["onnx", "_inductor", "_dynamo", "distributions", "__class__", "Tensor", 5, None, ["float32"], "float32\x00"]]
+# Device strings torch cannot parse (parsing imports nothing; the error is ours).
+HOSTILE += [("dev", "device", v) for v in ["onnx", "cuda:x", 5]]
 
 PROBE = r"""
 import json, sys
@@ -55,25 +57,26 @@ print(json.dumps(out))
 """
 
 
-def _with_dtype_value(src: str, dst: str, value) -> None:
+def _with_value(src: str, dst: str, key: str, tag: str, value) -> None:
     shutil.copytree(src, dst)
     path = os.path.join(dst, "manifest.json")
     raw = json.loads(open(path, "rb").read())
-    raw["values"]["cfg"]["dt"] = {"__shardckpt__": "dtype", "value": value}
+    raw["values"]["cfg"][key] = {"__shardckpt__": tag, "value": value}
     raw.pop(MANIFEST_CRC_FIELD)
     raw[MANIFEST_CRC_FIELD] = crc32c(canonical_json(raw))
     with open(path, "wb") as f:
         f.write(canonical_json(raw))
 
 
-def test_a_dtype_name_in_a_checkpoint_imports_nothing_and_is_our_error(tmp_path):
+def test_a_dtype_or_device_name_in_a_checkpoint_imports_nothing_and_is_our_error(tmp_path):
     good = str(tmp_path / "good")
     shardckpt.save({"model": {"w": torch.ones(2)}, "cfg": {"dt": torch.float32, "dev": torch.device("cpu")}}, good)
-    bad = []
-    for i, value in enumerate(HOSTILE):
+    bad, keys = [], {}
+    for i, (key, tag, value) in enumerate(HOSTILE):
         d = str(tmp_path / f"bad{i}")
-        _with_dtype_value(good, d, value)
+        _with_value(good, d, key, tag, value)
         bad.append(d)
+        keys[d] = key
     p = subprocess.run(
         [sys.executable, "-c", PROBE, good, json.dumps(bad)], capture_output=True, text=True, timeout=300, cwd=tmp_path
     )
@@ -85,7 +88,7 @@ def test_a_dtype_name_in_a_checkpoint_imports_nothing_and_is_our_error(tmp_path)
     wrong = [(r["dir"], r["how"], r["err"]) for r in results if not r["err"] or r["err"][0] != "CorruptCheckpointError"]
     assert not wrong, wrong
     for r in results:  # the message names where: the saved path of the value
-        assert "cfg.dt" in r["err"][1], r
+        assert f"cfg.{keys[r['dir']]}" in r["err"][1], r
 
 
 def test_every_dtype_round_trips_through_the_values_tree(tmp_path):
