@@ -1,7 +1,7 @@
 """The on-disk format, v1, v2 and v3 (``docs/format.md`` is the spec): the one place that knows the bytes.
 
 - :mod:`.naming`: file names (``manifest.json``, the HF index, ``data/``, data files, chunk keys);
-- :mod:`.dtypes`: safetensors dtype names and item sizes;
+- :mod:`.dtypes`: safetensors dtype names and item sizes, and the one check of a stored shape (``checked_shape``);
 - :mod:`.manifest`: the manifest, built, serialized, parsed and validated;
 - :mod:`.header`: safetensors headers, built and parsed (bounded, checked);
 - :mod:`.values`: the JSON codec of non-tensor values (tags, tensor references);
