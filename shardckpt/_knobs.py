@@ -48,6 +48,10 @@ environment variable                default     what it sets
 ``SHARDCKPT_ASYNC_WRITER``          thread      who writes an async save's bytes: ``thread``
                                                 (in the training process) or ``process``
                                                 (a writer child, out of its GIL)
+``SHARDCKPT_REPLICAS``             check       a save compares the copies of replicated
+                                                state first: ``check`` refuses diverged
+                                                replicas, ``warn`` logs them, ``off``
+                                                skips (the ``replicas=`` default)
 ``SHARDCKPT_BLOCK_BYTES``           1 MiB       format v2: one CRC-32C per this many bytes
                                                 of each chunk, so a ranged read verifies
                                                 on its own (at least 4 KiB)
@@ -98,6 +102,7 @@ __all__ = [
     "LOAD_READ_ONCE",
     "BLOCK_BYTES",
     "ASYNC_WRITER",
+    "REPLICAS",
     "STORAGE_RETRIES",
     "RETRY_BASE_DELAY_S",
     "RETRY_MAX_DELAY_S",
@@ -243,6 +248,14 @@ ASYNC_WRITERS = ("thread", "process")
 ASYNC_WRITER = (_env("ASYNC_WRITER") or "thread").lower()
 if ASYNC_WRITER not in ASYNC_WRITERS:
     raise _bad("ASYNC_WRITER", os.environ[ENV_PREFIX + "ASYNC_WRITER"], "one of " + ", ".join(ASYNC_WRITERS))
+
+#: What a save does about replicated state whose copies differ between ranks
+#: (``save(replicas=...)``'s default): ``check`` refuses the save before any
+#: byte is written, ``warn`` logs and saves, ``off`` skips the comparison.
+#: Read at each save. See shardckpt/_fingerprint.py, docs/guarantees.md.
+REPLICAS = (_env("REPLICAS") or "check").lower()
+if REPLICAS not in ("check", "warn", "off"):
+    raise _bad("REPLICAS", os.environ[ENV_PREFIX + "REPLICAS"], "one of check, warn, off")
 
 # -- storage (shardckpt/_storage)
 

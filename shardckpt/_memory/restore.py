@@ -78,7 +78,7 @@ def restore_from_memory(
     """Restore the newest step in the live nodes' memory if at least as new as ``storage_step`` (collective).
 
     Args:
-        tier: the manager's ``MemoryStore`` (its directory, node key, stats).
+        tier: the manager's ``MemoryStore`` (its directory and root, node key, stats).
         state: the live state, loaded in place.
         comm: the manager's comm (every rank calls).
         storage_step: the step storage would restore (None: none).
@@ -103,7 +103,7 @@ def restore_from_memory(
     if load_kw.get("collective_timeout_s") is not None:
         comm = dataclasses.replace(comm, timeout_s=float(load_kw["collective_timeout_s"]))
     tier._start()
-    mine = store.inventory(tier.dir)
+    mine = store.inventory(tier.dir, root=tier.root)
     _, reports = agree(comm, lambda: (tier._node_key(), mine), what="restore from the memory tier", share=lambda v: v, mode=ALL)
     node_of = {r: reports[r][0] for r in range(comm.world)}
     choice = P.choose_step([inv for _, inv in reports], storage_step)
@@ -128,10 +128,8 @@ def restore_from_memory(
     own_dir = store.step_dir(tier.dir, step)
     own_entry = mine.get(step, ("", {}, set()))
     own_held: Set[str] = set(own_entry[2]) if own_entry[0] == sid else set()
-    stage = os.path.join(tier.dir, f".restore-r{comm.rank}-{os.getpid()}")
-    shutil.rmtree(stage, ignore_errors=True)
-    os.makedirs(stage, mode=0o700, exist_ok=True)
-    st = Storage(stage)
+    stage = store.staging_dir(tier.dir, tier.root, comm.rank)  # never fails: every rank takes part in the fetches
+    st = Storage(stage, storage_options=store.PRIVATE)
     stats: Dict[str, Any] = {
         "step": step, "local_bytes": 0, "peer_bytes": 0, "meta_bytes": 0, "sent_bytes": 0, "needed_bytes": 0,
         "damaged": [], "seconds": {},

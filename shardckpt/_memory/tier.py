@@ -30,7 +30,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import shutil
 import socket
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -52,9 +51,12 @@ log = logging.getLogger("shardckpt")
 class MemoryStore:
     """The running memory tier of one manager on one rank (see the module docstring)."""
 
-    def __init__(self, config: Any):
+    def __init__(self, config: Any, root_url: str):
         self.config = config
-        self.dir = config.resolved_dir()
+        #: The storage root whose copy this is (its identity: store.open_dir, store.step_extra).
+        self.root = root_url
+        self.dir = config.resolved_dir(root_url)
+        self._said_no_copy = False
         self.disabled: Optional[str] = None
         #: What the last memory restore did (tests and logs): step, bytes per source.
         self.last_restore: Dict[str, Any] = {}
@@ -73,9 +75,8 @@ class MemoryStore:
         if self._cleaned:
             return
         self._cleaned = True
-        if os.path.isdir(self.dir):
-            for what in store.clean_stale(self.dir):
-                log.info("shardckpt: memory tier: removed a stale leftover %s", what)
+        for what in store.clean_stale(self.dir, root=self.root):
+            log.info("shardckpt: memory tier: removed a stale leftover %s", what)
 
     def _ranks_per_node(self, world: int) -> int:
         rpn = self.config.ranks_per_node
@@ -85,6 +86,16 @@ class MemoryStore:
             except ValueError:
                 rpn = world
         return max(1, min(int(rpn), world))
+
+    def _warn_no_copy(self, ranks: List[int], me: int) -> None:
+        """Say once (rank 0) that some ranks' memory copy has no second holder."""
+        if ranks and not self._said_no_copy and me == 0:
+            shown = ", ".join(map(str, ranks[:8])) + (", ..." if len(ranks) > 8 else "")
+            log.warning(
+                "shardckpt: memory tier: no second copy of rank(s) %s (one node, or no peer on another node): the memory "
+                "tier survives a training process crash but not the loss of that node; storage saves cover that", shown,
+            )
+        self._said_no_copy = True
 
     def _disable(self, why: str) -> None:
         if self.disabled is None:
@@ -99,16 +110,16 @@ class MemoryStore:
             return False
         self._start()
         url = store.step_dir(self.dir, step)
-        plan = prepare_save(state, url, comm=comm, overwrite=True, io_threads=io_threads, extra={"step": step, "tier": "memory"})
+        plan = prepare_save(state, url, comm=comm, storage_options=store.PRIVATE, overwrite=True, io_threads=io_threads,
+                            extra=store.step_extra(step, self.root))
         own = sum(it.tensor.numel() * it.tensor.element_size() for it in plan.items if it.tensor is not None)
 
-        def probe() -> Tuple[str, int, Optional[int]]:
-            try:
-                os.makedirs(self.dir, exist_ok=True)
-            except OSError as e:
-                log.debug("shardckpt: memory tier: cannot create %s: %s", self.dir, e)
-                return self._node_key(), own, -1
-            return self._node_key(), own, store.free_bytes(self.dir)
+        def probe() -> Tuple[str, int, Optional[int], Optional[str]]:
+            why = store.open_dir(self.dir, self.root)
+            if why is not None:
+                return self._node_key(), own, -1, why
+            store.remove_step(self.dir, step)  # a leftover (or a planted link) at this step's name: never written through
+            return self._node_key(), own, store.free_bytes(self.dir), None
 
         _, facts = agree(comm, probe, what=f"memory save of step {step}", share=lambda v: v, mode=ALL)
         world = comm.world
@@ -118,20 +129,21 @@ class MemoryStore:
         share = None if self.config.max_bytes is None else self.config.max_bytes // self._ranks_per_node(world)
         need_on: Dict[str, int] = {}
         for r in range(world):
-            node, own_r, free = facts[r]
+            node, own_r, free, why = facts[r]
             held = own_r + sum(facts[s][1] for s in P.senders_to(r, peers) if node_of[s] != node)
             need_on[node] = need_on.get(node, 0) + held
             if free == -1:
-                problems.append(f"rank {r}: cannot create {node}")
+                problems.append(f"rank {r}: {why}")
             elif share is not None and 2 * held > share:
                 problems.append(f"rank {r}: a step needs {held} bytes here (twice that while the old step stays), over its share {share} of max_bytes")
         for r in range(world):  # the ranks of a node share its free space
-            node, _, free = facts[r]
+            node, _, free, _ = facts[r]
             if free is not None and free != -1 and need_on[node] > free and not any(node in p for p in problems):
                 problems.append(f"{node} has {free} bytes free, a step needs {need_on[node]} there")
         if problems:
             self._disable("; ".join(problems[:4]))
             return False
+        self._warn_no_copy(P.ranks_without_copy(peers, node_of), comm.rank)
         execute_save(dataclasses.replace(plan, files_here=False))
 
         # The manifest to every node: each node can then tell which step it holds.
@@ -142,7 +154,7 @@ class MemoryStore:
                 return f.read()
 
         _, mbytes = agree(comm, read_manifest_bytes, what=f"memory save of step {step}", share=lambda v: v, mode=FROM_ROOT)
-        here = Storage(url)
+        here = Storage(url, storage_options=store.PRIVATE)
 
         def place_manifest() -> Tuple[Dict[str, int], List[Tuple[int, int, str]]]:
             try:
@@ -173,7 +185,7 @@ class MemoryStore:
 
         (sent, got), _ = agree(comm, transfer, what=f"memory save of step {step}: the peer copies")
         # Every rank has its step and its peers' copies: older steps can go.
-        removed = store.remove_steps_except(self.dir, step)
+        removed = store.remove_steps_except(self.dir, step, root=self.root)
         self.last_save = {"step": step, "own_bytes": own, "peer_bytes_sent": sent, "peer_bytes_received": got, "removed": removed}
         return True
 
@@ -191,6 +203,5 @@ class MemoryStore:
         return restore_from_memory(self, state, comm, storage_step=storage_step, process_group=process_group, load_kw=load_kw)
 
     def close(self) -> None:
-        """Remove this node's memory directory (the job is done with it)."""
-        if os.path.isdir(self.dir):
-            shutil.rmtree(self.dir, ignore_errors=True)
+        """Remove this root's memory copy from this node (the job is done with it); another root's is never touched."""
+        store.close_dir(self.dir, root=self.root)

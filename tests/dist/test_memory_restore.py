@@ -25,8 +25,9 @@ KIND, HIDDEN = "fsdp2", 24001
 STEPS, STORAGE_AT = 3, 2
 
 
-def _mgr(base, rank, ranks_per_node=2):
-    node, root = os.path.join(base, f"node{rank // ranks_per_node}"), os.path.join(base, "root")
+def _mgr(base, rank, ranks_per_node=2, root=None):
+    # The memory copy belongs to its root (issue 28, item 3): a restart uses the first run's root.
+    node, root = os.path.join(base, f"node{rank // ranks_per_node}"), root or os.path.join(base, "root")
     return shardckpt.CheckpointManager(root, memory=shardckpt.MemoryTier(dir=node, ranks_per_node=ranks_per_node))
 
 
@@ -77,11 +78,11 @@ def _tensor_bytes_read_under(root):
     return count, undo
 
 
-def _restart(rank, world, base):
+def _restart(rank, world, base, root):
     model, opt, sched = T.make(KIND, rank, world, seed=99, hidden=HIDDEN)
-    mgr = _mgr(base, rank)
+    mgr = _mgr(base, rank, root=root)
     state = {"model": model, "optim": opt, "sched": sched, "step": 0}
-    count, undo = _tensor_bytes_read_under(os.path.join(base, "root"))
+    count, undo = _tensor_bytes_read_under(root)
     try:
         step = mgr.restore(state)
     finally:
@@ -103,9 +104,8 @@ def first(tmp_path_factory):
 def test_node_loss_moves_only_the_bytes_each_rank_needs(first, tmp_path, world):
     base0, ref = first
     base = str(tmp_path / "run")
-    shutil.copytree(base0, base)
-    shutil.rmtree(os.path.join(base, "node1"))  # node 1 lost: processes and memory
-    out = run_ranks(world, _restart, base)
+    shutil.copytree(os.path.join(base0, "node0"), os.path.join(base, "node0"))  # node 1 lost: processes and memory
+    out = run_ranks(world, _restart, base, os.path.join(base0, "root"))
     for o in out:
         assert o["step"] == STEPS and o["from"] == f"memory:{STEPS}"
         assert o["storage_bytes"] == 0  # no tensor byte from storage

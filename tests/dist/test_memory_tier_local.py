@@ -7,6 +7,7 @@ import torch
 
 import shardckpt
 from shardckpt import MemoryTier
+from shardckpt._memory import store
 
 
 def _model(seed):
@@ -16,14 +17,15 @@ def _model(seed):
 
 def test_newest_step_only_restore_from_memory_and_close_cleans(tmp_path, caplog):
     shm, root = str(tmp_path / "shm"), str(tmp_path / "root")
-    os.makedirs(os.path.join(shm, ".restore-r0-999999999"))  # a dead restore's staging directory
+    assert store.open_dir(shm, root) is None  # this root's tier directory, left by an earlier process...
+    os.makedirs(os.path.join(shm, ".restore-r0-999999999"))  # ...with a dead restore's staging directory
     model = _model(0)
     mgr = shardckpt.CheckpointManager(root, memory=MemoryTier(dir=shm))
     assert mgr.save_to_memory(1, {"model": model, "step": 1})
     with torch.no_grad():
         model.weight.add_(1)
     assert mgr.save_to_memory(2, {"model": model, "step": 2})
-    assert sorted(os.listdir(shm)) == ["step-00000002"]  # the older step freed, the stale staging removed
+    assert sorted(os.listdir(shm)) == ["identity.json", "step-00000002"]  # the older step freed, the stale staging removed
     mgr.save(1, {"model": model, "step": 1})  # storage is older than memory
     want = {k: v.clone() for k, v in model.state_dict().items()}
 
