@@ -4,7 +4,7 @@ A first run (module fixture) trains a larger FSDP2 model (MLP hidden 24001,
 uneven shards) for 3 steps, saving to memory every step and to storage at
 step 2, then dies. Each test copies what it left, loses node 1 (its memory
 directory removed) and restarts at 4 ranks (two replacement ranks on a fresh
-node 1) or at 2: the restore is bit-exact, reads no tensor byte from
+node 1) or at 2 (and at 4 with atomic=True): the restore is bit-exact, reads no tensor byte from
 storage, and each rank receives at most 1.05x the bytes its load needs
 (manifest and index files included), where the old restore sent every data
 file of the step whole to every rank.
@@ -13,12 +13,12 @@ file of the step whole to every rank.
 import os
 import shutil
 
+import _training as T
 import pytest
 import torch
-
-import _training as T
-import shardckpt
 from _dist import run_ranks
+
+import shardckpt
 from shardckpt._storage._local import LocalStorage
 
 KIND, HIDDEN = "fsdp2", 24001
@@ -78,13 +78,13 @@ def _tensor_bytes_read_under(root):
     return count, undo
 
 
-def _restart(rank, world, base, root):
+def _restart(rank, world, base, root, atomic=False):
     model, opt, sched = T.make(KIND, rank, world, seed=99, hidden=HIDDEN)
     mgr = _mgr(base, rank, root=root)
     state = {"model": model, "optim": opt, "sched": sched, "step": 0}
     count, undo = _tensor_bytes_read_under(root)
     try:
-        step = mgr.restore(state)
+        step = mgr.restore(state, atomic=atomic)
     finally:
         undo()
     return {
@@ -100,12 +100,12 @@ def first(tmp_path_factory):
     return base, out
 
 
-@pytest.mark.parametrize("world", [4, 2])
-def test_node_loss_moves_only_the_bytes_each_rank_needs(first, tmp_path, world):
+@pytest.mark.parametrize("world,atomic", [(4, False), (2, False), (4, True)])
+def test_node_loss_moves_only_the_bytes_each_rank_needs(first, tmp_path, world, atomic):
     base0, ref = first
     base = str(tmp_path / "run")
     shutil.copytree(os.path.join(base0, "node0"), os.path.join(base, "node0"))  # node 1 lost: processes and memory
-    out = run_ranks(world, _restart, base, os.path.join(base0, "root"))
+    out = run_ranks(world, _restart, base, os.path.join(base0, "root"), atomic)
     for o in out:
         assert o["step"] == STEPS and o["from"] == f"memory:{STEPS}"
         assert o["storage_bytes"] == 0  # no tensor byte from storage
