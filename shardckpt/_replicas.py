@@ -86,6 +86,7 @@ __all__ = [
     "p2p_op",
     "start_ops",
     "wait_ops",
+    "warm_nccl",
 ]
 
 #: A wanted byte range: (file, chunk's byte offset in the file, start, stop within the chunk).
@@ -413,6 +414,8 @@ def read_once(
             own.append(w)
     cuda = transfer_device(group) == "cuda"
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    if cuda:
+        warm_nccl(group)  # every rank is here (the plan has rounds on every rank alike)
     layouts = [round_layout(r, me) for r in plan.rounds]
     n = len(layouts)
     nbuf = min(3, n)
@@ -576,6 +579,29 @@ def read_once(
 
 class _Cancelled(Exception):
     """The calling thread gave up (another rank failed): the reader stops."""
+
+
+#: Groups whose NCCL communicator has run a collective in this process (see :func:`warm_nccl`).
+_WARM: Dict[int, bool] = {}
+
+
+def warm_nccl(group: Any) -> None:
+    """Run one collective on ``group`` the first time (collective: every rank of it calls).
+
+    NCCL's batched point-to-point calls may involve a subset of the group's
+    ranks only once the group has run a collective; the first one must
+    involve every rank (``torch.distributed.batch_isend_irecv``). A restarted
+    job's first NCCL call may be a restore's transfer, where some ranks send
+    nothing: a barrier first, once per group and process.
+    """
+    import torch
+    import torch.distributed as dist
+
+    key = id(group) if group is not None else 0
+    if _WARM.get(key):
+        return
+    dist.barrier(group=group, device_ids=[torch.cuda.current_device()])
+    _WARM[key] = True
 
 
 def p2p_op(kind: str, tensor: Any, peer: int, group: Any, tag: int):

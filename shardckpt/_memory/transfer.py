@@ -33,7 +33,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from .._io import byte_view, host_empty
-from .._replicas import p2p_op, start_ops, transfer_device, wait_ops
+from .._replicas import p2p_op, start_ops, transfer_device, wait_ops, warm_nccl
 
 __all__ = ["PIECE_BYTES", "wire_device", "run_sends"]
 
@@ -87,11 +87,15 @@ def run_sends(
     (pinned when the wire is CUDA, plus one device piece), allocated once
     and reused for every wave.
     """
-    mine = [(src, dst, rel) for src, dst, rel in sends if me in (src, dst)]
     got: List[str] = []
-    if not mine:
-        return got, 0, 0  # nothing to do here (also: no process group at all)
+    if not sends:
+        return got, 0, 0  # nothing to do anywhere (also: no process group at all)
     device = wire_device(group)
+    if device.type == "cuda":
+        warm_nccl(group)  # every rank walks the same list, so every rank is here
+    mine = [(src, dst, rel) for src, dst, rel in sends if me in (src, dst)]
+    if not mine:
+        return got, 0, 0
     cuda = device.type == "cuda"
     sent_bytes = recv_bytes = 0
     readers: Dict[int, Optional[BufferedReader]] = {}
