@@ -35,7 +35,7 @@ import torch
 from .._io import byte_view, host_empty
 from .._replicas import p2p_op, start_ops, transfer_device, wait_ops, warm_nccl
 
-__all__ = ["PIECE_BYTES", "wire_device", "run_sends"]
+__all__ = ["PIECE_BYTES", "wire_device", "run_sends", "move_tensors"]
 
 log = logging.getLogger("shardckpt")
 
@@ -172,3 +172,90 @@ def run_sends(
             except OSError:
                 pass
     return got, sent_bytes, recv_bytes
+
+
+def move_tensors(
+    outgoing: Sequence[Tuple[int, torch.Tensor]],
+    incoming: Sequence[Tuple[int, torch.Tensor]],
+    *,
+    group: Any,
+    group_ranks: Sequence[int],
+    device: Optional[int] = None,
+    comm: Any = None,
+    piece_bytes: int = PIECE_BYTES,
+) -> Tuple[int, int]:
+    """Send each ``(dst, tensor)`` and receive into each ``(src, tensor)`` over ``group``; returns ``(sent, received)`` bytes.
+
+    Args:
+        outgoing: ``(group position of the receiver, contiguous uint8 host tensor)``.
+        incoming: ``(group position of the sender, contiguous uint8 host tensor to fill)``;
+            its size is the sender's.
+        group: the process group (its ranks are ``group_ranks``).
+        group_ranks: global rank of each group position.
+        device: None: the host tensors go as they are (gloo), one
+            operation each, all posted at once. A CUDA device index (NCCL):
+            in waves of ``piece_bytes`` through two reused device buffers per
+            transfer, on a side stream (copy in, send/receive, copy out stay
+            ordered without the host waiting between them; the host tensors
+            should be pinned).
+        comm: the caller's ``_collective.Comm``: waits bounded by its
+            ``timeout_s`` and a dead peer named (``wait_ops``); None: the
+            backend's own waits.
+        piece_bytes: largest piece on the device.
+
+    Raises:
+        LoadFailedError (with ``comm``): a peer died or did not take part in time.
+
+    Every rank calls it with the pairs it is in (matching on both sides); a
+    rank in none returns at once. With NCCL the group must have run a
+    collective before a call that not every rank takes part in
+    (:func:`shardckpt._replicas.warm_nccl`).
+
+    Example:
+        >>> move_tensors([(1, buf)], [], group=pg, group_ranks=[0, 1])  # doctest: +SKIP
+        (1048576, 0)
+    """
+    sent = sum(int(t.numel()) for _, t in outgoing)
+    received = sum(int(t.numel()) for _, t in incoming)
+    peers = sorted({group_ranks[p] for p, _ in list(outgoing) + list(incoming)})
+
+    def wait(works: List[Any], cuda: bool) -> None:
+        if comm is not None:
+            wait_ops(works, comm, peers, cuda, doing="copying memory-tier bytes between ranks")
+        else:
+            for w in works:
+                w.wait()
+
+    if not outgoing and not incoming:
+        return 0, 0
+    if device is None:
+        ops = [p2p_op("send", t, group_ranks[d], group, 0) for d, t in outgoing if t.numel()]
+        ops += [p2p_op("recv", t, group_ranks[s], group, 0) for s, t in incoming if t.numel()]
+        wait(start_ops(ops), False)
+        return sent, received
+    dev = torch.device("cuda", device)
+    stream = torch.cuda.Stream(device=dev)
+    transfers = [(True, d, t) for d, t in outgoing] + [(False, s, t) for s, t in incoming]
+    bufs = [[torch.empty(min(piece_bytes, max(1, int(t.numel()))), dtype=torch.uint8, device=dev) for _ in range(2)]
+            for _, _, t in transfers]
+    waves = max(-(-int(t.numel()) // piece_bytes) for _, _, t in transfers)
+    with torch.cuda.stream(stream):
+        for w in range(waves):
+            ops, outs = [], []
+            for i, (send, other, t) in enumerate(transfers):
+                off = w * piece_bytes
+                n = min(piece_bytes, int(t.numel()) - off)
+                if n <= 0:
+                    continue
+                buf = bufs[i][w % 2][:n]
+                if send:
+                    buf.copy_(t[off : off + n], non_blocking=True)
+                    ops.append(p2p_op("send", buf, group_ranks[other], group, 0))
+                else:
+                    ops.append(p2p_op("recv", buf, group_ranks[other], group, 0))
+                    outs.append((t[off : off + n], buf))
+            wait(start_ops(ops), True)
+            for dst, buf in outs:
+                dst.copy_(buf, non_blocking=True)
+    stream.synchronize()
+    return sent, received

@@ -123,3 +123,27 @@ def test_node_loss_moves_only_the_bytes_each_rank_needs(first, tmp_path, world, 
         # ... which the survivors read in their node's memory and send (each its share).
         assert out[0]["stats"]["sent_bytes"] > 0 and out[1]["stats"]["sent_bytes"] > 0
         assert out[0]["stats"]["peer_bytes"] < out[2]["stats"]["peer_bytes"] // 4
+
+
+def _ring(rank, world, _):
+    from shardckpt._collective import open_comm
+    from shardckpt._memory.transfer import move_tensors
+
+    comm = open_comm(None, op="test")
+    mine = torch.arange(rank * 100, rank * 100 + 37 + rank, dtype=torch.int64).to(torch.uint8)
+    prev = (rank - 1) % world
+    got = torch.empty(37 + prev, dtype=torch.uint8)
+    # Each rank sends to the next and receives from the previous, bounded by the comm's deadline; rank 3 also
+    # receives nothing else and rank 0 sends an empty tensor to rank 2 (skipped on both sides).
+    out = [((rank + 1) % world, mine)] + ([(2, torch.empty(0, dtype=torch.uint8))] if rank == 0 else [])
+    inc = [(prev, got)] + ([(0, torch.empty(0, dtype=torch.uint8))] if rank == 2 else [])
+    sent, received = move_tensors(out, inc, group=None, group_ranks=list(range(world)), comm=comm)
+    return got.tolist(), sent, received
+
+
+def test_move_tensors_ring():
+    out = run_ranks(4, _ring, None)
+    for r, (got, sent, received) in enumerate(out):
+        prev = (r - 1) % 4
+        assert got == torch.arange(prev * 100, prev * 100 + 37 + prev, dtype=torch.int64).to(torch.uint8).tolist()
+        assert sent == 37 + r and received == 37 + prev
