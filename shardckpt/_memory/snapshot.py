@@ -346,6 +346,7 @@ class Snapshots:
         self.error: Optional[Tuple[int, BaseException]] = None
         self.group: Any = None
         self.group_ranks: Optional[Tuple[int, ...]] = None
+        self.group_on_gpu = False
         self.streams: Dict[int, Any] = {}
         self.pool: Optional[ThreadPoolExecutor] = None
         #: What the last held step's save did (tests, the benchmark): step, bytes, seconds.
@@ -640,9 +641,10 @@ class Snapshots:
             return self.group
         import torch.distributed as dist
 
-        backend = str(dist.get_backend(process_group)).lower()
-        self.group = dist.new_group(ranks=list(comm.ranks), backend="nccl" if "nccl" in backend else "gloo")
+        backend = _knobs.MEMORY_PEER_BACKEND or ("nccl" if "nccl" in str(dist.get_backend(process_group)).lower() else "gloo")
+        self.group = dist.new_group(ranks=list(comm.ranks), backend=backend)
         self.group_ranks = comm.ranks
+        self.group_on_gpu = backend == "nccl"
         return self.group
 
     def _peer_copy(self, job: _Job, process_group: Any) -> None:
@@ -682,7 +684,8 @@ class Snapshots:
         if out_to is not None and me in index_of:
             ops_out.append((out_to, torch.frombuffer(bytearray(here.read_bytes(index_of[me])), dtype=torch.uint8)))
         ops_in = [(s, torch.empty(m.indexes[index_of[s]].size, dtype=torch.uint8)) for s in senders if s in index_of]
-        _move(ops_out, ops_in, group, comm.ranks, job.device)
+        wire = (job.device if job.device is not None else torch.cuda.current_device()) if self.group_on_gpu else None
+        _move(ops_out, ops_in, group, comm.ranks, wire)
         own_files: Dict[str, _ShmFile] = {}
         if out_to is not None:
             # Data files: the ones this rank wrote, in name order (the save engine's numbering = the slot's order).
@@ -690,7 +693,7 @@ class Snapshots:
             own_files = {rel: linked[os.path.basename(rel)] for rel in data_of[me]}
         data_out = [(out_to, own_files[rel].u8) for rel in data_of[me]] if out_to is not None else []
         data_in = [(s, f.u8) for (s, _), f in zip(incoming, pslot.files)]
-        _move(data_out, data_in, group, comm.ranks, job.device)
+        _move(data_out, data_in, group, comm.ranks, wire)
         sent = sum(t.numel() for _, t in ops_out + data_out)
         got = sum(t.numel() for _, t in ops_in + data_in)
         xfer_s = time.perf_counter() - t0
