@@ -45,6 +45,7 @@ from __future__ import annotations
 import logging
 import mmap
 import os
+import queue
 import shutil
 import threading
 import time
@@ -342,7 +343,11 @@ class Snapshots:
         self.held: Optional[int] = None  # slot index of the last held step (own and peer alike)
         self.held_step: Optional[int] = None
         self.job: Optional[_Job] = None
-        self.thread: Optional[threading.Thread] = None
+        self.thread: Optional[threading.Thread] = None  # one worker, started once, fed through ``queue``
+        self.queue: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
+        self.done = threading.Event()
+        self.done.set()
+        self.layouts_memo: Dict[Any, Tuple[List[List[int]], List[Tuple[bytes, List[int]]]]] = {}
         self.error: Optional[Tuple[int, BaseException]] = None
         self.group: Any = None
         self.group_ranks: Optional[Tuple[int, ...]] = None
@@ -363,10 +368,7 @@ class Snapshots:
 
     def wait(self, *, raise_error: bool = True) -> None:
         """Wait for the step in flight; raise its failure (once) as ``SaveFailedError``."""
-        t = self.thread
-        if t is not None:
-            t.join()
-            self.thread = None
+        self.done.wait()
         job = self.job
         if job is not None:
             for h in job.hooks:
@@ -415,8 +417,7 @@ class Snapshots:
         self._first_use(comm)
         url = store.step_dir(self.dir, step)
         plan = prepare_save(state, url, comm=comm, overwrite=True, io_threads=1, extra={"step": step, "tier": "memory"})
-        groups = partition(list(plan.items), 1)
-        layouts = [data_file_header(g) for g in groups]
+        groups, layouts = self._layout(list(plan.items))
         sizes = [len(h) + sum(it.nbytes for it in g) for (h, _), g in zip(layouts, groups)]
         own = sum(sizes)
 
@@ -482,12 +483,31 @@ class Snapshots:
         if overlap:
             job.hooks = [opt.register_step_pre_hook(self._hook(job)) for opt in optimizers]
         self.job = job
-        self.thread = threading.Thread(target=self._background, args=(job, process_group), name="shardckpt-memory", daemon=True)
-        self.thread.start()
+        self.done.clear()
+        if self.thread is None:
+            self.thread = threading.Thread(target=self._worker, name="shardckpt-memory", daemon=True)
+            self.thread.start()
+        self.queue.put((job, process_group))
         job.blocked_s = self.last_block_s = time.perf_counter() - t0
         return True
 
     # -- the blocking part --------------------------------------------------------
+
+    def _layout(self, items: List[WriteItem]) -> Tuple[List[List[WriteItem]], List[Tuple[bytes, List[int]]]]:
+        """The data files of a save (``partition`` into one file, cut by header size) and their headers; memoized.
+
+        The same state saves the same chunks every step: planning them again
+        (a JSON estimate and a header per chunk) would be per-step Python work.
+        """
+        key = tuple((it.key, it.name, it.dtype, tuple(it.sizes), tuple(it.offsets)) for it in items)
+        got = self.layouts_memo.get(key)
+        if got is None:
+            pos = {it.key: i for i, it in enumerate(items)}
+            groups = partition(items, 1)
+            got = ([[pos[it.key] for it in g] for g in groups], [data_file_header(g) for g in groups])
+            self.layouts_memo = {key: got}
+        order, layouts = got
+        return [[items[i] for i in g] for g in order], layouts
 
     def _first_use(self, comm: Comm) -> None:
         if not self._dead_cleaned:
@@ -575,6 +595,14 @@ class Snapshots:
         self.own[job.slot].unlink_step()
 
     # -- the background part ------------------------------------------------------
+
+    def _worker(self) -> None:
+        while True:
+            job, process_group = self.queue.get()
+            try:
+                self._background(job, process_group)
+            finally:
+                self.done.set()
 
     def _background(self, job: _Job, process_group: Any) -> None:
         try:
