@@ -198,7 +198,7 @@ class _Slot:
 
 def remove_dead_slots(node_dir: str) -> List[str]:
     """Slot names left by dead processes (their bytes stay while a step links them)."""
-    out = []
+    out: List[str] = []
     try:
         names = os.listdir(node_dir)
     except OSError:
