@@ -4,7 +4,8 @@ What it runs: ``shardckpt._collective.agree`` — the code every save and load
 uses to meet — for a world of N ranks, on one machine, against a real
 ``torch.distributed.TCPStore`` on loopback. Rank 0 runs for real (its waits,
 batched reads, the union decision of ``_union.decide`` over real records of
-a 300-tensor + AdamW-shaped state, the verdicts); the N-1 peers' posts are
+an FSDP2 state (a 16-layer model + AdamW as DTensors, 720 tensors; or
+``--state plain``: plain tensors) of rank 0, the verdicts); the N-1 peers' posts are
 made beforehand, with the same keys and values a peer posts (one
 ``multi_set`` per batch, not timed), and one real peer (rank 1) runs its
 half of each exchange in a thread to count a peer's round trips.
@@ -140,6 +141,81 @@ def state_records(n_tensors: int, world: int):
     return recs, tree
 
 
+class _Layer(torch.nn.Module):
+    """A transformer block's parameters (11: attention, gated MLP, two norms)."""
+
+    def __init__(self, d: int):
+        super().__init__()
+        nn = torch.nn
+        self.q, self.k, self.v, self.o = (nn.Linear(d, d, bias=False) for _ in range(4))
+        self.gate, self.up, self.down = nn.Linear(d, 2 * d, bias=False), nn.Linear(d, 2 * d, bias=False), nn.Linear(2 * d, d, bias=False)
+        self.attn_norm, self.ffn_norm = nn.LayerNorm(d), nn.LayerNorm(d)
+
+
+class _Model(torch.nn.Module):
+    """16 blocks + embedding, final norm and head: 180 parameters (720 tensors with AdamW's state)."""
+
+    def __init__(self, layers: int = 16, d: int = 64, vocab: int = 128):
+        super().__init__()
+        nn = torch.nn
+        self.emb = nn.Embedding(vocab, d)
+        self.layers = nn.ModuleList(_Layer(d) for _ in range(layers))
+        self.norm = nn.LayerNorm(d, bias=False)
+        self.head = nn.Linear(d, vocab)
+
+
+def fsdp2_records(world: int, layers: int = 16, *, shard: str = "dtensor"):
+    """Records and value tree of rank 0 of an FSDP2 run of ``world`` ranks: a ``layers``-block model + AdamW.
+
+    Real DTensors on a 1-D mesh of ``world`` ranks, on torch's fake process
+    group (one process plays rank 0; nothing is sent). ``shard="fully_shard"``
+    runs FSDP2 itself (its setup costs O(world) per parameter: ~20 s at
+    16,384 ranks); ``"dtensor"`` (default) makes each parameter the DTensor
+    FSDP2 makes (``Shard(0)``, rank 0's ``torch.chunk`` piece) directly, in
+    O(1) per parameter; tests/unit/test_control_plane_scale.py checks both
+    give the same records. AdamW's state is made as its first step would
+    (``exp_avg``/``exp_avg_sq`` like their parameter, a scalar ``step``), then
+    flattened and laid out by the save's own code (``flatten_for_save``,
+    ``layout_of``, ``_union.records``).
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from shardckpt._save import _layouts, _rotations
+    from shardckpt._state import flatten_for_save
+
+    if dist.is_initialized():
+        raise RuntimeError("fsdp2_records needs no process group of its own (it starts a fake one)")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    try:
+        mesh = init_device_mesh("cpu", (world,))
+        torch.manual_seed(0)
+        model = _Model(layers)
+        if shard == "fully_shard":
+            from torch.distributed.fsdp import fully_shard
+
+            for layer in model.layers:
+                fully_shard(layer, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+        elif shard == "dtensor":
+            for mod in list(model.modules()):
+                for pname, p in list(mod.named_parameters(recurse=False)):
+                    local = torch.chunk(p.detach(), world, dim=0)[0].clone()
+                    dt = DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=p.shape, stride=p.stride())
+                    setattr(mod, pname, torch.nn.Parameter(dt))
+        else:
+            raise ValueError(f"shard must be 'dtensor' or 'fully_shard', not {shard!r}")
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1)
+        for p in model.parameters():
+            opt.state[p] = {"step": torch.tensor(1.0), "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+        flat = flatten_for_save({"model": model, "optim": opt, "step": 1000}, rank=0, world=world)
+        layouts = _union.normalize(_layouts(flat.tensors, 0, world), tuple(range(world)))
+        return _union.records(layouts, _rotations(layouts)), flat.tree
+    finally:
+        dist.destroy_process_group()
+
+
 def _prepost(raw, seq_store, comm: Comm, outcome: Any, blob=None, digest=None) -> str:
     """What peers 2..N-1 post for the next exchange of ``comm`` (one multi_set per batch)."""
     k = C._seq_key(comm, seq_store)
@@ -156,7 +232,20 @@ def _prepost(raw, seq_store, comm: Comm, outcome: Any, blob=None, digest=None) -
     return base
 
 
-def run(n: int, n_tensors: int = 300) -> Dict[str, Any]:
+def run(n: int, n_tensors: int = 300, *, state: str = "fsdp2") -> Dict[str, Any]:
+    """One save's and one load's exchanges at ``n`` ranks.
+
+    ``state``: ``"fsdp2"`` (default) the FSDP2 DTensor state of
+    :func:`fsdp2_records` (a 16-layer model + AdamW, 720 tensors;
+    ``n_tensors`` unused), ``"plain"`` :func:`state_records` of
+    ``n_tensors`` plain tensors (meshes None).
+    """
+    if state == "fsdp2":
+        recs, tree = fsdp2_records(n)
+    elif state == "plain":
+        recs, tree = state_records(n_tensors, n)
+    else:
+        raise ValueError(f"state must be 'fsdp2' or 'plain', not {state!r}")
     server = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=timedelta(seconds=300), wait_for_workers=False)
     raw0 = dist.PrefixStore("bench", server)
     root = Counting(raw0)
@@ -174,7 +263,6 @@ def run(n: int, n_tensors: int = 300) -> Dict[str, Any]:
             self.store.ticking = False
 
     C._Ticker.__call__ = counted_tick
-    recs, tree = state_records(n_tensors, n)
     comms = [Comm(rank=r, world=n, ranks=tuple(range(n)), timeout_s=120, op="bench", channel=f"b{n}") for r in (0, 1)]
     blob = pickle.dumps((recs, tree))
     digest = f"{C._hash(blob)}.{-(-len(blob) // C.MAX_VALUE_BYTES)}"
@@ -232,6 +320,8 @@ def run(n: int, n_tensors: int = 300) -> Dict[str, Any]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--ranks", default="256,1024,4096,16384")
+    ap.add_argument("--state", choices=("fsdp2", "plain"), default="fsdp2",
+                    help="fsdp2: a 16-layer FSDP2 model + AdamW as DTensors (720 tensors); plain: --tensors plain tensors")
     ap.add_argument("--tensors", type=int, default=300)
     ap.add_argument("--json")
     args = ap.parse_args(argv)
@@ -240,7 +330,7 @@ def main(argv=None) -> int:
           "| largest value | save bytes total | load bytes total |")
     print("|---|---|---|---|---|---|---|---|")
     for n in [int(x) for x in args.ranks.split(",")]:
-        r = run(n, args.tensors)
+        r = run(n, args.tensors, state=args.state)
         rows.append(r)
         print(f"| {n:,} | {r['save_s']:.3f} | {r['load_s']:.3f} | {r['save_trips_root']} / {r['save_trips_peer']} "
               f"| {r['load_trips_root']} / {r['load_trips_peer']} | {r['save_largest'] / 1024:.1f} KiB "

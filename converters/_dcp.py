@@ -27,7 +27,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 import torch
 
 from shardckpt import _knobs
-from shardckpt._format import MAX_MANIFEST_BYTES, check_relpath, dtype_name, itemsize
+from shardckpt._format import MAX_MANIFEST_BYTES, check_relpath, checked_shape, dtype_name, itemsize
 from shardckpt._geometry import Box, check_cover
 from shardckpt._hf import KeyMap, read_safetensors_header
 from shardckpt._storage import Storage
@@ -269,12 +269,14 @@ def _read_dcp_metadata(storage: Storage) -> Any:
         if isinstance(smd, TensorStorageMetadata):
             if not isinstance(smd.properties.dtype, torch.dtype):
                 raise CorruptCheckpointError(f"{w}: dtype {smd.properties.dtype!r}")
-            shape = _ints(smd.size, w + " size")
+            item_size = smd.properties.dtype.itemsize
+            shape = checked_shape(_ints(smd.size, w + " size"), item_size, where=w)
             if not isinstance(smd.chunks, list):
                 raise CorruptCheckpointError(f"{w}: chunks must be a list")
             for c in smd.chunks:
                 if len(_ints(c.offsets, w + " chunk offsets")) != len(shape) or len(_ints(c.sizes, w + " chunk sizes")) != len(shape):
                     raise CorruptCheckpointError(f"{w}: chunk {c} does not match shape {shape}")
+                checked_shape(list(c.sizes), item_size, where=f"{w} chunk at {list(c.offsets)}")
         elif not isinstance(smd, BytesStorageMetadata):
             raise CorruptCheckpointError(f"{w}: unknown storage metadata {type(smd).__name__}")
     for k, info in md.storage_data.items():

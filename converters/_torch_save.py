@@ -22,7 +22,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Type, U
 import torch
 
 from shardckpt import _knobs
-from shardckpt._format import check_relpath, dtype_name
+from shardckpt._format import check_relpath, checked_shape, dtype_name
 from shardckpt._format.values import TAG, value_depth_problem
 from shardckpt._hf import KeyMap, _rename_refs, map_names, select_names
 from shardckpt._state import flatten_for_save
@@ -168,7 +168,9 @@ def chunk_of(
     snb = st.nbytes()
     if off < 0 or off + snb > length:
         raise CorruptCheckpointError(f"{where}: tensor {name!r} storage [{off}, {off + snb}) lies outside the payload of {length} bytes")
-    shape = tuple(t.shape)
+    # torch's unpickler refuses most impossible shapes itself; the one shape
+    # check every reader applies still runs, so the rule lives in one place.
+    shape = tuple(checked_shape(tuple(t.shape), isz, where=f"{where}: tensor {name!r}"))
     nbytes = t.numel() * isz
     if t.numel() and (t.storage_offset() + _span(t)) * isz > snb:
         raise CorruptCheckpointError(f"{where}: tensor {name!r} reaches past its storage")

@@ -15,7 +15,15 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from . import errors as _errors
 from ._version import __version__
+
+#: Every exception class shardckpt raises on purpose, re-exported here. Built
+#: from ``errors.__all__`` so the list is written once (errors.py): a new error
+#: type is public as ``shardckpt.X`` the moment errors.py exports it.
+_ERROR_NAMES = tuple(
+    name for name in _errors.__all__ if isinstance(getattr(_errors, name), type) and issubclass(getattr(_errors, name), Exception)
+)
 
 __all__ = [
     "save",
@@ -35,19 +43,7 @@ __all__ = [
     "Adapter",
     "converters",
     "errors",
-    "CheckpointError",
-    "CorruptCheckpointError",
-    "ChecksumMismatchError",
-    "CheckpointNotFoundError",
-    "CheckpointExistsError",
-    "StateMismatchError",
-    "UnsupportedStateError",
-    "UnsafeMetadataError",
-    "StorageError",
-    "SaveFailedError",
-    "ConcurrentUseError",
-    "LoadFailedError",
-    "UsageError",
+    *_ERROR_NAMES,
     "__version__",
 ]
 
@@ -69,30 +65,17 @@ _LAZY = {
     "register_adapter": "._state",
     "Adapter": "._state",
 }
-_ERRORS = {
-    "CheckpointError",
-    "CorruptCheckpointError",
-    "ChecksumMismatchError",
-    "CheckpointNotFoundError",
-    "CheckpointExistsError",
-    "StateMismatchError",
-    "UnsupportedStateError",
-    "UnsafeMetadataError",
-    "StorageError",
-    "SaveFailedError",
-    "ConcurrentUseError",
-    "LoadFailedError",
-    "UsageError",
-}
 
 
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
         mod = importlib.import_module(_LAZY[name], __name__)
         value = getattr(mod, name)
-    elif name in _ERRORS:
-        value = getattr(importlib.import_module(".errors", __name__), name)
-    elif name in ("converters", "errors"):
+    elif name in _ERROR_NAMES:
+        value = getattr(_errors, name)
+    elif name == "errors":
+        value = _errors
+    elif name == "converters":
         value = importlib.import_module("." + name, __name__)
     else:
         raise AttributeError(f"module 'shardckpt' has no attribute {name!r}")

@@ -458,6 +458,7 @@ def async_save(
     collective_timeout_s: Optional[float] = None,
     no_dist: bool = False,
     timeout_s: Optional[float] = None,
+    replicas: Optional[str] = None,
 ) -> AsyncSaveHandle:
     """Save ``state`` to ``url`` in the background; return once it is staged.
 
@@ -495,6 +496,8 @@ def async_save(
         no_dist: this process alone, as if no process group existed; every
             tensor must be whole here (see :func:`shardckpt.save`).
         timeout_s: the former name of ``collective_timeout_s`` (kept working).
+        replicas: the replica check, as for :func:`shardckpt.save`; it runs
+            in the call, on the live tensors, before staging.
 
     Returns:
         AsyncSaveHandle: ``result(timeout=None)`` waits and raises the save's
@@ -506,6 +509,8 @@ def async_save(
         SaveFailedError: the previous async save failed (unseen error),
             staging failed on some rank, or a rank did not call (named).
         UnsupportedStateError: a value in ``state`` cannot be saved.
+        ReplicaDivergenceError: ``replicas="check"`` and replicas differ
+            (named); nothing was staged or written.
         UsageError: under torchrun without an initialised process group.
 
     Memory: one host copy of the tensors this rank writes, while the save
@@ -524,7 +529,8 @@ def async_save(
     timeout = collective_timeout_s if timeout_s is None else timeout_s
     comm = open_comm(process_group, no_dist=no_dist, collective_timeout_s=timeout, op="shardckpt.async_save")
     wait_pending(new_save=True)
-    plan = prepare_save(state, url, comm=comm, storage_options=storage_options, overwrite=overwrite, io_threads=io_threads)
+    plan = prepare_save(state, url, comm=comm, storage_options=storage_options, overwrite=overwrite, io_threads=io_threads,
+                        replicas=replicas)
 
     def precheck() -> Optional[str]:
         if not overwrite and plan.storage.exists(MANIFEST_NAME):

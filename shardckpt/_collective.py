@@ -70,8 +70,9 @@ Every (group, channel) pair counts its exchanges; keys are
   limit is 8 MiB).
 
 A save makes 4 exchanges (``prepare_save``: ``distinct``; the target check:
-``from_root``; the write summaries: ``to_root``; the commit outcome), a load
-2 (the plan check, the read outcome).
+``from_root``; the write summaries: ``to_root``; the commit outcome), plus
+the replica check's (``distinct``) unless ``replicas="off"``; a load 2 (the
+plan check, the read outcome).
 
 After a timeout the late rank, if it ever comes, reads the same verdict (the
 missing-rank error) and raises too; a peer that gives up withdraws its

@@ -52,6 +52,10 @@ environment variable                default     what it sets
                                                 to GPU, staged through two GPU buffers) or
                                                 ``gloo`` (host to host, in place); default:
                                                 the process group's backend
+``SHARDCKPT_REPLICAS``             check       a save compares the copies of replicated
+                                                state first: ``check`` refuses diverged
+                                                replicas, ``warn`` logs them, ``off``
+                                                skips (the ``replicas=`` default)
 ``SHARDCKPT_BLOCK_BYTES``           1 MiB       format v2: one CRC-32C per this many bytes
                                                 of each chunk, so a ranged read verifies
                                                 on its own (at least 4 KiB)
@@ -103,6 +107,7 @@ __all__ = [
     "BLOCK_BYTES",
     "ASYNC_WRITER",
     "MEMORY_PEER_BACKEND",
+    "REPLICAS",
     "STORAGE_RETRIES",
     "RETRY_BASE_DELAY_S",
     "RETRY_MAX_DELAY_S",
@@ -254,6 +259,14 @@ MEMORY_PEER_BACKENDS = ("", "nccl", "gloo")
 MEMORY_PEER_BACKEND = (_env("MEMORY_PEER_BACKEND") or "").lower()
 if MEMORY_PEER_BACKEND not in MEMORY_PEER_BACKENDS:
     raise _bad("MEMORY_PEER_BACKEND", os.environ[ENV_PREFIX + "MEMORY_PEER_BACKEND"], "nccl or gloo")
+
+#: What a save does about replicated state whose copies differ between ranks
+#: (``save(replicas=...)``'s default): ``check`` refuses the save before any
+#: byte is written, ``warn`` logs and saves, ``off`` skips the comparison.
+#: Read at each save. See shardckpt/_fingerprint.py, docs/guarantees.md.
+REPLICAS = (_env("REPLICAS") or "check").lower()
+if REPLICAS not in ("check", "warn", "off"):
+    raise _bad("REPLICAS", os.environ[ENV_PREFIX + "REPLICAS"], "one of check, warn, off")
 
 # -- storage (shardckpt/_storage)
 

@@ -376,21 +376,38 @@ def _load_by_keys(url: str, *, keys, storage_options, io_threads: Optional[int])
     if names:
         load(template, url, storage_options=storage_options, io_threads=io_threads, keys=names, key_map={}, no_dist=True)
 
-    def build(node: Any) -> Any:
+    def build(node: Any, path: str) -> Any:
         if is_tensor_ref(node):
             return template.get(node.get("name"))
         if isinstance(node, dict) and _TAG in node and node[_TAG] in ("tuple", "dict"):
             if node[_TAG] == "tuple":
-                return tuple(build(x) for x in node["items"])
-            return {decode_value(k): build(v) for k, v in node["items"]}
+                return tuple(build(x, f"{path}.{i}") for i, x in enumerate(node["items"]))
+            return {(key := decoded(k, path)): build(v, f"{path}.{key}") for k, v in node["items"]}
         if isinstance(node, dict) and _TAG not in node:
-            return {k: build(v) for k, v in node.items()}
+            return {k: build(v, f"{path}.{k}") for k, v in node.items()}
         if isinstance(node, list):
-            return [build(x) for x in node]
-        return decode_value(node)
+            return [build(x, f"{path}.{i}") for i, x in enumerate(node)]
+        return decoded(node, path)
+
+    def decoded(node: Any, path: str) -> Any:
+        try:
+            return decode_value(node)
+        except CorruptCheckpointError as e:
+            # Damage named by its saved path, as the live-state path reports it.
+            raise CorruptCheckpointError(f"{path}: {e}") from None
 
     # Selected paths sorted (the values inside them keep their saved order).
-    return {path: build(asked[path]) for path in sorted(asked)}
+    out = {}
+    for path in sorted(asked):
+        try:
+            out[path] = build(asked[path], path)
+        except (KeyError, TypeError, ValueError) as e:
+            # A malformed container node ("items" missing or not pairs) is
+            # damage too; our other errors pass unchanged.
+            if isinstance(e, CheckpointError):
+                raise
+            raise CorruptCheckpointError(f"{path}: saved value cannot be decoded ({type(e).__name__}: {e})") from None
+    return out
 
 
 

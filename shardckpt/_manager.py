@@ -29,6 +29,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Optional, Set, Tuple, cast
 
+from . import _fingerprint
 from ._async import AsyncSaveHandle, start_async, wait_pending
 from ._collective import FROM_ROOT, Comm, NoProcessGroupError, agree, open_comm
 from ._format import HF_INDEX_NAME, MANIFEST_NAME, open_manifest, torch_dtype
@@ -244,6 +245,9 @@ class CheckpointManager:
             (:func:`shardckpt.save`'s ``incremental``). Retention then
             deletes a dropped step's files only when no kept step names
             them (docs/manager.md, "Retention with incremental steps").
+        replicas: the replica check of every save (:func:`shardckpt.save`'s
+            ``replicas``: ``"check"``, ``"warn"`` or ``"off"``; default
+            ``SHARDCKPT_REPLICAS``, ``"check"``).
 
     torchtitan's checkpointer options (``docs/manager.md``, migration table):
 
@@ -315,12 +319,14 @@ class CheckpointManager:
         load_only: bool = False,
         memory: Any = None,
         incremental: bool = False,
+        replicas: Optional[str] = None,
     ):
         if isinstance(root_url, str) and not root_url.strip():
             raise UsageError(
                 f"CheckpointManager: root_url {root_url!r} is blank; pass the directory or URL under which "
                 "step checkpoints live, e.g. CheckpointManager('checkpoints/run1')"
             )
+        self.replicas = _fingerprint.replicas_mode(replicas) if replicas is not None else None
         self.keep_last = _positive("keep_last", keep_last)
         self.keep_every = _positive("keep_every", keep_every)
         self.save_interval = _positive("save_interval", save_interval, allow_none=False)
@@ -357,7 +363,7 @@ class CheckpointManager:
         self._token = uuid.uuid4().hex
         self._memory = None
         if memory is not None and memory is not False:
-            self._memory = MemoryStore(MemoryTier.of(memory))
+            self._memory = MemoryStore(MemoryTier.of(memory), self.root_url)
 
     def __repr__(self) -> str:
         return f"CheckpointManager({self.root_url!r}, keep_last={self.keep_last}, keep_every={self.keep_every}, async_save={self.async_save})"
@@ -630,6 +636,7 @@ class CheckpointManager:
                 exists_hint=f"step {step} is already committed; {hint}",
                 incremental=base,
                 content_hash=self.incremental,  # the first step too: later ones reference it
+                replicas=self.replicas,
             )
         except CheckpointError:
             raise

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, Optional, 
 
 import torch
 
-from . import _geometry, _incremental, _knobs, _union
+from . import _fingerprint, _geometry, _incremental, _knobs, _union
 from ._collective import DISTINCT, FROM_ROOT, TO_ROOT, Comm, agree, open_comm
 from ._format import (
     DATA_DIR,
@@ -163,6 +163,7 @@ def save(
     no_dist: bool = False,
     incremental: Optional[str] = None,
     content_hash: bool = False,
+    replicas: Optional[str] = None,
 ) -> None:
     """Save ``state`` to ``url`` as a sharded, checksummed checkpoint.
 
@@ -207,6 +208,14 @@ def save(
             saved without hashes is compared with nothing: everything is
             written again). Off by default: hashing runs in the write pass
             and costs CPU time (docs/incremental.md has the numbers).
+        replicas: what to do when the copies of replicated state (DDP and
+            HSDP replicas, tensors replicated over a TP group, the scalars
+            every rank holds) differ between ranks: ``"check"`` (the
+            default, ``SHARDCKPT_REPLICAS``) refuses the save before any
+            byte is written, ``"warn"`` logs the divergence on rank 0 and
+            saves the writing replica's copy, ``"off"`` skips the check.
+            Each holder fingerprints its copy where it lives (on the GPU
+            for GPU tensors); docs/guarantees.md says what it catches.
 
     Raises:
         CheckpointExistsError: ``url`` holds a committed checkpoint and
@@ -214,6 +223,9 @@ def save(
         UnsupportedStateError: a value cannot be saved (its path is named);
             a name held by several ranks differs in dtype, shape or
             placements, or a plain value differs (named, with the ranks).
+        ReplicaDivergenceError: ``replicas="check"`` and copies of a
+            replicated chunk differ (each named, with the ranks holding each
+            version); nothing was written.
         SaveFailedError: writing failed on some rank, or a rank did not call
             within ``collective_timeout_s`` (named); nothing was committed,
             any previous checkpoint at ``url`` is untouched.
@@ -235,7 +247,7 @@ def save(
     """
     comm = open_comm(process_group, no_dist=no_dist, collective_timeout_s=collective_timeout_s, op="shardckpt.save")
     plan = prepare_save(state, url, comm=comm, storage_options=storage_options, overwrite=overwrite, io_threads=io_threads,
-                        incremental=incremental, content_hash=content_hash)
+                        incremental=incremental, content_hash=content_hash, replicas=replicas)
     execute_save(plan)
 
 
@@ -300,12 +312,16 @@ def prepare_save(
     exists_hint: str = OVERWRITE_HINT,
     incremental: Optional[str] = None,
     content_hash: bool = False,
+    replicas: Optional[str] = None,
 ) -> SavePlan:
     """Flatten and plan a save; every rank learns whether any rank's state is invalid (collective).
 
     ``extra`` goes into the manifest's ``extra`` (the manager's step).
     ``content_hash`` (implied by ``incremental``): hash every chunk written.
+    ``replicas``: the replica check's mode (``_fingerprint``), run here,
+    before anything is staged or written.
     """
+    mode = _fingerprint.replicas_mode(replicas)
     rank, world = comm.rank, comm.world
     storage = Storage(url, storage_options=storage_options)
     base = None
@@ -347,6 +363,7 @@ def prepare_save(
             decide=decide,
         )
         layouts = _union.apply(layouts, fix, comm.ranks[rank])
+    _fingerprint.check_replicas(comm, layouts, url=url, mode=mode)
     if rank == 0 and world > 1:
         layouts = _union.with_peers(layouts, union)
     tree = union.get("tree", flat.tree) if rank == 0 else flat.tree

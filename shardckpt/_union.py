@@ -52,17 +52,55 @@ def _has_copies(lay: TensorLayout) -> bool:
     return lay.kind == "dtensor" and len(cast(Any, lay.regular).mesh_shape) == len(lj.get("mesh_shape", ())) + 1
 
 
-def _own_mesh(lay: TensorLayout) -> Tuple[Tuple[int, ...], _geometry.RegularLayout, Tuple[int, ...]]:
-    """A DTensor's own mesh (global ranks), layout and coordinate, without the copies its root mesh implies."""
+def _own_split(lay: TensorLayout) -> Tuple[int, int, _geometry.RegularLayout, Tuple[int, ...]]:
+    """A DTensor's own mesh as ``(start, n)`` positions in its root mesh's rank list, its own layout and coordinate.
+
+    Without the copies its root mesh implies; O(1) (no rank list is built).
+    """
     reg = cast(_geometry.RegularLayout, lay.regular)  # a DTensor's layout has both
     coord = cast(Tuple[int, ...], lay.coord)
-    flat = lay.mesh_ranks if lay.mesh_ranks is not None else tuple(range(reg.world))
     if not _has_copies(lay):
-        return tuple(flat), reg, tuple(coord)
+        return 0, reg.world, reg, tuple(coord)
     n = math.prod(reg.mesh_shape[1:])
-    ci = coord[0]
     own = _geometry.regular_layout(reg.shape, reg.mesh_shape[1:], list(reg.placements[1:]))
-    return tuple(flat[ci * n : (ci + 1) * n]), own, tuple(coord[1:])
+    return coord[0] * n, n, own, tuple(coord[1:])
+
+
+#: A mesh in a record is ``(IOTA, first, n)`` when its ranks are
+#: first..first+n-1 (FSDP2's whole world, an HSDP row), else its rank tuple.
+#: Rank tuples hold only ints, so the tag cannot be mistaken for one.
+IOTA = "iota"
+
+
+def _mesh_ref(lay: TensorLayout, start: int, n: int, refs: Dict[Any, Any]) -> Any:
+    """This DTensor's own mesh as it goes into its record: one object per distinct mesh on this rank.
+
+    Meshes are shared by reference (pickle writes an object it has seen
+    once) or as the iota form, so a rank's share holds each mesh once, not
+    once per tensor: at 16,384 ranks a fresh ``tuple(range(world))`` per
+    DTensor made 720 FSDP2 tensors 25 MiB (issue 29).
+    """
+    key = (id(lay.mesh_ranks), start, n)
+    hit = refs.get(key)
+    if hit is None:
+        if lay.mesh_ranks is None:
+            hit = (IOTA, start, n)
+        else:
+            own = tuple(lay.mesh_ranks[start : start + n])
+            hit = (IOTA, own[0], n) if own == tuple(range(own[0], own[0] + n)) else own
+            # Equal rank tuples from different mesh objects: one object too.
+            hit = refs.setdefault(("content", hit), hit)
+        refs[key] = hit
+    return hit
+
+
+def _expand(ref: Any, cache: Dict[Any, Tuple[int, ...]]) -> Tuple[int, ...]:
+    """The rank tuple a record's mesh stands for (one object per distinct mesh)."""
+    hit = cache.get(ref)
+    if hit is None:
+        hit = tuple(range(ref[1], ref[1] + ref[2])) if ref and ref[0] == IOTA else tuple(ref)
+        cache[ref] = hit
+    return hit
 
 
 def normalize(layouts: Dict[str, TensorLayout], group_ranks: Sequence[int]) -> Dict[str, TensorLayout]:
@@ -80,11 +118,14 @@ def records(layouts: Dict[str, TensorLayout], rotations: Dict[str, int]) -> Dict
     """This rank's regular tensors: ``name -> (dtype, shape, placements record, own mesh, guess signature, rotation)``.
 
     The own mesh is None for a plain tensor (held by "whoever holds the
-    name"), else the DTensor's own mesh ranks; the guess signature digests
-    the mesh and layout this rank planned with alone.
+    name"), else the DTensor's own mesh ranks, as ``(IOTA, first, n)`` or a
+    rank tuple shared by every record on that mesh (:func:`_mesh_ref`), so
+    this rank's share does not grow with world size x tensor count; the
+    guess signature digests the mesh and layout this rank planned with alone.
     """
     out = {}
     sigs: Dict[int, str] = {}
+    refs: Dict[Any, Any] = {}
     for name, lay in layouts.items():
         if lay.regular is None:
             continue
@@ -93,7 +134,8 @@ def records(layouts: Dict[str, TensorLayout], rotations: Dict[str, int]) -> Dict
             sigs[key] = _ranks_sig(lay.mesh_ranks)
         guess = sigs[key] + repr(_geometry.layout_to_json(lay.regular))
         if lay.kind == "dtensor":
-            own, reg, _ = _own_mesh(lay)
+            start, n, reg, _ = _own_split(lay)
+            own = _mesh_ref(lay, start, n, refs)
             place = (_geometry.layout_to_json(reg), (lay.layout_json or {}).get("mesh_dim_names"))
         else:
             own, place = None, None
@@ -132,6 +174,8 @@ def decide(groups, group_ranks: Sequence[int], url: str, keep: Dict[str, Any]):
     bad: List[str] = []
     truth: Dict[str, Tuple[Any, ...]] = {}
     plain_meshes: Dict[Tuple[int, ...], Tuple[Any, int]] = {}
+    dt_meshes: Dict[Any, Tuple[List[Tuple[int, ...]], List[int], Optional[Tuple[int, ...]]]] = {}
+    expanded: Dict[Any, Tuple[int, ...]] = {}
     for name in sorted(entries):
         ents = entries[name]
         first = ents[0][1]
@@ -156,8 +200,14 @@ def decide(groups, group_ranks: Sequence[int], url: str, keep: Dict[str, Any]):
                 reg = _geometry.RegularLayout(shape, (count,), (_geometry.Replicate(),))
                 rows = None
             else:
-                rows = sorted({rec[3] for _, rec in ents})
-                outside = sorted({r for row in rows for r in row if r not in pos})
+                # Per set of meshes (one, or one per copy), once: O(N) each, not per tensor.
+                mkey = frozenset(rec[3] for _, rec in ents)
+                if mkey not in dt_meshes:
+                    rows_ = sorted({_expand(ref, expanded) for ref in mkey})
+                    outside = sorted({r for row in rows_ for r in row if r not in pos})
+                    flat = tuple(r for row in rows_ for r in row)
+                    dt_meshes[mkey] = rows_, outside, (None if flat == tuple(range(len(flat))) else flat)
+                rows, outside, mesh = dt_meshes[mkey]
                 if outside:
                     bad.append(
                         f"{name}: its mesh holds ranks {format_offenders(outside)} (global) outside the process group "
@@ -166,13 +216,10 @@ def decide(groups, group_ranks: Sequence[int], url: str, keep: Dict[str, Any]):
                     )
                     continue
                 own = _geometry.layout_from_json(first[2][0])
-                mesh = tuple(r for row in rows for r in row)
                 if len(rows) == 1:
                     reg = own
                 else:
                     reg = _geometry.regular_layout(shape, (len(rows),) + own.mesh_shape, [_geometry.Replicate()] + list(own.placements))
-            if rows is not None and mesh == tuple(range(len(mesh))):
-                mesh = None
             truth[name] = (dtype, shape, first[2], mesh, reg, rows)
     if bad:
         raise UnsupportedStateError(
@@ -198,7 +245,7 @@ def decide(groups, group_ranks: Sequence[int], url: str, keep: Dict[str, Any]):
             if mesh not in mesh_ids:
                 mesh_ids[mesh] = len(meshes)
                 meshes.append(mesh)
-            row = None if rows is None else (rows.index(rec[3]) if len(rows) > 1 else -1)
+            row = None if rows is None else (rows.index(_expand(rec[3], expanded)) if len(rows) > 1 else -1)
             fix[name] = (mesh_ids[mesh], _geometry.layout_to_json(reg), rot, row)
         pieces.append({"meshes": meshes, "fix": fix} if fix else None)
     return None, pieces
@@ -220,7 +267,7 @@ def apply(layouts: Dict[str, TensorLayout], piece: Optional[Dict[str, Any]], me:
                 index[mi] = {r: i for i, r in enumerate(mesh if mesh is not None else range(reg.world))}
             coord: Tuple[int, ...] = (index[mi][me],)
         else:
-            _, _, own_coord = _own_mesh(lay)
+            _, _, _, own_coord = _own_split(lay)
             coord = own_coord if row < 0 else (row,) + own_coord
         out[name] = replace(lay, regular=reg, mesh_ranks=mesh, coord=coord, rotation=rot)
     return out

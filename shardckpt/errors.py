@@ -25,6 +25,7 @@ __all__ = [
     "StorageError",
     "SaveFailedError",
     "ConcurrentUseError",
+    "ReplicaDivergenceError",
     "LoadFailedError",
     "UsageError",
     "MAX_OFFENDERS",
@@ -112,6 +113,14 @@ class SaveFailedError(CheckpointError, RuntimeError):
 
 class ConcurrentUseError(SaveFailedError):
     """Another ``CheckpointManager`` took over the root this one saves under; this one saves no more."""
+
+
+class ReplicaDivergenceError(SaveFailedError):
+    """Copies of replicated state differ between ranks (``save(replicas="check")``); nothing was written.
+
+    The message names each diverged tensor and chunk and which ranks hold
+    which version (docs/guarantees.md, "Replicas").
+    """
 
 
 class LoadFailedError(CheckpointError, RuntimeError):

@@ -1,7 +1,7 @@
 """The on-disk format, v1, v2 and v3 (``docs/format.md`` is the spec): the one place that knows the bytes.
 
 - :mod:`.naming`: file names (``manifest.json``, the HF index, ``data/``, data files, chunk keys);
-- :mod:`.dtypes`: safetensors dtype names and item sizes;
+- :mod:`.dtypes`: safetensors dtype names and item sizes, and the one check of a stored shape (``checked_shape``);
 - :mod:`.manifest`: the manifest, built, serialized, parsed and validated;
 - :mod:`.header`: safetensors headers, built and parsed (bounded, checked);
 - :mod:`.values`: the JSON codec of non-tensor values (tags, tensor references);
@@ -21,7 +21,7 @@ from __future__ import annotations
 from .checksum import ALGOS, checksum, combine, crc32c, crc32c_combine
 from .chunk import Chunk
 from .committed import TORCH_SAVE_SUFFIXES, commit, hf_index_bytes, open_manifest
-from .dtypes import DTYPES, dtype_name, itemsize, torch_dtype
+from .dtypes import DTYPES, MAX_TENSOR_BYTES, checked_shape, dtype_name, itemsize, shape_problem, torch_dtype
 from .header import MAX_HEADER_BYTES, parse_safetensors_header, read_safetensors_header, safetensors_header
 from .hf import MAX_INDEX_BYTES, SOURCE_SAFETENSORS, hf_manifest
 from .manifest import (
@@ -57,7 +57,7 @@ from .values import TAG, decode_value, encode_value, is_tensor_ref, plain_values
 __all__ = [
     "ALGOS", "checksum", "combine", "crc32c", "crc32c_combine",
     "TORCH_SAVE_SUFFIXES", "commit", "hf_index_bytes", "open_manifest",
-    "DTYPES", "dtype_name", "itemsize", "torch_dtype",
+    "DTYPES", "dtype_name", "itemsize", "torch_dtype", "MAX_TENSOR_BYTES", "checked_shape", "shape_problem",
     "MAX_HEADER_BYTES", "parse_safetensors_header", "read_safetensors_header", "safetensors_header",
     "MAX_INDEX_BYTES", "SOURCE_SAFETENSORS", "hf_manifest",
     "FORMAT_NAME", "FORMAT_VERSION", "MAX_MANIFEST_BYTES", "MAX_NDIM",

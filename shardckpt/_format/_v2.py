@@ -19,7 +19,7 @@ from .. import _geometry
 from ..errors import ChecksumMismatchError, CorruptCheckpointError, UnsafeMetadataError
 from .checksum import HASH_ALGOS, check_hash_hex, crc32c, pack_crcs, unpack_crcs
 from .chunk import Chunk, MetaCache
-from .dtypes import DTYPES, itemsize
+from .dtypes import DTYPES, checked_shape, itemsize
 from .manifest import (
     FORMAT_NAME,
     MANIFEST_CRC_FIELD,
@@ -145,7 +145,7 @@ def manifest_v2_from_raw(raw: Dict[str, Any], where: str) -> Manifest:
         dt = _req(tm, "dtype", str, tw)
         if dt not in DTYPES:
             raise _bad(tw, f"unknown dtype {dt!r}")
-        shape = _int_list(tm, "shape", tw)
+        shape = checked_shape(_int_list(tm, "shape", tw), itemsize(dt), where=tw)
         layout = tm.get("layout")
         t = TensorMeta(dtype=dt, shape=shape, chunks=[], layout=layout if isinstance(layout, dict) else None)
         if "regular" in tm:

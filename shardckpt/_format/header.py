@@ -8,7 +8,7 @@ import struct
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ..errors import CorruptCheckpointError, UnsafeMetadataError
-from .dtypes import DTYPES, itemsize
+from .dtypes import DTYPES, checked_shape, itemsize
 from .manifest import FORMAT_VERSION, _int_list, _req
 
 __all__ = ["MAX_HEADER_BYTES", "safetensors_header", "parse_safetensors_header", "read_safetensors_header"]
@@ -78,7 +78,7 @@ def parse_safetensors_header(head: bytes, *, file_size: int, where: str) -> Tupl
         dt = _req(entry, "dtype", str, ew)
         if dt not in DTYPES:
             raise CorruptCheckpointError(f"{ew}: unknown dtype {dt!r}")
-        shape = _int_list(entry, "shape", ew)
+        shape = checked_shape(_int_list(entry, "shape", ew), itemsize(dt), where=ew)
         offs = _int_list(entry, "data_offsets", ew, n=2)
         if offs[1] < offs[0] or data_start + offs[1] > file_size:
             raise CorruptCheckpointError(f"{ew}: data_offsets {offs} outside the file ({file_size} bytes)")

@@ -18,7 +18,7 @@ from .._geometry import Box, check_cover, shared_byte_ranges
 from .._version import __version__
 from ..errors import CorruptCheckpointError, NewerFormatError, UnsafeMetadataError
 from .checksum import crc32c, default_hash_algo
-from .dtypes import DTYPES, itemsize
+from .dtypes import DTYPES, checked_shape, itemsize
 from .naming import MANIFEST_NAME
 from .values import value_depth_problem
 from .versions import NEWEST, VERSIONS, parse_raw, register, spec, to_json
@@ -406,7 +406,7 @@ def manifest_v1_from_raw(raw: Dict[str, Any], where: str) -> Manifest:
         dt = _req(tm, "dtype", str, tw)
         if dt not in DTYPES:
             raise CorruptCheckpointError(f"{tw}: unknown dtype {dt!r}")
-        shape = _int_list(tm, "shape", tw)
+        shape = checked_shape(_int_list(tm, "shape", tw), itemsize(dt), where=tw)
         chunks = []
         for i, cm in enumerate(_req(tm, "chunks", list, tw)):
             cw = f"{tw} chunk {i}"

@@ -14,21 +14,26 @@ training state holds, so those become objects tagged with :data:`TAG`:
   bytes and never pickled; meant for small blobs (they live in the manifest).
 
 Imports no torch: decoding a dtype or device imports it then, and only then.
-Saved trees are untrusted input; :func:`decode_value` raises on anything it
-does not know.
+Saved trees are untrusted input; :func:`decode_value` raises
+``CorruptCheckpointError`` on anything it does not know, and a name in a
+tree is looked up in a fixed table, never with ``getattr(torch, name)``
+(which walks torch's lazy ``__getattr__`` and imports ``torch.onnx`` for
+``"onnx"``): decoding imports nothing a checkpoint names.
 """
 
 from __future__ import annotations
 
 import base64
+import binascii
 import io
 import math
 import sys
 from typing import Any, Dict, Iterable, Iterator, Optional
 
-from ..errors import StateMismatchError, UnsupportedStateError
+from ..errors import CheckpointError, CorruptCheckpointError, StateMismatchError, UnsupportedStateError
 
 __all__ = [
+    "dtype_by_name",
     "TAG",
     "MAX_VALUE_DEPTH",
     "value_depth_problem",
@@ -137,45 +142,85 @@ def _nonfinite(text: Any) -> float:
     return NONFINITE[text]
 
 
+_DTYPES: Dict[str, Any] = {}
+
+
+def dtype_by_name(name: Any) -> Any:
+    """The ``torch.dtype`` a saved name stands for (``"bfloat16"`` -> ``torch.bfloat16``).
+
+    A fixed table: the dtypes torch's own namespace defines, by the name
+    ``str(dtype)`` gives (what :func:`encode_value` writes), read from
+    ``vars(torch)`` so no lazy attribute is triggered and nothing is imported.
+
+    Raises:
+        CorruptCheckpointError: ``name`` is not a dtype of this torch.
+
+    Example:
+        >>> dtype_by_name("float32")                      # doctest: +SKIP
+        torch.float32
+    """
+    import torch
+
+    if not _DTYPES:
+        _DTYPES.update({str(v).replace("torch.", ""): v for v in list(vars(torch).values()) if isinstance(v, torch.dtype)})
+    dt = _DTYPES.get(name) if isinstance(name, str) else None
+    if dt is None:
+        raise CorruptCheckpointError(f"{name!r:.60} is not a torch dtype (known: {', '.join(sorted(_DTYPES)[:8])}, ...)")
+    return dt
+
+
+# What a malformed tagged node raises while decoding (a missing key, a wrong
+# type, bad base64, a device string torch does not parse).
+_MALFORMED = (KeyError, TypeError, ValueError, RuntimeError, AttributeError, binascii.Error)
+
+
 def decode_value(node: Any) -> Any:
     """The Python value of an encoded node (tensor references are an error here).
 
     Raises:
         StateMismatchError: an unknown tag (or a tensor reference).
-        ValueError / KeyError / TypeError: a malformed tagged node.
+        CorruptCheckpointError: a malformed tagged node (a missing field, a
+            dtype name that is not one, a bad device, bad base64); it is a
+            ``ValueError``, as before.
 
     Example:
         >>> decode_value({"__shardckpt__": "tuple", "items": [1, {"__shardckpt__": "float", "value": "nan"}]})
         (1, nan)
     """
     if isinstance(node, dict) and TAG in node:
-        kind = node[TAG]
-        if kind == "float":
-            return _nonfinite(node["value"])
-        if kind == "dtype":
-            import torch
-
-            dt = getattr(torch, str(node["value"]), None)
-            if not isinstance(dt, torch.dtype):
-                raise ValueError(f"{node['value']!r} is not a torch dtype")
-            return dt
-        if kind == "device":
-            import torch
-
-            return torch.device(node["value"])
-        if kind == "bytes":
-            raw = base64.b64decode(node["value"], validate=True)
-            return io.BytesIO(raw) if node.get("io") else raw
-        if kind == "tuple":
-            return tuple(decode_value(x) for x in node["items"])
-        if kind == "dict":
-            return {decode_value(k): decode_value(v) for k, v in node["items"]}
-        raise StateMismatchError(f"unexpected tagged value {kind!r} in saved state")
+        try:
+            return _decode_tagged(node)
+        except CheckpointError:
+            raise
+        except _MALFORMED as e:
+            raise CorruptCheckpointError(f"saved value {node!r:.100} cannot be decoded ({type(e).__name__}: {e})") from None
     if isinstance(node, dict):
         return {k: decode_value(v) for k, v in node.items()}
     if isinstance(node, list):
         return [decode_value(x) for x in node]
     return node
+
+
+def _decode_tagged(node: Dict[str, Any]) -> Any:
+    kind = node[TAG]
+    if kind == "float":
+        return _nonfinite(node["value"])
+    if kind == "dtype":
+        return dtype_by_name(node["value"])
+    if kind == "device":
+        import torch
+
+        if not isinstance(node["value"], str):
+            raise TypeError(f"a device is saved as a string, not {type(node['value']).__name__}")
+        return torch.device(node["value"])
+    if kind == "bytes":
+        raw = base64.b64decode(node["value"], validate=True)
+        return io.BytesIO(raw) if node.get("io") else raw
+    if kind == "tuple":
+        return tuple(decode_value(x) for x in node["items"])
+    if kind == "dict":
+        return {decode_value(k): decode_value(v) for k, v in node["items"]}
+    raise StateMismatchError(f"unexpected tagged value {kind!r:.60} in saved state")
 
 
 def rename_refs(node: Any, mapping: Dict[str, str]) -> Any:

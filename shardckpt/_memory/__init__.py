@@ -15,26 +15,57 @@ This module imports nothing heavy: the tier's work is in ``tier.py`` (torch),
 
 from __future__ import annotations
 
+import hashlib
 import os
-import re
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
 from ..errors import UsageError
 
-__all__ = ["MemoryTier", "DEFAULT_ROOT", "job_id"]
+__all__ = ["MemoryTier", "DEFAULT_ROOT", "normalize_root", "default_dir", "uid"]
 
 #: Where the default directory lives: tmpfs on Linux, survives the process, not the host.
 DEFAULT_ROOT = "/dev/shm"
+#: Hex digits of the root's SHA-256 in the default directory name (64 bits: no two roots of one user meet).
+ROOT_HASH_CHARS = 16
 
 
-def job_id() -> str:
-    """The launcher's job id (torchrun's ``TORCHELASTIC_RUN_ID``, Slurm's ``SLURM_JOB_ID``), else ``"local"``."""
-    for var in ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID"):
-        v = os.environ.get(var)
-        if v and v != "none":
-            return re.sub(r"[^A-Za-z0-9_.-]", "_", v)[:64]
-    return "local"
+def uid() -> int:
+    """This process's effective user id (the owner the tier's directory must have); -1 where there is none."""
+    geteuid = getattr(os, "geteuid", None)
+    return geteuid() if geteuid is not None else -1
+
+
+def normalize_root(root_url: str) -> str:
+    """The storage root as the memory tier records it: one spelling per root.
+
+    A local path (or ``file://`` URL) becomes its absolute real path, so
+    ``runs/a``, ``./runs/a/`` and ``file:///abs/runs/a`` are one root; a
+    remote URL loses its trailing slashes and gets a lower-case scheme.
+
+    Example:
+        >>> normalize_root("s3://Bucket/run-1/") == "s3://Bucket/run-1"
+        True
+    """
+    url = root_url.strip()
+    scheme, sep, rest = url.partition("://")
+    if not sep or scheme.lower() == "file":
+        return os.path.realpath(os.path.abspath(rest if sep else url))
+    return f"{scheme.lower()}://{rest.rstrip('/')}"
+
+
+def default_dir(root_url: str, base: str = DEFAULT_ROOT) -> str:
+    """``<base>/shardckpt-<uid>-<hash of the root>``: the same on every relaunch of one root, another for any other root or user.
+
+    No launcher job id goes in: ``torchrun --standalone`` draws a new
+    ``TORCHELASTIC_RUN_ID`` per launch, and a relaunch must find the copy.
+
+    Example:
+        >>> default_dir("s3://b/run-1") == default_dir("s3://b/run-1/") != default_dir("s3://b/run-2")
+        True
+    """
+    digest = hashlib.sha256(normalize_root(root_url).encode()).hexdigest()[:ROOT_HASH_CHARS]
+    return os.path.join(base, f"shardckpt-{uid()}-{digest}")
 
 
 @dataclass(frozen=True)
@@ -43,9 +74,13 @@ class MemoryTier:
 
     Args:
         dir: this node's shared-memory directory (default
-            ``/dev/shm/shardckpt-<job id>``). Ranks of one node must pass the
-            same one, ranks of different nodes different ones (on real hosts
-            the default does both).
+            ``/dev/shm/shardckpt-<uid>-<hash of the root URL>``, see
+            :func:`default_dir`). Ranks of one node must pass the same one,
+            ranks of different nodes different ones (on real hosts the
+            default does both). It must be private: owned by this user, not
+            group- or world-writable, not a symlink (else the tier is off,
+            logged); it is created 0700, and holds the copy of one root only
+            (``identity.json``: a copy of another root is ignored, logged).
         max_bytes: the most bytes the tier may use on one node, old and new
             step together; None: only the directory's free space bounds it.
             Each rank gets ``max_bytes // ranks_per_node``, and a step needs
@@ -79,9 +114,9 @@ class MemoryTier:
         if self.ranks_per_node is not None and (isinstance(self.ranks_per_node, bool) or not isinstance(self.ranks_per_node, int) or self.ranks_per_node < 1):
             raise UsageError(f"MemoryTier: ranks_per_node must be a positive int or None, got {self.ranks_per_node!r}")
 
-    def resolved_dir(self) -> str:
-        """The directory this rank uses."""
-        return self.dir if self.dir is not None else os.path.join(DEFAULT_ROOT, f"shardckpt-{job_id()}")
+    def resolved_dir(self, root_url: str) -> str:
+        """The directory this rank uses for the manager rooted at ``root_url``: ``dir``, else :func:`default_dir`."""
+        return self.dir if self.dir is not None else default_dir(root_url)
 
     @staticmethod
     def of(arg: Any) -> "MemoryTier":

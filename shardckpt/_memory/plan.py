@@ -24,6 +24,7 @@ __all__ = [
     "Inventory",
     "choose_step",
     "assign_sources",
+    "ranks_without_copy",
 ]
 
 _DATA_RE = re.compile(r"^data/[0-9a-f]+-r(\d+)-\d+\.safetensors$")
@@ -90,6 +91,16 @@ def files_by_writer(files: Iterable[str], index_ranks: Mapping[str, int], manife
     for rel in files:
         out.setdefault(writer_of(rel, index_ranks, manifest_name), []).append(rel)
     return {r: sorted(v) for r, v in sorted(out.items())}
+
+
+def ranks_without_copy(peers: Mapping[int, Optional[int]], node_of: Mapping[int, str]) -> List[int]:
+    """Ranks whose copy has no second holder: no peer, or a peer on their own node (one node: every rank).
+
+    Example:
+        >>> ranks_without_copy({0: None, 1: 0}, {0: "n0", 1: "n0"}), ranks_without_copy({0: 1, 1: 0}, {0: "n0", 1: "n1"})
+        ([0, 1], [])
+    """
+    return sorted(r for r, p in peers.items() if p is None or node_of.get(p) == node_of.get(r))
 
 
 #: What one rank reports: ``step -> (save_id, {file: size} the step needs, set of those files its node holds at that size)``.

@@ -42,13 +42,14 @@ at most ``2 x (own + peer bytes)`` plus the index and manifest files
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import mmap
 import os
 import queue
-import shutil
 import threading
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, cast
 
@@ -62,16 +63,17 @@ from .._io import WriteItem, byte_view, data_file_header, partition
 from .._save import execute_save, prepare_save, stage_save
 from .._storage import Storage
 from ..errors import SaveFailedError, UsageError
+from . import normalize_root, store
 from . import plan as P
-from . import store
 
 __all__ = ["Snapshots", "host_bytes_bound", "SLOT_PREFIX", "MEMORY_CHANNEL", "find_optimizers"]
 
 log = logging.getLogger("shardckpt")
 
-#: Slot files start with this (hidden, beside the ``step-*`` directories): ``.slot-r<rank>-p<pid>-<own|peer><k>-<i>``.
+#: Slot files start with this (hidden, beside the ``step-*`` directories): ``.slot-r<rank>-p<pid>-<token>-<own|peer><k>-<i>``.
 SLOT_PREFIX = ".slot-"
-#: The background thread's sequence of exchanges (the main thread's is "main", async saves' "async").
+#: The background thread's sequences of exchanges start so (the main thread's is "main", async saves' "async"),
+#: one per root (``memory-<hash>``): two tiers in one process never share a sequence.
 MEMORY_CHANNEL = "memory"
 #: Slots of each kind: the step being written never overwrites the last held one.
 SLOTS = 2
@@ -178,7 +180,10 @@ class _Slot:
         self.files = keep
 
     def link_into(self, i: int, path: str) -> None:
-        os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+        """Hard-link file ``i`` as ``path`` (``<step>/data/<name>``), the directories made 0700 (never through a link)."""
+        data = os.path.dirname(path)
+        store.make_private_dir(os.path.dirname(data))
+        store.make_private_dir(data)
         try:
             os.unlink(path)  # a leftover of an abandoned attempt at this step
         except FileNotFoundError:
@@ -196,8 +201,8 @@ class _Slot:
         self.files = []
 
 
-def remove_dead_slots(node_dir: str) -> List[str]:
-    """Slot names left by dead processes (their bytes stay while a step links them)."""
+def remove_dead_slots(node_dir: str, *, this_process: bool = False) -> List[str]:
+    """Slot names left by dead processes (their bytes stay while a step links them); with ``this_process``, this pid's too."""
     out: List[str] = []
     try:
         names = os.listdir(node_dir)
@@ -210,7 +215,7 @@ def remove_dead_slots(node_dir: str) -> List[str]:
             pid = int(n.split("-p", 1)[1].split("-", 1)[0])
         except (IndexError, ValueError):
             continue
-        if pid != os.getpid() and not _alive(pid):
+        if (this_process and pid == os.getpid()) or (pid != os.getpid() and not _alive(pid)):
             try:
                 os.unlink(os.path.join(node_dir, n))
                 out.append(n)
@@ -336,8 +341,10 @@ class _Job:
 class Snapshots:
     """The save half of one rank's memory tier: slots, the background thread, the peer group (see the module docstring)."""
 
-    def __init__(self, node_dir: str):
+    def __init__(self, node_dir: str, root: str):
         self.dir = node_dir
+        self.root = root  # the storage root whose copy this is (``store.open_dir``, ``store.step_extra``)
+        self.channel = f"{MEMORY_CHANNEL}-{hashlib.sha256(normalize_root(root).encode()).hexdigest()[:12]}"
         self.own = [_Slot("") for _ in range(SLOTS)]
         self.peer = [_Slot("") for _ in range(SLOTS)]
         self.held: Optional[int] = None  # slot index of the last held step (own and peer alike)
@@ -390,6 +397,8 @@ class Snapshots:
         finally:
             for s in self.own + self.peer:
                 s.release()
+            # A killed run's slots, and those of a manager of this process never closed: the root's copy goes.
+            remove_dead_slots(self.dir, this_process=True)
             if self.pool is not None:
                 self.pool.shutdown(wait=False)
                 self.pool = None
@@ -397,7 +406,8 @@ class Snapshots:
     def save(
         self, step: int, state: Dict[str, Any], comm: Comm, *, process_group: Any, overlap: bool,
         peers: Dict[int, Optional[int]], node_key: str, share: Optional[int],
-        disable: Callable[[str], None], io_threads: Optional[int] = None,
+        disable: Callable[[str], None], warn_no_copy: Callable[[List[int], int], None],
+        io_threads: Optional[int] = None,
     ) -> bool:
         """Copy this rank's shard into a slot and start the background part (collective). False: the tier turned off."""
         t0 = time.perf_counter()
@@ -416,22 +426,21 @@ class Snapshots:
             )
         self._first_use(comm)
         url = store.step_dir(self.dir, step)
-        plan = prepare_save(state, url, comm=comm, overwrite=True, io_threads=1, extra={"step": step, "tier": "memory"})
+        plan = prepare_save(state, url, comm=comm, storage_options=store.PRIVATE, overwrite=True, io_threads=1,
+                            extra=store.step_extra(step, self.root))
         groups, layouts = self._layout(list(plan.items))
         sizes = [len(h) + sum(it.nbytes for it in g) for (h, _), g in zip(layouts, groups)]
         own = sum(sizes)
 
-        def probe() -> Tuple[str, int, Optional[int], int]:
-            try:
-                os.makedirs(self.dir, mode=0o700, exist_ok=True)
-            except OSError as e:
-                log.debug("shardckpt: memory tier: cannot create %s: %s", self.dir, e)
-                return node_key, own, -1, 0
-            # Leftovers of this step or later (an abandoned run, a failed attempt): never the held step.
-            for s, d in store.memory_steps(self.dir):
+        def probe() -> Tuple[str, int, Optional[int], int, Optional[str]]:
+            why = store.open_dir(self.dir, self.root)  # created 0700, ours, of this root; else why not
+            if why is not None:
+                return node_key, own, -1, 0, why
+            # Leftovers of this step or later (an abandoned run, a failed attempt, a planted link): never the held step.
+            for s, _ in store.memory_steps(self.dir):
                 if s >= step:
-                    shutil.rmtree(d, ignore_errors=True)
-            return node_key, own, store.free_bytes(self.dir), self.host_bytes()
+                    store.remove_step(self.dir, s)
+            return node_key, own, store.free_bytes(self.dir), self.host_bytes(), None
 
         _, facts = agree(comm, probe, what=f"memory save of step {step}", share=lambda v: v, mode=ALL)
         world = comm.world
@@ -439,23 +448,24 @@ class Snapshots:
         problems = []
         need_on: Dict[str, int] = {}
         for r in range(world):
-            node, own_r, free, mapped = facts[r]
+            node, own_r, free, mapped, why = facts[r]
             kept = own_r + sum(facts[s][1] for s in P.senders_to(r, peers) if node_of[s] != node)
             need_on[node] = need_on.get(node, 0) + max(0, host_bytes_bound(kept, 0) - mapped)
             if free == -1:
-                problems.append(f"rank {r}: cannot create {node}")
+                problems.append(f"rank {r}: {why}")
             elif share is not None and host_bytes_bound(kept, 0) > share:
                 problems.append(
                     f"rank {r}: two steps of its own and its peer's files need {host_bytes_bound(kept, 0)} bytes here, "
                     f"over its share {share} of max_bytes"
                 )
         for r in range(world):  # the ranks of a node share its free space
-            node, _, free, _ = facts[r]
+            node, _, free, _, _ = facts[r]
             if free is not None and free != -1 and need_on[node] > free and not any(node in p for p in problems):
                 problems.append(f"{node} has {free} bytes free, two steps need {need_on[node]} more there")
         if problems:
             disable("; ".join(problems[:4]))
             return False
+        warn_no_copy(P.ranks_without_copy(peers, node_of), comm.rank)
 
         if any(p is not None and node_of[p] != node_of[r] for r, p in peers.items()):
             self._peer_group(comm, process_group)  # collective: from the main thread, once
@@ -479,7 +489,7 @@ class Snapshots:
         except BaseException:
             self._settle(job)
             raise
-        job.plan = _with(job.plan, comm.on_channel(MEMORY_CHANNEL), self._writer(job))
+        job.plan = _with(job.plan, comm.on_channel(self.channel), self._writer(job))
         if overlap:
             job.hooks = [opt.register_step_pre_hook(self._hook(job)) for opt in optimizers]
         self.job = job
@@ -519,7 +529,8 @@ class Snapshots:
         if self._named:
             return
         self._named = True
-        base = os.path.join(self.dir, f"{SLOT_PREFIX}r{rank:05d}-p{os.getpid()}")
+        # The pid tells a dead process's slots; the token, two tiers of one process (a manager never closed) apart.
+        base = os.path.join(self.dir, f"{SLOT_PREFIX}r{rank:05d}-p{os.getpid()}-{uuid.uuid4().hex[:8]}")
         for k in range(SLOTS):
             self.own[k].base = f"{base}-own{k}"
             self.peer[k].base = f"{base}-peer{k}"
@@ -619,9 +630,9 @@ class Snapshots:
             execute_save(job.plan)
             self._peer_copy(job, process_group)
             self.held, self.held_step = job.slot, job.step
-            for s, d in store.memory_steps(self.dir):
+            for s, _ in store.memory_steps(self.dir):
                 if s < job.step:
-                    shutil.rmtree(d, ignore_errors=True)  # ranks of one node race here: same end state
+                    store.remove_step(self.dir, s)  # link-safe; ranks of one node race here: same end state
             self.last_save.update(step=job.step, own_bytes=job.own_bytes, blocked_s=job.blocked_s,
                                   held_s=time.perf_counter() - job.t0, host_bytes=self.host_bytes())
         except BaseException as e:  # noqa: BLE001 - raised at the next call (wait())
@@ -680,7 +691,7 @@ class Snapshots:
         plan = job.plan
         comm: Comm = plan.comm
         url = plan.storage.url
-        here = Storage(url)
+        here = Storage(url, storage_options=store.PRIVATE)
         me = comm.rank
 
         def read_manifest() -> Optional[bytes]:

@@ -66,14 +66,17 @@ FETCH_ROUNDS = 4
 class MemoryStore:
     """The running memory tier of one manager on one rank (see the module docstring)."""
 
-    def __init__(self, config: Any):
+    def __init__(self, config: Any, root_url: str):
         self.config = config
-        self.dir = config.resolved_dir()
+        #: The storage root whose copy this is (its identity: store.open_dir, store.step_extra).
+        self.root = root_url
+        self.dir = config.resolved_dir(root_url)
+        self._said_no_copy = False
         self.disabled: Optional[str] = None
         #: What the last memory restore did (tests and logs): step, bytes per source.
         self.last_restore: Dict[str, Any] = {}
         #: The save half: slots, the background thread (``_memory/snapshot.py``).
-        self.snapshots = Snapshots(self.dir)
+        self.snapshots = Snapshots(self.dir, root_url)
         self._cleaned = False
         self._node = None
 
@@ -87,9 +90,8 @@ class MemoryStore:
         if self._cleaned:
             return
         self._cleaned = True
-        if os.path.isdir(self.dir):
-            for what in store.clean_stale(self.dir):
-                log.info("shardckpt: memory tier: removed a stale leftover %s", what)
+        for what in store.clean_stale(self.dir, root=self.root):
+            log.info("shardckpt: memory tier: removed a stale leftover %s", what)
 
     def _ranks_per_node(self, world: int) -> int:
         rpn = self.config.ranks_per_node
@@ -99,6 +101,16 @@ class MemoryStore:
             except ValueError:
                 rpn = world
         return max(1, min(int(rpn), world))
+
+    def _warn_no_copy(self, ranks: List[int], me: int) -> None:
+        """Say once (rank 0) that some ranks' memory copy has no second holder."""
+        if ranks and not self._said_no_copy and me == 0:
+            shown = ", ".join(map(str, ranks[:8])) + (", ..." if len(ranks) > 8 else "")
+            log.warning(
+                "shardckpt: memory tier: no second copy of rank(s) %s (one node, or no peer on another node): the memory "
+                "tier survives a training process crash but not the loss of that node; storage saves cover that", shown,
+            )
+        self._said_no_copy = True
 
     def _disable(self, why: str) -> None:
         if self.disabled is None:
@@ -121,7 +133,8 @@ class MemoryStore:
         peers = P.peer_map(world, rpn, self.config.peers)
         share = None if self.config.max_bytes is None else self.config.max_bytes // rpn
         return self.snapshots.save(step, state, comm, process_group=process_group, overlap=overlap, peers=peers,
-                                   node_key=self._node_key(), share=share, disable=self._disable, io_threads=io_threads)
+                                   node_key=self._node_key(), share=share, disable=self._disable,
+                                   warn_no_copy=self._warn_no_copy, io_threads=io_threads)
 
     @property
     def last_save(self) -> Dict[str, Any]:
@@ -137,7 +150,7 @@ class MemoryStore:
         """Restore the newest step in memory if at least as new as ``storage_step`` (collective); None: use storage."""
         self.snapshots.wait()  # a step in flight first; its failure is raised here
         self._start()
-        mine = store.inventory(self.dir)
+        mine = store.inventory(self.dir, root=self.root)
         _, reports = agree(
             comm, lambda: (self._node_key(), mine), what="restore from the memory tier", share=lambda v: v, mode=ALL
         )
@@ -158,10 +171,8 @@ class MemoryStore:
         own_dir = store.step_dir(self.dir, step)
         own_entry = mine.get(step, ("", {}, set()))
         own_held = own_entry[2] if own_entry[0] == sid else set()
-        stage = os.path.join(self.dir, f".restore-r{comm.rank}-{os.getpid()}")
-        shutil.rmtree(stage, ignore_errors=True)
-        os.makedirs(stage, exist_ok=True)
-        st = Storage(stage)
+        stage = store.staging_dir(self.dir, self.root, comm.rank)  # no early return: every rank takes part in the fetches
+        st = Storage(stage, storage_options=store.PRIVATE)
         stats: Dict[str, Any] = {"step": step, "local_bytes": 0, "peer_bytes": 0, "damaged": [], "seconds": {}}
         t0 = time.perf_counter()
 
@@ -224,10 +235,9 @@ class MemoryStore:
             shutil.rmtree(stage, ignore_errors=True)
 
     def close(self) -> None:
-        """Remove this node's memory directory (the job is done with it)."""
-        self.snapshots.close()
-        if os.path.isdir(self.dir):
-            shutil.rmtree(self.dir, ignore_errors=True)
+        """Remove this root's memory copy from this node (the job is done with it); another root's is never touched."""
+        self.snapshots.close()  # unmaps and unlinks this process's slots first, so the directory can go
+        store.close_dir(self.dir, root=self.root)
 
 
 class _Fetch:
@@ -241,7 +251,7 @@ class _Fetch:
 
     def _link_local(self, rel: str) -> None:
         src, dst = os.path.join(self.own_dir, rel), os.path.join(self.stage, rel)
-        os.makedirs(os.path.dirname(dst), exist_ok=True)
+        os.makedirs(os.path.dirname(dst), mode=0o700, exist_ok=True)
         try:
             os.link(src, dst)  # same filesystem: no copy
         except OSError:

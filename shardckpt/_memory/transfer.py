@@ -82,9 +82,11 @@ def run_sends(
                     readers[i] = None
             else:
                 path = dst_path(rel)
-                os.makedirs(os.path.dirname(path), exist_ok=True)
+                os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
                 tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.{uuid.uuid4().hex[:12]}.part")
-                writers[i] = (tmp, open(tmp, "wb"))
+                # 0600, never through a planted link (shared memory: docs/manager.md, "scope and safety").
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0), 0o600)
+                writers[i] = (tmp, open(fd, "wb"))
         waves = max(-(-int(sizes[rel]) // piece_bytes) for _, _, rel in mine)
         for w in range(waves):
             ops, received = [], []

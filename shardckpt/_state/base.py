@@ -122,6 +122,8 @@ def _decoded(node: Any, path: str) -> Any:
     """Decode a saved value now, while planning: a load must fail before any tensor is written."""
     try:
         return decode_value(node)
+    except CorruptCheckpointError as e:  # already says what and why
+        raise CorruptCheckpointError(f"{path}: {e}") from None
     except Exception as e:
         raise CorruptCheckpointError(f"{path}: saved value {node!r:.100} cannot be decoded ({type(e).__name__}: {e})") from None
 

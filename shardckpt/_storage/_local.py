@@ -67,7 +67,11 @@ class LocalStorage(Storage):
 
     Example: ``LocalStorage("/ckpt/step-10").write_atomic("manifest.json", b"{}")``.
 
-    Limits: ``storage_options`` are kept for children but change nothing here.
+    ``storage_options={"private": True}`` creates files 0600 and directories
+    0700 (the memory tier's files in shared memory: never readable by other
+    local users); otherwise files 0644 and directories by the umask.
+
+    Limits: other ``storage_options`` are kept for children but change nothing here.
     """
 
     caps = Capabilities(
@@ -77,6 +81,29 @@ class LocalStorage(Storage):
     def __init__(self, url: str, *, storage_options: Optional[Dict[str, Any]] = None, retries: Optional[int] = None, root: Optional[str] = None):
         super().__init__(url, storage_options=storage_options, retries=retries)
         self.root = os.path.abspath(root if root is not None else _local_path(self.url))
+        private = bool(self.storage_options.get("private"))
+        self._file_mode = 0o600 if private else 0o644
+        self._dir_mode = 0o700 if private else 0o777
+
+    def _mkdirs(self, path: str) -> None:
+        """``os.makedirs(exist_ok=True)``, every directory it creates with this storage's mode (not only the last)."""
+        if self._dir_mode == 0o777:
+            os.makedirs(path, exist_ok=True)
+            return
+        missing = []
+        p = path
+        while p and not os.path.isdir(p):
+            missing.append(p)
+            head = os.path.dirname(p)
+            if head == p:
+                break
+            p = head
+        for d in reversed(missing):
+            try:
+                os.mkdir(d, self._dir_mode)
+            except FileExistsError:
+                if not os.path.isdir(d):
+                    raise
 
     @property
     def is_local(self) -> bool:
@@ -182,19 +209,19 @@ class LocalStorage(Storage):
 
     def _open_writer(self, rel: str) -> Writer:
         path = self.path(rel)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        return _LocalWriter(path, self.url_of(rel))
+        self._mkdirs(os.path.dirname(path))
+        return _LocalWriter(path, self.url_of(rel), self._file_mode)
 
     def _put(self, rel: str, data: bytes, *, make_dirs: bool = True) -> None:
         path = self.path(rel)
         d = os.path.dirname(path)
         if make_dirs:
-            os.makedirs(d, exist_ok=True)
+            self._mkdirs(d)
         # Without make_dirs, a directory removed under us fails the O_EXCL
         # create or the rename (FileNotFoundError): never re-created.
         tmp = _tmp_name(path, "tmp")
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_NOFOLLOW | _O_CLOEXEC, 0o644)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_NOFOLLOW | _O_CLOEXEC, self._file_mode)
             try:
                 pwrite_all(fd, data, 0)
                 os.fsync(fd)
@@ -222,7 +249,7 @@ class LocalStorage(Storage):
             os.unlink(path)
 
     def _makedirs(self, path: str) -> None:
-        os.makedirs(path, exist_ok=True)
+        self._mkdirs(path)
 
     # -- local-only abilities -----------------------------------------------------
 
@@ -232,14 +259,14 @@ class LocalStorage(Storage):
 
     def open_staged(self, rel: str) -> StagedFile:
         path = self._p(rel)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
+        self._mkdirs(os.path.dirname(path))
         tmp = _tmp_name(path, "tmp")
-        os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_NOFOLLOW | _O_CLOEXEC, 0o644))
+        os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_NOFOLLOW | _O_CLOEXEC, self._file_mode))
         return _LocalStagedFile(self, rel, tmp)
 
     def rename(self, src: str, dst: str) -> None:
         s, d = self._p(src), self._p(dst)
-        os.makedirs(os.path.dirname(d), exist_ok=True)
+        self._mkdirs(os.path.dirname(d))
         os.replace(s, d)
         fsync_dir(os.path.dirname(d))
         if os.path.dirname(s) != os.path.dirname(d):
@@ -284,10 +311,12 @@ class _LocalStagedFile(StagedFile):
 
 
 class _LocalWriter(Writer):
-    def __init__(self, path: str, url: str = ""):
+    def __init__(self, path: str, url: str = "", mode: int = 0o644):
         self.path = path
         self.url = url or path
-        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _O_CLOEXEC, 0o644)
+        # Private (memory tier) files: a link planted at the name is never written through.
+        nofollow = _O_NOFOLLOW if mode == 0o600 else 0
+        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _O_CLOEXEC | nofollow, mode)
         self.pos = 0
         self.hinted = 0  # bytes before this were handed to writeback
         self.dropped = 0  # bytes before this were dropped from the page cache

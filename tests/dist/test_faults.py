@@ -10,6 +10,8 @@ the library) and is a SIGKILL of the child itself at a precise moment:
   before_manifest  data durable on every rank, manifest not written
   mid_manifest     temporary manifest written and fsynced, not renamed
   async_mid_data   mid_data in the background thread of an async save
+  replica_check    (one rank of two) while fingerprinting its replicated
+                   state, before the save's replica agreement
   stall_data       (one rank of two) the rank hangs instead of dying: its
                    peer must give up after the manager's collective timeout
 
@@ -60,6 +62,10 @@ def _arm(fault: str) -> None:
 
     if fault == "before_data":
         _api.write_files = lambda *a, **kw: _die()
+    elif fault == "replica_check":  # while fingerprinting its replicas, before the replica agreement
+        from shardckpt import _fingerprint
+
+        _fingerprint.local_fingerprints = lambda *a, **kw: _die()
     elif fault == "stall_data":  # a stuck (not dead) rank: the peers must time out
         real_write_files = _api.write_files
 
@@ -259,6 +265,10 @@ def _multi_rank(tmp_path, cases):
 
 def test_sigkill_one_rank_of_two(tmp_path):
     _multi_rank(tmp_path, [(1, "mid_data"), (0, "before_manifest")])
+
+
+def test_sigkill_during_the_replica_check(tmp_path):
+    _multi_rank(tmp_path, [(1, DEFAULT_TIMEOUT + "replica_check")])
 
 
 def test_dead_rank_noticed_in_seconds_with_default_timeout(tmp_path):

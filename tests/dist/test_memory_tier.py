@@ -22,13 +22,10 @@ KIND = "fsdp2"
 STEPS, STORAGE_EVERY, MORE = 7, 5, 2
 
 
-def _dirs(base, rank, ranks_per_node=2):
-    return os.path.join(base, f"node{rank // ranks_per_node}"), os.path.join(base, "root")
-
-
-def _mgr(base, rank, ranks_per_node=2):
-    node, root = _dirs(base, rank, ranks_per_node)
-    return shardckpt.CheckpointManager(root, memory=shardckpt.MemoryTier(dir=node, ranks_per_node=ranks_per_node))
+def _mgr(base, rank, ranks_per_node=2, root=None):
+    # The memory copy belongs to its root (issue 28): a restart uses the first run's root, whatever copy of the nodes.
+    node = os.path.join(base, f"node{rank // ranks_per_node}")
+    return shardckpt.CheckpointManager(root or os.path.join(base, "root"), memory=shardckpt.MemoryTier(dir=node, ranks_per_node=ranks_per_node))
 
 
 def _state(model, opt, sched, step):
@@ -90,14 +87,14 @@ class _Logs(logging.Handler):
         self.lines.append(record.getMessage())
 
 
-def _restart(rank, world, base, ranks_per_node):
+def _restart(rank, world, base, ranks_per_node, root):
     model, opt, sched = T.make(KIND, rank, world, seed=99)
-    mgr = _mgr(base, rank, ranks_per_node)
+    mgr = _mgr(base, rank, ranks_per_node, root)
     state = _state(model, opt, sched, 0)
     logs = _Logs()
     logging.getLogger("shardckpt").addHandler(logs)
     try:
-        with _Counted(os.path.join(base, "root")) as counted:
+        with _Counted(root) as counted:
             step = mgr.restore(state)
     finally:
         logging.getLogger("shardckpt").removeHandler(logs)
@@ -117,10 +114,16 @@ def first(tmp_path_factory):
 
 
 def _copy(first, tmp_path):
+    """A copy of the first run's node directories (restarts damage them); the storage root stays (restores only read it)."""
     base, out = first
     dst = str(tmp_path / "run")
-    shutil.copytree(base, dst)
+    for node in ("node0", "node1"):
+        shutil.copytree(os.path.join(base, node), os.path.join(dst, node))
     return dst, out
+
+
+def _root(first):
+    return os.path.join(first[0], "root")
 
 
 def _same(a, b):
@@ -145,8 +148,7 @@ def test_first_run_keeps_a_peer_copy(first):
     # Each node holds its own ranks' files and the other node's: every rank sent as many bytes as it wrote.
     assert all(o["saved"]["step"] == STEPS and o["saved"]["peer_bytes_sent"] > o["saved"]["own_bytes"] > 0 for o in out)
     for node in ("node0", "node1"):
-        steps = [n for n in os.listdir(os.path.join(base, node)) if not n.startswith(".slot-")]
-        assert steps == [f"step-{STEPS:08d}"]  # older steps freed
+        assert sorted(n for n in os.listdir(os.path.join(base, node)) if n.startswith("step-")) == [f"step-{STEPS:08d}"]  # older steps freed
     a = set(os.listdir(os.path.join(base, "node0", f"step-{STEPS:08d}", "data")))
     assert a == set(os.listdir(os.path.join(base, "node1", f"step-{STEPS:08d}", "data")))
 
@@ -155,7 +157,7 @@ def test_first_run_keeps_a_peer_copy(first):
 def test_node_lost_restores_from_survivors_memory(first, tmp_path, world):
     base, ref = _copy(first, tmp_path)
     shutil.rmtree(os.path.join(base, "node1"))  # node 1's processes killed and its memory gone
-    out = run_ranks(world, _restart, base, 2)
+    out = run_ranks(world, _restart, base, 2, _root(first))
     for o in out:
         assert o["step"] == STEPS and o["state_step"] == STEPS and o["from"] == f"memory:{STEPS}"
         assert o["storage_bytes"] == 0  # no tensor byte read from storage
@@ -171,7 +173,7 @@ def test_node_lost_restores_from_survivors_memory(first, tmp_path, world):
 def test_flipped_byte_falls_back_to_the_other_holder(first, tmp_path):
     base, ref = _copy(first, tmp_path)
     _flip(_data_file(os.path.join(base, "node0"), STEPS, 0))
-    out = run_ranks(4, _restart, base, 2)
+    out = run_ranks(4, _restart, base, 2, _root(first))
     for o in out:
         assert o["step"] == STEPS and o["storage_bytes"] == 0
         assert _same(o["params"], ref[0]["params"][STEPS])
@@ -184,7 +186,7 @@ def test_both_copies_lost_restores_the_last_storage_step(first, tmp_path):
     base, ref = _copy(first, tmp_path)
     shutil.rmtree(os.path.join(base, "node1"))
     _flip(_data_file(os.path.join(base, "node0"), STEPS, 2))  # rank 2's only copy left
-    out = run_ranks(4, _restart, base, 2)
+    out = run_ranks(4, _restart, base, 2, _root(first))
     for o in out:
         assert o["step"] == STORAGE_EVERY and o["from"].endswith(f"step-{STORAGE_EVERY:08d}")
         assert _same(o["params"], ref[0]["params"][STORAGE_EVERY])

@@ -7,6 +7,7 @@ import torch
 
 import shardckpt
 from shardckpt import MemoryTier
+from shardckpt._memory import store
 
 
 def _model(seed):
@@ -16,7 +17,8 @@ def _model(seed):
 
 def test_newest_step_only_restore_from_memory_and_close_cleans(tmp_path, caplog):
     shm, root = str(tmp_path / "shm"), str(tmp_path / "root")
-    os.makedirs(os.path.join(shm, ".restore-r0-999999999"))  # a dead restore's staging directory
+    assert store.open_dir(shm, root) is None  # this root's tier directory, left by an earlier process...
+    os.makedirs(os.path.join(shm, ".restore-r0-999999999"))  # ...with a dead restore's staging directory
     model = _model(0)
     mgr = shardckpt.CheckpointManager(root, memory=MemoryTier(dir=shm))
     assert mgr.save_to_memory(1, {"model": model, "step": 1})
@@ -26,7 +28,7 @@ def test_newest_step_only_restore_from_memory_and_close_cleans(tmp_path, caplog)
     mgr._memory.snapshots.wait()  # the step in flight is held
     names = sorted(os.listdir(shm))
     # The older step freed, the stale staging removed; the two slots this process maps stay.
-    assert [n for n in names if not n.startswith(".slot-")] == ["step-00000002"]
+    assert [n for n in names if not n.startswith(".slot-")] == ["identity.json", "step-00000002"]
     assert len([n for n in names if n.startswith(".slot-")]) == 2
     data = os.path.join(shm, "step-00000002", "data")
     (held,) = [f for f in os.listdir(data) if f.endswith(".safetensors")]
@@ -42,9 +44,9 @@ def test_newest_step_only_restore_from_memory_and_close_cleans(tmp_path, caplog)
     assert again.restored_from == "memory:2" and state["step"] == 2
     assert all(torch.equal(fresh.state_dict()[k], v) for k, v in want.items())
     assert any("restored step 2 from the memory tier" in r.getMessage() for r in caplog.records)
+    mgr.close()  # the first process's slots go with it...
     again.close()
-    assert not os.path.exists(shm)  # close() removes the node's memory directory
-    mgr.close()
+    assert not os.path.exists(shm)  # ...and close() removes the node's memory directory
 
 
 def test_over_budget_turns_the_tier_off_with_one_warning(tmp_path, caplog):

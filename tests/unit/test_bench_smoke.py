@@ -70,3 +70,23 @@ def test_two_ranks(tmp_path):
     load = res["results"]["shardckpt"]["load"][0]
     assert load["nbytes"] > 2_000_000 and load["peak_rss"] > 50 << 20
     assert "2 rank(s)" in md
+
+
+def test_bench_replicas_under_torchrun(tmp_path):
+    """benchmarks/bench_replicas.py runs as documented (torchrun, gloo) and reports both modes and DCP."""
+    import json
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    r = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         os.path.join(root, "benchmarks", "bench_replicas.py"), "--params", "2e5", "--layers", "2", "--device", "cpu",
+         "--dir", str(tmp_path / "b"), "--repeat", "1"],
+        capture_output=True, text=True, timeout=300, env=dict(os.environ, CUDA_VISIBLE_DEVICES=""),
+    )
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    out = json.loads([line for line in r.stdout.splitlines() if line.startswith("{")][-1])
+    assert out["mesh"] == [2, 1] and out["replicated_bytes_per_rank"] > 0
+    assert len(out["runs_s"]["off"]) == len(out["runs_s"]["check"]) == len(out["runs_s"]["dcp"]) == 1
+    assert os.listdir(tmp_path / "b") == []  # every checkpoint removed after its save

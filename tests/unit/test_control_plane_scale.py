@@ -2,7 +2,9 @@
 
 Drives the real ``_collective.agree`` (rank 0 for real, one real peer in a
 thread, the other peers' posts made beforehand) against a real TCPStore on
-loopback, through ``benchmarks/bench_control_plane.py``.
+loopback, through ``benchmarks/bench_control_plane.py``, with rank 0's records
+of an FSDP2 state (a 16-layer model + AdamW: 720 tensors, 540 of them
+DTensors with a mesh) unless a case says ``state="plain"``.
 """
 
 from __future__ import annotations
@@ -62,7 +64,7 @@ def test_a_state_whose_old_verdict_exceeded_8_MiB_now_agrees(bench, monkeypatch)
     monkeypatch.setattr(C, "_store", C._store)
     # 300 tensors: the old all-to-all verdict held N maps of ~300 digests
     # (~24 KB each): ~24 MB at 1,024 ranks, over the libuv store's 8 MiB.
-    r = bench.run(1024, 300)
+    r = bench.run(1024, 300, state="plain")
     assert r["save_largest"] < 1 << 20, r
     assert r["payload_bytes"] * 1024 > 8 << 20  # what every rank would have received before
 
@@ -72,5 +74,30 @@ def test_a_distinct_value_over_the_value_bound_travels_in_pieces(bench, monkeypa
 
     monkeypatch.setattr(C, "_store", C._store)
     monkeypatch.setattr(C, "MAX_VALUE_BYTES", 50_000)
-    r = bench.run(64, 300)  # a ~160 KB map in 4 pieces: the save's exchanges complete
+    r = bench.run(64, 300, state="plain")  # a ~160 KB map in 4 pieces: the save's exchanges complete
     assert r["payload_bytes"] > 3 * 50_000
+
+
+def test_the_bench_fsdp2_state_is_what_fully_shard_makes(bench):
+    # The bench makes FSDP2's DTensors directly (O(1) a parameter); at 64
+    # ranks, where running fully_shard itself is cheap, the records match.
+    assert bench.fsdp2_records(64) == bench.fsdp2_records(64, shard="fully_shard")
+
+
+def test_one_ranks_share_does_not_grow_with_world_size(bench, monkeypatch):
+    # Issue 29: each DTensor's record held its own mesh as a fresh
+    # tuple(range(world)), which pickle cannot share: 1.6 MiB at 1,024 ranks,
+    # 6.3 MiB at 4,096, 25 MiB at 16,384 for this state. Meshes now go by
+    # reference or as the iota form: the distinct value is the same size at
+    # every N (bytes, not timings).
+    import shardckpt._collective as C
+
+    monkeypatch.setattr(C, "_store", C._store)
+    recs, _ = bench.fsdp2_records(64)
+    assert len(recs) == 720 and sum(r[3] is not None for r in recs.values()) == 540
+    sizes = {}
+    for n in (64, 1024, 4096, 16384):
+        r = bench.run(n)
+        assert r["save_largest"] < 1 << 20, (n, r)
+        sizes[n] = r["payload_bytes"]
+    assert sizes[16384] <= sizes[64] * 1.05, sizes  # a few bytes more for larger rank numbers, no more

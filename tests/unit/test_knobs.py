@@ -156,6 +156,15 @@ def test_storage_retries_and_backoff(tmp_path, monkeypatch):
     assert max(backoff_delay(0, rng=rng) for _ in range(100)) <= 0.001
 
 
+def test_replicas_read_at_each_save(monkeypatch):
+    from shardckpt import _fingerprint
+
+    assert _fingerprint.replicas_mode(None) == "check"
+    monkeypatch.setattr(_knobs, "REPLICAS", "off")
+    assert _fingerprint.replicas_mode(None) == "off"
+    assert _fingerprint.replicas_mode("warn") == "warn"  # the argument wins over the knob
+
+
 def test_save_defaults_are_not_frozen_at_import():
     """No public signature holds a knob's value copied at import (the defaults are None, read at the call)."""
     import inspect
@@ -178,5 +187,6 @@ def test_every_knob_is_covered():
         "IO_THREADS", "MIN_BYTES_PER_FILE", "WRITE_BLOCK_BYTES", "BLOCK_BYTES", "CHECKSUMS", "LOAD_BUFFER_BYTES",
         "LOAD_RANGE_BYTES", "LOAD_CUDA_IO_THREADS", "LOAD_CUDA_BUFFER_BYTES", "READ_BLOCK_BYTES", "COALESCE_GAP_BYTES",
         "HEADER_BYTES_PER_FILE", "COLLECTIVE_TIMEOUT_S", "STORAGE_RETRIES", "RETRY_BASE_DELAY_S", "RETRY_MAX_DELAY_S",
+        "REPLICAS",
     }
     assert knobs == here | set(ELSEWHERE), (knobs - here - set(ELSEWHERE), (here | set(ELSEWHERE)) - knobs)

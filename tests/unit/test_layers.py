@@ -43,6 +43,7 @@ LAYERS: Dict[str, int] = {
     # 2. engine: save, load, async, inspect/verify
     "shardckpt._save": 2,
     "shardckpt._union": 2,
+    "shardckpt._fingerprint": 2,
     "shardckpt._load": 2,
     "shardckpt._async": 2,
     "shardckpt._writerproc": 2,

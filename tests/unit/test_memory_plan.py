@@ -67,4 +67,4 @@ def test_memory_tier_options_are_checked():
         MemoryTier.of({"size": 1})
     with pytest.raises(UsageError, match="not a memory tier"):
         MemoryTier.of(3)
-    assert MemoryTier().resolved_dir().startswith("/dev/shm/shardckpt-")
+    assert MemoryTier().resolved_dir("s3://b/run").startswith("/dev/shm/shardckpt-")
