@@ -27,20 +27,16 @@ Restore (``CheckpointManager.restore``, before the storage step it picked):
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import socket
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional
 
-from .._collective import ALL, FROM_ROOT, Comm, agree
-from .._format import MANIFEST_NAME, open_manifest
-from .._save import execute_save, prepare_save
-from .._storage import Storage
+from .._collective import Comm
 from . import plan as P
 from . import store
 from .restore import restore_from_memory
-from .transfer import run_sends
+from .snapshot import Snapshots
 
 __all__ = ["MemoryStore"]
 
@@ -60,8 +56,8 @@ class MemoryStore:
         self.disabled: Optional[str] = None
         #: What the last memory restore did (tests and logs): step, bytes per source.
         self.last_restore: Dict[str, Any] = {}
-        #: What the last memory save did: step, own bytes, peer bytes sent/received.
-        self.last_save: Dict[str, Any] = {}
+        #: The save half: slots, the background thread (``_memory/snapshot.py``).
+        self.snapshots = Snapshots(self.dir, root_url)
         self._cleaned = False
         self._node = None
 
@@ -104,90 +100,27 @@ class MemoryStore:
 
     # -- save -----------------------------------------------------------------
 
-    def save(self, step: int, state: Dict[str, Any], comm: Comm, *, process_group, io_threads: Optional[int]) -> bool:
-        """Save ``step`` into memory with its peer copy (collective). False when the tier is (or turns) off."""
+    def save(self, step: int, state: Dict[str, Any], comm: Comm, *, process_group, io_threads: Optional[int],
+             overlap: bool = False) -> bool:
+        """Copy ``step`` into memory and start its checksums and peer copy in the background (collective).
+
+        False when the tier is (or turns) off. See ``_memory/snapshot.py``.
+        """
         if self.disabled is not None:
             return False
         self._start()
-        url = store.step_dir(self.dir, step)
-        plan = prepare_save(state, url, comm=comm, storage_options=store.PRIVATE, overwrite=True, io_threads=io_threads,
-                            extra=store.step_extra(step, self.root))
-        own = sum(it.tensor.numel() * it.tensor.element_size() for it in plan.items if it.tensor is not None)
-
-        def probe() -> Tuple[str, int, Optional[int], Optional[str]]:
-            why = store.open_dir(self.dir, self.root)
-            if why is not None:
-                return self._node_key(), own, -1, why
-            store.remove_step(self.dir, step)  # a leftover (or a planted link) at this step's name: never written through
-            return self._node_key(), own, store.free_bytes(self.dir), None
-
-        _, facts = agree(comm, probe, what=f"memory save of step {step}", share=lambda v: v, mode=ALL)
         world = comm.world
-        peers = P.peer_map(world, self._ranks_per_node(world), self.config.peers)
-        node_of = {r: facts[r][0] for r in range(world)}
-        problems = []
-        share = None if self.config.max_bytes is None else self.config.max_bytes // self._ranks_per_node(world)
-        need_on: Dict[str, int] = {}
-        for r in range(world):
-            node, own_r, free, why = facts[r]
-            held = own_r + sum(facts[s][1] for s in P.senders_to(r, peers) if node_of[s] != node)
-            need_on[node] = need_on.get(node, 0) + held
-            if free == -1:
-                problems.append(f"rank {r}: {why}")
-            elif share is not None and 2 * held > share:
-                problems.append(f"rank {r}: a step needs {held} bytes here (twice that while the old step stays), over its share {share} of max_bytes")
-        for r in range(world):  # the ranks of a node share its free space
-            node, _, free, _ = facts[r]
-            if free is not None and free != -1 and need_on[node] > free and not any(node in p for p in problems):
-                problems.append(f"{node} has {free} bytes free, a step needs {need_on[node]} there")
-        if problems:
-            self._disable("; ".join(problems[:4]))
-            return False
-        self._warn_no_copy(P.ranks_without_copy(peers, node_of), comm.rank)
-        execute_save(dataclasses.replace(plan, files_here=False))
+        rpn = self._ranks_per_node(world)
+        peers = P.peer_map(world, rpn, self.config.peers)
+        share = None if self.config.max_bytes is None else self.config.max_bytes // rpn
+        return self.snapshots.save(step, state, comm, process_group=process_group, overlap=overlap, peers=peers,
+                                   node_key=self._node_key(), share=share, disable=self._disable,
+                                   warn_no_copy=self._warn_no_copy, io_threads=io_threads)
 
-        # The manifest to every node: each node can then tell which step it holds.
-        def read_manifest_bytes() -> Optional[bytes]:
-            if comm.rank != 0:
-                return None
-            with open(os.path.join(url, MANIFEST_NAME), "rb") as f:
-                return f.read()
-
-        _, mbytes = agree(comm, read_manifest_bytes, what=f"memory save of step {step}", share=lambda v: v, mode=FROM_ROOT)
-        here = Storage(url, storage_options=store.PRIVATE)
-
-        def place_manifest() -> Tuple[Dict[str, int], List[Tuple[int, int, str]]]:
-            try:
-                with open(os.path.join(url, MANIFEST_NAME), "rb") as f:
-                    same = f.read() == mbytes
-            except OSError:
-                same = False
-            if not same:
-                here.write_atomic(MANIFEST_NAME, mbytes)
-            m = open_manifest(here, chunks=False)
-            by_writer = P.files_by_writer(m.files, {rel: im.rank for rel, im in m.indexes.items()})
-            sends = [
-                (r, p, rel)
-                for r, p in sorted(peers.items())
-                if p is not None and node_of[p] != node_of[r]
-                for rel in by_writer.get(r, [])
-            ]
-            return {rel: f.size for rel, f in m.files.items()}, sends
-
-        (sizes, sends), _ = agree(comm, place_manifest, what=f"memory save of step {step}: the manifest on every node")
-
-        def transfer() -> Tuple[int, int]:
-            _, sent, got = run_sends(
-                sends, me=comm.rank, group_ranks=comm.ranks, group=process_group, sizes=sizes,
-                src_path=lambda rel: os.path.join(url, rel), dst_path=lambda rel: os.path.join(url, rel),
-            )
-            return sent, got
-
-        (sent, got), _ = agree(comm, transfer, what=f"memory save of step {step}: the peer copies")
-        # Every rank has its step and its peers' copies: older steps can go.
-        removed = store.remove_steps_except(self.dir, step, root=self.root)
-        self.last_save = {"step": step, "own_bytes": own, "peer_bytes_sent": sent, "peer_bytes_received": got, "removed": removed}
-        return True
+    @property
+    def last_save(self) -> Dict[str, Any]:
+        """What the last held memory step's save did: step, own bytes, peer bytes sent/received, seconds."""
+        return self.snapshots.last_save
 
     # -- restore --------------------------------------------------------------
 
@@ -200,8 +133,10 @@ class MemoryStore:
         The work is ``_memory/restore.restore_from_memory`` (``load``: unused,
         kept for callers that pass the storage load).
         """
+        self.snapshots.wait()  # a step in flight first; its failure is raised here
         return restore_from_memory(self, state, comm, storage_step=storage_step, process_group=process_group, load_kw=load_kw)
 
     def close(self) -> None:
         """Remove this root's memory copy from this node (the job is done with it); another root's is never touched."""
+        self.snapshots.close()  # unmaps and unlinks this process's slots first, so the directory can go
         store.close_dir(self.dir, root=self.root)
