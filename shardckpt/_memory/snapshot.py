@@ -60,11 +60,13 @@ from .._collective import ALL, FROM_ROOT, Comm, agree
 from .._format import MANIFEST_NAME, ChunkMeta, FileMeta, crc32c, crc32c_combine, open_manifest
 from .._format._v2 import check_index
 from .._io import WriteItem, byte_view, data_file_header, partition
+from .._replicas import warm_nccl
 from .._save import execute_save, prepare_save, stage_save
 from .._storage import Storage
 from ..errors import SaveFailedError, UsageError
 from . import normalize_root, store
 from . import plan as P
+from .transfer import move_tensors
 
 __all__ = ["Snapshots", "host_bytes_bound", "SLOT_PREFIX", "MEMORY_CHANNEL", "find_optimizers"]
 
@@ -684,6 +686,8 @@ class Snapshots:
         self.group = dist.new_group(ranks=list(comm.ranks), backend=backend)
         self.group_ranks = comm.ranks
         self.group_on_gpu = backend == "nccl"
+        if self.group_on_gpu:
+            warm_nccl(self.group)  # NCCL: one collective on the group before batched point-to-point calls
         return self.group
 
     def _peer_copy(self, job: _Job, process_group: Any) -> None:
@@ -724,7 +728,7 @@ class Snapshots:
             ops_out.append((out_to, torch.frombuffer(bytearray(here.read_bytes(index_of[me])), dtype=torch.uint8)))
         ops_in = [(s, torch.empty(m.indexes[index_of[s]].size, dtype=torch.uint8)) for s in senders if s in index_of]
         wire = (job.device if job.device is not None else torch.cuda.current_device()) if self.group_on_gpu else None
-        _move(ops_out, ops_in, group, comm.ranks, wire)
+        _move(ops_out, ops_in, group, comm.ranks, wire, comm)
         own_files: Dict[str, _ShmFile] = {}
         if out_to is not None:
             # Data files: the ones this rank wrote, in name order (the save engine's numbering = the slot's order).
@@ -732,7 +736,7 @@ class Snapshots:
             own_files = {rel: linked[os.path.basename(rel)] for rel in data_of[me]}
         data_out = [(out_to, own_files[rel].u8) for rel in data_of[me]] if out_to is not None else []
         data_in = [(s, f.u8) for (s, _), f in zip(incoming, pslot.files)]
-        _move(data_out, data_in, group, comm.ranks, wire)
+        _move(data_out, data_in, group, comm.ranks, wire, comm)
         sent = sum(t.numel() for _, t in ops_out + data_out)
         got = sum(t.numel() for _, t in ops_in + data_in)
         xfer_s = time.perf_counter() - t0
@@ -781,46 +785,11 @@ def _with(plan: Any, comm: Comm, writer: Callable[..., Any]) -> Any:
 
 
 def _move(outgoing: List[Tuple[int, torch.Tensor]], incoming: List[Tuple[int, torch.Tensor]], group: Any,
-          group_ranks: Sequence[int], device: Optional[int]) -> None:
-    """Send each ``(dst, bytes)`` and receive each ``(src, buffer)`` over ``group`` (positions in ``group_ranks``).
+          group_ranks: Sequence[int], device: Optional[int], comm: Optional[Comm] = None) -> None:
+    """Send each ``(dst, bytes)`` and receive each ``(src, buffer)`` over ``group``: ``transfer.move_tensors``.
 
-    gloo: the host tensors go as they are, in place, one operation each.
-    NCCL: in waves of ``PIECE_BYTES`` pieces through two GPU buffers per
-    transfer, all on one side stream (copy in, send/receive, copy out stay
-    ordered without the host waiting between them).
+    gloo (``device`` None): the host tensors go as they are, in place.
+    NCCL: in pieces through two GPU buffers per transfer on a side stream.
+    With ``comm``, waits are bounded and a dead peer is named.
     """
-    import torch.distributed as dist
-
-    if not outgoing and not incoming:
-        return
-    if device is None:
-        ops = [dist.P2POp(dist.isend, t, group_ranks[d], group) for d, t in outgoing if t.numel()]
-        ops += [dist.P2POp(dist.irecv, t, group_ranks[s], group) for s, t in incoming if t.numel()]
-        for req in dist.batch_isend_irecv(ops) if ops else ():
-            req.wait()
-        return
-    dev = torch.device("cuda", device)
-    s = torch.cuda.Stream(device=dev)
-    transfers = [(True, d, t) for d, t in outgoing] + [(False, src, t) for src, t in incoming]
-    bufs = [[torch.empty(min(PIECE_BYTES, max(1, t.numel())), dtype=torch.uint8, device=dev) for _ in range(2)] for _, _, t in transfers]
-    waves = max(-(-t.numel() // PIECE_BYTES) for _, _, t in transfers)
-    with torch.cuda.stream(s):
-        for w in range(waves):
-            ops, outs = [], []
-            for i, (send, other, t) in enumerate(transfers):
-                off = w * PIECE_BYTES
-                n = min(PIECE_BYTES, t.numel() - off)
-                if n <= 0:
-                    continue
-                buf = bufs[i][w % 2][:n]
-                if send:
-                    buf.copy_(t[off : off + n], non_blocking=True)
-                    ops.append(dist.P2POp(dist.isend, buf, group_ranks[other], group))
-                else:
-                    ops.append(dist.P2POp(dist.irecv, buf, group_ranks[other], group))
-                    outs.append((t[off : off + n], buf))
-            for req in dist.batch_isend_irecv(ops) if ops else ():
-                req.wait()
-            for dst, buf in outs:
-                dst.copy_(buf, non_blocking=True)
-    s.synchronize()
+    move_tensors(outgoing, incoming, group=group, group_ranks=group_ranks, device=device, comm=comm)

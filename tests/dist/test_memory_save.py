@@ -146,8 +146,8 @@ def _failing_run(rank, world, base):
     want = T.full_params(model)
     real = snapshot._move
 
-    def damaging(outgoing, incoming, group, ranks, device):
-        real(outgoing, incoming, group, ranks, device)
+    def damaging(outgoing, incoming, group, ranks, device, comm=None):
+        real(outgoing, incoming, group, ranks, device, comm)
         if rank == 2 and incoming and incoming[-1][1].numel() > 1000:  # rank 2 receives a data file with a flipped byte
             incoming[-1][1][-1] ^= 0xFF
 
