@@ -42,6 +42,7 @@ __all__ = [
     "byte_view",
     "host_empty",
     "crc32c",
+    "data_file_header",
 ]
 
 # Tunables live in ``_knobs`` (SHARDCKPT_* environment variables) and are
@@ -297,14 +298,28 @@ class _Pass:
             self.hasher.update(data)
 
 
+def data_file_header(items: Sequence[WriteItem], *, chunk_metadata: bool = True) -> Tuple[bytes, List[int]]:
+    """A data file's safetensors header and each chunk's absolute byte offset, for ``items`` in file order.
+
+    The one layout of a data file: :func:`write_files` writes it, and the
+    memory tier (``_memory/snapshot.py``) copies each chunk straight to its
+    offset in a shared-memory file laid out by it.
+
+    Example:
+        >>> import torch
+        >>> it = WriteItem("w", "w", "F32", (0,), (4,), torch.zeros(4))
+        >>> header, starts = data_file_header([it]); starts == [len(header)]
+        True
+    """
+    chunks_md = {it.key: {"tensor": it.name, "offsets": list(it.offsets)} for it in items} if chunk_metadata else None
+    return safetensors_header([(it.key, it.dtype, it.sizes, it.nbytes) for it in items], chunks=chunks_md)
+
+
 def _write_one(
     storage: Storage, rel: str, items: Sequence[WriteItem], block_bytes: int, chunk_metadata: bool = True,
     hash_algo: Optional[str] = None,
 ) -> Tuple[List[ChunkMeta], FileMeta]:
-    chunks_md = {it.key: {"tensor": it.name, "offsets": list(it.offsets)} for it in items} if chunk_metadata else None
-    header, starts = safetensors_header(
-        [(it.key, it.dtype, it.sizes, it.nbytes) for it in items], chunks=chunks_md
-    )
+    header, starts = data_file_header(items, chunk_metadata=chunk_metadata)
     if len(header) - 8 > MAX_HEADER_BYTES:
         # Planning keeps headers far below this (``partition``); a writer must
         # still never leave a file that safetensors' readers (and verify) refuse.

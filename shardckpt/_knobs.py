@@ -48,6 +48,10 @@ environment variable                default     what it sets
 ``SHARDCKPT_ASYNC_WRITER``          thread      who writes an async save's bytes: ``thread``
                                                 (in the training process) or ``process``
                                                 (a writer child, out of its GIL)
+``SHARDCKPT_MEMORY_PEER_BACKEND``   (group's)   the memory tier's peer copy: ``nccl`` (GPU
+                                                to GPU, staged through two GPU buffers) or
+                                                ``gloo`` (host to host, in place); default:
+                                                the process group's backend
 ``SHARDCKPT_REPLICAS``             check       a save compares the copies of replicated
                                                 state first: ``check`` refuses diverged
                                                 replicas, ``warn`` logs them, ``off``
@@ -102,6 +106,7 @@ __all__ = [
     "LOAD_READ_ONCE",
     "BLOCK_BYTES",
     "ASYNC_WRITER",
+    "MEMORY_PEER_BACKEND",
     "REPLICAS",
     "STORAGE_RETRIES",
     "RETRY_BASE_DELAY_S",
@@ -248,6 +253,12 @@ ASYNC_WRITERS = ("thread", "process")
 ASYNC_WRITER = (_env("ASYNC_WRITER") or "thread").lower()
 if ASYNC_WRITER not in ASYNC_WRITERS:
     raise _bad("ASYNC_WRITER", os.environ[ENV_PREFIX + "ASYNC_WRITER"], "one of " + ", ".join(ASYNC_WRITERS))
+#: The memory tier's peer-copy backend (``_memory/snapshot.py``): "" follows
+#: the process group's; ``gloo`` keeps the copy off the GPU (host to host).
+MEMORY_PEER_BACKENDS = ("", "nccl", "gloo")
+MEMORY_PEER_BACKEND = (_env("MEMORY_PEER_BACKEND") or "").lower()
+if MEMORY_PEER_BACKEND not in MEMORY_PEER_BACKENDS:
+    raise _bad("MEMORY_PEER_BACKEND", os.environ[ENV_PREFIX + "MEMORY_PEER_BACKEND"], "nccl or gloo")
 
 #: What a save does about replicated state whose copies differ between ranks
 #: (``save(replicas=...)``'s default): ``check`` refuses the save before any

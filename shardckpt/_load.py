@@ -25,6 +25,7 @@ rounds of point-to-point transfers, between steps 2 and 4):
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple, Union
@@ -66,7 +67,7 @@ if TYPE_CHECKING:  # pragma: no cover
 #: ``key_map``: checkpoint name -> state name, as a dict or a callable (None drops).
 KeyMap = Union[Mapping[str, str], Callable[[str], Optional[str]]]
 
-__all__ = ["load", "LoadResult", "DEFAULT_CAST"]
+__all__ = ["load", "load_into", "LoadResult", "DEFAULT_CAST"]
 
 #: ``load(cast=...)``: floating-point checkpoint tensors load into floating-point
 #: live tensors of another precision (bf16 Hub weights into fp32 masters).
@@ -264,12 +265,53 @@ def load(
         process_group, no_dist=no_dist, collective_timeout_s=collective_timeout_s, op="shardckpt.load", error=LoadFailedError
     )
     storage = follow(Storage(url, storage_options=storage_options))  # format v4 references (_format.refs)
+    return load_into(
+        state, storage, comm=comm, process_group=process_group, strict=strict, io_threads=io_threads, keys=keys,
+        key_map=key_map, atomic=atomic, buffer_bytes=buffer_bytes, cast=cast,
+    )
+
+
+#: ``load_into(stream=...)``: wraps the stream; called with ``run(**stream_into options)``.
+StreamHook = Callable[[Callable[..., ReadStats]], ReadStats]
+
+
+def load_into(
+    state: Dict[str, Any],
+    storage: Storage,
+    *,
+    comm: Comm,
+    process_group: Optional["ProcessGroup"],
+    strict: bool = True,
+    io_threads: Optional[int] = None,
+    keys: Optional[Sequence[str]] = None,
+    key_map: Optional[KeyMap] = None,
+    atomic: bool = False,
+    buffer_bytes: Optional[int] = None,
+    cast: bool = DEFAULT_CAST,
+    held: Optional[Callable[[str], bool]] = None,
+    stream: Optional[StreamHook] = None,
+    opened: Optional[Manifest] = None,
+) -> LoadResult:
+    """:func:`load` from an open storage and comm (collective): plan and check, agree, stream, agree, finish.
+
+    The one load; :func:`load` and the memory tier's restore call it. The
+    memory tier passes ``held`` (which data files this rank's storage holds:
+    only those are checked present; the others come from other ranks) and
+    ``stream``, which runs the stream itself — ``stream(run)``, ``run`` being
+    :func:`stream_into` bound to this load's plan and destinations, taking
+    its ``sources=``/``read=`` options, and possibly run again after a
+    damaged copy (the plan is made once). ``opened``: the storage's
+    manifest, already opened and checked by the caller (not parsed again).
+
+    Raises:
+        As :func:`load`.
+    """
 
     def plan_and_check() -> LoadPlan:
         # Chunks are resolved per tensor for the boxes this rank holds (v2:
         # only the index files of the ranks that wrote them are read).
         _refuse_meta_optimizers(state)
-        manifest = open_manifest(storage, chunks=False)
+        manifest = opened if opened is not None else open_manifest(storage, chunks=False)
         if keys is not None or key_map is not None or manifest.extra.get("source") == "safetensors":
             # Renaming and selection work on whole chunk lists. Materialized
             # before the aliases are added: v2 index rows are keyed by stored
@@ -282,7 +324,8 @@ def load(
             state, manifest, strict=strict, rank=comm.rank, world=comm.world, local_only=comm.no_dist, storage=storage, cast=cast,
             union=union,
         )
-        check_files(storage, _needed_files(plan))
+        needed = needed_files(plan)
+        check_files(storage, needed if held is None else {f: n for f, n in needed.items() if held(f)})
         return plan
 
     # Agree across ranks before touching any tensor: one rank's missing file
@@ -300,13 +343,14 @@ def load(
         plan = dataclasses.replace(plan, result=LoadResult(plan.result.missing_keys, []))
     else:
         plan, _ = agree(comm, plan_and_check, what=f"nothing was loaded from {storage.url}")
+    hook: StreamHook = stream if stream is not None else (lambda run: run())
     if atomic:
         staged = _stage_targets(plan)
         agree(
             comm,
-            lambda: stream_into(
-                storage, plan, staged, threads=io_threads, buffer_bytes=buffer_bytes, comm=comm, process_group=process_group
-            ),
+            lambda: hook(functools.partial(
+                stream_into, storage, plan, staged, threads=io_threads, buffer_bytes=buffer_bytes, comm=comm, process_group=process_group
+            )),
             what=f"nothing was loaded from {storage.url}",
         )
         with torch.no_grad():
@@ -316,9 +360,9 @@ def load(
     else:
         agree(
             comm,
-            lambda: stream_into(
-                storage, plan, None, threads=io_threads, buffer_bytes=buffer_bytes, comm=comm, process_group=process_group
-            ),
+            lambda: hook(functools.partial(
+                stream_into, storage, plan, None, threads=io_threads, buffer_bytes=buffer_bytes, comm=comm, process_group=process_group
+            )),
             what=f"the load from {storage.url} stopped part-way (ranks not named here loaded all their tensors)",
         )
     for name, put in plan.creates.items():
@@ -354,7 +398,8 @@ def _refuse_meta_optimizers(state: Any) -> None:
             stack.extend((v, f"{path}.{i}") for i, v in enumerate(node))
 
 
-def _needed_files(plan: LoadPlan) -> Dict[str, int]:
+def needed_files(plan: LoadPlan) -> Dict[str, int]:
+    """``file -> size`` of the data files ``plan`` reads."""
     files = {}
     for t in plan.targets:
         for pieces in t.pieces:
@@ -527,6 +572,8 @@ def stream_into(
     stats: Optional[ReadStats] = None,
     comm: Optional[Comm] = None,
     process_group: Optional["ProcessGroup"] = None,
+    sources: Optional[_replicas.Sources] = None,
+    read: Callable[..., ReadStats] = read_verified,
 ) -> ReadStats:
     """Read, verify and copy every piece of ``plan`` into its tensor (or into ``staged``).
 
@@ -534,7 +581,11 @@ def stream_into(
     With ``comm`` of several ranks (the load's; collective then), a byte
     range several ranks need is read by one of them and sent to the others
     over ``process_group`` (``shardckpt/_replicas.py``;
-    ``SHARDCKPT_LOAD_READ_ONCE=0`` turns it off).
+    ``SHARDCKPT_LOAD_READ_ONCE=0`` turns it off). With ``sources`` (the
+    memory tier: ``storage`` holds only some files), a range of a file this
+    rank's storage lacks is read by a rank that has it and sent here, over
+    the same transfer engine (always on). ``read``: the verified reader
+    (``_readers.read_verified``, or a wrapper of it).
 
     Raises:
         ChecksumMismatchError / CorruptCheckpointError / StorageError: as the
@@ -574,16 +625,26 @@ def stream_into(
         return place(w, owner[0][off : off + len(data)])
 
     wants = _wants(plan, dests, range_bytes)
+    stats = stats or ReadStats()
+    stats.needed_bytes += sum(w.stop - w.start for w in wants)
     try:
         with torch.no_grad():
-            if comm is not None and comm.world > 1 and _replicas.enabled() and _replicas.transfer_device(process_group):
+            if sources is not None and comm is not None and comm.world > 1 and not _replicas.transfer_device(process_group):
+                raise LoadFailedError(
+                    f"{comm.op}: the process group's backend ({process_group!r}) can send neither CPU nor CUDA tensors: "
+                    "the memory tier needs gloo or NCCL"
+                )
+            if comm is not None and comm.world > 1 and (_replicas.enabled() or sources is not None) and _replicas.transfer_device(process_group):
                 # Ranges several ranks need are read by one and sent to the others.
                 return _replicas.read_once(
-                    storage, wants, comm=comm, group=process_group, read=read_verified, deliver=deliver, place=place,
-                    shareable=lambda w: plan.targets[w.tag.target].replicated,
-                    pool=pool, threads=threads, stats=stats or ReadStats(), round_bytes=max(range_bytes, buffer_bytes // 2),
+                    storage, wants, comm=comm, group=process_group, read=read, deliver=deliver, place=place,
+                    shareable=lambda w: plan.targets[w.tag.target].replicated and _replicas.enabled(),
+                    pool=pool, threads=threads, stats=stats,
+                    # The memory tier's rounds carry a shard, not a few replicated tensors: fewer, larger ones.
+                    round_bytes=max(range_bytes, buffer_bytes if sources is not None else buffer_bytes // 2),
+                    sources=sources,
                 )
-            return read_verified(storage, wants, deliver, threads=threads, pool=pool, stats=stats)
+            return read(storage, wants, deliver, threads=threads, pool=pool, stats=stats)
     except CheckpointError as e:
         if staged is None and touched:
             names = [plan.targets[i].name for i in touched]

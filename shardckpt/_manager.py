@@ -486,32 +486,65 @@ class CheckpointManager:
             self._export_hf(step)
         return handle
 
-    def save_to_memory(self, step: int, state: Dict[str, Any]) -> bool:
+    def save_to_memory(self, step: int, state: Dict[str, Any], *, overlap: bool = False) -> bool:
         """Keep ``state`` as step ``step`` in the memory tier, with its copy on the peer node (collective).
 
-        Synchronous: returns once every rank's files are in its node's shared
-        memory and in its peer's. The previous memory step is then removed.
-        Storage is not touched: persistent saves stay :meth:`save`'s.
+        Blocks only for the copy of this rank's shard into the host memory
+        that keeps it (pinned shared memory, reused across steps: a
+        device-to-host copy per tensor for CUDA, a ``memcpy`` for CPU). The
+        checksums, the manifest and the copy to the peer rank on the next
+        node run in a background thread, overlapped with training. The step
+        is *held* (what :meth:`restore` may use) once both copies are
+        complete and verified on every rank; until then the previous held
+        step stays, untouched. A failure in the background is raised
+        (``SaveFailedError``) by the next ``save_to_memory``, ``restore`` or
+        ``close``. Storage is not touched: persistent saves stay :meth:`save`'s.
+
+        Args:
+            step: the step number; each call's must exceed the held step's.
+            state: as for :meth:`save`.
+            overlap: return as soon as the copies are queued on a side CUDA
+                stream (CPU tensors: copied by the background thread), so the
+                copy runs during the next forward and backward. Parameters and
+                optimizer state do not change before the next
+                ``optimizer.step()``: a one-shot step pre-hook on every
+                optimizer in ``state`` makes that step wait for the copy (the
+                GPU waits; the host goes on). Module buffers (BatchNorm
+                statistics change in forward) are copied before the call
+                returns. Limit: anything else that changes a saved tensor
+                before the next optimizer step (an EMA update, a manual edit)
+                must wait for the next ``save_to_memory`` or ``close``.
 
         Returns:
-            True when the step is in memory; False when the manager has no
-            memory tier or the tier is off (over ``max_bytes``, directory
-            missing or full: one warning, then storage only).
+            True when the step was copied and its background part started;
+            False when the manager has no memory tier or the tier is off (over
+            ``max_bytes``, directory missing or full: one warning, then
+            storage only).
 
         Raises:
-            SaveFailedError: a rank failed or died while saving.
+            SaveFailedError: a rank failed or died while saving; the previous
+                memory step's background part failed (raised once).
             UnsupportedStateError: a value in ``state`` cannot be saved.
+            UsageError: ``step`` is not after the held step; ``overlap=True``
+                with no optimizer in ``state``.
+
+        Memory: at most ``2 x (own + peer shard)`` bytes of host memory per
+        rank (two steps: the one being written never overwrites the held
+        one), plus kilobytes of index and manifest files.
 
         Example:
             >>> mgr = CheckpointManager("runs/a", memory=True)   # doctest: +SKIP
-            >>> mgr.save_to_memory(step, state)                  # doctest: +SKIP
+            >>> loss.backward()                                   # doctest: +SKIP
+            >>> mgr.save_to_memory(step, state, overlap=True)     # doctest: +SKIP
+            >>> opt.step()   # waits for the copy of the values it replaces  # doctest: +SKIP
         """
         self._check_open()
         step = _check_step(step)
         if self._memory is None or self.load_only:
             return False
         comm = self._comm("CheckpointManager.save_to_memory")
-        return self._memory.save(step, state, comm, process_group=self.process_group, io_threads=self._write_threads)
+        return self._memory.save(step, state, comm, process_group=self.process_group, io_threads=self._write_threads,
+                                 overlap=bool(overlap))
 
     def _export_hf(self, step: int) -> None:
         """Rank 0 writes the committed step as a Hugging Face directory; every rank returns when it is there."""

@@ -123,6 +123,8 @@ class ReadStats:
     requests: int = 0
     sent_bytes: int = 0
     received_bytes: int = 0
+    #: Bytes of the ranges this rank's load needs (set by ``_load.stream_into``; reads for others not counted).
+    needed_bytes: int = 0
 
 
 def _units_of(w: Want) -> List[Unit]:

@@ -19,10 +19,11 @@ Mechanism (one load, every rank of the group):
    into contiguous spans balanced by bytes, one reader per span; the readers'
    queues are cut into rounds of at most ``round_bytes`` per rank;
 3. *stream*: one background thread per rank reads, in one continuous
-   ``read_verified`` (no drain between rounds), the ranges nobody else wants
-   (straight into their tensors) and then this rank's shared ranges of every
-   round, each into that round's buffer on the transfer device (three used in
-   turn, so reads run ahead while earlier rounds are sent). The calling
+   ``read_verified`` (no drain between rounds), this rank's shared ranges of
+   every round, each into that round's buffer on the transfer device (three
+   used in turn, so reads run ahead while earlier rounds are sent), and then
+   the ranges nobody else wants (straight into their tensors: the other
+   ranks do not wait for those). The calling
    thread, per round, waits for that round's reads and agrees with the other
    ranks (bounded by ``collective_timeout_s``) that every read of the round
    succeeded before any byte of it is sent. A damaged block on the
@@ -66,14 +67,27 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from . import _knobs
 from ._collective import _Counters, _counters_of, _store, agree
 from ._readers import Want
 from .errors import LoadFailedError
 
-__all__ = ["Key", "Shared", "SharedPlan", "plan_shared", "read_once", "enabled"]
+__all__ = [
+    "Key",
+    "Shared",
+    "SharedPlan",
+    "Sources",
+    "plan_shared",
+    "read_once",
+    "enabled",
+    "transfer_device",
+    "p2p_op",
+    "start_ops",
+    "wait_ops",
+    "warm_nccl",
+]
 
 #: A wanted byte range: (file, chunk's byte offset in the file, start, stop within the chunk).
 Key = Tuple[str, int, int, int]
@@ -99,7 +113,11 @@ def _align(n: int) -> int:
 
 @dataclass(frozen=True)
 class Shared:
-    """One shared byte range: its key, the group index of its reader, and every holder (sorted)."""
+    """One shared byte range: its key, the group index of its reader, and every holder (sorted).
+
+    The reader is one of the holders, except with ``readers`` (the memory
+    tier), where it may be a rank that only sends.
+    """
 
     key: Key
     reader: int
@@ -122,7 +140,9 @@ class SharedPlan:
         return [s.key for r in self.rounds for s in r]
 
 
-def plan_shared(keys_by_rank: Sequence[Sequence[Key]], *, round_bytes: int) -> SharedPlan:
+def plan_shared(
+    keys_by_rank: Sequence[Sequence[Key]], *, round_bytes: int, readers: Optional[Mapping[str, Sequence[int]]] = None
+) -> SharedPlan:
     """Assign every range wanted by several ranks to one reader, and cut the reads into rounds (pure).
 
     Args:
@@ -130,6 +150,12 @@ def plan_shared(keys_by_rank: Sequence[Sequence[Key]], *, round_bytes: int) -> S
         round_bytes: bytes of shared ranges one rank reads or receives per
             round, at most (a single larger range gets a round of its own
             slice).
+        readers: None (storage: every rank reads every file), or
+            ``file -> group indices that can read it`` (the memory tier: the
+            ranks whose node holds a copy). Then a range is also planned when
+            its one holder cannot read its file, and its reader is a wanting
+            rank that can read it, else the least loaded rank that can (a
+            *sender* outside the holders).
 
     Returns:
         :class:`SharedPlan`, identical for identical inputs on every rank.
@@ -152,7 +178,9 @@ def plan_shared(keys_by_rank: Sequence[Sequence[Key]], *, round_bytes: int) -> S
             holders.setdefault(k, []).append(i)
     by_set: Dict[Tuple[int, ...], List[Key]] = {}
     for k, holding in holders.items():
-        if len(holding) > 1 and _nbytes(k) > 0:
+        if _nbytes(k) <= 0:
+            continue
+        if len(holding) > 1 or (readers is not None and holding[0] not in readers.get(k[0], ())):
             by_set.setdefault(tuple(sorted(holding)), []).append(k)
     queues: List[List[Shared]] = [[] for _ in range(world)]
     read_bytes = [0] * world
@@ -161,9 +189,19 @@ def plan_shared(keys_by_rank: Sequence[Sequence[Key]], *, round_bytes: int) -> S
         total = sum(_nbytes(k) for k in keys)
         n, pos = len(hs), 0
         for k in keys:
-            # The span this range's middle falls in: contiguous and byte-balanced.
-            span = min(n - 1, ((2 * pos + _nbytes(k)) * n) // (2 * total))
-            reader = hs[(span + j) % n]
+            if readers is None:
+                # The span this range's middle falls in: contiguous and byte-balanced.
+                span = min(n - 1, ((2 * pos + _nbytes(k)) * n) // (2 * total))
+                reader = hs[(span + j) % n]
+            else:
+                can = sorted(set(readers.get(k[0], ())))
+                if not can:
+                    raise ValueError(f"no rank can read {k[0]!r} (wanted by group ranks {list(hs)})")
+                # A holder that can read it reads it (nothing crosses the link
+                # for it); else the least loaded rank that can, so a lost
+                # node's bytes are read by all the ranks of the node holding them.
+                cands = [h for h in hs if h in can] or can
+                reader = min(cands, key=lambda r: (read_bytes[r], r))
             queues[reader].append(Shared(k, reader, hs))
             read_bytes[reader] += _nbytes(k)
             pos += _nbytes(k)
@@ -171,7 +209,7 @@ def plan_shared(keys_by_rank: Sequence[Sequence[Key]], *, round_bytes: int) -> S
         # File order, as the reader reads: one continuous read over all rounds
         # delivers round after round.
         q.sort(key=lambda sh: sh.key)
-    widest = max((len(hs) for hs in by_set), default=1)
+    widest = max((len(hs) + (readers is not None) for hs in by_set), default=1)
     # A rank's round buffer holds what it reads plus what it receives: with
     # holder sets of up to ``widest`` ranks, each reader's slice of a round is
     # ``round_bytes / widest``.
@@ -189,6 +227,20 @@ def plan_shared(keys_by_rank: Sequence[Sequence[Key]], *, round_bytes: int) -> S
                 heads[i] += 1
         rounds.append(rnd)
     return SharedPlan(rounds, read_bytes)
+
+
+@dataclass(frozen=True)
+class Sources:
+    """Where the bytes of a load are when not every rank can read every file (the memory tier).
+
+    ``readers``: file -> group indices whose storage (their node's memory)
+    holds a good copy; ``chunk_of(file, byte_offset)``: the saved chunk at
+    that offset (with its block CRCs), for a rank that reads a range it does
+    not load itself, only to send it.
+    """
+
+    readers: Mapping[str, Sequence[int]]
+    chunk_of: Callable[[str, int], Any]
 
 
 @dataclass(frozen=True)
@@ -221,7 +273,7 @@ def round_layout(rnd: Sequence[Shared], me: int) -> Tuple[List[_Group], int]:
     at = 0
     for tag, gk in enumerate(sorted(groups)):
         reader, hs = gk
-        if me not in hs:
+        if me not in hs and me != reader:
             continue
         items = []
         start = at
@@ -274,6 +326,7 @@ def read_once(
     stats: Any,
     round_bytes: int,
     shareable: Optional[Callable[[Any], bool]] = None,
+    sources: Optional[Sources] = None,
 ) -> Any:
     """Read ``wants`` (``_readers.Want``) with shared ranges read once and sent to their other holders.
 
@@ -293,6 +346,13 @@ def read_once(
         round_bytes: bytes of one round buffer (three are held).
         shareable: which wants other ranks may hold too (None: every want);
             only those are offered to the exchange.
+        sources: None: every rank reads every file from ``storage``. Given
+            (the memory tier): each rank's ``storage`` holds only some files;
+            a want whose file this rank cannot read is offered too, and is
+            read (verified) by a rank that can and sent here; the exchange
+            always runs (no ``MAX_SHARED_KEYS`` fallback: there is no direct
+            read to fall back to), and a failure anywhere is raised on every
+            rank (same type), so the caller may run the stream again.
 
     Returns:
         ``stats``.
@@ -302,11 +362,12 @@ def read_once(
         the reading rank), and ``LoadFailedError`` naming a peer that died or
         did not send within ``collective_timeout_s``.
 
-    One background thread reads everything this rank reads — its own ranges,
-    then its shared ranges of every round, in one continuous
-    ``read_verified`` (no drain between rounds) — into three round buffers
-    used in turn; the calling thread agrees on each round, posts its
-    transfers and, one round later, waits for them and places the bytes.
+    One background thread reads everything this rank reads — its shared
+    ranges of every round, in one continuous ``read_verified`` (no drain
+    between rounds) into three round buffers used in turn, then its own
+    ranges; the calling thread agrees on each round, posts its transfers
+    and, one round later, waits for them and places the bytes; the last
+    exchange waits for the own ranges too.
     """
     import threading
 
@@ -314,23 +375,36 @@ def read_once(
 
     what = f"the load from {storage.url} stopped part-way (ranks not named here loaded all their tensors)"
     keys = [key_of(w) for w in wants]
-    offered = [shareable is None or shareable(w) for w in wants]
+    me = comm.rank
+    if sources is None:
+        offered = [shareable is None or shareable(w) for w in wants]
+    else:
+        offered = [(shareable is not None and shareable(w)) or me not in sources.readers.get(k[0], ()) for w, k in zip(wants, keys)]
     mine = sorted({key for key, o in zip(keys, offered) if o})
     # The key lists travel to every rank, so they are gathered only when they
     # are few in all: first their count (to rank 0), then rank 0's go (to
     # every rank): O(1) bytes per rank. A purely sharded load (FSDP, TP)
     # offers none and stops here; a count over MAX_SHARED_KEYS (HSDP at
     # thousands of ranks) falls back to direct reads on every rank alike.
-    _, counts = agree(comm, lambda: len(mine), what=what, share=lambda v: v, mode="to_root")
-    _, go = agree(comm, lambda: None, what=what, mode="from_root",
-                  share=lambda _: counts is not None and 0 < sum(counts) <= MAX_SHARED_KEYS)
-    if not go:
-        return read(storage, wants, deliver, threads=threads, pool=pool, stats=stats)
+    if sources is None:
+        _, counts = agree(comm, lambda: len(mine), what=what, share=lambda v: v, mode="to_root")
+        _, go = agree(comm, lambda: None, what=what, mode="from_root",
+                      share=lambda _: counts is not None and 0 < sum(counts) <= MAX_SHARED_KEYS)
+        if not go:
+            return read(storage, wants, deliver, threads=threads, pool=pool, stats=stats)
     _, keys_by_rank = agree(comm, lambda: mine, what=what, share=lambda v: v)
-    plan = plan_shared(keys_by_rank, round_bytes=round_bytes)
+    plan = plan_shared(keys_by_rank, round_bytes=round_bytes, readers=None if sources is None else sources.readers)
     if not plan.rounds:
-        return read(storage, wants, deliver, threads=threads, pool=pool, stats=stats)
-    shared = set(plan.shared_keys)
+        if sources is None:
+            return read(storage, wants, deliver, threads=threads, pool=pool, stats=stats)
+        # With sources every failure is agreed (as in the rounds below), so a
+        # caller that runs the stream again after a damaged copy finds every
+        # rank failed or every rank done, never some of each.
+        agree(comm, lambda: read(storage, wants, deliver, threads=threads, pool=pool, stats=stats), what=what)
+        return stats
+    # The keys this rank receives or reads for itself (a key it wants but did
+    # not offer, because it reads it itself, stays its own read).
+    shared = {s.key for r in plan.rounds for s in r if me in s.holders}
     by_key: Dict[Key, List[Any]] = {}
     own: List[Any] = []
     for w, key, o in zip(wants, keys, offered):
@@ -338,16 +412,23 @@ def read_once(
             by_key.setdefault(key, []).append(w)
         else:
             own.append(w)
-    me = comm.rank
     cuda = transfer_device(group) == "cuda"
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    if cuda:
+        warm_nccl(group)  # every rank is here (the plan has rounds on every rank alike)
     layouts = [round_layout(r, me) for r in plan.rounds]
     n = len(layouts)
     nbuf = min(3, n)
     size = max(b for _, b in layouts)
     bufs = [torch.empty(size, dtype=torch.uint8, device=device) for _ in range(nbuf)]
     # What this rank reads for each round (tag: (round, offset in its buffer)), in file order.
-    reads = [Want(by_key[s.key][0].chunk, s.key[2], s.key[3], (k, off))
+    def chunk(key: Key) -> Any:
+        if key in by_key:
+            return by_key[key][0].chunk
+        assert sources is not None  # without sources every reader holds what it reads
+        return sources.chunk_of(key[0], key[1])
+
+    reads = [Want(chunk(s.key), s.key[2], s.key[3], (k, off))
              for k, (groups, _) in enumerate(layouts) for g in groups if g.reader == me for s, off in g.items]
     left = [0] * n
     for w in reads:
@@ -398,11 +479,12 @@ def read_once(
             if cuda:
                 torch.cuda.set_device(device)  # a new thread starts on device 0: events and copies belong here
             with torch.no_grad():
-                if own:
-                    read(storage, own, own_into, threads=threads, pool=pool, stats=stats)
-                state["own_done"].set()
+                # Ranges others wait for first (their rounds go out while this
+                # rank reads its own), then this rank's own.
                 if reads:
                     read(storage, reads, into, threads=threads, pool=pool, stats=stats)
+                if own:
+                    read(storage, own, own_into, threads=threads, pool=pool, stats=stats)
         except BaseException as e:  # noqa: BLE001 - raised in the calling thread at its next step
             state["error"] = e
         finally:
@@ -411,15 +493,16 @@ def read_once(
                 ev.set()
 
     def wait_read(k: int) -> None:
-        for ev in ([state["own_done"]] if k == 0 else []) + [read_done[k]]:
-            if not ev.wait(comm.timeout_s):
-                raise LoadFailedError(
-                    f"{comm.op}: this rank's reads of round {k} did not finish within "
-                    f"collective_timeout_s={comm.timeout_s:g}: the storage is stalled"
-                )
+        """Wait for round ``k``'s reads (``k == n``: for this rank's own ranges, read last)."""
+        ev = read_done[k] if k < n else state["own_done"]
+        if not ev.wait(comm.timeout_s):
+            raise LoadFailedError(
+                f"{comm.op}: this rank's reads of {'round %d' % k if k < n else 'its own ranges'} did not finish "
+                f"within collective_timeout_s={comm.timeout_s:g}: the storage is stalled"
+            )
         if state["error"] is not None and not isinstance(state["error"], _Cancelled):
             raise state["error"]
-        if read_fence[k] is not None:
+        if k < n and read_fence[k] is not None:
             torch.cuda.current_stream().wait_event(read_fence[k])
 
     posted: List[Tuple[int, List[Any]]] = []  # the round whose transfers are in flight
@@ -433,23 +516,23 @@ def read_once(
             if g.reader == me:
                 for q in g.holders:
                     if q != me:
-                        ops.append(_p2p("send", part, comm.ranks[q], group, g.tag))
+                        ops.append(p2p_op("send", part, comm.ranks[q], group, g.tag))
                         stats.sent_bytes += g.stop - g.start
             else:
-                ops.append(_p2p("recv", part, comm.ranks[g.reader], group, g.tag))
+                ops.append(p2p_op("recv", part, comm.ranks[g.reader], group, g.tag))
                 stats.received_bytes += g.stop - g.start
-        posted.append((k, _start(ops)))
+        posted.append((k, start_ops(ops)))
 
     def finish() -> None:
         k, works = posted.pop(0)
         groups = layouts[k][0]
         peers = {comm.ranks[g.reader] for g in groups if g.reader != me}
         peers |= {comm.ranks[q] for g in groups if g.reader == me for q in g.holders if q != me}
-        _wait(works, comm, sorted(peers), cuda)
+        wait_ops(works, comm, sorted(peers), cuda, doing="sending replicated bytes")
         buf = bufs[k % nbuf]
         for g in groups:
             for s, off in g.items:
-                for w in by_key[s.key]:
+                for w in by_key.get(s.key, ()):
                     place(w, buf[off : off + _nbytes(s.key)])
         if cuda:
             # The reader's next copies into this buffer wait for these (on its own stream).
@@ -460,8 +543,7 @@ def read_once(
     def step(k: int) -> None:
         if failed:
             raise failed.pop()
-        if k < n:
-            wait_read(k)  # the reader is ahead, on the next rounds, meanwhile
+        wait_read(k)  # the reader is ahead, on the next rounds (then its own ranges), meanwhile
         if posted:
             finish()
 
@@ -483,6 +565,15 @@ def read_once(
         for ev in freed:
             ev.set()
         th.join()
+        # Transfers posted by every rank of them before an agreed failure:
+        # finished before their buffers go (the caller may run the stream
+        # again: the memory tier after a damaged copy). A dead peer fails
+        # these within the timeout; the failure already raised wins.
+        for _, works in posted:
+            try:
+                wait_ops(works, comm, [], cuda, doing="finishing the transfers of a failed load")
+            except Exception:  # noqa: BLE001 - the first error is the one raised
+                pass
     return stats
 
 
@@ -490,13 +581,38 @@ class _Cancelled(Exception):
     """The calling thread gave up (another rank failed): the reader stops."""
 
 
-def _p2p(kind: str, tensor: Any, peer: int, group: Any, tag: int):
+#: Groups whose NCCL communicator has run a collective in this process (see :func:`warm_nccl`).
+_WARM: Dict[int, bool] = {}
+
+
+def warm_nccl(group: Any) -> None:
+    """Run one collective on ``group`` the first time (collective: every rank of it calls).
+
+    NCCL's batched point-to-point calls may involve a subset of the group's
+    ranks only once the group has run a collective; the first one must
+    involve every rank (``torch.distributed.batch_isend_irecv``). A restarted
+    job's first NCCL call may be a restore's transfer, where some ranks send
+    nothing: a barrier first, once per group and process.
+    """
+    import torch
+    import torch.distributed as dist
+
+    key = id(group) if group is not None else 0
+    if _WARM.get(key):
+        return
+    dist.barrier(group=group, device_ids=[torch.cuda.current_device()])
+    _WARM[key] = True
+
+
+def p2p_op(kind: str, tensor: Any, peer: int, group: Any, tag: int):
+    """A point-to-point operation: ``kind`` ``"send"`` or ``"recv"`` of ``tensor`` with global rank ``peer``."""
     import torch.distributed as dist
 
     return dist.P2POp(dist.isend if kind == "send" else dist.irecv, tensor, peer, group, tag)
 
 
-def _start(ops: List[Any]) -> List[Any]:
+def start_ops(ops: List[Any]) -> List[Any]:
+    """Post ``ops`` (:func:`p2p_op`) together (``batch_isend_irecv``); their works, to :func:`wait_ops`."""
     import torch.distributed as dist
 
     if not ops:
@@ -504,7 +620,7 @@ def _start(ops: List[Any]) -> List[Any]:
     return list(dist.batch_isend_irecv(ops))
 
 
-def _wait(works: List[Any], comm: Any, peers: Sequence[int], cuda: bool) -> None:
+def wait_ops(works: List[Any], comm: Any, peers: Sequence[int], cuda: bool, *, doing: str = "sending bytes") -> None:
     """Wait for ``works``, failing within ``comm.timeout_s`` (and, on CUDA, as soon as a peer's heartbeat stops).
 
     gloo works complete only inside ``wait``, which takes the deadline (a
@@ -519,7 +635,7 @@ def _wait(works: List[Any], comm: Any, peers: Sequence[int], cuda: bool) -> None
     def late() -> LoadFailedError:
         return LoadFailedError(
             f"{comm.op}: no data from ranks {list(peers)} within collective_timeout_s={comm.timeout_s:g} "
-            "while sending replicated bytes; a rank is hung or gone: restart the job"
+            f"while {doing}; a rank is hung or gone: restart the job"
         )
 
     if cuda:
@@ -539,7 +655,7 @@ def _wait(works: List[Any], comm: Any, peers: Sequence[int], cuda: bool) -> None
                 if dead:
                     raise LoadFailedError(
                         f"{comm.op}: rank(s) {dead} stopped (no heartbeat for {_knobs.LIVENESS_TIMEOUT_S:g} s) while "
-                        "sending replicated bytes: the process died or is frozen; restart the job"
+                        f"{doing}: the process died or is frozen; restart the job"
                     )
             time.sleep(nap)
             nap = min(nap * 2, 0.005)
@@ -558,6 +674,6 @@ def _wait(works: List[Any], comm: Any, peers: Sequence[int], cuda: bool) -> None
             if time.monotonic() >= deadline - _GLOO_TIMER_SLACK_S:
                 raise late() from None
             raise LoadFailedError(
-                f"{comm.op}: sending replicated bytes between ranks {list(peers)} failed ({type(e).__name__}: {e}); "
+                f"{comm.op}: {doing} between ranks {list(peers)} failed ({type(e).__name__}: {e}); "
                 "a peer died: restart the job"
             ) from None

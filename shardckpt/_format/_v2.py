@@ -475,7 +475,6 @@ def _read_index(m: Manifest, storage: Any, rank: int, cache: MetaCache) -> Dict[
     rel = rels.get(rank)
     if rel is None:
         raise CorruptCheckpointError(f"{storage.url}: the manifest lists no index file for rank {rank}, whose chunks are needed")
-    meta = m.indexes[rel]
     where = storage.url_of(rel)
     try:
         data = storage.read_bytes(rel, limit=MAX_INDEX_FILE_BYTES)
@@ -483,6 +482,22 @@ def _read_index(m: Manifest, storage: Any, rank: int, cache: MetaCache) -> Dict[
         raise CorruptCheckpointError(f"{where}: index file is missing") from None
     with cache.lock:
         cache.bytes_read += len(data)
+    parsed = check_index(m, data, rel, where)
+    with cache.lock:
+        headers[("index", rank)] = parsed
+    return parsed
+
+
+def check_index(m: Manifest, data: bytes, rel: str, where: str) -> Dict[str, Any]:
+    """Index file ``rel``'s bytes checked against the manifest (size, CRC-32C) and parsed.
+
+    Returns ``{"keys": {key: (name, chunk)}, "tensors": {name: [chunk]}}``,
+    every chunk with its block CRCs.
+
+    Raises:
+        ChecksumMismatchError / CorruptCheckpointError: the bytes are not the index the manifest names.
+    """
+    meta = m.indexes[rel]
     if len(data) != meta.size or crc32c(data) != meta.crc32c:
         what = "truncated" if len(data) < meta.size else "has extra bytes" if len(data) > meta.size else "damaged"
         cls = ChecksumMismatchError if len(data) == meta.size else CorruptCheckpointError
@@ -490,10 +505,7 @@ def _read_index(m: Manifest, storage: Any, rank: int, cache: MetaCache) -> Dict[
             f"{where}: index file {what} ({len(data)} bytes, crc32c {crc32c(data):#010x}; "
             f"the manifest says {meta.size} bytes, crc32c {meta.crc32c:#010x})"
         )
-    parsed = _parse_index(m, data, rank, where)
-    with cache.lock:
-        headers[("index", rank)] = parsed
-    return parsed
+    return _parse_index(m, data, meta.rank, where)
 
 
 def _index_of_rank(m: Manifest) -> Dict[int, str]:

@@ -1,10 +1,22 @@
-"""Files between ranks over the process group: point-to-point sends of byte tensors.
+"""Files between ranks over the process group, on the one transfer engine of ``_replicas``.
 
-Works the same under gloo and NCCL: the bytes travel as ``uint8`` tensors on
-the group's device (CPU for gloo, the current CUDA device for NCCL), in
-pieces of at most ``PIECE_BYTES`` so memory stays bounded whatever the file
-size. Every rank walks one global list of ``(src, dst, file)`` sends in the
-same order and takes part in the ones it is in: blocking sends in one total
+The memory tier moves bytes between ranks in two ways, both over the
+primitives of ``shardckpt/_replicas.py`` (one device choice,
+``transfer_device``: CUDA tensors under NCCL, CPU under gloo; one wait,
+``wait_ops``, bounded by ``collective_timeout_s`` and watching the peers'
+heartbeats, so a dead peer is named instead of hanging a rank):
+
+* byte ranges of a load (the restore): ``_replicas.read_once`` with
+  ``Sources`` — each range read, verified, by a rank whose node holds it and
+  sent to the rank that loads it, pipelined through reused round buffers
+  (``_memory/restore.py``);
+* whole files (:func:`run_sends`: the save's peer copy, a restore's
+  manifest and index files), in pieces of at most ``PIECE_BYTES`` through
+  buffers allocated once per call and reused for every piece (pinned host
+  memory when the wire is CUDA).
+
+Every rank walks one global list of ``(src, dst, file)`` sends in the same
+order and takes part in the ones it is in: blocking sends in one total
 order cannot deadlock (the earliest unfinished send has both ends waiting on
 it). The receiver writes a temporary file and renames it whole; what it
 received is verified by the caller before any use.
@@ -16,14 +28,14 @@ import logging
 import os
 import uuid
 from io import BufferedReader, BufferedWriter
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
-import torch.distributed as dist
 
 from .._io import byte_view, host_empty
+from .._replicas import p2p_op, start_ops, transfer_device, wait_ops, warm_nccl
 
-__all__ = ["PIECE_BYTES", "wire_device", "run_sends"]
+__all__ = ["PIECE_BYTES", "wire_device", "run_sends", "move_tensors"]
 
 log = logging.getLogger("shardckpt")
 
@@ -32,11 +44,16 @@ PIECE_BYTES = 64 << 20
 
 
 def wire_device(group) -> torch.device:
-    """Where the bytes must be for this group's backend: the current CUDA device for NCCL, else CPU."""
-    backend = str(dist.get_backend(group)).lower()
-    if "nccl" in backend:
+    """Where the bytes must be for this group's backend (``_replicas.transfer_device``): CUDA for NCCL, else CPU."""
+    if transfer_device(group) == "cuda":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def _host(n: int, pinned: bool) -> torch.Tensor:
+    if pinned and n:
+        return torch.empty(n, dtype=torch.uint8, pin_memory=True)
+    return host_empty(n)
 
 
 def run_sends(
@@ -49,6 +66,7 @@ def run_sends(
     src_path: Callable[[str], str],
     dst_path: Callable[[str], str],
     piece_bytes: int = PIECE_BYTES,
+    comm: Any = None,
 ) -> Tuple[List[str], int, int]:
     """Take part in ``sends`` (group positions); returns ``(files received, bytes sent, bytes received)``.
 
@@ -62,18 +80,33 @@ def run_sends(
 
     A sender that cannot read its file sends zeros of the recorded size (the
     receiver's verification then rejects the copy): the other side is never
-    left waiting. Raises only for transport errors (a dead peer).
+    left waiting. With ``comm`` (the caller's ``_collective.Comm``), each
+    wave's wait is bounded by its ``collective_timeout_s`` and a peer whose
+    heartbeat stops is named (``LoadFailedError``); without, waits are
+    the backend's. Buffers: one host piece per transfer this rank is in
+    (pinned when the wire is CUDA, plus one device piece), allocated once
+    and reused for every wave.
     """
-    mine = [(src, dst, rel) for src, dst, rel in sends if me in (src, dst)]
     got: List[str] = []
-    if not mine:
-        return got, 0, 0  # nothing to do here (also: no process group at all)
+    if not sends:
+        return got, 0, 0  # nothing to do anywhere (also: no process group at all)
     device = wire_device(group)
+    if device.type == "cuda":
+        warm_nccl(group)  # every rank walks the same list, so every rank is here
+    mine = [(src, dst, rel) for src, dst, rel in sends if me in (src, dst)]
+    if not mine:
+        return got, 0, 0
+    cuda = device.type == "cuda"
     sent_bytes = recv_bytes = 0
     readers: Dict[int, Optional[BufferedReader]] = {}
     writers: Dict[int, Tuple[str, BufferedWriter]] = {}
+    host: Dict[int, torch.Tensor] = {}
+    wire: Dict[int, torch.Tensor] = {}
     try:
         for i, (src, dst, rel) in enumerate(mine):
+            n = min(piece_bytes, int(sizes[rel]))
+            host[i] = _host(n, cuda)
+            wire[i] = torch.empty(n, dtype=torch.uint8, device=device) if cuda else host[i]
             if me == src:
                 try:
                     readers[i] = open(src_path(rel), "rb")
@@ -89,7 +122,7 @@ def run_sends(
                 writers[i] = (tmp, open(fd, "wb"))
         waves = max(-(-int(sizes[rel]) // piece_bytes) for _, _, rel in mine)
         for w in range(waves):
-            ops, received = [], []
+            ops, received, peers = [], [], set()
             for i, (src, dst, rel) in enumerate(mine):
                 off = w * piece_bytes
                 size = int(sizes[rel])
@@ -97,23 +130,33 @@ def run_sends(
                     continue
                 n = min(piece_bytes, size - off)
                 if me == src:
-                    buf = host_empty(n)
-                    view = byte_view(buf)
+                    view = byte_view(host[i])[:n]
                     f = readers[i]
-                    got_n = f.readinto(view) if f is not None else 0
+                    got_n = (f.readinto(view) or 0) if f is not None else 0
                     if got_n < n:  # short read: zeros; the receiver's verification rejects the copy
                         view[got_n:] = bytes(n - got_n)
-                    ops.append(dist.P2POp(dist.isend, buf.to(device), group_ranks[dst], group))
+                    if cuda:
+                        wire[i][:n].copy_(host[i][:n], non_blocking=True)
+                    ops.append(p2p_op("send", wire[i][:n], group_ranks[dst], group, 0))
+                    peers.add(group_ranks[dst])
                     sent_bytes += n
                 else:
-                    buf = torch.empty(n, dtype=torch.uint8, device=device)
-                    ops.append(dist.P2POp(dist.irecv, buf, group_ranks[src], group))
-                    received.append((i, buf))
-            for req in dist.batch_isend_irecv(ops) if ops else ():
-                req.wait()
-            for i, buf in received:
-                writers[i][1].write(byte_view(buf.cpu()))
-                recv_bytes += buf.numel()
+                    ops.append(p2p_op("recv", wire[i][:n], group_ranks[src], group, 0))
+                    peers.add(group_ranks[src])
+                    received.append((i, n))
+            if cuda:
+                torch.cuda.current_stream().synchronize()  # the pieces are on the device before NCCL reads them
+            works = start_ops(ops)
+            if comm is not None:
+                wait_ops(works, comm, sorted(peers), cuda, doing="copying memory-tier files between ranks")
+            else:
+                for req in works:
+                    req.wait()
+            for i, n in received:
+                if cuda:
+                    host[i][:n].copy_(wire[i][:n])
+                writers[i][1].write(byte_view(host[i])[:n])
+                recv_bytes += n
         for i, (tmp, out) in sorted(writers.items()):
             out.close()
             os.replace(tmp, dst_path(mine[i][2]))
@@ -129,3 +172,90 @@ def run_sends(
             except OSError:
                 pass
     return got, sent_bytes, recv_bytes
+
+
+def move_tensors(
+    outgoing: Sequence[Tuple[int, torch.Tensor]],
+    incoming: Sequence[Tuple[int, torch.Tensor]],
+    *,
+    group: Any,
+    group_ranks: Sequence[int],
+    device: Optional[int] = None,
+    comm: Any = None,
+    piece_bytes: int = PIECE_BYTES,
+) -> Tuple[int, int]:
+    """Send each ``(dst, tensor)`` and receive into each ``(src, tensor)`` over ``group``; returns ``(sent, received)`` bytes.
+
+    Args:
+        outgoing: ``(group position of the receiver, contiguous uint8 host tensor)``.
+        incoming: ``(group position of the sender, contiguous uint8 host tensor to fill)``;
+            its size is the sender's.
+        group: the process group (its ranks are ``group_ranks``).
+        group_ranks: global rank of each group position.
+        device: None: the host tensors go as they are (gloo), one
+            operation each, all posted at once. A CUDA device index (NCCL):
+            in waves of ``piece_bytes`` through two reused device buffers per
+            transfer, on a side stream (copy in, send/receive, copy out stay
+            ordered without the host waiting between them; the host tensors
+            should be pinned).
+        comm: the caller's ``_collective.Comm``: waits bounded by its
+            ``timeout_s`` and a dead peer named (``wait_ops``); None: the
+            backend's own waits.
+        piece_bytes: largest piece on the device.
+
+    Raises:
+        LoadFailedError (with ``comm``): a peer died or did not take part in time.
+
+    Every rank calls it with the pairs it is in (matching on both sides); a
+    rank in none returns at once. With NCCL the group must have run a
+    collective before a call that not every rank takes part in
+    (:func:`shardckpt._replicas.warm_nccl`).
+
+    Example:
+        >>> move_tensors([(1, buf)], [], group=pg, group_ranks=[0, 1])  # doctest: +SKIP
+        (1048576, 0)
+    """
+    sent = sum(int(t.numel()) for _, t in outgoing)
+    received = sum(int(t.numel()) for _, t in incoming)
+    peers = sorted({group_ranks[p] for p, _ in list(outgoing) + list(incoming)})
+
+    def wait(works: List[Any], cuda: bool) -> None:
+        if comm is not None:
+            wait_ops(works, comm, peers, cuda, doing="copying memory-tier bytes between ranks")
+        else:
+            for w in works:
+                w.wait()
+
+    if not outgoing and not incoming:
+        return 0, 0
+    if device is None:
+        ops = [p2p_op("send", t, group_ranks[d], group, 0) for d, t in outgoing if t.numel()]
+        ops += [p2p_op("recv", t, group_ranks[s], group, 0) for s, t in incoming if t.numel()]
+        wait(start_ops(ops), False)
+        return sent, received
+    dev = torch.device("cuda", device)
+    stream = torch.cuda.Stream(device=dev)
+    transfers = [(True, d, t) for d, t in outgoing] + [(False, s, t) for s, t in incoming]
+    bufs = [[torch.empty(min(piece_bytes, max(1, int(t.numel()))), dtype=torch.uint8, device=dev) for _ in range(2)]
+            for _, _, t in transfers]
+    waves = max(-(-int(t.numel()) // piece_bytes) for _, _, t in transfers)
+    with torch.cuda.stream(stream):
+        for w in range(waves):
+            ops, outs = [], []
+            for i, (send, other, t) in enumerate(transfers):
+                off = w * piece_bytes
+                n = min(piece_bytes, int(t.numel()) - off)
+                if n <= 0:
+                    continue
+                buf = bufs[i][w % 2][:n]
+                if send:
+                    buf.copy_(t[off : off + n], non_blocking=True)
+                    ops.append(p2p_op("send", buf, group_ranks[other], group, 0))
+                else:
+                    ops.append(p2p_op("recv", buf, group_ranks[other], group, 0))
+                    outs.append((t[off : off + n], buf))
+            wait(start_ops(ops), True)
+            for dst, buf in outs:
+                dst.copy_(buf, non_blocking=True)
+    stream.synchronize()
+    return sent, received

@@ -25,7 +25,14 @@ def test_newest_step_only_restore_from_memory_and_close_cleans(tmp_path, caplog)
     with torch.no_grad():
         model.weight.add_(1)
     assert mgr.save_to_memory(2, {"model": model, "step": 2})
-    assert sorted(os.listdir(shm)) == ["identity.json", "step-00000002"]  # the older step freed, the stale staging removed
+    mgr._memory.snapshots.wait()  # the step in flight is held
+    names = sorted(os.listdir(shm))
+    # The older step freed, the stale staging removed; the two slots this process maps stay.
+    assert [n for n in names if not n.startswith(".slot-")] == ["identity.json", "step-00000002"]
+    assert len([n for n in names if n.startswith(".slot-")]) == 2
+    data = os.path.join(shm, "step-00000002", "data")
+    (held,) = [f for f in os.listdir(data) if f.endswith(".safetensors")]
+    assert os.stat(os.path.join(data, held)).st_nlink == 2  # the data file is a slot: no second host copy
     mgr.save(1, {"model": model, "step": 1})  # storage is older than memory
     want = {k: v.clone() for k, v in model.state_dict().items()}
 
@@ -37,9 +44,9 @@ def test_newest_step_only_restore_from_memory_and_close_cleans(tmp_path, caplog)
     assert again.restored_from == "memory:2" and state["step"] == 2
     assert all(torch.equal(fresh.state_dict()[k], v) for k, v in want.items())
     assert any("restored step 2 from the memory tier" in r.getMessage() for r in caplog.records)
+    mgr.close()  # the first process's slots go with it...
     again.close()
-    assert not os.path.exists(shm)  # close() removes the node's memory directory
-    mgr.close()
+    assert not os.path.exists(shm)  # ...and close() removes the node's memory directory
 
 
 def test_over_budget_turns_the_tier_off_with_one_warning(tmp_path, caplog):

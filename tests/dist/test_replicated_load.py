@@ -146,7 +146,7 @@ def _dying_rank_child(rank, world, port, path):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
-    orig, calls = _replicas._start, []
+    orig, calls = _replicas.start_ops, []
 
     def start(ops):
         calls.append(1)
@@ -154,7 +154,7 @@ def _dying_rank_child(rank, world, port, path):
             os._exit(3)  # SIGKILL-like: no cleanup, sockets closed by the kernel
         return orig(ops)
 
-    _replicas._start = start
+    _replicas.start_ops = start
     live = _live("hsdp", world)
     t0 = time.monotonic()
     try:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from shardckpt._replicas import Shared, plan_shared, round_layout
 
 
@@ -72,3 +74,32 @@ def test_every_holder_lays_out_a_group_alike():
     assert len(sizes) == 1
     assert {g.tag for g in g1.values()} == {g1[0].tag}
     assert [g.reader for g in views[1]] == [1]  # rank 1 holds nothing of rank 0's group
+
+
+def test_with_readers_a_range_whose_holder_cannot_read_it_is_sent_by_a_rank_that_can():
+    # The memory tier after losing node 1 (ranks 2, 3): files "f2"/"f3" are held only by node 0 (ranks 0, 1).
+    f2, f3 = _keys(4, file="f2"), _keys(4, file="f3")
+    readers = {"f2": [0, 1], "f3": [0, 1], "f0": [0, 1]}
+    p = plan_shared([[], [], f2, f3], round_bytes=1 << 20, readers=readers)
+    got = {s.key: s for r in p.rounds for s in r}
+    assert set(got) == set(f2 + f3)
+    assert all(got[k].holders == (2,) for k in f2) and all(got[k].holders == (3,) for k in f3)
+    assert all(got[k].reader in (0, 1) for k in got)
+    assert p.read_bytes[0] == p.read_bytes[1] == 400  # the senders share the work by bytes
+    # The sender lays out what it sends exactly as its receiver does: one message per group.
+    for rnd in p.rounds:
+        for me in (0, 1):
+            for g in round_layout(rnd, me)[0]:
+                if g.reader == me:
+                    theirs = [h for h in round_layout(rnd, g.holders[0])[0] if h.reader == me]
+                    assert [(t.stop - t.start) for t in theirs] == [g.stop - g.start]
+
+
+def test_with_readers_a_rank_that_can_read_its_range_reads_it_itself():
+    a = _keys(3, file="f0")
+    # One wanter that can read it: nothing to plan. Two wanters, one can read: it reads for both.
+    assert plan_shared([a, []], round_bytes=1 << 20, readers={"f0": [0]}).rounds == []
+    p = plan_shared([a, a], round_bytes=1 << 20, readers={"f0": [1]})
+    assert {s.reader for r in p.rounds for s in r} == {1}
+    with pytest.raises(ValueError, match="no rank can read 'f0'"):
+        plan_shared([[], a], round_bytes=1 << 20, readers={"f0": []})
