@@ -2,8 +2,9 @@
 
 One process per GPU under torchrun. Builds an MLP stack (fp32) over a device
 mesh — ``fsdp2``: sharded over every GPU; ``hsdp``: replicated over every GPU
-(``RxS`` = world x 1: each GPU holds the whole state, the case where every
-replica used to read every byte) — takes one AdamW step so the optimizer
+(``RxS`` = world x 1 by default: each GPU holds the whole state, the case
+where every replica used to read every byte; ``--replicate R`` for R x
+world/R, e.g. HSDP 2x2 on 4 GPUs) — takes one AdamW step so the optimizer
 state exists, then for shardckpt and DCP in the same run:
 
 * sync save (fsync'ed: shardckpt commits durably; DCP's files are fsync'ed
@@ -40,13 +41,14 @@ sys.path.insert(0, os.path.dirname(HERE))
 from bench_fsdp2_load import _drop_cache, _fingerprint, _status, _zero  # noqa: E402
 
 
-def _build(layout: str, blocks: int, dim: int, ff: int):
+def _build(layout: str, blocks: int, dim: int, ff: int, replicate: int = 0):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     world = dist.get_world_size()
+    rep = replicate or world
     mesh = init_device_mesh("cuda", (world,)) if layout == "fsdp2" else init_device_mesh(
-        "cuda", (world, 1), mesh_dim_names=("replicate", "shard")
+        "cuda", (rep, world // rep), mesh_dim_names=("replicate", "shard")
     )
     torch.manual_seed(0)
     model = torch.nn.Sequential(
@@ -123,13 +125,15 @@ def run(args) -> list:
     from shardckpt import _knobs
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    model, opt = _build(args.layout, args.blocks, args.dim, args.ff)
+    model, opt = _build(args.layout, args.blocks, args.dim, args.ff, args.replicate)
     nparams = sum(p.numel() for p in model.parameters())  # global
     want = _fp_all(model, opt)
     out = []
 
     def emit(rec):
-        rec = {"layout": f"{args.layout} {'%dx1' % world if args.layout == 'hsdp' else 'x%d' % world}", "world": world, **rec}
+        rep = args.replicate or world
+        name = f"{rep}x{world // rep}" if args.layout == "hsdp" else f"x{world}"
+        rec = {"layout": f"{args.layout} {name}", "world": world, **rec}
         out.append(rec)
         if rank == 0:
             print(json.dumps(rec), flush=True)
@@ -226,7 +230,8 @@ def main(argv=None) -> int:
     p.add_argument("--blocks", type=int, default=18)
     p.add_argument("--dim", type=int, default=4096)
     p.add_argument("--ff", type=int, default=16384)
-    p.add_argument("--libs", default="shardckpt,dcp")
+    p.add_argument("--libs", default="shardckpt,dcp", help="libraries in the order they run (dcp,shardckpt for the other order)")
+    p.add_argument("--replicate", type=int, default=0, help="hsdp: size of the replicate mesh dim (default: every GPU, world x 1)")
     p.add_argument("--json")
     a = p.parse_args(argv)
     local = int(os.environ.get("LOCAL_RANK", "0"))

@@ -687,7 +687,7 @@ class Snapshots:
         self.group_ranks = comm.ranks
         self.group_on_gpu = backend == "nccl"
         if self.group_on_gpu:
-            warm_nccl(self.group)  # batched p2p among some ranks only after a first collective (every rank is here)
+            warm_nccl(self.group)  # NCCL: one collective on the group before batched point-to-point calls
         return self.group
 
     def _peer_copy(self, job: _Job, process_group: Any) -> None:
@@ -728,8 +728,7 @@ class Snapshots:
             ops_out.append((out_to, torch.frombuffer(bytearray(here.read_bytes(index_of[me])), dtype=torch.uint8)))
         ops_in = [(s, torch.empty(m.indexes[index_of[s]].size, dtype=torch.uint8)) for s in senders if s in index_of]
         wire = (job.device if job.device is not None else torch.cuda.current_device()) if self.group_on_gpu else None
-        # The one transfer engine (_memory.transfer on _replicas' primitives): bounded by the comm's deadline, a dead peer named.
-        move_tensors(ops_out, ops_in, group=group, group_ranks=comm.ranks, device=wire, comm=comm, piece_bytes=PIECE_BYTES)
+        _move(ops_out, ops_in, group, comm.ranks, wire, comm)
         own_files: Dict[str, _ShmFile] = {}
         if out_to is not None:
             # Data files: the ones this rank wrote, in name order (the save engine's numbering = the slot's order).
@@ -737,7 +736,7 @@ class Snapshots:
             own_files = {rel: linked[os.path.basename(rel)] for rel in data_of[me]}
         data_out = [(out_to, own_files[rel].u8) for rel in data_of[me]] if out_to is not None else []
         data_in = [(s, f.u8) for (s, _), f in zip(incoming, pslot.files)]
-        move_tensors(data_out, data_in, group=group, group_ranks=comm.ranks, device=wire, comm=comm, piece_bytes=PIECE_BYTES)
+        _move(data_out, data_in, group, comm.ranks, wire, comm)
         sent = sum(t.numel() for _, t in ops_out + data_out)
         got = sum(t.numel() for _, t in ops_in + data_in)
         xfer_s = time.perf_counter() - t0
@@ -785,3 +784,12 @@ def _with(plan: Any, comm: Comm, writer: Callable[..., Any]) -> Any:
     return dataclasses.replace(plan, comm=comm, writer=writer, files_here=False)
 
 
+def _move(outgoing: List[Tuple[int, torch.Tensor]], incoming: List[Tuple[int, torch.Tensor]], group: Any,
+          group_ranks: Sequence[int], device: Optional[int], comm: Optional[Comm] = None) -> None:
+    """Send each ``(dst, bytes)`` and receive each ``(src, buffer)`` over ``group``: ``transfer.move_tensors``.
+
+    gloo (``device`` None): the host tensors go as they are, in place.
+    NCCL: in pieces through two GPU buffers per transfer on a side stream.
+    With ``comm``, waits are bounded and a dead peer is named.
+    """
+    move_tensors(outgoing, incoming, group=group, group_ranks=group_ranks, device=device, comm=comm)

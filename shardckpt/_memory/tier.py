@@ -6,19 +6,13 @@ collective over the manager's ranks (as ``save``/``restore`` are), and
 every decision comes from values all ranks exchanged, computed by the pure
 functions of ``_memory/plan.py``, so every rank reaches the same one.
 
-Save (``CheckpointManager.save_to_memory``):
-  1. the ordinary save engine (``prepare_save`` + ``execute_save``) writes
-     each rank's files into its node's ``step-<N>/`` (a ``LocalStorage``
-     there); rank 0 commits the manifest on its node;
-  2. the manifest goes to every rank (one agreement) and is written on every
-     node, so each node can say which step it holds;
-  3. each rank's data and index files go to its peer rank (another node)
-     over the process group (``_memory/transfer.py``);
-  4. once every rank has its step and its peer's (one agreement), every other
-     step in memory is removed.
-  A step that does not fit the budget (or the directory is missing or full)
-  is not written: the tier turns itself off with one warning; storage saves
-  go on.
+Save (``CheckpointManager.save_to_memory``): ``_memory/snapshot.py``. The
+call blocks only for the copy of the rank's shard into mapped (pinned)
+shared-memory slots that are the memory copy; checksums, the commit, the
+manifest on every node and the peer copy run in a background thread, and
+the step is held once both copies are verified everywhere. A step that does
+not fit the budget (or whose directory is refused) is not written: the tier
+turns itself off with one warning; storage saves go on.
 
 Restore (``CheckpointManager.restore``, before the storage step it picked):
   ``_memory/restore.py``: each rank receives exactly the byte ranges its

@@ -144,15 +144,14 @@ def _failing_run(rank, world, base):
     assert mgr.save_to_memory(1, _state(model, opt, sched, 1))
     mgr._memory.snapshots.wait()
     want = T.full_params(model)
-    real = snapshot.move_tensors
+    real = snapshot._move
 
-    def damaging(outgoing, incoming, **kw):
-        out = real(outgoing, incoming, **kw)
+    def damaging(outgoing, incoming, group, ranks, device, comm=None):
+        real(outgoing, incoming, group, ranks, device, comm)
         if rank == 2 and incoming and incoming[-1][1].numel() > 1000:  # rank 2 receives a data file with a flipped byte
             incoming[-1][1][-1] ^= 0xFF
-        return out
 
-    snapshot.move_tensors = damaging
+    snapshot._move = damaging
     try:
         T.train(model, opt, sched, 1, 1, KIND, rank, world)
         assert mgr.save_to_memory(2, _state(model, opt, sched, 2))  # the copy is done; the failure comes later
@@ -163,7 +162,7 @@ def _failing_run(rank, world, base):
         except SaveFailedError as e:
             said = str(e)
     finally:
-        snapshot.move_tensors = real
+        snapshot._move = real
     return {"want": want, "said": said}
 
 
