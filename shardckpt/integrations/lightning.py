@@ -39,7 +39,7 @@ from typing import Any, Dict, Optional
 from lightning.fabric.strategies import ModelParallelStrategy as _FabricMPS
 from lightning.pytorch.strategies import ModelParallelStrategy as _TrainerMPS
 
-from .._format import MANIFEST_NAME, open_manifest
+from .._format import MANIFEST_NAME, open_manifest, torch_dtype
 from .._load import load
 from .._save import save
 from .._storage import Storage
@@ -208,7 +208,7 @@ def consolidate(src: str, dst: str, *, storage_options: Optional[Dict[str, Any]]
                                       "for Lightning's DCP directories use lightning.fabric.utilities.consolidate_checkpoint")
     manifest = open_manifest(src, storage_options=storage_options, chunks=False)
     prefix = MODEL_KEY + "."
-    weights = {n[len(prefix):]: torch.empty(list(t.shape), dtype=_dtype(t.dtype)) for n, t in manifest.tensors.items()
+    weights = {n[len(prefix):]: torch.empty(list(t.shape), dtype=torch_dtype(t.dtype)) for n, t in manifest.tensors.items()
                if n.startswith(prefix)}
     meta = values_template(manifest, META_KEY)
     target = {MODEL_KEY: weights, META_KEY: meta}
@@ -219,9 +219,3 @@ def consolidate(src: str, dst: str, *, storage_options: Optional[Dict[str, Any]]
     os.makedirs(parent, exist_ok=True)
     torch.save(out, dst)
     return dst
-
-
-def _dtype(name: str) -> Any:
-    from .._format import torch_dtype
-
-    return torch_dtype(name)
