@@ -100,12 +100,23 @@ def is_enabled(accelerator: Any) -> bool:
 
 
 def wait(accelerator: Any) -> None:
-    """Wait for this accelerator's async save in flight, if any (raises its failure)."""
+    """Wait for this accelerator's async save in flight, if any (raises its failure); then apply ``total_limit``.
+
+    Collective when a save is in flight (every process calls it, as ``save_state``).
+    """
     opts = getattr(accelerator, _ATTR, None)
     if opts and opts["handle"] is not None:
         handle: AsyncSaveHandle = opts["handle"]
         opts["handle"] = None
         handle.result()
+        # Retention of an async save runs once it is committed, never before.
+        _maybe_retain(accelerator)
+
+
+def _maybe_retain(accelerator: Any) -> None:
+    pc = accelerator.project_configuration
+    if pc.automatic_checkpoint_naming and pc.total_limit is not None:
+        _retain(accelerator, pc.total_limit)
 
 
 def _unwrap(obj: Any, attr: str) -> Any:
@@ -203,9 +214,7 @@ def save_state(accelerator: Any, output_dir: Optional[str] = None) -> str:
         opts["handle"] = async_save(state, output_dir, **kw)
     else:
         save(state, output_dir, **kw)
-    if pc.automatic_checkpoint_naming and pc.total_limit is not None:
-        if not opts["async_save"]:
-            _retain(accelerator, pc.total_limit)
+        _maybe_retain(accelerator)
     pc.iteration += 1
     return output_dir
 

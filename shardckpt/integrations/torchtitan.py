@@ -52,7 +52,7 @@ from torchtitan.tools import filesystem
 from .._load import load
 from .._manager import CheckpointManager as _Manager
 from .._state import PerRank
-from ..errors import UsageError
+from ..errors import CheckpointNotFoundError, UsageError
 
 __all__ = ["CheckpointManager", "ASYNC_MODES", "dcp_steps"]
 
@@ -196,7 +196,7 @@ class CheckpointManager(BaseCheckpointManager):
         want = None if step == -1 else step
         committed = self._mgr.steps()
         if want is not None and want not in committed:
-            raise FileNotFoundError(f"--checkpoint.load_step={want} not found under {self.folder} (committed: {committed[-8:]})")
+            raise CheckpointNotFoundError(f"--checkpoint.load_step={want} not found under {self.folder} (committed: {committed[-8:]})")
         if committed:
             chosen = want if want is not None else committed[-1]
             # Step 0 is torchtitan's seed checkpoint: model only.

@@ -16,7 +16,7 @@ import shardckpt.integrations.accelerate as sc_accelerate  # noqa: E402
 
 root = sys.argv[1]
 pc = ProjectConfiguration(project_dir=root, automatic_checkpoint_naming=True, total_limit=2)
-accelerator = sc_accelerate.enable(Accelerator(project_config=pc, cpu=True))
+accelerator = sc_accelerate.enable(Accelerator(project_config=pc, cpu=True), async_save=sys.argv[2:] == ["async"])
 calls = []
 accelerator.register_save_state_pre_hook(lambda models, weights, out: calls.append("save"))
 accelerator.register_load_state_pre_hook(lambda models, inp: calls.append("load"))
@@ -28,7 +28,7 @@ for i in range(4):
     accelerator.save_state()
 accelerator.step = 0
 accelerator.project_configuration.iteration = 0
-accelerator.load_state()
+accelerator.load_state()  # waits for the async save in flight, then applies total_limit
 if dist.get_rank() == 0:
     with open(os.path.join(root, "result.json"), "w") as f:
         json.dump({"folders": sorted(os.listdir(os.path.join(root, "checkpoints"))), "hooks": calls,

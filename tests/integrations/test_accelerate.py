@@ -58,6 +58,7 @@ def test_resume_on_one_process(run):
         assert got[s] == pytest.approx(full[s], rel=CROSS_WORLD_RTOL), (s, got[s], full[s])
 
 
+@pytest.mark.slow
 def test_accelerate_dcp_checkpoint_still_loads(run, tmp_path):
     run_ok(SCRIPT, 2, ["--dcp", "--save-at", "4", "--ckpt", str(tmp_path / "dcp"), "--out", str(tmp_path / "dcp.jsonl")])
     assert (tmp_path / "dcp" / "pytorch_model_fsdp_0" / ".metadata").exists()
@@ -66,6 +67,7 @@ def test_accelerate_dcp_checkpoint_still_loads(run, tmp_path):
     assert got == {s: full[s] for s in got} and sorted(got) == [5, 6, 7, 8]
 
 
+@pytest.mark.slow
 def test_accelerate_dcp_model_converts(run, tmp_path):
     """Accelerate's DCP model folder through converters.from_dcp, then loaded into a plain module."""
     import torch
@@ -85,8 +87,9 @@ def test_accelerate_dcp_model_converts(run, tmp_path):
         assert torch.equal(a, b), k
 
 
-def test_automatic_naming_total_limit_and_hooks(tmp_path):
-    run_ok("_accelerate_project.py", 2, [str(tmp_path)])
+@pytest.mark.parametrize("mode", ["sync", pytest.param("async", marks=pytest.mark.slow)])
+def test_automatic_naming_total_limit_and_hooks(tmp_path, mode):
+    run_ok("_accelerate_project.py", 2, [str(tmp_path), mode])
     with open(tmp_path / "result.json") as f:
         res = json.load(f)
     assert res["folders"] == ["checkpoint_2", "checkpoint_3"]  # total_limit=2, numbered by iteration
