@@ -4,7 +4,7 @@ One line changes, the strategy's import::
 
     from shardckpt.integrations.lightning import ModelParallelStrategy     # was: from lightning.pytorch.strategies import ...
     trainer = Trainer(strategy=ModelParallelStrategy(), ...)
-    trainer.fit(model, ckpt_path="last")            # resumes at any world size
+    trainer.fit(model, ckpt_path="ckpt/last.ckpt")  # resumes at any world size
 
     from shardckpt.integrations.lightning import FabricModelParallelStrategy
     fabric = Fabric(strategy=FabricModelParallelStrategy(), ...)
