@@ -48,6 +48,11 @@ def test_torchtitan_config_keeps_torchtitan_validation():
     with pytest.raises(ValueError, match="at least 2"):
         CheckpointManager.Config(enable=True, keep_latest_k=1)
     assert CheckpointManager.Config(enable=True, async_mode="ASYNC").async_mode == "async"
+    # What torchtitan's Trainer.Config.checkpoint takes, and what its build() constructs.
+    from torchtitan.components.checkpointer import BaseCheckpointManager
+
+    assert isinstance(CheckpointManager.Config(enable=True), BaseCheckpointManager.Config)
+    assert CheckpointManager.Config._owner is CheckpointManager
     # A disabled manager builds nothing and saves nothing, as torchtitan's.
     off = CheckpointManager.Config(enable=False).build(dataloader=None, model_parts=[torch.nn.Linear(2, 2)], optimizers=None,
                                                        lr_schedulers=None, states={}, sd_adapter=None)
