@@ -100,3 +100,65 @@ def test_last_save_in_hf_through_the_sd_adapter(tmp_path):
         assert sorted(f.keys()) == sorted(f"hf.{i}.{k}" for i in (0, 2, 4) for k in ("weight", "bias"))
         assert f.get_tensor("hf.0.weight").shape == (32, 8)
     assert json.loads((tmp_path / "hf.jsonl").read_text().splitlines()[-1])["step"] == 8
+
+
+def _stage(rank_or_none, seed):
+    """torchtitan's pipeline split: a copy of the whole model with the other stages' layers deleted (FQNs kept)."""
+    import torch
+
+    torch.manual_seed(seed)
+    full = torch.nn.ModuleDict({"a": torch.nn.Linear(4, 8), "b": torch.nn.Linear(8, 2)})
+    if rank_or_none is not None:
+        del full[["b", "a"][rank_or_none]]
+    return full
+
+
+def _tt_parts(parts, root):
+    from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersContainer, ParamGroupConfig
+
+    from shardckpt.integrations.torchtitan import CheckpointManager
+
+    opts = OptimizersContainer(OptimizersContainer.Config(
+        param_groups=[ParamGroupConfig(pattern=".*", optimizer_name="AdamW", optimizer_kwargs={"lr": 1e-2})],
+        implementation="for-loop"), model_parts=parts)
+    scheds = LRSchedulersContainer.Config(warmup_steps=2).build(optimizers=opts, training_steps=10)
+    ckpt = CheckpointManager.Config(enable=True, folder="checkpoint", interval=1, last_save_model_only=False).build(
+        dataloader=None, model_parts=parts, optimizers=opts, lr_schedulers=scheds, states={}, sd_adapter=None, base_folder=root)
+    return opts, scheds, ckpt
+
+
+def _save_stage(rank, world, root):
+    import torch
+
+    stage = _stage(rank, seed=0)
+    opts, scheds, ckpt = _tt_parts([stage], root)
+    for _ in range(2):
+        sum(p.square().sum() for p in stage.parameters()).backward()
+        opts.step()
+        scheds.step()
+        opts.zero_grad()
+    ckpt.save(2)
+    ckpt.close()
+    with torch.no_grad():
+        return {n: p.clone() for n, p in stage.named_parameters()}, opts.state_dict()
+
+
+def test_pipeline_stages_saved_as_a_union_load_into_one_process(tmp_path):
+    """Two ranks, each one pipeline stage (disjoint FQNs), save one step; one process holding both stages loads it."""
+    import torch
+    from _dist import run_ranks
+
+    per_rank = run_ranks(2, _save_stage, str(tmp_path), fresh=True)
+    parts = [_stage(0, seed=1), _stage(1, seed=1)]
+    opts, scheds, ckpt = _tt_parts(parts, str(tmp_path))
+    assert ckpt.load() is True
+    live = {n: p for part in parts for n, p in part.named_parameters()}
+    flat = opts.state_dict()
+    for weights, saved_opt in per_rank:
+        for n, t in weights.items():
+            assert torch.equal(live[n], t), n
+        for k, v in saved_opt.items():
+            if isinstance(v, torch.Tensor):
+                assert torch.equal(flat[k], v), k
+    assert scheds.schedulers[0].last_epoch == 2
+    ckpt.close()
