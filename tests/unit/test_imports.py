@@ -31,7 +31,19 @@ def _modules():
     return sorted(set(out) - {"shardckpt.__main__"})
 
 
-MODULES = _modules()
+#: The trainer integrations import their trainer (an optional dependency): each is
+#: checked where its trainer is installed (shardckpt.integrations itself always).
+OPTIONAL = {"shardckpt.integrations.accelerate": "accelerate", "shardckpt.integrations.lightning": "lightning",
+            "shardckpt.integrations.torchtitan": "torchtitan"}
+
+
+def _installed(module: str) -> bool:
+    import importlib.util
+
+    return module not in OPTIONAL or importlib.util.find_spec(OPTIONAL[module]) is not None
+
+
+MODULES = [m for m in _modules() if _installed(m)]
 
 
 def _run(code: str) -> subprocess.CompletedProcess:
@@ -43,6 +55,7 @@ def test_the_module_list_is_complete():
     # The list is discovered, not written down: it must see the subpackages.
     assert "shardckpt._format.committed" in MODULES and "shardckpt._format.values" in MODULES
     assert "shardckpt.converters._common" in MODULES and "shardckpt._verify" in MODULES
+    assert "shardckpt.integrations" in MODULES and "shardckpt.integrations._common" in MODULES
     assert not any(m.endswith("_crc") for m in MODULES), "one checksum implementation: converters/_crc.py is gone"
 
 

@@ -40,6 +40,7 @@ LAYERS: Dict[str, int] = {
     "shardckpt._cli": 1,
     "shardckpt._manager": 1,
     "shardckpt.converters": 1,
+    "shardckpt.integrations": 1,
     # 2. engine: save, load, async, inspect/verify
     "shardckpt._save": 2,
     "shardckpt._union": 2,

@@ -1,0 +1,69 @@
+"""Launch a training script on N real processes (gloo, CPU), as torchrun would, and collect what they wrote.
+
+Each rank is a fresh interpreter with ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/
+``MASTER_ADDR``/``MASTER_PORT`` set (no torchrun agent: it costs seconds per
+launch on a loaded box). A script "crashes" by SIGKILL-ing itself after its
+checkpoint, so the resume starts from what a dead process left on disk.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from typing import Dict, List
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from _dist import free_port  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(HERE))
+#: Seconds one launch may take before it counts as hung.
+LAUNCH_TIMEOUT_S = 240
+
+
+def launch(script: str, world: int, args: List[str], *, timeout: float = LAUNCH_TIMEOUT_S) -> List[int]:
+    """Run ``tests/integrations/<script>`` on ``world`` processes; return their exit codes by rank."""
+    port = free_port()
+    procs = []
+    for rank in range(world):
+        env = dict(os.environ)
+        env.update(
+            RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1",
+            PYTHONPATH=os.pathsep.join([HERE, os.path.dirname(HERE), REPO, env.get("PYTHONPATH", "")]),
+        )
+        procs.append(subprocess.Popen([sys.executable, os.path.join(HERE, script), *args], env=env, cwd=REPO,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+    codes, logs = [], []
+    try:
+        for p in procs:
+            out, _ = p.communicate(timeout=timeout)
+            codes.append(p.returncode)
+            logs.append(out.decode(errors="replace"))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    launch.last_logs = logs  # type: ignore[attr-defined]
+    return codes
+
+
+def run_ok(script: str, world: int, args: List[str]) -> None:
+    """``launch`` that must exit 0 on every rank (the logs of the failing ranks in the error)."""
+    codes = launch(script, world, args)
+    if any(codes):
+        logs = launch.last_logs  # type: ignore[attr-defined]
+        raise AssertionError(f"{script} {args} exit codes {codes}:\n" + "\n".join(l[-4000:] for l in logs))
+
+
+def losses(path: str) -> Dict[int, float]:
+    """``{step: loss}`` a rank-0 script wrote to ``path`` (JSON lines)."""
+    out = {}
+    with open(path) as f:
+        for line in f:
+            rec = json.loads(line)
+            out[int(rec["step"])] = float(rec["loss"])
+    return out
