@@ -79,9 +79,17 @@ def _rank(rank: int, world: int, port: int, path: str, slow_peer: bool, out) -> 
     # The process now ends as a user's script does: no destroy_process_group.
 
 
+def _context():
+    """One process per rank, forked from a server that imported torch once (as tests/_dist.py's ranks are)."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed"])
+    return ctx
+
+
 def _run_once(tmp_path, i: int, slow_peer: bool) -> None:
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from _dist import _context, free_port
+    from _dist import free_port
 
     ctx = _context()
     port = free_port()
