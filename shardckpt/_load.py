@@ -321,11 +321,48 @@ def load(
             ),
             what=f"the load from {storage.url} stopped part-way (ranks not named here loaded all their tensors)",
         )
-    for name, put in plan.creates.items():
-        put(plan.created[name])
-    for fn in plan.finalizers:
-        fn()
+    _finish(comm, storage.url, plan)
     return plan.result
+
+
+def _finish(comm: Comm, url: str, plan: LoadPlan) -> None:
+    """Put created tensors and run the finalizers (``load_state_dict`` of stateful objects...), agreed by every rank.
+
+    They run once every rank's tensors are in. One that raises (a user
+    object refusing its saved state: its own version check) cannot be
+    checked before: the object decides. The load then raises our error on
+    every rank, naming the tensors this rank had already loaded and keeping
+    the object's exception as ``__cause__`` (the streaming contract, as for a
+    block that fails its checksum part-way).
+    """
+    original: List[BaseException] = []
+
+    def run() -> None:
+        for name, put in plan.creates.items():
+            put(plan.created[name])
+        for fn in plan.finalizers:
+            try:
+                fn()
+            except Exception as e:
+                cause = e.__cause__ if isinstance(e, CheckpointError) and e.__cause__ is not None else e
+                original.append(cause)
+                loaded = [t.name for t in plan.targets] + sorted(plan.created)
+                cls = type(e) if isinstance(e, CheckpointError) else StateMismatchError
+                text = str(e) if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}"
+                msg = (f"{text}. The tensors were loaded before it (the live state now holds the checkpoint's "
+                       f"values there; load again once this is fixed): {format_offenders(loaded) if loaded else 'none'}")
+                try:
+                    err = cls(msg)
+                except Exception:  # a subclass with another signature
+                    err = StateMismatchError(msg)
+                raise err from cause
+
+    try:
+        agree(comm, run, what=f"the load from {url} stopped after the tensors were loaded", error=LoadFailedError)
+    except CheckpointError as e:
+        if original and e.__cause__ is not original[0]:
+            e.__cause__ = original[0]  # the object's own exception, not our wrapper of it
+        raise
 
 
 def _refuse_meta_optimizers(state: Any) -> None:
