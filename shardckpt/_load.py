@@ -25,6 +25,7 @@ rounds of point-to-point transfers, between steps 2 and 4):
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple, Union
@@ -62,6 +63,8 @@ from .errors import (
 
 if TYPE_CHECKING:  # pragma: no cover
     from torch.distributed import ProcessGroup
+
+log = logging.getLogger("shardckpt")
 
 #: ``key_map``: checkpoint name -> state name, as a dict or a callable (None drops).
 KeyMap = Union[Mapping[str, str], Callable[[str], Optional[str]]]
@@ -667,6 +670,46 @@ def live_nothing_loaded(flat, creates, manifest: Manifest) -> bool:
     return asked and not hit and not flat.value_paths
 
 
+def _untied_copies(manifest: Manifest, storage: Optional[Storage], tied: Sequence[Tuple[str, str]],
+                   cache: MetaCache) -> List[Tuple[str, str, Optional[bool]]]:
+    """For each ``(loaded, other)`` name pair the live model ties: whether the checkpoint's two tensors are equal.
+
+    Decided from metadata only, before any byte is read: one stored tensor
+    under two names (a tied save, an alias) is equal; else equal when every
+    chunk has the same box and the same content hash, or the same CRC-32Cs
+    (whole and per block); different when any of them differs, or the dtype
+    or shape does; None when there is nothing to compare by (a Hugging Face
+    file has no checksums, or the two were chunked differently).
+    """
+    stored = manifest.extra.get(ALIAS_OF_KEY, {}) or {}
+    out: List[Tuple[str, str, Optional[bool]]] = []
+    for a, b in tied:
+        if a not in manifest.tensors or b not in manifest.tensors or stored.get(a, a) == stored.get(b, b):
+            continue
+        ta, tb = manifest.tensors[a], manifest.tensors[b]
+        if ta.dtype != tb.dtype or list(ta.shape) != list(tb.shape):
+            out.append((a, b, False))
+            continue
+        whole = [((0,) * len(ta.shape), tuple(ta.shape))]
+        ca, cb = (sorted(saved_chunks(manifest, storage, n, whole, cache), key=lambda c: tuple(c.offsets)) for n in (a, b))
+        same: Optional[bool] = True
+        if [(tuple(c.offsets), tuple(c.sizes)) for c in ca] != [(tuple(c.offsets), tuple(c.sizes)) for c in cb]:
+            same = None
+        else:
+            for x, y in zip(ca, cb):
+                if x.content_hash and y.content_hash:
+                    if x.content_hash != y.content_hash:
+                        same = False
+                        break
+                elif x.crc32c is None and not x.block_crcs or y.crc32c is None and not y.block_crcs:
+                    same = None
+                elif (x.crc32c, x.block_bytes, tuple(x.block_crcs)) != (y.crc32c, y.block_bytes, tuple(y.block_crcs)):
+                    same = False
+                    break
+        out.append((a, b, same))
+    return out
+
+
 def _self_overlapping(t: torch.Tensor) -> bool:
     """Whether some element of ``t`` shares memory with another (``expand``-ed, stride 0...)."""
     if t.numel() <= 1:
@@ -774,6 +817,22 @@ def _plan_load(
         except ValueError as e:
             raise CorruptCheckpointError(f"{name}: the checkpoint's chunks do not cover what this rank holds: {e}") from None
         targets.append(_Target(name, meta, parts_, pieces, chunks, replicated=_replicated(lay)))
+    untied = _untied_copies(manifest, storage, flat.tied, cache)
+    differ = [f"{b} (tied to {a} in the live model)" for a, b, same in untied if same is False]
+    if strict and differ:
+        parts.append(
+            "the checkpoint holds two different tensors where the live model ties one (an untied checkpoint; "
+            f"loading would keep the first name's values and drop the other's): {format_offenders(differ, sep='; ')}. "
+            "Untie the live model to load both (e.g. tie_word_embeddings=False), or pass strict=False to load the first "
+            "name's values into the tied tensor (with a warning)"
+        )
+    for a, b, same in untied:
+        if same is not True and not (strict and same is False):
+            log.warning(
+                "shardckpt: %s and %s are one tensor in the live model (tied) but two tensors in the checkpoint%s: "
+                "%s's values were loaded, %s's were not used",
+                a, b, "" if same is False else " that may differ (no checksums to compare them by)", a, b,
+            )
     if problems:
         parts.append(f"{len(problems)} tensor(s) differ: " + format_offenders(problems, sep="; "))
     if parts:
