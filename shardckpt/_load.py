@@ -240,8 +240,10 @@ def load(
 
     Raises:
         CheckpointNotFoundError: no ``manifest.json`` at ``url``.
-        StateMismatchError: names, shapes or dtypes disagree, or a target
-            tensor overlaps itself (all listed, one error).
+        StateMismatchError: names, shapes or dtypes disagree, a target
+            tensor overlaps itself, or (strict) the live model ties two names
+            the checkpoint holds as different tensors (all listed, one error);
+            after the tensors are in, a stateful object refused its state.
         CorruptCheckpointError: files missing or truncated (nothing changed),
             or a block failing its checksum (``ChecksumMismatchError``; names
             the tensors already overwritten unless ``atomic=True``).
@@ -259,7 +261,12 @@ def load(
     sent to the others over ``process_group`` (``SHARDCKPT_LOAD_READ_ONCE``,
     default on): that adds three buffers of about ``buffer_bytes / 2`` on
     the GPU (NCCL) or in host memory (gloo). A stateful object's ``load_state_dict`` runs
-    after the tensors are in; if it raises, the tensors are already loaded.
+    after the tensors are in; if it raises, the tensors are already loaded: the
+    load raises ``StateMismatchError`` (or our error the object raised) on
+    every rank, naming them, with the object's exception as ``__cause__``.
+    A live model that ties two names the checkpoint holds as different
+    tensors is refused with ``strict=True`` (``strict=False``: a warning, the
+    first name's values load).
     """
     if state is None or (isinstance(state, dict) and not state):
         return _load_by_keys(url, keys=keys, storage_options=storage_options, io_threads=io_threads)  # type: ignore[return-value]  # keys=: a dict
