@@ -71,7 +71,8 @@ Every (group, channel) pair counts its exchanges; keys are
 
 A save makes 4 exchanges (``prepare_save``: ``distinct``; the target check:
 ``from_root``; the write summaries: ``to_root``; the commit outcome), a load
-2 (the plan check, the read outcome).
+3 (the plan check, the read outcome, the outcome of the stateful objects'
+``load_state_dict``; ``benchmarks/bench_control_plane.py`` times the first two).
 
 After a timeout the late rank, if it ever comes, reads the same verdict (the
 missing-rank error) and raises too; a peer that gives up withdraws its
