@@ -71,18 +71,30 @@ Every (group, channel) pair counts its exchanges; keys are
 
 A save makes 4 exchanges (``prepare_save``: ``distinct``; the target check:
 ``from_root``; the write summaries: ``to_root``; the commit outcome), plus
-the replica check's (``distinct``) unless ``replicas="off"``; a load 2 (the
-plan check, the read outcome).
+the replica check's (``distinct``) unless ``replicas="off"``; a load 3 (the
+plan check, the read outcome, the outcome of the stateful objects'
+``load_state_dict``; ``benchmarks/bench_control_plane.py`` times the first two).
 
 After a timeout the late rank, if it ever comes, reads the same verdict (the
 missing-rank error) and raises too; a peer that gives up withdraws its
 outcome (deletes ``r<i>``, takes back its count) so a late rank 0 does not
 take it for this exchange.
 
+An exchange that ends in an error on every rank (a rank's step failed, or
+rank 0's ``decide`` refused) has one more step, its final agreement: each
+peer bumps ``read`` once it has read the verdict (the last sets
+``read_all``), and rank 0 returns only then, or after
+``SHARDCKPT_LIVENESS_TIMEOUT_S``. Rank 0 hosts the store and a program
+usually exits on the error: without it a peer slow to read the verdict
+found the store gone (issue 29).
+
 How ranks wait: the blocking ``store.wait`` runs in a helper thread on a
 clone of the store's connection, with one long timeout, while the calling
 thread checks liveness once a second (below): waiting in 1 s slices makes
-torch log two "socket timed out" warnings per slice. After
+torch log two "socket timed out" warnings per slice. The helper also opens
+that connection (``Store.clone``), which retries connecting for the store's
+own timeout (30 min) when the store's host has just exited: the calling
+thread, which ticks, notices that in seconds. After
 ``WAIT_LOG_AFTER_S`` (30 s), then every ``WAIT_LOG_EVERY_S`` (300 s), a
 waiting rank logs (``logging.getLogger("shardckpt")``, WARNING) how long it
 has waited and for whom: rank 0 names the ranks that have not arrived (found
@@ -437,11 +449,12 @@ _WAITER_LOCK = threading.Lock()
 
 
 def _waiter_conn(store):
+    """The waiting connection: the one kept from the last wait, else a new clone (may block: helper thread only)."""
     with _WAITER_LOCK:
         if _WAITER["store"] is store and _WAITER["conn"] is not None:
             conn, _WAITER["conn"] = _WAITER["conn"], None
             return conn
-    return store.clone() if hasattr(store, "clone") else None
+    return store.clone()
 
 
 def _release_conn(store, conn) -> None:
@@ -472,14 +485,18 @@ def _wait(
     except Exception as e:
         raise _StoreGone(f"{type(e).__name__}: {e}") from None
     deadline = time.monotonic() + timeout_s
-    conn = _waiter_conn(store)
-    if conn is None:  # pragma: no cover - torch without Store.clone: 1 s slices
+    if not hasattr(store, "clone"):  # pragma: no cover - torch without Store.clone: 1 s slices
         return _wait_sliced(store, keys, deadline, tick)
     done = threading.Event()
     box: Dict[str, Any] = {}
 
     def run() -> None:
         try:
+            # Opening the connection is the helper's too: Store.clone retries
+            # connecting for the store's own timeout (30 min) when the host of
+            # the store (rank 0) has just exited, and only the caller, which
+            # ticks, notices that in seconds (issue 29: a peer hung there).
+            conn = box["conn"] = _waiter_conn(store)
             # Outlives the caller's deadline: the caller decides the timeout.
             conn.wait(keys, timedelta(seconds=timeout_s))
             box["ok"] = True
@@ -511,7 +528,7 @@ def _wait(
         if got is not None:
             return give_up(got)
     if box.get("ok"):
-        _release_conn(store, conn)
+        _release_conn(store, box["conn"])
         return None
     try:  # the helper's wait failed: a timeout of its own, or the store is gone
         if store.check(keys):
@@ -731,9 +748,11 @@ def _exchange(comm: Comm, outcome: Any, blob: Optional[bytes]) -> Tuple[str, Any
         if verdict[0] == "ok" and verdict[2] and outcome[1] is not None:
             verdict = ("ok", verdict[1], pickle.loads(store.get(f"{base}/g/{outcome[1]}")))
         _delete(store, mine)
-        return base, verdict, None, {}
     except Exception:  # the verdict was posted, then its host died before this rank read it
         return base, ("dead", [root]), None, {}
+    if verdict[0] in _ENDING:
+        _mark_read(store, comm, base)
+    return base, verdict, None, {}
 
 
 def _post_verdict(comm: Comm, base: str, verdict: Any, pieces: Optional[Dict[str, Any]] = None) -> None:
@@ -757,6 +776,40 @@ def _post_verdict(comm: Comm, base: str, verdict: Any, pieces: Optional[Dict[str
         raise _TooBig(f"the verdict is {len(body) / 2**20:.1f} MiB")
     store.set(f"{base}/v", body)
     _STALE[_seq_key(comm, store)] = keys
+
+
+# Verdicts that end the call with an error on every rank: rank 0 waits until
+# its peers have read them (:func:`_await_reads`).
+_ENDING = ("failed", "refused")
+
+
+def _mark_read(store, comm: Comm, base: str) -> None:
+    """A peer has read an ending verdict: count it; the last peer tells rank 0 (best effort)."""
+    try:
+        if store.add(f"{base}/read", 1) == comm.world - 1:
+            store.set(f"{base}/read_all", b"1")
+    except Exception:  # rank 0 stops waiting after its bound
+        pass
+
+
+def _await_reads(comm: Comm, base: str) -> None:
+    """Rank 0, after posting an ending verdict: return once every peer read it, or after ``LIVENESS_TIMEOUT_S``.
+
+    The store lives in rank 0's process, and a program usually exits on the
+    error: without this final agreement a peer that was slow to read the
+    verdict found the store gone and raised "rank 0 stopped" instead of the
+    refusal (issue 29). Every peer posted this exchange, so each is alive and
+    about to read; one that has not within the liveness bound is treated as
+    dead (it raises naming rank 0, as if rank 0 had died). Successful
+    exchanges need no such wait: the next exchange is their agreement.
+    """
+    store = _store()
+    keys = [f"{base}/read_all"]
+    _STALE.setdefault(_seq_key(comm, store), []).extend([f"{base}/read"] + keys)
+    try:
+        _wait(store, keys, _knobs.LIVENESS_TIMEOUT_S, lambda: None, wake=True)
+    except _StoreGone:  # pragma: no cover - rank 0 hosts the store
+        pass
 
 
 # --------------------------------------------------------------------------
@@ -921,6 +974,8 @@ def agree(
             verdict = ("ok", verdict[1], pieces_by_hash[outcomes[0][1]])  # type: ignore[index]
     elif comm.rank == 0:
         _post_verdict(comm, base, verdict)
+    if comm.rank == 0 and verdict[0] in _ENDING:
+        _await_reads(comm, base)
     kind, value = verdict[0], verdict[1]
     if kind in ("missing", "dead"):
         if local is not None and not isinstance(local, Exception):

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple, Union
@@ -63,6 +64,8 @@ from .errors import (
 
 if TYPE_CHECKING:  # pragma: no cover
     from torch.distributed import ProcessGroup
+
+log = logging.getLogger("shardckpt")
 
 #: ``key_map``: checkpoint name -> state name, as a dict or a callable (None drops).
 KeyMap = Union[Mapping[str, str], Callable[[str], Optional[str]]]
@@ -238,8 +241,10 @@ def load(
 
     Raises:
         CheckpointNotFoundError: no ``manifest.json`` at ``url``.
-        StateMismatchError: names, shapes or dtypes disagree, or a target
-            tensor overlaps itself (all listed, one error).
+        StateMismatchError: names, shapes or dtypes disagree, a target
+            tensor overlaps itself, or (strict) the live model ties two names
+            the checkpoint holds as different tensors (all listed, one error);
+            after the tensors are in, a stateful object refused its state.
         CorruptCheckpointError: files missing or truncated (nothing changed),
             or a block failing its checksum (``ChecksumMismatchError``; names
             the tensors already overwritten unless ``atomic=True``).
@@ -257,7 +262,12 @@ def load(
     sent to the others over ``process_group`` (``SHARDCKPT_LOAD_READ_ONCE``,
     default on): that adds three buffers of about ``buffer_bytes / 2`` on
     the GPU (NCCL) or in host memory (gloo). A stateful object's ``load_state_dict`` runs
-    after the tensors are in; if it raises, the tensors are already loaded.
+    after the tensors are in; if it raises, the tensors are already loaded: the
+    load raises ``StateMismatchError`` (or our error the object raised) on
+    every rank, naming them, with the object's exception as ``__cause__``.
+    A live model that ties two names the checkpoint holds as different
+    tensors is refused with ``strict=True`` (``strict=False``: a warning, the
+    first name's values load).
     """
     if state is None or (isinstance(state, dict) and not state):
         return _load_by_keys(url, keys=keys, storage_options=storage_options, io_threads=io_threads)  # type: ignore[return-value]  # keys=: a dict
@@ -365,11 +375,48 @@ def load_into(
             )),
             what=f"the load from {storage.url} stopped part-way (ranks not named here loaded all their tensors)",
         )
-    for name, put in plan.creates.items():
-        put(plan.created[name])
-    for fn in plan.finalizers:
-        fn()
+    _finish(comm, storage.url, plan)
     return plan.result
+
+
+def _finish(comm: Comm, url: str, plan: LoadPlan) -> None:
+    """Put created tensors and run the finalizers (``load_state_dict`` of stateful objects...), agreed by every rank.
+
+    They run once every rank's tensors are in. One that raises (a user
+    object refusing its saved state: its own version check) cannot be
+    checked before: the object decides. The load then raises our error on
+    every rank, naming the tensors this rank had already loaded and keeping
+    the object's exception as ``__cause__`` (the streaming contract, as for a
+    block that fails its checksum part-way).
+    """
+    original: List[BaseException] = []
+
+    def run() -> None:
+        for name, put in plan.creates.items():
+            put(plan.created[name])
+        for fn in plan.finalizers:
+            try:
+                fn()
+            except Exception as e:
+                cause = e.__cause__ if isinstance(e, CheckpointError) and e.__cause__ is not None else e
+                original.append(cause)
+                loaded = [t.name for t in plan.targets] + sorted(plan.created)
+                cls = type(e) if isinstance(e, CheckpointError) else StateMismatchError
+                text = str(e) if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}"
+                msg = (f"{text}. The tensors were loaded before it (the live state now holds the checkpoint's "
+                       f"values there; load again once this is fixed): {format_offenders(loaded) if loaded else 'none'}")
+                try:
+                    err = cls(msg)
+                except Exception:  # a subclass with another signature
+                    err = StateMismatchError(msg)
+                raise err from cause
+
+    try:
+        agree(comm, run, what=f"the load from {url} stopped after the tensors were loaded", error=LoadFailedError)
+    except CheckpointError as e:
+        if original and e.__cause__ is not original[0]:
+            e.__cause__ = original[0]  # the object's own exception, not our wrapper of it
+        raise
 
 
 def _refuse_meta_optimizers(state: Any) -> None:
@@ -708,6 +755,46 @@ def live_nothing_loaded(flat, creates, manifest: Manifest) -> bool:
     return asked and not hit and not flat.value_paths
 
 
+def _untied_copies(manifest: Manifest, storage: Optional[Storage], tied: Sequence[Tuple[str, str]],
+                   cache: MetaCache) -> List[Tuple[str, str, Optional[bool]]]:
+    """For each ``(loaded, other)`` name pair the live model ties: whether the checkpoint's two tensors are equal.
+
+    Decided from metadata only, before any byte is read: one stored tensor
+    under two names (a tied save, an alias) is equal; else equal when every
+    chunk has the same box and the same content hash, or the same CRC-32Cs
+    (whole and per block); different when any of them differs, or the dtype
+    or shape does; None when there is nothing to compare by (a Hugging Face
+    file has no checksums, or the two were chunked differently).
+    """
+    stored = manifest.extra.get(ALIAS_OF_KEY, {}) or {}
+    out: List[Tuple[str, str, Optional[bool]]] = []
+    for a, b in tied:
+        if a not in manifest.tensors or b not in manifest.tensors or stored.get(a, a) == stored.get(b, b):
+            continue
+        ta, tb = manifest.tensors[a], manifest.tensors[b]
+        if ta.dtype != tb.dtype or list(ta.shape) != list(tb.shape):
+            out.append((a, b, False))
+            continue
+        whole = [((0,) * len(ta.shape), tuple(ta.shape))]
+        ca, cb = (sorted(saved_chunks(manifest, storage, n, whole, cache), key=lambda c: tuple(c.offsets)) for n in (a, b))
+        same: Optional[bool] = True
+        if [(tuple(c.offsets), tuple(c.sizes)) for c in ca] != [(tuple(c.offsets), tuple(c.sizes)) for c in cb]:
+            same = None
+        else:
+            for x, y in zip(ca, cb):
+                if x.content_hash and y.content_hash:
+                    if x.content_hash != y.content_hash:
+                        same = False
+                        break
+                elif x.crc32c is None and not x.block_crcs or y.crc32c is None and not y.block_crcs:
+                    same = None
+                elif (x.crc32c, x.block_bytes, tuple(x.block_crcs)) != (y.crc32c, y.block_bytes, tuple(y.block_crcs)):
+                    same = False
+                    break
+        out.append((a, b, same))
+    return out
+
+
 def _self_overlapping(t: torch.Tensor) -> bool:
     """Whether some element of ``t`` shares memory with another (``expand``-ed, stride 0...)."""
     if t.numel() <= 1:
@@ -815,6 +902,22 @@ def _plan_load(
         except ValueError as e:
             raise CorruptCheckpointError(f"{name}: the checkpoint's chunks do not cover what this rank holds: {e}") from None
         targets.append(_Target(name, meta, parts_, pieces, chunks, replicated=_replicated(lay)))
+    untied = _untied_copies(manifest, storage, flat.tied, cache)
+    differ = [f"{b} (tied to {a} in the live model)" for a, b, same in untied if same is False]
+    if strict and differ:
+        parts.append(
+            "the checkpoint holds two different tensors where the live model ties one (an untied checkpoint; "
+            f"loading would keep the first name's values and drop the other's): {format_offenders(differ, sep='; ')}. "
+            "Untie the live model to load both (e.g. tie_word_embeddings=False), or pass strict=False to load the first "
+            "name's values into the tied tensor (with a warning)"
+        )
+    for a, b, same in untied:
+        if same is not True and not (strict and same is False):
+            log.warning(
+                "shardckpt: %s and %s are one tensor in the live model (tied) but two tensors in the checkpoint%s: "
+                "%s's values were loaded, %s's were not used",
+                a, b, "" if same is False else " that may differ (no checksums to compare them by)", a, b,
+            )
     if problems:
         parts.append(f"{len(problems)} tensor(s) differ: " + format_offenders(problems, sep="; "))
     if parts:

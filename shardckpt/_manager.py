@@ -19,6 +19,7 @@ same steps on every rank.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import logging
 import operator
@@ -27,7 +28,7 @@ import re
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Optional, Set, Tuple, cast
+from typing import TYPE_CHECKING, Any, Dict, FrozenSet, Iterable, List, Optional, Set, Tuple, cast
 
 from . import _fingerprint
 from ._async import AsyncSaveHandle, start_async, wait_pending
@@ -458,7 +459,8 @@ class CheckpointManager:
             step: non-negative int.
             state: as for :func:`shardckpt.save`.
             force: replace a committed checkpoint of the same step; the old
-                one stays loadable until the new one commits.
+                one stays loadable until the new one commits, and its files
+                that other committed steps reference (incremental) are kept.
             last_step: the run's final save: ``last_save_model_only``,
                 ``export_dtype`` and ``last_save_in_hf`` apply (the HF
                 export is written once the step is committed, after an
@@ -642,6 +644,8 @@ class CheckpointManager:
             raise
         except Exception as e:
             raise SaveFailedError(f"save of step {step} to {url} failed: {type(e).__name__}: {e}") from e
+        if force and plan.rank == 0:  # only rank 0 commits, and so removes the replaced files
+            plan = dataclasses.replace(plan, keep_files=self._referenced_files(step))
 
         def before() -> None:
             # Rank 0, before any rank writes (the others wait for its go). It
@@ -741,6 +745,30 @@ class CheckpointManager:
         # restore skips, never a committed step with missing files.
         self._uncommit(name)
         self._clear_dir(name)
+
+    def _referenced_files(self, step: int) -> Optional[FrozenSet[str]]:
+        """Rank 0, before a ``force`` re-save of ``step``: its files other committed steps reference; None: unknown.
+
+        The replacing commit leaves them in place (later incremental steps
+        read their bytes there); :meth:`cleanup` removes them once no kept
+        step names them. None (a manifest unreadable, the root unlistable)
+        keeps every file of the replaced checkpoint. Never raises: rank 0
+        must not leave the save's exchanges.
+        """
+        name = step_dir_name(step)
+        try:
+            live = self._live_files([s for s in self._scan()[0] if s != step])
+        except Exception as e:
+            log.warning("shardckpt: cannot tell which files of step %d other steps reference (%s: %s): the re-save "
+                        "keeps all of its old files", step, type(e).__name__, e)
+            return None
+        if live is None:
+            return None
+        keep = frozenset(rel for d, rel in live if d == name)
+        if keep:
+            log.info("shardckpt: the re-save of step %d keeps %d replaced files that later steps reference",
+                     step, len(keep))
+        return keep
 
     def _live_files(self, kept: Iterable[int]) -> Optional[Set[Tuple[str, str]]]:
         """``(dir, path)`` of every file the manifests of ``kept`` steps name (own and referenced); None if one is unreadable.

@@ -32,7 +32,7 @@ import math
 import uuid
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, cast
+from typing import TYPE_CHECKING, Any, Callable, Dict, FrozenSet, List, Mapping, Optional, Sequence, Tuple, cast
 
 import torch
 
@@ -286,6 +286,12 @@ class SavePlan:
     #: False for the memory tier: each rank writes on its own host, so rank 0's
     #: commit cannot see the other hosts' files (``commit(files_here=False)``).
     files_here: bool = True
+    #: With ``overwrite``: files of the replaced checkpoint that other
+    #: checkpoints reference, left in place by the replacing commit (the
+    #: manager's ``force`` re-save of a step later incremental steps read);
+    #: None: leave every file of the replaced checkpoint (``cleanup()``
+    #: removes those no kept step names).
+    keep_files: Optional[FrozenSet[str]] = frozenset()
 
     @property
     def rank(self) -> int:
@@ -627,7 +633,9 @@ def _commit(plan: SavePlan, gathered, save_id: str, progress: Optional[Callable[
     per_rank = [g[3] for g in gathered]
     if any(p is not None for p in per_rank):
         manifest.extra["per_rank"] = per_rank
-    commit(storage, manifest, replace=plan.overwrite, progress=progress, files_here=plan.files_here)
+    keep = plan.keep_files
+    commit(storage, manifest, replace=plan.overwrite and keep is not None, progress=progress,
+           files_here=plan.files_here, keep=keep or frozenset())
 
 
 def stage_save(plan: SavePlan, copy: Callable[[List[torch.Tensor]], List[torch.Tensor]]) -> SavePlan:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import difflib
 import json
 import posixpath
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import AbstractSet, Any, Callable, Dict, List, Optional, Tuple
 
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedStateError, format_offenders
 from . import manifest as _manifest
@@ -54,7 +54,7 @@ def hf_index_bytes(m: Manifest) -> Optional[bytes]:
 
 def commit(
     storage: Any, manifest: Manifest, *, replace: bool = False, progress: Optional[Callable[[str], None]] = None,
-    files_here: bool = True,
+    files_here: bool = True, keep: AbstractSet[str] = frozenset(),
 ) -> None:
     """Commit ``manifest`` at ``storage``: the HF index (when whole), then ``manifest.json`` last, atomically.
 
@@ -67,8 +67,8 @@ def commit(
     write fails, the HF index is put back as it was (removed when there was
     none), so a previous checkpoint at ``storage`` stays intact and loadable.
     After a successful commit with ``replace``, data files of the replaced
-    checkpoint (other save ids) are removed, and an HF index naming removed
-    files too.
+    checkpoint (other save ids) are removed, except those in ``keep``, and an
+    HF index naming removed files too.
 
     Args:
         storage: where the checkpoint lives.
@@ -81,6 +81,9 @@ def commit(
             interrupt after the rename), ``"committed"`` once it returned.
         files_here: check the data files at ``storage`` first (False only for
             the memory tier, whose files are on other hosts).
+        keep: paths (``data/...``) of the replaced checkpoint that a replace
+            leaves in place: files other checkpoints reference (incremental
+            steps of a manager's root).
 
     Raises:
         CorruptCheckpointError: a named data file is missing or of the wrong
@@ -127,7 +130,7 @@ def commit(
             _restore(storage, HF_INDEX_NAME, prev)
         raise
     if replace:
-        _remove_stale(storage, manifest.save_id)
+        _remove_stale(storage, manifest.save_id, keep)
 
 
 def _read_optional(storage: Any, rel: str) -> Optional[bytes]:
@@ -152,10 +155,12 @@ def _restore(storage: Any, rel: str, data: Optional[bytes]) -> None:
         pass
 
 
-def _remove_stale(storage: Any, save_id: str) -> None:
-    """After a replacing commit, drop data files of the replaced checkpoint; best effort."""
+def _remove_stale(storage: Any, save_id: str, keep: AbstractSet[str] = frozenset()) -> None:
+    """After a replacing commit, drop data files of the replaced checkpoint but those in ``keep``; best effort."""
     prefix = save_id_prefix(save_id)
     for name in storage.listdir(DATA_DIR):
+        if f"{DATA_DIR}/{name}" in keep:
+            continue
         if name.endswith((DATA_SUFFIX, INDEX_SUFFIX)) and not name.startswith(prefix):
             try:
                 storage.remove(f"{DATA_DIR}/{name}")

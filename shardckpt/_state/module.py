@@ -157,6 +157,7 @@ class ModuleAdapter(Adapter):
                     del sd[n]
                     if n in present:
                         walker.flat.skip.append(_join(path, n))
+                        walker.flat.tied.append((_join(path, primary), _join(path, n)))
 
     @staticmethod
     def _targets(sd, path, saved, walker):

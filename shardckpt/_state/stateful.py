@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 
+from ..errors import CheckpointError, StateMismatchError
 from .base import (
     _MISSING,
     Adapter,
@@ -40,7 +41,16 @@ class StatefulAdapter(Adapter):
         holder = {"sd": live_sd}
         _fill_from_saved(holder, "sd", saved, path, walker)
         def finish():
-            obj.load_state_dict(holder["sd"])
+            try:
+                obj.load_state_dict(holder["sd"])
+            except CheckpointError:
+                raise
+            except Exception as e:
+                # The object refused its saved state (its own check, e.g. a
+                # version): say which one; the load names what was loaded.
+                raise StateMismatchError(
+                    f"{path}: {type(obj).__name__}.load_state_dict refused the checkpoint's state: {type(e).__name__}: {e}"
+                ) from e
             _prime_loader(obj)
 
         # Generators (``RNGState``) are restored after everything else: a

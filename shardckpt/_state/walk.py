@@ -82,6 +82,9 @@ class FlatLoad:
     # Saved tensor name prefixes deliberately not loaded (other ranks'
     # per-rank state, optimizer state of parameters reported as unexpected).
     skip: List[str] = field(default_factory=list)
+    #: Load: ``(loaded name, other name)`` of each tensor the live model ties
+    #: whose names the checkpoint both holds; the load checks they are equal.
+    tied: List[Tuple[str, str]] = field(default_factory=list)
 
 
 # --------------------------------------------------------------------------

@@ -14,6 +14,7 @@ from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 from ..errors import StorageError
 from ._base import Capabilities, Storage, Writer, plan_range_fetches
+from ._local import check_inside
 
 __all__ = ["FsspecStorage", "PROTOCOL_HINTS"]
 
@@ -78,6 +79,20 @@ def _protocols(fs) -> Set[str]:
     return {p} if isinstance(p, str) else set(p)
 
 
+#: fsspec's names of the local disk (``local://``, and under its caches).
+_DISK_PROTOCOLS = frozenset({"file", "local"})
+
+
+def _on_local_disk(fs) -> bool:
+    """Whether ``fs`` reads the local disk, itself or under a cache (``simplecache::file://``: its ``.fs``)."""
+    seen = 0
+    while fs is not None and seen < 8:
+        if _protocols(fs) & _DISK_PROTOCOLS:
+            return True
+        fs, seen = getattr(fs, "fs", None), seen + 1
+    return False
+
+
 class FsspecStorage(Storage):
     """Files behind an fsspec filesystem.
 
@@ -114,6 +129,9 @@ class FsspecStorage(Storage):
             batched_reads=True,
             consistent_listing=bool(protos & _CONSISTENT_LIST_PROTOCOLS),
         )
+        # On the local disk a symlink may lead out of the checkpoint: reads
+        # then follow LocalStorage's containment rule (check_inside).
+        self._disk = _on_local_disk(fs)
         self._made: Set[str] = set()  # directories known to exist (has_dirs backends)
         self._made_lock = threading.Lock()
 
@@ -194,6 +212,8 @@ class FsspecStorage(Storage):
         return out
 
     def _read(self, path: str, start: int, end: Optional[int]) -> bytes:
+        if self._disk:
+            check_inside(self.root, path)
         what = f"read {self._url(path)}" + (f"[{start}:{end}]" if start or end is not None else "")
         if end is None and not start:
             return self._retry(what, self.fs.cat_file, path)
@@ -201,6 +221,8 @@ class FsspecStorage(Storage):
 
     def _read_ranges(self, rel: str, ranges: Sequence[Tuple[int, memoryview]]) -> None:
         path = self.path(rel)
+        if self._disk:
+            check_inside(self.root, path)
         fetches = plan_range_fetches([(o, len(b)) for o, b in ranges])
         if not fetches:
             return

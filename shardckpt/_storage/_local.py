@@ -24,7 +24,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, cast
 from ..errors import StorageError, UnreadableFileError
 from ._base import Capabilities, StagedFile, Storage, Writer, pwrite_all
 
-__all__ = ["LocalStorage", "WRITEBACK_BYTES", "fsync_dir"]
+__all__ = ["LocalStorage", "WRITEBACK_BYTES", "fsync_dir", "check_inside"]
 
 #: Local writes hint the kernel every this many bytes: start writing back what
 #: was just written, and drop from the page cache what was written back before
@@ -60,6 +60,32 @@ def _local_path(url: str) -> str:
 def _tmp_name(path: str, suffix: str) -> str:
     d, base = os.path.split(path)
     return os.path.join(d, f".{base}.{uuid.uuid4().hex[:12]}.{suffix}")
+
+
+def check_inside(root: str, path: str) -> str:
+    """``path`` (a local path below ``root``) if, symlinks resolved, it stays below ``root``.
+
+    The containment rule of every read from a local disk, whichever backend
+    reads it (this one, or fsspec's local filesystem behind ``local://`` or a
+    cache): a checkpoint's files, its manifest and a Hugging Face index alike.
+
+    Raises:
+        UnreadableFileError: it leads out of the checkpoint (naming where to).
+
+    Example:
+        >>> check_inside("/ck", "/ck/manifest.json")   # doctest: +SKIP
+        '/ck/manifest.json'
+    """
+    if path == root:
+        return path
+    real = os.path.realpath(path)
+    top = os.path.realpath(root)
+    if real != top and not real.startswith(top.rstrip(os.sep) + os.sep):
+        raise UnreadableFileError(
+            f"{path} is a symlink leading out of the checkpoint (to {real}); "
+            "a checkpoint's files must lie inside its directory"
+        )
+    return path
 
 
 class LocalStorage(Storage):
@@ -122,16 +148,7 @@ class LocalStorage(Storage):
 
     def _inside(self, path: str) -> str:
         """``path`` if, symlinks resolved, it stays below the root; else UnreadableFileError."""
-        if path == self.root:
-            return path
-        real = os.path.realpath(path)
-        root = os.path.realpath(self.root)
-        if real != root and not real.startswith(root.rstrip(os.sep) + os.sep):
-            raise UnreadableFileError(
-                f"{path} is a symlink leading out of the checkpoint (to {real}); "
-                "a checkpoint's files must lie inside its directory"
-            )
-        return path
+        return check_inside(self.root, path)
 
     def _open_regular(self, path: str) -> int:
         """A read-only fd of ``path``, refused unless it is a regular file inside the root."""

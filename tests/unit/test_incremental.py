@@ -372,3 +372,37 @@ def test_verify_checks_the_content_hash(tmp_path):
     open(os.path.join(d, "manifest.json"), "wb").write(manifest_to_bytes(m))
     with pytest.raises(CorruptCheckpointError, match="content hash"):
         shardckpt.verify(d)
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_force_resave_keeps_the_files_later_steps_reference(tmp_path, async_save):
+    """Issue 29 item 4: ``save(step, force=True)`` of a step later incremental steps reference wrote new files and
+    deleted the old ones, so steps 2 and 3 lost their base bytes and ``restore()`` went back to the re-saved step 1."""
+    root = str(tmp_path / "run")
+    saved = _frozen_run(root, [1, 2, 3])
+    mgr = shardckpt.CheckpointManager(root, incremental=True, async_save=async_save)
+    old = sorted(r for r in open_manifest(mgr.step_url(3)).files if r.startswith("@step-00000001/"))
+    assert old  # step 3 reads the frozen base from step 1's files
+    resaved = {k: (v * 2 if isinstance(v, torch.Tensor) else v) for k, v in saved[1].items()}
+    mgr.save(1, resaved, force=True)
+    mgr.wait()
+    # The re-save holds the new bytes in new files; the files steps 2 and 3 name are all still there.
+    m1 = open_manifest(mgr.step_url(1))
+    assert not set(m1.files) & {r.split("/", 1)[1] for r in old}
+    for rel in old:
+        assert os.path.exists(os.path.join(root, rel[1:])), rel
+    _same(_load(mgr.step_url(1), resaved), resaved)
+    for s in (2, 3):
+        shardckpt.verify(mgr.step_url(s))
+        _same(_load(mgr.step_url(s), saved[s]), saved[s])
+    out = {k: (torch.zeros_like(v) if isinstance(v, torch.Tensor) else 0) for k, v in saved[3].items()}
+    assert shardckpt.CheckpointManager(root).restore(out) == 3
+    _same(out, saved[3])
+    # gc keeps them while a kept step names them, and removes them once none does.
+    assert mgr.cleanup() == []
+    mgr.delete(3)
+    mgr.delete(2)
+    gone = mgr.cleanup()
+    assert sorted(gone) == sorted(r[1:] for r in old)
+    shardckpt.verify(mgr.step_url(1))
+    _same(_load(mgr.step_url(1), resaved), resaved)
