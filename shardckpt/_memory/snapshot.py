@@ -99,8 +99,13 @@ def host_bytes_bound(own: int, peer: int) -> int:
     return SLOTS * (own + peer)
 
 
+#: Most threads checksumming a step's bytes per rank: hardware CRC-32C runs near memory speed on a few cores;
+#: more would take cores from the training process's own threads.
+CRC_THREADS = 4
+
+
 def _crc_threads() -> int:
-    return max(1, min(8, os.cpu_count() or 1))
+    return max(1, min(CRC_THREADS, os.cpu_count() or 1))
 
 
 # --------------------------------------------------------------------------
