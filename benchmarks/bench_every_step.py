@@ -345,6 +345,8 @@ def summarize(a: Dict[str, Any], first: List[dict], same: List[dict], smaller: L
             "cache_drop": same[0].get("cache_drop"),
             "replacement_bytes_received": received,
             "replacement_shard_bytes": [r["shard_bytes"] for r in replaced],
+            "replacement_needed_bytes": [r["restore_stats"].get("needed_bytes") for r in replaced],
+            "replacement_meta_bytes": [r["restore_stats"].get("meta_bytes") for r in replaced],
             "losses_identical": all(r["losses"] == f["losses"] for r, f in zip(same, first)),
         },
         "restore_smaller_world": {

@@ -10,6 +10,8 @@
 # Knobs (environment): LAYERS (default: 40, fewer if /dev/shm cannot hold 4 copies of the state:
 # 2 ranks x 2 steps x (own + peer)), DIM (8192), ROWS (rows per rank per microbatch, 4096), ACCUM
 # (microbatches per step, 16: a compute-bound step of a few seconds), STEPS (timed steps per mode, 4).
+# The 1-rank restart holds the whole model + AdamW + activations of 2 x ROWS rows on one GPU (~64 GB at the
+# defaults): lower ROWS (raise ACCUM) if it runs out of GPU memory. Whole run: about 6-8 minutes.
 # TINY=1: the same script on CPU (gloo, a tiny model, no wheels, a private copy of the tree): a dry run
 # (PY=/path/to/python with torch, e.g. TINY=1 PY=$PWD/.venv/bin/python OUT=/tmp/o benchmarks/device/every_step_2gpu.sh).
 set -o pipefail
@@ -43,7 +45,7 @@ if [ -z "$LAYERS" ]; then
   [ "$LAYERS" -lt 37 ] && echo "WARNING: /dev/shm too small for 2.5 B params; running $LAYERS layers"
 fi
 echo "=== smoke (small, same path) then the large case: dim $DIM x $LAYERS layers, $ROWS rows x $ACCUM microbatches"
-$PY benchmarks/bench_every_step.py --backend $BACKEND --world 2 --dim 256 --layers 2 --rows 16 --steps 2 --more 2 \
+$PY benchmarks/bench_every_step.py --backend $BACKEND --world 2 --dim 256 --layers 2 --rows 16 --steps 1 --more 1 \
   --dir /tmp --json "$OUT/every_step_smoke.json" 2>&1 | tee "$OUT/every_step_smoke.log" | grep -v Warn || exit 1
 $PY benchmarks/bench_every_step.py --backend $BACKEND --world 2 --dim $DIM --layers $LAYERS --rows $ROWS --accum $ACCUM \
   --steps $STEPS --more 3 --dir /tmp --json "$OUT/every_step_2gpu.json" 2>&1 | tee "$OUT/every_step_2gpu.log" | grep -v Warn

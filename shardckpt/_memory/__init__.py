@@ -98,9 +98,10 @@ class MemoryTier:
         >>> MemoryTier(dir="/dev/shm/run1", max_bytes=64 << 30).max_bytes
         68719476736
 
-    Limits: one step in memory (the newest), plus the previous one while a
-    new one is being saved; saves are synchronous (the caller waits for the
-    write and the peer copy).
+    Limits: one step held in memory (the newest), plus the one being saved;
+    ``save_to_memory`` waits only for the copy of the rank's shard into host
+    memory (the peer copy runs in the background), so each rank maps at most
+    ``2 x (own + peer)`` bytes of slots.
     """
 
     dir: Optional[str] = None

@@ -99,8 +99,13 @@ def host_bytes_bound(own: int, peer: int) -> int:
     return SLOTS * (own + peer)
 
 
+#: Most threads checksumming a step's bytes per rank: hardware CRC-32C runs near memory speed on a few cores;
+#: more would take cores from the training process's own threads.
+CRC_THREADS = 4
+
+
 def _crc_threads() -> int:
-    return max(1, min(8, os.cpu_count() or 1))
+    return max(1, min(CRC_THREADS, os.cpu_count() or 1))
 
 
 # --------------------------------------------------------------------------
@@ -500,6 +505,9 @@ class Snapshots:
             self.thread = threading.Thread(target=self._worker, name="shardckpt-memory", daemon=True)
             self.thread.start()
         self.queue.put((job, process_group))
+        if not overlap:
+            for _, ev in job.events:
+                ev.synchronize()  # the copy is the call's floor: it returns when the shard is in host memory
         job.blocked_s = self.last_block_s = time.perf_counter() - t0
         return True
 
@@ -580,12 +588,10 @@ class Snapshots:
                     done = torch.cuda.Event()
                     done.record(s)
                 job.events.append((idx, done))
-            if not overlap:
-                for _, ev in job.events:
-                    ev.synchronize()
-            else:
+            if overlap:
                 for ev in sync_events:
                     ev.synchronize()
+            # Without overlap, ``save`` waits for ``job.events`` last: the rest of the call runs during the copies.
 
     def _hook(self, job: _Job) -> Callable[..., None]:
         """The one-shot ``optimizer.step`` pre-hook: the step's updates wait for the copy of the values they replace."""

@@ -33,8 +33,8 @@ def test_every_step_then_lose_a_node(tmp_path):
     assert same["from"] == [f"memory:{saved}"] and same["losses_identical"]
     assert smaller["from"] == [f"memory:{saved}"] and smaller["world"] == 1
     assert smaller["losses_max_abs_diff"] < 1e-4  # the same global batch over fewer ranks: reduction order only
-    # Node 1's replacement received its shard from node 0 (not from storage).
-    assert all(got >= shard for got, shard in zip(same["replacement_bytes_received"], same["replacement_shard_bytes"]))
+    # Node 1's replacement received its shard from node 0 (not from storage), and little more.
+    assert all(shard <= got <= 1.05 * shard for got, shard in zip(same["replacement_bytes_received"], same["replacement_shard_bytes"]))
     # The tier's host memory stays within its stated bound: two steps of (own + peer) files.
     assert all(0 < h <= b for h, b in zip(s["host_bytes_per_rank"], s["host_bytes_bound_per_rank"]))
     for mode in ("baseline", "blocking", "overlap"):
