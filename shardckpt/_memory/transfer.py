@@ -239,6 +239,13 @@ def move_tensors(
     bufs = [[torch.empty(min(piece_bytes, max(1, int(t.numel()))), dtype=torch.uint8, device=dev) for _ in range(2)]
             for _, _, t in transfers]
     waves = max(-(-int(t.numel()) // piece_bytes) for _, _, t in transfers)
+    # Each wave is fenced on the host: the sends' bytes are on the device
+    # before NCCL reads them, and NCCL has written the receives' before they
+    # are copied out. Relying on stream order alone (the copies on a side
+    # stream, NCCL's stream waiting on it, a pageable source or destination in
+    # the mix) delivered damaged bytes on 2x H200 (an index file, the first
+    # peer copy of a run) that CUDA_LAUNCH_BLOCKING=1 and the gloo path did not:
+    # one synchronize per wave of up to ``piece_bytes`` costs little.
     with torch.cuda.stream(stream):
         for w in range(waves):
             ops, outs = [], []
@@ -249,13 +256,15 @@ def move_tensors(
                     continue
                 buf = bufs[i][w % 2][:n]
                 if send:
-                    buf.copy_(t[off : off + n], non_blocking=True)
+                    buf.copy_(t[off : off + n], non_blocking=t.is_pinned())
                     ops.append(p2p_op("send", buf, group_ranks[other], group, 0))
                 else:
                     ops.append(p2p_op("recv", buf, group_ranks[other], group, 0))
                     outs.append((t[off : off + n], buf))
+            stream.synchronize()
             wait(start_ops(ops), True)
+            stream.synchronize()
             for dst, buf in outs:
-                dst.copy_(buf, non_blocking=True)
-    stream.synchronize()
+                dst.copy_(buf, non_blocking=dst.is_pinned())
+            stream.synchronize()
     return sent, received
