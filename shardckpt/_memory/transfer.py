@@ -263,7 +263,7 @@ def move_tensors(
                     outs.append((t[off : off + n], buf))
             stream.synchronize()
             wait(start_ops(ops), True)
-            stream.synchronize()
+            torch.cuda.synchronize(dev)  # NCCL's own stream included, whatever its works report
             for dst, buf in outs:
                 dst.copy_(buf, non_blocking=dst.is_pinned())
             stream.synchronize()
