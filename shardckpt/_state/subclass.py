@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-from typing import Any, Dict, List, Optional, Tuple, cast
+from typing import Any, Callable, Dict, List, Optional, Tuple, cast
 
 import torch
 
@@ -55,6 +55,12 @@ __all__ = [
     "inner_name",
     "check_ctx",
     "rebuild",
+    "ShardRule",
+    "register_shard_rule",
+    "shard_rule_for",
+    "sharded_inner",
+    "flatten_sharded_subclass",
+    "is_sharded_subclass",
 ]
 
 SUBCLASS_TAG = "subclass"
@@ -248,8 +254,11 @@ def _sans_devices(node: Any) -> Any:
     return node
 
 
-def check_ctx(live: torch.Tensor, node: Any, path: str) -> None:
+def check_ctx(live: torch.Tensor, node: Any, path: str, *, shape: Optional[Tuple[int, ...]] = None) -> None:
     """Refuse (before any tensor changes) a saved subclass that does not fit live subclass ``live``.
+
+    ``shape``: the whole tensor's shape where ``live`` is a DTensor's local
+    shard (the node records the whole shape).
 
     Raises:
         StateMismatchError: another type, other inner tensors, another
@@ -274,8 +283,9 @@ def check_ctx(live: torch.Tensor, node: Any, path: str) -> None:
         problems.append(f"inner tensors {sorted(node['inner'])} saved, {sorted(attrs)} live")
     elif _sans_devices(node.get("ctx")) != _sans_devices(encode_ctx(ctx, path)):
         problems.append(f"context {node.get('ctx')!r:.200} saved, {encode_ctx(ctx, path)!r:.200} live")
-    if list(node.get("shape", [])) != list(live.shape):
-        problems.append(f"shape {node.get('shape')} saved, {list(live.shape)} live")
+    want_shape = list(live.shape) if shape is None else list(shape)
+    if list(node.get("shape", [])) != want_shape:
+        problems.append(f"shape {node.get('shape')} saved, {want_shape} live")
     if problems:
         raise StateMismatchError(f"{path}: the saved tensor subclass does not fit the live one: " + "; ".join(problems))
 
@@ -297,3 +307,112 @@ def rebuild(node: Dict[str, Any], inner: Dict[str, torch.Tensor], path: str) -> 
         return cast(Any, cls).__tensor_unflatten__(inner, decode_ctx(node["ctx"]), torch.Size(node["shape"]), tuple(node["stride"]))
     except Exception as e:  # noqa: BLE001
         raise StateMismatchError(f"{path}: {node.get('type')}.__tensor_unflatten__ failed ({type(e).__name__}: {e})") from None
+
+
+# --------------------------------------------------------------------------
+# wrapper subclasses inside DTensors (FSDP2 shards through fsdp_pre_all_gather)
+
+#: How the inner tensors of a DTensor's local wrapper shard lie in the whole
+#: tensor: ``rule(outer DTensor, local subclass, attr, inner) -> DTensor`` (the
+#: inner tensor as a DTensor of its global layout, sharing its storage) or
+#: ``None`` (the rule does not apply to this inner tensor).
+ShardRule = Callable[[Any, torch.Tensor, str, torch.Tensor], Optional[Any]]
+
+#: Rules by subclass type (``module.QualName``), one per subclass family; a
+#: type without one gets :func:`same_layout_rule`.
+_SHARD_RULES: Dict[str, ShardRule] = {}
+
+
+def register_shard_rule(type_name: str, rule: ShardRule) -> None:
+    """Record how the inner tensors of subclass ``type_name`` lie when it is a DTensor's local shard.
+
+    Args:
+        type_name: ``module.QualName`` of the wrapper subclass.
+        rule: ``rule(outer, local, attr, inner)`` returning ``inner`` as a
+            DTensor of its global layout (a view of ``inner``), or None.
+
+    Example:
+        >>> register_shard_rule("my.Wrapper", same_layout_rule)
+    """
+    _SHARD_RULES[type_name] = rule
+
+
+def shard_rule_for(local: torch.Tensor) -> ShardRule:
+    """The registered rule of ``local``'s type, else :func:`same_layout_rule`."""
+    return _SHARD_RULES.get(_type_name(local), same_layout_rule)
+
+
+def same_layout_rule(outer: Any, local: torch.Tensor, attr: str, inner: torch.Tensor) -> Optional[Any]:
+    """An inner tensor of the local shard's own shape lies as the outer DTensor does (float8 weight wrappers).
+
+    Returns None for an inner tensor of another shape (quantized blocks,
+    scales), which needs a family rule.
+    """
+    if tuple(inner.shape) != tuple(local.shape):
+        return None
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(
+        inner, outer.device_mesh, outer.placements, run_check=False, shape=outer.shape, stride=outer.stride()
+    )
+
+
+def is_sharded_subclass(t: Any) -> bool:
+    """Whether ``t`` is a DTensor whose local shard is a wrapper subclass."""
+    return is_dtensor(t) and is_wrapper_subclass(t._local_tensor)
+
+
+def sharded_inner(outer: Any, path: str) -> Tuple[List[str], Any, Dict[str, Any]]:
+    """``(inner attrs, context, {attr: inner as a global DTensor})`` of DTensor ``outer`` with a wrapper local shard.
+
+    Raises:
+        UnsupportedStateError: an inner tensor has no global layout under the
+            subclass's rule (or is itself a wrapper).
+    """
+    local = outer._local_tensor
+    where = f"{path} (a DTensor whose local shard is a {_type_name(local)})"
+    try:
+        attrs, ctx = cast(Any, local).__tensor_flatten__()
+    except Exception as e:  # noqa: BLE001 - a subclass's own failure, reported as ours
+        raise UnsupportedStateError(f"{where}: __tensor_flatten__ failed ({type(e).__name__}: {e})") from None
+    rule = shard_rule_for(local)
+    out: Dict[str, Any] = {}
+    bad = []
+    for a in attrs:
+        x = getattr(local, a)
+        if type(x) not in (torch.Tensor, torch.nn.Parameter):
+            raise UnsupportedStateError(
+                f"{where}: inner tensor {a!r} is a {_type_name(x)}; nested tensor subclasses cannot be saved"
+            )
+        g = rule(outer, local, a, x.detach())
+        if g is None:
+            bad.append(f"{a} {list(x.shape)}")
+        else:
+            out[a] = g
+    if bad:
+        raise UnsupportedStateError(
+            f"{where}: inner tensors {bad} have no global layout under the outer placements {list(outer.placements)} "
+            f"(local shape {list(local.shape)}), and {_type_name(local)} has no shard rule registered "
+            "(shardckpt._state.subclass.register_shard_rule). Save it unsharded (the subclass on one process), or "
+            "convert it to a plain tensor first"
+        )
+    return list(attrs), ctx, out
+
+
+def flatten_sharded_subclass(outer: Any, name: str) -> Tuple[List[Tuple[str, Any]], Dict[str, Any]]:
+    """:func:`flatten_subclass` for a DTensor whose local shard is a wrapper: inner tensors as global DTensors.
+
+    The node records the outer (global) shape and stride, so the checkpoint
+    loads into the subclass on one process, or sharded at another world size.
+    """
+    attrs, ctx, inner = sharded_inner(outer, name)
+    where = f"{name} (a DTensor whose local shard is a {_type_name(outer._local_tensor)})"
+    node = {
+        TAG: SUBCLASS_TAG,
+        "type": _type_name(outer._local_tensor),
+        "ctx": encode_ctx(ctx, where),
+        "shape": [int(s) for s in outer.shape],
+        "stride": [int(s) for s in outer.stride()],
+        "inner": {a: tensor_ref(inner_name(name, a)) for a in attrs},
+    }
+    return [(inner_name(name, a), inner[a]) for a in attrs], node
