@@ -13,30 +13,46 @@ tool); the values tree holds, where the tensor was, a node
 ``{TAG: "subclass", "type", "ctx", "shape", "stride", "inner": {attr: ref}}``
 with the context encoded as JSON (:func:`encode_ctx`). A context that is not
 made of JSON-safe pieces (numbers, strings, dtypes, devices, sizes, tuples,
-lists, str-keyed dicts, named tuples and dataclasses of those) is refused, as is a subclass
-without the protocol that has no storage, and one held inside a DTensor
-(its local shard's inner tensors have no global layout we could reshard):
-:class:`UnsupportedStateError` naming the tensor and its type, raised by the
-save walk, before any byte is written and on every rank alike.
+lists, str-keyed dicts, named tuples and dataclasses of those) is refused, as
+is a subclass without the protocol that has no storage: :class:`UnsupportedStateError`
+naming the tensor and its type, raised by the save walk, before any byte is
+written and on every rank alike.
+
+Inside a DTensor (FSDP2 over float8 weights, NF4, low-bit optimizer states)
+the local shard is taken apart the same way, and each inner tensor is saved
+as a DTensor of its global layout, given by the subclass family's *shard
+rule* (:func:`register_shard_rule`; the default, :func:`same_layout_rule`,
+takes an inner tensor of the local shard's shape to lie as the outer tensor
+does). The node records the outer (global) shape, so the checkpoint loads at
+another world size or into the subclass on one process.
 
 Loading: into a live subclass of the same type, each saved inner tensor is
 copied in place into the live inner tensor (the object, and whatever holds
 it — an optimizer, FSDP — stays the same) after the saved context is checked
-equal to the live one. Where the live state has no tensor yet (an optimizer
-before its first step), the subclass is rebuilt with ``__tensor_unflatten__``
-— only for a type whose module is already imported (nothing is imported
-because a checkpoint names it).
+equal to the live one (compared encoded: nothing is constructed). Where the
+live state has no tensor yet (an optimizer before its first step), the
+subclass is rebuilt with ``__tensor_unflatten__``.
 
-Limits: subclasses inside a DTensor (FSDP2 sharded NF4, torchao optimizer
-states of FSDP2 parameters) are refused; so are nested wrapper subclasses
-whose inner tensors are themselves wrappers.
+Names in a checkpoint resolve only against what is already loaded: the
+subclass type only when its full module is in ``sys.modules``, by static
+lookup (``__dict__``, never ``getattr`` through a lazy ``__getattr__``), so
+loading imports nothing; a context constructs only the named tuple /
+dataclass types the subclass's flattening produces (:data:`_CTX_TYPES`,
+:func:`register_ctx_types`), never another type with the file's arguments.
+
+Limits: nested wrapper subclasses (inner tensors that are themselves
+wrappers) are refused; a DTensor over a wrapper whose inner tensors have
+another shape than the local shard needs a registered shard rule, else it
+is refused at save.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import sys
-from typing import Any, Callable, Dict, List, Optional, Tuple, cast
+import types
+from collections.abc import Mapping
+from typing import Any, Callable, Dict, FrozenSet, List, Optional, Tuple, cast
 
 import torch
 
@@ -52,6 +68,7 @@ __all__ = [
     "flatten_subclass",
     "encode_ctx",
     "decode_ctx",
+    "register_ctx_types",
     "inner_name",
     "check_ctx",
     "rebuild",
@@ -159,42 +176,101 @@ def encode_ctx(v: Any, where: str, depth: int = 0) -> Any:
 
 
 def _imported(qualname: str) -> Any:
-    """The object ``module.Qual.Name`` if its module is already imported, else None (never imports)."""
-    mod, _, rest = qualname.rpartition(".")
-    while mod:
-        m = sys.modules.get(mod)
-        if m is not None:
-            obj: Any = m
-            for part in rest.split("."):
-                obj = getattr(obj, part, None)
-                if obj is None:
-                    return None
-            return obj
-        mod, _, head = mod.rpartition(".")
-        rest = f"{head}.{rest}"
+    """The object ``module.Qual.Name`` if its full module is already imported, else None.
+
+    Static lookup only: the longest dotted prefix that is a key of
+    ``sys.modules`` is the module, and the rest is looked up in
+    ``__dict__`` (class attributes; never a submodule). Nothing is imported
+    and no ``__getattr__`` runs (torch's lazy ``torch.onnx``, our
+    ``shardckpt.converters``): a checkpoint naming ``torch.onnx.Evil`` finds
+    nothing unless ``torch.onnx`` is already loaded, and then only a real
+    attribute of it.
+    """
+    parts = qualname.split(".")
+    for cut in range(len(parts) - 1, 0, -1):
+        m = sys.modules.get(".".join(parts[:cut]))
+        if m is None:
+            continue
+        obj: Any = m
+        for part in parts[cut:]:
+            try:
+                d = object.__getattribute__(obj, "__dict__")
+            except AttributeError:
+                return None
+            obj = d.get(part) if isinstance(d, Mapping) else None
+            if obj is None or isinstance(obj, types.ModuleType):
+                return None
+        return obj
     return None
 
 
-def decode_ctx(node: Any) -> Any:
-    """The Python context :func:`encode_ctx` encoded (named tuple types must be imported already)."""
+#: Named tuple and dataclass types (``module.QualName``) that the flattening
+#: context of a subclass type may hold, by subclass type: a context decoded
+#: to rebuild a subclass (no live tensor to fill) constructs only these, the
+#: types its own ``__tensor_flatten__`` produces. Extended by
+#: :func:`register_ctx_types`.
+_CTX_TYPES: Dict[str, FrozenSet[str]] = {
+    "torchao.float8.fsdp_utils.WeightWithDynamicFloat8CastTensor": frozenset(
+        {"torchao.float8.float8_training_tensor.LinearMMConfig", "torchao.float8.float8_training_tensor.ScaledMMConfig"}
+    ),
+    "torchao.quantization.quantize_.workflows.nf4.nf4_tensor.NF4Tensor": frozenset(
+        {"torchao.quantization.quantize_.workflows.nf4.nf4_tensor.SubclassTensorArgs"}
+    ),
+}
+
+
+def register_ctx_types(type_name: str, ctx_types: Any) -> None:
+    """Allow the context of subclass ``type_name`` to hold the named tuple / dataclass types ``ctx_types``.
+
+    Args:
+        type_name: ``module.QualName`` of the wrapper subclass.
+        ctx_types: ``module.QualName`` strings of the types its
+            ``__tensor_flatten__`` context holds.
+
+    Example:
+        >>> register_ctx_types("my.Wrapper", ["my.WrapperConfig"])
+    """
+    _CTX_TYPES[type_name] = _CTX_TYPES.get(type_name, frozenset()) | frozenset(str(x) for x in ctx_types)
+
+
+def decode_ctx(node: Any, allowed: FrozenSet[str] = frozenset(), subclass: str = "?") -> Any:
+    """The Python context :func:`encode_ctx` encoded.
+
+    A named tuple / dataclass is constructed only if its type is in
+    ``allowed`` (the types subclass ``subclass`` produces) and already
+    imported (static lookup, :func:`_imported`).
+
+    Raises:
+        StateMismatchError: another type, or one not imported.
+    """
     if isinstance(node, list):
-        return [decode_ctx(x) for x in node]
+        return [decode_ctx(x, allowed, subclass) for x in node]
     if isinstance(node, dict):
         kind = node.get(TAG)
         if kind == "size":
             return torch.Size(int(x) for x in node["items"])
         if kind in ("namedtuple", "dataclass"):
-            cls = _imported(str(node["type"]))
+            name = str(node.get("type"))
+            if name not in allowed:
+                raise StateMismatchError(
+                    f"the saved context of a {subclass} tensor subclass names the {kind} type {name!r}, which that "
+                    f"subclass's flattening does not produce (allowed: {sorted(allowed)}); nothing was constructed. "
+                    "If the subclass really holds it, shardckpt._state.subclass.register_ctx_types declares it"
+                )
+            cls = _imported(name)
             ok = isinstance(cls, type) and (
                 dataclasses.is_dataclass(cls) if kind == "dataclass" else issubclass(cls, tuple) and hasattr(cls, "_fields")
             )
             if not ok:
-                raise StateMismatchError(f"{kind} type {node['type']!r} of a saved tensor subclass is not imported")
-            return cls(**{k: decode_ctx(v) for k, v in node["fields"].items()})
+                raise StateMismatchError(f"{kind} type {name!r} of a saved tensor subclass is not imported")
+            fields = node.get("fields")
+            if not isinstance(fields, dict):
+                raise StateMismatchError(f"{kind} {name!r} of a saved tensor subclass has no fields")
+            return cast(Any, cls)(**{k: decode_ctx(v, allowed, subclass) for k, v in fields.items()})
         if kind == "tuple":
-            return tuple(decode_ctx(x) for x in node["items"])
+            return tuple(decode_ctx(x, allowed, subclass) for x in node["items"])
         if kind is None:
-            return {k: decode_ctx(v) for k, v in node.items()}
+            return {k: decode_ctx(v, allowed, subclass) for k, v in node.items()}
         return decode_value(node)
     return node
 
@@ -297,14 +373,19 @@ def rebuild(node: Dict[str, Any], inner: Dict[str, torch.Tensor], path: str) -> 
         StateMismatchError: its type is not imported in this process (it is
             never imported because a checkpoint names it), or it refuses.
     """
-    cls = _imported(str(node.get("type")))
+    type_name = str(node.get("type"))
+    cls = _imported(type_name)
     if not (isinstance(cls, type) and issubclass(cls, torch.Tensor) and callable(getattr(cls, "__tensor_unflatten__", None))):
         raise StateMismatchError(
             f"{path}: the checkpoint holds a {node.get('type')} tensor subclass and the live state has no tensor "
             "there to fill; import its module (or create the state first, e.g. one optimizer step) before loading"
         )
     try:
-        return cast(Any, cls).__tensor_unflatten__(inner, decode_ctx(node["ctx"]), torch.Size(node["shape"]), tuple(node["stride"]))
+        ctx = decode_ctx(node.get("ctx"), _CTX_TYPES.get(type_name, frozenset()), type_name)
+    except StateMismatchError as e:
+        raise StateMismatchError(f"{path}: {e}") from None
+    try:
+        return cast(Any, cls).__tensor_unflatten__(inner, ctx, torch.Size(node["shape"]), tuple(node["stride"]))
     except Exception as e:  # noqa: BLE001
         raise StateMismatchError(f"{path}: {node.get('type')}.__tensor_unflatten__ failed ({type(e).__name__}: {e})") from None
 
