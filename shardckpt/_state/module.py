@@ -81,7 +81,8 @@ class ModuleAdapter(Adapter):
         m = unwrap(obj)
         if is_fsdp1(m):
             sd = fsdp1_model_state(m)
-            self._targets(sd, path, saved, walker)
+            extra = self._fsdp1_extra_state(sd, path, saved, walker)
+            self._targets({k: v for k, v in sd.items() if k not in extra}, path, saved, walker)
             walker.flat.finalizers.append(lambda: fsdp1_load_model_state(m, sd))
             return
         back: Dict[str, str] = {}
@@ -140,6 +141,30 @@ class ModuleAdapter(Adapter):
             _fill_from_saved(holder, "v", node, where, walker)
             out[k] = (owner, holder)
         return out
+
+    @staticmethod
+    def _fsdp1_extra_state(sd, path, saved, walker):
+        """FSDP1: each ``get_extra_state()`` value rebuilt from the checkpoint into the state dict handed back.
+
+        torch's ``set_model_state_dict`` passes the dict to the modules'
+        ``load_state_dict``, which gives each value to its
+        ``set_extra_state``; the key leaves the fill targets (the live value
+        is a copy that filling would not reach) and is replaced, in ``sd``,
+        by the saved value (tensors in it as new full tensors).
+        """
+        from torch.nn.modules.module import _EXTRA_STATE_KEY_SUFFIX
+
+        keys = [k for k in sd if k == _EXTRA_STATE_KEY_SUFFIX or k.endswith(SEP + _EXTRA_STATE_KEY_SUFFIX)]
+        for k in keys:
+            node = saved.get(k, _MISSING) if isinstance(saved, dict) else _MISSING
+            where = _join(path, k)
+            if node is _MISSING:
+                del sd[k]
+                walker.missing_values.append(where)
+                continue
+            sd[k] = None  # never filled in place: the saved value replaces it
+            _fill_from_saved(sd, k, node, where, walker)
+        return set(keys)
 
     @staticmethod
     def _untie_targets(sd, path, walker):

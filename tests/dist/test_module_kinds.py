@@ -218,3 +218,33 @@ def test_torchao_lowbit_states_under_fsdp2_refused_cleanly(tmp_path, name):
         assert local.startswith("OptimState"), local
         assert err is not None and "optim.state.0.weight.exp_avg" in err and local in err, err
         assert files == [], files
+
+
+def _fsdp1(model):
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    return FSDP(model, auto_wrap_policy=ModuleWrapPolicy({torch.nn.Linear}), device_id=torch.device("cpu"))
+
+
+def _save_extra_fsdp1(rank, world, root):
+    model = _fsdp1(_model(1))
+    shardckpt.save({"model": model}, f"{root}/ck")
+    return {k: _plain(m.value) for k, m in model.module.items()}
+
+
+def _load_extra_fsdp1(rank, world, root):
+    model = _fsdp1(_model(7))
+    res = shardckpt.load({"model": model}, f"{root}/ck")
+    assert res.missing_keys == [] and res.unexpected_keys == [], res
+    return {k: _plain(m.value) for k, m in model.module.items()}
+
+
+def test_extra_state_every_kind_fsdp1_2_to_2_and_one_process(tmp_path):
+    """FSDP1 modules' extra state comes back through set_extra_state, as for FSDP2 and plain modules."""
+    saved = run_ranks(2, _save_extra_fsdp1, str(tmp_path))
+    assert saved[0] == saved[1] == {k: _plain(v) for k, v in extra_kinds(1).items()}
+    assert run_ranks(2, _load_extra_fsdp1, str(tmp_path)) == [saved[0]] * 2
+    plain = _model(9)
+    shardckpt.load({"model": plain}, str(tmp_path / "ck"), no_dist=True)
+    assert {k: _plain(m.value) for k, m in plain.items()} == saved[0]
