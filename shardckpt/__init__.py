@@ -33,6 +33,8 @@ __all__ = [
     "release_buffers",
     "register_adapter",
     "Adapter",
+    "trainable",
+    "select",
     "converters",
     "errors",
     "CheckpointError",
@@ -68,6 +70,8 @@ _LAZY = {
     "release_buffers": "._async",
     "register_adapter": "._state",
     "Adapter": "._state",
+    "trainable": "._state",
+    "select": "._state",
 }
 _ERRORS = {
     "CheckpointError",
@@ -113,6 +117,6 @@ if TYPE_CHECKING:  # pragma: no cover
     from ._memory import MemoryTier
     from ._rng import RNGState
     from ._save import save
-    from ._state import Adapter, PerRank, register_adapter
+    from ._state import Adapter, PerRank, register_adapter, select, trainable
     from ._verify import inspect, verify
     from .errors import *  # noqa: F401,F403
