@@ -21,7 +21,7 @@ written and on every rank alike.
 Inside a DTensor (FSDP2 over float8 weights, NF4, low-bit optimizer states)
 the local shard is taken apart the same way, and each inner tensor is saved
 as a DTensor of its global layout, given by the subclass family's *shard
-rule* (:func:`register_shard_rule`; the default, :func:`same_layout_rule`,
+rule* (:class:`ShardRule`, :func:`register_shard_rule`; the default
 takes an inner tensor of the local shard's shape to lie as the outer tensor
 does). The node records the outer (global) shape, so the checkpoint loads at
 another world size or into the subclass on one process.
@@ -78,6 +78,7 @@ __all__ = [
     "sharded_inner",
     "flatten_sharded_subclass",
     "is_sharded_subclass",
+    "blocks_refusal",
 ]
 
 SUBCLASS_TAG = "subclass"
@@ -330,11 +331,16 @@ def _sans_devices(node: Any) -> Any:
     return node
 
 
-def check_ctx(live: torch.Tensor, node: Any, path: str, *, shape: Optional[Tuple[int, ...]] = None) -> None:
+_NO_CTX = object()
+
+
+def check_ctx(
+    live: torch.Tensor, node: Any, path: str, *, shape: Optional[Tuple[int, ...]] = None, ctx: Any = _NO_CTX
+) -> None:
     """Refuse (before any tensor changes) a saved subclass that does not fit live subclass ``live``.
 
-    ``shape``: the whole tensor's shape where ``live`` is a DTensor's local
-    shard (the node records the whole shape).
+    ``shape``/``ctx``: the whole tensor's shape and flattening context
+    where ``live`` is a DTensor's local shard (the node records the whole).
 
     Raises:
         StateMismatchError: another type, other inner tensors, another
@@ -350,7 +356,9 @@ def check_ctx(live: torch.Tensor, node: Any, path: str, *, shape: Optional[Tuple
             f"{path}: the checkpoint holds a {node.get('type')} tensor subclass here but the live tensor is a "
             f"{_type_name(live)}; load it into the same kind of tensor (e.g. the quantized model it was saved from)"
         )
-    attrs, ctx = cast(Any, live).__tensor_flatten__()
+    attrs, live_ctx = cast(Any, live).__tensor_flatten__()
+    if ctx is _NO_CTX:
+        ctx = live_ctx
     want = f"{type(live).__module__}.{type(live).__qualname__}"
     problems = []
     if node.get("type") != want:
@@ -393,14 +401,35 @@ def rebuild(node: Dict[str, Any], inner: Dict[str, torch.Tensor], path: str) -> 
 # --------------------------------------------------------------------------
 # wrapper subclasses inside DTensors (FSDP2 shards through fsdp_pre_all_gather)
 
-#: How the inner tensors of a DTensor's local wrapper shard lie in the whole
-#: tensor: ``rule(outer DTensor, local subclass, attr, inner) -> DTensor`` (the
-#: inner tensor as a DTensor of its global layout, sharing its storage) or
-#: ``None`` (the rule does not apply to this inner tensor).
-ShardRule = Callable[[Any, torch.Tensor, str, torch.Tensor], Optional[Any]]
+@dataclasses.dataclass(frozen=True)
+class ShardRule:
+    """How the inner tensors of one subclass family lie when it is a DTensor's local shard.
+
+    Each inner tensor is, in order of preference:
+
+    * of the local shard's own shape: laid out as the outer DTensor (float8
+      weight wrappers, the ``codes`` of 8-bit / fp8 optimizer states);
+    * named in ``flat``: a 1-D array over the outer tensor's elements in
+      row-major order, one entry per ``unit`` elements (packed codes, block
+      scales): sharded on its dim 0 wherever the outer tensor is sharded on
+      dim 0, so shard boundaries must fall on whole units (quantization
+      blocks);
+    * named in ``replicated``: the same on every rank (lookup tables, a
+      global mean).
+
+    ``global_ctx(ctx, outer)`` rewrites a local shard's flattening context
+    into the whole tensor's (a recorded shape), so that contexts compare
+    across world sizes and a rebuild on one process gets the whole shape.
+    """
+
+    flat: FrozenSet[str] = frozenset()
+    replicated: FrozenSet[str] = frozenset()
+    global_ctx: Optional[Callable[[Any, Any], Any]] = None
+
 
 #: Rules by subclass type (``module.QualName``), one per subclass family; a
-#: type without one gets :func:`same_layout_rule`.
+#: type without one gets the default (only inner tensors of the local
+#: shard's shape). Registered by type name: nothing is imported for it.
 _SHARD_RULES: Dict[str, ShardRule] = {}
 
 
@@ -409,33 +438,83 @@ def register_shard_rule(type_name: str, rule: ShardRule) -> None:
 
     Args:
         type_name: ``module.QualName`` of the wrapper subclass.
-        rule: ``rule(outer, local, attr, inner)`` returning ``inner`` as a
-            DTensor of its global layout (a view of ``inner``), or None.
+        rule: its :class:`ShardRule`.
 
     Example:
-        >>> register_shard_rule("my.Wrapper", same_layout_rule)
+        >>> register_shard_rule("my.Blockwise", ShardRule(flat=frozenset({"scale"})))
     """
     _SHARD_RULES[type_name] = rule
 
 
 def shard_rule_for(local: torch.Tensor) -> ShardRule:
-    """The registered rule of ``local``'s type, else :func:`same_layout_rule`."""
-    return _SHARD_RULES.get(_type_name(local), same_layout_rule)
+    """The registered rule of ``local``'s type, else the default (same-shape inner tensors only)."""
+    return _SHARD_RULES.get(_type_name(local), _DEFAULT_RULE)
 
 
-def same_layout_rule(outer: Any, local: torch.Tensor, attr: str, inner: torch.Tensor) -> Optional[Any]:
-    """An inner tensor of the local shard's own shape lies as the outer DTensor does (float8 weight wrappers).
+_DEFAULT_RULE = ShardRule()
 
-    Returns None for an inner tensor of another shape (quantized blocks,
-    scales), which needs a family rule.
-    """
-    if tuple(inner.shape) != tuple(local.shape):
-        return None
-    from torch.distributed.tensor import DTensor
 
-    return DTensor.from_local(
-        inner, outer.device_mesh, outer.placements, run_check=False, shape=outer.shape, stride=outer.stride()
-    )
+def _nf4_global_ctx(ctx: Any, outer: Any) -> Any:
+    meta = ctx.get("tensor_meta") if isinstance(ctx, dict) else None
+    if meta is None or not dataclasses.is_dataclass(meta):
+        return ctx
+    whole = dataclasses.replace(cast(Any, meta), original_shape=torch.Size(outer.shape), original_strides=tuple(outer.stride()))
+    return {**ctx, "tensor_meta": whole}
+
+
+def _shape_at_1_global_ctx(ctx: Any, outer: Any) -> Any:
+    """``[signed, shape, dtype]`` (torchao ``OptimState4bit``): the shape made the whole tensor's."""
+    if isinstance(ctx, list) and len(ctx) == 3:
+        return [ctx[0], tuple(outer.shape), ctx[2]]
+    return ctx
+
+
+for _name, _rule in {
+    "torchao.quantization.quantize_.workflows.nf4.nf4_tensor.NF4Tensor": ShardRule(
+        flat=frozenset({"quantized_data", "quantized_scalers", "quantization_factor"}),
+        replicated=frozenset({"scaler_mean", "nf4"}),
+        global_ctx=_nf4_global_ctx,
+    ),
+    "torchao.optim.subclass_8bit.OptimState8bit": ShardRule(flat=frozenset({"scale"}), replicated=frozenset({"qmap"})),
+    "torchao.optim.subclass_4bit.OptimState4bit": ShardRule(
+        flat=frozenset({"codes", "scale"}), replicated=frozenset({"qmap"}), global_ctx=_shape_at_1_global_ctx
+    ),
+    "torchao.optim.subclass_fp8.OptimStateFp8": ShardRule(flat=frozenset({"scale"})),
+}.items():
+    register_shard_rule(_name, _rule)
+
+
+def _inner_global(outer: Any, local: torch.Tensor, attr: str, x: torch.Tensor, rule: ShardRule) -> Tuple[Optional[Any], int]:
+    """``(inner tensor as a global DTensor, or None where it has no layout, unit)``: see :class:`ShardRule`."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    mesh, placements = outer.device_mesh, list(outer.placements)
+    if tuple(x.shape) == tuple(local.shape):
+        return DTensor.from_local(x, mesh, placements, run_check=False, shape=outer.shape, stride=outer.stride()), 1
+    if attr in rule.replicated:
+        return DTensor.from_local(x, mesh, [Replicate()] * mesh.ndim, run_check=False, shape=x.shape, stride=x.stride()), 1
+    if attr not in rule.flat or x.dim() != 1 or x.numel() == 0 or local.numel() % x.numel():
+        return None, 1
+    unit = local.numel() // x.numel()
+    if outer.numel() % unit or not all(p.is_replicate() or p == Shard(0) for p in placements):
+        return None, unit
+    inner_pl = [Shard(0) if p == Shard(0) else Replicate() for p in placements]
+    shape = (outer.numel() // unit,)
+    # The proportional map holds only where this shard starts on a whole unit
+    # and torch lays the inner array's chunk out at the same place.
+    _, off = compute_local_shape_and_global_offset(tuple(outer.shape), mesh, placements)
+    row = int(torch.Size(outer.shape[1:]).numel())
+    ishape, ioff = compute_local_shape_and_global_offset(shape, mesh, inner_pl)
+    if (off[0] * row) % unit or tuple(ishape) != tuple(x.shape) or ioff[0] * unit != off[0] * row:
+        return None, unit
+    return DTensor.from_local(x, mesh, inner_pl, run_check=False, shape=torch.Size(shape), stride=(1,)), unit
+
+
+def _working_worlds(outer: Any, unit: int, limit: int = 64) -> List[int]:
+    """Numbers of ranks sharding ``outer``'s dim 0 evenly whose shards hold whole units."""
+    rows, row = int(outer.shape[0]) if outer.dim() else 1, int(torch.Size(outer.shape[1:]).numel())
+    return [w for w in range(1, limit + 1) if rows % w == 0 and (rows // w * row) % unit == 0]
 
 
 def is_sharded_subclass(t: Any) -> bool:
@@ -458,25 +537,36 @@ def sharded_inner(outer: Any, path: str) -> Tuple[List[str], Any, Dict[str, Any]
         raise UnsupportedStateError(f"{where}: __tensor_flatten__ failed ({type(e).__name__}: {e})") from None
     rule = shard_rule_for(local)
     out: Dict[str, Any] = {}
-    bad = []
+    bad, units = [], []
     for a in attrs:
         x = getattr(local, a)
         if type(x) not in (torch.Tensor, torch.nn.Parameter):
             raise UnsupportedStateError(
                 f"{where}: inner tensor {a!r} is a {_type_name(x)}; nested tensor subclasses cannot be saved"
             )
-        g = rule(outer, local, a, x.detach())
+        g, unit = _inner_global(outer, local, a, x.detach(), rule)
         if g is None:
             bad.append(f"{a} {list(x.shape)}")
+            units.append(unit)
         else:
             out[a] = g
+    if bad and max(units) > 1:
+        unit = max(units)
+        raise UnsupportedStateError(
+            f"{where}: inner tensors {bad} are blocks of {unit} elements of the whole tensor {list(outer.shape)}, "
+            f"and this rank's shard (placements {list(outer.placements)} over {outer.device_mesh.size()} ranks, "
+            f"local shape {list(local.shape)}) does not start and end on whole blocks. Shard dim 0 over a number "
+            f"of ranks whose shards hold whole blocks: {_working_worlds(outer, unit)}"
+        )
     if bad:
         raise UnsupportedStateError(
             f"{where}: inner tensors {bad} have no global layout under the outer placements {list(outer.placements)} "
-            f"(local shape {list(local.shape)}), and {_type_name(local)} has no shard rule registered "
+            f"(local shape {list(local.shape)}), and {_type_name(local)} has no shard rule for them "
             "(shardckpt._state.subclass.register_shard_rule). Save it unsharded (the subclass on one process), or "
             "convert it to a plain tensor first"
         )
+    if rule.global_ctx is not None:
+        ctx = rule.global_ctx(ctx, outer)
     return list(attrs), ctx, out
 
 
@@ -497,3 +587,31 @@ def flatten_sharded_subclass(outer: Any, name: str) -> Tuple[List[Tuple[str, Any
         "inner": {a: tensor_ref(inner_name(name, a)) for a in attrs},
     }
     return [(inner_name(name, a), inner[a]) for a in attrs], node
+
+
+def blocks_refusal(live: Any, node: Any, saved_tensors: Dict[str, Any], path: str) -> Optional[str]:
+    """Why a subclass saved in quantization blocks cannot fill plain DTensor ``live``; None if it was not.
+
+    A low-bit optimizer keeps a shard unquantized where it is not whole
+    blocks (torchao's AdamW8bit at a world size that cuts its blocks): the
+    saved blocks have no place there. The message names the block size and
+    the world sizes whose shards hold whole blocks.
+    """
+    if not (is_dtensor(live) and is_subclass_node(node)):
+        return None
+    whole = int(torch.Size(int(x) for x in node.get("shape", [])).numel())
+    unit = 1
+    for ref in node["inner"].values():
+        meta = saved_tensors.get(ref.get("name")) if isinstance(ref, dict) else None
+        shape = list(getattr(meta, "shape", []) or [])
+        if len(shape) == 1 and 0 < int(shape[0]) < whole and whole % int(shape[0]) == 0:
+            unit = max(unit, whole // int(shape[0]))
+    if unit == 1:
+        return None
+    return (
+        f"{path}: saved as a {node.get('type')} in blocks of {unit} elements, but the live DTensor's local shard "
+        f"here is a plain tensor of shape {list(live._local_tensor.shape)}: the live state left this shard "
+        "unquantized (torchao's low-bit optimizers quantize only shards of whole blocks and at least 4,096 "
+        f"values), so the saved blocks have no place here. World sizes whose shards hold whole blocks: "
+        f"{_working_worlds(live, unit)} (where the shards are also large enough to be quantized), or one process"
+    )

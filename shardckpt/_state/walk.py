@@ -24,7 +24,7 @@ import torch
 from .._format.naming import chunk_key_clashes, unreadable_names
 from .._format.values import MAX_VALUE_DEPTH, value_depth_problem
 from .._layout import is_dtensor
-from ..errors import UnsupportedStateError
+from ..errors import StateMismatchError, UnsupportedStateError
 from .adapters import adapter_for
 from .base import (
     _MISSING,
@@ -39,6 +39,7 @@ from .base import (
 )
 from .subclass import (
     as_plain,
+    blocks_refusal,
     check_ctx,
     flatten_sharded_subclass,
     flatten_subclass,
@@ -264,9 +265,9 @@ class _LoadWalker:
         (``subclass``), after its saved context is checked.
         """
         if is_sharded_subclass(live):
+            _, ctx, inner = sharded_inner(live, path)
             if node is not None and node is not _MISSING:
-                check_ctx(live._local_tensor, node, path, shape=tuple(live.shape))
-            _, _, inner = sharded_inner(live, path)
+                check_ctx(live._local_tensor, node, path, shape=tuple(live.shape), ctx=ctx)
             for a, x in inner.items():
                 n = node["inner"][a]["name"] if is_subclass_node(node) else inner_name(path, a)
                 self.flat.tensors[n] = x
@@ -281,6 +282,9 @@ class _LoadWalker:
                 self.flat.tensors[n] = getattr(live, a)
             return
         if is_subclass_node(node):
+            why = blocks_refusal(live, node, self.saved_tensors, path)
+            if why:
+                raise StateMismatchError(why)
             check_ctx(live, node, path)  # raises: a plain live tensor where a subclass was saved
         self.flat.tensors[path] = live
 

@@ -1,4 +1,6 @@
-"""Module kinds across ranks (issue 19): extra state at any world size, subclasses in DTensors, odd names.
+"""Module kinds across ranks (issue 19): extra state at any world size, odd names.
+
+(Subclasses in DTensors: tests/dist/test_subclass_fsdp2.py.)
 
 Every ``get_extra_state`` kind (dict, int, ``io.BytesIO``, tensor, dict
 holding a tensor) saved by FSDP2 on 2 ranks comes back through
@@ -105,36 +107,6 @@ def test_extra_state_every_kind_fsdp2_2_to_3_and_one_process(tmp_path):
     ref = _model(9)
     ref.load_state_dict(_model(1).state_dict())
     assert {k: _plain(m.value) for k, m in ref.items()} == saved[0]
-
-
-def _save_nf4_fsdp2(rank, world, root):
-    import warnings
-
-    warnings.simplefilter("ignore")
-    from torch.distributed.fsdp import fully_shard
-    from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
-
-    torch.manual_seed(0)
-    model = torch.nn.Module()
-    model.base = torch.nn.Parameter(to_nf4(torch.randn(512, 128)), requires_grad=False)
-    model.lora = torch.nn.Linear(128, 4, bias=False)
-    fully_shard(model)
-    local = model.base._local_tensor
-    try:
-        shardckpt.save({"model": model}, f"{root}/ck")
-    except UnsupportedStateError as e:
-        return type(local).__name__, str(e), sorted(os.listdir(root))
-    return type(local).__name__, None, sorted(os.listdir(root))
-
-
-def test_nf4_under_fsdp2_refused_cleanly_on_every_rank(tmp_path):
-    """QLoRA + FSDP2: the NF4 shards live in DTensors; refused by name before a byte is written, on both ranks."""
-    pytest.importorskip("torchao", reason="torchao is in the test extra")
-    out = run_ranks(2, _save_nf4_fsdp2, str(tmp_path), timeout=480)  # torchao imports slowly
-    for kind, err, files in out:
-        assert kind == "NF4Tensor"
-        assert err is not None and "model.base" in err and "NF4Tensor" in err, err
-        assert files == [], files
 
 
 def _save_names(rank, world, root):
