@@ -102,6 +102,19 @@ class ModuleAdapter(Adapter):
         sd = _kept(_module_tensors(m, path, back), keep, path)
         extra = self._extra_state(m, sd, path, saved, walker, back)
         copies = throwaway_copies(m, sd)
+        quant = _bnb_quant_states(m, sd, copies, path)
+        if quant:
+            # Read as new tensors (their sizes may differ from the live ones:
+            # the packed JSON of the state), then installed.
+            copies = [k for k in copies if k not in quant.keys]
+            for k in quant.keys:
+                del sd[k]
+                node = saved.get(k, _MISSING) if isinstance(saved, dict) else _MISSING
+                if node is _MISSING:
+                    walker.missing_values.append(_join(path, k))
+                    continue
+                _fill_from_saved(quant.parts_of(k), k, node, _join(path, k), walker)
+            walker.flat.finalizers.append(quant.install)
         if copies and not routes_state_back(m, [back[k] for k in copies]):
             raise UnsupportedStateError(
                 f"{path}: state_dict() returns tensors that are copies, not the module's parameters or buffers "
@@ -233,6 +246,64 @@ class ModuleAdapter(Adapter):
                 made[id(t)] = new
             sd[k] = out[k] = made[id(t)]
         return out
+
+
+#: bitsandbytes' 4-bit parameter type, by name (nothing is imported for it).
+BNB_PARAMS4BIT = "bitsandbytes.nn.modules.Params4bit"
+
+
+class _QuantStates:
+    """The quantization states of bitsandbytes ``Params4bit`` parameters, put back after the load fills them.
+
+    ``Linear4bit.state_dict()`` writes each 4-bit weight's ``QuantState``
+    as new tensors beside it (``weight.absmax``, ``weight.quant_map``,
+    ``weight.nested_*``, ``weight.quant_state.bitsandbytes__nf4``): copies a
+    load fills, which ``install`` turns back into the parameter's
+    ``quant_state`` (``QuantState.from_dict``, as bitsandbytes' own
+    pre-quantized loading does). The packed weight itself is filled in place.
+    """
+
+    def __init__(self):
+        self.keys: List[str] = []
+        self.by_param: List[Any] = []  # (param, prefix, {key: filled copy})
+
+    def __bool__(self) -> bool:
+        return bool(self.by_param)
+
+    def parts_of(self, key: str) -> Dict[str, Any]:
+        """The dict the load puts ``key``'s saved tensor in."""
+        return next(parts for _, _, parts in self.by_param if key in parts)
+
+    def install(self) -> None:
+        for param, prefix, parts in self.by_param:
+            qs_cls = type(param.quant_state)
+            stats = {k[len(prefix) :]: v for k, v in parts.items() if v is not None}
+            param.quant_state = qs_cls.from_dict(qs_dict=stats, device=param.device)
+
+
+def _bnb_quant_states(m: torch.nn.Module, sd: Dict[str, Any], copies: List[str], path: str) -> _QuantStates:
+    """The quantization-state copies of ``m``'s bitsandbytes 4-bit weights among ``copies`` (see :class:`_QuantStates`).
+
+    Raises:
+        UnsupportedStateError: a 4-bit weight not quantized yet (its
+            ``quant_state`` is None: move the module to its device first).
+    """
+    out = _QuantStates()
+    for k, t in sd.items():
+        if f"{type(t).__module__}.{type(t).__qualname__}" != BNB_PARAMS4BIT:
+            continue
+        prefix = k + SEP
+        mine = [c for c in copies if c.startswith(prefix)]
+        if not mine:
+            continue
+        if getattr(t, "quant_state", None) is None:
+            raise UnsupportedStateError(
+                f"{_join(path, k)}: a bitsandbytes 4-bit weight that is not quantized yet (quant_state is None); "
+                "move the module to its device (.to(device) quantizes it) before loading"
+            )
+        out.keys.extend(mine)
+        out.by_param.append((t, prefix, {c: None for c in mine}))
+    return out
 
 
 def _empty_like_meta(t, device) -> torch.Tensor:
