@@ -602,7 +602,7 @@ def blocks_refusal(live: Any, node: Any, saved_tensors: Dict[str, Any], path: st
     whole = int(torch.Size(int(x) for x in node.get("shape", [])).numel())
     unit = 1
     for ref in node["inner"].values():
-        meta = saved_tensors.get(ref.get("name")) if isinstance(ref, dict) else None
+        meta = saved_tensors.get(str(ref.get("name"))) if isinstance(ref, dict) else None
         shape = list(getattr(meta, "shape", []) or [])
         if len(shape) == 1 and 0 < int(shape[0]) < whole and whole % int(shape[0]) == 0:
             unit = max(unit, whole // int(shape[0]))
