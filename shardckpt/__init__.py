@@ -41,6 +41,8 @@ __all__ = [
     "release_buffers",
     "register_adapter",
     "Adapter",
+    "trainable",
+    "select",
     "converters",
     "errors",
     *_ERROR_NAMES,
@@ -64,6 +66,8 @@ _LAZY = {
     "release_buffers": "._async",
     "register_adapter": "._state",
     "Adapter": "._state",
+    "trainable": "._state",
+    "select": "._state",
 }
 
 
@@ -96,6 +100,6 @@ if TYPE_CHECKING:  # pragma: no cover
     from ._memory import MemoryTier
     from ._rng import RNGState
     from ._save import save
-    from ._state import Adapter, PerRank, register_adapter
+    from ._state import Adapter, PerRank, register_adapter, select, trainable
     from ._verify import inspect, verify
     from .errors import *  # noqa: F401,F403

@@ -22,6 +22,7 @@ no module imports one that imports it back.
 from __future__ import annotations
 
 from .adapters import Adapter, adapter_for, adapters, register_adapter
+from .module import Selected, select, trainable
 from .per_rank import PER_RANK_MARK, PerRank
 from .values import TAG, decode_value, encode_value, tensor_ref
 from .walk import (
@@ -50,4 +51,7 @@ __all__ = [
     "Raw",
     "PerRank",
     "PER_RANK_MARK",
+    "Selected",
+    "trainable",
+    "select",
 ]

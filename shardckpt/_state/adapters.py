@@ -4,7 +4,8 @@ One visible, ordered list, first match wins:
 
 1. adapters registered with ``register_adapter(a)`` (newest first);
 2. the built-ins, in this order: ``PerRankAdapter`` (``PerRank`` values and
-   ``RNGState``), ``ModuleAdapter`` (``nn.Module``), ``FlatOptimizerAdapter``
+   ``RNGState``), ``ModuleAdapter`` (``nn.Module``), ``SelectedAdapter``
+   (``trainable(model)``/``select(model, names)``: part of a module), ``FlatOptimizerAdapter``
    (optimizers with their own non-torch-shaped ``state_dict``, e.g.
    torchtitan's ``OptimizersContainer``), ``OptimizerAdapter``
    (``torch.optim.Optimizer``), ``StatefulAdapter`` (any object with
@@ -23,7 +24,7 @@ from __future__ import annotations
 from typing import Any, List, Optional
 
 from .base import _FIRST, _LAST, Adapter, register_adapter
-from .module import ModuleAdapter
+from .module import ModuleAdapter, SelectedAdapter
 from .optim import FlatOptimizerAdapter, OptimizerAdapter
 from .per_rank import PerRankAdapter
 from .stateful import StatefulAdapter
@@ -31,7 +32,7 @@ from .stateful import StatefulAdapter
 __all__ = ["Adapter", "register_adapter", "adapter_for", "adapters"]
 
 #: The built-ins, in the order they are tried (between ``_FIRST`` and ``_LAST``).
-_BUILTIN: List[Adapter] = [PerRankAdapter(), ModuleAdapter(), FlatOptimizerAdapter(), OptimizerAdapter(), StatefulAdapter()]
+_BUILTIN: List[Adapter] = [PerRankAdapter(), ModuleAdapter(), SelectedAdapter(), FlatOptimizerAdapter(), OptimizerAdapter(), StatefulAdapter()]
 
 
 def adapters() -> List[Adapter]:

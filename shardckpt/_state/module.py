@@ -7,7 +7,8 @@ weights (``tied_groups``).
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional
+import fnmatch
+from typing import Any, Callable, Dict, Iterable, List, Optional, Union
 
 import torch
 
@@ -32,7 +33,16 @@ from .base import (
 )
 from .values import tensor_ref
 
-__all__ = ["ModuleAdapter", "throwaway_copies", "routes_state_back", "tied_groups"]
+__all__ = [
+    "ModuleAdapter",
+    "Selected",
+    "SelectedAdapter",
+    "trainable",
+    "select",
+    "throwaway_copies",
+    "routes_state_back",
+    "tied_groups",
+]
 
 
 class ModuleAdapter(Adapter):
@@ -59,11 +69,12 @@ class ModuleAdapter(Adapter):
     def matches(self, obj):
         return isinstance(obj, torch.nn.Module)
 
-    def save(self, obj, path, walker):
+    def save(self, obj, path, walker, *, keep: Optional[Callable[[str], bool]] = None):
+        """``obj``'s state dict by FQN; ``keep`` (a :class:`Selected`'s): only the names it keeps."""
         m = unwrap(obj)
         if is_fsdp1(m):
-            return fsdp1_model_state(m)
-        sd = _module_tensors(m, path)
+            return _kept(fsdp1_model_state(m), keep, path)
+        sd = _kept(_module_tensors(m, path), keep, path)
         meta = [k for k, t in sd.items() if _is_tensor(t) and t.is_meta]
         if meta:
             raise UnsupportedStateError(
@@ -77,17 +88,33 @@ class ModuleAdapter(Adapter):
                 sd[alias] = Raw(tensor_ref(_join(path, names[0])))
         return sd
 
-    def load(self, obj, path, saved, walker):
+    def load(self, obj, path, saved, walker, *, keep: Optional[Callable[[str], bool]] = None):
+        """Plan filling ``obj`` in place; ``keep``: only the names it keeps (the rest stay as they are)."""
         m = unwrap(obj)
         if is_fsdp1(m):
+            # The whole dict goes back to torch (it wants every key); only the kept ones are filled.
             sd = fsdp1_model_state(m)
-            self._targets(sd, path, saved, walker)
+            extra = self._fsdp1_extra_state(sd, path, saved, walker)
+            self._targets(_kept({k: v for k, v in sd.items() if k not in extra}, keep, path), path, saved, walker)
             walker.flat.finalizers.append(lambda: fsdp1_load_model_state(m, sd))
             return
         back: Dict[str, str] = {}
-        sd = _module_tensors(m, path, back)
+        sd = _kept(_module_tensors(m, path, back), keep, path)
         extra = self._extra_state(m, sd, path, saved, walker, back)
         copies = throwaway_copies(m, sd)
+        quant = _bnb_quant_states(m, sd, copies, path)
+        if quant:
+            # Read as new tensors (their sizes may differ from the live ones:
+            # the packed JSON of the state), then installed.
+            copies = [k for k in copies if k not in quant.keys]
+            for k in quant.keys:
+                del sd[k]
+                node = saved.get(k, _MISSING) if isinstance(saved, dict) else _MISSING
+                if node is _MISSING:
+                    walker.missing_values.append(_join(path, k))
+                    continue
+                _fill_from_saved(quant.parts_of(k), k, node, _join(path, k), walker)
+            walker.flat.finalizers.append(quant.install)
         if copies and not routes_state_back(m, [back[k] for k in copies]):
             raise UnsupportedStateError(
                 f"{path}: state_dict() returns tensors that are copies, not the module's parameters or buffers "
@@ -106,7 +133,9 @@ class ModuleAdapter(Adapter):
             # own load_state_dict (and its hooks) puts them into the weights.
             # Extra state goes in too: load_state_dict hands it to set_extra_state.
             walker.flat.finalizers.append(
-                lambda: m.load_state_dict({back[k]: v for k, v in ({**sd, **{k: h["v"] for k, (_, h) in extra.items()}}).items()}, strict=True)
+                lambda: m.load_state_dict(
+                    {back[k]: v for k, v in ({**sd, **{k: h["v"] for k, (_, h) in extra.items()}}).items()}, strict=keep is None
+                )
             )
         else:
             for owner, h in extra.values():
@@ -140,6 +169,30 @@ class ModuleAdapter(Adapter):
             _fill_from_saved(holder, "v", node, where, walker)
             out[k] = (owner, holder)
         return out
+
+    @staticmethod
+    def _fsdp1_extra_state(sd, path, saved, walker):
+        """FSDP1: each ``get_extra_state()`` value rebuilt from the checkpoint into the state dict handed back.
+
+        torch's ``set_model_state_dict`` passes the dict to the modules'
+        ``load_state_dict``, which gives each value to its
+        ``set_extra_state``; the key leaves the fill targets (the live value
+        is a copy that filling would not reach) and is replaced, in ``sd``,
+        by the saved value (tensors in it as new full tensors).
+        """
+        from torch.nn.modules.module import _EXTRA_STATE_KEY_SUFFIX
+
+        keys = [k for k in sd if k == _EXTRA_STATE_KEY_SUFFIX or k.endswith(SEP + _EXTRA_STATE_KEY_SUFFIX)]
+        for k in keys:
+            node = saved.get(k, _MISSING) if isinstance(saved, dict) else _MISSING
+            where = _join(path, k)
+            if node is _MISSING:
+                del sd[k]
+                walker.missing_values.append(where)
+                continue
+            sd[k] = None  # never filled in place: the saved value replaces it
+            _fill_from_saved(sd, k, node, where, walker)
+        return set(keys)
 
     @staticmethod
     def _untie_targets(sd, path, walker):
@@ -194,6 +247,64 @@ class ModuleAdapter(Adapter):
                 made[id(t)] = new
             sd[k] = out[k] = made[id(t)]
         return out
+
+
+#: bitsandbytes' 4-bit parameter type, by name (nothing is imported for it).
+BNB_PARAMS4BIT = "bitsandbytes.nn.modules.Params4bit"
+
+
+class _QuantStates:
+    """The quantization states of bitsandbytes ``Params4bit`` parameters, put back after the load fills them.
+
+    ``Linear4bit.state_dict()`` writes each 4-bit weight's ``QuantState``
+    as new tensors beside it (``weight.absmax``, ``weight.quant_map``,
+    ``weight.nested_*``, ``weight.quant_state.bitsandbytes__nf4``): copies a
+    load fills, which ``install`` turns back into the parameter's
+    ``quant_state`` (``QuantState.from_dict``, as bitsandbytes' own
+    pre-quantized loading does). The packed weight itself is filled in place.
+    """
+
+    def __init__(self):
+        self.keys: List[str] = []
+        self.by_param: List[Any] = []  # (param, prefix, {key: filled copy})
+
+    def __bool__(self) -> bool:
+        return bool(self.by_param)
+
+    def parts_of(self, key: str) -> Dict[str, Any]:
+        """The dict the load puts ``key``'s saved tensor in."""
+        return next(parts for _, _, parts in self.by_param if key in parts)
+
+    def install(self) -> None:
+        for param, prefix, parts in self.by_param:
+            qs_cls = type(param.quant_state)
+            stats = {k[len(prefix) :]: v for k, v in parts.items() if v is not None}
+            param.quant_state = qs_cls.from_dict(qs_dict=stats, device=param.device)
+
+
+def _bnb_quant_states(m: torch.nn.Module, sd: Dict[str, Any], copies: List[str], path: str) -> _QuantStates:
+    """The quantization-state copies of ``m``'s bitsandbytes 4-bit weights among ``copies`` (see :class:`_QuantStates`).
+
+    Raises:
+        UnsupportedStateError: a 4-bit weight not quantized yet (its
+            ``quant_state`` is None: move the module to its device first).
+    """
+    out = _QuantStates()
+    for k, t in sd.items():
+        if f"{type(t).__module__}.{type(t).__qualname__}" != BNB_PARAMS4BIT:
+            continue
+        prefix = k + SEP
+        mine = [c for c in copies if c.startswith(prefix)]
+        if not mine:
+            continue
+        if getattr(t, "quant_state", None) is None:
+            raise UnsupportedStateError(
+                f"{_join(path, k)}: a bitsandbytes 4-bit weight that is not quantized yet (quant_state is None); "
+                "move the module to its device (.to(device) quantizes it) before loading"
+            )
+        out.keys.extend(mine)
+        out.by_param.append((t, prefix, {c: None for c in mine}))
+    return out
 
 
 def _empty_like_meta(t, device) -> torch.Tensor:
@@ -295,3 +406,101 @@ def _module_tensors(m: torch.nn.Module, path: str = "", back: Optional[Dict[str,
         if back is not None:
             back[n] = k
     return out
+
+
+# --------------------------------------------------------------------------
+# the part that trains: a selection of a module's state
+
+
+def _kept(sd: Dict[str, Any], keep: Optional[Callable[[str], bool]], path: str) -> Dict[str, Any]:
+    """``sd`` restricted to the names ``keep`` keeps (all of it when ``keep`` is None).
+
+    Raises:
+        UnsupportedStateError: nothing is kept (an empty selection saves nothing).
+    """
+    if keep is None:
+        return sd
+    out = {k: v for k, v in sd.items() if keep(k)}
+    if not out:
+        raise UnsupportedStateError(
+            f"{path}: the selection keeps none of the module's {len(sd)} state entries "
+            f"(e.g. {format_offenders(sorted(sd))}); check the names or which parameters require grad"
+        )
+    return out
+
+
+class Selected:
+    """Part of a module's state, by FQN: what :func:`trainable` and :func:`select` return.
+
+    Saved and loaded like the module (any runtime, in place), holding only
+    the kept entries: a load fills those and leaves the rest (a frozen base
+    loaded from elsewhere) as it is. An optimizer of the kept parameters may
+    sit beside it (``{"model": trainable(model), "optim": optim}``): its state
+    is named by the module's FQNs as usual.
+    """
+
+    def __init__(self, module: torch.nn.Module, keep: Callable[[str], bool], what: str):
+        self.module = module
+        self.keep = keep
+        self.what = what
+
+    def __repr__(self) -> str:
+        return f"Selected({type(self.module).__name__}, {self.what})"
+
+
+def trainable(module: torch.nn.Module) -> Selected:
+    """The parameters of ``module`` that require grad (LoRA adapters over a frozen base), by FQN.
+
+    Args:
+        module: any ``nn.Module`` (plain, DDP, FSDP1/FSDP2, compiled, peft).
+
+    Returns:
+        A :class:`Selected` to put in the state in place of the module.
+
+    Raises:
+        UnsupportedStateError: (at save/load) no parameter requires grad.
+
+    Example:
+        >>> shardckpt.save({"model": shardckpt.trainable(model), "optim": optim}, url)  # doctest: +SKIP
+        >>> shardckpt.load({"model": shardckpt.trainable(model), "optim": optim}, url)  # doctest: +SKIP
+
+    Limits: the names are taken when this is called; the base must already
+    be in the model (loaded once, e.g. from an HF directory) before the
+    adapter checkpoint is loaded.
+    """
+    m = unwrap(module)
+    rename = wrapper_renamer(m)
+    names = frozenset(rename(n) for n, p in m.named_parameters(remove_duplicate=False) if p.requires_grad)
+    return Selected(module, names.__contains__, f"{len(names)} trainable parameters")
+
+
+def select(module: torch.nn.Module, names: Union[Callable[[str], bool], Iterable[str]]) -> Selected:
+    """The entries of ``module``'s state dict whose FQN ``names`` keeps.
+
+    Args:
+        module: any ``nn.Module``.
+        names: a predicate on the FQN, or ``fnmatch`` patterns
+            (``["*lora_*"]``) of which one must match.
+
+    Example:
+        >>> shardckpt.save({"model": shardckpt.select(model, ["*lora_*"]), "optim": optim}, url)  # doctest: +SKIP
+    """
+    if callable(names):
+        return Selected(module, names, "a name predicate")
+    pats = [str(x) for x in names]
+    if not pats:
+        raise UnsupportedStateError("select(): give at least one name pattern")
+    return Selected(module, lambda n: any(fnmatch.fnmatchcase(n, p) for p in pats), f"names matching {pats}")
+
+
+class SelectedAdapter(Adapter):
+    """:class:`Selected`: the module adapter, restricted to the kept names."""
+
+    def matches(self, obj):
+        return isinstance(obj, Selected)
+
+    def save(self, obj, path, walker):
+        return ModuleAdapter().save(obj.module, path, walker, keep=obj.keep)
+
+    def load(self, obj, path, saved, walker):
+        ModuleAdapter().load(obj.module, path, saved, walker, keep=obj.keep)

@@ -11,7 +11,9 @@ parameter are DTensors / ShardedTensors exactly where the parameters are, and
 are resharded on load like any tensor.
 
 Pairing: the FQNs come from the ``nn.Module`` in the same ``state`` whose
-parameters the optimizer holds (searched through nested dicts and lists). If
+parameters the optimizer holds (searched through nested dicts and lists), or
+from the module of a ``Selected`` part of one (``trainable(model)``: the
+optimizer of the adapters beside only the adapters). If
 several do (a model and one of its submodules), the outermost one is used;
 modules that are not nested in one another are ambiguous and raise.
 
@@ -39,6 +41,7 @@ from .._format import torch_dtype
 from .._runtimes import is_fsdp1, param_fqns
 from ..errors import CorruptCheckpointError, StateMismatchError, UnsupportedStateError, format_offenders
 from .base import _MISSING, SEP, Adapter, _fill_from_saved, _is_tensor, _join
+from .module import Selected
 from .stateful import StatefulAdapter
 from .subclass import is_subclass_node
 from .values import TAG, _is_ref
@@ -193,6 +196,8 @@ def find_module(root: Any, optim: torch.optim.Optimizer, path: str) -> nn.Module
     def visit(v: Any, where: str, depth: int) -> None:
         if depth > 32:
             return
+        if isinstance(v, Selected):  # part of a module: its optimizer is named by the module's FQNs
+            v = v.module
         if isinstance(v, nn.Module):
             if want <= {id(p) for p in v.parameters()} and not any(m is v for _, m in found):
                 found.append((where, v))

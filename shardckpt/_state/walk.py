@@ -24,7 +24,7 @@ import torch
 from .._format.naming import chunk_key_clashes, unreadable_names
 from .._format.values import MAX_VALUE_DEPTH, value_depth_problem
 from .._layout import is_dtensor
-from ..errors import UnsupportedStateError
+from ..errors import StateMismatchError, UnsupportedStateError
 from .adapters import adapter_for
 from .base import (
     _MISSING,
@@ -39,12 +39,16 @@ from .base import (
 )
 from .subclass import (
     as_plain,
+    blocks_refusal,
     check_ctx,
+    flatten_sharded_subclass,
     flatten_subclass,
     inner_name,
+    is_sharded_subclass,
     is_subclass_node,
     is_wrapper_subclass,
     plain_problem,
+    sharded_inner,
 )
 from .values import TAG, _is_ref, decode_value, encode_value, tensor_ref
 
@@ -121,6 +125,14 @@ class _SaveWalker:
                 for n, x in inner:
                     self._add(n, x)
                 return node
+            if is_sharded_subclass(v):
+                # A DTensor over a wrapper (FSDP2 over float8 weights, NF4,
+                # low-bit optimizer states): its inner tensors are saved as
+                # DTensors laid out by the subclass family's shard rule.
+                inner, node = flatten_sharded_subclass(v, path)
+                for n, x in inner:
+                    self._add(n, x)
+                return node
             _refuse_unwritable(v, path)
             self._add(path, as_plain(v))
             return tensor_ref(path)
@@ -146,19 +158,11 @@ class _SaveWalker:
 def _refuse_unwritable(v: Any, path: str) -> None:
     """Refuse, while walking (before any byte is written), a tensor whose bytes cannot be read safely.
 
-    A DTensor whose local shard is a wrapper subclass (FSDP2 over NF4 or
-    low-bit optimizer states) has inner tensors with no global layout to
-    reshard; a subclass without storage and without ``__tensor_flatten__``
-    has no bytes to read at all.
+    A subclass without storage and without ``__tensor_flatten__`` (plain or
+    as a DTensor's local shard) has no bytes to read at all.
     """
     local = v._local_tensor if is_dtensor(v) else v
     kind = f"{type(local).__module__}.{type(local).__qualname__}"
-    if is_dtensor(v) and (is_wrapper_subclass(local) or plain_problem(local)):
-        raise UnsupportedStateError(
-            f"{path}: a DTensor whose local shard is a {kind} cannot be saved: the subclass's inner tensors have no "
-            "global layout to reshard. Save it unsharded (full_tensor() of a plain dtype, or the subclass on one "
-            "process), or convert it to a plain tensor first"
-        )
     why = plain_problem(local) if isinstance(local, torch.Tensor) else None
     if why:
         raise UnsupportedStateError(
@@ -263,6 +267,14 @@ class _LoadWalker:
         A live wrapper subclass is filled through its inner tensors, in place
         (``subclass``), after its saved context is checked.
         """
+        if is_sharded_subclass(live):
+            _, ctx, inner = sharded_inner(live, path)
+            if node is not None and node is not _MISSING:
+                check_ctx(live._local_tensor, node, path, shape=tuple(live.shape), ctx=ctx)
+            for a, x in inner.items():
+                n = node["inner"][a]["name"] if is_subclass_node(node) else inner_name(path, a)
+                self.flat.tensors[n] = x
+            return
         if is_wrapper_subclass(live):
             if node is not None and node is not _MISSING:
                 check_ctx(live, node, path)
@@ -273,6 +285,9 @@ class _LoadWalker:
                 self.flat.tensors[n] = getattr(live, a)
             return
         if is_subclass_node(node):
+            why = blocks_refusal(live, node, self.saved_tensors, path)
+            if why:
+                raise StateMismatchError(why)
             check_ctx(live, node, path)  # raises: a plain live tensor where a subclass was saved
         self.flat.tensors[path] = live
 

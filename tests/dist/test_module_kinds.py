@@ -1,4 +1,6 @@
-"""Module kinds across ranks (issue 19): extra state at any world size, subclasses in DTensors, odd names.
+"""Module kinds across ranks (issue 19): extra state at any world size, odd names.
+
+(Subclasses in DTensors: tests/dist/test_subclass_fsdp2.py.)
 
 Every ``get_extra_state`` kind (dict, int, ``io.BytesIO``, tensor, dict
 holding a tensor) saved by FSDP2 on 2 ranks comes back through
@@ -107,36 +109,6 @@ def test_extra_state_every_kind_fsdp2_2_to_3_and_one_process(tmp_path):
     assert {k: _plain(m.value) for k, m in ref.items()} == saved[0]
 
 
-def _save_nf4_fsdp2(rank, world, root):
-    import warnings
-
-    warnings.simplefilter("ignore")
-    from torch.distributed.fsdp import fully_shard
-    from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
-
-    torch.manual_seed(0)
-    model = torch.nn.Module()
-    model.base = torch.nn.Parameter(to_nf4(torch.randn(512, 128)), requires_grad=False)
-    model.lora = torch.nn.Linear(128, 4, bias=False)
-    fully_shard(model)
-    local = model.base._local_tensor
-    try:
-        shardckpt.save({"model": model}, f"{root}/ck")
-    except UnsupportedStateError as e:
-        return type(local).__name__, str(e), sorted(os.listdir(root))
-    return type(local).__name__, None, sorted(os.listdir(root))
-
-
-def test_nf4_under_fsdp2_refused_cleanly_on_every_rank(tmp_path):
-    """QLoRA + FSDP2: the NF4 shards live in DTensors; refused by name before a byte is written, on both ranks."""
-    pytest.importorskip("torchao", reason="torchao is in the test extra")
-    out = run_ranks(2, _save_nf4_fsdp2, str(tmp_path), timeout=480)  # torchao imports slowly
-    for kind, err, files in out:
-        assert kind == "NF4Tensor"
-        assert err is not None and "model.base" in err and "NF4Tensor" in err, err
-        assert files == [], files
-
-
 def _save_names(rank, world, root):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
@@ -184,37 +156,31 @@ def test_zero_size_dtensor_shard0_shard1(tmp_path, shape):
     assert run_ranks(2, _zero_size_2d, str(tmp_path), list(shape)) == [([1.0, 1.0, 1.0], [0, 4])] * 2
 
 
-def _save_lowbit_fsdp2(rank, world, root, name):
-    import warnings
+def _fsdp1(model):
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
-    warnings.simplefilter("ignore")
-    import torchao.optim
-    from torch.distributed.fsdp import fully_shard
-
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(256, 256))
-    fully_shard(model)
-    opt = getattr(torchao.optim, name)(model.parameters())
-    try:
-        model(torch.randn(2, 256)).sum().backward()
-        opt.step()
-    except Exception as e:  # noqa: BLE001 - torchao's own limits on CPU DTensors
-        return "no-step", f"{type(e).__name__}: {e}"[:300], []
-    local = type(next(iter(opt.state.values()))["exp_avg"]._local_tensor).__name__
-    try:
-        shardckpt.save({"model": model, "optim": opt}, f"{root}/{name}")
-    except UnsupportedStateError as e:
-        return local, str(e), sorted(os.listdir(root))
-    return local, None, sorted(os.listdir(root))
+    return FSDP(model, auto_wrap_policy=ModuleWrapPolicy({torch.nn.Linear}), device_id=torch.device("cpu"))
 
 
-@pytest.mark.parametrize("name", ["AdamW8bit", "AdamWFp8"])
-def test_torchao_lowbit_states_under_fsdp2_refused_cleanly(tmp_path, name):
-    pytest.importorskip("torchao", reason="torchao is in the test extra")
-    out = run_ranks(2, _save_lowbit_fsdp2, str(tmp_path), name, timeout=480)  # torchao imports slowly
-    if out[0][0] == "no-step":
-        pytest.skip(f"torchao {name} cannot step FSDP2 DTensors on CPU here: {out[0][1]}")
-    for local, err, files in out:
-        assert local.startswith("OptimState"), local
-        assert err is not None and "optim.state.0.weight.exp_avg" in err and local in err, err
-        assert files == [], files
+def _save_extra_fsdp1(rank, world, root):
+    model = _fsdp1(_model(1))
+    shardckpt.save({"model": model}, f"{root}/ck")
+    return {k: _plain(m.value) for k, m in model.module.items()}
+
+
+def _load_extra_fsdp1(rank, world, root):
+    model = _fsdp1(_model(7))
+    res = shardckpt.load({"model": model}, f"{root}/ck")
+    assert res.missing_keys == [] and res.unexpected_keys == [], res
+    return {k: _plain(m.value) for k, m in model.module.items()}
+
+
+def test_extra_state_every_kind_fsdp1_2_to_2_and_one_process(tmp_path):
+    """FSDP1 modules' extra state comes back through set_extra_state, as for FSDP2 and plain modules."""
+    saved = run_ranks(2, _save_extra_fsdp1, str(tmp_path))
+    assert saved[0] == saved[1] == {k: _plain(v) for k, v in extra_kinds(1).items()}
+    assert run_ranks(2, _load_extra_fsdp1, str(tmp_path)) == [saved[0]] * 2
+    plain = _model(9)
+    shardckpt.load({"model": plain}, str(tmp_path / "ck"), no_dist=True)
+    assert {k: _plain(m.value) for k, m in plain.items()} == saved[0]
