@@ -32,7 +32,9 @@ __all__ = [
 ]
 
 #: How many offenders (names, ranks, mismatches) one message lists before
-#: "... (N more)"; every list in every message shares it.
+#: "... (N more)": the default of :func:`format_offenders`. Messages that
+#: list two things side by side (a state's names and a checkpoint's, a
+#: destination's files) pass a shorter ``limit=5`` so the line stays readable.
 MAX_OFFENDERS = 20
 
 

@@ -91,7 +91,7 @@ def _hf_dir(path: str) -> None:
 
 
 def make_fixtures(names) -> None:
-    """Create the named files in the working directory.
+    """Create the named files in the working directory (those already there are kept).
 
     ``ckpt``: ``ckpt/step-100`` and ``ckpt/step-200`` (shardckpt checkpoints of
     ``state``); ``hf``: ``hf-model/`` (a tiny Llama, safetensors + config);
@@ -99,16 +99,19 @@ def make_fixtures(names) -> None:
     and optimizer); ``pt``: ``model.pt`` (``torch.save`` of a state dict).
     """
     for name in names:
-        if name == "ckpt":
-            train_step()
-            shardckpt.save({"model": model, "optim": optim, "step": 100}, "ckpt/step-100")
-            train_step()
-            shardckpt.save({"model": model, "optim": optim, "step": 200}, "ckpt/step-200")
+        if name == "ckpt":  # the steps a page's earlier block did not already write
+            for s in (100, 200):
+                train_step()
+                if not os.path.exists(f"ckpt/step-{s}"):
+                    shardckpt.save({"model": model, "optim": optim, "step": s}, f"ckpt/step-{s}")
         elif name == "hf":
-            _hf_dir("hf-model")
+            if not os.path.exists("hf-model"):
+                _hf_dir("hf-model")
         elif name == "dcp":
             import torch.distributed.checkpoint as dcp
 
+            if os.path.exists("dcp-ckpt"):
+                continue
             train_step()
             dcp.save({"model": model.state_dict(), "optim": optim.state_dict()}, checkpoint_id="dcp-ckpt")
         elif name == "pt":
