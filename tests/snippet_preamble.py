@@ -8,7 +8,7 @@ so docs can show the three lines that matter and still run. It provides:
   vocabulary), ``optim`` / ``optimizer`` (AdamW), ``scheduler`` (LambdaLR),
   ``state = {"model", "optim", "sched", "step"}``, ``step = 100``,
   ``total = total_steps = 6``, ``train_step()`` (one AdamW step on random
-  tokens);
+  tokens), ``lr_scheduler``, ``grad_scaler`` (CPU ``GradScaler``), ``loader``;
 * under torchrun (``<!-- snippet: torchrun=N -->``): the gloo process group
   is started, ``rank`` / ``world`` are set and ``model`` is sharded with
   FSDP2 (``fully_shard`` on each layer, then the root); the group is
@@ -27,7 +27,6 @@ import torch
 import torch.nn as nn
 
 import shardckpt
-from shardckpt import converters
 
 VOCAB = 101
 
@@ -64,6 +63,9 @@ optim = optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
 scheduler = torch.optim.lr_scheduler.LambdaLR(optim, lambda s: 1.0 / (1 + s))
 step = 100
 total = total_steps = 6
+lr_scheduler = scheduler
+grad_scaler = torch.amp.GradScaler("cpu")
+loader = {"epoch": 0, "offset": 0}  # a stand-in data pipeline state (a dict is refilled in place); PerRank keeps one per rank
 state = {"model": model, "optim": optim, "sched": scheduler, "step": 0}
 _gen = torch.Generator().manual_seed(1234 + rank)
 

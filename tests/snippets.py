@@ -34,8 +34,8 @@ import shlex
 import shutil
 import subprocess
 import sys
-from dataclasses import dataclass, field
 import uuid
+from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
