@@ -71,3 +71,16 @@ def test_every_docs_page_is_in_the_nav():
         dirs[:] = [x for x in dirs if not x.startswith(("_", "device-runs"))]
         pages |= {os.path.relpath(os.path.join(d, f), os.path.join(ROOT, "docs")) for f in files if f.endswith(".md")}
     assert pages - nav == set(), f"pages not in mkdocs.yml nav: {sorted(pages - nav)}"
+
+
+def test_readme_what_works_table_names_tests_that_exist():
+    """Each row of the README's "What works today" names the test files that prove it; they must exist."""
+    text = open(os.path.join(ROOT, "README.md")).read()
+    table = text.split("## What works today", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in table.splitlines() if line.startswith("| ") and not line.startswith(("| what", "| ---"))]
+    assert len(rows) >= 15, rows
+    for row in rows:
+        files = re.findall(r"`(tests/[\w/]+\.py)`", row)
+        assert files, f"row names no test file: {row}"
+        missing = [f for f in files if not os.path.isfile(os.path.join(ROOT, f))]
+        assert not missing, f"{row}: {missing} do not exist"

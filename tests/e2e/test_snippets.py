@@ -9,12 +9,18 @@ import snippets
 PAGES = [p for p in snippets.doc_files() if snippets.page_blocks(p)]
 
 
+#: A ratchet, not a target: 9 of these need GPUs, run benchmarks or the test
+#: suite itself, 3 install packages; the rest need a bucket, two hosts,
+#: torchtitan or legacy Hub files. Lower it when a block becomes runnable.
+MAX_SKIPPED = 20
+
+
 def test_every_block_is_runnable_or_says_why_not():
     """Parsing every page checks the markers (a skip needs a reason); skips stay few."""
     blocks = [b for p in snippets.doc_files() for b in snippets.page_blocks(p)]
     skipped = [b for b in blocks if "skip" in b.options]
-    assert blocks, "no snippets found"
-    assert len(skipped) <= len(blocks) // 4, [f"{b.where}: {b.options['skip']}" for b in skipped]
+    assert len(blocks) > 40, "snippets not found"
+    assert len(skipped) <= MAX_SKIPPED, [f"{b.where}: {b.options['skip']}" for b in skipped]
 
 
 @pytest.mark.slow
