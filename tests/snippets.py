@@ -8,6 +8,7 @@ on GitHub and in the site)::
     <!-- snippet: fixtures=ckpt,hf -->           create these files in the working directory first
     <!-- snippet: preamble=none -->              run the block as written (no preamble)
     <!-- snippet: skip="why it cannot run" -->   not run; the reason is required
+    <!-- snippet: once="why" -->                 a restoring block run once, not resumed; the reason is required
 
 Blocks of one page run in order, in one fresh working directory, each in its
 own process (files persist between them, Python names do not). A python
@@ -41,7 +42,7 @@ from typing import Dict, List, Optional
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TESTS = os.path.join(ROOT, "tests")
 RUN_LANGS = ("python", "bash")
-KNOWN_OPTIONS = ("torchrun", "fixtures", "preamble", "skip")
+KNOWN_OPTIONS = ("torchrun", "fixtures", "preamble", "skip", "once")
 FIXTURES = ("ckpt", "hf", "dcp", "pt")
 BLOCK_TIMEOUT_S = 300
 
@@ -69,8 +70,9 @@ def _parse_options(text: str, where: str) -> Dict[str, str]:
         if key not in KNOWN_OPTIONS:
             raise ValueError(f"{where}: unknown snippet option {key!r} (known: {', '.join(KNOWN_OPTIONS)})")
         out[key] = value
-    if "skip" in out and not out["skip"].strip():
-        raise ValueError(f'{where}: skip needs a reason: <!-- snippet: skip="why it cannot run" -->')
+    for key in ("skip", "once"):
+        if key in out and not out[key].strip():
+            raise ValueError(f'{where}: {key} needs a reason: <!-- snippet: {key}="why" -->')
     for name in filter(None, out.get("fixtures", "").split(",")):
         if name not in FIXTURES:
             raise ValueError(f"{where}: unknown fixture {name!r} (known: {', '.join(FIXTURES)})")
@@ -158,7 +160,7 @@ def run_block(block: Block, cwd: str) -> Optional[str]:
     head = "" if block.options.get("preamble") == "none" else "from snippet_preamble import *  # noqa\n"
     with open(script, "w") as f:
         f.write(head + block.code)
-    runs = 2 if ".restore(" in block.code else 1
+    runs = 2 if ".restore(" in block.code and "once" not in block.options else 1
     for i in range(runs):
         job = f"snippet-{uuid.uuid4().hex[:12]}"
         cmd = [sys.executable, script]
