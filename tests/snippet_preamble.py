@@ -27,6 +27,7 @@ import torch
 import torch.nn as nn
 
 import shardckpt
+from shardckpt import converters  # noqa: F401  (a name the snippets use)
 
 VOCAB = 101
 
