@@ -99,7 +99,8 @@ def make_fixtures(names) -> None:
     ``ckpt``: ``ckpt/step-100`` and ``ckpt/step-200`` (shardckpt checkpoints of
     ``state``); ``hf``: ``hf-model/`` (a tiny Llama, safetensors + config);
     ``dcp``: ``dcp-ckpt/`` (``torch.distributed.checkpoint.save`` of the model
-    and optimizer); ``pt``: ``model.pt`` (``torch.save`` of a state dict).
+    and optimizer state dicts, by parameter name, as DCP users and torchtitan
+    write them); ``pt``: ``model.pt`` (``torch.save`` of a state dict).
     """
     for name in names:
         if name == "ckpt":  # the steps a page's earlier block did not already write
@@ -112,11 +113,13 @@ def make_fixtures(names) -> None:
                 _hf_dir("hf-model")
         elif name == "dcp":
             import torch.distributed.checkpoint as dcp
+            from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
             if os.path.exists("dcp-ckpt"):
                 continue
             train_step()
-            dcp.save({"model": model.state_dict(), "optim": optim.state_dict()}, checkpoint_id="dcp-ckpt")
+            dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optim)},
+                     checkpoint_id="dcp-ckpt")
         elif name == "pt":
             torch.save(model.state_dict(), "model.pt")
         else:
