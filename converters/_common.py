@@ -373,7 +373,7 @@ def write_native(
     progress: bool = False,
     desc: str = "convert",
 ) -> ConvertResult:
-    """Write a native checkpoint, format v2, as a save's ranks would: ``_save.write_rank`` per rank, then ``commit``.
+    """Write a native checkpoint in the newest format (what ``save`` writes), as a save's ranks would: ``_save.write_rank`` per rank, then ``commit``.
 
     Args:
         ranks: writing rank -> {file tag (``data/<save id>-<tag>.safetensors``):

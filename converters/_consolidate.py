@@ -34,7 +34,8 @@ def consolidate(
     Args:
         src: the checkpoint to copy (any shardckpt checkpoint).
         dst: new checkpoint directory.
-        storage_options / dst_storage_options: fsspec options.
+        storage_options: fsspec options for ``src``.
+        dst_storage_options: fsspec options for ``dst``.
         overwrite: replace a committed checkpoint at ``dst``.
         progress: progress bar.
         io_threads: files written in parallel (default ``SHARDCKPT_IO_THREADS``).

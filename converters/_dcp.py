@@ -363,8 +363,10 @@ def from_dcp(
             ``"model."`` for a bare model state dict, torchtitan's layout
             rearranged as above, anything else as saved (see
             ``arrange_imported`` in ``converters/_safetensors.py``).
-        keys / key_map: select / rename tensors by their final names.
-        storage_options / dst_storage_options: fsspec options.
+        keys: select tensors by their final names (names or glob patterns).
+        key_map: rename tensors (a dict, or a callable returning the new name or ``None`` to drop one).
+        storage_options: fsspec options for ``src``.
+        dst_storage_options: fsspec options for ``dst``.
         overwrite: replace a committed checkpoint at ``dst``.
         progress: progress bar.
         io_threads: parallel readers/writers.

@@ -67,8 +67,10 @@ def to_full(
         src: a shardckpt checkpoint or safetensors directory/file.
         dst: output file path or fsspec URL.
         dtype: cast floating-point tensors; int/bool keep their dtype.
-        keys / key_map: select and rename tensors (see ``to_safetensors``).
-        storage_options / dst_storage_options: fsspec options.
+        keys: select tensors (see ``to_safetensors``).
+        key_map: rename tensors (see ``to_safetensors``).
+        storage_options: fsspec options for ``src``.
+        dst_storage_options: fsspec options for ``dst``.
         overwrite: replace an existing ``dst``.
         progress: progress bar.
         io_threads: parallel readers/writers.

@@ -54,7 +54,8 @@ def reshard(
         src: checkpoint to reshard (a shardckpt checkpoint or safetensors dir).
         dst: new checkpoint directory (committed by ``manifest.json`` last).
         world_size: target number of ranks (>= 1).
-        storage_options / dst_storage_options: fsspec options.
+        storage_options: fsspec options for ``src``.
+        dst_storage_options: fsspec options for ``dst``.
         overwrite: replace a committed checkpoint at ``dst``.
         progress: progress bar.
         io_threads: files written in parallel / readers.

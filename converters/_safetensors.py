@@ -220,8 +220,8 @@ def to_safetensors(
             module order, which is the name ``save_pretrained`` keeps — as
             transformers and ``safetensors.torch.load_model(strict=True)``
             expect; ``"both"`` writes the data under every name.
-        storage_options / dst_storage_options: fsspec options for src / dst
-            (``copy_from`` is read with ``storage_options``).
+        storage_options: fsspec options for ``src`` (and for ``copy_from``).
+        dst_storage_options: fsspec options for ``dst``.
         overwrite: replace the weight files (``*.safetensors`` and the
             index) of a ``dst`` that has some. Other files in ``dst``
             (config, tokenizer, README) are always kept.
@@ -531,7 +531,8 @@ def from_safetensors(
         prefix: prepended to every (renamed) name; ``""`` for none.
         keys: names or glob patterns to import (HF names, before renaming).
         key_map: renames applied before the prefix (dict or callable; ``None`` drops).
-        storage_options / dst_storage_options: fsspec options.
+        storage_options: fsspec options for ``src``.
+        dst_storage_options: fsspec options for ``dst``.
         overwrite: replace a committed checkpoint at ``dst``.
         progress: progress bar.
         io_threads: parallel readers/writers.

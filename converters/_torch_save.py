@@ -401,9 +401,10 @@ def from_torch_save(
             works), else nothing (a training checkpoint like
             ``{"model": ..., "optimizer": ..., "step": 3}`` keeps its keys);
             the rule shared by every importer (``arrange_imported``).
-        keys / key_map: select / rename tensors by their final names
-            (plain values are kept as they are).
-        storage_options / dst_storage_options: fsspec options.
+        keys: select tensors by their final names (plain values are kept as they are).
+        key_map: rename tensors by their final names.
+        storage_options: fsspec options for ``src``.
+        dst_storage_options: fsspec options for ``dst``.
         overwrite: replace a committed checkpoint at ``dst``.
         progress: progress bar.
         io_threads: parallel readers/writers.

@@ -9,6 +9,11 @@ FSDP2 model with AdamW and save sharded checkpoints through a
 with no process group at all, it restores the newest step into a plain model
 and optimizer, checks the model computes exactly what the sharded one did,
 and shows ``inspect`` and ``verify``.
+
+Run it again with the same ``--dir`` and the sharded run resumes after the
+newest committed step and trains ``--steps`` more: the training loop is the
+one to copy (restore, then continue after the restored step, save each step
+once).
 """
 
 from __future__ import annotations
@@ -59,8 +64,12 @@ def train_sharded(root: str, steps: int) -> None:
     fully_shard(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     mgr = shardckpt.CheckpointManager(root, keep_last=2)
-    gen = torch.Generator().manual_seed(1234 + rank)
-    for step in range(1, steps + 1):
+    state = {"model": model, "optim": opt, "step": 0, "probe": []}
+    # Resume if the directory already holds a run (run the script twice: the
+    # second run continues after the newest step instead of starting over).
+    start = mgr.restore(state) or 0
+    gen = torch.Generator().manual_seed(1234 + rank + start)
+    for step in range(start + 1, start + steps + 1):
         batch = torch.randint(0, 101, (4, 16), generator=gen)
         logits = model(batch[:, :-1])
         loss = nn.functional.cross_entropy(logits.reshape(-1, 101), batch[:, 1:].reshape(-1))
@@ -69,12 +78,14 @@ def train_sharded(root: str, steps: int) -> None:
         opt.zero_grad()
         if rank == 0:
             print(f"[rank 0] step {step} loss {loss.item():.4f}", flush=True)
-        if step % 2 == 1 or step == steps:
+        if step % 2 == 1 or step == start + steps:
             with torch.no_grad():
-                probe = model(PROBE)[0, -1, :5].tolist()
+                state["probe"] = model(PROBE)[0, -1, :5].tolist()
+            state["step"] = step
             # Every rank calls save; each writes only its own shards, rank 0
             # commits the step, and keep_last=2 prunes older steps after that.
-            mgr.save(step, {"model": model, "optim": opt, "step": step, "probe": probe}, force=True)
+            # Each step is saved once: the loop starts after the restored step.
+            mgr.save(step, state)
             if rank == 0:
                 print(f"[rank 0] saved step {step} under {root}: committed steps {mgr.steps()}", flush=True)
     mgr.close()

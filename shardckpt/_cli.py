@@ -249,17 +249,21 @@ def cmd_export(args) -> int:
     if to == "reshard":
         if args.world_size is None:
             raise _CliError("--to reshard needs --world-size N")
-        extra = [o for o in ("dtype", "keys", "rename") if getattr(args, o, None)]
+        extra = [o for o in ("dtype", "keys", "rename", "copy_from") if getattr(args, o, None)]
         if extra:
-            raise _CliError(f"reshard keeps every tensor as it is: --{', --'.join(extra)} cannot be used with it")
+            flags = ", ".join("--" + o.replace("_", "-") for o in extra)
+            raise _CliError(f"reshard keeps every tensor as it is: {flags} cannot be used with it")
         r = converters.reshard(args.src, args.dst, world_size=args.world_size, **common)
     elif to == "full":
+        if getattr(args, "copy_from", None):
+            raise _CliError("--copy-from adds config and tokenizer files beside a Hugging Face directory; "
+                            "it cannot be used with --to full (one file): drop it or export to a directory")
         r = converters.to_full(args.src, args.dst, dtype=args.dtype, keys=_keys(args.keys), key_map=key_map, **common)
     else:
         prefix = "" if args.no_prefix else args.prefix
         r = converters.to_safetensors(
             args.src, args.dst, dtype=args.dtype, max_shard_size=args.max_shard_size, keys=_keys(args.keys),
-            key_map=key_map, prefix=prefix, **common,
+            key_map=key_map, prefix=prefix, copy_from=getattr(args, "copy_from", None), **common,
         )
     _done(args, r)
     return EXIT_OK
@@ -406,6 +410,9 @@ def _parser() -> argparse.ArgumentParser:
         s.add_argument("--prefix", default="model.", help="state prefix to strip for HF export (default 'model.')")
         s.add_argument("--no-prefix", action="store_true", help="export every tensor under its full name")
         s.add_argument("--world-size", type=int, help="reshard for this many FSDP2 ranks")
+        s.add_argument("--copy-from", metavar="DIR",
+                       help="Hugging Face model directory whose config.json, generation_config.json and tokenizer files "
+                            "are copied beside the weights, so from_pretrained(DST) works (read with --storage-option)")
         s.set_defaults(fn=cmd_export)
 
     s = sub.add_parser("reshard", parents=[common, dst], help="rewrite for N FSDP2 ranks, offline (one file per rank)")

@@ -33,7 +33,10 @@ __all__ = [
 ]
 
 #: How many offenders (names, ranks, mismatches) one message lists before
-#: "... (N more)"; every list in every message shares it.
+#: "... (N more)": the default of :func:`format_offenders`. Not every message
+#: uses it: those that list what a directory holds or two lists side by side
+#: (a state's names and a checkpoint's, a destination's files, the steps or
+#: files of a not-found error) pass a shorter limit so the line stays readable.
 MAX_OFFENDERS = 20
 
 

@@ -1,8 +1,12 @@
 """Format versions: what each one holds, and the one place that dispatches on them (torch-free).
 
-Every reader and writer asks :func:`spec` what a manifest's version has
-(``spec(m.version).block_checksums``) instead of comparing version numbers,
-and parses or serializes it through the entry's functions. Adding a version
+Readers and writers ask :func:`spec` what a manifest's version has
+(``spec(m.version).block_checksums``) and parse or serialize it through the
+entry's functions. A few places still compare numbers directly
+(``version > FORMAT_VERSION`` in ``manifest.py``'s newer-format check, and
+``>= 4`` / ``>= V_CONTENT_HASH`` for the content hash in ``_v2.py`` (three
+places) and ``_incremental.py``); a new feature test belongs in
+:class:`VersionSpec` instead. Adding a version
 is one entry in :data:`VERSIONS` (and its parser and serializer, which the
 implementing module installs with :func:`register`: the table imports none of
 them, they import it); the newest entry is what ``save`` and the converters

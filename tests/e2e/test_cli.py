@@ -234,3 +234,47 @@ def test_not_found_through_the_script(tmp_path):
     torch.save({"w": torch.ones(1)}, str(tmp_path / "w.pt"))
     p = sh("inspect", tmp_path / "w.pt", check=2)
     assert "from_torch_save" in p.stderr and "NotADirectoryError" not in p.stderr
+
+
+def test_export_copy_from_makes_a_from_pretrained_directory(tmp_path):
+    """``export --copy-from``: config, generation config and tokenizer beside the weights; ``from_pretrained`` loads it."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LlamaConfig, PreTrainedTokenizerFast
+
+    config = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                         num_key_value_heads=1, max_position_embeddings=32, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    hub = tmp_path / "hub"
+    config.save_pretrained(hub)
+    GenerationConfig(max_new_tokens=3, do_sample=False).save_pretrained(hub)
+    tok = Tokenizer(WordLevel({**{f"w{i}": i for i in range(62)}, "<unk>": 62, "</s>": 63}, unk_token="<unk>"))
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="</s>").save_pretrained(hub)
+    shardckpt.save({"model": model, "step": 3}, str(tmp_path / "ck"))
+
+    out = tmp_path / "hf"
+    p = sh("export", tmp_path / "ck", out, "--copy-from", hub, check=0)
+    assert p.stdout.startswith(f"wrote {out}"), p.stdout
+    for name in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "model.safetensors"):
+        assert (out / name).exists(), name
+    assert (out / "config.json").read_bytes() == (hub / "config.json").read_bytes()
+    loaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    ids = torch.tensor([[1, 5, 63, 0, 7]])
+    with torch.no_grad():
+        want = model(ids).logits
+        got = loaded(ids).logits
+    assert torch.equal(got, want)
+    assert AutoTokenizer.from_pretrained(out)("w1 w5")["input_ids"] == AutoTokenizer.from_pretrained(hub)("w1 w5")["input_ids"]
+
+    # Without it, the directory holds weights only; --copy-from is refused where it cannot apply.
+    sh("export", tmp_path / "ck", tmp_path / "bare", check=0)
+    assert not (tmp_path / "bare" / "config.json").exists()
+    bad = sh("export", tmp_path / "ck", tmp_path / "one.safetensors", "--copy-from", hub, check=2)
+    assert "--copy-from" in bad.stderr and "--to full" in bad.stderr
+    bad = sh("export", tmp_path / "ck", tmp_path / "r", "--world-size", "2", "--copy-from", hub, check=2)
+    assert "--copy-from" in bad.stderr
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    bad = sh("export", tmp_path / "ck", tmp_path / "e", "--copy-from", empty, check=2)
+    assert "config.json" in bad.stderr

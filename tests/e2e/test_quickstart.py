@@ -24,3 +24,13 @@ def test_quickstart_runs_under_torchrun_and_resumes_on_one_process(tmp_path):
     m = shardckpt.inspect(ckpt)
     assert m.world_size == 2
     assert m.values["step"] == 3
+
+
+def test_quickstart_run_twice_resumes_after_the_newest_step(tmp_path):
+    """What the README tells users to copy: a second run continues the first (no force=True, no step saved twice)."""
+    cmd = [sys.executable, os.path.join(ROOT, "examples", "quickstart.py"), "--dir", str(tmp_path / "demo"), "--steps", "2"]
+    for _ in range(2):
+        out = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stdout + out.stderr
+    assert "[rank 0] step 3 " in out.stdout and "[rank 0] step 1 " not in out.stdout
+    assert shardckpt.CheckpointManager(str(tmp_path / "demo")).steps() == [3, 4]

@@ -1,0 +1,182 @@
+"""Run the fenced code blocks of README.md and docs/ (tests/e2e/test_snippets.py), so a snippet cannot drift.
+
+Which blocks run: every block fenced as ``python`` or ``bash``. A block is
+configured by an HTML comment on the line right above its fence (invisible
+on GitHub and in the site)::
+
+    <!-- snippet: torchrun=2 -->                 run under torchrun with 2 gloo processes
+    <!-- snippet: fixtures=ckpt,hf -->           create these files in the working directory first
+    <!-- snippet: preamble=none -->              run the block as written (no preamble)
+    <!-- snippet: skip="why it cannot run" -->   not run; the reason is required
+    <!-- snippet: once="why" -->                 a restoring block run once, not resumed; the reason is required
+
+Blocks of one page run in order, in one fresh working directory, each in its
+own process (files persist between them, Python names do not). A python
+block runs after the preamble ``from snippet_preamble import *`` (see
+tests/snippet_preamble.py: a tiny ``model``, ``optim``/``optimizer``,
+``scheduler``, ``state``, ``step``, ``total``, ``train_step``...; under
+torchrun it starts the gloo process group and shards ``model`` with
+FSDP2) unless it says ``preamble=none``.
+
+A python block that calls ``.restore(`` runs twice in the same directory:
+the second run is a resume, which is what such a loop is for (a loop that
+re-saves the restored step fails there with ``CheckpointExistsError``).
+Each run is a new job: its own job id (``TORCHELASTIC_RUN_ID``, torchrun's
+``--rdzv-id``), and the memory tier's default directory of that job
+(``/dev/shm/shardckpt-<job id>``) is removed after it, as when a scheduler
+restarts a job on other nodes: only what reached storage survives.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import uuid
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TESTS = os.path.join(ROOT, "tests")
+RUN_LANGS = ("python", "bash")
+KNOWN_OPTIONS = ("torchrun", "fixtures", "preamble", "skip", "once")
+FIXTURES = ("ckpt", "hf", "dcp", "pt")
+BLOCK_TIMEOUT_S = 300
+
+_MARK = re.compile(r"^\s*<!--\s*snippet:(.*?)-->\s*$")
+_FENCE = re.compile(r"^(\s*)(```+|~~~+)\s*([\w+-]*)(.*)$")
+
+
+@dataclass
+class Block:
+    path: str  # relative to ROOT
+    line: int  # 1-based line of the opening fence
+    lang: str
+    code: str
+    options: Dict[str, str] = field(default_factory=dict)
+
+    @property
+    def where(self) -> str:
+        return f"{self.path}:{self.line}"
+
+
+def _parse_options(text: str, where: str) -> Dict[str, str]:
+    out = {}
+    for tok in shlex.split(text):
+        key, _, value = tok.partition("=")
+        if key not in KNOWN_OPTIONS:
+            raise ValueError(f"{where}: unknown snippet option {key!r} (known: {', '.join(KNOWN_OPTIONS)})")
+        out[key] = value
+    for key in ("skip", "once"):
+        if key in out and not out[key].strip():
+            raise ValueError(f'{where}: {key} needs a reason: <!-- snippet: {key}="why" -->')
+    for name in filter(None, out.get("fixtures", "").split(",")):
+        if name not in FIXTURES:
+            raise ValueError(f"{where}: unknown fixture {name!r} (known: {', '.join(FIXTURES)})")
+    return out
+
+
+def extract(text: str, path: str) -> List[Block]:
+    """The fenced blocks of one Markdown text, with the options of the comment above each."""
+    blocks: List[Block] = []
+    lines = text.splitlines()
+    i = 0
+    while i < len(lines):
+        m = _FENCE.match(lines[i])
+        if not m:
+            i += 1
+            continue
+        indent, fence, lang = m.group(1), m.group(2), m.group(3).lower()
+        start = i
+        body = []
+        i += 1
+        while i < len(lines) and not lines[i].strip().startswith(fence):
+            body.append(lines[i][len(indent):] if lines[i].startswith(indent) else lines[i])
+            i += 1
+        i += 1
+        prev = start - 1
+        while prev >= 0 and not lines[prev].strip():
+            prev -= 1
+        mark = _MARK.match(lines[prev]) if prev >= 0 and prev >= start - 2 else None
+        where = f"{path}:{start + 1}"
+        options = _parse_options(mark.group(1), where) if mark else {}
+        blocks.append(Block(path, start + 1, lang, "\n".join(body) + "\n", options))
+    return blocks
+
+
+def doc_files() -> List[str]:
+    """README.md and every Markdown page under docs/ (device-run logs aside), relative to ROOT."""
+    out = ["README.md"]
+    for d, dirs, files in os.walk(os.path.join(ROOT, "docs")):
+        dirs[:] = sorted(x for x in dirs if x not in ("device-runs",) and not x.startswith("_"))
+        out += sorted(os.path.relpath(os.path.join(d, f), ROOT) for f in files if f.endswith(".md"))
+    return out
+
+
+def page_blocks(path: str) -> List[Block]:
+    with open(os.path.join(ROOT, path)) as f:
+        return [b for b in extract(f.read(), path) if b.lang in RUN_LANGS]
+
+
+def _env(job: str = "") -> Dict[str, str]:
+    env = dict(os.environ)
+    env.pop("SLURM_JOB_ID", None)
+    if job:
+        env["TORCHELASTIC_RUN_ID"] = job
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [TESTS, env.get("PYTHONPATH")]))
+    env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), env.get("PATH", "")])  # the venv's shardckpt script
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return env
+
+
+def _run(cmd: List[str], cwd: str, what: str, job: str = "") -> None:
+    try:
+        p = subprocess.run(cmd, cwd=cwd, env=_env(job), capture_output=True, text=True, timeout=BLOCK_TIMEOUT_S)
+    finally:
+        if job:  # the job is over: its node-local memory tier goes with it
+            shutil.rmtree(os.path.join("/dev/shm", f"shardckpt-{job}"), ignore_errors=True)
+    if p.returncode != 0:
+        raise AssertionError(f"{what} failed (exit {p.returncode}):\n--- stdout\n{p.stdout[-4000:]}\n--- stderr\n{p.stderr[-6000:]}")
+
+
+def run_block(block: Block, cwd: str) -> Optional[str]:
+    """Run one block in ``cwd``; returns the skip reason for a skipped block, else None (raises AssertionError on failure)."""
+    if "skip" in block.options:
+        return block.options["skip"]
+    fixtures = [f for f in block.options.get("fixtures", "").split(",") if f]
+    if fixtures:
+        _run([sys.executable, "-c", f"import snippet_preamble as p; p.make_fixtures({fixtures!r})"], cwd,
+             f"{block.where}: fixtures {fixtures}")
+    if block.lang == "bash":
+        script = os.path.join(cwd, f".snippet-{block.line}.sh")
+        with open(script, "w") as f:
+            f.write("set -euo pipefail\n" + block.code)
+        _run(["bash", script], cwd, block.where)
+        return None
+    script = os.path.join(cwd, f".snippet-{block.line}.py")
+    head = "" if block.options.get("preamble") == "none" else "from snippet_preamble import *  # noqa\n"
+    with open(script, "w") as f:
+        f.write(head + block.code)
+    runs = 2 if ".restore(" in block.code and "once" not in block.options else 1
+    for i in range(runs):
+        job = f"snippet-{uuid.uuid4().hex[:12]}"
+        cmd = [sys.executable, script]
+        if block.options.get("torchrun"):
+            n = int(block.options["torchrun"])
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc-per-node={n}", "--rdzv-backend=c10d",
+                   "--rdzv-endpoint=localhost:0", f"--rdzv-id={job}", script]
+        _run(cmd, cwd, block.where + (" (run again as a new job: the resume)" if i else ""), job)
+    return None
+
+
+def run_page(path: str, cwd: str) -> List[str]:
+    """Run every block of a page in order in ``cwd``; returns the skip notes ("file:line: reason")."""
+    skipped = []
+    for block in page_blocks(path):
+        reason = run_block(block, cwd)
+        if reason is not None:
+            skipped.append(f"{block.where}: {reason}")
+    return skipped
