@@ -48,10 +48,11 @@ environment variable                default     what it sets
 ``SHARDCKPT_ASYNC_WRITER``          thread      who writes an async save's bytes: ``thread``
                                                 (in the training process) or ``process``
                                                 (a writer child, out of its GIL)
-``SHARDCKPT_MEMORY_PEER_BACKEND``   (group's)   the memory tier's peer copy: ``nccl`` (GPU
-                                                to GPU, staged through two GPU buffers) or
-                                                ``gloo`` (host to host, in place); default:
-                                                the process group's backend
+``SHARDCKPT_MEMORY_PEER_BACKEND``   gloo        the memory tier's peer copy: ``gloo`` (host
+                                                to host, in place) or ``nccl`` (GPU to GPU,
+                                                staged through two GPU buffers; delivered
+                                                damaged bytes on 2x H200, caught by the
+                                                CRCs: not the default until fixed)
 ``SHARDCKPT_REPLICAS``             check       a save compares the copies of replicated
                                                 state first: ``check`` refuses diverged
                                                 replicas, ``warn`` logs them, ``off``
@@ -253,10 +254,14 @@ ASYNC_WRITERS = ("thread", "process")
 ASYNC_WRITER = (_env("ASYNC_WRITER") or "thread").lower()
 if ASYNC_WRITER not in ASYNC_WRITERS:
     raise _bad("ASYNC_WRITER", os.environ[ENV_PREFIX + "ASYNC_WRITER"], "one of " + ", ".join(ASYNC_WRITERS))
-#: The memory tier's peer-copy backend (``_memory/snapshot.py``): "" follows
-#: the process group's; ``gloo`` keeps the copy off the GPU (host to host).
+#: The memory tier's peer-copy backend (``_memory/snapshot.py``): ``gloo``
+#: (the default) copies host to host; ``nccl`` goes GPU to GPU. On 2x H200
+#: (2026-11-28) the NCCL path delivered damaged bytes to the peer (caught by
+#: the block CRCs: the step was not held, the previous one stayed), while
+#: gloo and CUDA_LAUNCH_BLOCKING=1 did not; it stays opt-in until that race
+#: is found. "" follows the process group's backend.
 MEMORY_PEER_BACKENDS = ("", "nccl", "gloo")
-MEMORY_PEER_BACKEND = (_env("MEMORY_PEER_BACKEND") or "").lower()
+MEMORY_PEER_BACKEND = (_env("MEMORY_PEER_BACKEND") or "gloo").lower()
 if MEMORY_PEER_BACKEND not in MEMORY_PEER_BACKENDS:
     raise _bad("MEMORY_PEER_BACKEND", os.environ[ENV_PREFIX + "MEMORY_PEER_BACKEND"], "nccl or gloo")
 
