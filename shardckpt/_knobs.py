@@ -53,10 +53,10 @@ environment variable                default     what it sets
                                                 staged through two GPU buffers; delivered
                                                 damaged bytes on 2x H200, caught by the
                                                 CRCs: not the default until fixed)
-``SHARDCKPT_REPLICAS``             check       a save compares the copies of replicated
-                                                state first: ``check`` refuses diverged
-                                                replicas, ``warn`` logs them, ``off``
-                                                skips (the ``replicas=`` default)
+``SHARDCKPT_REPLICAS``             warn        a save compares the copies of replicated
+                                                state first: ``warn`` logs diverged
+                                                replicas, ``check`` refuses the save,
+                                                ``off`` skips (the ``replicas=`` default)
 ``SHARDCKPT_BLOCK_BYTES``           1 MiB       format v2: one CRC-32C per this many bytes
                                                 of each chunk, so a ranged read verifies
                                                 on its own (at least 4 KiB)
@@ -266,10 +266,14 @@ if MEMORY_PEER_BACKEND not in MEMORY_PEER_BACKENDS:
     raise _bad("MEMORY_PEER_BACKEND", os.environ[ENV_PREFIX + "MEMORY_PEER_BACKEND"], "nccl or gloo")
 
 #: What a save does about replicated state whose copies differ between ranks
-#: (``save(replicas=...)``'s default): ``check`` refuses the save before any
-#: byte is written, ``warn`` logs and saves, ``off`` skips the comparison.
+#: (``save(replicas=...)``'s default): ``warn`` (the default) logs each
+#: diverged chunk on rank 0 and saves, ``check`` refuses the save before any
+#: byte is written, ``off`` skips the comparison. Not ``check`` by default:
+#: state that legitimately differs per rank under a replicated name (DDP with
+#: ``broadcast_buffers=False``: each rank's BatchNorm statistics) would make
+#: every save of a running job fail after an upgrade.
 #: Read at each save. See shardckpt/_fingerprint.py, docs/guarantees.md.
-REPLICAS = (_env("REPLICAS") or "check").lower()
+REPLICAS = (_env("REPLICAS") or "warn").lower()
 if REPLICAS not in ("check", "warn", "off"):
     raise _bad("REPLICAS", os.environ[ENV_PREFIX + "REPLICAS"], "one of check, warn, off")
 

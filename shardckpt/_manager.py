@@ -248,7 +248,7 @@ class CheckpointManager:
             them (docs/manager.md, "Retention with incremental steps").
         replicas: the replica check of every save (:func:`shardckpt.save`'s
             ``replicas``: ``"check"``, ``"warn"`` or ``"off"``; default
-            ``SHARDCKPT_REPLICAS``, ``"check"``).
+            ``SHARDCKPT_REPLICAS``, ``"warn"``).
 
     torchtitan's checkpointer options (``docs/manager.md``, migration table):
 

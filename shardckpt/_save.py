@@ -210,10 +210,11 @@ def save(
             and costs CPU time (docs/incremental.md has the numbers).
         replicas: what to do when the copies of replicated state (DDP and
             HSDP replicas, tensors replicated over a TP group, the scalars
-            every rank holds) differ between ranks: ``"check"`` (the
-            default, ``SHARDCKPT_REPLICAS``) refuses the save before any
-            byte is written, ``"warn"`` logs the divergence on rank 0 and
-            saves the writing replica's copy, ``"off"`` skips the check.
+            every rank holds) differ between ranks: ``"warn"`` (the
+            default, ``SHARDCKPT_REPLICAS``) logs each diverged chunk on
+            rank 0 and saves the writing replica's copy, ``"check"``
+            refuses the save before any byte is written, ``"off"`` skips
+            the check.
             Each holder fingerprints its copy where it lives (on the GPU
             for GPU tensors); docs/guarantees.md says what it catches.
 

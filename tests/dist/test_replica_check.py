@@ -45,6 +45,25 @@ def _capture():
     return records, h
 
 
+def _default_warns(rank, world, root):
+    model, _, _ = T.make("ddp", rank, world)
+    if rank == 1:
+        _nudge(model, "module.head.weight")
+    records, h = _capture()
+    try:
+        shardckpt.save({"model": model}, f"{root}/ck")  # the default: warn, and save
+    finally:
+        logging.getLogger("shardckpt").removeHandler(h)
+    return [r for r in records if "replicas differ" in r], os.path.exists(f"{root}/ck/manifest.json")
+
+
+def test_the_default_warns_and_saves(tmp_path):
+    res = run_ranks(2, _default_warns, str(tmp_path))
+    assert res[0][1] and res[1][1]
+    assert len(res[0][0]) == 1 and "model.head.weight" in res[0][0][0] and "rank 1 holds version" in res[0][0][0], res[0][0]
+    assert res[1][0] == []  # rank 0 logs it, once
+
+
 def _diverge(rank, world, root, kind, victim, param, mode):
     model, opt, sched = T.make(kind, rank, world)
     T.train(model, opt, sched, 0, 1, kind, rank, world)
@@ -157,9 +176,9 @@ def test_a_rank_failing_in_the_check_fails_the_save_everywhere(tmp_path):
     assert not os.path.exists(tmp_path / "ck" / "manifest.json")
 
 
-def _manager_default(rank, world, root):
+def _manager_check(rank, world, root):
     model, opt, sched = T.make("ddp", rank, world)
-    mgr = shardckpt.CheckpointManager(root)
+    mgr = shardckpt.CheckpointManager(root, replicas="check")
     mgr.save(1, {"model": model, "optim": opt})
     if rank == 0:
         _nudge(model, "module.head.weight")
@@ -170,8 +189,8 @@ def _manager_default(rank, world, root):
         return str(e), mgr.steps()
 
 
-def test_manager_checks_by_default(tmp_path):
-    for text, steps in run_ranks(2, _manager_default, str(tmp_path)):
+def test_manager_refuses_with_replicas_check(tmp_path):
+    for text, steps in run_ranks(2, _manager_check, str(tmp_path)):
         assert "model.head.weight" in text, text
         assert steps == [1]
 

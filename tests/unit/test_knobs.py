@@ -159,10 +159,10 @@ def test_storage_retries_and_backoff(tmp_path, monkeypatch):
 def test_replicas_read_at_each_save(monkeypatch):
     from shardckpt import _fingerprint
 
-    assert _fingerprint.replicas_mode(None) == "check"
+    assert _fingerprint.replicas_mode(None) == "warn"
     monkeypatch.setattr(_knobs, "REPLICAS", "off")
     assert _fingerprint.replicas_mode(None) == "off"
-    assert _fingerprint.replicas_mode("warn") == "warn"  # the argument wins over the knob
+    assert _fingerprint.replicas_mode("check") == "check"  # the argument wins over the knob
 
 
 def test_save_defaults_are_not_frozen_at_import():
