@@ -75,10 +75,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = ap.parse_args(argv)
 
     import torch
-
-    import shardckpt
     from _faultproxy import FaultProxy
     from _weed import SEAWEED_BUCKET, SeaweedServer, seaweed_options
+
+    import shardckpt
 
     state = {"w": torch.randn(args.size_mb << 18), "step": 0}
     nbytes = state["w"].numel() * 4

@@ -881,7 +881,15 @@ class CheckpointManager:
         remote = cast(CheckpointManager, self._remote)
 
         def newest() -> Tuple[Optional[int], Optional[int]]:
-            local_steps, remote_steps = self.steps(), remote.steps()
+            local_steps = self.steps()
+            try:
+                remote_steps = remote.steps()
+            except Exception as e:  # the remote is down: the local disk can still resume the run
+                if not local_steps:
+                    raise
+                log.warning("shardckpt: restore: cannot list the remote %s (%s: %s); choosing among the local steps only",
+                            remote.root_url, type(e).__name__, e)
+                remote_steps = []
             return (local_steps[-1] if local_steps else None, remote_steps[-1] if remote_steps else None)
 
         _, (lstep, rstep) = agree(comm, lambda: newest() if comm.rank == 0 else None,
@@ -901,7 +909,7 @@ class CheckpointManager:
         source, step = restore_source(lstep, readable, rstep)
         flusher = self._flusher_on(comm)
         flusher.set_durable(rstep)
-        if lstep is not None and readable and (rstep is None or lstep > rstep):
+        if lstep is not None and readable and (rstep is None or lstep > rstep) and not self.load_only:
             flusher.submit(lstep)  # committed here only: flush it (in the background, while it loads)
         log.info("shardckpt: restore: newest local step %s (%s), newest remote step %s: loading %s step %s",
                  lstep, "readable by every rank" if readable else "not used", rstep, source, step)

@@ -14,12 +14,12 @@ import time
 
 import pytest
 import torch
-
-import shardckpt
 from _dist import run_ranks
 from _faultproxy import FaultProxy
 from _moto import s3_endpoint, s3_url  # noqa: F401  (pytest fixtures)
 from models import build, full_state, shard_fsdp2
+
+import shardckpt
 
 IDX = torch.tensor([[1, 5, 36, 0], [7, 7, 2, 30]])
 

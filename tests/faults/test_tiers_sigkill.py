@@ -20,10 +20,10 @@ import subprocess
 import sys
 
 import pytest
-
-import shardckpt
 from _dist import free_port
 from _moto import s3_endpoint, s3_url  # noqa: F401  (pytest fixtures)
+
+import shardckpt
 from shardckpt._storage import Storage
 
 TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -31,7 +31,6 @@ TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def _child(phase: str, remote: str, local: str, opts: dict) -> None:
     import torch.distributed as dist
-
     from models import build, full_state, shard_fsdp2
 
     dist.init_process_group("gloo")
