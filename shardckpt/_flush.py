@@ -32,6 +32,7 @@ The planning functions here are pure (ints in, ints out) and tested alone
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from typing import Callable, List, Optional, Tuple
@@ -43,7 +44,7 @@ from ._memory import store as memory_store
 from ._storage import Storage
 from .errors import CorruptCheckpointError
 
-__all__ = ["Flusher", "next_flush", "local_protected", "restore_source", "FLUSH_CHANNEL", "COPY_PIECE_BYTES"]
+__all__ = ["Flusher", "next_flush", "local_protected", "restore_source", "FLUSH_CHANNEL", "COPY_PIECE_BYTES", "FLUSH_NICE"]
 
 log = logging.getLogger("shardckpt")
 
@@ -52,6 +53,10 @@ FLUSH_CHANNEL = "flush"
 
 #: Bytes read from the local file and written to the remote at a time.
 COPY_PIECE_BYTES = 16 << 20
+
+#: Nice increment of the flusher thread (Linux: per thread), so that the
+#: training thread wins the CPU when both want it: the flush has time.
+FLUSH_NICE = 10
 
 #: Backoff before retrying a failed flush: first, and the cap (it doubles).
 RETRY_FIRST_S = 1.0
@@ -280,6 +285,10 @@ class Flusher:
             return next_flush(self._pending, self._picked)
 
     def _run(self) -> None:
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), FLUSH_NICE)  # this thread only (Linux)
+        except (AttributeError, OSError):
+            pass  # not Linux, or not allowed: the same priority as training
         while self._wait_for_work():
             try:
                 _, step = agree(self.comm, lambda: self._take() if self.comm.rank == 0 else None,
