@@ -280,9 +280,13 @@ class Flusher:
                 self._cond.wait()
 
     def _take(self) -> Optional[int]:
-        """Rank 0: the step to flush now (the newest pending)."""
+        """Rank 0: the step to flush now (the newest pending), in flight from now on (protected from local retention)."""
         with self._cond:
-            return next_flush(self._pending, self._picked)
+            step = next_flush(self._pending, self._picked)
+            if step is not None:
+                self._picked = self._in_flight = step
+                self._pending = None
+            return step
 
     def _run(self) -> None:
         try:

@@ -78,3 +78,44 @@ def test_one_process_flushes_and_restores_from_a_new_node(tmp_path):
         assert mgr.restore({"model": model, "step": 0}) == 4
         assert mgr.restored_from == f"{mgr.remote_url}/step-00000004"
     assert all(torch.equal(v, want[k]) for k, v in model.state_dict().items())
+
+
+def test_a_slow_flush_coalesces_the_backlog_and_protects_its_steps(tmp_path, monkeypatch):
+    """Step 1's upload hangs: saves go on; 2 is skipped (3 supersedes it), 1 and 3 stay local until flushed."""
+    import threading
+
+    import torch
+
+    import shardckpt._flush as flush
+
+    release, started = threading.Event(), threading.Event()
+    copy = flush._copy
+
+    def slow_copy(src, dst, rel, size):
+        if "step-00000001" in dst.url:
+            started.set()
+            assert release.wait(60)
+        copy(src, dst, rel, size)
+
+    monkeypatch.setattr(flush, "_copy", slow_copy)
+    model = torch.nn.Linear(3, 2)
+    remote = str(tmp_path / "remote")
+    mgr = shardckpt.CheckpointManager(remote, local=str(tmp_path / "local"), keep_local=1)
+    try:
+        mgr.save(1, {"model": model})
+        assert started.wait(60)
+        for step in (2, 3):
+            mgr.save(step, {"model": model})
+        assert mgr._flusher.protected() == [1, 3]
+        assert mgr.steps() == [1, 3]  # keep_local=1 plus the step in flight; the skipped step 2 is gone
+        assert mgr.durable_step is None and mgr.remote_steps() == []
+        release.set()
+        mgr.wait()
+        assert mgr.remote_steps() == [1, 3] and mgr.durable_step == 3
+        assert mgr._flusher.skipped == [2]
+        mgr.save(4, {"model": model})
+        mgr.wait()
+        assert mgr.steps() == [4]  # everything flushed: keep_local only
+    finally:
+        release.set()
+        mgr.close()
