@@ -278,11 +278,23 @@ class CheckpointManager:
             keeps the newest step there, and :meth:`restore` takes the
             newest step held in memory or storage (``docs/manager.md``,
             "Memory tier").
+        local: a node-local directory: every save commits there (at local
+            disk speed) and a background thread on every rank flushes the
+            newest step to ``root_url``, the durable remote, committing it
+            there last (``docs/manager.md``, "Local first, then remote").
+            ``keep_last``/``keep_every`` then apply to the remote;
+            ``root_url``/:meth:`step_url` name the local directory and
+            :attr:`remote_url` the remote. Not with ``incremental``.
+        keep_local: (with ``local``) local steps to keep besides the one
+            being flushed and the one waiting to be.
+        on_durable: (with ``local``) called on every rank with each step
+            once it is committed on the remote (in the flusher thread).
 
     Raises:
         ValueError: ``keep_last``, ``keep_every`` or ``save_interval`` not a
             positive int.
-        UsageError: ``root_url`` is empty or blank.
+        UsageError: ``root_url`` is empty or blank; ``local`` is blank, the
+            remote root itself, or given with ``incremental=True``.
 
     Example:
         >>> import torch, shardckpt, tempfile
@@ -348,7 +360,7 @@ class CheckpointManager:
             self._remote = self._tiers(root_url, local, storage_options=storage_options, incremental=incremental,
                                        keep_last=keep_last, keep_every=keep_every, process_group=process_group,
                                        collective_timeout_s=collective_timeout_s, check_files=check_files)
-            root_url, storage_options = local, None  # saves, claims and local retention run on the local directory
+            root_url, storage_options = os.fspath(local), None  # saves, claims and local retention run on the local directory
         self.root = Storage(root_url, storage_options=storage_options)
         self.root_url = self.root.url
         self.storage_options = dict(storage_options or {})
