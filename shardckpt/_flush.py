@@ -42,7 +42,7 @@ from ._format import HF_INDEX_NAME, MANIFEST_NAME, open_manifest
 from ._memory import plan as memory_plan
 from ._memory import store as memory_store
 from ._storage import Storage
-from .errors import CorruptCheckpointError
+from .errors import CheckpointNotFoundError, CorruptCheckpointError
 
 __all__ = ["Flusher", "next_flush", "local_protected", "restore_source", "FLUSH_CHANNEL", "COPY_PIECE_BYTES", "FLUSH_NICE"]
 
@@ -123,7 +123,14 @@ def upload_step(local: Storage, remote: Storage, rank: int) -> List[str]:
         CorruptCheckpointError: a local file is damaged.
         CheckpointNotFoundError: the local step has no manifest.
     """
-    m = open_manifest(local)
+    try:
+        m = open_manifest(local)
+    except CheckpointNotFoundError:
+        raise CheckpointNotFoundError(
+            f"rank {rank} cannot see {local.url_of(MANIFEST_NAME)}, committed by rank 0: local= needs a directory every "
+            "rank of the job can read (the ranks of one node share its disk; per-node directories of a multi-node job "
+            "are not supported yet)"
+        ) from None
     mine = memory_plan.files_by_writer(m.files, {rel: im.rank for rel, im in m.indexes.items()}, MANIFEST_NAME).get(rank, [])
     by_file: dict = {}
     for name, t in m.tensors.items():

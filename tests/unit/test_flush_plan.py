@@ -119,3 +119,13 @@ def test_a_slow_flush_coalesces_the_backlog_and_protects_its_steps(tmp_path, mon
     finally:
         release.set()
         mgr.close()
+
+
+def test_a_rank_that_cannot_see_the_manifest_is_told_why(tmp_path):
+    from shardckpt._flush import upload_step
+    from shardckpt._storage import Storage
+    from shardckpt.errors import CheckpointNotFoundError
+
+    (tmp_path / "step" / "data").mkdir(parents=True)  # a node-local directory: data files, no manifest
+    with pytest.raises(CheckpointNotFoundError, match="every rank of the job can read"):
+        upload_step(Storage(str(tmp_path / "step")), Storage(str(tmp_path / "remote")), 1)
