@@ -1066,6 +1066,13 @@ class CheckpointManager:
             if source == "remote":
                 return got
             s = got  # "local": that step, below; "none": nothing anywhere (initial_load_path applies)
+        elif self._remote is not None and s is not None:
+            _, here = agree(comm, lambda: s in self.steps() if comm.rank == 0 else None,
+                            what=f"restore of step {s} from {self.root_url}", share=lambda v: v, mode=FROM_ROOT)
+            if not here:  # not (or no longer) on the local disk: the remote's copy
+                got = self._remote.restore(state, step=s, **load_kw)
+                self.restored_from = self._remote.restored_from
+                return got
         for attempt in range(RESTORE_ATTEMPTS):
             # Rank 0 picks; its error (the same type and text) is raised on every rank.
             _, value = agree(

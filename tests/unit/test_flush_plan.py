@@ -77,6 +77,14 @@ def test_one_process_flushes_and_restores_from_a_new_node(tmp_path):
     with shardckpt.CheckpointManager(remote, local=local) as mgr:
         assert mgr.restore({"model": model, "step": 0}) == 4
         assert mgr.restored_from == f"{mgr.remote_url}/step-00000004"
+        assert mgr.restore({"model": model, "step": 0}, step=3) == 3  # only on the remote
+        assert mgr.restored_from == f"{mgr.remote_url}/step-00000003"
+        with pytest.raises(shardckpt.errors.CheckpointNotFoundError, match="step 2 is not committed"):
+            mgr.restore({"model": model, "step": 0}, step=2)
+        mgr.save(5, {"model": model, "step": 5})
+        assert mgr.restore({"model": model, "step": 0}, step=5) == 5  # local
+        assert mgr.restored_from == f"{mgr.root_url}/step-00000005"
+        mgr.restore({"model": model, "step": 0}, step=4)
     assert all(torch.equal(v, want[k]) for k, v in model.state_dict().items())
 
 
