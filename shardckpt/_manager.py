@@ -28,11 +28,12 @@ import re
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, Dict, FrozenSet, Iterable, List, Optional, Set, Tuple, cast
+from typing import TYPE_CHECKING, Any, Callable, Dict, FrozenSet, Iterable, List, Optional, Set, Tuple, cast
 
 from . import _fingerprint
 from ._async import AsyncSaveHandle, start_async, wait_pending
-from ._collective import FROM_ROOT, Comm, NoProcessGroupError, agree, open_comm
+from ._collective import ALL, FROM_ROOT, Comm, NoProcessGroupError, agree, open_comm
+from ._flush import Flusher, restore_source
 from ._format import HF_INDEX_NAME, MANIFEST_NAME, open_manifest, torch_dtype
 from ._format.committed import _nearby
 from ._format.refs import follow, live_files, removable
@@ -80,6 +81,9 @@ _ROOT_OWNER: Dict[str, str] = {}
 
 #: Attempts of restore() when the step it picked is deleted while it loads (another process's retention).
 RESTORE_ATTEMPTS = 3
+
+#: Local steps ``CheckpointManager(..., local=DIR)`` keeps besides those not flushed yet (docs/manager.md).
+DEFAULT_KEEP_LOCAL = 2
 
 #: Suffix of the directory ``last_save_in_hf`` writes next to a step (``step-00001000-hf``).
 HF_SUFFIX = "-hf"
@@ -275,11 +279,23 @@ class CheckpointManager:
             keeps the newest step there, and :meth:`restore` takes the
             newest step held in memory or storage (``docs/manager.md``,
             "Memory tier").
+        local: a node-local directory: every save commits there (at local
+            disk speed) and a background thread on every rank flushes the
+            newest step to ``root_url``, the durable remote, committing it
+            there last (``docs/manager.md``, "Local first, then remote").
+            ``keep_last``/``keep_every`` then apply to the remote;
+            ``root_url``/:meth:`step_url` name the local directory and
+            :attr:`remote_url` the remote. Not with ``incremental``.
+        keep_local: (with ``local``) local steps to keep besides the one
+            being flushed and the one waiting to be.
+        on_durable: (with ``local``) called on every rank with each step
+            once it is committed on the remote (in the flusher thread).
 
     Raises:
         ValueError: ``keep_last``, ``keep_every`` or ``save_interval`` not a
             positive int.
-        UsageError: ``root_url`` is empty or blank.
+        UsageError: ``root_url`` is empty or blank; ``local`` is blank, the
+            remote root itself, or given with ``incremental=True``.
 
     Example:
         >>> import torch, shardckpt, tempfile
@@ -321,6 +337,9 @@ class CheckpointManager:
         memory: Any = None,
         incremental: bool = False,
         replicas: Optional[str] = None,
+        local: Optional[str] = None,
+        keep_local: int = DEFAULT_KEEP_LOCAL,
+        on_durable: Optional[Callable[[int], None]] = None,
     ):
         if isinstance(root_url, str) and not root_url.strip():
             raise UsageError(
@@ -333,6 +352,16 @@ class CheckpointManager:
         self.save_interval = _positive("save_interval", save_interval, allow_none=False)
         if collective_timeout_s is not None and not (isinstance(collective_timeout_s, (int, float)) and collective_timeout_s > 0):
             raise ValueError(f"collective_timeout_s must be a positive number, got {collective_timeout_s!r}")
+        #: With ``local=``: the durable remote (a read-only manager of ``root_url``) and its background flusher.
+        self._remote: Optional[CheckpointManager] = None
+        self._flusher: Optional[Flusher] = None
+        self.on_durable = on_durable
+        self.keep_local = _positive("keep_local", keep_local, allow_none=False)
+        if local is not None:
+            self._remote = self._tiers(root_url, local, storage_options=storage_options, incremental=incremental,
+                                       keep_last=keep_last, keep_every=keep_every, process_group=process_group,
+                                       collective_timeout_s=collective_timeout_s, check_files=check_files)
+            root_url, storage_options = os.fspath(local), None  # saves, claims and local retention run on the local directory
         self.root = Storage(root_url, storage_options=storage_options)
         self.root_url = self.root.url
         self.storage_options = dict(storage_options or {})
@@ -659,6 +688,8 @@ class CheckpointManager:
                 log.warning("shardckpt: cannot remove leftovers of step %d at %s: %s: %s", step, url, type(e).__name__, e)
 
         def after(c: Comm) -> None:
+            if self._remote is not None:
+                self._flusher_on(c).submit(step)  # before retention: the pending step is protected
             self._retain(c, step)
 
         if self.async_save:
@@ -713,7 +744,7 @@ class CheckpointManager:
                 "writer (this manager's next save raises ConcurrentUseError)", saved, format_offenders(foreign), self.root_url,
             )
             return
-        drop = steps_to_delete(committed, keep_last=self.keep_last, keep_every=self.keep_every, protect=[saved])
+        drop = steps_to_delete(committed, **self._retention(saved))
         # Uncommit the dropped steps first: if we die half way, what remains
         # are leftovers that restore skips, never a committed step with
         # missing files. Then delete only files no kept manifest names
@@ -849,6 +880,118 @@ class CheckpointManager:
                 return
         self._remove_dir(aside)
 
+    # -- local first, then remote (docs/manager.md) ----------------------------------------
+
+    def _tiers(self, root_url: str, local: Any, *, storage_options, incremental: bool, **remote_kw: Any) -> "CheckpointManager":
+        """The read-only manager of the remote root (``steps()``, ``restore()``, retention), after checking ``local``."""
+        if not isinstance(local, (str, os.PathLike)) or not str(local).strip():
+            raise UsageError(f"CheckpointManager: local must be a directory path, got {local!r}")
+        if incremental:
+            raise UsageError(
+                "CheckpointManager: local= with incremental=True is not supported yet (a flushed step's references "
+                "to earlier steps would have to be on the remote first); drop one of them"
+            )
+        remote = CheckpointManager(root_url, storage_options=storage_options, load_only=True, **remote_kw)
+        if Storage(str(local)).url == remote.root_url:
+            raise UsageError(f"CheckpointManager: local={local!r} is the remote root itself; give it a node-local directory")
+        return remote
+
+    @property
+    def remote_url(self) -> Optional[str]:
+        """With ``local=``: the durable remote root (``root_url`` is then the local directory); else None."""
+        return None if self._remote is None else self._remote.root_url
+
+    def remote_steps(self) -> List[int]:
+        """With ``local=``: the steps committed on the remote (flushed whole), oldest first; else :meth:`steps`."""
+        return self.steps() if self._remote is None else self._remote.steps()
+
+    @property
+    def durable_step(self) -> Optional[int]:
+        """The newest step committed on the remote by this job's flushes (or found there by :meth:`restore`).
+
+        Without ``local=``, every committed step is durable: the newest
+        committed step (:meth:`latest_step`, one listing).
+        """
+        if self._remote is None:
+            return self.latest_step()
+        return None if self._flusher is None else self._flusher.durable_step
+
+    def _flusher_on(self, comm: Comm) -> Flusher:
+        if self._flusher is None:
+            remote = cast(CheckpointManager, self._remote)
+            self._flusher = Flusher(self.root, remote.root, comm, step_dir=step_dir_name,
+                                    after_commit=self._retain_remote, on_durable=self.on_durable)
+        return self._flusher
+
+    def _retention(self, saved: int) -> Dict[str, Any]:
+        """:func:`steps_to_delete`'s policy here: the manager's, or with ``local=`` the local one."""
+        if self._remote is None:
+            return {"keep_last": self.keep_last, "keep_every": self.keep_every, "protect": [saved]}
+        # Local: the newest keep_local steps, and never a step being flushed or waiting to be.
+        pending = self._flusher.protected() if self._flusher is not None else []
+        return {"keep_last": self.keep_local, "keep_every": None, "protect": [saved, *pending]}
+
+    def _retain_remote(self, flushed: int) -> None:
+        """Rank 0's flusher, after step ``flushed`` committed on the remote: keep_last/keep_every there."""
+        remote = cast(CheckpointManager, self._remote)
+        committed, partial = remote._scan()
+        drop = steps_to_delete(committed, keep_last=remote.keep_last, keep_every=remote.keep_every, protect=[flushed])
+        for s in drop:  # uncommit first: a crash leaves leftovers, never a committed step with missing files
+            log.info("shardckpt: remote retention removes step %d from %s", s, remote.root_url)
+            remote._uncommit(step_dir_name(s))
+        for s in drop:
+            remote._remove_dir(step_dir_name(s))
+        for s in stale_leftovers(committed, [s for s, _ in partial]):
+            remote._remove_dir(step_dir_name(s))  # a failed or killed upload
+
+    def _restore_tiers(self, state: Dict[str, Any], comm: Comm, load_kw: Dict[str, Any]) -> Tuple[str, Optional[int]]:
+        """Restore's choice with ``local=``: ``("local", step)`` to load below, ``("remote", result)`` loaded, or ``("none", None)``.
+
+        The local step counts when every rank can read and check it (its
+        manifest and files, agreed); else the remote's newest. Afterwards the
+        newest local step the remote lacks is handed to the flusher again.
+        """
+        remote = cast(CheckpointManager, self._remote)
+
+        def newest() -> Tuple[Optional[int], Optional[int]]:
+            local_steps = self.steps()
+            try:
+                remote_steps = remote.steps()
+            except Exception as e:  # the remote is down: the local disk can still resume the run
+                if not local_steps:
+                    raise
+                log.warning("shardckpt: restore: cannot list the remote %s (%s: %s); choosing among the local steps only",
+                            remote.root_url, type(e).__name__, e)
+                remote_steps = []
+            return (local_steps[-1] if local_steps else None, remote_steps[-1] if remote_steps else None)
+
+        _, (lstep, rstep) = agree(comm, lambda: newest() if comm.rank == 0 else None,
+                                  what=f"restore from {self.root_url} or {remote.root_url}", share=lambda v: v, mode=FROM_ROOT)
+        readable = False
+        if lstep is not None and (rstep is None or lstep >= rstep):
+            def check() -> bool:
+                try:
+                    self._validate(lstep)
+                    return True
+                except Exception as e:
+                    log.warning("shardckpt: rank %d cannot restore local step %d (%s: %s)", comm.rank, lstep, type(e).__name__, e)
+                    return False
+
+            _, oks = agree(comm, check, what=f"restore from {self.root_url}: the local step", share=lambda v: v, mode=ALL)
+            readable = all(oks)
+        source, step = restore_source(lstep, readable, rstep)
+        flusher = self._flusher_on(comm)
+        flusher.set_durable(rstep)
+        if lstep is not None and readable and (rstep is None or lstep > rstep) and not self.load_only:
+            flusher.submit(lstep)  # committed here only: flush it (in the background, while it loads)
+        log.info("shardckpt: restore: newest local step %s (%s), newest remote step %s: loading %s step %s",
+                 lstep, "readable by every rank" if readable else "not used", rstep, source, step)
+        if source != "remote":
+            return source, step
+        got = remote.restore(state, **load_kw)
+        self.restored_from = remote.restored_from
+        return source, got
+
     # -- restore ----------------------------------------------------------------
 
     def _validate(self, step: int) -> None:
@@ -979,6 +1122,18 @@ class CheckpointManager:
         if self.io_threads is not None:
             load_kw.setdefault("io_threads", self.io_threads)
         load_kw.setdefault("collective_timeout_s", self.collective_timeout_s)
+        if self._remote is not None and s is None:
+            source, got = self._restore_tiers(state, comm, load_kw)
+            if source == "remote":
+                return got
+            s = got  # "local": that step, below; "none": nothing anywhere (initial_load_path applies)
+        elif self._remote is not None and s is not None:
+            _, here = agree(comm, lambda: s in self.steps() if comm.rank == 0 else None,
+                            what=f"restore of step {s} from {self.root_url}", share=lambda v: v, mode=FROM_ROOT)
+            if not here:  # not (or no longer) on the local disk: the remote's copy
+                got = self._remote.restore(state, step=s, **load_kw)
+                self.restored_from = self._remote.restored_from
+                return got
         for attempt in range(RESTORE_ATTEMPTS):
             # Rank 0 picks; its error (the same type and text) is raised on every rank.
             _, value = agree(
@@ -1036,10 +1191,15 @@ class CheckpointManager:
     def wait(self) -> None:
         """Finish the save in flight; raise its error if nobody has seen it.
 
+        With ``local=``, also waits until the newest saved step is flushed
+        to the remote (or its flush failed, logged).
+
         Raises:
             SaveFailedError: the background save failed.
         """
         wait_pending()
+        if self._flusher is not None:
+            self._flusher.wait()
 
     def cleanup(self, *, dry_run: bool = False) -> List[str]:
         """Remove leftovers of unfinished saves; returns what was removed (rank 0).
@@ -1110,8 +1270,14 @@ class CheckpointManager:
         if self._rank("CheckpointManager.delete") == 0:
             self._remove_step(step)
 
-    def close(self) -> None:
-        """Wait for the save in flight (raising its unseen error); further calls raise."""
+    def close(self, *, flush_timeout_s: Optional[float] = None) -> None:
+        """Wait for the save in flight (raising its unseen error); further calls raise.
+
+        With ``local=``, then flushes what is pending to the remote, waiting
+        at most ``flush_timeout_s`` (None: until done); a step left unflushed
+        stays committed locally (logged) and the next run's ``restore()``
+        flushes it.
+        """
         if self._closed:
             return
         self._closed = True
@@ -1120,6 +1286,8 @@ class CheckpointManager:
         finally:
             if self._memory is not None:
                 self._memory.close()
+            if self._flusher is not None:
+                self._flusher.close(flush_timeout_s)
 
     def __enter__(self) -> "CheckpointManager":
         return self

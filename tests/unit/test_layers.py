@@ -47,6 +47,7 @@ LAYERS: Dict[str, int] = {
     "shardckpt._fingerprint": 2,
     "shardckpt._load": 2,
     "shardckpt._async": 2,
+    "shardckpt._flush": 2,
     "shardckpt._writerproc": 2,
     "shardckpt._verify": 2,
     # (issues 23 and 24, landing in the same wave: the rows are ready for them)

@@ -1,0 +1,139 @@
+"""The flusher's pure decisions (shardckpt/_flush.py) with ints, and local='s argument checks."""
+
+from __future__ import annotations
+
+import pytest
+
+import shardckpt
+from shardckpt._flush import local_protected, next_flush, restore_source
+from shardckpt.errors import UsageError
+
+
+def test_next_flush_takes_the_newest_pending_once():
+    assert next_flush(None, None) is None
+    assert next_flush(3, None) == 3
+    assert next_flush(9, 5) == 9
+    assert next_flush(5, 5) is None  # flushed already (a late submission on another rank)
+    assert next_flush(4, 5) is None
+
+
+def test_local_protected_is_in_flight_and_pending_only():
+    assert local_protected(None, None) == []
+    assert local_protected(5, None) == [5]
+    assert local_protected(None, 7) == [7]
+    assert local_protected(5, 9) == [5, 9]
+    assert local_protected(5, 5) == [5]
+
+
+@pytest.mark.parametrize(
+    "local, readable, remote, want",
+    [
+        (9, True, 7, ("local", 9)),
+        (7, True, 7, ("local", 7)),  # a tie: the local disk is faster
+        (9, False, 7, ("remote", 7)),  # some rank cannot read the local step
+        (5, True, 7, ("remote", 7)),  # the remote is newer (another node went on)
+        (None, False, 7, ("remote", 7)),  # a new node
+        (4, True, None, ("local", 4)),
+        (4, False, None, ("none", None)),
+        (None, False, None, ("none", None)),
+    ],
+)
+def test_restore_source(local, readable, remote, want):
+    assert restore_source(local, readable, remote) == want
+
+
+def test_local_argument_checks(tmp_path):
+    with pytest.raises(UsageError, match="incremental"):
+        shardckpt.CheckpointManager(str(tmp_path / "r"), local=str(tmp_path / "l"), incremental=True)
+    with pytest.raises(UsageError, match="remote root itself"):
+        shardckpt.CheckpointManager(str(tmp_path / "r"), local=str(tmp_path / "r"))
+    with pytest.raises(UsageError, match="directory path"):
+        shardckpt.CheckpointManager(str(tmp_path / "r"), local="  ")
+    with pytest.raises(ValueError, match="keep_local"):
+        shardckpt.CheckpointManager(str(tmp_path / "r"), local=str(tmp_path / "l"), keep_local=0)
+
+
+def test_one_process_flushes_and_restores_from_a_new_node(tmp_path):
+    import torch
+
+    model = torch.nn.Linear(3, 2)
+    remote, local = str(tmp_path / "remote"), str(tmp_path / "local")
+    seen = []
+    with shardckpt.CheckpointManager(remote, local=local, keep_last=2, on_durable=seen.append) as mgr:
+        for step in range(1, 5):
+            mgr.save(step, {"model": model, "step": step})
+        mgr.wait()
+        assert mgr.durable_step == 4 and seen[-1] == 4
+        assert mgr.steps() == [3, 4] and mgr.remote_steps() == [3, 4]
+        assert mgr.remote_url == shardckpt._storage.Storage(remote).url
+    for s in (3, 4):
+        shardckpt.verify(f"{remote}/step-{s:08d}")
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        model.weight.zero_()
+    import shutil
+
+    shutil.rmtree(local)
+    with shardckpt.CheckpointManager(remote, local=local) as mgr:
+        assert mgr.restore({"model": model, "step": 0}) == 4
+        assert mgr.restored_from == f"{mgr.remote_url}/step-00000004"
+        assert mgr.restore({"model": model, "step": 0}, step=3) == 3  # only on the remote
+        assert mgr.restored_from == f"{mgr.remote_url}/step-00000003"
+        with pytest.raises(shardckpt.errors.CheckpointNotFoundError, match="step 2 is not committed"):
+            mgr.restore({"model": model, "step": 0}, step=2)
+        mgr.save(5, {"model": model, "step": 5})
+        assert mgr.restore({"model": model, "step": 0}, step=5) == 5  # local
+        assert mgr.restored_from == f"{mgr.root_url}/step-00000005"
+        mgr.restore({"model": model, "step": 0}, step=4)
+    assert all(torch.equal(v, want[k]) for k, v in model.state_dict().items())
+
+
+def test_a_slow_flush_coalesces_the_backlog_and_protects_its_steps(tmp_path, monkeypatch):
+    """Step 1's upload hangs: saves go on; 2 is skipped (3 supersedes it), 1 and 3 stay local until flushed."""
+    import threading
+
+    import torch
+
+    import shardckpt._flush as flush
+
+    release, started = threading.Event(), threading.Event()
+    copy = flush._copy
+
+    def slow_copy(src, dst, rel, size):
+        if "step-00000001" in dst.url:
+            started.set()
+            assert release.wait(60)
+        copy(src, dst, rel, size)
+
+    monkeypatch.setattr(flush, "_copy", slow_copy)
+    model = torch.nn.Linear(3, 2)
+    remote = str(tmp_path / "remote")
+    mgr = shardckpt.CheckpointManager(remote, local=str(tmp_path / "local"), keep_local=1)
+    try:
+        mgr.save(1, {"model": model})
+        assert started.wait(60)
+        for step in (2, 3):
+            mgr.save(step, {"model": model})
+        assert mgr._flusher.protected() == [1, 3]
+        assert mgr.steps() == [1, 3]  # keep_local=1 plus the step in flight; the skipped step 2 is gone
+        assert mgr.durable_step is None and mgr.remote_steps() == []
+        release.set()
+        mgr.wait()
+        assert mgr.remote_steps() == [1, 3] and mgr.durable_step == 3
+        assert mgr._flusher.skipped == [2]
+        mgr.save(4, {"model": model})
+        mgr.wait()
+        assert mgr.steps() == [4]  # everything flushed: keep_local only
+    finally:
+        release.set()
+        mgr.close()
+
+
+def test_a_rank_that_cannot_see_the_manifest_is_told_why(tmp_path):
+    from shardckpt._flush import upload_step
+    from shardckpt._storage import Storage
+    from shardckpt.errors import CheckpointNotFoundError
+
+    (tmp_path / "step" / "data").mkdir(parents=True)  # a node-local directory: data files, no manifest
+    with pytest.raises(CheckpointNotFoundError, match="every rank of the job can read"):
+        upload_step(Storage(str(tmp_path / "step")), Storage(str(tmp_path / "remote")), 1)
