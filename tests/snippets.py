@@ -22,8 +22,8 @@ A python block that calls ``.restore(`` runs twice in the same directory:
 the second run is a resume, which is what such a loop is for (a loop that
 re-saves the restored step fails there with ``CheckpointExistsError``).
 Each run is a new job: its own job id (``TORCHELASTIC_RUN_ID``, torchrun's
-``--rdzv-id``), and the memory tier's default directory of that job
-(``/dev/shm/shardckpt-<job id>``) is removed after it, as when a scheduler
+``--rdzv-id``), and the memory tier directories it made (the default one is
+per root, ``/dev/shm/shardckpt-<uid>-<hash>``) are removed after it, as when a scheduler
 restarts a job on other nodes: only what reached storage survives.
 """
 
@@ -132,12 +132,21 @@ def _env(job: str = "") -> Dict[str, str]:
     return env
 
 
+def _memory_dirs() -> set:
+    try:
+        return {n for n in os.listdir("/dev/shm") if n.startswith("shardckpt-")}
+    except OSError:
+        return set()
+
+
 def _run(cmd: List[str], cwd: str, what: str, job: str = "") -> None:
+    before = _memory_dirs()
     try:
         p = subprocess.run(cmd, cwd=cwd, env=_env(job), capture_output=True, text=True, timeout=BLOCK_TIMEOUT_S)
     finally:
-        if job:  # the job is over: its node-local memory tier goes with it
-            shutil.rmtree(os.path.join("/dev/shm", f"shardckpt-{job}"), ignore_errors=True)
+        if job:  # the job is over: the memory tier directories it made (per root: /dev/shm/shardckpt-<uid>-<hash>) go with it
+            for name in _memory_dirs() - before:
+                shutil.rmtree(os.path.join("/dev/shm", name), ignore_errors=True)
     if p.returncode != 0:
         raise AssertionError(f"{what} failed (exit {p.returncode}):\n--- stdout\n{p.stdout[-4000:]}\n--- stderr\n{p.stderr[-6000:]}")
 
