@@ -48,11 +48,11 @@ environment variable                default     what it sets
 ``SHARDCKPT_ASYNC_WRITER``          thread      who writes an async save's bytes: ``thread``
                                                 (in the training process) or ``process``
                                                 (a writer child, out of its GIL)
-``SHARDCKPT_MEMORY_PEER_BACKEND``   gloo        the memory tier's peer copy: ``gloo`` (host
-                                                to host, in place) or ``nccl`` (GPU to GPU,
-                                                staged through two GPU buffers; delivered
-                                                damaged bytes on 2x H200, caught by the
-                                                CRCs: not the default until fixed)
+``SHARDCKPT_MEMORY_PEER_BACKEND``   (auto)      the memory tier's peer copy: the training
+                                                group's backend (``nccl``: GPU to GPU,
+                                                staged through two GPU buffers on a side
+                                                stream; ``gloo``: host to host, in place),
+                                                or forced to ``nccl`` / ``gloo``
 ``SHARDCKPT_REPLICAS``             warn        a save compares the copies of replicated
                                                 state first: ``warn`` logs diverged
                                                 replicas, ``check`` refuses the save,
@@ -261,7 +261,7 @@ if ASYNC_WRITER not in ASYNC_WRITERS:
 #: gloo and CUDA_LAUNCH_BLOCKING=1 did not; it stays opt-in until that race
 #: is found. "" follows the process group's backend.
 MEMORY_PEER_BACKENDS = ("", "nccl", "gloo")
-MEMORY_PEER_BACKEND = (_env("MEMORY_PEER_BACKEND") or "gloo").lower()
+MEMORY_PEER_BACKEND = (_env("MEMORY_PEER_BACKEND") or "").lower()
 if MEMORY_PEER_BACKEND not in MEMORY_PEER_BACKENDS:
     raise _bad("MEMORY_PEER_BACKEND", os.environ[ENV_PREFIX + "MEMORY_PEER_BACKEND"], "nccl or gloo")
 

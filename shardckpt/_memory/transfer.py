@@ -236,17 +236,19 @@ def move_tensors(
     dev = torch.device("cuda", device)
     stream = torch.cuda.Stream(device=dev)
     transfers = [(True, d, t) for d, t in outgoing] + [(False, s, t) for s, t in incoming]
-    bufs = [[torch.empty(min(piece_bytes, max(1, int(t.numel()))), dtype=torch.uint8, device=dev) for _ in range(2)]
-            for _, _, t in transfers]
     waves = max(-(-int(t.numel()) // piece_bytes) for _, _, t in transfers)
-    # Each wave is fenced on the host: the sends' bytes are on the device
-    # before NCCL reads them, and NCCL has written the receives' before they
-    # are copied out. Relying on stream order alone (the copies on a side
-    # stream, NCCL's stream waiting on it, a pageable source or destination in
-    # the mix) delivered damaged bytes on 2x H200 (an index file, the first
-    # peer copy of a run) that CUDA_LAUNCH_BLOCKING=1 and the gloo path did not:
-    # one synchronize per wave of up to ``piece_bytes`` costs little.
+    # The staging buffers are allocated *on the side stream*. Allocated on
+    # the calling thread's current stream -- the default stream, which the
+    # training thread keeps allocating and freeing on -- the caching
+    # allocator may hand over a block that training freed while its kernels
+    # still queued there write to it, and those writes land after this
+    # stream filled the block: on 2x H200 peer copies arrived damaged (caught
+    # by the block CRCs) until this changed (benchmarks/device/p2p_race.py
+    # shows both). A block of this stream's own is only reused after this
+    # stream's earlier work, so stream order alone keeps the bytes intact.
     with torch.cuda.stream(stream):
+        bufs = [[torch.empty(min(piece_bytes, max(1, int(t.numel()))), dtype=torch.uint8, device=dev) for _ in range(2)]
+                for _, _, t in transfers]
         for w in range(waves):
             ops, outs = [], []
             for i, (send, other, t) in enumerate(transfers):
@@ -261,10 +263,11 @@ def move_tensors(
                 else:
                     ops.append(p2p_op("recv", buf, group_ranks[other], group, 0))
                     outs.append((t[off : off + n], buf))
-            stream.synchronize()
+            # NCCL's stream waits for this one (the copies in); ``wait`` makes
+            # this stream wait for NCCL's (the copies out come after).
             wait(start_ops(ops), True)
-            torch.cuda.synchronize(dev)  # NCCL's own stream included, whatever its works report
             for dst, buf in outs:
                 dst.copy_(buf, non_blocking=dst.is_pinned())
+            # The host reads and rewrites the pieces next: the wave is done on the device.
             stream.synchronize()
     return sent, received

@@ -25,7 +25,7 @@ ELSEWHERE = {
     "LOAD_READ_ONCE": "tests/dist/test_replicated_load*.py (read at each load)",
     "REGISTER_MIN_BYTES": "CUDA staging only (read at each staging)",
     "ASYNC_WRITER": "tests/unit/test_async_writer_process.py (monkeypatches it)",
-    "MEMORY_PEER_BACKEND": "tests/dist/test_memory_save.py (gloo, the CPU group's own; nccl on GPUs: benchmarks/device/every_step_2gpu.sh)",
+    "MEMORY_PEER_BACKEND": "tests/dist/test_memory_save.py (gloo, the CPU group's own); nccl, the GPU default: benchmarks/device/every_step_2gpu.sh, benchmarks/device/p2p_race.py",
     "S3_CLIENT": "tests/storage/test_planning.py::test_s3_data_client_is_chosen_once",
     "S3_PART_BYTES": "tests/s3 (PART: multipart paths)",
     "S3_WRITER_INFLIGHT_PARTS": "tests/s3 (read when a writer is made)",
