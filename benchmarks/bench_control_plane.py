@@ -252,7 +252,7 @@ def run(n: int, n_tensors: int = 300, *, state: str = "fsdp2") -> Dict[str, Any]
     peer = Counting(raw0.clone())
     setup = raw0.clone()
     local = threading.local()
-    C._store = lambda: local.store  # rank 0 and the peer thread each use their own counted connection
+    C.default_store = lambda: local.store  # rank 0 and the peer thread each use their own counted connection
     ticker_call = C._Ticker.__call__
 
     def counted_tick(self):

@@ -43,7 +43,7 @@ from shardckpt.errors import (
 from ._options import ConvertResult, check_apart
 from ._safetensors import arrange_imported
 from ._source import SrcChunk
-from ._torch_save import _memory_chunk, _write_imported, chunk_of, load_meta, source_from_state, weights_only_load
+from ._torch_save import chunk_of, load_meta, memory_chunk, source_from_state, weights_only_load, write_imported
 
 __all__ = ["from_dcp", "DCPUnpickler", "read_dcp_metadata", "check_pickle_bounds"]
 
@@ -459,10 +459,10 @@ def from_dcp(
         got = placeholders.get(id(t))
         if got is not None:
             return got
-        return [_memory_chunk(name, t)]  # a tensor inside a non-tensor item
+        return [memory_chunk(name, t)]  # a tensor inside a non-tensor item
 
     source = source_from_state(state, chunk_for, url=where, storage=storage, kind="dcp", files=None)
-    return _write_imported(source, dst, keys=keys, key_map=key_map, dst_storage_options=dst_storage_options,
+    return write_imported(source, dst, keys=keys, key_map=key_map, dst_storage_options=dst_storage_options,
                            overwrite=overwrite, progress=progress, io_threads=io_threads, what="dcp")
 
 

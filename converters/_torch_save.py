@@ -23,8 +23,8 @@ import torch
 
 from shardckpt import _knobs
 from shardckpt._format import check_relpath, checked_shape, dtype_name
-from shardckpt._format.values import TAG, value_depth_problem
-from shardckpt._hf import KeyMap, _rename_refs, map_names, select_names
+from shardckpt._format.values import TAG, rename_refs, value_depth_problem
+from shardckpt._hf import KeyMap, map_names, select_names
 from shardckpt._state import flatten_for_save
 from shardckpt._storage import Storage
 from shardckpt.errors import (
@@ -40,7 +40,7 @@ from ._options import ConvertResult, check_apart, split_url
 from ._safetensors import arrange_imported
 from ._source import Source, SrcChunk, SrcTensor
 
-__all__ = ["from_torch_save", "RangeFile", "load_meta", "chunk_of", "source_from_state"]
+__all__ = ["from_torch_save", "RangeFile", "load_meta", "chunk_of", "source_from_state", "memory_chunk", "write_imported"]
 
 
 class RangeFile(io.RawIOBase):
@@ -294,7 +294,7 @@ def _share_stored_bytes(tensors: Dict[str, SrcTensor], tree: Any, url: str) -> A
     return root[0]
 
 
-def _memory_chunk(name: str, t: torch.Tensor) -> SrcChunk:
+def memory_chunk(name: str, t: torch.Tensor) -> SrcChunk:
     data = t.detach().contiguous()
     return SrcChunk(file="", byte_offset=0, nbytes=data.numel() * data.element_size(), offsets=(0,) * data.dim(),
                     sizes=tuple(data.shape), key=name, loader=lambda: data)
@@ -362,7 +362,7 @@ def _read_torch_file(storage: Storage, base: str):
         obj = weights_only_load(io.BytesIO(storage.read_bytes(base)), where=where, map_location="cpu", corrupt="not a torch.save file")
 
         def chunk_for(name, t):
-            return [_memory_chunk(name, t)]
+            return [memory_chunk(name, t)]
 
     return obj, chunk_for, size
 
@@ -455,11 +455,11 @@ def from_torch_save(
     if not isinstance(state, dict) or not state:
         raise UnsupportedStateError(f"{where}: nothing to import")
     source = source_from_state(state, chunk_for, url=where, storage=storage, kind="torch_save", files=files)
-    return _write_imported(source, dst, keys=keys, key_map=key_map, dst_storage_options=dst_storage_options,
+    return write_imported(source, dst, keys=keys, key_map=key_map, dst_storage_options=dst_storage_options,
                            overwrite=overwrite, progress=progress, io_threads=io_threads, what="torch_save")
 
 
-def _write_imported(source: Source, dst: str, *, keys, key_map, dst_storage_options, overwrite, progress, io_threads, what) -> ConvertResult:
+def write_imported(source: Source, dst: str, *, keys, key_map, dst_storage_options, overwrite, progress, io_threads, what) -> ConvertResult:
     """Write an imported Source as a native checkpoint (whole tensors, balanced files)."""
     chosen = select_names(list(source.tensors), keys)
     renamed = map_names(chosen, key_map)
@@ -467,7 +467,7 @@ def _write_imported(source: Source, dst: str, *, keys, key_map, dst_storage_opti
         raise UnsupportedStateError(f"{source.url}: no tensors to import")
     values = source.values
     if keys is not None or key_map is not None:
-        values = _rename_refs(values, renamed)
+        values = rename_refs(values, renamed)
     return write_whole(
         source,
         dst,

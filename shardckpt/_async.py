@@ -226,8 +226,9 @@ class _ArenaStager(_Stager):
         self.wait_copies()
         arena, self.arena = self.arena, None
         if arena is not None:
-            if _writerproc._WRITER is not None:
-                _writerproc._WRITER.drop(arena)
+            writer = _writerproc.current_writer()
+            if writer is not None:
+                writer.drop(arena)
             arena.close()
 
 

@@ -155,6 +155,9 @@ __all__ = [
     "Group",
     "DISTINCT",
     "MAX_VALUE_BYTES",
+    "Counters",
+    "counters_of",
+    "default_store",
 ]
 
 T = TypeVar("T")
@@ -374,7 +377,7 @@ def _beat() -> None:
 
     if not (dist.is_available() and dist.is_initialized()):
         return
-    store = _store()
+    store = default_store()
     me = dist.get_rank()
     # A counter just created (1) is this process's first beat on this store:
     # list it once, so that waiters find every counter in one read.
@@ -409,7 +412,7 @@ def start_heartbeat() -> None:
         _HEARTBEAT["thread"] = t
 
 
-class _Counters:
+class Counters:
     """A waiter's view of heartbeat counters: which ones stopped moving for ``LIVENESS_TIMEOUT_S``."""
 
     def __init__(self) -> None:
@@ -427,7 +430,7 @@ class _Counters:
         return out
 
 
-def _counters_of(store, ranks: Sequence[int]) -> Dict[int, bytes]:
+def counters_of(store, ranks: Sequence[int]) -> Dict[int, bytes]:
     """Heartbeat counters of those of ``ranks`` that ever beat: 1 + ceil(len / BATCH_KEYS) round trips."""
     if not store.check([_ROSTER_KEY]):
         return {}
@@ -569,7 +572,8 @@ _SEQ_LOCK = threading.Lock()
 _STALE: Dict[Tuple[Any, ...], List[str]] = {}
 
 
-def _store():
+def default_store():
+    """The default process group's key-value store (what the exchanges and heartbeats use)."""
     from torch.distributed import distributed_c10d as c10d
 
     return c10d._get_default_store()
@@ -619,7 +623,7 @@ class _Ticker:
 
     def __init__(self, store, comm: Comm, base: str, root_waits: bool):
         self.store, self.comm, self.base, self.root_waits = store, comm, base, root_waits
-        self.counters = _Counters()
+        self.counters = Counters()
         self.start = time.monotonic()
         self.next_log = self.start + WAIT_LOG_AFTER_S
 
@@ -629,7 +633,7 @@ class _Ticker:
             # Rank 0: the counters of every peer in batches, then, for the few
             # stopped ones, whether they posted (a rank that posted and died
             # is the next exchange's business).
-            stale = self.counters.stale(_counters_of(store, comm.ranks[1:]))
+            stale = self.counters.stale(counters_of(store, comm.ranks[1:]))
             index = {r: i for i, r in enumerate(comm.ranks)} if stale else {}
             dead = [r for r in stale if not store.check([f"{self.base}/r{index[r]}"])]
             if dead:
@@ -677,7 +681,7 @@ def _exchange(comm: Comm, outcome: Any, blob: Optional[bytes]) -> Tuple[str, Any
     ranks)`` (not arrived within the timeout) or ``("dead", ranks)``
     (heartbeat stopped); the per-rank outcomes are returned on rank 0 only.
     """
-    store = _store()
+    store = default_store()
     base = _base_key(comm, store)
     mine = f"{base}/r{comm.rank}"
     root = comm.ranks[0]
@@ -757,7 +761,7 @@ def _exchange(comm: Comm, outcome: Any, blob: Optional[bytes]) -> Tuple[str, Any
 
 def _post_verdict(comm: Comm, base: str, verdict: Any, pieces: Optional[Dict[str, Any]] = None) -> None:
     """Rank 0: publish the verdict of exchange ``base`` (and each distinct group's piece) for the peers."""
-    store = _store()
+    store = default_store()
     keys = [f"{base}/v"]
     if pieces:
         names = [f"{base}/g/{h}" for h in pieces]
@@ -803,7 +807,7 @@ def _await_reads(comm: Comm, base: str) -> None:
     dead (it raises naming rank 0, as if rank 0 had died). Successful
     exchanges need no such wait: the next exchange is their agreement.
     """
-    store = _store()
+    store = default_store()
     keys = [f"{base}/read_all"]
     _STALE.setdefault(_seq_key(comm, store), []).extend([f"{base}/read"] + keys)
     try:

@@ -17,9 +17,7 @@ from typing import Any, Callable, Collection, Dict, Iterable, List, Mapping, Opt
 from ._format import ChunkMeta, Manifest, TensorMeta, itemsize
 from ._format.header import read_safetensors_header
 from ._format.hf import MAX_INDEX_BYTES, SOURCE_SAFETENSORS, hf_manifest
-from ._format.values import TAG
-from ._format.values import is_tensor_ref as _is_ref
-from ._format.values import rename_refs as _rename_refs
+from ._format.values import TAG, is_tensor_ref, rename_refs
 from .errors import StateMismatchError, format_offenders
 
 __all__ = [
@@ -153,7 +151,7 @@ def select_for_load(
         values = map_optimizers(values, mapping, set(manifest.tensors))
     tensors = {mapping[n]: manifest.tensors[n] for n in names if n in mapping}
     if values is not None:
-        values = _rename_refs(values, mapping)
+        values = rename_refs(values, mapping)
     # replace(), not a new Manifest: every other field (v2's block size,
     # meshes and index files) must survive, or the reader falls back to
     # whole-chunk checksums and reads past its buffer bound.
@@ -255,7 +253,7 @@ def prune_optimizers(values: Any, selected: set, saved_tensors: set) -> Any:
 def _refs_in(node: Any) -> List[str]:
     out: List[str] = []
     if isinstance(node, dict):
-        if _is_ref(node):
+        if is_tensor_ref(node):
             name = node.get("name")
             return [name] if isinstance(name, str) else []
         for v in node.values():
@@ -388,7 +386,7 @@ def aliases_of(values: Any) -> Dict[str, str]:
 
     def walk(node: Any, path: str) -> None:
         if isinstance(node, dict):
-            if _is_ref(node):
+            if is_tensor_ref(node):
                 name = node.get("name")
                 if isinstance(name, str) and path and name != path:
                     out[path] = name

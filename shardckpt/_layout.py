@@ -19,7 +19,7 @@ from . import _geometry
 from ._format import dtype_name
 from .errors import UnsupportedStateError
 
-__all__ = ["TensorLayout", "Part", "layout_of", "is_dtensor", "is_sharded_tensor", "box_view"]
+__all__ = ["TensorLayout", "Part", "layout_of", "is_dtensor", "is_sharded_tensor", "box_view", "placement_str"]
 
 
 @dataclass
@@ -116,7 +116,8 @@ def _placements(name: str, dt) -> List[object]:
     return out
 
 
-def _placement_str(p: object) -> str:
+def placement_str(p: object) -> str:
+    """A placement as the layout JSON writes it: ``"S(dim)"`` (``"S(dim,sf=n)"`` strided) or ``"R"``."""
     if isinstance(p, _geometry.Shard):
         return f"S({p.dim})" if p.split_factor == 1 else f"S({p.dim},sf={p.split_factor})"
     return "R"
@@ -259,7 +260,7 @@ def _dtensor_geometry(name: str, t):
     layout_json = {
         "mesh_shape": list(mesh_shape),
         "mesh_dim_names": names,
-        "placements": [_placement_str(p) for p in placements],
+        "placements": [placement_str(p) for p in placements],
     }
     return shape, boxes, regular, ranks, full_coord, layout_json
 

@@ -35,7 +35,7 @@ from ._async import AsyncSaveHandle, start_async, wait_pending
 from ._collective import ALL, FROM_ROOT, Comm, NoProcessGroupError, agree, open_comm
 from ._flush import Flusher, restore_source
 from ._format import HF_INDEX_NAME, MANIFEST_NAME, open_manifest, torch_dtype
-from ._format.committed import _nearby
+from ._format.committed import nearby_names
 from ._format.refs import follow, live_files, removable
 from ._io import check_files
 from ._load import load
@@ -1067,7 +1067,7 @@ class CheckpointManager:
         if not exists:
             log.warning(
                 "shardckpt: CheckpointManager.restore: %s does not exist: nothing to restore, the run starts fresh "
-                "(check the path for a typo if it should resume)%s", self.root_url, _nearby(self.root),
+                "(check the path for a typo if it should resume)%s", self.root_url, nearby_names(self.root),
             )
 
     def restore(self, state: Dict[str, Any], step: Optional[int] = None, **load_kw: Any) -> Optional[int]:

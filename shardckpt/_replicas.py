@@ -70,7 +70,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from . import _knobs
-from ._collective import _Counters, _counters_of, _store, agree
+from ._collective import Counters, agree, counters_of, default_store
 from ._readers import Want
 from .errors import LoadFailedError
 
@@ -648,8 +648,8 @@ def wait_ops(works: List[Any], comm: Any, peers: Sequence[int], cuda: bool, *, d
             if now >= next_look:
                 next_look = now + 1.0
                 try:
-                    watch = watch or _Counters()
-                    dead = watch.stale(_counters_of(_store(), list(peers)))
+                    watch = watch or Counters()
+                    dead = watch.stale(counters_of(default_store(), list(peers)))
                 except Exception:  # the store is gone with rank 0: the works fail or time out
                     dead = []
                 if dead:

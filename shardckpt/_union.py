@@ -34,8 +34,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, cast
 
 from . import _geometry
 from ._format import itemsize, torch_dtype
-from ._layout import TensorLayout
-from ._layout import _placement_str as f
+from ._layout import TensorLayout, placement_str
 from ._state.ranks import merge_values
 from .errors import UnsupportedStateError, format_offenders
 
@@ -287,7 +286,7 @@ def with_peers(layouts: Dict[str, TensorLayout], keep: Dict[str, Any]) -> Dict[s
             lj = {
                 "mesh_shape": list(own.mesh_shape),
                 "mesh_dim_names": place[1],
-                "placements": [_placement_str(p) for p in own.placements],
+                "placements": [placement_str(p) for p in own.placements],
             }
             kind = "dtensor"
         out[name] = TensorLayout(
@@ -295,7 +294,3 @@ def with_peers(layouts: Dict[str, TensorLayout], keep: Dict[str, Any]) -> Dict[s
             layout_json=lj, kind=kind, regular=reg, mesh_ranks=mesh, coord=None, rotation=rot,
         )
     return {n: out[n] for n in sorted(out)}
-
-
-def _placement_str(p: object) -> str:
-    return f(p)

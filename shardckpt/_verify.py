@@ -18,7 +18,7 @@ from ._format.versions import spec
 from ._readers import BufferPool, Want, read_verified
 from .errors import ChecksumMismatchError, CorruptCheckpointError
 
-__all__ = ["inspect", "verify", "verify_manifest", "VERIFY_RANGE_BYTES", "VERIFY_IO_THREADS", "MAX_LISTED_PROBLEMS"]
+__all__ = ["inspect", "verify", "verify_manifest", "VERIFY_RANGE_BYTES", "VERIFY_IO_THREADS", "MAX_LISTED_PROBLEMS", "check_data_file"]
 
 #: Largest read range (bytes read and checked at once by one thread): memory
 #: stays ``io_threads`` times this (a v1 chunk is one checksum unit and is read
@@ -179,7 +179,7 @@ def _check_chunks(
     return out
 
 
-def _check_file(
+def check_data_file(
     storage: Any, m: Manifest, rel: str, chunks: List[Tuple[str, ChunkMeta]], on_bytes: Optional[Callable[[int], None]]
 ) -> List[str]:
     """Problems of one data file: its header against the manifest, then every byte of ``chunks`` (its ``(tensor, chunk)`` pairs).

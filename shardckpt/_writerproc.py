@@ -53,7 +53,7 @@ from ._storage import Storage
 from ._storage._factory import backend_for
 from .errors import SaveFailedError
 
-__all__ = ["Arena", "ProcessWriter", "usable_for", "get_writer", "shutdown", "ARENA_ALIGN", "CHILD_START_TIMEOUT_S"]
+__all__ = ["Arena", "ProcessWriter", "usable_for", "get_writer", "current_writer", "shutdown", "ARENA_ALIGN", "CHILD_START_TIMEOUT_S"]
 
 log = logging.getLogger("shardckpt")
 
@@ -341,6 +341,11 @@ def get_writer() -> ProcessWriter:
         if _WRITER is None:
             _WRITER = ProcessWriter()
         return _WRITER
+
+
+def current_writer() -> Optional[ProcessWriter]:
+    """The process-wide writer if one was made (``get_writer``), else None; never starts one."""
+    return _WRITER
 
 
 def shutdown() -> None:

@@ -29,11 +29,11 @@ from .manifest import (
     IndexMeta,
     Manifest,
     TensorMeta,
-    _int_list,
-    _req,
     canonical_json,
     check_relpath,
+    int_list_field,
     manifest_json_v2,
+    required_field,
     tiling_problems,
 )
 from .naming import DATA_DIR, DATA_SUFFIX, INDEX_DIR, INDEX_SUFFIX, chunk_key, save_id_prefix
@@ -95,22 +95,22 @@ def manifest_v2_from_raw(raw: Dict[str, Any], where: str) -> Manifest:
             f"checksum mismatch: {MANIFEST_CRC_FIELD} says {want!r:.20}, the manifest's bytes give {got}; "
             "the manifest is damaged (restore it from a copy, or use an older checkpoint)",
         )
-    world_size = _req(raw, "world_size", int, where)
+    world_size = required_field(raw, "world_size", int, where)
     if world_size < 1:
         raise _bad(where, f"world_size must be >= 1, found {world_size}")
-    block_bytes = _req(raw, "block_bytes", int, where)
+    block_bytes = required_field(raw, "block_bytes", int, where)
     if not MIN_BLOCK_BYTES <= block_bytes <= MAX_BLOCK_BYTES:
         raise _bad(where, f"block_bytes {block_bytes} outside [{MIN_BLOCK_BYTES}, {MAX_BLOCK_BYTES}]")
     files: Dict[str, FileMeta] = {}
-    for path, fm in _req(raw, "files", dict, where).items():
-        size = _req(fm, "size", int, f"{where}: files[{path!r}]")
+    for path, fm in required_field(raw, "files", dict, where).items():
+        size = required_field(fm, "size", int, f"{where}: files[{path!r}]")
         if size < 0:
             raise _bad(where, f"files[{path!r}].size is negative")
         files[path] = FileMeta(size)
     listed_indexes = []  # (path, meta, where): the plain map's, then the table's
-    for path, im in _req(raw, "indexes", dict, where).items():
+    for path, im in required_field(raw, "indexes", dict, where).items():
         iw = f"{where}: indexes[{path!r}]"
-        listed_indexes.append((path, IndexMeta(_req(im, "rank", int, iw), _req(im, "size", int, iw), _req(im, "crc32c", int, iw)), iw))
+        listed_indexes.append((path, IndexMeta(required_field(im, "rank", int, iw), required_field(im, "size", int, iw), required_field(im, "crc32c", int, iw)), iw))
     if table:
         table_data, table_indexes = _expand_table(raw, world_size, where)
         for path, size in table_data:
@@ -133,26 +133,26 @@ def manifest_v2_from_raw(raw: Dict[str, Any], where: str) -> Manifest:
             raise _bad(iw, "must be listed in 'files' with the same size")
         ranks_seen[meta.rank] = path
         indexes[path] = meta
-    meshes = _req(raw, "meshes", list, where)
+    meshes = required_field(raw, "meshes", list, where)
     for i, mesh in enumerate(meshes):
         if mesh != "iota" and not (
             isinstance(mesh, list) and all(isinstance(r, int) and not isinstance(r, bool) and 0 <= r < world_size for r in mesh)
         ):
             raise _bad(where, f"meshes[{i}] must be 'iota' or a list of ranks in 0..{world_size - 1}")
     tensors: Dict[str, TensorMeta] = {}
-    for name, tm in _req(raw, "tensors", dict, where).items():
+    for name, tm in required_field(raw, "tensors", dict, where).items():
         tw = f"{where}: tensor {name!r}"
-        dt = _req(tm, "dtype", str, tw)
+        dt = required_field(tm, "dtype", str, tw)
         if dt not in DTYPES:
             raise _bad(tw, f"unknown dtype {dt!r}")
-        shape = checked_shape(_int_list(tm, "shape", tw), itemsize(dt), where=tw)
+        shape = checked_shape(int_list_field(tm, "shape", tw), itemsize(dt), where=tw)
         layout = tm.get("layout")
         t = TensorMeta(dtype=dt, shape=shape, chunks=[], layout=layout if isinstance(layout, dict) else None)
         if "regular" in tm:
-            reg = _req(tm, "regular", dict, tw)
+            reg = required_field(tm, "regular", dict, tw)
             lay = _regular_of(reg, shape, tw)
-            mesh = _req(reg, "mesh", int, tw)
-            rot = _req(reg, "rotation", int, tw)
+            mesh = required_field(reg, "mesh", int, tw)
+            rot = required_field(reg, "rotation", int, tw)
             if not 0 <= mesh < len(meshes):
                 raise _bad(tw, f"mesh {mesh} is not one of the {len(meshes)} meshes")
             n = lay.world
@@ -168,14 +168,14 @@ def manifest_v2_from_raw(raw: Dict[str, Any], where: str) -> Manifest:
                 )
             t.regular = reg
         else:
-            writers = _req(tm, "writers", list, tw)
+            writers = required_field(tm, "writers", list, tw)
             if any(not isinstance(r, int) or isinstance(r, bool) or not 0 <= r < world_size for r in writers):
                 raise _bad(tw, f"writers must be ranks in 0..{world_size - 1}")
             t.writers = list(writers)
         tensors[name] = t
     content_hash = ""
     if version >= V_CONTENT_HASH:
-        content_hash = _req(raw, "content_hash", str, where)
+        content_hash = required_field(raw, "content_hash", str, where)
         if content_hash not in HASH_ALGOS:
             raise _bad(where, f"content_hash {content_hash!r:.40} is not one of {', '.join(HASH_ALGOS)} (a newer shardckpt? upgrade)")
         check_ref_paths(files, where)
@@ -396,8 +396,8 @@ def _expand_table(raw: Dict[str, Any], world_size: int, where: str) -> Tuple[Lis
     """The table's ``(data path, size)`` and ``(index path, IndexMeta)``; bounded before a single path is built."""
     tw = f"{where}: file_table"
     table = raw["file_table"]
-    sizes = _req(table, "data_sizes", list, tw)
-    index_files = _req(table, "index_files", list, tw)
+    sizes = required_field(table, "data_sizes", list, tw)
+    index_files = required_field(table, "index_files", list, tw)
     if world_size > MAX_TABLE_RANKS:
         raise UnsafeMetadataError(f"{tw}: world_size {world_size} exceeds the {MAX_TABLE_RANKS}-rank limit of a file table")
     if len(sizes) != world_size or len(index_files) != world_size:
@@ -465,7 +465,7 @@ def index_bytes(save_id: str, rank: int, block_bytes: int, chunks: Sequence[Tupl
     return canonical_json(body)
 
 
-def _read_index(m: Manifest, storage: Any, rank: int, cache: MetaCache) -> Dict[str, Any]:
+def read_index(m: Manifest, storage: Any, rank: int, cache: MetaCache) -> Dict[str, Any]:
     """Rank ``rank``'s index, checked against the manifest: ``{"keys": {key: (name, chunk)}, "tensors": {name: [chunk]}}``."""
     headers = cast(Dict[Any, Any], cache.headers)  # keyed by tuples here
     got = headers.get(("index", rank))
@@ -525,7 +525,7 @@ def _parse_index(m: Manifest, data: bytes, rank: int, where: str) -> Dict[str, A
         raise _bad(where, f"not the shardckpt index of rank {rank}")
     if raw.get("save_id") != m.save_id or raw.get("block_bytes") != m.block_bytes:
         raise _bad(where, "belongs to another save (save_id or block_bytes differ from the manifest)")
-    files = _req(raw, "files", list, where)
+    files = required_field(raw, "files", list, where)
     row_kinds = [list(INDEX_ROW)] + ([list(INDEX_ROW_V4)] if m.version >= V_CONTENT_HASH else [])
     if raw.get("rows") not in row_kinds:
         raise _bad(where, f"field 'rows' must be {' or '.join(str(k) for k in row_kinds)}")
@@ -536,28 +536,28 @@ def _parse_index(m: Manifest, data: bytes, rank: int, where: str) -> Dict[str, A
     keys: Dict[str, Tuple[str, ChunkMeta]] = {}
     by_tensor: Dict[str, List[ChunkMeta]] = {}
     claims = []
-    for i, row in enumerate(_req(raw, "chunks", list, where)):
+    for i, row in enumerate(required_field(raw, "chunks", list, where)):
         cw = f"{where} chunk {i}"
         if not isinstance(row, list) or len(row) != len(columns):
             raise _bad(cw, f"must be a list of {len(columns)} fields {list(columns)}")
         rec = dict(zip(columns, row))
-        name = _req(rec, "tensor", str, cw)
+        name = required_field(rec, "tensor", str, cw)
         t = m.tensors.get(name)
         if t is None:
             raise _bad(cw, f"tensor {name!r} is not in the manifest")
-        fi = _req(rec, "file", int, cw)
+        fi = required_field(rec, "file", int, cw)
         if not 0 <= fi < len(files):
             raise _bad(cw, f"file number {fi} outside the index's {len(files)} files")
-        offsets = _int_list(rec, "offsets", cw, n=len(t.shape))
-        sizes = _int_list(rec, "sizes", cw, n=len(t.shape))
+        offsets = int_list_field(rec, "offsets", cw, n=len(t.shape))
+        sizes = int_list_field(rec, "sizes", cw, n=len(t.shape))
         c = ChunkMeta(
             file=files[fi],
             key=chunk_key(name, offsets, list(sizes) == list(t.shape)),
             offsets=offsets,
             sizes=sizes,
-            byte_offset=_req(rec, "byte_offset", int, cw),
+            byte_offset=required_field(rec, "byte_offset", int, cw),
             nbytes=math.prod(sizes) * itemsize(t.dtype),
-            crc32c=_req(rec, "crc32c", int, cw),
+            crc32c=required_field(rec, "crc32c", int, cw),
         )
         file = c.file
         if c.byte_offset < 0 or c.byte_offset + c.nbytes > m.files[file].size:
@@ -612,7 +612,7 @@ def _regular_chunks(m: Manifest, storage: Any, name: str, t: TensorMeta, boxes, 
     for offs in sorted(wanted):
         s, box = wanted[offs]
         rank = mesh_rank(m, t, _geometry.writer_coord(lay, rot, s))
-        idx = _read_index(m, storage, rank, cache)
+        idx = read_index(m, storage, rank, cache)
         key = chunk_key(name, box.offsets, tuple(box.sizes) == tuple(t.shape))
         hit = idx["keys"].get(key)
         if hit is None or hit[0] != name or tuple(hit[1].sizes) != tuple(box.sizes) or tuple(hit[1].offsets) != tuple(box.offsets):
@@ -632,7 +632,7 @@ def _explicit_chunks(m: Manifest, storage: Any, name: str, t: TensorMeta, cache:
         return got
     chunks: List[ChunkMeta] = []
     for r in sorted(set(t.writers or [])):
-        chunks.extend(_read_index(m, storage, r, cache)["tensors"].get(name, []))
+        chunks.extend(read_index(m, storage, r, cache)["tensors"].get(name, []))
     chunks.sort(key=lambda c: c.offsets)
     bad = tiling_problems({name: TensorMeta(t.dtype, t.shape, chunks)})
     if bad:
@@ -672,7 +672,7 @@ def materialize(m: Manifest, storage: Any, cache: Optional[MetaCache] = None) ->
     expected = {(name, c.key) for name, t in m.tensors.items() for c in t.chunks}
     stray = []
     for rank in sorted(_index_of_rank(m)):
-        for key, (name, _) in _read_index(m, storage, rank, cache)["keys"].items():
+        for key, (name, _) in read_index(m, storage, rank, cache)["keys"].items():
             if (name, key) not in expected:
                 stray.append(f"rank {rank}: {key!r}")
     if stray:

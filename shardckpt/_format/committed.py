@@ -27,7 +27,7 @@ from .manifest import Manifest, check_relpath, manifest_from_bytes, manifest_to_
 from .naming import DATA_DIR, DATA_SUFFIX, HF_INDEX_NAME, INDEX_SUFFIX, MANIFEST_NAME, save_id_prefix
 from .values import value_depth_problem
 
-__all__ = ["commit", "open_manifest", "hf_index_bytes", "TORCH_SAVE_SUFFIXES", "NOT_FOUND_LISTED"]
+__all__ = ["commit", "open_manifest", "hf_index_bytes", "TORCH_SAVE_SUFFIXES", "NOT_FOUND_LISTED", "nearby_names"]
 
 #: File suffixes ``torch.save`` output usually carries.
 TORCH_SAVE_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
@@ -288,7 +288,7 @@ def _file_advice(url: str, magic: bytes) -> str:
 
 def _advice(storage: Any, kind: str, names: List[str]) -> str:
     if kind == "missing":
-        return f"{storage.url} does not exist (so {MANIFEST_NAME} is missing); check the path for a typo{_nearby(storage)}"
+        return f"{storage.url} does not exist (so {MANIFEST_NAME} is missing); check the path for a typo{nearby_names(storage)}"
     visible = [n for n in names if not n.startswith(".") or n == ".metadata"]
     if ".metadata" in names:
         return (
@@ -316,7 +316,7 @@ def _advice(storage: Any, kind: str, names: List[str]) -> str:
     )
 
 
-def _nearby(storage: Any) -> str:
+def nearby_names(storage: Any) -> str:
     """``"; nearby: a, b"``: names next to a missing path that look like it (typos)."""
     url = storage.url.rstrip("/")
     parent_url, _, base = url.rpartition("/")

@@ -9,7 +9,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ..errors import CorruptCheckpointError, UnsafeMetadataError
 from .dtypes import DTYPES, checked_shape, itemsize
-from .manifest import FORMAT_VERSION, _int_list, _req
+from .manifest import FORMAT_VERSION, int_list_field, required_field
 
 __all__ = ["MAX_HEADER_BYTES", "safetensors_header", "parse_safetensors_header", "read_safetensors_header"]
 
@@ -75,11 +75,11 @@ def parse_safetensors_header(head: bytes, *, file_size: int, where: str) -> Tupl
         if key == "__metadata__":
             continue
         ew = f"{where}: entry {key!r}"
-        dt = _req(entry, "dtype", str, ew)
+        dt = required_field(entry, "dtype", str, ew)
         if dt not in DTYPES:
             raise CorruptCheckpointError(f"{ew}: unknown dtype {dt!r}")
-        shape = checked_shape(_int_list(entry, "shape", ew), itemsize(dt), where=ew)
-        offs = _int_list(entry, "data_offsets", ew, n=2)
+        shape = checked_shape(int_list_field(entry, "shape", ew), itemsize(dt), where=ew)
+        offs = int_list_field(entry, "data_offsets", ew, n=2)
         if offs[1] < offs[0] or data_start + offs[1] > file_size:
             raise CorruptCheckpointError(f"{ew}: data_offsets {offs} outside the file ({file_size} bytes)")
         if offs[1] - offs[0] != math.prod(shape) * itemsize(dt):

@@ -41,6 +41,8 @@ __all__ = [
     "manifest_from_bytes",
     "check_relpath",
     "tiling_problems",
+    "required_field",
+    "int_list_field",
 ]
 
 FORMAT_NAME = "shardckpt"
@@ -308,7 +310,12 @@ def check_relpath(path: Any, *, where: str) -> str:
     return path
 
 
-def _req(obj: Dict[str, Any], key: str, typ: Any, where: str) -> Any:
+def required_field(obj: Dict[str, Any], key: str, typ: Any, where: str) -> Any:
+    """``obj[key]``, checked to be a ``typ`` (an int is never a bool); the parsers of every JSON the format reads use it.
+
+    Raises:
+        CorruptCheckpointError: ``obj`` is no dict, lacks ``key``, or holds another type there (``where`` names the place).
+    """
     if not isinstance(obj, dict) or key not in obj:
         raise CorruptCheckpointError(f"{where}: missing field {key!r}")
     val = obj[key]
@@ -322,8 +329,13 @@ def _req(obj: Dict[str, Any], key: str, typ: Any, where: str) -> Any:
     return val
 
 
-def _int_list(obj, key, where, *, n=None) -> List[int]:
-    val = _req(obj, key, list, where)
+def int_list_field(obj, key, where, *, n=None) -> List[int]:
+    """``obj[key]`` as a list of at most ``MAX_NDIM`` non-negative ints (exactly ``n`` of them if given).
+
+    Raises:
+        CorruptCheckpointError: missing, not such a list, or of another length (``where`` names the place).
+    """
+    val = required_field(obj, key, list, where)
     if len(val) > MAX_NDIM or any(not isinstance(v, int) or isinstance(v, bool) or v < 0 for v in val):
         raise CorruptCheckpointError(f"{where}: field {key!r} must be a list of non-negative ints, found {val!r:.120}")
     if n is not None and len(val) != n:
@@ -370,7 +382,7 @@ def manifest_from_bytes(data: bytes, *, url: str = "") -> Manifest:
         raise CorruptCheckpointError(f"{where}: {deep}")
     if not isinstance(raw, dict) or raw.get("format") != FORMAT_NAME:
         raise CorruptCheckpointError(f"{where}: not a shardckpt manifest (format={raw.get('format') if isinstance(raw, dict) else None!r})")
-    version = _req(raw, "format_version", int, where)
+    version = required_field(raw, "format_version", int, where)
     if version > FORMAT_VERSION:
         raise NewerFormatError(
             f"{where}: format_version {version} was written by a newer shardckpt "
@@ -390,37 +402,37 @@ def manifest_v1_from_raw(raw: Dict[str, Any], where: str) -> Manifest:
     version = raw["format_version"]
     if MANIFEST_CRC_FIELD in raw:
         raise CorruptCheckpointError(f"{where}: a format_version 1 manifest carries {MANIFEST_CRC_FIELD!r}: damaged")
-    world_size = _req(raw, "world_size", int, where)
+    world_size = required_field(raw, "world_size", int, where)
     if world_size < 1:
         raise CorruptCheckpointError(f"{where}: world_size must be >= 1, found {world_size}")
     files: Dict[str, FileMeta] = {}
-    for path, fm in _req(raw, "files", dict, where).items():
+    for path, fm in required_field(raw, "files", dict, where).items():
         check_relpath(path, where=f"{where}: files")
-        size = _req(fm, "size", int, f"{where}: files[{path!r}]")
+        size = required_field(fm, "size", int, f"{where}: files[{path!r}]")
         if size < 0:
             raise CorruptCheckpointError(f"{where}: files[{path!r}].size is negative")
         files[path] = FileMeta(size)
     tensors: Dict[str, TensorMeta] = {}
-    for name, tm in _req(raw, "tensors", dict, where).items():
+    for name, tm in required_field(raw, "tensors", dict, where).items():
         tw = f"{where}: tensor {name!r}"
-        dt = _req(tm, "dtype", str, tw)
+        dt = required_field(tm, "dtype", str, tw)
         if dt not in DTYPES:
             raise CorruptCheckpointError(f"{tw}: unknown dtype {dt!r}")
-        shape = checked_shape(_int_list(tm, "shape", tw), itemsize(dt), where=tw)
+        shape = checked_shape(int_list_field(tm, "shape", tw), itemsize(dt), where=tw)
         chunks = []
-        for i, cm in enumerate(_req(tm, "chunks", list, tw)):
+        for i, cm in enumerate(required_field(tm, "chunks", list, tw)):
             cw = f"{tw} chunk {i}"
-            file = check_relpath(_req(cm, "file", str, cw), where=cw)
+            file = check_relpath(required_field(cm, "file", str, cw), where=cw)
             if file not in files:
                 raise CorruptCheckpointError(f"{cw}: file {file!r} is not listed in 'files'")
             c = ChunkMeta(
                 file=file,
-                key=_req(cm, "key", str, cw),
-                offsets=_int_list(cm, "offsets", cw, n=len(shape)),
-                sizes=_int_list(cm, "sizes", cw, n=len(shape)),
-                byte_offset=_req(cm, "byte_offset", int, cw),
-                nbytes=_req(cm, "nbytes", int, cw),
-                crc32c=_req(cm, "crc32c", int, cw),
+                key=required_field(cm, "key", str, cw),
+                offsets=int_list_field(cm, "offsets", cw, n=len(shape)),
+                sizes=int_list_field(cm, "sizes", cw, n=len(shape)),
+                byte_offset=required_field(cm, "byte_offset", int, cw),
+                nbytes=required_field(cm, "nbytes", int, cw),
+                crc32c=required_field(cm, "crc32c", int, cw),
             )
             if c.nbytes != math.prod(c.sizes) * itemsize(dt):
                 raise CorruptCheckpointError(

@@ -44,7 +44,7 @@ from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 from .._collective import ALL, Comm, agree
 from .._format import MANIFEST_NAME, open_manifest
-from .._format._v2 import _read_index
+from .._format._v2 import read_index
 from .._format.resolve import MetaCache, resolve_chunks
 from .._load import load_into
 from .._readers import ReadStats, read_verified
@@ -264,7 +264,7 @@ class _ChunkIndex:
 
     def chunk_of(self, rel: str, byte_offset: int) -> Any:
         if rel not in self.by_file:
-            keys = _read_index(self.m, self.st, P.writer_of(rel, self.index_ranks), self.cache)["keys"]
+            keys = read_index(self.m, self.st, P.writer_of(rel, self.index_ranks), self.cache)["keys"]
             for name, c in keys.values():
                 self.by_file.setdefault(c.file, {})[c.byte_offset] = (name, c)
         try:

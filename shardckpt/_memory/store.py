@@ -48,7 +48,7 @@ from typing import Any, Dict, List, Optional, Set, Tuple
 from .._format import MANIFEST_NAME, open_manifest
 from .._format.checksum import crc32c
 from .._storage import Storage
-from .._verify import _check_file
+from .._verify import check_data_file
 from . import normalize_root, uid
 from .plan import Inventory
 
@@ -636,5 +636,5 @@ def check_file(storage: Storage, manifest, rel: str, chunks: Optional[list]) -> 
             got = crc32c(f.read())
         exp = manifest.indexes[rel].crc32c
         return None if got == exp else f"{rel} has crc32c {got:#010x}, the manifest says {exp:#010x}"
-    errs = _check_file(storage, manifest, rel, list(chunks or []), None)
+    errs = check_data_file(storage, manifest, rel, list(chunks or []), None)
     return "; ".join(errs) if errs else None

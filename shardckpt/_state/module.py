@@ -23,13 +23,13 @@ from .._runtimes import (
 )
 from ..errors import UnsupportedStateError, format_offenders
 from .base import (
-    _MISSING,
+    MISSING,
     SEP,
     Adapter,
     Raw,
-    _fill_from_saved,
-    _is_tensor,
-    _join,
+    fill_from_saved,
+    is_tensor,
+    join_path,
 )
 from .values import tensor_ref
 
@@ -75,7 +75,7 @@ class ModuleAdapter(Adapter):
         if is_fsdp1(m):
             return _kept(fsdp1_model_state(m), keep, path)
         sd = _kept(_module_tensors(m, path), keep, path)
-        meta = [k for k, t in sd.items() if _is_tensor(t) and t.is_meta]
+        meta = [k for k, t in sd.items() if is_tensor(t) and t.is_meta]
         if meta:
             raise UnsupportedStateError(
                 f"{path}: tensors on the meta device hold no data and cannot be saved: {format_offenders(meta)}"
@@ -85,7 +85,7 @@ class ModuleAdapter(Adapter):
         # it in the values tree (the manifest's record of the alias).
         for names in tied_groups(sd):
             for alias in names[1:]:
-                sd[alias] = Raw(tensor_ref(_join(path, names[0])))
+                sd[alias] = Raw(tensor_ref(join_path(path, names[0])))
         return sd
 
     def load(self, obj, path, saved, walker, *, keep: Optional[Callable[[str], bool]] = None):
@@ -109,16 +109,16 @@ class ModuleAdapter(Adapter):
             copies = [k for k in copies if k not in quant.keys]
             for k in quant.keys:
                 del sd[k]
-                node = saved.get(k, _MISSING) if isinstance(saved, dict) else _MISSING
-                if node is _MISSING:
-                    walker.missing_values.append(_join(path, k))
+                node = saved.get(k, MISSING) if isinstance(saved, dict) else MISSING
+                if node is MISSING:
+                    walker.missing_values.append(join_path(path, k))
                     continue
-                _fill_from_saved(quant.parts_of(k), k, node, _join(path, k), walker)
+                fill_from_saved(quant.parts_of(k), k, node, join_path(path, k), walker)
             walker.flat.finalizers.append(quant.install)
         if copies and not routes_state_back(m, [back[k] for k in copies]):
             raise UnsupportedStateError(
                 f"{path}: state_dict() returns tensors that are copies, not the module's parameters or buffers "
-                f"({format_offenders([_join(path, k) for k in copies])}), and no load_state_dict pre-hook or "
+                f"({format_offenders([join_path(path, k) for k in copies])}), and no load_state_dict pre-hook or "
                 "_load_from_state_dict override could put them back: a load would fill the copies and leave the "
                 "weights as they are. Register the inverse hook (module.register_load_state_dict_pre_hook) or "
                 "make state_dict() return views of the parameters"
@@ -160,13 +160,13 @@ class ModuleAdapter(Adapter):
             del sd[k]
             own = back.get(k, k)
             owner = m.get_submodule(own[: -len(_EXTRA_STATE_KEY_SUFFIX)].rstrip(SEP))
-            node = saved.get(k, _MISSING) if isinstance(saved, dict) else _MISSING
-            where = _join(path, k)
-            if node is _MISSING:
+            node = saved.get(k, MISSING) if isinstance(saved, dict) else MISSING
+            where = join_path(path, k)
+            if node is MISSING:
                 walker.missing_values.append(where)
                 continue
             holder: Dict[str, Any] = {}
-            _fill_from_saved(holder, "v", node, where, walker)
+            fill_from_saved(holder, "v", node, where, walker)
             out[k] = (owner, holder)
         return out
 
@@ -184,14 +184,14 @@ class ModuleAdapter(Adapter):
 
         keys = [k for k in sd if k == _EXTRA_STATE_KEY_SUFFIX or k.endswith(SEP + _EXTRA_STATE_KEY_SUFFIX)]
         for k in keys:
-            node = saved.get(k, _MISSING) if isinstance(saved, dict) else _MISSING
-            where = _join(path, k)
-            if node is _MISSING:
+            node = saved.get(k, MISSING) if isinstance(saved, dict) else MISSING
+            where = join_path(path, k)
+            if node is MISSING:
                 del sd[k]
                 walker.missing_values.append(where)
                 continue
             sd[k] = None  # never filled in place: the saved value replaces it
-            _fill_from_saved(sd, k, node, where, walker)
+            fill_from_saved(sd, k, node, where, walker)
         return set(keys)
 
     @staticmethod
@@ -203,28 +203,28 @@ class ModuleAdapter(Adapter):
         reported unexpected.
         """
         for names in tied_groups(sd):
-            present = [n for n in names if _join(path, n) in walker.saved_tensors]
+            present = [n for n in names if join_path(path, n) in walker.saved_tensors]
             primary = present[0] if present else names[0]
             for n in names:
                 if n != primary:
                     del sd[n]
                     if n in present:
-                        walker.flat.skip.append(_join(path, n))
-                        walker.flat.tied.append((_join(path, primary), _join(path, n)))
+                        walker.flat.skip.append(join_path(path, n))
+                        walker.flat.tied.append((join_path(path, primary), join_path(path, n)))
 
     @staticmethod
     def _targets(sd, path, saved, walker):
         for k, t in sd.items():
-            if _is_tensor(t):
-                walker.target(_join(path, k), t, saved.get(k) if isinstance(saved, dict) else None)
+            if is_tensor(t):
+                walker.target(join_path(path, k), t, saved.get(k) if isinstance(saved, dict) else None)
             else:
-                sub = saved.get(k, _MISSING) if isinstance(saved, dict) else _MISSING
-                walker.walk(t, sub, _join(path, k), None)
+                sub = saved.get(k, MISSING) if isinstance(saved, dict) else MISSING
+                walker.walk(t, sub, join_path(path, k), None)
 
     @staticmethod
     def _materialize_meta(m, sd, path, walker) -> Dict[str, Any]:
         """Swap meta entries of ``sd`` the checkpoint has for empty real tensors; return them."""
-        meta_keys = [k for k, t in sd.items() if _is_tensor(t) and t.is_meta and _join(path, k) in walker.saved_tensors]
+        meta_keys = [k for k, t in sd.items() if is_tensor(t) and t.is_meta and join_path(path, k) in walker.saved_tensors]
         # A tied tensor is materialized under all its names, so that
         # load_state_dict(assign=True) installs one Parameter everywhere and
         # the tie survives (HF directories hold only one of the names).
@@ -299,7 +299,7 @@ def _bnb_quant_states(m: torch.nn.Module, sd: Dict[str, Any], copies: List[str],
             continue
         if getattr(t, "quant_state", None) is None:
             raise UnsupportedStateError(
-                f"{_join(path, k)}: a bitsandbytes 4-bit weight that is not quantized yet (quant_state is None); "
+                f"{join_path(path, k)}: a bitsandbytes 4-bit weight that is not quantized yet (quant_state is None); "
                 "move the module to its device (.to(device) quantizes it) before loading"
             )
         out.keys.extend(mine)
@@ -342,7 +342,7 @@ def throwaway_copies(m: torch.nn.Module, sd: Dict[str, Any]) -> List[str]:
             own.add(ptr)
     out = []
     for k, t in sd.items():
-        if _is_tensor(t):
+        if is_tensor(t):
             ptr = _storage_ptr(t)
             if ptr is not None and ptr not in own:
                 out.append(k)
@@ -382,7 +382,7 @@ def tied_groups(sd: Dict[str, Any]) -> List[List[str]]:
     """
     by_id: Dict[int, List[str]] = {}
     for k, t in sd.items():
-        if _is_tensor(t):
+        if is_tensor(t):
             by_id.setdefault(id(t), []).append(k)
     return [names for names in by_id.values() if len(names) > 1]
 
@@ -399,7 +399,7 @@ def _module_tensors(m: torch.nn.Module, path: str = "", back: Optional[Dict[str,
         n = rename(k)
         if n in out:
             raise UnsupportedStateError(
-                f"{_join(path, n)}: two entries of the module's state dict have this name once wrapper prefixes "
+                f"{join_path(path, n)}: two entries of the module's state dict have this name once wrapper prefixes "
                 "(_orig_mod., _checkpoint_wrapped_module., module.) are removed"
             )
         out[n] = v

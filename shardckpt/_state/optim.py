@@ -40,11 +40,11 @@ import torch.nn as nn
 from .._format import torch_dtype
 from .._runtimes import is_fsdp1, param_fqns
 from ..errors import CorruptCheckpointError, StateMismatchError, UnsupportedStateError, format_offenders
-from .base import _MISSING, SEP, Adapter, _fill_from_saved, _is_tensor, _join
+from .base import MISSING, SEP, Adapter, fill_from_saved, is_tensor, join_path
 from .module import Selected
 from .stateful import StatefulAdapter
 from .subclass import is_subclass_node
-from .values import TAG, _is_ref
+from .values import TAG, is_tensor_ref
 
 __all__ = ["OptimizerAdapter", "find_module", "optimizer_state_problems", "state_shape_fits"]
 
@@ -203,10 +203,10 @@ def find_module(root: Any, optim: torch.optim.Optimizer, path: str) -> nn.Module
                 found.append((where, v))
         elif isinstance(v, dict):
             for k, x in v.items():
-                visit(x, _join(where, k), depth + 1)
+                visit(x, join_path(where, k), depth + 1)
         elif isinstance(v, (list, tuple)):
             for i, x in enumerate(v):
-                visit(x, _join(where, i), depth + 1)
+                visit(x, join_path(where, i), depth + 1)
 
     visit(root, "", 0)
     if not found:
@@ -285,7 +285,7 @@ class OptimizerAdapter(Adapter):
                 reorganized groups (strict); state that does not fit.
             CorruptCheckpointError: a malformed saved state.
         """
-        if saved is _MISSING:
+        if saved is MISSING:
             walker.missing_values.append(path)
             return
         if not (isinstance(saved, dict) and isinstance(saved.get(STATE), dict) and isinstance(saved.get(GROUPS), list)):
@@ -297,7 +297,7 @@ class OptimizerAdapter(Adapter):
         common = [f for g in live_groups for f in g if f in group_of]
         new_state, saved_keys, shape_problems = _plan_param_state(path, saved[STATE], common, live_state, params_by_fqn, walker)
         groups_holder: Dict[str, Any] = {}
-        _fill_from_saved(groups_holder, GROUPS, saved[GROUPS], _join(path, GROUPS), walker)
+        fill_from_saved(groups_holder, GROUPS, saved[GROUPS], join_path(path, GROUPS), walker)
         feeds = _check_fits(optim, path, live_groups, group_of, groups_holder, saved_keys, live_state, shape_problems)
         walker.flat.finalizers.append(
             _finisher(model, optim, path, fsdp1, new_state, saved_keys, groups_holder, feeds, set(missing))
@@ -373,8 +373,8 @@ def _plan_param_state(
     shape_problems: List[str] = []
     saved_keys: Dict[str, List[str]] = {}
     for fqn in common:
-        node = saved_state.get(fqn, _MISSING)
-        if node is _MISSING:
+        node = saved_state.get(fqn, MISSING)
+        if node is MISSING:
             continue  # saved without state (it had not been stepped)
         if not isinstance(node, dict) or TAG in node:
             raise CorruptCheckpointError(f"{path}.state.{fqn}: expected a dict of per-parameter state")
@@ -384,12 +384,12 @@ def _plan_param_state(
         st: Dict[str, Any] = {}
         new_state[fqn] = st
         for k, sub in node.items():
-            name_path = _join(_join(_join(path, STATE), fqn), k)
+            name_path = join_path(join_path(join_path(path, STATE), fqn), k)
             t = live.get(k)
-            if _is_ref(sub):
+            if is_tensor_ref(sub):
                 meta = walker.saved_tensors.get(sub["name"])
                 param = params_by_fqn.get(fqn)
-                if _is_tensor(t):
+                if is_tensor(t):
                     walker.target(sub["name"], t)  # shape checked against the live tensor while planning
                     st[k] = t
                 elif param is not None and meta is not None and not state_shape_fits(meta.shape, param.shape):
@@ -400,13 +400,13 @@ def _plan_param_state(
                     st[k] = torch.zeros_like(param, dtype=torch_dtype(meta.dtype), requires_grad=False)
                     walker.target(sub["name"], st[k])
                 else:
-                    _fill_from_saved(st, k, sub, name_path, walker)
-            elif _is_tensor(t) and is_subclass_node(sub):
+                    fill_from_saved(st, k, sub, name_path, walker)
+            elif is_tensor(t) and is_subclass_node(sub):
                 # A live tensor subclass (low-bit optimizer state): filled in place.
                 walker.target(name_path, t, sub)
                 st[k] = t
             else:
-                _fill_from_saved(st, k, sub, name_path, walker)
+                fill_from_saved(st, k, sub, name_path, walker)
     return new_state, saved_keys, shape_problems
 
 

@@ -2,23 +2,21 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Dict
+from typing import Any, Dict
 
 import torch
 
 from ..errors import CorruptCheckpointError, StateMismatchError, UnsupportedStateError
 from .base import (
-    _MISSING,
+    MISSING,
     SEP,
     Adapter,
     Raw,
-    _fill_from_saved,
-    _is_tensor,
+    fill_from_saved,
+    is_tensor,
 )
-from .values import TAG, _is_ref
-
-if TYPE_CHECKING:  # pragma: no cover
-    from .walk import _LoadWalker
+from .values import TAG, is_tensor_ref
+from .walker import LoadWalker
 
 __all__ = ["PER_RANK_MARK", "PerRank", "PerRankAdapter", "per_rank_prefix"]
 
@@ -103,7 +101,7 @@ class PerRankAdapter(Adapter):
         return Raw({TAG: "per_rank", "world_size": walker.world})
 
     def load(self, obj, path, saved, walker):
-        if saved is _MISSING:
+        if saved is MISSING:
             walker.missing_values.append(path)
             return
         if not (isinstance(saved, dict) and saved.get(TAG) == "per_rank"):
@@ -137,7 +135,7 @@ class PerRankAdapter(Adapter):
         holders = []
         for r in range(saved_world):
             h: Dict[str, Any] = {}
-            _fill_from_saved(h, "v", trees[r][path], per_rank_prefix(path, r), walker)
+            fill_from_saved(h, "v", trees[r][path], per_rank_prefix(path, r), walker)
             holders.append(h)
         fn, rank, world = obj.on_resize, walker.rank, walker.world
 
@@ -147,7 +145,7 @@ class PerRankAdapter(Adapter):
         walker.flat.finalizers.append(remap)
 
 
-def _load_into(live: Any, saved: Any, prefix: str, walker: "_LoadWalker") -> None:
+def _load_into(live: Any, saved: Any, prefix: str, walker: LoadWalker) -> None:
     if isinstance(live, dict):
         # The dict is the user's object: refill it rather than replace it.
         def refill(v, d=live):
@@ -156,8 +154,8 @@ def _load_into(live: Any, saved: Any, prefix: str, walker: "_LoadWalker") -> Non
 
         walker.walk(live, saved, prefix, refill)
         return
-    if _is_tensor(live):
-        if _is_ref(saved):
+    if is_tensor(live):
+        if is_tensor_ref(saved):
             walker.target(saved["name"], live)
         else:
             walker.missing_values.append(prefix + " (not saved as a tensor)")
@@ -177,7 +175,7 @@ def _apply_state(live: Any, new: Any, path: str) -> None:
             raise StateMismatchError(f"{path}: on_resize returned {type(new).__name__}, the live value is a dict")
         live.clear()
         live.update(new)
-    elif _is_tensor(live):
+    elif is_tensor(live):
         with torch.no_grad():
             live.copy_(new)
     else:

@@ -8,9 +8,9 @@ import torch
 
 from ..errors import CheckpointError, StateMismatchError
 from .base import (
-    _MISSING,
+    MISSING,
     Adapter,
-    _fill_from_saved,
+    fill_from_saved,
 )
 
 __all__ = ["StatefulAdapter"]
@@ -34,12 +34,12 @@ class StatefulAdapter(Adapter):
         return obj.state_dict()
 
     def load(self, obj, path, saved, walker):
-        if saved is _MISSING:
+        if saved is MISSING:
             walker.missing_values.append(path)
             return
         live_sd = obj.state_dict()
         holder = {"sd": live_sd}
-        _fill_from_saved(holder, "sd", saved, path, walker)
+        fill_from_saved(holder, "sd", saved, path, walker)
         def finish():
             try:
                 obj.load_state_dict(holder["sd"])

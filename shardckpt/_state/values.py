@@ -7,7 +7,6 @@ on-disk meaning. This module re-exports it under the names the state walk uses.
 
 from __future__ import annotations
 
-from .._format.values import TAG, decode_value, encode_value, tensor_ref
-from .._format.values import is_tensor_ref as _is_ref
+from .._format.values import TAG, decode_value, encode_value, is_tensor_ref, tensor_ref
 
-__all__ = ["TAG", "tensor_ref", "encode_value", "decode_value", "_is_ref"]
+__all__ = ["TAG", "tensor_ref", "encode_value", "decode_value", "is_tensor_ref"]

@@ -11,12 +11,14 @@ tensor has been read and checked.
 How each kind of object is taken apart is an *adapter* (``adapters``: one
 ordered list; the built-ins live in ``module``, ``optim``, ``stateful`` and
 ``per_rank``, on the base class and helpers of ``base``); the values codec
-is ``values``.
+is ``values``. The walkers here are the one implementation of the
+interfaces adapters are typed against (``walker.SaveWalker`` and
+``walker.LoadWalker``), which live below the adapters so that no adapter
+imports this module back.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -27,15 +29,15 @@ from .._layout import is_dtensor
 from ..errors import StateMismatchError, UnsupportedStateError
 from .adapters import adapter_for
 from .base import (
-    _MISSING,
+    MISSING,
     SEP,
     Adapter,
     Raw,
-    _decoded,
-    _fill_from_saved,
-    _is_tensor,
-    _join,
     canonical_keys,
+    decode_saved,
+    fill_from_saved,
+    is_tensor,
+    join_path,
 )
 from .subclass import (
     as_plain,
@@ -50,50 +52,15 @@ from .subclass import (
     plain_problem,
     sharded_inner,
 )
-from .values import TAG, _is_ref, decode_value, encode_value, tensor_ref
+from .values import TAG, decode_value, encode_value, is_tensor_ref, tensor_ref
+from .walker import FlatLoad, FlatSave
 
 __all__ = [
     "SEP",
-    "FlatSave",
-    "FlatLoad",
     "flatten_for_save",
     "flatten_for_load",
     "Raw",
 ]
-
-@dataclass
-class FlatSave:
-    tensors: Dict[str, Any] = field(default_factory=dict)  # name -> tensor / DTensor / ShardedTensor
-    tree: Any = None
-    per_rank: Dict[str, Any] = field(default_factory=dict)  # path -> JSON tree of per-rank values
-    # Tensors of per-rank state: held and written by this rank alone, under a
-    # name that contains the rank (other ranks hold their own).
-    per_rank_tensors: List[str] = field(default_factory=list)
-
-
-@dataclass
-class FlatLoad:
-    """What a load must fill, and what to do once it is filled."""
-
-    tensors: Dict[str, Any] = field(default_factory=dict)  # name -> live tensor to copy_ into
-    # Tensors the checkpoint has but the live state can only take as new
-    # objects (e.g. optimizer state before the first step): name -> callback
-    # receiving the loaded full tensor.
-    creates: Dict[str, Callable[[torch.Tensor], None]] = field(default_factory=dict)
-    roots: List[str] = field(default_factory=list)  # name prefixes the live state claims
-    finalizers: List[Callable[[], None]] = field(default_factory=list)
-    value_paths: List[str] = field(default_factory=list)
-    # Saved tensor name prefixes deliberately not loaded (other ranks'
-    # per-rank state, optimizer state of parameters reported as unexpected).
-    skip: List[str] = field(default_factory=list)
-    #: Load: ``(loaded name, other name)`` of each tensor the live model ties
-    #: whose names the checkpoint both holds; the load checks they are equal.
-    tied: List[Tuple[str, str]] = field(default_factory=list)
-
-
-# --------------------------------------------------------------------------
-# plain values
-
 
 # --------------------------------------------------------------------------
 # save walk
@@ -117,7 +84,7 @@ class _SaveWalker:
     def walk(self, v: Any, path: str) -> Any:
         if isinstance(v, Raw):
             return v.node
-        if _is_tensor(v):
+        if is_tensor(v):
             if is_wrapper_subclass(v):
                 # Taken apart through its own protocol (see ``subclass``): its
                 # inner tensors are written, never the wrapper's (absent) bytes.
@@ -144,14 +111,14 @@ class _SaveWalker:
             if TAG in v:
                 raise UnsupportedStateError(f"{path}: dict keys may not be {TAG!r}")
             # Walked in the canonical order (collectives), kept in the user's order.
-            done = {id(k): self.walk(v[k], _join(path, k)) for k in canonical_keys(v)}
+            done = {id(k): self.walk(v[k], join_path(path, k)) for k in canonical_keys(v)}
             if all(isinstance(k, str) for k in v):
                 return {k: done[id(k)] for k in v}
             return {TAG: "dict", "items": [[encode_value(k, path), done[id(k)]] for k in v]}
         if isinstance(v, list):
-            return [self.walk(x, _join(path, i)) for i, x in enumerate(v)]
+            return [self.walk(x, join_path(path, i)) for i, x in enumerate(v)]
         if isinstance(v, tuple):
-            return {TAG: "tuple", "items": [self.walk(x, _join(path, i)) for i, x in enumerate(v)]}
+            return {TAG: "tuple", "items": [self.walk(x, join_path(path, i)) for i, x in enumerate(v)]}
         return encode_value(v, path)
 
 
@@ -269,14 +236,14 @@ class _LoadWalker:
         """
         if is_sharded_subclass(live):
             _, ctx, inner = sharded_inner(live, path)
-            if node is not None and node is not _MISSING:
+            if node is not None and node is not MISSING:
                 check_ctx(live._local_tensor, node, path, shape=tuple(live.shape), ctx=ctx)
             for a, x in inner.items():
                 n = node["inner"][a]["name"] if is_subclass_node(node) else inner_name(path, a)
                 self.flat.tensors[n] = x
             return
         if is_wrapper_subclass(live):
-            if node is not None and node is not _MISSING:
+            if node is not None and node is not MISSING:
                 check_ctx(live, node, path)
                 names = {a: r["name"] for a, r in node["inner"].items()}
             else:
@@ -293,26 +260,26 @@ class _LoadWalker:
 
     def walk(self, live: Any, saved: Any, path: str, setter: Optional[Callable[[Any], None]]) -> None:
         """Match live ``live`` against the saved subtree ``saved``."""
-        if _is_tensor(live):
+        if is_tensor(live):
             self.target(path, live, saved)
             return
         adapter = adapter_for(live)
         if adapter is not None:
             adapter.load(live, path, saved, self)
             return
-        if live is None and setter is not None and saved is not _MISSING and _contains_ref(saved):
+        if live is None and setter is not None and saved is not MISSING and _contains_ref(saved):
             # A None placeholder where the checkpoint has tensors: filled with
             # what was saved there (new full tensors, values as saved).
             holder: Dict[str, Any] = {}
-            _fill_from_saved(holder, "v", saved, path, self)
+            fill_from_saved(holder, "v", saved, path, self)
             self.flat.finalizers.append(lambda s=setter, h=holder: s(h["v"]))  # type: ignore[misc]
             return
-        if isinstance(live, (dict, list)) and _is_plain(live) and saved is not _MISSING and not _contains_ref(saved):
+        if isinstance(live, (dict, list)) and _is_plain(live) and saved is not MISSING and not _contains_ref(saved):
             # Pure JSON containers come back whole: the saved value replaces
             # the live placeholder (e.g. ``{"history": []}``).
             if setter is not None:
                 self.flat.value_paths.append(path)
-                self.flat.finalizers.append(lambda s=setter, v=_decoded(saved, path): s(v))  # type: ignore[misc]
+                self.flat.finalizers.append(lambda s=setter, v=decode_saved(saved, path): s(v))  # type: ignore[misc]
             return
         if isinstance(live, dict):
             if isinstance(saved, dict) and saved.get(TAG) == "dict":
@@ -322,42 +289,42 @@ class _LoadWalker:
             else:
                 items = None
             for k in canonical_keys(live):
-                sub = None if items is None else items.get(str(k), _MISSING)
-                self.walk(live[k], sub, _join(path, k), _dict_setter(live, k))
+                sub = None if items is None else items.get(str(k), MISSING)
+                self.walk(live[k], sub, join_path(path, k), _dict_setter(live, k))
             if items is not None:
                 # One set of the live keys for the whole dict: rebuilding it per
                 # saved key made a load quadratic in the number of keys.
                 live_keys = {str(x) for x in live}
                 for k in items:
                     if k not in live_keys:
-                        self._unexpected_value(_join(path, k), items[k])
+                        self._unexpected_value(join_path(path, k), items[k])
             return
         if isinstance(live, list):
             seq = saved if isinstance(saved, list) else None
             for i, x in enumerate(live):
-                sub = seq[i] if seq is not None and i < len(seq) else _MISSING
-                self.walk(x, sub, _join(path, i), _list_setter(live, i))
+                sub = seq[i] if seq is not None and i < len(seq) else MISSING
+                self.walk(x, sub, join_path(path, i), _list_setter(live, i))
             return
         if isinstance(live, tuple):
             # Tuples are immutable: values inside come back only if the parent
             # can take a new tuple.
             seq = saved["items"] if isinstance(saved, dict) and saved.get(TAG) == "tuple" else None
             for i, x in enumerate(live):
-                sub = seq[i] if seq is not None and i < len(seq) else _MISSING
-                self.walk(x, sub, _join(path, i), None)
-            if setter is not None and seq is not None and not any(_is_tensor(x) for x in live):
-                self.flat.finalizers.append(lambda s=setter, v=_decoded(saved, path): s(v))  # type: ignore[misc]
+                sub = seq[i] if seq is not None and i < len(seq) else MISSING
+                self.walk(x, sub, join_path(path, i), None)
+            if setter is not None and seq is not None and not any(is_tensor(x) for x in live):
+                self.flat.finalizers.append(lambda s=setter, v=decode_saved(saved, path): s(v))  # type: ignore[misc]
             return
         # A plain value: the saved one replaces it.
-        if saved is _MISSING:
+        if saved is MISSING:
             self.missing_values.append(path)
             return
-        if _is_ref(saved):
+        if is_tensor_ref(saved):
             self.missing_values.append(path + " (saved as a tensor)")
             return
         if setter is not None:
             self.flat.value_paths.append(path)
-            self.flat.finalizers.append(lambda s=setter, v=_decoded(saved, path): s(v))  # type: ignore[misc]
+            self.flat.finalizers.append(lambda s=setter, v=decode_saved(saved, path): s(v))  # type: ignore[misc]
 
     def _unexpected_value(self, path: str, node: Any) -> None:
         # Unexpected tensors are found by name against the manifest; plain
@@ -376,7 +343,7 @@ def _is_plain(v: Any) -> bool:
 
 
 def _contains_ref(node: Any) -> bool:
-    if _is_ref(node):
+    if is_tensor_ref(node):
         return True
     if isinstance(node, dict):
         return any(_contains_ref(v) for v in node.values())
@@ -426,7 +393,7 @@ def flatten_for_load(
     # which may be collective) come in the same order on every rank.
     for k in canonical_keys(state):
         w.flat.roots.append(k)
-        w.walk(state[k], saved_tree.get(k, _MISSING), k, _dict_setter(state, k))
+        w.walk(state[k], saved_tree.get(k, MISSING), k, _dict_setter(state, k))
     w.flat.finalizers.extend(w.late)
     unexpected = sorted(p[1:] for p in w.flat.value_paths if p.startswith("?"))
     w.flat.value_paths = [p for p in w.flat.value_paths if not p.startswith("?")]

@@ -43,7 +43,7 @@ def _scenario(rank, world, root):
         h = shardckpt.async_save({"model": model, "step": 3}, os.path.join(root, "live"))
         _bump(model, 5.0)
         h.result(timeout=120)
-        w = _writerproc._WRITER
+        w = _writerproc.current_writer()
         out["child"] = w is not None and w.alive() and w.pid != os.getpid()
 
         fresh = shard_fsdp2(build(seed=9))
@@ -63,12 +63,12 @@ def _scenario(rank, world, root):
         out["restored"] = mgr.restore(state)
         out["restored_ok"] = all(torch.equal(v + 1.0, want[k]) for k, v in full_state(fresh).items() if v.is_floating_point())
         mgr.close()
-        out["same_child"] = _writerproc._WRITER.pid == w.pid
+        out["same_child"] = _writerproc.current_writer().pid == w.pid
     finally:
         uuid.uuid4 = uuid4
         _knobs.ASYNC_WRITER = knob
         shardckpt.release_buffers()
-    out["stopped"] = not _writerproc._WRITER.alive()
+    out["stopped"] = not _writerproc.current_writer().alive()
     return out
 
 

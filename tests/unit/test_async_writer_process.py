@@ -64,7 +64,7 @@ def _assert_equal(got: dict, want: dict) -> None:
 
 
 def _child_pid() -> int:
-    w = _writerproc._WRITER
+    w = _writerproc.current_writer()
     assert w is not None and w.alive()
     return w.pid
 
@@ -117,7 +117,7 @@ def test_same_bytes_as_the_thread_writer(tmp_path, monkeypatch):
         for mode in ("thread", "process"):
             monkeypatch.setattr(_knobs, "ASYNC_WRITER", mode)
             shardckpt.async_save(state, str(tmp_path / mode), no_dist=True, io_threads=3).result(timeout=300)
-        assert _writerproc._WRITER is not None and _writerproc._WRITER.alive()
+        assert _writerproc.current_writer() is not None and _writerproc.current_writer().alive()
     finally:
         shardckpt.release_buffers()
     a, b = _tree(tmp_path / "thread"), _tree(tmp_path / "process")
@@ -192,7 +192,7 @@ def test_release_buffers_stops_the_child_and_frees_shared_memory(tmp_path, proce
     shardckpt.async_save(_state(8), str(tmp_path / "a"), no_dist=True).result(timeout=300)
     pid = _child_pid()
     assert _arena_mappings() >= 1 and _arena_mappings(pid) >= 1
-    proc = _writerproc._WRITER._proc
+    proc = _writerproc.current_writer()._proc
     shardckpt.release_buffers()
     assert proc.poll() is not None  # the child exited (and was reaped)
     assert not os.path.exists(f"/proc/{pid}/maps") or _arena_mappings(pid) == 0
@@ -215,7 +215,7 @@ def test_no_reuse_frees_the_arena_after_the_save(tmp_path, process_writer):
 def test_in_process_storage_writes_in_a_thread(process_writer):
     url = f"memory://wproc-{uuid.uuid4().hex}"
     shardckpt.async_save(_state(10), url, no_dist=True).result(timeout=300)
-    assert _writerproc._WRITER is None or not _writerproc._WRITER.alive()
+    assert _writerproc.current_writer() is None or not _writerproc.current_writer().alive()
     got = _zeros_like(_state(10))
     shardckpt.load(got, url, no_dist=True)
     _assert_equal(got, _state(10))

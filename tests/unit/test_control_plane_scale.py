@@ -31,7 +31,7 @@ def bench():
 def test_round_trips_and_bytes_grow_linearly_not_quadratically(bench, monkeypatch):
     import shardckpt._collective as C
 
-    monkeypatch.setattr(C, "_store", C._store)  # the bench swaps it; restored after
+    monkeypatch.setattr(C, "default_store", C.default_store)  # the bench swaps it; restored after
     small, big = bench.run(64, 50), bench.run(1024, 50)
     for label in ("save", "load"):
         # 16x the ranks: round trips at rank 0 grow by far less (batched reads), a peer's not at all.
@@ -49,7 +49,7 @@ def test_round_trips_do_not_depend_on_how_long_the_waits_last(bench, monkeypatch
     # above stay the same however slow the box is (a CI run once saw 23 -> 26).
     import shardckpt._collective as C
 
-    monkeypatch.setattr(C, "_store", C._store)
+    monkeypatch.setattr(C, "default_store", C.default_store)
     calm = bench.run(64, 50)
     monkeypatch.setattr(C, "HEARTBEAT_INTERVAL_S", 0.0005)  # every wait now ticks, many times
     busy = bench.run(64, 50)
@@ -61,7 +61,7 @@ def test_round_trips_do_not_depend_on_how_long_the_waits_last(bench, monkeypatch
 def test_a_state_whose_old_verdict_exceeded_8_MiB_now_agrees(bench, monkeypatch):
     import shardckpt._collective as C
 
-    monkeypatch.setattr(C, "_store", C._store)
+    monkeypatch.setattr(C, "default_store", C.default_store)
     # 300 tensors: the old all-to-all verdict held N maps of ~300 digests
     # (~24 KB each): ~24 MB at 1,024 ranks, over the libuv store's 8 MiB.
     r = bench.run(1024, 300, state="plain")
@@ -72,7 +72,7 @@ def test_a_state_whose_old_verdict_exceeded_8_MiB_now_agrees(bench, monkeypatch)
 def test_a_distinct_value_over_the_value_bound_travels_in_pieces(bench, monkeypatch):
     import shardckpt._collective as C
 
-    monkeypatch.setattr(C, "_store", C._store)
+    monkeypatch.setattr(C, "default_store", C.default_store)
     monkeypatch.setattr(C, "MAX_VALUE_BYTES", 50_000)
     r = bench.run(64, 300, state="plain")  # a ~160 KB map in 4 pieces: the save's exchanges complete
     assert r["payload_bytes"] > 3 * 50_000
@@ -92,7 +92,7 @@ def test_one_ranks_share_does_not_grow_with_world_size(bench, monkeypatch):
     # every N (bytes, not timings).
     import shardckpt._collective as C
 
-    monkeypatch.setattr(C, "_store", C._store)
+    monkeypatch.setattr(C, "default_store", C.default_store)
     recs, _ = bench.fsdp2_records(64)
     assert len(recs) == 720 and sum(r[3] is not None for r in recs.values()) == 540
     sizes = {}

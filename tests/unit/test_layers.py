@@ -1,12 +1,19 @@
 """The layer order of docs/architecture.md, held as data and checked against every import.
 
 Every module of the package (and of ``converters/``, installed as
-``shardckpt.converters``) is parsed with ``ast``; every import it runs —
-module-level or inside a function, but not under ``if TYPE_CHECKING:`` — is
-an edge between two modules. The tests fail, naming file and line, on:
+``shardckpt.converters``) is parsed with ``ast``; every import it has —
+module-level, inside a function, or under ``if TYPE_CHECKING:`` (a type-only
+import is still a dependency a reader must follow) — is an edge between two
+modules. The tests fail, naming file and line, on:
 
 * an edge that runs up the layers (a lower layer importing a higher one);
-* a circle between modules (any strongly connected group of two or more);
+* a circle between modules (any strongly connected group of two or more),
+  type-checking imports included;
+* an import of another module's ``_private`` name (``from ._x import _name``,
+  at module level, in a function or under ``TYPE_CHECKING``), or a use of one
+  through an imported module of ours (``_x._name``): a name used across
+  modules is public within the package (no underscore, in the module's
+  ``__all__``) while the module itself stays private (``_x.py``);
 * a function-local import of one of our modules that is not listed in
   ``LOCAL_IMPORTS`` with its reason (a function-local import is for
   cheapness only — keeping torch, the converters or a backend out of a
@@ -112,10 +119,17 @@ LOCAL_IMPORTS: Dict[Tuple[str, str], str] = {
     ("shardckpt._manager", "shardckpt.converters._options"): "the converters load only when export_dtype is given",
 }
 
-#: Circles not broken yet, each with who breaks it (issue 22's other parts
-#: restructure these very modules). The test fails on any circle not listed
-#: here and on a listed one that is gone, so the list only shrinks.
-KNOWN_CIRCLES: Dict[Tuple[str, ...], str] = {}
+#: Circles not broken yet (type-checking imports included), each with who
+#: breaks it. The test fails on any circle not listed here and on a listed one
+#: that is gone, so the list only shrinks; it must end empty.
+KNOWN_CIRCLES: Dict[Tuple[str, ...], str] = {
+    (
+        "shardckpt._storage._obstore",
+        "shardckpt._storage._s3",
+        "shardckpt._storage._s3_botocore",
+        "shardckpt._storage._s3_data",
+    ): "helper s3 (issue 32) breaks it",
+}
 
 
 # --------------------------------------------------------------------------
@@ -172,24 +186,30 @@ def _local_nodes(tree: ast.AST) -> Set[int]:
 Edge = Tuple[str, str, int, bool]  # importer, imported, line, function-local
 
 
-def imports_of(module: str, path: Path) -> Iterator[Edge]:
-    """Edges from ``module`` to our modules it imports at run time."""
-    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
-    skip, local = _type_checking_nodes(tree), _local_nodes(tree)
-    is_pkg = path.name == "__init__.py"
+def _source_of(node: ast.ImportFrom, module: str, is_pkg: bool) -> str:
+    """The dotted module a ``from ... import`` reads from (relative levels resolved against ``module``)."""
+    if not node.level:
+        return node.module or ""
+    base = module.split(".") if is_pkg else module.split(".")[:-1]
+    base = base[: len(base) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def _parse(path: Path) -> ast.AST:
+    return ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+
+
+def imports_of(module: str, tree: ast.AST, *, is_pkg: bool, type_only: bool = False) -> Iterator[Edge]:
+    """Edges from ``module`` to our modules it imports: at run time, or (``type_only``) only under ``TYPE_CHECKING``."""
+    tc, local = _type_checking_nodes(tree), _local_nodes(tree)
     for node in ast.walk(tree):
-        if id(node) in skip:
+        if (id(node) in tc) != type_only:
             continue
         targets: List[str] = []
         if isinstance(node, ast.Import):
             targets = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = module.split(".") if is_pkg else module.split(".")[:-1]
-                base = base[: len(base) - (node.level - 1)]
-                src = ".".join(base + ([node.module] if node.module else []))
-            else:
-                src = node.module or ""
+            src = _source_of(node, module, is_pkg)
             # `from pkg import mod` imports the module; `from pkg import name` the package.
             targets = [f"{src}.{a.name}" if f"{src}.{a.name}" in MODULES else src for a in node.names]
         for t in dict.fromkeys(targets):
@@ -198,11 +218,63 @@ def imports_of(module: str, path: Path) -> Iterator[Edge]:
                 yield module, t, node.lineno, id(node) in local
 
 
-EDGES: List[Edge] = [e for m, p in MODULES.items() for e in imports_of(m, p)]
+TREES: Dict[str, ast.AST] = {m: _parse(p) for m, p in MODULES.items()}
+EDGES: List[Edge] = [e for m, p in MODULES.items() for e in imports_of(m, TREES[m], is_pkg=p.name == "__init__.py")]
+#: Imports under ``if TYPE_CHECKING:``: never run, but a reader follows them (circles count them).
+TYPE_EDGES: List[Edge] = [
+    e for m, p in MODULES.items() for e in imports_of(m, TREES[m], is_pkg=p.name == "__init__.py", type_only=True)
+]
 
 
 def _where(e: Edge) -> str:
     return f"{MODULES[e[0]].relative_to(ROOT)}:{e[2]} ({e[0]} -> {e[1]})"
+
+
+def _is_private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def private_uses(module: str, tree: ast.AST, *, is_pkg: bool) -> List[Tuple[int, str]]:
+    """``(line, what)`` for each use in ``module`` of another module's ``_private`` name.
+
+    Two kinds: ``from <ours> import _name`` (anywhere: module level, in a
+    function, under ``TYPE_CHECKING``; importing a private *module*, ``from .
+    import _x``, is fine), and ``<ours>._name`` where ``<ours>`` is a name the
+    file binds to one of our modules (``from . import _x``, ``import
+    shardckpt._x as y``, ``import shardckpt._x`` then ``shardckpt._x._name``).
+    """
+    out: List[Tuple[int, str]] = []
+    bound: Dict[str, str] = {}  # local name -> our module it names (whole file: shadowing is not tracked)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            src = _source_of(node, module, is_pkg)
+            for a in node.names:
+                full = f"{src}.{a.name}"
+                if full in MODULES:
+                    bound[a.asname or a.name] = full
+                elif src in MODULES and src != module and _is_private(a.name):
+                    out.append((node.lineno, f"imports {a.name} from {src}"))
+        elif isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name in MODULES:
+                    bound[a.asname or a.name.split(".")[0]] = a.name if a.asname else a.name.split(".")[0]
+
+    def module_named(expr: ast.expr) -> Optional[str]:
+        """The module of ours ``expr`` names (``_x``, ``shardckpt._format._v2``), or None."""
+        if isinstance(expr, ast.Name):
+            return bound.get(expr.id)
+        if isinstance(expr, ast.Attribute):
+            parent = module_named(expr.value)
+            if parent is not None and f"{parent}.{expr.attr}" in MODULES:
+                return f"{parent}.{expr.attr}"
+        return None
+
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and _is_private(node.attr):
+            owner = module_named(node.value)
+            if owner is not None and owner != module and f"{owner}.{node.attr}" not in MODULES:
+                out.append((node.lineno, f"uses {owner}.{node.attr}"))
+    return sorted(out)
 
 
 # --------------------------------------------------------------------------
@@ -216,7 +288,7 @@ def test_every_module_has_a_layer():
 
 def test_no_import_runs_up_the_layers():
     # (a module with no layer is reported by the test above)
-    up = [e for e in EDGES if None not in (layer_of(e[0]), layer_of(e[1])) and layer_of(e[1]) < layer_of(e[0])]
+    up = [e for e in EDGES + TYPE_EDGES if None not in (layer_of(e[0]), layer_of(e[1])) and layer_of(e[1]) < layer_of(e[0])]
     assert not up, "imports that run up the layers (import from a lower layer, or move the shared piece down):\n" + "\n".join(
         f"  {_where(e)}: layer {layer_of(e[0])} {LAYER_NAMES[layer_of(e[0])]} imports layer {layer_of(e[1])} {LAYER_NAMES[layer_of(e[1])]}"
         for e in up
@@ -280,16 +352,68 @@ def _in_known_circle(e: Edge) -> bool:
     return any(e[0] in group and e[1] in group for group in KNOWN_CIRCLES)
 
 
+def test_type_checking_imports_are_edges():
+    # A type-only import is an edge of its own kind; the run-time edges leave it out.
+    src = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .walk import FlatLoad\nfrom .base import Adapter\n"
+    tree = ast.parse(src)
+    runtime = list(imports_of("shardckpt._state.adapters", tree, is_pkg=False))
+    typed = list(imports_of("shardckpt._state.adapters", tree, is_pkg=False, type_only=True))
+    assert [e[1] for e in runtime] == ["shardckpt._state.base"]
+    assert [(e[1], e[2]) for e in typed] == [("shardckpt._state.walk", 3)]
+
+
 def test_no_import_circles():
-    all_found = circles(EDGES)
+    # Type-checking imports included: a type-only import is a dependency a reader follows all the same.
+    all_found = circles(EDGES + TYPE_EDGES)
     gone = sorted(set(KNOWN_CIRCLES) - {tuple(g) for g in all_found})
     assert not gone, f"circles listed in KNOWN_CIRCLES are broken now (remove them from the list): {gone}"
     found = [g for g in all_found if tuple(g) not in KNOWN_CIRCLES]
     lines = []
     for group in found:
-        inside = [e for e in EDGES if e[0] in group and e[1] in group]
-        lines.append(f"  {' <-> '.join(group)}:\n" + "\n".join(f"      {_where(e)}{' (function-local)' if e[3] else ''}" for e in inside))
+        inside = [(e, "function-local" if e[3] else "") for e in EDGES if e[0] in group and e[1] in group]
+        inside += [(e, "type-checking") for e in TYPE_EDGES if e[0] in group and e[1] in group]
+        lines.append(f"  {' <-> '.join(group)}:\n" + "\n".join(f"      {_where(e)}{f' ({why})' if why else ''}" for e, why in inside))
     assert not found, "import circles (move the shared piece down a layer, or invert the dependency):\n" + "\n".join(lines)
+
+
+def test_private_use_detector_finds_each_kind():
+    src = """
+from typing import TYPE_CHECKING
+from . import _writerproc
+from . import _writerproc as wp
+from ._writerproc import _WRITER, get_writer
+from ._format import _v2
+import shardckpt._writerproc
+if TYPE_CHECKING:
+    from ._collective import _Hidden
+def f():
+    from ._layout import _local
+    return _writerproc._WRITER, wp._WRITER, shardckpt._writerproc._WRITER, _v2.read_index, wp.__name__, _own()
+"""
+    got = private_uses("shardckpt._async", ast.parse(src), is_pkg=False)
+    assert got == [
+        (5, "imports _WRITER from shardckpt._writerproc"),
+        (9, "imports _Hidden from shardckpt._collective"),
+        (11, "imports _local from shardckpt._layout"),
+        (12, "uses shardckpt._writerproc._WRITER"),
+        (12, "uses shardckpt._writerproc._WRITER"),
+        (12, "uses shardckpt._writerproc._WRITER"),
+    ], got
+    # Its own private names, private modules, dunders and other packages' private names are fine.
+    ok = "from ._format import _v2\nfrom torch.nn.modules.module import _EXTRA_STATE_KEY_SUFFIX\nfrom .optim import _x\n"
+    assert private_uses("shardckpt._state.optim", ast.parse(ok), is_pkg=False) == []
+
+
+def test_no_module_uses_another_modules_private_names():
+    found = [
+        f"  {MODULES[m].relative_to(ROOT)}:{line}: {what}"
+        for m, p in MODULES.items()
+        for line, what in private_uses(m, TREES[m], is_pkg=p.name == "__init__.py")
+    ]
+    assert not found, (
+        f"{len(found)} uses of another module's _private name (make the name public within the package: drop the "
+        "underscore, add it to the module's __all__, and keep the module private):\n" + "\n".join(found)
+    )
 
 
 def test_function_local_imports_are_listed_with_their_reason():
