@@ -282,13 +282,12 @@ class S3Storage(FsspecStorage):
         await self.fs.set_session()
         return self.fs._s3
 
-    async def _request(self, what: str, method: str, *, nbytes: int = 0, consume=None, **kwargs):
-        """One S3 call with the request limit, a deadline and the retry policy.
+    async def _request(self, what: str, method: str, **kwargs):
+        """One S3 call on s3fs's client (listings, upload aborts) with the request limit, a deadline and the retry policy.
 
-        ``consume(response)`` (a coroutine function) reads the response body
-        inside the same attempt, so that a reset while reading is retried too.
+        No call here moves a body: the deadline is ``S3_STALL_TIMEOUT_S``.
         """
-        deadline = _knobs.S3_STALL_TIMEOUT_S + nbytes / _knobs.S3_MIN_BYTES_PER_S
+        deadline = _knobs.S3_STALL_TIMEOUT_S
         for attempt in range(self.retries):
             try:
                 # The client is made (the first time: botocore's models
@@ -305,8 +304,7 @@ class S3Storage(FsspecStorage):
                         extra = getattr(self.fs, "_get_s3_method_kwargs", None)
                         if extra is not None:
                             kw = extra(fn, **kwargs)
-                        resp = await fn(**kw)
-                        return await consume(resp) if consume is not None else resp
+                        return await fn(**kw)
 
                     return await asyncio.wait_for(attempt_once(), deadline)
             except Exception as e:
