@@ -91,6 +91,7 @@ _AUTH_CODES = frozenset(
 )
 _MISSING_CODES = frozenset({"NoSuchKey", "404", "NotFound"})
 
+
 def _client_defaults(options: Dict[str, Any]) -> Dict[str, Any]:
     """``options`` with our timeouts, pool size and no client-side retries (the user's settings win)."""
     out = dict(options)
@@ -244,8 +245,8 @@ class S3Storage(FsspecStorage):
                 return StorageError(f"{what}: access refused ({code}): {CRED_HINT}")
             if code in _TRANSIENT_CODES or status >= 500 or status == 429:
                 return None
-            # S3's own code travels as an attribute: callers branch on it
-            # (InvalidRange: a short read; NoSuchUpload: a completed upload).
+            # S3's own code travels as an attribute, for callers to branch
+            # on (never as text to search).
             return StorageError(f"{what}: {e}", code=code)
         if bex is not None and isinstance(
             e, (bex.NoCredentialsError, bex.PartialCredentialsError, bex.CredentialRetrievalError, bex.UnauthorizedSSOTokenError)
@@ -357,7 +358,7 @@ class S3Storage(FsspecStorage):
         return self._data.head(self._rel_of(path))
 
     def _fresh_size(self, path: str) -> int:
-        return self._data.head(self._rel_of(path))
+        return self._size(path)  # already asked of the server
 
     def _list_sizes(self, path: str, name_prefix: str) -> Dict[str, int]:
         # ListObjectsV2 under "<dir>/<name prefix>" with a delimiter: only
