@@ -40,7 +40,7 @@ import os
 import queue
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Dict, List, Optional, Protocol, Tuple, TypeVar
+from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple, TypeVar
 
 from .. import _knobs
 from ..errors import StorageError
@@ -486,7 +486,9 @@ class ObstoreData:
         dest[:n] = memoryview(data).cast("B")[:n]
         return n
 
-    def fill(self, rel: str, spans: List[Tuple[int, int]], ranges, *, allow_short: bool) -> int:
+    def fill(
+        self, rel: str, spans: List[Tuple[int, int]], ranges: Sequence[Tuple[int, memoryview]], *, allow_short: bool
+    ) -> int:
         """GET ``spans`` in ``S3_READ_PART_BYTES`` pieces, concurrently, into the buffers of ``ranges`` (``(offset, memoryview)``) they cover.
 
         Returns the end of the data (``allow_short``: the object may end
