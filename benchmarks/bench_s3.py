@@ -13,10 +13,11 @@ values), and for each repeat measures, in this order:
                 ``download_fileobj`` with a ``TransferConfig``
   raw-obstore   one object, obstore (Rust object_store; GIL released):
                 ``put`` (parallel multipart) / ``get_ranges`` (parallel ranges)
-  shardckpt-obstore  ``shardckpt.save`` / ``shardckpt.load`` (in place, checksums
-                verified) with S3Storage's obstore data path (the default)
-  shardckpt-s3fs    the same with its s3fs/aiobotocore data path
-                (``SHARDCKPT_S3_CLIENT=s3fs``; the "shardckpt" row of older runs)
+  shardckpt     ``shardckpt.save`` / ``shardckpt.load`` (in place, checksums
+                verified): S3Storage, whose data path is obstore (the
+                "shardckpt-obstore" row of older runs; their
+                "shardckpt-s3fs" row measured a second, aiobotocore data
+                path, removed: docs/object-storage.md)
   dcp           ``dcp.save`` with ``FsspecWriter(url, thread_count=T)`` /
                 ``dcp.load`` with ``FsspecReader(url)`` (in place)
 
@@ -28,7 +29,7 @@ client is not installed is reported as missing, not silently dropped.
 
 Usage:
   python benchmarks/bench_s3.py --size-gb 0.25 --repeat 3
-  python benchmarks/bench_s3.py --size-gb 4 --server-bin /opt/weed --cases raw-obstore,shardckpt-obstore --json out.json
+  python benchmarks/bench_s3.py --size-gb 4 --server-bin /opt/weed --cases raw-obstore,shardckpt --json out.json
 
 Needs: torch, shardckpt's deps (safetensors, fsspec, numpy, crc32c), s3fs
 (aiobotocore, botocore, aiohttp), boto3 (s3transfer) and obstore for their
@@ -192,26 +193,17 @@ def case_raw_obstore(state, prefix, opts, args):
     return save, load
 
 
-def _shardckpt_with(client):
-    def case(state, prefix, opts, args):
-        import shardckpt
-        from shardckpt import _knobs
+def case_shardckpt(state, prefix, opts, args):
+    import obstore  # noqa: F401  (reported as not installed, not a failed save)
 
-        if client == "obstore":
-            import obstore  # noqa: F401  (reported as not installed, not silently s3fs)
-        old = _knobs.S3_CLIENT
-        _knobs.S3_CLIENT = client
-        try:
-            url = prefix + "/shardckpt-" + client
-            save = timed(lambda: shardckpt.save(state, url, storage_options=opts))
-            live = zeros_like(state)
-            load = timed(lambda: shardckpt.load(live, url, storage_options=opts))
-        finally:
-            _knobs.S3_CLIENT = old
-        assert same(live, state)
-        return save, load
+    import shardckpt
 
-    return case
+    url = prefix + "/shardckpt"
+    save = timed(lambda: shardckpt.save(state, url, storage_options=opts))
+    live = zeros_like(state)
+    load = timed(lambda: shardckpt.load(live, url, storage_options=opts))
+    assert same(live, state)
+    return save, load
 
 
 def case_dcp(state, prefix, opts, args):
@@ -231,8 +223,7 @@ CASES = {
     "raw-s3fs": case_raw_s3fs,
     "raw-boto3": case_raw_boto3,
     "raw-obstore": case_raw_obstore,
-    "shardckpt-obstore": _shardckpt_with("obstore"),
-    "shardckpt-s3fs": _shardckpt_with("s3fs"),
+    "shardckpt": case_shardckpt,
     "dcp": case_dcp,
 }
 CEILING = "raw-botocore"
@@ -315,7 +306,7 @@ def main(argv=None) -> int:
         f"{args.part_mb} MiB parts, {args.concurrency} in flight; DCP FsspecWriter thread_count={args.dcp_threads}\n"
     )
     print(markdown_table(["case", "save GB/s", "load GB/s", f"save / {CEILING}", f"load / {CEILING}"], rows))
-    for c in ("shardckpt-obstore", "shardckpt-s3fs"):
+    for c in ("shardckpt",):
         if c in best and "dcp" in best:
             print(
                 f"\n{c} / DCP: save {best[c]['save'] / best['dcp']['save']:.2f}x, "

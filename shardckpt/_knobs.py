@@ -76,8 +76,6 @@ environment variable                default     what it sets
                                                 fails (and is retried)
 ``SHARDCKPT_S3_MIN_BYTES_PER_S``    1 MiB       slowest live transfer rate (deadline of a
                                                 request: stall timeout + bytes / this)
-``SHARDCKPT_S3_CLIENT``             obstore     data path of ``s3://``: ``obstore`` (Rust
-                                                object_store) or ``s3fs`` (aiobotocore)
 ==================================  ==========  ===========================================
 
 Sizes accept plain integers or a unit suffix (``KiB``, ``MiB``, ``GiB``, ``KB``,
@@ -119,8 +117,6 @@ __all__ = [
     "S3_CONNECT_TIMEOUT_S",
     "S3_STALL_TIMEOUT_S",
     "S3_MIN_BYTES_PER_S",
-    "S3_CLIENT",
-    "S3_CLIENTS",
     "ENV_PREFIX",
 ]
 
@@ -176,15 +172,6 @@ def _bool(name: str, default: bool) -> bool:
     if low in ("0", "false", "no", "off"):
         return False
     raise _bad(name, raw, "a boolean (1/0, true/false)")
-
-
-def _choice(name: str, default: str, choices: tuple) -> str:
-    raw = _env(name)
-    if raw is None:
-        return default
-    if raw.lower() not in choices:
-        raise _bad(name, raw, "one of " + ", ".join(choices))
-    return raw.lower()
 
 
 #: I/O threads per rank for writes and reads. Writes and CRC32C release the GIL.
@@ -303,12 +290,3 @@ S3_STALL_TIMEOUT_S = _float("S3_STALL_TIMEOUT_S", 30.0)
 #: Slowest transfer rate still alive: a request's deadline is the stall
 #: timeout plus its bytes at this rate.
 S3_MIN_BYTES_PER_S = _int("S3_MIN_BYTES_PER_S", 1 << 20)
-#: The client of S3Storage's data path (puts, multipart uploads, ranged gets,
-#: HEADs, deletes): "obstore" (Rust object_store; releases the GIL, measured
-#: fastest: docs/object-storage.md) or "s3fs" (s3fs's aiobotocore client on
-#: one event-loop thread). Listing stays s3fs's either way. When obstore is not
-#: installed and this was not set explicitly, s3fs serves.
-S3_CLIENTS = ("obstore", "s3fs")
-S3_CLIENT = _choice("S3_CLIENT", "obstore", S3_CLIENTS)
-#: True when SHARDCKPT_S3_CLIENT was set (then a missing obstore is an error, not a fallback).
-S3_CLIENT_EXPLICIT = _env("S3_CLIENT") is not None

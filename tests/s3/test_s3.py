@@ -69,11 +69,7 @@ def test_overwrite_and_damage(s3_url):
         shardckpt.load(_state(4), url, storage_options=opts)
 
 
-def _save_2(rank, world, url, opts, client):
-    from shardckpt import _knobs
-
-    # Rank processes are pooled across tests: the client is set per call.
-    _knobs.S3_CLIENT = client
+def _save_2(rank, world, url, opts):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
@@ -92,9 +88,9 @@ def _save_2(rank, world, url, opts, client):
     return len([f for f in Storage(url, storage_options=opts).walk_files("data") if f.endswith(".safetensors")])
 
 
-def test_two_rank_save_one_rank_load(s3_url, s3_client):
+def test_two_rank_save_one_rank_load(s3_url):
     url, opts = s3_url
-    counts = run_ranks(2, _save_2, url, opts, s3_client)
+    counts = run_ranks(2, _save_2, url, opts)
     assert counts[0] == counts[1] == 2  # one file per rank
     g = torch.Generator().manual_seed(7)
     full = torch.randn(37, 6, generator=g)

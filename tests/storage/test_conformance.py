@@ -255,8 +255,8 @@ class StorageContract:
         if not st.caps.batched_reads:
             return
         calls = []
-        # The backend's batched entry: S3Storage's own concurrent fetch, else fsspec's cat_ranges.
-        owner, name = (st, "_fill") if isinstance(st, S3Storage) else (st.fs, "cat_ranges")
+        # The backend's batched entry: S3Storage's concurrent fetch (its obstore data path), else fsspec's cat_ranges.
+        owner, name = (st._data, "fill") if isinstance(st, S3Storage) else (st.fs, "cat_ranges")
         real = getattr(owner, name)
 
         def counting(*a, **kw):

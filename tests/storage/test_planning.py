@@ -7,12 +7,9 @@ import sys
 
 import pytest
 
-from shardckpt import _knobs
 from shardckpt._storage import FsspecStorage, LocalStorage, S3Storage, Storage, backend_for, plan_range_fetches
 from shardckpt._storage._base import CORE, check_rel
-from shardckpt._storage._obstore import ObstoreData
-from shardckpt._storage._s3_botocore import BotocoreData
-from shardckpt._storage._s3_data import data_end, split_pieces
+from shardckpt._storage._obstore import ObstoreData, data_end, split_pieces
 from shardckpt.errors import StorageError, UnsafeMetadataError
 
 
@@ -57,14 +54,14 @@ def test_s3_read_pieces():
     assert data_end([], {}) == 0
 
 
-@pytest.mark.parametrize("client,cls", [("obstore", ObstoreData), ("s3fs", BotocoreData)])
-def test_s3_data_client_is_chosen_once(monkeypatch, client, cls):
-    """SHARDCKPT_S3_CLIENT picks S3Storage's data client when the storage is made, and only then."""
-    monkeypatch.setattr(_knobs, "S3_CLIENT", client)
-    st = Storage("s3://bucket/x", storage_options={"key": "k", "secret": "s", "endpoint_url": "http://127.0.0.1:9"})
-    assert type(st._data) is cls and st.client == client
-    monkeypatch.setattr(_knobs, "S3_CLIENT", "s3fs" if client == "obstore" else "obstore")
-    assert type(st._data) is cls and st.client == client
+def test_s3_data_path_is_obstore(monkeypatch):
+    """S3Storage moves its bytes through obstore; without obstore, making one says how to install it."""
+    opts = {"key": "k", "secret": "s", "endpoint_url": "http://127.0.0.1:9"}
+    st = Storage("s3://bucket/x", storage_options=opts)
+    assert type(st._data) is ObstoreData and type(st.child("y")._data) is ObstoreData
+    monkeypatch.setitem(sys.modules, "obstore", None)  # import obstore -> ImportError
+    with pytest.raises(StorageError, match=r"s3:// needs obstore.*pip install obstore \(or 'shardckpt\[s3\]'\)"):
+        Storage("s3://bucket/x", storage_options=opts)
 
 
 def test_backend_for():

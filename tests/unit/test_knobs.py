@@ -26,7 +26,6 @@ ELSEWHERE = {
     "REGISTER_MIN_BYTES": "CUDA staging only (read at each staging)",
     "ASYNC_WRITER": "tests/unit/test_async_writer_process.py (monkeypatches it)",
     "MEMORY_PEER_BACKEND": "tests/dist/test_memory_save.py (gloo, the CPU group's own); nccl, the GPU default: benchmarks/device/every_step_2gpu.sh, benchmarks/device/p2p_race.py",
-    "S3_CLIENT": "tests/storage/test_planning.py::test_s3_data_client_is_chosen_once",
     "S3_PART_BYTES": "tests/s3 (PART: multipart paths)",
     "S3_WRITER_INFLIGHT_PARTS": "tests/s3 (read when a writer is made)",
     "S3_READ_PART_BYTES": "tests/s3 (read at each read)",
@@ -34,7 +33,6 @@ ELSEWHERE = {
     "S3_CONNECT_TIMEOUT_S": "tests/s3 (read when a client is made)",
     "S3_STALL_TIMEOUT_S": "tests/s3 (read at each request)",
     "S3_MIN_BYTES_PER_S": "tests/s3 (read at each request)",
-    "S3_CLIENT_EXPLICIT": "tests/s3 (read when a Storage is made)",
 }
 
 
@@ -181,8 +179,7 @@ def test_save_defaults_are_not_frozen_at_import():
 
 
 def test_every_knob_is_covered():
-    knobs = {n for n in _knobs.__all__ if n.isupper() and n not in ("ENV_PREFIX", "S3_CLIENTS")}
-    knobs |= {"S3_CLIENT_EXPLICIT"}
+    knobs = {n for n in _knobs.__all__ if n.isupper() and n != "ENV_PREFIX"}
     here = {
         "IO_THREADS", "MIN_BYTES_PER_FILE", "WRITE_BLOCK_BYTES", "BLOCK_BYTES", "CHECKSUMS", "LOAD_BUFFER_BYTES",
         "LOAD_RANGE_BYTES", "LOAD_CUDA_IO_THREADS", "LOAD_CUDA_BUFFER_BYTES", "READ_BLOCK_BYTES", "COALESCE_GAP_BYTES",

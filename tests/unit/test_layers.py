@@ -122,14 +122,7 @@ LOCAL_IMPORTS: Dict[Tuple[str, str], str] = {
 #: Circles not broken yet (type-checking imports included), each with who
 #: breaks it. The test fails on any circle not listed here and on a listed one
 #: that is gone, so the list only shrinks; it must end empty.
-KNOWN_CIRCLES: Dict[Tuple[str, ...], str] = {
-    (
-        "shardckpt._storage._obstore",
-        "shardckpt._storage._s3",
-        "shardckpt._storage._s3_botocore",
-        "shardckpt._storage._s3_data",
-    ): "helper s3 (issue 32) breaks it",
-}
+KNOWN_CIRCLES: Dict[Tuple[str, ...], str] = {}
 
 
 # --------------------------------------------------------------------------
