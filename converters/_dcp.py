@@ -28,6 +28,7 @@ import torch
 
 from shardckpt import _knobs
 from shardckpt._format import MAX_MANIFEST_BYTES, check_relpath, checked_shape, dtype_name, itemsize
+from shardckpt._format.chunk import Chunk
 from shardckpt._geometry import Box, check_cover
 from shardckpt._hf import KeyMap, read_safetensors_header
 from shardckpt._storage import Storage
@@ -42,7 +43,7 @@ from shardckpt.errors import (
 
 from ._options import ConvertResult, check_apart
 from ._safetensors import arrange_imported
-from ._source import SrcChunk
+from ._source import SrcTensor
 from ._torch_save import _memory_chunk, _write_imported, chunk_of, load_meta, source_from_state, weights_only_load
 
 __all__ = ["from_dcp", "DCPUnpickler", "read_dcp_metadata", "check_pickle_bounds"]
@@ -425,25 +426,24 @@ def from_dcp(
             return sizes[rel], formats[rel]
 
         leaves: Dict[str, Any] = {}
-        placeholders: Dict[int, List[SrcChunk]] = {}
+        placeholders: Dict[int, SrcTensor] = {}
         missing = []
         for fqn, smd in md.state_dict_metadata.items():
             if isinstance(smd, TensorStorageMetadata):
                 shape = tuple(smd.size)
                 dtype = smd.properties.dtype
-                st_dtype = dtype_name(dtype, key=fqn)
-                chunks = []
+                tensor = SrcTensor(name=fqn, dtype=dtype_name(dtype, key=fqn), shape=shape, chunks=[])
                 for c in smd.chunks:
                     info = index.get((fqn, tuple(c.offsets)))
                     if info is None:
                         missing.append(f"{fqn}@{list(c.offsets)}")
                         continue
-                    chunks.append(_tensor_chunk(storage, fqn, tuple(c.offsets), tuple(c.sizes), dtype, st_dtype, info, file_info))
-                why = check_cover(shape, [Box(c.offsets, c.sizes) for c in chunks])
+                    _add_item(tensor, storage, tuple(c.offsets), tuple(c.sizes), dtype, info, file_info)
+                why = check_cover(shape, [Box(c.offsets, c.sizes) for c in tensor.chunks])
                 if why and not missing:
                     raise CorruptCheckpointError(f"{where}: {fqn}: chunks do not tile the tensor: {why}")
                 ph = torch.empty(shape, dtype=dtype, device="meta")
-                placeholders[id(ph)] = chunks
+                placeholders[id(ph)] = tensor
                 leaves[fqn] = ph
             else:
                 info = index.get((fqn, None))
@@ -459,14 +459,17 @@ def from_dcp(
         got = placeholders.get(id(t))
         if got is not None:
             return got
-        return [_memory_chunk(name, t)]  # a tensor inside a non-tensor item
+        return _memory_chunk(name, t)  # a tensor inside a non-tensor item
 
     source = source_from_state(state, chunk_for, url=where, storage=storage, kind="dcp", files=None)
     return _write_imported(source, dst, keys=keys, key_map=key_map, dst_storage_options=dst_storage_options,
                            overwrite=overwrite, progress=progress, io_threads=io_threads, what="dcp")
 
 
-def _tensor_chunk(storage, fqn, offsets, sizes, dtype, st_dtype, info, file_info) -> SrcChunk:
+def _add_item(into: SrcTensor, storage, offsets, sizes, dtype, info, file_info) -> None:
+    """Add the chunk of ``into`` at ``offsets`` that the DCP item ``info`` holds (a torch.save payload or a safetensors entry)."""
+    fqn, st_dtype = into.name, into.dtype
+    key = f"{fqn}@{list(offsets)}"
     rel = info.relative_path
     size, fmt = file_info(rel, info.offset)
     w = f"{storage.url_of(rel)}: item {fqn}@{list(offsets)}"
@@ -479,15 +482,14 @@ def _tensor_chunk(storage, fqn, offsets, sizes, dtype, st_dtype, info, file_info
             raise CorruptCheckpointError(f"{w}: item is a {type(obj).__name__}, expected a tensor")
         if tuple(obj.shape) != tuple(sizes) or obj.dtype != dtype:
             raise CorruptCheckpointError(f"{w}: item is {obj.dtype} {list(obj.shape)}, metadata says {dtype} {list(sizes)}")
-        c = chunk_of(fqn, obj, storage, rel, info.offset, info.length, records, where=w)
-        return SrcChunk(file=c.file, byte_offset=c.byte_offset, nbytes=c.nbytes, offsets=offsets, sizes=sizes,
-                        key=f"{fqn}@{list(offsets)}", check=c.check, loader=c.loader)
+        chunk_of(into, obj, storage, rel, info.offset, info.length, records, where=w, offsets=offsets, key=key)
+        return
     entries, start = fmt
     e = entries.get(fqn)
     if not isinstance(e, dict) or e.get("dtype") != st_dtype or list(e.get("shape", [])) != list(sizes):
         raise CorruptCheckpointError(f"{w}: safetensors entry {fqn!r} missing or not {st_dtype} {list(sizes)}")
-    return SrcChunk(file=rel, byte_offset=start + e["data_offsets"][0], nbytes=nbytes, offsets=offsets, sizes=sizes,
-                    key=f"{fqn}@{list(offsets)}")
+    into.add(Chunk(file=rel, byte_offset=start + e["data_offsets"][0], nbytes=nbytes, offsets=offsets, sizes=sizes,
+                   tensor=fqn, key=key))
 
 
 def _bytes_item(storage, fqn, info, file_info) -> Any:
