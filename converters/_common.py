@@ -58,7 +58,7 @@ from shardckpt._save import write_rank
 from shardckpt._storage import Storage
 from shardckpt.errors import CheckpointExistsError, ChecksumMismatchError, format_offenders
 
-from ._options import ConvertResult, Progress
+from ._options import ConvertResult, Options, Progress
 from ._source import BLOCK_BYTES, Block, OutEntry, Source, SrcTensor, block_bytes_for, plan_blocks, whole_entry
 
 __all__ = ["WANT_BYTES", "Reader", "Streamer", "run_parallel", "write_native", "write_whole", "write_plain"]
@@ -373,15 +373,12 @@ def write_native(
     dst_url: str,
     ranks: Dict[int, Dict[str, List[OutEntry]]],
     reader: Reader,
+    opts: Options,
     *,
     tensors: Dict[str, Tuple[str, Tuple[int, ...], Optional[Dict[str, Any]], Optional[Dict[str, Any]]]],
     values: Any,
     world_size: int,
     extra: Optional[Dict[str, Any]] = None,
-    storage_options: Optional[Dict[str, Any]] = None,
-    overwrite: bool = False,
-    threads: Optional[int] = None,
-    progress: bool = False,
     desc: str = "convert",
 ) -> ConvertResult:
     """Write a native checkpoint in the newest format (what ``save`` writes), as a save's ranks would: ``_save.write_rank`` per rank, then ``commit``.
@@ -390,11 +387,13 @@ def write_native(
         ranks: writing rank -> {file tag (``data/<save id>-<tag>.safetensors``):
             entries with ``name`` and ``offsets``}; each rank gets its index file.
         reader: the source; its whole-chunk checksums are checked before the commit.
+        opts: the converter's options (``dst_storage_options``, ``overwrite``,
+            ``io_threads``, ``progress`` are used here).
         tensors: output tensor -> ``(dtype, shape, layout, regular)``; ``regular``
             is the v2 layout record (``mesh_shape``, ``placements``, ``mesh`` 0:
             all ranks, ``rotation``) of tensors whose chunks are that layout's,
             None for chunks listed by their writers' index files only.
-        values / world_size / extra: manifest fields; the rest as the converters take them.
+        values / world_size / extra: manifest fields; ``desc``: the progress bar's.
 
     Raises:
         CheckpointExistsError: committed checkpoint at ``dst_url`` and not ``overwrite``.
@@ -402,12 +401,12 @@ def write_native(
             committed, the files written removed.
 
     Example:
-        >>> write_native("out", {0: {"00": [whole_entry(t, "w", native=True)]}}, Reader(src),   # doctest: +SKIP
+        >>> write_native("out", {0: {"00": [whole_entry(t, "w", native=True)]}}, Reader(src), Options(),   # doctest: +SKIP
         ...              tensors={"w": (t.dtype, t.shape, None, None)}, values=None, world_size=1)
     """
-    threads = _knobs.IO_THREADS if threads is None else threads  # read at each call
+    overwrite = opts.overwrite
     t0 = time.perf_counter()
-    dst = Storage(dst_url, storage_options=storage_options)
+    dst = Storage(dst_url, storage_options=opts.dst_storage_options)
     if dst.exists(MANIFEST_NAME) and not overwrite:
         raise CheckpointExistsError(f"{dst.url_of(MANIFEST_NAME)} already exists; pass overwrite=True to replace it")
     if not overwrite:
@@ -432,12 +431,12 @@ def write_native(
     named = {r: files for r, files in named.items() if files}
     data = sorted(rel for files in named.values() for rel in files)
     total = sum(e.nbytes for files in named.values() for ents in files.values() for e in ents)
-    bar = Progress(total, progress, desc)
+    bar = Progress(total, opts.progress, desc)
     try:
         def write(rank, files, n):
             return write_rank(dst, files, save_id, rank, threads=n, block_bytes=block_bytes)
 
-        results = _write_streamed(named, reader, write, threads=threads, progress=bar)
+        results = _write_streamed(named, reader, write, threads=opts.io_threads, progress=bar)
         reader.finish()
         metas = {name: TensorMeta(dtype=dt, shape=list(shape), layout=layout, regular=reg)
                  for name, (dt, shape, layout, reg) in tensors.items()}
@@ -458,16 +457,16 @@ def write_native(
     return ConvertResult(dst.url, data, len(metas), total, time.perf_counter() - t0)
 
 
-def write_whole(source: Source, dst_url: str, names: Dict[str, str], *, check_sizes: bool = True,
-                threads: Optional[int] = None, **native: Any) -> ConvertResult:
+def write_whole(source: Source, dst_url: str, names: Dict[str, str], opts: Options, *, check_sizes: bool = True,
+                **native: Any) -> ConvertResult:
     """Write ``source``'s tensors ``{source name: output name}`` whole, as a world-size-1 native checkpoint.
 
     The imports' common tail: one chunk per tensor, in a few files of balanced
     size (``_io.partition``, as a save spreads a rank's chunks), layouts kept.
     ``check_sizes``: check the source files' sizes first (skip it where they
-    were just listed); ``native``: :func:`write_native`'s options (values, extra, ...).
+    were just listed); ``native``: :func:`write_native`'s manifest fields (values, extra, desc).
     """
-    threads = _knobs.IO_THREADS if threads is None else threads  # read at each call
+    threads = opts.io_threads
     entries = {new: whole_entry(source.tensors[old], new, native=True) for old, new in names.items()}
     reader = Reader(source, threads=threads)
     if check_sizes:
@@ -478,7 +477,7 @@ def write_whole(source: Source, dst_url: str, names: Dict[str, str], *, check_si
     tensors: Dict[str, Tuple[str, Tuple[int, ...], Optional[Dict[str, Any]], Optional[Dict[str, Any]]]] = {
         new: (source.tensors[old].dtype, source.tensors[old].shape, source.tensors[old].layout, None) for old, new in names.items()
     }
-    return write_native(dst_url, {0: files}, reader, tensors=tensors, world_size=1, threads=threads, **native)
+    return write_native(dst_url, {0: files}, reader, opts, tensors=tensors, world_size=1, **native)
 
 
 # --------------------------------------------------------------------------
@@ -489,11 +488,10 @@ def write_plain(
     storage: Storage,
     files: Dict[str, List[OutEntry]],
     reader: Reader,
+    opts: Options,
     *,
     index: Optional[bytes] = None,
     index_name: str = "",
-    threads: Optional[int] = None,
-    progress: bool = False,
     desc: str = "export",
 ) -> ConvertResult:
     """Write plain safetensors files (no shardckpt metadata) into ``storage``, then ``index`` (the HF index) last.
@@ -506,18 +504,17 @@ def write_plain(
         ChecksumMismatchError / CorruptCheckpointError / StorageError: the files written are removed.
 
     Example:
-        >>> write_plain(Storage("hf"), {"model.safetensors": entries}, reader)   # doctest: +SKIP
+        >>> write_plain(Storage("hf"), {"model.safetensors": entries}, reader, Options())   # doctest: +SKIP
     """
-    threads = _knobs.IO_THREADS if threads is None else threads  # read at each call
     t0 = time.perf_counter()
     total = sum(e.nbytes for ents in files.values() for e in ents)
-    bar = Progress(total, progress, desc)
+    bar = Progress(total, opts.progress, desc)
 
     def write(_, items, n):
         return write_files(storage, items, threads=n, chunk_metadata=False)
 
     try:
-        _write_streamed({0: {rel: _sorted(ents) for rel, ents in files.items()}}, reader, write, threads=threads, progress=bar)
+        _write_streamed({0: {rel: _sorted(ents) for rel, ents in files.items()}}, reader, write, threads=opts.io_threads, progress=bar)
         reader.finish()
         if index is not None:
             storage.write_atomic(index_name, index)

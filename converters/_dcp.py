@@ -22,15 +22,14 @@ import contextlib
 import io
 import math
 import pickle
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
-from shardckpt import _knobs
 from shardckpt._format import MAX_MANIFEST_BYTES, check_relpath, checked_shape, dtype_name, itemsize
 from shardckpt._format.chunk import Chunk
 from shardckpt._geometry import Box, check_cover
-from shardckpt._hf import KeyMap, read_safetensors_header
+from shardckpt._hf import read_safetensors_header
 from shardckpt._storage import Storage
 from shardckpt.errors import (
     CheckpointError,
@@ -41,10 +40,13 @@ from shardckpt.errors import (
     format_offenders,
 )
 
-from ._options import ConvertResult, check_apart
+from ._options import ConvertResult, Options, SelectOptions, check_apart
 from ._safetensors import arrange_imported
 from ._source import SrcTensor
 from ._torch_save import _memory_chunk, _write_imported, chunk_of, load_meta, source_from_state, weights_only_load
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 __all__ = ["from_dcp", "DCPUnpickler", "read_dcp_metadata", "check_pickle_bounds"]
 
@@ -334,13 +336,7 @@ def from_dcp(
     dst: str,
     *,
     prefix: Optional[str] = None,
-    keys: Union[str, Sequence[str], None] = None,
-    key_map: Optional[KeyMap] = None,
-    storage_options: Optional[Dict[str, Any]] = None,
-    dst_storage_options: Optional[Dict[str, Any]] = None,
-    overwrite: bool = False,
-    progress: bool = False,
-    io_threads: Optional[int] = None,
+    **options: Unpack[SelectOptions],
 ) -> ConvertResult:
     """Import a DCP checkpoint directory (``dcp.save`` output) as a native checkpoint.
 
@@ -364,13 +360,10 @@ def from_dcp(
             ``"model."`` for a bare model state dict, torchtitan's layout
             rearranged as above, anything else as saved (see
             ``arrange_imported`` in ``converters/_safetensors.py``).
-        keys: select tensors by their final names (names or glob patterns).
-        key_map: rename tensors (a dict, or a callable returning the new name or ``None`` to drop one).
-        storage_options: fsspec options for ``src``.
-        dst_storage_options: fsspec options for ``dst``.
-        overwrite: replace a committed checkpoint at ``dst``.
-        progress: progress bar.
-        io_threads: parallel readers/writers.
+        **options: :class:`SelectOptions`: ``keys`` select tensors by their
+            final names, ``key_map`` renames them; ``storage_options`` for
+            ``src``, ``dst_storage_options``, ``overwrite`` a committed
+            checkpoint at ``dst``, ``progress``, ``io_threads``.
 
     Raises:
         CheckpointNotFoundError: no ``.metadata`` at ``src``.
@@ -386,11 +379,11 @@ def from_dcp(
     Example:
         >>> converters.from_dcp("dcp_ckpt/", "native_ckpt/")     # doctest: +SKIP
     """
-    io_threads = _knobs.IO_THREADS if io_threads is None else io_threads  # read at each call
+    opts = Options.of("from_dcp", options, select=True)
     check_apart(src, dst)
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    storage = Storage(src, storage_options=storage_options)
+    storage = Storage(src, storage_options=opts.storage_options)
     md = read_dcp_metadata(storage)
     where = storage.url
     with _malformed(where):
@@ -462,8 +455,7 @@ def from_dcp(
         return _memory_chunk(name, t)  # a tensor inside a non-tensor item
 
     source = source_from_state(state, chunk_for, url=where, storage=storage, kind="dcp", files=None)
-    return _write_imported(source, dst, keys=keys, key_map=key_map, dst_storage_options=dst_storage_options,
-                           overwrite=overwrite, progress=progress, io_threads=io_threads, what="dcp")
+    return _write_imported(source, dst, opts, what="dcp")
 
 
 def _add_item(into: SrcTensor, storage, offsets, sizes, dtype, info, file_info) -> None:

@@ -18,15 +18,14 @@ import pickle
 import struct
 import zipfile
 from dataclasses import replace
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Type, Union
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple, Type
 
 import torch
 
-from shardckpt import _knobs
 from shardckpt._format import check_relpath, checked_shape, dtype_name
 from shardckpt._format.chunk import Chunk
 from shardckpt._format.values import TAG, value_depth_problem
-from shardckpt._hf import KeyMap, _rename_refs, map_names, select_names
+from shardckpt._hf import _rename_refs, map_names, select_names
 from shardckpt._state import flatten_for_save
 from shardckpt._storage import Storage
 from shardckpt.errors import (
@@ -38,9 +37,12 @@ from shardckpt.errors import (
 )
 
 from ._common import write_whole
-from ._options import ConvertResult, check_apart, split_url
+from ._options import ConvertResult, Options, SelectOptions, check_apart, split_url
 from ._safetensors import arrange_imported
 from ._source import Source, SrcTensor
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 __all__ = ["from_torch_save", "RangeFile", "load_meta", "chunk_of", "new_tensor", "source_from_state"]
 
@@ -399,13 +401,7 @@ def from_torch_save(
     dst: str,
     *,
     prefix: Optional[str] = None,
-    keys: Union[str, Sequence[str], None] = None,
-    key_map: Optional[KeyMap] = None,
-    storage_options: Optional[Dict[str, Any]] = None,
-    dst_storage_options: Optional[Dict[str, Any]] = None,
-    overwrite: bool = False,
-    progress: bool = False,
-    io_threads: Optional[int] = None,
+    **options: Unpack[SelectOptions],
 ) -> ConvertResult:
     """Import a ``torch.save`` file (``.pt``/``.pth``/``.bin``) or a legacy HF ``.bin`` directory as a native checkpoint, safely.
 
@@ -428,13 +424,11 @@ def from_torch_save(
             works), else nothing (a training checkpoint like
             ``{"model": ..., "optimizer": ..., "step": 3}`` keeps its keys);
             the rule shared by every importer (``arrange_imported``).
-        keys: select tensors by their final names (plain values are kept as they are).
-        key_map: rename tensors by their final names.
-        storage_options: fsspec options for ``src``.
-        dst_storage_options: fsspec options for ``dst``.
-        overwrite: replace a committed checkpoint at ``dst``.
-        progress: progress bar.
-        io_threads: parallel readers/writers.
+        **options: :class:`SelectOptions`: ``keys`` select tensors by their
+            final names (plain values are kept as they are), ``key_map``
+            renames them; ``storage_options`` for ``src``,
+            ``dst_storage_options``, ``overwrite`` a committed checkpoint at
+            ``dst``, ``progress``, ``io_threads``.
 
     Raises:
         UnsafeMetadataError: the pickle asks for anything beyond tensors and plain data.
@@ -448,8 +442,8 @@ def from_torch_save(
     Example:
         >>> converters.from_torch_save("model.pt", "ckpt-native")     # doctest: +SKIP
     """
-    io_threads = _knobs.IO_THREADS if io_threads is None else io_threads  # read at each call
-    storage, bases = _torch_save_files(src, storage_options)
+    opts = Options.of("from_torch_save", options, select=True)
+    storage, bases = _torch_save_files(src, opts.storage_options)
     check_apart(src, dst)
     obj: Dict[str, Any] = {}
     located: Dict[int, Callable[[str, torch.Tensor], Any]] = {}
@@ -482,29 +476,17 @@ def from_torch_save(
     if not isinstance(state, dict) or not state:
         raise UnsupportedStateError(f"{where}: nothing to import")
     source = source_from_state(state, chunk_for, url=where, storage=storage, kind="torch_save", files=files)
-    return _write_imported(source, dst, keys=keys, key_map=key_map, dst_storage_options=dst_storage_options,
-                           overwrite=overwrite, progress=progress, io_threads=io_threads, what="torch_save")
+    return _write_imported(source, dst, opts, what="torch_save")
 
 
-def _write_imported(source: Source, dst: str, *, keys, key_map, dst_storage_options, overwrite, progress, io_threads, what) -> ConvertResult:
-    """Write an imported Source as a native checkpoint (whole tensors, balanced files)."""
-    chosen = select_names(list(source.tensors), keys)
-    renamed = map_names(chosen, key_map)
+def _write_imported(source: Source, dst: str, opts: Options, *, what: str) -> ConvertResult:
+    """Write an imported Source as a native checkpoint (whole tensors, balanced files): ``opts.keys`` selected, ``opts.key_map`` renamed."""
+    chosen = select_names(list(source.tensors), opts.keys)
+    renamed = map_names(chosen, opts.key_map)
     if not renamed:
         raise UnsupportedStateError(f"{source.url}: no tensors to import")
     values = source.values
-    if keys is not None or key_map is not None:
+    if opts.keys is not None or opts.key_map is not None:
         values = _rename_refs(values, renamed)
-    return write_whole(
-        source,
-        dst,
-        renamed,
-        values=values,
-        extra={"converted_from": what},
-        storage_options=dst_storage_options,
-        overwrite=overwrite,
-        threads=io_threads,
-        progress=progress,
-        desc=f"from_{what}",
-    )
+    return write_whole(source, dst, renamed, opts, values=values, extra={"converted_from": what}, desc=f"from_{what}")
 
