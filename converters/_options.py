@@ -12,7 +12,7 @@ import torch
 from shardckpt import _knobs
 from shardckpt._format import DTYPES
 from shardckpt._hf import KeyMap
-from shardckpt.errors import StorageError, UnsupportedStateError, UsageError
+from shardckpt.errors import StorageError, UnsupportedStateError, UsageError, format_offenders
 
 __all__ = [
     "ConvertOptions", "SelectOptions", "Options", "parse_size", "parse_dtype", "out_dtype", "FLOAT_DTYPES",
@@ -88,10 +88,10 @@ class Options:
             2
         """
         allowed = (SelectOptions if select else ConvertOptions).__optional_keys__
-        unknown = sorted(set(given) - allowed)
+        unknown = set(given) - allowed
         if unknown:
             raise TypeError(
-                f"{fn}() got unexpected keyword argument{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))} "
+                f"{fn}() got unexpected keyword argument{'s' if len(unknown) > 1 else ''} {format_offenders(map(repr, unknown))} "
                 f"(besides its own arguments it takes {', '.join(sorted(allowed))})"
             )
         return cls(**{k: v for k, v in given.items() if v is not None or k != "io_threads"})

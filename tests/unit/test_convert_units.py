@@ -17,8 +17,8 @@ from shardckpt.converters._options import parse_dtype
 from shardckpt.converters._source import Source, SrcTensor, plan_blocks
 
 from shardckpt._format import ChunkMeta, TensorMeta
-from shardckpt._format.chunk import Chunk
 from shardckpt._format.checksum import checksum, combine
+from shardckpt._format.chunk import Chunk
 from shardckpt._geometry import Box
 from shardckpt._hf import map_names, narrow_unchecked, select_names
 from shardckpt._storage import Storage
@@ -181,3 +181,31 @@ def test_block_checksummed_chunks_are_verified_before_use(tmp_path):
     with pytest.raises(ChecksumMismatchError, match=r"c1.*t chunk 'c1' block 2"):
         reader.read(t, plan_blocks(t, 5 * 8, 7 * 8, 1 << 20)[0])
     reader.finish()  # nothing is left to check at the end: blocks were checked as read
+
+
+def test_converter_options_are_one_set_checked_once(monkeypatch, tmp_path):
+    """Every converter takes the same options (ConvertOptions; SelectOptions adds keys/key_map), checked at the call."""
+    import inspect
+
+    from shardckpt.converters._options import Options
+
+    from shardckpt import _knobs, converters
+
+    assert converters.ConvertOptions.__optional_keys__ == {
+        "storage_options", "dst_storage_options", "overwrite", "progress", "io_threads"}
+    assert converters.SelectOptions.__optional_keys__ == converters.ConvertOptions.__optional_keys__ | {"keys", "key_map"}
+    for fn in (converters.to_safetensors, converters.to_full, converters.reshard, converters.consolidate,
+               converters.from_safetensors, converters.from_dcp, converters.from_torch_save):
+        options = inspect.signature(fn).parameters["options"]
+        assert options.kind is inspect.Parameter.VAR_KEYWORD, fn.__name__
+    # io_threads: the knob read at each call, never a value frozen at import.
+    monkeypatch.setattr(_knobs, "IO_THREADS", 7)
+    assert Options.of("reshard", {}).io_threads == 7
+    assert Options.of("reshard", {"io_threads": None}).io_threads == 7
+    assert Options.of("reshard", {"io_threads": 2}).io_threads == 2
+    # A name a converter does not take raises before anything is read or written, all such names listed.
+    with pytest.raises(TypeError, match=r"reshard\(\) got unexpected keyword arguments 'bogus', 'keys'"):
+        converters.reshard(str(tmp_path / "nothing"), str(tmp_path / "out"), world_size=2, keys=["x"], bogus=1)
+    with pytest.raises(TypeError, match=r"to_full\(\) got unexpected keyword argument 'dst_storage_option' "):
+        converters.to_full(str(tmp_path / "nothing"), str(tmp_path / "out.pt"), dst_storage_option={})
+    assert not (tmp_path / "out").exists()
