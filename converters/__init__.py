@@ -20,12 +20,16 @@ local disk are built under a hidden name and renamed into place.
 Importers share one rule for where a bare state dict goes (under
 ``model.``) and recognise torchtitan's layout; see docs/interop.md.
 Each returns a :class:`ConvertResult` (url, files, tensors, nbytes, seconds).
+The options they share (``storage_options``, ``dst_storage_options``,
+``overwrite``, ``progress``, ``io_threads``; ``keys`` and ``key_map`` where
+tensors are selected) are :class:`ConvertOptions` / :class:`SelectOptions`,
+documented once.
 """
 
 from ._consolidate import consolidate
 from ._dcp import from_dcp
 from ._full import to_full
-from ._options import ConvertResult, parse_size
+from ._options import ConvertOptions, ConvertResult, SelectOptions, parse_size
 from ._reshard import reshard
 from ._safetensors import from_safetensors, to_safetensors
 from ._torch_save import from_torch_save
@@ -39,5 +43,7 @@ __all__ = [
     "from_dcp",
     "from_torch_save",
     "ConvertResult",
+    "ConvertOptions",
+    "SelectOptions",
     "parse_size",
 ]

@@ -22,6 +22,7 @@ import threading
 import time
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import replace
 from functools import partial
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, cast
 
@@ -57,8 +58,8 @@ from shardckpt._save import write_rank
 from shardckpt._storage import Storage
 from shardckpt.errors import CheckpointExistsError, ChecksumMismatchError, format_offenders
 
-from ._options import ConvertResult, Progress
-from ._source import BLOCK_BYTES, Block, OutEntry, Source, SrcChunk, SrcTensor, block_bytes_for, plan_blocks, whole_entry
+from ._options import ConvertResult, Options, Progress
+from ._source import BLOCK_BYTES, Block, OutEntry, Source, SrcTensor, block_bytes_for, plan_blocks, whole_entry
 
 __all__ = ["WANT_BYTES", "Reader", "Streamer", "run_parallel", "write_native", "write_whole", "write_plain"]
 
@@ -97,13 +98,17 @@ class Reader:
         # zip records): (id of tensor, chunk index) -> (tensor, [(position, length, crc)]).
         self._pieces: Dict[Tuple[int, int], Tuple[SrcTensor, List[Tuple[int, int, int]]]] = {}
         self._lock = threading.Lock()
+        # The chunk last materialized by its loader: (tensor, chunk index) -> bytes.
         self._cache: Tuple[Any, Optional[torch.Tensor]] = (None, None)
+        # (id of tensor, chunk index) -> (the source's chunk, the chunk read_verified is given).
+        self._wanted: Dict[Tuple[int, int], Tuple[Chunk, Chunk]] = {}
 
     def check_source_files(self, names: Sequence[str]) -> None:
         """Every file the named tensors need exists with its recorded size."""
         if self.source.files is None:
             return
-        need = {c.file for n in names for c in self.source.tensors[n].chunks if c.loader is None and c.nbytes}
+        need = {c.file for n in names for i, c in enumerate(self.source.tensors[n].chunks)
+                if i not in self.source.tensors[n].loaders and c.nbytes}
         check_files(self.storage, {rel: self.source.files[rel] for rel in need if rel in self.source.files})
 
     def finish(self) -> None:
@@ -117,7 +122,7 @@ class Reader:
         bad = []
         for (_, idx), (t, pieces) in self._pieces.items():
             c = t.chunks[idx]
-            algo, want = c.check  # type: ignore[misc]
+            algo, want = t.whole_check(idx)  # type: ignore[misc]  # only such chunks' pieces are kept
             crc, pos = 0, 0
             for p, n, v in sorted(pieces):
                 if p != pos:
@@ -133,21 +138,28 @@ class Reader:
                 f"checksum mismatch, the source {self.source.url} is damaged ({len(bad)} chunks): " + "; ".join(bad[:10]) + more
             )
 
-    @staticmethod
-    def _saved_chunk(t: SrcTensor, idx: int) -> Chunk:
-        c = t.chunks[idx]
-        # Block checksums go to the reader; a whole-chunk one (any algorithm)
-        # is joined in finish(), so the reader is given none.
-        return Chunk(c.file, c.byte_offset, c.nbytes, tuple(c.offsets), tuple(c.sizes), block_bytes=c.block_bytes,
-                     block_crcs=tuple(c.blocks), tensor=t.name, key=c.key)
+    def _wanted_chunk(self, t: SrcTensor, idx: int) -> Chunk:
+        """Chunk ``idx`` of ``t`` as ``read_verified`` is given it: named by ``t``, without a whole-chunk checksum.
 
-    def _loaded(self, c: SrcChunk) -> memoryview:
+        Block checksums go to the reader; a whole-chunk one is joined from
+        the pieces in :meth:`finish` (``read_verified`` would read the chunk
+        whole to check it), so the reader is given none.
+        """
+        c = t.chunks[idx]
         with self._lock:
-            key, t = self._cache
-            if key is not c:
-                t = c.loader().contiguous()  # type: ignore[misc]
-                self._cache = (c, t)
-        return tensor_bytes(cast(torch.Tensor, t))
+            got = self._wanted.get((id(t), idx))
+            if got is None or got[0] is not c:
+                w = c if c.tensor == t.name and c.crc32c is None else replace(c, tensor=t.name, crc32c=None)
+                got = self._wanted[(id(t), idx)] = (c, w)
+        return got[1]
+
+    def _loaded(self, t: SrcTensor, idx: int) -> memoryview:
+        with self._lock:
+            key, data = self._cache
+            if key != (id(t), idx):
+                data = t.loaders[idx]().contiguous()
+                self._cache = ((id(t), idx), data)
+        return tensor_bytes(cast(torch.Tensor, data))
 
     def read_into(self, t: SrcTensor, blk: Block, out: torch.Tensor, *, pool: Optional[BufferPool] = None) -> None:
         """Fill ``out`` (flat uint8, ``blk.count`` elements of ``t``) with the block's bytes, row-major."""
@@ -157,14 +169,13 @@ class Reader:
             dst = byte_view(out) if out.numel() else memoryview(bytearray(0))
             at = 0
             for s in blk.segs:
-                c = t.chunks[s.chunk]
-                if c.loader is not None:
-                    dst[at : at + s.n] = self._loaded(c)[s.pos : s.pos + s.n]
+                if s.chunk in t.loaders:
+                    dst[at : at + s.n] = self._loaded(t, s.chunk)[s.pos : s.pos + s.n]
                 else:
                     lo, end = s.pos, s.pos + s.n
                     while lo < end:
                         hi = min(end, (lo // WANT_BYTES + 1) * WANT_BYTES)
-                        wants.append(Want(self._saved_chunk(t, s.chunk), lo, hi, (t, s.chunk, dst[at + lo - s.pos : at + hi - s.pos])))
+                        wants.append(Want(self._wanted_chunk(t, s.chunk), lo, hi, (t, s.chunk, dst[at + lo - s.pos : at + hi - s.pos])))
                         lo = hi
                 at += s.n
         else:
@@ -179,20 +190,20 @@ class Reader:
                     k = min(step, (s.pos + s.n) // crow - r)
                     inner = tuple(c.sizes[1:-1]) + (c.sizes[-1] * isz,)
                     dst = box_view(slab, (c.offsets[0] + r - a,) + tuple(c.offsets[1:-1]) + (c.offsets[-1] * isz,), (k,) + inner)  # type: ignore[assignment]
-                    if c.loader is not None:
-                        src = torch.frombuffer(self._loaded(c), dtype=torch.uint8)[r * crow : (r + k) * crow]
+                    if s.chunk in t.loaders:
+                        src = torch.frombuffer(self._loaded(t, s.chunk), dtype=torch.uint8)[r * crow : (r + k) * crow]
                         cast(Any, dst).copy_(src.view((k,) + inner))
                     else:
-                        wants.append(Want(self._saved_chunk(t, s.chunk), r * crow, (r + k) * crow, (t, s.chunk, dst)))
+                        wants.append(Want(self._wanted_chunk(t, s.chunk), r * crow, (r + k) * crow, (t, s.chunk, dst)))
         if wants:
             self._read(wants, pool)
 
     def _read(self, wants: List[Want], pool: Optional[BufferPool]) -> None:
         def deliver(w: Want, data: memoryview, owner: Any, off: int) -> None:
             t, idx, dst = w.tag
-            c = t.chunks[idx]
-            if c.check is not None and not c.blocks:
-                crc = checksum(c.check[0], data)
+            check = t.whole_check(idx)
+            if check is not None:
+                crc = checksum(check[0], data)
                 with self._lock:
                     self._pieces.setdefault((id(t), idx), (t, []))[1].append((w.start, len(data), crc))
             if isinstance(dst, memoryview):
@@ -362,15 +373,12 @@ def write_native(
     dst_url: str,
     ranks: Dict[int, Dict[str, List[OutEntry]]],
     reader: Reader,
+    opts: Options,
     *,
     tensors: Dict[str, Tuple[str, Tuple[int, ...], Optional[Dict[str, Any]], Optional[Dict[str, Any]]]],
     values: Any,
     world_size: int,
     extra: Optional[Dict[str, Any]] = None,
-    storage_options: Optional[Dict[str, Any]] = None,
-    overwrite: bool = False,
-    threads: Optional[int] = None,
-    progress: bool = False,
     desc: str = "convert",
 ) -> ConvertResult:
     """Write a native checkpoint in the newest format (what ``save`` writes), as a save's ranks would: ``_save.write_rank`` per rank, then ``commit``.
@@ -379,11 +387,13 @@ def write_native(
         ranks: writing rank -> {file tag (``data/<save id>-<tag>.safetensors``):
             entries with ``name`` and ``offsets``}; each rank gets its index file.
         reader: the source; its whole-chunk checksums are checked before the commit.
+        opts: the converter's options (``dst_storage_options``, ``overwrite``,
+            ``io_threads``, ``progress`` are used here).
         tensors: output tensor -> ``(dtype, shape, layout, regular)``; ``regular``
             is the v2 layout record (``mesh_shape``, ``placements``, ``mesh`` 0:
             all ranks, ``rotation``) of tensors whose chunks are that layout's,
             None for chunks listed by their writers' index files only.
-        values / world_size / extra: manifest fields; the rest as the converters take them.
+        values / world_size / extra: manifest fields; ``desc``: the progress bar's.
 
     Raises:
         CheckpointExistsError: committed checkpoint at ``dst_url`` and not ``overwrite``.
@@ -391,12 +401,12 @@ def write_native(
             committed, the files written removed.
 
     Example:
-        >>> write_native("out", {0: {"00": [whole_entry(t, "w", native=True)]}}, Reader(src),   # doctest: +SKIP
+        >>> write_native("out", {0: {"00": [whole_entry(t, "w", native=True)]}}, Reader(src), Options(),   # doctest: +SKIP
         ...              tensors={"w": (t.dtype, t.shape, None, None)}, values=None, world_size=1)
     """
-    threads = _knobs.IO_THREADS if threads is None else threads  # read at each call
+    overwrite = opts.overwrite
     t0 = time.perf_counter()
-    dst = Storage(dst_url, storage_options=storage_options)
+    dst = Storage(dst_url, storage_options=opts.dst_storage_options)
     if dst.exists(MANIFEST_NAME) and not overwrite:
         raise CheckpointExistsError(f"{dst.url_of(MANIFEST_NAME)} already exists; pass overwrite=True to replace it")
     if not overwrite:
@@ -421,12 +431,12 @@ def write_native(
     named = {r: files for r, files in named.items() if files}
     data = sorted(rel for files in named.values() for rel in files)
     total = sum(e.nbytes for files in named.values() for ents in files.values() for e in ents)
-    bar = Progress(total, progress, desc)
+    bar = Progress(total, opts.progress, desc)
     try:
         def write(rank, files, n):
             return write_rank(dst, files, save_id, rank, threads=n, block_bytes=block_bytes)
 
-        results = _write_streamed(named, reader, write, threads=threads, progress=bar)
+        results = _write_streamed(named, reader, write, threads=opts.io_threads, progress=bar)
         reader.finish()
         metas = {name: TensorMeta(dtype=dt, shape=list(shape), layout=layout, regular=reg)
                  for name, (dt, shape, layout, reg) in tensors.items()}
@@ -447,16 +457,16 @@ def write_native(
     return ConvertResult(dst.url, data, len(metas), total, time.perf_counter() - t0)
 
 
-def write_whole(source: Source, dst_url: str, names: Dict[str, str], *, check_sizes: bool = True,
-                threads: Optional[int] = None, **native: Any) -> ConvertResult:
+def write_whole(source: Source, dst_url: str, names: Dict[str, str], opts: Options, *, check_sizes: bool = True,
+                **native: Any) -> ConvertResult:
     """Write ``source``'s tensors ``{source name: output name}`` whole, as a world-size-1 native checkpoint.
 
     The imports' common tail: one chunk per tensor, in a few files of balanced
     size (``_io.partition``, as a save spreads a rank's chunks), layouts kept.
     ``check_sizes``: check the source files' sizes first (skip it where they
-    were just listed); ``native``: :func:`write_native`'s options (values, extra, ...).
+    were just listed); ``native``: :func:`write_native`'s manifest fields (values, extra, desc).
     """
-    threads = _knobs.IO_THREADS if threads is None else threads  # read at each call
+    threads = opts.io_threads
     entries = {new: whole_entry(source.tensors[old], new, native=True) for old, new in names.items()}
     reader = Reader(source, threads=threads)
     if check_sizes:
@@ -467,7 +477,7 @@ def write_whole(source: Source, dst_url: str, names: Dict[str, str], *, check_si
     tensors: Dict[str, Tuple[str, Tuple[int, ...], Optional[Dict[str, Any]], Optional[Dict[str, Any]]]] = {
         new: (source.tensors[old].dtype, source.tensors[old].shape, source.tensors[old].layout, None) for old, new in names.items()
     }
-    return write_native(dst_url, {0: files}, reader, tensors=tensors, world_size=1, threads=threads, **native)
+    return write_native(dst_url, {0: files}, reader, opts, tensors=tensors, world_size=1, **native)
 
 
 # --------------------------------------------------------------------------
@@ -478,11 +488,10 @@ def write_plain(
     storage: Storage,
     files: Dict[str, List[OutEntry]],
     reader: Reader,
+    opts: Options,
     *,
     index: Optional[bytes] = None,
     index_name: str = "",
-    threads: Optional[int] = None,
-    progress: bool = False,
     desc: str = "export",
 ) -> ConvertResult:
     """Write plain safetensors files (no shardckpt metadata) into ``storage``, then ``index`` (the HF index) last.
@@ -495,18 +504,17 @@ def write_plain(
         ChecksumMismatchError / CorruptCheckpointError / StorageError: the files written are removed.
 
     Example:
-        >>> write_plain(Storage("hf"), {"model.safetensors": entries}, reader)   # doctest: +SKIP
+        >>> write_plain(Storage("hf"), {"model.safetensors": entries}, reader, Options())   # doctest: +SKIP
     """
-    threads = _knobs.IO_THREADS if threads is None else threads  # read at each call
     t0 = time.perf_counter()
     total = sum(e.nbytes for ents in files.values() for e in ents)
-    bar = Progress(total, progress, desc)
+    bar = Progress(total, opts.progress, desc)
 
     def write(_, items, n):
         return write_files(storage, items, threads=n, chunk_metadata=False)
 
     try:
-        _write_streamed({0: {rel: _sorted(ents) for rel, ents in files.items()}}, reader, write, threads=threads, progress=bar)
+        _write_streamed({0: {rel: _sorted(ents) for rel, ents in files.items()}}, reader, write, threads=opts.io_threads, progress=bar)
         reader.finish()
         if index is not None:
             storage.write_atomic(index_name, index)

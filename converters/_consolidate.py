@@ -2,25 +2,19 @@
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional
+from typing import TYPE_CHECKING
 
-from ._options import ConvertResult
-from ._reshard import reshard
+from ._options import ConvertOptions, ConvertResult, Options
+from ._reshard import write_resharded
 from ._source import open_checkpoint
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 __all__ = ["consolidate"]
 
 
-def consolidate(
-    src: str,
-    dst: str,
-    *,
-    storage_options: Optional[Dict[str, Any]] = None,
-    dst_storage_options: Optional[Dict[str, Any]] = None,
-    overwrite: bool = False,
-    progress: bool = False,
-    io_threads: Optional[int] = None,
-) -> ConvertResult:
+def consolidate(src: str, dst: str, **options: Unpack[ConvertOptions]) -> ConvertResult:
     """Write ``src`` (a step of an incremental run, whose chunks may live in other steps) as a standalone checkpoint.
 
     Reads every chunk through the references (each read verified) and writes
@@ -34,11 +28,9 @@ def consolidate(
     Args:
         src: the checkpoint to copy (any shardckpt checkpoint).
         dst: new checkpoint directory.
-        storage_options: fsspec options for ``src``.
-        dst_storage_options: fsspec options for ``dst``.
-        overwrite: replace a committed checkpoint at ``dst``.
-        progress: progress bar.
-        io_threads: files written in parallel (default ``SHARDCKPT_IO_THREADS``).
+        **options: :class:`ConvertOptions` (``storage_options`` for ``src``,
+            ``dst_storage_options``, ``overwrite`` a committed checkpoint at
+            ``dst``, ``progress``, ``io_threads``).
 
     Raises:
         CheckpointNotFoundError: nothing committed at ``src``.
@@ -48,6 +40,6 @@ def consolidate(
     Example:
         >>> converters.consolidate("run/step-00000300", "archive/step-300")   # doctest: +SKIP
     """
-    world = max(1, open_checkpoint(src, storage_options).world_size)
-    return reshard(src, dst, world_size=world, storage_options=storage_options, dst_storage_options=dst_storage_options,
-                   overwrite=overwrite, progress=progress, io_threads=io_threads)
+    opts = Options.of("consolidate", options)
+    world = max(1, open_checkpoint(src, opts.storage_options).world_size)
+    return write_resharded(src, dst, world, opts)

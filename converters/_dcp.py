@@ -22,14 +22,14 @@ import contextlib
 import io
 import math
 import pickle
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
-from shardckpt import _knobs
 from shardckpt._format import MAX_MANIFEST_BYTES, check_relpath, checked_shape, dtype_name, itemsize
+from shardckpt._format.chunk import Chunk
 from shardckpt._geometry import Box, check_cover
-from shardckpt._hf import KeyMap, read_safetensors_header
+from shardckpt._hf import read_safetensors_header
 from shardckpt._storage import Storage
 from shardckpt.errors import (
     CheckpointError,
@@ -40,10 +40,13 @@ from shardckpt.errors import (
     format_offenders,
 )
 
-from ._options import ConvertResult, check_apart
+from ._options import ConvertResult, Options, SelectOptions, check_apart
 from ._safetensors import arrange_imported
-from ._source import SrcChunk
+from ._source import SrcTensor
 from ._torch_save import chunk_of, load_meta, memory_chunk, source_from_state, weights_only_load, write_imported
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 __all__ = ["from_dcp", "DCPUnpickler", "read_dcp_metadata", "check_pickle_bounds"]
 
@@ -333,13 +336,7 @@ def from_dcp(
     dst: str,
     *,
     prefix: Optional[str] = None,
-    keys: Union[str, Sequence[str], None] = None,
-    key_map: Optional[KeyMap] = None,
-    storage_options: Optional[Dict[str, Any]] = None,
-    dst_storage_options: Optional[Dict[str, Any]] = None,
-    overwrite: bool = False,
-    progress: bool = False,
-    io_threads: Optional[int] = None,
+    **options: Unpack[SelectOptions],
 ) -> ConvertResult:
     """Import a DCP checkpoint directory (``dcp.save`` output) as a native checkpoint.
 
@@ -363,13 +360,10 @@ def from_dcp(
             ``"model."`` for a bare model state dict, torchtitan's layout
             rearranged as above, anything else as saved (see
             ``arrange_imported`` in ``converters/_safetensors.py``).
-        keys: select tensors by their final names (names or glob patterns).
-        key_map: rename tensors (a dict, or a callable returning the new name or ``None`` to drop one).
-        storage_options: fsspec options for ``src``.
-        dst_storage_options: fsspec options for ``dst``.
-        overwrite: replace a committed checkpoint at ``dst``.
-        progress: progress bar.
-        io_threads: parallel readers/writers.
+        **options: :class:`SelectOptions`: ``keys`` select tensors by their
+            final names, ``key_map`` renames them; ``storage_options`` for
+            ``src``, ``dst_storage_options``, ``overwrite`` a committed
+            checkpoint at ``dst``, ``progress``, ``io_threads``.
 
     Raises:
         CheckpointNotFoundError: no ``.metadata`` at ``src``.
@@ -385,11 +379,11 @@ def from_dcp(
     Example:
         >>> converters.from_dcp("dcp_ckpt/", "native_ckpt/")     # doctest: +SKIP
     """
-    io_threads = _knobs.IO_THREADS if io_threads is None else io_threads  # read at each call
+    opts = Options.of("from_dcp", options, select=True)
     check_apart(src, dst)
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    storage = Storage(src, storage_options=storage_options)
+    storage = Storage(src, storage_options=opts.storage_options)
     md = read_dcp_metadata(storage)
     where = storage.url
     with _malformed(where):
@@ -425,25 +419,24 @@ def from_dcp(
             return sizes[rel], formats[rel]
 
         leaves: Dict[str, Any] = {}
-        placeholders: Dict[int, List[SrcChunk]] = {}
+        placeholders: Dict[int, SrcTensor] = {}
         missing = []
         for fqn, smd in md.state_dict_metadata.items():
             if isinstance(smd, TensorStorageMetadata):
                 shape = tuple(smd.size)
                 dtype = smd.properties.dtype
-                st_dtype = dtype_name(dtype, key=fqn)
-                chunks = []
+                tensor = SrcTensor(name=fqn, dtype=dtype_name(dtype, key=fqn), shape=shape, chunks=[])
                 for c in smd.chunks:
                     info = index.get((fqn, tuple(c.offsets)))
                     if info is None:
                         missing.append(f"{fqn}@{list(c.offsets)}")
                         continue
-                    chunks.append(_tensor_chunk(storage, fqn, tuple(c.offsets), tuple(c.sizes), dtype, st_dtype, info, file_info))
-                why = check_cover(shape, [Box(c.offsets, c.sizes) for c in chunks])
+                    _add_item(tensor, storage, tuple(c.offsets), tuple(c.sizes), dtype, info, file_info)
+                why = check_cover(shape, [Box(c.offsets, c.sizes) for c in tensor.chunks])
                 if why and not missing:
                     raise CorruptCheckpointError(f"{where}: {fqn}: chunks do not tile the tensor: {why}")
                 ph = torch.empty(shape, dtype=dtype, device="meta")
-                placeholders[id(ph)] = chunks
+                placeholders[id(ph)] = tensor
                 leaves[fqn] = ph
             else:
                 info = index.get((fqn, None))
@@ -459,14 +452,16 @@ def from_dcp(
         got = placeholders.get(id(t))
         if got is not None:
             return got
-        return [memory_chunk(name, t)]  # a tensor inside a non-tensor item
+        return memory_chunk(name, t)  # a tensor inside a non-tensor item
 
     source = source_from_state(state, chunk_for, url=where, storage=storage, kind="dcp", files=None)
-    return write_imported(source, dst, keys=keys, key_map=key_map, dst_storage_options=dst_storage_options,
-                           overwrite=overwrite, progress=progress, io_threads=io_threads, what="dcp")
+    return write_imported(source, dst, opts, what="dcp")
 
 
-def _tensor_chunk(storage, fqn, offsets, sizes, dtype, st_dtype, info, file_info) -> SrcChunk:
+def _add_item(into: SrcTensor, storage, offsets, sizes, dtype, info, file_info) -> None:
+    """Add the chunk of ``into`` at ``offsets`` that the DCP item ``info`` holds (a torch.save payload or a safetensors entry)."""
+    fqn, st_dtype = into.name, into.dtype
+    key = f"{fqn}@{list(offsets)}"
     rel = info.relative_path
     size, fmt = file_info(rel, info.offset)
     w = f"{storage.url_of(rel)}: item {fqn}@{list(offsets)}"
@@ -479,15 +474,14 @@ def _tensor_chunk(storage, fqn, offsets, sizes, dtype, st_dtype, info, file_info
             raise CorruptCheckpointError(f"{w}: item is a {type(obj).__name__}, expected a tensor")
         if tuple(obj.shape) != tuple(sizes) or obj.dtype != dtype:
             raise CorruptCheckpointError(f"{w}: item is {obj.dtype} {list(obj.shape)}, metadata says {dtype} {list(sizes)}")
-        c = chunk_of(fqn, obj, storage, rel, info.offset, info.length, records, where=w)
-        return SrcChunk(file=c.file, byte_offset=c.byte_offset, nbytes=c.nbytes, offsets=offsets, sizes=sizes,
-                        key=f"{fqn}@{list(offsets)}", check=c.check, loader=c.loader)
+        chunk_of(into, obj, storage, rel, info.offset, info.length, records, where=w, offsets=offsets, key=key)
+        return
     entries, start = fmt
     e = entries.get(fqn)
     if not isinstance(e, dict) or e.get("dtype") != st_dtype or list(e.get("shape", [])) != list(sizes):
         raise CorruptCheckpointError(f"{w}: safetensors entry {fqn!r} missing or not {st_dtype} {list(sizes)}")
-    return SrcChunk(file=rel, byte_offset=start + e["data_offsets"][0], nbytes=nbytes, offsets=offsets, sizes=sizes,
-                    key=f"{fqn}@{list(offsets)}")
+    into.add(Chunk(file=rel, byte_offset=start + e["data_offsets"][0], nbytes=nbytes, offsets=offsets, sizes=sizes,
+                   tensor=fqn, key=key))
 
 
 def _bytes_item(storage, fqn, info, file_info) -> Any:

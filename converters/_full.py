@@ -9,22 +9,23 @@ import threading
 import time
 import uuid
 import zipfile
-from typing import Any, Dict, List, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Dict, List
 
 import torch
 
-from shardckpt import _knobs
 from shardckpt._format import torch_dtype
 from shardckpt._format.checksum import checksum
 from shardckpt._format.values import TAG, decode_value
-from shardckpt._hf import KeyMap
 from shardckpt._storage import Storage
 from shardckpt.errors import CheckpointExistsError, UnsupportedStateError
 
 from ._common import WANT_BYTES, Reader, Streamer, run_parallel, write_plain
-from ._options import ConvertResult, Progress, check_apart, out_dtype, parse_dtype, split_url
+from ._options import ConvertResult, Options, Progress, SelectOptions, check_apart, out_dtype, parse_dtype, split_url
 from ._safetensors import export_names
 from ._source import BLOCK_BYTES, OutEntry, open_checkpoint, whole_entry
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 __all__ = ["to_full"]
 
@@ -33,19 +34,7 @@ log = logging.getLogger("shardckpt")
 _PT_SUFFIXES = (".pt", ".pth", ".bin")
 
 
-def to_full(
-    src: str,
-    dst: str,
-    *,
-    dtype: Any = None,
-    keys: Union[str, Sequence[str], None] = None,
-    key_map: Optional[KeyMap] = None,
-    storage_options: Optional[Dict[str, Any]] = None,
-    dst_storage_options: Optional[Dict[str, Any]] = None,
-    overwrite: bool = False,
-    progress: bool = False,
-    io_threads: Optional[int] = None,
-) -> ConvertResult:
+def to_full(src: str, dst: str, *, dtype: Any = None, **options: Unpack[SelectOptions]) -> ConvertResult:
     """Write a checkpoint as one unsharded file, streaming.
 
     ``dst`` ending in ``.safetensors``: every tensor under its full
@@ -67,13 +56,10 @@ def to_full(
         src: a shardckpt checkpoint or safetensors directory/file.
         dst: output file path or fsspec URL.
         dtype: cast floating-point tensors; int/bool keep their dtype.
-        keys: select tensors (see ``to_safetensors``).
-        key_map: rename tensors (see ``to_safetensors``).
-        storage_options: fsspec options for ``src``.
-        dst_storage_options: fsspec options for ``dst``.
-        overwrite: replace an existing ``dst``.
-        progress: progress bar.
-        io_threads: parallel readers/writers.
+        **options: :class:`SelectOptions`: ``keys`` select tensors (full
+            checkpoint names), ``key_map`` renames them; ``storage_options``
+            for ``src``, ``dst_storage_options``, ``overwrite`` an existing
+            ``dst``, ``progress``, ``io_threads``.
 
     Raises:
         ValueError: ``dst`` has another suffix.
@@ -85,39 +71,37 @@ def to_full(
     Example:
         >>> converters.to_full("run/step-9", "model_full.safetensors")   # doctest: +SKIP
     """
-    io_threads = _knobs.IO_THREADS if io_threads is None else io_threads  # read at each call
+    opts = Options.of("to_full", options, select=True)
     check_apart(src, dst)
-    source = open_checkpoint(src, storage_options)
-    names = export_names(source, prefix=None, keys=keys, key_map=key_map)
+    source = open_checkpoint(src, opts.storage_options)
+    names = export_names(source, prefix=None, keys=opts.keys, key_map=opts.key_map)
     cast = parse_dtype(dtype)
     entries = [whole_entry(source.tensors[n], out, out_dtype(source.tensors[n].dtype, cast)) for n, out in names.items()]
-    reader = Reader(source, threads=io_threads)
+    reader = Reader(source, threads=opts.io_threads)
     reader.check_source_files(list(names))
     lower = dst.lower()
     if lower.endswith(".safetensors"):
-        return _write_single(dst, entries, reader, storage_options=dst_storage_options, overwrite=overwrite,
-                             threads=io_threads, progress=progress)
+        return _write_single(dst, entries, reader, opts)
     if not lower.endswith(_PT_SUFFIXES):
         raise ValueError(f"to_full: {dst!r} must end in .safetensors or one of {', '.join(_PT_SUFFIXES)}")
-    flat = keys is not None or key_map is not None or source.values is None
+    flat = opts.keys is not None or opts.key_map is not None or source.values is None
     by_name = {e.src.name: e for e in entries}
-    return _write_pt(dst, source.values, by_name, reader, flat=flat, storage_options=dst_storage_options,
-                     overwrite=overwrite, threads=io_threads, progress=progress)
+    return _write_pt(dst, source.values, by_name, reader, opts, flat=flat)
 
 
-def _write_single(dst: str, entries: List[OutEntry], reader: Reader, *, storage_options, overwrite, threads, progress) -> ConvertResult:
+def _write_single(dst: str, entries: List[OutEntry], reader: Reader, opts: Options) -> ConvertResult:
     """One plain ``.safetensors`` file: built under a hidden name and renamed into place where the storage can."""
     parent, base = split_url(dst)
-    root = Storage(parent, storage_options=storage_options)
-    if root.exists(base) and not overwrite:
+    root = Storage(parent, storage_options=opts.dst_storage_options)
+    if root.exists(base) and not opts.overwrite:
         raise CheckpointExistsError(f"{dst} already exists; pass overwrite=True to replace it")
     if not root.caps.atomic_rename:
         # An object appears whole when its upload completes; removed again if the source fails its checks.
-        res = write_plain(root, {base: entries}, reader, threads=threads, progress=progress, desc="to_full")
+        res = write_plain(root, {base: entries}, reader, opts, desc="to_full")
     else:
         tmp = f".{base}.{uuid.uuid4().hex[:12]}.tmp"
         try:
-            res = write_plain(root, {tmp: entries}, reader, threads=threads, progress=progress, desc="to_full")
+            res = write_plain(root, {tmp: entries}, reader, opts, desc="to_full")
             root.rename(tmp, base)
         finally:
             root.remove(tmp)
@@ -238,18 +222,18 @@ def _record_map(path: str) -> Dict[int, Dict[str, Any]]:
     return out
 
 
-def _write_pt(dst, values, by_name, reader: Reader, *, flat, storage_options, overwrite, threads, progress) -> ConvertResult:
+def _write_pt(dst, values, by_name, reader: Reader, opts: Options, *, flat) -> ConvertResult:
     t0 = time.perf_counter()
     parent, base = split_url(dst)
-    root = Storage(parent, storage_options=storage_options)
-    if root.exists(base) and not overwrite:
+    root = Storage(parent, storage_options=opts.dst_storage_options)
+    if root.exists(base) and not opts.overwrite:
         raise CheckpointExistsError(f"{dst} already exists; pass overwrite=True to replace it")
     # torch.save needs a file path: build the file there, patch its payloads
     # in place, publish it at the end (a rename next to it on local disk).
     staged = root.open_staged(base)
     tmp = staged.path
     total = sum(e.nbytes for e in by_name.values())
-    bar = Progress(total, progress, "to_full")
+    bar = Progress(total, opts.progress, "to_full")
     try:
         obj, ids = _placeholders(values, by_name, flat)
         order = [ids[id(t)] for t in _leaves(obj)]
@@ -272,14 +256,14 @@ def _write_pt(dst, values, by_name, reader: Reader, *, flat, storage_options, ov
         # Records are independent: a few workers each stream their share of
         # the tensors (largest first, bytes balanced) into their records at
         # once, CRC-32 as the bytes go; blocks shrink as workers are added.
-        n = max(1, min(threads, len(order)))
+        n = max(1, min(opts.io_threads, len(order)))
         shares: List[List[int]] = [[] for _ in range(n)]
         load = [0] * n
         for i in sorted(range(len(order)), key=lambda i: -order[i].nbytes):
             k = load.index(min(load))
             shares[k].append(i)
             load[k] += order[i].nbytes
-        reader.threads = max(1, threads // n)
+        reader.threads = max(1, opts.io_threads // n)
         stop = threading.Event()
 
         def write_share(share: List[int]) -> None:

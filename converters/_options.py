@@ -1,17 +1,100 @@
-"""What the converters take and give back, besides tensors: sizes, dtypes, file URLs, results, progress bars."""
+"""What the converters take and give back, besides tensors: their shared options, sizes, dtypes, file URLs, results, progress bars."""
 
 from __future__ import annotations
 
 import os
 import sys
-from typing import Any, List, NamedTuple, Optional, Tuple
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple, TypedDict, Union
 
 import torch
 
+from shardckpt import _knobs
 from shardckpt._format import DTYPES
-from shardckpt.errors import StorageError, UnsupportedStateError, UsageError
+from shardckpt._hf import KeyMap
+from shardckpt.errors import StorageError, UnsupportedStateError, UsageError, format_offenders
 
-__all__ = ["parse_size", "parse_dtype", "out_dtype", "FLOAT_DTYPES", "ConvertResult", "Progress", "split_url", "check_apart"]
+__all__ = [
+    "ConvertOptions", "SelectOptions", "Options", "parse_size", "parse_dtype", "out_dtype", "FLOAT_DTYPES",
+    "ConvertResult", "Progress", "split_url", "check_apart",
+]
+
+
+class ConvertOptions(TypedDict, total=False):
+    """The keyword options every converter takes (``**options``), all optional.
+
+    Attributes:
+        storage_options: fsspec options for the source (and for ``copy_from``).
+        dst_storage_options: fsspec options for the destination.
+        overwrite: replace what the destination holds: a committed checkpoint
+            (native outputs), the weight files of a Hugging Face directory
+            (its other files are kept), an existing file (``to_full``).
+            Default False: an existing output raises ``CheckpointExistsError``.
+        progress: show a progress bar (needs tqdm). Default False.
+        io_threads: reads and writes in flight (default ``SHARDCKPT_IO_THREADS``,
+            read at each call).
+
+    Example:
+        >>> converters.reshard("run/step-9", "s3://b/w8", world_size=8,     # doctest: +SKIP
+        ...                    dst_storage_options={"anon": False}, overwrite=True, io_threads=16)
+    """
+
+    storage_options: Optional[Dict[str, Any]]
+    dst_storage_options: Optional[Dict[str, Any]]
+    overwrite: bool
+    progress: bool
+    io_threads: Optional[int]
+
+
+class SelectOptions(ConvertOptions, total=False):
+    """:class:`ConvertOptions` and the tensor selection of the converters that take one (all but ``reshard`` and ``consolidate``).
+
+    Attributes:
+        keys: names or glob patterns selecting tensors (which names they
+            match, each converter says); a pattern matching nothing raises.
+        key_map: renames: a dict ``{name: new}`` (unlisted names unchanged)
+            or a callable returning the new name, or ``None`` to drop one.
+    """
+
+    keys: Union[str, Sequence[str], None]
+    key_map: Optional[KeyMap]
+
+
+@dataclass(frozen=True)
+class Options:
+    """A converter's :class:`ConvertOptions` / :class:`SelectOptions`, checked once (:meth:`of`): what it hands inward.
+
+    ``io_threads`` is resolved (the knob read when the converter was called).
+    """
+
+    storage_options: Optional[Dict[str, Any]] = None
+    dst_storage_options: Optional[Dict[str, Any]] = None
+    overwrite: bool = False
+    progress: bool = False
+    io_threads: int = field(default_factory=lambda: _knobs.IO_THREADS)  # read at each call
+    keys: Union[str, Sequence[str], None] = None
+    key_map: Optional[KeyMap] = None
+
+    @classmethod
+    def of(cls, fn: str, given: Mapping[str, Any], *, select: bool = False) -> "Options":
+        """The options ``given`` to the converter ``fn`` (``SelectOptions`` with ``select``).
+
+        Raises:
+            TypeError: a name ``fn`` does not take (all such names listed),
+                as Python raises for an unknown keyword argument.
+
+        Example:
+            >>> Options.of("reshard", {"overwrite": True, "io_threads": 2}).io_threads
+            2
+        """
+        allowed = (SelectOptions if select else ConvertOptions).__optional_keys__
+        unknown = set(given) - allowed
+        if unknown:
+            raise TypeError(
+                f"{fn}() got unexpected keyword argument{'s' if len(unknown) > 1 else ''} {format_offenders(map(repr, unknown))} "
+                f"(besides its own arguments it takes {', '.join(sorted(allowed))})"
+            )
+        return cls(**{k: v for k, v in given.items() if v is not None or k != "io_threads"})
 
 
 _SIZE_UNITS = {

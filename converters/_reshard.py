@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
-from shardckpt import _knobs
 from shardckpt._format import chunk_key
 from shardckpt._format.naming import chunk_key_clashes
 from shardckpt._format.values import tensor_ref
@@ -12,27 +11,20 @@ from shardckpt._geometry import Shard, layout_chunks, layout_to_json, regular_la
 from shardckpt.errors import UnsupportedStateError
 
 from ._common import Reader, write_native
-from ._options import ConvertResult, check_apart
+from ._options import ConvertOptions, ConvertResult, Options, check_apart
 from ._safetensors import nest_under
 from ._source import OutEntry, open_checkpoint, whole_entry
 
-__all__ = ["reshard", "REPLICATED_FILE"]
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
+__all__ = ["reshard", "write_resharded", "REPLICATED_FILE"]
 
 #: Name (before the save id) of the file holding tensors every rank reads whole.
 REPLICATED_FILE = "replicated"
 
 
-def reshard(
-    src: str,
-    dst: str,
-    *,
-    world_size: int,
-    storage_options: Optional[Dict[str, Any]] = None,
-    dst_storage_options: Optional[Dict[str, Any]] = None,
-    overwrite: bool = False,
-    progress: bool = False,
-    io_threads: Optional[int] = None,
-) -> ConvertResult:
+def reshard(src: str, dst: str, *, world_size: int, **options: Unpack[ConvertOptions]) -> ConvertResult:
     """Rewrite a checkpoint for ``world_size`` FSDP2 ranks, offline (no GPUs, no process group).
 
     Every tensor of 1+ dims is cut along dim 0 exactly as ``fully_shard``
@@ -54,11 +46,9 @@ def reshard(
         src: checkpoint to reshard (a shardckpt checkpoint or safetensors dir).
         dst: new checkpoint directory (committed by ``manifest.json`` last).
         world_size: target number of ranks (>= 1).
-        storage_options: fsspec options for ``src``.
-        dst_storage_options: fsspec options for ``dst``.
-        overwrite: replace a committed checkpoint at ``dst``.
-        progress: progress bar.
-        io_threads: files written in parallel / readers.
+        **options: :class:`ConvertOptions` (``storage_options`` for ``src``,
+            ``dst_storage_options``, ``overwrite`` a committed checkpoint at
+            ``dst``, ``progress``, ``io_threads``).
 
     Raises:
         ValueError: ``world_size`` < 1.
@@ -67,11 +57,15 @@ def reshard(
     Example:
         >>> converters.reshard("run/step-500", "run/step-500-w8", world_size=8)   # doctest: +SKIP
     """
-    io_threads = _knobs.IO_THREADS if io_threads is None else io_threads  # read at each call
+    return write_resharded(src, dst, world_size, Options.of("reshard", options))
+
+
+def write_resharded(src: str, dst: str, world_size: int, opts: Options) -> ConvertResult:
+    """:func:`reshard` with its options checked (``consolidate`` calls it too)."""
     check_apart(src, dst)
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
-    source = open_checkpoint(src, storage_options)
+    source = open_checkpoint(src, opts.storage_options)
     values = source.values
     if source.kind == "safetensors":
         # Bare HF names: place them under "model." as from_safetensors does,
@@ -117,21 +111,8 @@ def reshard(
                 )
         record = {k: v for k, v in layout_to_json(lay).items() if k != "shape"}
         tensors[name] = (t.dtype, t.shape, layout, {**record, "mesh": 0, "rotation": 0})
-    reader = Reader(source, threads=io_threads)
+    reader = Reader(source, threads=opts.io_threads)
     reader.check_source_files(list(source.tensors))
     extra = {k: v for k, v in source.extra.items() if k != "source"}
     extra["resharded_from_world_size"] = source.world_size
-    return write_native(
-        dst,
-        ranks,
-        reader,
-        tensors=tensors,
-        values=values,
-        world_size=world_size,
-        extra=extra,
-        storage_options=dst_storage_options,
-        overwrite=overwrite,
-        threads=io_threads,
-        progress=progress,
-        desc="reshard",
-    )
+    return write_native(dst, ranks, reader, opts, tensors=tensors, values=values, world_size=world_size, extra=extra, desc="reshard")

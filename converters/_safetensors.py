@@ -6,9 +6,8 @@ import dataclasses
 import json
 import os
 import uuid
-from typing import Any, Dict, List, Optional, Sequence, Union, cast
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Union, cast
 
-from shardckpt import _knobs
 from shardckpt._format import DATA_DIR, MANIFEST_NAME
 from shardckpt._format.values import TAG, tensor_ref
 from shardckpt._hf import KeyMap, aliases_of, hf_manifest, map_names, select_names
@@ -16,8 +15,11 @@ from shardckpt._storage import Storage, fsync_dir
 from shardckpt.errors import CheckpointExistsError, CheckpointNotFoundError, StateMismatchError, format_offenders
 
 from ._common import Reader, write_plain, write_whole
-from ._options import ConvertResult, check_apart, out_dtype, parse_dtype, parse_size
+from ._options import ConvertResult, Options, SelectOptions, check_apart, out_dtype, parse_dtype, parse_size
 from ._source import OutEntry, Source, open_checkpoint, source_from_manifest, whole_entry
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 __all__ = [
     "to_safetensors",
@@ -168,17 +170,11 @@ def to_safetensors(
     *,
     dtype: Any = None,
     max_shard_size: Union[int, str] = "5GB",
-    keys: Union[str, Sequence[str], None] = None,
-    key_map: Optional[KeyMap] = None,
     prefix: Optional[str] = AUTO_PREFIX,
     model_key: Optional[str] = None,
     copy_from: Optional[str] = None,
     tied: str = DEFAULT_TIED,
-    storage_options: Optional[Dict[str, Any]] = None,
-    dst_storage_options: Optional[Dict[str, Any]] = None,
-    overwrite: bool = False,
-    progress: bool = False,
-    io_threads: Optional[int] = None,
+    **options: Unpack[SelectOptions],
 ) -> ConvertResult:
     """Export a checkpoint's model as a Hugging Face safetensors directory.
 
@@ -198,10 +194,6 @@ def to_safetensors(
         max_shard_size: bytes per file: an int, or ``"5GB"`` / ``"500MB"``
             (decimal, as huggingface_hub reads them) or ``"2GiB"`` (binary).
             A tensor larger than this gets a file of its own.
-        keys: names or glob patterns selecting tensors (matched after the
-            prefix is stripped); a pattern matching nothing raises.
-        key_map: renames: a dict ``{name: new}`` (unlisted names unchanged)
-            or a callable returning the new name or ``None`` to drop one.
         prefix: state prefix to strip; only tensors under it are exported
             (all tensors when none is under it). ``None``/``""``: all tensors.
             Default: the model entry: ``"model"``, else the only top-level
@@ -220,13 +212,13 @@ def to_safetensors(
             module order, which is the name ``save_pretrained`` keeps — as
             transformers and ``safetensors.torch.load_model(strict=True)``
             expect; ``"both"`` writes the data under every name.
-        storage_options: fsspec options for ``src`` (and for ``copy_from``).
-        dst_storage_options: fsspec options for ``dst``.
-        overwrite: replace the weight files (``*.safetensors`` and the
-            index) of a ``dst`` that has some. Other files in ``dst``
-            (config, tokenizer, README) are always kept.
-        progress: show a progress bar (needs tqdm).
-        io_threads: parallel readers.
+        **options: :class:`SelectOptions`: ``keys`` select tensors (matched
+            after the prefix is stripped), ``key_map`` renames them;
+            ``storage_options`` (for ``src`` and ``copy_from``),
+            ``dst_storage_options``, ``overwrite`` (replace the weight files,
+            ``*.safetensors`` and the index, of a ``dst`` that has some; its
+            other files, config, tokenizer, README, are always kept),
+            ``progress``, ``io_threads``.
 
     Returns:
         ConvertResult(url, files, tensors, nbytes, seconds).
@@ -252,17 +244,17 @@ def to_safetensors(
         >>> from shardckpt import converters                      # doctest: +SKIP
         >>> converters.to_safetensors("ckpt/step-1000", "hf_out", dtype="bf16", max_shard_size="2GB")
     """
-    io_threads = _knobs.IO_THREADS if io_threads is None else io_threads  # read at each call
+    opts = Options.of("to_safetensors", options, select=True)
     check_apart(src, dst)
     if tied not in TIED_CHOICES:
         raise ValueError(f"to_safetensors(tied={tied!r}): expected one of {', '.join(map(repr, TIED_CHOICES))}")
-    source = open_checkpoint(src, storage_options)
+    source = open_checkpoint(src, opts.storage_options)
     if tied == "both":
         source = _with_alias_tensors(source)
     if model_key is not None or prefix is AUTO_PREFIX:
         prefix = model_prefix(source, model_key)
-    names = export_names(source, prefix=prefix, keys=keys, key_map=key_map)
-    companions = _read_companions(copy_from, storage_options) if copy_from is not None else {}
+    names = export_names(source, prefix=prefix, keys=opts.keys, key_map=opts.key_map)
+    companions = _read_companions(copy_from, opts.storage_options) if copy_from is not None else {}
     cast = parse_dtype(dtype)
     limit = parse_size(max_shard_size)
     groups: List[List[OutEntry]] = []
@@ -275,7 +267,7 @@ def to_safetensors(
             size = 0
         groups[-1].append(e)
         size += e.nbytes
-    reader = Reader(source, threads=io_threads)
+    reader = Reader(source, threads=opts.io_threads)
     reader.check_source_files(list(names))
     if len(groups) == 1:
         files = {HF_SINGLE: groups[0]}
@@ -288,8 +280,7 @@ def to_safetensors(
         index = (
             json.dumps({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, indent=2) + "\n"
         ).encode()
-    return _publish_export(dst, files, reader, index=index, companions=companions, storage_options=dst_storage_options,
-                           overwrite=overwrite, threads=io_threads, progress=progress)
+    return _publish_export(dst, files, reader, opts, index=index, companions=companions)
 
 
 def _read_companions(url: str, storage_options: Optional[Dict[str, Any]]) -> Dict[str, bytes]:
@@ -307,14 +298,14 @@ def _read_companions(url: str, storage_options: Optional[Dict[str, Any]]) -> Dic
     return out
 
 
-def _publish_export(dst_url, files, reader, *, index, companions, storage_options, overwrite, threads, progress) -> ConvertResult:
+def _publish_export(dst_url, files, reader, opts: Options, *, index, companions) -> ConvertResult:
     """Write the weight files into ``dst``, keeping its other files; ``companions`` are added (replacing same-named ones)."""
-    dst = Storage(dst_url, storage_options=storage_options)
+    dst = Storage(dst_url, storage_options=opts.dst_storage_options)
     existing = [n for n in (dst.listdir("") if dst.exists("") else []) if not n.startswith(".")]
     # A native checkpoint there (manifest + data/) counts as weights too: an
     # export must not turn it into a half-native, half-HF directory.
     weights = [n for n in existing if is_weight_file(n) or n in (MANIFEST_NAME, DATA_DIR)]
-    if weights and not overwrite:
+    if weights and not opts.overwrite:
         raise CheckpointExistsError(
             f"{dst.url} already holds weight files ({format_offenders(weights, limit=5)}); pass overwrite=True to "
             "replace them (its other files, e.g. config.json and tokenizer files, are kept either way)"
@@ -324,8 +315,7 @@ def _publish_export(dst_url, files, reader, *, index, companions, storage_option
         # Object stores: no directory rename. Weights first, index last (the
         # shared writer), stale weight files removed after; kept files are
         # never touched. Companions go in once the weights are complete.
-        res = write_plain(dst, files, reader, index=index, index_name=HF_INDEX, threads=threads, progress=progress,
-                          desc="to_safetensors")
+        res = write_plain(dst, files, reader, opts, index=index, index_name=HF_INDEX, desc="to_safetensors")
         for n in existing:
             # Stale weights and a stale index only: never the user's config/tokenizer files.
             if (n.endswith(".safetensors") and n not in files) or (n == HF_INDEX and index is None):
@@ -344,8 +334,7 @@ def _publish_export(dst_url, files, reader, *, index, companions, storage_option
     try:
         staged = Storage(stage)
         staged.makedirs("")
-        res = write_plain(staged, files, reader, index=index, index_name=HF_INDEX, threads=threads, progress=progress,
-                          desc="to_safetensors")
+        res = write_plain(staged, files, reader, opts, index=index, index_name=HF_INDEX, desc="to_safetensors")
         for name in kept:
             if name not in companions:
                 _link_or_copy(os.path.join(root, name), os.path.join(stage, name))
@@ -511,13 +500,7 @@ def from_safetensors(
     dst: str,
     *,
     prefix: str = "model.",
-    keys: Union[str, Sequence[str], None] = None,
-    key_map: Optional[KeyMap] = None,
-    storage_options: Optional[Dict[str, Any]] = None,
-    dst_storage_options: Optional[Dict[str, Any]] = None,
-    overwrite: bool = False,
-    progress: bool = False,
-    io_threads: Optional[int] = None,
+    **options: Unpack[SelectOptions],
 ) -> ConvertResult:
     """Import safetensors weights (an HF directory, sharded with an index or not, or one file) as a native checkpoint.
 
@@ -529,13 +512,10 @@ def from_safetensors(
         src: safetensors directory or ``.safetensors`` file (local or fsspec URL).
         dst: native checkpoint directory to create.
         prefix: prepended to every (renamed) name; ``""`` for none.
-        keys: names or glob patterns to import (HF names, before renaming).
-        key_map: renames applied before the prefix (dict or callable; ``None`` drops).
-        storage_options: fsspec options for ``src``.
-        dst_storage_options: fsspec options for ``dst``.
-        overwrite: replace a committed checkpoint at ``dst``.
-        progress: progress bar.
-        io_threads: parallel readers/writers.
+        **options: :class:`SelectOptions`: ``keys`` select tensors (HF
+            names, before renaming), ``key_map`` renames them (before the
+            prefix); ``storage_options`` for ``src``, ``dst_storage_options``,
+            ``overwrite`` a committed checkpoint at ``dst``, ``progress``, ``io_threads``.
 
     Raises:
         CheckpointNotFoundError: no safetensors files at ``src``.
@@ -548,30 +528,19 @@ def from_safetensors(
     Example:
         >>> converters.from_safetensors("Llama-3-8B/", "s3://b/llama-native")   # doctest: +SKIP
     """
-    io_threads = _knobs.IO_THREADS if io_threads is None else io_threads  # read at each call
+    opts = Options.of("from_safetensors", options, select=True)
     check_apart(src, dst)
-    storage = Storage(src, storage_options=storage_options)
+    storage = Storage(src, storage_options=opts.storage_options)
     m = hf_manifest(storage)
     if m is None:
         raise CheckpointNotFoundError(f"no safetensors files at {storage.url}")
     source = source_from_manifest(storage, m)
-    chosen = select_names(list(source.tensors), keys)
-    renamed = map_names(chosen, key_map)
+    chosen = select_names(list(source.tensors), opts.keys)
+    renamed = map_names(chosen, opts.key_map)
     final = {old: (prefix or "") + new for old, new in renamed.items()}
     if not final:
         raise StateMismatchError(f"{storage.url}: no tensors to import")
     values = nest_under(prefix, {new: tensor_ref(final[old]) for old, new in renamed.items()})
     # hf_manifest has just listed every file's size: no second check.
-    return write_whole(
-        source,
-        dst,
-        final,
-        values=values,
-        extra={"converted_from": "safetensors"},
-        check_sizes=False,
-        storage_options=dst_storage_options,
-        overwrite=overwrite,
-        threads=io_threads,
-        progress=progress,
-        desc="from_safetensors",
-    )
+    return write_whole(source, dst, final, opts, values=values, extra={"converted_from": "safetensors"}, check_sizes=False,
+                       desc="from_safetensors")

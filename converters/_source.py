@@ -3,7 +3,9 @@
 A *source* is a set of tensors whose bytes lie in byte ranges of files:
 native shardckpt chunks (format v1 or v2), safetensors entries, DCP items,
 ``torch.save`` records. Each importer describes its input as a
-:class:`Source`; :func:`plan_blocks` cuts a range of a tensor's elements into
+:class:`Source` whose tensors' chunks are the engine's one chunk type,
+:class:`~shardckpt._format.chunk.Chunk` (a manifest's rows become chunks
+through ``Chunk.from_meta``, as for a load); :func:`plan_blocks` cuts a range of a tensor's elements into
 blocks of bounded bytes, each a list of byte runs of its chunks; an
 :class:`OutEntry` is a range of a source tensor's elements that goes into
 an output file. The reading and writing happen in ``_common``, through the
@@ -18,7 +20,8 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 
-from shardckpt._format import ChunkMeta, Manifest, itemsize, open_manifest
+from shardckpt._format import Manifest, itemsize, open_manifest
+from shardckpt._format.chunk import Chunk
 from shardckpt._format.refs import follow
 from shardckpt._format.versions import spec
 from shardckpt._geometry import Box, split_box
@@ -26,7 +29,7 @@ from shardckpt._storage import Storage
 from shardckpt.errors import CorruptCheckpointError
 
 __all__ = [
-    "BLOCK_BYTES", "SrcChunk", "SrcTensor", "Source", "Seg", "Block", "OutEntry",
+    "BLOCK_BYTES", "Loader", "SrcTensor", "Source", "Seg", "Block", "OutEntry",
     "source_from_manifest", "open_checkpoint", "plan_blocks", "whole_entry", "block_bytes_for",
 ]
 
@@ -35,37 +38,46 @@ __all__ = [
 BLOCK_BYTES = 16 << 20
 
 
-@dataclass
-class SrcChunk:
-    """A box of a source tensor and where its bytes are.
-
-    ``blocks`` (format v2): the CRC-32C of each ``block_bytes`` slice, so
-    every piece is verified as it is read. Otherwise ``check`` is
-    ``(algorithm, value)`` for the whole chunk (``"crc32c"`` for v1,
-    ``"crc32"`` for zip records), checked once it is all read, or ``None``
-    (no checksum). ``loader``, when set, materializes the chunk (a
-    contiguous tensor of the box) for data that is not one byte range.
-    """
-
-    file: str
-    byte_offset: int
-    nbytes: int
-    offsets: Tuple[int, ...]
-    sizes: Tuple[int, ...]
-    key: str
-    check: Optional[Tuple[str, int]] = None
-    loader: Optional[Callable[[], torch.Tensor]] = None
-    block_bytes: int = 0
-    blocks: Tuple[int, ...] = ()
+#: Makes a chunk's box as a contiguous tensor, for bytes that are not one range of a file.
+Loader = Callable[[], torch.Tensor]
 
 
 @dataclass
 class SrcTensor:
+    """A tensor to convert: its chunks (the engine's :class:`~shardckpt._format.chunk.Chunk`) and what the reader needs besides.
+
+    A chunk with block checksums (format v2+) is verified by the reader as
+    each piece is read. A chunk with one checksum of all its bytes
+    (:meth:`whole_check`: ``crc32c`` of a v1 chunk, the CRC-32 of a zip
+    record in ``zip_crcs``) is checked once all of it is read
+    (``Reader.finish``). ``loaders``: chunks whose bytes are not one byte
+    range (a strided view, a tensor held in memory), by chunk index.
+    """
+
     name: str
     dtype: str  # safetensors dtype name
     shape: Tuple[int, ...]
-    chunks: List[SrcChunk]
+    chunks: List[Chunk]
     layout: Optional[Dict[str, Any]] = None
+    zip_crcs: Dict[int, int] = field(default_factory=dict)
+    loaders: Dict[int, Loader] = field(default_factory=dict)
+
+    def add(self, chunk: Chunk, *, zip_crc: Optional[int] = None, loader: Optional[Loader] = None) -> None:
+        """Append ``chunk``, with the CRC-32 of the zip record it is or the loader of its bytes."""
+        if zip_crc is not None:
+            self.zip_crcs[len(self.chunks)] = zip_crc
+        if loader is not None:
+            self.loaders[len(self.chunks)] = loader
+        self.chunks.append(chunk)
+
+    def whole_check(self, i: int) -> Optional[Tuple[str, int]]:
+        """``(algorithm, value)`` of the one checksum of all of chunk ``i``'s bytes; None: block checksums, or none."""
+        c = self.chunks[i]
+        if i in self.zip_crcs:
+            return "crc32", self.zip_crcs[i]
+        if c.crc32c is not None and not c.blocked:
+            return "crc32c", c.crc32c
+        return None
 
     @property
     def numel(self) -> int:
@@ -104,28 +116,14 @@ class Source:
         return sum(t.nbytes for t in self.tensors.values())
 
 
-def _src_chunk(c: ChunkMeta, block_bytes: int) -> SrcChunk:
-    blocks = tuple(c.blocks) if c.blocks is not None and block_bytes else ()
-    return SrcChunk(
-        file=c.file,
-        byte_offset=c.byte_offset,
-        nbytes=c.nbytes,
-        offsets=tuple(c.offsets),
-        sizes=tuple(c.sizes),
-        key=c.key,
-        check=None if c.crc32c is None or blocks else ("crc32c", c.crc32c),
-        block_bytes=block_bytes if blocks else 0,
-        blocks=blocks,
-    )
-
-
 def source_from_manifest(storage: Storage, m: Manifest) -> Source:
     """The tensors of an opened manifest (chunks filled in: v1, v2, or a safetensors directory)."""
     tensors = {}
     for name in sorted(m.tensors):
         t = m.tensors[name]
         bb = m.block_bytes if spec(m.version).block_checksums else 0
-        tensors[name] = SrcTensor(name=name, dtype=t.dtype, shape=tuple(t.shape), chunks=[_src_chunk(c, bb) for c in t.chunks], layout=t.layout)
+        chunks = [Chunk.from_meta(name, c, bb) for c in t.chunks]
+        tensors[name] = SrcTensor(name=name, dtype=t.dtype, shape=tuple(t.shape), chunks=chunks, layout=t.layout)
     kind = m.extra.get("source", "native") if isinstance(m.extra, dict) else "native"
     return Source(
         url=storage.url,

@@ -17,14 +17,15 @@ import os
 import pickle
 import struct
 import zipfile
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Type, Union
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple, Type
 
 import torch
 
-from shardckpt import _knobs
 from shardckpt._format import check_relpath, checked_shape, dtype_name
+from shardckpt._format.chunk import Chunk
 from shardckpt._format.values import TAG, rename_refs, value_depth_problem
-from shardckpt._hf import KeyMap, map_names, select_names
+from shardckpt._hf import map_names, select_names
 from shardckpt._state import flatten_for_save
 from shardckpt._storage import Storage
 from shardckpt.errors import (
@@ -36,11 +37,14 @@ from shardckpt.errors import (
 )
 
 from ._common import write_whole
-from ._options import ConvertResult, check_apart, split_url
+from ._options import ConvertResult, Options, SelectOptions, check_apart, split_url
 from ._safetensors import arrange_imported
-from ._source import Source, SrcChunk, SrcTensor
+from ._source import Source, SrcTensor
 
-__all__ = ["from_torch_save", "RangeFile", "load_meta", "chunk_of", "source_from_state", "memory_chunk", "write_imported"]
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
+__all__ = ["from_torch_save", "RangeFile", "load_meta", "chunk_of", "new_tensor", "source_from_state", "memory_chunk", "write_imported"]
 
 
 class RangeFile(io.RawIOBase):
@@ -149,7 +153,7 @@ def _zip_records(f, where: str) -> Dict[int, Tuple[int, int]]:
 
 
 def chunk_of(
-    name: str,
+    into: SrcTensor,
     t: torch.Tensor,
     storage: Storage,
     rel: str,
@@ -158,8 +162,17 @@ def chunk_of(
     records: Dict[int, Tuple[int, int]],
     *,
     where: str,
-) -> SrcChunk:
-    """Where a meta tensor from :func:`load_meta` has its bytes (``start``: payload offset in ``rel``)."""
+    offsets: Optional[Tuple[int, ...]] = None,
+    key: Optional[str] = None,
+) -> None:
+    """Add to ``into`` the chunk whose bytes the meta tensor ``t`` from :func:`load_meta` has (``start``: payload offset in ``rel``).
+
+    A contiguous tensor is a byte range, checked by its zip record's CRC-32
+    when it is the whole record; a strided view gets a loader (its storage
+    read whole, then copied). ``offsets`` / ``key``: the chunk's place in
+    ``into`` and its key (default: all of ``into``, under its name).
+    """
+    name = into.name
     st = t.untyped_storage()
     off = getattr(st, "_checkpoint_offset", None)
     if off is None:
@@ -174,13 +187,16 @@ def chunk_of(
     nbytes = t.numel() * isz
     if t.numel() and (t.storage_offset() + _span(t)) * isz > snb:
         raise CorruptCheckpointError(f"{where}: tensor {name!r} reaches past its storage")
+    box = (0,) * len(shape) if offsets is None else offsets
+    key = name if key is None else key
     if t.is_contiguous():
         rec = records.get(off)
-        check = None
+        crc = None
         if rec is not None and rec[1] == snb and t.storage_offset() == 0 and nbytes == snb and (rec[0] or not nbytes):
-            check = ("crc32", rec[0])
-        return SrcChunk(file=rel, byte_offset=start + off + t.storage_offset() * isz, nbytes=nbytes,
-                        offsets=(0,) * len(shape), sizes=shape, key=name, check=check)
+            crc = rec[0]
+        into.add(Chunk(file=rel, byte_offset=start + off + t.storage_offset() * isz, nbytes=nbytes, offsets=box, sizes=shape,
+                       tensor=name, key=key), zip_crc=crc)
+        return
     size, stride, soff, dtype = tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.dtype
     url = storage.url_of(rel)
 
@@ -191,7 +207,12 @@ def chunk_of(
         base = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dtype)
         return base.as_strided(size, stride, soff).contiguous()
 
-    return SrcChunk(file=rel, byte_offset=start + off, nbytes=nbytes, offsets=(0,) * len(shape), sizes=shape, key=name, loader=load)
+    into.add(Chunk(file=rel, byte_offset=start + off, nbytes=nbytes, offsets=box, sizes=shape, tensor=name, key=key), loader=load)
+
+
+def new_tensor(name: str, t: torch.Tensor) -> SrcTensor:
+    """A source tensor of ``t``'s dtype and shape, without chunks yet."""
+    return SrcTensor(name=name, dtype=dtype_name(t.dtype, key=name), shape=tuple(t.shape), chunks=[])
 
 
 def _span(t: torch.Tensor) -> int:
@@ -206,7 +227,7 @@ SHARED_VIEWS_SLACK_BYTES = 1 << 20
 
 def source_from_state(
     state: Dict[str, Any],
-    chunk_for: Callable[[str, torch.Tensor], Sequence[SrcChunk]],
+    tensor_for: Callable[[str, torch.Tensor], SrcTensor],
     *,
     url: str,
     storage: Storage,
@@ -214,6 +235,9 @@ def source_from_state(
     files: Optional[Dict[str, int]] = None,
 ) -> Source:
     """Flatten a structure holding (meta) tensors into a Source, as a save of it would name them.
+
+    ``tensor_for(name, t)``: where ``t``'s bytes are (its chunks, with their
+    zip CRCs or loaders); the tensor is renamed ``name``.
 
     Names that hold the same stored bytes (one tensor under N names, DCP
     entries naming one stored item) become one tensor and references to it,
@@ -235,7 +259,7 @@ def source_from_state(
         t = flat.tensors[name]
         if not isinstance(t, torch.Tensor) or t.layout != torch.strided or t.is_sparse or t.is_quantized:
             raise UnsupportedStateError(f"{url}: {name}: only dense tensors can be imported, found {type(t).__name__} {getattr(t, 'layout', '')}")
-        tensors[name] = SrcTensor(name=name, dtype=dtype_name(t.dtype, key=name), shape=tuple(t.shape), chunks=list(chunk_for(name, t)))
+        tensors[name] = replace(tensor_for(name, t), name=name)
     values = _share_stored_bytes(tensors, flat.tree, url)
     return Source(url=url, storage=storage, tensors=tensors, values=values, kind=kind, files=files)
 
@@ -249,7 +273,7 @@ def _share_stored_bytes(tensors: Dict[str, SrcTensor], tree: Any, url: str) -> A
     alias: Dict[str, str] = {}
     for name in sorted(tensors):
         t = tensors[name]
-        if any(c.loader is not None for c in t.chunks):
+        if t.loaders:
             continue  # a strided view: its bytes are not one range (checked for overlaps below)
         sig = (t.dtype, t.shape, tuple((c.file, c.byte_offset, c.nbytes, c.offsets, c.sizes) for c in t.chunks))
         if not t.chunks or not any(c.nbytes for c in t.chunks):
@@ -294,10 +318,13 @@ def _share_stored_bytes(tensors: Dict[str, SrcTensor], tree: Any, url: str) -> A
     return root[0]
 
 
-def memory_chunk(name: str, t: torch.Tensor) -> SrcChunk:
+def memory_chunk(name: str, t: torch.Tensor) -> SrcTensor:
+    """``t`` (held in memory) as a source tensor of one chunk, its bytes given by a loader."""
     data = t.detach().contiguous()
-    return SrcChunk(file="", byte_offset=0, nbytes=data.numel() * data.element_size(), offsets=(0,) * data.dim(),
-                    sizes=tuple(data.shape), key=name, loader=lambda: data)
+    out = new_tensor(name, data)
+    out.add(Chunk(file="", byte_offset=0, nbytes=data.numel() * data.element_size(), offsets=(0,) * data.dim(),
+                  sizes=tuple(data.shape), tensor=name, key=name), loader=lambda: data)
+    return out
 
 
 #: The index of a sharded legacy Hugging Face checkpoint (``pytorch_model-00001-of-0000N.bin``...).
@@ -356,13 +383,15 @@ def _read_torch_file(storage: Storage, base: str):
         obj, records = load_meta(storage, base, 0, size, where=where)
 
         def chunk_for(name, t):
-            return [chunk_of(name, t, storage, base, 0, size, records, where=where)]
+            out = new_tensor(name, t)
+            chunk_of(out, t, storage, base, 0, size, records, where=where)
+            return out
     else:
         # Legacy format: no byte ranges to stream from. Still weights_only.
         obj = weights_only_load(io.BytesIO(storage.read_bytes(base)), where=where, map_location="cpu", corrupt="not a torch.save file")
 
         def chunk_for(name, t):
-            return [memory_chunk(name, t)]
+            return memory_chunk(name, t)
 
     return obj, chunk_for, size
 
@@ -372,13 +401,7 @@ def from_torch_save(
     dst: str,
     *,
     prefix: Optional[str] = None,
-    keys: Union[str, Sequence[str], None] = None,
-    key_map: Optional[KeyMap] = None,
-    storage_options: Optional[Dict[str, Any]] = None,
-    dst_storage_options: Optional[Dict[str, Any]] = None,
-    overwrite: bool = False,
-    progress: bool = False,
-    io_threads: Optional[int] = None,
+    **options: Unpack[SelectOptions],
 ) -> ConvertResult:
     """Import a ``torch.save`` file (``.pt``/``.pth``/``.bin``) or a legacy HF ``.bin`` directory as a native checkpoint, safely.
 
@@ -401,13 +424,11 @@ def from_torch_save(
             works), else nothing (a training checkpoint like
             ``{"model": ..., "optimizer": ..., "step": 3}`` keeps its keys);
             the rule shared by every importer (``arrange_imported``).
-        keys: select tensors by their final names (plain values are kept as they are).
-        key_map: rename tensors by their final names.
-        storage_options: fsspec options for ``src``.
-        dst_storage_options: fsspec options for ``dst``.
-        overwrite: replace a committed checkpoint at ``dst``.
-        progress: progress bar.
-        io_threads: parallel readers/writers.
+        **options: :class:`SelectOptions`: ``keys`` select tensors by their
+            final names (plain values are kept as they are), ``key_map``
+            renames them; ``storage_options`` for ``src``,
+            ``dst_storage_options``, ``overwrite`` a committed checkpoint at
+            ``dst``, ``progress``, ``io_threads``.
 
     Raises:
         UnsafeMetadataError: the pickle asks for anything beyond tensors and plain data.
@@ -421,8 +442,8 @@ def from_torch_save(
     Example:
         >>> converters.from_torch_save("model.pt", "ckpt-native")     # doctest: +SKIP
     """
-    io_threads = _knobs.IO_THREADS if io_threads is None else io_threads  # read at each call
-    storage, bases = _torch_save_files(src, storage_options)
+    opts = Options.of("from_torch_save", options, select=True)
+    storage, bases = _torch_save_files(src, opts.storage_options)
     check_apart(src, dst)
     obj: Dict[str, Any] = {}
     located: Dict[int, Callable[[str, torch.Tensor], Any]] = {}
@@ -455,29 +476,17 @@ def from_torch_save(
     if not isinstance(state, dict) or not state:
         raise UnsupportedStateError(f"{where}: nothing to import")
     source = source_from_state(state, chunk_for, url=where, storage=storage, kind="torch_save", files=files)
-    return write_imported(source, dst, keys=keys, key_map=key_map, dst_storage_options=dst_storage_options,
-                           overwrite=overwrite, progress=progress, io_threads=io_threads, what="torch_save")
+    return write_imported(source, dst, opts, what="torch_save")
 
 
-def write_imported(source: Source, dst: str, *, keys, key_map, dst_storage_options, overwrite, progress, io_threads, what) -> ConvertResult:
-    """Write an imported Source as a native checkpoint (whole tensors, balanced files)."""
-    chosen = select_names(list(source.tensors), keys)
-    renamed = map_names(chosen, key_map)
+def write_imported(source: Source, dst: str, opts: Options, *, what: str) -> ConvertResult:
+    """Write an imported Source as a native checkpoint (whole tensors, balanced files): ``opts.keys`` selected, ``opts.key_map`` renamed."""
+    chosen = select_names(list(source.tensors), opts.keys)
+    renamed = map_names(chosen, opts.key_map)
     if not renamed:
         raise UnsupportedStateError(f"{source.url}: no tensors to import")
     values = source.values
-    if keys is not None or key_map is not None:
+    if opts.keys is not None or opts.key_map is not None:
         values = rename_refs(values, renamed)
-    return write_whole(
-        source,
-        dst,
-        renamed,
-        values=values,
-        extra={"converted_from": what},
-        storage_options=dst_storage_options,
-        overwrite=overwrite,
-        threads=io_threads,
-        progress=progress,
-        desc=f"from_{what}",
-    )
+    return write_whole(source, dst, renamed, opts, values=values, extra={"converted_from": what}, desc=f"from_{what}")
 

@@ -47,6 +47,7 @@ from ._format import (
     TensorMeta,
     chunk_key,
     commit,
+    data_file_name,
     index_file_name,
     itemsize,
     torch_dtype,
@@ -439,7 +440,7 @@ def execute_save(plan: SavePlan) -> None:
             shapes = {n: tuple(lay.shape) for n, lay in plan.layouts.items()}
             items, referenced, ref_sizes = _incremental.match_earlier(storage, plan.incremental, items, shapes)
         groups = partition(items, plan.io_threads)
-        files.update({f"{DATA_DIR}/{save_id[:12]}-r{rank:05d}-{i:02d}.safetensors": g for i, g in enumerate(groups)})
+        files.update({data_file_name(save_id, f"r{rank:05d}-{i:02d}"): g for i, g in enumerate(groups)})
         try:
             named, fmetas, index = write_rank(storage, files, save_id, rank, threads=plan.io_threads, writer=plan.writer,
                                               referenced=referenced, hash_algo=plan.hash_algo)

@@ -1,5 +1,6 @@
 """Converter building blocks: CRC joining, sizes, dtypes, block planning, key selection, DCP unpickler."""
 
+import dataclasses
 import io
 import os
 import pickle
@@ -13,10 +14,11 @@ from shardckpt.converters import parse_size
 from shardckpt.converters._common import Reader
 from shardckpt.converters._dcp import DCPUnpickler
 from shardckpt.converters._options import parse_dtype
-from shardckpt.converters._source import Source, SrcChunk, SrcTensor, plan_blocks
+from shardckpt.converters._source import Source, SrcTensor, plan_blocks
 
 from shardckpt._format import ChunkMeta, TensorMeta
 from shardckpt._format.checksum import checksum, combine
+from shardckpt._format.chunk import Chunk
 from shardckpt._geometry import Box
 from shardckpt._hf import map_names, narrow_unchecked, select_names
 from shardckpt._storage import Storage
@@ -71,8 +73,8 @@ def _tensor_files(tmp_path, full: torch.Tensor, boxes):
             view = view.narrow(d, o, n)
         data = view.contiguous().view(torch.uint8).numpy().tobytes()
         (tmp_path / f"c{i}").write_bytes(b"xx" + data)  # 2 junk bytes: offsets are honoured
-        chunks.append(SrcChunk(file=f"c{i}", byte_offset=2, nbytes=len(data), offsets=offs, sizes=sizes, key=f"c{i}",
-                               check=("crc32c", crc32c.crc32c(data))))
+        chunks.append(Chunk(file=f"c{i}", byte_offset=2, nbytes=len(data), offsets=offs, sizes=sizes, key=f"c{i}",
+                            crc32c=crc32c.crc32c(data)))
     dt = {torch.float32: "F32", torch.int16: "I16"}[full.dtype]
     t = SrcTensor(name="t", dtype=dt, shape=tuple(full.shape), chunks=chunks)
     return Source(url=str(tmp_path), storage=storage, tensors={"t": t}), t
@@ -165,10 +167,10 @@ def test_block_checksummed_chunks_are_verified_before_use(tmp_path):
 
     full = torch.arange(56, dtype=torch.float32).reshape(7, 8)
     source, t = _tensor_files(tmp_path, full, [((0, 0), (3, 8)), ((3, 0), (4, 8))])
-    for c in t.chunks:  # 32-byte blocks instead of one CRC per chunk
+    for k, c in enumerate(t.chunks):  # 32-byte blocks instead of one CRC per chunk
         data = (tmp_path / c.file).read_bytes()[2:]
-        c.check, c.block_bytes = None, 32
-        c.blocks = tuple(crc32c.crc32c(data[i : i + 32]) for i in range(0, len(data), 32))
+        blocks = tuple(crc32c.crc32c(data[i : i + 32]) for i in range(0, len(data), 32))
+        t.chunks[k] = dataclasses.replace(c, crc32c=None, block_bytes=32, block_crcs=blocks)
     reader = Reader(source)
     assert torch.equal(reader.read(t, plan_blocks(t, 0, t.numel)[0]).view(torch.float32).reshape(7, 8), full)
     raw = bytearray((tmp_path / "c1").read_bytes())
@@ -179,3 +181,31 @@ def test_block_checksummed_chunks_are_verified_before_use(tmp_path):
     with pytest.raises(ChecksumMismatchError, match=r"c1.*t chunk 'c1' block 2"):
         reader.read(t, plan_blocks(t, 5 * 8, 7 * 8, 1 << 20)[0])
     reader.finish()  # nothing is left to check at the end: blocks were checked as read
+
+
+def test_converter_options_are_one_set_checked_once(monkeypatch, tmp_path):
+    """Every converter takes the same options (ConvertOptions; SelectOptions adds keys/key_map), checked at the call."""
+    import inspect
+
+    from shardckpt.converters._options import Options
+
+    from shardckpt import _knobs, converters
+
+    assert converters.ConvertOptions.__optional_keys__ == {
+        "storage_options", "dst_storage_options", "overwrite", "progress", "io_threads"}
+    assert converters.SelectOptions.__optional_keys__ == converters.ConvertOptions.__optional_keys__ | {"keys", "key_map"}
+    for fn in (converters.to_safetensors, converters.to_full, converters.reshard, converters.consolidate,
+               converters.from_safetensors, converters.from_dcp, converters.from_torch_save):
+        options = inspect.signature(fn).parameters["options"]
+        assert options.kind is inspect.Parameter.VAR_KEYWORD, fn.__name__
+    # io_threads: the knob read at each call, never a value frozen at import.
+    monkeypatch.setattr(_knobs, "IO_THREADS", 7)
+    assert Options.of("reshard", {}).io_threads == 7
+    assert Options.of("reshard", {"io_threads": None}).io_threads == 7
+    assert Options.of("reshard", {"io_threads": 2}).io_threads == 2
+    # A name a converter does not take raises before anything is read or written, all such names listed.
+    with pytest.raises(TypeError, match=r"reshard\(\) got unexpected keyword arguments 'bogus', 'keys'"):
+        converters.reshard(str(tmp_path / "nothing"), str(tmp_path / "out"), world_size=2, keys=["x"], bogus=1)
+    with pytest.raises(TypeError, match=r"to_full\(\) got unexpected keyword argument 'dst_storage_option' "):
+        converters.to_full(str(tmp_path / "nothing"), str(tmp_path / "out.pt"), dst_storage_option={})
+    assert not (tmp_path / "out").exists()
