@@ -130,8 +130,9 @@ def counts(seq: List[str]) -> Dict[str, Any]:
 
 
 def _save(rank: int, world: int, path: str) -> None:
-    import shardckpt
     from models import build, shard_fsdp2
+
+    import shardckpt
 
     shardckpt.save({"model": shard_fsdp2(build(seed=1)), "step": 11}, path)
 
