@@ -23,15 +23,14 @@ rounds of point-to-point transfers, between steps 2 and 4):
      the staged tensors are copied in; then plain values are put back and
      stateful objects get ``load_state_dict``.
 
-``pipeline.py`` runs these steps (:func:`load_into`, the one load: ``load``,
-``read`` and the memory tier's restore call it); ``api.py`` holds the public
-:func:`load` and :func:`read`.
+``pipeline.py`` runs these steps (:func:`load_into`, the one load) and holds
+the public :func:`load` and :func:`read` that call it (the memory tier's
+restore calls it too).
 """
 
 from __future__ import annotations
 
-from .api import load, read
-from .pipeline import load_into
+from .pipeline import load, load_into, read
 from .plan import DEFAULT_CAST, KeyMap, LoadPlan, LoadResult, Target, dtype_problem, needed_files, plan_load, saved_chunks
 from .stream import StreamHook, load_settings, stream_into
 

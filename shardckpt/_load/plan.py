@@ -4,9 +4,10 @@
 renames (``keys=``/``key_map=``), walks the live state, matches names,
 shapes and dtypes (every offender of every kind in one error), refuses
 self-overlapping targets, resolves the saved chunks each target needs and
-the pieces that fill it, and returns a frozen :class:`LoadPlan` that knows
-its files (:attr:`LoadPlan.files`) and chunks. Pure apart from reading
-metadata (the manifest, index files); no tensor byte is read here.
+the pieces that fill it, checks the data files it reads are present at
+their recorded sizes, and returns a frozen :class:`LoadPlan` that knows its
+files (:attr:`LoadPlan.files`) and chunks. Pure apart from reading metadata
+(the manifest, index files, file sizes); no tensor byte is read here.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from .._format._v2 import materialize
 from .._format.chunk import Chunk
 from .._format.resolve import MetaCache, resolve_chunks
 from .._hf import ALIAS_OF_KEY, select_for_load, with_aliases
+from .._io import check_files
 from .._layout import TensorLayout, layout_of
 from .._state import flatten_for_load
 from .._storage import Storage
@@ -116,8 +118,9 @@ def plan_load(
     local_only: bool = False,
     union: bool = False,
     opened: Optional[Manifest] = None,
+    held: Optional[Callable[[str], bool]] = None,
 ) -> LoadPlan:
-    """The plan of one rank's load of ``storage`` into ``state`` (no tensor byte read; nothing changed).
+    """The checked plan of one rank's load of ``storage`` into ``state`` (no tensor byte read; nothing changed).
 
     Args:
         state: the live state (as :func:`shardckpt.load` takes it).
@@ -130,6 +133,9 @@ def plan_load(
             across ranks instead of here.
         opened: the storage's manifest, already opened and checked by the
             caller (not read again).
+        held: which data files ``storage`` holds (None: all): only those
+            are checked present at their sizes (the memory tier: the other
+            files come from other ranks).
 
     Returns:
         A frozen :class:`LoadPlan` (its files: :attr:`LoadPlan.files`).
@@ -139,23 +145,26 @@ def plan_load(
             overlaps itself, or (strict) the live model ties two different
             checkpoint tensors (all in one error).
         UsageError: an optimizer holds meta-device parameters.
-        CorruptCheckpointError: the manifest or an index file is damaged, or
-            the saved chunks do not cover what this rank holds.
+        CorruptCheckpointError: the manifest or an index file is damaged,
+            the saved chunks do not cover what this rank holds, or a data
+            file the plan reads is missing or truncated.
 
     Example:
         >>> plan = plan_load({"w": torch.zeros(4)}, Storage("ckpt"), rank=0, world=1)  # doctest: +SKIP
         >>> plan.files  # doctest: +SKIP
         {'data/...-r00000-00.safetensors': 80}
 
-    Limits: the checks of data files (present, sizes) are the caller's
-    (``check_files`` on :attr:`LoadPlan.files`): a memory-tier rank checks
-    only the files its node holds.
+    Limits: files are checked by their sizes (listing or stat), not read;
+    every byte is verified as the stream reads it.
     """
     refuse_meta_optimizers(state)
     manifest = open_for_load(state, storage, keys=keys, key_map=key_map, opened=opened)
-    return plan_for_manifest(
+    plan = plan_for_manifest(
         state, manifest, strict=strict, rank=rank, world=world, local_only=local_only, storage=storage, cast=cast, union=union,
     )
+    needed = plan.files
+    check_files(storage, needed if held is None else {f: n for f, n in needed.items() if held(f)})
+    return plan
 
 
 def open_for_load(
