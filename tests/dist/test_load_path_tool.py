@@ -14,17 +14,32 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def test_load_path_counts_the_files_a_load_crosses(tmp_path, capsys):
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+def _tool():
+    """The script as a module (in the test process and in each rank)."""
+    bench = os.path.join(ROOT, "benchmarks")
+    sys.path.insert(0, bench)
     try:
         import load_path
     finally:
-        sys.path.remove(os.path.join(ROOT, "benchmarks"))
+        sys.path.remove(bench)
+    return load_path
+
+
+def _save(rank, world, path):
+    _tool()._save(rank, world, path)
+
+
+def _trace(rank, world, path):
+    return _tool()._load(rank, world, path)
+
+
+def test_load_path_counts_the_files_a_load_crosses(tmp_path):
     from _dist import run_ranks
 
+    load_path = _tool()
     path = str(tmp_path / "ckpt")
-    run_ranks(2, load_path._save, path)
-    seq = run_ranks(2, load_path._load, path)[0]
+    run_ranks(2, _save, path)
+    seq = run_ranks(2, _trace, path)[0]
     assert seq[0] == "_load/pipeline.py"  # load() itself
     for f in ("_load/plan.py", "_load/stream.py", "_format/committed.py", "_format/_v2.py", "_storage/_local.py", "_collective.py"):
         assert f in seq, (f, seq)
