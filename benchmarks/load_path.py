@@ -13,7 +13,9 @@ enters; consecutive repeats are merged. Printed:
 * ``files``: distinct files on the path;
 * ``moves``: changes of file along the sequence;
 * ``returns``: moves into a file already entered before;
-* ``entered``: how often each file is entered (``_format/_v2.py`` and the others).
+* ``entered``: how often each file is entered (``_format/_v2.py`` and the others);
+
+also with ``_storage/`` as one stop, and with ``_load`` (file or package) as one more.
 
 Usage::
 
@@ -161,12 +163,20 @@ def main(argv: Optional[List[str]] = None) -> int:
         seq = run_ranks(2, _load, path)[0]
     if args.show:
         print(" -> ".join(seq))
-    # Second view: the storage package as one stop (its backends' own calls are not the load's path).
-    merged: List[str] = []
-    for f in ("_storage/" if f.startswith("_storage/") else f for f in seq):
-        if not merged or merged[-1] != f:
-            merged.append(f)
-    for what, s in (("all files", seq), ("storage as one stop", merged)):
+    # Other views: the storage package as one stop (its backends' own calls
+    # are not the load's path), and the load package as one stop too (the
+    # one file _load.py was before issue 32).
+    def merge(prefixes: Tuple[str, ...]) -> List[str]:
+        out: List[str] = []
+        for f in seq:
+            f = next((p for p in prefixes if f.startswith(p)), f)
+            if not out or out[-1] != f:
+                out.append(f)
+        return out
+
+    views = (("all files", seq), ("storage as one stop", merge(("_storage/",))),
+             ("storage and the load as one stop each", merge(("_storage/", "_load"))))
+    for what, s in views:
         c = counts(s)
         print(f"{what}: files {c['files']}, moves {c['moves']}, returns to a file already entered {c['returns']}")
         print("  entered: " + ", ".join(f"{f} {n}" for f, n in c["entered"].most_common()))

@@ -32,7 +32,7 @@ from ..errors import CorruptCheckpointError, StateMismatchError, UsageError, for
 
 __all__ = [
     "KeyMap", "DEFAULT_CAST", "LoadResult", "Target", "LoadPlan", "plan_load", "plan_for_manifest",
-    "open_for_load", "needed_files", "saved_chunks", "dtype_problem", "live_nothing_loaded",
+    "open_for_load", "saved_chunks", "dtype_problem", "live_nothing_loaded",
 ]
 
 log = logging.getLogger("shardckpt")
@@ -91,7 +91,13 @@ class LoadPlan:
     @property
     def files(self) -> Dict[str, int]:
         """``file -> size`` of the data files this plan reads."""
-        return needed_files(self)
+        files = {}
+        for t in self.targets:
+            for pieces in t.pieces:
+                for p in pieces:
+                    rel = t.chunks[p.chunk].file
+                    files[rel] = self.manifest.files[rel].size
+        return files
 
     @property
     def chunks(self) -> Tuple[Chunk, ...]:
@@ -433,17 +439,6 @@ def saved_chunks(manifest: Manifest, storage: Optional[Storage], name: str, boxe
     """
     stored = manifest.extra.get(ALIAS_OF_KEY, {}).get(name, name)
     return resolve_chunks(manifest, storage, stored, boxes, cache=cache)
-
-
-def needed_files(plan: "LoadPlan") -> Dict[str, int]:
-    """``file -> size`` of the data files ``plan`` reads."""
-    files = {}
-    for t in plan.targets:
-        for pieces in t.pieces:
-            for p in pieces:
-                rel = t.chunks[p.chunk].file
-                files[rel] = plan.manifest.files[rel].size
-    return files
 
 
 def _replicated(lay: TensorLayout) -> bool:
