@@ -231,7 +231,7 @@ def build_manifest(lays, per_rank: Dict[int, List[Tuple[str, Box]]], ranks: int)
 
 
 def v1_load_plan(body: bytes, lays, rank: int) -> int:
-    """``_plan_load``: parse the whole manifest, intersect own boxes with every saved chunk."""
+    """The v1 load plan (``_load.plan``): parse the whole manifest, intersect own boxes with every saved chunk."""
     m = manifest_from_bytes(body)
     pieces = 0
     for name in sorted(lays):

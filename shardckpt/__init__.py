@@ -28,6 +28,7 @@ _ERROR_NAMES = tuple(
 __all__ = [
     "save",
     "load",
+    "read",
     "async_save",
     "inspect",
     "verify",
@@ -54,6 +55,7 @@ _LAZY = {
     "MemoryTier": "._memory",
     "save": "._save",
     "load": "._load",
+    "read": "._load",
     "inspect": "._verify",
     "verify": "._verify",
     "LoadResult": "._load",
@@ -95,7 +97,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from . import converters, errors
     from ._async import AsyncSaveHandle, async_save, release_buffers
     from ._format import Manifest
-    from ._load import LoadResult, load
+    from ._load import LoadResult, load, read
     from ._manager import CheckpointManager
     from ._memory import MemoryTier
     from ._rng import RNGState

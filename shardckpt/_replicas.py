@@ -362,219 +362,291 @@ def read_once(
         the reading rank), and ``LoadFailedError`` naming a peer that died or
         did not send within ``collective_timeout_s``.
 
-    One background thread reads everything this rank reads — its shared
-    ranges of every round, in one continuous ``read_verified`` (no drain
-    between rounds) into three round buffers used in turn, then its own
-    ranges; the calling thread agrees on each round, posts its transfers
-    and, one round later, waits for them and places the bytes; the last
-    exchange waits for the own ranges too.
+    Steps: :func:`_offered` (which wants go to the exchange),
+    :func:`_agree_plan` (gather the offered keys, :func:`plan_shared`), and
+    :class:`_Rounds` — one background thread reads everything this rank
+    reads (its shared ranges of every round, in one continuous
+    ``read_verified``, no drain between rounds, into three round buffers used
+    in turn, then its own ranges); the calling thread agrees on each round,
+    posts its transfers and, one round later, waits for them and places the
+    bytes; the last exchange waits for the own ranges too.
     """
-    import threading
-
-    import torch
-
     what = f"the load from {storage.url} stopped part-way (ranks not named here loaded all their tensors)"
     keys = [key_of(w) for w in wants]
-    me = comm.rank
+    offered = _offered(wants, keys, comm.rank, shareable, sources)
+
+    def direct() -> Any:
+        return read(storage, wants, deliver, threads=threads, pool=pool, stats=stats)
+
+    plan = _agree_plan(comm, keys, offered, round_bytes=round_bytes, sources=sources, what=what)
+    if plan is None:
+        return direct()
+    if not plan.rounds:
+        if sources is None:
+            return direct()
+        # With sources every failure is agreed (as in the rounds below), so a
+        # caller that runs the stream again after a damaged copy finds every
+        # rank failed or every rank done, never some of each.
+        agree(comm, direct, what=what)
+        return stats
+    rounds = _Rounds(
+        storage, wants, keys, offered, plan, comm=comm, group=group, read=read, deliver=deliver, place=place, pool=pool,
+        threads=threads, stats=stats, sources=sources, what=what,
+    )
+    return rounds.run()
+
+
+def _offered(wants: Sequence[Any], keys: Sequence[Key], me: int, shareable: Optional[Callable[[Any], bool]],
+             sources: Optional[Sources]) -> List[bool]:
+    """Which wants this rank offers to the exchange: the shareable ones, and (memory tier) those of files it cannot read."""
     if sources is None:
-        offered = [shareable is None or shareable(w) for w in wants]
-    else:
-        offered = [(shareable is not None and shareable(w)) or me not in sources.readers.get(k[0], ()) for w, k in zip(wants, keys)]
+        return [shareable is None or shareable(w) for w in wants]
+    return [(shareable is not None and shareable(w)) or me not in sources.readers.get(k[0], ()) for w, k in zip(wants, keys)]
+
+
+def _agree_plan(comm: Any, keys: Sequence[Key], offered: Sequence[bool], *, round_bytes: int,
+                sources: Optional[Sources], what: str) -> Optional[SharedPlan]:
+    """Gather every rank's offered keys and plan who reads what (:func:`plan_shared`); None: every rank reads its own.
+
+    The key lists travel to every rank, so they are gathered only when they
+    are few in all: first their count (to rank 0), then rank 0's go (to
+    every rank): O(1) bytes per rank. A purely sharded load (FSDP, TP)
+    offers none and stops here; a count over ``MAX_SHARED_KEYS`` (HSDP at
+    thousands of ranks) falls back to direct reads on every rank alike.
+    With ``sources`` the exchange always runs (there is no direct read to
+    fall back to).
+    """
     mine = sorted({key for key, o in zip(keys, offered) if o})
-    # The key lists travel to every rank, so they are gathered only when they
-    # are few in all: first their count (to rank 0), then rank 0's go (to
-    # every rank): O(1) bytes per rank. A purely sharded load (FSDP, TP)
-    # offers none and stops here; a count over MAX_SHARED_KEYS (HSDP at
-    # thousands of ranks) falls back to direct reads on every rank alike.
     if sources is None:
         _, counts = agree(comm, lambda: len(mine), what=what, share=lambda v: v, mode="to_root")
         _, go = agree(comm, lambda: None, what=what, mode="from_root",
                       share=lambda _: counts is not None and 0 < sum(counts) <= MAX_SHARED_KEYS)
         if not go:
-            return read(storage, wants, deliver, threads=threads, pool=pool, stats=stats)
+            return None
     _, keys_by_rank = agree(comm, lambda: mine, what=what, share=lambda v: v)
-    plan = plan_shared(keys_by_rank, round_bytes=round_bytes, readers=None if sources is None else sources.readers)
-    if not plan.rounds:
-        if sources is None:
-            return read(storage, wants, deliver, threads=threads, pool=pool, stats=stats)
-        # With sources every failure is agreed (as in the rounds below), so a
-        # caller that runs the stream again after a damaged copy finds every
-        # rank failed or every rank done, never some of each.
-        agree(comm, lambda: read(storage, wants, deliver, threads=threads, pool=pool, stats=stats), what=what)
-        return stats
-    # The keys this rank receives or reads for itself (a key it wants but did
-    # not offer, because it reads it itself, stays its own read).
-    shared = {s.key for r in plan.rounds for s in r if me in s.holders}
-    by_key: Dict[Key, List[Any]] = {}
-    own: List[Any] = []
-    for w, key, o in zip(wants, keys, offered):
-        if o and key in shared:
-            by_key.setdefault(key, []).append(w)
-        else:
-            own.append(w)
-    cuda = transfer_device(group) == "cuda"
-    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    if cuda:
-        warm_nccl(group)  # every rank is here (the plan has rounds on every rank alike)
-    layouts = [round_layout(r, me) for r in plan.rounds]
-    n = len(layouts)
-    nbuf = min(3, n)
-    size = max(b for _, b in layouts)
-    bufs = [torch.empty(size, dtype=torch.uint8, device=device) for _ in range(nbuf)]
-    # What this rank reads for each round (tag: (round, offset in its buffer)), in file order.
-    def chunk(key: Key) -> Any:
-        if key in by_key:
-            return by_key[key][0].chunk
-        assert sources is not None  # without sources every reader holds what it reads
-        return sources.chunk_of(key[0], key[1])
+    return plan_shared(keys_by_rank, round_bytes=round_bytes, readers=None if sources is None else sources.readers)
 
-    reads = [Want(chunk(s.key), s.key[2], s.key[3], (k, off))
-             for k, (groups, _) in enumerate(layouts) for g in groups if g.reader == me for s, off in g.items]
-    left = [0] * n
-    for w in reads:
-        left[w.tag[0]] += 1
-    read_done = [threading.Event() for _ in range(n)]
-    read_fence: List[Any] = [None] * n
-    freed = [threading.Event() for _ in range(n)]  # round k's buffer may be reused
-    freed_fence: List[Any] = [None] * n  # ... once the device copies out of it are done
-    for k in range(n):
-        if not left[k]:
-            read_done[k].set()
-    state: Dict[str, Any] = {"error": None, "cancel": False, "own_done": threading.Event()}
 
-    def into(w, data, owner, off):
+class _Rounds:
+    """One rank's agreed rounds of a :func:`read_once`: the reader thread, the round buffers, the transfers.
+
+    Built from the agreed :class:`SharedPlan` (with rounds). :meth:`run`
+    starts the reader thread (:meth:`_reader`) and, per round, agrees with
+    the other ranks that the round's reads succeeded (:meth:`_step`) before
+    posting its transfers (:meth:`_post`); one round later the transfers are
+    waited for and the bytes placed (:meth:`_finish`).
+    """
+
+    def __init__(self, storage: Any, wants: Sequence[Any], keys: Sequence[Key], offered: Sequence[bool],
+                 plan: SharedPlan, *, comm: Any, group: Any, read: Callable[..., Any], deliver: Callable[..., Any],
+                 place: Callable[[Any, Any], Any], pool: Any, threads: int, stats: Any, sources: Optional[Sources],
+                 what: str):
+        import threading
+
+        import torch
+
+        self.storage, self.comm, self.group, self.what = storage, comm, group, what
+        self.read_fn, self.deliver, self.place = read, deliver, place
+        self.pool, self.threads, self.stats, self.sources = pool, threads, stats, sources
+        me = self.me = comm.rank
+        # The keys this rank receives or reads for itself (a key it wants but did
+        # not offer, because it reads it itself, stays its own read).
+        shared = {s.key for r in plan.rounds for s in r if me in s.holders}
+        self.by_key: Dict[Key, List[Any]] = {}
+        self.own: List[Any] = []
+        for w, key, o in zip(wants, keys, offered):
+            if o and key in shared:
+                self.by_key.setdefault(key, []).append(w)
+            else:
+                self.own.append(w)
+        self.cuda = transfer_device(group) == "cuda"
+        self.device = torch.device("cuda", torch.cuda.current_device()) if self.cuda else torch.device("cpu")
+        if self.cuda:
+            warm_nccl(group)  # every rank is here (the plan has rounds on every rank alike)
+        self.layouts = [round_layout(r, me) for r in plan.rounds]
+        n = self.n = len(self.layouts)
+        self.nbuf = min(3, n)
+        size = max(b for _, b in self.layouts)
+        self.bufs = [torch.empty(size, dtype=torch.uint8, device=self.device) for _ in range(self.nbuf)]
+        # What this rank reads for each round (tag: (round, offset in its buffer)), in file order.
+        self.reads = [Want(self._chunk(s.key), s.key[2], s.key[3], (k, off))
+                      for k, (groups, _) in enumerate(self.layouts) for g in groups if g.reader == me for s, off in g.items]
+        self.left = [0] * n
+        for w in self.reads:
+            self.left[w.tag[0]] += 1
+        self.read_done = [threading.Event() for _ in range(n)]
+        self.read_fence: List[Any] = [None] * n
+        self.freed = [threading.Event() for _ in range(n)]  # round k's buffer may be reused
+        self.freed_fence: List[Any] = [None] * n  # ... once the device copies out of it are done
+        for k in range(n):
+            if not self.left[k]:
+                self.read_done[k].set()
+        self.error: Optional[BaseException] = None
+        self.cancel = False
+        self.own_done = threading.Event()
+        self.posted: List[Tuple[int, List[Any]]] = []  # the round whose transfers are in flight
+        self.failed: List[BaseException] = []  # a failure between two exchanges, raised at the next one
+
+    def _chunk(self, key: Key) -> Any:
+        """The saved chunk of ``key``: from a want of this rank, else (a range read only to send) from ``sources``."""
+        if key in self.by_key:
+            return self.by_key[key][0].chunk
+        assert self.sources is not None  # without sources every reader holds what it reads
+        return self.sources.chunk_of(key[0], key[1])
+
+    def _into(self, w, data, owner, off):
+        """The reader's consumer for shared ranges: copy into round ``k``'s buffer once it is free; a fence or None."""
+        import torch
+
         k, pos = w.tag
-        if state["cancel"]:
+        nbuf = self.nbuf
+        if self.cancel:
             raise _Cancelled()
         if k >= nbuf:
-            while not freed[k - nbuf].wait(0.05):
-                if state["cancel"]:
+            while not self.freed[k - nbuf].wait(0.05):
+                if self.cancel:
                     raise _Cancelled()
-            if state["cancel"]:
+            if self.cancel:
                 raise _Cancelled()
         src = owner[0][off : off + len(data)]
-        dst = bufs[k % nbuf][pos : pos + len(data)]
+        dst = self.bufs[k % nbuf][pos : pos + len(data)]
         fence = None
         if dst.is_cuda:
-            if k >= nbuf and freed_fence[k - nbuf] is not None:
-                torch.cuda.current_stream().wait_event(freed_fence[k - nbuf])
+            if k >= nbuf and self.freed_fence[k - nbuf] is not None:
+                torch.cuda.current_stream().wait_event(self.freed_fence[k - nbuf])
             dst.copy_(src, non_blocking=True)
             fence = torch.cuda.Event()
             fence.record()
         else:
             dst.copy_(src)
-        left[k] -= 1
-        if not left[k]:
-            read_fence[k] = fence
-            read_done[k].set()
+        self.left[k] -= 1
+        if not self.left[k]:
+            self.read_fence[k] = fence
+            self.read_done[k].set()
         return fence
 
-    def own_into(w, data, owner, off):
-        if state["cancel"]:
+    def _own_into(self, w, data, owner, off):
+        """The reader's consumer for this rank's own ranges (straight into their tensors)."""
+        if self.cancel:
             raise _Cancelled()  # another rank failed: stop reading
-        return deliver(w, data, owner, off)
+        return self.deliver(w, data, owner, off)
 
-    def reader() -> None:
+    def _reader(self) -> None:
+        """The background thread: every shared range this rank reads, round after round, then its own ranges."""
+        import torch
+
         try:
-            if cuda:
-                torch.cuda.set_device(device)  # a new thread starts on device 0: events and copies belong here
+            if self.cuda:
+                torch.cuda.set_device(self.device)  # a new thread starts on device 0: events and copies belong here
             with torch.no_grad():
                 # Ranges others wait for first (their rounds go out while this
                 # rank reads its own), then this rank's own.
-                if reads:
-                    read(storage, reads, into, threads=threads, pool=pool, stats=stats)
-                if own:
-                    read(storage, own, own_into, threads=threads, pool=pool, stats=stats)
+                kw = dict(threads=self.threads, pool=self.pool, stats=self.stats)
+                if self.reads:
+                    self.read_fn(self.storage, self.reads, self._into, **kw)
+                if self.own:
+                    self.read_fn(self.storage, self.own, self._own_into, **kw)
         except BaseException as e:  # noqa: BLE001 - raised in the calling thread at its next step
-            state["error"] = e
+            self.error = e
         finally:
-            state["own_done"].set()
-            for ev in read_done:
+            self.own_done.set()
+            for ev in self.read_done:
                 ev.set()
 
-    def wait_read(k: int) -> None:
+    def _wait_read(self, k: int) -> None:
         """Wait for round ``k``'s reads (``k == n``: for this rank's own ranges, read last)."""
-        ev = read_done[k] if k < n else state["own_done"]
+        import torch
+
+        comm, n = self.comm, self.n
+        ev = self.read_done[k] if k < n else self.own_done
         if not ev.wait(comm.timeout_s):
             raise LoadFailedError(
                 f"{comm.op}: this rank's reads of {'round %d' % k if k < n else 'its own ranges'} did not finish "
                 f"within collective_timeout_s={comm.timeout_s:g}: the storage is stalled"
             )
-        if state["error"] is not None and not isinstance(state["error"], _Cancelled):
-            raise state["error"]
-        if k < n and read_fence[k] is not None:
-            torch.cuda.current_stream().wait_event(read_fence[k])
+        if self.error is not None and not isinstance(self.error, _Cancelled):
+            raise self.error
+        if k < n and self.read_fence[k] is not None:
+            torch.cuda.current_stream().wait_event(self.read_fence[k])
 
-    posted: List[Tuple[int, List[Any]]] = []  # the round whose transfers are in flight
-    failed: List[BaseException] = []  # a failure between two exchanges, raised at the next one
-
-    def post(k: int) -> None:
-        buf = bufs[k % nbuf]
+    def _post(self, k: int) -> None:
+        """Post round ``k``'s transfers: this rank's reads to their other holders, what it receives from the readers."""
+        comm, me, stats = self.comm, self.me, self.stats
+        buf = self.bufs[k % self.nbuf]
         ops = []
-        for g in layouts[k][0]:
+        for g in self.layouts[k][0]:
             part = buf[g.start : g.stop]
             if g.reader == me:
                 for q in g.holders:
                     if q != me:
-                        ops.append(p2p_op("send", part, comm.ranks[q], group, g.tag))
+                        ops.append(p2p_op("send", part, comm.ranks[q], self.group, g.tag))
                         stats.sent_bytes += g.stop - g.start
             else:
-                ops.append(p2p_op("recv", part, comm.ranks[g.reader], group, g.tag))
+                ops.append(p2p_op("recv", part, comm.ranks[g.reader], self.group, g.tag))
                 stats.received_bytes += g.stop - g.start
-        posted.append((k, start_ops(ops)))
+        self.posted.append((k, start_ops(ops)))
 
-    def finish() -> None:
-        k, works = posted.pop(0)
-        groups = layouts[k][0]
+    def _finish(self) -> None:
+        """Wait for the oldest posted round's transfers, place its bytes into the tensors, free its buffer."""
+        import torch
+
+        comm, me = self.comm, self.me
+        k, works = self.posted.pop(0)
+        groups = self.layouts[k][0]
         peers = {comm.ranks[g.reader] for g in groups if g.reader != me}
         peers |= {comm.ranks[q] for g in groups if g.reader == me for q in g.holders if q != me}
-        wait_ops(works, comm, sorted(peers), cuda, doing="sending replicated bytes")
-        buf = bufs[k % nbuf]
+        wait_ops(works, comm, sorted(peers), self.cuda, doing="sending replicated bytes")
+        buf = self.bufs[k % self.nbuf]
         for g in groups:
             for s, off in g.items:
-                for w in by_key.get(s.key, ()):
-                    place(w, buf[off : off + _nbytes(s.key)])
-        if cuda:
+                for w in self.by_key.get(s.key, ()):
+                    self.place(w, buf[off : off + _nbytes(s.key)])
+        if self.cuda:
             # The reader's next copies into this buffer wait for these (on its own stream).
-            freed_fence[k] = torch.cuda.Event()
-            freed_fence[k].record()
-        freed[k].set()
+            self.freed_fence[k] = torch.cuda.Event()
+            self.freed_fence[k].record()
+        self.freed[k].set()
 
-    def step(k: int) -> None:
-        if failed:
-            raise failed.pop()
-        wait_read(k)  # the reader is ahead, on the next rounds (then its own ranges), meanwhile
-        if posted:
-            finish()
+    def _step(self, k: int) -> None:
+        """This rank's part of exchange ``k``: a failure since the last one, round ``k``'s reads, round ``k-1``'s transfers."""
+        if self.failed:
+            raise self.failed.pop()
+        self._wait_read(k)  # the reader is ahead, on the next rounds (then its own ranges), meanwhile
+        if self.posted:
+            self._finish()
 
-    th = threading.Thread(target=reader, name="shardckpt-read-once", daemon=True)
-    th.start()
-    try:
-        for k in range(n + 1):
-            # Every rank runs every step and then meets the others, so a
-            # failure anywhere (a damaged block on the reader) stops all ranks
-            # at the same exchange, before any byte of that round is sent.
-            agree(comm, lambda k=k: step(k), what=what)  # type: ignore[misc]
-            if k < n:
+    def run(self) -> Any:
+        """Every round, agreed by every rank; returns ``stats``. Transfers in flight finish before the buffers go."""
+        import threading
+
+        th = threading.Thread(target=self._reader, name="shardckpt-read-once", daemon=True)
+        th.start()
+        try:
+            for k in range(self.n + 1):
+                # Every rank runs every step and then meets the others, so a
+                # failure anywhere (a damaged block on the reader) stops all ranks
+                # at the same exchange, before any byte of that round is sent.
+                agree(self.comm, lambda k=k: self._step(k), what=self.what)  # type: ignore[misc]
+                if k < self.n:
+                    try:
+                        self._post(k)
+                    except Exception as e:  # noqa: BLE001 - reported to every rank at the next exchange
+                        self.failed.append(e)
+        finally:
+            self.cancel = True
+            for ev in self.freed:
+                ev.set()
+            th.join()
+            # Transfers posted by every rank of them before an agreed failure:
+            # finished before their buffers go (the caller may run the stream
+            # again: the memory tier after a damaged copy). A dead peer fails
+            # these within the timeout; the failure already raised wins.
+            for _, works in self.posted:
                 try:
-                    post(k)
-                except Exception as e:  # noqa: BLE001 - reported to every rank at the next exchange
-                    failed.append(e)
-    finally:
-        state["cancel"] = True
-        for ev in freed:
-            ev.set()
-        th.join()
-        # Transfers posted by every rank of them before an agreed failure:
-        # finished before their buffers go (the caller may run the stream
-        # again: the memory tier after a damaged copy). A dead peer fails
-        # these within the timeout; the failure already raised wins.
-        for _, works in posted:
-            try:
-                wait_ops(works, comm, [], cuda, doing="finishing the transfers of a failed load")
-            except Exception:  # noqa: BLE001 - the first error is the one raised
-                pass
-    return stats
+                    wait_ops(works, self.comm, [], self.cuda, doing="finishing the transfers of a failed load")
+                except Exception:  # noqa: BLE001 - the first error is the one raised
+                    pass
+        return self.stats
 
 
 class _Cancelled(Exception):

@@ -408,15 +408,35 @@ def _own_tensors(
 def execute_save(plan: SavePlan) -> None:
     """Write this rank's files, gather chunk metadata, commit on rank 0 (collective).
 
-    Three agreements: rank 0's go (target free, fresh save id), every rank's
-    write result (to rank 0), rank 0's commit outcome. A failure anywhere
-    raises on every rank, removes this save's data files and leaves any
-    previous checkpoint at the URL as it was.
+    Three agreements: rank 0's go (target free, fresh save id:
+    :func:`_agree_target`), every rank's write result (to rank 0:
+    :func:`_write_own`), rank 0's commit outcome (:func:`_commit_on_root`).
+    A failure anywhere raises on every rank, removes this save's data files
+    and leaves any previous checkpoint at the URL as it was
+    (:func:`_after_failure`).
     """
-    storage, rank, comm = plan.storage, plan.rank, plan.comm
+    storage, comm = plan.storage, plan.comm
+    save_id = _agree_target(plan)
+    files: Dict[str, Sequence[WriteItem]] = {}  # this rank's data files (filled by _write_own; removed on failure)
+    # Rank 0: how far its commit got ("before", "writing", "committed"): the
+    # commit point is decided here, once, and the failure branch reads it.
+    stage = ["before"]
+    try:
+        _, gathered = agree(comm, lambda: _write_own(plan, save_id, files), what=f"nothing was committed at {storage.url}",
+                            share=lambda v: v, mode=TO_ROOT)
+        agree(comm, lambda: _commit_on_root(plan, gathered, save_id, stage), what=f"save to {storage.url} failed")
+    except BaseException as e:
+        if _after_failure(plan, e, save_id, stage[0], list(files) + [index_file_name(save_id, plan.rank)]):
+            return
+        raise
+
+
+def _agree_target(plan: SavePlan) -> str:
+    """Rank 0 checks the target is free (or ``overwrite``) and draws the save id; every rank gets it (agreed)."""
+    storage = plan.storage
 
     def check_target() -> Optional[str]:
-        if rank != 0:
+        if plan.rank != 0:
             return None
         try:
             exists = storage.exists(MANIFEST_NAME)
@@ -426,101 +446,112 @@ def execute_save(plan: SavePlan) -> None:
             raise CheckpointExistsError(f"{storage.url_of(MANIFEST_NAME)} already exists; {plan.exists_hint}")
         return uuid.uuid4().hex
 
-    _, save_id = agree(comm, check_target, what=f"save to {storage.url} not started", share=lambda v: v, mode=FROM_ROOT)
+    _, save_id = agree(plan.comm, check_target, what=f"save to {storage.url} not started", share=lambda v: v, mode=FROM_ROOT)
+    return save_id
 
-    files: Dict[str, Sequence[WriteItem]] = {}  # this rank's data files (filled by write(); removed on failure)
-    index_rel = index_file_name(save_id, rank)
+
+def _write_own(plan: SavePlan, save_id: str, files: Dict[str, Sequence[WriteItem]]) -> Tuple[Any, ...]:
+    """Write this rank's data files and index file (``files`` filled first, so a failure can remove them); what rank 0 needs.
+
+    Rank 0 needs only: the irregular tensors' chunks (to check their tiling
+    and name their writers), whole-tensor chunks (the HF index), and the
+    bytes written of regular tensors (a missing writer shows): O(own
+    tensors) per rank, none of it per-box for sharded tensors.
+    """
+    storage, rank = plan.storage, plan.rank
     regular = {n for n, lay in plan.layouts.items() if lay.regular is not None}
-
-    def write() -> Tuple[Any, ...]:
-        items = list(plan.items)
-        referenced: List[Tuple[str, ChunkMeta]] = []
-        ref_sizes: Dict[str, int] = {}
-        if plan.incremental:
-            shapes = {n: tuple(lay.shape) for n, lay in plan.layouts.items()}
-            items, referenced, ref_sizes = _incremental.match_earlier(storage, plan.incremental, items, shapes)
-        groups = partition(items, plan.io_threads)
-        files.update({data_file_name(save_id, f"r{rank:05d}-{i:02d}"): g for i, g in enumerate(groups)})
-        try:
-            named, fmetas, index = write_rank(storage, files, save_id, rank, threads=plan.io_threads, writer=plan.writer,
-                                              referenced=referenced, hash_algo=plan.hash_algo)
-        except OSError as e:
-            err = _write_failed(e, storage, f"rank {rank} could not write its files")
-            raise err from err.__cause__
-        if plan.hash_algo:  # an incremental run's first save too: the next one orders its work by it
-            _incremental.note_written(storage, named, referenced)
-        # Rank 0 needs only: the irregular tensors' chunks (to check their
-        # tiling and name their writers), whole-tensor chunks (the HF index),
-        # and the bytes written of regular tensors (a missing writer shows):
-        # O(own tensors) per rank, none of it per-box for sharded tensors.
-        return (
-            None,
-            [c.to_json() | {"name": n} for n, c in named if n not in regular or c.key == n],
-            {k: v.size for k, v in fmetas.items()} | ref_sizes,
-            plan.per_rank,
-            index,
-            sum(c.nbytes for n, c in named if n in regular),
-            dict(plan.per_rank_specs),
-        )
-
-    # Rank 0: how far its commit got ("before", "writing", "committed"): the
-    # commit point is decided here, once, and the failure branch reads it.
-    stage = ["before"]
-
-    def commit_on_root(gathered) -> None:
-        if rank != 0:
-            return
-        try:
-            _commit(plan, gathered, save_id, progress=lambda s: stage.__setitem__(0, s))
-        except Exception as e:
-            landed = _commit_landed(storage, save_id, stage[0])
-            if landed:
-                # The manifest is ours (written, then an error: a lost PUT
-                # answer, a failed clean-up of the replaced files): the save
-                # is done, whatever the error says.
-                log.warning("shardckpt: %s was committed (the manifest names this save), then: %s: %s", storage.url, type(e).__name__, e)
-                return
-            if landed is None:
-                raise SaveFailedError(
-                    f"cannot tell whether {storage.url} was committed: the manifest write failed ({type(e).__name__}: "
-                    f"{e}) and the manifest cannot be read back; this save's files are kept. Run "
-                    f"shardckpt.verify({storage.url!r}) to see which checkpoint is there"
-                ) from e
-            if isinstance(e, OSError) and not isinstance(e, CheckpointError):
-                err = _write_failed(e, storage, "commit failed")
-                raise err from err.__cause__
-            raise SaveFailedError(f"nothing was committed at {storage.url}: commit failed: {type(e).__name__}: {e}") from e
-
+    items = list(plan.items)
+    referenced: List[Tuple[str, ChunkMeta]] = []
+    ref_sizes: Dict[str, int] = {}
+    if plan.incremental:
+        shapes = {n: tuple(lay.shape) for n, lay in plan.layouts.items()}
+        items, referenced, ref_sizes = _incremental.match_earlier(storage, plan.incremental, items, shapes)
+    groups = partition(items, plan.io_threads)
+    files.update({data_file_name(save_id, f"r{rank:05d}-{i:02d}"): g for i, g in enumerate(groups)})
     try:
-        _, gathered = agree(comm, write, what=f"nothing was committed at {storage.url}", share=lambda v: v, mode=TO_ROOT)
-        agree(comm, lambda: commit_on_root(gathered), what=f"save to {storage.url} failed")
-    except BaseException as e:
-        # The commit point: once rank 0's manifest write passed it, no rank
-        # removes a file the manifest names (with overwrite, the replaced
-        # checkpoint's files may already be gone: this save's are all there
-        # is). Rank 0 knows how far its commit got (and reads the manifest
-        # back when the write's outcome is unknown); a peer can miss rank 0's
-        # verdict although rank 0 committed (rank 0 died just after, taking
-        # the store with it) and reads the manifest back. Files are removed
-        # only when the manifest is known not to be this save's.
-        committed = _commit_landed(storage, save_id, stage[0]) if rank == 0 else _committed_by(storage, save_id)
-        if committed and isinstance(e, Exception):
-            if rank != 0:
-                log.warning("shardckpt: %s was committed, then a peer failed: %s", storage.url, e)
-                return
+        named, fmetas, index = write_rank(storage, files, save_id, rank, threads=plan.io_threads, writer=plan.writer,
+                                          referenced=referenced, hash_algo=plan.hash_algo)
+    except OSError as e:
+        err = _write_failed(e, storage, f"rank {rank} could not write its files")
+        raise err from err.__cause__
+    if plan.hash_algo:  # an incremental run's first save too: the next one orders its work by it
+        _incremental.note_written(storage, named, referenced)
+    return (
+        None,
+        [c.to_json() | {"name": n} for n, c in named if n not in regular or c.key == n],
+        {k: v.size for k, v in fmetas.items()} | ref_sizes,
+        plan.per_rank,
+        index,
+        sum(c.nbytes for n, c in named if n in regular),
+        dict(plan.per_rank_specs),
+    )
+
+
+def _commit_on_root(plan: SavePlan, gathered: Any, save_id: str, stage: List[str]) -> None:
+    """Rank 0: build and write the manifest (``_commit``), recording in ``stage`` how far it got; other ranks: nothing.
+
+    A failure after the manifest landed is logged, not raised (the save is
+    done); one whose outcome cannot be read back keeps the files.
+    """
+    if plan.rank != 0:
+        return
+    storage = plan.storage
+    try:
+        _commit(plan, gathered, save_id, progress=lambda s: stage.__setitem__(0, s))
+    except Exception as e:
+        landed = _commit_landed(storage, save_id, stage[0])
+        if landed:
+            # The manifest is ours (written, then an error: a lost PUT
+            # answer, a failed clean-up of the replaced files): the save
+            # is done, whatever the error says.
+            log.warning("shardckpt: %s was committed (the manifest names this save), then: %s: %s", storage.url, type(e).__name__, e)
+            return
+        if landed is None:
             raise SaveFailedError(
-                f"{storage.url} was committed (complete: its manifest names only files every rank had written; "
-                f"it is this save's and it loads), then a rank failed. What the failure said (about what came "
-                f"after the commit, which stands): {e}"
+                f"cannot tell whether {storage.url} was committed: the manifest write failed ({type(e).__name__}: "
+                f"{e}) and the manifest cannot be read back; this save's files are kept. Run "
+                f"shardckpt.verify({storage.url!r}) to see which checkpoint is there"
             ) from e
-        if committed is not False:  # committed (an interrupt), or cannot tell: the files stay (cleanup() removes leftovers)
-            raise
-        for rel in list(files) + [index_rel]:
-            try:
-                storage.remove(rel)
-            except Exception:
-                pass
-        raise
+        if isinstance(e, OSError) and not isinstance(e, CheckpointError):
+            err = _write_failed(e, storage, "commit failed")
+            raise err from err.__cause__
+        raise SaveFailedError(f"nothing was committed at {storage.url}: commit failed: {type(e).__name__}: {e}") from e
+
+
+def _after_failure(plan: SavePlan, e: BaseException, save_id: str, stage: str, rels: Sequence[str]) -> bool:
+    """After a failed save: True when the save stands after all (committed; a peer failed after), else the caller re-raises.
+
+    The commit point: once rank 0's manifest write passed it, no rank
+    removes a file the manifest names (with overwrite, the replaced
+    checkpoint's files may already be gone: this save's are all there is).
+    Rank 0 knows how far its commit got (and reads the manifest back when
+    the write's outcome is unknown); a peer can miss rank 0's verdict
+    although rank 0 committed (rank 0 died just after, taking the store
+    with it) and reads the manifest back. Files (``rels``) are removed only
+    when the manifest is known not to be this save's.
+
+    Raises:
+        SaveFailedError: on rank 0, the save was committed and a rank failed after.
+    """
+    storage, rank = plan.storage, plan.rank
+    committed = _commit_landed(storage, save_id, stage) if rank == 0 else _committed_by(storage, save_id)
+    if committed and isinstance(e, Exception):
+        if rank != 0:
+            log.warning("shardckpt: %s was committed, then a peer failed: %s", storage.url, e)
+            return True
+        raise SaveFailedError(
+            f"{storage.url} was committed (complete: its manifest names only files every rank had written; "
+            f"it is this save's and it loads), then a rank failed. What the failure said (about what came "
+            f"after the commit, which stands): {e}"
+        ) from e
+    if committed is not False:  # committed (an interrupt), or cannot tell: the files stay (cleanup() removes leftovers)
+        return False
+    for rel in rels:
+        try:
+            storage.remove(rel)
+        except Exception:
+            pass
+    return False
 
 
 def write_rank(

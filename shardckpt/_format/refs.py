@@ -103,6 +103,12 @@ class RefStorage:
     def __init__(self, inner: Any):
         self._inner = inner
         self._siblings: Dict[str, Any] = {}
+        # The plain attributes every reader asks for, fixed when the wrapped
+        # storage was made: held here, so that asking is no detour through
+        # ``__getattr__``.
+        for name in ("url", "caps"):
+            if hasattr(inner, name):
+                setattr(self, name, getattr(inner, name))
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)

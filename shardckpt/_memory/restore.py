@@ -12,7 +12,7 @@ the manager's ranks; every decision comes from values all ranks exchanged.
    links to every file its node holds of that step (no copy) and, from other
    holders, the manifest and index files its node lacks (small, whole files,
    verified: ``_memory/transfer.run_sends``).
-3. *load*: ``_load.load_into`` — the one load (plan once, check, agree,
+3. *load*: ``_load.load_into`` — the one load (``plan_load`` once, check, agree,
    stream, agree; casting, resharding, ``atomic=``) — over the staged
    directory, with ``_replicas.Sources`` saying which ranks' nodes hold each
    data file. The stream reads the ranges this rank needs from its own
@@ -46,7 +46,7 @@ from .._collective import ALL, Comm, agree
 from .._format import MANIFEST_NAME, open_manifest
 from .._format._v2 import read_index
 from .._format.resolve import MetaCache, resolve_chunks
-from .._load import load_into
+from .._load import LoadPlan, load_into
 from .._readers import ReadStats, read_verified
 from .._replicas import Sources
 from .._storage import Storage
@@ -174,15 +174,18 @@ def restore_from_memory(
         for rel in sorted(own_held & data):
             ctx.link_local(rel)  # verified as it is read, block by block: no pass of its own
         bad: Set[Tuple[str, str]] = set(ctx.bad)
-        chunks = _ChunkIndex(m, st)
 
-        def sources() -> Sources:
-            return Sources(
-                readers={rel: [r for r in holders.get(rel, ()) if (node_of[r], rel) not in bad] for rel in data},
-                chunk_of=chunks.chunk_of,
-            )
+        def hook(plan: LoadPlan, run: Callable[..., ReadStats]) -> ReadStats:
+            # Ranges this rank reads only to send are found in the index files
+            # through the plan's own metadata cache (nothing parsed twice).
+            chunks = _ChunkIndex(m, st, plan.cache)
 
-        def hook(run: Callable[..., ReadStats]) -> ReadStats:
+            def sources() -> Sources:
+                return Sources(
+                    readers={rel: [r for r in holders.get(rel, ()) if (node_of[r], rel) not in bad] for rel in data},
+                    chunk_of=chunks.chunk_of,
+                )
+
             for attempt in range(FETCH_ROUNDS + 1):
                 found: List[str] = []
 
@@ -256,9 +259,9 @@ def restore_from_memory(
 class _ChunkIndex:
     """``(file, byte offset) -> Chunk`` from the writers' index files, parsed on first use (a rank reading only to send)."""
 
-    def __init__(self, manifest: Any, storage: Storage):
+    def __init__(self, manifest: Any, storage: Storage, cache: MetaCache):
         self.m, self.st = manifest, storage
-        self.cache = MetaCache()
+        self.cache = cache
         self.index_ranks = {rel: im.rank for rel, im in manifest.indexes.items()}
         self.by_file: Dict[str, Dict[int, Any]] = {}  # (name, ChunkMeta) until resolved, then the Chunk
 

@@ -37,13 +37,13 @@ def saved(tmp_path, monkeypatch):
 
 def _pools(monkeypatch):
     pools = []
-    real = _load.BufferPool
+    real = _load.stream.BufferPool
 
     def pool(capacity, **kw):
         pools.append(real(capacity, **kw))
         return pools[-1]
 
-    monkeypatch.setattr(_load, "BufferPool", pool)
+    monkeypatch.setattr(_load.stream, "BufferPool", pool)
     return pools
 
 

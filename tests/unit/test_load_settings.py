@@ -33,13 +33,13 @@ def test_knob_values_parse_from_the_environment(monkeypatch):
 
 def _pools(monkeypatch):
     seen = []
-    real = _load.BufferPool
+    real = _load.stream.BufferPool
 
     def pool(capacity, **kw):
         seen.append(capacity)
         return real(capacity, **kw)
 
-    monkeypatch.setattr(_load, "BufferPool", pool)
+    monkeypatch.setattr(_load.stream, "BufferPool", pool)
     return seen
 
 

@@ -270,7 +270,7 @@ def _rows_plan(d, live_rows, rows, cols):
     from shardckpt import _geometry
 
     man = open_manifest(d, chunks=False)
-    plan = _load._plan_load({"w": torch.zeros(rows, cols)}, man, strict=True, rank=0, world=1, storage=Storage(d))
+    plan = _load.plan.plan_for_manifest({"w": torch.zeros(rows, cols)}, man, strict=True, rank=0, world=1, storage=Storage(d))
     t = plan.targets[0]
     lo, hi = live_rows
     box = _geometry.Box((lo, 0), (hi - lo, cols))

@@ -1,0 +1,223 @@
+"""Stream a planned load: read only the byte ranges this rank needs, verify them, copy each piece into its tensor.
+
+``stream_into`` turns a :class:`~shardckpt._load.plan.LoadPlan` into byte
+ranges (``_readers.Want``: one per saved piece, cut to at most
+``SHARDCKPT_LOAD_RANGE_BYTES`` along dim 0), reads them through the one
+verified reader (``_readers.read_verified``, or ``_replicas.read_once`` when
+several ranks hold the same bytes) into a bounded, reused buffer pool
+(pinned for CUDA targets), and ``copy_``-es each verified piece (casting
+where the dtypes differ) straight into the live tensor — or into staging
+tensors (``stage.py``) with ``atomic=True``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from .. import _knobs, _replicas
+from .._collective import Comm
+from .._format import torch_dtype
+from .._io import byte_view, host_empty
+from .._layout import box_view
+from .._readers import BufferPool, ReadStats, Want, read_verified
+from .._storage import Storage
+from ..errors import CheckpointError, LoadFailedError, format_offenders
+from .plan import LoadPlan
+
+if TYPE_CHECKING:  # pragma: no cover
+    from torch.distributed import ProcessGroup
+
+__all__ = ["StreamHook", "load_settings", "stream_into"]
+
+#: ``load_into(stream=...)``: wraps the stream; called with ``(plan, run)``,
+#: ``run`` being :func:`stream_into` bound to the plan, taking its
+#: ``sources=``/``read=``/``stats=`` options.
+StreamHook = Callable[[LoadPlan, Callable[..., ReadStats]], ReadStats]
+
+
+def _strides(sizes: Sequence[int]) -> Tuple[int, ...]:
+    out, acc = [], 1
+    for n in reversed(sizes):
+        out.append(acc)
+        acc *= n
+    return tuple(reversed(out))
+
+
+@dataclass(frozen=True)
+class _Copy:
+    """Deliver-time job: copy elements of a saved chunk (a box of it) into ``dst``."""
+
+    target: int
+    dst: torch.Tensor
+    src_offsets: Tuple[int, ...]
+    sizes: Tuple[int, ...]
+    strides: Tuple[int, ...]  # the chunk's, contiguous
+    first: int  # flat element index of the first byte read
+    dtype: torch.dtype
+
+
+def _wants(plan: LoadPlan, dests: Sequence[Sequence[torch.Tensor]], range_bytes: int) -> List[Want]:
+    """Byte ranges to read, one per piece cut to at most ``range_bytes`` of its chunk (along dim 0)."""
+    out: List[Want] = []
+    for ti, t in enumerate(plan.targets):
+        chunks = t.chunks
+        dtype = torch_dtype(t.meta.dtype)
+        isz = torch.empty((), dtype=dtype).element_size()
+        for dst_part, pieces in zip(dests[ti], t.pieces):
+            for p in pieces:
+                c = chunks[p.chunk]
+                strides = _strides(c.sizes)
+                if not p.sizes or math.prod(p.sizes) == 0:
+                    if not p.sizes and c.nbytes:  # a 0-d tensor
+                        out.append(Want(c, 0, c.nbytes, _Copy(ti, dst_part, (), (), (), 0, dtype)))
+                    continue
+                row_bytes = strides[0] * isz
+                rows = max(1, range_bytes // max(row_bytes, 1))
+                for r in range(0, p.sizes[0], rows):
+                    n = min(rows, p.sizes[0] - r)
+                    src = (p.src_offsets[0] + r,) + tuple(p.src_offsets[1:])
+                    sizes = (n,) + tuple(p.sizes[1:])
+                    first = sum(o * st for o, st in zip(src, strides))
+                    last = sum((o + k - 1) * st for o, k, st in zip(src, sizes, strides))
+                    dst = box_view(dst_part, (p.dst_offsets[0] + r,) + tuple(p.dst_offsets[1:]), sizes)
+                    out.append(Want(c, first * isz, (last + 1) * isz, _Copy(ti, dst, src, sizes, strides, first, dtype)))
+    return out
+
+
+def _host_alloc(pinned: bool):
+    """The pool's allocator: plain host tensors, or page-locked ones of exactly the size asked."""
+
+    def alloc(n: int):
+        t = host_empty(n)  # byte_view can view it writably, NumPy or not
+        if pinned and n and int(torch.cuda.cudart().cudaHostRegister(t.data_ptr(), n, 0)) != 0:
+            pinned_t = torch.empty(n, dtype=torch.uint8, pin_memory=True)  # registration refused: the allocator's
+            return byte_view(pinned_t), (pinned_t, False)
+        return byte_view(t), (t, pinned and n > 0)
+
+    def free(owner) -> None:
+        t, registered = owner
+        if registered:
+            try:
+                torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
+            except Exception:  # the memory is freed either way; never fail a load on this
+                pass
+
+    return alloc, free
+
+
+def load_settings(cuda: bool, *, threads: Optional[int] = None, buffer_bytes: Optional[int] = None) -> Tuple[int, int]:
+    """``(io threads, buffer bytes)`` of a load: the values given, else the defaults for its targets.
+
+    CUDA targets: ``SHARDCKPT_LOAD_CUDA_IO_THREADS`` and
+    ``SHARDCKPT_LOAD_CUDA_BUFFER_BYTES`` (pinned buffers, so reads overlap
+    the device copies); otherwise ``SHARDCKPT_IO_THREADS`` and
+    ``SHARDCKPT_LOAD_BUFFER_BYTES`` (host memory beyond the model stays
+    small). Knobs are read at call time.
+
+        >>> load_settings(False, threads=2, buffer_bytes=1 << 20)
+        (2, 1048576)
+    """
+    if threads is None:
+        threads = _knobs.LOAD_CUDA_IO_THREADS if cuda else _knobs.IO_THREADS
+    if buffer_bytes is None:
+        buffer_bytes = _knobs.LOAD_CUDA_BUFFER_BYTES if cuda else _knobs.LOAD_BUFFER_BYTES
+    return threads, buffer_bytes
+
+
+def stream_into(
+    storage: Storage,
+    plan: LoadPlan,
+    staged: Optional[Sequence[Sequence[torch.Tensor]]],
+    *,
+    threads: Optional[int] = None,
+    buffer_bytes: Optional[int] = None,
+    stats: Optional[ReadStats] = None,
+    comm: Optional[Comm] = None,
+    process_group: Optional["ProcessGroup"] = None,
+    sources: Optional[_replicas.Sources] = None,
+    read: Callable[..., ReadStats] = read_verified,
+) -> ReadStats:
+    """Read, verify and copy every piece of ``plan`` into its tensor (or into ``staged``).
+
+    ``threads``/``buffer_bytes`` None: :func:`load_settings` for the targets.
+    With ``comm`` of several ranks (the load's; collective then), a byte
+    range several ranks need is read by one of them and sent to the others
+    over ``process_group`` (``shardckpt/_replicas.py``;
+    ``SHARDCKPT_LOAD_READ_ONCE=0`` turns it off). With ``sources`` (the
+    memory tier: ``storage`` holds only some files), a range of a file this
+    rank's storage lacks is read by a rank that has it and sent here, over
+    the same transfer engine (always on). ``read``: the verified reader
+    (``_readers.read_verified``, or a wrapper of it).
+
+    Raises:
+        ChecksumMismatchError / CorruptCheckpointError / StorageError: as the
+            reader does; unless staging, the message names the tensors this
+            rank had already overwritten.
+    """
+    dests = staged if staged is not None else [[dst for _, dst in t.parts] for t in plan.targets]
+    cuda = staged is None and torch.cuda.is_available() and any(d.is_cuda for ds in dests for d in ds)
+    threads, buffer_bytes = load_settings(cuda, threads=threads, buffer_bytes=buffer_bytes)
+    range_bytes = min(_knobs.LOAD_RANGE_BYTES, buffer_bytes)
+    alloc, free = _host_alloc(cuda)
+    pool = BufferPool(buffer_bytes, slot_bytes=range_bytes, alloc=alloc, free=free)
+    touched: Dict[int, None] = {}
+    events: List[Any] = []
+
+    def place(w: Want, raw: torch.Tensor):
+        """Copy a want's bytes (``raw``: uint8, host or device) into its destination; a fence or None."""
+        job: _Copy = w.tag
+        isz = raw.new_empty((), dtype=job.dtype).element_size()
+        if raw.data_ptr() % isz:
+            raw = raw.clone()  # a foreign file's chunk not aligned to its item size
+        flat = raw.view(job.dtype)
+        # as_strided's offset counts from the start of the storage, not of the view.
+        at = flat.storage_offset() + sum(o * s for o, s in zip(job.src_offsets, job.strides)) - job.first
+        src = flat.as_strided(job.sizes, job.strides, at)
+        touched[job.target] = None
+        if job.dst.is_cuda or src.is_cuda:
+            job.dst.copy_(src, non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record()
+            events.append(ev)
+            return ev
+        job.dst.copy_(src)
+        return None
+
+    def deliver(w: Want, data: memoryview, owner, off: int):
+        return place(w, owner[0][off : off + len(data)])
+
+    wants = _wants(plan, dests, range_bytes)
+    stats = stats or ReadStats()
+    stats.needed_bytes += sum(w.stop - w.start for w in wants)
+    try:
+        with torch.no_grad():
+            if sources is not None and comm is not None and comm.world > 1 and not _replicas.transfer_device(process_group):
+                raise LoadFailedError(
+                    f"{comm.op}: the process group's backend ({process_group!r}) can send neither CPU nor CUDA tensors: "
+                    "the memory tier needs gloo or NCCL"
+                )
+            if comm is not None and comm.world > 1 and (_replicas.enabled() or sources is not None) and _replicas.transfer_device(process_group):
+                # Ranges several ranks need are read by one and sent to the others.
+                return _replicas.read_once(
+                    storage, wants, comm=comm, group=process_group, read=read, deliver=deliver, place=place,
+                    shareable=lambda w: plan.targets[w.tag.target].replicated and _replicas.enabled(),
+                    pool=pool, threads=threads, stats=stats,
+                    # The memory tier's rounds carry a shard, not a few replicated tensors: fewer, larger ones.
+                    round_bytes=max(range_bytes, buffer_bytes if sources is not None else buffer_bytes // 2),
+                    sources=sources,
+                )
+            return read(storage, wants, deliver, threads=threads, pool=pool, stats=stats)
+    except CheckpointError as e:
+        if staged is None and touched:
+            names = [plan.targets[i].name for i in touched]
+            raise type(e)(f"{e}. Tensors already overwritten: {format_offenders(names)}; load a good checkpoint "
+                          "into this state again (atomic=True stages first and changes nothing on failure)") from None
+        raise
+    finally:
+        pool.close()  # waits for the device copies; releases the pinned memory
+        if events:
+            events[-1].synchronize()
