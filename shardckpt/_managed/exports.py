@@ -29,7 +29,7 @@ def parse_export_dtype(dtype: Any) -> Any:
     """``export_dtype`` as the converters take it (``torch.bfloat16``, ``"bf16"``...); None stays None.
 
     Raises:
-        UsageError: not a dtype the converters know (as ``converters.to_safetensors``'s ``dtype``).
+        UnsupportedStateError: not a floating-point dtype shardckpt can write; TypeError: neither a dtype nor a name.
     """
     if dtype is None:
         return None
