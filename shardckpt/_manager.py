@@ -64,6 +64,9 @@ __all__ = ["CheckpointManager", "step_dir_name", "parse_step_dir", "steps_to_del
 
 log = logging.getLogger("shardckpt")
 
+#: How a refused save of a committed step says what to do.
+FORCE_HINT = "pass force=True to replace it"
+
 #: Local steps ``CheckpointManager(..., local=DIR)`` keeps besides those not flushed yet (docs/manager.md).
 DEFAULT_KEEP_LOCAL = 2
 
@@ -465,6 +468,7 @@ class CheckpointManager:
     # -- save (engine) ---------------------------------------------------------------
 
     def _save(self, step: int, state: Dict[str, Any], *, force: bool) -> Optional[AsyncSaveHandle]:
+        """Claim the root, plan, write and commit step ``step`` (in the background with ``async_save``), then retention."""
         t0 = time.perf_counter()
         comm = self._comm("CheckpointManager.save")
         wait_pending(new_save=True)
@@ -474,8 +478,6 @@ class CheckpointManager:
         _, base = agree(comm, lambda: self._claim(step) if comm.rank == 0 else None,
                         what=f"save of step {step} under {self.root_url}", share=lambda v: v, mode=FROM_ROOT)
         url = self.step_url(step)
-        name = step_dir_name(step)
-        hint = "pass force=True to replace it"
         try:
             plan = prepare_save(
                 state,
@@ -485,7 +487,7 @@ class CheckpointManager:
                 overwrite=force,
                 io_threads=self._write_threads,
                 extra={"step": step},
-                exists_hint=f"step {step} is already committed; {hint}",
+                exists_hint=f"step {step} is already committed; {FORCE_HINT}",
                 incremental=base,
                 content_hash=self.incremental,  # the first step too: later ones reference it
                 replicas=self.replicas,
@@ -496,39 +498,11 @@ class CheckpointManager:
             raise SaveFailedError(f"save of step {step} to {url} failed: {type(e).__name__}: {e}") from e
         if force and plan.rank == 0:  # only rank 0 commits, and so removes the replaced files
             plan = dataclasses.replace(plan, keep_files=retention.referenced_files(self.root, step))
-
-        def before() -> None:
-            # Rank 0, before any rank writes (the others wait for its go). It
-            # must not raise: rank 0 would skip the save's exchanges and
-            # leave its peers waiting. Files left here are not in the new
-            # manifest, and cleanup() removes them.
-            try:
-                if not self.root.exists(f"{name}/{MANIFEST_NAME}"):
-                    self._clear_dir(name)
-            except Exception as e:
-                log.warning("shardckpt: cannot remove leftovers of step %d at %s: %s: %s", step, url, type(e).__name__, e)
-
-        def after(c: Comm) -> None:
-            if self._remote is not None:
-                self._flusher_on(c).submit(step)  # before retention: the pending step is protected
-            self._retain(c, step)
-
         if self.async_save:
-            def precheck() -> Optional[str]:
-                if not force and self.root.exists(f"{name}/{MANIFEST_NAME}"):
-                    return f"step {step} is already committed at {url}; {hint}"
-                return None
-
-            try:
-                self._handle = start_async(plan, precheck=precheck, before=before, after=after, reuse_buffers=self.reuse_buffers, t0=t0)
-            except CheckpointError:
-                raise
-            except Exception as e:
-                raise SaveFailedError(f"save of step {step} to {url} failed: {type(e).__name__}: {e}") from e
-            return self._handle
+            return self._save_async(plan, step, force=force, t0=t0)
         try:
             if plan.rank == 0:
-                before()
+                self._before_write(step)
             execute_save(plan)
         except CheckpointError:
             raise
@@ -538,10 +512,49 @@ class CheckpointManager:
                 "restore() only ever picks committed steps."
             ) from e
         try:
-            after(comm)
+            self._after_commit(comm, step)
         except Exception as e:  # committed; housekeeping trouble must not fail training
             log.warning("shardckpt: after committing step %d: %s: %s", step, type(e).__name__, e)
         return None
+
+    def _save_async(self, plan: Any, step: int, *, force: bool, t0: float) -> AsyncSaveHandle:
+        """Start the background part of an async save of ``plan`` (step ``step``); its handle."""
+        name, url = step_dir_name(step), self.step_url(step)
+
+        def precheck() -> Optional[str]:
+            if not force and self.root.exists(f"{name}/{MANIFEST_NAME}"):
+                return f"step {step} is already committed at {url}; {FORCE_HINT}"
+            return None
+
+        try:
+            self._handle = start_async(plan, precheck=precheck, before=lambda: self._before_write(step),
+                                       after=lambda c: self._after_commit(c, step), reuse_buffers=self.reuse_buffers, t0=t0)
+        except CheckpointError:
+            raise
+        except Exception as e:
+            raise SaveFailedError(f"save of step {step} to {url} failed: {type(e).__name__}: {e}") from e
+        return self._handle
+
+    def _before_write(self, step: int) -> None:
+        """Rank 0, before any rank writes step ``step`` (the others wait for its go): remove an unfinished save's leftovers.
+
+        It must not raise: rank 0 would skip the save's exchanges and leave
+        its peers waiting. Files left here are not in the new manifest, and
+        cleanup() removes them.
+        """
+        name = step_dir_name(step)
+        try:
+            if not self.root.exists(f"{name}/{MANIFEST_NAME}"):
+                self._clear_dir(name)
+        except Exception as e:
+            log.warning("shardckpt: cannot remove leftovers of step %d at %s: %s: %s", step, self.step_url(step),
+                        type(e).__name__, e)
+
+    def _after_commit(self, comm: Comm, step: int) -> None:
+        """Every rank, once step ``step`` is committed: hand it to the flusher (``local=``), then retention."""
+        if self._remote is not None:
+            self._flusher_on(comm).submit(step)  # before retention: the pending step is protected
+        self._retain(comm, step)
 
     def _retain(self, comm: Comm, saved: int) -> None:
         """Retention on rank 0; every rank returns once it is done, so their ``steps()`` agree."""
