@@ -15,42 +15,42 @@ middle leaves an uncommitted leftover, never a committed step with missing
 files). Every rank waits for it (one agreement) before ``save`` returns (or,
 async, before the handle's ``result()`` does), so ``steps()`` then lists the
 same steps on every rank.
+
+This class holds the lifecycle, the argument checks and the agreements
+between ranks; the decisions and the I/O behind them are in
+``shardckpt._managed`` (``retention``, ``restore``, ``owners``, ``memory``,
+``exports``), each testable alone, and the local/remote tiers in ``_flush``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import errno
 import logging
-import operator
 import os
-import re
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, Callable, Dict, FrozenSet, Iterable, List, Optional, Set, Tuple, cast
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, List, Optional, Set, Tuple, cast
 
 from . import _fingerprint
 from ._async import AsyncSaveHandle, start_async, wait_pending
 from ._collective import ALL, FROM_ROOT, Comm, NoProcessGroupError, agree, open_comm
 from ._flush import Flusher, restore_source
-from ._format import HF_INDEX_NAME, MANIFEST_NAME, open_manifest, torch_dtype
+from ._format import MANIFEST_NAME
 from ._format.committed import nearby_names
-from ._format.refs import follow, live_files, removable
-from ._io import check_files
 from ._load import load
-from ._memory import MemoryTier
-from ._memory.tier import MemoryStore
-from ._runtimes import unwrap
-from ._save import DATA_DIR, execute_save, prepare_save
+from ._managed import exports, owners, retention
+from ._managed import restore as order
+from ._managed.exports import HF_SUFFIX
+from ._managed.memory import open_memory
+from ._managed.memory import save_to_memory as memory_save
+from ._managed.restore import RESTORE_ATTEMPTS
+from ._managed.retention import UNKNOWN, check_step, parse_step_dir, stale_leftovers, step_dir_name, steps_to_delete
+from ._save import execute_save, prepare_save
 from ._storage import Storage
 from .errors import (
     CheckpointError,
-    CheckpointNotFoundError,
-    ConcurrentUseError,
     CorruptCheckpointError,
     LoadFailedError,
-    NewerFormatError,
     SaveFailedError,
     StorageError,
     UsageError,
@@ -64,148 +64,11 @@ __all__ = ["CheckpointManager", "step_dir_name", "parse_step_dir", "steps_to_del
 
 log = logging.getLogger("shardckpt")
 
-STEP_PREFIX = "step-"
-STEP_DIGITS = 8
-_STEP_RE = re.compile(r"^step-(\d+)$")
-
-
-#: Steps saved under each root by any manager of this process. Managers of one
-#: process are one job (one save in flight per process, ``_async``): their
-#: steps are never "another writer's" to each other.
-_SAVED_IN_PROCESS: Dict[str, Set[int]] = {}
-
-#: Root URL -> token of the manager of this process that saved there last. A
-#: manager that saved before and finds another's token was taken over by a
-#: second manager on its root in this process (see ``_claim``).
-_ROOT_OWNER: Dict[str, str] = {}
-
-#: Attempts of restore() when the step it picked is deleted while it loads (another process's retention).
-RESTORE_ATTEMPTS = 3
+#: How a refused save of a committed step says what to do.
+FORCE_HINT = "pass force=True to replace it"
 
 #: Local steps ``CheckpointManager(..., local=DIR)`` keeps besides those not flushed yet (docs/manager.md).
 DEFAULT_KEEP_LOCAL = 2
-
-#: Suffix of the directory ``last_save_in_hf`` writes next to a step (``step-00001000-hf``).
-HF_SUFFIX = "-hf"
-
-
-def _export_dtype(dtype: Any) -> Any:
-    # The converters package imports every converter: only when a dtype is given.
-    from .converters._options import parse_dtype
-
-    return parse_dtype(dtype)
-
-
-def _model_state(state: Dict[str, Any], dtype: Any) -> Any:
-    """``state["model"]`` for a model-only save, its floating-point tensors cast to ``dtype`` when given.
-
-    Cast copies keep ties: a tensor under several names is cast once and,
-    as ``save_pretrained`` does, kept under its first name only.
-    """
-    if not isinstance(state, dict) or "model" not in state:
-        raise UsageError(
-            "CheckpointManager: last_save_model_only saves state['model'], and the state has no 'model' entry "
-            f"(it has {format_offenders(list(state) if isinstance(state, dict) else [])})"
-        )
-    model = state["model"]
-    if dtype is None:
-        return model
-    import torch
-
-    sd = unwrap(model).state_dict(keep_vars=True) if isinstance(model, torch.nn.Module) else model
-    if not isinstance(sd, dict):
-        raise UsageError(f"CheckpointManager: export_dtype needs state['model'] to be a module or a dict, got {type(model).__name__}")
-    out, seen = {}, set()
-    with torch.no_grad():
-        for k, v in sd.items():
-            if isinstance(v, torch.Tensor):
-                if id(v) in seen:
-                    continue
-                seen.add(id(v))
-                v = v.detach()
-                if v.is_floating_point():
-                    v = v.to(torch_dtype(dtype))
-            out[k] = v
-    return out
-
-
-def step_dir_name(step: int) -> str:
-    """``step-00001000`` for step 1000 (sortable; more digits past 99,999,999)."""
-    return f"{STEP_PREFIX}{step:0{STEP_DIGITS}d}"
-
-
-def parse_step_dir(name: str) -> Optional[int]:
-    """The step of a directory name made by :func:`step_dir_name`, else None."""
-    m = _STEP_RE.match(name.rstrip("/"))
-    return int(m.group(1)) if m else None
-
-
-def steps_to_delete(committed: Iterable[int], *, keep_last: Optional[int], keep_every: Optional[int], protect: Iterable[int] = ()) -> List[int]:
-    """Committed steps retention removes: all but the newest ``keep_last``,
-    multiples of ``keep_every`` and ``protect``. ``keep_last=None`` keeps all."""
-    steps = sorted(set(committed))
-    if keep_last is None or not steps:
-        return []
-    keep: Set[int] = set(steps[-keep_last:]) | set(protect)
-    if keep_every:
-        keep |= {s for s in steps if s % keep_every == 0}
-    return [s for s in steps if s not in keep]
-
-
-#: ``errno``s of an OS error that says a step's own files are damaged (the
-#: manifest is a directory, a name too long, a path through a file...), not
-#: that storage is unavailable: restore skips such a step like a corrupt one.
-_DAMAGE_ERRNOS = frozenset(getattr(errno, n) for n in ("EISDIR", "ENOTDIR", "ELOOP", "ENAMETOOLONG", "ENXIO", "ENODEV", "EINVAL") if hasattr(errno, n))
-
-
-def stale_leftovers(committed: Iterable[int], unfinished: Iterable[int]) -> List[int]:
-    """Steps without a manifest that retention and ``cleanup()`` may remove: those below the newest committed step.
-
-    A step directory without a manifest is either a crashed save's leftover
-    or a save in flight, maybe in another process (a ``cleanup()`` loop, a
-    second job): removing files under a save about to commit would leave a
-    committed step with missing files. Saves go forward, so one below the
-    newest committed step is no save in flight; a newer one may be and stays
-    (the next save of that step, or the first commit past it, removes it).
-
-    Example:
-        >>> stale_leftovers([3, 5], [4, 6])
-        [4]
-    """
-    done = list(committed)
-    newest = max(done) if done else None
-    return sorted(s for s in set(unfinished) if newest is not None and s < newest)
-
-
-def _is_damage(e: BaseException) -> bool:
-    """Whether ``e``, met while validating a step, means the step is damaged (skip it) rather than storage trouble."""
-    if isinstance(e, (CheckpointNotFoundError, CorruptCheckpointError)):
-        return True
-    if isinstance(e, CheckpointError):
-        return False
-    if isinstance(e, OSError):
-        return e.errno in _DAMAGE_ERRNOS or isinstance(e, (FileNotFoundError, NotADirectoryError, IsADirectoryError))
-    # Malformed metadata that a parser failed to turn into our type: still the step's own damage.
-    return isinstance(e, (ValueError, TypeError, KeyError, RecursionError, UnicodeError))
-
-
-#: ``_clear_dir``'s "liveness not computed yet".
-_UNKNOWN = object()
-
-#: Largest step number (int64, what trainers count in): a bigger one has no directory name to write.
-MAX_STEP = 2**63 - 1
-
-
-def _check_step(step: Any) -> int:
-    try:
-        value = operator.index(step)  # ints, numpy ints, 0-d int tensors
-    except TypeError:
-        value = -1
-    if isinstance(step, bool) or not 0 <= value <= MAX_STEP:
-        # repr of a 5,000-digit int would itself raise: show its size instead.
-        shown = f"an int of {value.bit_length()} bits" if value > MAX_STEP else repr(step)[:80]
-        raise UsageError(f"step must be a non-negative int (at most 2**63 - 1), got {shown}")
-    return value
 
 
 def _positive(name: str, v: Any, *, allow_none: bool = True) -> Optional[int]:
@@ -378,7 +241,7 @@ class CheckpointManager:
         self.initial_load_path = initial_load_path
         self.initial_load_model_only = bool(initial_load_model_only)
         self.last_save_model_only = bool(last_save_model_only)
-        self.export_dtype = None if export_dtype is None else _export_dtype(export_dtype)
+        self.export_dtype = exports.parse_export_dtype(export_dtype)
         self.last_save_in_hf = bool(last_save_in_hf)
         self.enable_first_step_checkpoint = bool(enable_first_step_checkpoint)
         self.load_only = bool(load_only)
@@ -391,9 +254,7 @@ class CheckpointManager:
         # its first save); any other step that appears is another writer's.
         self._known: Optional[Set[int]] = None
         self._token = uuid.uuid4().hex
-        self._memory = None
-        if memory is not None and memory is not False:
-            self._memory = MemoryStore(MemoryTier.of(memory), self.root_url)
+        self._memory = open_memory(memory, self.root_url)
 
     def __repr__(self) -> str:
         return f"CheckpointManager({self.root_url!r}, keep_last={self.keep_last}, keep_every={self.keep_every}, async_save={self.async_save})"
@@ -402,7 +263,7 @@ class CheckpointManager:
 
     def step_url(self, step: int) -> str:
         """URL of a step's checkpoint (usable with ``shardckpt.load``/``inspect``/``verify``)."""
-        return self.root.url_of(step_dir_name(_check_step(step)))
+        return self.root.url_of(step_dir_name(check_step(step)))
 
     def _rank(self, op: str) -> int:
         # Through open_comm: under torchrun without a process group every
@@ -424,24 +285,8 @@ class CheckpointManager:
     # -- listing ----------------------------------------------------------------
 
     def _scan(self) -> Tuple[List[int], List[Tuple[int, str]]]:
-        """``(committed steps, [(step, dir name) without a manifest])``, both sorted."""
-        # Listing caches (s3fs, gcsfs) would hide steps committed since.
-        self.root.invalidate_cache()
-        found = sorted((s, name) for name in self.root.listdir("") for s in [parse_step_dir(name)] if s is not None)
-        if not found:
-            return [], []
-
-        def committed(item):
-            return self.root.exists(f"{item[1]}/{MANIFEST_NAME}")
-
-        if not self.root.caps.high_latency or len(found) <= 2:
-            flags = [committed(it) for it in found]
-        else:
-            with ThreadPoolExecutor(max_workers=min(16, len(found))) as ex:
-                flags = list(ex.map(committed, found))
-        done = [s for (s, _), ok in zip(found, flags) if ok]
-        partial = [it for it, ok in zip(found, flags) if not ok]
-        return sorted(set(done)), partial
+        """``(committed steps, [(step, dir name) without a manifest])``, both sorted (:func:`_managed.retention.scan`)."""
+        return retention.scan(self.root)
 
     def steps(self) -> List[int]:
         """Committed steps, oldest first (a step whose ``manifest.json`` exists).
@@ -461,7 +306,7 @@ class CheckpointManager:
 
         Always False with ``load_only``.
         """
-        step = _check_step(step)
+        step = check_step(step)
         if self.load_only:
             return False
         return step % cast(int, self.save_interval) == 0 or (self.enable_first_step_checkpoint and step == 1)
@@ -505,11 +350,11 @@ class CheckpointManager:
             UnsupportedStateError: a value in ``state`` cannot be saved.
         """
         self._check_open()
-        step = _check_step(step)
+        step = check_step(step)
         if self.load_only:
             return None
         if last_step and self.last_save_model_only:
-            state = {"model": _model_state(state, self.export_dtype)}
+            state = {"model": exports.model_only_state(state, self.export_dtype)}
         handle = self._save(step, state, force=force)
         if last_step and self.last_save_in_hf:
             if handle is not None:
@@ -570,29 +415,20 @@ class CheckpointManager:
             >>> opt.step()   # waits for the copy of the values it replaces  # doctest: +SKIP
         """
         self._check_open()
-        step = _check_step(step)
+        step = check_step(step)
         if self._memory is None or self.load_only:
             return False
         comm = self._comm("CheckpointManager.save_to_memory")
-        return self._memory.save(step, state, comm, process_group=self.process_group, io_threads=self._write_threads,
-                                 overlap=bool(overlap))
+        return memory_save(self._memory, step, state, comm, process_group=self.process_group,
+                           io_threads=self._write_threads, overlap=overlap)
 
     def _export_hf(self, step: int) -> None:
         """Rank 0 writes the committed step as a Hugging Face directory; every rank returns when it is there."""
-        # The converters package imports every converter: only when exporting.
-        from .converters import to_safetensors
+        exports.export_hf(self._comm("CheckpointManager.save", error=SaveFailedError), self.step_url(step),
+                          self.hf_url(step), step=step, dtype=self.export_dtype,
+                          storage_options=self.storage_options or None, io_threads=self._write_threads)
 
-        comm = self._comm("CheckpointManager.save", error=SaveFailedError)
-
-        def export() -> None:
-            if comm.rank == 0:
-                to_safetensors(self.step_url(step), self.hf_url(step), dtype=self.export_dtype, overwrite=True,
-                               storage_options=self.storage_options or None,
-                               dst_storage_options=self.storage_options or None, io_threads=self._write_threads)
-
-        agree(comm, export, what=f"Hugging Face export of step {step} to {self.hf_url(step)}")
-
-    # -- one manager per root ------------------------------------------------------------
+    # -- one manager per root (_managed.owners) ------------------------------------------------
 
     def _foreign_steps(self) -> List[int]:
         """Rank 0: committed steps this manager did not write and had not seen (another writer's), sorted."""
@@ -604,8 +440,7 @@ class CheckpointManager:
 
     def _not_ours(self, committed: Iterable[int]) -> List[int]:
         """Of ``committed``, the steps neither this manager nor this process saved, nor found at its first save."""
-        ours = (self._known or set()) | _SAVED_IN_PROCESS.get(self.root_url, set())
-        return sorted(set(committed) - ours)
+        return owners.not_ours(committed, self._known or (), owners.saved_in_process(self.root_url))
 
     def _claim(self, step: int) -> Optional[str]:
         """Rank 0, before each save: refuse when another writer committed steps under the root since the last save.
@@ -613,37 +448,27 @@ class CheckpointManager:
         Two managers saving under one root would each apply retention to the
         other's steps. Every step that appears without this manager saving
         it is another writer's: this manager then stops saving there.
+        Returns the base of an incremental save (the newest committed step
+        before ``step``), None otherwise.
         """
-        owner = _ROOT_OWNER.get(self.root_url)
-        if self._known is not None and owner is not None and owner != self._token:
+        if self._known is not None and owners.taken_over(self.root_url, self._token):
             # Across processes the steps tell (below); in one process the steps
             # of every manager count as this job's, so the owner token does.
-            raise ConcurrentUseError(
-                f"save of step {step} refused: another CheckpointManager of this process saved under "
-                f"{self.root_url} since this one's last save. Two managers must not save under one root (the "
-                "retention of one deletes what the other saves). This manager saves no more there; restore() "
-                "still works. Keep one manager per root (close() the old one), or give each its own root_url"
-            )
+            raise owners.refuse_taken_over(step, self.root_url)
         foreign = self._foreign_steps()
         if foreign:
-            raise ConcurrentUseError(
-                f"save of step {step} refused: steps {format_offenders(foreign)} were committed under {self.root_url} "
-                "by another writer since this CheckpointManager's last save. Two managers must not save under one "
-                "root (the retention of one deletes what the other saves). This manager saves no more there; "
-                "restore() still works. Give each run its own root_url, or stop the other one"
-            )
+            raise owners.refuse_foreign(step, self.root_url, foreign)
         cast(Set[int], self._known).add(step)
-        _ROOT_OWNER[self.root_url] = self._token
-        _SAVED_IN_PROCESS.setdefault(self.root_url, set()).add(step)
+        owners.record_save(self.root_url, self._token, step)
         if not self.incremental:
             return None
         earlier = [s for s in self._scan()[0] if s < step]
         return step_dir_name(earlier[-1]) if earlier else None
 
     # -- save (engine) ---------------------------------------------------------------
-    # -- save (engine) ---------------------------------------------------------------
 
     def _save(self, step: int, state: Dict[str, Any], *, force: bool) -> Optional[AsyncSaveHandle]:
+        """Claim the root, plan, write and commit step ``step`` (in the background with ``async_save``), then retention."""
         t0 = time.perf_counter()
         comm = self._comm("CheckpointManager.save")
         wait_pending(new_save=True)
@@ -653,8 +478,6 @@ class CheckpointManager:
         _, base = agree(comm, lambda: self._claim(step) if comm.rank == 0 else None,
                         what=f"save of step {step} under {self.root_url}", share=lambda v: v, mode=FROM_ROOT)
         url = self.step_url(step)
-        name = step_dir_name(step)
-        hint = "pass force=True to replace it"
         try:
             plan = prepare_save(
                 state,
@@ -664,7 +487,7 @@ class CheckpointManager:
                 overwrite=force,
                 io_threads=self._write_threads,
                 extra={"step": step},
-                exists_hint=f"step {step} is already committed; {hint}",
+                exists_hint=f"step {step} is already committed; {FORCE_HINT}",
                 incremental=base,
                 content_hash=self.incremental,  # the first step too: later ones reference it
                 replicas=self.replicas,
@@ -674,40 +497,12 @@ class CheckpointManager:
         except Exception as e:
             raise SaveFailedError(f"save of step {step} to {url} failed: {type(e).__name__}: {e}") from e
         if force and plan.rank == 0:  # only rank 0 commits, and so removes the replaced files
-            plan = dataclasses.replace(plan, keep_files=self._referenced_files(step))
-
-        def before() -> None:
-            # Rank 0, before any rank writes (the others wait for its go). It
-            # must not raise: rank 0 would skip the save's exchanges and
-            # leave its peers waiting. Files left here are not in the new
-            # manifest, and cleanup() removes them.
-            try:
-                if not self.root.exists(f"{name}/{MANIFEST_NAME}"):
-                    self._clear_dir(name)
-            except Exception as e:
-                log.warning("shardckpt: cannot remove leftovers of step %d at %s: %s: %s", step, url, type(e).__name__, e)
-
-        def after(c: Comm) -> None:
-            if self._remote is not None:
-                self._flusher_on(c).submit(step)  # before retention: the pending step is protected
-            self._retain(c, step)
-
+            plan = dataclasses.replace(plan, keep_files=retention.referenced_files(self.root, step))
         if self.async_save:
-            def precheck() -> Optional[str]:
-                if not force and self.root.exists(f"{name}/{MANIFEST_NAME}"):
-                    return f"step {step} is already committed at {url}; {hint}"
-                return None
-
-            try:
-                self._handle = start_async(plan, precheck=precheck, before=before, after=after, reuse_buffers=self.reuse_buffers, t0=t0)
-            except CheckpointError:
-                raise
-            except Exception as e:
-                raise SaveFailedError(f"save of step {step} to {url} failed: {type(e).__name__}: {e}") from e
-            return self._handle
+            return self._save_async(plan, step, force=force, t0=t0)
         try:
             if plan.rank == 0:
-                before()
+                self._before_write(step)
             execute_save(plan)
         except CheckpointError:
             raise
@@ -717,10 +512,49 @@ class CheckpointManager:
                 "restore() only ever picks committed steps."
             ) from e
         try:
-            after(comm)
+            self._after_commit(comm, step)
         except Exception as e:  # committed; housekeeping trouble must not fail training
             log.warning("shardckpt: after committing step %d: %s: %s", step, type(e).__name__, e)
         return None
+
+    def _save_async(self, plan: Any, step: int, *, force: bool, t0: float) -> AsyncSaveHandle:
+        """Start the background part of an async save of ``plan`` (step ``step``); its handle."""
+        name, url = step_dir_name(step), self.step_url(step)
+
+        def precheck() -> Optional[str]:
+            if not force and self.root.exists(f"{name}/{MANIFEST_NAME}"):
+                return f"step {step} is already committed at {url}; {FORCE_HINT}"
+            return None
+
+        try:
+            self._handle = start_async(plan, precheck=precheck, before=lambda: self._before_write(step),
+                                       after=lambda c: self._after_commit(c, step), reuse_buffers=self.reuse_buffers, t0=t0)
+        except CheckpointError:
+            raise
+        except Exception as e:
+            raise SaveFailedError(f"save of step {step} to {url} failed: {type(e).__name__}: {e}") from e
+        return self._handle
+
+    def _before_write(self, step: int) -> None:
+        """Rank 0, before any rank writes step ``step`` (the others wait for its go): remove an unfinished save's leftovers.
+
+        It must not raise: rank 0 would skip the save's exchanges and leave
+        its peers waiting. Files left here are not in the new manifest, and
+        cleanup() removes them.
+        """
+        name = step_dir_name(step)
+        try:
+            if not self.root.exists(f"{name}/{MANIFEST_NAME}"):
+                self._clear_dir(name)
+        except Exception as e:
+            log.warning("shardckpt: cannot remove leftovers of step %d at %s: %s: %s", step, self.step_url(step),
+                        type(e).__name__, e)
+
+    def _after_commit(self, comm: Comm, step: int) -> None:
+        """Every rank, once step ``step`` is committed: hand it to the flusher (``local=``), then retention."""
+        if self._remote is not None:
+            self._flusher_on(comm).submit(step)  # before retention: the pending step is protected
+        self._retain(comm, step)
 
     def _retain(self, comm: Comm, saved: int) -> None:
         """Retention on rank 0; every rank returns once it is done, so their ``steps()`` agree."""
@@ -736,6 +570,7 @@ class CheckpointManager:
         agree(comm, housekeeping, what=f"retention after step {saved}")
 
     def _housekeeping(self, saved: int) -> None:
+        """Rank 0, after step ``saved`` committed: retention (:func:`_managed.retention.plan_retention`), then leftovers."""
         committed, partial = self._scan()
         foreign = self._not_ours(committed)
         if foreign:
@@ -744,31 +579,28 @@ class CheckpointManager:
                 "writer (this manager's next save raises ConcurrentUseError)", saved, format_offenders(foreign), self.root_url,
             )
             return
-        drop = steps_to_delete(committed, **self._retention(saved))
+        plan = retention.plan_retention(committed, [s for s, _ in partial], **self._retention(saved))
         # Uncommit the dropped steps first: if we die half way, what remains
         # are leftovers that restore skips, never a committed step with
         # missing files. Then delete only files no kept manifest names
         # (the kept manifests are never touched here).
-        for s in drop:
+        for s in plan.drop:
             log.info("shardckpt: retention removes step %d", s)
             self._uncommit(step_dir_name(s))
-        stale = set(stale_leftovers(committed, [s for s, _ in partial]))
-        if not drop and not stale:
+        if plan.empty:
             return  # nothing to delete: no manifest to read
-        kept = [s for s in committed if s not in set(drop)]
-        live = self._live_files(kept)
+        live = self._live_files(plan.kept)
         for s, name in partial:
-            if s in stale:
+            if s in plan.stale:
                 log.info("shardckpt: removing leftovers of an unfinished save: %s", self.root.url_of(name))
                 self._clear_dir(name, live)
-        for s in drop:
+        for s in plan.drop:
             self._clear_dir(step_dir_name(s), live)
 
+    # -- deletions on the root (_managed.retention) ------------------------------------------
+
     def _uncommit(self, name: str) -> None:
-        try:
-            self.root.remove(f"{name}/{MANIFEST_NAME}")
-        except FileNotFoundError:
-            pass
+        retention.uncommit(self.root, name)
 
     def _remove_step(self, step: int) -> None:
         name = step_dir_name(step)
@@ -777,108 +609,17 @@ class CheckpointManager:
         self._uncommit(name)
         self._clear_dir(name)
 
-    def _referenced_files(self, step: int) -> Optional[FrozenSet[str]]:
-        """Rank 0, before a ``force`` re-save of ``step``: its files other committed steps reference; None: unknown.
-
-        The replacing commit leaves them in place (later incremental steps
-        read their bytes there); :meth:`cleanup` removes them once no kept
-        step names them. None (a manifest unreadable, the root unlistable)
-        keeps every file of the replaced checkpoint. Never raises: rank 0
-        must not leave the save's exchanges.
-        """
-        name = step_dir_name(step)
-        try:
-            live = self._live_files([s for s in self._scan()[0] if s != step])
-        except Exception as e:
-            log.warning("shardckpt: cannot tell which files of step %d other steps reference (%s: %s): the re-save "
-                        "keeps all of its old files", step, type(e).__name__, e)
-            return None
-        if live is None:
-            return None
-        keep = frozenset(rel for d, rel in live if d == name)
-        if keep:
-            log.info("shardckpt: the re-save of step %d keeps %d replaced files that later steps reference",
-                     step, len(keep))
-        return keep
-
     def _live_files(self, kept: Iterable[int]) -> Optional[Set[Tuple[str, str]]]:
-        """``(dir, path)`` of every file the manifests of ``kept`` steps name (own and referenced); None if one is unreadable.
+        return retention.live_files_of(self.root, kept)
 
-        None makes the caller delete nothing a reference could need: an
-        unreadable manifest's references are unknown.
-        """
-        named: Dict[str, List[str]] = {}
-        for s in kept:
-            name = step_dir_name(s)
-            try:
-                named[name] = list(open_manifest(self.root.child(name), chunks=False).files)
-            except (FileNotFoundError, NotADirectoryError, CheckpointNotFoundError):
-                continue  # deleted since the scan: names nothing
-            except Exception as e:
-                log.warning("shardckpt: cannot read the manifest of kept step %d (%s: %s): files other steps may "
-                            "reference are kept this time", s, type(e).__name__, e)
-                return None
-        return live_files(named)
-
-    def _clear_dir(self, name: str, live: Any = _UNKNOWN, *, dry_run: bool = False) -> List[str]:
-        """Delete a step directory without a manifest, except the files a kept step names (references).
-
-        ``live``: from :meth:`_live_files` (read from the committed steps
-        when not given, and only when the directory holds files; None:
-        unknown, so only a directory holding no data file is removed).
-        Returns what was (or, ``dry_run``, would be) removed.
-        """
-        try:
-            present = self.root.child(name).walk_files("")
-        except (FileNotFoundError, NotADirectoryError):
-            return []
-        if present and live is _UNKNOWN:
-            live = self._live_files(self._scan()[0])
-        if live is None:
-            if any(rel.endswith(".safetensors") for rel in present):
-                return []
-            live = set()
-        gone = removable(name, present, live or set())
-        if len(gone) == len(present):
-            if not dry_run:
-                self._remove_leftover(name)
-            return [name]
-        if not dry_run:
-            for rel in gone:
-                self.root.remove(f"{name}/{rel}")
-        return [f"{name}/{rel}" for rel in gone]
+    def _clear_dir(self, name: str, live: Any = UNKNOWN, *, dry_run: bool = False) -> List[str]:
+        return retention.clear_dir(self.root, name, live, dry_run=dry_run)
 
     def _remove_dir(self, name: str) -> None:
         self.root.remove_tree(name)
 
     def _remove_leftover(self, name: str) -> None:
-        """Remove a step directory without a manifest, never one that commits meanwhile.
-
-        Another process may be committing into it right now (a second writer).
-        Where renames are atomic (local disks) the directory is first moved
-        aside: a commit after the move fails (its directory is gone, it never
-        re-creates one), and a manifest found in the moved directory means the
-        commit came first, so it is moved back whole. Object stores have no
-        such move: there a commit racing this removal can lose files (a second
-        writer is refused, see ``_claim``; ``restore`` skips such a step).
-        """
-        if not self.root.caps.atomic_rename:
-            self._remove_dir(name)
-            return
-        aside = f".removing-{name}-{uuid.uuid4().hex[:12]}"
-        try:
-            self.root.rename(name, aside)
-        except FileNotFoundError:
-            return  # gone already
-        if self.root.exists(f"{aside}/{MANIFEST_NAME}"):
-            log.warning("shardckpt: %s was committed while its leftovers were being removed: kept", self.root.url_of(name))
-            try:
-                self.root.rename(aside, name)
-                return
-            except OSError as e:  # a new directory of that name appeared: keep both, cleanup() says so
-                log.warning("shardckpt: cannot put %s back: %s", self.root.url_of(name), e)
-                return
-        self._remove_dir(aside)
+        retention.remove_leftover(self.root, name)
 
     # -- local first, then remote (docs/manager.md) ----------------------------------------
 
@@ -995,80 +736,21 @@ class CheckpointManager:
     # -- restore ----------------------------------------------------------------
 
     def _validate(self, step: int) -> None:
-        st = follow(self.root.child(step_dir_name(step)))  # a referenced file is checked where it lies
-        m = open_manifest(st)
-        saved = m.extra.get("step") if isinstance(m.extra, dict) else None
-        # A step directory copied or renamed by hand holds another step's state:
-        # resuming it would restart the schedule at the wrong step.
-        if isinstance(saved, int) and not isinstance(saved, bool) and saved != step:
-            raise CorruptCheckpointError(
-                f"{st.url} holds the checkpoint of step {saved} (its manifest says so), not of step {step}; "
-                f"was the directory renamed or copied? Move it back to {step_dir_name(saved)} or delete it"
-            )
-        if self.check_files:
-            check_files(st, {rel: f.size for rel, f in m.files.items()})
+        order.validate_step(self.root, step, files=self.check_files)
 
     def _choose(self, step: Optional[int]) -> Optional[int]:
-        """Rank 0: the step to restore, None when nothing is committed."""
+        """Rank 0: the step to restore, None when nothing is committed (:func:`_managed.restore.choose_step`)."""
         try:
             committed = self.steps()
         except CheckpointError:
             raise
         except Exception as e:
             raise StorageError(f"cannot list {self.root_url}: {type(e).__name__}: {e}") from e
-        if step is not None:
-            if step not in committed:
-                have = f"committed steps: {format_offenders(committed)}" if committed else "no step is committed there"
-                raise CheckpointNotFoundError(
-                    f"step {step} is not committed at {self.step_url(step)}; {have}. "
-                    "Call restore() without step= for the newest one"
-                )
-            self._validate(step)
-            return step
-        if not committed:
-            self._say_why_empty()
+        if step is None and not committed:
+            order.say_why_empty(self.root, nearby=nearby_names)
             return None
-        skipped: List[str] = []
-        for s in reversed(committed):
-            try:
-                self._validate(s)
-                return s
-            except NewerFormatError as e:
-                # Not damage: a newer shardckpt wrote it. Resuming an older
-                # step instead would silently throw training away.
-                raise NewerFormatError(
-                    f"step {s} under {self.root_url} (the newest undamaged step) cannot be restored by this shardckpt: {e}. "
-                    f"To resume from an older step on purpose, pass restore(state, step=N)"
-                ) from None
-            except Exception as e:
-                if not _is_damage(e):
-                    if isinstance(e, CheckpointError):
-                        raise
-                    raise StorageError(f"cannot read step {s} under {self.root_url}: {type(e).__name__}: {e}") from e
-                log.warning("shardckpt: skipping step %d, it cannot be restored: %s: %s", s, type(e).__name__, e)
-                skipped.append(f"step {s}: {type(e).__name__}: {str(e)[:300]}")
-        if self.initial_load_path is not None:
-            # The run has steps of its own: starting again from the initial
-            # weights would silently discard all of its training.
-            raise CorruptCheckpointError(
-                f"every committed step under {self.root_url} is damaged, so restore() will not start over from "
-                f"initial_load_path={self.initial_load_path!r} (that would discard the run's training). "
-                f"{format_offenders(skipped)}. Repair or delete the damaged steps (shardckpt verify), or restore one "
-                "with restore(state, step=N)"
-            )
-        return None
-
-    def _say_why_empty(self) -> None:
-        """Rank 0, nothing committed: warn when the root does not even exist (a typo would restart the run)."""
-        try:
-            exists = self.root.exists("")
-        except Exception:
-            return
-        if not exists:
-            log.warning(
-                "shardckpt: CheckpointManager.restore: %s does not exist: nothing to restore, the run starts fresh "
-                "(check the path for a typo if it should resume)%s", self.root_url, nearby_names(self.root),
-            )
+        return order.choose_step(committed, step, self._validate, root_url=self.root_url, step_url=self.step_url,
+                                 initial_load_path=self.initial_load_path)
 
     def restore(self, state: Dict[str, Any], step: Optional[int] = None, **load_kw: Any) -> Optional[int]:
         """Load the newest restorable step (or ``step``) into ``state`` in place (collective).
@@ -1112,7 +794,7 @@ class CheckpointManager:
         skipped like damage (a hand copy).
         """
         self._check_open()
-        s = None if step is None else _check_step(step)
+        s = None if step is None else check_step(step)
         if "process_group" in load_kw:
             raise TypeError("restore() takes the manager's process_group; do not pass process_group")
         # A failed background save stays pending for the next save()/wait():
@@ -1134,15 +816,26 @@ class CheckpointManager:
                 got = self._remote.restore(state, step=s, **load_kw)
                 self.restored_from = self._remote.restored_from
                 return got
+        found, got = self._restore_storage(state, s, comm, load_kw)
+        if not found and s is None and self.initial_load_path is not None:
+            # A fresh run: start from the given weights (torchtitan's
+            # initial_load_path). Once the run has its own steps they win.
+            target = order.initial_target(state, model_only=self.initial_load_model_only)
+            load(target, self.initial_load_path, process_group=self.process_group, **load_kw)
+            self.restored_from = self.initial_load_path
+        return got
+
+    def _restore_storage(self, state: Dict[str, Any], s: Optional[int], comm: Comm,
+                         load_kw: Dict[str, Any]) -> Tuple[bool, Optional[int]]:
+        """Restore's pick-and-load on this root (or the memory tier): ``(True, step)`` loaded, ``(False, None)`` nothing to load.
+
+        Rank 0 picks (:meth:`_choose`); its error (the same type and text) is
+        raised on every rank. A picked step deleted while it loads (another
+        process's retention) is picked again (:func:`_managed.restore.pick_again`).
+        """
         for attempt in range(RESTORE_ATTEMPTS):
-            # Rank 0 picks; its error (the same type and text) is raised on every rank.
-            _, value = agree(
-                comm,
-                lambda: self._choose(s) if comm.rank == 0 else None,
-                what=f"restore from {self.root_url}",
-                share=lambda v: v,
-                mode=FROM_ROOT,
-            )
+            _, value = agree(comm, lambda: self._choose(s) if comm.rank == 0 else None,
+                             what=f"restore from {self.root_url}", share=lambda v: v, mode=FROM_ROOT)
             if self._memory is not None and s is None and attempt == 0:
                 got = self._memory.restore(
                     state, comm, storage_step=value, process_group=self.process_group, load_kw=load_kw,
@@ -1150,41 +843,23 @@ class CheckpointManager:
                 )
                 if got is not None:
                     self.restored_from = f"memory:{got}"
-                    return got
+                    return True, got
             if value is None:
-                break
+                return False, None
             try:
                 load(state, self.step_url(value), storage_options=self.storage_options or None, process_group=self.process_group, **load_kw)
             except (CorruptCheckpointError, StorageError) as e:
-                # Another process's retention can delete the picked step while
-                # it loads (its manifest goes first): pick again. Errors of a
-                # load are agreed, so every rank is here and rank 0 decides.
+                # Errors of a load are agreed, so every rank is here and rank 0 decides.
                 name = f"{step_dir_name(value)}/{MANIFEST_NAME}"
                 _, gone = agree(comm, lambda name=name: not self.root.exists(name) if comm.rank == 0 else None,  # type: ignore[misc]
                                 what=f"restore from {self.root_url}", share=lambda v: v, mode=FROM_ROOT)
-                if not gone or s is not None or attempt == RESTORE_ATTEMPTS - 1:
+                if not order.pick_again(gone=bool(gone), step_given=s is not None, attempt=attempt):
                     raise
                 log.warning("shardckpt: step %d was deleted while it loaded (%s); picking the newest step again", value, type(e).__name__)
                 continue
             self.restored_from = self.step_url(value)
-            return value
-        if value is None:
-            if self.initial_load_path is None or s is not None:
-                return None
-            # A fresh run: start from the given weights (torchtitan's
-            # initial_load_path). Once the run has its own steps they win.
-            target = state
-            if self.initial_load_model_only:
-                if not isinstance(state, dict) or "model" not in state:
-                    raise UsageError(
-                        "CheckpointManager.restore: initial_load_model_only=True loads state['model'], and the state "
-                        f"has no 'model' entry (it has {format_offenders(list(state) if isinstance(state, dict) else [])}); "
-                        "put the model under 'model' or pass initial_load_model_only=False"
-                    )
-                target = {"model": state["model"]}
-            load(target, self.initial_load_path, process_group=self.process_group, **load_kw)
-            self.restored_from = self.initial_load_path
-        return None
+            return True, value
+        return False, None  # not reached: the last attempt returns or raises
 
     # -- lifecycle ----------------------------------------------------------------
 
@@ -1225,47 +900,12 @@ class CheckpointManager:
         wait_pending(raise_unobserved=False)
         if self._rank("CheckpointManager.cleanup") != 0:
             return []
-        removed = []
-        committed, partial = self._scan()
-        for name in self.root.listdir(""):
-            # Moved aside by a leftover removal that did not finish (_remove_leftover).
-            if name.startswith(".removing-step-") and not self.root.exists(f"{name}/{MANIFEST_NAME}"):
-                if not dry_run:
-                    self._remove_dir(name)
-                removed.append(name)
-        live = self._live_files(committed)
-        stale = set(stale_leftovers(committed, [s for s, _ in partial]))
-        for s, name in partial:
-            if s in stale:
-                removed.extend(self._clear_dir(name, live, dry_run=dry_run))
-        for s in committed:
-            name = step_dir_name(s)
-            st = self.root.child(name)
-            try:
-                m = open_manifest(st)
-            except (FileNotFoundError, NotADirectoryError):
-                continue  # deleted since the scan (another process's retention): nothing left to clean
-            except CheckpointError as e:
-                log.warning("shardckpt: cleanup leaves step %d alone, its manifest is unreadable: %s", s, e)
-                continue
-            # Files another kept step references stay too (a forced re-save's
-            # replaced data may be referenced by later incremental steps).
-            keep = set(m.files) | {MANIFEST_NAME, HF_INDEX_NAME} | {rel for d, rel in (live or ()) if d == name}
-            if live is None:
-                continue  # a kept manifest is unreadable: its references are unknown
-            for rel in st.walk_files(""):
-                stale_tmp = rel.rsplit("/", 1)[-1].startswith(".") and rel.endswith(".tmp")
-                orphan = rel.startswith(DATA_DIR + "/") and rel.endswith(".safetensors") and rel not in keep
-                if stale_tmp or orphan:
-                    if not dry_run:
-                        st.remove(rel)
-                    removed.append(f"{name}/{rel}")
-        return sorted(removed)
+        return retention.collect_garbage(self.root, dry_run=dry_run)
 
     def delete(self, step: int) -> None:
         """Delete a step (manifest first, then its files). Rank 0 only; others no-op."""
         self._check_open()
-        step = _check_step(step)
+        step = check_step(step)
         wait_pending(raise_unobserved=False)
         if self._rank("CheckpointManager.delete") == 0:
             self._remove_step(step)

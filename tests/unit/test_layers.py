@@ -60,6 +60,9 @@ LAYERS: Dict[str, int] = {
     # (issues 23 and 24, landing in the same wave: the rows are ready for them)
     "shardckpt._incremental": 2,
     "shardckpt._memory": 2,
+    # the manager's parts (retention, restore order, owners, memory glue): engine-level, so _flush may use them
+    "shardckpt._managed": 2,
+    "shardckpt._managed.exports": 1,  # calls the converters (users)
     # 3. state: app state <-> flat map of tensors and values
     "shardckpt._state": 3,
     "shardckpt._rng": 3,
@@ -115,8 +118,8 @@ LOCAL_IMPORTS: Dict[Tuple[str, str], str] = {
     ("shardckpt._format.committed", "shardckpt._storage"): "storage backends load only when a URL string is opened",
     ("shardckpt._verify", "shardckpt._storage"): "storage backends load only when a URL string is opened",
     # The converters import every converter (DCP's unpickler, torch.save's reader, ...).
-    ("shardckpt._manager", "shardckpt.converters"): "the converters load only for last_save_in_hf exports",
-    ("shardckpt._manager", "shardckpt.converters._options"): "the converters load only when export_dtype is given",
+    ("shardckpt._managed.exports", "shardckpt.converters"): "the converters load only for last_save_in_hf exports",
+    ("shardckpt._managed.exports", "shardckpt.converters._options"): "the converters load only when export_dtype is given",
 }
 
 #: Circles not broken yet (type-checking imports included), each with who
