@@ -866,13 +866,16 @@ class CheckpointManager:
     def wait(self) -> None:
         """Finish the save in flight; raise its error if nobody has seen it.
 
-        With ``local=``, also waits until the newest saved step is flushed
-        to the remote (or its flush failed, logged).
+        With ``memory=``, also waits until the memory step in flight is held
+        (both copies verified). With ``local=``, also waits until the newest
+        saved step is flushed to the remote (or its flush failed, logged).
 
         Raises:
-            SaveFailedError: the background save failed.
+            SaveFailedError: the background save, or the memory step in flight, failed.
         """
         wait_pending()
+        if self._memory is not None:
+            self._memory.snapshots.wait()
         if self._flusher is not None:
             self._flusher.wait()
 

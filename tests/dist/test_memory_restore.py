@@ -40,6 +40,9 @@ def _first(rank, world, base):
         assert mgr.save_to_memory(step, state)
         if step == STORAGE_AT:
             mgr.save(step, state)
+    # The last step held (its background part: checksums, peer copy) before the "job dies": the rank's
+    # process lives on in the pool, and the restart copies node 0's directory right after this returns.
+    mgr.wait()
     return {"params": T.full_params(model), "optim": _optim_full(opt)}
 
 

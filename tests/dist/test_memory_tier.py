@@ -43,7 +43,7 @@ def _first(rank, world, base):
         if step % STORAGE_EVERY == 0:
             mgr.save(step, state)
         params[step] = T.full_params(model)
-    mgr._memory.snapshots.wait()  # the last step's background part (checksums, peer copy) done: held
+    mgr.wait()  # the last step's background part (checksums, peer copy) done: held
     saved = dict(mgr._memory.last_save)
     losses, _ = T.train(model, opt, sched, STEPS, MORE, KIND, rank, world)
     # No close(): the run dies here; its memory directories stay.
