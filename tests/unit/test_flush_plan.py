@@ -43,8 +43,6 @@ def test_restore_source(local, readable, remote, want):
 
 
 def test_local_argument_checks(tmp_path):
-    with pytest.raises(UsageError, match="incremental"):
-        shardckpt.CheckpointManager(str(tmp_path / "r"), local=str(tmp_path / "l"), incremental=True)
     with pytest.raises(UsageError, match="remote root itself"):
         shardckpt.CheckpointManager(str(tmp_path / "r"), local=str(tmp_path / "r"))
     with pytest.raises(UsageError, match="directory path"):
