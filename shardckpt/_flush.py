@@ -249,6 +249,7 @@ class Flusher:
         self._durable: Optional[int] = None
         self._stopping = False
         self._failures = 0
+        self._exports: List[threading.Thread] = []  # rank 0: copies of Hugging Face exports in flight
         self._retry_at = 0.0
         self._resaved: set = set()  # steps re-saved since their last flush: their replaced remote files go after the commit
         #: (step, seconds) of the last remote commit, for logs and benchmarks.
@@ -301,9 +302,39 @@ class Flusher:
         with self._cond:
             return self._pending is not None or self._in_flight is not None
 
+    def flush_export(self, name: str) -> None:
+        """Rank 0: copy the directory ``name`` next to the steps (a Hugging Face export) to the remote, in the background.
+
+        Its files as written, the ``.index.json`` last; a failure is logged
+        (the export stays local). :meth:`wait` and :meth:`close` wait for it.
+        """
+        t = threading.Thread(target=self._copy_export, args=(name,), name="shardckpt-flush-export", daemon=True)
+        with self._cond:
+            self._exports = [x for x in self._exports if x.is_alive()] + [t]
+        t.start()
+
+    def _copy_export(self, name: str) -> None:
+        src, dst = self.local.child(name), self.remote.child(name)
+        try:
+            for rel in sorted(src.walk_files(""), key=lambda r: (r.endswith(".index.json"), r)):  # the index last
+                _copy(src, dst, rel, rel, src.size(rel))
+        except Exception as e:
+            log.warning("shardckpt: copy of %s to %s failed (it stays local only): %s: %s", src.url, dst.url, type(e).__name__, e)
+            return
+        log.info("shardckpt: %s copied to %s", src.url, dst.url)
+
+    def _join_exports(self, deadline: Optional[float]) -> bool:
+        with self._cond:
+            exports = list(self._exports)
+        for t in exports:
+            t.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        return not any(t.is_alive() for t in exports)
+
     def wait(self, timeout: Optional[float] = None) -> bool:
-        """Block until nothing is pending or in flight; False when ``timeout`` passed first."""
+        """Block until nothing is pending or in flight (exports too); False when ``timeout`` passed first."""
         deadline = None if timeout is None else time.monotonic() + timeout
+        if not self._join_exports(deadline):
+            return False
         with self._cond:
             while self._pending is not None or self._in_flight is not None:
                 if not self._thread.is_alive():

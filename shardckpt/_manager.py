@@ -522,6 +522,8 @@ class CheckpointManager:
             if handle is not None:
                 handle.result()
             self._export_hf(step)
+            if self._tiers is not None and self._rank("CheckpointManager.save") == 0:  # the export goes to the remote too
+                self._tiers.flusher_on(self.root, self._comm("CheckpointManager.save")).flush_export(step_dir_name(step) + HF_SUFFIX)
         return handle
 
     def save_to_memory(self, step: int, state: Dict[str, Any], *, overlap: bool = False) -> bool:

@@ -206,3 +206,26 @@ def test_one_process_incremental_flush_uploads_the_skipped_base_and_retention_ke
     fresh = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
     shardckpt.load({"model": fresh}, f"{remote}/step-00000005")
     assert all(torch.equal(v, want[k]) for k, v in fresh.state_dict().items())
+
+
+def test_the_hugging_face_export_of_the_last_save_is_flushed_too(tmp_path):
+    import torch
+
+    from shardckpt._storage import Storage
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    remote, local = str(tmp_path / "remote"), str(tmp_path / "local")
+    with shardckpt.CheckpointManager(remote, local=local, last_save_in_hf=True) as mgr:
+        mgr.save(1, {"model": model})
+        mgr.save(2, {"model": model}, last_step=True)
+        mgr.wait()
+        assert mgr.remote_steps()[-1] == 2
+    here, there = Storage(f"{local}/step-00000002-hf"), Storage(f"{remote}/step-00000002-hf")
+    files = here.walk_files("")
+    assert any(f.endswith(".safetensors") for f in files)
+    assert sorted(there.walk_files("")) == sorted(files)
+    assert all(there.read_bytes(f) == here.read_bytes(f) for f in files)
+    fresh = torch.nn.Linear(4, 3)
+    shardckpt.load({"model": fresh}, f"{remote}/step-00000002-hf", strict=False)
+    assert torch.equal(fresh.weight, model.weight) and torch.equal(fresh.bias, model.bias)
