@@ -117,7 +117,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                     t0 = time.perf_counter()
                     mgr.wait()
                     catch_up = time.perf_counter() - t0
-                    flusher = mgr._flusher
+                    flusher = mgr._tiers.flusher if mgr._tiers is not None else None
                     extra = {
                         "loop_s": round(loop_s, 2),
                         "durable_at_loop_end": durable_at_loop_end,

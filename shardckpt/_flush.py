@@ -35,16 +35,18 @@ import logging
 import os
 import threading
 import time
-from typing import Callable, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Set, Tuple
 
-from ._collective import FROM_ROOT, Comm, agree
-from ._format import HF_INDEX_NAME, MANIFEST_NAME, open_manifest
+from ._collective import ALL, FROM_ROOT, Comm, agree
+from ._format import HF_INDEX_NAME, MANIFEST_NAME, manifest_from_bytes, open_manifest
+from ._format.refs import REF_MARK, follow, live_files, ref_target, removable
 from ._memory import plan as memory_plan
 from ._memory import store as memory_store
 from ._storage import Storage
 from .errors import CheckpointNotFoundError, CorruptCheckpointError
 
-__all__ = ["Flusher", "next_flush", "local_protected", "restore_source", "FLUSH_CHANNEL", "COPY_PIECE_BYTES", "FLUSH_NICE"]
+__all__ = ["Flusher", "Tiers", "next_flush", "local_protected", "restore_source", "commit_save_id", "files_of_rank",
+           "upload_step", "FLUSH_CHANNEL", "COPY_PIECE_BYTES", "FLUSH_NICE"]
 
 log = logging.getLogger("shardckpt")
 
@@ -92,6 +94,20 @@ def local_protected(in_flight: Optional[int], pending: Optional[int]) -> List[in
     return sorted({s for s in (in_flight, pending) if s is not None})
 
 
+def commit_save_id(ids: List[str], step: int) -> str:
+    """The save id every rank uploaded (the remote commit's); raises when they differ (a re-save meanwhile).
+
+    Example:
+        >>> commit_save_id(["a1", "a1"], 5)
+        'a1'
+    """
+    if len(set(ids)) != 1:
+        raise CorruptCheckpointError(
+            f"the ranks uploaded the files of different saves of step {step} ({sorted(set(ids))}): it was saved again "
+            "while it was flushed; not committed (the re-save is flushed next)")
+    return ids[0]
+
+
 def restore_source(local: Optional[int], local_readable: bool, remote: Optional[int]) -> Tuple[str, Optional[int]]:
     """Where restore loads from: ``("local", step)``, ``("remote", step)`` or ``("none", None)``.
 
@@ -112,12 +128,22 @@ def restore_source(local: Optional[int], local_readable: bool, remote: Optional[
     return "none", None
 
 
-def upload_step(local: Storage, remote: Storage, rank: int) -> List[str]:
-    """Copy the files rank ``rank`` wrote for a locally committed step to ``remote`` (same paths); returns them.
+def upload_step(local: Storage, remote: Storage, rank: int) -> Tuple[List[str], str]:
+    """Copy the files rank ``rank`` wrote for a locally committed step to ``remote`` (same paths); returns them and the save id.
 
     ``local`` and ``remote`` are the step's directories. Each file is first
     verified against the checksums of the local manifest; a damaged file
-    raises instead of being uploaded. The manifest is not copied here.
+    raises instead of being uploaded. The manifest is not copied here: the
+    save id returned says which save's files went up (a ``force`` re-save
+    may commit locally meanwhile; the commit checks every rank uploaded the
+    same one).
+
+    Incremental steps: a reference ``@<step dir>/<path>`` is uploaded to
+    the same place next to the remote step (``<remote root>/<step dir>/<path>``)
+    unless a file of that size is there already (data file names carry their
+    save's id: the same name is the same bytes), first, so the remote copy
+    resolves every reference whether or not the referenced step was flushed.
+    Each reference goes with the rank whose data file name it carries.
 
     Raises:
         CorruptCheckpointError: a local file is damaged.
@@ -131,24 +157,47 @@ def upload_step(local: Storage, remote: Storage, rank: int) -> List[str]:
             "rank of the job can read (the ranks of one node share its disk; per-node directories of a multi-node job "
             "are not supported yet)"
         ) from None
-    mine = memory_plan.files_by_writer(m.files, {rel: im.rank for rel, im in m.indexes.items()}, MANIFEST_NAME).get(rank, [])
+    mine = files_of_rank(m.files, {rel: im.rank for rel, im in m.indexes.items()}, rank)
     by_file: dict = {}
     for name, t in m.tensors.items():
         for c in t.chunks:
             by_file.setdefault(c.file, []).append((name, c))
-    for rel in mine:
-        problem = memory_store.check_file(local, m, rel, by_file.get(rel, []))
+    src = follow(local)
+    refs = [rel for rel in mine if rel.startswith(REF_MARK)]
+    for rel in refs + [rel for rel in mine if not rel.startswith(REF_MARK)]:
+        tgt = ref_target(rel)
+        to, path = (remote, rel) if tgt is None else (remote.sibling(tgt[0]), tgt[1])
+        if tgt is not None and to.stat_sizes([path]).get(path) == m.files[rel].size:
+            continue  # on the remote already (flushed with the step that wrote it, or by an earlier flush)
+        problem = memory_store.check_file(src, m, rel, by_file.get(rel, []))
         if problem is not None:
-            raise CorruptCheckpointError(f"not uploading {local.url_of(rel)}: it is damaged: {problem}")
-        _copy(local, remote, rel, m.files[rel].size)
-    return mine
+            raise CorruptCheckpointError(f"not uploading {src.url_of(rel)}: it is damaged: {problem}")
+        frm, frm_path = (local, rel) if tgt is None else (local.sibling(tgt[0]), tgt[1])
+        _copy(frm, to, path, frm_path, m.files[rel].size)
+    return mine, m.save_id
 
 
-def _copy(src: Storage, dst: Storage, rel: str, size: int) -> None:
+def files_of_rank(files: Iterable[str], index_ranks: Dict[str, int], rank: int) -> List[str]:
+    """The files of a manifest rank ``rank`` uploads (sorted): those it wrote; a reference by the file it names.
+
+    Example:
+        >>> files_of_rank(["data/ab-r00001-00.safetensors", "@step-00000002/data/cd-r00001-00.safetensors",
+        ...                "data/ab-r00000-00.safetensors"], {}, 1)
+        ['@step-00000002/data/cd-r00001-00.safetensors', 'data/ab-r00001-00.safetensors']
+    """
+    out = []
+    for rel in files:
+        tgt = ref_target(rel)
+        if memory_plan.writer_of(rel if tgt is None else tgt[1], index_ranks, MANIFEST_NAME) == rank:
+            out.append(rel)
+    return sorted(out)
+
+
+def _copy(src: Storage, dst: Storage, rel: str, src_rel: str, size: int) -> None:
     w = dst.open_write(rel)
     try:
         for off in range(0, size, COPY_PIECE_BYTES):
-            w.write(src.read_range(rel, off, min(COPY_PIECE_BYTES, size - off)))
+            w.write(src.read_range(src_rel, off, min(COPY_PIECE_BYTES, size - off)))
     except BaseException:
         w.abort()
         raise
@@ -167,8 +216,9 @@ class Flusher:
         remote: the remote root.
         comm: the ranks and bound of the exchanges (moved to :data:`FLUSH_CHANNEL`).
         step_dir: the directory name of a step (``step-00000005``).
-        after_commit: rank 0, after each remote commit (remote retention);
-            its errors are logged, the flush stays done.
+        after_commit: rank 0, after each remote commit, with the step and
+            whether it replaced an earlier copy (remote retention); its
+            errors are logged, the flush stays done.
         on_durable: every rank, after each remote commit, with the step.
 
     Limits: a rank that dies in a flush's exchange leaves the others'
@@ -183,7 +233,7 @@ class Flusher:
         comm: Comm,
         *,
         step_dir: Callable[[int], str],
-        after_commit: Optional[Callable[[int], None]] = None,
+        after_commit: Optional[Callable[[int, bool], None]] = None,
         on_durable: Optional[Callable[[int], None]] = None,
     ):
         self.local = local
@@ -199,7 +249,9 @@ class Flusher:
         self._durable: Optional[int] = None
         self._stopping = False
         self._failures = 0
+        self._exports: List[threading.Thread] = []  # rank 0: copies of Hugging Face exports in flight
         self._retry_at = 0.0
+        self._resaved: set = set()  # steps re-saved since their last flush: their replaced remote files go after the commit
         #: (step, seconds) of the last remote commit, for logs and benchmarks.
         self.last_flush: Optional[Tuple[int, float]] = None
         self.skipped: List[int] = []
@@ -220,9 +272,17 @@ class Flusher:
             if step is not None and (self._durable is None or step > self._durable):
                 self._durable = step
 
-    def submit(self, step: int) -> None:
-        """Queue a locally committed step; an older pending step is skipped (logged at INFO)."""
+    def submit(self, step: int, *, resave: bool = False) -> None:
+        """Queue a locally committed step; an older pending step is skipped (logged at INFO).
+
+        ``resave``: the step was saved again (``force=True``): it is flushed
+        again even if its earlier copy was, replacing that copy on the remote
+        (its new manifest last; the old files go once no kept step names them).
+        """
         with self._cond:
+            if resave and self._picked is not None and step <= self._picked:
+                self._picked = step - 1  # flush it again (the ranks all see the same re-save)
+                self._resaved.add(step)
             if self._picked is not None and step <= self._picked:
                 return  # flushed (or being flushed) already: the ranks agreed on a newer one
             if self._pending is not None and self._pending != step:
@@ -242,9 +302,39 @@ class Flusher:
         with self._cond:
             return self._pending is not None or self._in_flight is not None
 
+    def flush_export(self, name: str) -> None:
+        """Rank 0: copy the directory ``name`` next to the steps (a Hugging Face export) to the remote, in the background.
+
+        Its files as written, the ``.index.json`` last; a failure is logged
+        (the export stays local). :meth:`wait` and :meth:`close` wait for it.
+        """
+        t = threading.Thread(target=self._copy_export, args=(name,), name="shardckpt-flush-export", daemon=True)
+        with self._cond:
+            self._exports = [x for x in self._exports if x.is_alive()] + [t]
+        t.start()
+
+    def _copy_export(self, name: str) -> None:
+        src, dst = self.local.child(name), self.remote.child(name)
+        try:
+            for rel in sorted(src.walk_files(""), key=lambda r: (r.endswith(".index.json"), r)):  # the index last
+                _copy(src, dst, rel, rel, src.size(rel))
+        except Exception as e:
+            log.warning("shardckpt: copy of %s to %s failed (it stays local only): %s: %s", src.url, dst.url, type(e).__name__, e)
+            return
+        log.info("shardckpt: %s copied to %s", src.url, dst.url)
+
+    def _join_exports(self, deadline: Optional[float]) -> bool:
+        with self._cond:
+            exports = list(self._exports)
+        for t in exports:
+            t.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        return not any(t.is_alive() for t in exports)
+
     def wait(self, timeout: Optional[float] = None) -> bool:
-        """Block until nothing is pending or in flight; False when ``timeout`` passed first."""
+        """Block until nothing is pending or in flight (exports too); False when ``timeout`` passed first."""
         deadline = None if timeout is None else time.monotonic() + timeout
+        if not self._join_exports(deadline):
+            return False
         with self._cond:
             while self._pending is not None or self._in_flight is not None:
                 if not self._thread.is_alive():
@@ -340,28 +430,224 @@ class Flusher:
         name = self.step_dir(step)
         src, dst = self.local.child(name), self.remote.child(name)
         t0 = time.perf_counter()
+        with self._cond:
+            resaved = step in self._resaved
+            self._resaved.discard(step)
         try:
-            agree(self.comm, lambda: upload_step(src, dst, self.comm.rank), what=f"flush of step {step} to {dst.url}")
+            _, ids = agree(self.comm, lambda: upload_step(src, dst, self.comm.rank), what=f"flush of step {step} to {dst.url}",
+                           share=lambda v: v[1], mode=ALL)
+            save_id = commit_save_id(ids, step)
 
             def commit() -> None:
                 if self.comm.rank != 0:
                     return
+                data = src.read_bytes(MANIFEST_NAME)
+                got = manifest_from_bytes(data, url=src.url).save_id
+                if got != save_id:
+                    raise CorruptCheckpointError(
+                        f"the local step {step} was saved again (save {got}) while save {save_id} was uploaded: not committed")
                 if src.exists(HF_INDEX_NAME):  # the Hugging Face index (not in the manifest's files): before the commit
-                    _copy(src, dst, HF_INDEX_NAME, src.size(HF_INDEX_NAME))
-                dst.write_atomic(MANIFEST_NAME, src.read_bytes(MANIFEST_NAME))
+                    _copy(src, dst, HF_INDEX_NAME, HF_INDEX_NAME, src.size(HF_INDEX_NAME))
+                dst.write_atomic(MANIFEST_NAME, data)  # the remote commit (an object PUT or a rename: whole or nothing)
 
             agree(self.comm, commit, what=f"flush of step {step} to {dst.url}: the remote commit")
         except Exception as e:
             log.warning("shardckpt: flush of step %d to %s failed (it stays uncommitted there; retried unless a newer step "
                         "supersedes it): %s: %s", step, dst.url, type(e).__name__, e)
+            if resaved:
+                with self._cond:
+                    self._resaved.add(step)
             return False
         secs = time.perf_counter() - t0
         self.last_flush = (step, secs)
         log.info("shardckpt: step %d is durable at %s (flushed in %.1f s)", step, dst.url, secs)
         if self.comm.rank == 0 and self.after_commit is not None:
             try:
-                self.after_commit(step)
+                self.after_commit(step, resaved)
             except Exception as e:
                 log.warning("shardckpt: remote retention after step %d: %s: %s", step, type(e).__name__, e)
         return True
 
+
+
+class Tiers:
+    """The local and remote tiers of ``CheckpointManager(root_url, local=DIR)``: the remote, the flusher, both retentions, restore's choice.
+
+    The manager saves, retains and restores on the local directory as
+    usual and asks this object what differs: which local steps retention
+    must keep (:meth:`retention`), where a fresh restore loads from
+    (:meth:`restore`), and what is durable (:attr:`durable_step`).
+
+    Args:
+        remote: the read-only manager of the remote root (``steps()``,
+            ``restore()``, ``root``, ``keep_last``, ``keep_every``).
+        keep_local: local steps to keep besides those being flushed.
+        on_durable: every rank, after each remote commit, with the step.
+        step_dir: a step's directory name; ``parse_step``: its inverse (None
+            for another name).
+        steps_to_delete: the retention rule (``(committed, keep_last=,
+            keep_every=, protect=)`` -> steps to drop); ``stale_leftovers``:
+            which uncommitted step directories are leftovers.
+    """
+
+    def __init__(
+        self,
+        remote: Any,
+        *,
+        keep_local: int,
+        on_durable: Optional[Callable[[int], None]],
+        step_dir: Callable[[int], str],
+        parse_step: Callable[[str], Optional[int]],
+        steps_to_delete: Callable[..., List[int]],
+        stale_leftovers: Callable[[Iterable[int], Iterable[int]], List[int]],
+    ):
+        self.remote = remote
+        self.keep_local = keep_local
+        self.on_durable = on_durable
+        self.step_dir = step_dir
+        self.parse_step = parse_step
+        self.steps_to_delete = steps_to_delete
+        self.stale_leftovers = stale_leftovers
+        self.flusher: Optional[Flusher] = None
+
+    @property
+    def remote_url(self) -> str:
+        return self.remote.root_url
+
+    def remote_steps(self) -> List[int]:
+        return self.remote.steps()
+
+    @property
+    def durable_step(self) -> Optional[int]:
+        return None if self.flusher is None else self.flusher.durable_step
+
+    def flusher_on(self, local: Storage, comm: Comm) -> Flusher:
+        """This rank's flusher (started on first use: the first save or restore, when the comm is known)."""
+        if self.flusher is None:
+            self.flusher = Flusher(local, self.remote.root, comm, step_dir=self.step_dir,
+                                   after_commit=self.retain_remote, on_durable=self.on_durable)
+        return self.flusher
+
+    def retention(self, saved: int) -> Dict[str, Any]:
+        """The local retention policy: the newest ``keep_local`` steps, and never a step being flushed or waiting to be."""
+        pending = self.flusher.protected() if self.flusher is not None else []
+        return {"keep_last": self.keep_local, "keep_every": None, "protect": [saved, *pending]}
+
+    def retain_remote(self, flushed: int, resaved: bool = False) -> None:
+        """Rank 0's flusher, after step ``flushed`` committed on the remote: ``keep_last``/``keep_every`` there.
+
+        Reference-safe (incremental): dropped steps are uncommitted first
+        (their manifests), then only files no kept manifest names are
+        removed, from the dropped steps and the leftovers of failed or
+        skipped flushes (a skipped step's directory may hold just the files
+        a flushed step references: they stay). After a re-flush (``resaved``)
+        the replaced files of ``flushed`` itself go the same way. With a
+        kept manifest unreadable nothing but manifests is removed.
+        """
+        remote, root = self.remote, self.remote.root
+        committed = remote.steps()  # a fresh listing (caches invalidated)
+        dirs = {s: n for n in root.listdir("") for s in [self.parse_step(n)] if s is not None}
+        partial = [s for s in dirs if s not in set(committed)]
+        drop = self.steps_to_delete(committed, keep_last=remote.keep_last, keep_every=remote.keep_every, protect=[flushed])
+        for s in drop:  # uncommit first: a crash leaves leftovers, never a committed step with missing files
+            log.info("shardckpt: remote retention removes step %d from %s", s, remote.root_url)
+            try:
+                root.remove(f"{self.step_dir(s)}/{MANIFEST_NAME}")
+            except FileNotFoundError:
+                pass
+        stale = self.stale_leftovers(committed, partial)
+        targets = [self.step_dir(s) for s in [*drop, *stale]]
+        if not targets and not resaved:
+            return
+        live = self._live([s for s in committed if s not in set(drop)])
+        if live is None:
+            return  # a kept manifest is unreadable: its references are unknown, remove no file
+        for name in targets:
+            present = root.child(name).walk_files("")
+            gone = removable(name, present, live)
+            if len(gone) == len(present):
+                root.remove_tree(name)
+            else:
+                for rel in gone:
+                    root.remove(f"{name}/{rel}")
+        if resaved:
+            name = self.step_dir(flushed)
+            for rel in removable(name, root.child(name).walk_files(""), live):
+                if rel not in (MANIFEST_NAME, HF_INDEX_NAME):
+                    root.remove(f"{name}/{rel}")  # the replaced copy's files
+
+    def _live(self, kept: Iterable[int]) -> Optional[Set[Tuple[str, str]]]:
+        named: Dict[str, List[str]] = {}
+        for s in kept:
+            name = self.step_dir(s)
+            try:
+                named[name] = list(open_manifest(self.remote.root.child(name), chunks=False).files)
+            except (FileNotFoundError, CheckpointNotFoundError):
+                continue
+            except Exception as e:
+                log.warning("shardckpt: remote retention: cannot read the manifest of kept step %d (%s: %s): no file "
+                            "is removed this time", s, type(e).__name__, e)
+                return None
+        return live_files(named)
+
+    def restore(
+        self, state: Dict[str, Any], comm: Comm, load_kw: Dict[str, Any], *, local: Storage, local_steps: Callable[[], List[int]],
+        validate: Callable[[int], None], flush: bool, memory: Optional[Callable[[Optional[int]], Optional[int]]] = None,
+    ) -> Tuple[str, Optional[int], Optional[str]]:
+        """Restore's choice with ``local=``: ``(source, step, restored_from)`` (collective).
+
+        ``source`` is ``"memory"`` or ``"remote"`` (loaded here, ``restored_from``
+        says from where), ``"local"`` (the caller loads ``step`` from the local
+        directory) or ``"none"``. The newest step wins: one held in memory
+        (``memory(storage_step)`` restores it when at least as new as the
+        storage step, verified, else returns None), else the local step when
+        every rank can read and check it (its manifest and files, agreed),
+        else the remote's newest; a tie goes to the faster place. Afterwards
+        the newest local step the remote lacks is handed to the flusher
+        (``flush``: not for a load-only manager).
+        """
+        remote = self.remote
+
+        def newest() -> Tuple[Optional[int], Optional[int]]:
+            steps_here = local_steps()
+            try:
+                remote_steps = remote.steps()
+            except Exception as e:  # the remote is down: the local disk can still resume the run
+                if not steps_here:
+                    raise
+                log.warning("shardckpt: restore: cannot list the remote %s (%s: %s); choosing among the local steps only",
+                            remote.root_url, type(e).__name__, e)
+                remote_steps = []
+            return (steps_here[-1] if steps_here else None, remote_steps[-1] if remote_steps else None)
+
+        _, (lstep, rstep) = agree(comm, lambda: newest() if comm.rank == 0 else None,
+                                  what=f"restore from {local.url} or {remote.root_url}", share=lambda v: v, mode=FROM_ROOT)
+        readable = False
+        if lstep is not None and (rstep is None or lstep >= rstep):
+            def check() -> bool:
+                try:
+                    validate(lstep)
+                    return True
+                except Exception as e:
+                    log.warning("shardckpt: rank %d cannot restore local step %d (%s: %s)", comm.rank, lstep, type(e).__name__, e)
+                    return False
+
+            _, oks = agree(comm, check, what=f"restore from {local.url}: the local step", share=lambda v: v, mode=ALL)
+            readable = all(oks)
+        source, step = restore_source(lstep, readable, rstep)
+        flusher = self.flusher_on(local, comm)
+        flusher.set_durable(rstep)
+        if lstep is not None and readable and (rstep is None or lstep > rstep) and flush:
+            flusher.submit(lstep)  # committed here only: flush it (in the background, while it loads)
+        if memory is not None:
+            got = memory(step)
+            if got is not None:
+                log.info("shardckpt: restore: newest local step %s, remote step %s: the memory tier's step %d is at least as new",
+                         lstep, rstep, got)
+                return "memory", got, f"memory:{got}"
+        log.info("shardckpt: restore: newest local step %s (%s), newest remote step %s: loading %s step %s",
+                 lstep, "readable by every rank" if readable else "not used", rstep, source, step)
+        if source != "remote":
+            return source, step, None
+        got = remote.restore(state, **load_kw)
+        return source, got, remote.restored_from

@@ -33,8 +33,8 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, List, Optional,
 
 from . import _fingerprint
 from ._async import AsyncSaveHandle, start_async, wait_pending
-from ._collective import ALL, FROM_ROOT, Comm, NoProcessGroupError, agree, open_comm
-from ._flush import Flusher, restore_source
+from ._collective import FROM_ROOT, Comm, NoProcessGroupError, agree, open_comm
+from ._flush import Tiers
 from ._format import MANIFEST_NAME
 from ._format.committed import nearby_names
 from ._load import load
@@ -148,7 +148,8 @@ class CheckpointManager:
             there last (``docs/manager.md``, "Local first, then remote").
             ``keep_last``/``keep_every`` then apply to the remote;
             ``root_url``/:meth:`step_url` name the local directory and
-            :attr:`remote_url` the remote. Not with ``incremental``.
+            :attr:`remote_url` the remote. With ``incremental``, a flush
+            also uploads the files the step references that the remote lacks.
         keep_local: (with ``local``) local steps to keep besides the one
             being flushed and the one waiting to be.
         on_durable: (with ``local``) called on every rank with each step
@@ -158,7 +159,7 @@ class CheckpointManager:
         ValueError: ``keep_last``, ``keep_every`` or ``save_interval`` not a
             positive int.
         UsageError: ``root_url`` is empty or blank; ``local`` is blank, the
-            remote root itself, or given with ``incremental=True``.
+            remote root itself.
 
     Example:
         >>> import torch, shardckpt, tempfile
@@ -215,15 +216,21 @@ class CheckpointManager:
         self.save_interval = _positive("save_interval", save_interval, allow_none=False)
         if collective_timeout_s is not None and not (isinstance(collective_timeout_s, (int, float)) and collective_timeout_s > 0):
             raise ValueError(f"collective_timeout_s must be a positive number, got {collective_timeout_s!r}")
-        #: With ``local=``: the durable remote (a read-only manager of ``root_url``) and its background flusher.
-        self._remote: Optional[CheckpointManager] = None
-        self._flusher: Optional[Flusher] = None
+        #: With ``local=``: the durable remote (a read-only manager of ``root_url``), its flusher, both retentions (``_flush.Tiers``).
+        self._tiers: Optional[Tiers] = None
         self.on_durable = on_durable
         self.keep_local = _positive("keep_local", keep_local, allow_none=False)
         if local is not None:
-            self._remote = self._tiers(root_url, local, storage_options=storage_options, incremental=incremental,
-                                       keep_last=keep_last, keep_every=keep_every, process_group=process_group,
-                                       collective_timeout_s=collective_timeout_s, check_files=check_files)
+            if not isinstance(local, (str, os.PathLike)) or not str(local).strip():
+                raise UsageError(f"CheckpointManager: local must be a directory path, got {local!r}")
+            remote: Any = CheckpointManager(root_url, storage_options=storage_options, load_only=True, keep_last=keep_last,
+                                            keep_every=keep_every, process_group=process_group,
+                                            collective_timeout_s=collective_timeout_s, check_files=check_files)
+            if Storage(os.fspath(local)).url == remote.root.url:
+                raise UsageError(f"CheckpointManager: local={local!r} is the remote root itself; give it a node-local directory")
+            # incremental=True: references resolve on each side (the flusher uploads what a step references).
+            self._tiers = Tiers(remote, keep_local=cast(int, self.keep_local), on_durable=on_durable, step_dir=step_dir_name,
+                                parse_step=parse_step_dir, steps_to_delete=steps_to_delete, stale_leftovers=stale_leftovers)
             root_url, storage_options = os.fspath(local), None  # saves, claims and local retention run on the local directory
         self.root = Storage(root_url, storage_options=storage_options)
         self.root_url = self.root.url
@@ -360,6 +367,8 @@ class CheckpointManager:
             if handle is not None:
                 handle.result()
             self._export_hf(step)
+            if self._tiers is not None and self._rank("CheckpointManager.save") == 0:  # the export goes to the remote too
+                self._tiers.flusher_on(self.root, self._comm("CheckpointManager.save")).flush_export(step_dir_name(step) + HF_SUFFIX)
         return handle
 
     def save_to_memory(self, step: int, state: Dict[str, Any], *, overlap: bool = False) -> bool:
@@ -512,7 +521,7 @@ class CheckpointManager:
                 "restore() only ever picks committed steps."
             ) from e
         try:
-            self._after_commit(comm, step)
+            self._after_commit(comm, step, force=force)
         except Exception as e:  # committed; housekeeping trouble must not fail training
             log.warning("shardckpt: after committing step %d: %s: %s", step, type(e).__name__, e)
         return None
@@ -528,7 +537,7 @@ class CheckpointManager:
 
         try:
             self._handle = start_async(plan, precheck=precheck, before=lambda: self._before_write(step),
-                                       after=lambda c: self._after_commit(c, step), reuse_buffers=self.reuse_buffers, t0=t0)
+                                       after=lambda c: self._after_commit(c, step, force=force), reuse_buffers=self.reuse_buffers, t0=t0)
         except CheckpointError:
             raise
         except Exception as e:
@@ -550,10 +559,13 @@ class CheckpointManager:
             log.warning("shardckpt: cannot remove leftovers of step %d at %s: %s: %s", step, self.step_url(step),
                         type(e).__name__, e)
 
-    def _after_commit(self, comm: Comm, step: int) -> None:
-        """Every rank, once step ``step`` is committed: hand it to the flusher (``local=``), then retention."""
-        if self._remote is not None:
-            self._flusher_on(comm).submit(step)  # before retention: the pending step is protected
+    def _after_commit(self, comm: Comm, step: int, *, force: bool = False) -> None:
+        """Every rank, once step ``step`` is committed: hand it to the flusher (``local=``), then retention.
+
+        ``force``: a re-save of ``step``; the flusher uploads it again even if an earlier copy was flushed.
+        """
+        if self._tiers is not None:  # before retention: the pending step is protected
+            self._tiers.flusher_on(self.root, comm).submit(step, resave=force)
         self._retain(comm, step)
 
     def _retain(self, comm: Comm, saved: int) -> None:
@@ -621,30 +633,16 @@ class CheckpointManager:
     def _remove_leftover(self, name: str) -> None:
         retention.remove_leftover(self.root, name)
 
-    # -- local first, then remote (docs/manager.md) ----------------------------------------
-
-    def _tiers(self, root_url: str, local: Any, *, storage_options, incremental: bool, **remote_kw: Any) -> "CheckpointManager":
-        """The read-only manager of the remote root (``steps()``, ``restore()``, retention), after checking ``local``."""
-        if not isinstance(local, (str, os.PathLike)) or not str(local).strip():
-            raise UsageError(f"CheckpointManager: local must be a directory path, got {local!r}")
-        if incremental:
-            raise UsageError(
-                "CheckpointManager: local= with incremental=True is not supported yet (a flushed step's references "
-                "to earlier steps would have to be on the remote first); drop one of them"
-            )
-        remote = CheckpointManager(root_url, storage_options=storage_options, load_only=True, **remote_kw)
-        if Storage(str(local)).url == remote.root_url:
-            raise UsageError(f"CheckpointManager: local={local!r} is the remote root itself; give it a node-local directory")
-        return remote
+    # -- local first, then remote (shardckpt/_flush.py's Tiers; docs/manager.md) ---------------------------
 
     @property
     def remote_url(self) -> Optional[str]:
         """With ``local=``: the durable remote root (``root_url`` is then the local directory); else None."""
-        return None if self._remote is None else self._remote.root_url
+        return None if self._tiers is None else self._tiers.remote_url
 
     def remote_steps(self) -> List[int]:
         """With ``local=``: the steps committed on the remote (flushed whole), oldest first; else :meth:`steps`."""
-        return self.steps() if self._remote is None else self._remote.steps()
+        return self.steps() if self._tiers is None else self._tiers.remote_steps()
 
     @property
     def durable_step(self) -> Optional[int]:
@@ -653,85 +651,13 @@ class CheckpointManager:
         Without ``local=``, every committed step is durable: the newest
         committed step (:meth:`latest_step`, one listing).
         """
-        if self._remote is None:
-            return self.latest_step()
-        return None if self._flusher is None else self._flusher.durable_step
-
-    def _flusher_on(self, comm: Comm) -> Flusher:
-        if self._flusher is None:
-            remote = cast(CheckpointManager, self._remote)
-            self._flusher = Flusher(self.root, remote.root, comm, step_dir=step_dir_name,
-                                    after_commit=self._retain_remote, on_durable=self.on_durable)
-        return self._flusher
+        return self.latest_step() if self._tiers is None else self._tiers.durable_step
 
     def _retention(self, saved: int) -> Dict[str, Any]:
-        """:func:`steps_to_delete`'s policy here: the manager's, or with ``local=`` the local one."""
-        if self._remote is None:
+        """:func:`steps_to_delete`'s policy here: the manager's, or with ``local=`` the local one (``Tiers.retention``)."""
+        if self._tiers is None:
             return {"keep_last": self.keep_last, "keep_every": self.keep_every, "protect": [saved]}
-        # Local: the newest keep_local steps, and never a step being flushed or waiting to be.
-        pending = self._flusher.protected() if self._flusher is not None else []
-        return {"keep_last": self.keep_local, "keep_every": None, "protect": [saved, *pending]}
-
-    def _retain_remote(self, flushed: int) -> None:
-        """Rank 0's flusher, after step ``flushed`` committed on the remote: keep_last/keep_every there."""
-        remote = cast(CheckpointManager, self._remote)
-        committed, partial = remote._scan()
-        drop = steps_to_delete(committed, keep_last=remote.keep_last, keep_every=remote.keep_every, protect=[flushed])
-        for s in drop:  # uncommit first: a crash leaves leftovers, never a committed step with missing files
-            log.info("shardckpt: remote retention removes step %d from %s", s, remote.root_url)
-            remote._uncommit(step_dir_name(s))
-        for s in drop:
-            remote._remove_dir(step_dir_name(s))
-        for s in stale_leftovers(committed, [s for s, _ in partial]):
-            remote._remove_dir(step_dir_name(s))  # a failed or killed upload
-
-    def _restore_tiers(self, state: Dict[str, Any], comm: Comm, load_kw: Dict[str, Any]) -> Tuple[str, Optional[int]]:
-        """Restore's choice with ``local=``: ``("local", step)`` to load below, ``("remote", result)`` loaded, or ``("none", None)``.
-
-        The local step counts when every rank can read and check it (its
-        manifest and files, agreed); else the remote's newest. Afterwards the
-        newest local step the remote lacks is handed to the flusher again.
-        """
-        remote = cast(CheckpointManager, self._remote)
-
-        def newest() -> Tuple[Optional[int], Optional[int]]:
-            local_steps = self.steps()
-            try:
-                remote_steps = remote.steps()
-            except Exception as e:  # the remote is down: the local disk can still resume the run
-                if not local_steps:
-                    raise
-                log.warning("shardckpt: restore: cannot list the remote %s (%s: %s); choosing among the local steps only",
-                            remote.root_url, type(e).__name__, e)
-                remote_steps = []
-            return (local_steps[-1] if local_steps else None, remote_steps[-1] if remote_steps else None)
-
-        _, (lstep, rstep) = agree(comm, lambda: newest() if comm.rank == 0 else None,
-                                  what=f"restore from {self.root_url} or {remote.root_url}", share=lambda v: v, mode=FROM_ROOT)
-        readable = False
-        if lstep is not None and (rstep is None or lstep >= rstep):
-            def check() -> bool:
-                try:
-                    self._validate(lstep)
-                    return True
-                except Exception as e:
-                    log.warning("shardckpt: rank %d cannot restore local step %d (%s: %s)", comm.rank, lstep, type(e).__name__, e)
-                    return False
-
-            _, oks = agree(comm, check, what=f"restore from {self.root_url}: the local step", share=lambda v: v, mode=ALL)
-            readable = all(oks)
-        source, step = restore_source(lstep, readable, rstep)
-        flusher = self._flusher_on(comm)
-        flusher.set_durable(rstep)
-        if lstep is not None and readable and (rstep is None or lstep > rstep) and not self.load_only:
-            flusher.submit(lstep)  # committed here only: flush it (in the background, while it loads)
-        log.info("shardckpt: restore: newest local step %s (%s), newest remote step %s: loading %s step %s",
-                 lstep, "readable by every rank" if readable else "not used", rstep, source, step)
-        if source != "remote":
-            return source, step
-        got = remote.restore(state, **load_kw)
-        self.restored_from = remote.restored_from
-        return source, got
+        return self._tiers.retention(saved)
 
     # -- restore ----------------------------------------------------------------
 
@@ -804,19 +730,30 @@ class CheckpointManager:
         if self.io_threads is not None:
             load_kw.setdefault("io_threads", self.io_threads)
         load_kw.setdefault("collective_timeout_s", self.collective_timeout_s)
-        if self._remote is not None and s is None:
-            source, got = self._restore_tiers(state, comm, load_kw)
-            if source == "remote":
+        memory_tried = False
+        if self._tiers is not None and s is None:
+            mem = self._memory
+
+            def from_memory(storage_step: Optional[int]) -> Optional[int]:
+                if mem is None:
+                    return None
+                return mem.restore(state, comm, storage_step=storage_step, process_group=self.process_group, load_kw=load_kw)
+
+            source, got, where = self._tiers.restore(state, comm, load_kw, local=self.root, local_steps=self.steps,
+                                                     validate=self._validate, flush=not self.load_only, memory=from_memory)
+            if source in ("remote", "memory"):
+                self.restored_from = where
                 return got
-            s = got  # "local": that step, below; "none": nothing anywhere (initial_load_path applies)
-        elif self._remote is not None and s is not None:
+            s, memory_tried = got, True  # "local": that step, below; "none": nothing anywhere (initial_load_path applies)
+        elif self._tiers is not None and s is not None:
             _, here = agree(comm, lambda: s in self.steps() if comm.rank == 0 else None,
                             what=f"restore of step {s} from {self.root_url}", share=lambda v: v, mode=FROM_ROOT)
             if not here:  # not (or no longer) on the local disk: the remote's copy
-                got = self._remote.restore(state, step=s, **load_kw)
-                self.restored_from = self._remote.restored_from
+                remote = self._tiers.remote
+                got = remote.restore(state, step=s, **load_kw)
+                self.restored_from = remote.restored_from
                 return got
-        found, got = self._restore_storage(state, s, comm, load_kw)
+        found, got = self._restore_storage(state, s, comm, load_kw, memory_tried=memory_tried)
         if not found and s is None and self.initial_load_path is not None:
             # A fresh run: start from the given weights (torchtitan's
             # initial_load_path). Once the run has its own steps they win.
@@ -826,7 +763,7 @@ class CheckpointManager:
         return got
 
     def _restore_storage(self, state: Dict[str, Any], s: Optional[int], comm: Comm,
-                         load_kw: Dict[str, Any]) -> Tuple[bool, Optional[int]]:
+                         load_kw: Dict[str, Any], *, memory_tried: bool = False) -> Tuple[bool, Optional[int]]:
         """Restore's pick-and-load on this root (or the memory tier): ``(True, step)`` loaded, ``(False, None)`` nothing to load.
 
         Rank 0 picks (:meth:`_choose`); its error (the same type and text) is
@@ -836,7 +773,7 @@ class CheckpointManager:
         for attempt in range(RESTORE_ATTEMPTS):
             _, value = agree(comm, lambda: self._choose(s) if comm.rank == 0 else None,
                              what=f"restore from {self.root_url}", share=lambda v: v, mode=FROM_ROOT)
-            if self._memory is not None and s is None and attempt == 0:
+            if self._memory is not None and s is None and attempt == 0 and not memory_tried:
                 got = self._memory.restore(
                     state, comm, storage_step=value, process_group=self.process_group, load_kw=load_kw,
                     load=lambda url: load(state, url, process_group=self.process_group, **load_kw),
@@ -876,8 +813,8 @@ class CheckpointManager:
         wait_pending()
         if self._memory is not None:
             self._memory.snapshots.wait()
-        if self._flusher is not None:
-            self._flusher.wait()
+        if self._tiers is not None and self._tiers.flusher is not None:
+            self._tiers.flusher.wait()
 
     def cleanup(self, *, dry_run: bool = False) -> List[str]:
         """Remove leftovers of unfinished saves; returns what was removed (rank 0).
@@ -929,8 +866,8 @@ class CheckpointManager:
         finally:
             if self._memory is not None:
                 self._memory.close()
-            if self._flusher is not None:
-                self._flusher.close(flush_timeout_s)
+            if self._tiers is not None and self._tiers.flusher is not None:
+                self._tiers.flusher.close(flush_timeout_s)
 
     def __enter__(self) -> "CheckpointManager":
         return self

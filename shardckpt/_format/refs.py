@@ -134,6 +134,10 @@ class RefStorage:
         st, r = self._route(rel)
         return st.exists(r)
 
+    def path(self, rel: str) -> str:
+        st, r = self._route(rel)
+        return st.path(r)
+
     def is_file(self, rel: str = "") -> bool:
         st, r = self._route(rel)
         return st.is_file(r)

@@ -117,7 +117,7 @@ def _stalled_run(rank, world, remote, local, opts):
     mgr.wait()  # the flusher catches up once the remote answers again
     out = {"blocked": blocked, "durable_before": durable_before, "waited": time.perf_counter() - t0,
            "durable": mgr.durable_step, "remote": mgr.remote_steps(), "local": mgr.steps(),
-           "skipped": mgr._flusher.skipped}
+           "skipped": mgr._tiers.flusher.skipped}
     mgr.close()
     return out
 

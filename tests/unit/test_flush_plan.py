@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 import shardckpt
-from shardckpt._flush import local_protected, next_flush, restore_source
+from shardckpt._flush import commit_save_id, files_of_rank, local_protected, next_flush, restore_source
 from shardckpt.errors import UsageError
 
 
@@ -42,9 +42,22 @@ def test_restore_source(local, readable, remote, want):
     assert restore_source(local, readable, remote) == want
 
 
+def test_commit_save_id_refuses_a_mix_of_saves():
+    assert commit_save_id(["a1", "a1", "a1"], 3) == "a1"
+    with pytest.raises(shardckpt.errors.CorruptCheckpointError, match="saved again while it was flushed"):
+        commit_save_id(["a1", "b2"], 3)
+
+
+def test_files_of_rank_sends_each_reference_with_the_rank_that_wrote_it():
+    files = ["data/ab-r00000-00.safetensors", "data/ab-r00001-00.safetensors", "data/ab-index-r1.json",
+             "@step-00000002/data/cd-r00001-00.safetensors", "@step-00000001/data/ef-r00000-00.safetensors"]
+    ranks = {"data/ab-index-r1.json": 1}
+    assert files_of_rank(files, ranks, 0) == ["@step-00000001/data/ef-r00000-00.safetensors", "data/ab-r00000-00.safetensors"]
+    assert files_of_rank(files, ranks, 1) == ["@step-00000002/data/cd-r00001-00.safetensors", "data/ab-index-r1.json",
+                                              "data/ab-r00001-00.safetensors"]
+
+
 def test_local_argument_checks(tmp_path):
-    with pytest.raises(UsageError, match="incremental"):
-        shardckpt.CheckpointManager(str(tmp_path / "r"), local=str(tmp_path / "l"), incremental=True)
     with pytest.raises(UsageError, match="remote root itself"):
         shardckpt.CheckpointManager(str(tmp_path / "r"), local=str(tmp_path / "r"))
     with pytest.raises(UsageError, match="directory path"):
@@ -101,11 +114,11 @@ def test_a_slow_flush_coalesces_the_backlog_and_protects_its_steps(tmp_path, mon
     release, started = threading.Event(), threading.Event()
     copy = flush._copy
 
-    def slow_copy(src, dst, rel, size):
+    def slow_copy(src, dst, rel, src_rel, size):
         if "step-00000001" in dst.url:
             started.set()
             assert release.wait(60)
-        copy(src, dst, rel, size)
+        copy(src, dst, rel, src_rel, size)
 
     monkeypatch.setattr(flush, "_copy", slow_copy)
     model = torch.nn.Linear(3, 2)
@@ -116,13 +129,13 @@ def test_a_slow_flush_coalesces_the_backlog_and_protects_its_steps(tmp_path, mon
         assert started.wait(60)
         for step in (2, 3):
             mgr.save(step, {"model": model})
-        assert mgr._flusher.protected() == [1, 3]
+        assert mgr._tiers.flusher.protected() == [1, 3]
         assert mgr.steps() == [1, 3]  # keep_local=1 plus the step in flight; the skipped step 2 is gone
         assert mgr.durable_step is None and mgr.remote_steps() == []
         release.set()
         mgr.wait()
         assert mgr.remote_steps() == [1, 3] and mgr.durable_step == 3
-        assert mgr._flusher.skipped == [2]
+        assert mgr._tiers.flusher.skipped == [2]
         mgr.save(4, {"model": model})
         mgr.wait()
         assert mgr.steps() == [4]  # everything flushed: keep_local only
@@ -139,3 +152,80 @@ def test_a_rank_that_cannot_see_the_manifest_is_told_why(tmp_path):
     (tmp_path / "step" / "data").mkdir(parents=True)  # a node-local directory: data files, no manifest
     with pytest.raises(CheckpointNotFoundError, match="every rank of the job can read"):
         upload_step(Storage(str(tmp_path / "step")), Storage(str(tmp_path / "remote")), 1)
+
+
+def test_one_process_incremental_flush_uploads_the_skipped_base_and_retention_keeps_it(tmp_path, monkeypatch):
+    """Steps 2-4 are skipped (step 1's upload is held), step 5 references 4 and 1: the remote gets their files, no manifest."""
+    import threading
+
+    import torch
+
+    import shardckpt._flush as flush
+    from shardckpt._format import open_manifest
+    from shardckpt._storage import Storage
+
+    release, started = threading.Event(), threading.Event()
+    real = flush.upload_step
+
+    def held(src, dst, rank):
+        if dst.url.endswith("step-00000001"):
+            started.set()
+            assert release.wait(60)
+        return real(src, dst, rank)
+
+    monkeypatch.setattr(flush, "upload_step", held)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+    remote, local = str(tmp_path / "remote"), str(tmp_path / "local")
+    mgr = shardckpt.CheckpointManager(remote, local=local, incremental=True, keep_last=1, keep_local=1)
+    try:
+        mgr.save(1, {"model": model})
+        assert started.wait(60)
+        with torch.no_grad():
+            model[1].weight.add_(1.0)  # changes once: rewritten until its hash is known (step 4), then referenced
+        for step in (2, 3, 4, 5):
+            mgr.save(step, {"model": model})
+        release.set()
+        mgr.wait()
+        assert mgr._tiers.flusher.skipped == [2, 3, 4] and mgr.remote_steps() == [5]
+    finally:
+        release.set()
+        mgr.close()
+    root = Storage(remote)
+    live = {rel for rel in open_manifest(root.child("step-00000005")).files if rel.startswith("@")}
+    refs = {rel.split("/", 1)[0][1:] for rel in live}
+    # The frozen layer's bytes are step 1's; the changed one's a skipped step's (4, with today's hashing order).
+    assert "step-00000001" in refs and refs & {"step-00000002", "step-00000003", "step-00000004"}, refs
+    # Step 1 was dropped (keep_last=1) and step 4 never committed there: only their referenced files are.
+    for d in refs:
+        assert not root.exists(f"{d}/manifest.json")
+        have = {f"@{d}/{rel}" for rel in root.child(d).walk_files("")}
+        assert have and have <= live, (d, have, live)
+    shardckpt.verify(f"{remote}/step-00000005")
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    fresh = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+    shardckpt.load({"model": fresh}, f"{remote}/step-00000005")
+    assert all(torch.equal(v, want[k]) for k, v in fresh.state_dict().items())
+
+
+def test_the_hugging_face_export_of_the_last_save_is_flushed_too(tmp_path):
+    import torch
+
+    from shardckpt._storage import Storage
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    remote, local = str(tmp_path / "remote"), str(tmp_path / "local")
+    with shardckpt.CheckpointManager(remote, local=local, last_save_in_hf=True) as mgr:
+        mgr.save(1, {"model": model})
+        mgr.save(2, {"model": model}, last_step=True)
+        mgr.wait()
+        assert mgr.remote_steps()[-1] == 2
+    here, there = Storage(f"{local}/step-00000002-hf"), Storage(f"{remote}/step-00000002-hf")
+    files = here.walk_files("")
+    assert any(f.endswith(".safetensors") for f in files)
+    assert sorted(there.walk_files("")) == sorted(files)
+    assert all(there.read_bytes(f) == here.read_bytes(f) for f in files)
+    fresh = torch.nn.Linear(4, 3)
+    shardckpt.load({"model": fresh}, f"{remote}/step-00000002-hf", strict=False)
+    assert torch.equal(fresh.weight, model.weight) and torch.equal(fresh.bias, model.bias)
