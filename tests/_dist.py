@@ -65,8 +65,8 @@ def _worker(rank: int, world: int, port: int, conn) -> None:
         pass
 
 
-def _context():
-    """Rank processes forked from one server process that imported torch once.
+def process_context():
+    """Rank (and fault-test child) processes forked from one server process that imported torch once.
 
     A spawned rank spends ~2 s of CPU importing torch: at 16 ranks on a 2-core
     box that was most of a test. The fork server is a fresh interpreter that
@@ -82,7 +82,7 @@ def _context():
 
 class _Pool:
     def __init__(self, world: int):
-        ctx = _context()
+        ctx = process_context()
         port = free_port()
         self.world = world
         self.conns = []
