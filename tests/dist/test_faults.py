@@ -28,7 +28,7 @@ import time
 
 import pytest
 import torch
-from _dist import free_port, process_context
+from _dist import free_port
 from _faultkids import die, die_at_manifest_rename, die_mid_data_file, finish, join_group, start
 
 SINGLE_FAULTS = ["before_data", "mid_data", "before_manifest", "mid_manifest", "async_mid_data"]
@@ -49,8 +49,8 @@ CHILD_TIMEOUT_S = 180
 # the child (started by tests/_faultkids.py)
 
 
-def _arm(fault: str, release=None) -> None:
-    """Patch the engine so this process SIGKILLs itself at ``fault`` (``stall_data``: stalls until ``release`` is set)."""
+def _arm(fault: str, release: str = "") -> None:
+    """Patch the engine so this process SIGKILLs itself at ``fault`` (``stall_data``: stalls until file ``release`` exists)."""
     from shardckpt import _save as _api
     from shardckpt import _storage
 
@@ -66,7 +66,9 @@ def _arm(fault: str, release=None) -> None:
         def stalled(*a, **kw):
             # Stuck until the test saw its peer give up (at most STALL_S): then it
             # goes on to find the peer gone. No fixed sleep to sit through.
-            release.wait(STALL_S)
+            deadline = time.monotonic() + STALL_S
+            while not os.path.exists(release) and time.monotonic() < deadline:
+                time.sleep(0.05)
             return real_write_files(*a, **kw)
 
         _api.write_files = stalled
@@ -107,7 +109,7 @@ def _child_single(root: str, fault: str) -> None:
     os._exit(5)
 
 
-def _child_rank(root: str, fault: str, victim: int, rank: int, world: int, port: int, release) -> None:
+def _child_rank(root: str, fault: str, victim: int, rank: int, world: int, port: int, release: str) -> None:
     from models import build, shard_fsdp2
 
     import shardckpt
@@ -191,13 +193,13 @@ def _multi_rank(tmp_path, cases):
     for victim, fault in cases:
         root = str(tmp_path / f"{fault}-r{victim}")
         port = free_port()
-        release = process_context().Event()
+        release = root + ".release"  # a file, not a semaphore: nothing of the test's in /dev/shm
         runs.append((victim, fault, root, release, [start(_child_rank, root, fault, victim, r, 2, port, release) for r in range(2)]))
     for victim, fault, root, release, procs in runs:
         results = [None, None]
         # The survivor first: a stalled victim is released only once its peer gave up.
         results[1 - victim] = _finish(procs[1 - victim])
-        release.set()
+        open(release, "w").close()
         results[victim] = _finish(procs[victim])
         where = f"{fault} on rank {victim}"
         rc, out = results[victim]
