@@ -24,6 +24,7 @@ test that needs a new interpreter; ``finish`` and ``result`` take either.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import shutil
@@ -31,7 +32,7 @@ import signal
 import subprocess
 import sys
 import tempfile
-from typing import Any, Callable, Dict, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import pytest
 
@@ -98,6 +99,8 @@ class Child:
             return self.output()
         finally:
             shutil.rmtree(self.out_dir, ignore_errors=True)
+            if self in _STARTED:
+                _STARTED.remove(self)
 
 
 def start(fn: Callable[..., Any], *args: Any, env: Optional[Dict[str, str]] = None) -> Child:
@@ -120,7 +123,23 @@ def start(fn: Callable[..., Any], *args: Any, env: Optional[Dict[str, str]] = No
     os.close(os.open(out_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
     proc = process_context().Process(target=_bootstrap, args=(fn, args, out_path, _child_env(env)), daemon=True)
     proc.start()
-    return Child(proc, out_dir, out_path)
+    child = Child(proc, out_dir, out_path)
+    _STARTED.append(child)
+    return child
+
+
+#: Children not yet cleaned up: a test that failed before ``finish`` leaves
+#: no process running and no output file behind when the session ends.
+_STARTED: List[Child] = []
+
+
+@atexit.register
+def _cleanup() -> None:
+    for child in _STARTED:
+        child.kill()
+        child.wait(5)
+        shutil.rmtree(child.out_dir, ignore_errors=True)
+    _STARTED.clear()
 
 
 def spawn(script: str, *args: Any) -> subprocess.Popen:
