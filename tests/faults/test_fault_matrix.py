@@ -26,8 +26,6 @@ import pytest
 import torch
 from _faultkids import die, die_at_manifest_rename, die_mid_data_file, finish, join_group, start, then_die
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-TESTS = os.path.dirname(HERE)
 PHASES = ["stage", "data", "gather", "manifest", "retention"]
 COMMITTED_BEFORE_KILL = {"retention"}
 #: Bound of one child: a hang fails the cell instead of the suite.

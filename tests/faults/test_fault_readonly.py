@@ -24,8 +24,6 @@ import pytest
 import torch
 from _faultkids import finish, join_group, result, start
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-TESTS = os.path.dirname(HERE)
 POINTS = ["data", "commit"]
 #: Bound of one child: a hang fails the cell instead of the suite.
 CHILD_TIMEOUT_S = 240

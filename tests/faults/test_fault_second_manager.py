@@ -20,8 +20,6 @@ import time
 import torch
 from _faultkids import finish, result, start
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-TESTS = os.path.dirname(HERE)
 #: Saves each manager attempts after the lockstep first round.
 FREE_SAVES = 10
 #: Bound of one child, and of each wait for the other manager's first round.
