@@ -27,8 +27,28 @@ from typing import Any, Callable, Dict, List
 PG_TIMEOUT_S = 60
 
 
+#: Ports handed to processes that bind them seconds later (a rank's store, a
+#: server): below the kernel's ephemeral range (ip_local_port_range, 32768 up
+#: by default), so no outgoing connection of this or another test process
+#: (an S3 client, a gloo link) can take one in between, which happened.
+PORT_RANGE = (20000, 32767)
+
+
 def free_port() -> int:
-    with socket.socket() as s:
+    """A loopback TCP port free now, outside the ephemeral range (see ``PORT_RANGE``)."""
+    import random
+
+    lo, hi = PORT_RANGE
+    pick = random.SystemRandom()  # not the seeded module state: two test processes must not draw alike
+    for _ in range(200):
+        port = pick.randint(lo, hi)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # everything tried was taken: let the kernel choose
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
@@ -65,8 +85,8 @@ def _worker(rank: int, world: int, port: int, conn) -> None:
         pass
 
 
-def _context():
-    """Rank processes forked from one server process that imported torch once.
+def process_context():
+    """Rank (and fault-test child) processes forked from one server process that imported torch once.
 
     A spawned rank spends ~2 s of CPU importing torch: at 16 ranks on a 2-core
     box that was most of a test. The fork server is a fresh interpreter that
@@ -82,7 +102,7 @@ def _context():
 
 class _Pool:
     def __init__(self, world: int):
-        ctx = _context()
+        ctx = process_context()
         port = free_port()
         self.world = world
         self.conns = []

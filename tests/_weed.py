@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -18,9 +17,9 @@ from typing import Optional
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    from _dist import free_port  # one rule for ports bound later (outside the ephemeral range)
+
+    return free_port()
 
 
 def _die_with_parent() -> None:

@@ -1,9 +1,30 @@
 import os
 import sys
 
+import pytest
+
 # Tests import helpers (tests/_dist.py, tests/models.py) as top-level modules,
 # also inside spawned rank processes, which inherit PYTHONPATH.
 HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
 os.environ["PYTHONPATH"] = HERE + os.pathsep + os.environ.get("PYTHONPATH", "")
+
+#: Test processes of a whole-suite run (``pytest`` with no paths: CI and the
+#: README's command) when pytest-xdist is installed. Runs of chosen files stay
+#: in one process (no worker start-up for a few tests); ``-n N`` or
+#: ``SHARDCKPT_TEST_WORKERS=N`` chooses, ``-n 0`` or ``-p no:xdist`` turns it off.
+SUITE_WORKERS = 2
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads -n
+def pytest_cmdline_main(config):
+    if not config.pluginmanager.hasplugin("xdist") or hasattr(config, "workerinput"):
+        return None
+    if config.option.numprocesses is not None:  # -n given
+        return None
+    workers = os.environ.get("SHARDCKPT_TEST_WORKERS")
+    if workers is None and config.args_source != pytest.Config.ArgsSource.TESTPATHS:
+        return None
+    config.option.numprocesses = int(workers) if workers is not None else SUITE_WORKERS
+    return None

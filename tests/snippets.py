@@ -29,6 +29,7 @@ restarts a job on other nodes: only what reached storage survives.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -139,6 +140,23 @@ def _memory_dirs() -> set:
         return set()
 
 
+def _made_by_this_page(name: str, cwd: str) -> bool:
+    """Whether /dev/shm/``name`` is the memory tier of a root under ``cwd`` (its identity.json says).
+
+    Other jobs of the host (another test process, another user's run) make
+    theirs at the same time: a new directory alone is not this page's.
+    """
+    from shardckpt._memory.store import IDENTITY_NAME
+
+    try:
+        with open(os.path.join("/dev/shm", name, IDENTITY_NAME)) as f:
+            root = json.load(f).get("root", "")
+    except (OSError, ValueError, AttributeError):
+        return False
+    here = os.path.realpath(cwd)
+    return isinstance(root, str) and (root == here or root.startswith(here + os.sep))
+
+
 def _run(cmd: List[str], cwd: str, what: str, job: str = "") -> None:
     before = _memory_dirs()
     try:
@@ -146,7 +164,8 @@ def _run(cmd: List[str], cwd: str, what: str, job: str = "") -> None:
     finally:
         if job:  # the job is over: the memory tier directories it made (per root: /dev/shm/shardckpt-<uid>-<hash>) go with it
             for name in _memory_dirs() - before:
-                shutil.rmtree(os.path.join("/dev/shm", name), ignore_errors=True)
+                if _made_by_this_page(name, cwd):
+                    shutil.rmtree(os.path.join("/dev/shm", name), ignore_errors=True)
     if p.returncode != 0:
         raise AssertionError(f"{what} failed (exit {p.returncode}):\n--- stdout\n{p.stdout[-4000:]}\n--- stderr\n{p.stderr[-6000:]}")
 

@@ -1,7 +1,7 @@
 """Crash safety with real processes: SIGKILL a saving process (or one rank) mid-save, fill the disk.
 
-Each scenario runs this file as a child program (``python test_faults.py
-child ...``) that commits step 1, then arms a fault and saves step 2. The
+Each scenario runs a child process (tests/_faultkids.py, the fault tests'
+one harness) that commits step 1, then arms a fault and saves step 2. The
 fault is injected by patching the engine inside the child (no test hooks in
 the library) and is a SIGKILL of the child itself at a precise moment:
 
@@ -21,20 +21,18 @@ not be listed, and the next save must clean up what the crash left.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
 import torch
+from _dist import free_port
+from _faultkids import die, die_at_manifest_rename, die_mid_data_file, finish, join_group, start
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-TESTS = os.path.dirname(HERE)
 SINGLE_FAULTS = ["before_data", "mid_data", "before_manifest", "mid_manifest", "async_mid_data"]
-STALL_S = 20.0  # how long the stuck rank sleeps in stall_data
+STALL_S = 20.0  # longest the stuck rank stalls in stall_data (it is released as soon as its peer gave up)
 STALL_TIMEOUT_S = 4.0  # the manager's collective timeout in that case
 #: Prefix of a fault run with the default collective timeout (1800 s): a dead
 #: peer must still be noticed in seconds, through its stopped heartbeat.
@@ -43,68 +41,50 @@ DEFAULT_TIMEOUT = "default_timeout:"
 #: default timeout: the liveness timeout (10 s) plus polling and CPU
 #: contention slack. Far below 1800 s, which is what it guards against.
 DEAD_PEER_NOTICED_S = 60.0
+#: Bound of one child: a hang fails the test instead of the suite.
+CHILD_TIMEOUT_S = 180
 
 
 # --------------------------------------------------------------------------
-# the child program
+# the child (started by tests/_faultkids.py)
 
 
-def _die() -> None:
-    sys.stdout.flush()
-    os.kill(os.getpid(), signal.SIGKILL)
-
-
-def _arm(fault: str) -> None:
-    """Patch the engine so this process SIGKILLs itself at ``fault``."""
-    from shardckpt import _knobs, _storage
+def _arm(fault: str, release: str = "") -> None:
+    """Patch the engine so this process SIGKILLs itself at ``fault`` (``stall_data``: stalls until file ``release`` exists)."""
     from shardckpt import _save as _api
-    from shardckpt._storage import _local
+    from shardckpt import _storage
 
     if fault == "before_data":
-        _api.write_files = lambda *a, **kw: _die()
+        _api.write_files = lambda *a, **kw: die()
     elif fault == "replica_check":  # while fingerprinting its replicas, before the replica agreement
         from shardckpt import _fingerprint
 
-        _fingerprint.local_fingerprints = lambda *a, **kw: _die()
+        _fingerprint.local_fingerprints = lambda *a, **kw: die()
     elif fault == "stall_data":  # a stuck (not dead) rank: the peers must time out
         real_write_files = _api.write_files
 
         def stalled(*a, **kw):
-            time.sleep(STALL_S)
+            # Stuck until the test saw its peer give up (at most STALL_S): then it
+            # goes on to find the peer gone. No fixed sleep to sit through.
+            deadline = time.monotonic() + STALL_S
+            while not os.path.exists(release) and time.monotonic() < deadline:
+                time.sleep(0.05)
             return real_write_files(*a, **kw)
 
         _api.write_files = stalled
     elif fault in ("mid_data", "async_mid_data"):
-        _knobs.WRITE_BLOCK_BYTES = 1024
-        real = _local._LocalWriter.write
-        calls = [0]
-
-        def write(self, data):
-            calls[0] += 1
-            if calls[0] == 3:  # header and one block are on disk
-                os.fsync(self.fd)
-                _die()
-            real(self, data)
-
-        _local._LocalWriter.write = write
+        die_mid_data_file()
     elif fault == "before_manifest":
         real_atomic = _storage.Storage.write_atomic
 
         def write_atomic(self, rel, data, **kw):
             if rel == "manifest.json":
-                _die()
+                die()
             return real_atomic(self, rel, data, **kw)
 
         _storage.Storage.write_atomic = write_atomic
     elif fault == "mid_manifest":
-        real_replace = os.replace
-
-        def replace(src, dst, *a, **kw):
-            if str(dst).endswith("manifest.json"):
-                _die()
-            return real_replace(src, dst, *a, **kw)
-
-        _local.os.replace = replace
+        die_at_manifest_rename()
     else:
         raise ValueError(fault)
 
@@ -129,17 +109,12 @@ def _child_single(root: str, fault: str) -> None:
     os._exit(5)
 
 
-def _child_rank(root: str, fault: str, victim: int, rank: int, world: int, port: int) -> None:
-    from datetime import timedelta
-
-    import torch.distributed as dist
+def _child_rank(root: str, fault: str, victim: int, rank: int, world: int, port: int, release: str) -> None:
     from models import build, shard_fsdp2
 
     import shardckpt
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    join_group(rank, world, port, 60)
     model = shard_fsdp2(build(seed=1))
     if fault.startswith(DEFAULT_TIMEOUT):  # the library's default collective timeout (1800 s)
         fault = fault[len(DEFAULT_TIMEOUT):]
@@ -151,7 +126,7 @@ def _child_rank(root: str, fault: str, victim: int, rank: int, world: int, port:
         for p in model.parameters():
             p.add_(1.0)
     if rank == victim:
-        _arm(fault)
+        _arm(fault, release)
     t0 = time.perf_counter()
     try:
         mgr.save(2, {"model": model, "step": 2})
@@ -166,25 +141,8 @@ def _child_rank(root: str, fault: str, victim: int, rank: int, world: int, port:
 # the tests
 
 
-def _spawn(*args) -> subprocess.Popen:
-    env = dict(os.environ, PYTHONPATH=TESTS + os.pathsep + os.environ.get("PYTHONPATH", ""), CUDA_VISIBLE_DEVICES="")
-    return subprocess.Popen(
-        [sys.executable, os.path.abspath(__file__), "child", json.dumps(args)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=env,
-    )
-
-
-def _finish(p: subprocess.Popen, timeout: float = 180):
-    try:
-        out, _ = p.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        p.kill()
-        out, _ = p.communicate()
-        pytest.fail(f"child did not finish within {timeout}s (hang):\n{out}")
-    return p.returncode, out
+def _finish(p):
+    return finish(p, CHILD_TIMEOUT_S)
 
 
 def _files(root: str, step_dir: str):
@@ -199,8 +157,8 @@ def test_sigkill_single_process_at_each_moment(tmp_path):
     import shardckpt
 
     roots = {f: str(tmp_path / f) for f in SINGLE_FAULTS}
-    # All children at once: each spends most of its time importing torch.
-    procs = {f: _spawn("single", roots[f], f) for f in SINGLE_FAULTS}
+    # All children at once (forked with torch already imported).
+    procs = {f: start(_child_single, roots[f], f) for f in SINGLE_FAULTS}
     results = {f: _finish(p) for f, p in procs.items()}
     for fault, (rc, out) in results.items():
         assert rc == -signal.SIGKILL, f"{fault}: exit {rc}\n{out}"
@@ -227,7 +185,6 @@ def test_sigkill_single_process_at_each_moment(tmp_path):
 
 
 def _multi_rank(tmp_path, cases):
-    from _dist import free_port
     from models import build
 
     import shardckpt
@@ -236,9 +193,14 @@ def _multi_rank(tmp_path, cases):
     for victim, fault in cases:
         root = str(tmp_path / f"{fault}-r{victim}")
         port = free_port()
-        runs.append((victim, fault, root, [_spawn("rank", root, fault, victim, r, 2, port) for r in range(2)]))
-    for victim, fault, root, procs in runs:
-        results = [_finish(p) for p in procs]
+        release = root + ".release"  # a file, not a semaphore: nothing of the test's in /dev/shm
+        runs.append((victim, fault, root, release, [start(_child_rank, root, fault, victim, r, 2, port, release) for r in range(2)]))
+    for victim, fault, root, release, procs in runs:
+        results = [None, None]
+        # The survivor first: a stalled victim is released only once its peer gave up.
+        results[1 - victim] = _finish(procs[1 - victim])
+        open(release, "w").close()
+        results[victim] = _finish(procs[victim])
         where = f"{fault} on rank {victim}"
         rc, out = results[victim]
         if fault == "stall_data":  # wakes up to find its peer gone, and raises too
@@ -329,12 +291,3 @@ def test_disk_full_mid_save(small_disk, async_save):
     mgr.save(3, {"w": torch.ones(10, 10), "step": 3})
     mgr.close()
     assert mgr.steps() == [3]
-
-
-if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "child":
-    sys.path.insert(0, TESTS)
-    mode, *rest = json.loads(sys.argv[2])
-    if mode == "single":
-        _child_single(*rest)
-    else:
-        _child_rank(*rest)

@@ -18,7 +18,6 @@ dumps its stacks to its output if it is still alive after ``STACKS_AFTER_S``.
 from __future__ import annotations
 
 import faulthandler
-import multiprocessing as mp
 import os
 import sys
 import time
@@ -79,19 +78,10 @@ def _rank(rank: int, world: int, port: int, path: str, slow_peer: bool, out) -> 
     # The process now ends as a user's script does: no destroy_process_group.
 
 
-def _context():
-    """One process per rank, forked from a server that imported torch once (as tests/_dist.py's ranks are)."""
-    if "forkserver" not in mp.get_all_start_methods():
-        return mp.get_context("spawn")
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed"])
-    return ctx
-
-
 def _run_once(tmp_path, i: int, slow_peer: bool) -> None:
-    from _dist import free_port
+    from _dist import free_port, process_context
 
-    ctx = _context()
+    ctx = process_context()  # one process per rank, forked from the server that imported torch once
     port = free_port()
     path = str(tmp_path / f"ck{i}")
     pipes, procs = [], []

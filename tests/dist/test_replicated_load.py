@@ -12,6 +12,7 @@ import time
 import pytest
 import torch
 from _dist import run_ranks
+from _faultkids import finish, join_group, start
 
 import shardckpt
 from shardckpt.errors import ChecksumMismatchError, LoadFailedError
@@ -137,15 +138,9 @@ def test_damaged_block_on_the_reading_rank_fails_every_rank_alike(tmp_path, kind
 
 def _dying_rank_child(rank, world, port, path):
     """One rank of its own process group; rank 1 dies between posting two rounds of transfers."""
-    from datetime import timedelta
-
-    import torch.distributed as dist
-
     from shardckpt import _replicas
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
+    join_group(rank, world, port, 120)
     orig, calls = _replicas.start_ops, []
 
     def start(ops):
@@ -173,25 +168,19 @@ def _dying_rank_child(rank, world, port, path):
 
 
 def test_a_rank_killed_mid_transfer_fails_the_others_within_the_timeout(tmp_path):
-    import multiprocessing as mp
-
     from _dist import free_port
 
     path = str(tmp_path / "c")
     _save(path)
-    ctx = mp.get_context("spawn")
     port = free_port()
-    os.environ["CUDA_VISIBLE_DEVICES"] = os.environ.get("CUDA_VISIBLE_DEVICES", "")
-    procs = [ctx.Process(target=_dying_rank_child, args=(r, 4, port, path), daemon=True) for r in range(4)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=150)
-    for p in procs:
-        if p.is_alive():
+    procs = [start(_dying_rank_child, r, 4, port, path) for r in range(4)]
+    try:
+        done = [finish(p, 150, f"rank {r} (a surviving rank hung)") for r, p in enumerate(procs)]
+    finally:
+        for p in procs:
             p.kill()
-            pytest.fail("a surviving rank hung")
-    assert procs[1].exitcode == 3
+    assert done[1][0] == 3, done[1]
+    assert [rc for rc, _ in done] == [0, 3, 0, 0], done
     for r in (0, 2, 3):
         name, msg, took = eval(open(os.path.join(path, f"outcome-{r}")).read())  # noqa: S307 - our own repr
         assert name == LoadFailedError.__name__, (r, name, msg)

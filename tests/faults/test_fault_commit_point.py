@@ -14,18 +14,16 @@ names removed); before it, the previous one must.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
-import sys
 import time
 import urllib.request
 import uuid
 
 import pytest
 import torch
-from _faultkids import finish, spawn
+from _faultkids import die, finish, join_group, start
 from _moto import s3_endpoint, s3_url  # noqa: F401  (pytest fixtures)
 
 import shardckpt
@@ -211,14 +209,9 @@ def _listed(mgr):
 
 
 def _child_rank(root: str, rank: int, world: int, port: int) -> None:
-    from datetime import timedelta
-
-    import torch.distributed as dist
     from models import build, shard_fsdp2
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
+    join_group(rank, world, port, 120)
     model = shard_fsdp2(build(seed=1))
     mgr = shardckpt.CheckpointManager(root, keep_last=1)
     mgr.save(1, {"model": model, "step": 1})
@@ -244,8 +237,7 @@ def _child_rank(root: str, rank: int, world: int, port: int) -> None:
                     except FileNotFoundError:
                         pass
                     time.sleep(0.01)
-                sys.stdout.flush()
-                os.kill(os.getpid(), signal.SIGKILL)
+                die()
             return real(comm, fn, what=what, **kw)
 
         _save.agree = agree
@@ -264,7 +256,7 @@ def test_peer_killed_after_the_commit_keeps_the_committed_checkpoint(tmp_path):
 
     root = str(tmp_path / "run")
     port = free_port()
-    procs = [spawn(__file__, root, r, 2, port) for r in range(2)]
+    procs = [start(_child_rank, root, r, 2, port) for r in range(2)]
     (rc0, out0), (rc1, out1) = [finish(p, CHILD_TIMEOUT_S) for p in procs]
     assert rc1 == -signal.SIGKILL, f"rank 1 was not killed: exit {rc1}\n{out1}"
     # Rank 0 raises, and says the truth: committed, then rank 1 failed.
@@ -283,8 +275,3 @@ def test_peer_killed_after_the_commit_keeps_the_committed_checkpoint(tmp_path):
     ref_sd = ref.state_dict()
     for k, v in model.state_dict().items():
         assert torch.equal(v, ref_sd[k]), k
-
-
-if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "child":
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    _child_rank(*json.loads(sys.argv[2]))

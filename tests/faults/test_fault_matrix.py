@@ -17,20 +17,15 @@ docs/reliability.md ("Fault matrix").
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
 import torch
-from _faultkids import finish, spawn
+from _faultkids import die, die_at_manifest_rename, die_mid_data_file, finish, join_group, start, then_die
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-TESTS = os.path.dirname(HERE)
 PHASES = ["stage", "data", "gather", "manifest", "retention"]
 COMMITTED_BEFORE_KILL = {"retention"}
 #: Bound of one child: a hang fails the cell instead of the suite.
@@ -40,60 +35,27 @@ CHILD_TIMEOUT_S = 240
 DEAD_PEER_NOTICED_S = 60.0
 
 
-def _die() -> None:
-    sys.stdout.flush()
-    os.kill(os.getpid(), signal.SIGKILL)
-
-
-def _then_die(real):
-    def wrapped(*a, **kw):
-        out = real(*a, **kw)
-        _die()
-        return out
-
-    return wrapped
-
-
 def _arm(phase: str, async_save: bool) -> None:
     """Patch the engine so that this process SIGKILLs itself at ``phase``."""
-    from shardckpt import _async, _knobs, _manager, _save
-    from shardckpt._storage import _local
+    from shardckpt import _async, _manager, _save
 
     if phase == "stage":
         if async_save:
-            _async.stage_save = _then_die(_async.stage_save)
+            _async.stage_save = then_die(_async.stage_save)
         else:
-            _manager.prepare_save = _then_die(_manager.prepare_save)
+            _manager.prepare_save = then_die(_manager.prepare_save)
     elif phase == "data":
-        _knobs.WRITE_BLOCK_BYTES = 1024
-        real = _local._LocalWriter.write
-        calls = [0]
-
-        def write(self, data):
-            calls[0] += 1
-            if calls[0] == 3:  # header and one block are on disk
-                os.fsync(self.fd)
-                _die()
-            real(self, data)
-
-        _local._LocalWriter.write = write
+        die_mid_data_file()
     elif phase == "gather":
-        _save.write_files = _then_die(_save.write_files)
+        _save.write_files = then_die(_save.write_files)
     elif phase == "manifest":
-        real_replace = os.replace
-
-        def replace(src, dst, *a, **kw):
-            if str(dst).endswith("manifest.json"):
-                _die()
-            return real_replace(src, dst, *a, **kw)
-
-        _local.os.replace = replace
+        die_at_manifest_rename()
     elif phase == "retention":
         real_clear_dir = _manager.CheckpointManager._clear_dir
 
         def clear_dir(self, name, *a, **kw):
             if name == "step-00000001":  # retention, after it uncommitted the old step, before any file goes
-                _die()
+                die()
             return real_clear_dir(self, name, *a, **kw)
 
         _manager.CheckpointManager._clear_dir = clear_dir
@@ -126,16 +88,11 @@ def _child_single(root: str, phase: str, async_save: bool) -> None:
 
 
 def _child_rank(root: str, phase: str, async_save: bool, victim: int, rank: int, world: int, port: int) -> None:
-    from datetime import timedelta
-
-    import torch.distributed as dist
     from models import build, shard_fsdp2
 
     import shardckpt
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
+    join_group(rank, world, port, 120)
     model = shard_fsdp2(build(seed=1))
     # The default collective timeout (1800 s): a dead peer is noticed by its heartbeat.
     mgr = shardckpt.CheckpointManager(root, keep_last=_keep(phase), async_save=async_save)
@@ -157,11 +114,7 @@ def _child_rank(root: str, phase: str, async_save: bool, victim: int, rank: int,
         os._exit(3)
 
 
-def _spawn(*args) -> subprocess.Popen:
-    return spawn(__file__, *args)
-
-
-def _finish(p: subprocess.Popen):
+def _finish(p):
     return finish(p, CHILD_TIMEOUT_S)
 
 
@@ -188,7 +141,7 @@ def _check_single(root: str, phase: str, where: str) -> None:
 def test_sigkill_single_process_at_every_phase(tmp_path, async_save):
     mode = "async" if async_save else "sync"
     roots = {ph: str(tmp_path / ph) for ph in PHASES}
-    procs = {ph: _spawn("single", roots[ph], ph, async_save) for ph in PHASES}  # concurrently: mostly torch imports
+    procs = {ph: start(_child_single, roots[ph], ph, async_save) for ph in PHASES}  # concurrently
     results = {ph: _finish(p) for ph, p in procs.items()}
     for ph, (rc, out) in results.items():
         where = f"1 rank, {mode}, SIGKILL at {ph}"
@@ -207,7 +160,7 @@ def _check_ranks(tmp_path, cases, async_save: bool) -> None:
     for victim, phase in cases:
         root = str(tmp_path / f"{phase}-r{victim}-{mode}")
         port = free_port()
-        runs.append((victim, phase, root, [_spawn("rank", root, phase, async_save, victim, r, 2, port) for r in range(2)]))
+        runs.append((victim, phase, root, [start(_child_rank, root, phase, async_save, victim, r, 2, port) for r in range(2)]))
     for victim, phase, root, procs in runs:
         where = f"2 ranks, {mode}, SIGKILL of rank {victim} at {phase}"
         results = [_finish(p) for p in procs]
@@ -251,12 +204,3 @@ def test_sigkill_one_rank_of_two_at_every_phase(tmp_path, async_save):
 @pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
 def test_sigkill_rank_zero_of_two_at_retention(tmp_path, async_save):
     _check_ranks(tmp_path, [(0, "retention")], async_save)
-
-
-if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "child":
-    sys.path.insert(0, TESTS)
-    mode, *rest = json.loads(sys.argv[2])
-    if mode == "single":
-        _child_single(*rest)
-    else:
-        _child_rank(*rest)

@@ -19,14 +19,11 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 
 import pytest
 import torch
-from _faultkids import finish, result, spawn
+from _faultkids import finish, join_group, result, start
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-TESTS = os.path.dirname(HERE)
 POINTS = ["data", "commit"]
 #: Bound of one child: a hang fails the cell instead of the suite.
 CHILD_TIMEOUT_S = 240
@@ -125,16 +122,12 @@ def _child_single(root: str, point: str, mode: str, async_save: bool) -> None:
 
 
 def _child_rank(root: str, point: str, mode: str, async_save: bool, rank: int, world: int, port: int) -> None:
-    from datetime import timedelta
-
     import torch.distributed as dist
     from models import build, shard_fsdp2
 
     import shardckpt
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
+    join_group(rank, world, port, 120)
     model = shard_fsdp2(build(seed=1))
     run = os.path.join(root, "run")
     mgr = shardckpt.CheckpointManager(run, keep_last=1, async_save=async_save)
@@ -157,11 +150,7 @@ def _child_rank(root: str, point: str, mode: str, async_save: bool, rank: int, w
     os._exit(rc)
 
 
-def _spawn(*args) -> subprocess.Popen:
-    return spawn(__file__, *args)
-
-
-def _finish(p: subprocess.Popen):
+def _finish(p):
     rc, out = finish(p, CHILD_TIMEOUT_S)
     return rc, result(out), out
 
@@ -220,7 +209,7 @@ def _check_after(where: str, root: str, mode: str, restore_and_compare) -> None:
 def test_read_only_mid_save_single_process(readonly_roots, async_save):
     mode_name = "async" if async_save else "sync"
     cells = {pt: readonly_roots(pt) for pt in POINTS}
-    procs = {pt: _spawn("single", root, pt, mode, async_save) for pt, (root, mode) in cells.items()}
+    procs = {pt: start(_child_single, root, pt, mode, async_save) for pt, (root, mode) in cells.items()}
     for pt, p in procs.items():
         root, mode = cells[pt]
         where = f"1 rank, {mode_name}, read-only at {pt} ({mode})"
@@ -247,7 +236,7 @@ def test_read_only_mid_save_two_ranks(readonly_roots, async_save):
     for pt in POINTS:
         root, mode = readonly_roots(pt)
         port = free_port()
-        runs.append((pt, root, mode, [_spawn("rank", root, pt, mode, async_save, r, 2, port) for r in range(2)]))
+        runs.append((pt, root, mode, [start(_child_rank, root, pt, mode, async_save, r, 2, port) for r in range(2)]))
     for pt, root, mode, procs in runs:
         where = f"2 ranks, {mode_name}, read-only at {pt} ({mode})"
         for r, p in enumerate(procs):
@@ -262,12 +251,3 @@ def test_read_only_mid_save_two_ranks(readonly_roots, async_save):
                 assert torch.equal(v, ref[k]), (where, k)
 
         _check_after(where, root, mode, compare)
-
-
-if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "child":
-    sys.path.insert(0, TESTS)
-    kind, *rest = json.loads(sys.argv[2])
-    if kind == "single":
-        _child_single(*rest)
-    else:
-        _child_rank(*rest)

@@ -15,15 +15,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import time
 
 import torch
-from _faultkids import finish, result, spawn
+from _faultkids import finish, result, start
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-TESTS = os.path.dirname(HERE)
 #: Saves each manager attempts after the lockstep first round.
 FREE_SAVES = 10
 #: Bound of one child, and of each wait for the other manager's first round.
@@ -109,11 +105,7 @@ def _child_restorer(root: str, stop: str) -> None:
     print("RESULT " + json.dumps(out), flush=True)
 
 
-def _spawn(*args) -> subprocess.Popen:
-    return spawn(__file__, *args)
-
-
-def _finish(p: subprocess.Popen, what: str):
+def _finish(p, what: str):
     rc, out = finish(p, CHILD_TIMEOUT_S + 60, what)
     res = result(out)
     assert rc == 0 and res is not None, f"{what}: exit {rc}\n{out}"
@@ -126,8 +118,8 @@ def test_a_second_manager_racing_saves_is_refused_and_no_step_is_damaged(tmp_pat
     root = str(tmp_path / "run")
     os.makedirs(root)
     stop = str(tmp_path / "stop")
-    restorer = _spawn("restorer", root, stop)
-    savers = [_spawn("saver", root, str(tmp_path / "round1"), me) for me in (0, 1)]
+    restorer = start(_child_restorer, root, stop)
+    savers = [start(_child_saver, root, str(tmp_path / "round1"), me) for me in (0, 1)]
     try:
         results = [_finish(p, f"saver {me}") for me, p in enumerate(savers)]
     finally:
@@ -163,12 +155,3 @@ def test_a_second_manager_racing_saves_is_refused_and_no_step_is_damaged(tmp_pat
     assert max(committed) == max(saved), (committed, saved)
     print("saved", [r["saved"] for r in results], "refused", len(refused), "committed", committed,
           "restores", len(restored["restored"]))
-
-
-if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "child":
-    sys.path.insert(0, TESTS)
-    kind, *rest = json.loads(sys.argv[2])
-    if kind == "saver":
-        _child_saver(*rest)
-    else:
-        _child_restorer(*rest)

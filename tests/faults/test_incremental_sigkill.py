@@ -12,14 +12,11 @@ until a newer one commits).
 
 from __future__ import annotations
 
-import os
 import signal
-import subprocess
-import sys
-import textwrap
 import time
 
 import pytest
+from _faultkids import finish, start
 
 import shardckpt
 from shardckpt._format import open_manifest
@@ -27,18 +24,17 @@ from shardckpt._format.files import check_files
 from shardckpt._format.refs import follow
 from shardckpt._storage import Storage
 
-CHILD = textwrap.dedent(
-    """
-    import sys, torch, shardckpt
-    root, log, start = sys.argv[1], sys.argv[2], int(sys.argv[3])
+
+def _saver(root: str, log: str, first: int) -> None:
+    """The child: saves step after step from ``first``, logging each whose save returned, until killed."""
+    import torch
+
     base = torch.randn(256, 256, generator=torch.Generator().manual_seed(0))
     mgr = shardckpt.CheckpointManager(root, keep_last=1, incremental=True)
-    for step in range(start, start + 10_000):
+    for step in range(first, first + 10_000):
         mgr.save(step, {"base": base, "adapter": torch.full((64,), float(step)), "step": step})
         with open(log, "a") as f:
-            f.write(f"{step}\\n")
-    """
-)
+            f.write(f"{step}\n")
 
 
 def _logged(log: str):
@@ -52,16 +48,17 @@ def _logged(log: str):
 @pytest.mark.slow
 def test_sigkill_during_incremental_saves_and_cleanup(tmp_path):
     root, log = str(tmp_path / "run"), str(tmp_path / "log")
-    start = 1
+    first = 1
     for kill in range(4):
         before = len(_logged(log))
-        p = subprocess.Popen([sys.executable, "-c", CHILD, root, log, str(start)])
+        p = start(_saver, root, log, first)
         deadline = time.monotonic() + 120
         # Wait for kill + 1 more steps (so kills land at different points), then kill.
         while len(_logged(log)) < before + 1 + kill and p.poll() is None and time.monotonic() < deadline:
             time.sleep(0.01)
-        os.kill(p.pid, signal.SIGKILL)
-        p.wait()
+        p.kill()
+        rc, out = finish(p, 60, "the killed saver")
+        assert rc == -signal.SIGKILL, f"the saver ended by itself: exit {rc}\n{out}"
         done = _logged(log)
         assert len(done) > before, "the child saved nothing"
         mgr = shardckpt.CheckpointManager(root)
@@ -72,4 +69,4 @@ def test_sigkill_during_incremental_saves_and_cleanup(tmp_path):
             m = open_manifest(st)
             check_files(st, {rel: f.size for rel, f in m.files.items()})
             shardckpt.verify(mgr.step_url(s))
-        start = max(steps + done) + 1
+        first = max(steps + done) + 1

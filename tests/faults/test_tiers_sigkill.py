@@ -16,17 +16,14 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 
 import pytest
 from _dist import free_port
+from _faultkids import finish, result, start
 from _moto import s3_endpoint, s3_url  # noqa: F401  (pytest fixtures)
 
 import shardckpt
 from shardckpt._storage import Storage
-
-TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _child(phase: str, remote: str, local: str, opts: dict) -> None:
@@ -73,18 +70,8 @@ def _child(phase: str, remote: str, local: str, opts: dict) -> None:
 
 
 def _spawn(phase, remote, local, opts, port):
-    procs = []
-    for rank in range(2):
-        env = dict(os.environ, PYTHONPATH=TESTS + os.pathsep + os.environ.get("PYTHONPATH", ""), CUDA_VISIBLE_DEVICES="",
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank))
-        procs.append(subprocess.Popen([sys.executable, os.path.abspath(__file__), "child", json.dumps([phase, remote, local, opts])],
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env))
-    return procs
-
-
-def _result(out):
-    lines = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
-    return json.loads(lines[-1][7:]) if lines else None
+    env = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2")
+    return [start(_child, phase, remote, local, opts, env=dict(env, RANK=str(r), LOCAL_RANK=str(r))) for r in range(2)]
 
 
 @pytest.mark.slow
@@ -93,11 +80,11 @@ def test_sigkill_during_flush_then_restart(tmp_path, s3_url):  # noqa: F811
     local = str(tmp_path / "local")
     r0, r1 = _spawn("save", remote, local, opts, free_port())
     try:
-        out0, _ = r0.communicate(timeout=240)
+        rc0, out0 = finish(r0, 240, "rank 0")
     finally:
         r1.kill()
-        out1, _ = r1.communicate(timeout=60)
-    assert r0.returncode == -signal.SIGKILL and "KILLING" in out0, out0
+        _, out1 = finish(r1, 60, "rank 1")
+    assert rc0 == -signal.SIGKILL and "KILLING" in out0, out0
     assert os.path.exists(os.path.join(local, "step-00000003", "manifest.json")), out1  # committed locally
 
     listed = shardckpt.CheckpointManager(remote, storage_options=opts, load_only=True).steps()
@@ -108,17 +95,14 @@ def test_sigkill_during_flush_then_restart(tmp_path, s3_url):  # noqa: F811
         shardckpt.verify(f"{remote}/step-{s:08d}", storage_options=opts)
 
     procs = _spawn("restore", remote, local, opts, free_port())
-    outs = []
-    for p in procs:
-        try:
-            outs.append(p.communicate(timeout=240)[0])
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            pytest.fail("the restarted job hung")
-    for p, out in zip(procs, outs):
-        assert p.returncode == 0, out
-        res = _result(out)
+    try:
+        done = [finish(p, 240, f"rank {r} of the restarted job") for r, p in enumerate(procs)]
+    finally:
+        for p in procs:
+            p.kill()
+    for rc, out in done:
+        assert rc == 0, out
+        res = result(out)
         assert res["step"] == 3 and res["state_step"] == 3, out
         assert res["from"].startswith(local), res  # the newest step is only local
         # Step 3 is not durable until flushed: 2 right after restore, unless the background flush of step 3
@@ -129,6 +113,3 @@ def test_sigkill_during_flush_then_restart(tmp_path, s3_url):  # noqa: F811
         assert res["same_as_seed1"], res
     shardckpt.verify(f"{remote}/step-00000003", storage_options=opts)
 
-
-if __name__ == "__main__" and sys.argv[1:2] == ["child"]:
-    _child(*json.loads(sys.argv[2]))

@@ -181,8 +181,17 @@ def test_error_in_the_child_reaches_result(tmp_path, process_writer):
 
 
 def _shm_entries():
-    # The memory tier's directories (shardckpt-<uid>-<hash>) belong to other jobs on a shared host: not this test's.
-    return sorted(n for n in os.listdir("/dev/shm") if not n.startswith("shardckpt-"))
+    # Not this test's on a shared host: the memory tier's directories
+    # (shardckpt-<uid>-<hash>) and the POSIX semaphores of other processes'
+    # multiprocessing locks (sem.mp-*; the writer child is a subprocess on a
+    # socket, it makes none). Other jobs made them appear mid-test (a race).
+    return sorted(n for n in os.listdir("/dev/shm") if not n.startswith(("shardckpt-", "sem.mp-")))
+
+
+def _shm_mappings(pid="self") -> int:
+    """Mappings of /dev/shm files in a process, semaphores aside (the arena is a memfd: there must be none)."""
+    with open(f"/proc/{pid}/maps") as f:
+        return sum(" /dev/shm/" in line and " /dev/shm/sem." not in line for line in f)
 
 
 def test_release_buffers_stops_the_child_and_frees_shared_memory(tmp_path, process_writer):
@@ -192,6 +201,7 @@ def test_release_buffers_stops_the_child_and_frees_shared_memory(tmp_path, proce
     shardckpt.async_save(_state(8), str(tmp_path / "a"), no_dist=True).result(timeout=300)
     pid = _child_pid()
     assert _arena_mappings() >= 1 and _arena_mappings(pid) >= 1
+    assert _shm_mappings() == 0 and _shm_mappings(pid) == 0  # the staging memory is nowhere in /dev/shm
     proc = _writerproc.current_writer()._proc
     shardckpt.release_buffers()
     assert proc.poll() is not None  # the child exited (and was reaped)

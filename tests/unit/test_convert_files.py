@@ -623,21 +623,31 @@ def test_dcp_metadata_bombs_fail_fast(tmp_path):
 
 def test_dcp_unpickler_imports_nothing_on_a_pickles_request(tmp_path):
     d = _dcp_dir(tmp_path)
-    for mod, name in (("torch", "_inductor"), ("torch", "_dynamo"), ("torch", "onnx"), ("torch", "compile"),
-                      ("torch._dynamo", "config"), ("os", "system")):
-        code = (
-            "import sys, pickle, shardckpt.converters as c, pytest\n"
-            "from shardckpt.errors import UnsafeMetadataError\n"
-            f"open(sys.argv[1] + '/.metadata', 'wb').write(b'\\x80\\x04\\x8c' + bytes([len({mod!r})]) + {mod!r}.encode()"
-            f" + b'\\x8c' + bytes([len({name!r})]) + {name!r}.encode() + b'\\x93.')\n"
-            "before = set(sys.modules)\n"
-            "try:\n    c.from_dcp(sys.argv[1], sys.argv[1] + '-out')\nexcept UnsafeMetadataError as e:\n    print('REFUSED', e)\n"
-            "new = sorted(m for m in set(sys.modules) - before if m.startswith(('torch._inductor', 'torch._dynamo', 'torch.onnx')))\n"
-            "print('NEW', new)\n"
-        )
-        out = subprocess.run([sys.executable, "-c", code, str(d)], capture_output=True, text=True, timeout=120)
-        assert "REFUSED" in out.stdout and f"{mod}.{name} is not allowed" in out.stdout, out.stdout + out.stderr
-        assert "NEW []" in out.stdout, (mod, name, out.stdout)
+    cases = (("torch", "_inductor"), ("torch", "_dynamo"), ("torch", "onnx"), ("torch", "compile"),
+             ("torch._dynamo", "config"), ("os", "system"))
+    # One fresh interpreter for every case (a torch import each was most of
+    # this test): each case checks what it imported itself, and a module one
+    # case imported would already have failed that case.
+    code = (
+        "import sys, json, pickle, shardckpt.converters as c, pytest\n"
+        "from shardckpt.errors import UnsafeMetadataError\n"
+        "for mod, name in json.loads(sys.argv[2]):\n"
+        "    open(sys.argv[1] + '/.metadata', 'wb').write(b'\\x80\\x04\\x8c' + bytes([len(mod)]) + mod.encode()"
+        " + b'\\x8c' + bytes([len(name)]) + name.encode() + b'\\x93.')\n"
+        "    before = set(sys.modules)\n"
+        "    print('CASE', mod, name)\n"
+        "    try:\n        c.from_dcp(sys.argv[1], sys.argv[1] + '-out')\n"
+        "    except UnsafeMetadataError as e:\n        print('REFUSED', e)\n"
+        "    new = sorted(m for m in set(sys.modules) - before if m.startswith(('torch._inductor', 'torch._dynamo', 'torch.onnx')))\n"
+        "    print('NEW', new)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code, str(d), json.dumps(cases)], capture_output=True, text=True, timeout=120)
+    parts = out.stdout.split("CASE ")[1:]
+    assert len(parts) == len(cases), out.stdout + out.stderr
+    for (mod, name), part in zip(cases, parts):
+        assert part.startswith(f"{mod} {name}\n"), part
+        assert "REFUSED" in part and f"{mod}.{name} is not allowed" in part, out.stdout + out.stderr
+        assert "NEW []" in part, (mod, name, part)
 
 
 def test_dcp_metadata_of_the_wrong_shape_says_what_is_wrong(tmp_path):
