@@ -27,4 +27,9 @@ def pytest_cmdline_main(config):
     if workers is None and config.args_source != pytest.Config.ArgsSource.TESTPATHS:
         return None
     config.option.numprocesses = int(workers) if workers is not None else SUITE_WORKERS
+    if getattr(config.option, "dist", "no") in ("no", "load"):
+        # A worker that runs out of tests takes some of the other's queue: with
+        # plain "load", the slow cases left at the end of one worker's queue ran
+        # for minutes while the other sat idle (CI, 2026-11-28).
+        config.option.dist = "worksteal"
     return None
