@@ -97,11 +97,12 @@ def test_per_node_local_disks(tmp_path, s3_url):  # noqa: F811
         m = shardckpt.verify(f"{remote}/step-{s:08d}", storage_options=opts)
         assert m.world_size == 4 and m.extra["step"] == s
 
-    # Both nodes keep their disks: the restart restores locally.
+    # Both nodes keep their disks, but ranks 2-3's load needs chunks rank 0 wrote (replicated values), on node 0's
+    # disk only: not restorable from the local directories; the remote's copy of the same step, loaded whole.
     back = run_ranks(4, _restore_run, remote, base, opts)
     for r, out in enumerate(back):
         assert out["step"] == 5 and out["state_step"] == 5, (r, out)
-        assert out["from"].startswith(_node_dir(base, r)), (r, out["from"])
+        assert out["from"] == f"{remote}/step-00000005", (r, out["from"])
         assert all(torch.equal(v, res[r]["snap"][k]) for k, v in out["full"].items())
     # Node 1 replaced (its disk empty): the remote's step, bit-exact, on every rank.
     shutil.rmtree(os.path.join(base, "node1"))
@@ -120,3 +121,44 @@ def test_per_node_sync_save_and_shared_dir_detected(tmp_path, s3_url):  # noqa: 
     res = run_ranks(2, _save_run, remote + "-b", str(tmp_path / "shared"), opts, [1, 2], False, 2)
     assert all(o["durable"] == 2 and o["local"] == [1, 2] for o in res), res
     assert [(o["shared"], o["lead"]) for o in res] == [(True, True), (True, False)]
+
+
+def _sharded(rank, world, remote, base, opts, steps, restore):
+    """A state every rank loads from its own files alone: one tensor sharded over the 4 ranks (dim 0)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    full = torch.arange(64, dtype=torch.float32).reshape(16, 4)
+    w = distribute_tensor(full.clone() if not restore else torch.zeros(16, 4), mesh, [Shard(0)])
+    mgr = shardckpt.CheckpointManager(remote, local=_node_dir(base, rank), keep_last=2, keep_local=2, storage_options=opts,
+                                      collective_timeout_s=60)
+    state = {"w": w, "step": 0}
+    if restore:
+        got = mgr.restore(state)
+        out = {"step": got, "from": mgr.restored_from, "w": w.full_tensor(), "want": full + steps[-1]}
+    else:
+        for step in steps:
+            with torch.no_grad():
+                w.copy_(distribute_tensor(full + step, mesh, [Shard(0)]))
+            mgr.save(step, {"w": w, "step": step})
+        mgr.wait()
+        out = {"local": mgr.steps(), "durable": mgr.durable_step}
+    mgr.close()
+    return out
+
+
+def test_per_node_restores_locally(tmp_path, s3_url):  # noqa: F811
+    remote, opts = s3_url
+    base = str(tmp_path)
+    res = run_ranks(4, _sharded, remote, base, opts, [1, 2, 3], False)
+    assert all(o["durable"] == 3 and o["local"][-2:] == [2, 3] for o in res), res
+    back = run_ranks(4, _sharded, remote, base, opts, [1, 2, 3], True)
+    for r, out in enumerate(back):  # both nodes kept their disks: each rank loads from its own node's directory
+        assert out["step"] == 3 and out["from"].startswith(_node_dir(base, r)), (r, out["from"])
+        assert torch.equal(out["w"], out["want"])
+    shutil.rmtree(os.path.join(base, "node1"))  # node 1 replaced: the remote's step, bit-exact
+    back = run_ranks(4, _sharded, remote, base, opts, [1, 2, 3], True)
+    for r, out in enumerate(back):
+        assert out["step"] == 3 and out["from"] == f"{remote}/step-00000003", (r, out["from"])
+        assert torch.equal(out["w"], out["want"])
