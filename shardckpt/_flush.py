@@ -45,7 +45,7 @@ from ._format.refs import REF_MARK, follow, live_files, ref_target, removable
 from ._memory import plan as memory_plan
 from ._memory import store as memory_store
 from ._storage import Storage
-from .errors import CheckpointNotFoundError, CorruptCheckpointError
+from .errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 
 __all__ = ["Flusher", "Tiers", "next_flush", "local_protected", "restore_source", "commit_save_id", "files_of_rank",
            "upload_step", "node_groups", "detect_nodes", "share_manifest", "check_own_files", "own_chunks", "PROBE_PREFIX", "FLUSH_CHANNEL", "COPY_PIECE_BYTES", "FLUSH_NICE"]
@@ -703,6 +703,7 @@ def detect_nodes(local: Storage, comm: Comm) -> Tuple[bool, bool]:
     _, token = agree(comm, lambda: uuid.uuid4().hex[:12] if comm.rank == 0 else None,
                      what=f"probe of the local directory {local.url}", share=lambda v: v, mode=FROM_ROOT)
     mine = f"{PROBE_PREFIX}{token}-{comm.rank}"
+    existed = _is_dir(local)
     agree(comm, lambda: local.write_atomic(mine, b""), what=f"probe of the local directory {local.url}")
     prefix = f"{PROBE_PREFIX}{token}-"
 
@@ -710,12 +711,28 @@ def detect_nodes(local: Storage, comm: Comm) -> Tuple[bool, bool]:
         return sorted(int(n[len(prefix):]) for n in local.listdir("") if n.startswith(prefix) and n[len(prefix):].isdigit())
 
     _, seen = agree(comm, look, what=f"probe of the local directory {local.url}", share=lambda v: v, mode=ALL)
-    try:
-        local.remove(mine)
-    except Exception as e:  # a leftover probe is harmless (a hidden empty file)
-        log.warning("shardckpt: cannot remove the probe %s: %s: %s", local.url_of(mine), type(e).__name__, e)
+
+    def unprobe() -> None:
+        try:
+            local.remove(mine)
+        except Exception as e:  # a leftover probe is harmless (a hidden empty file)
+            log.warning("shardckpt: cannot remove the probe %s: %s: %s", local.url_of(mine), type(e).__name__, e)
+
+    agree(comm, unprobe, what=f"probe of the local directory {local.url}")
+    if not existed:  # a restore on a fresh node leaves no empty directory behind (the ranks of a node race: rmdir is atomic)
+        try:
+            os.rmdir(local.path(""))
+        except (OSError, NotImplementedError, CheckpointError):
+            pass  # not empty (a save is next, or another rank's), or not an OS directory
     shared, leads = node_groups(seen)
     return shared, leads[comm.rank] == comm.rank
+
+
+def _is_dir(local: Storage) -> bool:
+    try:
+        return os.path.isdir(local.path(""))
+    except (NotImplementedError, CheckpointError):
+        return True  # not an OS directory: nothing to tidy
 
 
 def share_manifest(local: Storage, comm: Comm, name: str, *, lead: bool) -> None:
