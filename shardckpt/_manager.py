@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, List, Optional,
 
 from . import _fingerprint
 from ._async import AsyncSaveHandle, start_async, wait_pending
-from ._collective import FROM_ROOT, Comm, NoProcessGroupError, agree, open_comm
+from ._collective import ALL, FROM_ROOT, Comm, NoProcessGroupError, agree, open_comm
 from ._flush import Tiers, check_own_files, detect_nodes, share_manifest
 from ._format import MANIFEST_NAME
 from ._format.committed import nearby_names
@@ -690,6 +690,16 @@ class CheckpointManager:
 
     # -- restore ----------------------------------------------------------------
 
+    def _usable(self, step: int) -> bool:
+        """This rank's :meth:`_validate` of ``step`` as a bool (logged when False)."""
+        try:
+            self._validate(step)
+            return True
+        except Exception as e:
+            log.warning("shardckpt: rank %d cannot restore step %d from %s (%s: %s)", self._me[0], step, self.root_url,
+                        type(e).__name__, e)
+            return False
+
     def _validate(self, step: int) -> None:
         if self._layout is not None and not self._layout[0]:  # per-node: this rank's own files, verified, on its node
             order.validate_step(self.root, step, files=False, chunks=False)
@@ -792,6 +802,10 @@ class CheckpointManager:
         elif self._tiers is not None and s is not None:
             _, here = agree(comm, lambda: s in self.steps() if comm.rank == 0 else None,
                             what=f"restore of step {s} from {self.root_url}", share=lambda v: v, mode=FROM_ROOT)
+            if here and per_node:  # every node must hold its ranks' files of step s
+                _, oks = agree(comm, lambda: self._usable(cast(int, s)), what=f"restore of step {s} from {self.root_url}",
+                               share=lambda v: v, mode=ALL)
+                here = all(oks)
             if not here:  # not (or no longer) on the local disk: the remote's copy
                 remote = self._tiers.remote
                 got = remote.restore(state, step=s, **load_kw)

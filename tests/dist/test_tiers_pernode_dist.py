@@ -123,7 +123,7 @@ def test_per_node_sync_save_and_shared_dir_detected(tmp_path, s3_url):  # noqa: 
     assert [(o["shared"], o["lead"]) for o in res] == [(True, True), (True, False)]
 
 
-def _sharded(rank, world, remote, base, opts, steps, restore):
+def _sharded(rank, world, remote, base, opts, steps, restore, step=None):
     """A state every rank loads from its own files alone: one tensor sharded over the 4 ranks (dim 0)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
@@ -135,8 +135,8 @@ def _sharded(rank, world, remote, base, opts, steps, restore):
                                       collective_timeout_s=60)
     state = {"w": w, "step": 0}
     if restore:
-        got = mgr.restore(state)
-        out = {"step": got, "from": mgr.restored_from, "w": w.full_tensor(), "want": full + steps[-1]}
+        got = mgr.restore(state, step=step)
+        out = {"step": got, "from": mgr.restored_from, "w": w.full_tensor(), "want": full + (step or steps[-1])}
     else:
         for step in steps:
             with torch.no_grad():
@@ -157,6 +157,13 @@ def test_per_node_restores_locally(tmp_path, s3_url):  # noqa: F811
     for r, out in enumerate(back):  # both nodes kept their disks: each rank loads from its own node's directory
         assert out["step"] == 3 and out["from"].startswith(_node_dir(base, r)), (r, out["from"])
         assert torch.equal(out["w"], out["want"])
+    back = run_ranks(4, _sharded, remote, base, opts, [1, 2, 3], True, 2)  # a given step, on both nodes: local
+    assert all(o["step"] == 2 and o["from"].startswith(_node_dir(base, r)) and torch.equal(o["w"], o["want"])
+               for r, o in enumerate(back)), [o["from"] for o in back]
+    shutil.rmtree(os.path.join(base, "node1", "step-00000002"))  # gone from node 1 only: that step from the remote
+    back = run_ranks(4, _sharded, remote, base, opts, [1, 2, 3], True, 2)
+    assert all(o["step"] == 2 and o["from"] == f"{remote}/step-00000002" and torch.equal(o["w"], o["want"])
+               for o in back), [o["from"] for o in back]
     shutil.rmtree(os.path.join(base, "node1"))  # node 1 replaced: the remote's step, bit-exact
     back = run_ranks(4, _sharded, remote, base, opts, [1, 2, 3], True)
     for r, out in enumerate(back):
