@@ -35,18 +35,20 @@ import logging
 import os
 import threading
 import time
+import uuid
 from typing import Any, Callable, Dict, Iterable, List, Optional, Set, Tuple
 
 from ._collective import ALL, FROM_ROOT, Comm, agree
-from ._format import HF_INDEX_NAME, MANIFEST_NAME, manifest_from_bytes, open_manifest
+from ._format import HF_INDEX_NAME, MANIFEST_NAME, MetaCache, manifest_from_bytes, open_manifest
+from ._format._v2 import read_index
 from ._format.refs import REF_MARK, follow, live_files, ref_target, removable
 from ._memory import plan as memory_plan
 from ._memory import store as memory_store
 from ._storage import Storage
-from .errors import CheckpointNotFoundError, CorruptCheckpointError
+from .errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 
 __all__ = ["Flusher", "Tiers", "next_flush", "local_protected", "restore_source", "commit_save_id", "files_of_rank",
-           "upload_step", "FLUSH_CHANNEL", "COPY_PIECE_BYTES", "FLUSH_NICE"]
+           "upload_step", "node_groups", "detect_nodes", "share_manifest", "check_own_files", "own_chunks", "PROBE_PREFIX", "FLUSH_CHANNEL", "COPY_PIECE_BYTES", "FLUSH_NICE"]
 
 log = logging.getLogger("shardckpt")
 
@@ -150,19 +152,15 @@ def upload_step(local: Storage, remote: Storage, rank: int) -> Tuple[List[str], 
         CheckpointNotFoundError: the local step has no manifest.
     """
     try:
-        m = open_manifest(local)
+        m = open_manifest(local, chunks=False)  # this rank's chunks only (own_chunks): per-node disks hold no other index
     except CheckpointNotFoundError:
         raise CheckpointNotFoundError(
-            f"rank {rank} cannot see {local.url_of(MANIFEST_NAME)}, committed by rank 0: local= needs a directory every "
-            "rank of the job can read (the ranks of one node share its disk; per-node directories of a multi-node job "
-            "are not supported yet)"
+            f"rank {rank} cannot see {local.url_of(MANIFEST_NAME)}, committed by rank 0: the local directory lost it "
+            "(removed by hand?), or it is per node and the commit's copy to this node failed"
         ) from None
     mine = files_of_rank(m.files, {rel: im.rank for rel, im in m.indexes.items()}, rank)
-    by_file: dict = {}
-    for name, t in m.tensors.items():
-        for c in t.chunks:
-            by_file.setdefault(c.file, []).append((name, c))
     src = follow(local)
+    by_file = own_chunks(m, src, rank)
     refs = [rel for rel in mine if rel.startswith(REF_MARK)]
     for rel in refs + [rel for rel in mine if not rel.startswith(REF_MARK)]:
         tgt = ref_target(rel)
@@ -175,6 +173,20 @@ def upload_step(local: Storage, remote: Storage, rank: int) -> Tuple[List[str], 
         frm, frm_path = (local, rel) if tgt is None else (local.sibling(tgt[0]), tgt[1])
         _copy(frm, to, path, frm_path, m.files[rel].size)
     return mine, m.save_id
+
+
+def own_chunks(m: Any, src: Storage, rank: int) -> Dict[str, List[Tuple[str, Any]]]:
+    """``file -> [(tensor name, chunk)]`` of the chunks rank ``rank`` wrote (from its own index file only, v2; v1: inline)."""
+    by_file: Dict[str, List[Tuple[str, Any]]] = {}
+    if any(t.chunks for t in m.tensors.values()):  # v1: every chunk is in the manifest
+        for name, t in m.tensors.items():
+            for c in t.chunks:
+                by_file.setdefault(c.file, []).append((name, c))
+        return by_file
+    if rank in {im.rank for im in m.indexes.values()}:
+        for name, c in read_index(m, src, rank, MetaCache())["keys"].values():
+            by_file.setdefault(c.file, []).append((name, c))
+    return by_file
 
 
 def files_of_rank(files: Iterable[str], index_ranks: Dict[str, int], rank: int) -> List[str]:
@@ -651,3 +663,111 @@ class Tiers:
             return source, step, None
         got = remote.restore(state, **load_kw)
         return source, got, remote.restored_from
+
+
+# -- per-node local directories (a multi-node job whose local= is each node's own disk) ------------------
+
+#: Probe file each rank writes in the local root to tell a shared directory from per-node ones.
+PROBE_PREFIX = ".shardckpt-probe-"
+
+
+def node_groups(seen: List[List[int]]) -> Tuple[bool, List[int]]:
+    """From what each rank sees (``seen[r]``: the ranks whose probe rank ``r`` found): ``(shared, lead of each rank)``.
+
+    Shared: every rank sees every probe. Otherwise a rank's node is the
+    ranks whose probes it sees; its lead is the lowest of them.
+
+    Example:
+        >>> node_groups([[0, 1], [0, 1]])
+        (True, [0, 0])
+        >>> node_groups([[0, 1], [0, 1], [2, 3], [2, 3]])
+        (False, [0, 0, 2, 2])
+    """
+    world = len(seen)
+    shared = all(sorted(s) == list(range(world)) for s in seen)
+    return shared, [min(s) if s else r for r, s in enumerate(seen)]
+
+
+def detect_nodes(local: Storage, comm: Comm) -> Tuple[bool, bool]:
+    """Collective: ``(shared, lead)``: is ``local`` one directory all ranks see, and is this rank its node's lead.
+
+    Rank 0 draws a token for this probe (shared by one agreement); each
+    rank writes a private probe file ``<PROBE_PREFIX><token>-<rank>``, the
+    ranks agree (so every probe exists before any rank looks), each lists
+    which probes it sees, and a last agreement shares the lists. A rank's
+    probe is removed by that rank afterwards.
+
+    Limits: a node whose ranks see different directories under one name
+    (a per-rank directory) is taken as one node per rank.
+    """
+    _, token = agree(comm, lambda: uuid.uuid4().hex[:12] if comm.rank == 0 else None,
+                     what=f"probe of the local directory {local.url}", share=lambda v: v, mode=FROM_ROOT)
+    mine = f"{PROBE_PREFIX}{token}-{comm.rank}"
+    existed = _is_dir(local)
+    agree(comm, lambda: local.write_atomic(mine, b""), what=f"probe of the local directory {local.url}")
+    prefix = f"{PROBE_PREFIX}{token}-"
+
+    def look() -> List[int]:
+        return sorted(int(n[len(prefix):]) for n in local.listdir("") if n.startswith(prefix) and n[len(prefix):].isdigit())
+
+    _, seen = agree(comm, look, what=f"probe of the local directory {local.url}", share=lambda v: v, mode=ALL)
+
+    def unprobe() -> None:
+        try:
+            local.remove(mine)
+        except Exception as e:  # a leftover probe is harmless (a hidden empty file)
+            log.warning("shardckpt: cannot remove the probe %s: %s: %s", local.url_of(mine), type(e).__name__, e)
+
+    agree(comm, unprobe, what=f"probe of the local directory {local.url}")
+    if not existed:  # a restore on a fresh node leaves no empty directory behind (the ranks of a node race: rmdir is atomic)
+        try:
+            os.rmdir(local.path(""))
+        except (OSError, NotImplementedError, CheckpointError):
+            pass  # not empty (a save is next, or another rank's), or not an OS directory
+    shared, leads = node_groups(seen)
+    return shared, leads[comm.rank] == comm.rank
+
+
+def _is_dir(local: Storage) -> bool:
+    try:
+        return os.path.isdir(local.path(""))
+    except (NotImplementedError, CheckpointError):
+        return True  # not an OS directory: nothing to tidy
+
+
+def share_manifest(local: Storage, comm: Comm, name: str, *, lead: bool) -> None:
+    """Collective, per-node mode, after rank 0 committed ``name`` on its node: every other node's lead writes the same manifest.
+
+    The bytes go from rank 0 (one agreement); each lead writes them
+    atomically into its node's ``name/``, so every node's copy of the step
+    is committed with the same save id; a second agreement returns once
+    they are all written (the flusher reads them next).
+    """
+    _, data = agree(comm, lambda: local.child(name).read_bytes(MANIFEST_NAME) if comm.rank == 0 else None,
+                    what=f"commit of {name} on every node's local directory", share=lambda v: v, mode=FROM_ROOT)
+
+    def write() -> None:
+        if lead and comm.rank != 0:
+            local.child(name).write_atomic(MANIFEST_NAME, data)
+
+    agree(comm, write, what=f"commit of {name} on every node's local directory")
+
+
+def check_own_files(step_dir: Storage, rank: int, world_size: int) -> None:
+    """Per-node restore: this rank's files of the local step ``step_dir`` are there and verified, and the world size matches.
+
+    Raises:
+        CorruptCheckpointError: a file is damaged, or the step was saved at
+            another world size (its ranks' files lie on other nodes).
+        CheckpointNotFoundError: the manifest or one of the files is missing.
+    """
+    m = open_manifest(step_dir, chunks=False)
+    if m.world_size != world_size:
+        raise CorruptCheckpointError(
+            f"{step_dir.url} was saved by {m.world_size} ranks, this job has {world_size}: its files lie on other nodes")
+    src = follow(step_dir)
+    by_file = own_chunks(m, src, rank)
+    for rel in files_of_rank(m.files, {r: im.rank for r, im in m.indexes.items()}, rank):
+        problem = memory_store.check_file(src, m, rel, by_file.get(rel, []))
+        if problem is not None:
+            raise CorruptCheckpointError(f"{src.url_of(rel)}: {problem}")

@@ -33,8 +33,8 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, List, Optional,
 
 from . import _fingerprint
 from ._async import AsyncSaveHandle, start_async, wait_pending
-from ._collective import FROM_ROOT, Comm, NoProcessGroupError, agree, open_comm
-from ._flush import Tiers
+from ._collective import ALL, FROM_ROOT, Comm, NoProcessGroupError, agree, open_comm
+from ._flush import Tiers, check_own_files, detect_nodes, share_manifest
 from ._format import MANIFEST_NAME
 from ._format.committed import nearby_names
 from ._load import load
@@ -218,6 +218,9 @@ class CheckpointManager:
             raise ValueError(f"collective_timeout_s must be a positive number, got {collective_timeout_s!r}")
         #: With ``local=``: the durable remote (a read-only manager of ``root_url``), its flusher, both retentions (``_flush.Tiers``).
         self._tiers: Optional[Tiers] = None
+        #: With ``local=``: ``(shared, lead)`` once probed (:meth:`_nodes`): one directory for all ranks, or one per node.
+        self._layout: Optional[Tuple[bool, bool]] = None
+        self._me = (0, 1)  # (rank, world size) of the probe
         self.on_durable = on_durable
         self.keep_local = _positive("keep_local", keep_local, allow_none=False)
         if local is not None:
@@ -276,6 +279,23 @@ class CheckpointManager:
         # Through open_comm: under torchrun without a process group every
         # process would think it is rank 0 and delete.
         return self._comm(op).rank
+
+    def _nodes(self, comm: Comm) -> Tuple[bool, bool]:
+        """``(shared, lead)`` of the local directory (collective the first time, with ``local=``; :func:`_flush.detect_nodes`).
+
+        Without ``local=``: ``(True, rank 0)``. Probed once, at the first
+        save or restore: every rank sees one directory (one node, or a
+        shared file system), or each node has its own (per-node disks).
+        """
+        if self._tiers is None:
+            return True, comm.rank == 0
+        if self._layout is None:
+            self._layout = detect_nodes(self.root, comm)
+            self._me = (comm.rank, comm.world)
+            if not self._layout[0]:
+                log.info("shardckpt: %s is a per-node directory (rank %d%s)", self.root_url, comm.rank,
+                         ", its node's lead" if self._layout[1] else "")
+        return self._layout
 
     def _comm(self, op: str, error=SaveFailedError) -> Comm:
         try:
@@ -505,6 +525,8 @@ class CheckpointManager:
             raise
         except Exception as e:
             raise SaveFailedError(f"save of step {step} to {url} failed: {type(e).__name__}: {e}") from e
+        if not self._nodes(comm)[0]:  # per-node local disks: rank 0's commit cannot see the other nodes' files
+            plan = dataclasses.replace(plan, files_here=False)
         if force and plan.rank == 0:  # only rank 0 commits, and so removes the replaced files
             plan = dataclasses.replace(plan, keep_files=retention.referenced_files(self.root, step))
         if self.async_save:
@@ -564,27 +586,34 @@ class CheckpointManager:
 
         ``force``: a re-save of ``step``; the flusher uploads it again even if an earlier copy was flushed.
         """
+        if self._layout is not None and not self._layout[0]:  # per-node: every node's copy is committed before it is flushed
+            share_manifest(self.root, comm, step_dir_name(step), lead=self._layout[1])
         if self._tiers is not None:  # before retention: the pending step is protected
             self._tiers.flusher_on(self.root, comm).submit(step, resave=force)
         self._retain(comm, step)
 
     def _retain(self, comm: Comm, saved: int) -> None:
-        """Retention on rank 0; every rank returns once it is done, so their ``steps()`` agree."""
+        """Retention on rank 0 (per-node local disks: on each node's lead, for its directory); every rank returns once it is done."""
+        lead = comm.rank == 0 or (self._layout is not None and not self._layout[0] and self._layout[1])
 
         def housekeeping() -> None:
-            if comm.rank != 0:
+            if not lead:
                 return
             try:
-                self._housekeeping(saved)
+                self._housekeeping(saved, foreign_check=comm.rank == 0)
             except Exception as e:  # committed; housekeeping trouble must not fail training
                 log.warning("shardckpt: retention after step %d: %s: %s", saved, type(e).__name__, e)
 
         agree(comm, housekeeping, what=f"retention after step {saved}")
 
-    def _housekeeping(self, saved: int) -> None:
-        """Rank 0, after step ``saved`` committed: retention (:func:`_managed.retention.plan_retention`), then leftovers."""
+    def _housekeeping(self, saved: int, *, foreign_check: bool = True) -> None:
+        """Rank 0, after step ``saved`` committed: retention (:func:`_managed.retention.plan_retention`), then leftovers.
+
+        ``foreign_check``: False on another node's lead (per-node local
+        disks): rank 0 alone claims the run and checks for other writers.
+        """
         committed, partial = self._scan()
-        foreign = self._not_ours(committed)
+        foreign = self._not_ours(committed) if foreign_check else []
         if foreign:
             log.warning(
                 "shardckpt: step %d committed, retention skipped: steps %s were committed under %s by another "
@@ -661,7 +690,21 @@ class CheckpointManager:
 
     # -- restore ----------------------------------------------------------------
 
+    def _usable(self, step: int) -> bool:
+        """This rank's :meth:`_validate` of ``step`` as a bool (logged when False)."""
+        try:
+            self._validate(step)
+            return True
+        except Exception as e:
+            log.warning("shardckpt: rank %d cannot restore step %d from %s (%s: %s)", self._me[0], step, self.root_url,
+                        type(e).__name__, e)
+            return False
+
     def _validate(self, step: int) -> None:
+        if self._layout is not None and not self._layout[0]:  # per-node: this rank's own files, verified, on its node
+            order.validate_step(self.root, step, files=False, chunks=False)
+            check_own_files(self.root.child(step_dir_name(step)), *self._me)
+            return
         order.validate_step(self.root, step, files=self.check_files)
 
     def _choose(self, step: Optional[int]) -> Optional[int]:
@@ -731,6 +774,7 @@ class CheckpointManager:
             load_kw.setdefault("io_threads", self.io_threads)
         load_kw.setdefault("collective_timeout_s", self.collective_timeout_s)
         memory_tried = False
+        per_node = self._tiers is not None and not self._nodes(comm)[0]  # probed on every rank before any choice
         if self._tiers is not None and s is None:
             mem = self._memory
 
@@ -745,9 +789,23 @@ class CheckpointManager:
                 self.restored_from = where
                 return got
             s, memory_tried = got, True  # "local": that step, below; "none": nothing anywhere (initial_load_path applies)
+            if per_node and source == "local":
+                try:
+                    return self._restore_storage(state, s, comm, load_kw, memory_tried=True)[1]
+                except CheckpointError as e:  # agreed: every rank is here. A file this rank's load needs lies on another node
+                    log.warning("shardckpt: restore: local step %s cannot be loaded from the per-node directories (%s: %s); "
+                                "loading the remote's newest step instead (it replaces every value loaded)", s,
+                                type(e).__name__, e)
+                    got = self._tiers.remote.restore(state, **load_kw)
+                    self.restored_from = self._tiers.remote.restored_from
+                    return got
         elif self._tiers is not None and s is not None:
             _, here = agree(comm, lambda: s in self.steps() if comm.rank == 0 else None,
                             what=f"restore of step {s} from {self.root_url}", share=lambda v: v, mode=FROM_ROOT)
+            if here and per_node:  # every node must hold its ranks' files of step s
+                _, oks = agree(comm, lambda: self._usable(cast(int, s)), what=f"restore of step {s} from {self.root_url}",
+                               share=lambda v: v, mode=ALL)
+                here = all(oks)
             if not here:  # not (or no longer) on the local disk: the remote's copy
                 remote = self._tiers.remote
                 got = remote.restore(state, step=s, **load_kw)

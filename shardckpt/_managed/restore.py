@@ -70,7 +70,7 @@ def is_damage(e: BaseException) -> bool:
     return isinstance(e, (ValueError, TypeError, KeyError, RecursionError, UnicodeError))
 
 
-def validate_step(root: Storage, step: int, *, files: bool = True) -> None:
+def validate_step(root: Storage, step: int, *, files: bool = True, chunks: bool = True) -> None:
     """Check that committed step ``step`` under ``root`` can be restored: its manifest, its step, its files.
 
     Args:
@@ -78,6 +78,8 @@ def validate_step(root: Storage, step: int, *, files: bool = True) -> None:
         step: the step.
         files: also check every data file it lists exists with its recorded
             size (one stat per file; ``CheckpointManager(check_files=)``).
+        chunks: read every rank's index file too (False: per-node local
+            directories, which hold only their own ranks' index files).
 
     Raises:
         CorruptCheckpointError: the manifest records another step (a renamed
@@ -85,7 +87,7 @@ def validate_step(root: Storage, step: int, *, files: bool = True) -> None:
         CheckpointNotFoundError: the manifest or a listed file is missing.
     """
     st = follow(root.child(step_dir_name(step)))  # a referenced file is checked where it lies
-    m = open_manifest(st)
+    m = open_manifest(st, chunks=chunks)
     saved = m.extra.get("step") if isinstance(m.extra, dict) else None
     # A step directory copied or renamed by hand holds another step's state:
     # resuming it would restart the schedule at the wrong step.

@@ -150,8 +150,16 @@ def test_a_rank_that_cannot_see_the_manifest_is_told_why(tmp_path):
     from shardckpt.errors import CheckpointNotFoundError
 
     (tmp_path / "step" / "data").mkdir(parents=True)  # a node-local directory: data files, no manifest
-    with pytest.raises(CheckpointNotFoundError, match="every rank of the job can read"):
+    with pytest.raises(CheckpointNotFoundError, match="rank 1 cannot see .*per node and the commit's copy"):
         upload_step(Storage(str(tmp_path / "step")), Storage(str(tmp_path / "remote")), 1)
+
+
+def test_node_groups_tell_shared_from_per_node():
+    from shardckpt._flush import node_groups
+
+    assert node_groups([[0, 1, 2, 3]] * 4) == (True, [0, 0, 0, 0])
+    assert node_groups([[0, 1], [0, 1], [2, 3], [2, 3]]) == (False, [0, 0, 2, 2])
+    assert node_groups([[0], [1]]) == (False, [0, 1])  # one directory per rank: one node each
 
 
 def test_one_process_incremental_flush_uploads_the_skipped_base_and_retention_keeps_it(tmp_path, monkeypatch):

@@ -1,0 +1,171 @@
+"""Per-node local disks: ``CheckpointManager(s3_root, local=DIR)`` where DIR is each node's own directory.
+
+4 gloo ranks, two "nodes" of two ranks each: ranks 0-1 get ``<tmp>/node0``,
+ranks 2-3 ``<tmp>/node1`` (in a real job every node passes the same path,
+which names a different disk on each node). The manager probes the
+directory at its first save, finds it per node, commits on rank 0 without
+the other node's files, writes the manifest on node 1 too, flushes every
+rank's own files from its node's disk to S3 (moto on loopback), and
+applies local retention on each node's lead.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import torch
+from _dist import run_ranks
+from _moto import s3_endpoint, s3_url  # noqa: F401  (pytest fixtures)
+from models import build, full_state, shard_fsdp2
+
+import shardckpt
+
+IDX = torch.tensor([[1, 5, 36, 0], [7, 7, 2, 30]])
+RANKS_PER_NODE = 2
+
+
+def _node_dir(base: str, rank: int, per_node: int = RANKS_PER_NODE) -> str:
+    return os.path.join(base, f"node{rank // per_node}")
+
+
+def _bump(model, by: float) -> None:
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(by)
+
+
+def _save_run(rank, world, remote, base, opts, steps, async_save, per_node=RANKS_PER_NODE):
+    model = shard_fsdp2(build(seed=1))
+    mgr = shardckpt.CheckpointManager(remote, local=_node_dir(base, rank, per_node), keep_last=2, keep_local=2, storage_options=opts,
+                                      async_save=async_save, collective_timeout_s=60)
+    snaps, local_max = {}, 0
+    for step in steps:
+        snaps[step] = full_state(model)
+        mgr.save(step, {"model": model, "step": step})
+        local_max = max(local_max, len(mgr.steps()))
+        _bump(model, 1.0)
+    mgr.wait()
+    out = {"local": mgr.steps(), "remote": mgr.remote_steps(), "durable": mgr.durable_step, "local_max": local_max,
+           "snap": snaps[steps[-1]], "shared": mgr._layout[0], "lead": mgr._layout[1]}
+    mgr.close()
+    return out
+
+
+def _restore_run(rank, world, remote, base, opts):
+    fresh = shard_fsdp2(build(seed=9))
+    fresh(IDX).sum().backward()
+    state = {"model": fresh, "step": 0}
+    mgr = shardckpt.CheckpointManager(remote, local=_node_dir(base, rank), keep_last=2, storage_options=opts,
+                                      collective_timeout_s=60)
+    got = mgr.restore(state)
+    out = {"step": got, "state_step": state["step"], "from": mgr.restored_from, "full": full_state(fresh)}
+    mgr.close()
+    return out
+
+
+def _files(d: str):
+    return sorted(os.path.relpath(os.path.join(p, f), d) for p, _, fs in os.walk(d) for f in fs)
+
+
+def test_per_node_local_disks(tmp_path, s3_url):  # noqa: F811
+    remote, opts = s3_url
+    base = str(tmp_path)
+    res = run_ranks(4, _save_run, remote, base, opts, list(range(1, 6)), True)
+    assert [(o["shared"], o["lead"]) for o in res] == [(False, True), (False, False), (False, True), (False, False)]
+    for r, out in enumerate(res):
+        assert out["durable"] == 5 and out["local"][-2:] == [4, 5] and len(out["local"]) <= 4, (r, out)
+        assert out["local_max"] <= 4, (r, out)
+    # Both nodes' directories hold step 5 committed (the same manifest), each with only its own ranks' data files.
+    n0, n1 = (os.path.join(base, f"node{i}", "step-00000005") for i in (0, 1))
+    with open(os.path.join(n0, "manifest.json"), "rb") as f0, open(os.path.join(n1, "manifest.json"), "rb") as f1:
+        assert f0.read() == f1.read()
+    data0 = [f for f in _files(n0) if f.startswith("data/")]
+    data1 = [f for f in _files(n1) if f.startswith("data/")]
+    assert data0 and data1 and not set(data0) & set(data1), (data0, data1)
+    assert all("r00000" in f or "r00001" in f for f in data0), data0
+    assert all("r00002" in f or "r00003" in f for f in data1), data1
+    # Local retention ran on both nodes (keep_local=2 plus what was in flight).
+    for n in ("node0", "node1"):
+        steps = sorted(int(d[5:]) for d in os.listdir(os.path.join(base, n)) if d.startswith("step-")
+                       and os.path.exists(os.path.join(base, n, d, "manifest.json")))
+        assert steps[-2:] == [4, 5] and len(steps) <= 4, (n, steps)
+    # Every remote step is whole: every file, every checksum.
+    remote_steps = res[0]["remote"]
+    assert remote_steps and remote_steps[-1] == 5
+    for s in remote_steps:
+        m = shardckpt.verify(f"{remote}/step-{s:08d}", storage_options=opts)
+        assert m.world_size == 4 and m.extra["step"] == s
+
+    # Both nodes keep their disks, but ranks 2-3's load needs chunks rank 0 wrote (replicated values), on node 0's
+    # disk only: not restorable from the local directories; the remote's copy of the same step, loaded whole.
+    back = run_ranks(4, _restore_run, remote, base, opts)
+    for r, out in enumerate(back):
+        assert out["step"] == 5 and out["state_step"] == 5, (r, out)
+        assert out["from"] == f"{remote}/step-00000005", (r, out["from"])
+        assert all(torch.equal(v, res[r]["snap"][k]) for k, v in out["full"].items())
+    # Node 1 replaced (its disk empty): the remote's step, bit-exact, on every rank.
+    shutil.rmtree(os.path.join(base, "node1"))
+    back = run_ranks(4, _restore_run, remote, base, opts)
+    for r, out in enumerate(back):
+        assert out["step"] == 5 and out["from"] == f"{remote}/step-00000005", (r, out["from"])
+        assert all(torch.equal(v, res[r]["snap"][k]) for k, v in out["full"].items())
+
+
+def test_per_node_sync_save_and_shared_dir_detected(tmp_path, s3_url):  # noqa: F811
+    remote, opts = s3_url
+    res = run_ranks(4, _save_run, remote, str(tmp_path), opts, [1, 2, 3], False)
+    for out in res:
+        assert out["durable"] == 3 and out["local"][-1] == 3 and not out["shared"]
+    # One directory every rank sees (one node): detected as shared, saved as before.
+    res = run_ranks(2, _save_run, remote + "-b", str(tmp_path / "shared"), opts, [1, 2], False, 2)
+    assert all(o["durable"] == 2 and o["local"] == [1, 2] for o in res), res
+    assert [(o["shared"], o["lead"]) for o in res] == [(True, True), (True, False)]
+
+
+def _sharded(rank, world, remote, base, opts, steps, restore, step=None):
+    """A state every rank loads from its own files alone: one tensor sharded over the 4 ranks (dim 0)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    full = torch.arange(64, dtype=torch.float32).reshape(16, 4)
+    w = distribute_tensor(full.clone() if not restore else torch.zeros(16, 4), mesh, [Shard(0)])
+    mgr = shardckpt.CheckpointManager(remote, local=_node_dir(base, rank), keep_last=2, keep_local=2, storage_options=opts,
+                                      collective_timeout_s=60)
+    state = {"w": w, "step": 0}
+    if restore:
+        got = mgr.restore(state, step=step)
+        out = {"step": got, "from": mgr.restored_from, "w": w.full_tensor(), "want": full + (step or steps[-1])}
+    else:
+        for step in steps:
+            with torch.no_grad():
+                w.copy_(distribute_tensor(full + step, mesh, [Shard(0)]))
+            mgr.save(step, {"w": w, "step": step})
+        mgr.wait()
+        out = {"local": mgr.steps(), "durable": mgr.durable_step}
+    mgr.close()
+    return out
+
+
+def test_per_node_restores_locally(tmp_path, s3_url):  # noqa: F811
+    remote, opts = s3_url
+    base = str(tmp_path)
+    res = run_ranks(4, _sharded, remote, base, opts, [1, 2, 3], False)
+    assert all(o["durable"] == 3 and o["local"][-2:] == [2, 3] for o in res), res
+    back = run_ranks(4, _sharded, remote, base, opts, [1, 2, 3], True)
+    for r, out in enumerate(back):  # both nodes kept their disks: each rank loads from its own node's directory
+        assert out["step"] == 3 and out["from"].startswith(_node_dir(base, r)), (r, out["from"])
+        assert torch.equal(out["w"], out["want"])
+    back = run_ranks(4, _sharded, remote, base, opts, [1, 2, 3], True, 2)  # a given step, on both nodes: local
+    assert all(o["step"] == 2 and o["from"].startswith(_node_dir(base, r)) and torch.equal(o["w"], o["want"])
+               for r, o in enumerate(back)), [o["from"] for o in back]
+    shutil.rmtree(os.path.join(base, "node1", "step-00000002"))  # gone from node 1 only: that step from the remote
+    back = run_ranks(4, _sharded, remote, base, opts, [1, 2, 3], True, 2)
+    assert all(o["step"] == 2 and o["from"] == f"{remote}/step-00000002" and torch.equal(o["w"], o["want"])
+               for o in back), [o["from"] for o in back]
+    shutil.rmtree(os.path.join(base, "node1"))  # node 1 replaced: the remote's step, bit-exact
+    back = run_ranks(4, _sharded, remote, base, opts, [1, 2, 3], True)
+    for r, out in enumerate(back):
+        assert out["step"] == 3 and out["from"] == f"{remote}/step-00000003", (r, out["from"])
+        assert torch.equal(out["w"], out["want"])
