@@ -42,6 +42,7 @@ at most ``2 x (own + peer bytes)`` plus the index and manifest files
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import logging
 import mmap
@@ -50,6 +51,7 @@ import queue
 import threading
 import time
 import uuid
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, cast
 
@@ -345,6 +347,28 @@ class _Job:
         self.own_bytes = 0
 
 
+#: Every live ``Snapshots`` of this process, for the wait at exit.
+_LIVE: "weakref.WeakSet[Snapshots]" = weakref.WeakSet()
+
+#: Longest wait at interpreter exit for a step in flight.
+EXIT_WAIT_S = 60.0
+
+
+def _wait_at_exit() -> None:
+    """At exit, let a step in flight finish (bounded) before the interpreter tears torch down.
+
+    The background thread is a daemon: a script that ends (or raises) while a
+    step's checksums or copies run would otherwise finalize the interpreter,
+    and torch's C++ state with it, under the thread's feet (seen as
+    ``terminate called without an active exception``, exit -6).
+    """
+    for snaps in list(_LIVE):
+        snaps.done.wait(EXIT_WAIT_S)
+
+
+atexit.register(_wait_at_exit)
+
+
 class Snapshots:
     """The save half of one rank's memory tier: slots, the background thread, the peer group (see the module docstring)."""
 
@@ -360,6 +384,7 @@ class Snapshots:
         self.thread: Optional[threading.Thread] = None  # one worker, started once, fed through ``queue``
         self.queue: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
         self.done = threading.Event()
+        _LIVE.add(self)
         self.done.set()
         self.layouts_memo: Dict[Any, Tuple[List[List[int]], List[Tuple[bytes, List[int]]]]] = {}
         self.error: Optional[Tuple[int, BaseException]] = None
