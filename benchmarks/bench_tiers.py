@@ -14,7 +14,9 @@ run once per case in the same run:
   no ``local=`` (what the loop blocks for without the local tier).
 
 The server is SeaweedFS on loopback (tests/_weed.py) behind
-tests/_faultproxy.py. Prints one JSON object: per case the blocking time of
+tests/_faultproxy.py, which runs in a process of its own (a real remote is
+another machine: the proxy's Python threads must not share the measured
+process's GIL). Prints one JSON object: per case the blocking time of
 each ``save()`` (median, max), its ratio to ``local-only``'s median, the
 remote steps committed, how long the final ``wait()`` (flush catch-up) took.
 
@@ -40,6 +42,60 @@ from typing import Any, Dict, List, Optional
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
+
+
+def _serve_proxy(upstream_port: int, conn) -> None:
+    """Child process: one FaultProxy, driven by ``(method, kwargs)`` messages; replies with its result."""
+    from _faultproxy import FaultProxy
+
+    proxy = FaultProxy(("127.0.0.1", upstream_port), seed=1)
+    conn.send(proxy.endpoint)
+    while True:
+        method, kw = conn.recv()
+        if method == "close":
+            proxy.close()
+            conn.send(None)
+            return
+        if method == "stats":
+            conn.send(dict(proxy.stats))
+        else:
+            proxy.set_faults(**kw)
+            conn.send(None)
+
+
+class _ProxyProcess:
+    """The fault proxy in a process of its own: a real remote is another machine, so its byte pumping
+    (Python threads) must not take the GIL from the training process being measured."""
+
+    def __init__(self, upstream_port: int):
+        import multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self._proc = ctx.Process(target=_serve_proxy, args=(upstream_port, child), daemon=True)
+        self._proc.start()
+        self.endpoint = self._conn.recv()
+        self._lock = threading.Lock()  # the heal timer's thread calls too
+
+    def _call(self, method: str, **kw: Any) -> Any:
+        with self._lock:
+            self._conn.send((method, kw))
+            return self._conn.recv()
+
+    def set_faults(self, **kw: Any) -> None:
+        self._call("set_faults", **kw)
+
+    @property
+    def stats(self) -> Dict[str, int]:
+        return self._call("stats")
+
+    def close(self) -> None:
+        try:
+            self._call("close")
+        finally:
+            self._proc.join(timeout=10)
+            if self._proc.is_alive():
+                self._proc.kill()
 
 
 def _loop(mgr, state, steps: int, step_s: float) -> List[float]:
@@ -75,7 +131,6 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = ap.parse_args(argv)
 
     import torch
-    from _faultproxy import FaultProxy
     from _weed import SEAWEED_BUCKET, SeaweedServer, seaweed_options
 
     import shardckpt
@@ -97,7 +152,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             results.append(_case("local-only", base_blocked, None))
 
             for case in ("tiers-delayed", "tiers-stalled", "direct-delayed"):
-                proxy = FaultProxy(("127.0.0.1", port), seed=1)
+                proxy = _ProxyProcess(port)
                 heal = None
                 if case == "tiers-stalled":
                     proxy.set_faults(stall=1.0, stall_s=args.stall_s)
