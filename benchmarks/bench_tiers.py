@@ -127,6 +127,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--delay-s", type=float, default=1.0, help="delay of every new S3 connection (tiers-delayed, direct-delayed)")
     ap.add_argument("--stall-s", type=float, default=30.0, help="how long S3 hangs in tiers-stalled")
     ap.add_argument("--server-bin", default=None)
+    ap.add_argument("--server-dir", default=None,
+                    help="where the S3 server keeps its data (default: the temp dir). On one machine, another disk or "
+                         "/dev/shm keeps the 'remote' from writing to the local tier's disk, as a real remote does not")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
 
@@ -137,7 +140,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     state = {"w": torch.randn(args.size_mb << 18), "step": 0}
     nbytes = state["w"].numel() * 4
-    server = SeaweedServer(args.server_bin)
+    server = SeaweedServer(args.server_bin, data_dir=args.server_dir)
     results: List[Dict[str, Any]] = []
     try:
         opts = seaweed_options(server.endpoint)
@@ -201,6 +204,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         "step_s": args.step_s,
         "delay_s": args.delay_s,
         "stall_s": args.stall_s,
+        "server_dir": args.server_dir or tempfile.gettempdir(),
+        "local_dir": tempfile.gettempdir(),
         "cases": results,
     }
     print(json.dumps(out, indent=1))

@@ -73,9 +73,10 @@ def seaweed_options(endpoint: str) -> dict:
 class SeaweedServer:
     """One ``weed server -s3`` process on loopback; ``stop()`` ends it and removes its data."""
 
-    def __init__(self, binary: Optional[str] = None) -> None:
+    def __init__(self, binary: Optional[str] = None, data_dir: Optional[str] = None) -> None:
+        """``data_dir``: the folder its (private, removed on ``stop()``) data directory goes in; the temp dir by default."""
         binary = weed_binary(binary)
-        self.dir = tempfile.mkdtemp(prefix="shardckpt-weed-")
+        self.dir = tempfile.mkdtemp(prefix="shardckpt-weed-", dir=data_dir)
         ports = {}
         for name in ("master", "volume", "filer", "s3"):
             ports[name] = _free_port()

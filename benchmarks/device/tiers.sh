@@ -11,9 +11,10 @@ export PYTHONPATH="$PWD:/tmp/site" PYTHONUNBUFFERED=1
 WEED=/tmp/weed
 $PY -c "import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], 'wb'))" "${WEED_XZ:-.gpu-wt/weed.xz}" $WEED || exit 1
 chmod +x "$WEED"
-nproc; uptime; $PY -c "import torch, sys; print(sys.version.split()[0], torch.__version__)"; df -h /tmp | tail -1
+nproc; uptime; $PY -c "import torch, sys; print(sys.version.split()[0], torch.__version__)"; df -h /tmp /dev/shm | tail -2
+echo "=== S3 server data in /dev/shm (the remote does not share the local tier disk), local tier in /tmp"
 echo "=== 64 MiB, 12 steps of 0.5 s, S3 delayed 1 s / hung 120 s (the documented arguments)"
-timeout 330 $PY benchmarks/bench_tiers.py --server-bin "$WEED" --size-mb 64 --steps 12 --step-s 0.5 --stall-s 120 \
+timeout 330 $PY benchmarks/bench_tiers.py --server-bin "$WEED" --server-dir /dev/shm --size-mb 64 --steps 12 --step-s 0.5 --stall-s 120 \
   --json "$OUT/tiers_64mb.json" > "$OUT/tiers_64mb.log" 2>&1; echo "rc=$?"
 $PY - "$OUT/tiers_64mb.json" <<'PY'
 import json, sys
@@ -22,7 +23,7 @@ for c in d["cases"]:
     print(c["case"], c["median_s"], c["max_s"], c.get("median_vs_local"), c.get("durable_at_loop_end"), c.get("wait_after_loop_s"), c.get("remote_steps"))
 PY
 echo "=== 1 GiB, 8 steps of 2 s, S3 delayed 1 s / hung 60 s"
-timeout 240 $PY benchmarks/bench_tiers.py --server-bin "$WEED" --size-mb 1024 --steps 8 --step-s 2 --stall-s 60 \
+timeout 240 $PY benchmarks/bench_tiers.py --server-bin "$WEED" --server-dir /dev/shm --size-mb 1024 --steps 8 --step-s 2 --stall-s 60 \
   --json "$OUT/tiers_1gb.json" > "$OUT/tiers_1gb.log" 2>&1; echo "rc=$?"
 $PY - "$OUT/tiers_1gb.json" <<'PY'
 import json, sys
