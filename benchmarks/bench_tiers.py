@@ -44,6 +44,9 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
 
 
+CASES = ("tiers-delayed", "tiers-stalled", "direct-delayed")
+
+
 def _serve_proxy(upstream_port: int, conn) -> None:
     """Child process: one FaultProxy, driven by ``(method, kwargs)`` messages; replies with its result."""
     from _faultproxy import FaultProxy
@@ -130,6 +133,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--server-dir", default=None,
                     help="where the S3 server keeps its data (default: the temp dir). On one machine, another disk or "
                          "/dev/shm keeps the 'remote' from writing to the local tier's disk, as a real remote does not")
+    ap.add_argument("--cases", default=",".join(CASES),
+                    help=f"comma-separated, after local-only: {', '.join(CASES + ('tiers-delayed-noyield',))} "
+                         "(the last: tiers-delayed with the flusher not yielding to saves, _flush.YIELD_MAX_S = 0)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
 
@@ -137,7 +143,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     from _weed import SEAWEED_BUCKET, SeaweedServer, seaweed_options
 
     import shardckpt
+    from shardckpt import _flush
 
+    yield_max = _flush.YIELD_MAX_S
     state = {"w": torch.randn(args.size_mb << 18), "step": 0}
     nbytes = state["w"].numel() * 4
     server = SeaweedServer(args.server_bin, data_dir=args.server_dir)
@@ -154,7 +162,10 @@ def main(argv: Optional[List[str]] = None) -> int:
             base = statistics.median(base_blocked)
             results.append(_case("local-only", base_blocked, None))
 
-            for case in ("tiers-delayed", "tiers-stalled", "direct-delayed"):
+            for case in args.cases.split(","):
+                if case not in CASES + ("tiers-delayed-noyield",):
+                    raise SystemExit(f"unknown case {case!r}")
+                _flush.YIELD_MAX_S = 0.0 if case.endswith("noyield") else yield_max
                 proxy = _ProxyProcess(port)
                 heal = None
                 if case == "tiers-stalled":

@@ -31,12 +31,13 @@ The planning functions here are pure (ints in, ints out) and tested alone
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
 import time
 import uuid
-from typing import Any, Callable, Dict, Iterable, List, Optional, Set, Tuple
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Set, Tuple
 
 from ._collective import ALL, FROM_ROOT, Comm, agree
 from ._format import HF_INDEX_NAME, MANIFEST_NAME, MetaCache, manifest_from_bytes, open_manifest
@@ -48,7 +49,7 @@ from ._storage import Storage
 from .errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 
 __all__ = ["Flusher", "Tiers", "next_flush", "local_protected", "restore_source", "commit_save_id", "files_of_rank",
-           "upload_step", "node_groups", "detect_nodes", "share_manifest", "check_own_files", "own_chunks", "PROBE_PREFIX", "FLUSH_CHANNEL", "COPY_PIECE_BYTES", "FLUSH_NICE"]
+           "upload_step", "node_groups", "detect_nodes", "share_manifest", "check_own_files", "own_chunks", "PROBE_PREFIX", "FLUSH_CHANNEL", "COPY_PIECE_BYTES", "FLUSH_NICE", "YIELD_MAX_S"]
 
 log = logging.getLogger("shardckpt")
 
@@ -57,6 +58,10 @@ FLUSH_CHANNEL = "flush"
 
 #: Bytes read from the local file and written to the remote at a time.
 COPY_PIECE_BYTES = 16 << 20
+
+#: Longest the flusher's data copies wait for this rank's save in progress
+#: (:meth:`Flusher.yield_to_save`): a save that hangs must not stop the flush.
+YIELD_MAX_S = 60.0
 
 #: Nice increment of the flusher thread (Linux: per thread), so that the
 #: training thread wins the CPU when both want it: the flush has time.
@@ -130,7 +135,7 @@ def restore_source(local: Optional[int], local_readable: bool, remote: Optional[
     return "none", None
 
 
-def upload_step(local: Storage, remote: Storage, rank: int) -> Tuple[List[str], str]:
+def upload_step(local: Storage, remote: Storage, rank: int, *, pause: Optional[Callable[[], None]] = None) -> Tuple[List[str], str]:
     """Copy the files rank ``rank`` wrote for a locally committed step to ``remote`` (same paths); returns them and the save id.
 
     ``local`` and ``remote`` are the step's directories. Each file is first
@@ -146,6 +151,9 @@ def upload_step(local: Storage, remote: Storage, rank: int) -> Tuple[List[str], 
     save's id: the same name is the same bytes), first, so the remote copy
     resolves every reference whether or not the referenced step was flushed.
     Each reference goes with the rank whose data file name it carries.
+
+    ``pause``: called before each file's check and each piece copied (the
+    flusher waits there while a save of this rank runs).
 
     Raises:
         CorruptCheckpointError: a local file is damaged.
@@ -167,11 +175,13 @@ def upload_step(local: Storage, remote: Storage, rank: int) -> Tuple[List[str], 
         to, path = (remote, rel) if tgt is None else (remote.sibling(tgt[0]), tgt[1])
         if tgt is not None and to.stat_sizes([path]).get(path) == m.files[rel].size:
             continue  # on the remote already (flushed with the step that wrote it, or by an earlier flush)
+        if pause is not None:
+            pause()
         problem = memory_store.check_file(src, m, rel, by_file.get(rel, []))
         if problem is not None:
             raise CorruptCheckpointError(f"not uploading {src.url_of(rel)}: it is damaged: {problem}")
         frm, frm_path = (local, rel) if tgt is None else (local.sibling(tgt[0]), tgt[1])
-        _copy(frm, to, path, frm_path, m.files[rel].size)
+        _copy(frm, to, path, frm_path, m.files[rel].size, pause=pause)
     return mine, m.save_id
 
 
@@ -205,10 +215,12 @@ def files_of_rank(files: Iterable[str], index_ranks: Dict[str, int], rank: int) 
     return sorted(out)
 
 
-def _copy(src: Storage, dst: Storage, rel: str, src_rel: str, size: int) -> None:
+def _copy(src: Storage, dst: Storage, rel: str, src_rel: str, size: int, *, pause: Optional[Callable[[], None]] = None) -> None:
     w = dst.open_write(rel)
     try:
         for off in range(0, size, COPY_PIECE_BYTES):
+            if pause is not None:
+                pause()
             w.write(src.read_range(src_rel, off, min(COPY_PIECE_BYTES, size - off)))
     except BaseException:
         w.abort()
@@ -267,8 +279,35 @@ class Flusher:
         #: (step, seconds) of the last remote commit, for logs and benchmarks.
         self.last_flush: Optional[Tuple[int, float]] = None
         self.skipped: List[int] = []
+        self._saving = 0  # this rank's saves in progress (yield_to_save)
+        self._quiet = threading.Event()  # set when none is
+        self._quiet.set()
         self._thread = threading.Thread(target=self._run, name="shardckpt-flush", daemon=True)
         self._thread.start()
+
+    @contextlib.contextmanager
+    def yield_to_save(self) -> Iterator[None]:
+        """While this rank saves: the flush's data copies wait between files and pieces (at most :data:`YIELD_MAX_S`).
+
+        Why: a flush copying while the training loop saves takes disk,
+        memory bandwidth and CPUs from the save, which is what the loop waits
+        for (on a 2-CPU box it tripled the saves it overlapped). Exchanges
+        with the other ranks do not wait, so a rank saving never holds up
+        another rank's flush for longer than its save.
+        """
+        with self._cond:
+            self._saving += 1
+            self._quiet.clear()
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._saving -= 1
+                if self._saving == 0:
+                    self._quiet.set()
+
+    def _pause(self) -> None:
+        self._quiet.wait(YIELD_MAX_S)
 
     # -- the trainer's side ---------------------------------------------------------
 
@@ -446,7 +485,7 @@ class Flusher:
             resaved = step in self._resaved
             self._resaved.discard(step)
         try:
-            _, ids = agree(self.comm, lambda: upload_step(src, dst, self.comm.rank), what=f"flush of step {step} to {dst.url}",
+            _, ids = agree(self.comm, lambda: upload_step(src, dst, self.comm.rank, pause=self._pause), what=f"flush of step {step} to {dst.url}",
                            share=lambda v: v[1], mode=ALL)
             save_id = commit_save_id(ids, step)
 

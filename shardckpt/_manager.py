@@ -24,6 +24,7 @@ between ranks; the decisions and the I/O behind them are in
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -382,7 +383,9 @@ class CheckpointManager:
             return None
         if last_step and self.last_save_model_only:
             state = {"model": exports.model_only_state(state, self.export_dtype)}
-        handle = self._save(step, state, force=force)
+        flusher = self._tiers.flusher if self._tiers is not None else None
+        with flusher.yield_to_save() if flusher is not None else contextlib.nullcontext():
+            handle = self._save(step, state, force=force)
         if last_step and self.last_save_in_hf:
             if handle is not None:
                 handle.result()
