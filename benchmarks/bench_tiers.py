@@ -176,7 +176,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                     proxy.set_faults(delay=1.0, delay_s=args.delay_s)
                 remote = f"s3://{SEAWEED_BUCKET}/bench-tiers-{uuid.uuid4().hex[:8]}"
                 ropts = dict(opts, endpoint_url=proxy.endpoint)
-                local = os.path.join(tmp, case) if case.startswith("tiers") else None
+                local = os.path.join(tmp, f"{case}-{len(results)}") if case.startswith("tiers") else None
                 t_start = time.perf_counter()
                 try:
                     mgr = shardckpt.CheckpointManager(remote, local=local, keep_last=2, storage_options=ropts)

@@ -114,11 +114,11 @@ def test_a_slow_flush_coalesces_the_backlog_and_protects_its_steps(tmp_path, mon
     release, started = threading.Event(), threading.Event()
     copy = flush._copy
 
-    def slow_copy(src, dst, rel, src_rel, size):
+    def slow_copy(src, dst, rel, src_rel, size, **kw):
         if "step-00000001" in dst.url:
             started.set()
             assert release.wait(60)
-        copy(src, dst, rel, src_rel, size)
+        copy(src, dst, rel, src_rel, size, **kw)
 
     monkeypatch.setattr(flush, "_copy", slow_copy)
     model = torch.nn.Linear(3, 2)
@@ -175,11 +175,11 @@ def test_one_process_incremental_flush_uploads_the_skipped_base_and_retention_ke
     release, started = threading.Event(), threading.Event()
     real = flush.upload_step
 
-    def held(src, dst, rank):
+    def held(src, dst, rank, **kw):
         if dst.url.endswith("step-00000001"):
             started.set()
             assert release.wait(60)
-        return real(src, dst, rank)
+        return real(src, dst, rank, **kw)
 
     monkeypatch.setattr(flush, "upload_step", held)
     torch.manual_seed(0)
@@ -237,3 +237,63 @@ def test_the_hugging_face_export_of_the_last_save_is_flushed_too(tmp_path):
     fresh = torch.nn.Linear(4, 3)
     shardckpt.load({"model": fresh}, f"{remote}/step-00000002-hf", strict=False)
     assert torch.equal(fresh.weight, model.weight) and torch.equal(fresh.bias, model.bias)
+
+
+def test_the_flush_copies_nothing_while_this_rank_saves(tmp_path, monkeypatch):
+    """Step 1's flush is parked before its first piece; step 2's save is held open: no piece moves until it returns."""
+    import threading
+    import time
+
+    import torch
+
+    import shardckpt._flush as flush
+
+    monkeypatch.setattr(flush, "COPY_PIECE_BYTES", 1024)
+    parked, go = threading.Event(), threading.Event()
+    pieces = []
+    copy = flush._copy
+
+    def counting_copy(src, dst, rel, src_rel, size, *, pause=None):
+        if pause is None:  # the commit's small copies (the Hugging Face index): not the flush's data
+            return copy(src, dst, rel, src_rel, size)
+
+        def counted():
+            if not go.is_set():
+                parked.set()
+                assert go.wait(60)
+            pause()  # the flusher's own: waits while a save of this rank runs
+            pieces.append(time.monotonic())
+
+        copy(src, dst, rel, src_rel, size, pause=counted)
+
+    monkeypatch.setattr(flush, "_copy", counting_copy)
+    model = torch.nn.Linear(64, 64)  # 16 KiB of weights: 16 pieces
+    mgr = shardckpt.CheckpointManager(str(tmp_path / "remote"), local=str(tmp_path / "local"))
+    try:
+        mgr.save(1, {"model": model})
+        assert parked.wait(60)
+        inside, release, saved_at = threading.Event(), threading.Event(), []
+        real = mgr._save
+
+        def held_save(*a, **k):
+            inside.set()
+            assert release.wait(60)
+            out = real(*a, **k)
+            saved_at.append(time.monotonic())
+            return out
+
+        mgr._save = held_save
+        saver = threading.Thread(target=mgr.save, args=(2, {"model": model}))
+        saver.start()
+        assert inside.wait(60)
+        go.set()  # the flush may go on now, but for the save in progress
+        time.sleep(1.0)  # without the yield, pieces would be copied here
+        assert pieces == []
+        release.set()
+        saver.join(60)
+        mgr.wait()
+        assert pieces and min(pieces) > saved_at[0]
+        assert mgr.durable_step == 2 and mgr.remote_steps() == [1, 2]
+    finally:
+        go.set()
+        mgr.close()
