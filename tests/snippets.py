@@ -29,6 +29,7 @@ restarts a job on other nodes: only what reached storage survives.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import re
@@ -36,6 +37,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import tempfile
 import uuid
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
@@ -161,13 +163,131 @@ def _run(cmd: List[str], cwd: str, what: str, job: str = "") -> None:
     before = _memory_dirs()
     try:
         p = subprocess.run(cmd, cwd=cwd, env=_env(job), capture_output=True, text=True, timeout=BLOCK_TIMEOUT_S)
+        code, out, err = p.returncode, p.stdout, p.stderr
     finally:
-        if job:  # the job is over: the memory tier directories it made (per root: /dev/shm/shardckpt-<uid>-<hash>) go with it
-            for name in _memory_dirs() - before:
-                if _made_by_this_page(name, cwd):
-                    shutil.rmtree(os.path.join("/dev/shm", name), ignore_errors=True)
-    if p.returncode != 0:
-        raise AssertionError(f"{what} failed (exit {p.returncode}):\n--- stdout\n{p.stdout[-4000:]}\n--- stderr\n{p.stderr[-6000:]}")
+        if job:
+            _remove_memory_dirs(before, cwd)
+    _check(code, out, err, what)
+
+
+def _remove_memory_dirs(before: set, cwd: str) -> None:
+    """The job is over: the memory tier directories it made (per root: /dev/shm/shardckpt-<uid>-<hash>) go with it."""
+    for name in _memory_dirs() - before:
+        if _made_by_this_page(name, cwd):
+            shutil.rmtree(os.path.join("/dev/shm", name), ignore_errors=True)
+
+
+def _check(code: int, out: str, err: str, what: str) -> None:
+    if code != 0:
+        raise AssertionError(f"{what} failed (exit {code}):\n--- stdout\n{out[-4000:]}\n--- stderr\n{err[-6000:]}")
+
+
+#: Per-job environment variables: the rest of a child's environment is the
+#: server's own (a different base environment starts another server).
+_JOB_VARS = ("TORCHELASTIC_RUN_ID",)
+_ZYGOTES: Dict[tuple, "_Zygote"] = {}
+
+
+class _Zygote:
+    """A running tests/_zygote.py: forks ``python script.py`` processes from an interpreter that imported torch."""
+
+    def __init__(self, env: Dict[str, str]):
+        self.proc = subprocess.Popen([sys.executable, os.path.join(TESTS, "_zygote.py")], cwd=TESTS, env=env,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        hello = self._answer(120)
+        if not hello.get("ready"):
+            self.close()
+            raise RuntimeError(f"the snippet fork server did not start: {hello.get('error')}")
+
+    def _answer(self, timeout: float) -> dict:
+        import select
+
+        assert self.proc.stdout is not None
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
+        line = self.proc.stdout.readline() if ready else ""
+        if not line:
+            code = self.proc.poll()
+            self.close()
+            raise RuntimeError(f"the snippet fork server {'exited ' + str(code) if code is not None else 'did not answer'}")
+        return json.loads(line)
+
+    def run(self, procs: List[dict], timeout: float) -> dict:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps({"procs": procs, "timeout": timeout}) + "\n")
+        self.proc.stdin.flush()
+        return self._answer(timeout + 60)
+
+    def close(self) -> None:
+        try:
+            if self.proc.stdin is not None:
+                self.proc.stdin.close()
+            self.proc.wait(timeout=10)
+        except Exception:
+            self.proc.kill()
+
+
+@atexit.register
+def _close_zygotes() -> None:
+    for z in list(_ZYGOTES.values()):
+        z.close()
+    _ZYGOTES.clear()
+
+
+def _zygote(env: Dict[str, str]) -> _Zygote:
+    base = {k: v for k, v in env.items() if k not in _JOB_VARS}
+    key = tuple(sorted(base.items()))
+    z = _ZYGOTES.get(key)
+    if z is None or z.proc.poll() is not None:
+        z = _ZYGOTES[key] = _Zygote(base)
+    return z
+
+
+def _fork_run(cwd: str, what: str, job: str = "", script: str = "", code: str = "", ranks: int = 0) -> None:
+    """Run ``python script`` (or ``python -c code``) in ``cwd`` as a fork of the snippet server.
+
+    ``ranks=N`` starts N processes with the environment torchrun gives its
+    workers on one node (rank 0 hosts the store, as without torchrun's agent).
+    Real processes, like ``_run``'s, but without each one importing torch.
+    """
+    from _dist import free_port
+
+    env = _env(job)
+    base = dict(script=script) if script else dict(code=code)
+    procs = []
+    if ranks:
+        port = str(free_port())
+        for r in range(ranks):
+            e = dict(env, RANK=str(r), LOCAL_RANK=str(r), GROUP_RANK="0", ROLE_RANK=str(r), ROLE_NAME="default",
+                     WORLD_SIZE=str(ranks), LOCAL_WORLD_SIZE=str(ranks), ROLE_WORLD_SIZE=str(ranks),
+                     GROUP_WORLD_SIZE="1", MASTER_ADDR="localhost", MASTER_PORT=port, TORCHELASTIC_RESTART_COUNT="0",
+                     TORCHELASTIC_MAX_RESTARTS="0", TORCH_NCCL_ASYNC_ERROR_HANDLING="1")
+            procs.append(dict(base, env=e))
+    else:
+        procs.append(dict(base, env=env))
+    logs = tempfile.mkdtemp(prefix="snippet-logs-")  # 0700, outside the page's directory (a block may list it)
+    for i, p in enumerate(procs):
+        p.update(cwd=cwd, stdout=os.path.join(logs, f"out-{i}"), stderr=os.path.join(logs, f"err-{i}"))
+    before = _memory_dirs()
+    try:
+        ans = _zygote(env).run(procs, BLOCK_TIMEOUT_S)
+    finally:
+        if job:
+            _remove_memory_dirs(before, cwd)
+        outs, errs = [], []
+        for p in procs:
+            for path, into in ((p["stdout"], outs), (p["stderr"], errs)):
+                try:
+                    with open(path, errors="replace") as f:
+                        into.append(f.read())
+                except OSError:
+                    into.append("")
+        shutil.rmtree(logs, ignore_errors=True)
+    if ans["timed_out"]:
+        raise subprocess.TimeoutExpired(what, BLOCK_TIMEOUT_S, "".join(outs), "".join(errs))
+    codes = ans["codes"]
+    bad = next((c for c in codes if c != 0), 0)
+    label = (lambda i: f"[rank {i}] ") if ranks else (lambda i: "")
+    _check(bad, "".join(label(i) + o for i, o in enumerate(outs) if o), "".join(label(i) + e for i, e in enumerate(errs) if e), what)
 
 
 def run_block(block: Block, cwd: str) -> Optional[str]:
@@ -175,9 +295,13 @@ def run_block(block: Block, cwd: str) -> Optional[str]:
     if "skip" in block.options:
         return block.options["skip"]
     fixtures = [f for f in block.options.get("fixtures", "").split(",") if f]
+    forked = os.environ.get("SHARDCKPT_TEST_SNIPPETS") != "subprocess"
     if fixtures:
-        _run([sys.executable, "-c", f"import snippet_preamble as p; p.make_fixtures({fixtures!r})"], cwd,
-             f"{block.where}: fixtures {fixtures}")
+        code, what = f"import snippet_preamble as p; p.make_fixtures({fixtures!r})", f"{block.where}: fixtures {fixtures}"
+        if forked:
+            _fork_run(cwd, what, code=code)
+        else:
+            _run([sys.executable, "-c", code], cwd, what)
     if block.lang == "bash":
         script = os.path.join(cwd, f".snippet-{block.line}.sh")
         with open(script, "w") as f:
@@ -191,12 +315,16 @@ def run_block(block: Block, cwd: str) -> Optional[str]:
     runs = 2 if ".restore(" in block.code and "once" not in block.options else 1
     for i in range(runs):
         job = f"snippet-{uuid.uuid4().hex[:12]}"
+        what = block.where + (" (run again as a new job: the resume)" if i else "")
+        n = int(block.options.get("torchrun") or 0)
+        if forked:
+            _fork_run(cwd, what, job, script=script, ranks=n)
+            continue
         cmd = [sys.executable, script]
-        if block.options.get("torchrun"):
-            n = int(block.options["torchrun"])
+        if n:
             cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc-per-node={n}", "--rdzv-backend=c10d",
                    "--rdzv-endpoint=localhost:0", f"--rdzv-id={job}", script]
-        _run(cmd, cwd, block.where + (" (run again as a new job: the resume)" if i else ""), job)
+        _run(cmd, cwd, what, job)
     return None
 
 
