@@ -29,14 +29,20 @@ does; past ``timeout`` all are killed and the answer says so.
 
 from __future__ import annotations
 
+import atexit
 import gc
 import importlib
 import json
 import os
+import shutil
 import signal
+import subprocess
 import sys
+import tempfile
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
 
 #: What a snippet imports before its first line runs (the preamble's imports
 #: and what a save/load pulls in). Importing only: nothing here may start a
@@ -162,7 +168,6 @@ def _serve() -> Optional[Dict[str, Any]]:
 
 def _become(job: Dict[str, Any]) -> Dict[str, Any]:
     """Set this forked child up as ``python <script>`` (or ``python -c <code>``) would start."""
-    import io
     import types
 
     fd = os.open(os.devnull, os.O_RDONLY)
@@ -172,28 +177,121 @@ def _become(job: Dict[str, Any]) -> Dict[str, Any]:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         os.dup2(fd, target)
         os.close(fd)
-    sys.stdin = io.TextIOWrapper(io.FileIO(0, "r", closefd=False))
-    sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), line_buffering=False, write_through=False)
-    sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), errors="backslashreplace", line_buffering=True)
-    sys.__stdin__, sys.__stdout__, sys.__stderr__ = sys.stdin, sys.stdout, sys.stderr
+    # sys.stdin/stdout/stderr stay the objects python made at start-up, on
+    # fds 0-2 (pipes then, the files now; buffering as for a file), flushed
+    # empty before the fork.
     os.chdir(job["cwd"])
     os.environ.clear()
     os.environ.update(job["env"])
+    argv = job.get("argv") or ([job["script"]] if "script" in job else ["-c", job["code"]])
     main = types.ModuleType("__main__")
-    if "script" in job:
-        script = os.path.abspath(job["script"])
-        sys.argv = [job["script"]]
+    main.__dict__["__builtins__"] = __builtins__
+    if argv[0] == "-m":  # as python -m: runpy finds the module and runs it as __main__
+        sys.argv = [argv[1], *argv[2:]]  # runpy sets argv[0] to the module's file
+        sys.path[0] = os.getcwd()
+        return {"code": compile("import runpy as _r; _r._run_module_as_main(%r)" % argv[1], "<run_module>", "exec"),
+                "globals": main.__dict__, "main": main}
+    if argv[0] == "-c":
+        sys.argv = ["-c", *argv[2:]]
+        sys.path[0] = ""
+        source, filename = argv[1], "<string>"
+    else:
+        script = os.path.abspath(argv[0])
+        sys.argv = list(argv)
         sys.path[0] = os.path.dirname(script)
         with open(script) as f:
             source, filename = f.read(), script
         main.__file__ = script
-    else:
-        sys.argv = ["-c"]
-        sys.path[0] = ""
-        source, filename = job["code"], "<string>"
-    main.__dict__["__builtins__"] = __builtins__
-    sys.modules["__main__"] = main
-    return {"code": compile(source, filename, "exec"), "globals": main.__dict__}
+    return {"code": compile(source, filename, "exec"), "globals": main.__dict__, "main": main}
+
+
+# ---------------------------------------------------------------------------
+# The client side, for the test process (tests/snippets.py, tests/e2e/test_cli.py).
+
+_SERVERS: Dict[tuple, "Server"] = {}
+
+
+class Server:
+    """A running tests/_zygote.py server: forks ``python script.py`` processes from an interpreter that imported torch."""
+
+    def __init__(self, env: Dict[str, str]):
+        self.proc = subprocess.Popen([sys.executable, os.path.join(TESTS, "_zygote.py")], cwd=TESTS, env=env,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        hello = self._answer(120)
+        if not hello.get("ready"):
+            self.close()
+            raise RuntimeError(f"the snippet fork server did not start: {hello.get('error')}")
+
+    def _answer(self, timeout: float) -> dict:
+        import select
+
+        assert self.proc.stdout is not None
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
+        line = self.proc.stdout.readline() if ready else ""
+        if not line:
+            code = self.proc.poll()
+            self.close()
+            raise RuntimeError(f"the snippet fork server {'exited ' + str(code) if code is not None else 'did not answer'}")
+        return json.loads(line)
+
+    def run(self, procs: List[dict], timeout: float) -> dict:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps({"procs": procs, "timeout": timeout}) + "\n")
+        self.proc.stdin.flush()
+        return self._answer(timeout + 60)
+
+    def close(self) -> None:
+        try:
+            if self.proc.stdin is not None:
+                self.proc.stdin.close()
+            self.proc.wait(timeout=10)
+        except Exception:
+            self.proc.kill()
+
+
+@atexit.register
+def _stop_servers() -> None:
+    for z in list(_SERVERS.values()):
+        z.close()
+    _SERVERS.clear()
+
+
+def server(env: Dict[str, str], job_vars: Tuple[str, ...] = ()) -> Server:
+    """The server for ``env`` (started on first use, one per base environment, stopped at exit).
+
+    A child's environment is its own (the request's), but what the server
+    read at import (shardckpt's knobs, torch's settings) came from the
+    server's: every variable but ``job_vars`` must match, so another base
+    environment gets another server.
+    """
+    base = {k: v for k, v in env.items() if k not in job_vars}
+    key = tuple(sorted(base.items()))
+    z = _SERVERS.get(key)
+    if z is None or z.proc.poll() is not None:
+        z = _SERVERS[key] = Server(base)
+    return z
+
+
+def run(argv: List[str], *, cwd: str, env: Dict[str, str], timeout: float = 300) -> Tuple[int, str, str]:
+    """``subprocess.run([sys.executable, *argv], ...)`` as a fork of the server: (exit code, stdout, stderr).
+
+    ``argv`` is ``[script, args...]``, ``["-c", code, args...]`` or
+    ``["-m", module, args...]``. Raises ``subprocess.TimeoutExpired``.
+    """
+    logs = tempfile.mkdtemp(prefix="zygote-logs-")
+    proc = {"argv": list(argv), "cwd": cwd, "env": env, "stdout": os.path.join(logs, "out"), "stderr": os.path.join(logs, "err")}
+    try:
+        ans = server(env).run([proc], timeout)
+        with open(proc["stdout"], errors="replace") as f:
+            out = f.read()
+        with open(proc["stderr"], errors="replace") as f:
+            err = f.read()
+    finally:
+        shutil.rmtree(logs, ignore_errors=True)
+    if ans["timed_out"]:
+        raise subprocess.TimeoutExpired(argv, timeout, out, err)
+    return ans["codes"][0], out, err
+
 
 
 if __name__ == "__main__":
@@ -202,4 +300,5 @@ if __name__ == "__main__":
         sys.exit(0)
     _run = _become(_job)
     del _job
+    sys.modules["__main__"] = _run["main"]
     exec(_run["code"], _run["globals"])  # at the top level: an exception or exit ends the child as it ends python

@@ -29,7 +29,6 @@ restarts a job on other nodes: only what reached storage survives.
 
 from __future__ import annotations
 
-import atexit
 import json
 import os
 import re
@@ -182,66 +181,6 @@ def _check(code: int, out: str, err: str, what: str) -> None:
         raise AssertionError(f"{what} failed (exit {code}):\n--- stdout\n{out[-4000:]}\n--- stderr\n{err[-6000:]}")
 
 
-#: Per-job environment variables: the rest of a child's environment is the
-#: server's own (a different base environment starts another server).
-_JOB_VARS = ("TORCHELASTIC_RUN_ID",)
-_ZYGOTES: Dict[tuple, "_Zygote"] = {}
-
-
-class _Zygote:
-    """A running tests/_zygote.py: forks ``python script.py`` processes from an interpreter that imported torch."""
-
-    def __init__(self, env: Dict[str, str]):
-        self.proc = subprocess.Popen([sys.executable, os.path.join(TESTS, "_zygote.py")], cwd=TESTS, env=env,
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        hello = self._answer(120)
-        if not hello.get("ready"):
-            self.close()
-            raise RuntimeError(f"the snippet fork server did not start: {hello.get('error')}")
-
-    def _answer(self, timeout: float) -> dict:
-        import select
-
-        assert self.proc.stdout is not None
-        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
-        line = self.proc.stdout.readline() if ready else ""
-        if not line:
-            code = self.proc.poll()
-            self.close()
-            raise RuntimeError(f"the snippet fork server {'exited ' + str(code) if code is not None else 'did not answer'}")
-        return json.loads(line)
-
-    def run(self, procs: List[dict], timeout: float) -> dict:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps({"procs": procs, "timeout": timeout}) + "\n")
-        self.proc.stdin.flush()
-        return self._answer(timeout + 60)
-
-    def close(self) -> None:
-        try:
-            if self.proc.stdin is not None:
-                self.proc.stdin.close()
-            self.proc.wait(timeout=10)
-        except Exception:
-            self.proc.kill()
-
-
-@atexit.register
-def _close_zygotes() -> None:
-    for z in list(_ZYGOTES.values()):
-        z.close()
-    _ZYGOTES.clear()
-
-
-def _zygote(env: Dict[str, str]) -> _Zygote:
-    base = {k: v for k, v in env.items() if k not in _JOB_VARS}
-    key = tuple(sorted(base.items()))
-    z = _ZYGOTES.get(key)
-    if z is None or z.proc.poll() is not None:
-        z = _ZYGOTES[key] = _Zygote(base)
-    return z
-
-
 def _fork_run(cwd: str, what: str, job: str = "", script: str = "", code: str = "", ranks: int = 0) -> None:
     """Run ``python script`` (or ``python -c code``) in ``cwd`` as a fork of the snippet server.
 
@@ -249,6 +188,7 @@ def _fork_run(cwd: str, what: str, job: str = "", script: str = "", code: str = 
     workers on one node (rank 0 hosts the store, as without torchrun's agent).
     Real processes, like ``_run``'s, but without each one importing torch.
     """
+    import _zygote
     from _dist import free_port
 
     env = _env(job)
@@ -269,7 +209,7 @@ def _fork_run(cwd: str, what: str, job: str = "", script: str = "", code: str = 
         p.update(cwd=cwd, stdout=os.path.join(logs, f"out-{i}"), stderr=os.path.join(logs, f"err-{i}"))
     before = _memory_dirs()
     try:
-        ans = _zygote(env).run(procs, BLOCK_TIMEOUT_S)
+        ans = _zygote.server(env, job_vars=("TORCHELASTIC_RUN_ID",)).run(procs, BLOCK_TIMEOUT_S)
     finally:
         if job:
             _remove_memory_dirs(before, cwd)
