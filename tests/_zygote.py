@@ -22,7 +22,8 @@ process; the server checks that preloading started no other.
 Protocol (one JSON line each way on stdin/stdout): a request is a list of
 processes ``{"script" | "code", "cwd", "env", "stdout", "stderr"}`` started
 together (the ranks of one ``torchrun``); the answer is their exit codes
-(``-N`` for a signal, as ``subprocess`` reports), after all ended. When one
+(``-N`` for a signal, as ``subprocess`` reports) and which failed first,
+after all ended. When one
 exits non-zero the others are stopped (SIGTERM, then SIGKILL), as torchrun
 does; past ``timeout`` all are killed and the answer says so.
 """
@@ -105,6 +106,7 @@ def _wait(pids: List[int], timeout: float) -> Dict[str, Any]:
     deadline = time.monotonic() + timeout
     term_at = None
     timed_out = False
+    first = None  # the process that failed first: the cause (the others may have been stopped for it)
     while len(codes) < len(pids):
         for pid in pids:
             if pid in codes:
@@ -112,6 +114,8 @@ def _wait(pids: List[int], timeout: float) -> Dict[str, Any]:
             done, status = os.waitpid(pid, os.WNOHANG)
             if done:
                 codes[pid] = _code(status)
+                if codes[pid] != 0 and first is None:
+                    first = pids.index(pid)
         if len(codes) == len(pids):
             break
         now = time.monotonic()
@@ -127,7 +131,7 @@ def _wait(pids: List[int], timeout: float) -> Dict[str, Any]:
                 if pid not in codes:
                     _signal(pid, signal.SIGKILL)
         time.sleep(0.02)
-    return {"codes": [codes[p] for p in pids], "timed_out": timed_out}
+    return {"codes": [codes[p] for p in pids], "first_failed": first, "timed_out": timed_out}
 
 
 def _signal(pid: int, sig: int) -> None:

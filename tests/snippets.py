@@ -225,7 +225,7 @@ def _fork_run(cwd: str, what: str, job: str = "", script: str = "", code: str = 
     if ans["timed_out"]:
         raise subprocess.TimeoutExpired(what, BLOCK_TIMEOUT_S, "".join(outs), "".join(errs))
     codes = ans["codes"]
-    bad = next((c for c in codes if c != 0), 0)
+    bad = 0 if ans["first_failed"] is None else codes[ans["first_failed"]]  # the cause, as torchrun reports it
     label = (lambda i: f"[rank {i}] ") if ranks else (lambda i: "")
     _check(bad, "".join(label(i) + o for i, o in enumerate(outs) if o), "".join(label(i) + e for i, e in enumerate(errs) if e), what)
 
