@@ -25,7 +25,8 @@ together (the ranks of one ``torchrun``); the answer is their exit codes
 (``-N`` for a signal, as ``subprocess`` reports) and which failed first,
 after all ended. When one
 exits non-zero the others are stopped (SIGTERM, then SIGKILL), as torchrun
-does; past ``timeout`` all are killed and the answer says so.
+does (unless the request says ``"stop_peers": false``); past ``timeout`` all
+are killed and the answer says so.
 """
 
 from __future__ import annotations
@@ -101,7 +102,7 @@ def _code(status: int) -> int:
     return -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
 
 
-def _wait(pids: List[int], timeout: float) -> Dict[str, Any]:
+def _wait(pids: List[int], timeout: float, stop_peers: bool) -> Dict[str, Any]:
     codes: Dict[int, int] = {}
     deadline = time.monotonic() + timeout
     term_at = None
@@ -119,7 +120,7 @@ def _wait(pids: List[int], timeout: float) -> Dict[str, Any]:
         if len(codes) == len(pids):
             break
         now = time.monotonic()
-        failed = any(c != 0 for c in codes.values())
+        failed = stop_peers and any(c != 0 for c in codes.values())
         if (failed or now > deadline) and term_at is None:
             timed_out = not failed
             term_at = now
@@ -166,7 +167,7 @@ def _serve() -> Optional[Dict[str, Any]]:
                 os.setpgid(0, 0)
                 return job
             pids.append(pid)
-        sys.stdout.write(json.dumps(_wait(pids, req["timeout"])) + "\n")
+        sys.stdout.write(json.dumps(_wait(pids, req["timeout"], req.get("stop_peers", True))) + "\n")
         sys.stdout.flush()
 
 
@@ -238,9 +239,9 @@ class Server:
             raise RuntimeError(f"the snippet fork server {'exited ' + str(code) if code is not None else 'did not answer'}")
         return json.loads(line)
 
-    def run(self, procs: List[dict], timeout: float) -> dict:
+    def run(self, procs: List[dict], timeout: float, stop_peers: bool = True) -> dict:
         assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps({"procs": procs, "timeout": timeout}) + "\n")
+        self.proc.stdin.write(json.dumps({"procs": procs, "timeout": timeout, "stop_peers": stop_peers}) + "\n")
         self.proc.stdin.flush()
         return self._answer(timeout + 60)
 
@@ -274,6 +275,31 @@ def server(env: Dict[str, str], job_vars: Tuple[str, ...] = ()) -> Server:
     if z is None or z.proc.poll() is not None:
         z = _SERVERS[key] = Server(base)
     return z
+
+
+def run_many(argv: List[str], envs: List[Dict[str, str]], *, cwd: str, job_vars: Tuple[str, ...], timeout: float,
+             stop_peers: bool = False) -> Tuple[List[int], List[str]]:
+    """``python *argv`` once per environment in ``envs``, all at once (ranks): (exit codes, outputs) in that order.
+
+    Each output is the process's stdout and stderr together, as with
+    ``stderr=subprocess.STDOUT``. The environments may differ only in
+    ``job_vars`` (one server). ``stop_peers=True`` stops the others when one
+    fails, as torchrun does. Raises ``subprocess.TimeoutExpired``.
+    """
+    logs = tempfile.mkdtemp(prefix="zygote-logs-")
+    procs = [{"argv": list(argv), "cwd": cwd, "env": e, "stdout": os.path.join(logs, f"out-{i}"),
+              "stderr": os.path.join(logs, f"out-{i}")} for i, e in enumerate(envs)]
+    outs = []
+    try:
+        ans = server(envs[0], job_vars).run(procs, timeout, stop_peers)
+        for p in procs:
+            with open(p["stdout"], errors="replace") as f:
+                outs.append(f.read())
+    finally:
+        shutil.rmtree(logs, ignore_errors=True)
+    if ans["timed_out"]:
+        raise subprocess.TimeoutExpired(argv, timeout, "".join(outs))
+    return ans["codes"], outs
 
 
 def run(argv: List[str], *, cwd: str, env: Dict[str, str], timeout: float = 300) -> Tuple[int, str, str]:
