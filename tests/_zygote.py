@@ -267,7 +267,9 @@ def server(env: Dict[str, str], job_vars: Tuple[str, ...] = ()) -> Server:
     A child's environment is its own (the request's), but what the server
     read at import (shardckpt's knobs, torch's settings) came from the
     server's: every variable but ``job_vars`` must match, so another base
-    environment gets another server.
+    environment gets another server. The variables torchrun adds
+    (``torchrun_envs``) may be missing from the server's: they are read at
+    run time (``init_process_group``, shardckpt's calls), not at import.
     """
     base = {k: v for k, v in env.items() if k not in job_vars}
     key = tuple(sorted(base.items()))
@@ -278,20 +280,22 @@ def server(env: Dict[str, str], job_vars: Tuple[str, ...] = ()) -> Server:
 
 
 def run_many(argv: List[str], envs: List[Dict[str, str]], *, cwd: str, job_vars: Tuple[str, ...], timeout: float,
-             stop_peers: bool = False) -> Tuple[List[int], List[str]]:
+             stop_peers: bool = False, base_env: Optional[Dict[str, str]] = None) -> Tuple[List[int], List[str]]:
     """``python *argv`` once per environment in ``envs``, all at once (ranks): (exit codes, outputs) in that order.
 
     Each output is the process's stdout and stderr together, as with
     ``stderr=subprocess.STDOUT``. The environments may differ only in
-    ``job_vars`` (one server). ``stop_peers=True`` stops the others when one
-    fails, as torchrun does. Raises ``subprocess.TimeoutExpired``.
+    ``job_vars`` (one server), or ``base_env`` is the server's environment
+    (``torchrun_envs`` adds to it only what torchrun sets, read at run time).
+    ``stop_peers=True`` stops the others when one fails, as torchrun does.
+    Raises ``subprocess.TimeoutExpired``.
     """
     logs = tempfile.mkdtemp(prefix="zygote-logs-")
     procs = [{"argv": list(argv), "cwd": cwd, "env": e, "stdout": os.path.join(logs, f"out-{i}"),
               "stderr": os.path.join(logs, f"out-{i}")} for i, e in enumerate(envs)]
     outs = []
     try:
-        ans = server(envs[0], job_vars).run(procs, timeout, stop_peers)
+        ans = server(base_env or envs[0], job_vars).run(procs, timeout, stop_peers)
         for p in procs:
             with open(p["stdout"], errors="replace") as f:
                 outs.append(f.read())
@@ -300,6 +304,27 @@ def run_many(argv: List[str], envs: List[Dict[str, str]], *, cwd: str, job_vars:
     if ans["timed_out"]:
         raise subprocess.TimeoutExpired(argv, timeout, "".join(outs))
     return ans["codes"], outs
+
+
+#: What torchrun sets per worker beyond the job's environment (one node; the
+#: rest of torchrun's variables are the same for every worker).
+TORCHRUN_JOB_VARS = ("RANK", "LOCAL_RANK", "ROLE_RANK", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
+
+
+def torchrun_envs(env: Dict[str, str], nproc: int, run_id: str) -> List[Dict[str, str]]:
+    """The environments ``torchrun --nnodes=1 --nproc-per-node=nproc`` gives its workers (by rank).
+
+    Rank 0 hosts the rendezvous store (``TORCHELASTIC_USE_AGENT_STORE`` is
+    not set: there is no agent), on a free loopback port.
+    """
+    from _dist import free_port
+
+    port = str(free_port())
+    return [dict(env, RANK=str(r), LOCAL_RANK=str(r), GROUP_RANK="0", ROLE_RANK=str(r), ROLE_NAME="default",
+                 WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc), ROLE_WORLD_SIZE=str(nproc), GROUP_WORLD_SIZE="1",
+                 MASTER_ADDR="localhost", MASTER_PORT=port, TORCHELASTIC_RUN_ID=run_id, TORCHELASTIC_RESTART_COUNT="0",
+                 TORCHELASTIC_MAX_RESTARTS="0", TORCH_NCCL_ASYNC_ERROR_HANDLING="1", OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"))
+            for r in range(nproc)]
 
 
 def run(argv: List[str], *, cwd: str, env: Dict[str, str], timeout: float = 300) -> Tuple[int, str, str]:

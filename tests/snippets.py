@@ -189,27 +189,17 @@ def _fork_run(cwd: str, what: str, job: str = "", script: str = "", code: str = 
     Real processes, like ``_run``'s, but without each one importing torch.
     """
     import _zygote
-    from _dist import free_port
 
     env = _env(job)
     base = dict(script=script) if script else dict(code=code)
-    procs = []
-    if ranks:
-        port = str(free_port())
-        for r in range(ranks):
-            e = dict(env, RANK=str(r), LOCAL_RANK=str(r), GROUP_RANK="0", ROLE_RANK=str(r), ROLE_NAME="default",
-                     WORLD_SIZE=str(ranks), LOCAL_WORLD_SIZE=str(ranks), ROLE_WORLD_SIZE=str(ranks),
-                     GROUP_WORLD_SIZE="1", MASTER_ADDR="localhost", MASTER_PORT=port, TORCHELASTIC_RESTART_COUNT="0",
-                     TORCHELASTIC_MAX_RESTARTS="0", TORCH_NCCL_ASYNC_ERROR_HANDLING="1")
-            procs.append(dict(base, env=e))
-    else:
-        procs.append(dict(base, env=env))
+    envs = _zygote.torchrun_envs(env, ranks, job) if ranks else [env]
+    procs = [dict(base, env=e) for e in envs]
     logs = tempfile.mkdtemp(prefix="snippet-logs-")  # 0700, outside the page's directory (a block may list it)
     for i, p in enumerate(procs):
         p.update(cwd=cwd, stdout=os.path.join(logs, f"out-{i}"), stderr=os.path.join(logs, f"err-{i}"))
     before = _memory_dirs()
     try:
-        ans = _zygote.server(env, job_vars=("TORCHELASTIC_RUN_ID",)).run(procs, BLOCK_TIMEOUT_S)
+        ans = _zygote.server(env, job_vars=_zygote.TORCHRUN_JOB_VARS).run(procs, BLOCK_TIMEOUT_S)
     finally:
         if job:
             _remove_memory_dirs(before, cwd)
