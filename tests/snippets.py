@@ -36,6 +36,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import tempfile
 import uuid
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
@@ -161,13 +162,62 @@ def _run(cmd: List[str], cwd: str, what: str, job: str = "") -> None:
     before = _memory_dirs()
     try:
         p = subprocess.run(cmd, cwd=cwd, env=_env(job), capture_output=True, text=True, timeout=BLOCK_TIMEOUT_S)
+        code, out, err = p.returncode, p.stdout, p.stderr
     finally:
-        if job:  # the job is over: the memory tier directories it made (per root: /dev/shm/shardckpt-<uid>-<hash>) go with it
-            for name in _memory_dirs() - before:
-                if _made_by_this_page(name, cwd):
-                    shutil.rmtree(os.path.join("/dev/shm", name), ignore_errors=True)
-    if p.returncode != 0:
-        raise AssertionError(f"{what} failed (exit {p.returncode}):\n--- stdout\n{p.stdout[-4000:]}\n--- stderr\n{p.stderr[-6000:]}")
+        if job:
+            _remove_memory_dirs(before, cwd)
+    _check(code, out, err, what)
+
+
+def _remove_memory_dirs(before: set, cwd: str) -> None:
+    """The job is over: the memory tier directories it made (per root: /dev/shm/shardckpt-<uid>-<hash>) go with it."""
+    for name in _memory_dirs() - before:
+        if _made_by_this_page(name, cwd):
+            shutil.rmtree(os.path.join("/dev/shm", name), ignore_errors=True)
+
+
+def _check(code: int, out: str, err: str, what: str) -> None:
+    if code != 0:
+        raise AssertionError(f"{what} failed (exit {code}):\n--- stdout\n{out[-4000:]}\n--- stderr\n{err[-6000:]}")
+
+
+def _fork_run(cwd: str, what: str, job: str = "", script: str = "", code: str = "", ranks: int = 0) -> None:
+    """Run ``python script`` (or ``python -c code``) in ``cwd`` as a fork of the snippet server.
+
+    ``ranks=N`` starts N processes with the environment torchrun gives its
+    workers on one node (rank 0 hosts the store, as without torchrun's agent).
+    Real processes, like ``_run``'s, but without each one importing torch.
+    """
+    import _zygote
+
+    env = _env(job)
+    base = dict(script=script) if script else dict(code=code)
+    envs = _zygote.torchrun_envs(env, ranks, job) if ranks else [env]
+    procs = [dict(base, env=e) for e in envs]
+    logs = tempfile.mkdtemp(prefix="snippet-logs-")  # 0700, outside the page's directory (a block may list it)
+    for i, p in enumerate(procs):
+        p.update(cwd=cwd, stdout=os.path.join(logs, f"out-{i}"), stderr=os.path.join(logs, f"err-{i}"))
+    before = _memory_dirs()
+    try:
+        ans = _zygote.server(env, job_vars=_zygote.TORCHRUN_JOB_VARS).run(procs, BLOCK_TIMEOUT_S)
+    finally:
+        if job:
+            _remove_memory_dirs(before, cwd)
+        outs, errs = [], []
+        for p in procs:
+            for path, into in ((p["stdout"], outs), (p["stderr"], errs)):
+                try:
+                    with open(path, errors="replace") as f:
+                        into.append(f.read())
+                except OSError:
+                    into.append("")
+        shutil.rmtree(logs, ignore_errors=True)
+    if ans["timed_out"]:
+        raise subprocess.TimeoutExpired(what, BLOCK_TIMEOUT_S, "".join(outs), "".join(errs))
+    codes = ans["codes"]
+    bad = 0 if ans["first_failed"] is None else codes[ans["first_failed"]]  # the cause, as torchrun reports it
+    label = (lambda i: f"[rank {i}] ") if ranks else (lambda i: "")
+    _check(bad, "".join(label(i) + o for i, o in enumerate(outs) if o), "".join(label(i) + e for i, e in enumerate(errs) if e), what)
 
 
 def run_block(block: Block, cwd: str) -> Optional[str]:
@@ -175,9 +225,13 @@ def run_block(block: Block, cwd: str) -> Optional[str]:
     if "skip" in block.options:
         return block.options["skip"]
     fixtures = [f for f in block.options.get("fixtures", "").split(",") if f]
+    forked = os.environ.get("SHARDCKPT_TEST_SNIPPETS") != "subprocess"
     if fixtures:
-        _run([sys.executable, "-c", f"import snippet_preamble as p; p.make_fixtures({fixtures!r})"], cwd,
-             f"{block.where}: fixtures {fixtures}")
+        code, what = f"import snippet_preamble as p; p.make_fixtures({fixtures!r})", f"{block.where}: fixtures {fixtures}"
+        if forked:
+            _fork_run(cwd, what, code=code)
+        else:
+            _run([sys.executable, "-c", code], cwd, what)
     if block.lang == "bash":
         script = os.path.join(cwd, f".snippet-{block.line}.sh")
         with open(script, "w") as f:
@@ -191,12 +245,16 @@ def run_block(block: Block, cwd: str) -> Optional[str]:
     runs = 2 if ".restore(" in block.code and "once" not in block.options else 1
     for i in range(runs):
         job = f"snippet-{uuid.uuid4().hex[:12]}"
+        what = block.where + (" (run again as a new job: the resume)" if i else "")
+        n = int(block.options.get("torchrun") or 0)
+        if forked:
+            _fork_run(cwd, what, job, script=script, ranks=n)
+            continue
         cmd = [sys.executable, script]
-        if block.options.get("torchrun"):
-            n = int(block.options["torchrun"])
+        if n:
             cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc-per-node={n}", "--rdzv-backend=c10d",
                    "--rdzv-endpoint=localhost:0", f"--rdzv-id={job}", script]
-        _run(cmd, cwd, block.where + (" (run again as a new job: the resume)" if i else ""), job)
+        _run(cmd, cwd, what, job)
     return None
 
 

@@ -1,8 +1,9 @@
 """Launch a training script on N real processes (gloo, CPU), as torchrun would, and collect what they wrote.
 
-Each rank is a fresh interpreter with ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/
+Each rank is a process of its own with ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/
 ``MASTER_ADDR``/``MASTER_PORT`` set (no torchrun agent: it costs seconds per
-launch on a loaded box). A script "crashes" by SIGKILL-ing itself after its
+launch on a loaded box), forked from a server that imported torch once
+(tests/_zygote.py) and set up as ``python script args`` would be. A script "crashes" by SIGKILL-ing itself after its
 checkpoint, so the resume starts from what a dead process left on disk.
 """
 
@@ -10,11 +11,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from typing import Dict, List
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import _zygote  # noqa: E402
 from _dist import free_port  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -26,7 +27,7 @@ LAUNCH_TIMEOUT_S = 240
 def launch(script: str, world: int, args: List[str], *, timeout: float = LAUNCH_TIMEOUT_S) -> List[int]:
     """Run ``tests/integrations/<script>`` on ``world`` processes; return their exit codes by rank."""
     port = free_port()
-    procs = []
+    envs = []
     for rank in range(world):
         env = dict(os.environ)
         env.update(
@@ -34,19 +35,11 @@ def launch(script: str, world: int, args: List[str], *, timeout: float = LAUNCH_
             MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1",
             PYTHONPATH=os.pathsep.join([HERE, os.path.dirname(HERE), REPO, env.get("PYTHONPATH", "")]),
         )
-        procs.append(subprocess.Popen([sys.executable, os.path.join(HERE, script), *args], env=env, cwd=REPO,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
-    codes, logs = [], []
-    try:
-        for p in procs:
-            out, _ = p.communicate(timeout=timeout)
-            codes.append(p.returncode)
-            logs.append(out.decode(errors="replace"))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+        envs.append(env)
+    # Each rank its own process, forked from a server that imported torch
+    # once (tests/_zygote.py), set up as ``python script args`` would be.
+    codes, logs = _zygote.run_many([os.path.join(HERE, script), *args], envs, cwd=REPO, timeout=timeout,
+                                   job_vars=("RANK", "LOCAL_RANK", "MASTER_PORT"))
     launch.last_logs = logs  # type: ignore[attr-defined]
     return codes
 

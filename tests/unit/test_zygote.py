@@ -1,0 +1,65 @@
+"""tests/_zygote.py (the snippet and CLI tests' fork server): a fork runs as ``python`` would run it."""
+
+import os
+import sys
+import textwrap
+
+import _zygote
+
+SCRIPT = textwrap.dedent('''
+    import atexit, json, os, sys
+    atexit.register(lambda: print("atexit ran", flush=True))
+    print(json.dumps({"argv": sys.argv, "cwd": os.getcwd(), "var": os.environ.get("ZYGOTE_TEST_VAR"),
+                      "getenv": os.popen("echo $ZYGOTE_TEST_VAR").read().strip(), "main": __name__,
+                      "path0": sys.path[0], "file": __file__}))
+    sys.stdout.flush()
+    if len(sys.argv) > 1 and sys.argv[1] == "fail":
+        raise KeyError("from the script")
+    sys.exit(int(sys.argv[1]) if len(sys.argv) > 1 else 0)
+''')
+
+
+def test_a_fork_runs_a_script_as_python_does(tmp_path):
+    import json
+
+    script = tmp_path / "s.py"
+    script.write_text(SCRIPT)
+    work = tmp_path / "work"
+    work.mkdir()
+    env = dict(os.environ, ZYGOTE_TEST_VAR="x1")
+    code, out, err = _zygote.run([str(script), "7"], cwd=str(work), env=env)
+    got = json.loads(out.splitlines()[0])
+    assert code == 7 and out.splitlines()[1] == "atexit ran", (code, out, err)
+    assert got == {"argv": [str(script), "7"], "cwd": str(work), "var": "x1", "getenv": "x1", "main": "__main__",
+                   "path0": str(tmp_path), "file": str(script)}
+    code, out, err = _zygote.run([str(script), "fail"], cwd=str(work), env=env)
+    assert code == 1 and "KeyError: 'from the script'" in err and "Traceback" in err
+    code, out, err = _zygote.run(["-c", "import sys; print(sys.argv); sys.exit('bye')", "a"], cwd=str(work), env=env)
+    assert code == 1 and out == "['-c', 'a']\n" and err == "bye\n"
+    code, out, err = _zygote.run(["-m", "shardckpt", "inspect", str(tmp_path / "missing")], cwd=str(work), env=env)
+    assert code == 2 and "no committed checkpoint" in err
+
+
+def test_torchrun_ranks_and_a_failed_rank_stops_its_peer(tmp_path):
+    import snippets
+
+    (tmp_path / "r.py").write_text(
+        "from snippet_preamble import *\nimport torch.distributed as dist\n"
+        "t = torch.tensor([rank + 1]); dist.all_reduce(t)\n"
+        "assert t.item() == 3 and world == 2 and os.environ['LOCAL_WORLD_SIZE'] == '2', (t, world)\n"
+        "open(f'rank{rank}-{os.environ[\"TORCHELASTIC_RUN_ID\"]}', 'w').close()\n"
+    )
+    snippets._fork_run(str(tmp_path), "r.py", "job-1", script=str(tmp_path / "r.py"), ranks=2)
+    assert sorted(p.name for p in tmp_path.glob("rank*")) == ["rank0-job-1", "rank1-job-1"]
+    # rank 1 fails; rank 0 waits in a collective that never completes: stopped, as torchrun stops it
+    (tmp_path / "f.py").write_text(
+        "from snippet_preamble import *\nimport torch.distributed as dist\n"
+        "if rank == 1:\n    raise SystemExit(4)\ndist.barrier()\n"
+    )
+    try:
+        snippets._fork_run(str(tmp_path), "f.py", "job-2", script=str(tmp_path / "f.py"), ranks=2)
+    except AssertionError as e:
+        assert "exit 4" in str(e), e
+    else:
+        raise AssertionError("a failed rank passed")
+    assert sys.executable
