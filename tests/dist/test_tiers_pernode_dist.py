@@ -52,15 +52,39 @@ def _save_run(rank, world, remote, base, opts, steps, async_save, per_node=RANKS
     return out
 
 
-def _restore_run(rank, world, remote, base, opts):
+def _restore_run(rank, world, remote, base, opts, per_node=RANKS_PER_NODE, optim=False):
+    import logging
+
     fresh = shard_fsdp2(build(seed=9))
     fresh(IDX).sum().backward()
     state = {"model": fresh, "step": 0}
-    mgr = shardckpt.CheckpointManager(remote, local=_node_dir(base, rank), keep_last=2, storage_options=opts,
-                                      collective_timeout_s=60)
-    got = mgr.restore(state)
-    out = {"step": got, "state_step": state["step"], "from": mgr.restored_from, "full": full_state(fresh)}
+    if optim:
+        state["optim"] = opt = torch.optim.AdamW(fresh.parameters(), lr=0.01)
+        opt.step()
+        opt.zero_grad()
+    said = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda rec: said.append(rec.getMessage())
+    logging.getLogger("shardckpt").addHandler(handler)
+    try:
+        mgr = shardckpt.CheckpointManager(remote, local=_node_dir(base, rank, per_node), keep_last=2, storage_options=opts,
+                                          collective_timeout_s=60)
+        got = mgr.restore(state)
+    finally:
+        logging.getLogger("shardckpt").removeHandler(handler)
+    out = {"step": got, "state_step": state["step"], "from": mgr.restored_from, "full": full_state(fresh),
+           "stats": mgr._tiers.last_restore, "said": said,
+           "optim": _optim_state(state["optim"]) if optim else None}
     mgr.close()
+    return out
+
+
+def _optim_state(opt):
+    """Every optimizer value as a full tensor (DTensor states gathered), by parameter index."""
+    out = {}
+    for i, st in enumerate(opt.state.values()):
+        for k, v in st.items():
+            out[f"{i}.{k}"] = v.full_tensor() if hasattr(v, "full_tensor") else torch.as_tensor(v).clone()
     return out
 
 
@@ -97,12 +121,44 @@ def test_per_node_local_disks(tmp_path, s3_url):  # noqa: F811
         m = shardckpt.verify(f"{remote}/step-{s:08d}", storage_options=opts)
         assert m.world_size == 4 and m.extra["step"] == s
 
-    # Both nodes keep their disks, but ranks 2-3's load needs chunks rank 0 wrote (replicated values), on node 0's
-    # disk only: not restorable from the local directories; the remote's copy of the same step, loaded whole.
+    # Both nodes keep their disks: restored from them, each file read on a node that holds it (ranks 2-3 need
+    # chunks rank 0 wrote, on node 0's disk only: received from a rank there, verified as they stream).
     back = run_ranks(4, _restore_run, remote, base, opts)
     for r, out in enumerate(back):
         assert out["step"] == 5 and out["state_step"] == 5, (r, out)
-        assert out["from"] == f"{remote}/step-00000005", (r, out["from"])
+        assert out["from"] == os.path.join(_node_dir(base, r), "step-00000005"), (r, out["from"])
+        assert all(torch.equal(v, res[r]["snap"][k]) for k, v in out["full"].items())
+    assert sum(o["stats"]["peer_bytes"] for o in back) > 0 and sum(o["stats"]["local_bytes"] for o in back) > 0
+    assert not any(o["stats"]["damaged"] for o in back)
+    assert not [n for n in ("node0", "node1") for f in os.listdir(os.path.join(base, n)) if f.startswith(".shardckpt-restore")]
+    # Rank 0's data file (replicated values) damaged on node 0, its only holder: the remote's step, bit-exact.
+    only = _data_file(os.path.join(base, "node0"), 5, 0)
+    with open(only, "rb") as f:
+        good = f.read()
+    _flip(only)
+    back = run_ranks(4, _restore_run, remote, base, opts)
+    for r, out in enumerate(back):
+        assert out["step"] == 5 and out["from"] == f"{remote}/step-00000005", (r, out["from"])
+        assert all(torch.equal(v, res[r]["snap"][k]) for k, v in out["full"].items())
+    assert any("damaged" in line for o in back for line in o["said"]), [o["said"] for o in back]
+    assert any("per-node directories" in line and "remote" in line for o in back for line in o["said"])
+    # A good copy of that file on node 1 too: the damaged copy is skipped, node 1's is read; still local.
+    other = os.path.join(base, "node1", os.path.relpath(only, os.path.join(base, "node0")))
+    with open(other, "wb") as f:
+        f.write(good)
+    back = run_ranks(4, _restore_run, remote, base, opts)
+    for r, out in enumerate(back):
+        assert out["step"] == 5 and out["from"] == os.path.join(_node_dir(base, r), "step-00000005"), (r, out["from"])
+        assert all(torch.equal(v, res[r]["snap"][k]) for k, v in out["full"].items())
+    assert all(any(d.startswith("the node of rank 0:") and d.endswith(os.path.basename(only)) for d in o["stats"]["damaged"])
+               for o in back), [o["stats"]["damaged"] for o in back]
+    os.remove(other)
+    with open(only, "wb") as f:
+        f.write(good)
+    # The remote emptied (a new, empty prefix): the local disks alone restore the step.
+    back = run_ranks(4, _restore_run, remote + "-empty", base, opts)
+    for r, out in enumerate(back):
+        assert out["step"] == 5 and out["from"] == os.path.join(_node_dir(base, r), "step-00000005"), (r, out["from"])
         assert all(torch.equal(v, res[r]["snap"][k]) for k, v in out["full"].items())
     # Node 1 replaced (its disk empty): the remote's step, bit-exact, on every rank.
     shutil.rmtree(os.path.join(base, "node1"))
@@ -110,6 +166,19 @@ def test_per_node_local_disks(tmp_path, s3_url):  # noqa: F811
     for r, out in enumerate(back):
         assert out["step"] == 5 and out["from"] == f"{remote}/step-00000005", (r, out["from"])
         assert all(torch.equal(v, res[r]["snap"][k]) for k, v in out["full"].items())
+
+
+def _data_file(node_dir, step, writer):
+    d = os.path.join(node_dir, f"step-{step:08d}", "data")
+    return os.path.join(d, next(f for f in sorted(os.listdir(d)) if f.endswith(f"-r{writer:05d}-00.safetensors")))
+
+
+def _flip(path):
+    with open(path, "r+b") as f:
+        f.seek(-1, os.SEEK_END)
+        b = f.read(1)
+        f.seek(-1, os.SEEK_END)
+        f.write(bytes([b[0] ^ 0xFF]))
 
 
 def test_per_node_sync_save_and_shared_dir_detected(tmp_path, s3_url):  # noqa: F811
