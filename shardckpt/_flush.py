@@ -134,7 +134,7 @@ def restore_source(local: Optional[int], local_readable: bool, remote: Optional[
     return "none", None
 
 
-def upload_step(local: Storage, remote: Storage, rank: int) -> Tuple[List[str], str]:
+def upload_step(local: Storage, remote: Storage, rank: int, world: Optional[int] = None) -> Tuple[List[str], str]:
     """Copy the files rank ``rank`` wrote for a locally committed step to ``remote`` (same paths); returns them and the save id.
 
     ``local`` and ``remote`` are the step's directories. Each file is first
@@ -152,7 +152,9 @@ def upload_step(local: Storage, remote: Storage, rank: int) -> Tuple[List[str], 
     Each reference goes with the rank whose data file name it carries.
 
     Raises:
-        CorruptCheckpointError: a local file is damaged.
+        CorruptCheckpointError: a local file is damaged, or the step was
+            saved by another number of ranks than ``world`` (its other
+            writers' files would go up with no rank).
         CheckpointNotFoundError: the local step has no manifest.
     """
     try:
@@ -162,6 +164,10 @@ def upload_step(local: Storage, remote: Storage, rank: int) -> Tuple[List[str], 
             f"rank {rank} cannot see {local.url_of(MANIFEST_NAME)}, committed by rank 0: the local directory lost it "
             "(removed by hand?), or it is per node and the commit's copy to this node failed"
         ) from None
+    if world is not None and m.world_size != world:
+        raise CorruptCheckpointError(
+            f"{local.url} was saved by {m.world_size} ranks, this job has {world}: each rank uploads the files it wrote, "
+            "so the remote copy would lack some; not flushed")
     mine = files_of_rank(m.files, {rel: im.rank for rel, im in m.indexes.items()}, rank)
     src = follow(local)
     by_file = own_chunks(m, src, rank)
@@ -450,7 +456,7 @@ class Flusher:
             resaved = step in self._resaved
             self._resaved.discard(step)
         try:
-            _, ids = agree(self.comm, lambda: upload_step(src, dst, self.comm.rank), what=f"flush of step {step} to {dst.url}",
+            _, ids = agree(self.comm, lambda: upload_step(src, dst, self.comm.rank, self.comm.world), what=f"flush of step {step} to {dst.url}",
                            share=lambda v: v[1], mode=ALL)
             save_id = commit_save_id(ids, step)
 
@@ -629,7 +635,7 @@ class Tiers:
         """
         remote = self.remote
 
-        def newest() -> Tuple[Optional[int], Optional[int]]:
+        def newest() -> Tuple[Optional[int], Optional[int], Optional[int]]:
             steps_here = local_steps()
             try:
                 remote_steps = remote.steps()
@@ -639,9 +645,15 @@ class Tiers:
                 log.warning("shardckpt: restore: cannot list the remote %s (%s: %s); choosing among the local steps only",
                             remote.root_url, type(e).__name__, e)
                 remote_steps = []
-            return (steps_here[-1] if steps_here else None, remote_steps[-1] if remote_steps else None)
+            world = None
+            if steps_here:  # the flusher uploads each rank's own files: only a step of this job's world size can go up
+                try:
+                    world = open_manifest(local.child(self.step_dir(steps_here[-1])), chunks=False).world_size
+                except Exception:  # noqa: BLE001 - unreadable: the restore's own checks say why
+                    world = None
+            return (steps_here[-1] if steps_here else None, remote_steps[-1] if remote_steps else None, world)
 
-        _, (lstep, rstep) = agree(comm, lambda: newest() if comm.rank == 0 else None,
+        _, (lstep, rstep, lworld) = agree(comm, lambda: newest() if comm.rank == 0 else None,
                                   what=f"restore from {local.url} or {remote.root_url}", share=lambda v: v, mode=FROM_ROOT)
         readable = False
         if lstep is not None and (rstep is None or lstep >= rstep) and local_check is not None:
@@ -661,7 +673,11 @@ class Tiers:
         flusher = self.flusher_on(local, comm)
         flusher.set_durable(rstep)
         if lstep is not None and readable and (rstep is None or lstep > rstep) and flush:
-            flusher.submit(lstep)  # committed here only: flush it (in the background, while it loads)
+            if lworld == comm.world:
+                flusher.submit(lstep)  # committed here only: flush it (in the background, while it loads)
+            elif comm.rank == 0:
+                log.warning("shardckpt: local step %d was saved by %s ranks, this job has %d: it is not flushed to %s (each "
+                            "rank uploads the files it wrote); it stays local", lstep, lworld, comm.world, remote.root_url)
         if memory is not None:
             got = memory(step)
             if got is not None:

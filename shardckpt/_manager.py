@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, List, Optional,
 
 from . import _fingerprint
 from ._async import AsyncSaveHandle, start_async, wait_pending
-from ._collective import FROM_ROOT, Comm, NoProcessGroupError, agree, open_comm
+from ._collective import ALL, FROM_ROOT, Comm, NoProcessGroupError, agree, open_comm
 from ._flush import Held, Tiers, detect_nodes, held_local, restore_local_held, share_manifest
 from ._format import MANIFEST_NAME
 from ._format.committed import nearby_names
@@ -386,6 +386,9 @@ class CheckpointManager:
         if last_step and self.last_save_in_hf:
             if handle is not None:
                 handle.result()
+            if self._layout is not None and not self._layout[0]:  # per-node: only the remote holds every node's files
+                self._export_hf_remote(step)
+                return handle
             self._export_hf(step)
             if self._tiers is not None and self._rank("CheckpointManager.save") == 0:  # the export goes to the remote too
                 self._tiers.flusher_on(self.root, self._comm("CheckpointManager.save")).flush_export(step_dir_name(step) + HF_SUFFIX)
@@ -456,6 +459,35 @@ class CheckpointManager:
         exports.export_hf(self._comm("CheckpointManager.save", error=SaveFailedError), self.step_url(step),
                           self.hf_url(step), step=step, dtype=self.export_dtype,
                           storage_options=self.storage_options or None, io_threads=self._write_threads)
+
+    def _export_hf_remote(self, step: int) -> None:
+        """Per-node local directories: once step ``step`` is durable, rank 0 exports the remote's copy to ``<remote>/step-N-hf``.
+
+        Each node's directory holds only its ranks' files, so the export
+        reads the remote copy, the one place holding all of them: every rank
+        waits (up to the collective timeout) for the step's flush first. No
+        local ``step-N-hf`` is written.
+
+        Raises:
+            SaveFailedError: the step is not durable on the remote in time
+                (its flush failed or is slow: logged); the step itself stays
+                saved, and ``shardckpt export <remote step> <dir>`` exports it later.
+        """
+        comm = self._comm("CheckpointManager.save", error=SaveFailedError)
+        tiers = cast(Tiers, self._tiers)
+        flusher = tiers.flusher_on(self.root, comm)
+        flusher.wait(comm.timeout_s)
+        _, durable = agree(comm, lambda: flusher.durable_step, what=f"Hugging Face export of step {step}: the remote copy",
+                           share=lambda v: v, mode=ALL)
+        remote = tiers.remote
+        if any(d is None or d < step for d in durable):
+            raise SaveFailedError(
+                f"Hugging Face export of step {step}: on per-node local directories only the remote copy holds every "
+                f"node's files, and step {step} is not durable on {remote.root_url} after {comm.timeout_s:g} s (its flush "
+                f"failed or is slow; see the log). Step {step} is saved; export it once it is flushed: "
+                f"shardckpt export {remote.step_url(step)} {remote.hf_url(step)}")
+        exports.export_hf(comm, remote.step_url(step), remote.hf_url(step), step=step, dtype=self.export_dtype,
+                          storage_options=remote.storage_options or None, io_threads=self._write_threads)
 
     # -- one manager per root (_managed.owners) ------------------------------------------------
 
