@@ -52,7 +52,7 @@ from ._storage import Storage
 from .errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 
 __all__ = ["Flusher", "Tiers", "next_flush", "local_protected", "restore_source", "commit_save_id", "files_of_rank",
-           "upload_step", "node_groups", "detect_nodes", "share_manifest", "held_local", "restore_local_held", "own_chunks", "STAGE_PREFIX", "PROBE_PREFIX", "FLUSH_CHANNEL", "COPY_PIECE_BYTES", "FLUSH_NICE"]
+           "upload_step", "check_world", "node_groups", "detect_nodes", "share_manifest", "held_local", "restore_local_held", "own_chunks", "STAGE_PREFIX", "PROBE_PREFIX", "FLUSH_CHANNEL", "COPY_PIECE_BYTES", "FLUSH_NICE"]
 
 log = logging.getLogger("shardckpt")
 
@@ -134,7 +134,7 @@ def restore_source(local: Optional[int], local_readable: bool, remote: Optional[
     return "none", None
 
 
-def upload_step(local: Storage, remote: Storage, rank: int, world: Optional[int] = None) -> Tuple[List[str], str]:
+def upload_step(local: Storage, remote: Storage, rank: int) -> Tuple[List[str], str]:
     """Copy the files rank ``rank`` wrote for a locally committed step to ``remote`` (same paths); returns them and the save id.
 
     ``local`` and ``remote`` are the step's directories. Each file is first
@@ -152,9 +152,7 @@ def upload_step(local: Storage, remote: Storage, rank: int, world: Optional[int]
     Each reference goes with the rank whose data file name it carries.
 
     Raises:
-        CorruptCheckpointError: a local file is damaged, or the step was
-            saved by another number of ranks than ``world`` (its other
-            writers' files would go up with no rank).
+        CorruptCheckpointError: a local file is damaged.
         CheckpointNotFoundError: the local step has no manifest.
     """
     try:
@@ -164,10 +162,6 @@ def upload_step(local: Storage, remote: Storage, rank: int, world: Optional[int]
             f"rank {rank} cannot see {local.url_of(MANIFEST_NAME)}, committed by rank 0: the local directory lost it "
             "(removed by hand?), or it is per node and the commit's copy to this node failed"
         ) from None
-    if world is not None and m.world_size != world:
-        raise CorruptCheckpointError(
-            f"{local.url} was saved by {m.world_size} ranks, this job has {world}: each rank uploads the files it wrote, "
-            "so the remote copy would lack some; not flushed")
     mine = files_of_rank(m.files, {rel: im.rank for rel, im in m.indexes.items()}, rank)
     src = follow(local)
     by_file = own_chunks(m, src, rank)
@@ -183,6 +177,22 @@ def upload_step(local: Storage, remote: Storage, rank: int, world: Optional[int]
         frm, frm_path = (local, rel) if tgt is None else (local.sibling(tgt[0]), tgt[1])
         _copy(frm, to, path, frm_path, m.files[rel].size)
     return mine, m.save_id
+
+
+def check_world(local: Storage, world: int) -> None:
+    """Before a flush: the local step ``local`` was saved by ``world`` ranks (each rank uploads the files it wrote).
+
+    A step of another world size would go up without its other writers'
+    files, so it is refused, never committed half.
+
+    Raises:
+        CorruptCheckpointError: the world sizes differ.
+    """
+    saved = open_manifest(local, chunks=False).world_size
+    if saved != world:
+        raise CorruptCheckpointError(
+            f"{local.url} was saved by {saved} ranks, this job has {world}: each rank uploads the files it wrote, "
+            "so the remote copy would lack some; not flushed")
 
 
 def own_chunks(m: Any, src: Storage, rank: int) -> Dict[str, List[Tuple[str, Any]]]:
@@ -456,7 +466,7 @@ class Flusher:
             resaved = step in self._resaved
             self._resaved.discard(step)
         try:
-            _, ids = agree(self.comm, lambda: upload_step(src, dst, self.comm.rank, self.comm.world), what=f"flush of step {step} to {dst.url}",
+            _, ids = agree(self.comm, lambda: (check_world(src, self.comm.world), upload_step(src, dst, self.comm.rank))[1], what=f"flush of step {step} to {dst.url}",
                            share=lambda v: v[1], mode=ALL)
             save_id = commit_save_id(ids, step)
 
