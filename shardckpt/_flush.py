@@ -466,7 +466,11 @@ class Flusher:
             resaved = step in self._resaved
             self._resaved.discard(step)
         try:
-            _, ids = agree(self.comm, lambda: (check_world(src, self.comm.world), upload_step(src, dst, self.comm.rank))[1], what=f"flush of step {step} to {dst.url}",
+            def upload() -> Tuple[List[str], str]:
+                check_world(src, self.comm.world)  # never a step whose other writers' files no rank would upload
+                return upload_step(src, dst, self.comm.rank)
+
+            _, ids = agree(self.comm, upload, what=f"flush of step {step} to {dst.url}",
                            share=lambda v: v[1], mode=ALL)
             save_id = commit_save_id(ids, step)
 

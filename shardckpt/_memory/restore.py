@@ -29,6 +29,10 @@ the manager's ranks; every decision comes from values all ranks exchanged.
    When a file some rank needs has no good copy left, the restore returns to
    storage (logged); the storage load then overwrites every tensor.
 
+Steps 2-4 are :func:`restore_held`, which the per-node ``local=`` restore
+(``_flush.restore_local_held``) calls too, with each node's local step
+directory in place of its memory copy.
+
 Limits: the manifest and index files travel whole (a few KB to MB); with
 ``keys=``/``key_map=`` the load still reads only what it needs.
 """
