@@ -198,7 +198,7 @@ def _sharded(rank, world, remote, base, opts, steps, restore, step=None):
             with torch.no_grad():
                 w.copy_(distribute_tensor(full + step, mesh, [Shard(0)]))
             mgr.save(step, {"w": w, "step": step})
-        mgr.wait()
+            mgr.wait()  # each step flushed before the next save (none coalesced away: the test restores step 2 from S3)
         out = {"local": mgr.steps(), "durable": mgr.durable_step}
     mgr.close()
     return out
