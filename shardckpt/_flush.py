@@ -34,6 +34,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import shutil
+import tempfile
 import threading
 import time
 import uuid
@@ -43,13 +45,16 @@ from ._collective import ALL, FROM_ROOT, Comm, agree
 from ._format import HF_INDEX_NAME, MANIFEST_NAME, MetaCache, manifest_from_bytes, open_manifest
 from ._format._v2 import read_index
 from ._format.refs import REF_MARK, follow, live_files, ref_target, removable
+from ._managed.retention import step_dir_name
 from ._memory import plan as memory_plan
 from ._memory import store as memory_store
+from ._memory.restore import Held, load_comm, restore_held
 from ._storage import Storage
 from .errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 
 __all__ = ["Flusher", "Tiers", "next_flush", "local_protected", "restore_source", "commit_save_id", "files_of_rank",
-           "upload_step", "node_groups", "detect_nodes", "share_manifest", "check_own_files", "own_chunks", "PROBE_PREFIX", "FLUSH_CHANNEL", "COPY_PIECE_BYTES", "FLUSH_NICE", "YIELD_MAX_S"]
+           "upload_step", "check_world", "node_groups", "detect_nodes", "share_manifest", "held_local", "restore_local_held", "own_chunks", "STAGE_PREFIX", "PROBE_PREFIX", "FLUSH_CHANNEL", "COPY_PIECE_BYTES", "FLUSH_NICE",
+           "YIELD_MAX_S"]
 
 log = logging.getLogger("shardckpt")
 
@@ -183,6 +188,22 @@ def upload_step(local: Storage, remote: Storage, rank: int, *, pause: Optional[C
         frm, frm_path = (local, rel) if tgt is None else (local.sibling(tgt[0]), tgt[1])
         _copy(frm, to, path, frm_path, m.files[rel].size, pause=pause)
     return mine, m.save_id
+
+
+def check_world(local: Storage, world: int) -> None:
+    """Before a flush: the local step ``local`` was saved by ``world`` ranks (each rank uploads the files it wrote).
+
+    A step of another world size would go up without its other writers'
+    files, so it is refused, never committed half.
+
+    Raises:
+        CorruptCheckpointError: the world sizes differ.
+    """
+    saved = open_manifest(local, chunks=False).world_size
+    if saved != world:
+        raise CorruptCheckpointError(
+            f"{local.url} was saved by {saved} ranks, this job has {world}: each rank uploads the files it wrote, "
+            "so the remote copy would lack some; not flushed")
 
 
 def own_chunks(m: Any, src: Storage, rank: int) -> Dict[str, List[Tuple[str, Any]]]:
@@ -485,7 +506,11 @@ class Flusher:
             resaved = step in self._resaved
             self._resaved.discard(step)
         try:
-            _, ids = agree(self.comm, lambda: upload_step(src, dst, self.comm.rank, pause=self._pause), what=f"flush of step {step} to {dst.url}",
+            def upload() -> Tuple[List[str], str]:
+                check_world(src, self.comm.world)  # never a step whose other writers' files no rank would upload
+                return upload_step(src, dst, self.comm.rank, pause=self._pause)
+
+            _, ids = agree(self.comm, upload, what=f"flush of step {step} to {dst.url}",
                            share=lambda v: v[1], mode=ALL)
             save_id = commit_save_id(ids, step)
 
@@ -560,6 +585,8 @@ class Tiers:
         self.steps_to_delete = steps_to_delete
         self.stale_leftovers = stale_leftovers
         self.flusher: Optional[Flusher] = None
+        #: Per-node: the last local restore's numbers (bytes read here, received, sent, damaged copies; :func:`restore_local_held`).
+        self.last_restore: Optional[Dict[str, Any]] = None
 
     @property
     def remote_url(self) -> str:
@@ -644,6 +671,7 @@ class Tiers:
     def restore(
         self, state: Dict[str, Any], comm: Comm, load_kw: Dict[str, Any], *, local: Storage, local_steps: Callable[[], List[int]],
         validate: Callable[[int], None], flush: bool, memory: Optional[Callable[[Optional[int]], Optional[int]]] = None,
+        local_check: Optional[Callable[[int], bool]] = None,
     ) -> Tuple[str, Optional[int], Optional[str]]:
         """Restore's choice with ``local=``: ``(source, step, restored_from)`` (collective).
 
@@ -655,11 +683,13 @@ class Tiers:
         every rank can read and check it (its manifest and files, agreed),
         else the remote's newest; a tie goes to the faster place. Afterwards
         the newest local step the remote lacks is handed to the flusher
-        (``flush``: not for a load-only manager).
+        (``flush``: not for a load-only manager). ``local_check``: a collective
+        check of the local step that replaces ``validate``'s agreement (per-node
+        directories: :func:`held_local`).
         """
         remote = self.remote
 
-        def newest() -> Tuple[Optional[int], Optional[int]]:
+        def newest() -> Tuple[Optional[int], Optional[int], Optional[int]]:
             steps_here = local_steps()
             try:
                 remote_steps = remote.steps()
@@ -669,12 +699,20 @@ class Tiers:
                 log.warning("shardckpt: restore: cannot list the remote %s (%s: %s); choosing among the local steps only",
                             remote.root_url, type(e).__name__, e)
                 remote_steps = []
-            return (steps_here[-1] if steps_here else None, remote_steps[-1] if remote_steps else None)
+            world = None
+            if steps_here:  # the flusher uploads each rank's own files: only a step of this job's world size can go up
+                try:
+                    world = open_manifest(local.child(self.step_dir(steps_here[-1])), chunks=False).world_size
+                except Exception:  # noqa: BLE001 - unreadable: the restore's own checks say why
+                    world = None
+            return (steps_here[-1] if steps_here else None, remote_steps[-1] if remote_steps else None, world)
 
-        _, (lstep, rstep) = agree(comm, lambda: newest() if comm.rank == 0 else None,
+        _, (lstep, rstep, lworld) = agree(comm, lambda: newest() if comm.rank == 0 else None,
                                   what=f"restore from {local.url} or {remote.root_url}", share=lambda v: v, mode=FROM_ROOT)
         readable = False
-        if lstep is not None and (rstep is None or lstep >= rstep):
+        if lstep is not None and (rstep is None or lstep >= rstep) and local_check is not None:
+            readable = local_check(lstep)
+        elif lstep is not None and (rstep is None or lstep >= rstep):
             def check() -> bool:
                 try:
                     validate(lstep)
@@ -689,7 +727,11 @@ class Tiers:
         flusher = self.flusher_on(local, comm)
         flusher.set_durable(rstep)
         if lstep is not None and readable and (rstep is None or lstep > rstep) and flush:
-            flusher.submit(lstep)  # committed here only: flush it (in the background, while it loads)
+            if lworld == comm.world:
+                flusher.submit(lstep)  # committed here only: flush it (in the background, while it loads)
+            elif comm.rank == 0:
+                log.warning("shardckpt: local step %d was saved by %s ranks, this job has %d: it is not flushed to %s (each "
+                            "rank uploads the files it wrote); it stays local", lstep, lworld, comm.world, remote.root_url)
         if memory is not None:
             got = memory(step)
             if got is not None:
@@ -727,8 +769,8 @@ def node_groups(seen: List[List[int]]) -> Tuple[bool, List[int]]:
     return shared, [min(s) if s else r for r, s in enumerate(seen)]
 
 
-def detect_nodes(local: Storage, comm: Comm) -> Tuple[bool, bool]:
-    """Collective: ``(shared, lead)``: is ``local`` one directory all ranks see, and is this rank its node's lead.
+def detect_nodes(local: Storage, comm: Comm) -> Tuple[bool, bool, List[int]]:
+    """Collective: ``(shared, lead, leads)``: is ``local`` one directory all ranks see, is this rank its node's lead, each rank's lead.
 
     Rank 0 draws a token for this probe (shared by one agreement); each
     rank writes a private probe file ``<PROBE_PREFIX><token>-<rank>``, the
@@ -764,7 +806,7 @@ def detect_nodes(local: Storage, comm: Comm) -> Tuple[bool, bool]:
         except (OSError, NotImplementedError, CheckpointError):
             pass  # not empty (a save is next, or another rank's), or not an OS directory
     shared, leads = node_groups(seen)
-    return shared, leads[comm.rank] == comm.rank
+    return shared, leads[comm.rank] == comm.rank, leads
 
 
 def _is_dir(local: Storage) -> bool:
@@ -792,21 +834,73 @@ def share_manifest(local: Storage, comm: Comm, name: str, *, lead: bool) -> None
     agree(comm, write, what=f"commit of {name} on every node's local directory")
 
 
-def check_own_files(step_dir: Storage, rank: int, world_size: int) -> None:
-    """Per-node restore: this rank's files of the local step ``step_dir`` are there and verified, and the world size matches.
+#: A per-node restore's private staging directory in the local root: a dot-name, so never a step, probe or leftover.
+STAGE_PREFIX = ".shardckpt-restore-"
 
-    Raises:
-        CorruptCheckpointError: a file is damaged, or the step was saved at
-            another world size (its ranks' files lie on other nodes).
-        CheckpointNotFoundError: the manifest or one of the files is missing.
+
+def held_local(local: Storage, step: int, comm: Comm, leads: List[int], *, check: Callable[[], None]) -> Optional[Held]:
+    """Collective, per-node: what each rank's node holds of local step ``step``; None unless the nodes hold every file between them.
+
+    Every rank reports its node's copy (``check()`` first: the manifest is
+    valid; then the manifest's save id, the step's files and which of them
+    its node holds at the right size, :func:`_memory.store.held_files`; no
+    file is read). The step is readable when the union of one save's
+    copies covers every file of its manifest (:func:`_memory.plan.choose_step`,
+    the memory tier's rule); the bytes are verified while they load
+    (:func:`restore_local_held`). A node's key is its lead rank.
+
+    Limits: a reference of an incremental step (``@<dir>/<path>``) counts as
+    held nowhere, so such a step is not readable here (the remote's is used).
     """
-    m = open_manifest(step_dir, chunks=False)
-    if m.world_size != world_size:
-        raise CorruptCheckpointError(
-            f"{step_dir.url} was saved by {m.world_size} ranks, this job has {world_size}: its files lie on other nodes")
-    src = follow(step_dir)
-    by_file = own_chunks(m, src, rank)
-    for rel in files_of_rank(m.files, {r: im.rank for r, im in m.indexes.items()}, rank):
-        problem = memory_store.check_file(src, m, rel, by_file.get(rel, []))
-        if problem is not None:
-            raise CorruptCheckpointError(f"{src.url_of(rel)}: {problem}")
+    path = local.path(step_dir_name(step))
+
+    def report() -> memory_plan.Inventory:
+        try:
+            check()
+            m = open_manifest(Storage(path), chunks=False)
+            need, held = memory_store.held_files(path, m, os.path.getsize(os.path.join(path, MANIFEST_NAME)))
+        except Exception as e:  # this node holds nothing usable of the step: the others may
+            log.info("shardckpt: rank %d: local step %d is not on this node (%s: %s)", comm.rank, step, type(e).__name__, e)
+            return {}
+        return {step: (m.save_id, need, held)}
+
+    _, reports = agree(comm, report, what=f"restore from {local.url}: what each node holds of step {step}", share=lambda v: v, mode=ALL)
+    choice = memory_plan.choose_step(reports, None)
+    if choice is None or choice[0] != step:
+        log.warning("shardckpt: restore: the nodes' local directories do not hold every file of step %d between them", step)
+        return None
+    sid = choice[1]
+    holders, sizes = memory_plan.holders_of(reports, step, sid)
+    own = reports[comm.rank].get(step)
+    return Held(step=step, save_id=sid, holders=holders, sizes=sizes,
+                node_of={r: f"the node of rank {leads[r]}" for r in range(comm.world)},
+                own_dir=path, own_held=set(own[2]) if own is not None and own[0] == sid else set())
+
+
+def restore_local_held(state: Dict[str, Any], held: Held, local: Storage, comm: Comm, *, process_group: Any,
+                       load_kw: Dict[str, Any], stats: Dict[str, Any]) -> Optional[int]:
+    """Collective, per-node: load the local step ``held`` describes, each file from a node that holds it; None: it cannot be.
+
+    ``_memory.restore.restore_held`` over a private staging directory in
+    the local root (``<local>/.shardckpt-restore-<token>-r<rank>``, 0700,
+    hard links to this node's files: the same filesystem, no copy; removed
+    afterwards). A file no node holds a good copy of: None (logged), and
+    the caller restores the remote's step.
+    """
+    hcomm = load_comm(comm, load_kw)
+    if hcomm is None:
+        log.info("shardckpt: restore: options only a storage load takes (%s): not loading from the per-node local directories",
+                 sorted(load_kw))
+        return None
+    root = local.path("")
+    try:
+        stage = memory_store.make_private_dir(os.path.join(root, f"{STAGE_PREFIX}{uuid.uuid4().hex[:12]}-r{comm.rank}"))
+    except OSError as e:  # no local root on this node (it holds nothing): staged copies in the temporary directory
+        log.info("shardckpt: restore: cannot stage in %s (%s); staging in the temporary directory", root, e)
+        stage = tempfile.mkdtemp(prefix="shardckpt-restore-")
+    try:
+        return restore_held(state, held, hcomm, stage=stage, process_group=process_group, load_kw=load_kw, stats=stats,
+                            label="per-node local directories")
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, List, Optional,
 from . import _fingerprint
 from ._async import AsyncSaveHandle, start_async, wait_pending
 from ._collective import ALL, FROM_ROOT, Comm, NoProcessGroupError, agree, open_comm
-from ._flush import Tiers, check_own_files, detect_nodes, share_manifest
+from ._flush import Held, Tiers, detect_nodes, held_local, restore_local_held, share_manifest
 from ._format import MANIFEST_NAME
 from ._format.committed import nearby_names
 from ._load import load
@@ -219,8 +219,8 @@ class CheckpointManager:
             raise ValueError(f"collective_timeout_s must be a positive number, got {collective_timeout_s!r}")
         #: With ``local=``: the durable remote (a read-only manager of ``root_url``), its flusher, both retentions (``_flush.Tiers``).
         self._tiers: Optional[Tiers] = None
-        #: With ``local=``: ``(shared, lead)`` once probed (:meth:`_nodes`): one directory for all ranks, or one per node.
-        self._layout: Optional[Tuple[bool, bool]] = None
+        #: With ``local=``: ``(shared, lead, each rank's lead)`` once probed (:meth:`_nodes`): one directory for all ranks, or one per node.
+        self._layout: Optional[Tuple[bool, bool, List[int]]] = None
         self._me = (0, 1)  # (rank, world size) of the probe
         self.on_durable = on_durable
         self.keep_local = _positive("keep_local", keep_local, allow_none=False)
@@ -281,15 +281,15 @@ class CheckpointManager:
         # process would think it is rank 0 and delete.
         return self._comm(op).rank
 
-    def _nodes(self, comm: Comm) -> Tuple[bool, bool]:
-        """``(shared, lead)`` of the local directory (collective the first time, with ``local=``; :func:`_flush.detect_nodes`).
+    def _nodes(self, comm: Comm) -> Tuple[bool, bool, List[int]]:
+        """``(shared, lead, leads)`` of the local directory (collective the first time, with ``local=``; :func:`_flush.detect_nodes`).
 
-        Without ``local=``: ``(True, rank 0)``. Probed once, at the first
+        Without ``local=``: ``(True, rank 0, [0] * world)``. Probed once, at the first
         save or restore: every rank sees one directory (one node, or a
         shared file system), or each node has its own (per-node disks).
         """
         if self._tiers is None:
-            return True, comm.rank == 0
+            return True, comm.rank == 0, [0] * comm.world
         if self._layout is None:
             self._layout = detect_nodes(self.root, comm)
             self._me = (comm.rank, comm.world)
@@ -389,6 +389,9 @@ class CheckpointManager:
         if last_step and self.last_save_in_hf:
             if handle is not None:
                 handle.result()
+            if self._layout is not None and not self._layout[0]:  # per-node: only the remote holds every node's files
+                self._export_hf_remote(step)
+                return handle
             self._export_hf(step)
             if self._tiers is not None and self._rank("CheckpointManager.save") == 0:  # the export goes to the remote too
                 self._tiers.flusher_on(self.root, self._comm("CheckpointManager.save")).flush_export(step_dir_name(step) + HF_SUFFIX)
@@ -459,6 +462,35 @@ class CheckpointManager:
         exports.export_hf(self._comm("CheckpointManager.save", error=SaveFailedError), self.step_url(step),
                           self.hf_url(step), step=step, dtype=self.export_dtype,
                           storage_options=self.storage_options or None, io_threads=self._write_threads)
+
+    def _export_hf_remote(self, step: int) -> None:
+        """Per-node local directories: once step ``step`` is durable, rank 0 exports the remote's copy to ``<remote>/step-N-hf``.
+
+        Each node's directory holds only its ranks' files, so the export
+        reads the remote copy, the one place holding all of them: every rank
+        waits (up to the collective timeout) for the step's flush first. No
+        local ``step-N-hf`` is written.
+
+        Raises:
+            SaveFailedError: the step is not durable on the remote in time
+                (its flush failed or is slow: logged); the step itself stays
+                saved, and ``shardckpt export <remote step> <dir>`` exports it later.
+        """
+        comm = self._comm("CheckpointManager.save", error=SaveFailedError)
+        tiers = cast(Tiers, self._tiers)
+        flusher = tiers.flusher_on(self.root, comm)
+        flusher.wait(comm.timeout_s)
+        _, durable = agree(comm, lambda: flusher.durable_step, what=f"Hugging Face export of step {step}: the remote copy",
+                           share=lambda v: v, mode=ALL)
+        remote = tiers.remote
+        if any(d is None or d < step for d in durable):
+            raise SaveFailedError(
+                f"Hugging Face export of step {step}: on per-node local directories only the remote copy holds every "
+                f"node's files, and step {step} is not durable on {remote.root_url} after {comm.timeout_s:g} s (its flush "
+                f"failed or is slow; see the log). Step {step} is saved; export it once it is flushed: "
+                f"shardckpt export {remote.step_url(step)} {remote.hf_url(step)}")
+        exports.export_hf(comm, remote.step_url(step), remote.hf_url(step), step=step, dtype=self.export_dtype,
+                          storage_options=remote.storage_options or None, io_threads=self._write_threads)
 
     # -- one manager per root (_managed.owners) ------------------------------------------------
 
@@ -693,20 +725,9 @@ class CheckpointManager:
 
     # -- restore ----------------------------------------------------------------
 
-    def _usable(self, step: int) -> bool:
-        """This rank's :meth:`_validate` of ``step`` as a bool (logged when False)."""
-        try:
-            self._validate(step)
-            return True
-        except Exception as e:
-            log.warning("shardckpt: rank %d cannot restore step %d from %s (%s: %s)", self._me[0], step, self.root_url,
-                        type(e).__name__, e)
-            return False
-
     def _validate(self, step: int) -> None:
-        if self._layout is not None and not self._layout[0]:  # per-node: this rank's own files, verified, on its node
+        if self._layout is not None and not self._layout[0]:  # per-node: the files are checked as they load (held_local)
             order.validate_step(self.root, step, files=False, chunks=False)
-            check_own_files(self.root.child(step_dir_name(step)), *self._me)
             return
         order.validate_step(self.root, step, files=self.check_files)
 
@@ -786,29 +807,32 @@ class CheckpointManager:
                     return None
                 return mem.restore(state, comm, storage_step=storage_step, process_group=self.process_group, load_kw=load_kw)
 
+            held: List[Optional[Held]] = [None]
+
+            def local_check(step: int) -> bool:  # per-node: every node's holdings of the step, agreed
+                held[0] = self._held(comm, step)
+                return held[0] is not None
+
             source, got, where = self._tiers.restore(state, comm, load_kw, local=self.root, local_steps=self.steps,
-                                                     validate=self._validate, flush=not self.load_only, memory=from_memory)
+                                                     validate=self._validate, flush=not self.load_only, memory=from_memory,
+                                                     local_check=local_check if per_node else None)
             if source in ("remote", "memory"):
                 self.restored_from = where
                 return got
             s, memory_tried = got, True  # "local": that step, below; "none": nothing anywhere (initial_load_path applies)
-            if per_node and source == "local":
-                try:
-                    return self._restore_storage(state, s, comm, load_kw, memory_tried=True)[1]
-                except CheckpointError as e:  # agreed: every rank is here. A file this rank's load needs lies on another node
-                    log.warning("shardckpt: restore: local step %s cannot be loaded from the per-node directories (%s: %s); "
-                                "loading the remote's newest step instead (it replaces every value loaded)", s,
-                                type(e).__name__, e)
-                    got = self._tiers.remote.restore(state, **load_kw)
-                    self.restored_from = self._tiers.remote.restored_from
-                    return got
+            if per_node and source == "local" and held[0] is not None:
+                return self._restore_held(state, held[0], comm, load_kw, None)
+        elif self._tiers is not None and s is not None and per_node:
+            given = self._held(comm, s)  # every node's holdings of step s, agreed
+            if given is not None:
+                return self._restore_held(state, given, comm, load_kw, s)
+            remote = self._tiers.remote
+            got = remote.restore(state, step=s, **load_kw)
+            self.restored_from = remote.restored_from
+            return got
         elif self._tiers is not None and s is not None:
             _, here = agree(comm, lambda: s in self.steps() if comm.rank == 0 else None,
                             what=f"restore of step {s} from {self.root_url}", share=lambda v: v, mode=FROM_ROOT)
-            if here and per_node:  # every node must hold its ranks' files of step s
-                _, oks = agree(comm, lambda: self._usable(cast(int, s)), what=f"restore of step {s} from {self.root_url}",
-                               share=lambda v: v, mode=ALL)
-                here = all(oks)
             if not here:  # not (or no longer) on the local disk: the remote's copy
                 remote = self._tiers.remote
                 got = remote.restore(state, step=s, **load_kw)
@@ -821,6 +845,32 @@ class CheckpointManager:
             target = order.initial_target(state, model_only=self.initial_load_model_only)
             load(target, self.initial_load_path, process_group=self.process_group, **load_kw)
             self.restored_from = self.initial_load_path
+        return got
+
+    def _held(self, comm: Comm, step: int) -> Optional[Held]:
+        """Per-node local directories: what every node holds of ``step``, None unless they hold it whole (collective; :func:`_flush.held_local`)."""
+        return held_local(self.root, step, comm, self._nodes(comm)[2],
+                          check=lambda: order.validate_step(self.root, step, files=False, chunks=False))
+
+    def _restore_held(self, state: Dict[str, Any], held: Held, comm: Comm, load_kw: Dict[str, Any],
+                      step: Optional[int]) -> Optional[int]:
+        """Per-node: load local step ``held.step``, each file from a node that holds it; else the remote's ``step`` (None: its newest).
+
+        The fallback is logged and loads every value again (a partial local
+        load is overwritten); ``restored_from`` says which copy was loaded.
+        """
+        assert self._tiers is not None
+        stats: Dict[str, Any] = {}
+        got = restore_local_held(state, held, self.root, comm, process_group=self.process_group, load_kw=load_kw, stats=stats)
+        self._tiers.last_restore = stats
+        if got is not None:
+            self.restored_from = self.step_url(got)
+            return got
+        remote = self._tiers.remote
+        log.warning("shardckpt: restore: local step %d cannot be loaded from the per-node directories; loading the "
+                    "remote's %s instead (it replaces every value loaded)", held.step, "newest step" if step is None else f"step {step}")
+        got = remote.restore(state, step=step, **load_kw)
+        self.restored_from = remote.restored_from
         return got
 
     def _restore_storage(self, state: Dict[str, Any], s: Optional[int], comm: Comm,

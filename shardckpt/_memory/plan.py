@@ -23,6 +23,7 @@ __all__ = [
     "files_by_writer",
     "Inventory",
     "choose_step",
+    "holders_of",
     "assign_sources",
     "ranks_without_copy",
 ]
@@ -137,6 +138,31 @@ def choose_step(inventories: Sequence[Inventory], storage_step: Optional[int]) -
     if storage_step is not None and best[0] < storage_step:
         return None
     return best
+
+
+def holders_of(inventories: Sequence[Inventory], step: int, save_id: str) -> Tuple[Dict[str, List[int]], Dict[str, int]]:
+    """Who holds each file of one save of ``step``: ``({file: [ranks whose node holds it]}, {file: size})``.
+
+    ``inventories[r]`` is rank ``r``'s report; a report of another save of
+    the step (or none) contributes nothing. The step is whole when every
+    file of ``sizes`` has a holder (:func:`choose_step` decides that).
+
+    Example:
+        >>> a = {5: ("s5", {"m": 1, "d0": 4, "d1": 4}, {"m", "d0"})}
+        >>> b = {5: ("s5", {"m": 1, "d0": 4, "d1": 4}, {"m", "d1"})}
+        >>> holders_of([a, a, b, {}], 5, "s5")
+        ({'d0': [0, 1], 'm': [0, 1, 2], 'd1': [2]}, {'m': 1, 'd0': 4, 'd1': 4})
+    """
+    holders: Dict[str, List[int]] = {}
+    sizes: Dict[str, int] = {}
+    for r, inv in enumerate(inventories):
+        entry = inv.get(step)
+        if entry is None or entry[0] != save_id:
+            continue
+        sizes.update(entry[1])
+        for rel in sorted(entry[2]):
+            holders.setdefault(rel, []).append(r)
+    return holders, sizes
 
 
 def assign_sources(

@@ -65,6 +65,7 @@ __all__ = [
     "step_dir",
     "memory_steps",
     "inventory",
+    "held_files",
     "remove_step",
     "remove_steps_except",
     "clean_stale",
@@ -476,17 +477,29 @@ def inventory(node_dir: str, *, root: str) -> Inventory:
         if extra.get("root") != want:
             _say(logging.WARNING, node_dir, f"{d} is the memory copy of root {extra.get('root')!r}, not of {want!r}: ignored")
             continue
-        need = {rel: f.size for rel, f in m.files.items()}
-        need[MANIFEST_NAME] = msize
-        held: Set[str] = set()
-        for rel, size in need.items():
-            try:
-                if os.path.getsize(os.path.join(d, rel)) == size:
-                    held.add(rel)
-            except OSError:
-                pass
+        need, held = held_files(d, m, msize)
         out[step] = (m.save_id, need, held)
     return out
+
+
+def held_files(step_path: str, manifest: Any, manifest_size: int) -> Tuple[Dict[str, int], Set[str]]:
+    """``({file: size} the step needs, the files present in ``step_path`` at that size)``: one node's holdings of a step.
+
+    The sizes are the manifest's (``manifest_size``: the manifest file's
+    own); contents are not read (a restore verifies each file it uses). A
+    reference (``@<dir>/<path>``, incremental) is never held here: its file
+    lies in another step's directory.
+    """
+    need = {rel: f.size for rel, f in manifest.files.items()}
+    need[MANIFEST_NAME] = manifest_size
+    held: Set[str] = set()
+    for rel, size in need.items():
+        try:
+            if os.path.getsize(os.path.join(step_path, rel)) == size:
+                held.add(rel)
+        except OSError:
+            pass
+    return need, held
 
 
 def _remove_at(dfd: int, name: str) -> None:

@@ -20,6 +20,7 @@ from _moto import s3_endpoint, s3_url  # noqa: F401  (pytest fixtures)
 from models import build, full_state, shard_fsdp2
 
 import shardckpt
+from shardckpt._storage import Storage
 
 IDX = torch.tensor([[1, 5, 36, 0], [7, 7, 2, 30]])
 RANKS_PER_NODE = 2
@@ -52,14 +53,24 @@ def _save_run(rank, world, remote, base, opts, steps, async_save, per_node=RANKS
     return out
 
 
-def _restore_run(rank, world, remote, base, opts):
+def _restore_run(rank, world, remote, base, opts, per_node=RANKS_PER_NODE):
+    import logging
+
     fresh = shard_fsdp2(build(seed=9))
     fresh(IDX).sum().backward()
     state = {"model": fresh, "step": 0}
-    mgr = shardckpt.CheckpointManager(remote, local=_node_dir(base, rank), keep_last=2, storage_options=opts,
-                                      collective_timeout_s=60)
-    got = mgr.restore(state)
-    out = {"step": got, "state_step": state["step"], "from": mgr.restored_from, "full": full_state(fresh)}
+    said = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda rec: said.append(rec.getMessage())
+    logging.getLogger("shardckpt").addHandler(handler)
+    try:
+        mgr = shardckpt.CheckpointManager(remote, local=_node_dir(base, rank, per_node), keep_last=2, storage_options=opts,
+                                          collective_timeout_s=60)
+        got = mgr.restore(state)
+    finally:
+        logging.getLogger("shardckpt").removeHandler(handler)
+    out = {"step": got, "state_step": state["step"], "from": mgr.restored_from, "full": full_state(fresh),
+           "stats": mgr._tiers.last_restore, "said": said}
     mgr.close()
     return out
 
@@ -97,12 +108,44 @@ def test_per_node_local_disks(tmp_path, s3_url):  # noqa: F811
         m = shardckpt.verify(f"{remote}/step-{s:08d}", storage_options=opts)
         assert m.world_size == 4 and m.extra["step"] == s
 
-    # Both nodes keep their disks, but ranks 2-3's load needs chunks rank 0 wrote (replicated values), on node 0's
-    # disk only: not restorable from the local directories; the remote's copy of the same step, loaded whole.
+    # Both nodes keep their disks: restored from them, each file read on a node that holds it (ranks 2-3 need
+    # chunks rank 0 wrote, on node 0's disk only: received from a rank there, verified as they stream).
     back = run_ranks(4, _restore_run, remote, base, opts)
     for r, out in enumerate(back):
         assert out["step"] == 5 and out["state_step"] == 5, (r, out)
-        assert out["from"] == f"{remote}/step-00000005", (r, out["from"])
+        assert out["from"] == os.path.join(_node_dir(base, r), "step-00000005"), (r, out["from"])
+        assert all(torch.equal(v, res[r]["snap"][k]) for k, v in out["full"].items())
+    assert sum(o["stats"]["peer_bytes"] for o in back) > 0 and sum(o["stats"]["local_bytes"] for o in back) > 0
+    assert not any(o["stats"]["damaged"] for o in back)
+    assert not [n for n in ("node0", "node1") for f in os.listdir(os.path.join(base, n)) if f.startswith(".shardckpt-restore")]
+    # Rank 0's data file (replicated values) damaged on node 0, its only holder: the remote's step, bit-exact.
+    only = _data_file(os.path.join(base, "node0"), 5, 0)
+    with open(only, "rb") as f:
+        good = f.read()
+    _flip(only)
+    back = run_ranks(4, _restore_run, remote, base, opts)
+    for r, out in enumerate(back):
+        assert out["step"] == 5 and out["from"] == f"{remote}/step-00000005", (r, out["from"])
+        assert all(torch.equal(v, res[r]["snap"][k]) for k, v in out["full"].items())
+    assert any("damaged" in line for o in back for line in o["said"]), [o["said"] for o in back]
+    assert any("per-node directories" in line and "remote" in line for o in back for line in o["said"])
+    # A good copy of that file on node 1 too: the damaged copy is skipped, node 1's is read; still local.
+    other = os.path.join(base, "node1", os.path.relpath(only, os.path.join(base, "node0")))
+    with open(other, "wb") as f:
+        f.write(good)
+    back = run_ranks(4, _restore_run, remote, base, opts)
+    for r, out in enumerate(back):
+        assert out["step"] == 5 and out["from"] == os.path.join(_node_dir(base, r), "step-00000005"), (r, out["from"])
+        assert all(torch.equal(v, res[r]["snap"][k]) for k, v in out["full"].items())
+    assert all(any(d.startswith("the node of rank 0:") and d.endswith(os.path.basename(only)) for d in o["stats"]["damaged"])
+               for o in back), [o["stats"]["damaged"] for o in back]
+    os.remove(other)
+    with open(only, "wb") as f:
+        f.write(good)
+    # The remote emptied (a new, empty prefix): the local disks alone restore the step.
+    back = run_ranks(4, _restore_run, remote + "-empty", base, opts)
+    for r, out in enumerate(back):
+        assert out["step"] == 5 and out["from"] == os.path.join(_node_dir(base, r), "step-00000005"), (r, out["from"])
         assert all(torch.equal(v, res[r]["snap"][k]) for k, v in out["full"].items())
     # Node 1 replaced (its disk empty): the remote's step, bit-exact, on every rank.
     shutil.rmtree(os.path.join(base, "node1"))
@@ -110,6 +153,19 @@ def test_per_node_local_disks(tmp_path, s3_url):  # noqa: F811
     for r, out in enumerate(back):
         assert out["step"] == 5 and out["from"] == f"{remote}/step-00000005", (r, out["from"])
         assert all(torch.equal(v, res[r]["snap"][k]) for k, v in out["full"].items())
+
+
+def _data_file(node_dir, step, writer):
+    d = os.path.join(node_dir, f"step-{step:08d}", "data")
+    return os.path.join(d, next(f for f in sorted(os.listdir(d)) if f.endswith(f"-r{writer:05d}-00.safetensors")))
+
+
+def _flip(path):
+    with open(path, "r+b") as f:
+        f.seek(-1, os.SEEK_END)
+        b = f.read(1)
+        f.seek(-1, os.SEEK_END)
+        f.write(bytes([b[0] ^ 0xFF]))
 
 
 def test_per_node_sync_save_and_shared_dir_detected(tmp_path, s3_url):  # noqa: F811
@@ -142,7 +198,7 @@ def _sharded(rank, world, remote, base, opts, steps, restore, step=None):
             with torch.no_grad():
                 w.copy_(distribute_tensor(full + step, mesh, [Shard(0)]))
             mgr.save(step, {"w": w, "step": step})
-        mgr.wait()
+            mgr.wait()  # each step flushed before the next save (none coalesced away: the test restores step 2 from S3)
         out = {"local": mgr.steps(), "durable": mgr.durable_step}
     mgr.close()
     return out
@@ -169,3 +225,74 @@ def test_per_node_restores_locally(tmp_path, s3_url):  # noqa: F811
     for r, out in enumerate(back):
         assert out["step"] == 3 and out["from"] == f"{remote}/step-00000003", (r, out["from"])
         assert torch.equal(out["w"], out["want"])
+
+
+def _train_run(rank, world, remote, base, opts, per_node, restore, step=None):
+    """FSDP2 model + AdamW + scheduler: train and save steps 1 and 2 (the last one also as a Hugging Face export), or restore."""
+    from _training import full_optim, full_params, make, train
+
+    model, opt, sched = make("fsdp2", rank, world, seed=3 if restore else 1)
+    state = {"model": model, "optim": opt, "sched": sched, "step": 0}
+    mgr = shardckpt.CheckpointManager(remote, local=_node_dir(base, rank, per_node), keep_last=3, keep_local=3,
+                                      storage_options=opts, collective_timeout_s=60, last_save_in_hf=True)
+    out = {}
+    if restore:
+        if step is None:
+            train(model, opt, sched, 0, 1, "fsdp2", rank, world)  # live optimizer state to be overwritten
+        out["step"] = mgr.restore(state, step=step)
+        out["from"], out["stats"] = mgr.restored_from, mgr._tiers.last_restore
+    else:
+        for s in (1, 2):
+            train(model, opt, sched, s * 2, 2, "fsdp2", rank, world)
+            state["step"] = s
+            mgr.save(s, state, last_step=s == 2)
+            out[s] = {"params": full_params(model), "optim": full_optim(model, opt)}
+        mgr.wait()
+        out["remote"] = mgr.remote_steps()
+    out["params"], out["optim"], out["state_step"] = full_params(model), full_optim(model, opt), state["step"]
+    mgr.close()
+    return out
+
+
+def _same(a, b):
+    return a.keys() == b.keys() and all(torch.equal(v, b[k]) if isinstance(v, torch.Tensor) else v == b[k] for k, v in a.items())
+
+
+def test_per_node_fsdp2_training_state_restores_from_the_local_disks(tmp_path, s3_url):  # noqa: F811
+    remote, opts = s3_url
+    remote = remote + "-train"
+    base = str(tmp_path)
+    res = run_ranks(4, _train_run, remote, base, opts, RANKS_PER_NODE, False)
+    assert res[0]["remote"][-1] == 2
+    # last_save_in_hf on per-node directories: exported from the remote copy (every node's files), on the remote.
+    hf = Storage(f"{remote}/step-00000002-hf", storage_options=opts)
+    names = hf.walk_files("")
+    assert any(n.endswith(".safetensors") for n in names), names
+    assert not os.path.exists(os.path.join(base, "node0", "step-00000002-hf"))
+    from safetensors.torch import load as st_load
+
+    exported = {}
+    for n in names:
+        if n.endswith(".safetensors"):
+            exported.update(st_load(hf.read_bytes(n)))
+    want = res[0][2]["params"]
+    assert exported and all(torch.equal(exported[k], want[k.removeprefix("model.")]) for k in exported), sorted(exported)
+    # The remote emptied (an empty prefix): model, optimizer and scheduler from the local disks alone, bit-exact.
+    back = run_ranks(4, _train_run, remote + "-gone", base, opts, RANKS_PER_NODE, True)
+    for r, out in enumerate(back):
+        assert out["step"] == 2 and out["state_step"] == 2, (r, out["step"])
+        assert out["from"] == os.path.join(_node_dir(base, r), "step-00000002"), (r, out["from"])
+        assert _same(out["params"], res[r][2]["params"]) and _same(out["optim"], res[r][2]["optim"]), r
+    assert sum(o["stats"]["peer_bytes"] for o in back) > 0
+    # A given step, the same way.
+    back = run_ranks(4, _train_run, remote, base, opts, RANKS_PER_NODE, True, 1)
+    for r, out in enumerate(back):
+        assert out["step"] == 1 and out["from"] == os.path.join(_node_dir(base, r), "step-00000001"), (r, out["from"])
+        assert _same(out["params"], res[r][1]["params"]) and _same(out["optim"], res[r][1]["optim"]), r
+    # Two ranks now, one per node: each node's files still cover the step, resharded as they load.
+    back = run_ranks(2, _train_run, remote + "-gone2", base, opts, 1, True)
+    for r, out in enumerate(back):
+        assert out["step"] == 2 and out["from"] == os.path.join(base, f"node{r}", "step-00000002"), (r, out["from"])
+        assert _same(out["params"], res[0][2]["params"]) and _same(out["optim"], res[0][2]["optim"]), r
+    # Not flushed by the 2-rank job: each rank uploads the files it wrote, and ranks 2-3 are gone (never committed half).
+    assert not Storage(f"{remote}-gone2", storage_options=opts).exists("step-00000002/manifest.json")

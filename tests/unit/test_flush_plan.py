@@ -154,6 +154,19 @@ def test_a_rank_that_cannot_see_the_manifest_is_told_why(tmp_path):
         upload_step(Storage(str(tmp_path / "step")), Storage(str(tmp_path / "remote")), 1)
 
 
+def test_a_step_of_another_world_size_is_never_uploaded(tmp_path):
+    import torch
+
+    from shardckpt._flush import check_world
+    from shardckpt._storage import Storage
+    from shardckpt.errors import CorruptCheckpointError
+
+    shardckpt.save({"w": torch.arange(4.0)}, str(tmp_path / "step"))  # one writer
+    check_world(Storage(str(tmp_path / "step")), 1)
+    with pytest.raises(CorruptCheckpointError, match="saved by 1 ranks, this job has 2: .*not flushed"):
+        check_world(Storage(str(tmp_path / "step")), 2)
+
+
 def test_node_groups_tell_shared_from_per_node():
     from shardckpt._flush import node_groups
 

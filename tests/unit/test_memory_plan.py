@@ -68,3 +68,18 @@ def test_memory_tier_options_are_checked():
     with pytest.raises(UsageError, match="not a memory tier"):
         MemoryTier.of(3)
     assert MemoryTier().resolved_dir("s3://b/run").startswith("/dev/shm/shardckpt-")
+
+
+def test_holders_of_names_every_node_holding_a_file_of_one_save():
+    need = {"m": 10, "i0": 5, "d0": 40, "d2": 40}
+    node0 = {7: ("s7", need, {"m", "i0", "d0"})}  # ranks 0-1: one node's disk
+    node1 = {7: ("s7", need, {"m", "d2"})}  # ranks 2-3: the other's (no index file, no d0)
+    other = {7: ("old", {"m": 9, "d9": 1}, {"m", "d9"})}  # another save of the step: counts for nothing
+    inv = [node0, node0, node1, node1, other, {}]
+    assert P.choose_step(inv, None) == (7, "s7")
+    holders, sizes = P.holders_of(inv, 7, "s7")
+    assert holders == {"d0": [0, 1], "i0": [0, 1], "m": [0, 1, 2, 3], "d2": [2, 3]}
+    assert sizes == need
+    # Node 1 gone: d2 is held nowhere, so the step is not whole (the caller falls back).
+    assert P.choose_step([node0, node0], None) is None
+    assert "d2" not in P.holders_of([node0, node0], 7, "s7")[0]
