@@ -45,8 +45,8 @@ def _child(phase: str, remote: str, local: str, opts: dict) -> None:
 
             copy = flush._copy
 
-            def copy_then_die(src, dst, rel, src_rel, size):
-                copy(src, dst, rel, src_rel, size)
+            def copy_then_die(src, dst, rel, src_rel, size, **kw):
+                copy(src, dst, rel, src_rel, size, **kw)
                 if "step-00000003" in dst.url:
                     print("KILLING", dst.url_of(rel), flush=True)
                     os.kill(os.getpid(), signal.SIGKILL)
