@@ -35,6 +35,7 @@ import contextlib
 import logging
 import os
 import shutil
+import stat
 import tempfile
 import threading
 import time
@@ -53,7 +54,7 @@ from ._storage import Storage
 from .errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 
 __all__ = ["Flusher", "Tiers", "next_flush", "local_protected", "restore_source", "commit_save_id", "files_of_rank",
-           "upload_step", "check_world", "node_groups", "detect_nodes", "share_manifest", "held_local", "restore_local_held", "own_chunks", "STAGE_PREFIX", "PROBE_PREFIX", "FLUSH_CHANNEL", "COPY_PIECE_BYTES", "FLUSH_NICE",
+           "upload_step", "check_world", "node_groups", "detect_nodes", "share_manifest", "held_local", "restore_local_held", "remove_stale_stages", "own_chunks", "STAGE_PREFIX", "PROBE_PREFIX", "FLUSH_CHANNEL", "COPY_PIECE_BYTES", "FLUSH_NICE",
            "YIELD_MAX_S"]
 
 log = logging.getLogger("shardckpt")
@@ -877,6 +878,40 @@ def held_local(local: Storage, step: int, comm: Comm, leads: List[int], *, check
                 own_dir=path, own_held=set(own[2]) if own is not None and own[0] == sid else set())
 
 
+def remove_stale_stages(root: str, rank: int) -> List[str]:
+    """Remove this rank's staging directories in ``root`` that a restore which died left behind; returns their names.
+
+    One process per rank: none of this rank's is in use when it starts a
+    restore. Only directories (never a symlink) owned by this user, with
+    this rank's suffix; their entries are hard links, so the step's files
+    stay.
+
+    Example:
+        >>> remove_stale_stages("/nonexistent", 0)
+        []
+    """
+    suffix = f"-r{rank}"
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return []
+    gone = []
+    for name in sorted(names):
+        if not (name.startswith(STAGE_PREFIX) and name.endswith(suffix)):
+            continue
+        path = os.path.join(root, name)
+        try:
+            st = os.lstat(path)
+        except OSError:
+            continue
+        if stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid():
+            shutil.rmtree(path, ignore_errors=True)
+            gone.append(name)
+    if gone:
+        log.info("shardckpt: removed staging directories a restore of rank %d left in %s: %s", rank, root, gone)
+    return gone
+
+
 def restore_local_held(state: Dict[str, Any], held: Held, local: Storage, comm: Comm, *, process_group: Any,
                        load_kw: Dict[str, Any], stats: Dict[str, Any]) -> Optional[int]:
     """Collective, per-node: load the local step ``held`` describes, each file from a node that holds it; None: it cannot be.
@@ -893,6 +928,7 @@ def restore_local_held(state: Dict[str, Any], held: Held, local: Storage, comm: 
                  sorted(load_kw))
         return None
     root = local.path("")
+    remove_stale_stages(root, comm.rank)
     try:
         stage = memory_store.make_private_dir(os.path.join(root, f"{STAGE_PREFIX}{uuid.uuid4().hex[:12]}-r{comm.rank}"))
     except OSError as e:  # no local root on this node (it holds nothing): staged copies in the temporary directory

@@ -310,3 +310,27 @@ def test_the_flush_copies_nothing_while_this_rank_saves(tmp_path, monkeypatch):
     finally:
         go.set()
         mgr.close()
+
+
+def test_a_dead_restores_staging_directories_go_at_that_ranks_next_restore(tmp_path):
+    """Only this rank's, only directories: its hard links go, the step's files stay; a symlink is left alone."""
+    import os
+
+    from shardckpt._flush import STAGE_PREFIX, remove_stale_stages
+
+    step = tmp_path / "step-00000003"
+    step.mkdir()
+    (step / "data.safetensors").write_bytes(b"x" * 10)
+    mine = tmp_path / f"{STAGE_PREFIX}abc-r1"
+    mine.mkdir()
+    os.link(step / "data.safetensors", mine / "data.safetensors")
+    other = tmp_path / f"{STAGE_PREFIX}def-r2"  # rank 2's: maybe in use
+    other.mkdir()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "keep").write_bytes(b"k")
+    os.symlink(elsewhere, tmp_path / f"{STAGE_PREFIX}ghi-r1")
+    assert remove_stale_stages(str(tmp_path), 1) == [f"{STAGE_PREFIX}abc-r1"]
+    assert not mine.exists() and other.is_dir() and (elsewhere / "keep").exists()
+    assert (step / "data.safetensors").read_bytes() == b"x" * 10
+    assert remove_stale_stages(str(tmp_path), 1) == []
