@@ -10,12 +10,13 @@ import logging
 import os
 import shutil
 
+import _training as T
 import pytest
 import torch
-
-import _training as T
-import shardckpt
+from _damage import data_file, flip_last_byte
 from _dist import run_ranks
+
+import shardckpt
 from shardckpt._storage._local import LocalStorage
 
 KIND = "fsdp2"
@@ -130,19 +131,6 @@ def _same(a, b):
     return sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def _data_file(node_dir, step, writer):
-    d = os.path.join(node_dir, f"step-{step:08d}", "data")
-    return os.path.join(d, next(f for f in sorted(os.listdir(d)) if f.endswith(f"-r{writer:05d}-00.safetensors")))
-
-
-def _flip(path):
-    with open(path, "r+b") as f:
-        f.seek(-1, os.SEEK_END)
-        b = f.read(1)
-        f.seek(-1, os.SEEK_END)
-        f.write(bytes([b[0] ^ 0xFF]))
-
-
 def test_first_run_keeps_a_peer_copy(first):
     base, out = first
     # Each node holds its own ranks' files and the other node's: every rank sent as many bytes as it wrote.
@@ -176,7 +164,7 @@ def test_node_lost_restores_from_survivors_memory(first, tmp_path, world):
 
 def test_flipped_byte_falls_back_to_the_other_holder(first, tmp_path):
     base, ref = _copy(first, tmp_path)
-    _flip(_data_file(os.path.join(base, "node0"), STEPS, 0))
+    flip_last_byte(data_file(os.path.join(base, "node0"), STEPS, 0))
     out = run_ranks(4, _restart, base, 2, _root(first))
     for o in out:
         assert o["step"] == STEPS and o["storage_bytes"] == 0
@@ -190,7 +178,7 @@ def test_flipped_byte_falls_back_to_the_other_holder(first, tmp_path):
 def test_both_copies_lost_restores_the_last_storage_step(first, tmp_path):
     base, ref = _copy(first, tmp_path)
     shutil.rmtree(os.path.join(base, "node1"))
-    _flip(_data_file(os.path.join(base, "node0"), STEPS, 2))  # rank 2's only copy left
+    flip_last_byte(data_file(os.path.join(base, "node0"), STEPS, 2))  # rank 2's only copy left
     out = run_ranks(4, _restart, base, 2, _root(first))
     for o in out:
         assert o["step"] == STORAGE_EVERY and o["from"].endswith(f"step-{STORAGE_EVERY:08d}")
@@ -228,7 +216,7 @@ def test_damaged_index_copy_is_fetched_from_the_other_node(first, tmp_path):
     base, ref = _copy(first, tmp_path)
     d = os.path.join(base, "node0", f"step-{STEPS:08d}", "data")
     index = os.path.join(d, next(f for f in sorted(os.listdir(d)) if f.endswith("-index-r00000.json")))
-    _flip(index)
+    flip_last_byte(index)
     out = run_ranks(4, _restart, base, 2, _root(first))
     for o in out:
         assert o["step"] == STEPS and o["from"] == f"memory:{STEPS}" and o["storage_bytes"] == 0

@@ -15,6 +15,7 @@ import os
 import shutil
 
 import torch
+from _damage import data_file, flip_last_byte
 from _dist import run_ranks
 from _moto import s3_endpoint, s3_url  # noqa: F401  (pytest fixtures)
 from models import build, full_state, shard_fsdp2
@@ -119,10 +120,10 @@ def test_per_node_local_disks(tmp_path, s3_url):  # noqa: F811
     assert not any(o["stats"]["damaged"] for o in back)
     assert not [n for n in ("node0", "node1") for f in os.listdir(os.path.join(base, n)) if f.startswith(".shardckpt-restore")]
     # Rank 0's data file (replicated values) damaged on node 0, its only holder: the remote's step, bit-exact.
-    only = _data_file(os.path.join(base, "node0"), 5, 0)
+    only = data_file(os.path.join(base, "node0"), 5, 0)
     with open(only, "rb") as f:
         good = f.read()
-    _flip(only)
+    flip_last_byte(only)
     back = run_ranks(4, _restore_run, remote, base, opts)
     for r, out in enumerate(back):
         assert out["step"] == 5 and out["from"] == f"{remote}/step-00000005", (r, out["from"])
@@ -153,19 +154,6 @@ def test_per_node_local_disks(tmp_path, s3_url):  # noqa: F811
     for r, out in enumerate(back):
         assert out["step"] == 5 and out["from"] == f"{remote}/step-00000005", (r, out["from"])
         assert all(torch.equal(v, res[r]["snap"][k]) for k, v in out["full"].items())
-
-
-def _data_file(node_dir, step, writer):
-    d = os.path.join(node_dir, f"step-{step:08d}", "data")
-    return os.path.join(d, next(f for f in sorted(os.listdir(d)) if f.endswith(f"-r{writer:05d}-00.safetensors")))
-
-
-def _flip(path):
-    with open(path, "r+b") as f:
-        f.seek(-1, os.SEEK_END)
-        b = f.read(1)
-        f.seek(-1, os.SEEK_END)
-        f.write(bytes([b[0] ^ 0xFF]))
 
 
 def test_per_node_sync_save_and_shared_dir_detected(tmp_path, s3_url):  # noqa: F811
