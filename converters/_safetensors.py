@@ -134,6 +134,25 @@ def model_prefix(source: Source, model_key: Optional[str]) -> Optional[str]:
     )
 
 
+#: How many dotted levels :func:`existing_prefixes` lists.
+PREFIX_LEVELS = 2
+
+
+def existing_prefixes(names: Sequence[str], *, levels: int = PREFIX_LEVELS) -> List[str]:
+    """The dotted prefixes (``"model."``, ``"model.layers."``) of ``names``, up to ``levels`` deep, sorted.
+
+    Example:
+        >>> existing_prefixes(["model.w", "optim.state.model.w.exp_avg"])
+        ['model.', 'optim.', 'optim.state.']
+    """
+    found = set()
+    for n in names:
+        parts = n.split(".")[:-1]
+        for depth in range(1, min(levels, len(parts)) + 1):
+            found.add(".".join(parts[:depth]) + ".")
+    return sorted(found)
+
+
 def export_names(
     source: Source,
     *,
@@ -143,9 +162,12 @@ def export_names(
 ) -> Dict[str, str]:
     """``{source name: output name}``: entries under ``prefix`` (stripped), selected, renamed.
 
-    When no tensor lies under ``prefix`` all tensors are taken with their
-    names unchanged, as are a safetensors source's (already bare) names.
+    A safetensors source's (already bare) names are taken unchanged.
     ``keys`` match names after the prefix is stripped.
+
+    Raises:
+        StateMismatchError: no tensor lies under ``prefix`` (the message
+            lists the prefixes that exist), or the selection is empty.
     """
     names = list(source.tensors)
     stripped = {n: n for n in names}
@@ -153,8 +175,15 @@ def export_names(
     # is HF naming there, not a state prefix).
     if prefix and source.kind != "safetensors":
         under = {n: n[len(prefix) :] for n in names if n.startswith(prefix) and len(n) > len(prefix)}
-        if under:
-            stripped = under
+        if not under:
+            # Exporting everything instead would put optimizer moments in a
+            # model directory without a word: a typo must be loud.
+            raise StateMismatchError(
+                f"{source.url}: no tensor lies under prefix {prefix!r}; prefixes that exist: "
+                f"{format_offenders(existing_prefixes(names)) or 'none (the names are bare)'}. "
+                "Pass one of them, or --no-prefix (prefix=None) to export every tensor under its full name"
+            )
+        stripped = under
     back = {v: k for k, v in stripped.items()}
     chosen = select_names(list(stripped.values()), keys)
     renamed = map_names(chosen, key_map)
@@ -195,7 +224,8 @@ def to_safetensors(
             (decimal, as huggingface_hub reads them) or ``"2GiB"`` (binary).
             A tensor larger than this gets a file of its own.
         prefix: state prefix to strip; only tensors under it are exported
-            (all tensors when none is under it). ``None``/``""``: all tensors.
+            (none under it raises, listing the prefixes that exist).
+            ``None``/``""``: all tensors.
             Default: the model entry: ``"model"``, else the only top-level
             entry holding tensors that is not an optimizer's state; several
             candidates raise (pass ``model_key``). Optimizer moments are
@@ -227,7 +257,8 @@ def to_safetensors(
         CheckpointNotFoundError: nothing committed at ``src``.
         CheckpointExistsError: ``dst`` holds weight files and ``overwrite`` is False.
         CheckpointNotFoundError: ``copy_from`` holds none of the companion files.
-        StateMismatchError: the selection is empty, a pattern matches nothing,
+        StateMismatchError: the selection is empty, no tensor lies under
+            ``prefix``, a pattern matches nothing,
             ``key_map`` maps two tensors to one name, or the model entry is
             ambiguous (the message lists the top-level entries).
         ChecksumMismatchError: the source is damaged (nothing published).

@@ -260,10 +260,12 @@ def cmd_export(args) -> int:
                             "it cannot be used with --to full (one file): drop it or export to a directory")
         r = converters.to_full(args.src, args.dst, dtype=args.dtype, keys=_keys(args.keys), key_map=key_map, **common)
     else:
-        prefix = "" if args.no_prefix else args.prefix
+        # No --prefix: the converter's default picks the model entry; a given
+        # one must match (the converter refuses it otherwise, listing those that exist).
+        pick = {"prefix": ""} if args.no_prefix else {} if args.prefix is None else {"prefix": args.prefix}
         r = converters.to_safetensors(
             args.src, args.dst, dtype=args.dtype, max_shard_size=args.max_shard_size, keys=_keys(args.keys),
-            key_map=key_map, prefix=prefix, copy_from=getattr(args, "copy_from", None), **common,
+            key_map=key_map, copy_from=getattr(args, "copy_from", None), **pick, **common,
         )
     _done(args, r)
     return EXIT_OK
@@ -407,7 +409,9 @@ def _parser() -> argparse.ArgumentParser:
                        help="default: full if DST ends in .safetensors/.pt, reshard with --world-size, else an HF directory")
         s.add_argument("--dtype", help="cast floating-point tensors (bf16, fp16, fp32, float8_e4m3fn...)")
         s.add_argument("--max-shard-size", default="5GB", help="HF shard size, e.g. 5GB (decimal) or 2GiB (default 5GB)")
-        s.add_argument("--prefix", default="model.", help="state prefix to strip for HF export (default 'model.')")
+        s.add_argument("--prefix", default=None,
+                       help="state prefix to strip for HF export (default: the model entry, 'model.' or the only one; "
+                            "a prefix no tensor lies under is refused)")
         s.add_argument("--no-prefix", action="store_true", help="export every tensor under its full name")
         s.add_argument("--world-size", type=int, help="reshard for this many FSDP2 ranks")
         s.add_argument("--copy-from", metavar="DIR",

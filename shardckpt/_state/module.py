@@ -7,11 +7,13 @@ weights (``tied_groups``).
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
-from typing import Any, Callable, Dict, Iterable, List, Optional, Union
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, Union
 
 import torch
 
+from .._hf import select_names
 from .._runtimes import (
     empty_like_meta,
     fsdp1_load_model_state,
@@ -21,7 +23,7 @@ from .._runtimes import (
     unwrap,
     wrapper_renamer,
 )
-from ..errors import UnsupportedStateError, format_offenders
+from ..errors import StateMismatchError, UnsupportedStateError, format_offenders
 from .base import (
     MISSING,
     SEP,
@@ -36,6 +38,7 @@ from .values import tensor_ref
 __all__ = [
     "ModuleAdapter",
     "Selected",
+    "Patterns",
     "SelectedAdapter",
     "trainable",
     "select",
@@ -416,10 +419,18 @@ def _kept(sd: Dict[str, Any], keep: Optional[Callable[[str], bool]], path: str) 
     """``sd`` restricted to the names ``keep`` keeps (all of it when ``keep`` is None).
 
     Raises:
+        StateMismatchError: a pattern of :func:`select` matches no entry (a
+            typo would otherwise drop tensors silently, as ``keys=`` refuses).
         UnsupportedStateError: nothing is kept (an empty selection saves nothing).
     """
     if keep is None:
         return sd
+    if isinstance(keep, Patterns):
+        try:
+            chosen = set(select_names(sd, keep.patterns, what=f"{path}: shardckpt.select()"))
+        except StateMismatchError as e:
+            raise StateMismatchError(f"{e}; the module's entries are e.g. {format_offenders(sorted(sd))}") from None
+        return {k: v for k, v in sd.items() if k in chosen}
     out = {k: v for k, v in sd.items() if keep(k)}
     if not out:
         raise UnsupportedStateError(
@@ -427,6 +438,16 @@ def _kept(sd: Dict[str, Any], keep: Optional[Callable[[str], bool]], path: str) 
             f"(e.g. {format_offenders(sorted(sd))}); check the names or which parameters require grad"
         )
     return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Patterns:
+    """A :func:`select` keep-rule from name patterns: every pattern must match an entry (checked by ``_kept``)."""
+
+    patterns: Tuple[str, ...]
+
+    def __call__(self, name: str) -> bool:
+        return any(name == p or fnmatch.fnmatchcase(name, p) for p in self.patterns)
 
 
 class Selected:
@@ -479,18 +500,26 @@ def select(module: torch.nn.Module, names: Union[Callable[[str], bool], Iterable
 
     Args:
         module: any ``nn.Module``.
-        names: a predicate on the FQN, or ``fnmatch`` patterns
-            (``["*lora_*"]``) of which one must match.
+        names: a predicate on the FQN, or names / ``fnmatch`` patterns of
+            which one must match: one string is one pattern (``"*lora_*"``),
+            as for ``keys=``; or a list of them (``["*lora_A*", "*lora_B*"]``).
+
+    Raises:
+        UnsupportedStateError: no pattern given.
+        StateMismatchError: (at save/load) a pattern matches none of the
+            module's entries, e.g. a typo such as ``"*lroa_B*"`` (as ``keys=``
+            refuses one).
 
     Example:
-        >>> shardckpt.save({"model": shardckpt.select(model, ["*lora_*"]), "optim": optim}, url)  # doctest: +SKIP
+        >>> shardckpt.save({"model": shardckpt.select(model, "*lora_*"), "optim": optim}, url)  # doctest: +SKIP
     """
     if callable(names):
         return Selected(module, names, "a name predicate")
-    pats = [str(x) for x in names]
+    # A string is iterable too: its characters ("*" first) would keep everything.
+    pats = (names,) if isinstance(names, str) else tuple(str(x) for x in names)
     if not pats:
         raise UnsupportedStateError("select(): give at least one name pattern")
-    return Selected(module, lambda n: any(fnmatch.fnmatchcase(n, p) for p in pats), f"names matching {pats}")
+    return Selected(module, Patterns(pats), f"names matching {list(pats)}")
 
 
 class SelectedAdapter(Adapter):

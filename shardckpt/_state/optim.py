@@ -183,6 +183,22 @@ def _optimizer_params(optim: torch.optim.Optimizer) -> List[Any]:
     return [p for g in optim.param_groups for p in g[PARAMS]]
 
 
+def _module_advice(key: str, loose: List[str]) -> str:
+    """The fix for an optimizer without its module: :func:`trainable` when its parameters sit there bare."""
+    if loose:
+        # {name: p for trainable p} is the natural way to save adapters; the
+        # model beside it would save the whole frozen base as well.
+        return (
+            f"Its parameters are there as bare tensors ({format_offenders(loose)}), which carry no module names "
+            f"for its state: save them as shardckpt.trainable(model) instead, the parameters that require grad "
+            f"by their names, e.g. {{'adapters': shardckpt.trainable(model), {key!r}: optimizer}}"
+        )
+    return (
+        f"Put the model next to it, e.g. {{'model': model, {key!r}: optimizer}}, or only the part that trains: "
+        f"{{'adapters': shardckpt.trainable(model), {key!r}: optimizer}}"
+    )
+
+
 def find_module(root: Any, optim: torch.optim.Optimizer, path: str) -> nn.Module:
     """The module in ``root`` (the user's state) whose parameters ``optim`` holds.
 
@@ -192,12 +208,15 @@ def find_module(root: Any, optim: torch.optim.Optimizer, path: str) -> nn.Module
     """
     want = {id(p) for p in _optimizer_params(optim)}
     found: List[Tuple[str, nn.Module]] = []
+    loose: List[str] = []  # the optimizer's parameters found as bare tensors (a dict of them)
 
     def visit(v: Any, where: str, depth: int) -> None:
         if depth > 32:
             return
         if isinstance(v, Selected):  # part of a module: its optimizer is named by the module's FQNs
             v = v.module
+        if isinstance(v, torch.Tensor) and id(v) in want:
+            loose.append(where)
         if isinstance(v, nn.Module):
             if want <= {id(p) for p in v.parameters()} and not any(m is v for _, m in found):
                 found.append((where, v))
@@ -212,8 +231,7 @@ def find_module(root: Any, optim: torch.optim.Optimizer, path: str) -> nn.Module
     if not found:
         raise UnsupportedStateError(
             f"{path}: an optimizer is saved by parameter name, so its model must be in the same state; "
-            f"no nn.Module there holds all of its parameters. Put the model next to it, e.g. "
-            f"{{'model': model, {path.split(SEP)[-1]!r}: optimizer}}"
+            f"no nn.Module there holds all of its parameters. " + _module_advice(path.split(SEP)[-1], loose)
         )
     outer = [(w, m) for w, m in found if all(any(x is o for x in m.modules()) for _, o in found)]
     if len(outer) != 1:

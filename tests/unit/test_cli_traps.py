@@ -80,3 +80,26 @@ def test_export_to_pt_skips_per_rank_values_and_says_so(tmp_path, capsys, caplog
     got = torch.load(out, weights_only=True)
     assert sorted(got) == ["model", "step"] and got["step"] == 3
     assert torch.equal(got["model"]["weight"], m.weight.detach())
+
+
+def test_export_prefix_matching_nothing_is_refused_listing_the_prefixes(tmp_path, capsys):
+    src = str(tmp_path / "ck")
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.ones(1, 3)).sum().backward()
+    opt.step()
+    shardckpt.save({"model": model, "optim": opt, "step": 1}, src)
+    dst = str(tmp_path / "hf")
+    # A typo exported every tensor, optimizer moments included, under its full name.
+    assert main(["export", src, dst, "--prefix", "modle.", "-q"]) != 0
+    err = capsys.readouterr().err
+    assert "modle." in err and "model." in err and "optim." in err and "--no-prefix" in err, err
+    assert not os.path.exists(dst)
+    with pytest.raises(shardckpt.errors.StateMismatchError, match="prefixes that exist: model., optim., optim.state."):
+        converters.to_safetensors(src, dst, prefix="modle.")
+    # The default and an existing prefix export the model; --no-prefix everything.
+    assert main(["export", src, dst, "-q"]) == 0
+    assert sorted(shardckpt.inspect(dst).tensors) == ["bias", "weight"]
+    assert main(["export", src, str(tmp_path / "hf2"), "--prefix", "model.", "-q"]) == 0
+    assert main(["export", src, str(tmp_path / "hf3"), "--no-prefix", "-q"]) == 0
+    assert len(shardckpt.inspect(str(tmp_path / "hf3")).tensors) > 2

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import shardckpt
-from shardckpt.errors import UnsupportedStateError
+from shardckpt.errors import StateMismatchError, UnsupportedStateError
 
 peft = pytest.importorskip("peft", reason="peft is in the test extra")
 
@@ -107,6 +107,63 @@ def test_select_by_name_and_refusals(tmp_path):
     assert torch.equal(other[0].weight, frozen) and torch.equal(other[1].weight, model[1].weight)
     assert torch.equal(opt2.state[other[1].weight]["momentum_buffer"], opt.state[model[1].weight]["momentum_buffer"])
     # an empty selection is refused, before any byte
-    with pytest.raises(UnsupportedStateError, match="keeps none"):
+    with pytest.raises(StateMismatchError, match=r"select\(\) pattern\(s\) match no tensor: nope\*"):
         shardckpt.save({"model": shardckpt.select(model, ["nope*"])}, str(tmp_path / "c"))
+    with pytest.raises(UnsupportedStateError, match="keeps none"):
+        shardckpt.save({"model": shardckpt.select(model, lambda n: False)}, str(tmp_path / "c"))
     assert not (tmp_path / "c").exists()
+
+
+class _Adapted(torch.nn.Module):
+    """A frozen base with LoRA-named adapters beside it."""
+
+    def __init__(self, seed: int):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.base = torch.nn.Linear(4, 4)
+        self.lora_A = torch.nn.Linear(4, 2, bias=False)
+        self.lora_B = torch.nn.Linear(2, 4, bias=False)
+        self.base.requires_grad_(False)
+
+    def forward(self, x):
+        return self.base(x) + self.lora_B(self.lora_A(x))
+
+
+def test_select_takes_one_string_as_one_pattern_and_refuses_a_pattern_matching_nothing(tmp_path):
+    model = _Adapted(0)
+    ck = str(tmp_path / "a")
+    # One string is one pattern, as for keys=: not its characters ("*" alone would keep the base).
+    shardckpt.save({"model": shardckpt.select(model, "*lora_*")}, ck)
+    assert sorted(shardckpt.inspect(ck).tensors) == ["model.lora_A.weight", "model.lora_B.weight"]
+    other = _Adapted(1)
+    base = other.base.weight.detach().clone()
+    shardckpt.load({"model": shardckpt.select(other, "*lora_*")}, ck)
+    assert torch.equal(other.base.weight, base) and torch.equal(other.lora_B.weight, model.lora_B.weight)
+
+    # A typo among the patterns is refused on save (nothing written) and on load (nothing changed).
+    with pytest.raises(StateMismatchError, match=r"lroa_B") as e:
+        shardckpt.save({"model": shardckpt.select(model, ["*lora_A*", "*lroa_B*"])}, str(tmp_path / "b"))
+    assert "lora_A*" not in str(e.value).split("match no tensor")[1].split(";")[0], e.value
+    assert not (tmp_path / "b").exists()
+    fresh = _Adapted(2)
+    before = {k: v.clone() for k, v in fresh.state_dict().items()}
+    with pytest.raises(StateMismatchError, match=r"lroa_B"):
+        shardckpt.load({"model": shardckpt.select(fresh, ["*lora_A*", "*lroa_B*"])}, ck)
+    with pytest.raises(StateMismatchError, match=r"lroa_B"):
+        shardckpt.load({"model": shardckpt.select(fresh, "*lroa_B*")}, ck)
+    assert all(torch.equal(v, before[k]) for k, v in fresh.state_dict().items())
+
+
+def test_a_dict_of_the_trainable_parameters_beside_their_optimizer_is_refused_naming_trainable(tmp_path):
+    model = _Adapted(0)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    state = {"adapters": {n: p for n, p in model.named_parameters() if p.requires_grad}, "optim": opt}
+    with pytest.raises(UnsupportedStateError) as e:
+        shardckpt.save(state, str(tmp_path / "a"))
+    msg = str(e.value)
+    # The advice saves only the adapters (the model beside it would save the whole frozen base).
+    assert "shardckpt.trainable(model)" in msg and "adapters.lora_A.weight" in msg and "Put the model next to it" not in msg, msg
+    assert not (tmp_path / "a").exists()
+    shardckpt.save({"adapters": shardckpt.trainable(model), "optim": opt}, str(tmp_path / "a"))
+    assert sorted(n for n in shardckpt.inspect(str(tmp_path / "a")).tensors if n.startswith("adapters.")) == [
+        "adapters.lora_A.weight", "adapters.lora_B.weight"]
