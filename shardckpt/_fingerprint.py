@@ -85,7 +85,12 @@ def replicas_mode(replicas: Optional[str]) -> str:
 
 
 def _words(t: torch.Tensor) -> torch.Tensor:
-    b = t.detach().contiguous().reshape(-1).view(torch.uint8)
+    t = t.detach()
+    if t.is_conj() or t.is_neg():
+        # A lazy conj/neg view cannot be viewed as bytes; its values are what
+        # the writers store (_io.tensor_bytes resolves them the same way).
+        t = t.resolve_conj().resolve_neg()
+    b = t.contiguous().reshape(-1).view(torch.uint8)
     if b.numel() % 4:
         return b
     if b.storage_offset() % 4:  # a view at an odd offset: the same words as its aligned copy

@@ -200,3 +200,29 @@ def test_bad_mode_is_a_usage_error(mode, tmp_path):
     with pytest.raises(shardckpt.UsageError, match="replicas='bogus'"):
         shardckpt.save({"w": torch.ones(2)}, str(tmp_path / "x"), replicas=mode)
     assert not os.path.exists(tmp_path / "x")
+
+
+def _lazy_views(rank, world, root, diverge):
+    torch.manual_seed(0)  # the same values on every rank: replicated plain tensors
+    z, w = torch.randn(5, 3, dtype=torch.complex64), torch.randn(5, 3, dtype=torch.complex64)
+    state = {"conj": z.conj(), "neg": w.conj().imag, "plain": z.real.clone()}
+    assert state["conj"].is_conj() and state["neg"].is_neg()
+    if diverge and rank == 1:
+        z.imag[0, 0] += 1.0  # the conj view's values move on rank 1 only
+    url = f"{root}/ck-{int(diverge)}"
+    try:
+        shardckpt.save(state, url, replicas="check")
+    except shardckpt.CheckpointError as e:
+        return type(e).__name__, str(e)
+    back = {"conj": torch.zeros(5, 3, dtype=torch.complex64), "neg": torch.zeros(5, 3), "plain": torch.zeros(5, 3)}
+    shardckpt.load(back, url)
+    return "saved", all(torch.equal(back[k], state[k].resolve_conj().resolve_neg()) for k in back)
+
+
+def test_conjugate_and_negative_views_are_fingerprinted_by_their_values(tmp_path):
+    # Viewing the bytes of a lazy conj/neg view raised; every multi-rank save of one failed, even under "warn".
+    assert run_ranks(2, _lazy_views, str(tmp_path), False) == [("saved", True), ("saved", True)]
+    res = run_ranks(2, _lazy_views, str(tmp_path), True)
+    assert [r[0] for r in res] == ["ReplicaDivergenceError"] * 2, res
+    assert "conj chunk [0:5, 0:3]: rank 0 holds version A, rank 1 holds version B" in res[0][1], res[0][1]
+    assert "neg chunk" not in res[0][1] and "plain chunk" not in res[0][1], res[0][1]
