@@ -31,10 +31,10 @@ restore calls it too).
 from __future__ import annotations
 
 from .pipeline import load, load_into, read
-from .plan import DEFAULT_CAST, KeyMap, LoadPlan, LoadResult, Target, dtype_problem, plan_load, saved_chunks
+from .plan import DEFAULT_CAST, KeyMap, LoadPlan, LoadResult, Target, dtype_problem, new_tensors, plan_load, saved_chunks
 from .stream import StreamHook, load_settings, stream_into
 
 __all__ = [
     "load", "read", "load_into", "LoadResult", "LoadPlan", "Target", "plan_load", "saved_chunks",
-    "dtype_problem", "DEFAULT_CAST", "KeyMap", "StreamHook", "load_settings", "stream_into",
+    "dtype_problem", "new_tensors", "DEFAULT_CAST", "KeyMap", "StreamHook", "load_settings", "stream_into",
 ]

@@ -26,14 +26,14 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence,
 import torch
 
 from .._collective import Comm, agree, open_comm
-from .._format import Manifest, open_manifest, torch_dtype
+from .._format import Manifest, open_manifest
 from .._format.refs import follow
 from .._format.values import TAG as _TAG
 from .._format.values import decode_value, is_tensor_ref, tensor_names
 from .._hf import select_paths, with_aliases
 from .._storage import Storage
 from ..errors import CheckpointError, CorruptCheckpointError, LoadFailedError, StateMismatchError, format_offenders
-from .plan import DEFAULT_CAST, KeyMap, LoadPlan, LoadResult, plan_load
+from .plan import DEFAULT_CAST, KeyMap, LoadPlan, LoadResult, new_tensors, plan_load
 from .stage import copy_staged, stage_targets
 from .stream import StreamHook, stream_into
 
@@ -296,9 +296,9 @@ def _read_tensors(storage: Storage, manifest: Manifest, asked: Dict[str, Any], *
     :func:`load_into` alone on this process (verified reads), from the
     manifest already opened here.
     """
-    aliased = with_aliases(manifest)
-    names = sorted({n for node in asked.values() for n in tensor_names(node) if n in aliased.tensors})
-    template = {n: torch.empty(tuple(aliased.tensors[n].shape), dtype=torch_dtype(aliased.tensors[n].dtype)) for n in names}
+    # Every reference must name a saved tensor: one the checkpoint lacks is damage, not None.
+    names = sorted({n for node in asked.values() for n in tensor_names(node)})
+    template = new_tensors(storage, manifest, names)
     if names:
         comm = open_comm(None, no_dist=True, op="shardckpt.load", error=LoadFailedError)
         load_into(template, storage, comm=comm, process_group=None, io_threads=io_threads, keys=names, key_map={},

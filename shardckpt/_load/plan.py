@@ -32,7 +32,7 @@ from ..errors import CorruptCheckpointError, StateMismatchError, UsageError, for
 
 __all__ = [
     "KeyMap", "DEFAULT_CAST", "LoadResult", "Target", "LoadPlan", "plan_load", "plan_for_manifest",
-    "open_for_load", "saved_chunks", "dtype_problem", "live_nothing_loaded",
+    "open_for_load", "saved_chunks", "dtype_problem", "live_nothing_loaded", "new_tensors",
 ]
 
 log = logging.getLogger("shardckpt")
@@ -171,6 +171,43 @@ def plan_load(
     needed = plan.files
     check_files(storage, needed if held is None else {f: n for f, n in needed.items() if held(f)})
     return plan
+
+
+def new_tensors(storage: Storage, manifest: Manifest, names: Sequence[str]) -> Dict[str, torch.Tensor]:
+    """Empty CPU tensors of the saved shapes and dtypes of ``names``, allocated only once the load of them is planned.
+
+    Shapes come from the manifest, which a crafted (re-signed) manifest can
+    make any size: a meta-device template is planned first by
+    :func:`plan_load` (chunks cover the tensors, data files present at their
+    recorded sizes), so a 64 GiB claim over a small file is our
+    ``CorruptCheckpointError``, never an allocator error.
+
+    Args:
+        storage: the checkpoint's storage (references already followed).
+        manifest: its manifest, opened (as read there).
+        names: saved tensor names (aliases included).
+
+    Returns:
+        ``{name: empty tensor}``, to load into (``load_into(..., keys=names, key_map={})``).
+
+    Raises:
+        CorruptCheckpointError: a name the manifest lacks, chunks that do not
+            cover a tensor, or a data file missing or shorter than recorded.
+
+    Example:
+        >>> tpl = new_tensors(storage, manifest, ["model.w"])  # doctest: +SKIP
+    """
+    names = list(names)
+    aliased = with_aliases(manifest)
+    lacking = [n for n in names if n not in aliased.tensors]
+    if lacking:
+        raise CorruptCheckpointError(f"{storage.url}: the saved values reference tensors the checkpoint lacks: {format_offenders(lacking)}")
+    metas = {n: aliased.tensors[n] for n in names}
+    if not names:
+        return {}
+    probe = {n: torch.empty(tuple(m.shape), dtype=torch_dtype(m.dtype), device="meta") for n, m in metas.items()}
+    plan_load(probe, storage, rank=0, world=1, local_only=True, keys=names, key_map={}, opened=manifest)
+    return {n: torch.empty(tuple(m.shape), dtype=torch_dtype(m.dtype)) for n, m in metas.items()}
 
 
 def open_for_load(

@@ -39,8 +39,9 @@ from typing import Any, Dict, Optional
 from lightning.fabric.strategies import ModelParallelStrategy as _FabricMPS
 from lightning.pytorch.strategies import ModelParallelStrategy as _TrainerMPS
 
-from .._format import MANIFEST_NAME, open_manifest, torch_dtype
-from .._load import load
+from .._format import MANIFEST_NAME, open_manifest
+from .._format.refs import follow
+from .._load import load, new_tensors
 from .._save import save
 from .._storage import Storage
 from ..errors import CheckpointNotFoundError, UsageError
@@ -108,7 +109,8 @@ class ModelParallelStrategy(_TrainerMPS):
         if not is_shardckpt_checkpoint(path, storage_options=so):
             return super().load_checkpoint(path, weights_only=weights_only)
         assert self.lightning_module is not None
-        meta = values_template(open_manifest(path, storage_options=so, chunks=False), META_KEY)
+        storage = follow(Storage(path, storage_options=so))
+        meta = values_template(open_manifest(path, storage_options=so, chunks=False), META_KEY, storage=storage)
         state = {MODEL_KEY: self.model, **_optimizers(self.optimizers), META_KEY: meta}
         kw = dict(self._sc_load)
         if not self.lightning_module.strict_loading:
@@ -163,7 +165,8 @@ class FabricModelParallelStrategy(_FabricMPS):
             raise UsageError(f"{type(self).__name__}.load_checkpoint: pass the state to load into, e.g. "
                              "fabric.load(path, {'model': model, 'optimizer': optimizer})")
         manifest = open_manifest(path, storage_options=so, chunks=False)
-        rest = {k: values_template(manifest, k) for k in manifest.values if k not in state}
+        storage = follow(Storage(path, storage_options=so))
+        rest = {k: values_template(manifest, k, storage=storage) for k in manifest.values if k not in state}
         target = {**state, **rest}
         kw = dict(self._sc_load)
         kw.setdefault("strict", strict)
@@ -207,10 +210,12 @@ def consolidate(src: str, dst: str, *, storage_options: Optional[Dict[str, Any]]
         raise CheckpointNotFoundError(f"consolidate: {src!r} is not a shardckpt checkpoint (no {MANIFEST_NAME}); "
                                       "for Lightning's DCP directories use lightning.fabric.utilities.consolidate_checkpoint")
     manifest = open_manifest(src, storage_options=storage_options, chunks=False)
+    storage = follow(Storage(src, storage_options=storage_options))
     prefix = MODEL_KEY + "."
-    weights = {n[len(prefix):]: torch.empty(list(t.shape), dtype=torch_dtype(t.dtype)) for n, t in manifest.tensors.items()
-               if n.startswith(prefix)}
-    meta = values_template(manifest, META_KEY)
+    # Allocated once the files are checked to hold them (a crafted manifest can claim any shape).
+    full = new_tensors(storage, manifest, [n for n in manifest.tensors if n.startswith(prefix)])
+    weights = {n[len(prefix):]: t for n, t in full.items()}
+    meta = values_template(manifest, META_KEY, storage=storage)
     target = {MODEL_KEY: weights, META_KEY: meta}
     load(target, src, storage_options=storage_options, strict=False, no_dist=True)
     out = dict(target[META_KEY])

@@ -13,7 +13,7 @@ from shardckpt._collective import open_comm
 from shardckpt._format import open_manifest
 from shardckpt._format.refs import follow
 from shardckpt._storage import Storage
-from shardckpt.errors import ChecksumMismatchError, StateMismatchError
+from shardckpt.errors import ChecksumMismatchError, CorruptCheckpointError, StateMismatchError
 
 
 def _saved(tmp_path):
@@ -94,3 +94,42 @@ def test_a_stream_hook_gets_the_plan_it_streams(tmp_path):
     _load.load_into(live, storage, comm=comm, process_group=None, strict=False, stream=hook)
     assert len(seen) == 1 and isinstance(seen[0], _load.LoadPlan)
     assert torch.equal(live["model"]["b"], state["model"]["b"])
+
+
+def _resign_values(d, edit):
+    import json
+
+    from shardckpt._format.checksum import crc32c
+    from shardckpt._format.manifest import MANIFEST_CRC_FIELD, canonical_json
+
+    path = os.path.join(d, "manifest.json")
+    raw = json.loads(open(path, "rb").read())
+    edit(raw)
+    raw.pop(MANIFEST_CRC_FIELD, None)
+    raw[MANIFEST_CRC_FIELD] = crc32c(canonical_json(raw))
+    with open(path, "wb") as f:
+        f.write(canonical_json(raw))
+
+
+def test_read_checks_the_files_hold_a_claimed_shape_before_allocating_it(tmp_path):
+    from _damage import claim_shape
+
+    d = str(tmp_path / "ck")
+    shardckpt.save({"model": {"w": torch.ones(2, 3), "b": torch.ones(2)}, "step": 1}, d)
+    claim_shape(d, "model.w", [2**34, 2])  # 128 GiB of F32 over a file of a few hundred bytes
+    # Was: RuntimeError: DefaultCPUAllocator: can't allocate memory (load and plan_load refused it).
+    for call in (lambda: shardckpt.read(d), lambda: shardckpt.load(None, d), lambda: shardckpt.read(d, keys="model.w")):
+        with pytest.raises(CorruptCheckpointError, match=r"truncated: \d+ bytes, manifest says \d+"):
+            call()
+    assert shardckpt.read(d, keys=["step"]) == {"step": 1}  # what does not touch the claim still reads
+
+
+def test_read_refuses_a_reference_to_a_tensor_the_checkpoint_lacks(tmp_path):
+    d = str(tmp_path / "ck")
+    shardckpt.save({"model": {"w": torch.ones(2, 3)}, "step": 1}, d)
+    _resign_values(d, lambda raw: raw["values"]["model"].update(ghost={"__shardckpt__": "tensor", "name": "model.ghost"}))
+    # Was: {"model": {"w": ..., "ghost": None}}.
+    with pytest.raises(CorruptCheckpointError, match="reference tensors the checkpoint lacks: model.ghost"):
+        shardckpt.read(d)
+    with pytest.raises(CorruptCheckpointError, match="model.ghost"):
+        shardckpt.read(d, keys="model")
