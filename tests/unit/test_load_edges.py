@@ -83,6 +83,20 @@ def test_a_symlinked_hf_index_outside_the_checkpoint_is_refused(tmp_path):
             with pytest.raises(UnreadableFileError) as e:
                 call()
             assert "model.safetensors.index.json" in str(e.value) and "leading out of the checkpoint" in str(e.value), url
+    # The other readers of a Hugging Face directory: read(), the converters, the command line (issue 47 item 17).
+    from shardckpt import converters
+    from shardckpt._cli import main
+
+    for call in (lambda: shardckpt.read(ck, keys="w"),
+                 lambda: converters.from_safetensors(ck, str(tmp_path / "o1")),
+                 lambda: converters.to_safetensors(ck, str(tmp_path / "o2")),
+                 lambda: converters.to_full(ck, str(tmp_path / "o3.safetensors")),
+                 lambda: converters.reshard(ck, str(tmp_path / "o4"), world_size=2)):
+        with pytest.raises(UnreadableFileError, match="model.safetensors.index.json is a symlink leading out of the checkpoint"):
+            call()
+    for argv in (["import", ck, str(tmp_path / "o5")], ["export", ck, str(tmp_path / "o6")], ["inspect", ck], ["verify", ck]):
+        assert main([*argv, "-q"]) != 0, argv
+    assert not any(os.path.exists(tmp_path / o) for o in ("o1", "o2", "o3.safetensors", "o4", "o5", "o6"))
     # The same index as a regular file loads.
     os.remove(os.path.join(ck, "model.safetensors.index.json"))
     with open(os.path.join(ck, "model.safetensors.index.json"), "w") as f:
