@@ -52,6 +52,26 @@ def test_reference_has_every_public_name(site):
             i.endswith(f"CheckpointManager.{method}") for i in ids), method
 
 
+def test_reference_shows_the_public_api_only_with_roles_as_links_and_formatted_signatures(site):
+    """Issue 47 item 6: no underscore members (``_scan``, ``_claim``...), no literal ``:meth:``, signatures one parameter a line."""
+    import html as _html
+
+    ref = site / "reference"
+    for page in sorted(ref.glob("*.html")):
+        text = page.read_text()
+        private = sorted(i for i in _ids(text) if i.startswith(("shardckpt.", "converters.")) and i.rsplit(".", 1)[-1].startswith("_"))
+        assert not private, f"{page.name} documents private members: {private[:10]}"
+        roles = re.findall(r":(?:meth|func|attr|class|data|exc):`[^`]*`", _html.unescape(re.sub(r"<[^>]+>", "", text)))
+        assert not roles, f"{page.name} prints Sphinx roles literally: {roles[:5]}"
+    manager = (ref / "manager.html").read_text()
+    # A role in CheckpointManager's docstrings is a link to the member's entry.
+    assert re.search(r'<a class="autorefs autorefs-internal"[^>]*href="#shardckpt\.CheckpointManager\.restore"><code>restore</code>', manager)
+    api = (ref / "api.html").read_text()
+    sig = api.split('id="shardckpt.save"', 1)[1].split("doc-signature", 1)[1].split("</code>", 1)[0]
+    sig = _html.unescape(re.sub(r"<[^>]+>", "", sig))
+    assert "\n    state: Dict[str, Any],\n    url: str,\n    *,\n" in sig, sig
+
+
 def test_cli_reference_is_the_parsers_help(site):
     top = subprocess.run([sys.executable, "-m", "shardckpt", "--help"], capture_output=True, text=True, check=True).stdout
     section = top.split("\n  COMMAND\n", 1)[1].split("\n\n", 1)[0]
