@@ -740,7 +740,7 @@ class CheckpointManager:
         except Exception as e:
             raise StorageError(f"cannot list {self.root_url}: {type(e).__name__}: {e}") from e
         if step is None and not committed:
-            order.say_why_empty(self.root, nearby=nearby_names)
+            order.say_why_empty(self.root, nearby=nearby_names, remote=None if self._tiers is None else self._tiers.remote.root)
             return None
         return order.choose_step(committed, step, self._validate, root_url=self.root_url, step_url=self.step_url,
                                  initial_load_path=self.initial_load_path)

@@ -190,20 +190,34 @@ def pick_again(*, gone: bool, step_given: bool, attempt: int) -> bool:
     return gone and not step_given and attempt < RESTORE_ATTEMPTS - 1
 
 
-def say_why_empty(root: Storage, *, nearby: Callable[[Any], str]) -> None:
+def say_why_empty(root: Storage, *, nearby: Callable[[Any], str], remote: Optional[Storage] = None) -> None:
     """Rank 0, nothing committed: warn when the root does not even exist (a typo would restart the run).
 
-    ``nearby(root)`` names similar paths that do exist (the hint of a missing checkpoint).
+    ``nearby(root)`` names similar paths that do exist (the hint of a missing
+    checkpoint). ``remote``: with ``local=``, the durable remote, which held
+    no step either: the notice names both places looked at.
     """
     try:
         exists = root.exists("")
     except Exception:
         return
-    if not exists:
+    if exists:
+        return
+    if remote is None:
         log.warning(
             "shardckpt: CheckpointManager.restore: %s does not exist: nothing to restore, the run starts fresh "
             "(check the path for a typo if it should resume)%s", root.url, nearby(root),
         )
+        return
+    try:
+        there = "holds no committed step" if remote.exists("") else "does not exist"
+    except Exception as e:
+        there = f"cannot be listed ({type(e).__name__})"
+    log.warning(
+        "shardckpt: CheckpointManager.restore: the local directory %s does not exist and the remote %s %s: nothing to "
+        "restore, the run starts fresh (check both paths for a typo if it should resume)%s%s",
+        root.url, remote.url, there, nearby(root), nearby(remote),
+    )
 
 
 def initial_target(state: Dict[str, Any], *, model_only: bool) -> Dict[str, Any]:

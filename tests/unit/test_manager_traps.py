@@ -96,6 +96,19 @@ def test_a_root_that_does_not_exist_warns(tmp_path, caplog):
     assert "does not exist" in caplog.text and "nearby" in caplog.text and "run" in caplog.text
 
 
+def test_a_fresh_run_with_local_names_the_local_directory_and_the_remote(tmp_path, caplog):
+    local, remote = str(tmp_path / "nvme" / "run"), str(tmp_path / "remote" / "rnu")
+    os.makedirs(tmp_path / "remote" / "run")  # the path meant: a typo away
+    mgr = shardckpt.CheckpointManager(remote, local=local)
+    with caplog.at_level(logging.WARNING, logger="shardckpt"):
+        assert mgr.restore({"w": torch.zeros(4), "step": 0}) is None
+    mgr.close()
+    (line,) = [r.getMessage() for r in caplog.records if "starts fresh" in r.getMessage()]
+    # Was: "<local> does not exist: nothing to restore ...": the remote, where a resume reads, unnamed.
+    assert local in line and remote in line and "does not exist" in line and "check both paths" in line, line
+    assert str(tmp_path / "remote" / "run") in line, line  # the nearby name of the remote's typo
+
+
 @pytest.mark.parametrize("name", ["under", "long"])
 def test_a_newest_step_naming_an_impossible_path_is_skipped(tmp_path, name):
     root = _run(tmp_path)
