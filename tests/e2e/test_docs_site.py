@@ -105,3 +105,18 @@ def test_readme_what_works_table_names_tests_that_exist():
         assert files, f"row names no test file: {row}"
         missing = [f for f in files if not os.path.isfile(os.path.join(ROOT, f))]
         assert not missing, f"{row}: {missing} do not exist"
+
+
+def test_readme_starts_with_two_commands_and_the_cpu_build_before_them():
+    """Issue 47 item 8: the CPU-build line comes before the two commands a newcomer pastes; CI runs the second one."""
+    text = open(os.path.join(ROOT, "README.md")).read()
+    head, fence = text.split("```bash\n", 1)
+    commands = fence.split("```", 1)[0].strip().splitlines()
+    assert len(commands) == 2 and "examples/quickstart.py" in commands[0] and "pytest" in commands[1], commands
+    ci = open(os.path.join(ROOT, ".ci", "run")).read()
+    assert commands[1] in ci.splitlines(), "the CI entry point must run the README's second command"
+    cpu = "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu"
+    assert cpu in head and head.count("```") == 0, "the CPU-build step must come before the two commands"
+    index = open(os.path.join(ROOT, "docs", "index.md")).read()
+    install = index.split("## Install", 1)[1].split("\n## ", 1)[0]
+    assert cpu in install and 'pip install -e ".[test]"' in install, install
