@@ -74,6 +74,15 @@ PRELOAD = (
 )
 #: After a peer failed, how long the other processes get after SIGTERM.
 TERM_GRACE_S = 5.0
+#: Fork servers alive at once in one test process: the last used only. Each
+#: holds 0.5-0.65 GB (torch and the preloads); kept one per environment until
+#: the test process ended, they added up to GBs of a suite run (17 GB of RSS
+#: on a 24 GB box, servers started 20 minutes earlier among them: issue 47).
+MAX_SERVERS = 1
+#: A server with no request for this long exits by itself (the tests that used
+#: it are over). The client never sends to one idle for more than half of it,
+#: so no request races the exit; it starts a new one instead.
+IDLE_EXIT_S = 120.0
 
 
 def _threads() -> int:
@@ -142,8 +151,10 @@ def _signal(pid: int, sig: int) -> None:
         pass
 
 
-def _serve() -> Optional[Dict[str, Any]]:
-    """Answer requests until stdin closes (returns None); in a forked child, return its job."""
+def _serve(idle_exit_s: float = IDLE_EXIT_S) -> Optional[Dict[str, Any]]:
+    """Answer requests until stdin closes or none came for ``idle_exit_s`` (returns None); in a forked child, return its job."""
+    import select
+
     err = _preload()
     sys.stdout.write(json.dumps({"ready": err is None, "error": err, "pid": os.getpid()}) + "\n")
     sys.stdout.flush()
@@ -154,6 +165,11 @@ def _serve() -> Optional[Dict[str, Any]]:
     # pages (a child's exit took 0.9 s, 0.3 s with this).
     gc.freeze()
     while True:
+        # One request at a time, answered before the next is written: nothing
+        # waits in sys.stdin's buffer when the descriptor is polled.
+        ready, _, _ = select.select([sys.stdin], [], [], idle_exit_s)
+        if not ready:
+            return None  # idle: the tests that used this server are over
         line = sys.stdin.readline()
         if not line:
             return None
@@ -219,13 +235,19 @@ _SERVERS: Dict[tuple, "Server"] = {}
 class Server:
     """A running tests/_zygote.py server: forks ``python script.py`` processes from an interpreter that imported torch."""
 
-    def __init__(self, env: Dict[str, str]):
-        self.proc = subprocess.Popen([sys.executable, os.path.join(TESTS, "_zygote.py")], cwd=TESTS, env=env,
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    def __init__(self, env: Dict[str, str], idle_exit_s: Optional[float] = None):
+        self.idle_exit_s = IDLE_EXIT_S if idle_exit_s is None else idle_exit_s
+        self.proc = subprocess.Popen([sys.executable, os.path.join(TESTS, "_zygote.py"), "--idle-exit", str(self.idle_exit_s)],
+                                     cwd=TESTS, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         hello = self._answer(120)
         if not hello.get("ready"):
             self.close()
             raise RuntimeError(f"the snippet fork server did not start: {hello.get('error')}")
+        self.last_used = time.monotonic()
+
+    def usable(self) -> bool:
+        """Alive, and not so long idle that it may be exiting on its own (``IDLE_EXIT_S``)."""
+        return self.proc.poll() is None and time.monotonic() - self.last_used < self.idle_exit_s / 2
 
     def _answer(self, timeout: float) -> dict:
         import select
@@ -243,7 +265,10 @@ class Server:
         assert self.proc.stdin is not None
         self.proc.stdin.write(json.dumps({"procs": procs, "timeout": timeout, "stop_peers": stop_peers}) + "\n")
         self.proc.stdin.flush()
-        return self._answer(timeout + 60)
+        try:
+            return self._answer(timeout + 60)
+        finally:
+            self.last_used = time.monotonic()
 
     def close(self) -> None:
         try:
@@ -274,9 +299,22 @@ def server(env: Dict[str, str], job_vars: Tuple[str, ...] = ()) -> Server:
     base = {k: v for k, v in env.items() if k not in job_vars}
     key = tuple(sorted(base.items()))
     z = _SERVERS.get(key)
-    if z is None or z.proc.poll() is not None:
+    if z is not None and not z.usable():
+        z.close()
+        z = None
+    # The least recently used others go first: at most MAX_SERVERS alive, this one included.
+    others = sorted((k for k in _SERVERS if k != key), key=lambda k: _SERVERS[k].last_used)
+    for other in others[: max(0, len(others) - (MAX_SERVERS - 1))]:
+        _SERVERS.pop(other).close()
+    if z is None:
+        _SERVERS.pop(key, None)
         z = _SERVERS[key] = Server(base)
     return z
+
+
+def live_servers() -> List[int]:
+    """The pids of this process's fork servers still running (tests of the limits above)."""
+    return [z.proc.pid for z in _SERVERS.values() if z.proc.poll() is None]
 
 
 def run_many(argv: List[str], envs: List[Dict[str, str]], *, cwd: str, job_vars: Tuple[str, ...], timeout: float,
@@ -350,7 +388,8 @@ def run(argv: List[str], *, cwd: str, env: Dict[str, str], timeout: float = 300)
 
 
 if __name__ == "__main__":
-    _job = _serve()
+    _idle = float(sys.argv[sys.argv.index("--idle-exit") + 1]) if "--idle-exit" in sys.argv else IDLE_EXIT_S
+    _job = _serve(_idle)
     if _job is None:
         sys.exit(0)
     _run = _become(_job)

@@ -63,3 +63,32 @@ def test_torchrun_ranks_and_a_failed_rank_stops_its_peer(tmp_path):
     else:
         raise AssertionError("a failed rank passed")
     assert sys.executable
+
+
+def test_fork_servers_do_not_outlive_their_use(tmp_path, monkeypatch):
+    """Issue 47 item 3: one server per environment, each 0.5-0.65 GB, kept to the end of the run, added up to GBs."""
+    import time
+
+    _zygote._stop_servers()
+    first = dict(os.environ, ZYGOTE_TEST_VAR="a")
+    assert _zygote.run(["-c", "pass"], cwd=str(tmp_path), env=first)[0] == 0
+    (a,) = _zygote.live_servers()
+    # Another environment (a test's own variables): the first server goes before the second starts.
+    assert _zygote.run(["-c", "pass"], cwd=str(tmp_path), env=dict(os.environ, ZYGOTE_TEST_VAR="b"))[0] == 0
+    (b,) = _zygote.live_servers()
+    assert a != b and not os.path.exists(f"/proc/{a}"), a  # stopped and reaped
+    # A server nobody uses exits by itself (its tests are over), and the next use starts a new one.
+    _zygote._stop_servers()
+    monkeypatch.setattr(_zygote, "IDLE_EXIT_S", 1.0)
+    assert _zygote.run(["-c", "pass"], cwd=str(tmp_path), env=first)[0] == 0
+    (z,) = _zygote._SERVERS.values()
+    assert z.proc.wait(timeout=120) == 0  # exited on its own, idle
+    assert _zygote.live_servers() == []
+    code, out, _ = _zygote.run(["-c", "print('again')"], cwd=str(tmp_path), env=first)
+    assert code == 0 and out == "again\n"
+    (again,) = _zygote.live_servers()
+    time.sleep(0.6)  # idle past half the limit: not sent to (it may be exiting), replaced
+    assert _zygote.run(["-c", "pass"], cwd=str(tmp_path), env=first)[0] == 0
+    (last,) = _zygote.live_servers()
+    assert last not in (z.proc.pid, again)
+    _zygote._stop_servers()
