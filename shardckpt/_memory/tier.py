@@ -83,7 +83,9 @@ class MemoryStore:
             shown = ", ".join(map(str, ranks[:8])) + (", ..." if len(ranks) > 8 else "")
             log.warning(
                 "shardckpt: memory tier: no second copy of rank(s) %s (one node, or no peer on another node): the memory "
-                "tier survives a training process crash but not the loss of that node; storage saves cover that", shown,
+                "tier survives a training process crash but not the loss of that node; storage saves cover that. Nodes "
+                "simulated on one host (tests, containers) need ranks_per_node= and a directory per node computed from the "
+                "rank, e.g. MemoryTier(dir=f'/dev/shm/run1-node{rank // 2}', ranks_per_node=2) for nodes of 2 ranks", shown,
             )
         self._said_no_copy = True
 

@@ -239,3 +239,5 @@ def test_one_node_warns_once_that_there_is_no_second_copy(tmp_path):
     assert [r["out"] for r in out] == [[True, True, True]] * WORLD  # still a fast local copy
     said = _said(out, "no second copy", "WARNING")
     assert len(said) == 1 and "rank(s) 0, 1" in said[0]
+    # Simulated nodes: the hint shows how (issue 47 item 11), a directory per node computed from the rank.
+    assert "MemoryTier(dir=f'/dev/shm/run1-node{rank // 2}', ranks_per_node=2)" in said[0], said[0]
