@@ -18,6 +18,7 @@ import multiprocessing as mp
 import os
 import pickle
 import socket
+import time
 import traceback
 from datetime import timedelta
 from typing import Any, Callable, Dict, List
@@ -105,6 +106,7 @@ class _Pool:
         ctx = process_context()
         port = free_port()
         self.world = world
+        self.last_used = time.monotonic()
         self.conns = []
         self.procs = []
         for r in range(world):
@@ -115,6 +117,7 @@ class _Pool:
             self.procs.append(p)
 
     def run(self, fn, args, timeout: float) -> List[Any]:
+        self.last_used = time.monotonic()
         msg = pickle.dumps((fn, args))
         for c in self.conns:
             c.send(msg)
@@ -154,6 +157,11 @@ class _Pool:
 
 
 _POOLS: Dict[int, _Pool] = {}
+#: A pool of another world size unused for this long is closed at the next
+#: call (its ranks hold a few hundred MB each; a suite run's test files use
+#: one or two world sizes at a time, and kept to the end, every size's pool
+#: added up: issue 47).
+POOL_IDLE_S = 90.0
 
 
 def run_ranks(world: int, fn: Callable[..., Any], *args: Any, timeout: float = 180, fresh: bool = False) -> List[Any]:
@@ -164,6 +172,10 @@ def run_ranks(world: int, fn: Callable[..., Any], *args: Any, timeout: float = 1
     kill ranks or change process-wide settings.
     """
     fresh = fresh or os.environ.get("SHARDCKPT_TEST_FRESH") == "1"
+    now = time.monotonic()
+    for w, idle in list(_POOLS.items()):
+        if w != world and now - idle.last_used > POOL_IDLE_S:
+            _POOLS.pop(w).close()
     pool = None if fresh else _POOLS.get(world)
     if pool is None:
         pool = _Pool(world)
@@ -176,6 +188,7 @@ def run_ranks(world: int, fn: Callable[..., Any], *args: Any, timeout: float = 1
         pool.close(kill=True)
         raise
     finally:
+        pool.last_used = time.monotonic()
         if fresh:
             pool.close()
 

@@ -92,3 +92,21 @@ def test_fork_servers_do_not_outlive_their_use(tmp_path, monkeypatch):
     (last,) = _zygote.live_servers()
     assert last not in (z.proc.pid, again)
     _zygote._stop_servers()
+
+
+def _pid(rank, world):
+    return os.getpid()
+
+
+def test_a_rank_pool_of_another_world_size_left_idle_is_closed(monkeypatch):
+    """Issue 47 item 3: every world size's pool of rank processes stayed to the end of the run."""
+    import _dist
+
+    _dist._shutdown()
+    two = _dist.run_ranks(2, _pid)
+    assert _dist.run_ranks(2, _pid) == two  # reused while in use
+    pool2 = _dist._POOLS[2]
+    monkeypatch.setattr(_dist, "POOL_IDLE_S", 0.0)
+    _dist.run_ranks(3, _pid)
+    assert sorted(_dist._POOLS) == [3] and not any(p.is_alive() for p in pool2.procs)
+    _dist._shutdown()
