@@ -2,8 +2,9 @@
 
 One line after the ``Accelerator`` is built::
 
-    accelerator = Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2))
-    shardckpt.integrations.accelerate.enable(accelerator)      # the one added line
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2)
+    accelerator = Accelerator(fsdp_plugin=plugin)              # without GPUs: cpu=True
+    shardckpt.integrations.accelerate.enable(accelerator, fsdp_plugin=plugin)   # the one added line
     ...
     accelerator.save_state("ckpt/step-100")    # a shardckpt checkpoint (manifest.json + data/)
     accelerator.load_state("ckpt/step-100")    # at any world size; DCP checkpoints of Accelerate still load
@@ -14,10 +15,17 @@ they have written, so no hook can replace them. ``enable`` rebinds
 ``save_state`` / ``load_state`` on this one ``Accelerator`` object (nothing
 global is patched) to :func:`save_state` / :func:`load_state`, which keep
 Accelerate's conventions: ``ProjectConfiguration(automatic_checkpoint_naming=True)``
-names ``<project_dir>/checkpoints/checkpoint_<i>`` and ``total_limit`` keeps
-the newest (deleting only after the new one is committed, where Accelerate
-deletes first); the registered save/load pre-hooks run with the same
-arguments; ``accelerator.step`` and the project iteration are restored.
+names ``<project_dir>/checkpoints/checkpoint_<i>`` (an existing one is
+refused, as Accelerate does) and ``total_limit`` applies Accelerate's rule to
+the ``checkpoint_<i>`` folders holding a checkpoint, never another folder
+(deleting once the new one is committed, where Accelerate deletes first);
+the registered save/load pre-hooks run with the same arguments;
+``accelerator.step`` and the project iteration are restored (malformed saved
+counters refused before anything loads).
+
+On CPU, Accelerate drops its FSDP plugin: ``enable(accelerator,
+fsdp_plugin=plugin)`` turns FSDP on as it does on GPUs, or refuses where it
+cannot (:func:`fsdp_on_cpu`).
 
 One checkpoint holds every prepared model (``model``, ``model_1``, ...),
 optimizer (its FQN-keyed state, resharded on load), LR scheduler, stateful
