@@ -63,7 +63,8 @@ args = TrainingArguments(
     dataloader_num_workers=0, disable_tqdm=True,
 )
 trainer = Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=[Record()])
-if not a.native:
-    sc_transformers.enable(trainer)  # <- the one line a user adds
+sc_transformers.enable(trainer)  # <- the one line a user adds
+if a.native:
+    sc_transformers.disable(trainer)  # the Trainer's own checkpoints (FSDP stays on)
 trainer.train(resume_from_checkpoint=True if a.mode == "resume" else None)
 assert trainer.is_fsdp_enabled and trainer.accelerator.is_fsdp2, trainer.accelerator.distributed_type

@@ -76,3 +76,14 @@ def test_enable_refuses_other_objects():
 
     with pytest.raises(UsageError, match="expected a transformers.Trainer"):
         enable(object())
+
+
+@pytest.mark.slow
+def test_the_trainers_own_checkpoint_still_resumes(run, tmp_path):
+    """A checkpoint the Trainer wrote itself (DCP, torch.save) resumes through the switched Trainer: a run switched mid-way."""
+    codes = launch(SCRIPT, 2, ["--native", "--mode", "crash", "--out-dir", str(tmp_path / "ck"), "--losses", str(tmp_path / "c.jsonl")])
+    assert codes == [-9, -9], codes
+    assert not (tmp_path / "ck" / "checkpoint-4" / "manifest.json").exists()
+    run_ok(SCRIPT, 2, ["--mode", "resume", "--out-dir", str(tmp_path / "ck"), "--losses", str(tmp_path / "r.jsonl")])
+    full, got = losses(str(run / "full.jsonl")), losses(str(tmp_path / "r.jsonl"))
+    assert got == {s: full[s] for s in got} and sorted(got) == [5, 6, 7, 8]
