@@ -164,7 +164,11 @@ def _fsdp_on_cpu(trainer: Any) -> None:
     from accelerate.utils import FullyShardedDataParallelPlugin
 
     # The plugin the Trainer built and Accelerate dropped on CPU, made again from the same arguments.
-    if fsdp_on_cpu(trainer.accelerator, FullyShardedDataParallelPlugin(**plugin_args)):
+    try:
+        switched = fsdp_on_cpu(trainer.accelerator, FullyShardedDataParallelPlugin(**plugin_args))
+    except UsageError as e:
+        raise UsageError(f"{e}. With the Trainer: TrainingArguments(..., use_cpu=True), then enable(trainer)") from None
+    if switched:
         trainer.is_fsdp_enabled = True
 
 
