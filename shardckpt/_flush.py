@@ -46,6 +46,7 @@ from ._collective import ALL, FROM_ROOT, Comm, agree
 from ._format import HF_INDEX_NAME, MANIFEST_NAME, MetaCache, manifest_from_bytes, open_manifest
 from ._format._v2 import read_index
 from ._format.refs import REF_MARK, follow, live_files, ref_target, removable
+from ._managed import identity
 from ._managed.retention import step_dir_name
 from ._memory import plan as memory_plan
 from ._memory import store as memory_store
@@ -586,6 +587,8 @@ class Tiers:
         self.steps_to_delete = steps_to_delete
         self.stale_leftovers = stale_leftovers
         self.flusher: Optional[Flusher] = None
+        #: This run's identity (``_managed.identity``), every rank: agreed at the first restore or save; None until then.
+        self.run: Optional[str] = None
         #: Per-node: the last local restore's numbers (bytes read here, received, sent, damaged copies; :func:`restore_local_held`).
         self.last_restore: Optional[Dict[str, Any]] = None
 
@@ -670,7 +673,8 @@ class Tiers:
         return live_files(named)
 
     def restore(
-        self, state: Dict[str, Any], comm: Comm, load_kw: Dict[str, Any], *, local: Storage, local_steps: Callable[[], List[int]],
+        self, state: Dict[str, Any], comm: Comm, load_kw: Dict[str, Any], *, local: Storage,
+        local_steps: Callable[[Optional[str]], List[int]],
         validate: Callable[[int], None], flush: bool, memory: Optional[Callable[[Optional[int]], Optional[int]]] = None,
         local_check: Optional[Callable[[int], bool]] = None,
     ) -> Tuple[str, Optional[int], Optional[str]]:
@@ -687,29 +691,38 @@ class Tiers:
         (``flush``: not for a load-only manager). ``local_check``: a collective
         check of the local step that replaces ``validate``'s agreement (per-node
         directories: :func:`held_local`).
+
+        Only this run's local steps count: ``local_steps(run)`` lists those
+        of this root whose run is ``run``, the run of the remote's newest
+        step (None: any run of this root); :attr:`run` is that run afterwards
+        (``_managed.identity``).
         """
         remote = self.remote
 
-        def newest() -> Tuple[Optional[int], Optional[int], Optional[int]]:
-            steps_here = local_steps()
+        def newest() -> Tuple[Optional[int], Optional[int], Optional[int], Optional[str]]:
+            run = None
             try:
                 remote_steps = remote.steps()
+                if remote_steps:
+                    run = identity.whose(open_manifest(remote.root.child(self.step_dir(remote_steps[-1])), chunks=False).extra)[1]
             except Exception as e:  # the remote is down: the local disk can still resume the run
-                if not steps_here:
+                if not local_steps(None):
                     raise
                 log.warning("shardckpt: restore: cannot list the remote %s (%s: %s); choosing among the local steps only",
                             remote.root_url, type(e).__name__, e)
                 remote_steps = []
+            steps_here = local_steps(run)
             world = None
             if steps_here:  # the flusher uploads each rank's own files: only a step of this job's world size can go up
                 try:
                     world = open_manifest(local.child(self.step_dir(steps_here[-1])), chunks=False).world_size
                 except Exception:  # noqa: BLE001 - unreadable: the restore's own checks say why
                     world = None
-            return (steps_here[-1] if steps_here else None, remote_steps[-1] if remote_steps else None, world)
+            return (steps_here[-1] if steps_here else None, remote_steps[-1] if remote_steps else None, world, run)
 
-        _, (lstep, rstep, lworld) = agree(comm, lambda: newest() if comm.rank == 0 else None,
-                                  what=f"restore from {local.url} or {remote.root_url}", share=lambda v: v, mode=FROM_ROOT)
+        _, (lstep, rstep, lworld, self.run) = agree(comm, lambda: newest() if comm.rank == 0 else None,
+                                                    what=f"restore from {local.url} or {remote.root_url}", share=lambda v: v,
+                                                    mode=FROM_ROOT)
         readable = False
         if lstep is not None and (rstep is None or lstep >= rstep) and local_check is not None:
             readable = local_check(lstep)

@@ -36,10 +36,10 @@ from . import _fingerprint
 from ._async import AsyncSaveHandle, start_async, wait_pending
 from ._collective import ALL, FROM_ROOT, Comm, NoProcessGroupError, agree, open_comm
 from ._flush import Held, Tiers, detect_nodes, held_local, restore_local_held, share_manifest
-from ._format import MANIFEST_NAME
+from ._format import MANIFEST_NAME, open_manifest
 from ._format.committed import nearby_names
 from ._load import load
-from ._managed import exports, owners, retention
+from ._managed import exports, identity, owners, retention
 from ._managed import restore as order
 from ._managed.exports import HF_SUFFIX
 from ._managed.memory import open_memory
@@ -224,6 +224,10 @@ class CheckpointManager:
         self._me = (0, 1)  # (rank, world size) of the probe
         self.on_durable = on_durable
         self.keep_local = _positive("keep_local", keep_local, allow_none=False)
+        #: The root this run's tier steps record (``_managed.identity``): with ``local=`` the remote, else the root.
+        home: Optional[str] = None
+        #: (step, why) of local steps of another run already logged (said once each).
+        self._said_foreign: Set[Tuple[int, str]] = set()
         if local is not None:
             if not isinstance(local, (str, os.PathLike)) or not str(local).strip():
                 raise UsageError(f"CheckpointManager: local must be a directory path, got {local!r}")
@@ -235,6 +239,7 @@ class CheckpointManager:
             # incremental=True: references resolve on each side (the flusher uploads what a step references).
             self._tiers = Tiers(remote, keep_local=cast(int, self.keep_local), on_durable=on_durable, step_dir=step_dir_name,
                                 parse_step=parse_step_dir, steps_to_delete=steps_to_delete, stale_leftovers=stale_leftovers)
+            home = remote.root.url
             root_url, storage_options = os.fspath(local), None  # saves, claims and local retention run on the local directory
         self.root = Storage(root_url, storage_options=storage_options)
         self.root_url = self.root.url
@@ -265,7 +270,8 @@ class CheckpointManager:
         # its first save); any other step that appears is another writer's.
         self._known: Optional[Set[int]] = None
         self._token = uuid.uuid4().hex
-        self._memory = open_memory(memory, self.root_url)
+        # With local=, the memory copy is the remote root's (not the local directory's: node-local paths are reused across jobs).
+        self._memory = open_memory(memory, home if home is not None else self.root_url)
 
     def __repr__(self) -> str:
         return f"CheckpointManager({self.root_url!r}, keep_last={self.keep_last}, keep_every={self.keep_every}, async_save={self.async_save})"
@@ -527,7 +533,50 @@ class CheckpointManager:
         if not self.incremental:
             return None
         earlier = [s for s in self._scan()[0] if s < step]
+        if self._tiers is not None:  # never a base of another run (its files are not this run's to reference)
+            earlier = self._own(earlier, self._tiers.run)
         return step_dir_name(earlier[-1]) if earlier else None
+
+    # -- whose steps: the run identity of local= (_managed.identity) ------------------------------------
+
+    def _run_of_save(self) -> Optional[str]:
+        """Rank 0, before a save: the run's identity (with ``local=``; None without): agreed at restore, else inherited from the newest local step of this root, else new."""
+        if self._tiers is None:
+            return None
+        if self._tiers.run is None:
+            own = self._own(self._scan()[0], None)
+            self._tiers.run = identity.inherit(identity.whose(self._extra(own[-1]))[1] if own else None)
+        return self._tiers.run
+
+    def _extra(self, step: int) -> Any:
+        """The ``extra`` of local step ``step``'s manifest (its identity); raises when it cannot be read."""
+        return open_manifest(self.root.child(step_dir_name(step)), chunks=False).extra
+
+    def _foreign(self, step: int, run: Optional[str]) -> Optional[str]:
+        """Why local step ``step`` is not this run's (:func:`_managed.identity.foreign`; unreadable: not known to be), None if it is; said once per step."""
+        assert self._tiers is not None
+        try:
+            why = identity.foreign(self._extra(step), root=self._tiers.remote_url, run=run)
+        except Exception as e:  # noqa: BLE001 - unreadable: not known to be this run's, so never deleted as ours
+            why = f"its manifest cannot be read ({type(e).__name__}: {e})"
+        if why is not None and (step, why) not in self._said_foreign:
+            self._said_foreign.add((step, why))
+            log.warning("shardckpt: local step %d at %s is not taken as a step of this run (whose root is %s): %s; "
+                        "ignored and left in place",
+                        step, self.step_url(step), self._tiers.remote_url, why)
+        return why
+
+    def _own(self, steps: Iterable[int], run: Optional[str]) -> List[int]:
+        """Of local ``steps``, those of this run (``run``; None: any run of this root); the others are logged once and left alone."""
+        if self._tiers is None:
+            return list(steps)
+        return [s for s in steps if self._foreign(s, run) is None]
+
+    def _check_own(self, step: int, run: Optional[str]) -> None:
+        """Raise ``CorruptCheckpointError`` (restore skips the step as it skips damage) unless local step ``step`` is this run's."""
+        why = self._foreign(step, run)
+        if why is not None:
+            raise CorruptCheckpointError(f"local step {step} at {self.step_url(step)} is not this run's: {why}")
 
     # -- save (engine) ---------------------------------------------------------------
 
@@ -539,8 +588,13 @@ class CheckpointManager:
         # Rank 0 claims (or checks) the root; its refusal is raised on every rank.
         # With incremental saves rank 0 also names the base (the newest
         # committed step before this one), the same for every rank.
-        _, base = agree(comm, lambda: self._claim(step) if comm.rank == 0 else None,
-                        what=f"save of step {step} under {self.root_url}", share=lambda v: v, mode=FROM_ROOT)
+        # With local=, rank 0 also names the run the step belongs to (_managed.identity).
+        _, (base, run) = agree(comm, lambda: (self._claim(step), self._run_of_save()) if comm.rank == 0 else None,
+                               what=f"save of step {step} under {self.root_url}", share=lambda v: v, mode=FROM_ROOT)
+        extra: Dict[str, Any] = {"step": step}
+        if self._tiers is not None:
+            self._tiers.run = run
+            extra = identity.stamp(step, root=self._tiers.remote_url, run=run)
         url = self.step_url(step)
         try:
             plan = prepare_save(
@@ -550,7 +604,7 @@ class CheckpointManager:
                 storage_options=self.storage_options or None,
                 overwrite=force,
                 io_threads=self._write_threads,
-                extra={"step": step},
+                extra=extra,
                 exists_hint=f"step {step} is already committed; {FORCE_HINT}",
                 incremental=base,
                 content_hash=self.incremental,  # the first step too: later ones reference it
@@ -655,6 +709,8 @@ class CheckpointManager:
                 "writer (this manager's next save raises ConcurrentUseError)", saved, format_offenders(foreign), self.root_url,
             )
             return
+        if self._tiers is not None:  # a shared local directory: another run's steps are never this run's to delete
+            committed = self._own(committed, self._tiers.run)
         plan = retention.plan_retention(committed, [s for s, _ in partial], **self._retention(saved))
         # Uncommit the dropped steps first: if we die half way, what remains
         # are leftovers that restore skips, never a committed step with
@@ -813,7 +869,8 @@ class CheckpointManager:
                 held[0] = self._held(comm, step)
                 return held[0] is not None
 
-            source, got, where = self._tiers.restore(state, comm, load_kw, local=self.root, local_steps=self.steps,
+            source, got, where = self._tiers.restore(state, comm, load_kw, local=self.root,
+                                                     local_steps=lambda run: self._own(self.steps(), run),
                                                      validate=self._validate, flush=not self.load_only, memory=from_memory,
                                                      local_check=local_check if per_node else None)
             if source in ("remote", "memory"):
@@ -831,14 +888,18 @@ class CheckpointManager:
             self.restored_from = remote.restored_from
             return got
         elif self._tiers is not None and s is not None:
-            _, here = agree(comm, lambda: s in self.steps() if comm.rank == 0 else None,
+            tiers = self._tiers
+            _, here = agree(comm, lambda: s in self._own([x for x in self.steps() if x == s], tiers.run) if comm.rank == 0 else None,
                             what=f"restore of step {s} from {self.root_url}", share=lambda v: v, mode=FROM_ROOT)
             if not here:  # not (or no longer) on the local disk: the remote's copy
                 remote = self._tiers.remote
                 got = remote.restore(state, step=s, **load_kw)
                 self.restored_from = remote.restored_from
                 return got
-        found, got = self._restore_storage(state, s, comm, load_kw, memory_tried=memory_tried)
+        if self._tiers is not None and s is None:  # "none": no step of this run anywhere (another run's local steps are not)
+            found, got = False, None
+        else:
+            found, got = self._restore_storage(state, s, comm, load_kw, memory_tried=memory_tried)
         if not found and s is None and self.initial_load_path is not None:
             # A fresh run: start from the given weights (torchtitan's
             # initial_load_path). Once the run has its own steps they win.
@@ -849,8 +910,13 @@ class CheckpointManager:
 
     def _held(self, comm: Comm, step: int) -> Optional[Held]:
         """Per-node local directories: what every node holds of ``step``, None unless they hold it whole (collective; :func:`_flush.held_local`)."""
-        return held_local(self.root, step, comm, self._nodes(comm)[2],
-                          check=lambda: order.validate_step(self.root, step, files=False, chunks=False))
+        run = cast(Tiers, self._tiers).run
+
+        def check() -> None:  # this node's copy: a valid manifest of this run's step (another run's is not held here)
+            order.validate_step(self.root, step, files=False, chunks=False)
+            self._check_own(step, run)
+
+        return held_local(self.root, step, comm, self._nodes(comm)[2], check=check)
 
     def _restore_held(self, state: Dict[str, Any], held: Held, comm: Comm, load_kw: Dict[str, Any],
                       step: Optional[int]) -> Optional[int]:
