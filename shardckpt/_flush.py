@@ -40,17 +40,17 @@ import tempfile
 import threading
 import time
 import uuid
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Set, Tuple
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 
 from ._collective import ALL, FROM_ROOT, Comm, agree
 from ._format import HF_INDEX_NAME, MANIFEST_NAME, MetaCache, manifest_from_bytes, open_manifest
 from ._format._v2 import read_index
-from ._format.refs import REF_MARK, follow, live_files, ref_target, removable
-from ._managed import identity
+from ._format.refs import REF_MARK, follow, ref_target
+from ._managed import identity, retention
+from ._managed.held import Held, load_comm, restore_held
 from ._managed.retention import step_dir_name
 from ._memory import plan as memory_plan
 from ._memory import store as memory_store
-from ._memory.restore import Held, load_comm, restore_held
 from ._storage import Storage
 from .errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 
@@ -561,11 +561,6 @@ class Tiers:
             ``restore()``, ``root``, ``keep_last``, ``keep_every``).
         keep_local: local steps to keep besides those being flushed.
         on_durable: every rank, after each remote commit, with the step.
-        step_dir: a step's directory name; ``parse_step``: its inverse (None
-            for another name).
-        steps_to_delete: the retention rule (``(committed, keep_last=,
-            keep_every=, protect=)`` -> steps to drop); ``stale_leftovers``:
-            which uncommitted step directories are leftovers.
     """
 
     def __init__(
@@ -574,18 +569,11 @@ class Tiers:
         *,
         keep_local: int,
         on_durable: Optional[Callable[[int], None]],
-        step_dir: Callable[[int], str],
-        parse_step: Callable[[str], Optional[int]],
-        steps_to_delete: Callable[..., List[int]],
-        stale_leftovers: Callable[[Iterable[int], Iterable[int]], List[int]],
     ):
         self.remote = remote
         self.keep_local = keep_local
         self.on_durable = on_durable
-        self.step_dir = step_dir
-        self.parse_step = parse_step
-        self.steps_to_delete = steps_to_delete
-        self.stale_leftovers = stale_leftovers
+        self.step_dir = step_dir_name
         self.flusher: Optional[Flusher] = None
         #: This run's identity (``_managed.identity``), every rank: agreed at the first restore or save; None until then.
         self.run: Optional[str] = None
@@ -618,59 +606,18 @@ class Tiers:
     def retain_remote(self, flushed: int, resaved: bool = False) -> None:
         """Rank 0's flusher, after step ``flushed`` committed on the remote: ``keep_last``/``keep_every`` there.
 
-        Reference-safe (incremental): dropped steps are uncommitted first
-        (their manifests), then only files no kept manifest names are
-        removed, from the dropped steps and the leftovers of failed or
-        skipped flushes (a skipped step's directory may hold just the files
-        a flushed step references: they stay). After a re-flush (``resaved``)
-        the replaced files of ``flushed`` itself go the same way. With a
-        kept manifest unreadable nothing but manifests is removed.
+        The manager's retention on another root: :func:`_managed.retention.plan_retention`
+        over a fresh listing, carried out by :func:`_managed.retention.apply`
+        (reference-safe: dropped steps uncommitted first, then only files no
+        kept manifest names removed, from them and from the leftovers of
+        failed or skipped flushes). After a re-flush (``resaved``) the
+        replaced files of ``flushed`` itself go the same way.
         """
-        remote, root = self.remote, self.remote.root
-        committed = remote.steps()  # a fresh listing (caches invalidated)
-        dirs = {s: n for n in root.listdir("") for s in [self.parse_step(n)] if s is not None}
-        partial = [s for s in dirs if s not in set(committed)]
-        drop = self.steps_to_delete(committed, keep_last=remote.keep_last, keep_every=remote.keep_every, protect=[flushed])
-        for s in drop:  # uncommit first: a crash leaves leftovers, never a committed step with missing files
-            log.info("shardckpt: remote retention removes step %d from %s", s, remote.root_url)
-            try:
-                root.remove(f"{self.step_dir(s)}/{MANIFEST_NAME}")
-            except FileNotFoundError:
-                pass
-        stale = self.stale_leftovers(committed, partial)
-        targets = [self.step_dir(s) for s in [*drop, *stale]]
-        if not targets and not resaved:
-            return
-        live = self._live([s for s in committed if s not in set(drop)])
-        if live is None:
-            return  # a kept manifest is unreadable: its references are unknown, remove no file
-        for name in targets:
-            present = root.child(name).walk_files("")
-            gone = removable(name, present, live)
-            if len(gone) == len(present):
-                root.remove_tree(name)
-            else:
-                for rel in gone:
-                    root.remove(f"{name}/{rel}")
-        if resaved:
-            name = self.step_dir(flushed)
-            for rel in removable(name, root.child(name).walk_files(""), live):
-                if rel not in (MANIFEST_NAME, HF_INDEX_NAME):
-                    root.remove(f"{name}/{rel}")  # the replaced copy's files
-
-    def _live(self, kept: Iterable[int]) -> Optional[Set[Tuple[str, str]]]:
-        named: Dict[str, List[str]] = {}
-        for s in kept:
-            name = self.step_dir(s)
-            try:
-                named[name] = list(open_manifest(self.remote.root.child(name), chunks=False).files)
-            except (FileNotFoundError, CheckpointNotFoundError):
-                continue
-            except Exception as e:
-                log.warning("shardckpt: remote retention: cannot read the manifest of kept step %d (%s: %s): no file "
-                            "is removed this time", s, type(e).__name__, e)
-                return None
-        return live_files(named)
+        root = self.remote.root
+        committed, unfinished = retention.scan(root)  # a fresh listing (caches invalidated)
+        plan = retention.plan_retention(committed, [s for s, _ in unfinished], keep_last=self.remote.keep_last,
+                                        keep_every=self.remote.keep_every, protect=[flushed])
+        retention.apply(root, plan, unfinished, resaved=flushed if resaved else None, label="remote retention")
 
     def restore(
         self, state: Dict[str, Any], comm: Comm, load_kw: Dict[str, Any], *, local: Storage,
@@ -929,7 +876,7 @@ def restore_local_held(state: Dict[str, Any], held: Held, local: Storage, comm: 
                        load_kw: Dict[str, Any], stats: Dict[str, Any]) -> Optional[int]:
     """Collective, per-node: load the local step ``held`` describes, each file from a node that holds it; None: it cannot be.
 
-    ``_memory.restore.restore_held`` over a private staging directory in
+    ``_managed.held.restore_held`` over a private staging directory in
     the local root (``<local>/.shardckpt-restore-<token>-r<rank>``, 0700,
     hard links to this node's files: the same filesystem, no copy; removed
     afterwards). A file no node holds a good copy of: None (logged), and

@@ -237,8 +237,7 @@ class CheckpointManager:
             if Storage(os.fspath(local)).url == remote.root.url:
                 raise UsageError(f"CheckpointManager: local={local!r} is the remote root itself; give it a node-local directory")
             # incremental=True: references resolve on each side (the flusher uploads what a step references).
-            self._tiers = Tiers(remote, keep_local=cast(int, self.keep_local), on_durable=on_durable, step_dir=step_dir_name,
-                                parse_step=parse_step_dir, steps_to_delete=steps_to_delete, stale_leftovers=stale_leftovers)
+            self._tiers = Tiers(remote, keep_local=cast(int, self.keep_local), on_durable=on_durable)
             home = remote.root.url
             root_url, storage_options = os.fspath(local), None  # saves, claims and local retention run on the local directory
         self.root = Storage(root_url, storage_options=storage_options)
@@ -712,22 +711,7 @@ class CheckpointManager:
         if self._tiers is not None:  # a shared local directory: another run's steps are never this run's to delete
             committed = self._own(committed, self._tiers.run)
         plan = retention.plan_retention(committed, [s for s, _ in partial], **self._retention(saved))
-        # Uncommit the dropped steps first: if we die half way, what remains
-        # are leftovers that restore skips, never a committed step with
-        # missing files. Then delete only files no kept manifest names
-        # (the kept manifests are never touched here).
-        for s in plan.drop:
-            log.info("shardckpt: retention removes step %d", s)
-            self._uncommit(step_dir_name(s))
-        if plan.empty:
-            return  # nothing to delete: no manifest to read
-        live = self._live_files(plan.kept)
-        for s, name in partial:
-            if s in plan.stale:
-                log.info("shardckpt: removing leftovers of an unfinished save: %s", self.root.url_of(name))
-                self._clear_dir(name, live)
-        for s in plan.drop:
-            self._clear_dir(step_dir_name(s), live)
+        retention.apply(self.root, plan, partial, clear=self._clear_dir)
 
     # -- deletions on the root (_managed.retention) ------------------------------------------
 
@@ -740,9 +724,6 @@ class CheckpointManager:
         # restore skips, never a committed step with missing files.
         self._uncommit(name)
         self._clear_dir(name)
-
-    def _live_files(self, kept: Iterable[int]) -> Optional[Set[Tuple[str, str]]]:
-        return retention.live_files_of(self.root, kept)
 
     def _clear_dir(self, name: str, live: Any = UNKNOWN, *, dry_run: bool = False) -> List[str]:
         return retention.clear_dir(self.root, name, live, dry_run=dry_run)
