@@ -32,6 +32,7 @@ The planning functions here are pure (ints in, ints out) and tested alone
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import shutil
@@ -46,7 +47,7 @@ from ._collective import ALL, FROM_ROOT, Comm, agree
 from ._format import HF_INDEX_NAME, MANIFEST_NAME, MetaCache, manifest_from_bytes, open_manifest
 from ._format._v2 import read_index
 from ._format.refs import REF_MARK, follow, ref_target
-from ._managed import identity, retention
+from ._managed import retention
 from ._managed.held import Held, load_comm, restore_held
 from ._managed.retention import step_dir_name
 from ._memory import plan as memory_plan
@@ -54,7 +55,7 @@ from ._memory import store as memory_store
 from ._storage import Storage
 from .errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 
-__all__ = ["Flusher", "Tiers", "next_flush", "local_protected", "restore_source", "commit_save_id", "files_of_rank",
+__all__ = ["Flusher", "Tiers", "Remote", "PerNodeSource", "next_flush", "local_protected", "restore_source", "commit_save_id", "files_of_rank",
            "upload_step", "check_world", "node_groups", "detect_nodes", "share_manifest", "held_local", "restore_local_held", "remove_stale_stages", "own_chunks", "STAGE_PREFIX", "PROBE_PREFIX", "FLUSH_CHANNEL", "COPY_PIECE_BYTES", "FLUSH_NICE",
            "YIELD_MAX_S"]
 
@@ -548,24 +549,52 @@ class Flusher:
 
 
 
+@dataclasses.dataclass(frozen=True)
+class Remote:
+    """The durable remote root of ``CheckpointManager(root_url, local=DIR)``: where it is, its retention, its restore's file check.
+
+    Restore reads it as one of its sources (``_managed.restore.RootSource``);
+    the flusher writes it; :meth:`Tiers.retain_remote` applies ``keep_last``
+    and ``keep_every`` on it.
+    """
+
+    root: Storage
+    keep_last: Optional[int] = None
+    keep_every: Optional[int] = None
+    storage_options: Optional[Dict[str, Any]] = None
+    check_files: bool = True
+
+    @property
+    def root_url(self) -> str:
+        return self.root.url
+
+    def steps(self) -> List[int]:
+        """Committed steps on the remote, oldest first (a fresh listing)."""
+        return retention.scan(self.root)[0]
+
+    def step_url(self, step: int) -> str:
+        return self.root.url_of(step_dir_name(step))
+
+
 class Tiers:
-    """The local and remote tiers of ``CheckpointManager(root_url, local=DIR)``: the remote, the flusher, both retentions, restore's choice.
+    """The local and remote tiers of ``CheckpointManager(root_url, local=DIR)``: the remote, the flusher, both retentions, the run.
 
     The manager saves, retains and restores on the local directory as
     usual and asks this object what differs: which local steps retention
-    must keep (:meth:`retention`), where a fresh restore loads from
-    (:meth:`restore`), and what is durable (:attr:`durable_step`).
+    must keep (:meth:`retention`), the remote's retention
+    (:meth:`retain_remote`), and what is durable (:attr:`durable_step`).
+    Restore reads the remote and the local directory as two of its
+    sources (``_managed.restore``; per-node directories: :class:`PerNodeSource`).
 
     Args:
-        remote: the read-only manager of the remote root (``steps()``,
-            ``restore()``, ``root``, ``keep_last``, ``keep_every``).
+        remote: the remote root (:class:`Remote`).
         keep_local: local steps to keep besides those being flushed.
         on_durable: every rank, after each remote commit, with the step.
     """
 
     def __init__(
         self,
-        remote: Any,
+        remote: Remote,
         *,
         keep_local: int,
         on_durable: Optional[Callable[[int], None]],
@@ -618,93 +647,6 @@ class Tiers:
         plan = retention.plan_retention(committed, [s for s, _ in unfinished], keep_last=self.remote.keep_last,
                                         keep_every=self.remote.keep_every, protect=[flushed])
         retention.apply(root, plan, unfinished, resaved=flushed if resaved else None, label="remote retention")
-
-    def restore(
-        self, state: Dict[str, Any], comm: Comm, load_kw: Dict[str, Any], *, local: Storage,
-        local_steps: Callable[[Optional[str]], List[int]],
-        validate: Callable[[int], None], flush: bool, memory: Optional[Callable[[Optional[int]], Optional[int]]] = None,
-        local_check: Optional[Callable[[int], bool]] = None,
-    ) -> Tuple[str, Optional[int], Optional[str]]:
-        """Restore's choice with ``local=``: ``(source, step, restored_from)`` (collective).
-
-        ``source`` is ``"memory"`` or ``"remote"`` (loaded here, ``restored_from``
-        says from where), ``"local"`` (the caller loads ``step`` from the local
-        directory) or ``"none"``. The newest step wins: one held in memory
-        (``memory(storage_step)`` restores it when at least as new as the
-        storage step, verified, else returns None), else the local step when
-        every rank can read and check it (its manifest and files, agreed),
-        else the remote's newest; a tie goes to the faster place. Afterwards
-        the newest local step the remote lacks is handed to the flusher
-        (``flush``: not for a load-only manager). ``local_check``: a collective
-        check of the local step that replaces ``validate``'s agreement (per-node
-        directories: :func:`held_local`).
-
-        Only this run's local steps count: ``local_steps(run)`` lists those
-        of this root whose run is ``run``, the run of the remote's newest
-        step (None: any run of this root); :attr:`run` is that run afterwards
-        (``_managed.identity``).
-        """
-        remote = self.remote
-
-        def newest() -> Tuple[Optional[int], Optional[int], Optional[int], Optional[str]]:
-            run = None
-            try:
-                remote_steps = remote.steps()
-                if remote_steps:
-                    run = identity.whose(open_manifest(remote.root.child(self.step_dir(remote_steps[-1])), chunks=False).extra)[1]
-            except Exception as e:  # the remote is down: the local disk can still resume the run
-                if not local_steps(None):
-                    raise
-                log.warning("shardckpt: restore: cannot list the remote %s (%s: %s); choosing among the local steps only",
-                            remote.root_url, type(e).__name__, e)
-                remote_steps = []
-            steps_here = local_steps(run)
-            world = None
-            if steps_here:  # the flusher uploads each rank's own files: only a step of this job's world size can go up
-                try:
-                    world = open_manifest(local.child(self.step_dir(steps_here[-1])), chunks=False).world_size
-                except Exception:  # noqa: BLE001 - unreadable: the restore's own checks say why
-                    world = None
-            return (steps_here[-1] if steps_here else None, remote_steps[-1] if remote_steps else None, world, run)
-
-        _, (lstep, rstep, lworld, self.run) = agree(comm, lambda: newest() if comm.rank == 0 else None,
-                                                    what=f"restore from {local.url} or {remote.root_url}", share=lambda v: v,
-                                                    mode=FROM_ROOT)
-        readable = False
-        if lstep is not None and (rstep is None or lstep >= rstep) and local_check is not None:
-            readable = local_check(lstep)
-        elif lstep is not None and (rstep is None or lstep >= rstep):
-            def check() -> bool:
-                try:
-                    validate(lstep)
-                    return True
-                except Exception as e:
-                    log.warning("shardckpt: rank %d cannot restore local step %d (%s: %s)", comm.rank, lstep, type(e).__name__, e)
-                    return False
-
-            _, oks = agree(comm, check, what=f"restore from {local.url}: the local step", share=lambda v: v, mode=ALL)
-            readable = all(oks)
-        source, step = restore_source(lstep, readable, rstep)
-        flusher = self.flusher_on(local, comm)
-        flusher.set_durable(rstep)
-        if lstep is not None and readable and (rstep is None or lstep > rstep) and flush:
-            if lworld == comm.world:
-                flusher.submit(lstep)  # committed here only: flush it (in the background, while it loads)
-            elif comm.rank == 0:
-                log.warning("shardckpt: local step %d was saved by %s ranks, this job has %d: it is not flushed to %s (each "
-                            "rank uploads the files it wrote); it stays local", lstep, lworld, comm.world, remote.root_url)
-        if memory is not None:
-            got = memory(step)
-            if got is not None:
-                log.info("shardckpt: restore: newest local step %s, remote step %s: the memory tier's step %d is at least as new",
-                         lstep, rstep, got)
-                return "memory", got, f"memory:{got}"
-        log.info("shardckpt: restore: newest local step %s (%s), newest remote step %s: loading %s step %s",
-                 lstep, "readable by every rank" if readable else "not used", rstep, source, step)
-        if source != "remote":
-            return source, step, None
-        got = remote.restore(state, **load_kw)
-        return source, got, remote.restored_from
 
 
 # -- per-node local directories (a multi-node job whose local= is each node's own disk) ------------------
@@ -900,3 +842,51 @@ def restore_local_held(state: Dict[str, Any], held: Held, local: Storage, comm: 
     finally:
         shutil.rmtree(stage, ignore_errors=True)
 
+
+class PerNodeSource:
+    """Per-node ``local=`` directories as a restore source (``_managed.restore.Source``): each file read on a node that holds it.
+
+    :meth:`newest`: rank 0 lists this run's steps on its node's directory
+    (``steps``); every node then reports what it holds of the newest one
+    (:func:`held_local`, ``check`` first: a valid manifest of this run's
+    step), which counts when the nodes hold every file between them.
+    :meth:`load`: :func:`restore_local_held`; None (logged) when some file
+    has no good copy on any node, and the next source (the remote) restores.
+    ``stats``: filled with the load's numbers (bytes read here, received,
+    sent, damaged copies).
+    """
+
+    name = "per-node directories"
+
+    def __init__(self, local: Storage, comm: Comm, *, leads: List[int], steps: Callable[[], List[int]],
+                 check: Callable[[int], None], process_group: Any, load_kw: Dict[str, Any], stats: Dict[str, Any]):
+        self.local, self.comm, self.leads, self._steps, self._check = local, comm, leads, steps, check
+        self.process_group, self.load_kw, self.stats = process_group, load_kw, stats
+        #: The newest step's manifest world size (rank 0's node), None when unknown.
+        self.world: Optional[int] = None
+        self._held: Optional[Held] = None
+
+    def newest(self, step: Optional[int]) -> Optional[int]:
+        def pick() -> Tuple[Optional[int], Optional[int]]:
+            own = self._steps()
+            got = (own[-1] if own else None) if step is None else (step if step in own else None)
+            world = None
+            if got is not None:
+                try:
+                    world = open_manifest(self.local.child(step_dir_name(got)), chunks=False).world_size
+                except Exception:  # noqa: BLE001 - unreadable: held_local's check says why
+                    world = None
+            return got, world
+
+        _, (got, self.world) = agree(self.comm, lambda: pick() if self.comm.rank == 0 else None,
+                                     what=f"restore from {self.local.url}", share=lambda v: v, mode=FROM_ROOT)
+        if got is None:
+            return None
+        self._held = held_local(self.local, got, self.comm, self.leads, check=lambda: self._check(got))
+        return got if self._held is not None else None
+
+    def load(self, state: Dict[str, Any], step: int, *, exact: bool) -> Optional[Tuple[int, str]]:
+        assert self._held is not None and self._held.step == step
+        got = restore_local_held(state, self._held, self.local, self.comm, process_group=self.process_group,
+                                 load_kw=self.load_kw, stats=self.stats)
+        return None if got is None else (got, self.local.url_of(step_dir_name(got)))

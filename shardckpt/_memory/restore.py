@@ -1,117 +1,106 @@
 """Restore from the memory tier: each rank receives exactly the byte ranges its load needs, from the cheapest holder.
 
-``CheckpointManager.restore`` calls :func:`restore_from_memory` (through
-``MemoryStore.restore``) before the storage step it picked. Collective over
-the manager's ranks; every decision comes from values all ranks exchanged.
+:class:`MemorySource` is the memory tier's ``_managed.restore.Source``:
+``CheckpointManager.restore`` asks it, with the other sources (per-node or
+shared local directory, remote, root), for the newest step of this run it
+holds, and loads from the newest source (a tie goes to memory, the cheaper
+one). Collective over the manager's ranks; every decision comes from values
+all ranks exchanged.
 
-1. *choose*: every rank reports what its node holds (``store.inventory``);
-   the newest step whose files the live nodes hold between them, if at least
-   as new as the storage step, wins (``plan.choose_step``); else storage
-   (logged when memory held a newer, incomplete step).
-2. *metadata*: each rank stages, in a private directory of its node, hard
-   links to every file its node holds of that step (no copy) and, from other
-   holders, the manifest and index files its node lacks (small, whole files,
-   verified: ``_memory/transfer.run_sends``).
-3. *load*: ``_load.load_into`` — the one load (``plan_load`` once, check, agree,
-   stream, agree; casting, resharding, ``atomic=``) — over the staged
-   directory, with ``_replicas.Sources`` saying which ranks' nodes hold each
-   data file. The stream reads the ranges this rank needs from its own
-   node's memory (verified block by block, straight into the live tensor;
-   pinned buffers and an asynchronous host-to-device copy for CUDA targets);
-   a range of a file its node lacks is read (and verified) by a rank whose
-   node holds it and sent over the process group in pipelined rounds
-   (``_replicas.read_once``: reads run ahead into reused round buffers while
-   earlier rounds are sent and placed). A rank receives the ranges it needs
-   and nothing else; no byte is checked twice.
-4. *damage*: a block failing its CRC-32C on some rank names its copy (node,
-   file); every rank learns it, and the stream runs again (same plan) with
-   that copy excluded, so the file comes from its other holder (logged).
-   When a file some rank needs has no good copy left, the restore returns to
-   storage (logged); the storage load then overwrites every tensor.
-
-Steps 2-4 are ``_managed.held.restore_held``, the mechanism the per-node
-``local=`` restore (``_flush.restore_local_held``) shares, with each node's
-local step directory in place of its memory copy.
+1. *choose* (:meth:`MemorySource.newest`): every rank reports what its node
+   holds (``store.inventory``: only this root's copy, only steps naming this
+   root); the newest step whose files the live nodes hold between them wins
+   (``plan.choose_step``; a newer, incomplete step is logged).
+2. *metadata*, 3. *load*, 4. *damage* (:meth:`MemorySource.load`): the held
+   restore ``_managed.held.restore_held`` (the mechanism per-node ``local=``
+   directories share): each rank stages hard links to its node's files,
+   fetches the metadata it lacks, then streams the ranges it needs from its
+   node's memory or receives them from a holder rank, a damaged copy skipped
+   for the next holder. With no good copy of some file left, ``load`` returns
+   None and the next source restores (it overwrites every tensor).
 
 Limits: the manifest and index files travel whole (a few KB to MB); with
-``keys=``/``key_map=`` the load still reads only what it needs.
+``keys=``/``key_map=`` the load still reads only what it needs. A step given
+to ``restore(step=N)`` is never taken from memory (storage answers for it).
 """
 
 from __future__ import annotations
 
 import logging
 import shutil
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 from .._collective import ALL, Comm, agree
 from .._managed.held import Held, load_comm, restore_held
 from . import plan as P
 from . import store
 
-__all__ = ["restore_from_memory"]
+__all__ = ["MemorySource"]
 
 log = logging.getLogger("shardckpt")
 
 
-def restore_from_memory(
-    tier: Any,
-    state: Dict[str, Any],
-    comm: Comm,
-    *,
-    storage_step: Optional[int],
-    process_group: Any,
-    load_kw: Dict[str, Any],
-) -> Optional[int]:
-    """Restore the newest step in the live nodes' memory if at least as new as ``storage_step`` (collective).
+class MemorySource:
+    """The memory tier as a restore source (``_managed.restore.Source``), over the manager's ranks.
 
     Args:
         tier: the manager's ``MemoryStore`` (its directory and root, node key, stats).
-        state: the live state, loaded in place.
         comm: the manager's comm (every rank calls).
-        storage_step: the step storage would restore (None: none).
         process_group: the manager's group (the bytes travel over it).
-        load_kw: ``restore``'s load options.
+        load_kw: ``restore``'s load options (options only a storage load
+            takes turn this source off: it then holds nothing).
 
-    Returns:
-        The step restored, or None: restore ``storage_step`` from storage
-        (nothing complete in memory, or no good copy of some file left).
-
-    Raises:
+    Raises (from :meth:`load`):
         LoadFailedError: a rank died or hung (named), as any load.
         StateMismatchError, UsageError: as ``shardckpt.load`` (the state
             does not fit the checkpoint: storage would fail alike).
 
     Example:
-        >>> mgr.restore(state)  # doctest: +SKIP  (a manager with memory=...: this runs first)
+        >>> mgr.restore(state)  # doctest: +SKIP  (a manager with memory=...: memory is one of its sources)
     """
-    held_comm = load_comm(comm, load_kw)
-    if held_comm is None:
-        return None
-    comm = held_comm
-    tier._start()
-    mine = store.inventory(tier.dir, root=tier.root)
-    _, reports = agree(comm, lambda: (tier._node_key(), mine), what="restore from the memory tier", share=lambda v: v, mode=ALL)
-    choice = P.choose_step([inv for _, inv in reports], storage_step)
-    if choice is None:
-        newer = sorted({s for _, inv in reports for s in inv if storage_step is None or s > storage_step})
+
+    name = "memory"
+
+    def __init__(self, tier: Any, comm: Comm, *, process_group: Any, load_kw: Dict[str, Any]):
+        self.tier, self.process_group, self.load_kw = tier, process_group, load_kw
+        self.comm = load_comm(comm, load_kw)
+        self._held: Optional[Held] = None
+
+    def newest(self, step: Optional[int]) -> Optional[int]:
+        """The newest step the live nodes' memory holds whole (collective); None: none, or ``step`` was given."""
+        if step is not None or self.comm is None:
+            return None
+        tier, comm = self.tier, self.comm
+        tier.snapshots.wait()  # a step in flight first; its failure is raised here
+        tier._start()
+        mine = store.inventory(tier.dir, root=tier.root)
+        _, reports = agree(comm, lambda: (tier._node_key(), mine), what="restore from the memory tier", share=lambda v: v, mode=ALL)
+        choice = P.choose_step([inv for _, inv in reports], None)
+        newer = sorted({s for _, inv in reports for s in inv if choice is None or s > choice[0]})
         if newer:
-            log.warning(
-                "shardckpt: memory tier: step %d is not held whole by the live nodes' memory (both copies of some "
-                "file lost); restoring from storage (step %s)", newer[-1], storage_step,
-            )
-        return None
-    step, sid = choice
-    holders, sizes = P.holders_of([inv for _, inv in reports], step, sid)
-    own_entry = mine.get(step, ("", {}, set()))
-    held = Held(step=step, save_id=sid, holders=holders, sizes=sizes, node_of={r: reports[r][0] for r in range(comm.world)},
-                own_dir=store.step_dir(tier.dir, step), own_held=set(own_entry[2]) if own_entry[0] == sid else set())
-    stage = store.staging_dir(tier.dir, tier.root, comm.rank)  # never fails: every rank takes part in the fetches
-    stats: Dict[str, Any] = {}
-    try:
-        got = restore_held(state, held, comm, stage=stage, process_group=process_group, load_kw=load_kw, stats=stats,
-                           label="memory tier")
-    finally:
-        shutil.rmtree(stage, ignore_errors=True)
-    if got is not None:
+            log.warning("shardckpt: memory tier: step %d is not held whole by the live nodes' memory (both copies of some "
+                        "file lost); not restored from memory", newer[-1])
+        if choice is None:
+            return None
+        got, sid = choice
+        holders, sizes = P.holders_of([inv for _, inv in reports], got, sid)
+        own = mine.get(got, ("", {}, set()))
+        self._held = Held(step=got, save_id=sid, holders=holders, sizes=sizes, node_of={r: reports[r][0] for r in range(comm.world)},
+                          own_dir=store.step_dir(tier.dir, got), own_held=set(own[2]) if own[0] == sid else set())
+        return got
+
+    def load(self, state: Dict[str, Any], step: int, *, exact: bool) -> Optional[Tuple[int, str]]:
+        """Load the step :meth:`newest` chose (collective): ``(step, "memory:<step>")``; None: no good copy of some file left (logged)."""
+        held, comm, tier = self._held, self.comm, self.tier
+        assert held is not None and held.step == step and comm is not None
+        stage = store.staging_dir(tier.dir, tier.root, comm.rank)  # never fails: every rank takes part in the fetches
+        stats: Dict[str, Any] = {}
+        try:
+            got = restore_held(state, held, comm, stage=stage, process_group=self.process_group, load_kw=self.load_kw,
+                               stats=stats, label="memory tier")
+        finally:
+            shutil.rmtree(stage, ignore_errors=True)
+        if got is None:
+            return None
         tier.last_restore = stats
-    return got
+        return got, f"memory:{got}"
