@@ -49,6 +49,7 @@ from ._format._v2 import read_index
 from ._format.refs import REF_MARK, follow, ref_target
 from ._managed import retention
 from ._managed.held import Held, load_comm, restore_held
+from ._managed.restore import source_order
 from ._managed.retention import step_dir_name
 from ._memory import plan as memory_plan
 from ._memory import store as memory_store
@@ -126,7 +127,8 @@ def commit_save_id(ids: List[str], step: int) -> str:
 def restore_source(local: Optional[int], local_readable: bool, remote: Optional[int]) -> Tuple[str, Optional[int]]:
     """Where restore loads from: ``("local", step)``, ``("remote", step)`` or ``("none", None)``.
 
-    The newest committed step wins; the local one when every rank can read
+    The two-tier case of restore's one rule (``_managed.restore.source_order``):
+    the newest committed step wins; the local one when every rank can read
     it and it is at least as new as the remote's newest (a tie: local disk
     is faster).
 
@@ -136,11 +138,10 @@ def restore_source(local: Optional[int], local_readable: bool, remote: Optional[
         >>> restore_source(None, False, None)
         ('none', None)
     """
-    if local is not None and local_readable and (remote is None or local >= remote):
-        return "local", local
-    if remote is not None:
-        return "remote", remote
-    return "none", None
+    order = source_order([local if local_readable else None, remote])
+    if not order:
+        return "none", None
+    return ("local", local) if order[0] == 0 else ("remote", remote)
 
 
 def upload_step(local: Storage, remote: Storage, rank: int, *, pause: Optional[Callable[[], None]] = None) -> Tuple[List[str], str]:

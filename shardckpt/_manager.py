@@ -216,7 +216,7 @@ class CheckpointManager:
         self.save_interval = _positive("save_interval", save_interval, allow_none=False)
         if collective_timeout_s is not None and not (isinstance(collective_timeout_s, (int, float)) and collective_timeout_s > 0):
             raise ValueError(f"collective_timeout_s must be a positive number, got {collective_timeout_s!r}")
-        #: With ``local=``: the durable remote (a read-only manager of ``root_url``), its flusher, both retentions (``_flush.Tiers``).
+        #: With ``local=``: the durable remote (``_flush.Remote``), its flusher, both retentions, the run identity (``_flush.Tiers``).
         self._tiers: Optional[Tiers] = None
         #: With ``local=``: ``(shared, lead, each rank's lead)`` once probed (:meth:`_nodes`): one directory for all ranks, or one per node.
         self._layout: Optional[Tuple[bool, bool, List[int]]] = None

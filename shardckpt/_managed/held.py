@@ -1,7 +1,7 @@
 """A held restore: load one save of a step whose files lie spread over the ranks' nodes, each file read where it is held.
 
 The mechanism both node-held sources restore with (``_managed/restore.py``'s
-sources): the memory tier (``_memory/restore.restore_from_memory``: each
+sources): the memory tier (``_memory/restore.MemorySource``: each
 node's shared-memory copy) and per-node ``local=`` directories
 (``_flush.restore_local_held``: each node's own disk). The caller says what
 each node holds (a :class:`Held`, agreed by every rank); :func:`restore_held`

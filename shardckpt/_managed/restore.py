@@ -382,7 +382,7 @@ class RootSource:
                             self.root.url, type(e).__name__, e)
                 return None, None, None, f"cannot list {self.root.url}: {type(e).__name__}: {e}"
             world = run = None
-            if got is not None:
+            if got is not None and not self.choose_first:  # the tiers' roots: the flusher's world, the remote's run
                 try:
                     m = open_manifest(self.root.child(step_dir_name(got)), chunks=False)
                     world, run = m.world_size, whose(m.extra)[1]

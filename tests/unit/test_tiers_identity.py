@@ -77,3 +77,38 @@ def test_restore_from_given_step_and_nothing_anywhere():
     assert restore_from(sources, {}, 3) == (3, "local:3")
     assert restore_from(sources, {}, 4) is None
     assert restore_from([_Fixed("remote", None, True, calls)], {}, None) is None
+
+
+def _st(v: float):
+    import torch
+
+    return {"w": torch.full((4,), v)}
+
+
+def test_two_live_runs_on_one_local_directory_are_refused_not_mixed(tmp_path):
+    import pytest
+    import torch
+
+    import shardckpt
+    from shardckpt.errors import ConcurrentUseError
+
+    local = str(tmp_path / "nvme")
+    a = shardckpt.CheckpointManager(str(tmp_path / "remoteA"), local=local, keep_local=1)
+    b = shardckpt.CheckpointManager(str(tmp_path / "remoteB"), local=local, keep_local=1)
+    try:
+        a.save(1, _st(1.0))
+        b.save(10, _st(10.0))
+        b.save(11, _st(11.0))
+        b.wait()  # flushed: retention after the next save protects only that one
+        b.save(12, _st(12.0))
+        b.wait()
+        # B's retention (keep_local=1) planned over B's steps only: A's step stays, committed.
+        assert b.steps() == [1, 12]
+        with pytest.raises(ConcurrentUseError):  # A is refused, not mixed with B's steps
+            a.save(2, _st(2.0))
+        st = _st(0.0)
+        assert a.restore(st) == 1 and torch.equal(st["w"], _st(1.0)["w"])  # each restores its own step
+        assert b.restore(st) == 12 and torch.equal(st["w"], _st(12.0)["w"])
+    finally:
+        a.close()
+        b.close()
