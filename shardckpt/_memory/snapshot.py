@@ -443,10 +443,13 @@ def _register_exit_wait() -> None:
     import concurrent.futures.thread  # noqa: F401 - its exit hook registered first, so it runs after ours
 
     hook = getattr(threading, "_register_atexit", None)
-    if hook is None:
-        atexit.register(_wait_at_exit)
-        return
-    hook(_wait_at_exit)
+    try:
+        if hook is not None:
+            hook(_wait_at_exit)
+            return
+    except RuntimeError:  # imported while the interpreter already shuts down: too late for threading's hooks
+        pass
+    atexit.register(_wait_at_exit)
 
 
 _register_exit_wait()

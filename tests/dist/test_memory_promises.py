@@ -10,6 +10,8 @@
   A child process on a small tmpfs (8 MiB, mounted for the test) plays it:
   the "tenant" fills the tmpfs right after the tier measured its free space.
   Before the fix the copy into the mapped slot died of SIGBUS (exit -7).
+  With two ranks as two nodes, only node 1's tmpfs fills: both ranks turn
+  the tier off at the same step (before the fix rank 1 died, rank 0 hung).
 * The step in flight at a normal end of the script, or at an uncaught
   exception right after ``save_to_memory``, is held: two ranks launched as
   ``python script`` (forks of the test fork server, tests/_zygote.py) end or
@@ -174,6 +176,52 @@ def test_full_shm_after_the_check_turns_the_tier_off_not_sigbus(small_tmpfs, tmp
     assert res["kept"] == [False, False] and res["restored"] == 1 and res["same"], res
     (off,) = res["off"]  # one warning, naming the directory and the cause
     assert "No space left on device" in off and os.path.join(small_tmpfs, "tier") in off, off
+
+
+def _one_node_fills(rank, world, base, mnt):
+    """Two ranks as two nodes: node 1's directory is on the small tmpfs, which another tenant fills after the check."""
+    from shardckpt._memory import store
+
+    measured = store.free_bytes
+
+    def then_filled(path):
+        free = measured(path)
+        fd = os.open(os.path.join(mnt, "tenant.bin"), os.O_WRONLY | os.O_CREAT, 0o600)
+        try:
+            while True:
+                os.write(fd, bytes(1 << 16))
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+        return free
+
+    if rank == 1:
+        store.free_bytes = then_filled
+    h = _logged()
+    try:
+        tier = shardckpt.MemoryTier(dir=f"{base}/node0" if rank == 0 else f"{mnt}/node1", ranks_per_node=1)
+        mgr = shardckpt.CheckpointManager(f"{base}/root", memory=tier)
+        state = {"w": torch.arange(256 * 1024, dtype=torch.float32) + rank, "step": 1}  # 1 MiB per rank
+        kept = [mgr.save_to_memory(1, state)]
+        mgr.save(1, state)  # storage saves go on, on every rank
+        kept.append(mgr.save_to_memory(2, state))
+        back = {"w": torch.zeros(256 * 1024), "step": 0}
+        got = shardckpt.CheckpointManager(f"{base}/root").restore(back)
+        out = {"kept": kept, "got": got, "off": [m for m in h.lines if "memory tier off" in m]}
+        mgr.close()
+        return out
+    finally:
+        store.free_bytes = measured
+        logging.getLogger("shardckpt").removeHandler(h)
+
+
+def test_one_node_full_turns_the_tier_off_on_every_rank(small_tmpfs, tmp_path):
+    out = run_ranks(2, _one_node_fills, str(tmp_path), small_tmpfs)
+    for r in out:
+        assert r["kept"] == [False, False] and r["got"] == 1, r
+        (off,) = r["off"]  # every rank turns off at the same step, with one warning naming the rank and the cause
+        assert "rank 1" in off and "No space left on device" in off, off
 
 
 # --------------------------------------------------------------------------
