@@ -14,8 +14,8 @@
   the tier off at the same step (before the fix rank 1 died, rank 0 hung).
 * The step in flight at a normal end of the script, or at an uncaught
   exception right after ``save_to_memory``, is held: two ranks launched as
-  ``python script`` (forks of the test fork server, tests/_zygote.py) end or
-  raise; the next launch restores that step from memory. Before the fix the
+  ``python script`` (forks of the test fork server, tests/_zygote.py) raise,
+  then (resumed) end; each next launch restores that step from memory. Before the fix the
   at-exit wait ran after ``concurrent.futures`` had shut its executors and
   the step's checksum tasks were refused.
 * Two managers of different roots given the same ``MemoryTier(dir=)`` in
@@ -237,25 +237,25 @@ _EXIT = textwrap.dedent(
 
     root, shm, how = sys.argv[1], sys.argv[2], sys.argv[3]
     dist.init_process_group("gloo")
-    rank = dist.get_rank()
     mgr = shardckpt.CheckpointManager(root, memory=shardckpt.MemoryTier(dir=shm))
 
     def state(v):
         # Many small tensors: the background checksums of a step are many tasks.
         return {f"t{i}": torch.full((1024,), float(v + i)) for i in range(64)} | {"step": v}
 
-    if how == "restore":
-        back = state(0)
-        got = mgr.restore(back)
-        print(json.dumps({"got": got, "from": mgr.restored_from, "step": back["step"],
-                          "same": all(torch.equal(back[k], v) for k, v in state(got or 0).items() if k != "step")}))
+    back = state(0)
+    got = mgr.restore(back)  # what the previous launch left
+    print(json.dumps({"got": got, "from": mgr.restored_from, "step": back["step"],
+                      "same": all(torch.equal(back[k], v) for k, v in state(got or 0).items() if k != "step")}), flush=True)
+    if how == "stop":
         mgr.close()
         sys.exit(0)
-    assert mgr.save_to_memory(1, state(1))
-    mgr.wait()  # step 1 held
-    assert mgr.save_to_memory(2, state(2))
+    assert mgr.save_to_memory((got or 0) + 1, state((got or 0) + 1))
+    mgr.wait()  # held
+    assert mgr.save_to_memory((got or 0) + 2, state((got or 0) + 2))
     if how == "raise":
         raise RuntimeError("training failed right after save_to_memory")
+    # how == "end": the script ends with the step in flight
     """
 )
 
@@ -264,22 +264,20 @@ def _launch(tmp_path, how):
     port = free_port()
     envs = [dict(os.environ, RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r), LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
                  MASTER_PORT=str(port), CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1") for r in range(2)]
-    return _zygote.run_many(["-c", _EXIT, str(tmp_path / "root"), str(tmp_path / "shm"), how], envs, cwd=REPO,
-                            job_vars=("RANK", "LOCAL_RANK", "MASTER_PORT"), timeout=180)
-
-
-@pytest.mark.parametrize("how", ["raise", "end"])
-def test_step_in_flight_at_exit_is_held(tmp_path, how):
-    codes, outs = _launch(tmp_path, how)
-    assert codes == ([1, 1] if how == "raise" else [0, 0]), (codes, outs)
+    codes, outs = _zygote.run_many(["-c", _EXIT, str(tmp_path / "root"), str(tmp_path / "shm"), how], envs, cwd=REPO,
+                                   job_vars=("RANK", "LOCAL_RANK", "MASTER_PORT"), timeout=180)
+    assert codes == ([1, 1] if how == "raise" else [0, 0]), (how, codes, outs)
     if how == "raise":
         assert all("training failed right after save_to_memory" in o for o in outs), outs
     assert not any("was not kept in memory" in o for o in outs), outs
-    codes, outs = _launch(tmp_path, "restore")
-    assert codes == [0, 0], (codes, outs)
-    for o in outs:
-        res = json.loads(o.strip().splitlines()[-1])
-        assert res == {"got": 2, "from": "memory:2", "step": 2, "same": True}, (res, o)
+    return [json.loads(next(line for line in o.splitlines() if line.startswith('{"got"'))) for o in outs]
+
+
+def test_step_in_flight_at_exit_is_held(tmp_path):
+    """Launch 1 raises with step 2 in flight; launch 2 resumes from it and ends with step 4 in flight; launch 3 resumes from 4."""
+    assert _launch(tmp_path, "raise") == [{"got": None, "from": None, "step": 0, "same": True}] * 2
+    assert _launch(tmp_path, "end") == [{"got": 2, "from": "memory:2", "step": 2, "same": True}] * 2
+    assert _launch(tmp_path, "stop") == [{"got": 4, "from": "memory:4", "step": 4, "same": True}] * 2
 
 
 # --------------------------------------------------------------------------
