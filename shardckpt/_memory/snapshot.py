@@ -953,12 +953,17 @@ def _slot_files(facts: Sequence[Any], peers: Mapping[int, Optional[int]], node_o
     """``{rank: (its data files' sizes, the sizes of the files it keeps for its peers, pin)}`` from the save's probe.
 
     A rank keeps the data files of the ranks on other nodes whose peer it
-    is, in sender order, each sender's files in its own order: the order in
+    is, in sender order, each sender's files in the order of their names
+    (``-r<rank>-<i:02d>``: file 100 sorts before file 11): the order in
     which the background part receives them (``_peer_copy``).
     """
+
+    def by_name(sizes: Sequence[int]) -> List[int]:
+        return [sizes[i] for i in sorted(range(len(sizes)), key=lambda i: f"{i:02d}")]
+
     out: Dict[int, Any] = {}
     for r in range(len(facts)):
-        kept = [size for s in P.senders_to(r, peers) if node_of[s] != node_of[r] for size in facts[s][5]]
+        kept = [size for s in P.senders_to(r, peers) if node_of[s] != node_of[r] for size in by_name(facts[s][5])]
         out[r] = (tuple(facts[r][5]), tuple(kept), bool(facts[r][6]))
     return out
 
