@@ -128,15 +128,26 @@ def test_stalled_remote_does_not_block_save(tmp_path, s3_url):  # noqa: F811
     upstream = opts["endpoint_url"].rsplit(":", 1)
     stall_s = 20.0
     proxy = FaultProxy(("127.0.0.1", int(upstream[1])), seed=7)
-    # Every connection to S3 hangs (the request is read, never answered) for the next 12 s.
+    # Every connection to S3 hangs (the request is read, never answered) until 12 s after the first one
+    # did: timed from the first stall, not from now, since starting the ranks can take longer than that
+    # on a loaded machine (the stall would then have healed before anyone connected).
     proxy.set_faults(stall=1.0, stall_s=stall_s)
-    heal = threading.Timer(12.0, proxy.set_faults)
+    stop = threading.Event()
+
+    def _heal_after_first_stall() -> None:
+        while not stop.is_set() and not proxy.stats.get("stall", 0):
+            stop.wait(0.05)
+        if not stop.wait(12.0):
+            proxy.set_faults()
+
+    heal = threading.Thread(target=_heal_after_first_stall, daemon=True)
     heal.start()
     try:
         res = run_ranks(2, _stalled_run, remote, str(tmp_path / "local"), dict(opts, endpoint_url=proxy.endpoint),
                         timeout=240, fresh=True)
     finally:
-        heal.cancel()
+        stop.set()
+        heal.join()
         proxy.close()
     assert proxy.stats.get("stall", 0) >= 1, proxy.stats  # the remote did stall
     for r, out in enumerate(res):
