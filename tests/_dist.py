@@ -161,7 +161,7 @@ _POOLS: Dict[int, _Pool] = {}
 #: call (its ranks hold a few hundred MB each; a suite run's test files use
 #: one or two world sizes at a time, and kept to the end, every size's pool
 #: added up: issue 47).
-POOL_IDLE_S = 90.0
+POOL_IDLE_S = 30.0
 
 
 def run_ranks(world: int, fn: Callable[..., Any], *args: Any, timeout: float = 180, fresh: bool = False) -> List[Any]:
