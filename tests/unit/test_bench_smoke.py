@@ -107,3 +107,20 @@ def test_bench_tiers_runs_as_documented(tmp_path):
     for name in ("tiers-delayed", "tiers-stalled", "direct-delayed"):
         assert cases[name]["remote_steps"][-1] == 3 and cases[name]["remote_verified"], cases[name]
     assert cases["tiers-stalled"]["proxy"].get("stall", 0) >= 1
+
+
+def test_suite_memory_sums_the_whole_process_tree(tmp_path):
+    """benchmarks/suite_memory.py (issue 47 item 3): a process and its grandchild, each holding 200 MB, are summed."""
+    hold = "b = bytearray(200 << 20)\nb[::4096] = bytes(len(b[::4096]))\nimport time\ntime.sleep(3)\n"
+    (tmp_path / "hold.py").write_text(hold)
+    (tmp_path / "child.py").write_text(f"import subprocess, sys\nsubprocess.run([sys.executable, {str(tmp_path / 'hold.py')!r}])\n")
+    (tmp_path / "outer.py").write_text(
+        f"import subprocess, sys\np = subprocess.Popen([sys.executable, {str(tmp_path / 'child.py')!r}])\n{hold}p.wait()\nsys.exit(3)\n")
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "suite_memory.py"), "--interval", "0.2", "--json", str(tmp_path / "m.json"),
+           "--cmd", f"{sys.executable} {tmp_path / 'outer.py'}"]
+    proc = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
+    assert proc.returncode == 3, proc.stdout  # the command's exit code
+    line = proc.stdout.splitlines()[0]
+    assert line.startswith("peak summed RSS: ") and "peak summed PSS: " in line, proc.stdout
+    got = json.loads((tmp_path / "m.json").read_text())
+    assert got["peak_rss"] > 400 << 20, (got["peak_rss"], proc.stdout)  # both holders at once: more than either alone
