@@ -706,6 +706,7 @@ def _build_manifest(
     mesh_ids: Dict[Any, int] = {}
     rotations = _rotations(layouts)
     want_regular = 0
+    records: Dict[Any, Dict[str, Any]] = {}  # a few distinct layouts among thousands of tensors
     for name, lay in layouts.items():
         t = TensorMeta(dtype=lay.dtype, shape=list(lay.shape), layout=lay.layout_json)
         if lay.regular is not None:
@@ -713,7 +714,9 @@ def _build_manifest(
             if key not in mesh_ids:
                 mesh_ids[key] = len(meshes)
                 meshes.append(_group_mesh(lay.mesh_ranks, lay.regular.world, group_ranks))
-            rec = _geometry.layout_to_json(lay.regular)
+            rec = records.get(lay.regular)
+            if rec is None:
+                rec = records[lay.regular] = _geometry.layout_to_json(lay.regular)
             t.regular = {
                 "mesh_shape": rec["mesh_shape"],
                 "placements": rec["placements"],

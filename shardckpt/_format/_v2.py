@@ -33,12 +33,14 @@ from .manifest import (
     check_relpath,
     int_list_field,
     manifest_json_v2,
+    paused_gc,
     required_field,
     tiling_problems,
 )
 from .naming import DATA_DIR, DATA_SUFFIX, INDEX_DIR, INDEX_SUFFIX, chunk_key, save_id_prefix
 from .refs import check_ref_paths
-from .table import TABLE_MIN_ENTRIES, front_decode, index_columns, parse_index_columns, tensor_table_json
+from . import table as _table
+from .table import front_decode, index_columns, parse_index_columns, tensor_table_json
 from .versions import VERSIONS, register, spec
 
 INDEX_FORMAT = "shardckpt-index"
@@ -69,6 +71,7 @@ def nblocks(nbytes: int, block_bytes: int) -> int:
 # manifest v2: parse (serialization is in manifest.py)
 
 
+@paused_gc
 def manifest_v2_from_raw(raw: Dict[str, Any], where: str) -> Manifest:
     """Validate a parsed v2 manifest; its own checksum first, so nothing damaged is interpreted."""
     # Paths first: one escaping the checkpoint is refused as unsafe whatever
@@ -405,6 +408,7 @@ def file_table_json(m: Manifest) -> Tuple[Dict[str, Any], Dict[str, FileMeta], D
     return table, other_files, other_indexes
 
 
+@paused_gc
 def manifest_v2_json(m: Manifest) -> Dict[str, Any]:
     """Format v2/v3's JSON object: layouts and writers instead of chunks; v3's file table."""
     tensors = {}
@@ -512,7 +516,7 @@ def index_bytes(save_id: str, rank: int, block_bytes: int, chunks: Sequence[Tupl
     files = sorted({c.file for _, c in chunks})
     fid = {f: i for i, f in enumerate(files)}
     hashed = any(c.hash is not None for _, c in chunks)
-    if len(chunks) >= TABLE_MIN_ENTRIES:
+    if len(chunks) >= _table.TABLE_MIN_ENTRIES:
         # Format v5's columnar index (``_format.table``): ~25 bytes a chunk.
         return canonical_json({
             "format": INDEX_FORMAT, "format_version": INDEX_COLUMNAR, "save_id": save_id, "rank": rank,
@@ -558,6 +562,7 @@ def read_index(m: Manifest, storage: Any, rank: int, cache: MetaCache) -> Dict[s
     return parsed
 
 
+@paused_gc
 def check_index(m: Manifest, data: bytes, rel: str, where: str) -> Dict[str, Any]:
     """Index file ``rel``'s bytes checked against the manifest (size, CRC-32C) and parsed.
 
@@ -663,36 +668,7 @@ def _checked_index(keys, by_tensor, claims, where: str) -> Dict[str, Any]:
 
 def _parse_columns(m: Manifest, raw: Dict[str, Any], files: List[str], where: str) -> Dict[str, Any]:
     """A columnar index (format v5, ``_format.table``): the same result and checks as the row form."""
-    shapes: Dict[str, Any] = {}
-
-    def make(name, file, offsets, sizes, start, nbytes, crc, blocks, h):
-        whole = shapes.get(name)
-        if whole is None:
-            whole = shapes[name] = m.tensors[name].shape
-        c = ChunkMeta(file, chunk_key(name, offsets, sizes == whole), list(offsets), list(sizes), start, nbytes, crc)
-        c.blocks = blocks
-        c.hash = h
-        return c
-
-    def check_hash(h, cw):
-        try:
-            return check_hash_hex(h, "hash")
-        except ValueError as e:
-            raise _bad(cw, str(e)) from None
-
-    rows = parse_index_columns(
-        raw, files=files, tensors=m.tensors, file_sizes={f: m.files[f].size for f in files}, block_bytes=m.block_bytes,
-        hashed=m.version >= V_CONTENT_HASH, itemsize=itemsize, make_chunk=make, check_hash=check_hash, where=where,
-    )
-    keys: Dict[str, Tuple[str, ChunkMeta]] = {}
-    by_tensor: Dict[str, List[ChunkMeta]] = {}
-    claims = []
-    for i, (name, c) in enumerate(rows):
-        if c.key in keys:
-            raise _bad(f"{where} chunk {i}", f"chunk key {c.key!r} listed twice")
-        keys[c.key] = (name, c)
-        by_tensor.setdefault(name, []).append(c)
-        claims.append((c.file, c.byte_offset, c.nbytes, f"{name!r} chunk {c.key!r}"))
+    keys, by_tensor, claims = parse_index_columns(raw, m, files, hashed=m.version >= V_CONTENT_HASH, where=where)
     return _checked_index(keys, by_tensor, claims, where)
 
 
@@ -720,11 +696,18 @@ def _regular_chunks(m: Manifest, storage: Any, name: str, t: TensorMeta, boxes, 
             for s, b in _geometry.chunks_overlapping(lay, _geometry.Box(tuple(offs), tuple(sizes))):
                 wanted[b.offsets] = (s, b)
     out = []
+    writers = _writer_memo(m)
+    mesh = cast(Dict[str, Any], t.regular)["mesh"]
+    shape = tuple(t.shape)
     for offs in sorted(wanted):
         s, box = wanted[offs]
-        rank = mesh_rank(m, t, _geometry.writer_coord(lay, rot, s))
+        # The writer of box s depends on the layout, the mesh and (rot + s) % replicas only.
+        wkey = (lay, mesh, rot, s)
+        rank = writers.get(wkey)
+        if rank is None:
+            rank = writers[wkey] = mesh_rank(m, t, _geometry.writer_coord(lay, rot, s))
         idx = read_index(m, storage, rank, cache)
-        key = chunk_key(name, box.offsets, tuple(box.sizes) == tuple(t.shape))
+        key = chunk_key(name, box.offsets, box.sizes == shape)
         hit = idx["keys"].get(key)
         if hit is None or hit[0] != name or tuple(hit[1].sizes) != tuple(box.sizes) or tuple(hit[1].offsets) != tuple(box.offsets):
             raise CorruptCheckpointError(
@@ -733,6 +716,14 @@ def _regular_chunks(m: Manifest, storage: Any, name: str, t: TensorMeta, boxes, 
             )
         out.append(hit[1])
     return out
+
+
+def _writer_memo(m: Manifest) -> Dict[Any, int]:
+    """Per manifest: the writer rank of ``(layout, mesh, rotation, shard)`` (50,000 tensors share a few layouts)."""
+    got = m.__dict__.get("_writer_memo")
+    if got is None:
+        got = m.__dict__["_writer_memo"] = {}
+    return got
 
 
 def _explicit_chunks(m: Manifest, storage: Any, name: str, t: TensorMeta, cache: MetaCache) -> List[ChunkMeta]:
@@ -809,6 +800,65 @@ def resolve(manifest: Any, storage: Any, name: str, boxes, cache: MetaCache) -> 
     block_bytes = manifest.block_bytes if spec(manifest.version).block_checksums else 0
     out = [Chunk.from_meta(name, c, block_bytes) for c in tensor_chunks(manifest, storage, name, boxes, cache) if c.nbytes]
     out.sort(key=lambda c: c.offsets)
+    return out
+
+
+@paused_gc
+def resolve_many(manifest: Any, storage: Any, wants: Sequence[Tuple[str, Any]], cache: MetaCache) -> List[List[Chunk]]:
+    """:func:`resolve` of many tensors at once: the geometry once per distinct (layout, rotation, boxes).
+
+    A 50,000-tensor state has a few dozen distinct layouts: which saved boxes
+    a wanted box meets, and which rank wrote each, is computed once per
+    distinct question; per tensor what is left is the lookup of its chunk
+    keys in the index files (the same checks as :func:`resolve`).
+    """
+    if spec(manifest.version).chunk_lists:
+        return [resolve(manifest, storage, name, boxes, cache) for name, boxes in wants]
+    block_bytes = manifest.block_bytes
+    writers = _writer_memo(manifest)
+    geo: Dict[Any, List[Tuple[_geometry.Box, int, str, bool]]] = {}
+    headers = cast(Dict[Any, Any], cache.headers)
+    out: List[List[Chunk]] = []
+    for name, boxes in wants:
+        t = manifest.tensors[name]
+        if t.regular is None or t.chunks or not t.shape or 0 in t.shape:
+            out.append(resolve(manifest, storage, name, boxes, cache))
+            continue
+        lay = regular_of(t)
+        reg = t.regular
+        boxes = tuple((tuple(o), tuple(z)) for o, z in boxes)
+        gkey = (lay, reg["mesh"], reg["rotation"], boxes)
+        hits = geo.get(gkey)
+        if hits is None:
+            wanted: Dict[Tuple[int, ...], Tuple[int, _geometry.Box]] = {}
+            for offs, sizes in boxes:
+                for sh, b in _geometry.chunks_overlapping(lay, _geometry.Box(offs, sizes)):
+                    wanted[b.offsets] = (sh, b)
+            hits = []
+            shape = tuple(t.shape)
+            for offs in sorted(wanted):
+                sh, box = wanted[offs]
+                wkey = (lay, reg["mesh"], reg["rotation"], sh)
+                rank = writers.get(wkey)
+                if rank is None:
+                    rank = writers[wkey] = mesh_rank(manifest, t, _geometry.writer_coord(lay, reg["rotation"], sh))
+                hits.append((box, rank, chunk_key("", box.offsets, False), box.sizes == shape))
+            geo[gkey] = hits
+        chunks: List[Chunk] = []
+        for box, rank, tail, whole in hits:
+            idx = headers.get(("index", rank))
+            if idx is None:
+                idx = read_index(manifest, storage, rank, cache)
+            key = name if whole else name + tail
+            hit = idx["keys"].get(key)
+            if hit is None or hit[0] != name or tuple(hit[1].sizes) != box.sizes or tuple(hit[1].offsets) != box.offsets:
+                raise CorruptCheckpointError(
+                    f"{storage.url}: tensor {name!r}: the index of rank {rank} lacks chunk {key!r} "
+                    f"(box {list(box.offsets)}+{list(box.sizes)}) that its layout record says that rank wrote"
+                )
+            if hit[1].nbytes:
+                chunks.append(Chunk.from_meta(name, hit[1], block_bytes))
+        out.append(chunks)
     return out
 
 

@@ -36,8 +36,11 @@ import struct
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ..errors import CorruptCheckpointError
+from .checksum import check_hash_hex
+from .dtypes import itemsize
+from .manifest import ChunkMeta, paused_gc
 
-__all__ = ["TABLE_MIN_ENTRIES", "front_code", "front_decode", "pack_u32", "unpack_u32", "kind_key"]
+__all__ = ["TABLE_MIN_ENTRIES", "front_code", "front_decode", "pack_u32", "unpack_u32", "kind_key", "tensor_table_json", "index_columns", "parse_index_columns"]
 
 #: Fewest regular tensors (manifest) or chunks (index file) written as a
 #: table; below it, the per-tensor objects and per-chunk rows of format v2.
@@ -82,26 +85,28 @@ def front_decode(prefix: Any, suffix: Any, *, strict: bool, where: str) -> List[
     """Inverse of :func:`front_code`, validating untrusted input.
 
     Args:
-        strict: names must strictly increase (the manifest's tensors); else
-            they must not decrease (an index's rows, several per tensor).
+        strict: names must be distinct (the manifest's tensors); an index's
+            rows repeat a name per chunk (their keys are checked instead).
 
     Raises:
         CorruptCheckpointError: not two lists of the same length, a prefix
             that is not an int in ``0..len(previous name)``, a suffix that is
-            not a string, or names out of order.
+            not a string, or (``strict``) a name twice.
     """
     if not isinstance(prefix, list) or not isinstance(suffix, list) or len(prefix) != len(suffix):
         raise _bad(where, "'prefix' and 'suffix' must be lists of the same length")
     out: List[str] = []
+    append = out.append
     prev = ""
-    for i, (k, s) in enumerate(zip(prefix, suffix)):
+    for k, s in zip(prefix, suffix):
         if type(k) is not int or not 0 <= k <= len(prev) or type(s) is not str:
-            raise _bad(where, f"name {i}: prefix {k!r:.20} must be an int in 0..{len(prev)} and suffix a string")
-        n = prev[:k] + s
-        if i and (n <= prev if strict else n < prev):
-            raise _bad(where, f"name {i} {n!r:.120} is not after {prev!r:.120} (names must be sorted{', once each' if strict else ''})")
-        out.append(n)
-        prev = n
+            raise _bad(where, f"name {len(out)}: prefix {k!r:.20} must be an int in 0..{len(prev)} and suffix a string")
+        prev = prev[:k] + s
+        append(prev)
+    if strict and len(set(out)) != len(out):
+        seen: set = set()
+        twice = next(n for n in out if n in seen or seen.add(n))  # type: ignore[func-returns-value]
+        raise _bad(where, f"name {twice!r:.120} is listed twice")
     return out
 
 
@@ -206,16 +211,17 @@ def index_columns(chunks: Sequence[Tuple[str, Any]], files: Sequence[str], hashe
     return {"boxes": boxes, "columns": cols}
 
 
-def parse_index_columns(
-    raw: Dict[str, Any], *, files: List[str], tensors: Dict[str, Any], file_sizes: Dict[str, int], block_bytes: int,
-    hashed: bool, itemsize: Any, make_chunk: Any, check_hash: Any, where: str,
-) -> List[Tuple[str, Any]]:
-    """Rows of a columnar index as ``(name, ChunkMeta)``, each checked as a row of the row form is.
+def parse_index_columns(raw: Dict[str, Any], m: Any, files: List[str], *, hashed: bool, where: str) -> Tuple[Dict[str, Any], Dict[str, List[Any]], List[Any]]:
+    """A columnar index's chunks, each checked as a row of the row form is.
 
-    ``make_chunk(name, file, offsets, sizes, byte_offset, nbytes, crc, blocks, hash)``
-    builds the chunk (the caller's ``ChunkMeta``, key included). Raises
-    :class:`CorruptCheckpointError` naming the row for any field out of
-    range (the caller checks keys once each and shared bytes).
+    Returns ``(keys, by_tensor, claims)``: ``{key: (name, ChunkMeta)}``,
+    ``{name: [ChunkMeta]}`` and the ``(file, start, nbytes, label)`` claims
+    for the shared-bytes check (the caller's).
+
+    Raises:
+        CorruptCheckpointError: a column of the wrong type or length, a field
+            out of range (file or box number, a box outside its tensor, bytes
+            outside the file), CRCs short or left over, a key twice.
     """
     boxes = raw.get("boxes")
     cols = raw.get("columns")
@@ -223,62 +229,77 @@ def parse_index_columns(
         raise _bad(where, "a columnar index needs 'boxes' (a list) and 'columns' (an object)")
     names = front_decode(cols.get("prefix"), cols.get("suffix"), strict=False, where=f"{where} columns")
     n = len(names)
-    need = ("file", "box", "gap") + (("hash",) if hashed else ())
-    for key in need:
+    for key in ("file", "box", "gap") + (("hash",) if "hash" in cols else ()):
         if not isinstance(cols.get(key), list) or len(cols[key]) != n:
             raise _bad(where, f"column {key!r} must be a list of {n} entries")
     if not hashed and "hash" in cols:
         raise _bad(where, "column 'hash' in an index of a manifest without content hashes")
     crcs = unpack_u32(cols.get("crcs"), where=f"{where} column 'crcs'")
-    checked_boxes: List[Tuple[List[int], List[int], int]] = []
+    checked_boxes: List[Tuple[Tuple[int, ...], Tuple[int, ...], int, str]] = []
     for j, b in enumerate(boxes):
         if (
             not isinstance(b, list) or len(b) != 2 or not all(isinstance(v, list) for v in b) or len(b[0]) != len(b[1])
             or any(type(x) is not int or x < 0 for v in b for x in v)
         ):
             raise _bad(where, f"boxes[{j}] must be [offsets, sizes]: two lists of non-negative ints of one length")
-        checked_boxes.append((b[0], b[1], math.prod(b[1])))
+        checked_boxes.append((tuple(b[0]), tuple(b[1]), math.prod(b[1]), "@" + ",".join(str(o) for o in b[0])))
     file_col, box_col, gap_col = cols["file"], cols["box"], cols["gap"]
-    hash_col = cols.get("hash") if hashed else None
-    nfiles = len(files)
+    hash_col = cols.get("hash")
+    nfiles, nboxes = len(files), len(checked_boxes)
+    sizes_of = [m.files[f].size for f in files]
+    block_bytes = m.block_bytes
     ends = [0] * nfiles
     pos = 0
     ncrc = len(crcs)
-    out: List[Tuple[str, Any]] = []
-    inside: Dict[Tuple[int, int], bool] = {}  # (box number, id of shape list): box inside the shape
+    keys: Dict[str, Any] = {}
+    by_tensor: Dict[str, List[Any]] = {}
+    claims: List[Any] = []
+    inside: Dict[Tuple[int, Tuple[int, ...]], bool] = {}  # (box number, shape) -> the box lies inside
     prev_name = None
-    t: Any = None
+    shape: Tuple[int, ...] = ()
+    isz = 0
+    mine: List[Any] = []
     for i in range(n):
         name = names[i]
         if name != prev_name:
-            t = tensors.get(name)
+            t = m.tensors.get(name)
             if t is None:
                 raise _bad(f"{where} chunk {i}", f"tensor {name!r} is not in the manifest")
             isz = itemsize(t.dtype)
+            shape = tuple(t.shape)
+            mine = by_tensor.setdefault(name, [])
             prev_name = name
         f, b, gap = file_col[i], box_col[i], gap_col[i]
-        if type(f) is not int or not 0 <= f < nfiles or type(b) is not int or not 0 <= b < len(checked_boxes) or type(gap) is not int:
+        if type(f) is not int or not 0 <= f < nfiles or type(b) is not int or not 0 <= b < nboxes or type(gap) is not int:
             raise _bad(f"{where} chunk {i}", f"file {f!r:.20} / box {b!r:.20} / gap {gap!r:.20} out of range")
-        offsets, sizes, numel = checked_boxes[b]
-        ok = inside.get((b, id(t.shape)))
+        offsets, sizes, numel, tail = checked_boxes[b]
+        ok = inside.get((b, shape))
         if ok is None:
-            ok = inside[(b, id(t.shape))] = len(offsets) == len(t.shape) and all(o + k <= s for o, k, s in zip(offsets, sizes, t.shape))
+            ok = inside[(b, shape)] = len(offsets) == len(shape) and all(o + k <= s for o, k, s in zip(offsets, sizes, shape))
         if not ok:
-            raise _bad(f"{where} chunk {i}", f"box {offsets}+{sizes} lies outside tensor {name!r}'s shape {t.shape}")
+            raise _bad(f"{where} chunk {i}", f"box {list(offsets)}+{list(sizes)} lies outside tensor {name!r}'s shape {list(shape)}")
         nbytes = numel * isz
         start = ends[f] + gap
-        file = files[f]
-        if start < 0 or start + nbytes > file_sizes[file]:
-            raise _bad(f"{where} chunk {i}", f"bytes [{start}, {start + nbytes}) lie outside {file!r} of {file_sizes[file]} bytes")
+        if start < 0 or start + nbytes > sizes_of[f]:
+            raise _bad(f"{where} chunk {i}", f"bytes [{start}, {start + nbytes}) lie outside {files[f]!r} of {sizes_of[f]} bytes")
         ends[f] = start + nbytes
         nb = -(-nbytes // block_bytes) if nbytes else 0
         if pos + 1 + nb > ncrc:
             raise _bad(where, f"column 'crcs' ends at chunk {i} ({ncrc} CRCs)")
-        crc = crcs[pos]
-        blocks = list(crcs[pos + 1 : pos + 1 + nb])
+        key = name if sizes == shape else name + tail
+        c = ChunkMeta(files[f], key, list(offsets), list(sizes), start, nbytes, crcs[pos])
+        c.blocks = list(crcs[pos + 1 : pos + 1 + nb])
         pos += 1 + nb
-        h = check_hash(hash_col[i], f"{where} chunk {i}") if hash_col is not None and hash_col[i] is not None else None
-        out.append((name, make_chunk(name, file, offsets, sizes, start, nbytes, crc, blocks, h)))
+        if hash_col is not None and hash_col[i] is not None:
+            try:
+                c.hash = check_hash_hex(hash_col[i], "hash")
+            except ValueError as e:
+                raise _bad(f"{where} chunk {i}", str(e)) from None
+        if key in keys:
+            raise _bad(f"{where} chunk {i}", f"chunk key {key!r} listed twice")
+        keys[key] = (name, c)
+        mine.append(c)
+        claims.append((c.file, start, nbytes, key))
     if pos != ncrc:
         raise _bad(where, f"column 'crcs' holds {ncrc} CRCs, the chunks need {pos}")
-    return out
+    return keys, by_tensor, claims
