@@ -50,8 +50,8 @@ from typing import Any, Dict, List, Sequence, Tuple
 
 from shardckpt import _geometry
 from shardckpt._format import (
-    ChunkMeta,
     FORMAT_VERSION,
+    ChunkMeta,
     FileMeta,
     Manifest,
     TensorMeta,

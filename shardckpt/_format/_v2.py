@@ -17,6 +17,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, cast
 
 from .. import _geometry
 from ..errors import ChecksumMismatchError, CorruptCheckpointError, UnsafeMetadataError
+from . import table as _table
 from .checksum import HASH_ALGOS, check_hash_hex, crc32c, pack_crcs, unpack_crcs
 from .chunk import Chunk, MetaCache
 from .dtypes import DTYPES, checked_shape, itemsize
@@ -39,7 +40,6 @@ from .manifest import (
 )
 from .naming import DATA_DIR, DATA_SUFFIX, INDEX_DIR, INDEX_SUFFIX, chunk_key, save_id_prefix
 from .refs import check_ref_paths
-from . import table as _table
 from .table import front_decode, index_columns, parse_index_columns, tensor_table_json
 from .versions import VERSIONS, register, spec
 

@@ -38,7 +38,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from ..errors import CorruptCheckpointError
 from .checksum import check_hash_hex
 from .dtypes import itemsize
-from .manifest import ChunkMeta, paused_gc
+from .manifest import ChunkMeta
 
 __all__ = ["TABLE_MIN_ENTRIES", "front_code", "front_decode", "pack_u32", "unpack_u32", "kind_key", "tensor_table_json", "index_columns", "parse_index_columns"]
 
