@@ -264,7 +264,7 @@ def run(n: int, n_tensors: int = 300, *, state: str = "fsdp2") -> Dict[str, Any]
 
     C._Ticker.__call__ = counted_tick
     comms = [Comm(rank=r, world=n, ranks=tuple(range(n)), timeout_s=120, op="bench", channel=f"b{n}") for r in (0, 1)]
-    blob = pickle.dumps((recs, tree))
+    blob = pickle.dumps(_union.Packed((recs, tree)))  # what a save shares (compressed)
     digest = f"{C._hash(blob)}.{-(-len(blob) // C.MAX_VALUE_BYTES)}"
     summary = {"data/x-r00001-00.safetensors": 1 << 30, "index": ("data/x-index-r00001.json", 4096, 1)}
     keep: Dict[str, Any] = {}

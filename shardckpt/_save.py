@@ -366,7 +366,7 @@ def prepare_save(
             comm,
             local,
             what="save aborted before writing",
-            share=lambda r: (_union.records(r[1], _rotations(r[1])), r[0].tree),
+            share=lambda r: _union.Packed((_union.records(r[1], _rotations(r[1])), r[0].tree)),
             mode=DISTINCT,
             decide=decide,
         )
