@@ -232,15 +232,18 @@ def _prepost(raw, seq_store, comm: Comm, outcome: Any, blob=None, digest=None) -
     return base
 
 
-def run(n: int, n_tensors: int = 300, *, state: str = "fsdp2") -> Dict[str, Any]:
+def run(n: int, n_tensors: int = 300, *, state: str = "fsdp2", records: Any = None) -> Dict[str, Any]:
     """One save's and one load's exchanges at ``n`` ranks.
 
     ``state``: ``"fsdp2"`` (default) the FSDP2 DTensor state of
     :func:`fsdp2_records` (a 16-layer model + AdamW, 720 tensors;
     ``n_tensors`` unused), ``"plain"`` :func:`state_records` of
-    ``n_tensors`` plain tensors (meshes None).
+    ``n_tensors`` plain tensors (meshes None); ``records``: a given
+    ``(records, value tree)`` instead.
     """
-    if state == "fsdp2":
+    if records is not None:  # another state's (records, value tree): bench_moe_scale.py's
+        recs, tree = records
+    elif state == "fsdp2":
         recs, tree = fsdp2_records(n)
     elif state == "plain":
         recs, tree = state_records(n_tensors, n)
