@@ -44,7 +44,7 @@ import json
 import os
 import sys
 import time
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, Dict, List, Tuple
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -68,7 +68,7 @@ from shardckpt._format import (  # noqa: E402
 )
 from shardckpt._format._v2 import index_bytes, nblocks  # noqa: E402
 from shardckpt._format.checksum import crc32c  # noqa: E402
-from shardckpt._geometry import Box, LocalBox, Replicate, Shard  # noqa: E402
+from shardckpt._geometry import Box, Replicate, Shard  # noqa: E402
 
 D, H, EXPERTS = 4096, 1536, 128
 ITEMSIZE, DTYPE = 2, "BF16"
@@ -151,7 +151,7 @@ def held(lays, tensors, w: World, rank: int) -> List[Tuple[str, Any, Tuple[int, 
     """What ``rank`` holds: ``(name, layout, its coordinate)``; dense everywhere, experts of its EP group."""
     g = w.group_of(rank)
     out = []
-    for name, _, _, e in tensors:
+    for name, *_ in tensors:
         lay, mesh = lays[name]
         if mesh == 0:
             out.append((name, lay, w.dense_coord(rank)))
@@ -214,7 +214,7 @@ def load_plan(body: bytes, storage, live, rank: int) -> Tuple[int, int]:
             owned.append(lb.box)
     pieces = 0
     for box, got in zip(owned, resolve_many(m, storage, wants, cache=cache)):
-        pieces += len(_geometry.plan_reads([Box(c.offsets, c.sizes) for c in got], [LocalBox(box, (0,) * len(box.offsets))]))
+        pieces += len(_geometry.plan_box_reads([Box(c.offsets, c.sizes) for c in got], box))
     return pieces, cache.bytes_read
 
 
@@ -288,9 +288,9 @@ def run(ranks: int, count: int, ep: int, tp: int, rank: int, reshard: bool) -> D
 
 def control_plane(ranks: int, count: int, ep: int, tp: int) -> Dict[str, Any]:
     """Rank 0's records and value tree of this state (the real ``_union.records``) through ``bench_control_plane.run``."""
+    import bench_control_plane as CP
     import torch
 
-    import bench_control_plane as CP
     from shardckpt._format import tensor_ref
     from shardckpt._layout import TensorLayout
     from shardckpt._save import _rotations

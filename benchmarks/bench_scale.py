@@ -397,7 +397,7 @@ def run_v2(args, lays) -> int:
         # What ``_load.plan`` does: every wanted box resolved in one call, then read pieces per box.
         for box, got in zip(owned, resolve_many(m, storage, wants, cache=cache)):
             saved = [Box(c.offsets, c.sizes) for c in got]
-            pieces += len(_geometry.plan_reads(saved, [LocalBox(box, (0,) * len(box.offsets))]))
+            pieces += len(_geometry.plan_box_reads(saved, box))
         return cache.bytes_read
 
     index_read, load_s = _timed(load_plan)

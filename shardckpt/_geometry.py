@@ -229,7 +229,7 @@ def _memo(fn):
 
 def clear_geometry_caches() -> None:
     """Forget every memoized geometry (benchmarks time cold planning with it)."""
-    for fn in (_local_boxes, _regular_layout, _chunks_overlapping, _structure, _nominal_bytes):
+    for fn in (_local_boxes, _regular_layout, _chunks_overlapping, _structure, _nominal_bytes, _plan_box_reads):
         fn.cache_clear()
 
 
@@ -383,6 +383,21 @@ def plan_reads(saved: Sequence[Box], wanted: Sequence[LocalBox]) -> List[Piece]:
         if covered != lb.box.numel:
             raise ValueError(f"saved chunks cover {covered} of the {lb.box.numel} elements of box {lb.box}")
     return pieces
+
+
+def plan_box_reads(saved: Sequence[Box], box: Box) -> Tuple[Piece, ...]:
+    """:func:`plan_reads` of one wanted box at local offset 0, memoized on ``(saved boxes, box)``.
+
+    A load of a large state asks the same question for every tensor of a
+    layout (same saved boxes, same wanted box): computed once per distinct
+    question. Raises ``ValueError`` as :func:`plan_reads` does.
+    """
+    return _plan_box_reads(tuple(saved), box)
+
+
+@_memo
+def _plan_box_reads(saved: Tuple[Box, ...], box: Box) -> Tuple[Piece, ...]:
+    return tuple(plan_reads(saved, [LocalBox(box, (0,) * len(box.offsets))]))
 
 
 def check_cover(shape: Sequence[int], boxes: Sequence[Box]) -> Optional[str]:

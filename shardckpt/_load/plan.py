@@ -371,9 +371,7 @@ def _finish_target(lv: _Live, manifest: Manifest, chunks: Tuple[Chunk, ...]) -> 
     saved = [_geometry.Box(c.offsets, c.sizes) for c in chunks]
     parts = tuple((p.box, v) for p, v in zip(lv.lay.parts, lv.views))
     try:
-        pieces = tuple(
-            tuple(_geometry.plan_reads(saved, [_geometry.LocalBox(box, (0,) * len(box.offsets))])) for box, _ in parts
-        )
+        pieces = tuple(_geometry.plan_box_reads(saved, box) for box, _ in parts)
     except ValueError as e:
         raise CorruptCheckpointError(f"{lv.name}: the checkpoint's chunks do not cover what this rank holds: {e}") from None
     return Target(lv.name, lv.meta, parts, pieces, chunks, replicated=_replicated(lv.lay))
