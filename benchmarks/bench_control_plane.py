@@ -267,7 +267,7 @@ def run(n: int, n_tensors: int = 300, *, state: str = "fsdp2", records: Any = No
 
     C._Ticker.__call__ = counted_tick
     comms = [Comm(rank=r, world=n, ranks=tuple(range(n)), timeout_s=120, op="bench", channel=f"b{n}") for r in (0, 1)]
-    blob = pickle.dumps(_union.Packed((recs, tree)))  # what a save shares (compressed)
+    blob = pickle.dumps(_union.Packed((recs, tree)))  # what a save shares (compressed), as the real peer below
     digest = f"{C._hash(blob)}.{-(-len(blob) // C.MAX_VALUE_BYTES)}"
     summary = {"data/x-r00001-00.safetensors": 1 << 30, "index": ("data/x-index-r00001.json", 4096, 1)}
     keep: Dict[str, Any] = {}
@@ -276,7 +276,7 @@ def run(n: int, n_tensors: int = 300, *, state: str = "fsdp2", records: Any = No
         return _union.decide(groups, comms[0].ranks, "bench://", keep)
 
     # (mode, share value, decide) of a save's 4 exchanges and a load's 2.
-    save = [(DISTINCT, (recs, tree)), (FROM_ROOT, "save-id"), (TO_ROOT, summary), (NONE, None)]
+    save = [(DISTINCT, _union.Packed((recs, tree))), (FROM_ROOT, "save-id"), (TO_ROOT, summary), (NONE, None)]
     load = [(NONE, None), (NONE, None)]
     out: Dict[str, Any] = {"ranks": n}
     for label, steps in (("save", save), ("load", load)):

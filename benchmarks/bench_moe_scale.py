@@ -68,6 +68,7 @@ from shardckpt._format import (  # noqa: E402
 )
 from shardckpt._format._v2 import index_bytes, nblocks  # noqa: E402
 from shardckpt._format.checksum import crc32c  # noqa: E402
+from shardckpt._format.manifest import paused_gc  # noqa: E402
 from shardckpt._geometry import Box, Replicate, Shard  # noqa: E402
 
 D, H, EXPERTS = 4096, 1536, 128
@@ -182,6 +183,7 @@ def rank_index(lays, tensors, w: World, rot, rank: int) -> Tuple[bytes, int]:
     return index_bytes(SAVE_ID, rank, BLOCK, chunks), pos
 
 
+@paused_gc  # as _save._build_manifest
 def manifest(lays, w: World, rot, sizes: Dict[int, Tuple[int, int, int]]) -> Manifest:
     """``_save._build_manifest`` on rank 0: a layout record per tensor, the EP groups' meshes, two files per rank."""
     tensors, records = {}, {}

@@ -316,6 +316,12 @@ def v2_index(lays, rank: int, block_bytes: int) -> bytes:
 
 
 def v2_manifest(lays, rot, ranks: int, block_bytes: int, sizes: Dict[int, Tuple[int, int]]) -> Manifest:
+    from shardckpt._format.manifest import paused_gc
+
+    return paused_gc(_v2_manifest)(lays, rot, ranks, block_bytes, sizes)  # as _save._build_manifest
+
+
+def _v2_manifest(lays, rot, ranks: int, block_bytes: int, sizes: Dict[int, Tuple[int, int]]) -> Manifest:
     """``_save._build_manifest`` on rank 0: a layout record per tensor, two files per rank, O(T + N)."""
     from shardckpt._format import IndexMeta, data_file_name, index_file_name
 

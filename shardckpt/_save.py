@@ -55,6 +55,7 @@ from ._format import (
 from ._format._v2 import index_bytes
 from ._format.build import RankOutput, build_manifest
 from ._format.checksum import crc32c, default_hash_algo
+from ._format.manifest import paused_gc
 from ._format.refs import follow
 from ._io import WriteItem, partition, write_files
 from ._layout import TensorLayout, layout_of
@@ -692,6 +693,7 @@ def stage_save(plan: SavePlan, copy: Callable[[List[torch.Tensor]], List[torch.T
     )
 
 
+@paused_gc
 def _build_manifest(
     layouts: Dict[str, TensorLayout], gathered, world: int, save_id: str, tree: Any, group_ranks: Optional[Sequence[int]] = None
 ) -> Manifest:

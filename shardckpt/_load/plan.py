@@ -278,12 +278,7 @@ def plan_for_manifest(
     asked = [lv for lv in live if lv.boxes]
     found = resolve_many(manifest, storage, [(alias.get(lv.name, lv.name), lv.boxes) for lv in asked], cache=cache)
     chunks_of = {id(lv): tuple(cs) for lv, cs in zip(asked, found)}
-    for lv in live:
-        got = _finish_target(lv, manifest, chunks_of.get(id(lv), ()))
-        if isinstance(got, str):
-            problems.append(got)
-        else:
-            targets.append(got)
+    targets.extend(_finish_target(lv, manifest, chunks_of.get(id(lv), ())) for lv in live)
     parts = names.parts + _tied_checks(manifest, storage, flat.tied, cache, strict=strict)
     _refuse(parts, problems, strict=strict, names=names, union=union)
     return LoadPlan(
@@ -366,7 +361,7 @@ def _live_target(name: str, tensor: Any, manifest: Manifest, *, rank: int, world
     return _Live(name, meta, lay, views, [(p.box.offsets, p.box.sizes) for p in lay.parts if p.box.numel])
 
 
-def _finish_target(lv: _Live, manifest: Manifest, chunks: Tuple[Chunk, ...]) -> Union[Target, str]:
+def _finish_target(lv: _Live, manifest: Manifest, chunks: Tuple[Chunk, ...]) -> Target:
     """A live tensor's :class:`Target`: the read pieces of each live box from its resolved chunks."""
     saved = [_geometry.Box(c.offsets, c.sizes) for c in chunks]
     parts = tuple((p.box, v) for p, v in zip(lv.lay.parts, lv.views))
