@@ -232,15 +232,18 @@ def _prepost(raw, seq_store, comm: Comm, outcome: Any, blob=None, digest=None) -
     return base
 
 
-def run(n: int, n_tensors: int = 300, *, state: str = "fsdp2") -> Dict[str, Any]:
+def run(n: int, n_tensors: int = 300, *, state: str = "fsdp2", records: Any = None) -> Dict[str, Any]:
     """One save's and one load's exchanges at ``n`` ranks.
 
     ``state``: ``"fsdp2"`` (default) the FSDP2 DTensor state of
     :func:`fsdp2_records` (a 16-layer model + AdamW, 720 tensors;
     ``n_tensors`` unused), ``"plain"`` :func:`state_records` of
-    ``n_tensors`` plain tensors (meshes None).
+    ``n_tensors`` plain tensors (meshes None); ``records``: a given
+    ``(records, value tree)`` instead.
     """
-    if state == "fsdp2":
+    if records is not None:  # another state's (records, value tree): bench_moe_scale.py's
+        recs, tree = records
+    elif state == "fsdp2":
         recs, tree = fsdp2_records(n)
     elif state == "plain":
         recs, tree = state_records(n_tensors, n)
@@ -264,7 +267,7 @@ def run(n: int, n_tensors: int = 300, *, state: str = "fsdp2") -> Dict[str, Any]
 
     C._Ticker.__call__ = counted_tick
     comms = [Comm(rank=r, world=n, ranks=tuple(range(n)), timeout_s=120, op="bench", channel=f"b{n}") for r in (0, 1)]
-    blob = pickle.dumps((recs, tree))
+    blob = pickle.dumps(_union.Packed((recs, tree)))  # what a save shares (compressed), as the real peer below
     digest = f"{C._hash(blob)}.{-(-len(blob) // C.MAX_VALUE_BYTES)}"
     summary = {"data/x-r00001-00.safetensors": 1 << 30, "index": ("data/x-index-r00001.json", 4096, 1)}
     keep: Dict[str, Any] = {}
@@ -273,7 +276,7 @@ def run(n: int, n_tensors: int = 300, *, state: str = "fsdp2") -> Dict[str, Any]
         return _union.decide(groups, comms[0].ranks, "bench://", keep)
 
     # (mode, share value, decide) of a save's 4 exchanges and a load's 2.
-    save = [(DISTINCT, (recs, tree)), (FROM_ROOT, "save-id"), (TO_ROOT, summary), (NONE, None)]
+    save = [(DISTINCT, _union.Packed((recs, tree))), (FROM_ROOT, "save-id"), (TO_ROOT, summary), (NONE, None)]
     load = [(NONE, None), (NONE, None)]
     out: Dict[str, Any] = {"ranks": n}
     for label, steps in (("save", save), ("load", load)):

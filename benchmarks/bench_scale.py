@@ -50,6 +50,7 @@ from typing import Any, Dict, List, Sequence, Tuple
 
 from shardckpt import _geometry
 from shardckpt._format import (
+    FORMAT_VERSION,
     ChunkMeta,
     FileMeta,
     Manifest,
@@ -315,12 +316,21 @@ def v2_index(lays, rank: int, block_bytes: int) -> bytes:
 
 
 def v2_manifest(lays, rot, ranks: int, block_bytes: int, sizes: Dict[int, Tuple[int, int]]) -> Manifest:
+    from shardckpt._format.manifest import paused_gc
+
+    return paused_gc(_v2_manifest)(lays, rot, ranks, block_bytes, sizes)  # as _save._build_manifest
+
+
+def _v2_manifest(lays, rot, ranks: int, block_bytes: int, sizes: Dict[int, Tuple[int, int]]) -> Manifest:
     """``_save._build_manifest`` on rank 0: a layout record per tensor, two files per rank, O(T + N)."""
     from shardckpt._format import IndexMeta, data_file_name, index_file_name
 
     tensors = {}
+    records: Dict[Any, Dict[str, Any]] = {}
     for name, lay in lays.items():
-        rec = _geometry.layout_to_json(lay)
+        rec = records.get(lay)
+        if rec is None:
+            rec = records[lay] = _geometry.layout_to_json(lay)
         t = TensorMeta(dtype=DTYPE, shape=list(lay.shape), layout={"placements": rec["placements"]})
         t.regular = {"mesh_shape": rec["mesh_shape"], "placements": rec["placements"], "mesh": 0, "rotation": rot[name]}
         tensors[name] = t
@@ -331,11 +341,11 @@ def v2_manifest(lays, rot, ranks: int, block_bytes: int, sizes: Dict[int, Tuple[
         files[index_file_name(SAVE_ID, r)] = FileMeta(index_size)
         indexes[index_file_name(SAVE_ID, r)] = IndexMeta(r, index_size, (r * 2654435761) & 0xFFFFFFFF)
     return Manifest(world_size=ranks, tensors=tensors, files=files, values={"step": 1000}, save_id=SAVE_ID,
-                    version=2, block_bytes=block_bytes, meshes=["iota"], indexes=indexes)
+                    version=FORMAT_VERSION, block_bytes=block_bytes, meshes=["iota"], indexes=indexes)
 
 
 def run_v2(args, lays) -> int:
-    from shardckpt._format import MetaCache, resolve_chunks
+    from shardckpt._format import MetaCache, resolve_many
     from shardckpt._format.checksum import crc32c
 
     block_bytes = 1 << 20
@@ -384,12 +394,16 @@ def run_v2(args, lays) -> int:
         m = manifest_from_bytes(body)
         cache = MetaCache()
         pieces = 0
+        wants, owned = [], []
         for name in sorted(lays):
             live = lays[name]
             for lb in _geometry.local_boxes(live.shape, live.mesh_shape, live.placements, coord_of(live.mesh_shape, args.rank)):
-                got = resolve_chunks(m, storage, name, [(lb.box.offsets, lb.box.sizes)], cache=cache)
-                saved = [Box(c.offsets, c.sizes) for c in got]
-                pieces += len(_geometry.plan_reads(saved, [LocalBox(lb.box, (0,) * len(live.shape))]))
+                wants.append((name, [(lb.box.offsets, lb.box.sizes)]))
+                owned.append(lb.box)
+        # What ``_load.plan`` does: every wanted box resolved in one call, then read pieces per box.
+        for box, got in zip(owned, resolve_many(m, storage, wants, cache=cache)):
+            saved = [Box(c.offsets, c.sizes) for c in got]
+            pieces += len(_geometry.plan_box_reads(saved, box))
         return cache.bytes_read
 
     index_read, load_s = _timed(load_plan)
@@ -397,7 +411,7 @@ def run_v2(args, lays) -> int:
     print(f"a loading rank reads the manifest ({len(body) / 1e6:.3f} MB) and {index_read / 1e6:.3f} MB of index files")
     print(
         f"ranks={args.ranks} tensors={args.tensors} layout={args.layout} save_plan_s={save_s:.3f} "
-        f"commit_s={commit_s:.3f} manifest_mb={len(body) / 1e6:.2f} load_plan_s={load_s:.3f} load_meta_mb={meta_mb:.2f}"
+        f"commit_s={commit_s:.3f} manifest_mb={len(body) / 1e6:.3f} load_plan_s={load_s:.3f} load_meta_mb={meta_mb:.3f}"
     )
     return 0
 

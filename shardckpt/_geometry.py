@@ -229,7 +229,7 @@ def _memo(fn):
 
 def clear_geometry_caches() -> None:
     """Forget every memoized geometry (benchmarks time cold planning with it)."""
-    for fn in (_local_boxes, _regular_layout, _chunks_overlapping):
+    for fn in (_local_boxes, _regular_layout, _chunks_overlapping, _structure, _nominal_bytes, _plan_box_reads):
         fn.cache_clear()
 
 
@@ -361,6 +361,11 @@ def plan_reads(saved: Sequence[Box], wanted: Sequence[LocalBox]) -> List[Piece]:
         if lb.box.numel == 0:
             continue
         for i, chunk in enumerate(saved):
+            if chunk == lb.box:  # same layout: the one chunk is the box (no intersection to compute)
+                zeros = (0,) * len(chunk.offsets)
+                pieces.append(Piece(chunk=i, src_offsets=zeros, dst_offsets=lb.local_offsets, sizes=chunk.sizes))
+                covered += lb.box.numel
+                continue
             inter = intersect(chunk, lb.box)
             if inter is None:
                 continue
@@ -378,6 +383,21 @@ def plan_reads(saved: Sequence[Box], wanted: Sequence[LocalBox]) -> List[Piece]:
         if covered != lb.box.numel:
             raise ValueError(f"saved chunks cover {covered} of the {lb.box.numel} elements of box {lb.box}")
     return pieces
+
+
+def plan_box_reads(saved: Sequence[Box], box: Box) -> Tuple[Piece, ...]:
+    """:func:`plan_reads` of one wanted box at local offset 0, memoized on ``(saved boxes, box)``.
+
+    A load of a large state asks the same question for every tensor of a
+    layout (same saved boxes, same wanted box): computed once per distinct
+    question. Raises ``ValueError`` as :func:`plan_reads` does.
+    """
+    return _plan_box_reads(tuple(saved), box)
+
+
+@_memo
+def _plan_box_reads(saved: Tuple[Box, ...], box: Box) -> Tuple[Piece, ...]:
+    return tuple(plan_reads(saved, [LocalBox(box, (0,) * len(box.offsets))]))
 
 
 def check_cover(shape: Sequence[int], boxes: Sequence[Box]) -> Optional[str]:
@@ -666,6 +686,15 @@ class RegularLayout:
     mesh_shape: Tuple[int, ...]
     placements: Tuple[object, ...]
 
+    def __hash__(self) -> int:
+        # Cached: every memoized function below is keyed on layouts, and a
+        # 50,000-tensor plan hashes each one several times.
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = hash((self.shape, self.mesh_shape, self.placements))
+            object.__setattr__(self, "_hash", h)
+        return h
+
     @property
     def world(self) -> int:
         return _numel(self.mesh_shape)
@@ -770,9 +799,19 @@ def layout_from_json(obj: Any) -> RegularLayout:
 
 def _shard_dims(layout: RegularLayout) -> Tuple[int, ...]:
     """Mesh dims that pick the box; a zero-size tensor has one box held by all."""
+    return _structure(layout)[0]
+
+
+@_memo
+def _structure(layout: RegularLayout) -> Tuple[Tuple[int, ...], Tuple[int, ...], int, int]:
+    """``(shard dims, replica dims, shard count, replica count)``, once per distinct layout."""
     if any(n == 0 for n in layout.shape):
-        return ()
-    return tuple(i for i, p in enumerate(layout.placements) if isinstance(p, Shard))
+        sd: Tuple[int, ...] = ()
+    else:
+        sd = tuple(i for i, p in enumerate(layout.placements) if isinstance(p, Shard))
+    rd = tuple(i for i in range(len(layout.mesh_shape)) if i not in sd)
+    shards = _numel([layout.mesh_shape[i] for i in sd])
+    return sd, rd, shards, layout.world // shards
 
 
 def _radix(coord: Sequence[int], mesh_shape: Sequence[int], dims: Sequence[int]) -> int:
@@ -784,12 +823,12 @@ def _radix(coord: Sequence[int], mesh_shape: Sequence[int], dims: Sequence[int])
 
 def shard_count(layout: RegularLayout) -> int:
     """How many shard coordinates (distinct boxes or box sets, some maybe empty) the layout has."""
-    return _numel([layout.mesh_shape[i] for i in _shard_dims(layout)])
+    return _structure(layout)[2]
 
 
 def replica_count(layout: RegularLayout) -> int:
     """How many ranks hold each box."""
-    return layout.world // shard_count(layout)
+    return _structure(layout)[3]
 
 
 def shard_index(layout: RegularLayout, coord: Sequence[int]) -> int:
@@ -799,14 +838,12 @@ def shard_index(layout: RegularLayout, coord: Sequence[int]) -> int:
 
 def replica_index(layout: RegularLayout, coord: Sequence[int]) -> int:
     """Which of the box's holders the rank at ``coord`` is: row-major over the other mesh dims."""
-    sd = set(_shard_dims(layout))
-    return _radix(coord, layout.mesh_shape, [i for i in range(len(layout.mesh_shape)) if i not in sd])
+    return _radix(coord, layout.mesh_shape, _structure(layout)[1])
 
 
 def mesh_coord(layout: RegularLayout, shard: int, replica: int) -> Tuple[int, ...]:
     """The mesh coordinate of replica ``replica`` of shard index ``shard`` (inverse of the two above)."""
-    sd = _shard_dims(layout)
-    rd = [i for i in range(len(layout.mesh_shape)) if i not in set(sd)]
+    sd, rd = _structure(layout)[:2]
     coord = [0] * len(layout.mesh_shape)
     for dims, idx in ((sd, shard), (rd, replica)):
         for i in reversed(dims):
@@ -826,6 +863,7 @@ def layout_chunks(layout: RegularLayout) -> Iterator[Tuple[int, List[Box]]]:
         yield s, [lb.box for lb in local_boxes(layout.shape, layout.mesh_shape, layout.placements, mesh_coord(layout, s, 0))]
 
 
+@_memo
 def _nominal_bytes(layout: RegularLayout, itemsize: int) -> int:
     """Bytes of the largest box set (shard index 0 holds a ceil share on every dim)."""
     ivs = dim_intervals(layout.shape, layout.mesh_shape, layout.placements, (0,) * len(layout.mesh_shape)) if all(layout.shape) else []
@@ -863,13 +901,16 @@ def writer_rotations(tensors: Sequence[Tuple[str, RegularLayout, int]]) -> Dict[
     """
     groups: Dict[Tuple[Any, ...], List[Tuple[int, str, RegularLayout]]] = {}
     for name, layout, size in tensors:
-        sd = _shard_dims(layout)
-        key = (layout.mesh_shape, tuple(i for i in range(len(layout.mesh_shape)) if i not in sd))
+        key = (layout.mesh_shape, _structure(layout)[1])
         groups.setdefault(key, []).append((-_nominal_bytes(layout, size), name, layout))
     out: Dict[str, int] = {}
     for key in sorted(groups):
-        for pos, (_, name, layout) in enumerate(sorted(groups[key], key=lambda t: (t[0], t[1]))):
-            out[name] = pos % replica_count(layout)
+        members = groups[key]
+        members.sort(key=lambda t: (t[0], t[1]))
+        # One replica structure per group, hence one replica count.
+        reps = replica_count(members[0][2])
+        for pos, (_, name, _lay) in enumerate(members):
+            out[name] = pos % reps
     return out
 
 

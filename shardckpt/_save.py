@@ -55,6 +55,7 @@ from ._format import (
 from ._format._v2 import index_bytes
 from ._format.build import RankOutput, build_manifest
 from ._format.checksum import crc32c, default_hash_algo
+from ._format.manifest import paused_gc
 from ._format.refs import follow
 from ._io import WriteItem, partition, write_files
 from ._layout import TensorLayout, layout_of
@@ -366,7 +367,7 @@ def prepare_save(
             comm,
             local,
             what="save aborted before writing",
-            share=lambda r: (_union.records(r[1], _rotations(r[1])), r[0].tree),
+            share=lambda r: _union.Packed((_union.records(r[1], _rotations(r[1])), r[0].tree)),
             mode=DISTINCT,
             decide=decide,
         )
@@ -692,6 +693,7 @@ def stage_save(plan: SavePlan, copy: Callable[[List[torch.Tensor]], List[torch.T
     )
 
 
+@paused_gc
 def _build_manifest(
     layouts: Dict[str, TensorLayout], gathered, world: int, save_id: str, tree: Any, group_ranks: Optional[Sequence[int]] = None
 ) -> Manifest:
@@ -706,6 +708,7 @@ def _build_manifest(
     mesh_ids: Dict[Any, int] = {}
     rotations = _rotations(layouts)
     want_regular = 0
+    records: Dict[Any, Dict[str, Any]] = {}  # a few distinct layouts among thousands of tensors
     for name, lay in layouts.items():
         t = TensorMeta(dtype=lay.dtype, shape=list(lay.shape), layout=lay.layout_json)
         if lay.regular is not None:
@@ -713,7 +716,9 @@ def _build_manifest(
             if key not in mesh_ids:
                 mesh_ids[key] = len(meshes)
                 meshes.append(_group_mesh(lay.mesh_ranks, lay.regular.world, group_ranks))
-            rec = _geometry.layout_to_json(lay.regular)
+            rec = records.get(lay.regular)
+            if rec is None:
+                rec = records[lay.regular] = _geometry.layout_to_json(lay.regular)
             t.regular = {
                 "mesh_shape": rec["mesh_shape"],
                 "placements": rec["placements"],

@@ -17,6 +17,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, cast
 
 from .. import _geometry
 from ..errors import ChecksumMismatchError, CorruptCheckpointError, UnsafeMetadataError
+from . import table as _table
 from .checksum import HASH_ALGOS, check_hash_hex, crc32c, pack_crcs, unpack_crcs
 from .chunk import Chunk, MetaCache
 from .dtypes import DTYPES, checked_shape, itemsize
@@ -33,11 +34,13 @@ from .manifest import (
     check_relpath,
     int_list_field,
     manifest_json_v2,
+    paused_gc,
     required_field,
     tiling_problems,
 )
 from .naming import DATA_DIR, DATA_SUFFIX, INDEX_DIR, INDEX_SUFFIX, chunk_key, save_id_prefix
 from .refs import check_ref_paths
+from .table import front_decode, index_columns, parse_index_columns, tensor_table_json
 from .versions import VERSIONS, register, spec
 
 INDEX_FORMAT = "shardckpt-index"
@@ -68,6 +71,7 @@ def nblocks(nbytes: int, block_bytes: int) -> int:
 # manifest v2: parse (serialization is in manifest.py)
 
 
+@paused_gc
 def manifest_v2_from_raw(raw: Dict[str, Any], where: str) -> Manifest:
     """Validate a parsed v2 manifest; its own checksum first, so nothing damaged is interpreted."""
     # Paths first: one escaping the checkpoint is refused as unsafe whatever
@@ -140,6 +144,7 @@ def manifest_v2_from_raw(raw: Dict[str, Any], where: str) -> Manifest:
         ):
             raise _bad(where, f"meshes[{i}] must be 'iota' or a list of ranks in 0..{world_size - 1}")
     tensors: Dict[str, TensorMeta] = {}
+    memo: Dict[Any, Any] = {}  # distinct layout records, validated once
     for name, tm in required_field(raw, "tensors", dict, where).items():
         tw = f"{where}: tensor {name!r}"
         dt = required_field(tm, "dtype", str, tw)
@@ -150,29 +155,23 @@ def manifest_v2_from_raw(raw: Dict[str, Any], where: str) -> Manifest:
         t = TensorMeta(dtype=dt, shape=shape, chunks=[], layout=layout if isinstance(layout, dict) else None)
         if "regular" in tm:
             reg = required_field(tm, "regular", dict, tw)
-            lay = _regular_of(reg, shape, tw)
-            mesh = required_field(reg, "mesh", int, tw)
+            lay = _checked_regular(reg, shape, meshes, world_size, len(indexes), memo, tw)
             rot = required_field(reg, "rotation", int, tw)
-            if not 0 <= mesh < len(meshes):
-                raise _bad(tw, f"mesh {mesh} is not one of the {len(meshes)} meshes")
-            n = lay.world
-            if meshes[mesh] == "iota" and n > world_size or meshes[mesh] != "iota" and len(meshes[mesh]) != n:
-                raise _bad(tw, f"mesh {mesh} does not have the {n} ranks of mesh shape {list(lay.mesh_shape)}")
-            if not 0 <= rot < n:
-                raise _bad(tw, f"rotation {rot} outside 0..{n - 1}")
-            shards, bound = _shard_count(lay), max(MIN_SHARD_BOUND, SHARDS_PER_INDEX * len(indexes))
-            if shards > bound:
-                raise UnsafeMetadataError(
-                    f"{tw}: its layout record has {shards} shard coordinates, more than the {bound} allowed for "
-                    f"{len(indexes)} index files (a crafted manifest; reading it would take one step per coordinate)"
-                )
+            if not 0 <= rot < lay.world:
+                raise _bad(tw, f"rotation {rot} outside 0..{lay.world - 1}")
             t.regular = reg
+            t.__dict__["_regular_layout"] = lay
         else:
             writers = required_field(tm, "writers", list, tw)
             if any(not isinstance(r, int) or isinstance(r, bool) or not 0 <= r < world_size for r in writers):
                 raise _bad(tw, f"writers must be ranks in 0..{world_size - 1}")
             t.writers = list(writers)
         tensors[name] = t
+    if "tensor_table" in raw:
+        if not spec(version).tensor_table:
+            since = min(v for v, s in VERSIONS.items() if s.tensor_table)
+            raise _bad(where, f"a format_version {version} manifest carries 'tensor_table' (new in version {since}): damaged")
+        _tensor_table(raw["tensor_table"], tensors, meshes, world_size, len(indexes), memo, f"{where}: tensor_table")
     content_hash = ""
     if version >= V_CONTENT_HASH:
         content_hash = required_field(raw, "content_hash", str, where)
@@ -194,6 +193,68 @@ def manifest_v2_from_raw(raw: Dict[str, Any], where: str) -> Manifest:
         meshes=meshes,
         indexes=indexes,
     )
+
+
+def _checked_regular(reg: Any, shape: List[int], meshes: List[Any], world_size: int, nindexes: int, memo: Dict[Any, Any], tw: str):
+    """A tensor's layout record (without its rotation) checked against the manifest; memoized per distinct record."""
+    try:
+        key: Any = (tuple(shape), reg.get("mesh"), tuple(reg.get("mesh_shape")), tuple(reg.get("placements")))
+        hit = memo.get(key)
+    except TypeError:  # unhashable junk: checked (and refused) below
+        key, hit = None, None
+    if hit is not None:
+        return hit
+    lay = _regular_of(reg, shape, tw)
+    mesh = required_field(reg, "mesh", int, tw)
+    if not 0 <= mesh < len(meshes):
+        raise _bad(tw, f"mesh {mesh} is not one of the {len(meshes)} meshes")
+    n = lay.world
+    if meshes[mesh] == "iota" and n > world_size or meshes[mesh] != "iota" and len(meshes[mesh]) != n:
+        raise _bad(tw, f"mesh {mesh} does not have the {n} ranks of mesh shape {list(lay.mesh_shape)}")
+    shards, bound = _shard_count(lay), max(MIN_SHARD_BOUND, SHARDS_PER_INDEX * nindexes)
+    if shards > bound:
+        raise UnsafeMetadataError(
+            f"{tw}: its layout record has {shards} shard coordinates, more than the {bound} allowed for "
+            f"{nindexes} index files (a crafted manifest; reading it would take one step per coordinate)"
+        )
+    if key is not None:
+        memo[key] = lay
+    return lay
+
+
+def _tensor_table(table: Any, tensors: Dict[str, TensorMeta], meshes: List[Any], world_size: int, nindexes: int,
+                  memo: Dict[Any, Any], where: str) -> None:
+    """Format v5's ``tensor_table`` (``_format.table``) into ``tensors``: each kind checked once, each tensor's ints."""
+    if not isinstance(table, dict):
+        raise _bad(where, "must be an object")
+    kinds = required_field(table, "kinds", list, where)
+    checked = []
+    for k, kj in enumerate(kinds):
+        kw = f"{where}: kinds[{k}]"
+        dt = required_field(kj, "dtype", str, kw)
+        if dt not in DTYPES:
+            raise _bad(kw, f"unknown dtype {dt!r}")
+        shape = checked_shape(int_list_field(kj, "shape", kw), itemsize(dt), where=kw)
+        reg = {"mesh_shape": kj.get("mesh_shape"), "placements": kj.get("placements"), "mesh": kj.get("mesh")}
+        lay = _checked_regular(reg, shape, meshes, world_size, nindexes, memo, kw)
+        layout = kj.get("layout")
+        checked.append((dt, shape, layout if isinstance(layout, dict) else None, reg, lay, lay.world))
+    names = front_decode(table.get("prefix"), table.get("suffix"), strict=True, where=where)
+    kind_col, rot_col = table.get("kind"), table.get("rotation")
+    if not isinstance(kind_col, list) or not isinstance(rot_col, list) or not len(kind_col) == len(rot_col) == len(names):
+        raise _bad(where, f"'kind' and 'rotation' must be lists of {len(names)} entries (one per name)")
+    nkinds = len(checked)
+    for name, k, rot in zip(names, kind_col, rot_col):
+        if type(k) is not int or not 0 <= k < nkinds:
+            raise _bad(where, f"tensor {name!r}: kind {k!r:.20} is not one of the {nkinds} kinds")
+        dt, shape, layout, reg, lay, world = checked[k]
+        if type(rot) is not int or not 0 <= rot < world:
+            raise _bad(where, f"tensor {name!r}: rotation {rot!r:.20} outside 0..{world - 1}")
+        if name in tensors:
+            raise _bad(where, f"tensor {name!r} is listed twice (tensor_table and tensors)")
+        t = TensorMeta(dt, list(shape), [], layout, {**reg, "rotation": rot})
+        t.__dict__["_regular_layout"] = lay
+        tensors[name] = t
 
 
 def _regular_of(reg: Dict[str, Any], shape: List[int], where: str):
@@ -347,10 +408,12 @@ def file_table_json(m: Manifest) -> Tuple[Dict[str, Any], Dict[str, FileMeta], D
     return table, other_files, other_indexes
 
 
+@paused_gc
 def manifest_v2_json(m: Manifest) -> Dict[str, Any]:
     """Format v2/v3's JSON object: layouts and writers instead of chunks; v3's file table."""
     tensors = {}
-    for name in sorted(m.tensors):
+    table, listed = tensor_table_json(m.tensors) if spec(m.version).tensor_table else (None, sorted(m.tensors))
+    for name in listed:
         t = m.tensors[name]
         tj: Dict[str, Any] = {"dtype": t.dtype, "shape": list(t.shape)}
         if t.layout is not None:
@@ -375,6 +438,8 @@ def manifest_v2_json(m: Manifest) -> Dict[str, Any]:
     }
     if m.version >= V_CONTENT_HASH:
         out["content_hash"] = m.content_hash
+    if table is not None:
+        out["tensor_table"] = table
     files, indexes = m.files, m.indexes
     if spec(m.version).file_table:
         out["file_table"], files, indexes = file_table_json(m)
@@ -441,6 +506,9 @@ INDEX_ROW = ("tensor", "file", "offsets", "sizes", "byte_offset", "crc32c", "blo
 #: for a chunk written without one); the algorithm is the manifest's
 #: ``content_hash``.
 INDEX_ROW_V4 = INDEX_ROW + ("hash",)
+#: An index file's ``format_version`` when its chunks are columns (format v5
+#: manifests, indexes of at least ``table.TABLE_MIN_ENTRIES`` chunks); rows: 2.
+INDEX_COLUMNAR = 3
 
 
 def index_bytes(save_id: str, rank: int, block_bytes: int, chunks: Sequence[Tuple[str, ChunkMeta]]) -> bytes:
@@ -448,6 +516,12 @@ def index_bytes(save_id: str, rank: int, block_bytes: int, chunks: Sequence[Tupl
     files = sorted({c.file for _, c in chunks})
     fid = {f: i for i, f in enumerate(files)}
     hashed = any(c.hash is not None for _, c in chunks)
+    if len(chunks) >= _table.TABLE_MIN_ENTRIES:
+        # Format v5's columnar index (``_format.table``): ~25 bytes a chunk.
+        return canonical_json({
+            "format": INDEX_FORMAT, "format_version": INDEX_COLUMNAR, "save_id": save_id, "rank": rank,
+            "block_bytes": block_bytes, "files": files, **index_columns(chunks, files, hashed),
+        })
     rows = []
     for name, c in sorted(chunks, key=lambda nc: (nc[0], nc[1].offsets)):
         row = [name, fid[c.file], list(c.offsets), list(c.sizes), c.byte_offset, c.crc32c, pack_crcs(c.blocks or [])]
@@ -488,6 +562,7 @@ def read_index(m: Manifest, storage: Any, rank: int, cache: MetaCache) -> Dict[s
     return parsed
 
 
+@paused_gc
 def check_index(m: Manifest, data: bytes, rel: str, where: str) -> Dict[str, Any]:
     """Index file ``rel``'s bytes checked against the manifest (size, CRC-32C) and parsed.
 
@@ -526,13 +601,15 @@ def _parse_index(m: Manifest, data: bytes, rank: int, where: str) -> Dict[str, A
     if raw.get("save_id") != m.save_id or raw.get("block_bytes") != m.block_bytes:
         raise _bad(where, "belongs to another save (save_id or block_bytes differ from the manifest)")
     files = required_field(raw, "files", list, where)
+    for f in files:
+        if not isinstance(f, str) or f not in m.files:
+            raise _bad(where, f"file {f!r:.80} is not listed in the manifest")
+    if raw.get("format_version") == INDEX_COLUMNAR and spec(m.version).tensor_table:
+        return _parse_columns(m, raw, files, where)
     row_kinds = [list(INDEX_ROW)] + ([list(INDEX_ROW_V4)] if m.version >= V_CONTENT_HASH else [])
     if raw.get("rows") not in row_kinds:
         raise _bad(where, f"field 'rows' must be {' or '.join(str(k) for k in row_kinds)}")
     columns = tuple(raw["rows"])
-    for f in files:
-        if not isinstance(f, str) or f not in m.files:
-            raise _bad(where, f"file {f!r:.80} is not listed in the manifest")
     keys: Dict[str, Tuple[str, ChunkMeta]] = {}
     by_tensor: Dict[str, List[ChunkMeta]] = {}
     claims = []
@@ -577,12 +654,22 @@ def _parse_index(m: Manifest, data: bytes, rank: int, where: str) -> Dict[str, A
         keys[c.key] = (name, c)
         by_tensor.setdefault(name, []).append(c)
         claims.append((c.file, c.byte_offset, c.nbytes, f"{name!r} chunk {c.key!r}"))
+    return _checked_index(keys, by_tensor, claims, where)
+
+
+def _checked_index(keys, by_tensor, claims, where: str) -> Dict[str, Any]:
     # A data file is written by one rank, so its index holds every claim on it.
     clashes = _geometry.shared_byte_ranges(claims)
     if clashes:
         listed = "; ".join(f"{k.file} bytes [{k.start}, {k.stop}) claimed by {k.first} and {k.second}" for k in clashes)
         raise _bad(where, f"chunks share file bytes (a damaged or crafted checkpoint): {listed}")
     return {"keys": keys, "tensors": by_tensor}
+
+
+def _parse_columns(m: Manifest, raw: Dict[str, Any], files: List[str], where: str) -> Dict[str, Any]:
+    """A columnar index (format v5, ``_format.table``): the same result and checks as the row form."""
+    keys, by_tensor, claims = parse_index_columns(raw, m, files, hashed=m.version >= V_CONTENT_HASH, where=where)
+    return _checked_index(keys, by_tensor, claims, where)
 
 
 # --------------------------------------------------------------------------
@@ -609,11 +696,18 @@ def _regular_chunks(m: Manifest, storage: Any, name: str, t: TensorMeta, boxes, 
             for s, b in _geometry.chunks_overlapping(lay, _geometry.Box(tuple(offs), tuple(sizes))):
                 wanted[b.offsets] = (s, b)
     out = []
+    writers = _writer_memo(m)
+    mesh = cast(Dict[str, Any], t.regular)["mesh"]
+    shape = tuple(t.shape)
     for offs in sorted(wanted):
         s, box = wanted[offs]
-        rank = mesh_rank(m, t, _geometry.writer_coord(lay, rot, s))
+        # The writer of box s depends on the layout, the mesh and (rot + s) % replicas only.
+        wkey = (lay, mesh, rot, s)
+        rank = writers.get(wkey)
+        if rank is None:
+            rank = writers[wkey] = mesh_rank(m, t, _geometry.writer_coord(lay, rot, s))
         idx = read_index(m, storage, rank, cache)
-        key = chunk_key(name, box.offsets, tuple(box.sizes) == tuple(t.shape))
+        key = chunk_key(name, box.offsets, box.sizes == shape)
         hit = idx["keys"].get(key)
         if hit is None or hit[0] != name or tuple(hit[1].sizes) != tuple(box.sizes) or tuple(hit[1].offsets) != tuple(box.offsets):
             raise CorruptCheckpointError(
@@ -622,6 +716,14 @@ def _regular_chunks(m: Manifest, storage: Any, name: str, t: TensorMeta, boxes, 
             )
         out.append(hit[1])
     return out
+
+
+def _writer_memo(m: Manifest) -> Dict[Any, int]:
+    """Per manifest: the writer rank of ``(layout, mesh, rotation, shard)`` (50,000 tensors share a few layouts)."""
+    got = m.__dict__.get("_writer_memo")
+    if got is None:
+        got = m.__dict__["_writer_memo"] = {}
+    return got
 
 
 def _explicit_chunks(m: Manifest, storage: Any, name: str, t: TensorMeta, cache: MetaCache) -> List[ChunkMeta]:
@@ -698,6 +800,65 @@ def resolve(manifest: Any, storage: Any, name: str, boxes, cache: MetaCache) -> 
     block_bytes = manifest.block_bytes if spec(manifest.version).block_checksums else 0
     out = [Chunk.from_meta(name, c, block_bytes) for c in tensor_chunks(manifest, storage, name, boxes, cache) if c.nbytes]
     out.sort(key=lambda c: c.offsets)
+    return out
+
+
+@paused_gc
+def resolve_many(manifest: Any, storage: Any, wants: Sequence[Tuple[str, Any]], cache: MetaCache) -> List[List[Chunk]]:
+    """:func:`resolve` of many tensors at once: the geometry once per distinct (layout, rotation, boxes).
+
+    A 50,000-tensor state has a few dozen distinct layouts: which saved boxes
+    a wanted box meets, and which rank wrote each, is computed once per
+    distinct question; per tensor what is left is the lookup of its chunk
+    keys in the index files (the same checks as :func:`resolve`).
+    """
+    if spec(manifest.version).chunk_lists:
+        return [resolve(manifest, storage, name, boxes, cache) for name, boxes in wants]
+    block_bytes = manifest.block_bytes
+    writers = _writer_memo(manifest)
+    geo: Dict[Any, List[Tuple[_geometry.Box, int, str, bool]]] = {}
+    headers = cast(Dict[Any, Any], cache.headers)
+    out: List[List[Chunk]] = []
+    for name, boxes in wants:
+        t = manifest.tensors[name]
+        if t.regular is None or t.chunks or not t.shape or 0 in t.shape:
+            out.append(resolve(manifest, storage, name, boxes, cache))
+            continue
+        lay = regular_of(t)
+        reg = t.regular
+        boxes = tuple((tuple(o), tuple(z)) for o, z in boxes)
+        gkey = (lay, reg["mesh"], reg["rotation"], boxes)
+        hits = geo.get(gkey)
+        if hits is None:
+            wanted: Dict[Tuple[int, ...], Tuple[int, _geometry.Box]] = {}
+            for offs, sizes in boxes:
+                for sh, b in _geometry.chunks_overlapping(lay, _geometry.Box(offs, sizes)):
+                    wanted[b.offsets] = (sh, b)
+            hits = []
+            shape = tuple(t.shape)
+            for offs in sorted(wanted):
+                sh, box = wanted[offs]
+                wkey = (lay, reg["mesh"], reg["rotation"], sh)
+                rank = writers.get(wkey)
+                if rank is None:
+                    rank = writers[wkey] = mesh_rank(manifest, t, _geometry.writer_coord(lay, reg["rotation"], sh))
+                hits.append((box, rank, chunk_key("", box.offsets, False), box.sizes == shape))
+            geo[gkey] = hits
+        chunks: List[Chunk] = []
+        for box, rank, tail, whole in hits:
+            idx = headers.get(("index", rank))
+            if idx is None:
+                idx = read_index(manifest, storage, rank, cache)
+            key = name if whole else name + tail
+            hit = idx["keys"].get(key)
+            if hit is None or hit[0] != name or tuple(hit[1].sizes) != box.sizes or tuple(hit[1].offsets) != box.offsets:
+                raise CorruptCheckpointError(
+                    f"{storage.url}: tensor {name!r}: the index of rank {rank} lacks chunk {key!r} "
+                    f"(box {list(box.offsets)}+{list(box.sizes)}) that its layout record says that rank wrote"
+                )
+            if hit[1].nbytes:
+                chunks.append(Chunk.from_meta(name, hit[1], block_bytes))
+        out.append(chunks)
     return out
 
 

@@ -43,6 +43,7 @@ __all__ = [
     "tiling_problems",
     "required_field",
     "int_list_field",
+    "paused_gc",
 ]
 
 FORMAT_NAME = "shardckpt"
@@ -229,6 +230,29 @@ def manifest_v1_json(m: Manifest) -> Dict[str, Any]:
     }
 
 
+def paused_gc(fn: Any) -> Any:
+    """``fn`` run with the cyclic garbage collector paused (re-enabled after, if it was on).
+
+    Parsing a large manifest or index allocates ~10 containers per tensor,
+    none of them cyclic garbage; the collector's passes over a big live heap
+    (a loaded model, the parsed metadata) took ~40% of a 50,000-tensor parse.
+    """
+    import functools
+    import gc
+
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        was = gc.isenabled()
+        gc.disable()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            if was:
+                gc.enable()
+
+    return run
+
+
 def canonical_json(obj: Any) -> bytes:
     """The one canonical JSON encoding of metadata: sorted keys, compact, trailing newline, no NaN."""
     return (json.dumps(obj, sort_keys=True, separators=(",", ":"), allow_nan=False) + "\n").encode()
@@ -268,6 +292,7 @@ def manifest_json_v2(body: Dict[str, Any]) -> bytes:
     return ("{" + ",".join(parts) + "}\n").encode()
 
 
+@paused_gc
 def manifest_to_bytes(m: Manifest) -> bytes:
     """The manifest's bytes: compact separators, trailing newline, no NaN.
 
@@ -368,6 +393,7 @@ def check_shared_bytes(tensors: Dict[str, TensorMeta], where: str) -> None:
         raise CorruptCheckpointError(f"{where}: chunks share file bytes (a damaged or crafted checkpoint): {listed}")
 
 
+@paused_gc
 def manifest_from_bytes(data: bytes, *, url: str = "") -> Manifest:
     """Parse and validate ``manifest.json``; raise on anything unsafe or inconsistent."""
     where = f"{url.rstrip('/')}/{MANIFEST_NAME}" if url else MANIFEST_NAME

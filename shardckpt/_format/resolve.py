@@ -30,7 +30,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 from . import _v2
 from .chunk import Chunk, MetaCache
 
-__all__ = ["Chunk", "MetaCache", "resolve_chunks"]
+__all__ = ["Chunk", "MetaCache", "resolve_chunks", "resolve_many"]
 
 
 def resolve_chunks(
@@ -63,3 +63,26 @@ def resolve_chunks(
     """
     cache = cache if cache is not None else MetaCache()
     return _v2.resolve(manifest, storage, name, boxes, cache)
+
+
+def resolve_many(
+    manifest: Any,
+    storage: Optional[Any],
+    wants: Sequence[Tuple[str, Sequence[Tuple[Sequence[int], Sequence[int]]]]],
+    *,
+    cache: Optional[MetaCache] = None,
+) -> List[List[Chunk]]:
+    """:func:`resolve_chunks` for many ``(name, boxes)`` at once, in order: the same chunks and checks.
+
+    What a load of a large state calls: the geometry (which saved boxes meet
+    the wanted ones, which rank wrote them) is computed once per distinct
+    layout and boxes, not once per tensor.
+
+    Raises:
+        KeyError / CorruptCheckpointError / UnsafeMetadataError: as :func:`resolve_chunks`.
+
+    Example:
+        >>> [cs] = resolve_many(m, storage, [("w", [((0, 0), (4, 8))])])   # doctest: +SKIP
+    """
+    cache = cache if cache is not None else MetaCache()
+    return _v2.resolve_many(manifest, storage, wants, cache)

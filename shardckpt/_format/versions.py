@@ -20,6 +20,8 @@ version  what it adds
          chunks derived from layout records
 3        the per-rank files in a compact table (``file_table``)
 4        a content hash per chunk; references to sibling checkpoints
+5        large states in compact tables: the regular tensors' records
+         (``tensor_table``) and index files of many chunks (columns)
 =======  ============================================================
 """
 
@@ -48,6 +50,9 @@ class VersionSpec:
         file_table: the per-rank data and index files are a compact table.
         content_hash: chunks carry a content hash (index rows' ``hash``), and
             files may be references to sibling checkpoints (``_format.refs``).
+        tensor_table: the manifest may hold its regular tensors' records in
+            a compact ``tensor_table`` and index files may be columnar
+            (index ``format_version`` 3; ``_format.table``).
         parse: ``(raw JSON object, where) -> Manifest``, validating.
         to_json: ``Manifest -> JSON object`` (before canonical encoding).
     """
@@ -58,6 +63,7 @@ class VersionSpec:
     manifest_crc: bool
     file_table: bool
     content_hash: bool
+    tensor_table: bool = False
     parse: Callable[[Dict[str, Any], str], Any] = _unregistered
     to_json: Callable[[Any], Dict[str, Any]] = _unregistered
 
@@ -80,6 +86,7 @@ VERSIONS: Dict[int, VersionSpec] = {
     2: VersionSpec(2, chunk_lists=False, block_checksums=True, manifest_crc=True, file_table=False, content_hash=False),
     3: VersionSpec(3, chunk_lists=False, block_checksums=True, manifest_crc=True, file_table=True, content_hash=False),
     4: VersionSpec(4, chunk_lists=False, block_checksums=True, manifest_crc=True, file_table=True, content_hash=True),
+    5: VersionSpec(5, chunk_lists=False, block_checksums=True, manifest_crc=True, file_table=True, content_hash=True, tensor_table=True),
 }
 #: The version ``save`` and the converters write.
 NEWEST = max(VERSIONS)

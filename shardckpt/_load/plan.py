@@ -22,7 +22,7 @@ from .. import _geometry
 from .._format import Manifest, TensorMeta, open_manifest, torch_dtype
 from .._format._v2 import materialize
 from .._format.chunk import Chunk
-from .._format.resolve import MetaCache, resolve_chunks
+from .._format.resolve import MetaCache, resolve_chunks, resolve_many
 from .._hf import ALIAS_OF_KEY, select_for_load, with_aliases
 from .._io import check_files
 from .._layout import TensorLayout, layout_of
@@ -274,9 +274,10 @@ def plan_for_manifest(
 ) -> LoadPlan:
     """:func:`plan_load` against an opened manifest: walk, match names, plan each target, check ties, refuse.
 
-    Four steps, each its own function: :func:`_match_names` (which entries
-    load, which are missing or unexpected), :func:`_plan_target` per live
-    tensor (shape, dtype, overlap, the saved pieces), :func:`_tied_checks`
+    Steps, each its own function: :func:`_match_names` (which entries
+    load, which are missing or unexpected), :func:`_live_target` per live
+    tensor (shape, dtype, overlap), one :func:`resolve_many` for every
+    tensor's saved chunks, :func:`_finish_target` (the read pieces), :func:`_tied_checks`
     (a live tie over two different checkpoint tensors) and
     :func:`_refuse` (one error with every disagreement of every kind:
     fixing one kind must not only reveal the next).
@@ -301,15 +302,20 @@ def plan_for_manifest(
         wanted.append((name, created[name]))
     targets: List[Target] = []
     problems: List[str] = []
+    live: List[_Live] = []
     for name, tensor in wanted:
-        got = _plan_target(
-            name, tensor, manifest, storage, cache, rank=rank, world=world,
-            local_only=local_only if name not in created else True, cast=cast,
-        )
+        got = _live_target(name, tensor, manifest, rank=rank, world=world,
+                           local_only=local_only if name not in created else True, cast=cast)
         if isinstance(got, str):
             problems.append(got)
         else:
-            targets.append(got)
+            live.append(got)
+    # Every tensor's saved chunks in one call: the geometry once per distinct layout.
+    alias = manifest.extra.get(ALIAS_OF_KEY, {})
+    asked = [lv for lv in live if lv.boxes]
+    found = resolve_many(manifest, storage, [(alias.get(lv.name, lv.name), lv.boxes) for lv in asked], cache=cache)
+    chunks_of = {id(lv): tuple(cs) for lv, cs in zip(asked, found)}
+    targets.extend(_finish_target(lv, manifest, chunks_of.get(id(lv), ())) for lv in live)
     parts = names.parts + _tied_checks(manifest, storage, flat.tied, cache, strict=strict)
     _refuse(parts, problems, strict=strict, names=names, union=union)
     return LoadPlan(
@@ -364,23 +370,18 @@ def _match_names(flat, missing_values, unexpected_values, manifest: Manifest, *,
     return _Names(creates, missing_all, unexpected_all, parts)
 
 
-def _plan_target(
-    name: str,
-    tensor: Any,
-    manifest: Manifest,
-    storage: Optional[Storage],
-    cache: MetaCache,
-    *,
-    rank: int,
-    world: int,
-    local_only: bool,
-    cast: bool,
-) -> Union[Target, str]:
-    """The :class:`Target` of one live tensor, or why it cannot load (shape, dtype, self-overlap).
+class _Live(NamedTuple):
+    """A live tensor checked against its saved record, before its chunks are resolved."""
 
-    Chunks without checksums (safetensors sources) are read exactly;
-    checksummed ones are rounded to their blocks by the reader.
-    """
+    name: str
+    meta: Any
+    lay: TensorLayout
+    views: List[torch.Tensor]
+    boxes: List[Tuple[Tuple[int, ...], Tuple[int, ...]]]
+
+
+def _live_target(name: str, tensor: Any, manifest: Manifest, *, rank: int, world: int, local_only: bool, cast: bool) -> Union[_Live, str]:
+    """A live tensor's checks against its saved record: shape, dtype and self-overlap checks, and the boxes to resolve."""
     meta = manifest.tensors[name]
     lay = layout_of(name, tensor, rank=rank, world_size=world, local_only=local_only)
     if list(lay.shape) != list(meta.shape):
@@ -394,17 +395,18 @@ def _plan_target(
             f"{name}: the live tensor overlaps itself (an expand()-ed or stride-0 tensor); "
             "loading into it would write several values to one element — give it its own memory (.clone())"
         )
-    boxes = [(p.box.offsets, p.box.sizes) for p in lay.parts if p.box.numel]
-    chunks = tuple(saved_chunks(manifest, storage, name, boxes, cache)) if boxes else ()
+    return _Live(name, meta, lay, views, [(p.box.offsets, p.box.sizes) for p in lay.parts if p.box.numel])
+
+
+def _finish_target(lv: _Live, manifest: Manifest, chunks: Tuple[Chunk, ...]) -> Target:
+    """A live tensor's :class:`Target`: the read pieces of each live box from its resolved chunks."""
     saved = [_geometry.Box(c.offsets, c.sizes) for c in chunks]
-    parts = tuple((p.box, v) for p, v in zip(lay.parts, views))
+    parts = tuple((p.box, v) for p, v in zip(lv.lay.parts, lv.views))
     try:
-        pieces = tuple(
-            tuple(_geometry.plan_reads(saved, [_geometry.LocalBox(box, (0,) * len(box.offsets))])) for box, _ in parts
-        )
+        pieces = tuple(_geometry.plan_box_reads(saved, box) for box, _ in parts)
     except ValueError as e:
-        raise CorruptCheckpointError(f"{name}: the checkpoint's chunks do not cover what this rank holds: {e}") from None
-    return Target(name, meta, parts, pieces, chunks, replicated=_replicated(lay))
+        raise CorruptCheckpointError(f"{lv.name}: the checkpoint's chunks do not cover what this rank holds: {e}") from None
+    return Target(lv.name, lv.meta, parts, pieces, chunks, replicated=_replicated(lv.lay))
 
 
 def _tied_checks(manifest: Manifest, storage: Optional[Storage], tied: Sequence[Tuple[str, str]], cache: MetaCache,

@@ -340,7 +340,7 @@ def test_converter_outputs_load_on_4_ranks_reading_1_1x_the_needed_bytes(tmp_pat
     converters.from_safetensors(f"{root}/hf", f"{root}/imported")  # one writer, whole tensors
     converters.reshard(f"{root}/imported", f"{root}/rs2", world_size=2)  # 2 writers, dim-0 halves
     for out in ("imported", "rs2"):
-        assert shardckpt.verify(f"{root}/{out}").version == 4
+        assert shardckpt.verify(f"{root}/{out}").version == 5
         res = run_ranks(4, _load_counting, f"{root}/{out}")
         for rank, (state, nread, mine) in enumerate(res):
             _same(state, sd)

@@ -58,11 +58,11 @@ def saved(tmp_path_factory):
 
 def test_manifest_has_layout_records_not_chunks(saved):
     m = open_manifest(Storage(saved), chunks=False)
-    assert m.version == 4 and m.world_size == 4
+    assert m.version == 5 and m.world_size == 4
     assert all(t.regular is not None and not t.chunks for t in m.tensors.values())
     assert m.tensors["hsdp"].regular["placements"] == ["R", "S(0)"]
     assert sorted(im.rank for im in m.indexes.values()) == [0, 1, 2, 3]
-    assert shardckpt.verify(saved).version == 4
+    assert shardckpt.verify(saved).version == 5
 
 
 @pytest.mark.parametrize("rank", [0, 1, 2, 3])

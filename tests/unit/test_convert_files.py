@@ -714,12 +714,12 @@ def test_native_outputs_are_format_v2_with_block_checksums_and_verify(ckpt, tmp_
     for conv, out in _native_outputs(ckpt, tmp_path).items():
         raw = json.loads(open(os.path.join(out, "manifest.json")).read())
         index_files = [f for f in raw["file_table"]["index_files"] if f is not None]  # format v3: the compact table
-        assert raw["format_version"] == 4 and "manifest_crc32c" in raw and index_files, conv
+        assert raw["format_version"] == 5 and "manifest_crc32c" in raw and index_files, conv
         assert all("chunks" not in t for t in raw["tensors"].values()), conv  # chunks live in the index files
         if conv == "reshard":  # FSDP2's cut is a layout record, a few ints whatever the world size
             assert raw["tensors"]["model.emb"]["regular"]["mesh_shape"] == [3] and len(index_files) == 3
         m = shardckpt.verify(out)  # every block CRC re-read and checked
-        assert m.version == 4 and m.block_bytes > 0, conv
+        assert m.version == 5 and m.block_bytes > 0, conv
         for name, t in m.tensors.items():
             for c in t.chunks:
                 assert c.blocks is not None and len(c.blocks) == -(-c.nbytes // m.block_bytes), (conv, name)
@@ -755,7 +755,7 @@ def test_v1_sources_still_convert(tmp_path):
     converters.to_safetensors(GOLDEN_DIR, str(tmp_path / "hf"), prefix=None)
     converters.to_full(GOLDEN_DIR, str(tmp_path / "full.pt"))
     m = shardckpt.verify(str(tmp_path / "rs"))
-    assert m.version == 4 and m.world_size == 3
+    assert m.version == 5 and m.world_size == 3
     state = {k: torch.zeros_like(v) for k, v in want.items()}
     shardckpt.load(state, str(tmp_path / "rs"), strict=False)
     hf = load_file(str(tmp_path / "hf" / "model.safetensors"))

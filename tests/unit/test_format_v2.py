@@ -55,7 +55,7 @@ def saved(tmp_path_factory):
 def test_save_writes_v2_with_a_checksummed_manifest(saved):
     path, _ = saved
     raw = json.loads(open(os.path.join(path, "manifest.json"), "rb").read())
-    assert raw["format_version"] == FORMAT_VERSION == 4
+    assert raw["format_version"] == FORMAT_VERSION == 5
     # v3: the rank's files are in the compact table, none listed one by one.
     assert raw["files"] == {} and raw["indexes"] == {} and len(raw["file_table"]["data_sizes"]) == raw["world_size"]
     want = raw.pop("manifest_crc32c")
@@ -66,7 +66,7 @@ def test_save_writes_v2_with_a_checksummed_manifest(saved):
     # No per-chunk records in the manifest: regular tensors carry a layout record.
     assert all("chunks" not in t and "regular" in t for t in raw["tensors"].values())
     m = shardckpt.inspect(path)
-    assert m.version == 4 and m.block_bytes == 1 << 20 and len(m.indexes) == 1
+    assert m.version == 5 and m.block_bytes == 1 << 20 and len(m.indexes) == 1
     assert set(m.indexes) <= set(m.files)
     big = m.tensors["big"].chunks[0]
     assert len(big.blocks) == 4
@@ -285,7 +285,7 @@ def test_verify_v2_needs_no_torch(saved):
     code = (
         "import sys; sys.modules['torch'] = None\n"
         "from shardckpt._verify import verify\n"
-        f"m = verify({path!r}); assert m.version == 4, m\n"
+        f"m = verify({path!r}); assert m.version == 5, m\n"
         "assert sys.modules['torch'] is None\n"
     )
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

@@ -63,13 +63,13 @@ def _bytes(raw: dict) -> bytes:
 def test_table_round_trip_and_layout():
     m = _manifest(3, 2)
     raw = _raw(m)
-    assert raw["format_version"] == 4 and raw["files"] == {} and raw["indexes"] == {}
+    assert raw["format_version"] == 5 and raw["files"] == {} and raw["indexes"] == {}
     t = raw["file_table"]
     assert t["data"] == "data/0123456789ab-r{rank}-{i}.safetensors" and t["index"] == "data/0123456789ab-index-r{rank}.json"
     assert t["data_sizes"] == [[1 << 20 | r << 4, 1 << 20 | r << 4 | 1] for r in range(3)]
     assert t["index_files"] == [[1000 + r, (r * 2654435761) % 2**32] for r in range(3)]
     back = manifest_from_bytes(manifest_to_bytes(m))
-    assert back.files == m.files and back.indexes == m.indexes and back.version == 4
+    assert back.files == m.files and back.indexes == m.indexes and back.version == 5
     assert manifest_to_bytes(back) == manifest_to_bytes(m)  # deterministic
 
 

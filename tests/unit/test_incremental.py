@@ -108,7 +108,7 @@ def test_incremental_save_references_unchanged_chunks(tmp_path):
     state["step"] = 2
     shardckpt.save(state, s2, incremental=s1)
     m = open_manifest(s2)
-    assert m.version == 4 and m.content_hash == default_hash_algo()
+    assert m.version == 5 and m.content_hash == default_hash_algo()
     assert any(rel.startswith("@step-1/") for rel in m.files)
     # Only lora_a (4x64 fp32 = 1 KiB) plus a header is written.
     assert _data_bytes(s2) < 4 * 64 * 4 + 1024 < full

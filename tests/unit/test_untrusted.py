@@ -170,7 +170,7 @@ MANIFEST_CASES = [
         CorruptCheckpointError,
         ["'sharded'", "do not tile"],
     ),
-    ("future-version", _edit(lambda r: r.update(format_version=5)), CorruptCheckpointError, ["format_version 5", "upgrade shardckpt"]),
+    ("future-version", _edit(lambda r: r.update(format_version=6)), CorruptCheckpointError, ["format_version 6", "upgrade shardckpt"]),
     ("version-zero", _edit(lambda r: r.update(format_version=0)), CorruptCheckpointError, ["format_version 0"]),
     ("version-str", _edit(lambda r: r.update(format_version="1")), CorruptCheckpointError, ["'format_version' must be int"]),
     ("not-ours", _edit(lambda r: r.update(format="dcp")), CorruptCheckpointError, ["not a shardckpt manifest", "'dcp'"]),
@@ -440,7 +440,7 @@ def test_bad_v3_file_table_is_refused_and_nothing_loaded(tmp_path, case):
     saved = {"w": torch.randn(6, 4), "step": 9}
     shardckpt.save(saved, str(path))
     raw = _manifest(path)
-    assert raw["format_version"] == 4 and raw["files"] == {}
+    assert raw["format_version"] == 5 and raw["files"] == {}
     _write_manifest(path, edit(raw))
     state = {"w": torch.zeros(6, 4), "step": -1}
     snap = _snapshot(state)

@@ -1,0 +1,231 @@
+"""Format v5: large states' compact tables (docs/format.md, "Format v5").
+
+The manifest's ``tensor_table`` (kinds listed once, front-coded names, a kind
+and a rotation per tensor) and columnar index files: round trips, the
+threshold, a real save and load through them, and hostile tables refused with
+our types and messages naming what and where.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+import shardckpt
+from shardckpt._format import (
+    FORMAT_VERSION,
+    ChunkMeta,
+    FileMeta,
+    IndexMeta,
+    Manifest,
+    TensorMeta,
+    _v2,
+    index_file_name,
+    manifest_from_bytes,
+    manifest_to_bytes,
+    table,
+)
+from shardckpt._format.checksum import crc32c
+from shardckpt._format.manifest import MANIFEST_CRC_FIELD, manifest_json_v2
+from shardckpt.errors import CorruptCheckpointError
+
+SID = "0123456789abcdef0123456789abcdef"
+N = table.TABLE_MIN_ENTRIES + 5
+
+
+def _reg(ms, pl, rot=0):
+    return {"mesh_shape": ms, "placements": pl, "mesh": 0, "rotation": rot}
+
+
+def _manifest(n=N) -> Manifest:
+    tensors = {}
+    for i in range(n):
+        k = i % 3
+        shape = [[8, 4], [16], [4, 4, 2]][k]
+        reg = _reg([4], ["S(0)"]) if k != 1 else _reg([2, 2], ["R", "S(0)"], rot=i % 2)
+        tensors[f"layers.{i // 3}.w{k}"] = TensorMeta("F32" if k else "BF16", shape, layout={"placements": reg["placements"]}, regular=reg)
+    tensors["odd"] = TensorMeta("F32", [5], writers=[0, 2])
+    idx = {index_file_name(SID, r): IndexMeta(r, 100 + r, r) for r in range(4)}
+    files = {p: FileMeta(m.size) for p, m in idx.items()}
+    return Manifest(world_size=4, tensors=tensors, files=files, save_id=SID, version=FORMAT_VERSION, block_bytes=1 << 20,
+                    meshes=["iota"], indexes=idx, values={"step": 1})
+
+
+def _bytes(raw: dict) -> bytes:
+    raw = dict(raw)
+    raw.pop(MANIFEST_CRC_FIELD, None)
+    raw[MANIFEST_CRC_FIELD] = crc32c(manifest_json_v2(raw))
+    return manifest_json_v2(raw)
+
+
+def test_tensor_table_round_trip():
+    m = _manifest()
+    body = manifest_to_bytes(m)
+    raw = json.loads(body)
+    tt = raw["tensor_table"]
+    assert len(tt["kinds"]) == 3  # 3 layouts; the replicated one's 2 rotations share its kind
+    assert len(tt["prefix"]) == len(tt["suffix"]) == len(tt["kind"]) == len(tt["rotation"]) == N
+    assert list(raw["tensors"]) == ["odd"]  # irregular tensors keep their objects
+    back = manifest_from_bytes(body)
+    assert sorted(back.tensors) == sorted(m.tensors)
+    for name, t in m.tensors.items():
+        b = back.tensors[name]
+        assert (b.dtype, b.shape, b.regular, b.writers, b.layout) == (t.dtype, t.shape, t.regular, t.writers, t.layout), name
+    # front coding pays: a name costs its new suffix, not the whole of it
+    assert sum(map(len, tt["suffix"])) * 3 < sum(map(len, m.tensors))
+
+
+def test_small_states_keep_per_tensor_records():
+    raw = json.loads(manifest_to_bytes(_manifest(table.TABLE_MIN_ENTRIES - 1)))
+    assert "tensor_table" not in raw and len(raw["tensors"]) == table.TABLE_MIN_ENTRIES
+
+
+def test_front_code_round_trip():
+    names = sorted(["a", "ab", "abc", "b", "layers.10.w1", "layers.1.w1", "layers.1.w2", "x" * 300])
+    prefix, suffix = table.front_code(names)
+    assert table.front_decode(prefix, suffix, strict=True, where="t") == names
+    p2, s2 = table.front_code(["w", "w", "w2"])
+    assert table.front_decode(p2, s2, strict=False, where="t") == ["w", "w", "w2"]
+    with pytest.raises(CorruptCheckpointError, match="listed twice"):
+        table.front_decode(p2, s2, strict=True, where="t")
+
+
+def _edit_table(fn):
+    raw = json.loads(manifest_to_bytes(_manifest()))
+    fn(raw)
+    return _bytes(raw)
+
+
+HOSTILE = [
+    ("kind-out-of-range", lambda r: r["tensor_table"]["kind"].__setitem__(3, 99), ["'layers.1.w0'", "kind 99", "3 kinds"]),
+    ("kind-bool", lambda r: r["tensor_table"]["kind"].__setitem__(3, True), ["kind True"]),
+    ("rotation-out-of-range", lambda r: r["tensor_table"]["rotation"].__setitem__(1, 4), ["'layers.0.w1'", "rotation 4 outside 0..3"]),
+    ("prefix-too-long", lambda r: r["tensor_table"]["prefix"].__setitem__(2, 10**6), ["prefix 1000000"]),
+    ("suffix-not-str", lambda r: r["tensor_table"]["suffix"].__setitem__(2, 7), ["suffix a string"]),
+    ("short-column", lambda r: r["tensor_table"]["rotation"].pop(), ["'kind' and 'rotation' must be lists"]),
+    ("name-twice", lambda r: (r["tensor_table"]["prefix"].__setitem__(1, 0), r["tensor_table"]["suffix"].__setitem__(1, "layers.0.w0")), ["listed twice"]),
+    ("in-both", lambda r: r["tensors"].__setitem__("layers.0.w0", r["tensors"]["odd"]), ["'layers.0.w0'", "listed twice"]),
+    ("bad-dtype", lambda r: r["tensor_table"]["kinds"][0].update(dtype="X9"), ["kinds[0]", "unknown dtype 'X9'"]),
+    ("bad-placement", lambda r: r["tensor_table"]["kinds"][0].update(placements=["S(7)"]), ["kinds[0]", "invalid layout record"]),
+    ("mesh-too-small", lambda r: r["tensor_table"]["kinds"][0].update(mesh_shape=[64]), ["kinds[0]", "does not have the 64 ranks"]),
+    ("not-an-object", lambda r: r.__setitem__("tensor_table", [1, 2]), ["tensor_table", "must be an object"]),
+]
+
+
+@pytest.mark.parametrize("case", HOSTILE, ids=[c[0] for c in HOSTILE])
+def test_hostile_tensor_tables_refused(case):
+    _, edit, fragments = case
+    with pytest.raises(CorruptCheckpointError) as e:
+        manifest_from_bytes(_edit_table(edit), url="ck")
+    assert all(f in str(e.value) for f in fragments), str(e.value)
+
+
+def test_table_in_a_v4_manifest_refused():
+    raw = json.loads(manifest_to_bytes(_manifest()))
+    raw["format_version"] = 4
+    with pytest.raises(CorruptCheckpointError, match="carries 'tensor_table' .new in version 5"):
+        manifest_from_bytes(_bytes(raw))
+
+
+# -- columnar index files -----------------------------------------------------
+
+
+def _index_manifest(n=N, nbytes=8):
+    tensors = {f"t{i:05d}": TensorMeta("F32", [4, 2], regular=_reg([2], ["S(0)"])) for i in range(n)}
+    data = "data/0123456789ab-r00000-00.safetensors"
+    return Manifest(world_size=2, tensors=tensors, files={data: FileMeta(8 + n * 2 * nbytes)}, save_id=SID, version=FORMAT_VERSION,
+                    block_bytes=1 << 20, meshes=["iota"], indexes={}), data
+
+
+def _chunks(m, data, hashed=False):
+    out, pos = [], 8
+    for name in sorted(m.tensors):
+        for row in (0, 2):
+            c = ChunkMeta(data, f"{name}@{row},0", [row, 0], [2, 2], pos, 16, (pos * 31) & 0xFFFFFFFF)
+            c.blocks = [pos & 0xFFFF]
+            c.hash = f"{pos:064x}" if hashed else None
+            out.append((name, c))
+            pos += 16
+    return out
+
+
+@pytest.mark.parametrize("hashed", [False, True])
+def test_columnar_index_round_trip(hashed):
+    m, data = _index_manifest(nbytes=16)
+    chunks = _chunks(m, data, hashed)
+    body = _v2.index_bytes(SID, 0, 1 << 20, chunks)
+    raw = json.loads(body)
+    assert raw["format_version"] == _v2.INDEX_COLUMNAR and "chunks" not in raw and len(raw["boxes"]) == 2
+    if not hashed:
+        assert len(body) < 40 * len(chunks)  # ~100 bytes a chunk as rows
+    got = _v2._parse_index(m, body, 0, "idx")
+    assert len(got["keys"]) == len(chunks)
+    for name, c in chunks:
+        n2, c2 = got["keys"][c.key]
+        assert n2 == name and c2 == c and c2.blocks == c.blocks and c2.hash == c.hash
+
+
+def _bad_index(fn):
+    m, data = _index_manifest(nbytes=16)
+    raw = json.loads(_v2.index_bytes(SID, 0, 1 << 20, _chunks(m, data)))
+    fn(raw, m)
+    return m, json.dumps(raw).encode()
+
+
+INDEX_HOSTILE = [
+    ("box-outside", lambda r, m: r["boxes"][1][0].__setitem__(0, 3), ["lies outside tensor", "shape [4, 2]"]),
+    ("gap-past-end", lambda r, m: r["columns"]["gap"].__setitem__(-1, 10**6), ["lie outside", "r00000-00.safetensors"]),
+    ("negative-start", lambda r, m: r["columns"]["gap"].__setitem__(0, -20), ["idx chunk 0", "bytes [-20, -4) lie outside"]),
+    ("crcs-short", lambda r, m: r["columns"].update(crcs=table.pack_u32([1, 2, 3])), ["column 'crcs' ends at chunk 1"]),
+    ("crcs-left-over", lambda r, m: r["columns"].update(crcs=table.pack_u32([1] * (4 * N + 2))), ["holds", "the chunks need"]),
+    ("crcs-not-base64", lambda r, m: r["columns"].update(crcs="!!"), ["not base64"]),
+    ("same-key-twice", lambda r, m: r["columns"]["box"].__setitem__(1, 0), ["listed twice"]),
+    ("file-out-of-range", lambda r, m: r["columns"]["file"].__setitem__(5, 3), ["chunk 5", "out of range"]),
+    ("unknown-tensor", lambda r, m: (r["columns"]["prefix"].__setitem__(-1, 0), r["columns"]["suffix"].__setitem__(-1, "zzz")), ["'zzz' is not in the manifest"]),
+    ("short-column", lambda r, m: r["columns"]["gap"].pop(), ["column 'gap' must be a list"]),
+    ("hash-in-v3", lambda r, m: (r["columns"].__setitem__("hash", [None] * len(r["columns"]["file"])), setattr(m, "version", 5)), []),
+]
+
+
+@pytest.mark.parametrize("case", INDEX_HOSTILE, ids=[c[0] for c in INDEX_HOSTILE])
+def test_hostile_columnar_indexes_refused(case):
+    name, edit, fragments = case
+    m, data = _bad_index(edit)
+    if name == "hash-in-v3":  # a null hash column is what a v4+ writer may write: accepted
+        assert len(_v2._parse_index(m, data, 0, "idx")["keys"]) == 2 * N
+        return
+    with pytest.raises(CorruptCheckpointError) as e:
+        _v2._parse_index(m, data, 0, "idx")
+    assert all(f in str(e.value) for f in fragments), str(e.value)
+
+
+def test_columnar_index_refused_for_a_v4_manifest():
+    m, data = _index_manifest(nbytes=16)
+    body = _v2.index_bytes(SID, 0, 1 << 20, _chunks(m, data))
+    m.version = 4
+    with pytest.raises(CorruptCheckpointError, match="field 'rows' must be"):
+        _v2._parse_index(m, body, 0, "idx")
+
+
+# -- a real save and load through the tables --------------------------------------
+
+
+def test_save_and_load_through_the_tables(tmp_path, monkeypatch):
+    monkeypatch.setattr(table, "TABLE_MIN_ENTRIES", 4)
+    path = str(tmp_path / "ck")
+    state = {f"layer{i}": {"w": torch.randn(5, 3), "b": torch.arange(i, i + 4, dtype=torch.int64)} for i in range(6)}
+    state["step"] = 9
+    shardckpt.save(state, path)
+    raw = json.load(open(os.path.join(path, "manifest.json")))
+    assert raw["format_version"] == 5 and len(raw["tensor_table"]["kinds"]) == 2 and raw["tensors"] == {}
+    [index] = [f for f in os.listdir(os.path.join(path, "data")) if "index" in f]
+    assert json.load(open(os.path.join(path, "data", index)))["format_version"] == _v2.INDEX_COLUMNAR
+    live = {f"layer{i}": {"w": torch.zeros(5, 3), "b": torch.zeros(4, dtype=torch.int64)} for i in range(6)}
+    live["step"] = 0
+    shardckpt.load(live, path)
+    assert live["step"] == 9 and all(torch.equal(live[k]["w"], state[k]["w"]) and torch.equal(live[k]["b"], state[k]["b"]) for k in live if k != "step")
+    m = shardckpt.verify(path)
+    assert len(m.tensors) == 12 and sum(len(t.chunks) for t in m.tensors.values()) == 12
