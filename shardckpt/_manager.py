@@ -429,10 +429,13 @@ class CheckpointManager:
         Returns:
             True when the step was copied and its background part started;
             False when the manager has no memory tier or the tier is off (over
-            ``max_bytes``, directory missing or full: one warning, then
-            storage only).
+            ``max_bytes``, directory missing or full, also when it filled
+            after the free-space check: the slot space is reserved before the
+            copy; one warning, then storage only).
 
         Raises:
+            ReplicaDivergenceError: ``replicas="check"`` (the manager's, as
+                for :meth:`save`) and replicated copies differ; nothing held.
             SaveFailedError: a rank failed or died while saving; the previous
                 memory step's background part failed (raised once).
             UnsupportedStateError: a value in ``state`` cannot be saved.
@@ -455,7 +458,7 @@ class CheckpointManager:
             return False
         comm = self._comm("CheckpointManager.save_to_memory")
         return memory_save(self._memory, step, state, comm, process_group=self.process_group,
-                           io_threads=self._write_threads, overlap=overlap)
+                           io_threads=self._write_threads, overlap=overlap, replicas=self.replicas)
 
     def _export_hf(self, step: int) -> None:
         """Rank 0 writes the committed step as a Hugging Face directory; every rank returns when it is there."""

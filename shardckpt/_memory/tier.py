@@ -95,10 +95,11 @@ class MemoryStore:
     # -- save -----------------------------------------------------------------
 
     def save(self, step: int, state: Dict[str, Any], comm: Comm, *, process_group, io_threads: Optional[int],
-             overlap: bool = False) -> bool:
+             overlap: bool = False, replicas: Optional[str] = None) -> bool:
         """Copy ``step`` into memory and start its checksums and peer copy in the background (collective).
 
-        False when the tier is (or turns) off. See ``_memory/snapshot.py``.
+        False when the tier is (or turns) off. ``replicas``: the replica
+        check's mode (the manager's). See ``_memory/snapshot.py``.
         """
         if self.disabled is not None:
             return False
@@ -109,7 +110,7 @@ class MemoryStore:
         share = None if self.config.max_bytes is None else self.config.max_bytes // rpn
         return self.snapshots.save(step, state, comm, process_group=process_group, overlap=overlap, peers=peers,
                                    node_key=self._node_key(), share=share, disable=self._disable,
-                                   warn_no_copy=self._warn_no_copy, io_threads=io_threads)
+                                   warn_no_copy=self._warn_no_copy, io_threads=io_threads, replicas=replicas)
 
     @property
     def last_save(self) -> Dict[str, Any]:
