@@ -44,6 +44,7 @@ from ._managed import restore as order
 from ._managed.exports import HF_SUFFIX
 from ._managed.memory import open_memory
 from ._managed.memory import save_to_memory as memory_save
+from ._managed.memory import warm_memory
 from ._managed.restore import RESTORE_ATTEMPTS
 from ._managed.retention import UNKNOWN, check_step, parse_step_dir, stale_leftovers, step_dir_name, steps_to_delete
 from ._save import execute_save, prepare_save
@@ -789,6 +790,16 @@ class CheckpointManager:
         Limits: a step directory whose manifest records another step is
         skipped like damage (a hand copy).
         """
+        got = self._restore(state, step, **load_kw)
+        if self._memory is not None and not self.load_only:
+            # The memory tier's slots for this state, made in the background now: the first save_to_memory
+            # then neither allocates nor pins (seconds for a large shard, else paid inside a training step).
+            warm_memory(self._memory, state, self._comm("CheckpointManager.restore", error=LoadFailedError),
+                        process_group=self.process_group, replicas=self.replicas)
+        return got
+
+    def _restore(self, state: Dict[str, Any], step: Optional[int] = None, **load_kw: Any) -> Optional[int]:
+        """:meth:`restore`'s work (its docstring says what it does)."""
         self._check_open()
         s = None if step is None else check_step(step)
         if "process_group" in load_kw:
