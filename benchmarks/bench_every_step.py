@@ -263,6 +263,12 @@ def first_run(**a: Any) -> dict:
     for _ in range(a["warmup"]):
         step += 1
         _train_step(model, opt, step, a, rank, world, device)
+    # The tier's warm-up (its slots made and pinned in the background, started by the first optimizer step) ends
+    # before the windows, so that it perturbs none of them; how long it ran is reported.
+    t0 = time.perf_counter()
+    mgr._memory.snapshots.done.wait()
+    out["warm_wait_s"] = time.perf_counter() - t0
+    out["warm"] = dict(mgr._memory.snapshots.last_warm)
     tensors = _local_tensors(model, opt)
     out["shard_bytes"] = sum(t.numel() * t.element_size() for t in tensors)
     out["d2h_floor_s"] = _d2h_floor(tensors)
@@ -322,6 +328,10 @@ def first_run(**a: Any) -> dict:
     mgr._memory.snapshots.wait()  # the last step held (both copies, verified)
     out["last_save"] = dict(mgr._memory.last_save)
     out["host_bytes"] = mgr._memory.snapshots.host_bytes()
+    out.update(step=saved_step, step_s=times, window_s=windows, call_s=calls, held_s=held)
+    if a["only_first"]:
+        dist.barrier()
+        return out
     dist.barrier()
     t0 = time.perf_counter()
     mgr.save(saved_step, state)
@@ -332,7 +342,6 @@ def first_run(**a: Any) -> dict:
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=os.path.join(a["base"], "dcp"))
     out["dcp_save_s"] = time.perf_counter() - t0
     out["losses"] = [_train_step(model, opt, saved_step + k + 1, a, rank, world, device) for k in range(a["more"])]
-    out.update(step=saved_step, step_s=times, window_s=windows, call_s=calls, held_s=held)
     dist.barrier()
     # No close(): the job dies here; the memory directories stay (node 1's is wiped by the driver).
     return out
@@ -426,14 +435,13 @@ def summarize(a: Dict[str, Any], first: List[dict], same: List[dict], smaller: L
     call_s = {m: _stats([max(r["call_s"][m][i] for r in first) for i in range(len(first[0]["call_s"][m]))]) for m in ("blocking", "overlap")}
     floor = slow(first, "d2h_floor_s")
     base = step_s["baseline"]["median"]
-    window_s = {m: slow([{"w": r["window_s"][m]} for r in first], "w") for m in MODES}
-    rpn = max(1, a["world"] // 2)
-    replaced = [r for r in same if r["rank"] >= rpn]
-    received = [int(r["restore_stats"].get("peer_bytes", r["restore_stats"].get("bytes_received", 0)) or 0) for r in replaced]
-    out = {
+    window_s = {m: max(r["window_s"][m] for r in first) for m in MODES}
+    fmode = first[0]["first_save"]["mode"]
+    out: Dict[str, Any] = {
         "config": {k: a[k] for k in ("backend", "world", "dim", "layers", "rows", "accum", "steps", "more")},
         "state_bytes": sum(r["shard_bytes"] for r in first),
         "shard_bytes_per_rank": [r["shard_bytes"] for r in first],
+        # Each step timed on the training stream (side-stream copies run on): what the training loop waits for.
         "step_s": step_s,
         "step_overhead_median": {m: step_s[m]["median"] / base - 1 for m in ("ideal", "blocking", "overlap")},
         # What training sees: each mode's window of ``steps`` steps, the device synced only at its two ends.
@@ -441,24 +449,33 @@ def summarize(a: Dict[str, Any], first: List[dict], same: List[dict], smaller: L
         "steps_per_s": {m: a["steps"] / window_s[m] for m in MODES},
         "window_overhead": {m: window_s[m] / window_s["baseline"] - 1 for m in ("ideal", "blocking", "overlap")},
         "first_save": {
-            "mode": first[0]["first_save"]["mode"],
+            "mode": fmode,
             "call_s": max(r["first_save"]["call_s"] for r in first),
             "step_s": max(r["first_save"]["step_s"] for r in first),
-            "step_over_steady_step": max(r["first_save"]["step_s"] for r in first) / step_s[first[0]["first_save"]["mode"]]["median"],
-            "call_over_steady_call": max(r["first_save"]["call_s"] for r in first) / call_s[first[0]["first_save"]["mode"]]["median"],
+            "step_over_steady_step": max(r["first_save"]["step_s"] for r in first) / step_s[fmode]["median"],
+            "call_over_steady_call": max(r["first_save"]["call_s"] for r in first) / call_s[fmode]["median"],
         },
         "restore_call_s": slow(first, "restore_call_s"),
+        "warm": [r["warm"] for r in first],
+        "warm_wait_s": slow(first, "warm_wait_s"),
         "save_call_s": call_s,
         "d2h_floor_s": floor,
         "blocking_over_floor": call_s["blocking"]["median"] / floor if floor else None,
         "held_s_median": statistics.median(x for r in first for x in r["held_s"]) if first[0]["held_s"] else None,
-        "storage_save_s": slow(first, "storage_save_s"),
-        "dcp_save_s": slow(first, "dcp_save_s"),
-        "memory_call_vs_storage_save": call_s["blocking"]["median"] / slow(first, "storage_save_s"),
         "host_bytes_per_rank": [r["host_bytes"] for r in first],
         "host_bytes_bound_per_rank": [2 * (r["last_save"]["own_bytes"] + r["last_save"].get("peer_bytes_received", 0)) for r in first],
         "peer_copy_s": max(r["last_save"].get("peer_copy_s", 0.0) for r in first),
         "saved_step": first[0]["step"],
+    }
+    if a.get("only_first"):
+        return out
+    rpn = max(1, a["world"] // 2)
+    replaced = [r for r in same if r["rank"] >= rpn]
+    received = [int(r["restore_stats"].get("peer_bytes", r["restore_stats"].get("bytes_received", 0)) or 0) for r in replaced]
+    out.update({
+        "storage_save_s": slow(first, "storage_save_s"),
+        "dcp_save_s": slow(first, "dcp_save_s"),
+        "memory_call_vs_storage_save": call_s["blocking"]["median"] / slow(first, "storage_save_s"),
         "restore_same_world": {
             "from": sorted({r["from"] for r in same}),
             "memory_restore_s": slow(same, "memory_restore_s"),
@@ -478,7 +495,7 @@ def summarize(a: Dict[str, Any], first: List[dict], same: List[dict], smaller: L
             "losses_max_abs_diff": max(abs(x - y) for x, y in zip(smaller[0]["losses"], first[0]["losses"])),
         } if smaller else None,
         "losses": first[0]["losses"],
-    }
+    })
     out["restore_same_world"]["memory_vs_storage_speedup"] = out["restore_same_world"]["storage_restore_s"] / out["restore_same_world"]["memory_restore_s"]
     out["restore_same_world"]["received_over_shard"] = [g / s if s else None for g, s in zip(received, out["restore_same_world"]["replacement_shard_bytes"])]
     return out
@@ -499,19 +516,24 @@ def main(argv=None) -> int:
     ap.add_argument("--shm", default="/dev/shm", help="where the two nodes' memory directories go")
     ap.add_argument("--json", default=None, help="also write the summary here")
     ap.add_argument("--timeout", type=float, default=1800)
+    ap.add_argument("--only-first", action="store_true",
+                    help="the every-step windows only: no storage or DCP save, no restarts (one GPU: the step's cost)")
     a = ap.parse_args(argv)
     if a.world != 1 and a.world % 2:
         raise SystemExit("--world must be 1 (one node) or even (2 nodes)")
     base = tempfile.mkdtemp(prefix="bench-every-step-", dir=a.dir)
     shm = tempfile.mkdtemp(prefix="bench-every-step-", dir=a.shm)
     args = {k: getattr(a, k) for k in ("backend", "world", "dim", "layers", "rows", "accum", "steps", "warmup", "more")}
-    args.update(base=base, shm=shm, cold=False)
+    args.update(base=base, shm=shm, cold=False, only_first=a.only_first)
     env = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
     try:
         first = run_isolated_ranks(__file__, "first_run", args, a.world, timeout=a.timeout, env=env)
-        shutil.rmtree(os.path.join(shm, "node1"), ignore_errors=True)  # node 1 lost with its memory
-        smaller = run_isolated_ranks(__file__, "restart", args, a.world // 2, timeout=a.timeout, env=env) if a.world > 1 else []
-        same = run_isolated_ranks(__file__, "restart", dict(args, cold=True), a.world, timeout=a.timeout, env=env)
+        same: List[dict] = []
+        smaller: List[dict] = []
+        if not a.only_first:
+            shutil.rmtree(os.path.join(shm, "node1"), ignore_errors=True)  # node 1 lost with its memory
+            smaller = run_isolated_ranks(__file__, "restart", args, a.world // 2, timeout=a.timeout, env=env) if a.world > 1 else []
+            same = run_isolated_ranks(__file__, "restart", dict(args, cold=True), a.world, timeout=a.timeout, env=env)
         summary = summarize(args, first, same, smaller)
         summary["machine"] = machine_info(base)
     finally:

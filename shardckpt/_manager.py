@@ -42,9 +42,8 @@ from ._load import load
 from ._managed import exports, owners, retention
 from ._managed import restore as order
 from ._managed.exports import HF_SUFFIX
-from ._managed.memory import open_memory
+from ._managed.memory import open_memory, warm_memory
 from ._managed.memory import save_to_memory as memory_save
-from ._managed.memory import warm_memory
 from ._managed.restore import RESTORE_ATTEMPTS
 from ._managed.retention import UNKNOWN, check_step, parse_step_dir, stale_leftovers, step_dir_name, steps_to_delete
 from ._save import execute_save, prepare_save

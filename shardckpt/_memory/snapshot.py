@@ -486,6 +486,8 @@ class Snapshots:
         #: What the last held step's save did (tests, the benchmark): step, bytes, seconds.
         self.last_save: Dict[str, Any] = {}
         self.last_block_s = 0.0
+        #: What the warm-up did (tests, the benchmark): seconds in the background, slot bytes made.
+        self.last_warm: Dict[str, Any] = {}
         self._named = False
         self._dead_cleaned = False
 
@@ -640,12 +642,14 @@ class Snapshots:
         device = torch.cuda.current_device() if pin else None
 
         def run() -> None:
+            t0 = time.perf_counter()
             try:
                 if device is not None:
                     torch.cuda.set_device(device)
                 for k in range(SLOTS):
                     if not self._fit(bg, k, files, disable):
                         return
+                self.last_warm = {"s": time.perf_counter() - t0, "host_bytes": self.host_bytes()}
             except BaseException as e:  # noqa: BLE001 - raised by the next save_to_memory / restore / close
                 self.error = ("the slots could not be made", e)
                 log.warning("shardckpt: memory tier: the slots could not be made: %s: %s", type(e).__name__, e)

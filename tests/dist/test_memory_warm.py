@@ -16,8 +16,9 @@ import shutil
 import threading
 
 import _training as T
-import shardckpt
 from _dist import run_ranks
+
+import shardckpt
 from shardckpt._memory import snapshot
 
 KIND = "fsdp2"
