@@ -764,6 +764,10 @@ class CheckpointManager:
         over the process group, each file verified first; a damaged copy is
         fetched from the next holder, and with no good copy left the storage
         step is restored (logged). ``restored_from`` is then ``"memory:<step>"``.
+        Then (whatever was restored, or nothing) the tier's slots for
+        ``state`` are made and pinned in the background, so the first
+        ``save_to_memory`` allocates nothing (a fresh optimizer: after its
+        first ``step()``; ``docs/manager.md``, "the warm-up").
 
         Args:
             state: live state, as for :func:`shardckpt.load`.
