@@ -963,11 +963,15 @@ class Snapshots:
             return here.read_bytes(MANIFEST_NAME) if me == 0 else None
 
         _, mbytes = agree(comm, read_manifest, what=f"memory save of step {job.step}", share=lambda v: v, mode=FROM_ROOT)
-        if job.node_of[me] != job.node_of[0]:
-            here.write_atomic(MANIFEST_NAME, mbytes)
+
+        def place_manifest() -> None:  # in an agreement: a node whose tmpfs is full fails every rank at once, none waits
+            if job.node_of[me] != job.node_of[0]:
+                here.write_atomic(MANIFEST_NAME, mbytes)
+
         if comm.world == 1 or not any(p is not None and job.node_of[p] != job.node_of[r] for r, p in job.peers.items()):
-            agree(comm, lambda: None, what=f"memory save of step {job.step}: held")
+            agree(comm, place_manifest, what=f"memory save of step {job.step}: held")
             return
+        agree(comm, place_manifest, what=f"memory save of step {job.step}: the manifest on every node")
         m = open_manifest(here, chunks=False)
         by_writer = P.files_by_writer(m.files, {rel: im.rank for rel, im in m.indexes.items()})
         index_of = {im.rank: rel for rel, im in m.indexes.items()}

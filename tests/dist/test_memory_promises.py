@@ -12,6 +12,9 @@
   Before the fix the copy into the mapped slot died of SIGBUS (exit -7).
   With two ranks as two nodes, only node 1's tmpfs fills: both ranks turn
   the tier off at the same step (before the fix rank 1 died, rank 0 hung).
+  A node whose directory is full when the background part writes the
+  manifest there fails the step on every rank at once, with that cause
+  (before, rank 0 waited in the peer copy until the collective time-out).
 * The step in flight at a normal end of the script, or at an uncaught
   exception right after ``save_to_memory``, is held: two ranks launched as
   ``python script`` (forks of the test fork server, tests/_zygote.py) raise,
@@ -222,6 +225,48 @@ def test_one_node_full_turns_the_tier_off_on_every_rank(small_tmpfs, tmp_path):
         assert r["kept"] == [False, False] and r["got"] == 1, r
         (off,) = r["off"]  # every rank turns off at the same step, with one warning naming the rank and the cause
         assert "rank 1" in off and "No space left on device" in off, off
+
+
+def _manifest_write_fails(rank, world, base):
+    """Two ranks as two nodes; node 1's tmpfs is full when the manifest is written there (after the slots were reserved)."""
+    from shardckpt._storage import Storage
+
+    node_dir = f"{base}/node{rank}"
+    kind = type(Storage(base))
+    real, own = kind.write_atomic, "write_atomic" in kind.__dict__
+
+    def full(self, rel, data, *a, **kw):
+        if rank == 1 and rel == "manifest.json" and self.path(rel).startswith(node_dir):
+            raise OSError(28, "No space left on device")
+        return real(self, rel, data, *a, **kw)
+
+    tier = shardckpt.MemoryTier(dir=node_dir, ranks_per_node=1)
+    mgr = shardckpt.CheckpointManager(f"{base}/root", memory=tier, collective_timeout_s=60)
+    state = {"w": torch.arange(4096, dtype=torch.float32) + rank, "step": 1}
+    kind.write_atomic = full
+    try:
+        assert mgr.save_to_memory(1, state)
+        try:
+            mgr.wait()
+            said = None
+        except shardckpt.CheckpointError as e:
+            said = f"{type(e).__name__}: {e}"
+    finally:
+        if own:
+            kind.write_atomic = real
+        else:
+            del kind.write_atomic
+    assert mgr.save_to_memory(2, state)  # room again: the tier goes on
+    mgr.wait()
+    mgr.close()
+    return said
+
+
+def test_a_full_node_in_the_background_fails_every_rank_at_once(tmp_path):
+    said = run_ranks(2, _manifest_write_fails, str(tmp_path))
+    for s in said:  # the same cause on every rank, not a peer that waited for rank 1 until its time-out
+        assert s and s.startswith("SaveFailedError") and "step 1 was not kept" in s, said
+        assert "rank 1" in s and "No space left on device" in s, said
 
 
 # --------------------------------------------------------------------------
