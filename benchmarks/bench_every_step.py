@@ -6,13 +6,27 @@ blocks of ``--dim``, compute-bound steps of ``--accum`` microbatches of
 shared memory a directory under ``--shm``). Three phases, each in fresh
 processes:
 
-1. *first run*: the device-to-host floor (each tensor of the rank's shard
-   copied into one pinned, registered host buffer, the plain copy a
-   snapshot cannot beat; for CPU tensors a ``memcpy`` into a buffer touched
-   before), then ``--steps`` timed steps three ways: without saving,
-   ``save_to_memory`` every step (blocking), and ``save_to_memory(...,
-   overlap=True)`` every step (the copy runs during the next forward and
-   backward; the optimizer step waits for it). Then the last step is
+1. *first run*: ``mgr.restore`` (nothing to restore: the tier's slots are
+   then made in the background after the optimizer's first step), the
+   device-to-host floor (each tensor of the rank's shard copied into one
+   pinned, registered host buffer, the plain copy a snapshot cannot beat;
+   for CPU tensors a ``memcpy`` into a buffer touched before), then one
+   window of ``--steps`` steps per mode: without saving (``baseline``), the
+   ideal (``ideal``: each tensor copied on a side stream into its own
+   preallocated pinned buffer, the next ``opt.step()`` waiting for it on
+   the GPU), ``save_to_memory`` every step (``blocking``), and
+   ``save_to_memory(..., overlap=True)`` every step (the copy runs during
+   the next forward and backward; the optimizer step waits for it).
+   What training sees is measured: each step is timed on the training
+   stream (``torch.cuda.current_stream().synchronize()``; side-stream
+   copies run on), and the device is synced (every stream) only at a
+   window's two ends, so ``window_s`` / ``steps_per_s`` are the throughput
+   training gets, copies included. (A device-wide sync after every step, as
+   this benchmark did before issue 44, forces each step's copy to finish
+   inside the step: it measured the copy, +14.7% on one H100, where
+   training pays +0.3%.) The first ``save_to_memory`` of the run is one
+   step of its own (``first_save``), before the first saving mode's window.
+   Then the last step is
    waited for (held), saved to storage (``mgr.save``, timed: the synchronous
    storage save of the same state) and with DCP, and training goes on
    ``--more`` steps: the reference losses. The processes exit without
@@ -27,6 +41,9 @@ processes:
    from their memory and train on (losses equal up to float reduction order:
    the global batch is the same, split over fewer ranks).
 
+``--world 1`` (one GPU, one node): phase 2 is a crash restart on the same
+node (its memory directory kept), phase 3 is skipped.
+
 Prints one JSON summary (``--json`` writes it too). The data are
 deterministic: each microbatch is a global batch drawn from a seed of the
 step, every rank taking its rows, so every world size trains on the same
@@ -35,7 +52,7 @@ examples.
 Usage:
   python benchmarks/bench_every_step.py --backend gloo --world 4          # CPU, small
   python benchmarks/bench_every_step.py --backend nccl --world 2 --dim 8192 --layers 40 --rows 4096 --accum 4
-  (2 GPUs: benchmarks/device/every_step_2gpu.sh)
+  (2 GPUs: benchmarks/device/every_step_2gpu.sh; 1 GPU: benchmarks/device/every_step_1gpu.sh)
 """
 
 from __future__ import annotations
@@ -54,7 +71,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _common import drop_page_cache, machine_info, run_isolated_ranks  # noqa: E402
 
-MODES = ("baseline", "blocking", "overlap")
+MODES = ("baseline", "ideal", "blocking", "overlap")
 
 
 # --------------------------------------------------------------------------
@@ -162,10 +179,69 @@ def _mgr(a: Dict[str, Any], rank: int, world: int):
 
 
 def _sync(device) -> None:
+    """The whole device (every stream): only at a window's ends, never inside one."""
     import torch
 
     if device.type == "cuda":
         torch.cuda.synchronize()
+
+
+def _stream_sync(device) -> None:
+    """The training stream only: what the training loop itself waits for (side-stream copies run on)."""
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.current_stream().synchronize()
+
+
+class _IdealCopy:
+    """The ideal every-step copy: each local tensor into its own preallocated pinned buffer on a side stream.
+
+    The next ``opt.step()`` waits for the copy on the GPU (a step pre-hook
+    makes the training stream wait for the copy's event), as the tier's
+    ``overlap=True`` does, but with none of its work: no layout, no
+    checksums, no commit, no peer copy. On CPU: a ``memcpy`` into buffers
+    touched before (the copy cannot overlap: it is the floor).
+    """
+
+    def __init__(self, tensors, opt):
+        import torch
+
+        self.tensors = tensors
+        self.cuda = any(t.is_cuda for t in tensors)
+        self.host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=self.cuda) for t in tensors]
+        for h in self.host:
+            h.zero_()
+        self.stream = torch.cuda.Stream() if self.cuda else None
+        self.event = None
+        self.hook = opt.register_step_pre_hook(self._wait)
+
+    def _wait(self, *_: Any) -> None:
+        import torch
+
+        if self.event is not None:
+            torch.cuda.current_stream().wait_event(self.event)
+            self.event = None
+
+    def copy(self) -> None:
+        import torch
+
+        if not self.cuda:
+            for h, t in zip(self.host, self.tensors):
+                h.copy_(t)
+            return
+        self.stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.stream):
+            for h, t in zip(self.host, self.tensors):
+                h.copy_(t, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record(self.stream)
+
+    def close(self) -> None:
+        self.hook.remove()
+        if self.event is not None:
+            self.event.synchronize()
+        self.host = []
 
 
 def first_run(**a: Any) -> dict:
@@ -178,41 +254,84 @@ def first_run(**a: Any) -> dict:
     mgr = _mgr(a, rank, world)
     out: Dict[str, Any] = {"rank": rank}
     step = 0
+    # As a training script starts: restore (nothing here: a fresh run). The tier's slots are then made in the
+    # background, after the optimizer's first step (its state sized), so the first save allocates nothing.
+    t0 = time.perf_counter()
+    assert mgr.restore({"model": model, "optim": opt, "step": step}) is None
+    out["restore_call_s"] = time.perf_counter() - t0
     # Warm-up (allocations, the optimizer state, kernels) then the floor on the real shard.
     for _ in range(a["warmup"]):
         step += 1
         _train_step(model, opt, step, a, rank, world, device)
+    # The tier's warm-up (its slots made and pinned in the background, started by the first optimizer step) ends
+    # before the windows, so that it perturbs none of them; how long it ran is reported.
+    t0 = time.perf_counter()
+    mgr._memory.snapshots.done.wait()
+    out["warm_wait_s"] = time.perf_counter() - t0
+    out["warm"] = dict(mgr._memory.snapshots.last_warm)
     tensors = _local_tensors(model, opt)
     out["shard_bytes"] = sum(t.numel() * t.element_size() for t in tensors)
     out["d2h_floor_s"] = _d2h_floor(tensors)
-    del tensors
     times: Dict[str, List[float]] = {m: [] for m in MODES}
-    calls: Dict[str, List[float]] = {m: [] for m in MODES if m != "baseline"}
+    windows: Dict[str, float] = {}
+    calls: Dict[str, List[float]] = {m: [] for m in MODES if m not in ("baseline", "ideal")}
     held: List[float] = []
+    state = {"model": model, "optim": opt, "step": step}
+
+    def save(mode: str, step: int) -> float:
+        t1 = time.perf_counter()
+        state["step"] = step
+        mgr.save_to_memory(step, state, overlap=mode == "overlap")
+        return time.perf_counter() - t1
+
+    ideal = None
     for mode in MODES:
-        # Untimed: the first saving mode's two first saves create (and pin) the two slots; each mode's first save.
-        for _ in range(0 if mode == "baseline" else 2 if mode == MODES[1] else 1):
-            step += 1
-            _train_step(model, opt, step, a, rank, world, device)
-            mgr.save_to_memory(step, {"model": model, "optim": opt, "step": step}, overlap=mode == "overlap")
-        for _ in range(a["steps"]):
-            dist.barrier()
+        if mode == "ideal":
+            ideal = _IdealCopy(tensors, opt)
+        elif mode != "baseline" and "first_save" not in out:
+            # The first save_to_memory of the run, on its own: one step, timed on the training stream.
             _sync(device)
+            dist.barrier()
             t0 = time.perf_counter()
             step += 1
             _train_step(model, opt, step, a, rank, world, device)
-            if mode != "baseline":
-                t1 = time.perf_counter()
-                mgr.save_to_memory(step, {"model": model, "optim": opt, "step": step}, overlap=mode == "overlap")
-                calls[mode].append(time.perf_counter() - t1)
+            call = save(mode, step)
+            _stream_sync(device)
+            out["first_save"] = {"mode": mode, "call_s": call, "step_s": time.perf_counter() - t0}
+        elif mode != "baseline":
+            step += 1  # this mode's first save (untimed): the previous mode's step in flight settles
+            _train_step(model, opt, step, a, rank, world, device)
+            save(mode, step)
+        # One window of ``steps`` steps: a device-wide sync (and a barrier) only at its two ends.
+        _sync(device)
+        dist.barrier()
+        w0 = time.perf_counter()
+        for _ in range(a["steps"]):
+            t0 = time.perf_counter()
+            step += 1
+            _train_step(model, opt, step, a, rank, world, device)  # ends with the loss's .item(): the training stream
+            if mode == "ideal":
+                ideal.copy()
+            elif mode != "baseline":
+                calls[mode].append(save(mode, step))
                 held.append(mgr._memory.last_save.get("held_s", 0.0))
-            _sync(device)
+            _stream_sync(device)
             times[mode].append(time.perf_counter() - t0)
+        if mode == "ideal":
+            ideal.close()  # waits for the last copy: inside the window, as the tier's last copy is
+        _sync(device)
+        dist.barrier()
+        windows[mode] = time.perf_counter() - w0
+    del tensors
     saved_step = step
     state = {"model": model, "optim": opt, "step": step}
     mgr._memory.snapshots.wait()  # the last step held (both copies, verified)
     out["last_save"] = dict(mgr._memory.last_save)
     out["host_bytes"] = mgr._memory.snapshots.host_bytes()
+    out.update(step=saved_step, step_s=times, window_s=windows, call_s=calls, held_s=held)
+    if a["only_first"]:
+        dist.barrier()
+        return out
     dist.barrier()
     t0 = time.perf_counter()
     mgr.save(saved_step, state)
@@ -223,7 +342,6 @@ def first_run(**a: Any) -> dict:
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=os.path.join(a["base"], "dcp"))
     out["dcp_save_s"] = time.perf_counter() - t0
     out["losses"] = [_train_step(model, opt, saved_step + k + 1, a, rank, world, device) for k in range(a["more"])]
-    out.update(step=saved_step, step_s=times, call_s=calls, held_s=held)
     dist.barrier()
     # No close(): the job dies here; the memory directories stay (node 1's is wiped by the driver).
     return out
@@ -317,26 +435,47 @@ def summarize(a: Dict[str, Any], first: List[dict], same: List[dict], smaller: L
     call_s = {m: _stats([max(r["call_s"][m][i] for r in first) for i in range(len(first[0]["call_s"][m]))]) for m in ("blocking", "overlap")}
     floor = slow(first, "d2h_floor_s")
     base = step_s["baseline"]["median"]
-    rpn = max(1, a["world"] // 2)
-    replaced = [r for r in same if r["rank"] >= rpn]
-    received = [int(r["restore_stats"].get("peer_bytes", r["restore_stats"].get("bytes_received", 0)) or 0) for r in replaced]
-    out = {
+    window_s = {m: max(r["window_s"][m] for r in first) for m in MODES}
+    fmode = first[0]["first_save"]["mode"]
+    out: Dict[str, Any] = {
         "config": {k: a[k] for k in ("backend", "world", "dim", "layers", "rows", "accum", "steps", "more")},
         "state_bytes": sum(r["shard_bytes"] for r in first),
         "shard_bytes_per_rank": [r["shard_bytes"] for r in first],
+        # Each step timed on the training stream (side-stream copies run on): what the training loop waits for.
         "step_s": step_s,
-        "step_overhead_median": {m: step_s[m]["median"] / base - 1 for m in ("blocking", "overlap")},
+        "step_overhead_median": {m: step_s[m]["median"] / base - 1 for m in ("ideal", "blocking", "overlap")},
+        # What training sees: each mode's window of ``steps`` steps, the device synced only at its two ends.
+        "window_s": window_s,
+        "steps_per_s": {m: a["steps"] / window_s[m] for m in MODES},
+        "window_overhead": {m: window_s[m] / window_s["baseline"] - 1 for m in ("ideal", "blocking", "overlap")},
+        "first_save": {
+            "mode": fmode,
+            "call_s": max(r["first_save"]["call_s"] for r in first),
+            "step_s": max(r["first_save"]["step_s"] for r in first),
+            "step_over_steady_step": max(r["first_save"]["step_s"] for r in first) / step_s[fmode]["median"],
+            "call_over_steady_call": max(r["first_save"]["call_s"] for r in first) / call_s[fmode]["median"],
+        },
+        "restore_call_s": slow(first, "restore_call_s"),
+        "warm": [r["warm"] for r in first],
+        "warm_wait_s": slow(first, "warm_wait_s"),
         "save_call_s": call_s,
         "d2h_floor_s": floor,
         "blocking_over_floor": call_s["blocking"]["median"] / floor if floor else None,
         "held_s_median": statistics.median(x for r in first for x in r["held_s"]) if first[0]["held_s"] else None,
-        "storage_save_s": slow(first, "storage_save_s"),
-        "dcp_save_s": slow(first, "dcp_save_s"),
-        "memory_call_vs_storage_save": call_s["blocking"]["median"] / slow(first, "storage_save_s"),
         "host_bytes_per_rank": [r["host_bytes"] for r in first],
         "host_bytes_bound_per_rank": [2 * (r["last_save"]["own_bytes"] + r["last_save"].get("peer_bytes_received", 0)) for r in first],
         "peer_copy_s": max(r["last_save"].get("peer_copy_s", 0.0) for r in first),
         "saved_step": first[0]["step"],
+    }
+    if a.get("only_first"):
+        return out
+    rpn = max(1, a["world"] // 2)
+    replaced = [r for r in same if r["rank"] >= rpn]
+    received = [int(r["restore_stats"].get("peer_bytes", r["restore_stats"].get("bytes_received", 0)) or 0) for r in replaced]
+    out.update({
+        "storage_save_s": slow(first, "storage_save_s"),
+        "dcp_save_s": slow(first, "dcp_save_s"),
+        "memory_call_vs_storage_save": call_s["blocking"]["median"] / slow(first, "storage_save_s"),
         "restore_same_world": {
             "from": sorted({r["from"] for r in same}),
             "memory_restore_s": slow(same, "memory_restore_s"),
@@ -354,9 +493,9 @@ def summarize(a: Dict[str, Any], first: List[dict], same: List[dict], smaller: L
             "from": sorted({r["from"] for r in smaller}),
             "memory_restore_s": slow(smaller, "memory_restore_s"),
             "losses_max_abs_diff": max(abs(x - y) for x, y in zip(smaller[0]["losses"], first[0]["losses"])),
-        },
+        } if smaller else None,
         "losses": first[0]["losses"],
-    }
+    })
     out["restore_same_world"]["memory_vs_storage_speedup"] = out["restore_same_world"]["storage_restore_s"] / out["restore_same_world"]["memory_restore_s"]
     out["restore_same_world"]["received_over_shard"] = [g / s if s else None for g, s in zip(received, out["restore_same_world"]["replacement_shard_bytes"])]
     return out
@@ -377,19 +516,24 @@ def main(argv=None) -> int:
     ap.add_argument("--shm", default="/dev/shm", help="where the two nodes' memory directories go")
     ap.add_argument("--json", default=None, help="also write the summary here")
     ap.add_argument("--timeout", type=float, default=1800)
+    ap.add_argument("--only-first", action="store_true",
+                    help="the every-step windows only: no storage or DCP save, no restarts (one GPU: the step's cost)")
     a = ap.parse_args(argv)
-    if a.world < 2 or a.world % 2:
-        raise SystemExit("--world must be even (2 nodes)")
+    if a.world != 1 and a.world % 2:
+        raise SystemExit("--world must be 1 (one node) or even (2 nodes)")
     base = tempfile.mkdtemp(prefix="bench-every-step-", dir=a.dir)
     shm = tempfile.mkdtemp(prefix="bench-every-step-", dir=a.shm)
     args = {k: getattr(a, k) for k in ("backend", "world", "dim", "layers", "rows", "accum", "steps", "warmup", "more")}
-    args.update(base=base, shm=shm, cold=False)
+    args.update(base=base, shm=shm, cold=False, only_first=a.only_first)
     env = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
     try:
         first = run_isolated_ranks(__file__, "first_run", args, a.world, timeout=a.timeout, env=env)
-        shutil.rmtree(os.path.join(shm, "node1"), ignore_errors=True)  # node 1 lost with its memory
-        smaller = run_isolated_ranks(__file__, "restart", args, a.world // 2, timeout=a.timeout, env=env)
-        same = run_isolated_ranks(__file__, "restart", dict(args, cold=True), a.world, timeout=a.timeout, env=env)
+        same: List[dict] = []
+        smaller: List[dict] = []
+        if not a.only_first:
+            shutil.rmtree(os.path.join(shm, "node1"), ignore_errors=True)  # node 1 lost with its memory
+            smaller = run_isolated_ranks(__file__, "restart", args, a.world // 2, timeout=a.timeout, env=env) if a.world > 1 else []
+            same = run_isolated_ranks(__file__, "restart", dict(args, cold=True), a.world, timeout=a.timeout, env=env)
         summary = summarize(args, first, same, smaller)
         summary["machine"] = machine_info(base)
     finally:

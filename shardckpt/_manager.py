@@ -42,7 +42,7 @@ from ._load import load
 from ._managed import exports, identity, owners, retention
 from ._managed import restore as order
 from ._managed.exports import HF_SUFFIX
-from ._managed.memory import open_memory
+from ._managed.memory import open_memory, warm_memory
 from ._managed.memory import save_to_memory as memory_save
 from ._managed.retention import UNKNOWN, check_step, parse_step_dir, stale_leftovers, step_dir_name, steps_to_delete
 from ._save import execute_save, prepare_save
@@ -785,6 +785,10 @@ class CheckpointManager:
         over the process group, each file verified first; a damaged copy is
         fetched from the next holder, and with no good copy left the storage
         step is restored (logged). ``restored_from`` is then ``"memory:<step>"``.
+        Then (whatever was restored, or nothing) the tier's slots for
+        ``state`` are made and pinned in the background, so the first
+        ``save_to_memory`` allocates nothing (a fresh optimizer: after its
+        first ``step()``; ``docs/manager.md``, "the warm-up").
 
         One restore over every place a step may be (``_managed.restore``):
         each is a source (memory; with ``local=`` the per-node or shared
@@ -819,6 +823,16 @@ class CheckpointManager:
         Limits: a step directory whose manifest records another step is
         skipped like damage (a hand copy).
         """
+        got = self._restore(state, step, **load_kw)
+        if self._memory is not None and not self.load_only:
+            # The memory tier's slots for this state, made in the background now: the first save_to_memory
+            # then neither allocates nor pins (seconds for a large shard, else paid inside a training step).
+            warm_memory(self._memory, state, self._comm("CheckpointManager.restore", error=LoadFailedError),
+                        process_group=self.process_group, replicas=self.replicas)
+        return got
+
+    def _restore(self, state: Dict[str, Any], step: Optional[int] = None, **load_kw: Any) -> Optional[int]:
+        """:meth:`restore`'s work (its docstring says what it does)."""
         self._check_open()
         s = None if step is None else check_step(step)
         if "process_group" in load_kw:

@@ -13,7 +13,7 @@ from .._collective import Comm
 from .._memory import MemoryTier
 from .._memory.tier import MemoryStore
 
-__all__ = ["open_memory", "save_to_memory"]
+__all__ = ["open_memory", "save_to_memory", "warm_memory"]
 
 
 def open_memory(option: Any, root_url: str) -> Optional[MemoryStore]:
@@ -44,3 +44,15 @@ def save_to_memory(
         return False
     return store.save(step, state, comm, process_group=process_group, io_threads=io_threads, overlap=bool(overlap),
                       replicas=replicas)
+
+
+def warm_memory(store: Optional[MemoryStore], state: Dict[str, Any], comm: Comm, *, process_group: Any = None,
+                replicas: Optional[str] = None) -> bool:
+    """Make the tier's slots for ``state`` in the background (collective; the manager calls it after ``restore``).
+
+    So the first ``save_to_memory`` neither allocates nor pins (``MemoryStore.warm``).
+    False without a tier, with the tier off, or when its slots exist already.
+    """
+    if store is None:
+        return False
+    return store.warm(state, comm, process_group=process_group, replicas=replicas)

@@ -477,7 +477,7 @@ class Snapshots:
         _LIVE.add(self)
         self.done.set()
         self.layouts_memo: Dict[Any, Tuple[List[List[int]], List[Tuple[bytes, List[int]]]]] = {}
-        self.error: Optional[Tuple[int, BaseException]] = None
+        self.error: Optional[Tuple[str, BaseException]] = None
         self.group: Any = None
         self.group_ranks: Optional[Tuple[int, ...]] = None
         self.group_on_gpu = False
@@ -486,6 +486,8 @@ class Snapshots:
         #: What the last held step's save did (tests, the benchmark): step, bytes, seconds.
         self.last_save: Dict[str, Any] = {}
         self.last_block_s = 0.0
+        #: What the warm-up did (tests, the benchmark): seconds in the background, slot bytes made.
+        self.last_warm: Dict[str, Any] = {}
         self._named = False
         self._dead_cleaned = False
 
@@ -505,11 +507,11 @@ class Snapshots:
             job.hooks = []
             self.job = None
         if raise_error and self.error is not None:
-            step, e = self.error
+            what, e = self.error
             self.error = None
             held = f"step {self.held_step} is still held" if self.held_step is not None else "no step is held"
             raise SaveFailedError(
-                f"memory tier: step {step} was not kept in memory: {type(e).__name__}: {e}; {held} (its copies were not touched)"
+                f"memory tier: {what}: {type(e).__name__}: {e}; {held} (its copies were not touched)"
             ) from e
 
     def close(self) -> None:
@@ -554,50 +556,11 @@ class Snapshots:
                 "overlapped copy needs the optimizer (its step pre-hook waits for the copy). Put the optimizer in "
                 "the state, or pass overlap=False"
             )
-        url = store.step_dir(self.dir, step)
-        plan = prepare_save(state, url, comm=comm, storage_options=store.PRIVATE, overwrite=True, io_threads=1,
-                            extra=store.step_extra(step, self.root), replicas=replicas)
-        groups, layouts = self._layout(list(plan.items))
-        sizes = [len(h) + sum(it.nbytes for it in g) for (h, _), g in zip(layouts, groups)]
-        own = sum(sizes)
-
-        pin = any(cast(torch.Tensor, it.tensor).is_cuda for it in plan.items)
-
-        def probe() -> Tuple[str, int, Optional[int], int, Optional[str], Tuple[int, ...], bool]:
-            why = store.open_dir(self.dir, self.root)  # created 0700, ours, of this root; else why not
-            if why is not None:
-                return node_key, own, -1, 0, why, (), pin
-            self._first_use()
-            # Leftovers of this step or later (an abandoned run, a failed attempt, a planted link): never the held step.
-            for s, _ in store.memory_steps(self.dir):
-                if s >= step:
-                    store.remove_step(self.dir, s)
-            return node_key, own, store.free_bytes(self.dir), self.host_bytes(), None, tuple(sizes), pin
-
-        _, facts = agree(comm, probe, what=f"memory save of step {step}", share=lambda v: v, mode=ALL)
-        world = comm.world
-        node_of = {r: facts[r][0] for r in range(world)}
-        problems = []
-        need_on: Dict[str, int] = {}
-        for r in range(world):
-            node, own_r, free, mapped, why = facts[r][:5]
-            kept = own_r + sum(facts[s][1] for s in P.senders_to(r, peers) if node_of[s] != node)
-            need_on[node] = need_on.get(node, 0) + max(0, host_bytes_bound(kept, 0) - mapped)
-            if free == -1:
-                problems.append(f"rank {r}: {why}")
-            elif share is not None and host_bytes_bound(kept, 0) > share:
-                problems.append(
-                    f"rank {r}: two steps of its own and its peer's files need {host_bytes_bound(kept, 0)} bytes here, "
-                    f"over its share {share} of max_bytes"
-                )
-        for r in range(world):  # the ranks of a node share its free space
-            node, _, free = facts[r][:3]
-            if free is not None and free != -1 and need_on[node] > free and not any(node in p for p in problems):
-                problems.append(f"{node} has {free} bytes free, two steps need {need_on[node]} more there")
-        if problems:
-            disable("; ".join(problems[:4]))
+        planned = self._plan(step, state, comm, peers=peers, node_key=node_key, share=share, disable=disable,
+                             warn_no_copy=warn_no_copy, replicas=replicas, clear=True)
+        if planned is None:
             return False
-        warn_no_copy(P.ranks_without_copy(peers, node_of), comm.rank)
+        plan, groups, layouts, own, pin, facts, node_of = planned
 
         if any(p is not None and node_of[p] != node_of[r] for r, p in peers.items()):
             self._peer_group(comm, process_group)  # collective: from the main thread, once
@@ -625,18 +588,134 @@ class Snapshots:
         if overlap:
             job.hooks = [opt.register_step_pre_hook(self._hook(job)) for opt in optimizers]
         self.job = job
-        self.done.clear()
-        if self.thread is None:
-            self.thread = threading.Thread(target=self._worker, name="shardckpt-memory", daemon=True)
-            self.thread.start()
-        self.queue.put((job, process_group))
+        self._start_worker(job, process_group)
         if not overlap:
             for _, ev in job.events:
                 ev.synchronize()  # the copy is the call's floor: it returns when the shard is in host memory
         job.blocked_s = self.last_block_s = time.perf_counter() - t0
         return True
 
+    def warm(
+        self, state: Dict[str, Any], comm: Comm, *, process_group: Any, peers: Dict[int, Optional[int]], node_key: str,
+        share: Optional[int], disable: Callable[[str], None], warn_no_copy: Callable[[List[int], int], None],
+        replicas: Optional[str] = None,
+    ) -> bool:
+        """Make both slots for ``state``'s shard in the background now, so the first save allocates nothing (collective).
+
+        The cheap part runs here: the save's plan and budget check (one
+        agreement) and the tier's process group. The expensive part, the
+        slot files' pages reserved, mapped and (CUDA sources) pinned with
+        ``cudaHostRegister`` (seconds for tens of GB), runs in the
+        background thread, overlapped with whatever the caller does next;
+        the first :meth:`save` waits for it if it is still running, then
+        finds both slots fitted (``_fit``: nothing made, nothing exchanged).
+        A state whose shard changes shape later simply re-fits at its save.
+        No-op (False) when a slot is fitted already or a step is in flight.
+
+        Raises:
+            Nothing of its own: a state that cannot be saved is left for
+            :meth:`save` to refuse; a full filesystem turns the tier off
+            (``disable``), as at a save.
+
+        Example:
+            >>> snaps.warm(state, comm, process_group=None, peers={0: None}, node_key="h:/dev/shm/x",
+            ...            share=None, disable=print, warn_no_copy=lambda r, m: None)  # doctest: +SKIP
+            True
+        """
+        if not self.done.is_set() or self.held_step is not None or any(f is not None for f in self.fitted):
+            return False
+        step = 0
+        try:
+            planned = self._plan(step, state, comm, peers=peers, node_key=node_key, share=share, disable=disable,
+                                 warn_no_copy=warn_no_copy, replicas=replicas, clear=False)
+        except Exception as e:  # noqa: BLE001 - the first save plans again and raises it where it belongs
+            log.debug("shardckpt: memory tier: no warm-up: %s: %s", type(e).__name__, e)
+            return False
+        if planned is None:
+            return False
+        _plan, _groups, _layouts, _own, pin, facts, node_of = planned
+        if any(p is not None and node_of[p] != node_of[r] for r, p in peers.items()):
+            self._peer_group(comm, process_group)  # collective: from the main thread, once
+        self._name_slots(comm.rank)
+        files = _slot_files(facts, peers, node_of)
+        bg = comm.on_channel(self.channel)  # the background thread's sequence: steps queued after run after this
+        device = torch.cuda.current_device() if pin else None
+
+        def run() -> None:
+            t0 = time.perf_counter()
+            try:
+                if device is not None:
+                    torch.cuda.set_device(device)
+                for k in range(SLOTS):
+                    if not self._fit(bg, k, files, disable):
+                        return
+                self.last_warm = {"s": time.perf_counter() - t0, "host_bytes": self.host_bytes()}
+            except BaseException as e:  # noqa: BLE001 - raised by the next save_to_memory / restore / close
+                self.error = ("the slots could not be made", e)
+                log.warning("shardckpt: memory tier: the slots could not be made: %s: %s", type(e).__name__, e)
+
+        self._start_worker(run, process_group)
+        return True
+
     # -- the blocking part --------------------------------------------------------
+
+    def _plan(
+        self, step: int, state: Dict[str, Any], comm: Comm, *, peers: Dict[int, Optional[int]], node_key: str,
+        share: Optional[int], disable: Callable[[str], None], warn_no_copy: Callable[[List[int], int], None],
+        replicas: Optional[str], clear: bool,
+    ) -> Optional[Tuple[Any, List[List[WriteItem]], List[Tuple[bytes, List[int]]], int, bool, List[Any], Dict[int, str]]]:
+        """The save's plan, its data files' layout and every rank's facts, the budget checked (collective); None: the tier turned off.
+
+        Returns ``(plan, groups, layouts, own bytes, pin, facts, node_of)``.
+        ``clear``: remove this node's leftover steps at ``step`` or later
+        (a save; a warm-up writes nothing and removes nothing).
+        """
+        url = store.step_dir(self.dir, step)
+        plan = prepare_save(state, url, comm=comm, storage_options=store.PRIVATE, overwrite=True, io_threads=1,
+                            extra=store.step_extra(step, self.root), replicas=replicas)
+        groups, layouts = self._layout(list(plan.items))
+        sizes = [len(h) + sum(it.nbytes for it in g) for (h, _), g in zip(layouts, groups)]
+        own = sum(sizes)
+
+        pin = any(cast(torch.Tensor, it.tensor).is_cuda for it in plan.items)
+
+        def probe() -> Tuple[str, int, Optional[int], int, Optional[str], Tuple[int, ...], bool]:
+            why = store.open_dir(self.dir, self.root)  # created 0700, ours, of this root; else why not
+            if why is not None:
+                return node_key, own, -1, 0, why, (), pin
+            self._first_use()
+            # Leftovers of this step or later (an abandoned run, a failed attempt, a planted link): never the held step.
+            for s, _ in store.memory_steps(self.dir) if clear else ():
+                if s >= step:
+                    store.remove_step(self.dir, s)
+            return node_key, own, store.free_bytes(self.dir), self.host_bytes(), None, tuple(sizes), pin
+
+        _, facts = agree(comm, probe, what=f"memory save of step {step}", share=lambda v: v, mode=ALL)
+        world = comm.world
+        node_of = {r: facts[r][0] for r in range(world)}
+        problems = []
+        need_on: Dict[str, int] = {}
+        for r in range(world):
+            node, own_r, free, mapped, why = facts[r][:5]
+            kept = own_r + sum(facts[s][1] for s in P.senders_to(r, peers) if node_of[s] != node)
+            need_on[node] = need_on.get(node, 0) + max(0, host_bytes_bound(kept, 0) - mapped)
+            if free == -1:
+                problems.append(f"rank {r}: {why}")
+            elif share is not None and host_bytes_bound(kept, 0) > share:
+                problems.append(
+                    f"rank {r}: two steps of its own and its peer's files need {host_bytes_bound(kept, 0)} bytes here, "
+                    f"over its share {share} of max_bytes"
+                )
+        for r in range(world):  # the ranks of a node share its free space
+            node, _, free = facts[r][:3]
+            if free is not None and free != -1 and need_on[node] > free and not any(node in p for p in problems):
+                problems.append(f"{node} has {free} bytes free, two steps need {need_on[node]} more there")
+        if problems:
+            disable("; ".join(problems[:4]))
+            return None
+        warn_no_copy(P.ranks_without_copy(peers, node_of), comm.rank)
+        return plan, groups, layouts, own, pin, facts, node_of
+
 
     def _layout(self, items: List[WriteItem]) -> Tuple[List[List[WriteItem]], List[Tuple[bytes, List[int]]]]:
         """The data files of a save (``partition`` into one file, cut by header size) and their headers; memoized.
@@ -784,9 +863,20 @@ class Snapshots:
         while True:
             job, process_group = self.queue.get()
             try:
-                self._background(job, process_group)
+                if callable(job):
+                    job()  # the warm-up (:meth:`warm`): catches its own failures
+                else:
+                    self._background(job, process_group)
             finally:
                 self.done.set()
+
+    def _start_worker(self, job: Any, process_group: Any) -> None:
+        """Hand ``job`` (a step, or the warm-up) to the one background thread, started on first use."""
+        self.done.clear()
+        if self.thread is None:
+            self.thread = threading.Thread(target=self._worker, name="shardckpt-memory", daemon=True)
+            self.thread.start()
+        self.queue.put((job, process_group))
 
     def _background(self, job: _Job, process_group: Any) -> None:
         try:
@@ -809,7 +899,7 @@ class Snapshots:
             self.last_save.update(step=job.step, own_bytes=job.own_bytes, blocked_s=job.blocked_s,
                                   held_s=time.perf_counter() - job.t0, host_bytes=self.host_bytes())
         except BaseException as e:  # noqa: BLE001 - raised at the next call (wait())
-            self.error = (job.step, e)
+            self.error = (f"step {job.step} was not kept in memory", e)
             log.warning("shardckpt: memory tier: step %d was not kept in memory: %s: %s", job.step, type(e).__name__, e)
             self.own[job.slot].unlink_step()
             self.peer[job.slot].unlink_step()

@@ -30,7 +30,7 @@ from .._collective import Comm
 from . import plan as P
 from . import store
 from .restore import MemorySource
-from .snapshot import Snapshots
+from .snapshot import Snapshots, find_optimizers
 
 __all__ = ["MemoryStore"]
 
@@ -105,6 +105,20 @@ class MemoryStore:
         """
         if self.disabled is not None:
             return False
+        unstepped = [o for o in find_optimizers(state) if not o.state and any(len(g["params"]) for g in o.param_groups)]
+        if unstepped:
+            # An optimizer not stepped yet has no state (AdamW's moments come at its first step): the shard's size is
+            # known after that step, so the warm-up starts there (every rank steps: the warm-up is collective).
+            hooks: List[Any] = []
+
+            def after_first_step(_opt: Any, _args: Any, _kwargs: Any) -> None:
+                for h in hooks:
+                    h.remove()
+                hooks.clear()
+                self.warm(state, comm, process_group=process_group, replicas=replicas)
+
+            hooks.extend(o.register_step_post_hook(after_first_step) for o in unstepped)
+            return True
         self._start()
         world = comm.world
         rpn = self._ranks_per_node(world)
@@ -113,6 +127,39 @@ class MemoryStore:
         return self.snapshots.save(step, state, comm, process_group=process_group, overlap=overlap, peers=peers,
                                    node_key=self._node_key(), share=share, disable=self._disable,
                                    warn_no_copy=self._warn_no_copy, io_threads=io_threads, replicas=replicas)
+
+    def warm(self, state: Dict[str, Any], comm: Comm, *, process_group, replicas: Optional[str] = None) -> bool:
+        """Start making this rank's slots for ``state`` in the background (collective; after a restore).
+
+        The first ``save`` then allocates and pins nothing: ``Snapshots.warm``.
+        An optimizer in ``state`` that has not stepped yet (a fresh run) has
+        no state to size the slots from: the warm-up then starts after its
+        first ``step()`` (a one-shot post-hook; every rank steps). False when
+        the tier is off, has slots already, or cannot plan ``state``.
+        """
+        if self.disabled is not None:
+            return False
+        unstepped = [o for o in find_optimizers(state) if not o.state and any(len(g["params"]) for g in o.param_groups)]
+        if unstepped:
+            # An optimizer not stepped yet has no state (AdamW's moments come at its first step): the shard's size is
+            # known after that step, so the warm-up starts there (every rank steps: the warm-up is collective).
+            hooks: List[Any] = []
+
+            def after_first_step(_opt: Any, _args: Any, _kwargs: Any) -> None:
+                for h in hooks:
+                    h.remove()
+                hooks.clear()
+                self.warm(state, comm, process_group=process_group, replicas=replicas)
+
+            hooks.extend(o.register_step_post_hook(after_first_step) for o in unstepped)
+            return True
+        self._start()
+        world = comm.world
+        rpn = self._ranks_per_node(world)
+        peers = P.peer_map(world, rpn, self.config.peers)
+        share = None if self.config.max_bytes is None else self.config.max_bytes // rpn
+        return self.snapshots.warm(state, comm, process_group=process_group, peers=peers, node_key=self._node_key(),
+                                   share=share, disable=self._disable, warn_no_copy=self._warn_no_copy, replicas=replicas)
 
     @property
     def last_save(self) -> Dict[str, Any]:

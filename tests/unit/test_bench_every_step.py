@@ -27,7 +27,9 @@ def test_every_step_then_lose_a_node(tmp_path):
     assert bench_every_step.main(argv) == 0
     s = json.loads(out.read_text())
     saved = s["saved_step"]
-    assert saved == 1 + 2 + (2 + 2) + (1 + 2)  # warm-up, baseline, then each saving mode's untimed and timed steps
+    assert saved == 1 + 2 + 2 + (1 + 2) + (1 + 2)  # warm-up, baseline, ideal, then each saving mode's first and timed steps
+    assert s["first_save"]["mode"] == "blocking" and s["first_save"]["step_s"] > 0
+    assert set(s["window_s"]) == {"baseline", "ideal", "blocking", "overlap"} and all(w > 0 for w in s["window_s"].values())
     same, smaller = s["restore_same_world"], s["restore_smaller_world"]
     # The replacement of node 1 restored the last memory step and trains on bit for bit.
     assert same["from"] == [f"memory:{saved}"] and same["losses_identical"]
@@ -37,6 +39,6 @@ def test_every_step_then_lose_a_node(tmp_path):
     assert all(shard <= got <= 1.05 * shard for got, shard in zip(same["replacement_bytes_received"], same["replacement_shard_bytes"]))
     # The tier's host memory stays within its stated bound: two steps of (own + peer) files.
     assert all(0 < h <= b for h, b in zip(s["host_bytes_per_rank"], s["host_bytes_bound_per_rank"]))
-    for mode in ("baseline", "blocking", "overlap"):
+    for mode in ("baseline", "ideal", "blocking", "overlap"):
         assert s["step_s"][mode]["n"] == 2
     assert not os.listdir(shm), "memory directories left behind"
