@@ -63,12 +63,20 @@ _MAX_LISTED = 10
 
 @dataclass(frozen=True)
 class Want:
-    """Bytes ``[start, stop)`` of ``chunk`` that a caller needs, labelled ``tag`` for delivery."""
+    """Bytes ``[start, stop)`` of ``chunk`` that a caller needs, labelled ``tag`` for delivery.
+
+    ``sink``: where the bytes go when the caller can take them in any
+    thread, in parts: ``sink(pos, data)`` gets bytes ``[start + pos, start +
+    pos + len(data))`` from the reader thread that read and verified them,
+    while they are still in its cache (see :func:`read_verified`); ``deliver``
+    is then not called for this want.
+    """
 
     chunk: Chunk
     start: int
     stop: int
     tag: Any = None
+    sink: Optional[Callable[[int, memoryview], None]] = field(default=None, compare=False, repr=False)
 
 
 class Unit(NamedTuple):
@@ -327,7 +335,8 @@ def _bytearray_alloc(n: int) -> Tuple[memoryview, Any]:
     return memoryview(b), b
 
 
-def _read_job(storage: Storage, rel: str, lo: int, view: memoryview, units: List[Unit]):
+def _read_job(storage: Storage, rel: str, lo: int, view: memoryview, units: List[Unit], sinks: Sequence[Want] = (),
+              stop: Optional[threading.Event] = None):
     try:
         storage.read_into(rel, [(lo, view)])
     except FileNotFoundError:
@@ -342,10 +351,46 @@ def _read_job(storage: Storage, rel: str, lo: int, view: memoryview, units: List
     # Checksum what this thread just read, while it is in cache: the threads
     # share the work and no second pass over memory follows.
     out = []
+    bad: List[Tuple[int, int]] = []
     for k, u in enumerate(units):
         a, b = max(u.start, lo), min(u.stop, hi)
         if a < b:
-            out.append((k, a - u.start, b - a, crc32c(view[a - lo : b - lo])))
+            crc = crc32c(view[a - lo : b - lo])
+            out.append((k, a - u.start, b - a, crc))
+            if sinks and (a, b) != (u.start, u.stop) or crc != u.crc:
+                bad.append((u.start, u.stop))  # damaged, or (never, pieces being cut at unit ends) not checkable here
+    if sinks and stop is not None:
+        if bad:
+            stop.set()  # the read raises: no thread delivers more
+        else:
+            _fill(sinks, lo, view, stop)
+    return out
+
+
+def _fill(sinks: Sequence[Want], lo: int, view: memoryview, stop: threading.Event) -> None:
+    """Hand each sink want its bytes inside this piece (all verified: the piece's units matched), still in cache."""
+    hi = lo + len(view)
+    for w in sinks:
+        base = w.chunk.byte_offset + w.start
+        a, b = max(lo, base), min(hi, base + w.stop - w.start)
+        if a < b and not stop.is_set():
+            w.sink(a - base, view[a - lo : b - lo])  # type: ignore[misc]
+
+
+def _cuts(rng: ReadRange, piece_bytes: int, units: Sequence[Unit]) -> List[Tuple[int, int]]:
+    """A range's read pieces of about ``piece_bytes``, cut only at the ends of its checksum units.
+
+    No unit straddles two pieces, so the thread that reads a piece verifies
+    every unit under it alone, and may deliver its bytes at once.
+    """
+    if not units:
+        return [(a, min(a + piece_bytes, rng.stop)) for a in range(rng.start, rng.stop, piece_bytes)]
+    out, a = [], rng.start
+    for end in sorted(u.stop for u in units):
+        if end - a >= piece_bytes and end < rng.stop:
+            out.append((a, end))
+            a = end
+    out.append((a, rng.stop))
     return out
 
 
@@ -424,13 +469,21 @@ def read_verified(
         stats.gap_bytes += sum(_gap_of(r) for r in ranges)
     pending: Deque[Tuple[ReadRange, Buffer, List[Any]]] = deque()
     ex = ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="shardckpt-r") if threads > 1 else None
+    # Wants with a sink get their bytes in the reader thread, right after the
+    # read and the CRC of their piece (one pass while the bytes are in cache);
+    # with on_mismatch (a read that goes on past damage) they are handed over
+    # whole, in this thread, as the others are.
+    fused = on_mismatch is None and any(w.sink is not None for w in wants)
+    stop = threading.Event()  # set on the first damage or error: reader threads deliver nothing more
 
     def submit(rng: ReadRange, mv: memoryview):
         jobs = []
         units = rng.units if checking else []
-        for lo in range(rng.start, rng.stop, max(1, piece_bytes)):
-            hi = min(lo + piece_bytes, rng.stop)
-            args = (storage, rng.file, lo, mv[lo - rng.start : hi - rng.start], units)
+        sinks = [w for w in rng.wants if w.sink is not None] if fused else []
+        pieces = _cuts(rng, max(1, piece_bytes), units) if sinks else [
+            (lo, min(lo + piece_bytes, rng.stop)) for lo in range(rng.start, rng.stop, max(1, piece_bytes))]
+        for lo, hi in pieces:
+            args = (storage, rng.file, lo, mv[lo - rng.start : hi - rng.start], units, sinks, stop)
             jobs.append(ex.submit(_read_job, *args) if ex is not None else _Done(_read_job, args))
         stats.requests += len(jobs)
         return jobs
@@ -467,9 +520,12 @@ def read_verified(
                     )
             mv = buf.view
             for w in rng.wants:
-                if damaged and _touches(w, damaged):
+                if damaged and _touches(w, damaged) or fused and w.sink is not None:
                     continue
                 off = w.chunk.byte_offset + w.start - rng.start
+                if w.sink is not None:
+                    w.sink(0, mv[off : off + (w.stop - w.start)])
+                    continue
                 f = deliver(w, mv[off : off + (w.stop - w.start)], buf.owner, off)
                 fence = f if f is not None else fence
         finally:
@@ -489,6 +545,7 @@ def read_verified(
         while pending:
             finish()
     except BaseException:
+        stop.set()
         # Let reads in flight end before their buffers go back (or away).
         while pending:
             rng, buf, jobs = pending.popleft()
