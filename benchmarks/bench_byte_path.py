@@ -254,20 +254,12 @@ class Bench:
             del got
             torch.cuda.synchronize()
         elif case == "fastsafetensors":
-            from fastsafetensors import SafeTensorsFileLoader, SingleGroup
+            from fastsafetensors import fastsafe_open
 
-            loader = SafeTensorsFileLoader(SingleGroup(), torch.device("cuda:0"), nogds=True)
-            try:
-                loader.add_filenames({0: [self.p["st"]]})
-                fb = loader.copy_files_to_device()
-                try:
-                    for k, t in self.live_cuda.items():
-                        t.copy_(fb.get_tensor(k))
-                    torch.cuda.synchronize()
-                finally:
-                    fb.close()
-            finally:
-                loader.close()
+            with fastsafe_open(filenames=[self.p["st"]], framework="pt", device="cuda:0", nogds=True) as f:
+                for k, t in self.live_cuda.items():
+                    t.copy_(f.get_tensor(k))
+                torch.cuda.synchronize()
         elif case == "shardckpt-cuda":
             import shardckpt
 
@@ -384,10 +376,14 @@ def run(args) -> Dict[str, Any]:
         # Every saved copy exists before the loads; hf-export needs the native one.
         for c in ["write", "save_file", "shardckpt", "dcp", "hf-export"]:
             b.save(c)
-        # Warm-up: imports and first calls out of the clock.
-        for c in loads:
-            b.load(c)
-            b.check(c)
+        # Warm-up: imports and first calls out of the clock; a case that fails here is reported, not run.
+        for c in list(loads):
+            try:
+                b.load(c)
+                b.check(c)
+            except Exception as e:  # noqa: BLE001 - an alternative failing must not lose the other numbers
+                skipped[c] = f"failed: {type(e).__name__}: {str(e)[:300]}"
+                loads.remove(c)
         res: Dict[str, Dict[str, List[float]]] = {f"load:{c}": {"s": [], "cpu_s": []} for c in loads}
         res.update({f"save:{c}": {"s": [], "cpu_s": []} for c in saves})
         drops = set()
