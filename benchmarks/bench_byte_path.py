@@ -187,7 +187,10 @@ class Bench:
             with _quiet():
                 dcp.save({"model": self.src}, storage_writer=dcp.FileSystemWriter(path), no_dist=True)
         elif case == "hf-export":
-            from shardckpt import converters
+            try:
+                from shardckpt import converters
+            except ImportError:  # the tree run from a plain copy (a device host): the top-level package
+                import converters  # type: ignore[no-redef]
 
             converters.to_safetensors(self.p["native"], path)
             _fsync_tree(path)

@@ -11,6 +11,7 @@ cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 exec > >(tee "$OUT/byte_path.log") 2>&1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
+[ -d shardckpt/converters ] || cp -r converters shardckpt/converters   # as an installed package has it
 export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 date -u; nvidia-smi -L; nproc; free -g | head -2; df -h /tmp /dev/shm | tail -2
