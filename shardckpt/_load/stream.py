@@ -110,20 +110,43 @@ def _wants(plan: LoadPlan, dests: Sequence[Sequence[torch.Tensor]], range_bytes:
     return out
 
 
-def _byte_sink(dst: torch.Tensor, dtype: torch.dtype, nbytes: int) -> Optional[memoryview]:
-    """A writable view of ``dst``'s bytes when a want's saved bytes land there as they are (else None).
+def _byte_sink(dst: torch.Tensor, dtype: torch.dtype, nbytes: int) -> Optional[Callable[[int, memoryview], None]]:
+    """``put(pos, data)`` copying bytes to offset ``pos`` of ``dst`` when a want's saved bytes land there as they are.
 
     That is: a plain contiguous CPU tensor of the saved dtype whose
     ``nbytes`` are exactly the want's (the saved box is contiguous in its
-    chunk). Casts, strided boxes and device targets go through ``place``.
+    chunk); else None (casts, strided boxes and device targets go through
+    ``place``). The copy is NumPy's, which releases the GIL, so reader
+    threads copy in parallel (torch's ``copy_`` would start its own thread
+    team in each of them); without NumPy, a memoryview copy.
     """
-    if (dst.device.type != "cpu" or dst.dtype != dtype or type(dst) not in (torch.Tensor, torch.nn.Parameter)
+    if (nbytes == 0 or dst.device.type != "cpu" or dst.dtype != dtype or type(dst) not in (torch.Tensor, torch.nn.Parameter)
             or dst.is_conj() or dst.is_neg() or not dst.is_contiguous() or dst.numel() * dst.element_size() != nbytes):
         return None
-    if nbytes == 0:
-        return None
     mv = byte_view(dst.detach())
-    return None if mv.readonly else mv  # without NumPy, a copy: not the tensor's memory
+    if mv.readonly:  # without NumPy, a copy: not the tensor's memory
+        return None
+    np = _numpy()
+    if np is None:
+
+        def put(pos: int, data: memoryview) -> None:
+            mv[pos : pos + len(data)] = data
+
+        return put
+    arr = np.frombuffer(mv, dtype=np.uint8)
+
+    def put_np(pos: int, data: memoryview) -> None:
+        np.copyto(arr[pos : pos + len(data)], np.frombuffer(data, dtype=np.uint8))
+
+    return put_np
+
+
+def _numpy():
+    try:
+        import numpy  # noqa: PLC0415  (only when a load has CPU targets; byte_view needs it too)
+    except ImportError:
+        return None
+    return numpy
 
 
 def _host_alloc(pinned: bool):
@@ -230,13 +253,13 @@ def stream_into(
 
     def sink(target: int, dst: torch.Tensor, dtype: torch.dtype, nbytes: int):
         """Verified bytes copied into the tensor by the reader thread that verified them (one pass, in cache)."""
-        mv = _byte_sink(dst, dtype, nbytes)
-        if mv is None:
+        copy = _byte_sink(dst, dtype, nbytes)
+        if copy is None:
             return None
 
         def put(pos: int, data: memoryview) -> None:
             touched[target] = None
-            mv[pos : pos + len(data)] = data
+            copy(pos, data)
 
         return put
 
