@@ -7,7 +7,11 @@ verified reader (``_readers.read_verified``, or ``_replicas.read_once`` when
 several ranks hold the same bytes) into a bounded, reused buffer pool
 (pinned for CUDA targets), and ``copy_``-es each verified piece (casting
 where the dtypes differ) straight into the live tensor — or into staging
-tensors (``stage.py``) with ``atomic=True``.
+tensors (``stage.py``) with ``atomic=True``. A piece whose saved bytes land
+in a CPU tensor as they are (same dtype, contiguous box) is copied there by
+the reader thread that read and checked it (``Want.sink``; one pass while
+the bytes are in cache, out of a mapping of local files): the calling thread
+copies only casts, strided boxes and device targets.
 """
 
 from __future__ import annotations
@@ -46,8 +50,8 @@ FUSED_PIECE_BYTES = 4 << 20
 
 
 def _piece_bytes(wants: Sequence[Want]) -> Optional[int]:
-    """Read piece size for ``wants``: :data:`FUSED_PIECE_BYTES` when some go to sinks, else the reader's default."""
-    return FUSED_PIECE_BYTES if any(w.sink is not None for w in wants) else None
+    """Read piece size for ``wants``: :data:`FUSED_PIECE_BYTES` (at most ``READ_BLOCK_BYTES``) when some go to sinks, else the reader's default."""
+    return min(FUSED_PIECE_BYTES, _knobs.READ_BLOCK_BYTES) if any(w.sink is not None for w in wants) else None
 
 
 def _strides(sizes: Sequence[int]) -> Tuple[int, ...]:

@@ -155,9 +155,10 @@ def test_sinks_take_verified_pieces_in_the_reader_threads_and_never_a_damaged_bl
     (tmp_path / "f.bin").write_bytes(bytes(data))
     got[:] = bytes(200_000)
     calls.clear()
-    with pytest.raises(ChecksumMismatchError, match=r"w block 20 \(bytes 82920..87016\)"):
+    with pytest.raises(ChecksumMismatchError, match=r"w block 20 \(bytes 82920..87016\)") as ei:
         read_verified(Storage(str(tmp_path)), wants, lambda *a: main.append(a), threads=1, piece_bytes=3 * 4096,
                       range_bytes=1 << 20)
+    assert "block 21" not in str(ei.value)  # only the damage is named, not the pieces left unread after it
     assert calls and not main
     assert all(pos + n <= 81_920 for _, pos, n in calls), calls  # only the pieces before the damaged one, in order
     assert not any(got[81_920:])
