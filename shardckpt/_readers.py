@@ -591,7 +591,7 @@ def read_verified(
                 if w.sink is not None:
                     w.sink(0, mv[off : off + (w.stop - w.start)])
                     continue
-                f = deliver(w, mv[off : off + (w.stop - w.start)], buf.owner, off)
+                f = deliver(w, mv[off : off + (w.stop - w.start)], buf.owner if buf is not None else None, off)
                 fence = f if f is not None else fence
         finally:
             if buf is not None:
@@ -610,12 +610,12 @@ def read_verified(
                 continue
             while pending and not pool.fits(rng.nbytes):
                 finish()
-            buf = pool.take(rng.nbytes)
+            taken = pool.take(rng.nbytes)
             stats.peak_buffer_bytes = max(stats.peak_buffer_bytes, pool.out_bytes)
             try:
-                pending.append((rng, buf, submit(rng, buf.view[: rng.nbytes])))
+                pending.append((rng, taken, submit(rng, taken.view[: rng.nbytes])))
             except BaseException:
-                pool.give(buf)
+                pool.give(taken)
                 raise
         while pending:
             finish()

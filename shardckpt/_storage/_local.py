@@ -227,7 +227,7 @@ class LocalStorage(Storage):
 
     @property
     def can_map(self) -> bool:
-        return True
+        return hasattr(mmap, "PROT_READ")  # POSIX (Windows maps through another signature)
 
     def map_range(self, rel: str, start: int, stop: int) -> Optional[Tuple[Any, int]]:
         # The file is opened (and checked inside the root, regular) for each
