@@ -107,3 +107,21 @@ def test_bench_tiers_runs_as_documented(tmp_path):
     for name in ("tiers-delayed", "tiers-stalled", "direct-delayed"):
         assert cases[name]["remote_steps"][-1] == 3 and cases[name]["remote_verified"], cases[name]
     assert cases["tiers-stalled"]["proxy"].get("stall", 0) >= 1
+
+
+def test_bench_byte_path_runs_as_documented(tmp_path):
+    """benchmarks/bench_byte_path.py (issue 43): every CPU case, tiny, cold from a directory; values checked inside."""
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "bench_byte_path.py"), "--size-gib", "0.01", "--repeat", "1",
+           "--dir", str(scratch), "--cold", "--drop-cache", "fadvise", "--raw-gb", "0.02", "--no-cuda",
+           "--json", str(tmp_path / "res.json")]
+    proc = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    res = json.loads((tmp_path / "res.json").read_text())
+    loads = {"memcpy", "read", "safetensors", "shardckpt", "shardckpt-nocrc", "shardckpt-hf", "dcp"}
+    saves = {"write", "save_file", "shardckpt", "dcp", "hf-export"}
+    assert set(res["cases"]) == {f"load:{c}" for c in loads} | {f"save:{c}" for c in saves}, res.get("skipped")
+    assert res["drop"] == ["fadvise"] and res["raw_disk"]["read_gbps"] > 0
+    assert 0 <= res["shardckpt_load_extra_rss"] < 256 << 20
+    assert os.listdir(scratch) == []  # everything removed
