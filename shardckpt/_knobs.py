@@ -45,6 +45,9 @@ environment variable                default     what it sets
 ``SHARDCKPT_LOAD_READ_ONCE``        1           0: every rank reads every byte it loads; 1:
                                                 a byte range several ranks load (replicas)
                                                 is read by one and sent to the others
+``SHARDCKPT_LOAD_MAP``              1           a load into CPU tensors checks and copies
+                                                local files' bytes out of a memory mapping
+                                                (one pass); 0: reads into buffers first
 ``SHARDCKPT_ASYNC_WRITER``          thread      who writes an async save's bytes: ``thread``
                                                 (in the training process) or ``process``
                                                 (a writer child, out of its GIL)
@@ -103,6 +106,7 @@ __all__ = [
     "LOAD_CUDA_BUFFER_BYTES",
     "LOAD_CUDA_IO_THREADS",
     "LOAD_READ_ONCE",
+    "LOAD_MAP",
     "BLOCK_BYTES",
     "ASYNC_WRITER",
     "MEMORY_PEER_BACKEND",
@@ -228,6 +232,12 @@ LOAD_CUDA_IO_THREADS = _int("LOAD_CUDA_IO_THREADS", min(16, os.cpu_count() or 1)
 #: storage reads stay ~1.0x the state whatever the replica count. 0: every
 #: rank reads what it loads. Read at each ``load``.
 LOAD_READ_ONCE = _bool("LOAD_READ_ONCE", True)
+#: A load into CPU tensors of the saved dtype reads local files through a
+#: memory mapping of each few-MiB piece: the reader thread checks the piece's
+#: CRCs and copies it into the tensor straight out of the page cache (one pass;
+#: ``read()`` from tmpfs costs a copy of its own). 0: read into buffers first
+#: (a filesystem that cannot map files). Read at each load.
+LOAD_MAP = _bool("LOAD_MAP", True)
 #: Format v2 block checksums: one CRC-32C per this many bytes of a chunk
 #: (chunk-relative). 1 MiB: 4 bytes of metadata per MiB of data, and a ranged
 #: read over-reads at most one block at each end. Written into the manifest,

@@ -27,8 +27,20 @@ saved chunk, the :class:`~shardckpt._format.chunk.Chunk` that
    not checked — and returns the buffer to the pool once ``deliver``'s fence
    (if any: an asynchronous device copy) is done.
 
+One pass (issue 43): a want with a ``sink`` (a CPU tensor's bytes, in the
+load) is handed its bytes by the reader thread itself. Its range is cut into
+pieces at checksum-unit ends, so the thread that reads a piece checks every
+unit under it alone and copies the piece out while it is in cache; on a
+storage that maps files (``Storage.can_map``: local files;
+``SHARDCKPT_LOAD_MAP``) a range whose wants all have sinks takes no buffer:
+each piece is checked and copied straight out of a mapping of the file. A
+piece with a damaged unit is not copied, and once one is found no thread
+copies more; the caller's thread still raises as above.
+
 Peak memory: the pool's capacity, or one oversized unit (a v1 chunk larger
-than the pool) plus nothing else in flight.
+than the pool) plus nothing else in flight; mapped pieces hold no buffer
+(at most ``2 * threads`` ranges of them in flight, each mapping closed once
+copied).
 """
 
 from __future__ import annotations
@@ -37,7 +49,7 @@ import threading
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable, Deque, Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Callable, Deque, Dict, List, NamedTuple, Optional, Sequence, Tuple, cast
 
 from . import _knobs
 from ._format.checksum import crc32c, crc32c_combine
@@ -63,12 +75,20 @@ _MAX_LISTED = 10
 
 @dataclass(frozen=True)
 class Want:
-    """Bytes ``[start, stop)`` of ``chunk`` that a caller needs, labelled ``tag`` for delivery."""
+    """Bytes ``[start, stop)`` of ``chunk`` that a caller needs, labelled ``tag`` for delivery.
+
+    ``sink``: where the bytes go when the caller can take them in any
+    thread, in parts: ``sink(pos, data)`` gets bytes ``[start + pos, start +
+    pos + len(data))`` from the reader thread that read and verified them,
+    while they are still in its cache (see :func:`read_verified`); ``deliver``
+    is then not called for this want.
+    """
 
     chunk: Chunk
     start: int
     stop: int
     tag: Any = None
+    sink: Optional[Callable[[int, memoryview], None]] = field(default=None, compare=False, repr=False)
 
 
 class Unit(NamedTuple):
@@ -327,7 +347,8 @@ def _bytearray_alloc(n: int) -> Tuple[memoryview, Any]:
     return memoryview(b), b
 
 
-def _read_job(storage: Storage, rel: str, lo: int, view: memoryview, units: List[Unit]):
+def _read_job(storage: Storage, rel: str, lo: int, view: memoryview, units: List[Unit], sinks: Sequence[Want] = (),
+              stop: Optional[threading.Event] = None):
     try:
         storage.read_into(rel, [(lo, view)])
     except FileNotFoundError:
@@ -342,10 +363,86 @@ def _read_job(storage: Storage, rel: str, lo: int, view: memoryview, units: List
     # Checksum what this thread just read, while it is in cache: the threads
     # share the work and no second pass over memory follows.
     out = []
+    bad: List[Tuple[int, int]] = []
     for k, u in enumerate(units):
         a, b = max(u.start, lo), min(u.stop, hi)
         if a < b:
-            out.append((k, a - u.start, b - a, crc32c(view[a - lo : b - lo])))
+            crc = crc32c(view[a - lo : b - lo])
+            out.append((k, a - u.start, b - a, crc))
+            if sinks and (a, b) != (u.start, u.stop) or crc != u.crc:
+                bad.append((u.start, u.stop))  # damaged, or (never, pieces being cut at unit ends) not checkable here
+    if sinks and stop is not None:
+        if bad:
+            stop.set()  # the read raises: no thread delivers more
+        else:
+            _fill(sinks, lo, view, stop)
+    return out
+
+
+def _map_job(storage: Storage, rel: str, lo: int, hi: int, units: List[Unit], sinks: Sequence[Want],
+             stop: threading.Event):
+    """:func:`_read_job` through a memory mapping of the piece: checked and copied out of the page cache, no read copy."""
+    if stop.is_set():
+        return None  # damage found already: nothing more is delivered (the read raises)
+    try:
+        got = storage.map_range(rel, lo, hi)
+    except FileNotFoundError:
+        raise CorruptCheckpointError(f"{storage.url_of(rel)}: file is missing") from None
+    except EOFError as e:
+        raise CorruptCheckpointError(f"{e} (truncated)") from None
+    except StorageError:
+        raise
+    except (OSError, ValueError) as e:
+        raise StorageError(f"mapping {storage.url_of(rel)}: {e}") from e
+    mm, at = cast(Tuple[Any, int], got)
+    try:
+        with memoryview(mm) as whole:
+            view = whole[at : at + hi - lo]
+            out = []
+            bad = False
+            for k, u in enumerate(units):
+                a, b = max(u.start, lo), min(u.stop, hi)
+                if a < b:
+                    crc = crc32c(view[a - lo : b - lo])
+                    out.append((k, a - u.start, b - a, crc))
+                    bad = bad or (a, b) != (u.start, u.stop) or crc != u.crc
+            if bad:
+                stop.set()  # the read raises: no thread delivers more
+            else:
+                _fill(sinks, lo, view, stop)
+            view.release()
+    finally:
+        try:
+            mm.close()
+        except BufferError:  # a view a sink kept: the mapping goes with it
+            pass
+    return out
+
+
+def _fill(sinks: Sequence[Want], lo: int, view: memoryview, stop: threading.Event) -> None:
+    """Hand each sink want its bytes inside this piece (all verified: the piece's units matched), still in cache."""
+    hi = lo + len(view)
+    for w in sinks:
+        base = w.chunk.byte_offset + w.start
+        a, b = max(lo, base), min(hi, base + w.stop - w.start)
+        if a < b and not stop.is_set():
+            w.sink(a - base, view[a - lo : b - lo])  # type: ignore[misc]
+
+
+def _cuts(rng: ReadRange, piece_bytes: int, units: Sequence[Unit]) -> List[Tuple[int, int]]:
+    """A range's read pieces of about ``piece_bytes``, cut only at the ends of its checksum units.
+
+    No unit straddles two pieces, so the thread that reads a piece verifies
+    every unit under it alone, and may deliver its bytes at once.
+    """
+    if not units:
+        return [(a, min(a + piece_bytes, rng.stop)) for a in range(rng.start, rng.stop, piece_bytes)]
+    out, a = [], rng.start
+    for end in sorted(u.stop for u in units):
+        if end - a >= piece_bytes and end < rng.stop:
+            out.append((a, end))
+            a = end
+    out.append((a, rng.stop))
     return out
 
 
@@ -422,16 +519,28 @@ def read_verified(
     stats.ranges += len(ranges)
     if gap:
         stats.gap_bytes += sum(_gap_of(r) for r in ranges)
-    pending: Deque[Tuple[ReadRange, Buffer, List[Any]]] = deque()
+    pending: Deque[Tuple[ReadRange, Optional[Buffer], List[Any]]] = deque()
     ex = ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="shardckpt-r") if threads > 1 else None
+    # Wants with a sink get their bytes in the reader thread, right after the
+    # read and the CRC of their piece (one pass while the bytes are in cache);
+    # with on_mismatch (a read that goes on past damage) they are handed over
+    # whole, in this thread, as the others are.
+    fused = on_mismatch is None and any(w.sink is not None for w in wants)
+    stop = threading.Event()  # set on the first damage or error: reader threads deliver nothing more
 
-    def submit(rng: ReadRange, mv: memoryview):
+    def submit(rng: ReadRange, mv: Optional[memoryview]):
         jobs = []
         units = rng.units if checking else []
-        for lo in range(rng.start, rng.stop, max(1, piece_bytes)):
-            hi = min(lo + piece_bytes, rng.stop)
-            args = (storage, rng.file, lo, mv[lo - rng.start : hi - rng.start], units)
-            jobs.append(ex.submit(_read_job, *args) if ex is not None else _Done(_read_job, args))
+        sinks = [w for w in rng.wants if w.sink is not None] if fused else []
+        pieces = _cuts(rng, max(1, piece_bytes), units) if sinks else [
+            (lo, min(lo + piece_bytes, rng.stop)) for lo in range(rng.start, rng.stop, max(1, piece_bytes))]
+        for lo, hi in pieces:
+            if mv is None:  # mapped: every want of the range has a sink
+                fn: Callable[..., Any] = _map_job
+                args: Tuple[Any, ...] = (storage, rng.file, lo, hi, units, sinks, stop)
+            else:
+                fn, args = _read_job, (storage, rng.file, lo, mv[lo - rng.start : hi - rng.start], units, sinks, stop)
+            jobs.append(ex.submit(fn, *args) if ex is not None else _Done(fn, args))
         stats.requests += len(jobs)
         return jobs
 
@@ -440,8 +549,13 @@ def read_verified(
         fence = None
         try:
             parts: Dict[int, List[Tuple[int, int, int]]] = {}
-            for j in jobs:
-                for k, pos, n, crc in j.result():
+            results = [j.result() for j in jobs]
+            # A mapped piece is skipped (None) once damage was found: in this
+            # range (raised below, naming only the units checked) or in another
+            # (which raises when it is finished). Its units are not reported.
+            skipped = any(r is None for r in results)
+            for r in results:
+                for k, pos, n, crc in r or ():
                     parts.setdefault(k, []).append((pos, n, crc))
             stats.read_bytes += rng.nbytes
             damaged: List[Unit] = []
@@ -454,6 +568,8 @@ def read_verified(
                             break  # a gap: reported as a mismatch below, never passed as checked
                         got = crc32c_combine(got, crc, n)
                         covered += n
+                    if skipped and covered != u.stop - u.start:
+                        continue
                     if covered != u.stop - u.start or got != u.crc:
                         damaged.append(u)
                         if on_mismatch is not None:
@@ -465,30 +581,46 @@ def read_verified(
                         f"checksum mismatch in {storage.url_of(rng.file)}, the checkpoint is damaged: "
                         + "; ".join(bad[:_MAX_LISTED]) + more
                     )
-            mv = buf.view
+            if skipped:
+                return
+            mv = buf.view if buf is not None else memoryview(b"")
             for w in rng.wants:
-                if damaged and _touches(w, damaged):
+                if damaged and _touches(w, damaged) or fused and w.sink is not None:
                     continue
                 off = w.chunk.byte_offset + w.start - rng.start
-                f = deliver(w, mv[off : off + (w.stop - w.start)], buf.owner, off)
+                if w.sink is not None:
+                    w.sink(0, mv[off : off + (w.stop - w.start)])
+                    continue
+                f = deliver(w, mv[off : off + (w.stop - w.start)], buf.owner if buf is not None else None, off)
                 fence = f if f is not None else fence
         finally:
-            pool.give(buf, fence)
+            if buf is not None:
+                pool.give(buf, fence)
 
+    # Ranges whose wants all have sinks are read through a mapping of the
+    # file where the storage has one (local files): the bytes are checked and
+    # copied out of the page cache once, no read into a buffer first.
+    mappable = fused and _knobs.LOAD_MAP and getattr(storage, "can_map", False)
     try:
         for rng in ranges:
+            if mappable and all(w.sink is not None for w in rng.wants):
+                while len(pending) > 2 * max(1, threads):  # a bounded number of ranges in flight
+                    finish()
+                pending.append((rng, None, submit(rng, None)))
+                continue
             while pending and not pool.fits(rng.nbytes):
                 finish()
-            buf = pool.take(rng.nbytes)
+            taken = pool.take(rng.nbytes)
             stats.peak_buffer_bytes = max(stats.peak_buffer_bytes, pool.out_bytes)
             try:
-                pending.append((rng, buf, submit(rng, buf.view[: rng.nbytes])))
+                pending.append((rng, taken, submit(rng, taken.view[: rng.nbytes])))
             except BaseException:
-                pool.give(buf)
+                pool.give(taken)
                 raise
         while pending:
             finish()
     except BaseException:
+        stop.set()
         # Let reads in flight end before their buffers go back (or away).
         while pending:
             rng, buf, jobs = pending.popleft()
@@ -497,7 +629,8 @@ def read_verified(
                     j.result()
                 except BaseException:  # noqa: BLE001 - the first error is the one raised
                     pass
-            pool.give(buf)
+            if buf is not None:
+                pool.give(buf)
         raise
     finally:
         if ex is not None:

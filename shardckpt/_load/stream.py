@@ -7,7 +7,11 @@ verified reader (``_readers.read_verified``, or ``_replicas.read_once`` when
 several ranks hold the same bytes) into a bounded, reused buffer pool
 (pinned for CUDA targets), and ``copy_``-es each verified piece (casting
 where the dtypes differ) straight into the live tensor — or into staging
-tensors (``stage.py``) with ``atomic=True``.
+tensors (``stage.py``) with ``atomic=True``. A piece whose saved bytes land
+in a CPU tensor as they are (same dtype, contiguous box) is copied there by
+the reader thread that read and checked it (``Want.sink``; one pass while
+the bytes are in cache, out of a mapping of local files): the calling thread
+copies only casts, strided boxes and device targets.
 """
 
 from __future__ import annotations
@@ -39,6 +43,17 @@ __all__ = ["StreamHook", "load_settings", "stream_into"]
 StreamHook = Callable[[LoadPlan, Callable[..., ReadStats]], ReadStats]
 
 
+#: Read piece of a load whose bytes go straight into CPU tensors (``Want.sink``):
+#: the reader thread reads it, checks its CRCs and copies it out while it is
+#: still in its cache, so a few MiB, cut at checksum-block ends.
+FUSED_PIECE_BYTES = 4 << 20
+
+
+def _piece_bytes(wants: Sequence[Want]) -> Optional[int]:
+    """Read piece size for ``wants``: :data:`FUSED_PIECE_BYTES` (at most ``READ_BLOCK_BYTES``) when some go to sinks, else the reader's default."""
+    return min(FUSED_PIECE_BYTES, _knobs.READ_BLOCK_BYTES) if any(w.sink is not None for w in wants) else None
+
+
 def _strides(sizes: Sequence[int]) -> Tuple[int, ...]:
     out, acc = [], 1
     for n in reversed(sizes):
@@ -58,10 +73,20 @@ class _Copy:
     strides: Tuple[int, ...]  # the chunk's, contiguous
     first: int  # flat element index of the first byte read
     dtype: torch.dtype
+    isz: int  # its element size
 
 
-def _wants(plan: LoadPlan, dests: Sequence[Sequence[torch.Tensor]], range_bytes: int) -> List[Want]:
-    """Byte ranges to read, one per piece cut to at most ``range_bytes`` of its chunk (along dim 0)."""
+def _no_sink(target: int, dst: torch.Tensor, dtype: torch.dtype, nbytes: int) -> None:
+    return None
+
+
+def _wants(plan: LoadPlan, dests: Sequence[Sequence[torch.Tensor]], range_bytes: int,
+           sink: Callable[[int, torch.Tensor, torch.dtype, int], Optional[Callable[[int, memoryview], None]]] = _no_sink) -> List[Want]:
+    """Byte ranges to read, one per piece cut to at most ``range_bytes`` of its chunk (along dim 0).
+
+    ``sink(target, dst, saved dtype, nbytes)``: the want's ``Want.sink``
+    (None: delivered through ``place``).
+    """
     out: List[Want] = []
     for ti, t in enumerate(plan.targets):
         chunks = t.chunks
@@ -73,7 +98,7 @@ def _wants(plan: LoadPlan, dests: Sequence[Sequence[torch.Tensor]], range_bytes:
                 strides = _strides(c.sizes)
                 if not p.sizes or math.prod(p.sizes) == 0:
                     if not p.sizes and c.nbytes:  # a 0-d tensor
-                        out.append(Want(c, 0, c.nbytes, _Copy(ti, dst_part, (), (), (), 0, dtype)))
+                        out.append(Want(c, 0, c.nbytes, _Copy(ti, dst_part, (), (), (), 0, dtype, isz), sink(ti, dst_part, dtype, c.nbytes)))
                     continue
                 row_bytes = strides[0] * isz
                 rows = max(1, range_bytes // max(row_bytes, 1))
@@ -84,8 +109,48 @@ def _wants(plan: LoadPlan, dests: Sequence[Sequence[torch.Tensor]], range_bytes:
                     first = sum(o * st for o, st in zip(src, strides))
                     last = sum((o + k - 1) * st for o, k, st in zip(src, sizes, strides))
                     dst = box_view(dst_part, (p.dst_offsets[0] + r,) + tuple(p.dst_offsets[1:]), sizes)
-                    out.append(Want(c, first * isz, (last + 1) * isz, _Copy(ti, dst, src, sizes, strides, first, dtype)))
+                    out.append(Want(c, first * isz, (last + 1) * isz, _Copy(ti, dst, src, sizes, strides, first, dtype, isz),
+                                    sink(ti, dst, dtype, (last + 1 - first) * isz)))
     return out
+
+
+def _byte_sink(dst: torch.Tensor, dtype: torch.dtype, nbytes: int) -> Optional[Callable[[int, memoryview], None]]:
+    """``put(pos, data)`` copying bytes to offset ``pos`` of ``dst`` when a want's saved bytes land there as they are.
+
+    That is: a plain contiguous CPU tensor of the saved dtype whose
+    ``nbytes`` are exactly the want's (the saved box is contiguous in its
+    chunk); else None (casts, strided boxes and device targets go through
+    ``place``). The copy is NumPy's, which releases the GIL, so reader
+    threads copy in parallel (torch's ``copy_`` would start its own thread
+    team in each of them); without NumPy, a memoryview copy.
+    """
+    if (nbytes == 0 or dst.device.type != "cpu" or dst.dtype != dtype or type(dst) not in (torch.Tensor, torch.nn.Parameter)
+            or dst.is_conj() or dst.is_neg() or not dst.is_contiguous() or dst.numel() * dst.element_size() != nbytes):
+        return None
+    mv = byte_view(dst.detach())
+    if mv.readonly:  # without NumPy, a copy: not the tensor's memory
+        return None
+    np = _numpy()
+    if np is None:
+
+        def put(pos: int, data: memoryview) -> None:
+            mv[pos : pos + len(data)] = data
+
+        return put
+    arr = np.frombuffer(mv, dtype=np.uint8)
+
+    def put_np(pos: int, data: memoryview) -> None:
+        np.copyto(arr[pos : pos + len(data)], np.frombuffer(data, dtype=np.uint8))
+
+    return put_np
+
+
+def _numpy():
+    try:
+        import numpy  # noqa: PLC0415  (only when a load has CPU targets; byte_view needs it too)
+    except ImportError:
+        return None
+    return numpy
 
 
 def _host_alloc(pinned: bool):
@@ -170,7 +235,7 @@ def stream_into(
     def place(w: Want, raw: torch.Tensor):
         """Copy a want's bytes (``raw``: uint8, host or device) into its destination; a fence or None."""
         job: _Copy = w.tag
-        isz = raw.new_empty((), dtype=job.dtype).element_size()
+        isz = job.isz
         if raw.data_ptr() % isz:
             raw = raw.clone()  # a foreign file's chunk not aligned to its item size
         flat = raw.view(job.dtype)
@@ -190,7 +255,22 @@ def stream_into(
     def deliver(w: Want, data: memoryview, owner, off: int):
         return place(w, owner[0][off : off + len(data)])
 
-    wants = _wants(plan, dests, range_bytes)
+    def sink(target: int, dst: torch.Tensor, dtype: torch.dtype, nbytes: int):
+        """Verified bytes copied into the tensor by the reader thread that verified them (one pass, in cache)."""
+        copy = _byte_sink(dst, dtype, nbytes)
+        if copy is None:
+            return None
+
+        def put(pos: int, data: memoryview) -> None:
+            touched[target] = None
+            copy(pos, data)
+
+        return put
+
+    # Replicated ranges read once (several ranks) hand every want to their
+    # own transfer engine: no sinks there.
+    once = comm is not None and comm.world > 1 and (_replicas.enabled() or sources is not None)
+    wants = _wants(plan, dests, range_bytes, _no_sink if cuda or once else sink)
     stats = stats or ReadStats()
     stats.needed_bytes += sum(w.stop - w.start for w in wants)
     try:
@@ -210,7 +290,7 @@ def stream_into(
                     round_bytes=max(range_bytes, buffer_bytes if sources is not None else buffer_bytes // 2),
                     sources=sources,
                 )
-            return read(storage, wants, deliver, threads=threads, pool=pool, stats=stats)
+            return read(storage, wants, deliver, threads=threads, pool=pool, stats=stats, piece_bytes=_piece_bytes(wants))
     except CheckpointError as e:
         if staged is None and touched:
             names = [plan.targets[i].name for i in touched]

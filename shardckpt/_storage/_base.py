@@ -668,6 +668,24 @@ class Storage:
             with reading(self.url_of(rel)):
                 self._read_ranges(rel, ranges)
 
+    @property
+    def can_map(self) -> bool:
+        """Whether :meth:`map_range` maps files here (local files) rather than returning None."""
+        return False
+
+    def map_range(self, rel: str, start: int, stop: int) -> Optional[Tuple[Any, int]]:
+        """A read-only memory mapping holding bytes ``[start, stop)`` of ``rel`` at an offset, or None.
+
+        Returns ``(mapping, offset)``: the bytes are ``memoryview(mapping)[offset
+        : offset + stop - start]``; the caller closes the mapping. None where the
+        backend has no mappable files (object stores, fsspec): read instead.
+
+        Raises:
+            FileNotFoundError: missing.
+            EOFError: the file ends before ``stop``.
+        """
+        return None
+
     def _short(self, rel: str, end: int) -> EOFError:
         return EOFError(f"{self.url_of(rel)}: file ends before byte {end}")
 

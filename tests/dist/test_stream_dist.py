@@ -33,8 +33,22 @@ def _count_data_reads():
             seen.append(sum(len(b) for _, b in ranges))
         return orig(self, rel, ranges)
 
+    # A load into CPU tensors maps local files' pieces instead (LOAD_MAP): bytes mapped are bytes read.
+    local = type(_storage.Storage("."))
+    orig_map = local.map_range
+
+    def map_range(self, rel, start, stop):
+        if rel.startswith("data/"):
+            seen.append(stop - start)
+        return orig_map(self, rel, start, stop)
+
+    def undo():
+        _storage.Storage.read_into = orig
+        local.map_range = orig_map
+
     _storage.Storage.read_into = read_into
-    return seen, lambda: setattr(_storage.Storage, "read_into", orig)
+    local.map_range = map_range
+    return seen, undo
 
 
 def _load_sharded(rank, world, path):

@@ -124,3 +124,21 @@ def test_suite_memory_sums_the_whole_process_tree(tmp_path):
     assert line.startswith("peak summed RSS: ") and "peak summed PSS: " in line, proc.stdout
     got = json.loads((tmp_path / "m.json").read_text())
     assert got["peak_rss"] > 400 << 20, (got["peak_rss"], proc.stdout)  # both holders at once: more than either alone
+
+
+def test_bench_byte_path_runs_as_documented(tmp_path):
+    """benchmarks/bench_byte_path.py (issue 43): every CPU case, tiny, cold from a directory; values checked inside."""
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "bench_byte_path.py"), "--size-gib", "0.01", "--repeat", "1",
+           "--dir", str(scratch), "--cold", "--drop-cache", "fadvise", "--raw-gb", "0.02", "--no-cuda",
+           "--json", str(tmp_path / "res.json")]
+    proc = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    res = json.loads((tmp_path / "res.json").read_text())
+    loads = {"memcpy", "read", "safetensors", "shardckpt", "shardckpt-nocrc", "shardckpt-hf", "dcp"}
+    saves = {"write", "save_file", "shardckpt", "dcp", "hf-export"}
+    assert set(res["cases"]) == {f"load:{c}" for c in loads} | {f"save:{c}" for c in saves}, res.get("skipped")
+    assert res["drop"] == ["fadvise"] and res["raw_disk"]["read_gbps"] > 0
+    assert 0 <= res["shardckpt_load_extra_rss"] < 256 << 20
+    assert os.listdir(scratch) == []  # everything removed

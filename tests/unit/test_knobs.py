@@ -94,7 +94,9 @@ def test_read_side_sizes(monkeypatch):
 
 
 def test_read_block_bytes(tmp_path, monkeypatch):
-    """READ_BLOCK_BYTES: a load's reads are split into blocks of at most this size."""
+    """READ_BLOCK_BYTES: a load's reads are split into blocks of at most this size (of at least one checksum block)."""
+    # Pieces that go straight into a CPU tensor are cut at checksum-block ends (each is verified alone).
+    monkeypatch.setattr(_knobs, "BLOCK_BYTES", 4096)
     path = _saved(tmp_path, "a", {"w": torch.arange(64 << 10, dtype=torch.int32) % 251})
     st_type = type(Storage(path))
     sizes = []
@@ -104,7 +106,13 @@ def test_read_block_bytes(tmp_path, monkeypatch):
         sizes.extend(len(b) for _, b in ranges)
         return real(self, rel, ranges)
 
+    def map_range(self, rel, start, stop):  # a load into CPU tensors maps its pieces (LOAD_MAP)
+        sizes.append(stop - start)
+        return real_map(self, rel, start, stop)
+
+    real_map = st_type.map_range
     monkeypatch.setattr(st_type, "read_into", read_into)
+    monkeypatch.setattr(st_type, "map_range", map_range)
     monkeypatch.setattr(_knobs, "READ_BLOCK_BYTES", 8 << 10)
     out = {"w": torch.zeros(64 << 10, dtype=torch.int32)}
     shardckpt.load(out, path)
@@ -178,12 +186,31 @@ def test_save_defaults_are_not_frozen_at_import():
                 assert p.default is None, (fn.__qualname__, p.name, p.default)
 
 
+def test_load_map(tmp_path, monkeypatch):
+    """LOAD_MAP: a CPU load maps local files' pieces (on) or reads them into buffers (off); the same values."""
+    from shardckpt._storage import _local
+
+    d = str(tmp_path / "c")
+    src = {"w": torch.randn(300, 1000), "b": torch.randn(7)}
+    shardckpt.save(src, d)
+    maps = []
+    real = _local.LocalStorage.map_range
+    monkeypatch.setattr(_local.LocalStorage, "map_range", lambda self, *a: maps.append(a) or real(self, *a))
+    for on in (True, False):
+        monkeypatch.setattr(_knobs, "LOAD_MAP", on)
+        maps.clear()
+        live = {k: torch.zeros_like(v) for k, v in src.items()}
+        shardckpt.load(live, d)
+        assert all(torch.equal(live[k], src[k]) for k in src)
+        assert bool(maps) == on, (on, maps)
+
+
 def test_every_knob_is_covered():
     knobs = {n for n in _knobs.__all__ if n.isupper() and n != "ENV_PREFIX"}
     here = {
         "IO_THREADS", "MIN_BYTES_PER_FILE", "WRITE_BLOCK_BYTES", "BLOCK_BYTES", "CHECKSUMS", "LOAD_BUFFER_BYTES",
         "LOAD_RANGE_BYTES", "LOAD_CUDA_IO_THREADS", "LOAD_CUDA_BUFFER_BYTES", "READ_BLOCK_BYTES", "COALESCE_GAP_BYTES",
         "HEADER_BYTES_PER_FILE", "COLLECTIVE_TIMEOUT_S", "STORAGE_RETRIES", "RETRY_BASE_DELAY_S", "RETRY_MAX_DELAY_S",
-        "REPLICAS",
+        "REPLICAS", "LOAD_MAP",
     }
     assert knobs == here | set(ELSEWHERE), (knobs - here - set(ELSEWHERE), (here | set(ELSEWHERE)) - knobs)

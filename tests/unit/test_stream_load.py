@@ -123,6 +123,47 @@ def test_reader_with_on_mismatch_lists_every_damaged_unit_and_delivers_the_rest(
     assert sorted(got) == [s for s in range(0, 1 << 16, 8192) if s not in (0, 32768)]  # "v1" not delivered either
 
 
+def test_sinks_take_verified_pieces_in_the_reader_threads_and_never_a_damaged_block(tmp_path):
+    # One pass (issue 43): a want with a sink gets its bytes from the reader
+    # thread that read and checked them, piece by piece (pieces cut at block
+    # ends); a damaged block's bytes never reach a sink, nor do later pieces.
+    import threading
+
+    data = bytearray(_file(tmp_path, 1 << 18))
+    c = _blocked("f.bin", bytes(data), 1000, 200_000, 4096, name="w")
+    got = bytearray(200_000)
+    calls = []
+
+    def sink_for(base):
+        def put(pos, piece):
+            calls.append((threading.current_thread().name, base + pos, len(piece)))
+            got[base + pos : base + pos + len(piece)] = piece
+        return put
+
+    wants = [Want(c, a, min(a + 50_000, 200_000), a, sink=sink_for(a)) for a in range(0, 200_000, 50_000)]
+    main = []
+    read_verified(Storage(str(tmp_path)), wants, lambda *a: main.append(a), threads=3, piece_bytes=3 * 4096,
+                  range_bytes=1 << 20)
+    assert bytes(got) == bytes(data[1000:201_000]) and not main
+    assert all(name.startswith("shardckpt-r") for name, _, _ in calls)
+    assert len(calls) > len(wants)  # delivered in pieces, not whole wants
+    assert sum(n for _, _, n in calls) == 200_000  # every byte once
+
+    # Damage in block 20 (chunk bytes 81920..86016): none of it reaches a sink, and
+    # the read stops delivering: the damaged range raises.
+    data[1000 + 83_000] ^= 1
+    (tmp_path / "f.bin").write_bytes(bytes(data))
+    got[:] = bytes(200_000)
+    calls.clear()
+    with pytest.raises(ChecksumMismatchError, match=r"w block 20 \(bytes 82920..87016\)") as ei:
+        read_verified(Storage(str(tmp_path)), wants, lambda *a: main.append(a), threads=1, piece_bytes=3 * 4096,
+                      range_bytes=1 << 20)
+    assert "block 21" not in str(ei.value)  # only the damage is named, not the pieces left unread after it
+    assert calls and not main
+    assert all(pos + n <= 81_920 for _, pos, n in calls), calls  # only the pieces before the damaged one, in order
+    assert not any(got[81_920:])
+
+
 def test_reader_names_missing_and_short_files(tmp_path):
     _file(tmp_path, 100)
     st = Storage(str(tmp_path))
@@ -345,3 +386,60 @@ def test_peak_rss_of_a_1gib_load_stays_within_10_percent(tmp_path):
     growth = int(out.stdout.strip().splitlines()[-1])
     state = 1 << 30
     assert growth <= 0.10 * state, f"peak RSS grew by {growth / 2**20:.0f} MiB loading {state >> 20} MiB"
+
+
+def test_damaged_block_mid_load_leaves_its_bytes_unwritten(tmp_path):
+    # No damaged byte is delivered, also when the verified pieces go straight into the live tensor.
+    d = str(tmp_path / "c")
+    w = torch.randn(256, 16384)  # 16 MiB: 16 blocks of 1 MiB, two read ranges
+    shardckpt.save({"w": w}, d)
+    c = shardckpt.inspect(d).tensors["w"].chunks[0]
+    f = os.path.join(d, c.file)
+    raw = bytearray(open(f, "rb").read())
+    raw[c.byte_offset + (21 << 19)] ^= 0x10  # in block 10
+    open(f, "wb").write(bytes(raw))
+    live = {"w": torch.zeros(256, 16384)}
+    with pytest.raises(ChecksumMismatchError, match="block 10 ") as ei:
+        shardckpt.load(live, d, io_threads=1)
+    assert "Tensors already overwritten: w" in str(ei.value)
+    flat, mib = live["w"].view(-1), 1 << 18  # floats in a MiB
+    assert torch.equal(flat[: 2 * mib], w.view(-1)[: 2 * mib])  # the first blocks: verified and delivered
+    assert not torch.count_nonzero(flat[10 * mib :])  # block 10 (damaged) and after: untouched
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("source", ["native", "hf"])
+def test_peak_extra_rss_of_a_load_stays_bounded_whatever_the_tensor_sizes(tmp_path, source):
+    """A load holds at most its buffers beside the live state (<= 256 MiB with a margin): here 768 MiB, one tensor of 384 MiB."""
+    d = str(tmp_path / "c")
+    code = textwrap.dedent(
+        f"""
+        import resource, sys, torch, shardckpt
+        from shardckpt import converters
+        torch.set_num_threads(1)
+        sizes = [96 << 20] + [4 << 20] * 40 + [4096] * 200 + [64 << 20] * 2  # floats: 768 MiB
+        def state(fill):
+            g = torch.Generator().manual_seed(0)
+            return {{f"t{{i}}": (torch.randn(n, generator=g) if fill is None else torch.full((n,), fill))
+                     for i, n in enumerate(sizes)}}
+        if sys.argv[1] == "save":
+            shardckpt.save(state(None), {d!r})
+            converters.to_safetensors({d!r}, {d!r} + "-hf")
+            sys.exit(0)
+        live = state(1.0)  # resident before the baseline
+        path = {d!r} + ("-hf" if sys.argv[1] == "hf" else "")
+        # Modules a load imports are not the load's memory: import them first.
+        shardckpt.save({{"w": torch.ones(4)}}, {d!r} + "-tiny")
+        shardckpt.load({{"w": torch.zeros(4)}}, {d!r} + "-tiny")
+        base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        shardckpt.load(live, path)
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        want = state(None)
+        assert all(torch.equal(live[k], want[k]) for k in want)
+        print((peak - base) * 1024)
+        """
+    )
+    subprocess.run([sys.executable, "-c", code, "save"], check=True)
+    out = subprocess.run([sys.executable, "-c", code, source], check=True, capture_output=True, text=True)
+    growth = int(out.stdout.strip().splitlines()[-1])
+    assert growth <= 192 << 20, f"peak RSS grew by {growth / 2**20:.0f} MiB loading 768 MiB ({source})"

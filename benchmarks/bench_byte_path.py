@@ -1,0 +1,498 @@
+"""The same bytes through every path, in one process: copies, raw reads and writes, safetensors, shardckpt, DCP.
+
+Issue 43. One state of tensors in a realistic mix of sizes (default 1 GiB:
+an embedding and an output head, layers of matrices, norms of a few KiB)
+is saved once per format under ``--dir`` (default a private directory in
+``/dev/shm``: tmpfs, so loads run at memory speed and the engine's own cost
+shows), then each load fills the same resident live tensors, in place:
+
+=====================  ================================================================
+``memcpy``             ``copy_`` of in-memory tensors of the same sizes: the ceiling
+``read``               ``readinto`` of one raw file (the tensors back to back) straight
+                       into the live tensors' memory (no checksum): what the storage gives
+``safetensors``        ``safetensors.torch.load_file`` + ``copy_`` into the live tensors
+                       (what ``load_state_dict`` does)
+``shardckpt``          ``shardckpt.load`` of a native checkpoint, checksums on (the default)
+``shardckpt-nocrc``    the same with ``SHARDCKPT_CHECKSUMS`` off (``_knobs.CHECKSUMS``)
+``shardckpt-hf``       ``shardckpt.load`` of the Hugging Face directory that
+                       ``converters.to_safetensors`` exported from it
+``dcp``                ``torch.distributed.checkpoint.load`` (``FileSystemReader``)
+=====================  ================================================================
+
+and on a GPU (``torch.cuda`` available), into CUDA live tensors:
+``safetensors-cuda`` (``load_file(device="cuda")`` + ``copy_``),
+``fastsafetensors`` (when importable; no GPUDirect), ``shardckpt-cuda``.
+
+Saves (each fsyncs its files before the clock stops; tmpfs makes that
+free): ``write`` (``os.write`` of the raw file), ``save_file``
+(safetensors), ``shardckpt.save``, ``dcp.save``; and ``hf-export``
+(``converters.to_safetensors`` of the native checkpoint).
+
+Every case runs ``--repeat`` times, cases interleaved so a noisy neighbour
+hits all of them alike; the table shows medians of GB/s (10^9 bytes/s), the
+ratio to ``safetensors`` (loads) or ``save_file`` (saves), and the process
+CPU seconds per case. ``--cold`` (with ``--dir`` on a real disk): the page
+cache is dropped before every load (``/proc/sys/vm/drop_caches`` when root,
+else ``posix_fadvise``; the report says which) and the disk's own parallel
+write and read (8 streams of ``--raw-gb`` GB, fsync, cache dropped) are
+measured in the same run. A separate fresh process measures the peak extra
+RSS of one ``shardckpt.load`` (``peak_rss``, ``ru_maxrss`` after an
+identical warm-up load).
+
+Usage::
+
+    python benchmarks/bench_byte_path.py                      # 1 GiB from /dev/shm
+    python benchmarks/bench_byte_path.py --dir /nvme/x --cold --size-gib 8 --json out.json
+    taskset -c 0,1 python benchmarks/bench_byte_path.py       # a 2-core machine
+
+Limits: one process, no process group; tensors are fp32 and bf16.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from _common import drop_page_cache, gbps, machine_info, markdown_table, run_isolated  # noqa: E402
+
+GIB = 1 << 30
+LOADS = ["memcpy", "read", "safetensors", "shardckpt", "shardckpt-nocrc", "shardckpt-hf", "dcp"]
+CUDA_LOADS = ["safetensors-cuda", "fastsafetensors", "shardckpt-cuda"]
+SAVES = ["write", "save_file", "shardckpt", "dcp", "hf-export"]
+#: Parallel streams of the raw disk measurement.
+RAW_STREAMS = 8
+
+
+def state_spec(size_bytes: int) -> List[Tuple[str, Tuple[int, ...], str]]:
+    """(name, shape, dtype) of a transformer-like state of about ``size_bytes``: big, medium and tiny tensors.
+
+    An embedding and a head of 1/8 each; the rest in layers of four square
+    attention matrices, three MLP matrices of 8/3 that size, two norms; every
+    fourth layer in bf16.
+    """
+    layers = 16
+    per_layer = size_bytes * 3 // 4 // layers
+    # 4 d^2 + 3 * (8/3) d^2 = 12 d^2 elements of 4 bytes
+    d = max(64, int((per_layer / 48) ** 0.5) // 64 * 64)
+    vocab = max(64, size_bytes // 8 // (4 * d))
+    out = [("embed.weight", (vocab, d), "float32"), ("lm_head.weight", (vocab, d), "float32")]
+    for i in range(layers):
+        dt = "bfloat16" if i % 4 == 3 else "float32"
+        for m in ("q", "k", "v", "o"):
+            out.append((f"layers.{i}.attn.{m}.weight", (d, d), dt))
+        for m in ("up", "gate", "down"):
+            out.append((f"layers.{i}.mlp.{m}.weight", (d * 8 // 3, d) if m != "down" else (d, d * 8 // 3), dt))
+        out += [(f"layers.{i}.norm1.weight", (d,), "float32"), (f"layers.{i}.norm2.weight", (d,), "float32")]
+    out.append(("norm.weight", (d,), "float32"))
+    return out
+
+
+def make_state(size_bytes: int, device: str = "cpu", *, seed: Optional[int] = 0) -> Dict[str, Any]:
+    import torch
+
+    g = torch.Generator().manual_seed(seed or 0)
+    out = {}
+    for name, shape, dt in state_spec(size_bytes):
+        t = torch.empty(shape, dtype=getattr(torch, dt))
+        if seed is None:
+            t.fill_(0.5)  # resident, not the saved values
+        else:
+            t.copy_(torch.randn(shape, generator=g))
+        out[name] = t.to(device) if device != "cpu" else t
+    return out
+
+
+def nbytes_of(state: Dict[str, Any]) -> int:
+    return sum(t.numel() * t.element_size() for t in state.values())
+
+
+def _fsync_tree(path: str) -> None:
+    from _common import fsync_tree
+
+    fsync_tree(path)
+
+
+@contextlib.contextmanager
+def _quiet():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
+
+
+def _byte_view(t):
+    """Writable flat bytes of a contiguous CPU tensor (NumPy)."""
+    import torch
+
+    return memoryview(t.detach().reshape(-1).view(torch.uint8).numpy()).cast("B")
+
+
+class Bench:
+    """One state, its saved copies, and the cases that load or save it."""
+
+    def __init__(self, root: str, size_bytes: int, cuda: bool):
+        self.root = root
+        self.src = make_state(size_bytes)
+        self.live = make_state(size_bytes, seed=None)
+        self.nbytes = nbytes_of(self.src)
+        self.cuda = cuda
+        self.live_cuda = make_state(size_bytes, "cuda", seed=None) if cuda else None
+        self.p = {k: os.path.join(root, k) for k in ("raw", "st", "native", "hf", "dcp")}
+        self.p["st"] += ".safetensors"
+
+    # -- saves ----------------------------------------------------------------------
+
+    def save(self, case: str, tag: str = "") -> None:
+        import torch
+
+        path = self.p[{"write": "raw", "save_file": "st", "shardckpt": "native", "dcp": "dcp", "hf-export": "hf"}[case]] + tag
+        if os.path.isdir(path):
+            shutil.rmtree(path)
+        elif os.path.exists(path):
+            os.unlink(path)
+        if case == "write":
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            try:
+                for t in self.src.values():
+                    mv = _byte_view(t)
+                    done = 0
+                    while done < len(mv):
+                        done += os.write(fd, mv[done:])
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        elif case == "save_file":
+            from safetensors.torch import save_file
+
+            save_file(self.src, path)
+            _fsync_tree(path)
+        elif case == "shardckpt":
+            import shardckpt
+
+            shardckpt.save({"model": self.src}, path, no_dist=True)
+        elif case == "dcp":
+            import torch.distributed.checkpoint as dcp
+
+            with _quiet():
+                dcp.save({"model": self.src}, storage_writer=dcp.FileSystemWriter(path), no_dist=True)
+        elif case == "hf-export":
+            try:
+                from shardckpt import converters
+            except ImportError:  # the tree run from a plain copy (a device host): the top-level package
+                import converters  # type: ignore[no-redef]
+
+            converters.to_safetensors(self.p["native"], path)
+            _fsync_tree(path)
+        else:
+            raise ValueError(case)
+        del torch
+
+    # -- loads ----------------------------------------------------------------------
+
+    def load(self, case: str) -> None:
+        import torch
+
+        live = self.live
+        if case == "memcpy":
+            for k, t in live.items():
+                t.copy_(self.src[k])
+        elif case == "read":
+            fd = os.open(self.p["raw"], os.O_RDONLY)
+            try:
+                off = 0
+                for t in live.values():
+                    mv = _byte_view(t)
+                    done = 0
+                    while done < len(mv):
+                        got = os.preadv(fd, [mv[done:]], off + done)
+                        if got <= 0:
+                            raise EOFError(self.p["raw"])
+                        done += got
+                    off += len(mv)
+            finally:
+                os.close(fd)
+        elif case == "safetensors":
+            from safetensors.torch import load_file
+
+            got = load_file(self.p["st"])
+            for k, t in live.items():
+                t.copy_(got[k])
+            del got
+        elif case in ("shardckpt", "shardckpt-nocrc"):
+            import shardckpt
+            from shardckpt import _knobs
+
+            was = _knobs.CHECKSUMS
+            _knobs.CHECKSUMS = case == "shardckpt"
+            try:
+                shardckpt.load({"model": live}, self.p["native"], no_dist=True)
+            finally:
+                _knobs.CHECKSUMS = was
+        elif case == "shardckpt-hf":
+            import shardckpt
+
+            shardckpt.load(live, self.p["hf"], no_dist=True)
+        elif case == "dcp":
+            import torch.distributed.checkpoint as dcp
+
+            with _quiet():
+                dcp.load({"model": live}, storage_reader=dcp.FileSystemReader(self.p["dcp"]), no_dist=True)
+        elif case == "safetensors-cuda":
+            from safetensors.torch import load_file
+
+            got = load_file(self.p["st"], device="cuda")
+            for k, t in self.live_cuda.items():
+                t.copy_(got[k])
+            del got
+            torch.cuda.synchronize()
+        elif case == "fastsafetensors":
+            from fastsafetensors import fastsafe_open
+
+            with fastsafe_open(filenames=[self.p["st"]], framework="pt", device="cuda:0", nogds=True) as f:
+                for k, t in self.live_cuda.items():
+                    t.copy_(f.get_tensor(k))
+                torch.cuda.synchronize()
+        elif case == "shardckpt-cuda":
+            import shardckpt
+
+            shardckpt.load({"model": self.live_cuda}, self.p["native"], no_dist=True)
+            torch.cuda.synchronize()
+        else:
+            raise ValueError(case)
+
+    def check(self, case: str) -> None:
+        import torch
+
+        live = self.live_cuda if case in CUDA_LOADS else self.live
+        for k, t in self.src.items():
+            if not torch.equal(live[k].cpu(), t):
+                raise AssertionError(f"{case}: {k} differs after the load")
+        for t in live.values():
+            t.fill_(0.5)
+
+
+def available(case: str, cuda: bool) -> Optional[str]:
+    """None when ``case`` can run here, else why not."""
+    if case in CUDA_LOADS and not cuda:
+        return "no CUDA"
+    if case == "fastsafetensors":
+        try:
+            import fastsafetensors  # noqa: F401
+        except Exception as e:  # noqa: BLE001 - any import failure: say it
+            return f"not importable ({type(e).__name__}: {e})"
+    return None
+
+
+def _cpu() -> float:
+    t = os.times()
+    return t.user + t.system
+
+
+def timed(fn: Callable[[], None]) -> Tuple[float, float]:
+    c0, t0 = _cpu(), time.perf_counter()
+    fn()
+    return time.perf_counter() - t0, _cpu() - c0
+
+
+def raw_disk(root: str, total_bytes: int, how: str) -> Dict[str, Any]:
+    """The disk's own speed: ``RAW_STREAMS`` files written in parallel (1 MiB writes, fsync), dropped, read back in parallel."""
+    d = tempfile.mkdtemp(prefix="raw-", dir=root)
+    per = total_bytes // RAW_STREAMS
+    block = os.urandom(1 << 20)
+    paths = [os.path.join(d, f"f{i}") for i in range(RAW_STREAMS)]
+
+    def write(p: str) -> None:
+        fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            for _ in range(per >> 20):
+                os.write(fd, block)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def read(p: str) -> None:
+        buf = bytearray(8 << 20)
+        with open(p, "rb", buffering=0) as f:
+            while f.readinto(buf):
+                pass
+
+    try:
+        with ThreadPoolExecutor(RAW_STREAMS) as ex:
+            t0 = time.perf_counter()
+            list(ex.map(write, paths))
+            w = time.perf_counter() - t0
+            method = drop_page_cache([d], how=how)
+            t0 = time.perf_counter()
+            list(ex.map(read, paths))
+            r = time.perf_counter() - t0
+        n = (per >> 20 << 20) * RAW_STREAMS
+        return {"bytes": n, "write_gbps": gbps(n, w), "read_gbps": gbps(n, r), "drop": method}
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def _status(key: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def rss_child(path: str, size_bytes: int, tiny: str) -> Dict[str, Any]:
+    """Peak RSS growth of one ``shardckpt.load`` of ``path`` into resident tensors (fresh process, after a warm-up).
+
+    ``VmHWM`` reset (``/proc/self/clear_refs``) just before the load, so
+    the peak is the load's own, measured from the RSS it started at.
+    """
+    import torch
+
+    import shardckpt
+
+    live = make_state(size_bytes, seed=None)
+    shardckpt.load({"model": {"w": torch.zeros(4)}}, tiny, no_dist=True)  # imports and first-call set-up
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # VmHWM := VmRSS
+    base = _status("VmRSS")
+    shardckpt.load({"model": live}, path, no_dist=True)
+    return {"extra_rss": _status("VmHWM") - base}
+
+
+def run(args) -> Dict[str, Any]:
+    import torch
+
+    torch.manual_seed(0)
+    cuda = torch.cuda.is_available() and not args.no_cuda
+    owned = args.dir is None
+    root = tempfile.mkdtemp(prefix="bytepath-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None) if owned else \
+        tempfile.mkdtemp(prefix="bytepath-", dir=args.dir)
+    os.chmod(root, 0o700)
+    out: Dict[str, Any] = {"dir": root, "cold": args.cold, "size_bytes": None, "cpus": len(os.sched_getaffinity(0))}
+    try:
+        b = Bench(root, int(args.size_gib * GIB), cuda)
+        out["size_bytes"] = b.nbytes
+        out["tensors"] = len(b.src)
+        loads = [c for c in args.loads.split(",") if c] + ([c for c in CUDA_LOADS] if cuda else [])
+        saves = [c for c in args.saves.split(",") if c]
+        skipped = {c: why for c in loads if (why := available(c, cuda))}
+        loads = [c for c in loads if c not in skipped]
+        # Every saved copy exists before the loads; hf-export needs the native one.
+        for c in ["write", "save_file", "shardckpt", "dcp", "hf-export"]:
+            b.save(c)
+        # Warm-up: imports and first calls out of the clock; a case that fails here is reported, not run.
+        for c in list(loads):
+            try:
+                b.load(c)
+                b.check(c)
+            except Exception as e:  # noqa: BLE001 - an alternative failing must not lose the other numbers
+                skipped[c] = f"failed: {type(e).__name__}: {str(e)[:300]}"
+                loads.remove(c)
+        res: Dict[str, Dict[str, List[float]]] = {f"load:{c}": {"s": [], "cpu_s": []} for c in loads}
+        res.update({f"save:{c}": {"s": [], "cpu_s": []} for c in saves})
+        drops = set()
+        for _ in range(args.repeat):
+            for c in loads:
+                if args.cold and c != "memcpy":
+                    drops.add(drop_page_cache([root], how=args.drop_cache))
+                s, cpu = timed(lambda c=c: b.load(c))
+                b.check(c)
+                res[f"load:{c}"]["s"].append(s)
+                res[f"load:{c}"]["cpu_s"].append(cpu)
+            for c in saves:
+                s, cpu = timed(lambda c=c: b.save(c, ".again"))
+                res[f"save:{c}"]["s"].append(s)
+                res[f"save:{c}"]["cpu_s"].append(cpu)
+                p = b.p[{"write": "raw", "save_file": "st", "shardckpt": "native", "dcp": "dcp", "hf-export": "hf"}[c]] + ".again"
+                shutil.rmtree(p) if os.path.isdir(p) else os.unlink(p)
+        out["drop"] = sorted(drops)
+        out["skipped"] = skipped
+        out["cases"] = {
+            k: {"runs_s": v["s"], "cpu_s": v["cpu_s"], "median_s": statistics.median(v["s"]),
+                "gbps": gbps(b.nbytes, statistics.median(v["s"])), "median_cpu_s": statistics.median(v["cpu_s"])}
+            for k, v in res.items() if v["s"]
+        }
+        if args.cold:
+            out["raw_disk"] = raw_disk(root, int(args.raw_gb * 1e9), args.drop_cache)
+        if not args.no_rss:
+            tiny = os.path.join(root, "tiny")
+            import shardckpt
+
+            shardckpt.save({"model": {"w": torch.ones(4)}}, tiny, no_dist=True)
+            got = run_isolated(__file__, "rss_child", {"path": b.p["native"], "size_bytes": int(args.size_gib * GIB), "tiny": tiny})
+            out["shardckpt_load_extra_rss"] = got["extra_rss"]
+        return out
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def report(out: Dict[str, Any], info: Dict[str, str]) -> str:
+    cases = out["cases"]
+    lines = [f"# bench_byte_path: {out['size_bytes'] / GIB:.2f} GiB in {out['tensors']} tensors, "
+             f"{'cold (page cache dropped: ' + ','.join(out['drop']) + ')' if out['cold'] else 'warm'}, {out['cpus']} CPUs usable",
+             "", "machine: " + "; ".join(f"{k}={v}" for k, v in info.items()), ""]
+    rows = []
+    for kind, ref in (("load", "load:safetensors"), ("save", "save:save_file")):
+        for k, v in cases.items():
+            if not k.startswith(kind + ":"):
+                continue
+            base = cases.get(ref) if not k.startswith("load:") or "cuda" not in k and "fast" not in k else \
+                cases.get("load:safetensors-cuda")
+            ratio = base["median_s"] / v["median_s"] if base else None
+            rows.append([k, v["gbps"], ratio, v["median_s"], v["median_cpu_s"], " ".join(f"{s:.3f}" for s in v["runs_s"])])
+    lines.append(markdown_table(["case", "GB/s (median)", "x reference", "s", "CPU s", "runs (s)"], rows))
+    lines.append("")
+    lines.append("reference: loads against `load:safetensors` (CUDA loads against `load:safetensors-cuda`), saves against `save:save_file`")
+    if "raw_disk" in out:
+        r = out["raw_disk"]
+        lines.append(f"raw disk, {RAW_STREAMS} streams, {r['bytes'] / 1e9:.1f} GB: write+fsync {r['write_gbps']:.2f} GB/s, "
+                     f"cold read {r['read_gbps']:.2f} GB/s (cache dropped by {r['drop']})")
+    if "shardckpt_load_extra_rss" in out:
+        lines.append(f"peak extra RSS of one shardckpt.load (fresh process): {out['shardckpt_load_extra_rss'] / 2**20:.0f} MiB")
+    for c, why in out.get("skipped", {}).items():
+        lines.append(f"skipped {c}: {why}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--size-gib", type=float, default=1.0, help="state size in GiB (default 1)")
+    p.add_argument("--dir", default=None, help="scratch directory (default: a private one in /dev/shm)")
+    p.add_argument("--cold", action="store_true", help="drop the page cache before every load; measure the raw disk too")
+    p.add_argument("--raw-gb", type=float, default=4.0, help="GB of the raw disk measurement (--cold)")
+    p.add_argument("--drop-cache", choices=["auto", "fadvise"], default="auto")
+    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--loads", default=",".join(LOADS), help=f"comma-separated subset of {','.join(LOADS)}")
+    p.add_argument("--saves", default=",".join(SAVES), help=f"comma-separated subset of {','.join(SAVES)}")
+    p.add_argument("--no-cuda", action="store_true", help="skip the CUDA loads on a GPU host")
+    p.add_argument("--no-rss", action="store_true", help="skip the peak-RSS process")
+    p.add_argument("--json", help="also write the raw results here")
+    p.add_argument("--markdown", help="also write the report here")
+    args = p.parse_args(argv)
+    info = machine_info(args.dir or ("/dev/shm" if os.path.isdir("/dev/shm") else "."))
+    out = run(args)
+    out["machine"] = info
+    out["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    text = report(out, info)
+    print(text)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
