@@ -143,3 +143,55 @@ def test_resave_of_an_older_step_is_flushed_while_a_newer_step_waits(tmp_path, s
     assert torch.equal(st["t0"], torch.full((64,), 20.0)), st["t0"][:2]  # the re-saved bytes, not the replaced ones
     assert Storage(remote, storage_options=opts).read_bytes("step-00000002/manifest.json") == \
         Storage(f"{local}/step-00000002").read_bytes("manifest.json")
+
+
+def _deleted_child(rank: int, world: int, port: int, remote: str, opts: dict) -> None:
+    join_group(rank, world, port)
+    from shardckpt._storage import Storage as St
+
+    backend = type(St(remote, storage_options=opts))
+    real = backend.write_atomic
+    gone = []
+
+    def delete_then_write(self, rel, data, **kw):
+        # An object lifecycle rule (another tool) deletes one of step 2's data objects after the
+        # commit's first check, right before its manifest PUT: the window no check before the write can close.
+        if rel == "manifest.json" and self.url.endswith("step-00000002") and not gone:
+            victim = sorted(f for f in self.walk_files("data") if f.endswith(".safetensors"))[0]
+            self.remove(victim)
+            gone.append(victim)
+        return real(self, rel, data, **kw)
+
+    mgr = shardckpt.CheckpointManager(remote, async_save=True, keep_last=5, storage_options=opts, collective_timeout_s=60)
+    mgr.save(1, _state(1.0) | {"step": 1})
+    mgr.wait()
+    backend.write_atomic = delete_then_write
+    mgr.save(2, _state(2.0) | {"step": 2})
+    try:
+        mgr.wait()
+        err = None
+    except shardckpt.CheckpointError as e:
+        err = f"{type(e).__name__}: {e}"
+    backend.write_atomic = real
+    print("RESULT " + json.dumps({"error": err, "gone": gone, "steps": mgr.steps()}), flush=True)
+    mgr.close()
+
+
+def test_async_save_to_s3_while_its_objects_are_deleted_is_not_committed(s3_url):  # noqa: F811
+    remote, opts = s3_url
+    port = free_port()
+    kids = [start(_deleted_child, r, 2, port, remote, opts) for r in range(2)]
+    try:
+        outs = [finish(k, 120, f"rank {r}") for r, k in enumerate(kids)]
+    finally:
+        for k in kids:
+            k.kill()
+    for rc, out in outs:
+        assert rc == 0, out
+    res = result(outs[0][1])
+    assert len(res["gone"]) == 1, res
+    # The save fails with our error naming the deleted file; step 2 is not listed; step 1 is untouched.
+    assert res["error"] and res["error"].startswith("SaveFailedError") and res["gone"][0].split("/")[-1] in res["error"], res
+    assert res["steps"] == [1] and result(outs[1][1])["error"], (res, outs[1][1])
+    assert shardckpt.CheckpointManager(remote, storage_options=opts, load_only=True).steps() == [1]
+    shardckpt.verify(f"{remote}/step-00000001", storage_options=opts)
