@@ -10,14 +10,21 @@ together:
 
 1. rank 0 picks the step: the newest one submitted (:func:`next_flush`);
    older pending steps are skipped (coalesced), so the backlog is at most the
-   step in flight plus the newest pending one;
+   step in flight plus the newest pending one; a ``force=True`` re-save of a
+   step already flushed or older than the one waiting has a queue of its own
+   (never coalesced away), flushed after the newest pending step;
 2. every rank uploads the files it wrote for that step (its data files and
    index file, :func:`shardckpt._memory.plan.files_by_writer`), each one
    verified against its checksums first (``_memory.store.check_file``,
    through the one verified reader), to ``<remote>/step-N/`` under the same
    relative path; the Storage layer retries as it does for any write;
+   references whose writer rank is not in this job (a world-size shrink)
+   go to a rank that holds them (:func:`orphan_refs`, :func:`assign_orphans`;
+   none: the flush is refused);
 3. once every rank uploaded (one agreement), rank 0 writes the remote
-   manifest, the same bytes as the local one, last: that is the remote
+   manifest, the same bytes as the local one, last, through the one commit
+   point (``_format.commit_bytes``: every file it names, references
+   included, checked on the remote before and after): that is the remote
    commit. Then ``durable_step`` advances on every rank and ``on_durable``
    runs.
 

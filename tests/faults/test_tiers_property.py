@@ -17,7 +17,8 @@ may have another world size. Checked by the job itself after every
   holds the bytes it saved last (a re-save is flushed, never dropped);
 * ``restore`` returns a step this run saved, with values of one of its saves.
 
-The quick variant runs a few seeds (CI); the slow one many more.
+The quick variant runs two seeds that draw issue 42's cases 2 and 5 (both
+fail on the flusher before that fix); the slow one many more.
 ``SHARDCKPT_PROPERTY_SEEDS=a,b`` replays given seeds.
 """
 
@@ -37,8 +38,10 @@ import shardckpt
 
 #: Plain replicated tensors: a save spreads them over the ranks; incremental steps reference the unchanged ones.
 NAMES = [f"t{i}" for i in range(5)]
-#: Seeds of the quick variant: it draws a shrink after a death before a flush, and a re-save behind a newer step.
-QUICK_SEEDS = (97,)
+#: The quick variant's runs ``(seed, incremental)``: seed 97 draws a re-save behind a newer step during an outage
+#: (issue 42 case 5: the old flusher dropped it), seed 91 a 2-rank job killed in a flush, then a 1-rank job whose
+#: step references the files of the gone rank 1 (case 2: the old flusher announced a step verify refused).
+QUICK_RUNS = ((97, False), (91, True))
 SLOW_SEEDS = tuple(range(100, 124))
 
 
@@ -144,7 +147,11 @@ def _job(rank: int, world: int, port: int, remote: str, local: str, incremental:
         for s, v in mine.items():
             if s in on_remote:
                 back = _state(-1)
-                shardckpt.load(back, f"{remote}/step-{s:08d}", no_dist=True)
+                try:
+                    shardckpt.load(back, f"{remote}/step-{s:08d}", no_dist=True)
+                except Exception as e:  # noqa: BLE001 - the property's verdict
+                    problems.append(f"the remote copy of step {s} does not load: {type(e).__name__}: {e}")
+                    continue
                 if back["ver"] != v:
                     problems.append(f"the remote copy of step {s} holds version {back['ver']}, this job saved {v} last")
 
@@ -201,8 +208,7 @@ def _run(tmp: str, seed: int, incremental: bool) -> None:
                 versions.setdefault(str(args[0]), []).append(args[1])
 
 
-@pytest.mark.parametrize("incremental", [False, True])
-@pytest.mark.parametrize("seed", QUICK_SEEDS)
+@pytest.mark.parametrize("seed,incremental", QUICK_RUNS)
 def test_tiers_never_lie(tmp_path, seed, incremental):
     for s in _seeds() or [seed]:
         _run(str(tmp_path), s, incremental)
