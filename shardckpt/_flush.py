@@ -277,7 +277,7 @@ def assign_orphans(orphans: Iterable[str], held: List[Iterable[str]], step: int)
 
     Example:
         >>> assign_orphans(["@s/a", "@s/b", "@s/c"], [["@s/a", "@s/b", "@s/c"], ["@s/b", "@s/c"]], 2)
-        {0: ['@s/a'], 1: ['@s/b', '@s/c']}
+        {0: ['@s/a', '@s/c'], 1: ['@s/b']}
     """
     holders: Dict[str, List[int]] = {}
     for r, mine in enumerate(held):
