@@ -39,6 +39,7 @@ The planning functions here are pure (ints in, ints out) and tested alone
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import shutil
@@ -47,20 +48,22 @@ import tempfile
 import threading
 import time
 import uuid
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Set, Tuple
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 
 from ._collective import ALL, FROM_ROOT, Comm, agree
 from ._format import HF_INDEX_NAME, MANIFEST_NAME, MAX_INDEX_BYTES, MetaCache, commit_bytes, manifest_from_bytes, open_manifest
 from ._format._v2 import read_index
-from ._format.refs import REF_MARK, follow, live_files, ref_target, removable
+from ._format.refs import REF_MARK, follow, ref_target
+from ._managed import retention
+from ._managed.held import Held, load_comm, restore_held
+from ._managed.restore import source_order
 from ._managed.retention import step_dir_name
 from ._memory import plan as memory_plan
 from ._memory import store as memory_store
-from ._memory.restore import Held, load_comm, restore_held
 from ._storage import Storage
 from .errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, format_offenders
 
-__all__ = ["Flusher", "Tiers", "next_flush", "local_protected", "restore_source", "commit_save_id", "files_of_rank",
+__all__ = ["Flusher", "Tiers", "Remote", "PerNodeSource", "next_flush", "local_protected", "restore_source", "commit_save_id", "files_of_rank",
            "orphan_refs", "assign_orphans", "held_refs",
            "upload_step", "check_world", "node_groups", "detect_nodes", "share_manifest", "held_local", "restore_local_held", "remove_stale_stages", "own_chunks", "STAGE_PREFIX", "PROBE_PREFIX", "FLUSH_CHANNEL", "COPY_PIECE_BYTES", "FLUSH_NICE",
            "YIELD_MAX_S"]
@@ -132,7 +135,8 @@ def commit_save_id(ids: List[str], step: int) -> str:
 def restore_source(local: Optional[int], local_readable: bool, remote: Optional[int]) -> Tuple[str, Optional[int]]:
     """Where restore loads from: ``("local", step)``, ``("remote", step)`` or ``("none", None)``.
 
-    The newest committed step wins; the local one when every rank can read
+    The two-tier case of restore's one rule (``_managed.restore.source_order``):
+    the newest committed step wins; the local one when every rank can read
     it and it is at least as new as the remote's newest (a tie: local disk
     is faster).
 
@@ -142,11 +146,10 @@ def restore_source(local: Optional[int], local_readable: bool, remote: Optional[
         >>> restore_source(None, False, None)
         ('none', None)
     """
-    if local is not None and local_readable and (remote is None or local >= remote):
-        return "local", local
-    if remote is not None:
-        return "remote", remote
-    return "none", None
+    order = source_order([local if local_readable else None, remote])
+    if not order:
+        return "none", None
+    return ("local", local) if order[0] == 0 else ("remote", remote)
 
 
 def upload_step(local: Storage, remote: Storage, rank: int, *, pause: Optional[Callable[[], None]] = None,
@@ -673,45 +676,63 @@ class Flusher:
 
 
 
+@dataclasses.dataclass(frozen=True)
+class Remote:
+    """The durable remote root of ``CheckpointManager(root_url, local=DIR)``: where it is, its retention, its restore's file check.
+
+    Restore reads it as one of its sources (``_managed.restore.RootSource``);
+    the flusher writes it; :meth:`Tiers.retain_remote` applies ``keep_last``
+    and ``keep_every`` on it.
+    """
+
+    root: Storage
+    keep_last: Optional[int] = None
+    keep_every: Optional[int] = None
+    storage_options: Optional[Dict[str, Any]] = None
+    check_files: bool = True
+
+    @property
+    def root_url(self) -> str:
+        return self.root.url
+
+    def steps(self) -> List[int]:
+        """Committed steps on the remote, oldest first (a fresh listing)."""
+        return retention.scan(self.root)[0]
+
+    def step_url(self, step: int) -> str:
+        return self.root.url_of(step_dir_name(step))
+
+
 class Tiers:
-    """The local and remote tiers of ``CheckpointManager(root_url, local=DIR)``: the remote, the flusher, both retentions, restore's choice.
+    """The local and remote tiers of ``CheckpointManager(root_url, local=DIR)``: the remote, the flusher, both retentions, the run.
 
     The manager saves, retains and restores on the local directory as
     usual and asks this object what differs: which local steps retention
-    must keep (:meth:`retention`), where a fresh restore loads from
-    (:meth:`restore`), and what is durable (:attr:`durable_step`).
+    must keep (:meth:`retention`), the remote's retention
+    (:meth:`retain_remote`), and what is durable (:attr:`durable_step`).
+    Restore reads the remote and the local directory as two of its
+    sources (``_managed.restore``; per-node directories: :class:`PerNodeSource`).
 
     Args:
-        remote: the read-only manager of the remote root (``steps()``,
-            ``restore()``, ``root``, ``keep_last``, ``keep_every``).
+        remote: the remote root (:class:`Remote`).
         keep_local: local steps to keep besides those being flushed.
         on_durable: every rank, after each remote commit, with the step.
-        step_dir: a step's directory name; ``parse_step``: its inverse (None
-            for another name).
-        steps_to_delete: the retention rule (``(committed, keep_last=,
-            keep_every=, protect=)`` -> steps to drop); ``stale_leftovers``:
-            which uncommitted step directories are leftovers.
     """
 
     def __init__(
         self,
-        remote: Any,
+        remote: Remote,
         *,
         keep_local: int,
         on_durable: Optional[Callable[[int], None]],
-        step_dir: Callable[[int], str],
-        parse_step: Callable[[str], Optional[int]],
-        steps_to_delete: Callable[..., List[int]],
-        stale_leftovers: Callable[[Iterable[int], Iterable[int]], List[int]],
     ):
         self.remote = remote
         self.keep_local = keep_local
         self.on_durable = on_durable
-        self.step_dir = step_dir
-        self.parse_step = parse_step
-        self.steps_to_delete = steps_to_delete
-        self.stale_leftovers = stale_leftovers
+        self.step_dir = step_dir_name
         self.flusher: Optional[Flusher] = None
+        #: This run's identity (``_managed.identity``), every rank: agreed at the first restore or save; None until then.
+        self.run: Optional[str] = None
         #: Per-node: the last local restore's numbers (bytes read here, received, sent, damaged copies; :func:`restore_local_held`).
         self.last_restore: Optional[Dict[str, Any]] = None
 
@@ -741,136 +762,18 @@ class Tiers:
     def retain_remote(self, flushed: int, resaved: bool = False) -> None:
         """Rank 0's flusher, after step ``flushed`` committed on the remote: ``keep_last``/``keep_every`` there.
 
-        Reference-safe (incremental): dropped steps are uncommitted first
-        (their manifests), then only files no kept manifest names are
-        removed, from the dropped steps and the leftovers of failed or
-        skipped flushes (a skipped step's directory may hold just the files
-        a flushed step references: they stay). After a re-flush (``resaved``)
-        the replaced files of ``flushed`` itself go the same way. With a
-        kept manifest unreadable nothing but manifests is removed.
+        The manager's retention on another root: :func:`_managed.retention.plan_retention`
+        over a fresh listing, carried out by :func:`_managed.retention.apply`
+        (reference-safe: dropped steps uncommitted first, then only files no
+        kept manifest names removed, from them and from the leftovers of
+        failed or skipped flushes). After a re-flush (``resaved``) the
+        replaced files of ``flushed`` itself go the same way.
         """
-        remote, root = self.remote, self.remote.root
-        committed = remote.steps()  # a fresh listing (caches invalidated)
-        dirs = {s: n for n in root.listdir("") for s in [self.parse_step(n)] if s is not None}
-        partial = [s for s in dirs if s not in set(committed)]
-        drop = self.steps_to_delete(committed, keep_last=remote.keep_last, keep_every=remote.keep_every, protect=[flushed])
-        for s in drop:  # uncommit first: a crash leaves leftovers, never a committed step with missing files
-            log.info("shardckpt: remote retention removes step %d from %s", s, remote.root_url)
-            try:
-                root.remove(f"{self.step_dir(s)}/{MANIFEST_NAME}")
-            except FileNotFoundError:
-                pass
-        stale = self.stale_leftovers(committed, partial)
-        targets = [self.step_dir(s) for s in [*drop, *stale]]
-        if not targets and not resaved:
-            return
-        live = self._live([s for s in committed if s not in set(drop)])
-        if live is None:
-            return  # a kept manifest is unreadable: its references are unknown, remove no file
-        for name in targets:
-            present = root.child(name).walk_files("")
-            gone = removable(name, present, live)
-            if len(gone) == len(present):
-                root.remove_tree(name)
-            else:
-                for rel in gone:
-                    root.remove(f"{name}/{rel}")
-        if resaved:
-            name = self.step_dir(flushed)
-            for rel in removable(name, root.child(name).walk_files(""), live):
-                if rel not in (MANIFEST_NAME, HF_INDEX_NAME):
-                    root.remove(f"{name}/{rel}")  # the replaced copy's files
-
-    def _live(self, kept: Iterable[int]) -> Optional[Set[Tuple[str, str]]]:
-        named: Dict[str, List[str]] = {}
-        for s in kept:
-            name = self.step_dir(s)
-            try:
-                named[name] = list(open_manifest(self.remote.root.child(name), chunks=False).files)
-            except (FileNotFoundError, CheckpointNotFoundError):
-                continue
-            except Exception as e:
-                log.warning("shardckpt: remote retention: cannot read the manifest of kept step %d (%s: %s): no file "
-                            "is removed this time", s, type(e).__name__, e)
-                return None
-        return live_files(named)
-
-    def restore(
-        self, state: Dict[str, Any], comm: Comm, load_kw: Dict[str, Any], *, local: Storage, local_steps: Callable[[], List[int]],
-        validate: Callable[[int], None], flush: bool, memory: Optional[Callable[[Optional[int]], Optional[int]]] = None,
-        local_check: Optional[Callable[[int], bool]] = None,
-    ) -> Tuple[str, Optional[int], Optional[str]]:
-        """Restore's choice with ``local=``: ``(source, step, restored_from)`` (collective).
-
-        ``source`` is ``"memory"`` or ``"remote"`` (loaded here, ``restored_from``
-        says from where), ``"local"`` (the caller loads ``step`` from the local
-        directory) or ``"none"``. The newest step wins: one held in memory
-        (``memory(storage_step)`` restores it when at least as new as the
-        storage step, verified, else returns None), else the local step when
-        every rank can read and check it (its manifest and files, agreed),
-        else the remote's newest; a tie goes to the faster place. Afterwards
-        the newest local step the remote lacks is handed to the flusher
-        (``flush``: not for a load-only manager). ``local_check``: a collective
-        check of the local step that replaces ``validate``'s agreement (per-node
-        directories: :func:`held_local`).
-        """
-        remote = self.remote
-
-        def newest() -> Tuple[Optional[int], Optional[int], Optional[int]]:
-            steps_here = local_steps()
-            try:
-                remote_steps = remote.steps()
-            except Exception as e:  # the remote is down: the local disk can still resume the run
-                if not steps_here:
-                    raise
-                log.warning("shardckpt: restore: cannot list the remote %s (%s: %s); choosing among the local steps only",
-                            remote.root_url, type(e).__name__, e)
-                remote_steps = []
-            world = None
-            if steps_here:  # the flusher uploads each rank's own files: only a step of this job's world size can go up
-                try:
-                    world = open_manifest(local.child(self.step_dir(steps_here[-1])), chunks=False).world_size
-                except Exception:  # noqa: BLE001 - unreadable: the restore's own checks say why
-                    world = None
-            return (steps_here[-1] if steps_here else None, remote_steps[-1] if remote_steps else None, world)
-
-        _, (lstep, rstep, lworld) = agree(comm, lambda: newest() if comm.rank == 0 else None,
-                                  what=f"restore from {local.url} or {remote.root_url}", share=lambda v: v, mode=FROM_ROOT)
-        readable = False
-        if lstep is not None and (rstep is None or lstep >= rstep) and local_check is not None:
-            readable = local_check(lstep)
-        elif lstep is not None and (rstep is None or lstep >= rstep):
-            def check() -> bool:
-                try:
-                    validate(lstep)
-                    return True
-                except Exception as e:
-                    log.warning("shardckpt: rank %d cannot restore local step %d (%s: %s)", comm.rank, lstep, type(e).__name__, e)
-                    return False
-
-            _, oks = agree(comm, check, what=f"restore from {local.url}: the local step", share=lambda v: v, mode=ALL)
-            readable = all(oks)
-        source, step = restore_source(lstep, readable, rstep)
-        flusher = self.flusher_on(local, comm)
-        flusher.set_durable(rstep)
-        if lstep is not None and readable and (rstep is None or lstep > rstep) and flush:
-            if lworld == comm.world:
-                flusher.submit(lstep)  # committed here only: flush it (in the background, while it loads)
-            elif comm.rank == 0:
-                log.warning("shardckpt: local step %d was saved by %s ranks, this job has %d: it is not flushed to %s (each "
-                            "rank uploads the files it wrote); it stays local", lstep, lworld, comm.world, remote.root_url)
-        if memory is not None:
-            got = memory(step)
-            if got is not None:
-                log.info("shardckpt: restore: newest local step %s, remote step %s: the memory tier's step %d is at least as new",
-                         lstep, rstep, got)
-                return "memory", got, f"memory:{got}"
-        log.info("shardckpt: restore: newest local step %s (%s), newest remote step %s: loading %s step %s",
-                 lstep, "readable by every rank" if readable else "not used", rstep, source, step)
-        if source != "remote":
-            return source, step, None
-        got = remote.restore(state, **load_kw)
-        return source, got, remote.restored_from
+        root = self.remote.root
+        committed, unfinished = retention.scan(root)  # a fresh listing (caches invalidated)
+        plan = retention.plan_retention(committed, [s for s, _ in unfinished], keep_last=self.remote.keep_last,
+                                        keep_every=self.remote.keep_every, protect=[flushed])
+        retention.apply(root, plan, unfinished, resaved=flushed if resaved else None, label="remote retention")
 
 
 # -- per-node local directories (a multi-node job whose local= is each node's own disk) ------------------
@@ -1042,7 +945,7 @@ def restore_local_held(state: Dict[str, Any], held: Held, local: Storage, comm: 
                        load_kw: Dict[str, Any], stats: Dict[str, Any]) -> Optional[int]:
     """Collective, per-node: load the local step ``held`` describes, each file from a node that holds it; None: it cannot be.
 
-    ``_memory.restore.restore_held`` over a private staging directory in
+    ``_managed.held.restore_held`` over a private staging directory in
     the local root (``<local>/.shardckpt-restore-<token>-r<rank>``, 0700,
     hard links to this node's files: the same filesystem, no copy; removed
     afterwards). A file no node holds a good copy of: None (logged), and
@@ -1066,3 +969,51 @@ def restore_local_held(state: Dict[str, Any], held: Held, local: Storage, comm: 
     finally:
         shutil.rmtree(stage, ignore_errors=True)
 
+
+class PerNodeSource:
+    """Per-node ``local=`` directories as a restore source (``_managed.restore.Source``): each file read on a node that holds it.
+
+    :meth:`newest`: rank 0 lists this run's steps on its node's directory
+    (``steps``); every node then reports what it holds of the newest one
+    (:func:`held_local`, ``check`` first: a valid manifest of this run's
+    step), which counts when the nodes hold every file between them.
+    :meth:`load`: :func:`restore_local_held`; None (logged) when some file
+    has no good copy on any node, and the next source (the remote) restores.
+    ``stats``: filled with the load's numbers (bytes read here, received,
+    sent, damaged copies).
+    """
+
+    name = "per-node directories"
+
+    def __init__(self, local: Storage, comm: Comm, *, leads: List[int], steps: Callable[[], List[int]],
+                 check: Callable[[int], None], process_group: Any, load_kw: Dict[str, Any], stats: Dict[str, Any]):
+        self.local, self.comm, self.leads, self._steps, self._check = local, comm, leads, steps, check
+        self.process_group, self.load_kw, self.stats = process_group, load_kw, stats
+        #: The newest step's manifest world size (rank 0's node), None when unknown.
+        self.world: Optional[int] = None
+        self._held: Optional[Held] = None
+
+    def newest(self, step: Optional[int]) -> Optional[int]:
+        def pick() -> Tuple[Optional[int], Optional[int]]:
+            own = self._steps()
+            got = (own[-1] if own else None) if step is None else (step if step in own else None)
+            world = None
+            if got is not None:
+                try:
+                    world = open_manifest(self.local.child(step_dir_name(got)), chunks=False).world_size
+                except Exception:  # noqa: BLE001 - unreadable: held_local's check says why
+                    world = None
+            return got, world
+
+        _, (got, self.world) = agree(self.comm, lambda: pick() if self.comm.rank == 0 else None,
+                                     what=f"restore from {self.local.url}", share=lambda v: v, mode=FROM_ROOT)
+        if got is None:
+            return None
+        self._held = held_local(self.local, got, self.comm, self.leads, check=lambda: self._check(got))
+        return got if self._held is not None else None
+
+    def load(self, state: Dict[str, Any], step: int, *, exact: bool) -> Optional[Tuple[int, str]]:
+        assert self._held is not None and self._held.step == step
+        got = restore_local_held(state, self._held, self.local, self.comm, process_group=self.process_group,
+                                 load_kw=self.load_kw, stats=self.stats)
+        return None if got is None else (got, self.local.url_of(step_dir_name(got)))

@@ -35,16 +35,15 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, List, Optional,
 from . import _fingerprint
 from ._async import AsyncSaveHandle, start_async, wait_pending
 from ._collective import ALL, FROM_ROOT, Comm, NoProcessGroupError, agree, open_comm
-from ._flush import Held, Tiers, detect_nodes, held_local, restore_local_held, share_manifest
-from ._format import MANIFEST_NAME
+from ._flush import PerNodeSource, Remote, Tiers, detect_nodes, share_manifest
+from ._format import MANIFEST_NAME, open_manifest
 from ._format.committed import nearby_names
 from ._load import load
-from ._managed import exports, owners, retention
+from ._managed import exports, identity, owners, retention
 from ._managed import restore as order
 from ._managed.exports import HF_SUFFIX
 from ._managed.memory import open_memory
 from ._managed.memory import save_to_memory as memory_save
-from ._managed.restore import RESTORE_ATTEMPTS
 from ._managed.retention import UNKNOWN, check_step, parse_step_dir, stale_leftovers, step_dir_name, steps_to_delete
 from ._save import execute_save, prepare_save
 from ._storage import Storage
@@ -217,24 +216,27 @@ class CheckpointManager:
         self.save_interval = _positive("save_interval", save_interval, allow_none=False)
         if collective_timeout_s is not None and not (isinstance(collective_timeout_s, (int, float)) and collective_timeout_s > 0):
             raise ValueError(f"collective_timeout_s must be a positive number, got {collective_timeout_s!r}")
-        #: With ``local=``: the durable remote (a read-only manager of ``root_url``), its flusher, both retentions (``_flush.Tiers``).
+        #: With ``local=``: the durable remote (``_flush.Remote``), its flusher, both retentions, the run identity (``_flush.Tiers``).
         self._tiers: Optional[Tiers] = None
         #: With ``local=``: ``(shared, lead, each rank's lead)`` once probed (:meth:`_nodes`): one directory for all ranks, or one per node.
         self._layout: Optional[Tuple[bool, bool, List[int]]] = None
         self._me = (0, 1)  # (rank, world size) of the probe
         self.on_durable = on_durable
         self.keep_local = _positive("keep_local", keep_local, allow_none=False)
+        #: The root this run's tier steps record (``_managed.identity``): with ``local=`` the remote, else the root.
+        home: Optional[str] = None
+        #: (step, why) of local steps of another run already logged (said once each).
+        self._said_foreign: Set[Tuple[int, str]] = set()
         if local is not None:
             if not isinstance(local, (str, os.PathLike)) or not str(local).strip():
                 raise UsageError(f"CheckpointManager: local must be a directory path, got {local!r}")
-            remote: Any = CheckpointManager(root_url, storage_options=storage_options, load_only=True, keep_last=keep_last,
-                                            keep_every=keep_every, process_group=process_group,
-                                            collective_timeout_s=collective_timeout_s, check_files=check_files)
+            remote = Remote(Storage(root_url, storage_options=storage_options), keep_last=self.keep_last, keep_every=self.keep_every,
+                            storage_options=dict(storage_options) if storage_options else None, check_files=check_files)
             if Storage(os.fspath(local)).url == remote.root.url:
                 raise UsageError(f"CheckpointManager: local={local!r} is the remote root itself; give it a node-local directory")
             # incremental=True: references resolve on each side (the flusher uploads what a step references).
-            self._tiers = Tiers(remote, keep_local=cast(int, self.keep_local), on_durable=on_durable, step_dir=step_dir_name,
-                                parse_step=parse_step_dir, steps_to_delete=steps_to_delete, stale_leftovers=stale_leftovers)
+            self._tiers = Tiers(remote, keep_local=cast(int, self.keep_local), on_durable=on_durable)
+            home = remote.root.url
             root_url, storage_options = os.fspath(local), None  # saves, claims and local retention run on the local directory
         self.root = Storage(root_url, storage_options=storage_options)
         self.root_url = self.root.url
@@ -265,7 +267,8 @@ class CheckpointManager:
         # its first save); any other step that appears is another writer's.
         self._known: Optional[Set[int]] = None
         self._token = uuid.uuid4().hex
-        self._memory = open_memory(memory, self.root_url)
+        # With local=, the memory copy is the remote root's (not the local directory's: node-local paths are reused across jobs).
+        self._memory = open_memory(memory, home if home is not None else self.root_url)
 
     def __repr__(self) -> str:
         return f"CheckpointManager({self.root_url!r}, keep_last={self.keep_last}, keep_every={self.keep_every}, async_save={self.async_save})"
@@ -429,10 +432,13 @@ class CheckpointManager:
         Returns:
             True when the step was copied and its background part started;
             False when the manager has no memory tier or the tier is off (over
-            ``max_bytes``, directory missing or full: one warning, then
-            storage only).
+            ``max_bytes``, directory missing or full, also when it filled
+            after the free-space check: the slot space is reserved before the
+            copy; one warning, then storage only).
 
         Raises:
+            ReplicaDivergenceError: ``replicas="check"`` (the manager's, as
+                for :meth:`save`) and replicated copies differ; nothing held.
             SaveFailedError: a rank failed or died while saving; the previous
                 memory step's background part failed (raised once).
             UnsupportedStateError: a value in ``state`` cannot be saved.
@@ -455,7 +461,7 @@ class CheckpointManager:
             return False
         comm = self._comm("CheckpointManager.save_to_memory")
         return memory_save(self._memory, step, state, comm, process_group=self.process_group,
-                           io_threads=self._write_threads, overlap=overlap)
+                           io_threads=self._write_threads, overlap=overlap, replicas=self.replicas)
 
     def _export_hf(self, step: int) -> None:
         """Rank 0 writes the committed step as a Hugging Face directory; every rank returns when it is there."""
@@ -488,8 +494,8 @@ class CheckpointManager:
                 f"Hugging Face export of step {step}: on per-node local directories only the remote copy holds every "
                 f"node's files, and step {step} is not durable on {remote.root_url} after {comm.timeout_s:g} s (its flush "
                 f"failed or is slow; see the log). Step {step} is saved; export it once it is flushed: "
-                f"shardckpt export {remote.step_url(step)} {remote.hf_url(step)}")
-        exports.export_hf(comm, remote.step_url(step), remote.hf_url(step), step=step, dtype=self.export_dtype,
+                f"shardckpt export {remote.step_url(step)} {remote.step_url(step) + HF_SUFFIX}")
+        exports.export_hf(comm, remote.step_url(step), remote.step_url(step) + HF_SUFFIX, step=step, dtype=self.export_dtype,
                           storage_options=remote.storage_options or None, io_threads=self._write_threads)
 
     # -- one manager per root (_managed.owners) ------------------------------------------------
@@ -527,7 +533,50 @@ class CheckpointManager:
         if not self.incremental:
             return None
         earlier = [s for s in self._scan()[0] if s < step]
+        if self._tiers is not None:  # never a base of another run (its files are not this run's to reference)
+            earlier = self._own(earlier, self._tiers.run)
         return step_dir_name(earlier[-1]) if earlier else None
+
+    # -- whose steps: the run identity of local= (_managed.identity) ------------------------------------
+
+    def _run_of_save(self) -> Optional[str]:
+        """Rank 0, before a save: the run's identity (with ``local=``; None without): agreed at restore, else inherited from the newest local step of this root, else new."""
+        if self._tiers is None:
+            return None
+        if self._tiers.run is None:
+            own = self._own(self._scan()[0], None)
+            self._tiers.run = identity.inherit(identity.whose(self._extra(own[-1]))[1] if own else None)
+        return self._tiers.run
+
+    def _extra(self, step: int) -> Any:
+        """The ``extra`` of local step ``step``'s manifest (its identity); raises when it cannot be read."""
+        return open_manifest(self.root.child(step_dir_name(step)), chunks=False).extra
+
+    def _foreign(self, step: int, run: Optional[str]) -> Optional[str]:
+        """Why local step ``step`` is not this run's (:func:`_managed.identity.foreign`; unreadable: not known to be), None if it is; said once per step."""
+        assert self._tiers is not None
+        try:
+            why = identity.foreign(self._extra(step), root=self._tiers.remote_url, run=run)
+        except Exception as e:  # noqa: BLE001 - unreadable: not known to be this run's, so never deleted as ours
+            why = f"its manifest cannot be read ({type(e).__name__}: {e})"
+        if why is not None and (step, why) not in self._said_foreign:
+            self._said_foreign.add((step, why))
+            log.warning("shardckpt: local step %d at %s is not taken as a step of this run (whose root is %s): %s; "
+                        "ignored and left in place",
+                        step, self.step_url(step), self._tiers.remote_url, why)
+        return why
+
+    def _own(self, steps: Iterable[int], run: Optional[str]) -> List[int]:
+        """Of local ``steps``, those of this run (``run``; None: any run of this root); the others are logged once and left alone."""
+        if self._tiers is None:
+            return list(steps)
+        return [s for s in steps if self._foreign(s, run) is None]
+
+    def _check_own(self, step: int, run: Optional[str]) -> None:
+        """Raise ``CorruptCheckpointError`` (restore skips the step as it skips damage) unless local step ``step`` is this run's."""
+        why = self._foreign(step, run)
+        if why is not None:
+            raise CorruptCheckpointError(f"local step {step} at {self.step_url(step)} is not this run's: {why}")
 
     # -- save (engine) ---------------------------------------------------------------
 
@@ -539,8 +588,13 @@ class CheckpointManager:
         # Rank 0 claims (or checks) the root; its refusal is raised on every rank.
         # With incremental saves rank 0 also names the base (the newest
         # committed step before this one), the same for every rank.
-        _, base = agree(comm, lambda: self._claim(step) if comm.rank == 0 else None,
-                        what=f"save of step {step} under {self.root_url}", share=lambda v: v, mode=FROM_ROOT)
+        # With local=, rank 0 also names the run the step belongs to (_managed.identity).
+        _, (base, run) = agree(comm, lambda: (self._claim(step), self._run_of_save()) if comm.rank == 0 else None,
+                               what=f"save of step {step} under {self.root_url}", share=lambda v: v, mode=FROM_ROOT)
+        extra: Dict[str, Any] = {"step": step}
+        if self._tiers is not None:
+            self._tiers.run = run
+            extra = identity.stamp(step, root=self._tiers.remote_url, run=run)
         url = self.step_url(step)
         try:
             plan = prepare_save(
@@ -550,7 +604,7 @@ class CheckpointManager:
                 storage_options=self.storage_options or None,
                 overwrite=force,
                 io_threads=self._write_threads,
-                extra={"step": step},
+                extra=extra,
                 exists_hint=f"step {step} is already committed; {FORCE_HINT}",
                 incremental=base,
                 content_hash=self.incremental,  # the first step too: later ones reference it
@@ -655,23 +709,10 @@ class CheckpointManager:
                 "writer (this manager's next save raises ConcurrentUseError)", saved, format_offenders(foreign), self.root_url,
             )
             return
+        if self._tiers is not None:  # a shared local directory: another run's steps are never this run's to delete
+            committed = self._own(committed, self._tiers.run)
         plan = retention.plan_retention(committed, [s for s, _ in partial], **self._retention(saved))
-        # Uncommit the dropped steps first: if we die half way, what remains
-        # are leftovers that restore skips, never a committed step with
-        # missing files. Then delete only files no kept manifest names
-        # (the kept manifests are never touched here).
-        for s in plan.drop:
-            log.info("shardckpt: retention removes step %d", s)
-            self._uncommit(step_dir_name(s))
-        if plan.empty:
-            return  # nothing to delete: no manifest to read
-        live = self._live_files(plan.kept)
-        for s, name in partial:
-            if s in plan.stale:
-                log.info("shardckpt: removing leftovers of an unfinished save: %s", self.root.url_of(name))
-                self._clear_dir(name, live)
-        for s in plan.drop:
-            self._clear_dir(step_dir_name(s), live)
+        retention.apply(self.root, plan, partial, clear=self._clear_dir)
 
     # -- deletions on the root (_managed.retention) ------------------------------------------
 
@@ -684,9 +725,6 @@ class CheckpointManager:
         # restore skips, never a committed step with missing files.
         self._uncommit(name)
         self._clear_dir(name)
-
-    def _live_files(self, kept: Iterable[int]) -> Optional[Set[Tuple[str, str]]]:
-        return retention.live_files_of(self.root, kept)
 
     def _clear_dir(self, name: str, live: Any = UNKNOWN, *, dry_run: bool = False) -> List[str]:
         return retention.clear_dir(self.root, name, live, dry_run=dry_run)
@@ -731,20 +769,6 @@ class CheckpointManager:
             return
         order.validate_step(self.root, step, files=self.check_files)
 
-    def _choose(self, step: Optional[int]) -> Optional[int]:
-        """Rank 0: the step to restore, None when nothing is committed (:func:`_managed.restore.choose_step`)."""
-        try:
-            committed = self.steps()
-        except CheckpointError:
-            raise
-        except Exception as e:
-            raise StorageError(f"cannot list {self.root_url}: {type(e).__name__}: {e}") from e
-        if step is None and not committed:
-            order.say_why_empty(self.root, nearby=nearby_names)
-            return None
-        return order.choose_step(committed, step, self._validate, root_url=self.root_url, step_url=self.step_url,
-                                 initial_load_path=self.initial_load_path)
-
     def restore(self, state: Dict[str, Any], step: Optional[int] = None, **load_kw: Any) -> Optional[int]:
         """Load the newest restorable step (or ``step``) into ``state`` in place (collective).
 
@@ -761,6 +785,15 @@ class CheckpointManager:
         over the process group, each file verified first; a damaged copy is
         fetched from the next holder, and with no good copy left the storage
         step is restored (logged). ``restored_from`` is then ``"memory:<step>"``.
+
+        One restore over every place a step may be (``_managed.restore``):
+        each is a source (memory; with ``local=`` the per-node or shared
+        local directory and the remote; else this root) asked for the newest
+        step *of this run* it holds; the newest wins (a tie: the faster
+        source), and a copy that cannot be loaded falls through to the next.
+        With ``local=``, a local step of another root or run (node-local
+        scratch reused by another job) is ignored, logged once naming its
+        root, and left in place (``_managed.identity``).
 
         Args:
             state: live state, as for :func:`shardckpt.load`.
@@ -797,117 +830,92 @@ class CheckpointManager:
         if self.io_threads is not None:
             load_kw.setdefault("io_threads", self.io_threads)
         load_kw.setdefault("collective_timeout_s", self.collective_timeout_s)
-        memory_tried = False
-        per_node = self._tiers is not None and not self._nodes(comm)[0]  # probed on every rank before any choice
-        if self._tiers is not None and s is None:
-            mem = self._memory
-
-            def from_memory(storage_step: Optional[int]) -> Optional[int]:
-                if mem is None:
-                    return None
-                return mem.restore(state, comm, storage_step=storage_step, process_group=self.process_group, load_kw=load_kw)
-
-            held: List[Optional[Held]] = [None]
-
-            def local_check(step: int) -> bool:  # per-node: every node's holdings of the step, agreed
-                held[0] = self._held(comm, step)
-                return held[0] is not None
-
-            source, got, where = self._tiers.restore(state, comm, load_kw, local=self.root, local_steps=self.steps,
-                                                     validate=self._validate, flush=not self.load_only, memory=from_memory,
-                                                     local_check=local_check if per_node else None)
-            if source in ("remote", "memory"):
-                self.restored_from = where
-                return got
-            s, memory_tried = got, True  # "local": that step, below; "none": nothing anywhere (initial_load_path applies)
-            if per_node and source == "local" and held[0] is not None:
-                return self._restore_held(state, held[0], comm, load_kw, None)
-        elif self._tiers is not None and s is not None and per_node:
-            given = self._held(comm, s)  # every node's holdings of step s, agreed
-            if given is not None:
-                return self._restore_held(state, given, comm, load_kw, s)
-            remote = self._tiers.remote
-            got = remote.restore(state, step=s, **load_kw)
-            self.restored_from = remote.restored_from
-            return got
-        elif self._tiers is not None and s is not None:
-            _, here = agree(comm, lambda: s in self.steps() if comm.rank == 0 else None,
-                            what=f"restore of step {s} from {self.root_url}", share=lambda v: v, mode=FROM_ROOT)
-            if not here:  # not (or no longer) on the local disk: the remote's copy
-                remote = self._tiers.remote
-                got = remote.restore(state, step=s, **load_kw)
-                self.restored_from = remote.restored_from
-                return got
-        found, got = self._restore_storage(state, s, comm, load_kw, memory_tried=memory_tried)
-        if not found and s is None and self.initial_load_path is not None:
+        sources = self._sources(state, comm, load_kw)
+        got = order.restore_from(sources, state, s, probed=self._resume_flush(comm, sources) if self._tiers is not None else None)
+        if got is None and s is not None:
+            got = sources[-1].load(state, s, exact=True)  # held nowhere: the durable source says why (not committed there)
+        if got is None and s is None and isinstance(sources[-1], order.RootSource) and sources[-1].error is not None:
+            raise StorageError(f"restore: nothing of this run to restore here, and {sources[-1].error}")
+        if got is not None:
+            self.restored_from = got[1]
+            return got[0]
+        if s is None and self.initial_load_path is not None:
             # A fresh run: start from the given weights (torchtitan's
             # initial_load_path). Once the run has its own steps they win.
             target = order.initial_target(state, model_only=self.initial_load_model_only)
             load(target, self.initial_load_path, process_group=self.process_group, **load_kw)
             self.restored_from = self.initial_load_path
-        return got
+        return None
 
-    def _held(self, comm: Comm, step: int) -> Optional[Held]:
-        """Per-node local directories: what every node holds of ``step``, None unless they hold it whole (collective; :func:`_flush.held_local`)."""
-        return held_local(self.root, step, comm, self._nodes(comm)[2],
-                          check=lambda: order.validate_step(self.root, step, files=False, chunks=False))
+    def _sources(self, state: Dict[str, Any], comm: Comm, load_kw: Dict[str, Any]) -> List[Any]:
+        """The places restore may load a step of this run from, fastest first (``_managed.restore.Source``; collective to build).
 
-    def _restore_held(self, state: Dict[str, Any], held: Held, comm: Comm, load_kw: Dict[str, Any],
-                      step: Optional[int]) -> Optional[int]:
-        """Per-node: load local step ``held.step``, each file from a node that holds it; else the remote's ``step`` (None: its newest).
-
-        The fallback is logged and loads every value again (a partial local
-        load is overwritten); ``restored_from`` says which copy was loaded.
+        Memory (``memory=``), then with ``local=`` the per-node or shared
+        local directory and the remote, else this root.
         """
-        assert self._tiers is not None
-        stats: Dict[str, Any] = {}
-        got = restore_local_held(state, held, self.root, comm, process_group=self.process_group, load_kw=load_kw, stats=stats)
-        self._tiers.last_restore = stats
-        if got is not None:
-            self.restored_from = self.step_url(got)
-            return got
-        remote = self._tiers.remote
-        log.warning("shardckpt: restore: local step %d cannot be loaded from the per-node directories; loading the "
-                    "remote's %s instead (it replaces every value loaded)", held.step, "newest step" if step is None else f"step {step}")
-        got = remote.restore(state, step=step, **load_kw)
-        self.restored_from = remote.restored_from
-        return got
+        out: List[Any] = []
+        if self._memory is not None:
+            out.append(self._memory.source(comm, process_group=self.process_group, load_kw=load_kw))
 
-    def _restore_storage(self, state: Dict[str, Any], s: Optional[int], comm: Comm,
-                         load_kw: Dict[str, Any], *, memory_tried: bool = False) -> Tuple[bool, Optional[int]]:
-        """Restore's pick-and-load on this root (or the memory tier): ``(True, step)`` loaded, ``(False, None)`` nothing to load.
+        def loader(storage_options: Optional[Dict[str, Any]]) -> Callable[[str], Any]:
+            return lambda url: load(state, url, storage_options=storage_options or None, process_group=self.process_group, **load_kw)
 
-        Rank 0 picks (:meth:`_choose`); its error (the same type and text) is
-        raised on every rank. A picked step deleted while it loads (another
-        process's retention) is picked again (:func:`_managed.restore.pick_again`).
+        if self._tiers is None:
+            out.append(order.RootSource("storage", self.root, comm, steps=self.steps, validate=self._validate,
+                                        load=loader(self.storage_options), initial_load_path=self.initial_load_path,
+                                        choose_first=True, say_empty=lambda: order.say_why_empty(self.root, nearby=nearby_names)))
+            return out
+        tiers = self._tiers
+        remote = tiers.remote
+        remote_src = order.RootSource(
+            "remote", remote.root, comm, steps=remote.steps, load=loader(remote.storage_options), tolerate=True,
+            validate=lambda st: order.validate_step(remote.root, st, files=remote.check_files))
+
+        def own_steps() -> List[int]:  # this run's: the root, and the run of the remote's newest step (probed first)
+            return self._own(self.steps(), remote_src.run)
+
+        if not self._nodes(comm)[0]:  # per-node: each node's own disk
+            stats: Dict[str, Any] = {}
+            tiers.last_restore = stats
+
+            def check(st: int) -> None:  # this node's copy: a valid manifest of this run's step
+                order.validate_step(self.root, st, files=False, chunks=False)
+                self._check_own(st, remote_src.run)
+
+            out.append(PerNodeSource(self.root, comm, leads=self._nodes(comm)[2], steps=own_steps, check=check,
+                                     process_group=self.process_group, load_kw=load_kw, stats=stats))
+        else:
+            out.append(order.RootSource("local", self.root, comm, steps=own_steps, validate=self._validate,
+                                        load=loader(None), every_rank=True))
+        out.append(remote_src)
+        return out
+
+    def _resume_flush(self, comm: Comm, sources: List[Any]) -> Callable[[List[Optional[int]]], None]:
+        """With ``local=``, once restore knows the newest step of each source: the run, what is durable, and the local step to flush.
+
+        The run is the remote's newest step's (``_managed.identity``); the
+        newest local step of this run the remote lacks is handed to the
+        flusher (in the background, while it loads), unless a load-only
+        manager or a step of another world size (each rank uploads the
+        files it wrote: that step stays local, logged).
         """
-        for attempt in range(RESTORE_ATTEMPTS):
-            _, value = agree(comm, lambda: self._choose(s) if comm.rank == 0 else None,
-                             what=f"restore from {self.root_url}", share=lambda v: v, mode=FROM_ROOT)
-            if self._memory is not None and s is None and attempt == 0 and not memory_tried:
-                got = self._memory.restore(
-                    state, comm, storage_step=value, process_group=self.process_group, load_kw=load_kw,
-                    load=lambda url: load(state, url, process_group=self.process_group, **load_kw),
-                )
-                if got is not None:
-                    self.restored_from = f"memory:{got}"
-                    return True, got
-            if value is None:
-                return False, None
-            try:
-                load(state, self.step_url(value), storage_options=self.storage_options or None, process_group=self.process_group, **load_kw)
-            except (CorruptCheckpointError, StorageError) as e:
-                # Errors of a load are agreed, so every rank is here and rank 0 decides.
-                name = f"{step_dir_name(value)}/{MANIFEST_NAME}"
-                _, gone = agree(comm, lambda name=name: not self.root.exists(name) if comm.rank == 0 else None,  # type: ignore[misc]
-                                what=f"restore from {self.root_url}", share=lambda v: v, mode=FROM_ROOT)
-                if not order.pick_again(gone=bool(gone), step_given=s is not None, attempt=attempt):
-                    raise
-                log.warning("shardckpt: step %d was deleted while it loaded (%s); picking the newest step again", value, type(e).__name__)
-                continue
-            self.restored_from = self.step_url(value)
-            return True, value
-        return False, None  # not reached: the last attempt returns or raises
+        tiers = cast(Tiers, self._tiers)
+        local, remote = sources[-2], sources[-1]
+
+        def probed(found: List[Optional[int]]) -> None:
+            lstep, rstep = found[-2], found[-1]
+            tiers.run = remote.run
+            flusher = tiers.flusher_on(self.root, comm)
+            flusher.set_durable(rstep)
+            if lstep is None or (rstep is not None and lstep <= rstep) or self.load_only:
+                return
+            if local.world == comm.world:
+                flusher.submit(lstep)
+            elif comm.rank == 0:
+                log.warning("shardckpt: local step %d was saved by %s ranks, this job has %d: it is not flushed to %s (each "
+                            "rank uploads the files it wrote); it stays local", lstep, local.world, comm.world, tiers.remote_url)
+
+        return probed
 
     # -- lifecycle ----------------------------------------------------------------
 

@@ -11,15 +11,24 @@ from ``initial_load_path`` (starting over would discard its training).
 The choice is a function of the committed steps and a ``validate`` callable,
 so it is tested with fake inventories; :func:`validate_step` is the real
 check of one step on storage.
+
+One restore over several places (``CheckpointManager(memory=, local=)``): each
+place is a :class:`Source` (name, the newest step of this run it holds, load a
+step): the memory tier, per-node or shared ``local=`` directories, the remote,
+or the manager's root (:class:`RootSource`). :func:`restore_from` loads from
+the newest one (:func:`source_order`: a tie goes to the faster source) and
+falls through to the next when a copy turns out damaged; another run's steps
+are not this run's (``_managed.identity``), so no source reports them.
 """
 
 from __future__ import annotations
 
 import errno
 import logging
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple, cast
 
-from .._format import open_manifest
+from .._collective import ALL, FROM_ROOT, Comm, agree
+from .._format import MANIFEST_NAME, open_manifest
 from .._format.refs import follow
 from .._io import check_files
 from .._storage import Storage
@@ -32,11 +41,12 @@ from ..errors import (
     UsageError,
     format_offenders,
 )
+from .identity import whose
 from .retention import step_dir_name
 
 __all__ = [
     "RESTORE_ATTEMPTS", "DAMAGE_ERRNOS", "is_damage", "validate_step", "choose_step", "pick_again",
-    "say_why_empty", "initial_target",
+    "say_why_empty", "initial_target", "Source", "source_order", "restore_from", "RootSource",
 ]
 
 log = logging.getLogger("shardckpt")
@@ -225,3 +235,197 @@ def initial_target(state: Dict[str, Any], *, model_only: bool) -> Dict[str, Any]
             "put the model under 'model' or pass initial_load_model_only=False"
         )
     return {"model": state["model"]}
+
+
+# --------------------------------------------------------------------------
+# sources: the places one restore may load a step of this run from
+
+
+class Source(Protocol):
+    """One place :meth:`CheckpointManager.restore` may load a step of this run from.
+
+    Implemented for the memory tier (``_memory.restore.MemorySource``),
+    per-node ``local=`` directories (``_flush.PerNodeSource``), and a root of
+    committed steps, the local directory, the remote or the manager's own
+    (:class:`RootSource`). Both methods are collective: every rank calls them
+    in the same order and gets the same answer.
+    """
+
+    name: str
+
+    def newest(self, step: Optional[int]) -> Optional[int]:
+        """The newest step of this run it holds whole (``step`` given: ``step`` if it holds it); None: none."""
+
+    def load(self, state: Dict[str, Any], step: int, *, exact: bool) -> Optional[Tuple[int, str]]:
+        """Load ``step`` (``exact``: that step, else it or the newest undamaged one before it): ``(step, restored_from)``.
+
+        None: its copy cannot be loaded (damaged or gone, logged); the next
+        source's load then overwrites every value.
+        """
+
+
+def source_order(newest: Sequence[Optional[int]]) -> List[int]:
+    """Which sources to try, in order: newest step first, a tie to the earlier (faster) source; none for a source holding nothing.
+
+    Example:
+        >>> source_order([4, None, 5, 4])
+        [2, 0, 3]
+    """
+    return sorted((i for i, n in enumerate(newest) if n is not None), key=lambda i: (-cast(int, newest[i]), i))
+
+
+def restore_from(
+    sources: Sequence[Source], state: Dict[str, Any], step: Optional[int], *,
+    probed: Optional[Callable[[List[Optional[int]]], None]] = None,
+) -> Optional[Tuple[int, str]]:
+    """Collective: load the newest step of this run any of ``sources`` holds (or ``step``), falling through a copy that cannot be loaded.
+
+    ``sources`` go fastest first (a tie goes to the earlier one). Each is
+    asked for its newest step durable first (the last source: the run of
+    its newest step decides which steps of the others are this run's);
+    ``probed`` then sees them all (in ``sources`` order) before any load.
+
+    Returns ``(step, restored_from)``, or None when no source holds one
+    (or, ``step`` given, none holds it). Errors that are not a damaged copy
+    (a state that does not fit, storage down, a newer format) propagate.
+
+    Example:
+        >>> restore_from([], {}, None) is None
+        True
+    """
+    found: List[Optional[int]] = [None] * len(sources)
+    for i in reversed(range(len(sources))):
+        found[i] = sources[i].newest(step)
+    if probed is not None:
+        probed(found)
+    order = source_order(found)
+    log.info("shardckpt: restore: newest step of this run in %s: %s", ", ".join(src.name for src in sources),
+             ", ".join("-" if n is None else str(n) for n in found))
+    for k, i in enumerate(order):
+        got = sources[i].load(state, cast(int, found[i]), exact=step is not None)
+        if got is not None:
+            return got
+        if k + 1 < len(order):
+            nxt = order[k + 1]
+            log.warning("shardckpt: restore: the %s copy of step %d cannot be loaded; loading the %s copy of step %d instead "
+                        "(it replaces every value loaded)", sources[i].name, found[i], sources[nxt].name, found[nxt])
+    return None
+
+
+class RootSource:
+    """A root of committed steps as a :class:`Source`: the manager's root, the local directory of ``local=``, or its remote.
+
+    Rank 0 lists (``steps()``: this run's committed steps) and picks; every
+    rank loads the same step. ``validate``: a step's check before it is
+    loaded (:func:`validate_step`); damaged steps are skipped for older ones
+    (:func:`choose_step`). ``every_rank``: the check runs on every rank
+    (agreed) instead of rank 0 (a local directory each rank must read).
+    ``choose_first``: :meth:`newest` already skips damaged steps (the
+    manager's own root: the step it reports is the one it loads); else it
+    reports the newest listed (one listing: a remote the caller may not use).
+    ``tolerate``: a root that cannot be listed holds nothing (logged;
+    :attr:`error` says why) instead of failing the restore: the remote of
+    ``local=``, while the local disk can still resume the run.
+
+    A step picked and then deleted while it loads (another process's
+    retention) is picked again (:func:`pick_again`); another error of the load
+    is raised (a damaged chunk too: checksums are verified while reading).
+    """
+
+    def __init__(
+        self, name: str, root: Storage, comm: Comm, *, steps: Callable[[], List[int]], validate: Callable[[int], None],
+        load: Callable[[str], Any], initial_load_path: Optional[str] = None, every_rank: bool = False,
+        choose_first: bool = False, say_empty: Optional[Callable[[], None]] = None, tolerate: bool = False,
+    ):
+        self.name, self.root, self.comm = name, root, comm
+        self._steps, self._validate, self._load = steps, validate, load
+        self.initial_load_path, self.every_rank, self.choose_first, self._say_empty = initial_load_path, every_rank, choose_first, say_empty
+        self.tolerate = tolerate
+        #: The newest step's manifest world size and run (``_managed.identity``; rank 0's listing), None when unknown.
+        self.world: Optional[int] = None
+        self.run: Optional[str] = None
+        #: Why the root could not be listed (``tolerate``), else None.
+        self.error: Optional[str] = None
+
+    def _listing(self) -> List[int]:
+        try:
+            return self._steps()
+        except CheckpointError:
+            raise
+        except Exception as e:
+            raise StorageError(f"cannot list {self.root.url}: {type(e).__name__}: {e}") from e
+
+    def _choose(self, step: Optional[int]) -> Optional[int]:
+        committed = self._listing()
+        if step is None and not committed:
+            if self._say_empty is not None:
+                self._say_empty()
+            return None
+        return choose_step(committed, step, self._validate, root_url=self.root.url, step_url=self.url,
+                           initial_load_path=self.initial_load_path)
+
+    def url(self, step: int) -> str:
+        return self.root.url_of(step_dir_name(step))
+
+    def newest(self, step: Optional[int]) -> Optional[int]:
+        def pick() -> Tuple[Optional[int], Optional[int], Optional[str], Optional[str]]:
+            try:
+                if self.choose_first and not self.every_rank:
+                    got = self._choose(step)
+                else:
+                    committed = self._listing()
+                    got = (committed[-1] if committed else None) if step is None else (step if step in committed else None)
+            except Exception as e:
+                if not self.tolerate:
+                    raise
+                log.warning("shardckpt: restore: cannot list %s (%s: %s); choosing among the other sources only",
+                            self.root.url, type(e).__name__, e)
+                return None, None, None, f"cannot list {self.root.url}: {type(e).__name__}: {e}"
+            world = run = None
+            if got is not None and not self.choose_first:  # the tiers' roots: the flusher's world, the remote's run
+                try:
+                    m = open_manifest(self.root.child(step_dir_name(got)), chunks=False)
+                    world, run = m.world_size, whose(m.extra)[1]
+                except Exception:  # noqa: BLE001 - unreadable: the load's own checks say why
+                    pass
+            return got, world, run, None
+
+        _, (got, self.world, self.run, self.error) = agree(
+            self.comm, lambda: pick() if self.comm.rank == 0 else None, what=f"restore from {self.root.url}",
+            share=lambda v: v, mode=FROM_ROOT)
+        if got is None or not self.every_rank:
+            return got
+
+        def check() -> bool:
+            try:
+                self._validate(got)
+                return True
+            except Exception as e:
+                log.warning("shardckpt: rank %d cannot restore step %d of %s (%s: %s)", self.comm.rank, got, self.root.url,
+                            type(e).__name__, e)
+                return False
+
+        _, oks = agree(self.comm, check, what=f"restore from {self.root.url}: step {got}", share=lambda v: v, mode=ALL)
+        return got if all(oks) else None
+
+    def load(self, state: Dict[str, Any], step: int, *, exact: bool) -> Optional[Tuple[int, str]]:
+        value: Optional[int] = step
+        for attempt in range(RESTORE_ATTEMPTS):
+            if attempt > 0 or not (self.choose_first or self.every_rank):
+                _, value = agree(self.comm, lambda: self._choose(step if exact else None) if self.comm.rank == 0 else None,
+                                 what=f"restore from {self.root.url}", share=lambda v: v, mode=FROM_ROOT)
+            if value is None:
+                return None
+            try:
+                self._load(self.url(value))
+            except (CorruptCheckpointError, StorageError) as e:
+                # Errors of a load are agreed, so every rank is here and rank 0 decides.
+                name = f"{step_dir_name(value)}/{MANIFEST_NAME}"
+                _, gone = agree(self.comm, lambda name=name: not self.root.exists(name) if self.comm.rank == 0 else None,  # type: ignore[misc]
+                                what=f"restore from {self.root.url}", share=lambda v: v, mode=FROM_ROOT)
+                if not pick_again(gone=bool(gone), step_given=exact, attempt=attempt):
+                    raise
+                log.warning("shardckpt: step %d was deleted while it loaded (%s); picking the newest step again", value, type(e).__name__)
+                continue
+            return value, self.url(value)
+        return None  # not reached: the last attempt returns or raises

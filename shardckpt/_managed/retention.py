@@ -9,8 +9,10 @@ Two halves, kept apart:
   removes inside a committed step);
 * small I/O functions, each taking the root's ``Storage`` explicitly:
   :func:`scan`, :func:`uncommit`, :func:`live_files_of`,
-  :func:`referenced_files`, :func:`clear_dir`, :func:`remove_leftover` and
-  :func:`collect_garbage` (``CheckpointManager.cleanup`` / ``shardckpt gc``).
+  :func:`referenced_files`, :func:`clear_dir`, :func:`remove_leftover`,
+  :func:`collect_garbage` (``CheckpointManager.cleanup`` / ``shardckpt gc``)
+  and :func:`apply`, the one executor of a retention plan, for the
+  manager's root and for the remote of ``local=`` alike.
 
 Deletion order is what makes a crash harmless: a dropped step's manifest goes
 first (a crash leaves a leftover that ``restore`` skips, never a committed
@@ -26,7 +28,7 @@ import re
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Dict, FrozenSet, Iterable, List, Optional, Set, Tuple
+from typing import Any, Callable, Dict, FrozenSet, Iterable, List, Optional, Set, Tuple
 
 from .._format import DATA_DIR, HF_INDEX_NAME, MANIFEST_NAME, open_manifest
 from .._format.refs import live_files, removable
@@ -37,7 +39,7 @@ __all__ = [
     "STEP_PREFIX", "STEP_DIGITS", "MAX_STEP", "UNKNOWN", "ASIDE_PREFIX",
     "step_dir_name", "parse_step_dir", "check_step", "steps_to_delete", "stale_leftovers",
     "RetentionPlan", "plan_retention", "stray_files",
-    "scan", "uncommit", "live_files_of", "referenced_files", "clear_dir", "remove_leftover", "collect_garbage",
+    "scan", "uncommit", "live_files_of", "referenced_files", "clear_dir", "remove_leftover", "collect_garbage", "apply",
 ]
 
 log = logging.getLogger("shardckpt")
@@ -388,3 +390,51 @@ def collect_garbage(root: Storage, *, dry_run: bool = False) -> List[str]:
                 st.remove(rel)
             removed.append(f"{name}/{rel}")
     return sorted(removed)
+
+
+def apply(
+    root: Storage, plan: RetentionPlan, unfinished: Iterable[Tuple[int, str]] = (), *, resaved: Optional[int] = None,
+    label: str = "retention", clear: Optional[Callable[[str, Any], List[str]]] = None,
+) -> None:
+    """Carry out retention's ``plan`` on ``root``: the one executor of the local and the remote root's retention.
+
+    Dropped steps are uncommitted first (their manifests: a crash then
+    leaves leftovers that restore skips, never a committed step with missing
+    files); then their directories and the stale leftovers among
+    ``unfinished`` (``(step, dir name)`` without a manifest, :func:`scan`'s)
+    are cleared, keeping every file a kept manifest names (references of
+    incremental steps). ``resaved``: that step was replaced by a re-save
+    (a ``force`` re-flush): its replaced files go the same way. With a kept
+    manifest unreadable, no data file is removed (references unknown).
+
+    Args:
+        root: the root (the manager's, or the remote of ``local=``).
+        plan: :func:`plan_retention`'s.
+        unfinished: the step directories without a manifest.
+        resaved: a step whose replaced files to remove (its manifest kept).
+        label: what the log lines call this retention.
+        clear: :func:`clear_dir` on ``root`` (the manager passes its own, the seam its fault tests use).
+
+    Example:
+        >>> import tempfile
+        >>> apply(Storage(tempfile.mkdtemp()), plan_retention([1, 2], [], keep_last=1, keep_every=None))
+    """
+    do_clear = clear if clear is not None else (lambda name, live: clear_dir(root, name, live))
+    for s in plan.drop:
+        log.info("shardckpt: %s removes step %d from %s", label, s, root.url)
+        uncommit(root, step_dir_name(s))
+    if plan.empty and resaved is None:
+        return  # nothing to delete: no manifest to read
+    live = live_files_of(root, plan.kept)
+    stale = set(plan.stale)
+    for s, name in unfinished:
+        if s in stale:
+            log.info("shardckpt: removing leftovers of an unfinished save: %s", root.url_of(name))
+            do_clear(name, live)
+    for s in plan.drop:
+        do_clear(step_dir_name(s), live)
+    if resaved is not None and live is not None:
+        name = step_dir_name(resaved)
+        for rel in removable(name, root.child(name).walk_files(""), live):
+            if rel not in (MANIFEST_NAME, HF_INDEX_NAME):
+                root.remove(f"{name}/{rel}")  # the replaced copy's files

@@ -10,8 +10,13 @@ Blocking part (:meth:`Snapshots.save`, collective):
      agreement: sizes and free space of every node);
   2. lay the data file out (its safetensors header and each chunk's offset,
      ``_io.data_file_header``) in a *slot*: a file under the tier's
-     directory, mapped into this process and, when the source is CUDA,
-     registered with ``cudaHostRegister`` (pinned), reused across steps;
+     directory, its pages allocated when it is made (``posix_fallocate``:
+     a filesystem that filled since the budget check is an ``ENOSPC`` that
+     turns the tier off, never a SIGBUS at the copy), mapped into this
+     process and, when the source is CUDA, registered with
+     ``cudaHostRegister`` (pinned), reused across steps; the peer slots are
+     made (and reserved) here too, and when any rank made a slot file the
+     ranks agree that every one of them got its space;
   3. copy every chunk to its offset: one device-to-host copy per tensor on
      a side CUDA stream (a ``memcpy`` for CPU tensors), then wait for it —
      or, with ``overlap=True``, return at once and let a one-shot
@@ -35,7 +40,9 @@ training's collectives):
 Double buffering: two own slots and two peer slots per rank; a step is
 written into the slots that do not hold the last held step, so a failure
 anywhere in 1-6 leaves that step as it was. The failure is raised at the
-next ``save_to_memory``, ``restore`` or ``close``. Host memory per rank:
+next ``save_to_memory``, ``restore`` or ``close``. A step in flight when
+the script ends or raises is waited for (bounded, ``EXIT_WAIT_S``) before
+``concurrent.futures`` shuts its executors down. Host memory per rank:
 at most ``2 x (own + peer bytes)`` plus the index and manifest files
 (:func:`host_bytes_bound`).
 """
@@ -43,6 +50,7 @@ at most ``2 x (own + peer bytes)`` plus the index and manifest files
 from __future__ import annotations
 
 import atexit
+import errno
 import hashlib
 import logging
 import mmap
@@ -74,7 +82,8 @@ __all__ = ["Snapshots", "host_bytes_bound", "SLOT_PREFIX", "MEMORY_CHANNEL", "fi
 
 log = logging.getLogger("shardckpt")
 
-#: Slot files start with this (hidden, beside the ``step-*`` directories): ``.slot-r<rank>-p<pid>-<token>-<own|peer><k>-<i>``.
+#: Slot files start with this (hidden, beside the ``step-*`` directories):
+#: ``.slot-r<rank>-p<pid>-<root tag>-<token>-<own|peer><k>-<i>`` (the root tag: ``Snapshots.tag``).
 SLOT_PREFIX = ".slot-"
 #: The background thread's sequences of exchanges start so (the main thread's is "main", async saves' "async"),
 #: one per root (``memory-<hash>``): two tiers in one process never share a sequence.
@@ -114,13 +123,58 @@ def _crc_threads() -> int:
 # slots: mapped shared-memory files
 
 
+#: Bytes of zeros written per call where ``posix_fallocate`` is missing or refused (see :func:`reserve`).
+ZERO_BYTES = 1 << 20
+#: ``posix_fallocate`` errors meaning "not supported here" (fall back to writing zeros), not "no space".
+_UNSUPPORTED = {errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS, getattr(errno, "ENOTSUP", errno.EOPNOTSUPP)}
+
+
+def reserve(fd: int, size: int) -> None:
+    """Allocate the first ``size`` bytes of the open file ``fd`` now, so that writes through a mapping never fault.
+
+    A mapped shared-memory file whose pages are not allocated gets them at
+    the first write; when the filesystem is full by then, the writer
+    receives SIGBUS (the process dies, exit 135). ``posix_fallocate``
+    allocates them up front and says ``ENOSPC`` instead. Where it is missing
+    (macOS) or the filesystem refuses it (``EOPNOTSUPP``/``EINVAL``), zeros
+    are written (``pwrite``, which fails with ``ENOSPC`` as well).
+
+    Raises:
+        OSError: ``ENOSPC`` (no room), or another error of the filesystem.
+
+    Example:
+        >>> import tempfile
+        >>> with tempfile.TemporaryFile() as f:
+        ...     reserve(f.fileno(), 4096); os.fstat(f.fileno()).st_size
+        4096
+    """
+    if size <= 0:
+        return
+    fallocate = getattr(os, "posix_fallocate", None)
+    if fallocate is not None:
+        try:
+            fallocate(fd, 0, size)
+            return
+        except OSError as e:
+            if e.errno not in _UNSUPPORTED:
+                raise
+    zeros = bytes(min(size, ZERO_BYTES))
+    done = 0
+    while done < size:
+        done += os.pwrite(fd, zeros[: min(len(zeros), size - done)], done)
+
+
 class _ShmFile:
-    """One file of a slot: created 0600 (never through a symlink), mapped, pinned for CUDA sources."""
+    """One file of a slot: created 0600 (never through a symlink), its pages reserved, mapped, pinned for CUDA sources."""
 
     def __init__(self, path: str, size: int, pin: bool):
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
             os.ftruncate(fd, size)
+            try:
+                reserve(fd, size)
+            except OSError as e:
+                raise OSError(e.errno, f"cannot reserve {size} bytes for the slot {path}: {e.strerror}") from e
             self.mm = mmap.mmap(fd, size)
         except BaseException:
             os.close(fd)
@@ -210,9 +264,16 @@ class _Slot:
         self.files = []
 
 
-def remove_dead_slots(node_dir: str, *, this_process: bool = False) -> List[str]:
-    """Slot names left by dead processes (their bytes stay while a step links them); with ``this_process``, this pid's too."""
+def remove_dead_slots(node_dir: str, *, tag: Optional[str] = None) -> List[str]:
+    """Remove the slot names left by dead processes (their bytes stay while a step links them); with ``tag``, this process's of that root too.
+
+    Call it only in a directory that is the root's (``store.check_dir``):
+    every slot there is then that root's, and a live process's slot of
+    another root (a manager handed the same ``MemoryTier(dir=)``, whose
+    tier turned off) is never in it. Returns the names removed.
+    """
     out: List[str] = []
+    mine = None if tag is None else f"-p{os.getpid()}-{tag}-"
     try:
         names = os.listdir(node_dir)
     except OSError:
@@ -224,7 +285,7 @@ def remove_dead_slots(node_dir: str, *, this_process: bool = False) -> List[str]
             pid = int(n.split("-p", 1)[1].split("-", 1)[0])
         except (IndexError, ValueError):
             continue
-        if (this_process and pid == os.getpid()) or (pid != os.getpid() and not _alive(pid)):
+        if (mine is not None and mine in n) or (pid != os.getpid() and not _alive(pid)):
             try:
                 os.unlink(os.path.join(node_dir, n))
                 out.append(n)
@@ -339,6 +400,7 @@ class _Job:
         self.copied = threading.Event()
         self.copy_error: Optional[BaseException] = None
         self.device: Optional[int] = None
+        self.pin = False  # the slots are pinned (CUDA sources)
         self.peers: Dict[int, Optional[int]] = {}
         self.node_of: Dict[int, str] = {}
         self.hooks: List[Any] = []
@@ -366,7 +428,31 @@ def _wait_at_exit() -> None:
         snaps.done.wait(EXIT_WAIT_S)
 
 
-atexit.register(_wait_at_exit)
+def _register_exit_wait() -> None:
+    """Run :func:`_wait_at_exit` at interpreter exit, before ``concurrent.futures`` refuses new work.
+
+    ``atexit`` handlers run after ``threading``'s exit hooks, one of which
+    (``concurrent.futures.thread``'s) shuts every thread pool down: the
+    step's checksum tasks were then refused ("cannot schedule new futures
+    after interpreter shutdown") and a step in flight at a normal end or an
+    uncaught exception was lost. ``threading._register_atexit`` hooks run
+    last-registered first, at the start of the shutdown, so this one,
+    registered after ``concurrent.futures.thread`` is imported, runs before
+    that shutdown. Where the hook is missing, ``atexit`` (as before).
+    """
+    import concurrent.futures.thread  # noqa: F401 - its exit hook registered first, so it runs after ours
+
+    hook = getattr(threading, "_register_atexit", None)
+    try:
+        if hook is not None:
+            hook(_wait_at_exit)
+            return
+    except RuntimeError:  # imported while the interpreter already shuts down: too late for threading's hooks
+        pass
+    atexit.register(_wait_at_exit)
+
+
+_register_exit_wait()
 
 
 class Snapshots:
@@ -375,10 +461,14 @@ class Snapshots:
     def __init__(self, node_dir: str, root: str):
         self.dir = node_dir
         self.root = root  # the storage root whose copy this is (``store.open_dir``, ``store.step_extra``)
-        self.channel = f"{MEMORY_CHANNEL}-{hashlib.sha256(normalize_root(root).encode()).hexdigest()[:12]}"
+        #: The root's short name: in the channel and the slot names (a process's slots of one root, not of another).
+        self.tag = hashlib.sha256(normalize_root(root).encode()).hexdigest()[:12]
+        self.channel = f"{MEMORY_CHANNEL}-{self.tag}"
         self.own = [_Slot("") for _ in range(SLOTS)]
         self.peer = [_Slot("") for _ in range(SLOTS)]
         self.held: Optional[int] = None  # slot index of the last held step (own and peer alike)
+        #: Per slot index, the files every rank's slots have, reserved (:meth:`_fit`): ``{rank: (own sizes, peer sizes, pin)}``.
+        self.fitted: List[Optional[Dict[int, Any]]] = [None] * SLOTS
         self.held_step: Optional[int] = None
         self.job: Optional[_Job] = None
         self.thread: Optional[threading.Thread] = None  # one worker, started once, fed through ``queue``
@@ -429,8 +519,11 @@ class Snapshots:
         finally:
             for s in self.own + self.peer:
                 s.release()
+            self.fitted = [None] * SLOTS
             # A killed run's slots, and those of a manager of this process never closed: the root's copy goes.
-            remove_dead_slots(self.dir, this_process=True)
+            # Only in this root's directory: one that is another root's (this tier turned off) is not ours to clean.
+            if store.check_dir(self.dir, self.root) is None:
+                remove_dead_slots(self.dir, tag=self.tag)
             if self.pool is not None:
                 self.pool.shutdown(wait=False)
                 self.pool = None
@@ -439,9 +532,14 @@ class Snapshots:
         self, step: int, state: Dict[str, Any], comm: Comm, *, process_group: Any, overlap: bool,
         peers: Dict[int, Optional[int]], node_key: str, share: Optional[int],
         disable: Callable[[str], None], warn_no_copy: Callable[[List[int], int], None],
-        io_threads: Optional[int] = None,
+        io_threads: Optional[int] = None, replicas: Optional[str] = None,
     ) -> bool:
-        """Copy this rank's shard into a slot and start the background part (collective). False: the tier turned off."""
+        """Copy this rank's shard into a slot and start the background part (collective). False: the tier turned off.
+
+        ``replicas``: the replica check's mode (the manager's ``replicas=``,
+        as its storage saves): ``"check"`` raises ``ReplicaDivergenceError``
+        on every rank before anything is copied.
+        """
         t0 = time.perf_counter()
         self.wait()  # one step in flight; the previous one's failure is raised here
         if self.held_step is not None and step <= self.held_step:
@@ -456,23 +554,25 @@ class Snapshots:
                 "overlapped copy needs the optimizer (its step pre-hook waits for the copy). Put the optimizer in "
                 "the state, or pass overlap=False"
             )
-        self._first_use(comm)
         url = store.step_dir(self.dir, step)
         plan = prepare_save(state, url, comm=comm, storage_options=store.PRIVATE, overwrite=True, io_threads=1,
-                            extra=store.step_extra(step, self.root))
+                            extra=store.step_extra(step, self.root), replicas=replicas)
         groups, layouts = self._layout(list(plan.items))
         sizes = [len(h) + sum(it.nbytes for it in g) for (h, _), g in zip(layouts, groups)]
         own = sum(sizes)
 
-        def probe() -> Tuple[str, int, Optional[int], int, Optional[str]]:
+        pin = any(cast(torch.Tensor, it.tensor).is_cuda for it in plan.items)
+
+        def probe() -> Tuple[str, int, Optional[int], int, Optional[str], Tuple[int, ...], bool]:
             why = store.open_dir(self.dir, self.root)  # created 0700, ours, of this root; else why not
             if why is not None:
-                return node_key, own, -1, 0, why
+                return node_key, own, -1, 0, why, (), pin
+            self._first_use()
             # Leftovers of this step or later (an abandoned run, a failed attempt, a planted link): never the held step.
             for s, _ in store.memory_steps(self.dir):
                 if s >= step:
                     store.remove_step(self.dir, s)
-            return node_key, own, store.free_bytes(self.dir), self.host_bytes(), None
+            return node_key, own, store.free_bytes(self.dir), self.host_bytes(), None, tuple(sizes), pin
 
         _, facts = agree(comm, probe, what=f"memory save of step {step}", share=lambda v: v, mode=ALL)
         world = comm.world
@@ -480,7 +580,7 @@ class Snapshots:
         problems = []
         need_on: Dict[str, int] = {}
         for r in range(world):
-            node, own_r, free, mapped, why = facts[r]
+            node, own_r, free, mapped, why = facts[r][:5]
             kept = own_r + sum(facts[s][1] for s in P.senders_to(r, peers) if node_of[s] != node)
             need_on[node] = need_on.get(node, 0) + max(0, host_bytes_bound(kept, 0) - mapped)
             if free == -1:
@@ -491,7 +591,7 @@ class Snapshots:
                     f"over its share {share} of max_bytes"
                 )
         for r in range(world):  # the ranks of a node share its free space
-            node, _, free, _, _ = facts[r]
+            node, _, free = facts[r][:3]
             if free is not None and free != -1 and need_on[node] > free and not any(node in p for p in problems):
                 problems.append(f"{node} has {free} bytes free, two steps need {need_on[node]} more there")
         if problems:
@@ -503,12 +603,12 @@ class Snapshots:
             self._peer_group(comm, process_group)  # collective: from the main thread, once
         job = _Job(step, 0 if self.held != 0 else 1)
         job.groups, job.layouts, job.own_bytes = groups, layouts, own
-        job.peers, job.node_of = peers, node_of
+        job.peers, job.node_of, job.pin = peers, node_of, pin
         self._name_slots(comm.rank)
+        if not self._fit(comm, job.slot, _slot_files(facts, peers, node_of), disable):
+            return False
         slot = self.own[job.slot]
         items = list(plan.items)
-        pin = any(cast(torch.Tensor, it.tensor).is_cuda for it in items)
-        slot.fit(sizes, pin)
         where: Dict[str, torch.Tensor] = {}
         for f, (header, starts), g in zip(slot.files, layouts, groups):
             f.u8[: len(header)].copy_(torch.frombuffer(bytearray(header), dtype=torch.uint8))
@@ -554,18 +654,58 @@ class Snapshots:
         order, layouts = got
         return [[items[i] for i in g] for g in order], layouts
 
-    def _first_use(self, comm: Comm) -> None:
+    def _first_use(self) -> None:
+        """Remove dead processes' slot names, once, from a directory ``store.open_dir`` accepted (this root's)."""
         if not self._dead_cleaned:
             self._dead_cleaned = True
             for n in remove_dead_slots(self.dir):
                 log.info("shardckpt: memory tier: removed the slot %s of a dead process", n)
 
+    def _fit(self, comm: Comm, k: int, files: Dict[int, Any], disable: Callable[[str], None]) -> bool:
+        """Give slot ``k`` (own and peer) of every rank the files ``files`` says, their space reserved; False: the tier turned off.
+
+        ``files``: ``{rank: (own sizes, peer sizes, pin)}``, the same on every
+        rank (:func:`_slot_files`). When every rank's slot ``k`` has these
+        files already (every step after the first two, while the state
+        keeps its shapes), nothing is made and nothing is exchanged.
+        Otherwise each rank makes what changed (:func:`reserve`: a full
+        filesystem is an ``OSError`` here, not a SIGBUS at the copy) and the
+        ranks agree; where any rank failed, every rank frees slot ``k`` (it
+        holds no held step) and the tier turns off with one warning naming
+        the ranks and the cause.
+        """
+        own, peer, pin = files[comm.rank]
+        if self.fitted[k] == files:
+            self.own[k].fit(own, pin)  # the files it has: only takes them out of the step that used them last
+            self.peer[k].fit(peer, pin)
+            return True
+        self.fitted[k] = None
+
+        def make() -> Optional[str]:
+            try:
+                self.own[k].fit(own, pin)
+                self.peer[k].fit(peer, pin)
+            except OSError as e:
+                return f"rank {comm.rank}: {e}"
+            return None
+
+        _, whys = agree(comm, make, what="memory save: the slots", share=lambda v: v, mode=ALL)
+        bad = [w for w in whys if w]
+        if bad:
+            self.own[k].release()
+            self.peer[k].release()
+            disable(f"no room for the memory copy in {self.dir}: " + "; ".join(bad[:4]))
+            return False
+        self.fitted[k] = files
+        return True
+
     def _name_slots(self, rank: int) -> None:
         if self._named:
             return
         self._named = True
-        # The pid tells a dead process's slots; the token, two tiers of one process (a manager never closed) apart.
-        base = os.path.join(self.dir, f"{SLOT_PREFIX}r{rank:05d}-p{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        # The pid tells a dead process's slots; the root tag, a process's slots of this root (``close``); the token,
+        # two tiers of one process and root (a manager never closed) apart.
+        base = os.path.join(self.dir, f"{SLOT_PREFIX}r{rank:05d}-p{os.getpid()}-{self.tag}-{uuid.uuid4().hex[:8]}")
         for k in range(SLOTS):
             self.own[k].base = f"{base}-own{k}"
             self.peer[k].base = f"{base}-peer{k}"
@@ -733,11 +873,15 @@ class Snapshots:
             return here.read_bytes(MANIFEST_NAME) if me == 0 else None
 
         _, mbytes = agree(comm, read_manifest, what=f"memory save of step {job.step}", share=lambda v: v, mode=FROM_ROOT)
-        if job.node_of[me] != job.node_of[0]:
-            here.write_atomic(MANIFEST_NAME, mbytes)
+
+        def place_manifest() -> None:  # in an agreement: a node whose tmpfs is full fails every rank at once, none waits
+            if job.node_of[me] != job.node_of[0]:
+                here.write_atomic(MANIFEST_NAME, mbytes)
+
         if comm.world == 1 or not any(p is not None and job.node_of[p] != job.node_of[r] for r, p in job.peers.items()):
-            agree(comm, lambda: None, what=f"memory save of step {job.step}: held")
+            agree(comm, place_manifest, what=f"memory save of step {job.step}: held")
             return
+        agree(comm, place_manifest, what=f"memory save of step {job.step}: the manifest on every node")
         m = open_manifest(here, chunks=False)
         by_writer = P.files_by_writer(m.files, {rel: im.rank for rel, im in m.indexes.items()})
         index_of = {im.rank: rel for rel, im in m.indexes.items()}
@@ -749,7 +893,7 @@ class Snapshots:
         # The receiving side: one peer-slot file per data file received, in (sender, file) order.
         incoming = [(s, rel) for s in senders for rel in data_of[s]]
         pslot = self.peer[job.slot]
-        pslot.fit([m.files[rel].size for _, rel in incoming], pin=job.device is not None)
+        pslot.fit([m.files[rel].size for _, rel in incoming], pin=job.pin)  # made and reserved by ``_fit``: kept as is
         group = self.group
         t0 = time.perf_counter()
         sent = got = 0
@@ -807,6 +951,25 @@ def _bytes_of(t: torch.Tensor) -> torch.Tensor:
     if not t.is_contiguous():
         t = t.contiguous()
     return t.reshape(-1).view(torch.uint8)
+
+
+def _slot_files(facts: Sequence[Any], peers: Mapping[int, Optional[int]], node_of: Mapping[int, str]) -> Dict[int, Any]:
+    """``{rank: (its data files' sizes, the sizes of the files it keeps for its peers, pin)}`` from the save's probe.
+
+    A rank keeps the data files of the ranks on other nodes whose peer it
+    is, in sender order, each sender's files in the order of their names
+    (``-r<rank>-<i:02d>``: file 100 sorts before file 11): the order in
+    which the background part receives them (``_peer_copy``).
+    """
+
+    def by_name(sizes: Sequence[int]) -> List[int]:
+        return [sizes[i] for i in sorted(range(len(sizes)), key=lambda i: f"{i:02d}")]
+
+    out: Dict[int, Any] = {}
+    for r in range(len(facts)):
+        kept = [size for s in P.senders_to(r, peers) if node_of[s] != node_of[r] for size in by_name(facts[s][5])]
+        out[r] = (tuple(facts[r][5]), tuple(kept), bool(facts[r][6]))
+    return out
 
 
 def _with(plan: Any, comm: Comm, writer: Callable[..., Any]) -> Any:

@@ -14,7 +14,7 @@ the step is held once both copies are verified everywhere. A step that does
 not fit the budget (or whose directory is refused) is not written: the tier
 turns itself off with one warning; storage saves go on.
 
-Restore (``CheckpointManager.restore``, before the storage step it picked):
+Restore (``CheckpointManager.restore``: one of its sources, :meth:`MemoryStore.source`):
   ``_memory/restore.py``: each rank receives exactly the byte ranges its
   load needs, from its node's memory or from a rank whose node holds them.
 """
@@ -24,12 +24,12 @@ from __future__ import annotations
 import logging
 import os
 import socket
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 from .._collective import Comm
 from . import plan as P
 from . import store
-from .restore import restore_from_memory
+from .restore import MemorySource
 from .snapshot import Snapshots
 
 __all__ = ["MemoryStore"]
@@ -95,10 +95,11 @@ class MemoryStore:
     # -- save -----------------------------------------------------------------
 
     def save(self, step: int, state: Dict[str, Any], comm: Comm, *, process_group, io_threads: Optional[int],
-             overlap: bool = False) -> bool:
+             overlap: bool = False, replicas: Optional[str] = None) -> bool:
         """Copy ``step`` into memory and start its checksums and peer copy in the background (collective).
 
-        False when the tier is (or turns) off. See ``_memory/snapshot.py``.
+        False when the tier is (or turns) off. ``replicas``: the replica
+        check's mode (the manager's). See ``_memory/snapshot.py``.
         """
         if self.disabled is not None:
             return False
@@ -109,7 +110,7 @@ class MemoryStore:
         share = None if self.config.max_bytes is None else self.config.max_bytes // rpn
         return self.snapshots.save(step, state, comm, process_group=process_group, overlap=overlap, peers=peers,
                                    node_key=self._node_key(), share=share, disable=self._disable,
-                                   warn_no_copy=self._warn_no_copy, io_threads=io_threads)
+                                   warn_no_copy=self._warn_no_copy, io_threads=io_threads, replicas=replicas)
 
     @property
     def last_save(self) -> Dict[str, Any]:
@@ -118,17 +119,9 @@ class MemoryStore:
 
     # -- restore --------------------------------------------------------------
 
-    def restore(
-        self, state: Dict[str, Any], comm: Comm, *, storage_step: Optional[int], process_group,
-        load_kw: Dict[str, Any], load: Optional[Callable[[str], Any]] = None,
-    ) -> Optional[int]:
-        """Restore the newest step in memory if at least as new as ``storage_step`` (collective); None: use storage.
-
-        The work is ``_memory/restore.restore_from_memory`` (``load``: unused,
-        kept for callers that pass the storage load).
-        """
-        self.snapshots.wait()  # a step in flight first; its failure is raised here
-        return restore_from_memory(self, state, comm, storage_step=storage_step, process_group=process_group, load_kw=load_kw)
+    def source(self, comm: Comm, *, process_group: Any, load_kw: Dict[str, Any]) -> MemorySource:
+        """This tier as one of restore's sources (``_memory/restore.MemorySource``; its ``newest`` waits for the step in flight)."""
+        return MemorySource(self, comm, process_group=process_group, load_kw=load_kw)
 
     def close(self) -> None:
         """Remove this root's memory copy from this node (the job is done with it); another root's is never touched."""

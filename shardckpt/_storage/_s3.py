@@ -90,6 +90,11 @@ _AUTH_CODES = frozenset(
     }
 )
 _MISSING_CODES = frozenset({"NoSuchKey", "404", "NotFound"})
+#: The oldest s3fs with today's API: ``endpoint_url`` as a top-level option
+#: (s3fs 2023.3.0, its #704) on the aiobotocore client we list with. Older
+#: ones (0.4.x, which pip's backtracking can pick) fail deep inside with a
+#: TypeError. pyproject.toml's ``s3`` and ``test`` extras pin the same bound.
+S3FS_MIN_VERSION = "2023.3.0"
 
 
 def _client_defaults(options: Dict[str, Any]) -> Dict[str, Any]:
@@ -105,13 +110,50 @@ def _client_defaults(options: Dict[str, Any]) -> Dict[str, Any]:
     # single event-loop thread (measured: docs/object-storage.md). Our data
     # files carry CRC-32C per chunk, verified on every load, so the
     # transport checksum is only asked where S3 requires it.
-    cfg.setdefault("request_checksum_calculation", "when_required")
-    cfg.setdefault("response_checksum_validation", "when_required")
+    # botocore before 1.36 has neither option (nor the default they turn off).
+    for opt in ("request_checksum_calculation", "response_checksum_validation"):
+        if _botocore_knows(opt):
+            cfg.setdefault(opt, "when_required")
     out["config_kwargs"] = cfg
     # A private filesystem instance: we change its retry count below, which
     # must not leak into s3fs instances the caller shares through fsspec's cache.
     out["skip_instance_cache"] = True
     return out
+
+
+def _botocore_knows(option: str) -> bool:
+    try:
+        from botocore.config import Config
+    except ImportError:  # pragma: no cover - s3fs depends on botocore
+        return False
+    return option in getattr(Config, "OPTION_DEFAULTS", {})
+
+
+def _version_tuple(v: str) -> Tuple[int, ...]:
+    out = []
+    for part in v.split("."):
+        digits = "".join(c for c in part if c.isdigit()) if part[:1].isdigit() else ""
+        if not digits:
+            break
+        out.append(int(digits))
+    return tuple(out)
+
+
+def _s3fs_refused(url: str, e: TypeError) -> StorageError:
+    """Our error for a TypeError out of s3fs's constructor or session: an s3fs too old for today's options, named."""
+    try:
+        import s3fs
+
+        version = str(getattr(s3fs, "__version__", "unknown"))
+    except ImportError:  # pragma: no cover - we got here through s3fs
+        version = "unknown"
+    fix = f'pip install -U "s3fs>={S3FS_MIN_VERSION}"'
+    if not version[:1].isdigit() or _version_tuple(version) < _version_tuple(S3FS_MIN_VERSION):
+        return StorageError(
+            f"cannot open {url!r}: the installed s3fs {version} cannot talk to an S3 endpoint with these options "
+            f"({e}); shardckpt needs s3fs >= {S3FS_MIN_VERSION}: {fix}"
+        )
+    return StorageError(f"cannot open {url!r}: s3fs {version} refused the storage options ({e}); check their names")
 
 
 def _transient_botocore(bex) -> tuple:
@@ -148,7 +190,10 @@ def _filesystem(url: str, options: Dict[str, Any]):
         fs = _FS_CACHE.get(key)
     if fs is not None:
         return fs, fs._strip_protocol(url)
-    fs, root = resolve(url, full)
+    try:
+        fs, root = resolve(url, full)
+    except TypeError as e:
+        raise _s3fs_refused(url, e) from e
     # s3fs retries some errors itself (5 attempts): ours is the one loop.
     fs.retries = 1
     with _FS_LOCK:
@@ -280,7 +325,10 @@ class S3Storage(FsspecStorage):
         return bucket, key
 
     async def _client(self):
-        await self.fs.set_session()
+        try:
+            await self.fs.set_session()
+        except TypeError as e:  # s3fs/aiobotocore of another API: not transient, and not the server's fault
+            raise _s3fs_refused(self.url, e) from e
         return self.fs._s3
 
     async def _request(self, what: str, method: str, **kwargs):

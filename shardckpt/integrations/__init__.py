@@ -6,6 +6,10 @@ optional dependency; importing ``shardckpt.integrations`` imports none of them):
 * ``shardckpt.integrations.accelerate``: ``enable(accelerator)`` makes
   ``Accelerator.save_state`` / ``load_state`` write and read shardckpt
   checkpoints (docs/integrations/accelerate.md).
+* ``shardckpt.integrations.transformers``: ``enable(trainer)`` makes a
+  Hugging Face ``Trainer``'s checkpoints (FSDP2 through Accelerate)
+  shardckpt checkpoints, resumed by ``train(resume_from_checkpoint=...)``
+  (docs/integrations/transformers.md).
 * ``shardckpt.integrations.lightning``: ``ModelParallelStrategy`` for the
   Trainer and ``FabricModelParallelStrategy`` for Fabric, Lightning's own
   strategies with a shardckpt sharded checkpoint (docs/integrations/lightning.md).
@@ -15,4 +19,4 @@ optional dependency; importing ``shardckpt.integrations`` imports none of them):
 
 from __future__ import annotations
 
-__all__ = ["accelerate", "lightning", "torchtitan"]
+__all__ = ["accelerate", "lightning", "torchtitan", "transformers"]

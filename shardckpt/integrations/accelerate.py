@@ -2,8 +2,9 @@
 
 One line after the ``Accelerator`` is built::
 
-    accelerator = Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2))
-    shardckpt.integrations.accelerate.enable(accelerator)      # the one added line
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2)
+    accelerator = Accelerator(fsdp_plugin=plugin)              # without GPUs: cpu=True
+    shardckpt.integrations.accelerate.enable(accelerator, fsdp_plugin=plugin)   # the one added line
     ...
     accelerator.save_state("ckpt/step-100")    # a shardckpt checkpoint (manifest.json + data/)
     accelerator.load_state("ckpt/step-100")    # at any world size; DCP checkpoints of Accelerate still load
@@ -14,10 +15,17 @@ they have written, so no hook can replace them. ``enable`` rebinds
 ``save_state`` / ``load_state`` on this one ``Accelerator`` object (nothing
 global is patched) to :func:`save_state` / :func:`load_state`, which keep
 Accelerate's conventions: ``ProjectConfiguration(automatic_checkpoint_naming=True)``
-names ``<project_dir>/checkpoints/checkpoint_<i>`` and ``total_limit`` keeps
-the newest (deleting only after the new one is committed, where Accelerate
-deletes first); the registered save/load pre-hooks run with the same
-arguments; ``accelerator.step`` and the project iteration are restored.
+names ``<project_dir>/checkpoints/checkpoint_<i>`` (an existing one is
+refused, as Accelerate does) and ``total_limit`` applies Accelerate's rule to
+the ``checkpoint_<i>`` folders holding a checkpoint, never another folder
+(deleting once the new one is committed, where Accelerate deletes first);
+the registered save/load pre-hooks run with the same arguments;
+``accelerator.step`` and the project iteration are restored (malformed saved
+counters refused before anything loads).
+
+On CPU, Accelerate drops its FSDP plugin: ``enable(accelerator,
+fsdp_plugin=plugin)`` turns FSDP on as it does on GPUs, or refuses where it
+cannot (:func:`fsdp_on_cpu`).
 
 One checkpoint holds every prepared model (``model``, ``model_1``, ...),
 optimizer (its FQN-keyed state, resharded on load), LR scheduler, stateful
@@ -39,9 +47,9 @@ from .._rng import RNGState
 from .._save import save
 from .._state import PerRank
 from .._storage import Storage
-from ..errors import CheckpointNotFoundError, UsageError
+from ..errors import CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError, UsageError
 
-__all__ = ["enable", "disable", "save_state", "load_state", "accelerate_state", "is_enabled", "STATE_KEY"]
+__all__ = ["enable", "disable", "fsdp_on_cpu", "save_state", "load_state", "accelerate_state", "is_enabled", "STATE_KEY"]
 
 #: The value entry that holds Accelerate's own counters (``step``, ``iteration``).
 STATE_KEY = "accelerate"
@@ -49,14 +57,28 @@ STATE_KEY = "accelerate"
 _ATTR = "_shardckpt_options"
 #: Files and folders an Accelerate checkpoint of its own (DCP or torch.save) holds.
 ACCELERATE_MARKERS = ("pytorch_model_fsdp_0", "optimizer_0", "model.safetensors", "pytorch_model.bin", "random_states_0.pkl")
-_FOLDER_NUMBER = re.compile(r"([0-9]+)(?=[^/]*$)")
+#: The folders automatic naming writes (``checkpoint_<i>``): the only ones ``total_limit`` counts and deletes.
+_CHECKPOINT_FOLDER = re.compile(r"^checkpoint_([0-9]+)$")
 
 
-def enable(accelerator: Any, *, async_save: bool = False, storage_options: Optional[Dict[str, Any]] = None, **load_kw: Any) -> Any:
+def enable(
+    accelerator: Any,
+    *,
+    fsdp_plugin: Any = None,
+    async_save: bool = False,
+    storage_options: Optional[Dict[str, Any]] = None,
+    **load_kw: Any,
+) -> Any:
     """Make this ``accelerator``'s ``save_state`` / ``load_state`` write and read shardckpt checkpoints.
 
     Args:
-        accelerator: an ``accelerate.Accelerator`` (before or after ``prepare``).
+        accelerator: an ``accelerate.Accelerator`` (before or after ``prepare``;
+            before it when ``fsdp_plugin`` turns FSDP on, see below).
+        fsdp_plugin: the ``FullyShardedDataParallelPlugin`` the Accelerator was
+            built with. Needed on CPU only: Accelerate turns FSDP on only with
+            GPUs and drops the plugin of an ``Accelerator(cpu=True)``
+            (``DistributedType.MULTI_CPU``); ``enable`` then turns FSDP on as
+            Accelerate does on GPUs (gloo; for tests and CI).
         async_save: ``save_state`` returns once the state is staged in host
             memory; the write finishes in the background (waited for by the
             next ``save_state`` / ``load_state`` and by ``wait``).
@@ -67,22 +89,100 @@ def enable(accelerator: Any, *, async_save: bool = False, storage_options: Optio
         the same ``accelerator``.
 
     Raises:
-        UsageError: ``accelerator`` is not an Accelerator.
+        UsageError: ``accelerator`` is not an Accelerator; FSDP was asked for
+            (a plugin, or ``ACCELERATE_USE_FSDP``) but this Accelerator runs
+            without it: on a machine without GPUs and without ``cpu=True``
+            each process runs alone (``DistributedType.NO``), and on CPU
+            without ``fsdp_plugin=`` the plugin is gone; or FSDP would be
+            turned on after ``prepare``.
 
     Example:
         >>> accelerator = shardckpt.integrations.accelerate.enable(Accelerator())   # doctest: +SKIP
+        >>> plugin = FullyShardedDataParallelPlugin(fsdp_version=2)                 # doctest: +SKIP
+        >>> accelerator = Accelerator(fsdp_plugin=plugin, cpu=True)                 # doctest: +SKIP
+        >>> enable(accelerator, fsdp_plugin=plugin)   # FSDP2 on CPU (gloo)          # doctest: +SKIP
 
-    Limits: rebinding instance methods; ``disable`` restores Accelerate's own.
-    Hugging Face ``Trainer`` saves FSDP checkpoints through Accelerate's
-    ``save_fsdp_model`` directly, not ``save_state``, so it is not switched.
+    Limits: rebinding instance methods; ``disable`` restores Accelerate's own
+    (FSDP stays on). The Hugging Face ``Trainer`` saves through Accelerate's
+    ``save_fsdp_model`` directly, not ``save_state``: see
+    :mod:`shardckpt.integrations.transformers`.
     """
     if not (hasattr(accelerator, "save_state") and hasattr(accelerator, "_models")):
         raise UsageError(f"enable: expected an accelerate.Accelerator, got {type(accelerator).__name__}")
-    setattr(accelerator, _ATTR, {"async_save": bool(async_save), "storage_options": storage_options, "load_kw": load_kw, "handle": None})
+    fsdp_on_cpu(accelerator, fsdp_plugin)
+    setattr(
+        accelerator, _ATTR,
+        {"async_save": bool(async_save), "storage_options": storage_options, "load_kw": load_kw, "handle": None, "victims": []},
+    )
     accelerator.save_state = lambda output_dir=None, *a, **kw: save_state(accelerator, output_dir)
     accelerator.load_state = lambda input_dir=None, *a, **kw: load_state(accelerator, input_dir)
     accelerator.wait_for_checkpoint = lambda: wait(accelerator)
     return accelerator
+
+
+def _world_size() -> int:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        return 1
+
+
+def fsdp_on_cpu(accelerator: Any, fsdp_plugin: Any = None) -> bool:
+    """Turn FSDP on for an ``Accelerator(cpu=True)`` of several processes, as Accelerate does on GPUs.
+
+    Accelerate enables its FSDP plugin only for GPU-like devices; on CPU it
+    keeps ``DistributedType.MULTI_CPU`` (gloo) and drops the plugin, so
+    ``prepare`` wraps models without FSDP and nothing says so. This sets
+    the plugin and ``DistributedType.FSDP`` on the shared Accelerate state
+    (``PartialState`` too, as ``AcceleratorState`` does on GPUs, so a state
+    made again later keeps it). :func:`enable` calls it.
+
+    Args:
+        accelerator: an ``accelerate.Accelerator``, before ``prepare``.
+        fsdp_plugin: the plugin the Accelerator was built with.
+
+    Returns:
+        True when FSDP was turned on here; False when there was nothing to do
+        (FSDP already on, or not asked for: no plugin and no ``ACCELERATE_USE_FSDP``).
+
+    Raises:
+        UsageError: FSDP asked for but impossible here (see :func:`enable`), naming the fix.
+    """
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType
+
+    state = accelerator.state
+    kind = state.distributed_type
+    asked = fsdp_plugin is not None or os.environ.get("ACCELERATE_USE_FSDP", "false").lower() in ("1", "true")
+    if kind == DistributedType.FSDP or not asked:
+        return False
+    fix = (
+        "on a machine without GPUs build it as Accelerator(fsdp_plugin=plugin, cpu=True) and call "
+        "shardckpt.integrations.accelerate.enable(accelerator, fsdp_plugin=plugin) before prepare"
+    )
+    if kind == DistributedType.MULTI_CPU:
+        if fsdp_plugin is None:
+            raise UsageError(f"enable: this Accelerator runs on CPU (MULTI_CPU), where Accelerate drops its FSDP plugin; {fix}")
+        if accelerator._models:
+            raise UsageError(f"enable: FSDP cannot be turned on after prepare (its models are already wrapped); {fix}")
+        if state.mixed_precision != "no":
+            fsdp_plugin.set_mixed_precision(state.mixed_precision)
+        state.fsdp_plugin = fsdp_plugin
+        state.distributed_type = DistributedType.FSDP
+        # AcceleratorState copies PartialState's type each time it is made again.
+        PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+        return True
+    world = _world_size()
+    if world > 1:
+        raise UsageError(
+            f"enable: FSDP was asked for, but Accelerate runs each of the {world} processes alone "
+            f"(DistributedType.{kind.name}: no GPU found and cpu=True not passed), without FSDP; {fix}"
+        )
+    return False
 
 
 def disable(accelerator: Any) -> Any:
@@ -108,15 +208,10 @@ def wait(accelerator: Any) -> None:
     if opts and opts["handle"] is not None:
         handle: AsyncSaveHandle = opts["handle"]
         opts["handle"] = None
+        victims, opts["victims"] = opts.get("victims", []), []
         handle.result()
         # Retention of an async save runs once it is committed, never before.
-        _maybe_retain(accelerator)
-
-
-def _maybe_retain(accelerator: Any) -> None:
-    pc = accelerator.project_configuration
-    if pc.automatic_checkpoint_naming and pc.total_limit is not None:
-        _retain(accelerator, pc.total_limit)
+        _retain(accelerator, victims)
 
 
 def _unwrap(obj: Any, attr: str) -> Any:
@@ -167,12 +262,29 @@ def _automatic_dir(accelerator: Any) -> str:
 
 
 def _numbered(root: str) -> List[str]:
+    """The ``checkpoint_<i>`` folders under ``root``, oldest number first (no other name counts)."""
     out = []
     for name in os.listdir(root) if os.path.isdir(root) else []:
-        m = _FOLDER_NUMBER.search(name)
-        if m:
-            out.append((int(m.group(1)), os.path.join(root, name)))
+        m = _CHECKPOINT_FOLDER.match(name)
+        path = os.path.join(root, name)
+        if m and os.path.isdir(path) and not os.path.islink(path):
+            out.append((int(m.group(1)), path))
     return [p for _, p in sorted(out)]
+
+
+def _is_checkpoint(path: str) -> bool:
+    return is_shardckpt_dir(path) or _is_accelerate_dir(path)
+
+
+def _plan_retention(folders: List[str], total_limit: int) -> List[str]:
+    """Which existing checkpoints a new one displaces under ``total_limit``: Accelerate's rule, on our folders only.
+
+    Accelerate, before it writes, deletes the ``len(folders) + 1 - total_limit``
+    lowest-numbered folders. Here ``folders`` are the ``checkpoint_<i>``
+    folders that hold a checkpoint (ours or Accelerate's), listed before the
+    new one is written, so the new one is never among them.
+    """
+    return list(folders[: max(0, len(folders) + 1 - total_limit)])
 
 
 def save_state(accelerator: Any, output_dir: Optional[str] = None) -> str:
@@ -196,11 +308,21 @@ def save_state(accelerator: Any, output_dir: Optional[str] = None) -> str:
     Example:
         >>> save_state(accelerator, "ckpt/step-100")   # doctest: +SKIP
     """
-    opts = getattr(accelerator, _ATTR, None) or {"async_save": False, "storage_options": None, "handle": None}
+    opts = getattr(accelerator, _ATTR, None) or {"async_save": False, "storage_options": None, "handle": None, "victims": []}
     wait(accelerator)
     pc = accelerator.project_configuration
+    victims: List[str] = []
     if pc.automatic_checkpoint_naming:
         output_dir = os.path.join(_automatic_dir(accelerator), f"checkpoint_{pc.iteration}")
+        if os.path.lexists(output_dir):
+            # As Accelerate: never write over a checkpoint of this project (a previous run's, another job's).
+            raise CheckpointExistsError(
+                f"save_state: {output_dir!r} already exists (iteration {pc.iteration}); set "
+                f"accelerator.project_configuration.iteration to the next free number, or resume with load_state() first"
+            )
+        if pc.total_limit is not None and accelerator.is_main_process:
+            # Chosen before the write (the new folder cannot be one), deleted after its commit.
+            victims = _plan_retention([p for p in _numbered(_automatic_dir(accelerator)) if _is_checkpoint(p)], pc.total_limit)
     if output_dir is None:
         raise UsageError("save_state: pass output_dir, or use ProjectConfiguration(automatic_checkpoint_naming=True)")
     output_dir = os.fspath(output_dir)
@@ -212,20 +334,23 @@ def save_state(accelerator: Any, output_dir: Optional[str] = None) -> str:
     kw = {"storage_options": opts["storage_options"], "overwrite": True}
     if opts["async_save"]:
         opts["handle"] = async_save(state, output_dir, **kw)
+        opts["victims"] = victims
     else:
         save(state, output_dir, **kw)
-        _maybe_retain(accelerator)
+        _retain(accelerator, victims)
     pc.iteration += 1
     return output_dir
 
 
-def _retain(accelerator: Any, total_limit: int) -> None:
-    # After the commit (Accelerate deletes before it writes: a failed save there leaves one fewer).
+def _retain(accelerator: Any, victims: List[str]) -> None:
+    # After the commit: Accelerate deletes first, so a save that dies there
+    # leaves one checkpoint fewer (with total_limit=1, none).
+    if not accelerator.project_configuration.automatic_checkpoint_naming or accelerator.project_configuration.total_limit is None:
+        return
     if accelerator.is_main_process:
         import shutil
 
-        folders = _numbered(_automatic_dir(accelerator))
-        for folder in folders[: max(0, len(folders) - total_limit)]:
+        for folder in victims:
             shutil.rmtree(folder, ignore_errors=True)
     accelerator.wait_for_everyone()
 
@@ -264,7 +389,7 @@ def load_state(accelerator: Any, input_dir: Optional[str] = None) -> str:
     if input_dir is None:
         if not accelerator.project_configuration.automatic_checkpoint_naming:
             raise UsageError("load_state: pass input_dir, or use ProjectConfiguration(automatic_checkpoint_naming=True)")
-        committed = [p for p in _numbered(_automatic_dir(accelerator)) if is_shardckpt_dir(p) or _is_accelerate_dir(p)]
+        committed = [p for p in _numbered(_automatic_dir(accelerator)) if _is_checkpoint(p)]
         if not committed:
             raise CheckpointNotFoundError(f"load_state: no committed checkpoint under {_automatic_dir(accelerator)!r}")
         input_dir = committed[-1]
@@ -286,11 +411,33 @@ def load_state(accelerator: Any, input_dir: Optional[str] = None) -> str:
     kw = dict(opts["load_kw"])
     if len(models) != len(accelerator._models):
         kw.setdefault("strict", False)
+    # Checked before the load touches any model or optimizer.
+    counters = _saved_counters(input_dir, so, required=kw.get("strict", True))
+    if counters is None:
+        state.pop(STATE_KEY)
     load(state, input_dir, storage_options=so, **kw)
-    counters = state[STATE_KEY]
-    accelerator.step = int(counters["step"])
-    accelerator.project_configuration.iteration = int(counters["iteration"]) + 1
+    if counters is not None:
+        accelerator.step = counters["step"]
+        accelerator.project_configuration.iteration = counters["iteration"] + 1
     return input_dir
+
+
+def _saved_counters(input_dir: str, storage_options: Optional[Dict[str, Any]], *, required: bool) -> Optional[Dict[str, int]]:
+    """The checkpoint's ``step`` / ``iteration``, validated from its manifest alone (no tensor read)."""
+    values = open_manifest(input_dir, storage_options=storage_options, chunks=False).values
+    if STATE_KEY not in values and not required:
+        return None
+    raw = values.get(STATE_KEY)
+    ok = isinstance(raw, dict) and all(
+        type(raw.get(k)) is int and raw[k] >= 0 for k in ("step", "iteration")  # bool is not a counter
+    )
+    if not ok:
+        raise CorruptCheckpointError(
+            f"load_state: {input_dir!r}: entry {STATE_KEY!r} must be {{'step': int >= 0, 'iteration': int >= 0}}, "
+            f"found {raw!r:.200}; nothing was loaded. Resume from another checkpoint, or load the model alone with "
+            f"shardckpt.load({{'model': model}}, url, strict=False)"
+        )
+    return {"step": raw["step"], "iteration": raw["iteration"]}
 
 
 def _is_accelerate_dir(path: str) -> bool:

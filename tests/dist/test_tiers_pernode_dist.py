@@ -143,8 +143,10 @@ def test_per_node_local_disks(tmp_path, s3_url):  # noqa: F811
     os.remove(other)
     with open(only, "wb") as f:
         f.write(good)
-    # The remote emptied (a new, empty prefix): the local disks alone restore the step.
-    back = run_ranks(4, _restore_run, remote + "-empty", base, opts)
+    # The remote emptied (its objects deleted; another prefix would be another run's root): the local disks alone
+    # restore the step (and flush it back).
+    Storage(remote, storage_options=opts).remove_tree("")
+    back = run_ranks(4, _restore_run, remote, base, opts)
     for r, out in enumerate(back):
         assert out["step"] == 5 and out["from"] == os.path.join(_node_dir(base, r), "step-00000005"), (r, out["from"])
         assert all(torch.equal(v, res[r]["snap"][k]) for k, v in out["full"].items())
@@ -265,8 +267,10 @@ def test_per_node_fsdp2_training_state_restores_from_the_local_disks(tmp_path, s
             exported.update(st_load(hf.read_bytes(n)))
     want = res[0][2]["params"]
     assert exported and all(torch.equal(exported[k], want[k.removeprefix("model.")]) for k in exported), sorted(exported)
-    # The remote emptied (an empty prefix): model, optimizer and scheduler from the local disks alone, bit-exact.
-    back = run_ranks(4, _train_run, remote + "-gone", base, opts, RANKS_PER_NODE, True)
+    # The remote emptied (its objects deleted; another prefix would be another run's root): model, optimizer and
+    # scheduler from the local disks alone, bit-exact.
+    Storage(remote, storage_options=opts).remove_tree("")
+    back = run_ranks(4, _train_run, remote, base, opts, RANKS_PER_NODE, True)
     for r, out in enumerate(back):
         assert out["step"] == 2 and out["state_step"] == 2, (r, out["step"])
         assert out["from"] == os.path.join(_node_dir(base, r), "step-00000002"), (r, out["from"])
@@ -277,10 +281,11 @@ def test_per_node_fsdp2_training_state_restores_from_the_local_disks(tmp_path, s
     for r, out in enumerate(back):
         assert out["step"] == 1 and out["from"] == os.path.join(_node_dir(base, r), "step-00000001"), (r, out["from"])
         assert _same(out["params"], res[r][1]["params"]) and _same(out["optim"], res[r][1]["optim"]), r
-    # Two ranks now, one per node: each node's files still cover the step, resharded as they load.
-    back = run_ranks(2, _train_run, remote + "-gone2", base, opts, 1, True)
+    # Two ranks now, one per node, the remote emptied again: each node's files still cover the step, resharded as they load.
+    Storage(remote, storage_options=opts).remove_tree("")
+    back = run_ranks(2, _train_run, remote, base, opts, 1, True)
     for r, out in enumerate(back):
         assert out["step"] == 2 and out["from"] == os.path.join(base, f"node{r}", "step-00000002"), (r, out["from"])
         assert _same(out["params"], res[0][2]["params"]) and _same(out["optim"], res[0][2]["optim"]), r
     # Not flushed by the 2-rank job: each rank uploads the files it wrote, and ranks 2-3 are gone (never committed half).
-    assert not Storage(f"{remote}-gone2", storage_options=opts).exists("step-00000002/manifest.json")
+    assert not Storage(remote, storage_options=opts).exists("step-00000002/manifest.json")

@@ -14,6 +14,7 @@ import signal
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 p = argparse.ArgumentParser()
 p.add_argument("--mode", default="full")
@@ -26,12 +27,10 @@ p.add_argument("--dcp", action="store_true", help="checkpoint through Accelerate
 a = p.parse_args()
 
 torch.set_num_threads(1)
-# Accelerate turns its FSDP plugin on only with GPUs (MULTI_GPU); on CPU the
-# process group is gloo and FSDP2 is forced on below. Its FSDP2 prepare
-# (fsdp2_prepare_model) and DCP save_state then run unchanged.
-dist.init_process_group("gloo")
+# Accelerate turns its FSDP plugin on only with GPUs: on CPU, cpu=True (gloo)
+# and enable(accelerator, fsdp_plugin=plugin) turn FSDP on as it does on GPUs.
+# Accelerate's FSDP2 prepare (fsdp2_prepare_model) and DCP save_state then run unchanged.
 from accelerate import Accelerator, FullyShardedDataParallelPlugin  # noqa: E402
-from accelerate.utils import DistributedType  # noqa: E402
 
 import shardckpt.integrations.accelerate as sc_accelerate  # noqa: E402
 
@@ -39,28 +38,21 @@ plugin = FullyShardedDataParallelPlugin(fsdp_version=2, state_dict_type="SHARDED
 # step_scheduler_with_optimizer=False: one scheduler step per training step at any world size
 # (Accelerate otherwise steps it once per process), so runs at 2 and 1 processes compare.
 accelerator = Accelerator(fsdp_plugin=plugin, cpu=True, step_scheduler_with_optimizer=False)
-if not a.dcp:
-    sc_accelerate.enable(accelerator)  # <- the one line a user adds
+sc_accelerate.enable(accelerator, fsdp_plugin=plugin)  # <- the one line a user adds
+if a.dcp:
+    sc_accelerate.disable(accelerator)  # Accelerate's own save_state / load_state (FSDP stays on)
 
-
-def force_fsdp():
-    accelerator.state.distributed_type = DistributedType.FSDP
-    accelerator.state.fsdp_plugin = plugin
-
-
-force_fsdp()
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
 opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
 sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
 model, opt, sched = accelerator.prepare(model, opt, sched)
-force_fsdp()
 assert accelerator.is_fsdp2, accelerator.distributed_type
+assert all(isinstance(p, DTensor) for p in model.parameters())
 rank, world = dist.get_rank(), dist.get_world_size()
 
 start = 0
 if a.mode == "resume":
-    force_fsdp()  # Accelerate's CPU state resets distributed_type on use: re-force before each checkpoint call
     accelerator.load_state(a.resume)
     start = accelerator.step
 
@@ -83,7 +75,7 @@ for step in range(start + 1, a.steps + 1):
         with open(a.out, "a") as f:
             f.write(json.dumps({"step": step, "loss": glob.item() / world}) + "\n")
     if step == a.save_at:
-        force_fsdp()
+        assert accelerator.is_fsdp2, accelerator.distributed_type  # still FSDP: nothing re-forced
         accelerator.save_state(a.ckpt)
         if a.mode == "crash":
             os.kill(os.getpid(), signal.SIGKILL)

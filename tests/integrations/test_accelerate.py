@@ -95,3 +95,56 @@ def test_automatic_naming_total_limit_and_hooks(tmp_path, mode):
     assert res["folders"] == ["checkpoint_2", "checkpoint_3"]  # total_limit=2, numbered by iteration
     assert res["hooks"] == ["save", "save", "save", "save", "load"]
     assert res["step_after_load"] == 4 and res["iteration_after_load"] == 4
+
+
+def _cpu_case(tmp_path, mode):
+    run_ok("_accelerate_cpu.py", 2, [mode, str(tmp_path / "res")])
+    out = []
+    for rank in range(2):
+        with open(tmp_path / f"res.{rank}") as f:
+            out.append(json.load(f))
+    return out
+
+
+def test_fsdp2_on_cpu_through_enable(tmp_path):
+    """Accelerator(fsdp_plugin=plugin, cpu=True) + enable(accelerator, fsdp_plugin=plugin): FSDP2, sharded, and it stays on."""
+    for res in _cpu_case(tmp_path, "cpu"):
+        assert res == {"type": "DistributedType.FSDP", "fsdp2": True, "dtensor": True, "world": 2}, res
+
+
+@pytest.mark.parametrize("mode, words", [
+    ("nogpu", ["runs each of the 2 processes alone", "DistributedType.NO", "cpu=True", "fsdp_plugin=plugin"]),
+    ("noplugin", ["drops its FSDP plugin", "enable(accelerator, fsdp_plugin=plugin)"]),
+    ("late", ["after prepare"]),
+])
+def test_fsdp_asked_but_impossible_is_refused(tmp_path, mode, words):
+    """Never silently without FSDP: each way the plugin would be lost is refused, naming the working lines."""
+    for res in _cpu_case(tmp_path, mode):
+        assert res.get("error") == "UsageError", res
+        for w in words:
+            assert w in res["message"], (w, res["message"])
+
+
+def test_total_limit_counts_only_checkpoint_folders_and_never_overwrites(tmp_path):
+    """Accelerate's rule: only checkpoint_<i> folders holding a checkpoint count; the new one is never deleted."""
+    run_ok("_accelerate_retention.py", 2, ["retention", str(tmp_path)])
+    with open(tmp_path / "result.json") as f:
+        res = json.load(f)
+    # The previous run's checkpoint_7 is the oldest-numbered checkpoint: displaced, as Accelerate does;
+    # run_2024 and checkpoint_9 (no checkpoint in it) are not ours: kept.
+    assert res["after_first"] == ["checkpoint_0", "checkpoint_9", "run_2024"], res
+    assert res["after_second"] == ["checkpoint_1", "checkpoint_9", "run_2024"], res
+    kind, msg = res["overwrite"]
+    assert kind == "CheckpointExistsError" and "checkpoint_1" in msg and "iteration" in msg, res["overwrite"]
+    assert res["after_refusal"] == res["after_second"]
+
+
+def test_malformed_counters_refused_before_anything_loads(tmp_path):
+    run_ok("_accelerate_retention.py", 2, ["counters", str(tmp_path)])
+    with open(tmp_path / "result.json") as f:
+        res = json.load(f)
+    assert len(res["cases"]) == 5
+    for case in res["cases"]:
+        assert case["error"] and case["error"][0] == "CorruptCheckpointError", case
+        assert "'accelerate'" in case["error"][1] and "nothing was loaded" in case["error"][1], case
+        assert case["untouched"], case  # model and optimizer as they were before the call
