@@ -10,9 +10,9 @@ together:
 
 1. rank 0 picks the step: the newest one submitted (:func:`next_flush`);
    older pending steps are skipped (coalesced), so the backlog is at most the
-   step in flight plus the newest pending one; a ``force=True`` re-save of a
-   step already flushed or older than the one waiting has a queue of its own
-   (never coalesced away), flushed after the newest pending step;
+   step in flight plus the newest pending one; a ``force=True`` re-save has a
+   queue of its own (never coalesced away: the remote may hold the bytes it
+   replaced), flushed after the newest pending step;
 2. every rank uploads the files it wrote for that step (its data files and
    index file, :func:`shardckpt._memory.plan.files_by_writer`), each one
    verified against its checksums first (``_memory.store.check_file``,
@@ -433,9 +433,10 @@ class Flusher:
         ``resave``: the step was saved again (``force=True``): it is flushed
         again even if its earlier copy was, replacing that copy on the remote
         (its new manifest last; the old files go once no kept step names them).
-        A re-save of a step at or below one flushed or waiting goes to a queue
-        of its own: a newer step never supersedes it (the user replaced those
-        bytes on purpose); the newest pending step is flushed first.
+        A re-save (but of the step waiting) goes to a queue of its own: a
+        newer step never supersedes it (the user replaced those bytes on
+        purpose, and the remote may hold the replaced ones); the newest
+        pending step is flushed first.
         """
         with self._cond:
             if resave:
@@ -444,8 +445,10 @@ class Flusher:
                 self._resaved.add(step)
                 if self._resave_done.get(step, 0) >= seq:
                     return  # the ranks already agreed to flush this re-save (rank 0 submitted it first)
-                older = (self._picked is not None and step <= self._picked) or (self._pending is not None and step < self._pending)
-                if older:
+                # Any re-save but one of the step waiting (whose flush uploads the newest local copy anyway): its
+                # earlier copy may be on the remote (flushed by this job or an earlier one), so a newer step must
+                # not supersede it.
+                if self._pending != step:
                     self._resaves[step] = seq
                     if self.comm.rank == 0:
                         log.info("shardckpt: step %d was saved again: it is flushed again (queued apart from newer steps)", step)
