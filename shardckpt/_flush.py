@@ -10,14 +10,21 @@ together:
 
 1. rank 0 picks the step: the newest one submitted (:func:`next_flush`);
    older pending steps are skipped (coalesced), so the backlog is at most the
-   step in flight plus the newest pending one;
+   step in flight plus the newest pending one; a ``force=True`` re-save has a
+   queue of its own (never coalesced away: the remote may hold the bytes it
+   replaced), flushed after the newest pending step;
 2. every rank uploads the files it wrote for that step (its data files and
    index file, :func:`shardckpt._memory.plan.files_by_writer`), each one
    verified against its checksums first (``_memory.store.check_file``,
    through the one verified reader), to ``<remote>/step-N/`` under the same
    relative path; the Storage layer retries as it does for any write;
+   references whose writer rank is not in this job (a world-size shrink)
+   go to a rank that holds them (:func:`orphan_refs`, :func:`assign_orphans`;
+   none: the flush is refused);
 3. once every rank uploaded (one agreement), rank 0 writes the remote
-   manifest, the same bytes as the local one, last: that is the remote
+   manifest, the same bytes as the local one, last, through the one commit
+   point (``_format.commit_bytes``: every file it names, references
+   included, checked on the remote before and after): that is the remote
    commit. Then ``durable_step`` advances on every rank and ``on_durable``
    runs.
 
@@ -44,7 +51,7 @@ import uuid
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 
 from ._collective import ALL, FROM_ROOT, Comm, agree
-from ._format import HF_INDEX_NAME, MANIFEST_NAME, MetaCache, manifest_from_bytes, open_manifest
+from ._format import HF_INDEX_NAME, MANIFEST_NAME, MAX_INDEX_BYTES, MetaCache, commit_bytes, manifest_from_bytes, open_manifest
 from ._format._v2 import read_index
 from ._format.refs import REF_MARK, follow, ref_target
 from ._managed import retention
@@ -54,9 +61,10 @@ from ._managed.retention import step_dir_name
 from ._memory import plan as memory_plan
 from ._memory import store as memory_store
 from ._storage import Storage
-from .errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
+from .errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, format_offenders
 
 __all__ = ["Flusher", "Tiers", "Remote", "PerNodeSource", "next_flush", "local_protected", "restore_source", "commit_save_id", "files_of_rank",
+           "orphan_refs", "assign_orphans", "held_refs",
            "upload_step", "check_world", "node_groups", "detect_nodes", "share_manifest", "held_local", "restore_local_held", "remove_stale_stages", "own_chunks", "STAGE_PREFIX", "PROBE_PREFIX", "FLUSH_CHANNEL", "COPY_PIECE_BYTES", "FLUSH_NICE",
            "YIELD_MAX_S"]
 
@@ -144,7 +152,8 @@ def restore_source(local: Optional[int], local_readable: bool, remote: Optional[
     return ("local", local) if order[0] == 0 else ("remote", remote)
 
 
-def upload_step(local: Storage, remote: Storage, rank: int, *, pause: Optional[Callable[[], None]] = None) -> Tuple[List[str], str]:
+def upload_step(local: Storage, remote: Storage, rank: int, *, pause: Optional[Callable[[], None]] = None,
+                extra: Iterable[str] = ()) -> Tuple[List[str], str]:
     """Copy the files rank ``rank`` wrote for a locally committed step to ``remote`` (same paths); returns them and the save id.
 
     ``local`` and ``remote`` are the step's directories. Each file is first
@@ -159,7 +168,9 @@ def upload_step(local: Storage, remote: Storage, rank: int, *, pause: Optional[C
     unless a file of that size is there already (data file names carry their
     save's id: the same name is the same bytes), first, so the remote copy
     resolves every reference whether or not the referenced step was flushed.
-    Each reference goes with the rank whose data file name it carries.
+    Each reference goes with the rank whose data file name it carries;
+    ``extra``: the references this rank uploads in place of writers that
+    are not in this job any more (:func:`assign_orphans`).
 
     ``pause``: called before each file's check and each piece copied (the
     flusher waits there while a save of this rank runs).
@@ -175,7 +186,7 @@ def upload_step(local: Storage, remote: Storage, rank: int, *, pause: Optional[C
             f"rank {rank} cannot see {local.url_of(MANIFEST_NAME)}, committed by rank 0: the local directory lost it "
             "(removed by hand?), or it is per node and the commit's copy to this node failed"
         ) from None
-    mine = files_of_rank(m.files, {rel: im.rank for rel, im in m.indexes.items()}, rank)
+    mine = sorted(set(files_of_rank(m.files, {rel: im.rank for rel, im in m.indexes.items()}, rank)) | set(extra))
     src = follow(local)
     by_file = own_chunks(m, src, rank)
     refs = [rel for rel in mine if rel.startswith(REF_MARK)]
@@ -240,6 +251,68 @@ def files_of_rank(files: Iterable[str], index_ranks: Dict[str, int], rank: int) 
     return sorted(out)
 
 
+def orphan_refs(files: Iterable[str], index_ranks: Dict[str, int], world: int) -> List[str]:
+    """References of a step whose writer rank is not in a job of ``world`` ranks (sorted): nobody would upload them.
+
+    A step saved after a restore at a smaller world size references files
+    the larger job's ranks wrote (``@step-N/data/<id>-r00003-00.safetensors``
+    in a 2-rank job).
+
+    Example:
+        >>> orphan_refs(["@step-00000001/data/ab-r00001-00.safetensors", "@step-00000001/data/ab-r00000-00.safetensors",
+        ...              "data/cd-r00000-00.safetensors"], {}, 1)
+        ['@step-00000001/data/ab-r00001-00.safetensors']
+    """
+    out = []
+    for rel in files:
+        tgt = ref_target(rel)
+        if tgt is not None and memory_plan.writer_of(tgt[1], index_ranks, MANIFEST_NAME) >= world:
+            out.append(rel)
+    return sorted(out)
+
+
+def assign_orphans(orphans: Iterable[str], held: List[Iterable[str]], step: int) -> Dict[int, List[str]]:
+    """``rank -> orphan references it uploads``: each to a rank that holds it (``held[r]``), spread over them in turn.
+
+    Raises:
+        CorruptCheckpointError: no rank holds some of them (named, the first
+            few): the step cannot go up whole, so it is not flushed.
+
+    Example:
+        >>> assign_orphans(["@s/a", "@s/b", "@s/c"], [["@s/a", "@s/b", "@s/c"], ["@s/b", "@s/c"]], 2)
+        {0: ['@s/a', '@s/c'], 1: ['@s/b']}
+    """
+    holders: Dict[str, List[int]] = {}
+    for r, mine in enumerate(held):
+        for rel in mine:
+            holders.setdefault(rel, []).append(r)
+    out: Dict[int, List[str]] = {}
+    lost = []
+    for i, rel in enumerate(sorted(set(orphans))):
+        hs = sorted(holders.get(rel, []))
+        if not hs:
+            lost.append(rel)
+            continue
+        r = hs[i % len(hs)]
+        out.setdefault(r, []).append(rel)
+    if lost:
+        raise CorruptCheckpointError(
+            f"step {step} references files written by ranks this job of {len(held)} does not have, and no rank holds "
+            f"them on its local disk: {format_offenders(lost)}; it is not flushed (durable_step does not advance): "
+            "restart with the world size that wrote them, or save a step without incremental references")
+    return {r: sorted(v) for r, v in sorted(out.items())}
+
+
+def held_refs(local: Storage, refs: Iterable[str]) -> List[str]:
+    """Of the references ``refs`` of local step ``local``, those this rank can read at their recorded size (sorted)."""
+    refs = list(refs)
+    if not refs:
+        return []
+    m = open_manifest(local, chunks=False)
+    sizes = follow(local).stat_sizes(refs)
+    return sorted(rel for rel in refs if sizes.get(rel) == m.files[rel].size)
+
+
 def _copy(src: Storage, dst: Storage, rel: str, src_rel: str, size: int, *, pause: Optional[Callable[[], None]] = None) -> None:
     w = dst.open_write(rel)
     try:
@@ -301,6 +374,12 @@ class Flusher:
         self._exports: List[threading.Thread] = []  # rank 0: copies of Hugging Face exports in flight
         self._retry_at = 0.0
         self._resaved: set = set()  # steps re-saved since their last flush: their replaced remote files go after the commit
+        # Re-saves of steps at or below the newest flushed or pending one: a queue of their own (step -> the number
+        # of this rank's re-save submissions when it came), never coalesced away by a newer step. Every rank counts
+        # the same submissions, so the number names one re-save on every rank; _resave_done: the newest taken.
+        self._resaves: Dict[int, int] = {}
+        self._resave_seq = 0
+        self._resave_done: Dict[int, int] = {}
         #: (step, seconds) of the last remote commit, for logs and benchmarks.
         self.last_flush: Optional[Tuple[int, float]] = None
         self.skipped: List[int] = []
@@ -354,11 +433,28 @@ class Flusher:
         ``resave``: the step was saved again (``force=True``): it is flushed
         again even if its earlier copy was, replacing that copy on the remote
         (its new manifest last; the old files go once no kept step names them).
+        A re-save (but of the step waiting) goes to a queue of its own: a
+        newer step never supersedes it (the user replaced those bytes on
+        purpose, and the remote may hold the replaced ones); the newest
+        pending step is flushed first.
         """
         with self._cond:
-            if resave and self._picked is not None and step <= self._picked:
-                self._picked = step - 1  # flush it again (the ranks all see the same re-save)
+            if resave:
+                self._resave_seq += 1
+                seq = self._resave_seq
                 self._resaved.add(step)
+                if self._resave_done.get(step, 0) >= seq:
+                    return  # the ranks already agreed to flush this re-save (rank 0 submitted it first)
+                # Any re-save but one of the step waiting (whose flush uploads the newest local copy anyway): its
+                # earlier copy may be on the remote (flushed by this job or an earlier one), so a newer step must
+                # not supersede it.
+                if self._pending != step:
+                    self._resaves[step] = seq
+                    if self.comm.rank == 0:
+                        log.info("shardckpt: step %d was saved again: it is flushed again (queued apart from newer steps)", step)
+                    self._retry_at = 0.0
+                    self._cond.notify_all()
+                    return
             if self._picked is not None and step <= self._picked:
                 return  # flushed (or being flushed) already: the ranks agreed on a newer one
             if self._pending is not None and self._pending != step:
@@ -372,11 +468,14 @@ class Flusher:
     def protected(self) -> List[int]:
         """Local steps that must not be deleted now (:func:`local_protected`)."""
         with self._cond:
-            return local_protected(self._in_flight, self._pending)
+            return sorted(set(local_protected(self._in_flight, self._pending)) | set(self._resaves))
 
     def busy(self) -> bool:
         with self._cond:
-            return self._pending is not None or self._in_flight is not None
+            return self._has_work() or self._in_flight is not None
+
+    def _has_work(self) -> bool:
+        return self._pending is not None or bool(self._resaves)
 
     def flush_export(self, name: str) -> None:
         """Rank 0: copy the directory ``name`` next to the steps (a Hugging Face export) to the remote, in the background.
@@ -412,7 +511,7 @@ class Flusher:
         if not self._join_exports(deadline):
             return False
         with self._cond:
-            while self._pending is not None or self._in_flight is not None:
+            while self._has_work() or self._in_flight is not None:
                 if not self._thread.is_alive():
                     return False
                 left = None if deadline is None else deadline - time.monotonic()
@@ -426,7 +525,7 @@ class Flusher:
         done = self.wait(timeout)
         with self._cond:
             self._stopping = True
-            left = local_protected(self._in_flight, self._pending)
+            left = sorted(set(local_protected(self._in_flight, self._pending)) | set(self._resaves))
             self._cond.notify_all()
         if done:
             self._thread.join(timeout=5.0)
@@ -440,7 +539,7 @@ class Flusher:
     def _wait_for_work(self) -> bool:
         with self._cond:
             while True:
-                if self._pending is not None:
+                if self._has_work():
                     delay = self._retry_at - time.monotonic()
                     if delay <= 0:
                         return True
@@ -452,14 +551,25 @@ class Flusher:
                     return False
                 self._cond.wait()
 
-    def _take(self) -> Optional[int]:
-        """Rank 0: the step to flush now (the newest pending), in flight from now on (protected from local retention)."""
+    def _take(self) -> Optional[Tuple[int, int]]:
+        """Rank 0: ``(step, re-save number)`` to flush now, in flight from now on (protected from local retention).
+
+        The newest pending step first (number 0), else the oldest re-saved
+        step waiting (:meth:`submit`); None: nothing.
+        """
         with self._cond:
             step = next_flush(self._pending, self._picked)
+            self._pending = None
             if step is not None:
                 self._picked = self._in_flight = step
-                self._pending = None
-            return step
+                return step, 0
+            if self._resaves:
+                step = min(self._resaves)
+                seq = self._resaves.pop(step)
+                self._resave_done[step] = max(seq, self._resave_done.get(step, 0))
+                self._in_flight = step
+                return step, seq
+            return None
 
     def _run(self) -> None:
         try:
@@ -468,20 +578,32 @@ class Flusher:
             pass  # not Linux, or not allowed: the same priority as training
         while self._wait_for_work():
             try:
-                _, step = agree(self.comm, lambda: self._take() if self.comm.rank == 0 else None,
+                _, took = agree(self.comm, lambda: self._take() if self.comm.rank == 0 else None,
                                 what=f"flush to {self.remote.url}: the step", share=lambda v: v, mode=FROM_ROOT)
             except Exception as e:
                 log.error("shardckpt: the flusher to %s stops: %s: %s", self.remote.url, type(e).__name__, e)
                 with self._cond:
                     self._pending = self._in_flight = None
+                    self._resaves.clear()
                     self._cond.notify_all()
                 return
-            if step is None:
+            if took is None:
+                with self._cond:  # rank 0 had nothing (this rank's work was flushed already)
+                    if self._pending is not None and self._picked is not None and self._pending <= self._picked:
+                        self._pending = None
                 continue
+            step, seq = took
             with self._cond:
-                self._picked = step
                 self._in_flight = step
-                if self._pending is not None and self._pending <= step:
+                # A flush of a step uploads its newest local copy: it serves every re-save of it queued here (a
+                # rank whose flusher lagged may have queued what rank 0 had pending, or the reverse); a re-save
+                # committed meanwhile fails the commit's save id check and is retried.
+                queued = self._resaves.pop(step, 0)
+                if queued or seq:
+                    self._resave_done[step] = max(seq, queued, self._resave_done.get(step, 0))
+                if not seq:
+                    self._picked = step
+                if self._pending is not None and (self._pending == step if seq else self._pending <= step):
                     self._pending = None
             ok = self._flush(step)
             with self._cond:
@@ -491,7 +613,9 @@ class Flusher:
                     self._durable = step if self._durable is None else max(step, self._durable)
                 else:
                     self._failures += 1
-                    if self._pending is None:
+                    if seq or queued:
+                        self._resaves[step] = max(seq, queued, self._resaves.get(step, 0))  # retried: a re-save is never superseded
+                    elif self._pending is None:
                         self._pending = step  # retried, unless a newer step supersedes it
                         self._picked = step - 1
                     self._retry_at = time.monotonic() + min(RETRY_MAX_S, RETRY_FIRST_S * 2 ** (self._failures - 1))
@@ -510,25 +634,30 @@ class Flusher:
             resaved = step in self._resaved
             self._resaved.discard(step)
         try:
-            def upload() -> Tuple[List[str], str]:
+            def survey() -> Tuple[List[str], List[str]]:
                 check_world(src, self.comm.world)  # never a step whose other writers' files no rank would upload
-                return upload_step(src, dst, self.comm.rank, pause=self._pause)
+                m = open_manifest(src, chunks=False)
+                orphans = orphan_refs(m.files, {rel: im.rank for rel, im in m.indexes.items()}, self.comm.world)
+                return orphans, held_refs(src, orphans)
 
-            _, ids = agree(self.comm, upload, what=f"flush of step {step} to {dst.url}",
-                           share=lambda v: v[1], mode=ALL)
+            _, found = agree(self.comm, survey, what=f"flush of step {step} to {dst.url}: the files", share=lambda v: v, mode=ALL)
+            extra = assign_orphans(found[0][0], [h for _, h in found], step).get(self.comm.rank, [])
+            _, ids = agree(self.comm, lambda: upload_step(src, dst, self.comm.rank, pause=self._pause, extra=extra),
+                           what=f"flush of step {step} to {dst.url}", share=lambda v: v[1], mode=ALL)
             save_id = commit_save_id(ids, step)
 
             def commit() -> None:
                 if self.comm.rank != 0:
                     return
                 data = src.read_bytes(MANIFEST_NAME)
-                got = manifest_from_bytes(data, url=src.url).save_id
-                if got != save_id:
+                m = manifest_from_bytes(data, url=src.url)
+                if m.save_id != save_id:
                     raise CorruptCheckpointError(
-                        f"the local step {step} was saved again (save {got}) while save {save_id} was uploaded: not committed")
-                if src.exists(HF_INDEX_NAME):  # the Hugging Face index (not in the manifest's files): before the commit
-                    _copy(src, dst, HF_INDEX_NAME, HF_INDEX_NAME, src.size(HF_INDEX_NAME))
-                dst.write_atomic(MANIFEST_NAME, data)  # the remote commit (an object PUT or a rename: whole or nothing)
+                        f"the local step {step} was saved again (save {m.save_id}) while save {save_id} was uploaded: not committed")
+                # The Hugging Face index (not in the manifest's files) goes before the manifest; every file the
+                # manifest names, references included, is checked on the remote first: durable means loadable.
+                index = src.read_bytes(HF_INDEX_NAME, limit=MAX_INDEX_BYTES) if src.exists(HF_INDEX_NAME) else None
+                commit_bytes(dst, data, {rel: f.size for rel, f in m.files.items()}, index=index, create_dirs=not m.files)
 
             agree(self.comm, commit, what=f"flush of step {step} to {dst.url}: the remote commit")
         except Exception as e:

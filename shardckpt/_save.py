@@ -646,7 +646,7 @@ def _commit_landed(storage: Storage, save_id: str, stage: str) -> Optional[bool]
     (the write raised or was interrupted: a lost PUT answer, Ctrl-C right
     after the rename) only the manifest there can say: ``_committed_by``.
     """
-    if stage == "before":
+    if stage in ("before", "incomplete"):  # incomplete: files vanished under the manifest write, it was taken back
         return False
     if stage == "committed":
         return True

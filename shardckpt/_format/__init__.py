@@ -7,7 +7,7 @@
 - :mod:`.values`: the JSON codec of non-tensor values (tags, tensor references);
 - :mod:`.checksum`: CRC-32C (and CRC-32) with ``combine`` for blocks checksummed apart;
 - :mod:`.hf`: a Manifest from a Hugging Face safetensors directory or file;
-- :mod:`.committed`: :func:`commit` (the one commit sequence) and :func:`open_manifest`;
+- :mod:`.committed`: :func:`commit` / :func:`commit_bytes` (the one commit sequence, files checked before and after the manifest write) and :func:`open_manifest`;
 - :mod:`.files`: ``check_files``, every file present with its recorded size;
 - :mod:`._v2`: v2/v3 manifests, the v3 file table, per-rank index files;
 - :mod:`.resolve`: :func:`resolve_chunks`, the chunks a loading rank reads.
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from .checksum import ALGOS, checksum, combine, crc32c, crc32c_combine
 from .chunk import Chunk
-from .committed import TORCH_SAVE_SUFFIXES, commit, hf_index_bytes, open_manifest
+from .committed import TORCH_SAVE_SUFFIXES, commit, commit_bytes, hf_index_bytes, open_manifest
 from .dtypes import DTYPES, MAX_TENSOR_BYTES, checked_shape, dtype_name, itemsize, shape_problem, torch_dtype
 from .header import MAX_HEADER_BYTES, parse_safetensors_header, read_safetensors_header, safetensors_header
 from .hf import MAX_INDEX_BYTES, SOURCE_SAFETENSORS, hf_manifest
@@ -56,7 +56,7 @@ from .values import TAG, decode_value, encode_value, is_tensor_ref, plain_values
 
 __all__ = [
     "ALGOS", "checksum", "combine", "crc32c", "crc32c_combine",
-    "TORCH_SAVE_SUFFIXES", "commit", "hf_index_bytes", "open_manifest",
+    "TORCH_SAVE_SUFFIXES", "commit", "commit_bytes", "hf_index_bytes", "open_manifest",
     "DTYPES", "dtype_name", "itemsize", "torch_dtype", "MAX_TENSOR_BYTES", "checked_shape", "shape_problem",
     "MAX_HEADER_BYTES", "parse_safetensors_header", "read_safetensors_header", "safetensors_header",
     "MAX_INDEX_BYTES", "SOURCE_SAFETENSORS", "hf_manifest",

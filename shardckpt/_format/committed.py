@@ -25,9 +25,10 @@ from .files import check_files
 from .hf import MAX_INDEX_BYTES, hf_manifest
 from .manifest import Manifest, check_relpath, manifest_from_bytes, manifest_to_bytes
 from .naming import DATA_DIR, DATA_SUFFIX, HF_INDEX_NAME, INDEX_SUFFIX, MANIFEST_NAME, save_id_prefix
+from .refs import follow
 from .values import value_depth_problem
 
-__all__ = ["commit", "open_manifest", "hf_index_bytes", "TORCH_SAVE_SUFFIXES", "NOT_FOUND_LISTED", "nearby_names"]
+__all__ = ["commit", "commit_bytes", "open_manifest", "hf_index_bytes", "TORCH_SAVE_SUFFIXES", "NOT_FOUND_LISTED", "nearby_names"]
 
 #: File suffixes ``torch.save`` output usually carries.
 TORCH_SAVE_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
@@ -59,35 +60,31 @@ def commit(
     """Commit ``manifest`` at ``storage``: the HF index (when whole), then ``manifest.json`` last, atomically.
 
     Every data file the manifest names must already be written and durable;
-    right before the first write, one size query per file checks they still
-    are (another process's ``cleanup()``, an object lifecycle rule or an
-    emptied bucket may have removed them since): a commit naming missing
-    files would be a checkpoint that cannot be restored. The step directory
-    is never re-created: if it vanished, the commit fails. If the manifest
-    write fails, the HF index is put back as it was (removed when there was
-    none), so a previous checkpoint at ``storage`` stays intact and loadable.
-    After a successful commit with ``replace``, data files of the replaced
-    checkpoint (other save ids) are removed, except those in ``keep``, and an
-    HF index naming removed files too.
+    :func:`commit_bytes` checks they are, right before and right after the
+    manifest write (another process's ``cleanup()``, an object lifecycle
+    rule or an emptied bucket may have removed them since): a commit naming
+    missing files would be a checkpoint that cannot be restored. The step
+    directory is never re-created: if it vanished, the commit fails. If the
+    manifest write fails, the HF index is put back as it was (removed when
+    there was none), so a previous checkpoint at ``storage`` stays intact and
+    loadable. After a successful commit with ``replace``, data files of the
+    replaced checkpoint (other save ids) are removed, except those in
+    ``keep``, and an HF index naming removed files too.
 
     Args:
         storage: where the checkpoint lives.
         manifest: the complete manifest (``save_id`` set; chunks tile their tensors).
         replace: a committed checkpoint may be there and is being replaced.
-        progress: told how far the commit got, for a caller that must know
-            whether an error came before or after the commit point:
-            ``"writing"`` right before the manifest write (an error from here
-            on may come after the manifest landed: a lost PUT answer, an
-            interrupt after the rename), ``"committed"`` once it returned.
-        files_here: check the data files at ``storage`` first (False only for
-            the memory tier, whose files are on other hosts).
+        progress: told how far the commit got (:func:`commit_bytes`).
+        files_here: check the data files at ``storage`` (False only for
+            the memory tier and per-node disks, whose files are on other hosts).
         keep: paths (``data/...``) of the replaced checkpoint that a replace
             leaves in place: files other checkpoints reference (incremental
             steps of a manager's root).
 
     Raises:
         CorruptCheckpointError: a named data file is missing or of the wrong
-            size now (``check_files``, fresh sizes; nothing committed).
+            size (nothing committed; :func:`commit_bytes`).
         UnsupportedStateError: the values tree nests deeper than
             ``MAX_VALUE_DEPTH`` (it could not be loaded back).
         OSError / StorageError: the manifest could not be written, e.g. the
@@ -95,47 +92,100 @@ def commit(
 
     Example:
         >>> commit(storage, manifest, replace=True)     # doctest: +SKIP
-
-    Limits: on object stores a file deleted after the check and before the
-    manifest PUT is not seen (no directory to vanish); ``restore`` and
-    ``load`` check sizes again before reading.
     """
     deep = value_depth_problem(manifest.values)
     if deep:
         raise UnsupportedStateError(f"{storage.url}: cannot save this state: {deep}; flatten the nested values")
-    body = manifest_to_bytes(manifest)
-    index = hf_index_bytes(manifest)
-    # Data files removed since they were written (cleanup() on the same root,
-    # a lifecycle rule, an emptied bucket) must not be named by a commit.
-    # files_here=False: the memory tier, whose ranks write on their own
-    # hosts' shared memory; its restore verifies every file before use.
-    if files_here:
-        check_files(storage, {rel: fm.size for rel, fm in manifest.files.items()})
-    # A values-only checkpoint has no data file that could have vanished
-    # with its directory: its manifest may create the directory.
-    create_dirs = not manifest.files
+    files = {rel: fm.size for rel, fm in manifest.files.items()}
+    commit_bytes(storage, manifest_to_bytes(manifest), files if files_here else None, index=hf_index_bytes(manifest),
+                 progress=progress, create_dirs=not manifest.files)
+    if replace:
+        _remove_stale(storage, manifest.save_id, keep)
+
+
+def commit_bytes(
+    storage: Any, body: bytes, files: Optional[Dict[str, int]], *, index: Optional[bytes] = None,
+    progress: Optional[Callable[[str], None]] = None, create_dirs: bool = False,
+) -> None:
+    """The commit point of every writer: check ``files``, write the HF ``index`` and the manifest ``body`` last, check again.
+
+    The one mechanism behind "committed means loadable": :func:`commit`
+    (``save``, ``async_save``, the converters, the memory tier) and the
+    flusher of ``CheckpointManager(local=)`` (the remote commit, the local
+    manifest's bytes) end here. ``files`` (``{path: size}``, references
+    ``@<dir>/<path>`` included: they are checked in the sibling directory)
+    are checked with :func:`~shardckpt._format.files.check_files` (one
+    listing per directory where the storage lists consistently) before
+    anything is written, so a missing file leaves a previous checkpoint
+    untouched. They are checked again once the manifest landed: a file
+    deleted in between (an object lifecycle rule, another tool) makes the
+    commit put the previous manifest back (or remove the new one) and
+    raise, instead of leaving a committed checkpoint that cannot be loaded.
+
+    Args:
+        storage: the checkpoint's directory.
+        body: the manifest's bytes.
+        files: the files it names and their sizes; None: not checked (the
+            memory tier and per-node disks: the files are on other hosts).
+        index: the Hugging Face index to write before the manifest, or None.
+        progress: told ``"writing"`` right before the manifest write (an error
+            from here on may come after the manifest landed), ``"committed"``
+            once it landed and checked out, ``"incomplete"`` when the second
+            check failed (the manifest is not this commit's any more).
+        create_dirs: the manifest write may create the directory (a
+            values-only checkpoint: no data file could have vanished with it).
+
+    Raises:
+        CorruptCheckpointError: a file is missing or of the wrong size, each
+            named (the first ``errors.MAX_OFFENDERS``); nothing is committed.
+        OSError / StorageError: a write failed (nothing committed).
+
+    Example:
+        >>> commit_bytes(storage, manifest_to_bytes(m), {"data/x.safetensors": 96})   # doctest: +SKIP
+
+    Limits: a file deleted after the second check is damage to a committed
+    checkpoint (``verify`` and ``restore`` see it); between the manifest
+    write and the put-back a reader may see the step committed.
+    """
+    checked = follow(storage)  # references are checked where they point
+    if files is not None:
+        check_files(checked, files)
     # Before the commit the index is just another file, but it must keep
     # naming the old checkpoint's files if the commit fails: keep it.
     prev = _read_optional(storage, HF_INDEX_NAME) if index is not None else None
     if index is not None:
         storage.write_atomic(HF_INDEX_NAME, index, create_dirs=create_dirs)
+    # The manifest being replaced (a re-save): put back if the second check fails.
+    before = _read_optional(storage, MANIFEST_NAME, limit=_manifest.MAX_MANIFEST_BYTES) if files else None
     if progress is not None:
         progress("writing")
     try:
         storage.write_atomic(MANIFEST_NAME, body, create_dirs=create_dirs)
-        if progress is not None:
-            progress("committed")
     except BaseException:
         if index is not None:
             _restore(storage, HF_INDEX_NAME, prev)
         raise
-    if replace:
-        _remove_stale(storage, manifest.save_id, keep)
+    if files:
+        try:
+            check_files(checked, files)
+        except CorruptCheckpointError as e:
+            _restore(storage, MANIFEST_NAME, before)
+            if index is not None:
+                _restore(storage, HF_INDEX_NAME, prev)
+            if progress is not None:
+                progress("incomplete")
+            raise CorruptCheckpointError(
+                f"not committed: files were removed while the manifest was written ({e}); "
+                + ("the previous manifest is back" if before is not None else "the manifest is removed again")
+                + "; something deletes objects under this root (a lifecycle rule, another tool, cleanup() of another "
+                "process): stop it and save again") from None
+    if progress is not None:
+        progress("committed")
 
 
-def _read_optional(storage: Any, rel: str) -> Optional[bytes]:
+def _read_optional(storage: Any, rel: str, *, limit: int = MAX_INDEX_BYTES) -> Optional[bytes]:
     try:
-        return storage.read_bytes(rel, limit=MAX_INDEX_BYTES)
+        return storage.read_bytes(rel, limit=limit)
     except (FileNotFoundError, NotADirectoryError):
         return None
     except CorruptCheckpointError:

@@ -5,8 +5,16 @@ from __future__ import annotations
 import pytest
 
 import shardckpt
-from shardckpt._flush import commit_save_id, files_of_rank, local_protected, next_flush, restore_source
-from shardckpt.errors import UsageError
+from shardckpt._flush import (
+    assign_orphans,
+    commit_save_id,
+    files_of_rank,
+    local_protected,
+    next_flush,
+    orphan_refs,
+    restore_source,
+)
+from shardckpt.errors import CorruptCheckpointError, UsageError
 
 
 def test_next_flush_takes_the_newest_pending_once():
@@ -334,3 +342,21 @@ def test_a_dead_restores_staging_directories_go_at_that_ranks_next_restore(tmp_p
     assert not mine.exists() and other.is_dir() and (elsewhere / "keep").exists()
     assert (step / "data.safetensors").read_bytes() == b"x" * 10
     assert remove_stale_stages(str(tmp_path), 1) == []
+
+
+def test_orphan_references_are_those_of_ranks_beyond_the_world():
+    files = ["@step-00000001/data/ab-r00003-00.safetensors", "@step-00000001/data/ab-r00001-00.safetensors",
+             "data/cd-r00000-00.safetensors", "data/cd-index-r00000.json", "@step-00000001/data/ab-r00000-00.safetensors"]
+    assert orphan_refs(files, {"data/cd-index-r00000.json": 0}, 2) == ["@step-00000001/data/ab-r00003-00.safetensors"]
+    assert orphan_refs(files, {}, 1) == ["@step-00000001/data/ab-r00001-00.safetensors",
+                                         "@step-00000001/data/ab-r00003-00.safetensors"]
+    assert orphan_refs(files, {}, 4) == []
+
+
+def test_orphans_go_to_ranks_that_hold_them_or_the_flush_is_refused():
+    refs = ["@s/a", "@s/b", "@s/c", "@s/d"]
+    assert assign_orphans(refs, [refs, refs], 3) == {0: ["@s/a", "@s/c"], 1: ["@s/b", "@s/d"]}  # spread
+    assert assign_orphans(refs, [[], refs], 3) == {1: refs}  # per-node disks: only rank 1's node has them
+    assert assign_orphans([], [[], []], 3) == {}
+    with pytest.raises(CorruptCheckpointError, match=r"step 3 .*@s/c.*not flushed"):
+        assign_orphans(refs, [["@s/a"], ["@s/b", "@s/d"]], 3)

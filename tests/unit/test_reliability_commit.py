@@ -306,3 +306,49 @@ def test_async_save_whose_files_vanish_fails_and_retention_keeps_the_previous_st
     got = _blank()
     assert mgr.restore(got) == 1 and _same(got, _state(1))
     mgr.close()
+
+
+def test_file_removed_while_the_manifest_is_written_takes_the_commit_back(tmp_path, monkeypatch):
+    # Issue 42: the window after the commit's first check. A re-save (overwrite) over a good checkpoint: the
+    # previous manifest is put back, the save fails naming the file, the previous checkpoint still loads.
+    url = str(tmp_path / "ck")
+    shardckpt.save(_state(1), url)
+    real = Storage.write_atomic
+    gone = []
+
+    def remove_then_write(self, rel, data, **kw):
+        if rel == "manifest.json" and not gone:
+            victim = sorted(f for f in self.walk_files("data") if f.endswith(".safetensors") and f not in before)[0]
+            self.remove(victim)
+            gone.append(victim)
+        return real(self, rel, data, **kw)
+
+    before = set(Storage(url).walk_files("data"))
+    monkeypatch.setattr(Storage, "write_atomic", remove_then_write)
+    with pytest.raises(SaveFailedError, match=gone[0].split("/")[-1] if gone else "missing") as e:
+        shardckpt.save(_state(2), url, overwrite=True)
+    monkeypatch.undo()
+    assert gone and gone[0].split("/")[-1] in str(e.value), e.value
+    got = _blank()
+    shardckpt.load(got, url)
+    assert _same(got, _state(1))
+    shardckpt.verify(url)
+
+
+def test_commit_checks_referenced_files_in_their_sibling_directory(tmp_path):
+    # The flusher's remote commit and an incremental save name files of an earlier step (@step-.../...):
+    # one missing there means no commit (nothing written), whatever the step's own files say.
+    root = tmp_path / "root"
+    shardckpt.save(_state(1), str(root / "step-00000001"))
+    m1 = shardckpt.inspect(str(root / "step-00000001"))
+    files = {f"@step-00000001/{rel}": f.size for rel, f in m1.files.items()}
+    step2 = Storage(str(root / "step-00000002"))
+    step2.makedirs("")
+    _committed.commit_bytes(step2, b'{"not": "read"}', files)  # every reference present: committed
+    assert step2.exists("manifest.json")
+    step2.remove("manifest.json")
+    victim = sorted(rel for rel in m1.files if rel.endswith(".safetensors"))[0]
+    (root / "step-00000001" / victim).unlink()
+    with pytest.raises(CorruptCheckpointError, match=f"@step-00000001/{victim} is missing"):
+        _committed.commit_bytes(step2, b'{"not": "read"}', files)
+    assert not step2.exists("manifest.json")
