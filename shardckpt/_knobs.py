@@ -38,8 +38,11 @@ environment variable                default     what it sets
 ``SHARDCKPT_LOAD_CUDA_BUFFER_BYTES`` 512 MiB   the same for a load into CUDA tensors (pinned,
                                                 exact size): room for reads to overlap the
                                                 host-to-device copies
+``SHARDCKPT_LOAD_CPU_IO_THREADS``   min(IO_     reads in flight of a load into CPU tensors
+                                    THREADS,    (each reader thread verifies and copies its
+                                    CPUs)       pieces: more threads than cores fight)
 ``SHARDCKPT_LOAD_CUDA_IO_THREADS``  min(16,     reads in flight of a load into CUDA tensors
-                                    CPUs)
+                                    CPUs)       (CPUs: those this process may run on)
 ``SHARDCKPT_LOAD_RANGE_BYTES``      8 MiB       largest coalesced read of a load, and the
                                                 size of one reusable read buffer
 ``SHARDCKPT_LOAD_READ_ONCE``        1           0: every rank reads every byte it loads; 1:
@@ -105,6 +108,8 @@ __all__ = [
     "LOAD_RANGE_BYTES",
     "LOAD_CUDA_BUFFER_BYTES",
     "LOAD_CUDA_IO_THREADS",
+    "LOAD_CPU_IO_THREADS",
+    "usable_cpus",
     "LOAD_READ_ONCE",
     "LOAD_MAP",
     "BLOCK_BYTES",
@@ -178,6 +183,14 @@ def _bool(name: str, default: bool) -> bool:
     raise _bad(name, raw, "a boolean (1/0, true/false)")
 
 
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity mask: ``taskset``, a container's cpuset), at least 1."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # no affinity API (macOS)
+        return max(1, os.cpu_count() or 1)
+
+
 #: I/O threads per rank for writes and reads. Writes and CRC32C release the GIL.
 IO_THREADS = _int("IO_THREADS", 4)
 #: Bytes handed to one ``write`` call (and one CRC update).
@@ -225,7 +238,12 @@ LOAD_RANGE_BYTES = _int("LOAD_RANGE_BYTES", 8 << 20)
 #: above (their buffers are host memory beyond the model). The pinned pool is
 #: registered at exact size and released when ``load`` returns.
 LOAD_CUDA_BUFFER_BYTES = _int("LOAD_CUDA_BUFFER_BYTES", 512 << 20)
-LOAD_CUDA_IO_THREADS = _int("LOAD_CUDA_IO_THREADS", min(16, os.cpu_count() or 1))
+LOAD_CUDA_IO_THREADS = _int("LOAD_CUDA_IO_THREADS", min(16, usable_cpus()))
+#: ``IO_THREADS`` of a load whose targets are CPU tensors: each reader thread
+#: verifies its piece and copies it into the tensor itself, so a thread per
+#: core the process may use is the most that helps; more (4 on a 2-core box)
+#: only fight over the cores the copies need.
+LOAD_CPU_IO_THREADS = _int("LOAD_CPU_IO_THREADS", min(IO_THREADS, usable_cpus()))
 #: A byte range that several ranks of a load need (HSDP/DDP replicas,
 #: replicated TP parameters and buffers) is read and verified by one of them
 #: and sent to the others over the process group (shardckpt/_replicas.py):

@@ -133,7 +133,7 @@ def load(
             strictly (each distinct list of unclaimed names goes to rank 0
             once).
         process_group: group the load runs over (default: the world).
-        io_threads: reads in flight per rank (default: ``SHARDCKPT_IO_THREADS``,
+        io_threads: reads in flight per rank (default: ``SHARDCKPT_LOAD_CPU_IO_THREADS``, at most one per usable core,
             or ``SHARDCKPT_LOAD_CUDA_IO_THREADS`` when this rank's targets are
             CUDA tensors).
         keys: only these checkpoint tensors (names or glob patterns, matched

@@ -179,7 +179,8 @@ def load_settings(cuda: bool, *, threads: Optional[int] = None, buffer_bytes: Op
 
     CUDA targets: ``SHARDCKPT_LOAD_CUDA_IO_THREADS`` and
     ``SHARDCKPT_LOAD_CUDA_BUFFER_BYTES`` (pinned buffers, so reads overlap
-    the device copies); otherwise ``SHARDCKPT_IO_THREADS`` and
+    the device copies); otherwise ``SHARDCKPT_LOAD_CPU_IO_THREADS`` (at most
+    one per usable core) and
     ``SHARDCKPT_LOAD_BUFFER_BYTES`` (host memory beyond the model stays
     small). Knobs are read at call time.
 
@@ -187,7 +188,7 @@ def load_settings(cuda: bool, *, threads: Optional[int] = None, buffer_bytes: Op
         (2, 1048576)
     """
     if threads is None:
-        threads = _knobs.LOAD_CUDA_IO_THREADS if cuda else _knobs.IO_THREADS
+        threads = _knobs.LOAD_CUDA_IO_THREADS if cuda else _knobs.LOAD_CPU_IO_THREADS
     if buffer_bytes is None:
         buffer_bytes = _knobs.LOAD_CUDA_BUFFER_BYTES if cuda else _knobs.LOAD_BUFFER_BYTES
     return threads, buffer_bytes

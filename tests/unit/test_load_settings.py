@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -12,7 +14,7 @@ from shardckpt import _knobs, _load
 
 
 def test_settings_by_target_and_given_values_win(monkeypatch):
-    assert _load.load_settings(False) == (_knobs.IO_THREADS, _knobs.LOAD_BUFFER_BYTES)
+    assert _load.load_settings(False) == (_knobs.LOAD_CPU_IO_THREADS, _knobs.LOAD_BUFFER_BYTES)
     assert _load.load_settings(True) == (_knobs.LOAD_CUDA_IO_THREADS, _knobs.LOAD_CUDA_BUFFER_BYTES)
     assert _knobs.LOAD_CUDA_BUFFER_BYTES == 512 << 20 or "SHARDCKPT_LOAD_CUDA_BUFFER_BYTES" in os.environ
     assert 1 <= _knobs.LOAD_CUDA_IO_THREADS <= 16 or "SHARDCKPT_LOAD_CUDA_IO_THREADS" in os.environ
@@ -21,6 +23,20 @@ def test_settings_by_target_and_given_values_win(monkeypatch):
     assert _load.load_settings(True) == (7, 3 << 20)  # knobs read at call time
     assert _load.load_settings(True, threads=2, buffer_bytes=1 << 20) == (2, 1 << 20)
     assert _load.load_settings(False, threads=5) == (5, _knobs.LOAD_BUFFER_BYTES)
+
+
+def test_cpu_load_threads_follow_the_cores_the_process_may_use():
+    """A process pinned to 1 or 2 cores (taskset, a cpuset) gets that many CPU-load readers, not IO_THREADS (4)."""
+    code = ("import os, sys; os.sched_setaffinity(0, set(sorted(os.sched_getaffinity(0))[:int(sys.argv[1])])); "
+            "from shardckpt import _knobs, _load; print(_knobs.usable_cpus(), _load.load_settings(False)[0], _knobs.IO_THREADS)")
+    env = {k: v for k, v in os.environ.items() if k not in ("SHARDCKPT_LOAD_CPU_IO_THREADS", "SHARDCKPT_IO_THREADS")}
+    have = len(os.sched_getaffinity(0))
+    for n in sorted({1, min(2, have)}):
+        out = subprocess.run([sys.executable, "-c", code, str(n)], env=env, capture_output=True, text=True, check=True)
+        assert out.stdout.split() == [str(n), str(n), "4"], out
+    env["SHARDCKPT_LOAD_CPU_IO_THREADS"] = "3"  # an explicit setting wins over the cores
+    out = subprocess.run([sys.executable, "-c", code, "1"], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["1", "3", "4"], out
 
 
 def test_knob_values_parse_from_the_environment(monkeypatch):
