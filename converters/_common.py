@@ -18,6 +18,7 @@ plus a block of read buffers; blocks shrink as more files are written at once.
 from __future__ import annotations
 
 import math
+import queue
 import threading
 import time
 import uuid
@@ -50,7 +51,7 @@ from shardckpt._io import (
     partition,
     split_files_by_header,
     tensor_bytes,
-    write_files,
+    write_packed,
 )
 from shardckpt._layout import box_view
 from shardckpt._readers import BufferPool, Want, read_verified
@@ -163,6 +164,16 @@ class Reader:
 
     def read_into(self, t: SrcTensor, blk: Block, out: torch.Tensor, *, pool: Optional[BufferPool] = None) -> None:
         """Fill ``out`` (flat uint8, ``blk.count`` elements of ``t``) with the block's bytes, row-major."""
+        wants = self.wants_into(t, blk, out)
+        if wants:
+            self.read_wants(wants, pool=pool)
+
+    def wants_into(self, t: SrcTensor, blk: Block, out: torch.Tensor) -> List[Want]:
+        """The reads that fill ``out`` with the block's bytes (bytes of loaded chunks are copied now).
+
+        Several blocks' wants handed to one :meth:`read_wants` are read in
+        parallel (many small tensors: one batch of reads, not one per tensor).
+        """
         isz = itemsize(t.dtype)
         wants: List[Want] = []
         if blk.rows is None:
@@ -195,10 +206,10 @@ class Reader:
                         cast(Any, dst).copy_(src.view((k,) + inner))
                     else:
                         wants.append(Want(self._wanted_chunk(t, s.chunk), r * crow, (r + k) * crow, (t, s.chunk, dst)))
-        if wants:
-            self._read(wants, pool)
+        return wants
 
-    def _read(self, wants: List[Want], pool: Optional[BufferPool]) -> None:
+    def read_wants(self, wants: List[Want], *, pool: Optional[BufferPool] = None) -> None:
+        """Read ``wants`` (from :meth:`wants_into`) verified into their targets, up to ``threads`` at once."""
         def deliver(w: Want, data: memoryview, owner: Any, off: int) -> None:
             t, idx, dst = w.tag
             check = t.whole_check(idx)
@@ -299,6 +310,134 @@ class Streamer:
                          tensor=None, stream=partial(self.slabs, e))
 
 
+#: Buffers of a :class:`Packer`: one being written while the next is read.
+PACK_DEPTH = 2
+
+
+class Packer:
+    """One output file's bytes (its entries concatenated in file order) in pieces of ``piece_bytes``.
+
+    A producer thread reads (verified, cast) the entries into a ring of
+    ``PACK_DEPTH`` buffers, many small tensors packed into one buffer and
+    read as one parallel batch, and crosses entry boundaries freely: the next
+    tensors are read while the writer writes the current buffer, and every
+    ``write`` call (but a file's last) gets about ``piece_bytes``. The bytes
+    are read straight into the buffer that is written (a cast goes through
+    one scratch block). Memory: ``PACK_DEPTH`` (+1 when casting) buffers plus
+    a block of read buffers; a single row wider than a buffer gets one of its own.
+    ``stop``: set by a failing sibling; the producer stops at its next block.
+
+    Example:
+        >>> p = Packer(reader); write_packed(storage, rel, shells, p.pieces(entries)); p.close()   # doctest: +SKIP
+    """
+
+    def __init__(self, reader: Reader, *, piece_bytes: int = BLOCK_BYTES, progress: Optional["Progress"] = None,
+                 stop: Optional[threading.Event] = None):
+        self.reader = reader
+        self.piece_bytes = piece_bytes
+        self.progress = progress
+        self.stop = stop
+        self.pool = BufferPool(piece_bytes, slot_bytes=min(WANT_BYTES, piece_bytes))
+        self._scratch: Optional[torch.Tensor] = None
+
+    def close(self) -> None:
+        self.pool.close()
+        self._scratch = None
+
+    def _produce(self, entries: Sequence[OutEntry], free: "queue.Queue[Optional[torch.Tensor]]",
+                 full: "queue.Queue[Any]", quit: threading.Event) -> None:
+        try:
+            buf: Optional[torch.Tensor] = None
+            at = 0
+            wants: List[Want] = []
+
+            def ship() -> None:
+                nonlocal buf, at
+                if wants:
+                    self.reader.read_wants(wants, pool=self.pool)
+                    wants.clear()
+                if buf is not None and at:
+                    full.put((buf, at))
+                    buf = None
+                at = 0
+
+            def room(n: int) -> torch.Tensor:
+                nonlocal buf, at
+                if buf is not None and at + n > self.piece_bytes:
+                    ship()
+                if buf is None:
+                    buf = free.get()
+                    if buf is None or quit.is_set():
+                        raise _Stopped()
+                view = buf[at : at + n]
+                at += n
+                return view
+
+            for e in entries:
+                bb = block_bytes_for(e.src.dtype, e.dtype, self.piece_bytes)
+                for blk in plan_blocks(e.src, e.start, e.stop, bb):
+                    if quit.is_set() or (self.stop is not None and self.stop.is_set()):
+                        raise _Stopped()
+                    n_src, n_out = blk.count * itemsize(e.src.dtype), blk.count * itemsize(e.dtype)
+                    if n_out > self.piece_bytes or n_src > self.piece_bytes:
+                        ship()
+                        big = host_empty(n_out)
+                        self._read_block(e, blk, big, n_src)
+                        full.put((big, n_out))
+                        continue
+                    dst = room(n_out)
+                    if e.dtype == e.src.dtype:
+                        wants.extend(self.reader.wants_into(e.src, blk, dst))
+                    else:
+                        self._read_block(e, blk, dst, n_src)
+            ship()
+            full.put(None)
+        except BaseException as exc:  # noqa: BLE001 - handed to the consumer, raised there
+            full.put(exc)
+
+    def _read_block(self, e: OutEntry, blk: Block, dst: torch.Tensor, n_src: int) -> None:
+        if e.dtype == e.src.dtype:
+            self.reader.read_into(e.src, blk, dst, pool=self.pool)
+            return
+        if n_src > self.piece_bytes:
+            raw = host_empty(n_src)
+        else:
+            if self._scratch is None:
+                self._scratch = host_empty(self.piece_bytes)
+            raw = self._scratch[:n_src]
+        self.reader.read_into(e.src, blk, raw, pool=self.pool)
+        if blk.count:
+            dst.view(torch_dtype(e.dtype)).copy_(raw.view(torch_dtype(e.src.dtype)))
+
+    def pieces(self, entries: Sequence[OutEntry]) -> Iterator[memoryview]:
+        """The entries' bytes in order, in pieces; each valid until the next is asked for."""
+        free: "queue.Queue[Optional[torch.Tensor]]" = queue.Queue()
+        full: "queue.Queue[Any]" = queue.Queue()
+        for _ in range(PACK_DEPTH):
+            free.put(host_empty(self.piece_bytes))
+        quit = threading.Event()
+        producer = threading.Thread(target=self._produce, args=(entries, free, full, quit), name="shardckpt-pack", daemon=True)
+        producer.start()
+        try:
+            while True:
+                got = full.get()
+                if got is None:
+                    return
+                if isinstance(got, BaseException):
+                    raise got
+                buf, n = got
+                yield byte_view(buf[:n])
+                if self.progress is not None:
+                    self.progress.update(n)
+                if len(buf) == self.piece_bytes:
+                    free.put(buf)  # written: the producer may fill it again
+        finally:
+            # The writer stopped early (or finished): no read may fill a buffer after this.
+            quit.set()
+            free.put(None)
+            producer.join()
+
+
 # --------------------------------------------------------------------------
 # writing
 
@@ -337,6 +476,35 @@ def _write_streamed(
     finally:
         for s in streamers:
             s.close()
+
+
+def _write_packed(storage: Storage, files: Dict[str, List[OutEntry]], reader: Reader, *, threads: int,
+                  progress: "Progress") -> None:
+    """Write plain safetensors files, each by its :class:`Packer` (reads overlap writes, large writes), ``threads`` of reads in flight.
+
+    Files are written in parallel (up to ``threads``), sharing the memory
+    budget: pieces shrink (to ``WANT_BYTES``) as more files are written at once.
+    """
+    busy = max(1, min(threads, len(files)))
+    reader.threads = max(1, threads // busy)
+    stop = threading.Event()  # one file failed: the others stop at their next block
+    piece = max(WANT_BYTES, BLOCK_BYTES // busy)
+
+    def one(rel: str) -> None:
+        ents = files[rel]
+        p = Packer(reader, piece_bytes=piece, progress=progress, stop=stop)
+        shells = [WriteItem(e.name or e.key, e.key, e.dtype, tuple(e.offsets), tuple(e.shape), None) for e in ents]
+        pieces = p.pieces(ents)
+        try:
+            write_packed(storage, rel, shells, pieces)
+        finally:
+            # A failed write ends the producer now (not when its traceback is freed), before its pool closes.
+            pieces.close()
+            p.close()
+
+    rels = list(files)
+    run_parallel(one, rels, workers=busy, stop=stop)
+    storage.fsync_dirs({rel.rsplit("/", 1)[0] if "/" in rel else "" for rel in rels})
 
 
 def run_parallel(fn: Callable[[Any], Any], args: Sequence[Any], *, workers: int, stop: threading.Event) -> List[Any]:
@@ -510,11 +678,8 @@ def write_plain(
     total = sum(e.nbytes for ents in files.values() for e in ents)
     bar = Progress(total, opts.progress, desc)
 
-    def write(_, items, n):
-        return write_files(storage, items, threads=n, chunk_metadata=False)
-
     try:
-        _write_streamed({0: {rel: _sorted(ents) for rel, ents in files.items()}}, reader, write, threads=opts.io_threads, progress=bar)
+        _write_packed(storage, {rel: _sorted(ents) for rel, ents in files.items()}, reader, threads=opts.io_threads, progress=bar)
         reader.finish()
         if index is not None:
             storage.write_atomic(index_name, index)

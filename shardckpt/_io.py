@@ -43,6 +43,7 @@ __all__ = [
     "host_empty",
     "crc32c",
     "data_file_header",
+    "write_packed",
 ]
 
 # Tunables live in ``_knobs`` (SHARDCKPT_* environment variables) and are
@@ -321,10 +322,7 @@ def data_file_header(items: Sequence[WriteItem], *, chunk_metadata: bool = True)
     return safetensors_header([(it.key, it.dtype, it.sizes, it.nbytes) for it in items], chunks=chunks_md)
 
 
-def _write_one(
-    storage: Storage, rel: str, items: Sequence[WriteItem], block_bytes: int, chunk_metadata: bool = True,
-    hash_algo: Optional[str] = None,
-) -> Tuple[List[ChunkMeta], FileMeta]:
+def _checked_header(storage: Storage, rel: str, items: Sequence[WriteItem], chunk_metadata: bool) -> Tuple[bytes, List[int]]:
     header, starts = data_file_header(items, chunk_metadata=chunk_metadata)
     if len(header) - 8 > MAX_HEADER_BYTES:
         # Planning keeps headers far below this (``partition``); a writer must
@@ -334,6 +332,14 @@ def _write_one(
             f"{MAX_HEADER_BYTES} that safetensors readers accept; split the chunks over more files "
             "(SHARDCKPT_HEADER_BYTES_PER_FILE) or shorten the tensor names"
         )
+    return header, starts
+
+
+def _write_one(
+    storage: Storage, rel: str, items: Sequence[WriteItem], block_bytes: int, chunk_metadata: bool = True,
+    hash_algo: Optional[str] = None,
+) -> Tuple[List[ChunkMeta], FileMeta]:
+    header, starts = _checked_header(storage, rel, items, chunk_metadata)
     out: List[ChunkMeta] = []
     w = storage.open_write(rel)
     try:
@@ -381,6 +387,40 @@ def _write_one(
         w.abort()
         raise
     return out, FileMeta(size)
+
+
+def write_packed(storage: Storage, rel: str, items: Sequence[WriteItem], pieces: Iterable[memoryview]) -> FileMeta:
+    """Write a plain safetensors file (no chunk metadata, no checksums) whose data comes from ``pieces``.
+
+    ``pieces``: the items' bytes concatenated in file order, cut anywhere
+    (large pieces make large ``write`` calls: a producer packs many small
+    tensors into one). For files nothing verifies later (Hugging Face
+    exports); the bytes are the caller's, verified when they were read.
+    ``items`` give the header only (their ``tensor``/``stream`` are unused).
+
+    Raises:
+        AssertionError: ``pieces`` hold a different number of bytes than ``items``.
+        OSError / StorageError: a write failed (the partial file is aborted).
+
+    Example:
+        >>> write_packed(storage, "model.safetensors", shells, (byte_view(b) for b in buffers))   # doctest: +SKIP
+    """
+    header, _ = _checked_header(storage, rel, items, False)
+    want = sum(it.nbytes for it in items)
+    w = storage.open_write(rel)
+    try:
+        w.write(header)
+        n = 0
+        for piece in pieces:
+            w.write(piece)
+            n += len(piece)
+        if n != want:
+            raise AssertionError(f"internal error: {rel}: {n} data bytes written, expected {want}")
+        w.close()
+    except BaseException:
+        w.abort()
+        raise
+    return FileMeta(len(header) + want)
 
 
 def _write_stream(w, it: WriteItem, crcs: _Pass) -> None:

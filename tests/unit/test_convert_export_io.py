@@ -1,0 +1,92 @@
+"""The HF export's I/O: large writes (small tensors packed) and reads of the next tensors overlapping the writes.
+
+Shown by what the writer sees (the size of each ``write`` call) and by the
+order of events (a write waits for a later tensor's read to start), never by time.
+"""
+
+import threading
+
+import torch
+from safetensors.torch import load_file
+from shardckpt.converters import _common
+
+import shardckpt
+from shardckpt import converters
+from shardckpt._storage import Storage
+
+#: Generous: the bound of a wait that the code under test must end by an event.
+EVENT_WAIT_S = 30.0
+
+
+def _record_writes(monkeypatch, calls):
+    """Wrap every storage writer: ``calls`` gets ``(file name, bytes)`` per ``write`` call; returns the hook list."""
+    real = Storage.open_write
+    hooks = []
+
+    def open_write(self, rel):
+        w = real(self, rel)
+        inner = w.write
+
+        def write(data):
+            calls.append((rel, len(data)))
+            for h in hooks:
+                h(rel, sum(1 for r, _ in calls if r == rel))
+            return inner(data)
+
+        w.write = write
+        return w
+
+    monkeypatch.setattr(Storage, "open_write", open_write)
+    return hooks
+
+
+def test_export_of_many_small_tensors_makes_few_large_writes(tmp_path, monkeypatch):
+    """256 tensors of 4 KiB: one data write (they are packed), not one per tensor."""
+    g = torch.Generator().manual_seed(0)
+    state = {f"w{i:03d}": torch.randn(1024, generator=g) for i in range(256)}
+    shardckpt.save({"model": state}, str(tmp_path / "ck"))
+    calls = []
+    _record_writes(monkeypatch, calls)
+    converters.to_safetensors(str(tmp_path / "ck"), str(tmp_path / "hf"))
+    data = [(rel, n) for rel, n in calls if rel.endswith(".safetensors")]
+    # The first write is the header; the data (1 MiB) fits one piece.
+    assert len(data) == 2, data[:10]
+    assert data[1][1] == 256 * 4096
+    got = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    assert got.keys() == state.keys()
+    for k, v in state.items():
+        assert torch.equal(got[k], v), k
+
+
+def test_export_reads_the_next_tensors_while_a_piece_is_written(tmp_path, monkeypatch):
+    """The write of the first piece (tensors a, b) waits until the read of c has started: it must, or it waits in vain."""
+    monkeypatch.setattr(_common, "BLOCK_BYTES", _common.WANT_BYTES)  # pieces of 4 MiB: a + b, then c
+    g = torch.Generator().manual_seed(1)
+    n = _common.WANT_BYTES // 4  # 4 MiB of fp32, 2 MiB once cast to bf16
+    state = {k: torch.randn(n, generator=g) for k in "abc"}
+    shardckpt.save({"model": state}, str(tmp_path / "ck"))
+    c_read = threading.Event()
+    real_read = _common.read_verified
+
+    def read_verified(storage, wants, *args, **kw):
+        if any(w.chunk.tensor == "model.c" for w in wants):
+            c_read.set()
+        return real_read(storage, wants, *args, **kw)
+
+    monkeypatch.setattr(_common, "read_verified", read_verified)
+    calls = []
+    hooks = _record_writes(monkeypatch, calls)
+    seen = []
+
+    def first_data_write_waits(rel, k):
+        if rel.endswith(".safetensors") and k == 2:  # after the header
+            seen.append(c_read.wait(EVENT_WAIT_S))
+
+    hooks.append(first_data_write_waits)
+    converters.to_safetensors(str(tmp_path / "ck"), str(tmp_path / "hf"), dtype="bf16")
+    assert seen == [True], "the writer waited for a read of the next tensor that never started: reads do not overlap writes"
+    data = [nb for rel, nb in calls if rel.endswith(".safetensors")][1:]
+    assert data == [2 * n * 2, n * 2]  # a + b (cast to bf16) in one write, then c
+    got = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    for k, v in state.items():
+        assert torch.equal(got[k], v.to(torch.bfloat16)), k
