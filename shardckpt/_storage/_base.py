@@ -39,6 +39,7 @@ __all__ = [
     "Writer",
     "join_url",
     "plan_range_fetches",
+    "set_backend_lookup",
 ]
 
 # The retry policy's tunables live in shardckpt/_knobs.py (STORAGE_RETRIES: the
@@ -282,6 +283,11 @@ class StagedFile:
             self.abort()
 
 
+def set_backend_lookup(lookup: Callable[[str, Optional[Dict[str, Any]]], Type["Storage"]]) -> None:
+    """Make ``Storage(url)`` build ``lookup(url, storage_options)`` (``_factory`` installs its ``backend_for``)."""
+    Storage._backend_for = staticmethod(lookup)
+
+
 def pwrite_all(fd: int, data, pos: int) -> int:
     """Write all of ``data`` at ``pos`` (``os.pwrite`` may write less than asked); returns the bytes written."""
     mv = memoryview(data).cast("B")
@@ -416,7 +422,8 @@ class Storage:
     #: callers ask it instead of checking the backend's type.
     caps: Capabilities
     #: URL -> backend class: ``_factory.backend_for``, installed by that module
-    #: (it imports every backend, so this module cannot import it).
+    #: through :func:`set_backend_lookup` (it imports every backend, so this
+    #: module cannot import it).
     _backend_for: ClassVar[Callable[[str, Optional[Dict[str, Any]]], Type["Storage"]]]
 
     def __init_subclass__(cls, **kwargs: Any) -> None:

@@ -9,7 +9,7 @@ A plain path is local disk; a scheme nobody registered goes to
 class and its ``register_backend`` call (docs/extending.md).
 
 ``Storage(url, ...)`` (the public name) asks :func:`backend_for` through a
-hook this module installs on :class:`Storage` when the package is imported:
+hook this module installs (``set_backend_lookup``) when the package is imported:
 ``_base`` cannot import this module (it imports every backend, and every
 backend imports ``_base``), so the dependency runs one way only.
 """
@@ -20,7 +20,7 @@ import re
 from typing import Any, Dict, Optional, Type, Union
 
 from ..errors import StorageError, UsageError
-from ._base import Capabilities, Storage
+from ._base import Capabilities, Storage, set_backend_lookup
 from ._fsspec import FsspecStorage
 from ._local import LocalStorage
 from ._s3 import S3Storage
@@ -153,4 +153,4 @@ for _scheme, _backend in (("file", LocalStorage), *((p, S3Storage) for p in sort
     register_backend(_scheme, _backend)
     _BUILTIN[_scheme] = _backend
 
-Storage._backend_for = staticmethod(backend_for)
+set_backend_lookup(backend_for)
