@@ -12,6 +12,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Union
 
 import torch
 
+from .._format.values import tensor_ref
 from .._runtimes import (
     empty_like_meta,
     fsdp1_load_model_state,
@@ -31,7 +32,6 @@ from .base import (
     is_tensor,
     join_path,
 )
-from .values import tensor_ref
 
 __all__ = [
     "ModuleAdapter",

@@ -56,9 +56,9 @@ from typing import Any, Callable, Dict, FrozenSet, List, Optional, Tuple, cast
 
 import torch
 
+from .._format.values import TAG, decode_value, encode_value, tensor_ref
 from .._layout import is_dtensor, is_sharded_tensor
 from ..errors import StateMismatchError, UnsupportedStateError, UsageError
-from .values import TAG, decode_value, encode_value, tensor_ref
 
 __all__ = [
     "SUBCLASS_TAG",
