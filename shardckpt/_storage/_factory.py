@@ -141,12 +141,12 @@ def open_storage(target: Union[str, Storage], *, storage_options: Optional[Dict[
 
 
 def rebuildable(storage: Storage) -> bool:
-    """Whether a fresh process's ``Storage(storage.url)`` builds this same backend (shardckpt's own backends only)."""
+    """Whether a fresh process's ``Storage(storage.url)`` builds this same backend (shardckpt's own backends only: fsspec's too)."""
     try:
         cls = backend_for(storage.url, storage.storage_options)
     except StorageError:
         return False
-    return type(storage) is cls and cls in _BUILTIN.values()
+    return type(storage) is cls and (cls is FsspecStorage or cls in _BUILTIN.values())
 
 
 for _scheme, _backend in (("file", LocalStorage), *((p, S3Storage) for p in sorted(S3_PROTOCOLS))):

@@ -134,3 +134,13 @@ def test_shard_rules_and_context_types_are_public_and_refuse_duplicates():
     with pytest.raises(UsageError, match=r"already has the context types \['my.Config'\]"):
         shardckpt.register_ctx_types(ctx, ["my.Other"])
     shardckpt.register_ctx_types(ctx, ["my.Config", "my.Other"], override=True)
+
+
+def test_only_shardckpts_own_backends_go_to_a_writer_child(tmp_path):
+    # A writer child builds its storage from the URL alone: shardckpt's backends (fsspec's included) only.
+    from shardckpt._storage import rebuildable
+
+    register()
+    assert rebuildable(shardckpt.Storage(str(tmp_path))) and rebuildable(shardckpt.Storage("memory://x"))
+    assert not rebuildable(shardckpt.Storage(PREFIX + str(tmp_path)))
+    assert not rebuildable(DirStorage(PREFIX + str(tmp_path)))
