@@ -9,8 +9,9 @@ import uuid
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Union, cast
 
 from shardckpt._format import DATA_DIR, MANIFEST_NAME
+from shardckpt._format.hf import hf_manifest
 from shardckpt._format.values import TAG, tensor_ref
-from shardckpt._hf import KeyMap, aliases_of, hf_manifest, map_names, select_names
+from shardckpt._hf import KeyMap, aliases_of, map_names, select_names
 from shardckpt._storage import Storage, fsync_dir
 from shardckpt.errors import CheckpointExistsError, CheckpointNotFoundError, StateMismatchError, format_offenders
 

@@ -31,7 +31,7 @@ from .._format.refs import follow
 from .._format.values import TAG as _TAG
 from .._format.values import decode_value, is_tensor_ref, tensor_names
 from .._hf import select_paths, with_aliases
-from .._storage import Storage
+from .._storage import Storage, open_storage
 from ..errors import CheckpointError, CorruptCheckpointError, LoadFailedError, StateMismatchError, format_offenders
 from .plan import DEFAULT_CAST, KeyMap, LoadPlan, LoadResult, new_tensors, plan_load
 from .stage import copy_staged, stage_targets
@@ -46,7 +46,7 @@ __all__ = ["load", "read", "load_into"]
 @overload
 def load(
     state: None,
-    url: str,
+    url: Union[str, Storage],
     *,
     storage_options: Optional[Dict[str, Any]] = ...,
     strict: bool = ...,
@@ -65,7 +65,7 @@ def load(
 @overload
 def load(
     state: Dict[str, Any],
-    url: str,
+    url: Union[str, Storage],
     *,
     storage_options: Optional[Dict[str, Any]] = ...,
     strict: bool = ...,
@@ -83,7 +83,7 @@ def load(
 
 def load(
     state: Optional[Dict[str, Any]],
-    url: str,
+    url: Union[str, Storage],
     *,
     storage_options: Optional[Dict[str, Any]] = None,
     strict: bool = True,
@@ -124,7 +124,8 @@ def load(
         state: the live state, same structure as when saved. Only the entries
             it names are loaded (a model alone from a full training checkpoint
             is fine).
-        url: checkpoint directory or fsspec URL.
+        url: checkpoint directory or fsspec URL, or a :class:`Storage`
+            object (then no ``storage_options``).
         storage_options: passed to fsspec.
         strict: if False, entries missing on either side are skipped and
             reported in the result instead of raising. With several ranks,
@@ -215,7 +216,7 @@ def load(
     comm = open_comm(
         process_group, no_dist=no_dist, collective_timeout_s=collective_timeout_s, op="shardckpt.load", error=LoadFailedError
     )
-    storage = follow(Storage(url, storage_options=storage_options))  # format v4 references (_format.refs)
+    storage = follow(open_storage(url, storage_options=storage_options))  # format v4 references (_format.refs)
     return load_into(
         state, storage, comm=comm, process_group=process_group, strict=strict, io_threads=io_threads, keys=keys,
         key_map=key_map, atomic=atomic, buffer_bytes=buffer_bytes, cast=cast,
@@ -223,7 +224,7 @@ def load(
 
 
 def read(
-    url: str,
+    url: Union[str, Storage],
     *,
     keys: Union[str, Sequence[str], None] = None,
     storage_options: Optional[Dict[str, Any]] = None,
@@ -240,7 +241,7 @@ def read(
 
     Args:
         url: checkpoint directory or fsspec URL (a Hugging Face safetensors
-            directory or file too).
+            directory or file too), or a :class:`Storage` object.
         keys: what to read: tensor names or dotted paths into saved values
             (``"train_state.step"``), exact or glob patterns; a pattern
             matching nothing raises. Default (None): the top-level entries
@@ -271,7 +272,7 @@ def read(
     Reads on this process alone; with several ranks, each rank that calls
     it reads what it asks.
     """
-    storage = follow(Storage(url, storage_options=storage_options))  # format v4 references (_format.refs)
+    storage = follow(open_storage(url, storage_options=storage_options))  # format v4 references (_format.refs)
     manifest = open_manifest(storage)
     asked = select_paths(with_aliases(manifest), keys)
     template = _read_tensors(storage, manifest, asked, io_threads=io_threads)

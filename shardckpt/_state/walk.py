@@ -24,7 +24,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 
 from .._format.naming import chunk_key_clashes, unreadable_names
-from .._format.values import MAX_VALUE_DEPTH, value_depth_problem
+from .._format.values import MAX_VALUE_DEPTH, TAG, decode_value, encode_value, is_tensor_ref, tensor_ref, value_depth_problem
 from .._layout import is_dtensor
 from ..errors import StateMismatchError, UnsupportedStateError
 from .adapters import adapter_for
@@ -52,7 +52,6 @@ from .subclass import (
     plain_problem,
     sharded_inner,
 )
-from .values import TAG, decode_value, encode_value, is_tensor_ref, tensor_ref
 from .walker import FlatLoad, FlatSave
 
 __all__ = [
