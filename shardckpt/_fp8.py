@@ -22,11 +22,12 @@ plain ``float() * scale`` is).
 
 from __future__ import annotations
 
+import threading
 from typing import Iterator, Tuple
 
 import torch
 
-__all__ = ["FP8_MAX", "FP8_DTYPE", "band_rows", "dequantize_into", "block_amax", "scales_from_amax", "quantize_into"]
+__all__ = ["FP8_MAX", "FP8_DTYPE", "SCRATCH_ELEMS", "band_rows", "dequantize_into", "block_amax", "scales_from_amax", "quantize_into"]
 
 #: The largest finite ``float8_e4m3fn``: a block's scale is its amax / FP8_MAX (DeepSeek's quantizer).
 FP8_MAX = 448.0
@@ -35,6 +36,10 @@ FP8_DTYPE = torch.float8_e4m3fn
 _BIAS = 256.0
 #: float16 bits kept after the shift: the sign and the low 4 exponent + 3 mantissa bits.
 _KEEP = torch.tensor(-16512, dtype=torch.int16)  # 0xBF80 as int16
+#: One host dequantize at a time: each op already runs on torch's intra-op
+#: pool; the load's reader threads calling them at once oversubscribe it
+#: (measured on 2 cores: 8x slower than taking turns).
+_HOST = threading.Lock()
 
 
 def band_rows(row0: int, n: int, block_rows: int) -> Iterator[Tuple[int, int, int]]:
@@ -51,12 +56,12 @@ def band_rows(row0: int, n: int, block_rows: int) -> Iterator[Tuple[int, int, in
         a = b
 
 
-def _col_scales(scale_row: torch.Tensor, col0: int, m: int, block_cols: int) -> torch.Tensor:
-    """The scale of each of the ``m`` columns from global column ``col0`` (a row of the scale grid, widened)."""
+def _col_scales(scale_rows: torch.Tensor, col0: int, m: int, block_cols: int) -> torch.Tensor:
+    """The scale of each of the ``m`` columns from global column ``col0``, for each row of ``scale_rows`` (1-D or 2-D), widened."""
     k0, k1 = col0 // block_cols, -(-(col0 + m) // block_cols)
-    cols = scale_row[k0:k1].repeat_interleave(block_cols)
+    cols = scale_rows[..., k0:k1].repeat_interleave(block_cols, dim=-1)
     at = col0 - k0 * block_cols
-    return cols[at : at + m]
+    return cols[..., at : at + m]
 
 
 def _as_half(q: torch.Tensor, out16: torch.Tensor) -> torch.Tensor:
@@ -89,20 +94,67 @@ def dequantize_into(dst: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, *, 
     n, m = q.shape
     if not n or not m:
         return
-    rows = min(n, block[0])
-    half = torch.empty((rows, m), dtype=torch.float16)
-    # float16 x float32 into another dtype takes a slow path: through float32.
-    wide = None if dst.dtype == torch.float32 else torch.empty((rows, m), dtype=torch.float32)
-    for a, b, k in band_rows(row0, n, block[0]):
-        s = _col_scales(scale[k - scale_row0], col0, m, block[1])
-        out = dst[a:b] if wide is None else wide[: b - a]
-        h = _as_half(q[a:b], half[: b - a])
-        if float(s.abs().max()) < 2.0**120:
-            torch.mul(h, s * _BIAS, out=out)
-        else:  # the folded scale would overflow float32: widen first (exact), then one rounding
-            out.copy_(h).mul_(_BIAS).mul_(s)
-        if wide is not None:
-            dst[a:b].copy_(out)
+    if q.is_cuda:
+        _dequantize(dst, q, scale, row0=row0, col0=col0, block=block, scale_row0=scale_row0)
+        return
+    with _HOST:
+        _dequantize(dst, q, scale, row0=row0, col0=col0, block=block, scale_row0=scale_row0)
+
+
+#: Elements of the host scratch (float16 + float32: 6 bytes each) that
+#: dequantizing reuses: fresh buffers per piece cost more in page faults
+#: than the arithmetic (measured: 48 MB a piece, 200 ms).
+SCRATCH_ELEMS = 1 << 20
+_SCRATCH: dict = {}
+
+
+def _scratch(n: int, m: int, device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
+    if device.type != "cpu" or n * m > SCRATCH_ELEMS:
+        return (torch.empty((n, m), dtype=torch.float16, device=device), torch.empty((n, m), dtype=torch.float32, device=device))
+    if not _SCRATCH:  # kept for the process: 6 MiB
+        _SCRATCH["half"] = torch.empty(SCRATCH_ELEMS, dtype=torch.float16)
+        _SCRATCH["wide"] = torch.empty(SCRATCH_ELEMS, dtype=torch.float32)
+    return _SCRATCH["half"][: n * m].view(n, m), _SCRATCH["wide"][: n * m].view(n, m)
+
+
+def _segments(row0: int, n: int, block_rows: int, group: int) -> Iterator[Tuple[int, int, int]]:
+    """``(a, b, bands)``: local rows ``[a, b)`` over ``bands`` scale rows: a partial first band, up to ``group`` whole bands at a time, a partial last one.
+
+        >>> list(_segments(100, 400, 128, 2))
+        [(0, 28, 1), (28, 284, 2), (284, 400, 1)]
+    """
+    a = min(n, (-row0) % block_rows)
+    if a:
+        yield 0, a, 1
+    while n - a >= block_rows:
+        k = min(group, (n - a) // block_rows)
+        yield a, a + k * block_rows, k
+        a += k * block_rows
+    if a < n:
+        yield a, n, 1
+
+
+def _dequantize(dst: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, *, row0: int, col0: int,
+                block: Tuple[int, int], scale_row0: int) -> None:
+    n, m = q.shape
+    br = block[0]
+    group = max(1, SCRATCH_ELEMS // (br * m))
+    for a, b, nb in _segments(row0, n, br, group):
+        half, out = _scratch(b - a, m, q.device)
+        k0 = (row0 + a) // br - scale_row0
+        s = _col_scales(scale[k0 : k0 + nb], col0, m, block[1])  # (bands, m)
+        # Widen (exact), then one float32 multiply (the one rounding), then
+        # the destination's dtype: plain kernels beat a mixed-dtype multiply.
+        out.copy_(_as_half(q[a:b], half))
+        if float(s.abs().max()) >= 2.0**120:  # the folded scale would overflow float32: the bias first (exact)
+            out.mul_(_BIAS)
+        else:
+            s = s * _BIAS
+        if nb == 1:
+            out.mul_(s)
+        else:
+            out.view(nb, br, m).mul_(s.unsqueeze(1))
+        dst[a:b].copy_(out)
 
 
 def block_amax(amax: torch.Tensor, x: torch.Tensor, *, row0: int, col0: int, block: Tuple[int, int]) -> None:
