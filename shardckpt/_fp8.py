@@ -36,10 +36,6 @@ FP8_DTYPE = torch.float8_e4m3fn
 _BIAS = 256.0
 #: float16 bits kept after the shift: the sign and the low 4 exponent + 3 mantissa bits.
 _KEEP = torch.tensor(-16512, dtype=torch.int16)  # 0xBF80 as int16
-#: One host dequantize at a time: each op already runs on torch's intra-op
-#: pool; the load's reader threads calling them at once oversubscribe it
-#: (measured on 2 cores: 8x slower than taking turns).
-_HOST = threading.Lock()
 
 
 def band_rows(row0: int, n: int, block_rows: int) -> Iterator[Tuple[int, int, int]]:
@@ -94,27 +90,24 @@ def dequantize_into(dst: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, *, 
     n, m = q.shape
     if not n or not m:
         return
-    if q.is_cuda:
-        _dequantize(dst, q, scale, row0=row0, col0=col0, block=block, scale_row0=scale_row0)
-        return
-    with _HOST:
-        _dequantize(dst, q, scale, row0=row0, col0=col0, block=block, scale_row0=scale_row0)
+    _dequantize(dst, q, scale, row0=row0, col0=col0, block=block, scale_row0=scale_row0)
 
 
 #: Elements of the host scratch (float16 + float32: 6 bytes each) that
-#: dequantizing reuses: fresh buffers per piece cost more in page faults
-#: than the arithmetic (measured: 48 MB a piece, 200 ms).
+#: dequantizing reuses, one per thread (the load's reader threads dequantize
+#: in parallel): fresh buffers per piece cost more in page faults than the
+#: arithmetic (measured: 48 MB a piece, 200 ms).
 SCRATCH_ELEMS = 1 << 20
-_SCRATCH: dict = {}
+_SCRATCH = threading.local()
 
 
 def _scratch(n: int, m: int, device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
     if device.type != "cpu" or n * m > SCRATCH_ELEMS:
         return (torch.empty((n, m), dtype=torch.float16, device=device), torch.empty((n, m), dtype=torch.float32, device=device))
-    if not _SCRATCH:  # kept for the process: 6 MiB
-        _SCRATCH["half"] = torch.empty(SCRATCH_ELEMS, dtype=torch.float16)
-        _SCRATCH["wide"] = torch.empty(SCRATCH_ELEMS, dtype=torch.float32)
-    return _SCRATCH["half"][: n * m].view(n, m), _SCRATCH["wide"][: n * m].view(n, m)
+    if not hasattr(_SCRATCH, "half"):  # 6 MiB, freed with the thread
+        _SCRATCH.half = torch.empty(SCRATCH_ELEMS, dtype=torch.float16)
+        _SCRATCH.wide = torch.empty(SCRATCH_ELEMS, dtype=torch.float32)
+    return _SCRATCH.half[: n * m].view(n, m), _SCRATCH.wide[: n * m].view(n, m)
 
 
 def _segments(row0: int, n: int, block_rows: int, group: int) -> Iterator[Tuple[int, int, int]]:
