@@ -130,24 +130,31 @@ def _segments(row0: int, n: int, block_rows: int, group: int) -> Iterator[Tuple[
 def _dequantize(dst: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, *, row0: int, col0: int,
                 block: Tuple[int, int], scale_row0: int) -> None:
     n, m = q.shape
-    br = block[0]
+    br, bc = block
     group = max(1, SCRATCH_ELEMS // (br * m))
     for a, b, nb in _segments(row0, n, br, group):
-        half, out = _scratch(b - a, m, q.device)
         k0 = (row0 + a) // br - scale_row0
-        s = _col_scales(scale[k0 : k0 + nb], col0, m, block[1])  # (bands, m)
-        # Widen (exact), then one float32 multiply (the one rounding), then
-        # the destination's dtype: plain kernels beat a mixed-dtype multiply.
-        out.copy_(_as_half(q[a:b], half))
-        if float(s.abs().max()) >= 2.0**120:  # the folded scale would overflow float32: the bias first (exact)
-            out.mul_(_BIAS)
-        else:
-            s = s * _BIAS
-        if nb == 1:
-            out.mul_(s)
-        else:
-            out.view(nb, br, m).mul_(s.unsqueeze(1))
-        dst[a:b].copy_(out)
+        # Columns in chunks that keep the scratch small enough to stay in
+        # cache between the kernels (whole column blocks, but the ends).
+        width = m if (b - a) * m <= SCRATCH_ELEMS else max(bc, SCRATCH_ELEMS // (b - a) // bc * bc)
+        c = 0
+        while c < m:
+            e = min(m, c + width - (col0 + c) % bc if width < m else m)
+            half, out = _scratch(b - a, e - c, q.device)
+            s = _col_scales(scale[k0 : k0 + nb], col0 + c, e - c, bc)  # (bands, cols)
+            # Widen (exact), then one float32 multiply (the one rounding), then
+            # the destination's dtype: plain kernels beat a mixed-dtype multiply.
+            out.copy_(_as_half(q[a:b, c:e], half))
+            if float(s.abs().max()) >= 2.0**120:  # the folded scale would overflow float32: the bias first (exact)
+                out.mul_(_BIAS)
+            else:
+                s = s * _BIAS
+            if nb == 1:
+                out.mul_(s)
+            else:
+                out.view(nb, br, e - c).mul_(s.unsqueeze(1))
+            dst[a:b, c:e].copy_(out)
+            c = e
 
 
 def block_amax(amax: torch.Tensor, x: torch.Tensor, *, row0: int, col0: int, block: Tuple[int, int]) -> None:
