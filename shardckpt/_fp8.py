@@ -132,6 +132,8 @@ def _dequantize(dst: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, *, row0
     n, m = q.shape
     br, bc = block
     group = max(1, SCRATCH_ELEMS // (br * m))
+    # A float32 destination with unit column stride takes the product itself (one copy less).
+    direct = dst.dtype == torch.float32 and dst.device == q.device and dst.stride(-1) == 1
     for a, b, nb in _segments(row0, n, br, group):
         k0 = (row0 + a) // br - scale_row0
         # Columns in chunks that keep the scratch small enough to stay in
@@ -141,6 +143,8 @@ def _dequantize(dst: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, *, row0
         while c < m:
             e = min(m, c + width - (col0 + c) % bc if width < m else m)
             half, out = _scratch(b - a, e - c, q.device)
+            if direct:
+                out = dst[a:b, c:e]
             s = _col_scales(scale[k0 : k0 + nb], col0 + c, e - c, bc)  # (bands, cols)
             # Widen (exact), then one float32 multiply (the one rounding), then
             # the destination's dtype: plain kernels beat a mixed-dtype multiply.
@@ -153,7 +157,8 @@ def _dequantize(dst: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, *, row0
                 out.mul_(s)
             else:
                 out.view(nb, br, e - c).mul_(s.unsqueeze(1))
-            dst[a:b, c:e].copy_(out)
+            if not direct:
+                dst[a:b, c:e].copy_(out)
             c = e
 
 

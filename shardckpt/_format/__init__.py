@@ -25,11 +25,11 @@ from .dtypes import DTYPES, MAX_TENSOR_BYTES, checked_shape, dtype_name, itemsiz
 from .header import MAX_HEADER_BYTES, parse_safetensors_header, read_safetensors_header, safetensors_header
 from .hf import MAX_INDEX_BYTES, SOURCE_SAFETENSORS, hf_manifest, with_block_scales
 from .manifest import (
-    BlockScale,
     FORMAT_NAME,
     FORMAT_VERSION,
     MAX_MANIFEST_BYTES,
     MAX_NDIM,
+    BlockScale,
     ChunkMeta,
     FileMeta,
     IndexMeta,

@@ -373,12 +373,12 @@ def _plan_target(
     meta = manifest.tensors[name]
     lay = layout_of(name, tensor, rank=rank, world_size=world, local_only=local_only)
     if list(lay.shape) != list(meta.shape):
-        why = f"{name}: checkpoint shape {list(meta.shape)}, live shape {list(lay.shape)}"
+        shape_msg = f"{name}: checkpoint shape {list(meta.shape)}, live shape {list(lay.shape)}"
         if resize:
-            why += (f" (resize=True replaces only plain tensors held in a dict or list of the state; this one is a "
+            shape_msg += (f" (resize=True replaces only plain tensors held in a dict or list of the state; this one is a "
                     f"{type(tensor).__name__} or belongs to a module, and is never swapped for a new object: build it "
                     "with the checkpoint's shape)")
-        return why
+        return shape_msg
     # A block-FP8 weight dequantizes to float32 (then rounds to the live dtype, as a cast).
     why = dtype_problem(name, "F32" if meta.scale is not None else meta.dtype, lay.dtype, cast=cast)
     if why is not None:

@@ -100,7 +100,7 @@ def _scale_wants(plan: LoadPlan) -> List[Want]:
         if t.scale is None:
             continue
         rows = [(t.chunks[p.chunk].offsets[0] + p.src_offsets[0], p.sizes[0])
-                for pieces in t.pieces for p in pieces if p.sizes and math.prod(p.sizes)]
+                for pieces in t.pieces for p in pieces if p.sizes and all(p.sizes)]
         if not rows:
             continue
         b0 = t.scale.block[0]
@@ -118,7 +118,8 @@ def _read_scales(storage: Storage, plan: LoadPlan, read: Callable[..., ReadStats
     def deliver(w: Want, data: memoryview, owner, off: int) -> None:
         ti, k0, k1 = w.tag
         t = plan.targets[ti]
-        raw = torch.frombuffer(bytearray(data), dtype=torch_dtype(t.scale.dtype))  # type: ignore[union-attr]
+        dtype = t.scale.dtype if t.scale is not None else "F32"  # only block-FP8 targets have scale wants
+        raw = torch.frombuffer(bytearray(data), dtype=torch_dtype(dtype))
         got[ti] = (raw.view(k1 - k0, -1).float(), k0)
 
     wants = _scale_wants(plan)
