@@ -222,7 +222,10 @@ def stream_into(
         scale = plan.targets[job.target].scale
         if scale is not None:  # block FP8: dequantized as it lands
             rows, k0 = scales[job.target]
-            dst = job.dst if not job.dst.is_cuda else torch.empty(job.sizes, dtype=torch.float32)
+            if src.is_cuda:  # bytes another rank sent to the device: the same kernels there
+                rows, dst = rows.to(src.device), job.dst
+            else:  # host codes: dequantized on the host (into a host piece for a device target)
+                dst = job.dst if not job.dst.is_cuda else torch.empty(job.sizes, dtype=torch.float32)
             _fp8.dequantize_into(dst, src, rows, row0=w.chunk.offsets[0] + job.src_offsets[0],
                                  col0=w.chunk.offsets[1] + job.src_offsets[1], block=scale.block, scale_row0=k0)
             if dst is not job.dst:
