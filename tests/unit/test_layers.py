@@ -81,6 +81,7 @@ LAYERS: Dict[str, int] = {
     "shardckpt._io": 5,
     "shardckpt._readers": 5,
     "shardckpt._replicas": 5,
+    "shardckpt._fp8": 5,  # block-FP8 math on streamed pieces (the load's dequantize, the export's quantize)
     # 6. format (torch-free)
     "shardckpt._format": 6,
     # 7. geometry (pure ints)
