@@ -277,7 +277,11 @@ class Streamer:
             raise _Stopped()
         raw = self._buf("raw", k, blk.count * itemsize(e.src.dtype))
         self.reader.read_into(e.src, blk, raw, pool=self.pool)
-        if e.dtype != e.src.dtype:
+        if e.quant is not None:  # block FP8: codes of this block, by the scales the first pass found
+            out = self._buf("cast", k, blk.count * itemsize(e.dtype))
+            e.quant.encode(raw, blk.start, blk.count, out)
+            raw = out
+        elif e.dtype != e.src.dtype:
             out = self._buf("cast", k, blk.count * itemsize(e.dtype))
             if blk.count:
                 out.view(torch_dtype(e.dtype)).copy_(raw.view(torch_dtype(e.src.dtype)))

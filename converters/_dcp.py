@@ -28,8 +28,8 @@ import torch
 
 from shardckpt._format import MAX_MANIFEST_BYTES, check_relpath, checked_shape, dtype_name, itemsize
 from shardckpt._format.chunk import Chunk
+from shardckpt._format.header import read_safetensors_header
 from shardckpt._geometry import Box, check_cover
-from shardckpt._hf import read_safetensors_header
 from shardckpt._storage import Storage
 from shardckpt.errors import (
     CheckpointError,

@@ -9,13 +9,15 @@ import uuid
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Union, cast
 
 from shardckpt._format import DATA_DIR, MANIFEST_NAME
+from shardckpt._format.hf import hf_manifest
 from shardckpt._format.values import TAG, tensor_ref
-from shardckpt._hf import KeyMap, aliases_of, hf_manifest, map_names, select_names
+from shardckpt._hf import KeyMap, aliases_of, map_names, select_names
 from shardckpt._storage import Storage, fsync_dir
 from shardckpt.errors import CheckpointExistsError, CheckpointNotFoundError, StateMismatchError, format_offenders
 
 from ._common import Reader, write_plain, write_whole
 from ._options import ConvertResult, Options, SelectOptions, check_apart, out_dtype, parse_dtype, parse_size
+from ._quantize import QUANTIZE_CHOICES, fp8_config, fp8_entries, not_converted, quantized
 from ._source import OutEntry, Source, open_checkpoint, source_from_manifest, whole_entry
 
 if TYPE_CHECKING:
@@ -203,6 +205,7 @@ def to_safetensors(
     model_key: Optional[str] = None,
     copy_from: Optional[str] = None,
     tied: str = DEFAULT_TIED,
+    quantize: Optional[str] = None,
     **options: Unpack[SelectOptions],
 ) -> ConvertResult:
     """Export a checkpoint's model as a Hugging Face safetensors directory.
@@ -242,6 +245,19 @@ def to_safetensors(
             module order, which is the name ``save_pretrained`` keeps — as
             transformers and ``safetensors.torch.load_model(strict=True)``
             expect; ``"both"`` writes the data under every name.
+        quantize: ``"fp8-block"`` writes each Linear weight (a 2-D
+            floating-point ``*.weight``) as ``float8_e4m3fn`` with
+            ``<name>_scale_inv`` (float32, one scale = amax / 448 per 128 x 128
+            block, edge blocks smaller), DeepSeek-V3's layout that
+            transformers, vLLM and SGLang load, and merges
+            ``quantization_config`` into ``config.json`` (the ``copy_from``
+            one, else the one ``dst`` holds; none is written when there is
+            neither). Left as they are (``dtype`` applies): embeddings, norms,
+            ``lm_head``, MoE routers (``*.gate``), the modules the source
+            config's ``modules_to_not_convert`` lists, every 1-D or 3-D tensor
+            (these modules are listed in the written ``modules_to_not_convert``).
+            Each quantized weight is read twice (scales, then codes), block by
+            block. ``docs/converters.md``, "Block FP8 out".
         **options: :class:`SelectOptions`: ``keys`` select tensors (matched
             after the prefix is stripped), ``key_map`` renames them;
             ``storage_options`` (for ``src`` and ``copy_from``),
@@ -257,6 +273,7 @@ def to_safetensors(
         CheckpointNotFoundError: nothing committed at ``src``.
         CheckpointExistsError: ``dst`` holds weight files and ``overwrite`` is False.
         CheckpointNotFoundError: ``copy_from`` holds none of the companion files.
+        UnsupportedStateError: ``quantize`` and a weight to quantize holds NaN or inf.
         StateMismatchError: the selection is empty, no tensor lies under
             ``prefix``, a pattern matches nothing,
             ``key_map`` maps two tensors to one name, or the model entry is
@@ -279,6 +296,8 @@ def to_safetensors(
     check_apart(src, dst)
     if tied not in TIED_CHOICES:
         raise ValueError(f"to_safetensors(tied={tied!r}): expected one of {', '.join(map(repr, TIED_CHOICES))}")
+    if quantize is not None and quantize not in QUANTIZE_CHOICES:
+        raise ValueError(f"to_safetensors(quantize={quantize!r}): expected None or one of {', '.join(map(repr, QUANTIZE_CHOICES))}")
     source = open_checkpoint(src, opts.storage_options)
     if tied == "both":
         source = _with_alias_tensors(source)
@@ -288,18 +307,24 @@ def to_safetensors(
     companions = _read_companions(copy_from, opts.storage_options) if copy_from is not None else {}
     cast = parse_dtype(dtype)
     limit = parse_size(max_shard_size)
+    reader = Reader(source, threads=opts.io_threads)
+    reader.check_source_files(list(names))
+    if quantize is not None:
+        companions = _with_fp8_config(dst, companions, names, source, opts)
+    skip = not_converted(companions.get(HF_CONFIG)) if quantize is not None else []
     groups: List[List[OutEntry]] = []
     size = 0
     for name, out in names.items():
         t = source.tensors[name]
-        e = whole_entry(t, out, out_dtype(t.dtype, cast))
-        if not groups or (groups[-1] and size + e.nbytes > limit):
+        # A quantized weight and its scales go together (one file, as the FP8 checkpoints on the Hub).
+        ents = fp8_entries(reader, t, out, not_convert=skip) if quantize is not None else None
+        ents = ents or [whole_entry(t, out, out_dtype(t.dtype, cast))]
+        n = sum(e.nbytes for e in ents)
+        if not groups or (groups[-1] and size + n > limit):
             groups.append([])
             size = 0
-        groups[-1].append(e)
-        size += e.nbytes
-    reader = Reader(source, threads=opts.io_threads)
-    reader.check_source_files(list(names))
+        groups[-1].extend(ents)
+        size += n
     if len(groups) == 1:
         files = {HF_SINGLE: groups[0]}
         index = None
@@ -312,6 +337,32 @@ def to_safetensors(
             json.dumps({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, indent=2) + "\n"
         ).encode()
     return _publish_export(dst, files, reader, opts, index=index, companions=companions)
+
+
+HF_CONFIG = "config.json"
+
+
+def _with_fp8_config(dst_url: str, companions: Dict[str, bytes], names: Dict[str, str], source: Source,
+                     opts: Options) -> Dict[str, bytes]:
+    """``companions`` with ``config.json`` (``copy_from``'s, else ``dst``'s own) given block FP8's quantization_config.
+
+    The modules whose 2-D floating-point weights stay unquantized are listed
+    in ``modules_to_not_convert``. Nothing is added when neither has a config.
+    """
+    config = companions.get(HF_CONFIG)
+    where = "copy_from"
+    if config is None:
+        dst = Storage(dst_url, storage_options=opts.dst_storage_options)
+        if not (dst.exists("") and dst.exists(HF_CONFIG)):
+            return companions
+        config, where = dst.read_bytes(HF_CONFIG, limit=MAX_COMPANION_BYTES), dst.url
+    skip = not_converted(config)
+    kept = sorted(
+        out[: -len(".weight")] for name, out in names.items()
+        if out.endswith(".weight") and len(source.tensors[name].shape) == 2 and source.tensors[name].dtype in ("F32", "BF16", "F16", "F64")
+        and not quantized(out, source.tensors[name].dtype, source.tensors[name].shape, skip)
+    )
+    return {**companions, HF_CONFIG: fp8_config(config, kept, where=where)}
 
 
 def _read_companions(url: str, storage_options: Optional[Dict[str, Any]]) -> Dict[str, bytes]:

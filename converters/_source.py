@@ -241,6 +241,9 @@ class OutEntry:
     dtype: str
     name: str = ""  # native outputs: the tensor this chunk belongs to
     offsets: Tuple[int, ...] = ()
+    #: ``quantize="fp8-block"``: the weight's encoder (``_quantize.Fp8Weight``);
+    #: its blocks are written as FP8 codes instead of cast.
+    quant: Any = None
 
     @property
     def nbytes(self) -> int:

@@ -7,6 +7,11 @@ load, on local disk or any fsspec storage.
     >>> shardckpt.save({"model": model, "step": 10}, "s3://bucket/run/step-10")
     >>> shardckpt.load({"model": model, "step": 0}, "s3://bucket/run/step-10")
 
+Extension points (docs/extending.md): ``register_backend`` (a storage for a
+URL scheme; ``Storage`` objects are accepted wherever a URL is),
+``register_shard_rule`` / ``register_ctx_types`` (tensor subclasses) and
+``register_adapter`` (state objects).
+
 ``import shardckpt`` is cheap: torch and the engine load on first use.
 """
 
@@ -44,6 +49,13 @@ __all__ = [
     "Adapter",
     "trainable",
     "select",
+    "register_shard_rule",
+    "register_ctx_types",
+    "ShardRule",
+    "register_backend",
+    "Storage",
+    "Capabilities",
+    "Writer",
     "converters",
     "errors",
     *_ERROR_NAMES,
@@ -70,6 +82,13 @@ _LAZY = {
     "Adapter": "._state",
     "trainable": "._state",
     "select": "._state",
+    "register_shard_rule": "._state.subclass",
+    "register_ctx_types": "._state.subclass",
+    "ShardRule": "._state.subclass",
+    "register_backend": "._storage",
+    "Storage": "._storage",
+    "Capabilities": "._storage",
+    "Writer": "._storage",
 }
 
 
@@ -103,5 +122,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from ._rng import RNGState
     from ._save import save
     from ._state import Adapter, PerRank, register_adapter, select, trainable
+    from ._state.subclass import ShardRule, register_ctx_types, register_shard_rule
+    from ._storage import Capabilities, Storage, Writer, register_backend
     from ._verify import inspect, verify
     from .errors import *  # noqa: F401,F403

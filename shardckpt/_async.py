@@ -43,7 +43,7 @@ import threading
 import time
 import traceback
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple, cast
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple, Union, cast
 
 import torch
 
@@ -55,6 +55,8 @@ from .errors import CheckpointError, CheckpointExistsError, SaveFailedError
 
 if TYPE_CHECKING:  # pragma: no cover
     from torch.distributed import ProcessGroup
+
+    from ._storage import Storage
 
 __all__ = [
     "async_save",
@@ -449,7 +451,7 @@ def start_async(
 
 def async_save(
     state: Dict[str, Any],
-    url: str,
+    url: Union[str, "Storage"],
     *,
     storage_options: Optional[Dict[str, Any]] = None,
     process_group: Optional["ProcessGroup"] = None,
@@ -481,7 +483,7 @@ def async_save(
 
     Args:
         state: as for :func:`shardckpt.save`.
-        url: local directory or fsspec URL.
+        url: local directory or fsspec URL, or a :class:`Storage` object.
         storage_options: passed to fsspec.
         process_group: ranks that save (default: the world). The background
             thread never runs collectives on it (see ``_collective``).

@@ -249,7 +249,7 @@ def cmd_export(args) -> int:
     if to == "reshard":
         if args.world_size is None:
             raise _CliError("--to reshard needs --world-size N")
-        extra = [o for o in ("dtype", "keys", "rename", "copy_from") if getattr(args, o, None)]
+        extra = [o for o in ("dtype", "keys", "rename", "copy_from", "quantize") if getattr(args, o, None)]
         if extra:
             flags = ", ".join("--" + o.replace("_", "-") for o in extra)
             raise _CliError(f"reshard keeps every tensor as it is: {flags} cannot be used with it")
@@ -258,6 +258,9 @@ def cmd_export(args) -> int:
         if getattr(args, "copy_from", None):
             raise _CliError("--copy-from adds config and tokenizer files beside a Hugging Face directory; "
                             "it cannot be used with --to full (one file): drop it or export to a directory")
+        if getattr(args, "quantize", None):
+            raise _CliError("--quantize writes a Hugging Face directory (weights, scales and config.json's "
+                            "quantization_config); it cannot be used with --to full: export to a directory")
         r = converters.to_full(args.src, args.dst, dtype=args.dtype, keys=_keys(args.keys), key_map=key_map, **common)
     else:
         # No --prefix: the converter's default picks the model entry; a given
@@ -265,7 +268,8 @@ def cmd_export(args) -> int:
         pick = {"prefix": ""} if args.no_prefix else {} if args.prefix is None else {"prefix": args.prefix}
         r = converters.to_safetensors(
             args.src, args.dst, dtype=args.dtype, max_shard_size=args.max_shard_size, keys=_keys(args.keys),
-            key_map=key_map, copy_from=getattr(args, "copy_from", None), **pick, **common,
+            key_map=key_map, copy_from=getattr(args, "copy_from", None),
+            quantize=getattr(args, "quantize", None), **pick, **common,
         )
     _done(args, r)
     return EXIT_OK
@@ -417,6 +421,9 @@ def _parser() -> argparse.ArgumentParser:
         s.add_argument("--copy-from", metavar="DIR",
                        help="Hugging Face model directory whose config.json, generation_config.json and tokenizer files "
                             "are copied beside the weights, so from_pretrained(DST) works (read with --storage-option)")
+        s.add_argument("--quantize", choices=["fp8-block"],
+                       help="fp8-block: Linear weights as float8_e4m3fn + <name>_scale_inv per 128x128 block (DeepSeek-V3's "
+                            "layout, for vLLM/SGLang/transformers); quantization_config merged into the --copy-from config.json")
         s.set_defaults(fn=cmd_export)
 
     s = sub.add_parser("reshard", parents=[common, dst], help="rewrite for N FSDP2 ranks, offline (one file per rank)")

@@ -1,8 +1,7 @@
 """Key selection and renaming (shared by load and the converters), and reading parts of unchecked chunks.
 
 Reading a Hugging Face safetensors directory or file as a checkpoint is part
-of the format layer (``_format.hf``: ``hf_manifest``); its names are
-re-exported here for the callers that know them from this module.
+of the format layer (``_format.hf``: ``hf_manifest``).
 No torch import.
 """
 
@@ -15,16 +14,11 @@ import sys
 from typing import Any, Callable, Collection, Dict, Iterable, List, Mapping, Optional, Sequence, Union
 
 from ._format import ChunkMeta, Manifest, TensorMeta, itemsize
-from ._format.header import read_safetensors_header
-from ._format.hf import MAX_INDEX_BYTES, SOURCE_SAFETENSORS, hf_manifest
+from ._format.hf import SOURCE_SAFETENSORS
 from ._format.values import TAG, is_tensor_ref, rename_refs
 from .errors import StateMismatchError, format_offenders
 
 __all__ = [
-    "SOURCE_SAFETENSORS",
-    "hf_manifest",
-    "read_safetensors_header",
-    "MAX_INDEX_BYTES",
     "select_names",
     "map_names",
     "select_for_load",

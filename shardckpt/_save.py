@@ -32,7 +32,7 @@ import math
 import uuid
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, Callable, Dict, FrozenSet, List, Mapping, Optional, Sequence, Tuple, cast
+from typing import TYPE_CHECKING, Any, Callable, Dict, FrozenSet, List, Mapping, Optional, Sequence, Tuple, Union, cast
 
 import torch
 
@@ -60,7 +60,7 @@ from ._format.refs import follow
 from ._io import WriteItem, partition, write_files
 from ._layout import TensorLayout, layout_of
 from ._state import flatten_for_save
-from ._storage import Storage
+from ._storage import Storage, open_storage
 from .errors import (
     CheckpointError,
     CheckpointExistsError,
@@ -155,7 +155,7 @@ def _write_plan(layouts: Dict[str, TensorLayout], rank: int) -> List[WriteItem]:
 
 def save(
     state: Dict[str, Any],
-    url: str,
+    url: Union[str, Storage],
     *,
     storage_options: Optional[Dict[str, Any]] = None,
     process_group: Optional["ProcessGroup"] = None,
@@ -183,7 +183,8 @@ def save(
         state: dict of tensors, DTensors, ``nn.Module``s, objects with
             ``state_dict()``/``load_state_dict()``, and JSON-able values
             (nested dicts/lists of those too).
-        url: a local directory or any fsspec URL (``s3://b/run/step-1``).
+        url: a local directory or any fsspec URL (``s3://b/run/step-1``),
+            or a :class:`Storage` object (then no ``storage_options``).
         storage_options: passed to fsspec (credentials, endpoint_url...).
         process_group: group to save over (default: the world).
         overwrite: replace a committed checkpoint at ``url``. The old one stays
@@ -311,7 +312,7 @@ RESERVED_TENSOR_NAME = "__metadata__"
 
 def prepare_save(
     state: Dict[str, Any],
-    url: str,
+    url: Union[str, Storage],
     *,
     comm: Comm,
     storage_options: Optional[Dict[str, Any]] = None,
@@ -332,7 +333,8 @@ def prepare_save(
     """
     mode = _fingerprint.replicas_mode(replicas)
     rank, world = comm.rank, comm.world
-    storage = Storage(url, storage_options=storage_options)
+    storage = open_storage(url, storage_options=storage_options)
+    url = storage.url
     base = None
     if incremental:
         base = _incremental.base_name(storage.url, incremental)

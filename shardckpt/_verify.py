@@ -7,7 +7,7 @@ where torch is not installed, and start in a fraction of a second.
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple, Union
 
 from ._format import ChunkMeta, Manifest, open_manifest, plural, read_safetensors_header
 from ._format.checksum import hash_available, new_hasher
@@ -17,6 +17,9 @@ from ._format.refs import follow
 from ._format.versions import spec
 from ._readers import BufferPool, Want, read_verified
 from .errors import ChecksumMismatchError, CorruptCheckpointError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ._storage import Storage
 
 __all__ = ["inspect", "verify", "verify_manifest", "VERIFY_RANGE_BYTES", "VERIFY_IO_THREADS", "MAX_LISTED_PROBLEMS", "check_data_file"]
 
@@ -30,19 +33,20 @@ VERIFY_IO_THREADS = 4
 MAX_LISTED_PROBLEMS = 20
 
 
-def _storage(url: str, storage_options: Optional[Dict[str, Any]]):
+def _storage(url: Union[str, "Storage"], storage_options: Optional[Dict[str, Any]]):
     # The storage backends (S3 clients) cost more to import than the format: only when used.
-    from ._storage import Storage
+    from ._storage import open_storage
 
-    return follow(Storage(url, storage_options=storage_options))  # format v4 references
+    return follow(open_storage(url, storage_options=storage_options))  # format v4 references
 
 
-def inspect(url: str, *, storage_options: Optional[Dict[str, Any]] = None, no_dist: bool = False) -> Manifest:
+def inspect(url: Union[str, "Storage"], *, storage_options: Optional[Dict[str, Any]] = None, no_dist: bool = False) -> Manifest:
     """Return a committed checkpoint's metadata without reading tensor bytes.
 
     The result lists every tensor (dtype, global shape, chunks with file,
     offsets, sizes, checksum), the files and their sizes, the world size that
     saved it, the saved plain values, and ``total_bytes``. Needs no torch.
+    ``url`` is a path, any fsspec URL, or a ``shardckpt.Storage`` object.
 
     Raises:
         CheckpointNotFoundError: nothing committed at ``url`` (the message
@@ -59,7 +63,7 @@ def inspect(url: str, *, storage_options: Optional[Dict[str, Any]] = None, no_di
 
 
 def verify(
-    url: str,
+    url: Union[str, "Storage"],
     *,
     storage_options: Optional[Dict[str, Any]] = None,
     io_threads: int = VERIFY_IO_THREADS,
@@ -73,7 +77,8 @@ def verify(
     memory stays small whatever the checkpoint size (a format v1 chunk, one
     checksum for all its bytes, is read whole). Needs no torch. Never collective (``no_dist`` is accepted for
     symmetry with ``save``/``load`` and changes nothing): every rank that
-    calls it re-reads everything, so call it on one.
+    calls it re-reads everything, so call it on one. ``url`` is a path, any
+    fsspec URL, or a ``shardckpt.Storage`` object.
 
     Raises:
         CheckpointNotFoundError: nothing committed at ``url``.

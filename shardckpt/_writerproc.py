@@ -49,8 +49,7 @@ import torch
 
 from ._format import itemsize
 from ._io import WriteItem, write_files
-from ._storage import Storage
-from ._storage._factory import backend_for
+from ._storage import Storage, rebuildable
 from .errors import SaveFailedError
 
 __all__ = ["Arena", "ProcessWriter", "usable_for", "get_writer", "current_writer", "shutdown", "ARENA_ALIGN", "CHILD_START_TIMEOUT_S"]
@@ -144,8 +143,8 @@ def usable_for(storage) -> bool:
     if storage.url.split("://", 1)[0] in _IN_PROCESS_PROTOCOLS and "://" in storage.url:
         return False
     try:
-        if type(storage) is not backend_for(storage.url, storage.storage_options):
-            return False  # a wrapped or test storage: only this process has it
+        if not rebuildable(storage):
+            return False  # a wrapped, test or user-registered storage: only this process has it
         pickle.dumps(storage.storage_options)
     except Exception:
         return False

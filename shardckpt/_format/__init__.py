@@ -23,12 +23,13 @@ from .chunk import Chunk
 from .committed import TORCH_SAVE_SUFFIXES, commit, commit_bytes, hf_index_bytes, open_manifest
 from .dtypes import DTYPES, MAX_TENSOR_BYTES, checked_shape, dtype_name, itemsize, shape_problem, torch_dtype
 from .header import MAX_HEADER_BYTES, parse_safetensors_header, read_safetensors_header, safetensors_header
-from .hf import MAX_INDEX_BYTES, SOURCE_SAFETENSORS, hf_manifest
+from .hf import MAX_INDEX_BYTES, SOURCE_SAFETENSORS, hf_manifest, with_block_scales
 from .manifest import (
     FORMAT_NAME,
     FORMAT_VERSION,
     MAX_MANIFEST_BYTES,
     MAX_NDIM,
+    BlockScale,
     ChunkMeta,
     FileMeta,
     IndexMeta,
@@ -59,7 +60,7 @@ __all__ = [
     "TORCH_SAVE_SUFFIXES", "commit", "commit_bytes", "hf_index_bytes", "open_manifest",
     "DTYPES", "dtype_name", "itemsize", "torch_dtype", "MAX_TENSOR_BYTES", "checked_shape", "shape_problem",
     "MAX_HEADER_BYTES", "parse_safetensors_header", "read_safetensors_header", "safetensors_header",
-    "MAX_INDEX_BYTES", "SOURCE_SAFETENSORS", "hf_manifest",
+    "MAX_INDEX_BYTES", "SOURCE_SAFETENSORS", "hf_manifest", "with_block_scales", "BlockScale",
     "FORMAT_NAME", "FORMAT_VERSION", "MAX_MANIFEST_BYTES", "MAX_NDIM",
     "ChunkMeta", "FileMeta", "IndexMeta", "Manifest", "TensorMeta",
     "check_relpath", "manifest_from_bytes", "manifest_to_bytes", "plural", "tiling_problems",

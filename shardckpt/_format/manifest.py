@@ -12,7 +12,7 @@ import math
 import posixpath
 import re
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, cast
+from typing import Any, Dict, List, Optional, Tuple, cast
 
 from .._geometry import Box, check_cover, shared_byte_ranges
 from .._version import __version__
@@ -35,6 +35,7 @@ __all__ = [
     "MAX_NDIM",
     "ChunkMeta",
     "TensorMeta",
+    "BlockScale",
     "FileMeta",
     "Manifest",
     "manifest_to_bytes",
@@ -122,6 +123,10 @@ class TensorMeta:
     # ``writers``: the ranks whose index files hold the tensor's chunks.
     regular: Optional[Dict[str, Any]] = None
     writers: Optional[List[int]] = None
+    # Hugging Face block-FP8 sources only, in memory (never serialized): the
+    # ``<name>_scale_inv`` tensor a load multiplies this FP8 weight by
+    # (``hf.with_block_scales``).
+    scale: Optional["BlockScale"] = field(default=None, compare=False, repr=False)
 
     @property
     def nbytes(self) -> int:
@@ -136,6 +141,21 @@ class TensorMeta:
         if self.layout is not None:
             out["layout"] = self.layout
         return out
+
+
+@dataclass(frozen=True)
+class BlockScale:
+    """The block scales of a block-quantized FP8 weight (DeepSeek-V3's layout).
+
+    ``meta``: the stored scale tensor ``name`` (one float per ``block`` =
+    (rows, cols) block of the weight, edge blocks smaller: its shape is the
+    ceil division of the weight's). A load dequantizes as
+    ``weight.float() * scale[i // rows, j // cols]``.
+    """
+
+    name: str
+    meta: TensorMeta
+    block: Tuple[int, int]
 
 
 @dataclass

@@ -26,12 +26,12 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence,
 import torch
 
 from .._collective import Comm, agree, open_comm
-from .._format import Manifest, open_manifest
+from .._format import Manifest, open_manifest, with_block_scales
 from .._format.refs import follow
 from .._format.values import TAG as _TAG
 from .._format.values import decode_value, is_tensor_ref, tensor_names
 from .._hf import select_paths, with_aliases
-from .._storage import Storage
+from .._storage import Storage, open_storage
 from ..errors import CheckpointError, CorruptCheckpointError, LoadFailedError, StateMismatchError, format_offenders
 from .plan import DEFAULT_CAST, KeyMap, LoadPlan, LoadResult, new_tensors, plan_load
 from .stage import copy_staged, stage_targets
@@ -46,7 +46,7 @@ __all__ = ["load", "read", "load_into"]
 @overload
 def load(
     state: None,
-    url: str,
+    url: Union[str, Storage],
     *,
     storage_options: Optional[Dict[str, Any]] = ...,
     strict: bool = ...,
@@ -59,13 +59,14 @@ def load(
     atomic: bool = ...,
     buffer_bytes: Optional[int] = ...,
     cast: bool = ...,
+    resize: bool = ...,
 ) -> Dict[str, Any]: ...
 
 
 @overload
 def load(
     state: Dict[str, Any],
-    url: str,
+    url: Union[str, Storage],
     *,
     storage_options: Optional[Dict[str, Any]] = ...,
     strict: bool = ...,
@@ -78,12 +79,13 @@ def load(
     atomic: bool = ...,
     buffer_bytes: Optional[int] = ...,
     cast: bool = ...,
+    resize: bool = ...,
 ) -> LoadResult: ...
 
 
 def load(
     state: Optional[Dict[str, Any]],
-    url: str,
+    url: Union[str, Storage],
     *,
     storage_options: Optional[Dict[str, Any]] = None,
     strict: bool = True,
@@ -96,6 +98,7 @@ def load(
     atomic: bool = False,
     buffer_bytes: Optional[int] = None,
     cast: bool = DEFAULT_CAST,
+    resize: bool = False,
 ) -> Union[LoadResult, Dict[str, Any]]:
     """Load a checkpoint into ``state`` in place, resharding to the live layout.
 
@@ -124,7 +127,8 @@ def load(
         state: the live state, same structure as when saved. Only the entries
             it names are loaded (a model alone from a full training checkpoint
             is fine).
-        url: checkpoint directory or fsspec URL.
+        url: checkpoint directory or fsspec URL, or a :class:`Storage`
+            object (then no ``storage_options``).
         storage_options: passed to fsspec.
         strict: if False, entries missing on either side are skipped and
             reported in the result instead of raising. With several ranks,
@@ -162,6 +166,14 @@ def load(
             cast. False demands the exact dtype (``StateMismatchError``
             naming every differing tensor). The rule, in one place:
             ``docs/interop.md``, "Casting on load".
+        resize: a plain tensor held in a dict (or list) of ``state`` whose
+            shape differs from the checkpoint's — a placeholder such as
+            ``torch.zeros(1)`` — is replaced by a new tensor of the stored
+            shape, with the placeholder's dtype (cast as above) and device,
+            once every tensor is read (DCP's Hugging Face reader calls this
+            "allow tensor resize"). Never for a module's parameters or
+            buffers, DTensors or tensor subclasses: their shape must match
+            (the error says so). Default False: a shape mismatch is refused.
 
     ``url`` may also be a Hugging Face safetensors directory (with or without
     ``model.safetensors.index.json``) or one ``.safetensors`` file: its bare
@@ -169,6 +181,11 @@ def load(
     unless ``key_map`` says otherwise, and each rank reads only the rows of
     each tensor it holds (ranged reads). Safetensors files carry no
     checksums, so those bytes are checked for size and bounds only.
+    Block-FP8 weights (``float8_e4m3fn`` with ``<name>_scale_inv``, the
+    block from ``config.json``'s ``quantization_config``, DeepSeek-V3's
+    layout) are dequantized into the live dtype as they stream: each rank
+    reads only its rows of the weight and of the scales; the scale tensors
+    are consumed (never "unexpected"). ``docs/interop.md``, "Block FP8".
 
         >>> shardckpt.load({"model": fsdp_model}, "Llama-3-8B/")   # doctest: +SKIP
 
@@ -215,15 +232,15 @@ def load(
     comm = open_comm(
         process_group, no_dist=no_dist, collective_timeout_s=collective_timeout_s, op="shardckpt.load", error=LoadFailedError
     )
-    storage = follow(Storage(url, storage_options=storage_options))  # format v4 references (_format.refs)
+    storage = follow(open_storage(url, storage_options=storage_options))  # format v4 references (_format.refs)
     return load_into(
         state, storage, comm=comm, process_group=process_group, strict=strict, io_threads=io_threads, keys=keys,
-        key_map=key_map, atomic=atomic, buffer_bytes=buffer_bytes, cast=cast,
+        key_map=key_map, atomic=atomic, buffer_bytes=buffer_bytes, cast=cast, resize=resize,
     )
 
 
 def read(
-    url: str,
+    url: Union[str, Storage],
     *,
     keys: Union[str, Sequence[str], None] = None,
     storage_options: Optional[Dict[str, Any]] = None,
@@ -240,7 +257,7 @@ def read(
 
     Args:
         url: checkpoint directory or fsspec URL (a Hugging Face safetensors
-            directory or file too).
+            directory or file too), or a :class:`Storage` object.
         keys: what to read: tensor names or dotted paths into saved values
             (``"train_state.step"``), exact or glob patterns; a pattern
             matching nothing raises. Default (None): the top-level entries
@@ -271,8 +288,8 @@ def read(
     Reads on this process alone; with several ranks, each rank that calls
     it reads what it asks.
     """
-    storage = follow(Storage(url, storage_options=storage_options))  # format v4 references (_format.refs)
-    manifest = open_manifest(storage)
+    storage = follow(open_storage(url, storage_options=storage_options))  # format v4 references (_format.refs)
+    manifest = with_block_scales(open_manifest(storage), storage)
     asked = select_paths(with_aliases(manifest), keys)
     template = _read_tensors(storage, manifest, asked, io_threads=io_threads)
     # Selected paths sorted (the values inside them keep their saved order).
@@ -345,6 +362,7 @@ def load_into(
     held: Optional[Callable[[str], bool]] = None,
     stream: Optional[StreamHook] = None,
     opened: Optional[Manifest] = None,
+    resize: bool = False,
 ) -> LoadResult:
     """:func:`load` from an open storage and comm (collective): plan and check, agree, stream, agree, finish.
 
@@ -369,7 +387,7 @@ def load_into(
     union = strict and comm.world > 1
     plan_and_check = functools.partial(
         plan_load, state, storage, rank=comm.rank, world=comm.world, strict=strict, keys=keys, key_map=key_map, cast=cast,
-        local_only=comm.no_dist, union=union, opened=opened, held=held,
+        local_only=comm.no_dist, union=union, opened=opened, held=held, resize=resize,
     )
     if union:
         plan, _ = agree(

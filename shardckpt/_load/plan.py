@@ -19,7 +19,7 @@ from typing import Any, Callable, Dict, List, Mapping, NamedTuple, Optional, Seq
 import torch
 
 from .. import _geometry
-from .._format import Manifest, TensorMeta, open_manifest, torch_dtype
+from .._format import Manifest, TensorMeta, open_manifest, torch_dtype, with_block_scales
 from .._format._v2 import materialize
 from .._format.chunk import Chunk
 from .._format.resolve import MetaCache, resolve_chunks, resolve_many
@@ -31,7 +31,7 @@ from .._storage import Storage
 from ..errors import CorruptCheckpointError, StateMismatchError, UsageError, format_offenders
 
 __all__ = [
-    "KeyMap", "DEFAULT_CAST", "LoadResult", "Target", "LoadPlan", "plan_load", "plan_for_manifest",
+    "KeyMap", "DEFAULT_CAST", "LoadResult", "Target", "ScaleSource", "LoadPlan", "plan_load", "plan_for_manifest",
     "open_for_load", "saved_chunks", "dtype_problem", "live_nothing_loaded", "new_tensors",
 ]
 
@@ -68,6 +68,19 @@ class Target:
     #: tensor in a multi-rank load): only such targets' ranges are offered to
     #: the read-once exchange, so a purely sharded load exchanges nothing.
     replicated: bool = False
+    #: A block-FP8 weight (Hugging Face sources): the whole chunk of its
+    #: ``_scale_inv`` tensor (the stream reads the rows this rank needs) and
+    #: the block; None for every other tensor.
+    scale: Optional["ScaleSource"] = None
+
+
+@dataclass(frozen=True)
+class ScaleSource:
+    """Where a block-FP8 target's scales are stored: one whole chunk (safetensors) of ``dtype``, ``block`` = (rows, cols)."""
+
+    chunk: Chunk
+    dtype: str
+    block: Tuple[int, int]
 
 
 @dataclass(frozen=True)
@@ -97,6 +110,8 @@ class LoadPlan:
                 for p in pieces:
                     rel = t.chunks[p.chunk].file
                     files[rel] = self.manifest.files[rel].size
+            if t.scale is not None and any(t.pieces):
+                files[t.scale.chunk.file] = self.manifest.files[t.scale.chunk.file].size
         return files
 
     @property
@@ -121,6 +136,7 @@ def plan_load(
     keys: Optional[Sequence[str]] = None,
     key_map: Optional[KeyMap] = None,
     cast: bool = DEFAULT_CAST,
+    resize: bool = False,
     local_only: bool = False,
     union: bool = False,
     opened: Optional[Manifest] = None,
@@ -132,7 +148,7 @@ def plan_load(
         state: the live state (as :func:`shardckpt.load` takes it).
         storage: the checkpoint's storage (references already followed).
         rank, world: this rank in the load's group, and its size.
-        strict, keys, key_map, cast: as :func:`shardckpt.load`.
+        strict, keys, key_map, cast, resize: as :func:`shardckpt.load`.
         local_only: this process alone (``no_dist``): every tensor must be whole here.
         union: several ranks load together: an entry this rank does not hold
             is unexpected only if no rank holds it, which the load decides
@@ -167,6 +183,7 @@ def plan_load(
     manifest = open_for_load(state, storage, keys=keys, key_map=key_map, opened=opened)
     plan = plan_for_manifest(
         state, manifest, strict=strict, rank=rank, world=world, local_only=local_only, storage=storage, cast=cast, union=union,
+        resize=resize,
     )
     needed = plan.files
     check_files(storage, needed if held is None else {f: n for f, n in needed.items() if held(f)})
@@ -205,9 +222,11 @@ def new_tensors(storage: Storage, manifest: Manifest, names: Sequence[str]) -> D
     metas = {n: aliased.tensors[n] for n in names}
     if not names:
         return {}
-    probe = {n: torch.empty(tuple(m.shape), dtype=torch_dtype(m.dtype), device="meta") for n, m in metas.items()}
+    # A block-FP8 weight comes back dequantized, in float32.
+    dtypes = {n: torch.float32 if m.scale is not None else torch_dtype(m.dtype) for n, m in metas.items()}
+    probe = {n: torch.empty(tuple(m.shape), dtype=dtypes[n], device="meta") for n, m in metas.items()}
     plan_load(probe, storage, rank=0, world=1, local_only=True, keys=names, key_map={}, opened=manifest)
-    return {n: torch.empty(tuple(m.shape), dtype=torch_dtype(m.dtype)) for n, m in metas.items()}
+    return {n: torch.empty(tuple(m.shape), dtype=dtypes[n]) for n, m in metas.items()}
 
 
 def open_for_load(
@@ -230,7 +249,9 @@ def open_for_load(
     manifest = opened if opened is not None else open_manifest(storage, chunks=False)
     if keys is None and key_map is None and manifest.extra.get("source") != "safetensors":
         return with_aliases(manifest)
-    manifest = with_aliases(materialize(manifest, storage))
+    # Block-FP8 weights take their scales along before names are selected
+    # or renamed (the scale tensors are consumed, not loaded).
+    manifest = with_aliases(with_block_scales(materialize(manifest, storage), storage))
     return select_for_load(manifest, state, keys=keys, key_map=key_map)
 
 
@@ -271,6 +292,7 @@ def plan_for_manifest(
     storage: Optional[Storage] = None,
     cast: bool = DEFAULT_CAST,
     union: bool = False,
+    resize: bool = False,
 ) -> LoadPlan:
     """:func:`plan_load` against an opened manifest: walk, match names, plan each target, check ties, refuse.
 
@@ -291,6 +313,7 @@ def plan_for_manifest(
         world=world,
         saved_world=manifest.world_size,
         per_rank=manifest.extra.get("per_rank"),
+        resize=resize,
     )
     names = _match_names(flat, missing_values, unexpected_values, manifest, strict=strict, union=union)
     cache = MetaCache()
@@ -298,14 +321,18 @@ def plan_for_manifest(
     wanted = [(n, flat.tensors[n]) for n in sorted(flat.tensors) if n in manifest.tensors]
     for name in sorted(names.creates):
         meta = manifest.tensors[name]
-        created[name] = torch.empty(tuple(meta.shape), dtype=torch_dtype(meta.dtype))
+        old = flat.resized.get(name)
+        if old is not None:  # resize=True: the placeholder's dtype (cast on load) and device
+            created[name] = torch.empty(tuple(meta.shape), dtype=old.dtype, device=old.device)
+        else:  # a block-FP8 weight comes back dequantized, in float32
+            created[name] = torch.empty(tuple(meta.shape), dtype=torch.float32 if meta.scale is not None else torch_dtype(meta.dtype))
         wanted.append((name, created[name]))
     targets: List[Target] = []
     problems: List[str] = []
     live: List[_Live] = []
     for name, tensor in wanted:
         got = _live_target(name, tensor, manifest, rank=rank, world=world,
-                           local_only=local_only if name not in created else True, cast=cast)
+                           local_only=local_only if name not in created else True, cast=cast, resize=resize)
         if isinstance(got, str):
             problems.append(got)
         else:
@@ -380,13 +407,20 @@ class _Live(NamedTuple):
     boxes: List[Tuple[Tuple[int, ...], Tuple[int, ...]]]
 
 
-def _live_target(name: str, tensor: Any, manifest: Manifest, *, rank: int, world: int, local_only: bool, cast: bool) -> Union[_Live, str]:
+def _live_target(name: str, tensor: Any, manifest: Manifest, *, rank: int, world: int, local_only: bool, cast: bool,
+                 resize: bool = False) -> Union[_Live, str]:
     """A live tensor's checks against its saved record: shape, dtype and self-overlap checks, and the boxes to resolve."""
     meta = manifest.tensors[name]
     lay = layout_of(name, tensor, rank=rank, world_size=world, local_only=local_only)
     if list(lay.shape) != list(meta.shape):
-        return f"{name}: checkpoint shape {list(meta.shape)}, live shape {list(lay.shape)}"
-    why = dtype_problem(name, meta.dtype, lay.dtype, cast=cast)
+        shape_msg = f"{name}: checkpoint shape {list(meta.shape)}, live shape {list(lay.shape)}"
+        if resize:
+            shape_msg += (f" (resize=True replaces only plain tensors held in a dict or list of the state; this one is a "
+                          f"{type(tensor).__name__} or belongs to a module, and is never swapped for a new object: build it "
+                          "with the checkpoint's shape)")
+        return shape_msg
+    # A block-FP8 weight dequantizes to float32 (then rounds to the live dtype, as a cast).
+    why = dtype_problem(name, "F32" if meta.scale is not None else meta.dtype, lay.dtype, cast=cast)
     if why is not None:
         return why
     views = [p.view() for p in lay.parts]
@@ -406,7 +440,11 @@ def _finish_target(lv: _Live, manifest: Manifest, chunks: Tuple[Chunk, ...]) -> 
         pieces = tuple(_geometry.plan_box_reads(saved, box) for box, _ in parts)
     except ValueError as e:
         raise CorruptCheckpointError(f"{lv.name}: the checkpoint's chunks do not cover what this rank holds: {e}") from None
-    return Target(lv.name, lv.meta, parts, pieces, chunks, replicated=_replicated(lv.lay))
+    scale = None
+    if lv.meta.scale is not None:
+        scale = ScaleSource(Chunk.from_meta(lv.meta.scale.name, lv.meta.scale.meta.chunks[0], 0), lv.meta.scale.meta.dtype,
+                            lv.meta.scale.block)
+    return Target(lv.name, lv.meta, parts, pieces, chunks, replicated=_replicated(lv.lay), scale=scale)
 
 
 def _tied_checks(manifest: Manifest, storage: Optional[Storage], tied: Sequence[Tuple[str, str]], cache: MetaCache,

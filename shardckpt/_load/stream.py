@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence,
 
 import torch
 
-from .. import _knobs, _replicas
+from .. import _fp8, _knobs, _replicas
 from .._collective import Comm
 from .._format import torch_dtype
 from .._io import byte_view, host_empty
@@ -153,6 +153,47 @@ def _numpy():
     return numpy
 
 
+def _scale_wants(plan: LoadPlan) -> List[Want]:
+    """One byte range per block-FP8 target: the rows of its scale grid that the rows this rank reads fall in.
+
+    A rank's pieces of a weight (its shard's rows, cut anywhere, inside a
+    block too) need only the scale rows of the row blocks they touch; the
+    grid is narrow (one float per 128 columns), so every column is read.
+    """
+    out: List[Want] = []
+    for ti, t in enumerate(plan.targets):
+        if t.scale is None:
+            continue
+        rows = [(t.chunks[p.chunk].offsets[0] + p.src_offsets[0], p.sizes[0])
+                for pieces in t.pieces for p in pieces if p.sizes and all(p.sizes)]
+        if not rows:
+            continue
+        b0 = t.scale.block[0]
+        k0, k1 = min(r // b0 for r, _ in rows), max(-(-(r + n) // b0) for r, n in rows)
+        row_bytes = t.scale.chunk.sizes[1] * torch.empty((), dtype=torch_dtype(t.scale.dtype)).element_size()
+        out.append(Want(t.scale.chunk, k0 * row_bytes, k1 * row_bytes, (ti, k0, k1)))
+    return out
+
+
+def _read_scales(storage: Storage, plan: LoadPlan, read: Callable[..., ReadStats], *, threads: int,
+                 pool: BufferPool, stats: ReadStats) -> Dict[int, Tuple[torch.Tensor, int]]:
+    """``{target: (float32 scale rows, first row)}`` of the block-FP8 targets, read through the verified reader first."""
+    got: Dict[int, Tuple[torch.Tensor, int]] = {}
+
+    def deliver(w: Want, data: memoryview, owner, off: int) -> None:
+        ti, k0, k1 = w.tag
+        t = plan.targets[ti]
+        dtype = t.scale.dtype if t.scale is not None else "F32"  # only block-FP8 targets have scale wants
+        raw = torch.frombuffer(bytearray(data), dtype=torch_dtype(dtype))
+        got[ti] = (raw.view(k1 - k0, -1).float(), k0)
+
+    wants = _scale_wants(plan)
+    if wants:
+        stats.needed_bytes += sum(w.stop - w.start for w in wants)
+        read(storage, wants, deliver, threads=threads, pool=pool, stats=stats)
+    return got
+
+
 def _host_alloc(pinned: bool):
     """The pool's allocator: plain host tensors, or page-locked ones of exactly the size asked."""
 
@@ -244,6 +285,18 @@ def stream_into(
         at = flat.storage_offset() + sum(o * s for o, s in zip(job.src_offsets, job.strides)) - job.first
         src = flat.as_strided(job.sizes, job.strides, at)
         touched[job.target] = None
+        scale = plan.targets[job.target].scale
+        if scale is not None:  # block FP8: dequantized as it lands
+            rows, k0 = scales[job.target]
+            if src.is_cuda:  # bytes another rank sent to the device: the same kernels there
+                rows, dst = rows.to(src.device), job.dst
+            else:  # host codes: dequantized on the host (into a host piece for a device target)
+                dst = job.dst if not job.dst.is_cuda else torch.empty(job.sizes, dtype=torch.float32)
+            _fp8.dequantize_into(dst, src, rows, row0=w.chunk.offsets[0] + job.src_offsets[0],
+                                 col0=w.chunk.offsets[1] + job.src_offsets[1], block=scale.block, scale_row0=k0)
+            if dst is not job.dst:
+                job.dst.copy_(dst)
+            return None
         if job.dst.is_cuda or src.is_cuda:
             job.dst.copy_(src, non_blocking=True)
             ev = torch.cuda.Event()
@@ -274,8 +327,10 @@ def stream_into(
     wants = _wants(plan, dests, range_bytes, _no_sink if cuda or once else sink)
     stats = stats or ReadStats()
     stats.needed_bytes += sum(w.stop - w.start for w in wants)
+    scales: Dict[int, Tuple[torch.Tensor, int]] = {}
     try:
         with torch.no_grad():
+            scales.update(_read_scales(storage, plan, read, threads=threads, pool=pool, stats=stats))
             if sources is not None and comm is not None and comm.world > 1 and not _replicas.transfer_device(process_group):
                 raise LoadFailedError(
                     f"{comm.op}: the process group's backend ({process_group!r}) can send neither CPU nor CUDA tensors: "

@@ -25,10 +25,10 @@ Import order is top-down only, type-only imports included:
 
 from __future__ import annotations
 
+from .._format.values import TAG, decode_value, encode_value, tensor_ref
 from .adapters import Adapter, adapter_for, adapters, register_adapter
 from .module import Selected, select, trainable
 from .per_rank import PER_RANK_MARK, PerRank
-from .values import TAG, decode_value, encode_value, tensor_ref
 from .walk import (
     SEP,
     Raw,

@@ -18,10 +18,10 @@ from typing import Any, Dict, List
 
 import torch
 
+from .._format.values import TAG, decode_value, is_tensor_ref
 from .._layout import is_sharded_tensor
 from ..errors import CorruptCheckpointError
 from .subclass import is_subclass_node, rebuild
-from .values import TAG, decode_value, is_tensor_ref
 from .walker import LoadWalker, SaveWalker
 
 __all__ = ["Adapter", "SEP", "Raw", "canonical_keys", "join_path", "decode_saved", "is_tensor", "MISSING", "fill_from_saved"]

@@ -13,6 +13,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, Union
 
 import torch
 
+from .._format.values import tensor_ref
 from .._hf import select_names
 from .._runtimes import (
     empty_like_meta,
@@ -33,7 +34,6 @@ from .base import (
     is_tensor,
     join_path,
 )
-from .values import tensor_ref
 
 __all__ = [
     "ModuleAdapter",

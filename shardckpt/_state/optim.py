@@ -38,13 +38,13 @@ import torch
 import torch.nn as nn
 
 from .._format import torch_dtype
+from .._format.values import TAG, is_tensor_ref
 from .._runtimes import is_fsdp1, param_fqns
 from ..errors import CorruptCheckpointError, StateMismatchError, UnsupportedStateError, format_offenders
 from .base import MISSING, SEP, Adapter, fill_from_saved, is_tensor, join_path
 from .module import Selected
 from .stateful import StatefulAdapter
 from .subclass import is_subclass_node
-from .values import TAG, is_tensor_ref
 
 __all__ = ["OptimizerAdapter", "find_module", "optimizer_state_problems", "state_shape_fits"]
 

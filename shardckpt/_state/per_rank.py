@@ -6,6 +6,7 @@ from typing import Any, Dict
 
 import torch
 
+from .._format.values import TAG, is_tensor_ref
 from ..errors import CorruptCheckpointError, StateMismatchError, UnsupportedStateError
 from .base import (
     MISSING,
@@ -15,7 +16,6 @@ from .base import (
     fill_from_saved,
     is_tensor,
 )
-from .values import TAG, is_tensor_ref
 from .walker import LoadWalker
 
 __all__ = ["PER_RANK_MARK", "PerRank", "PerRankAdapter", "per_rank_prefix"]

@@ -23,7 +23,7 @@ import hashlib
 import json
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from .values import TAG
+from .._format.values import TAG
 
 __all__ = ["value_digests", "differing_paths", "merge_values", "DIGEST_DEPTH", "DIGEST_FANOUT"]
 

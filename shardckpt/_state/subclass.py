@@ -56,9 +56,9 @@ from typing import Any, Callable, Dict, FrozenSet, List, Optional, Tuple, cast
 
 import torch
 
+from .._format.values import TAG, decode_value, encode_value, tensor_ref
 from .._layout import is_dtensor, is_sharded_tensor
-from ..errors import StateMismatchError, UnsupportedStateError
-from .values import TAG, decode_value, encode_value, tensor_ref
+from ..errors import StateMismatchError, UnsupportedStateError, UsageError
 
 __all__ = [
     "SUBCLASS_TAG",
@@ -220,18 +220,35 @@ _CTX_TYPES: Dict[str, FrozenSet[str]] = {
 }
 
 
-def register_ctx_types(type_name: str, ctx_types: Any) -> None:
+def register_ctx_types(type_name: str, ctx_types: Any, *, override: bool = False) -> None:
     """Allow the context of subclass ``type_name`` to hold the named tuple / dataclass types ``ctx_types``.
+
+    A checkpoint's context is untrusted input: to rebuild a subclass, load
+    constructs only the types registered for it (by name, never importing
+    one). Registering the same set again is a no-op.
 
     Args:
         type_name: ``module.QualName`` of the wrapper subclass.
         ctx_types: ``module.QualName`` strings of the types its
             ``__tensor_flatten__`` context holds.
+        override: replace the types already registered for ``type_name``.
+
+    Raises:
+        UsageError: ``type_name`` already has other types and ``override``
+            is False (the message names them).
 
     Example:
-        >>> register_ctx_types("my.Wrapper", ["my.WrapperConfig"])
+        >>> import shardckpt
+        >>> shardckpt.register_ctx_types("my.Wrapper", ["my.WrapperConfig"])
     """
-    _CTX_TYPES[type_name] = _CTX_TYPES.get(type_name, frozenset()) | frozenset(str(x) for x in ctx_types)
+    new = frozenset(str(x) for x in ctx_types)
+    have = _CTX_TYPES.get(type_name)
+    if have is not None and have != new and not override:
+        raise UsageError(
+            f"register_ctx_types({type_name!r}, {sorted(new)}): {type_name} already has the context types "
+            f"{sorted(have)}; pass override=True to replace them (list every type its context holds)"
+        )
+    _CTX_TYPES[type_name] = new
 
 
 def decode_ctx(node: Any, allowed: FrozenSet[str] = frozenset(), subclass: str = "?") -> Any:
@@ -256,7 +273,7 @@ def decode_ctx(node: Any, allowed: FrozenSet[str] = frozenset(), subclass: str =
                 raise StateMismatchError(
                     f"the saved context of a {subclass} tensor subclass names the {kind} type {name!r}, which that "
                     f"subclass's flattening does not produce (allowed: {sorted(allowed)}); nothing was constructed. "
-                    "If the subclass really holds it, shardckpt._state.subclass.register_ctx_types declares it"
+                    "If the subclass really holds it, shardckpt.register_ctx_types declares it"
                 )
             cls = _imported(name)
             ok = isinstance(cls, type) and (
@@ -433,16 +450,33 @@ class ShardRule:
 _SHARD_RULES: Dict[str, ShardRule] = {}
 
 
-def register_shard_rule(type_name: str, rule: ShardRule) -> None:
+def register_shard_rule(type_name: str, rule: ShardRule, *, override: bool = False) -> None:
     """Record how the inner tensors of subclass ``type_name`` lie when it is a DTensor's local shard.
+
+    Registering an equal rule again is a no-op.
 
     Args:
         type_name: ``module.QualName`` of the wrapper subclass.
         rule: its :class:`ShardRule`.
+        override: replace the rule already registered for ``type_name``
+            (shardckpt's own rules for torchao types included).
+
+    Raises:
+        UsageError: ``rule`` is not a ``ShardRule``, or ``type_name`` has
+            another rule and ``override`` is False (the message names it).
 
     Example:
-        >>> register_shard_rule("my.Blockwise", ShardRule(flat=frozenset({"scale"})))
+        >>> import shardckpt
+        >>> shardckpt.register_shard_rule("my.Blockwise", shardckpt.ShardRule(flat=frozenset({"scale"})))
     """
+    if not isinstance(rule, ShardRule):
+        raise UsageError(f"register_shard_rule({type_name!r}, ...): the rule must be a shardckpt.ShardRule, got {type(rule).__name__}")
+    have = _SHARD_RULES.get(type_name)
+    if have is not None and have != rule and not override:
+        raise UsageError(
+            f"register_shard_rule({type_name!r}, {rule!r}): {type_name} already has the rule {have!r}; "
+            "pass override=True to replace it"
+        )
     _SHARD_RULES[type_name] = rule
 
 
@@ -562,7 +596,7 @@ def sharded_inner(outer: Any, path: str) -> Tuple[List[str], Any, Dict[str, Any]
         raise UnsupportedStateError(
             f"{where}: inner tensors {bad} have no global layout under the outer placements {list(outer.placements)} "
             f"(local shape {list(local.shape)}), and {_type_name(local)} has no shard rule for them "
-            "(shardckpt._state.subclass.register_shard_rule). Save it unsharded (the subclass on one process), or "
+            "(shardckpt.register_shard_rule). Save it unsharded (the subclass on one process), or "
             "convert it to a plain tensor first"
         )
     if rule.global_ctx is not None:

@@ -24,7 +24,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 
 from .._format.naming import chunk_key_clashes, unreadable_names
-from .._format.values import MAX_VALUE_DEPTH, value_depth_problem
+from .._format.values import MAX_VALUE_DEPTH, TAG, decode_value, encode_value, is_tensor_ref, tensor_ref, value_depth_problem
 from .._layout import is_dtensor
 from ..errors import StateMismatchError, UnsupportedStateError
 from .adapters import adapter_for
@@ -52,7 +52,6 @@ from .subclass import (
     plain_problem,
     sharded_inner,
 )
-from .values import TAG, decode_value, encode_value, is_tensor_ref, tensor_ref
 from .walker import FlatLoad, FlatSave
 
 __all__ = [
@@ -219,6 +218,7 @@ class _LoadWalker:
         # Finalizers that must run after all others: random generator
         # restores (see ``StatefulAdapter``), whatever their key's name.
         self.late: List[Callable[[], None]] = []
+        self.resize = False  # load(resize=True)
 
     def adapter_for(self, obj: Any) -> Optional[Adapter]:
         """The adapter that takes ``obj`` (``adapters.adapter_for``), for adapters below the list (``per_rank``)."""
@@ -261,6 +261,12 @@ class _LoadWalker:
     def walk(self, live: Any, saved: Any, path: str, setter: Optional[Callable[[Any], None]]) -> None:
         """Match live ``live`` against the saved subtree ``saved``."""
         if is_tensor(live):
+            meta = self.saved_tensors.get(path) if self.resize and setter is not None else None
+            # Exactly torch.Tensor: a Parameter, DTensor or subclass is never swapped for a new object.
+            if meta is not None and type(live) is torch.Tensor and tuple(live.shape) != tuple(meta.shape):
+                self.flat.creates[path] = setter  # type: ignore[assignment]
+                self.flat.resized[path] = live
+                return
             self.target(path, live, saved)
             return
         adapter = adapter_for(live)
@@ -376,6 +382,7 @@ def flatten_for_load(
     world: int = 1,
     saved_world: Optional[int] = None,
     per_rank: Any = None,
+    resize: bool = False,
 ) -> Tuple[FlatLoad, List[str], List[str]]:
     """Walk live ``state`` against the saved tree.
 
@@ -383,12 +390,16 @@ def flatten_for_load(
     live state has but the checkpoint lacks, and the reverse (only within the
     top-level keys ``state`` names). ``rank``/``world`` are the loading
     group's; ``saved_world`` and ``per_rank`` (``manifest.extra["per_rank"]``)
-    come from the checkpoint and serve per-rank state.
+    come from the checkpoint and serve per-rank state. ``resize``: a plain
+    tensor held in a dict or list of the state (never a module's parameter
+    or buffer, a DTensor or a subclass) whose shape differs from the saved
+    one is replaced by a new tensor (``FlatLoad.resized``), not filled.
     """
     if not isinstance(state, dict):
         raise UnsupportedStateError(f"state must be a dict, got {type(state).__name__}")
     saved_tree = saved_tree if isinstance(saved_tree, dict) else {}
     w = _LoadWalker(saved_tensors, strict, state, rank, world, saved_world, per_rank)
+    w.resize = resize
     # The canonical order makes targets and finalizers (load_state_dict calls,
     # which may be collective) come in the same order on every rank.
     for k in canonical_keys(state):

@@ -55,6 +55,10 @@ class FlatLoad:
     #: Load: ``(loaded name, other name)`` of each tensor the live model ties
     #: whose names the checkpoint both holds; the load checks they are equal.
     tied: List[Tuple[str, str]] = field(default_factory=list)
+    #: ``load(resize=True)``: plain tensors of a dict whose shape differs from
+    #: the checkpoint's, by name (also in ``creates``): a new tensor of the
+    #: stored shape, the placeholder's dtype and device, replaces each.
+    resized: Dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 class SaveWalker(Protocol):

@@ -39,6 +39,7 @@ __all__ = [
     "Writer",
     "join_url",
     "plan_range_fetches",
+    "set_backend_lookup",
 ]
 
 # The retry policy's tunables live in shardckpt/_knobs.py (STORAGE_RETRIES: the
@@ -179,7 +180,15 @@ class Writer(abc.ABC):
 
     ``write`` appends; ``write_at`` (backends with ``positional_write``)
     writes at an offset and may be called from several threads. Use one or
-    the other on a writer, not both.
+    the other on a writer, not both. The calls, in order:
+
+    1. ``Storage.open_write(rel)`` returns it (parents created as needed).
+    2. ``write(data)`` any number of times, in file order (or ``write_at``).
+       ``data`` is any buffer (bytes, memoryview); the caller may reuse it
+       once the call returns.
+    3. Exactly one of ``close()`` (the whole file is durable at ``rel``
+       when it returns; raise if it is not) or ``abort()`` (nothing is left
+       at ``rel``; never raises for a file that is already gone).
     """
 
     url: str
@@ -274,6 +283,11 @@ class StagedFile:
             self.abort()
 
 
+def set_backend_lookup(lookup: Callable[[str, Optional[Dict[str, Any]]], Type["Storage"]]) -> None:
+    """Make ``Storage(url)`` build ``lookup(url, storage_options)`` (``_factory`` installs its ``backend_for``)."""
+    Storage._backend_for = staticmethod(lookup)
+
+
 def pwrite_all(fd: int, data, pos: int) -> int:
     """Write all of ``data`` at ``pos`` (``os.pwrite`` may write less than asked); returns the bytes written."""
     mv = memoryview(data).cast("B")
@@ -361,11 +375,55 @@ class Storage:
 
     Limits: URLs are strings; directories are only created, never required,
     by callers (backends with ``has_dirs`` create parents themselves).
+
+    Writing a backend (docs/extending.md has a whole one): subclass this,
+    implement the core (``path`` and the ``_``-prefixed methods that
+    ``CORE`` lists; a class missing one fails where it is defined), set
+    ``caps``, and register it for a URL scheme with
+    ``shardckpt.register_backend``; or pass an instance where a URL goes
+    (``shardckpt.save(state, storage)``). shardckpt calls a storage in this
+    order (``rel`` is always a relative path below the root):
+
+    1. Construction, on every rank: ``cls(url, storage_options=...,
+       retries=...)``; :meth:`child` and :meth:`sibling` build more of the
+       same class for related roots. It must not need the network.
+    2. Save, rank 0, before any rank writes: the target is checked
+       (``exists("manifest.json")``; ``read_bytes`` of a manifest found).
+    3. Save, every rank at once (ranks are processes, maybe on other
+       hosts; each rank uses its object from several threads, so every
+       method is thread-safe): :meth:`makedirs`, then per data file the rank
+       owns :meth:`open_write`, ``Writer.write`` (or ``write_at`` from
+       several threads where ``caps.positional_write``) and
+       ``Writer.close``, which makes the whole file durable under its name
+       (``abort`` instead on failure); then :meth:`fsync_dirs`. Each file is
+       written by one rank under a name no earlier save used, and is not
+       read before step 5 names it.
+    4. Save, rank 0, once every rank finished step 3: the files are
+       confirmed whole by :meth:`stat_sizes` (or :meth:`list_sizes` where
+       ``caps.consistent_listing``).
+    5. Save, rank 0, the commit: ``write_atomic("manifest.json", body,
+       create_dirs=False)``, which must be atomic (a reader sees no manifest
+       or all of it, never part). The checkpoint exists once it returns;
+       nothing of it is written after.
+    6. A failed save, each rank: :meth:`remove` of its own files of this
+       save; a committed checkpoint (an earlier one) is never touched.
+    7. Load, read, inspect, verify, every rank at once, from several
+       threads, only after step 5: ``read_bytes("manifest.json",
+       limit=...)``, :meth:`size`, :meth:`read_range`, :meth:`read_into`
+       (many ranges per call where ``caps.batched_reads``), :meth:`exists`,
+       :meth:`listdir`. Files are never written while they are read.
+    8. Retention and cleanup (the manager, ``shardckpt gc``), rank 0:
+       :meth:`listdir`, :meth:`walk_files`, :meth:`remove`,
+       :meth:`remove_tree`; :meth:`rename` and :meth:`replace_with` only
+       where ``caps.atomic_rename``.
     """
 
+    #: What this backend can do (a class attribute, or set in ``__init__``);
+    #: callers ask it instead of checking the backend's type.
     caps: Capabilities
     #: URL -> backend class: ``_factory.backend_for``, installed by that module
-    #: (it imports every backend, so this module cannot import it).
+    #: through :func:`set_backend_lookup` (it imports every backend, so this
+    #: module cannot import it).
     _backend_for: ClassVar[Callable[[str, Optional[Dict[str, Any]]], Type["Storage"]]]
 
     def __init_subclass__(cls, **kwargs: Any) -> None:

@@ -20,8 +20,8 @@ import torch
 from torch.testing._internal.two_tensor import TwoTensor
 
 import shardckpt
+from shardckpt._format.values import TAG
 from shardckpt._state import walk
-from shardckpt._state.values import TAG
 
 EVIL_MODULE = textwrap.dedent(
     """
