@@ -326,8 +326,8 @@ class Packer:
     read as one parallel batch, and crosses entry boundaries freely: the next
     tensors are read while the writer writes the current buffer, and every
     ``write`` call (but a file's last) gets about ``piece_bytes``. The bytes
-    are read straight into the buffer that is written (a cast goes through
-    one scratch block). Memory: ``PACK_DEPTH`` (+1 when casting) buffers plus
+    are read straight into the buffer that is written (a cast or a block
+    FP8 encode goes through one scratch block). Memory: ``PACK_DEPTH`` (+1 when casting) buffers plus
     a block of read buffers; a single row wider than a buffer gets one of its own.
     ``stop``: set by a failing sibling; the producer stops at its next block.
 
@@ -390,7 +390,7 @@ class Packer:
                         full.put((big, n_out))
                         continue
                     dst = room(n_out)
-                    if e.dtype == e.src.dtype:
+                    if e.dtype == e.src.dtype and e.quant is None:
                         wants.extend(self.reader.wants_into(e.src, blk, dst))
                     else:
                         self._read_block(e, blk, dst, n_src)
@@ -400,7 +400,8 @@ class Packer:
             full.put(exc)
 
     def _read_block(self, e: OutEntry, blk: Block, dst: torch.Tensor, n_src: int) -> None:
-        if e.dtype == e.src.dtype:
+        """``dst`` gets the block in the output dtype: read into it, or read into scratch then cast/encode (block FP8)."""
+        if e.dtype == e.src.dtype and e.quant is None:
             self.reader.read_into(e.src, blk, dst, pool=self.pool)
             return
         if n_src > self.piece_bytes:
@@ -410,7 +411,9 @@ class Packer:
                 self._scratch = host_empty(self.piece_bytes)
             raw = self._scratch[:n_src]
         self.reader.read_into(e.src, blk, raw, pool=self.pool)
-        if blk.count:
+        if e.quant is not None:  # block FP8: codes of this block, by the scales the first pass found
+            e.quant.encode(raw, blk.start, blk.count, dst)
+        elif blk.count:
             dst.view(torch_dtype(e.dtype)).copy_(raw.view(torch_dtype(e.src.dtype)))
 
     def pieces(self, entries: Sequence[OutEntry]) -> Iterator[memoryview]:
