@@ -361,7 +361,7 @@ class Packer:
                     self.reader.read_wants(wants, pool=self.pool)
                     wants.clear()
                 if buf is not None and at:
-                    full.put((buf, at))
+                    full.put((buf, at, buf))
                     buf = None
                 at = 0
 
@@ -385,9 +385,13 @@ class Packer:
                     n_src, n_out = blk.count * itemsize(e.src.dtype), blk.count * itemsize(e.dtype)
                     if n_out > self.piece_bytes or n_src > self.piece_bytes:
                         ship()
+                        # A ring buffer is held while the big one is in flight: memory stays bounded.
+                        token = free.get()
+                        if token is None or quit.is_set():
+                            raise _Stopped()
                         big = host_empty(n_out)
                         self._read_block(e, blk, big, n_src)
-                        full.put((big, n_out))
+                        full.put((big, n_out, token))
                         continue
                     dst = room(n_out)
                     if e.dtype == e.src.dtype and e.quant is None:
@@ -432,12 +436,12 @@ class Packer:
                     return
                 if isinstance(got, BaseException):
                     raise got
-                buf, n = got
+                buf, n, ring = got
                 yield byte_view(buf[:n])
+                del buf
                 if self.progress is not None:
                     self.progress.update(n)
-                if len(buf) == self.piece_bytes:
-                    free.put(buf)  # written: the producer may fill it again
+                free.put(ring)  # written: the producer may fill it again
         finally:
             # The writer stopped early (or finished): no read may fill a buffer after this.
             quit.set()

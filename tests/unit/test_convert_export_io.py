@@ -6,12 +6,16 @@ order of events (a write waits for a later tensor's read to start), never by tim
 
 import threading
 
+import crc32c
+import pytest
 import torch
 from safetensors.torch import load_file
 from shardckpt.converters import _common
+from shardckpt.converters._source import OutEntry, Source, SrcTensor, whole_entry
 
 import shardckpt
 from shardckpt import converters
+from shardckpt._format.chunk import Chunk
 from shardckpt._storage import Storage
 
 #: Generous: the bound of a wait that the code under test must end by an event.
@@ -90,3 +94,37 @@ def test_export_reads_the_next_tensors_while_a_piece_is_written(tmp_path, monkey
     got = load_file(str(tmp_path / "hf" / "model.safetensors"))
     for k, v in state.items():
         assert torch.equal(got[k], v.to(torch.bfloat16)), k
+
+
+def _column_shards(tmp_path, full):
+    """``full`` (7 x 8 fp32) saved as two column shards (tensor parallel), each chunk raw in its own file."""
+    storage = Storage(str(tmp_path))
+    chunks = []
+    for i, (offs, sizes) in enumerate([((0, 0), (7, 3)), ((0, 3), (7, 5))]):
+        data = full[:, offs[1] : offs[1] + sizes[1]].contiguous().view(torch.uint8).numpy().tobytes()
+        (tmp_path / f"c{i}").write_bytes(data)
+        chunks.append(Chunk(file=f"c{i}", byte_offset=0, nbytes=len(data), offsets=offs, sizes=sizes, key=f"c{i}",
+                            crc32c=crc32c.crc32c(data)))
+    t = SrcTensor(name="t", dtype="F32", shape=tuple(full.shape), chunks=chunks)
+    return Source(url=str(tmp_path), storage=storage, tensors={"t": t}), t
+
+
+@pytest.mark.parametrize("piece", [4, 12, 40, 100, 1 << 20])
+@pytest.mark.parametrize("dtype", ["F32", "BF16"])
+def test_packer_yields_every_entry_in_order_whatever_the_piece_size(tmp_path, piece, dtype):
+    """Rows (32 bytes) wider than a piece get pieces of their own; entries pack across their boundaries; casts too."""
+    full = torch.arange(56, dtype=torch.float32).reshape(7, 8)
+    source, t = _column_shards(tmp_path, full)
+    ents = [whole_entry(t, "a", dtype), OutEntry("b", t, 2 * 8, 5 * 8, (3, 8), dtype)]
+    p = _common.Packer(_common.Reader(source), piece_bytes=piece)
+    try:
+        got = [bytes(x) for x in p.pieces(ents)]
+    finally:
+        p.close()
+    want = full.to(torch.bfloat16) if dtype == "BF16" else full
+    expect = torch.cat([want.reshape(-1), want[2:5].reshape(-1)]).view(torch.uint8).numpy().tobytes()
+    assert b"".join(got) == expect
+    rows = 8 * (2 if dtype == "BF16" else 4)
+    assert all(len(x) <= max(piece, rows) for x in got), [len(x) for x in got]
+    if piece >= len(expect):
+        assert len(got) == 1  # both entries in one piece
