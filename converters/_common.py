@@ -25,7 +25,7 @@ import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from functools import partial
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, cast
+from typing import Any, Callable, Dict, Generator, Iterator, List, Optional, Sequence, Tuple, cast
 
 import torch
 
@@ -420,7 +420,7 @@ class Packer:
         elif blk.count:
             dst.view(torch_dtype(e.dtype)).copy_(raw.view(torch_dtype(e.src.dtype)))
 
-    def pieces(self, entries: Sequence[OutEntry]) -> Iterator[memoryview]:
+    def pieces(self, entries: Sequence[OutEntry]) -> Generator[memoryview, None, None]:
         """The entries' bytes in order, in pieces; each valid until the next is asked for."""
         free: "queue.Queue[Optional[torch.Tensor]]" = queue.Queue()
         full: "queue.Queue[Any]" = queue.Queue()
