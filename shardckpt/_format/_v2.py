@@ -40,7 +40,7 @@ from .manifest import (
 )
 from .naming import DATA_DIR, DATA_SUFFIX, INDEX_DIR, INDEX_SUFFIX, chunk_key, save_id_prefix
 from .refs import check_ref_paths
-from .table import front_decode, index_columns, parse_index_columns, tensor_table_json
+from .table import ColumnKeys, front_decode, index_columns, parse_index_columns, tensor_table_json
 from .versions import VERSIONS, register, spec
 
 INDEX_FORMAT = "shardckpt-index"
@@ -850,7 +850,18 @@ def resolve_many(manifest: Any, storage: Any, wants: Sequence[Tuple[str, Any]], 
             if idx is None:
                 idx = read_index(manifest, storage, rank, cache)
             key = name if whole else name + tail
-            hit = idx["keys"].get(key)
+            keys = idx["keys"]
+            if type(keys) is ColumnKeys:  # a columnar index: the Chunk straight from its columns
+                got = keys.chunk(key, name, box, block_bytes)
+                if got is False:
+                    raise CorruptCheckpointError(
+                        f"{storage.url}: tensor {name!r}: the index of rank {rank} lacks chunk {key!r} "
+                        f"(box {list(box.offsets)}+{list(box.sizes)}) that its layout record says that rank wrote"
+                    )
+                if got is not None:
+                    chunks.append(got)
+                continue
+            hit = keys.get(key)
             if hit is None or hit[0] != name or tuple(hit[1].sizes) != box.sizes or tuple(hit[1].offsets) != box.offsets:
                 raise CorruptCheckpointError(
                     f"{storage.url}: tensor {name!r}: the index of rank {rank} lacks chunk {key!r} "
