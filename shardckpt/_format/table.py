@@ -42,7 +42,9 @@ from .chunk import Chunk
 from .dtypes import itemsize
 from .manifest import ChunkMeta
 
-__all__ = ["TABLE_MIN_ENTRIES", "front_code", "front_decode", "pack_u32", "unpack_u32", "kind_key", "tensor_table_json", "index_columns", "parse_index_columns", "ColumnKeys", "ColumnTensors"]
+__all__ = ["TABLE_MIN_ENTRIES", "front_code", "front_decode", "pack_u32", "unpack_u32", "kind_key", "tensor_table_json", "index_columns", "parse_index_columns", "ColumnKeys", "ColumnTensors", "int_column"]
+
+_INT, _STR = {int}, {str}
 
 #: Fewest regular tensors (manifest) or chunks (index file) written as a
 #: table; below it, the per-tensor objects and per-chunk rows of format v2.
@@ -51,6 +53,22 @@ TABLE_MIN_ENTRIES = 1024
 
 def _bad(where: str, what: str) -> CorruptCheckpointError:
     return CorruptCheckpointError(f"{where}: {what}")
+
+
+def int_column(col: List[Any], lo: int, hi: Optional[int]) -> bool:
+    """Whether every entry of ``col`` is an int (not a bool) in ``lo..hi-1`` (``hi`` None: no upper bound).
+
+    A column of untrusted metadata checked in a few C-level passes; callers
+    redo a failing column entry by entry to name the bad one.
+
+    >>> int_column([0, 3, 2], 0, 4), int_column([0, True], 0, 4), int_column([-1], 0, None)
+    (True, False, False)
+    """
+    if not col:
+        return True
+    if not set(map(type, col)) <= _INT:
+        return False
+    return min(col) >= lo and (hi is None or max(col) < hi)
 
 
 def front_code(names: Sequence[str]) -> Tuple[List[int], List[str]]:
@@ -100,11 +118,19 @@ def front_decode(prefix: Any, suffix: Any, *, strict: bool, where: str) -> List[
     out: List[str] = []
     append = out.append
     prev = ""
-    for k, s in zip(prefix, suffix):
-        if type(k) is not int or not 0 <= k <= len(prev) or type(s) is not str:
-            raise _bad(where, f"name {len(out)}: prefix {k!r:.20} must be an int in 0..{len(prev)} and suffix a string")
-        prev = prev[:k] + s
-        append(prev)
+    if int_column(prefix, 0, None) and set(map(type, suffix)) <= _STR:
+        # Types and signs checked over the whole columns: per name, the bound.
+        for k, s in zip(prefix, suffix):
+            if k > len(prev):
+                break
+            prev = prev[:k] + s
+            append(prev)
+    if len(out) < len(prefix):
+        for k, s in zip(prefix[len(out):], suffix[len(out):]):
+            if type(k) is not int or not 0 <= k <= len(prev) or type(s) is not str:
+                raise _bad(where, f"name {len(out)}: prefix {k!r:.20} must be an int in 0..{len(prev)} and suffix a string")
+            prev = prev[:k] + s
+            append(prev)
     if strict and len(set(out)) != len(out):
         seen: set = set()
         twice = next(n for n in out if n in seen or seen.add(n))  # type: ignore[func-returns-value]
@@ -323,16 +349,6 @@ def _rows_one_by_one(raw: Dict[str, Any], m: Any, files: List[str], *, hashed: b
     return keys, by_tensor, claims
 
 
-_INT = {int}
-
-
-def _ints(col: List[Any], lo: int, hi: Optional[int]) -> bool:
-    """Every entry an int (not a bool) in ``lo..hi-1`` (``hi`` None: no upper bound)."""
-    if not col:
-        return True
-    if not set(map(type, col)) <= _INT:
-        return False
-    return min(col) >= lo and (hi is None or max(col) < hi)
 
 
 def _bulk_rows(boxes: List[Any], cols: Dict[str, Any], m: Any, files: List[str], *, hashed: bool) -> Optional[Tuple["ColumnKeys", "ColumnTensors", List[Any]]]:
@@ -370,7 +386,9 @@ def _bulk_rows(boxes: List[Any], cols: Dict[str, Any], m: Any, files: List[str],
             return None
         geo.append((tuple(b[0]), tuple(b[1]), math.prod(b[1]), "@" + ",".join(str(o) for o in b[0])))
     nfiles = len(files)
-    if not (_ints(file_col, 0, nfiles) and _ints(box_col, 0, len(geo)) and _ints(gap_col, -(1 << 62), None)):
+    if len(set(files)) != nfiles:  # one file under two numbers: its claims must be compared by name
+        return None
+    if not (int_column(file_col, 0, nfiles) and int_column(box_col, 0, len(geo)) and int_column(gap_col, -(1 << 62), None)):
         return None
     # Per distinct tensor: its shape and item size; per distinct (shape, box): inside, whole.
     shape_of: Dict[str, Tuple[int, ...]] = {}
@@ -398,19 +416,29 @@ def _bulk_rows(boxes: List[Any], cols: Dict[str, Any], m: Any, files: List[str],
         st = ends[f] + gap
         append(st)
         ends[f] = st + nb
-    monotone = not gap_col or min(gap_col) >= 0
     if starts and min(starts) < 0:
         return None
     sizes_of = [m.files[f].size for f in files]
-    if monotone:
-        furthest = ends  # chunks in file order: the last one reaches furthest
+    if not gap_col or min(gap_col) >= 0:
+        # Every chunk starts at or after the end of its file's previous one:
+        # no byte claimed twice, and the last chunk of a file ends furthest.
+        if any(e > s for e, s in zip(ends, sizes_of)):
+            return None
     else:
-        furthest = [0] * nfiles
-        for f, st, nb in zip(file_col, starts, nbytes):
-            if st + nb > furthest[f]:
-                furthest[f] = st + nb
-    if any(e > s for e, s in zip(furthest, sizes_of)):
-        return None
+        # A file's chunks out of name order (a file holds larger items
+        # first): by file and start, each non-empty one must start at or
+        # after the end of the one before (as ``_geometry.shared_byte_ranges``
+        # decides, which the row-by-row parse runs to name a clash).
+        prev_f, reach = -1, 0
+        for f, st, nb in sorted(zip(file_col, starts, nbytes)):
+            if f != prev_f:
+                prev_f, reach = f, 0
+            if st + nb > sizes_of[f]:
+                return None
+            if nb:
+                if st < reach:
+                    return None
+                reach = st + nb
     bb = m.block_bytes
     if type(bb) is not int or bb <= 0:
         return None
@@ -428,14 +456,8 @@ def _bulk_rows(boxes: List[Any], cols: Dict[str, Any], m: Any, files: List[str],
                     check_hash_hex(h, "hash")
         except ValueError:
             return None
-    claims: List[Any] = []
-    if not monotone:
-        # A file's chunks out of name order (a file holds larger items first):
-        # the sweep of ``_geometry.shared_byte_ranges`` (the caller's) decides.
-        fnames = [files[f] for f in file_col]
-        claims = list(zip(fnames, starts, nbytes, keys))
     cols_ = _Columns(names, keys, file_col, box_col, starts, nbytes, pos, crcs, hash_col, files, geo)
-    return ColumnKeys(cols_, row_of), ColumnTensors(cols_), claims
+    return ColumnKeys(cols_, row_of), ColumnTensors(cols_), []  # bytes checked above
 
 
 class _Columns:
