@@ -366,11 +366,13 @@ def _bulk_rows(boxes: List[Any], cols: Dict[str, Any], m: Any, files: List[str],
     except CorruptCheckpointError:
         return None
     n = len(names)
-    file_col, box_col, gap_col = cols.get("file"), cols.get("box"), cols.get("gap")
-    hash_col = cols.get("hash")
-    for col in (file_col, box_col, gap_col) + ((hash_col,) if "hash" in cols else ()):
-        if not isinstance(col, list) or len(col) != n:
+    for key in ("file", "box", "gap") + (("hash",) if "hash" in cols else ()):
+        if not isinstance(cols.get(key), list) or len(cols[key]) != n:
             return None
+    file_col: List[Any] = cols["file"]
+    box_col: List[Any] = cols["box"]
+    gap_col: List[Any] = cols["gap"]
+    hash_col: Optional[List[Any]] = cols.get("hash")
     if (not hashed and "hash" in cols) or not isinstance(cols.get("crcs"), str):
         return None
     try:
@@ -410,7 +412,7 @@ def _bulk_rows(boxes: List[Any], cols: Dict[str, Any], m: Any, files: List[str],
     nbytes = [numel[b] * isz_of[nm] for nm, b in zip(names, box_col)]
     # Bytes: each chunk starts ``gap`` after the end of the file's previous one.
     ends = [0] * nfiles
-    starts = []
+    starts: List[int] = []
     append = starts.append
     for f, gap, nb in zip(file_col, gap_col, nbytes):
         st = ends[f] + gap
