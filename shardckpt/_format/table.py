@@ -24,7 +24,7 @@ no byte claimed twice, no duplicate key).
 
 Front coding: names in sorted order, each written as the length of the prefix
 it shares with the previous name and the rest (``["layers.0.w1", "layers.0.w2"]``
--> prefix ``[0, 9]``, suffix ``["layers.0.w1", "2"]``).
+-> prefix ``[0, 10]``, suffix ``["layers.0.w1", "2"]``).
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ def front_code(names: Sequence[str]) -> Tuple[List[int], List[str]]:
     """``(prefix lengths, suffixes)`` of ``names`` (sorted, repeats allowed), each against the one before.
 
     >>> front_code(["layers.0.w1", "layers.0.w2", "layers.0.w2"])
-    ([0, 9, 11], ['layers.0.w1', '2', ''])
+    ([0, 10, 11], ['layers.0.w1', '2', ''])
     """
     prefix: List[int] = []
     suffix: List[str] = []
