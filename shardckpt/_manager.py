@@ -460,8 +460,14 @@ class CheckpointManager:
         if self._memory is None or self.load_only:
             return False
         comm = self._comm("CheckpointManager.save_to_memory")
+        run = None
+        if self._tiers is not None:  # the step records this run (_managed.identity), agreed once as a save does
+            if self._tiers.run is None:
+                _, self._tiers.run = agree(comm, lambda: self._run_of_save() if comm.rank == 0 else None,
+                                           what=f"memory save of step {step}: the run", share=lambda v: v, mode=FROM_ROOT)
+            run = self._tiers.run
         return memory_save(self._memory, step, state, comm, process_group=self.process_group,
-                           io_threads=self._write_threads, overlap=overlap, replicas=self.replicas)
+                           io_threads=self._write_threads, overlap=overlap, replicas=self.replicas, run=run)
 
     def _export_hf(self, step: int) -> None:
         """Rank 0 writes the committed step as a Hugging Face directory; every rank returns when it is there."""
@@ -868,8 +874,10 @@ class CheckpointManager:
         local directory and the remote, else this root.
         """
         out: List[Any] = []
+        remote_run: List[Callable[[], Optional[str]]] = []  # with local=: the remote's newest step's run (probed first)
         if self._memory is not None:
-            out.append(self._memory.source(comm, process_group=self.process_group, load_kw=load_kw))
+            out.append(self._memory.source(comm, process_group=self.process_group, load_kw=load_kw,
+                                           run=lambda: remote_run[0]() if remote_run else None))
 
         def loader(storage_options: Optional[Dict[str, Any]]) -> Callable[[str], Any]:
             return lambda url: load(state, url, storage_options=storage_options or None, process_group=self.process_group, **load_kw)
@@ -886,6 +894,8 @@ class CheckpointManager:
             validate=lambda st: order.validate_step(remote.root, st, files=remote.check_files),
             # Probed after the local directory: nothing in either, the notice names both.
             say_empty=lambda: order.say_why_empty(self.root, nearby=nearby_names, remote=remote.root))
+
+        remote_run.append(lambda: remote_src.run)
 
         def own_steps() -> List[int]:  # this run's: the root, and the run of the remote's newest step (probed first)
             return self._own(self.steps(), remote_src.run)
