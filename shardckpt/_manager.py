@@ -919,8 +919,9 @@ class CheckpointManager:
     def _resume_flush(self, comm: Comm, sources: List[Any]) -> Callable[[List[Optional[int]]], None]:
         """With ``local=``, once restore knows the newest step of each source: the run, what is durable, and the local step to flush.
 
-        The run is the remote's newest step's (``_managed.identity``); the
-        newest local step of this run the remote lacks is handed to the
+        The run is the remote's newest step's (``_managed.identity``); durable
+        is the newest remote step that is loadable
+        (:func:`_managed.restore.newest_loadable`); the newest local step of this run the remote lacks is handed to the
         flusher (in the background, while it loads), unless a load-only
         manager or a step of another world size (each rank uploads the
         files it wrote: that step stays local, logged).
@@ -932,7 +933,11 @@ class CheckpointManager:
             lstep, rstep = found[-2], found[-1]
             tiers.run = remote.run
             flusher = tiers.flusher_on(self.root, comm)
-            flusher.set_durable(rstep)
+            # Durable means loadable: the remote's newest step whose files are all there (rank 0 checks).
+            _, durable = agree(comm, lambda: order.newest_loadable(remote.root, rstep, steps=tiers.remote.steps)
+                               if comm.rank == 0 else None, what=f"restore: the durable step of {tiers.remote_url}",
+                               share=lambda v: v, mode=FROM_ROOT)
+            flusher.set_durable(durable)
             if lstep is None or (rstep is not None and lstep <= rstep) or self.load_only:
                 return
             if local.world == comm.world:

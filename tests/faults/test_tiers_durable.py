@@ -195,3 +195,33 @@ def test_async_save_to_s3_while_its_objects_are_deleted_is_not_committed(s3_url)
     assert res["steps"] == [1] and result(outs[1][1])["error"], (res, outs[1][1])
     assert shardckpt.CheckpointManager(remote, storage_options=opts, load_only=True).steps() == [1]
     shardckpt.verify(f"{remote}/step-00000001", storage_options=opts)
+
+
+def test_restore_announces_durable_only_a_loadable_remote_step(tmp_path, s3_url):  # noqa: F811
+    """A remote step whose data object was deleted out of band (a lifecycle rule, a commit from before the check) is not durable.
+
+    One process, ``local=`` on disk, the remote on S3 (moto): steps 1 and 2
+    flushed; one of step 2's data objects is deleted on the remote. A new
+    manager's ``restore()`` resumes from the local step 2, but announces
+    step 1 durable (the newest one ``verify`` accepts), not step 2.
+    """
+    remote, opts = s3_url
+    local = str(tmp_path / "local")
+    with shardckpt.CheckpointManager(remote, local=local, keep_last=5, storage_options=opts) as mgr:
+        for step in (1, 2):
+            mgr.save(step, _state(float(step)) | {"step": step})
+            mgr.wait()
+        assert mgr.durable_step == 2
+    root = Storage(remote, storage_options=opts)
+    victim = sorted(f for f in root.walk_files("step-00000002/data") if f.endswith(".safetensors"))[0]
+    root.remove(victim)
+    with pytest.raises(shardckpt.CheckpointError):
+        shardckpt.verify(f"{remote}/step-00000002", storage_options=opts)
+    mgr = shardckpt.CheckpointManager(remote, local=local, keep_last=5, storage_options=opts)
+    try:
+        st = _state(0.0)
+        assert mgr.restore(st) == 2 and mgr.restored_from == f"{local}/step-00000002"
+        assert mgr.durable_step == 1  # never ahead of what verify accepts
+        shardckpt.verify(f"{remote}/step-00000001", storage_options=opts)
+    finally:
+        mgr.close(flush_timeout_s=5)
