@@ -955,7 +955,9 @@ class CheckpointManager:
 
         With ``memory=``, also waits until the memory step in flight is held
         (both copies verified). With ``local=``, also waits until the newest
-        saved step is flushed to the remote (or its flush failed, logged).
+        saved step is flushed to the remote or its flush is refused for good
+        (logged once: files no live rank holds); a failed flush is retried
+        and waited for (``close(flush_timeout_s=)`` bounds it).
 
         Raises:
             SaveFailedError: the background save, or the memory step in flight, failed.

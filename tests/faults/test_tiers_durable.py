@@ -59,6 +59,57 @@ def _shrink_child(phase: str, rank: int, world: int, port: int, remote: str, loc
     mgr.close(flush_timeout_s=5)
 
 
+def _refused_child(rank: int, world: int, port: int, remote: str, local: str, opts: dict) -> None:
+    join_group(rank, world, port)
+    import logging
+    import threading
+
+    import shardckpt._flush as flush
+
+    # Per-node disks of nodes that are gone: no live rank holds the files rank 1 wrote for step 1.
+    flush.held_refs = lambda local, refs: []
+    said: list = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda rec: said.append(rec.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("shardckpt").addHandler(handler)
+    calls: list = []
+    mgr = shardckpt.CheckpointManager(remote, local=local, incremental=True, keep_last=3, keep_local=3,
+                                      storage_options=opts, collective_timeout_s=60, on_durable=calls.append)
+    st = _state(0.0)
+    got = mgr.restore(st)
+    mgr.save(2, st | {"step": 2})  # references rank 1's files of step 1
+    waiter = threading.Thread(target=mgr.wait, daemon=True)
+    waiter.start()
+    waiter.join(60)  # the refusal is final: wait() returns (before: it retried forever)
+    refused = [line for line in said if "flush of step 2" in line]
+    print("RESULT " + json.dumps({"restored": got, "returned": not waiter.is_alive(), "durable": mgr.durable_step,
+                                  "on_durable": calls, "remote": mgr.remote_steps(), "busy": mgr._tiers.flusher.busy(),
+                                  "refused": refused}), flush=True)
+    mgr.close(flush_timeout_s=1)
+
+
+def test_world_shrink_references_no_live_rank_holds_are_refused_once(tmp_path, s3_url):  # noqa: F811
+    """No live rank holds a reference of a rank that is gone: the flush is refused once, final; ``wait()`` returns."""
+    remote, opts = s3_url
+    local = str(tmp_path / "local")
+    port = free_port()
+    kids = [start(_shrink_child, "save", r, 2, port, remote, local, opts) for r in range(2)]
+    try:
+        rc, out = finish(kids[0], 120, "rank 0")
+    finally:
+        for k in kids:
+            k.kill()
+    finish(kids[1], 60, "rank 1")
+    assert rc == -9 and "SAVED 1" in out, out
+    kid = start(_refused_child, 0, 1, free_port(), remote, local, opts)
+    rc, out = finish(kid, 120, "the 1-rank job")
+    assert rc == 0, out
+    res = result(out)
+    assert res["restored"] == 1 and res["returned"] and not res["busy"], out
+    assert res["durable"] is None and res["on_durable"] == [] and res["remote"] == [], out
+    assert len(res["refused"]) == 1 and "refused, not retried" in res["refused"][0] and "-r00001-" in res["refused"][0], out
+
+
 def test_world_shrink_references_of_a_gone_rank_are_uploaded(tmp_path, s3_url):  # noqa: F811
     remote, opts = s3_url
     local = str(tmp_path / "local")
