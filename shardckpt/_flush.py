@@ -30,7 +30,10 @@ together:
 
 A failed flush leaves the remote step without a manifest (restore and
 ``steps()`` never report it), logs a WARNING and is retried after a backoff,
-unless a newer step was submitted meanwhile (it supersedes it).
+unless a newer step was submitted meanwhile (it supersedes it). A flush no
+retry can make succeed (:class:`FlushRefused`: references no live rank
+holds, a step of another world size) is refused once, final for that step
+(one WARNING; ``durable_step`` unchanged; ``wait()`` returns).
 
 The planning functions here are pure (ints in, ints out) and tested alone
 (``tests/unit/test_flush_plan.py``).
@@ -63,7 +66,7 @@ from ._memory import store as memory_store
 from ._storage import Storage
 from .errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, format_offenders
 
-__all__ = ["Flusher", "Tiers", "Remote", "PerNodeSource", "next_flush", "local_protected", "restore_source", "commit_save_id", "files_of_rank",
+__all__ = ["Flusher", "FlushRefused", "Tiers", "Remote", "PerNodeSource", "next_flush", "local_protected", "restore_source", "commit_save_id", "files_of_rank",
            "orphan_refs", "assign_orphans", "held_refs",
            "upload_step", "check_world", "node_groups", "detect_nodes", "share_manifest", "held_local", "restore_local_held", "remove_stale_stages", "own_chunks", "STAGE_PREFIX", "PROBE_PREFIX", "FLUSH_CHANNEL", "COPY_PIECE_BYTES", "FLUSH_NICE",
            "YIELD_MAX_S"]
@@ -87,6 +90,16 @@ FLUSH_NICE = 10
 #: Backoff before retrying a failed flush: first, and the cap (it doubles).
 RETRY_FIRST_S = 1.0
 RETRY_MAX_S = 60.0
+
+
+class FlushRefused(CorruptCheckpointError):
+    """A step the flusher can never commit on the remote whole, whatever it retries: refused once, never retried.
+
+    Its files are not all in this job (references whose writer rank is gone
+    and which no live rank holds, :func:`assign_orphans`; a step of another
+    world size, :func:`check_world`). A re-save of the step (``force=True``)
+    or a newer step is flushed as usual.
+    """
 
 
 def next_flush(pending: Optional[int], done: Optional[int]) -> Optional[int]:
@@ -212,11 +225,11 @@ def check_world(local: Storage, world: int) -> None:
     files, so it is refused, never committed half.
 
     Raises:
-        CorruptCheckpointError: the world sizes differ.
+        FlushRefused: the world sizes differ.
     """
     saved = open_manifest(local, chunks=False).world_size
     if saved != world:
-        raise CorruptCheckpointError(
+        raise FlushRefused(
             f"{local.url} was saved by {saved} ranks, this job has {world}: each rank uploads the files it wrote, "
             "so the remote copy would lack some; not flushed")
 
@@ -275,8 +288,8 @@ def assign_orphans(orphans: Iterable[str], held: List[Iterable[str]], step: int)
     """``rank -> orphan references it uploads``: each to a rank that holds it (``held[r]``), spread over them in turn.
 
     Raises:
-        CorruptCheckpointError: no rank holds some of them (named, the first
-            few): the step cannot go up whole, so it is not flushed.
+        FlushRefused: no rank holds some of them (named, the first few): the
+            step cannot go up whole, so it is not flushed.
 
     Example:
         >>> assign_orphans(["@s/a", "@s/b", "@s/c"], [["@s/a", "@s/b", "@s/c"], ["@s/b", "@s/c"]], 2)
@@ -296,7 +309,7 @@ def assign_orphans(orphans: Iterable[str], held: List[Iterable[str]], step: int)
         r = hs[i % len(hs)]
         out.setdefault(r, []).append(rel)
     if lost:
-        raise CorruptCheckpointError(
+        raise FlushRefused(
             f"step {step} references files written by ranks this job of {len(held)} does not have, and no rank holds "
             f"them on its local disk: {format_offenders(lost)}; it is not flushed (durable_step does not advance): "
             "restart with the world size that wrote them, or save a step without incremental references")
@@ -608,7 +621,9 @@ class Flusher:
             ok = self._flush(step)
             with self._cond:
                 self._in_flight = None
-                if ok:
+                if ok is None:
+                    pass  # refused (logged): final for this step, durable_step unchanged; nothing left to wait for
+                elif ok:
                     self._failures = 0
                     self._durable = step if self._durable is None else max(step, self._durable)
                 else:
@@ -626,7 +641,8 @@ class Flusher:
                 except Exception as e:  # the trainer's callback must not stop the flusher
                     log.warning("shardckpt: on_durable(%d) raised %s: %s", step, type(e).__name__, e)
 
-    def _flush(self, step: int) -> bool:
+    def _flush(self, step: int) -> Optional[bool]:
+        """Flush ``step`` (every rank): True committed, False failed (retried), None refused (:class:`FlushRefused`: final)."""
         name = self.step_dir(step)
         src, dst = self.local.child(name), self.remote.child(name)
         t0 = time.perf_counter()
@@ -660,6 +676,10 @@ class Flusher:
                 commit_bytes(dst, data, {rel: f.size for rel, f in m.files.items()}, index=index, create_dirs=not m.files)
 
             agree(self.comm, commit, what=f"flush of step {step} to {dst.url}: the remote commit")
+        except FlushRefused as e:
+            log.warning("shardckpt: flush of step %d to %s refused, not retried (durable_step stays %s; the step stays "
+                        "committed locally only): %s", step, dst.url, self.durable_step, e)
+            return None
         except Exception as e:
             log.warning("shardckpt: flush of step %d to %s failed (it stays uncommitted there; retried unless a newer step "
                         "supersedes it): %s: %s", step, dst.url, type(e).__name__, e)

@@ -460,8 +460,14 @@ class CheckpointManager:
         if self._memory is None or self.load_only:
             return False
         comm = self._comm("CheckpointManager.save_to_memory")
+        run = None
+        if self._tiers is not None:  # the step records this run (_managed.identity), agreed once as a save does
+            if self._tiers.run is None:
+                _, self._tiers.run = agree(comm, lambda: self._run_of_save() if comm.rank == 0 else None,
+                                           what=f"memory save of step {step}: the run", share=lambda v: v, mode=FROM_ROOT)
+            run = self._tiers.run
         return memory_save(self._memory, step, state, comm, process_group=self.process_group,
-                           io_threads=self._write_threads, overlap=overlap, replicas=self.replicas)
+                           io_threads=self._write_threads, overlap=overlap, replicas=self.replicas, run=run)
 
     def _export_hf(self, step: int) -> None:
         """Rank 0 writes the committed step as a Hugging Face directory; every rank returns when it is there."""
@@ -868,8 +874,10 @@ class CheckpointManager:
         local directory and the remote, else this root.
         """
         out: List[Any] = []
+        remote_run: List[Callable[[], Optional[str]]] = []  # with local=: the remote's newest step's run (probed first)
         if self._memory is not None:
-            out.append(self._memory.source(comm, process_group=self.process_group, load_kw=load_kw))
+            out.append(self._memory.source(comm, process_group=self.process_group, load_kw=load_kw,
+                                           run=lambda: remote_run[0]() if remote_run else None))
 
         def loader(storage_options: Optional[Dict[str, Any]]) -> Callable[[str], Any]:
             return lambda url: load(state, url, storage_options=storage_options or None, process_group=self.process_group, **load_kw)
@@ -886,6 +894,8 @@ class CheckpointManager:
             validate=lambda st: order.validate_step(remote.root, st, files=remote.check_files),
             # Probed after the local directory: nothing in either, the notice names both.
             say_empty=lambda: order.say_why_empty(self.root, nearby=nearby_names, remote=remote.root))
+
+        remote_run.append(lambda: remote_src.run)
 
         def own_steps() -> List[int]:  # this run's: the root, and the run of the remote's newest step (probed first)
             return self._own(self.steps(), remote_src.run)
@@ -909,8 +919,9 @@ class CheckpointManager:
     def _resume_flush(self, comm: Comm, sources: List[Any]) -> Callable[[List[Optional[int]]], None]:
         """With ``local=``, once restore knows the newest step of each source: the run, what is durable, and the local step to flush.
 
-        The run is the remote's newest step's (``_managed.identity``); the
-        newest local step of this run the remote lacks is handed to the
+        The run is the remote's newest step's (``_managed.identity``); durable
+        is the newest remote step that is loadable
+        (:func:`_managed.restore.newest_loadable`); the newest local step of this run the remote lacks is handed to the
         flusher (in the background, while it loads), unless a load-only
         manager or a step of another world size (each rank uploads the
         files it wrote: that step stays local, logged).
@@ -922,7 +933,11 @@ class CheckpointManager:
             lstep, rstep = found[-2], found[-1]
             tiers.run = remote.run
             flusher = tiers.flusher_on(self.root, comm)
-            flusher.set_durable(rstep)
+            # Durable means loadable: the remote's newest step whose files are all there (rank 0 checks).
+            _, durable = agree(comm, lambda: order.newest_loadable(remote.root, rstep, steps=tiers.remote.steps)
+                               if comm.rank == 0 else None, what=f"restore: the durable step of {tiers.remote_url}",
+                               share=lambda v: v, mode=FROM_ROOT)
+            flusher.set_durable(durable)
             if lstep is None or (rstep is not None and lstep <= rstep) or self.load_only:
                 return
             if local.world == comm.world:
@@ -940,7 +955,9 @@ class CheckpointManager:
 
         With ``memory=``, also waits until the memory step in flight is held
         (both copies verified). With ``local=``, also waits until the newest
-        saved step is flushed to the remote (or its flush failed, logged).
+        saved step is flushed to the remote or its flush is refused for good
+        (logged once: files no live rank holds); a failed flush is retried
+        and waited for (``close(flush_timeout_s=)`` bounds it).
 
         Raises:
             SaveFailedError: the background save, or the memory step in flight, failed.

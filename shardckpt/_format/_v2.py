@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import operator
 import re
 from typing import Any, Dict, List, Optional, Sequence, Tuple, cast
 
@@ -40,7 +41,7 @@ from .manifest import (
 )
 from .naming import DATA_DIR, DATA_SUFFIX, INDEX_DIR, INDEX_SUFFIX, chunk_key, save_id_prefix
 from .refs import check_ref_paths
-from .table import front_decode, index_columns, parse_index_columns, tensor_table_json
+from .table import ColumnKeys, front_decode, index_columns, int_column, parse_index_columns, tensor_table_json
 from .versions import VERSIONS, register, spec
 
 INDEX_FORMAT = "shardckpt-index"
@@ -244,6 +245,18 @@ def _tensor_table(table: Any, tensors: Dict[str, TensorMeta], meshes: List[Any],
     if not isinstance(kind_col, list) or not isinstance(rot_col, list) or not len(kind_col) == len(rot_col) == len(names):
         raise _bad(where, f"'kind' and 'rotation' must be lists of {len(names)} entries (one per name)")
     nkinds = len(checked)
+    worlds = [c[5] for c in checked]
+    if (
+        int_column(kind_col, 0, nkinds) and int_column(rot_col, 0, None) and all(map(operator.lt, rot_col, map(worlds.__getitem__, kind_col)))
+        and (not tensors or tensors.keys().isdisjoint(names))
+    ):
+        # Every kind number and rotation checked over the whole columns: per tensor, its record.
+        for name, k, rot in zip(names, kind_col, rot_col):
+            dt, shape, layout, reg, lay, _ = checked[k]
+            t = TensorMeta(dt, list(shape), [], layout, {**reg, "rotation": rot})
+            t.__dict__["_regular_layout"] = lay
+            tensors[name] = t
+        return
     for name, k, rot in zip(names, kind_col, rot_col):
         if type(k) is not int or not 0 <= k < nkinds:
             raise _bad(where, f"tensor {name!r}: kind {k!r:.20} is not one of the {nkinds} kinds")
@@ -850,7 +863,18 @@ def resolve_many(manifest: Any, storage: Any, wants: Sequence[Tuple[str, Any]], 
             if idx is None:
                 idx = read_index(manifest, storage, rank, cache)
             key = name if whole else name + tail
-            hit = idx["keys"].get(key)
+            keys = idx["keys"]
+            if type(keys) is ColumnKeys:  # a columnar index: the Chunk straight from its columns
+                got = keys.chunk(key, name, box, block_bytes)
+                if got is False:
+                    raise CorruptCheckpointError(
+                        f"{storage.url}: tensor {name!r}: the index of rank {rank} lacks chunk {key!r} "
+                        f"(box {list(box.offsets)}+{list(box.sizes)}) that its layout record says that rank wrote"
+                    )
+                if got is not None:
+                    chunks.append(got)
+                continue
+            hit = keys.get(key)
             if hit is None or hit[0] != name or tuple(hit[1].sizes) != box.sizes or tuple(hit[1].offsets) != box.offsets:
                 raise CorruptCheckpointError(
                     f"{storage.url}: tensor {name!r}: the index of rank {rank} lacks chunk {key!r} "

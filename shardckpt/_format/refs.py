@@ -154,6 +154,11 @@ class RefStorage:
         st, r = self._route(rel)
         return st.read_range(r, start, length)
 
+    def map_range(self, rel: str, start: int, stop: int) -> Optional[Tuple[Any, int]]:
+        # Routed like every read: the mapped load path (``Storage.map_range``) reads referenced files too.
+        st, r = self._route(rel)
+        return st.map_range(r, start, stop)
+
     def read_into(self, rel: str, ranges: Sequence[Tuple[int, memoryview]]) -> None:
         st, r = self._route(rel)
         st.read_into(r, ranges)

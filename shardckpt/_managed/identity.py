@@ -1,7 +1,8 @@
 """Whose step is this: the run identity every step of a tier records, and the check restore and retention make.
 
 A step saved under ``CheckpointManager(remote, local=DIR)`` (the local
-directory, each node's own disk) records in its manifest's ``extra``:
+directory, each node's own disk, and the memory tier's steps,
+``_memory.store.step_extra``) records in its manifest's ``extra``:
 
 * ``root``: the remote root, normalized (:func:`shardckpt._memory.normalize_root`:
   one spelling per root), the same key the memory tier's steps carry;
@@ -16,7 +17,15 @@ whose ``root`` is another root (or that records none) is another run's.
 Restore ignores it (logged once, naming that root), and retention never
 deletes it. A step of this root whose ``run`` differs from the run of the
 remote's newest step belongs to another lineage of the root (a remote
-emptied and started over): restore ignores it too.
+emptied and started over): restore ignores it too, a memory step as well
+(``_memory.restore.MemorySource``).
+
+Limit: the remote's newest step is what names the run at restore. A new run
+that starts on an emptied remote (and local directory) has no step naming
+it yet, so an earlier run's memory or local step of the same root is taken
+as its own, exactly as a restart of that run whose remote was lost would
+take it; the two cannot be told apart. Without ``local=`` a manager's steps
+record no run at all (plain saves): its memory steps record the root only.
 
 Pure functions over ``extra`` dicts (no storage), tested alone.
 """

@@ -34,16 +34,18 @@ def open_memory(option: Any, root_url: str) -> Optional[MemoryStore]:
 def save_to_memory(
     store: Optional[MemoryStore], step: int, state: Dict[str, Any], comm: Comm, *,
     process_group: Any = None, io_threads: Optional[int] = None, overlap: bool = False, replicas: Optional[str] = None,
+    run: Optional[str] = None,
 ) -> bool:
     """Keep ``state`` as ``step`` in ``store`` (collective over ``comm``); False without a tier or with the tier off.
 
     As ``CheckpointManager.save_to_memory`` (its docstring has the contract);
-    ``replicas``: the manager's replica check mode, as its storage saves use.
+    ``replicas``: the manager's replica check mode, as its storage saves use;
+    ``run``: the run identity the step records (``_managed.identity``).
     """
     if store is None:
         return False
     return store.save(step, state, comm, process_group=process_group, io_threads=io_threads, overlap=bool(overlap),
-                      replicas=replicas)
+                      replicas=replicas, run=run)
 
 
 def warm_memory(store: Optional[MemoryStore], state: Dict[str, Any], comm: Comm, *, process_group: Any = None,

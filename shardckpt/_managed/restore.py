@@ -46,7 +46,7 @@ from .retention import step_dir_name
 
 __all__ = [
     "RESTORE_ATTEMPTS", "DAMAGE_ERRNOS", "is_damage", "validate_step", "choose_step", "pick_again",
-    "say_why_empty", "initial_target", "Source", "source_order", "restore_from", "RootSource",
+    "say_why_empty", "initial_target", "Source", "source_order", "restore_from", "RootSource", "newest_loadable",
 ]
 
 log = logging.getLogger("shardckpt")
@@ -108,6 +108,43 @@ def validate_step(root: Storage, step: int, *, files: bool = True, chunks: bool 
         )
     if files:
         check_files(st, {rel: f.size for rel, f in m.files.items()})
+
+
+def newest_loadable(root: Storage, newest: Optional[int], *, steps: Callable[[], Sequence[int]]) -> Optional[int]:
+    """The newest committed step of ``root`` that may be called durable: ``newest`` when it is loadable, else the newest older one that is.
+
+    Loadable as the commit checks it (:func:`validate_step`: the manifest
+    reads, every file it names, references included, is present at its
+    recorded size; one listing per directory, the check behind
+    ``_format.commit_bytes``). ``durable_step`` is never ahead of what
+    ``shardckpt.verify`` accepts, so a remote step whose files were removed
+    out of band (a lifecycle rule, another tool, a commit from before the
+    check) is not announced. ``steps``: the committed steps, oldest first,
+    listed only when ``newest`` is not loadable.
+
+    Returns None when none is, or when storage cannot answer (logged: not
+    known to be loadable).
+
+    Example:
+        >>> newest_loadable(root, 7, steps=lambda: [5, 6, 7])  # doctest: +SKIP
+        6
+    """
+    if newest is None:
+        return None
+    try:
+        for s in [newest] + [s for s in reversed(list(steps())) if s < newest]:
+            try:
+                validate_step(root, s, files=True, chunks=False)
+                return s
+            except Exception as e:
+                if not is_damage(e):
+                    raise
+                log.warning("shardckpt: step %d at %s cannot be loaded (%s: %s): it is not counted durable",
+                            s, root.url_of(step_dir_name(s)), type(e).__name__, e)
+    except Exception as e:  # noqa: BLE001 - storage trouble: not known to be loadable, so not announced
+        log.warning("shardckpt: cannot check the steps at %s (%s: %s): no step counted durable until a flush",
+                    root.url, type(e).__name__, e)
+    return None
 
 
 def choose_step(

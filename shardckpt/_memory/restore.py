@@ -9,7 +9,9 @@ all ranks exchanged.
 
 1. *choose* (:meth:`MemorySource.newest`): every rank reports what its node
    holds (``store.inventory``: only this root's copy, only steps naming this
-   root); the newest step whose files the live nodes hold between them wins
+   root and, when the run is known, this run: ``_managed.identity``; a step
+   of another run is logged once, naming its root and run, and left in
+   place); the newest step whose files the live nodes hold between them wins
    (``plan.choose_step``; a newer, incomplete step is logged).
 2. *metadata*, 3. *load*, 4. *damage* (:meth:`MemorySource.load`): the held
    restore ``_managed.held.restore_held`` (the mechanism per-node ``local=``
@@ -28,9 +30,10 @@ from __future__ import annotations
 
 import logging
 import shutil
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 from .._collective import ALL, Comm, agree
+from .._managed import identity
 from .._managed.held import Held, load_comm, restore_held
 from . import plan as P
 from . import store
@@ -49,6 +52,9 @@ class MemorySource:
         process_group: the manager's group (the bytes travel over it).
         load_kw: ``restore``'s load options (options only a storage load
             takes turn this source off: it then holds nothing).
+        run: this run's identity when :meth:`newest` runs (the run of the
+            remote's newest step, ``_managed.identity``; the manager probes
+            the remote first); None or returning None: any run of the root.
 
     Raises (from :meth:`load`):
         LoadFailedError: a rank died or hung (named), as any load.
@@ -61,8 +67,9 @@ class MemorySource:
 
     name = "memory"
 
-    def __init__(self, tier: Any, comm: Comm, *, process_group: Any, load_kw: Dict[str, Any]):
-        self.tier, self.process_group, self.load_kw = tier, process_group, load_kw
+    def __init__(self, tier: Any, comm: Comm, *, process_group: Any, load_kw: Dict[str, Any],
+                 run: Optional[Callable[[], Optional[str]]] = None):
+        self.tier, self.process_group, self.load_kw, self.run = tier, process_group, load_kw, run
         self.comm = load_comm(comm, load_kw)
         self._held: Optional[Held] = None
 
@@ -73,7 +80,9 @@ class MemorySource:
         tier, comm = self.tier, self.comm
         tier.snapshots.wait()  # a step in flight first; its failure is raised here
         tier._start()
-        mine = store.inventory(tier.dir, root=tier.root)
+        run = None if self.run is None else self.run()
+        mine = store.inventory(tier.dir, root=tier.root,
+                               foreign=lambda extra: identity.foreign(extra, root=tier.root, run=run))
         _, reports = agree(comm, lambda: (tier._node_key(), mine), what="restore from the memory tier", share=lambda v: v, mode=ALL)
         choice = P.choose_step([inv for _, inv in reports], None)
         newer = sorted({s for _, inv in reports for s in inv if choice is None or s > choice[0]})

@@ -534,13 +534,15 @@ class Snapshots:
         self, step: int, state: Dict[str, Any], comm: Comm, *, process_group: Any, overlap: bool,
         peers: Dict[int, Optional[int]], node_key: str, share: Optional[int],
         disable: Callable[[str], None], warn_no_copy: Callable[[List[int], int], None],
-        io_threads: Optional[int] = None, replicas: Optional[str] = None,
+        io_threads: Optional[int] = None, replicas: Optional[str] = None, run: Optional[str] = None,
     ) -> bool:
         """Copy this rank's shard into a slot and start the background part (collective). False: the tier turned off.
 
         ``replicas``: the replica check's mode (the manager's ``replicas=``,
         as its storage saves): ``"check"`` raises ``ReplicaDivergenceError``
-        on every rank before anything is copied.
+        on every rank before anything is copied. ``run``: the run identity
+        the step's manifest records (``_managed.identity``; the same on every
+        rank), None when the manager has none.
         """
         t0 = time.perf_counter()
         self.wait()  # one step in flight; the previous one's failure is raised here
@@ -557,7 +559,7 @@ class Snapshots:
                 "the state, or pass overlap=False"
             )
         planned = self._plan(step, state, comm, peers=peers, node_key=node_key, share=share, disable=disable,
-                             warn_no_copy=warn_no_copy, replicas=replicas, clear=True)
+                             warn_no_copy=warn_no_copy, replicas=replicas, clear=True, run=run)
         if planned is None:
             return False
         plan, groups, layouts, own, pin, facts, node_of = planned
@@ -662,17 +664,18 @@ class Snapshots:
     def _plan(
         self, step: int, state: Dict[str, Any], comm: Comm, *, peers: Dict[int, Optional[int]], node_key: str,
         share: Optional[int], disable: Callable[[str], None], warn_no_copy: Callable[[List[int], int], None],
-        replicas: Optional[str], clear: bool,
+        replicas: Optional[str], clear: bool, run: Optional[str] = None,
     ) -> Optional[Tuple[Any, List[List[WriteItem]], List[Tuple[bytes, List[int]]], int, bool, List[Any], Dict[int, str]]]:
         """The save's plan, its data files' layout and every rank's facts, the budget checked (collective); None: the tier turned off.
 
         Returns ``(plan, groups, layouts, own bytes, pin, facts, node_of)``.
         ``clear``: remove this node's leftover steps at ``step`` or later
-        (a save; a warm-up writes nothing and removes nothing).
+        (a save; a warm-up writes nothing and removes nothing). ``run``: the
+        run the step records (``store.step_extra``).
         """
         url = store.step_dir(self.dir, step)
         plan = prepare_save(state, url, comm=comm, storage_options=store.PRIVATE, overwrite=True, io_threads=1,
-                            extra=store.step_extra(step, self.root), replicas=replicas)
+                            extra=store.step_extra(step, self.root, run), replicas=replicas)
         groups, layouts = self._layout(list(plan.items))
         sizes = [len(h) + sum(it.nbytes for it in g) for (h, _), g in zip(layouts, groups)]
         own = sum(sizes)

@@ -43,7 +43,7 @@ import socket
 import stat
 import tempfile
 import uuid
-from typing import Any, Dict, List, Optional, Set, Tuple
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 from .._format import MANIFEST_NAME, open_manifest
 from .._format.checksum import crc32c
@@ -116,16 +116,20 @@ def identity(root_url: str) -> Dict[str, Any]:
     return {"format": IDENTITY_FORMAT, "root": normalize_root(root_url), "uid": uid()}
 
 
-def step_extra(step: int, root_url: str) -> Dict[str, Any]:
-    """The ``extra`` of a memory step's manifest: the step, the tier, and the root whose copy it is.
+def step_extra(step: int, root_url: str, run: Optional[str] = None) -> Dict[str, Any]:
+    """The ``extra`` of a memory step's manifest: the step, the tier, the root whose copy it is, the run (``_managed.identity``; None: left out).
 
-    :func:`inventory` ignores a step whose manifest names another root.
+    :func:`inventory` ignores a step whose manifest names another root (or,
+    given ``foreign``, another run).
 
     Example:
-        >>> step_extra(7, "s3://b/run")
-        {'step': 7, 'tier': 'memory', 'root': 's3://b/run'}
+        >>> step_extra(7, "s3://b/run", "ab12")
+        {'step': 7, 'tier': 'memory', 'root': 's3://b/run', 'run': 'ab12'}
     """
-    return {"step": int(step), "tier": "memory", "root": normalize_root(root_url)}
+    out: Dict[str, Any] = {"step": int(step), "tier": "memory", "root": normalize_root(root_url)}
+    if run is not None:
+        out["run"] = run
+    return out
 
 
 def _read_identity(dfd: int) -> Optional[Dict[str, Any]]:
@@ -447,15 +451,18 @@ def _real_dir(path: str) -> bool:
     return stat.S_ISDIR(st.st_mode) and st.st_uid == uid()
 
 
-def inventory(node_dir: str, *, root: str) -> Inventory:
+def inventory(node_dir: str, *, root: str, foreign: Optional[Callable[[Dict[str, Any]], Optional[str]]] = None) -> Inventory:
     """What this node holds of ``root``'s copy: ``step -> (save id, {file: size} of the step, files present here at that size)``.
 
     Empty unless ``node_dir`` is ``root``'s (:func:`check_dir`; another
     root's copy is ignored, logged). Only real directories count (a
     ``step-*`` link is never read), and only steps whose manifest reads,
     passes its own checksum and names ``root`` in its ``extra`` (a step of
-    another root is ignored, logged). File contents are not read here: a
-    restore verifies each file it uses.
+    another root is ignored, logged). ``foreign``: why a step's ``extra`` is
+    not this run's (``_managed.identity.foreign``), None when it is: such a
+    step is ignored too (logged once, naming its root and run; never
+    removed here). File contents are not read here: a restore verifies each
+    file it uses.
     """
     out: Inventory = {}
     if check_dir(node_dir, root) is not None:
@@ -476,6 +483,10 @@ def inventory(node_dir: str, *, root: str) -> Inventory:
             continue
         if extra.get("root") != want:
             _say(logging.WARNING, node_dir, f"{d} is the memory copy of root {extra.get('root')!r}, not of {want!r}: ignored")
+            continue
+        why = None if foreign is None else foreign(extra)
+        if why is not None:
+            _say(logging.WARNING, node_dir, f"{d} (step {step}) is not a memory step of this run: {why}; not restored, left in place")
             continue
         need, held = held_files(d, m, msize)
         out[step] = (m.save_id, need, held)

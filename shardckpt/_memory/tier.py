@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 from .._collective import Comm
 from . import plan as P
@@ -97,11 +97,12 @@ class MemoryStore:
     # -- save -----------------------------------------------------------------
 
     def save(self, step: int, state: Dict[str, Any], comm: Comm, *, process_group, io_threads: Optional[int],
-             overlap: bool = False, replicas: Optional[str] = None) -> bool:
+             overlap: bool = False, replicas: Optional[str] = None, run: Optional[str] = None) -> bool:
         """Copy ``step`` into memory and start its checksums and peer copy in the background (collective).
 
         False when the tier is (or turns) off. ``replicas``: the replica
-        check's mode (the manager's). See ``_memory/snapshot.py``.
+        check's mode (the manager's). ``run``: the run identity the step
+        records (``_managed.identity``). See ``_memory/snapshot.py``.
         """
         if self.disabled is not None:
             return False
@@ -126,7 +127,7 @@ class MemoryStore:
         share = None if self.config.max_bytes is None else self.config.max_bytes // rpn
         return self.snapshots.save(step, state, comm, process_group=process_group, overlap=overlap, peers=peers,
                                    node_key=self._node_key(), share=share, disable=self._disable,
-                                   warn_no_copy=self._warn_no_copy, io_threads=io_threads, replicas=replicas)
+                                   warn_no_copy=self._warn_no_copy, io_threads=io_threads, replicas=replicas, run=run)
 
     def warm(self, state: Dict[str, Any], comm: Comm, *, process_group, replicas: Optional[str] = None) -> bool:
         """Start making this rank's slots for ``state`` in the background (collective; after a restore).
@@ -168,9 +169,10 @@ class MemoryStore:
 
     # -- restore --------------------------------------------------------------
 
-    def source(self, comm: Comm, *, process_group: Any, load_kw: Dict[str, Any]) -> MemorySource:
+    def source(self, comm: Comm, *, process_group: Any, load_kw: Dict[str, Any],
+               run: Optional[Callable[[], Optional[str]]] = None) -> MemorySource:
         """This tier as one of restore's sources (``_memory/restore.MemorySource``; its ``newest`` waits for the step in flight)."""
-        return MemorySource(self, comm, process_group=process_group, load_kw=load_kw)
+        return MemorySource(self, comm, process_group=process_group, load_kw=load_kw, run=run)
 
     def close(self) -> None:
         """Remove this root's memory copy from this node (the job is done with it); another root's is never touched."""

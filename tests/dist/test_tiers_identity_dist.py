@@ -151,3 +151,44 @@ def test_per_node_local_ignores_a_step_of_another_run_on_one_node(tmp_path, s3_u
     assert any("step 9" in line and "pn-a" in line for line in b2[0]["said"]), b2[0]["said"]
     assert _committed(_node(base, 0), 9)  # B's retention (keep_local=1) did not delete it
     assert not _committed(_node(base, 0), 3) and not _committed(_node(base, 1), 3)
+
+
+def _memory_step(base: str, rank: int, step: int) -> str:
+    """Rank ``rank``'s memory directory's step ``step`` (``MemoryTier(dir=...)`` as :func:`_run_memory` makes it)."""
+    return os.path.join(base, f"shm{rank}", f"step-{step:08d}", "manifest.json")
+
+
+def test_memory_step_of_another_run_of_the_root_is_not_restored(tmp_path):
+    """Memory steps record the run: a new run of the same root never resumes from an earlier run's memory copy.
+
+    Run A (remote R) saves step 3 and memory step 4, and dies without closing
+    (its memory copy stays, as after a crash). R and the local directory are
+    emptied and run B starts over on R without the memory tier: a new run
+    (nothing of R left to inherit), whose steps 1 and 2 are durable. B
+    relaunches with the memory tier on the same nodes: A's memory step 4 is
+    newer than B's step 2 and of the same root, but of another run: B
+    resumes from its own step 2 (logged, naming A's run), and A's memory
+    copy is left in place.
+
+    Not distinguishable (so not tested): a new run that starts from an
+    empty R with the memory tier on. Nothing durable names its run yet, so
+    A's memory step is taken as the newest step of R, as a restart of A
+    (whose remote was lost) would take it.
+    """
+    import shutil
+
+    base = str(tmp_path)
+    remote, local = os.path.join(base, "run"), os.path.join(base, "nvme")
+    a = run_ranks(2, _run_memory, remote, local, base, [3, 4], 100.0, (4,), False)
+    assert a[0]["durable"] == 3
+    assert all(os.path.exists(_memory_step(base, r, 4)) for r in range(2))
+    shutil.rmtree(remote)
+    shutil.rmtree(local)
+    b = run_ranks(2, _run, remote, local, None, [1, 2], 200.0)
+    assert b[0]["step"] is None and b[0]["durable"] == 2
+    b2 = run_ranks(2, _run_memory, remote, local, base, [], 0.0, (), False)
+    for r, out in enumerate(b2):
+        assert (out["step"], out["from"], out["value"]) == (2, os.path.join(local, "step-00000002"), 202.0), (r, out)
+    assert any("step 4" in line and "run" in line and "not a memory step of this run" in line
+               for out in b2 for line in out["said"]), [o["said"] for o in b2]
+    assert all(os.path.exists(_memory_step(base, r, 4)) for r in range(2))  # not ours: never deleted

@@ -59,6 +59,57 @@ def _shrink_child(phase: str, rank: int, world: int, port: int, remote: str, loc
     mgr.close(flush_timeout_s=5)
 
 
+def _refused_child(rank: int, world: int, port: int, remote: str, local: str, opts: dict) -> None:
+    join_group(rank, world, port)
+    import logging
+    import threading
+
+    import shardckpt._flush as flush
+
+    # Per-node disks of nodes that are gone: no live rank holds the files rank 1 wrote for step 1.
+    flush.held_refs = lambda local, refs: []
+    said: list = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda rec: said.append(rec.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("shardckpt").addHandler(handler)
+    calls: list = []
+    mgr = shardckpt.CheckpointManager(remote, local=local, incremental=True, keep_last=3, keep_local=3,
+                                      storage_options=opts, collective_timeout_s=60, on_durable=calls.append)
+    st = _state(0.0)
+    got = mgr.restore(st)
+    mgr.save(2, st | {"step": 2})  # references rank 1's files of step 1
+    waiter = threading.Thread(target=mgr.wait, daemon=True)
+    waiter.start()
+    waiter.join(60)  # the refusal is final: wait() returns (before: it retried forever)
+    refused = [line for line in said if "flush of step 2" in line]
+    print("RESULT " + json.dumps({"restored": got, "returned": not waiter.is_alive(), "durable": mgr.durable_step,
+                                  "on_durable": calls, "remote": mgr.remote_steps(), "busy": mgr._tiers.flusher.busy(),
+                                  "refused": refused}), flush=True)
+    mgr.close(flush_timeout_s=1)
+
+
+def test_world_shrink_references_no_live_rank_holds_are_refused_once(tmp_path, s3_url):  # noqa: F811
+    """No live rank holds a reference of a rank that is gone: the flush is refused once, final; ``wait()`` returns."""
+    remote, opts = s3_url
+    local = str(tmp_path / "local")
+    port = free_port()
+    kids = [start(_shrink_child, "save", r, 2, port, remote, local, opts) for r in range(2)]
+    try:
+        rc, out = finish(kids[0], 120, "rank 0")
+    finally:
+        for k in kids:
+            k.kill()
+    finish(kids[1], 60, "rank 1")
+    assert rc == -9 and "SAVED 1" in out, out
+    kid = start(_refused_child, 0, 1, free_port(), remote, local, opts)
+    rc, out = finish(kid, 120, "the 1-rank job")
+    assert rc == 0, out
+    res = result(out)
+    assert res["restored"] == 1 and res["returned"] and not res["busy"], out
+    assert res["durable"] is None and res["on_durable"] == [] and res["remote"] == [], out
+    assert len(res["refused"]) == 1 and "refused, not retried" in res["refused"][0] and "-r00001-" in res["refused"][0], out
+
+
 def test_world_shrink_references_of_a_gone_rank_are_uploaded(tmp_path, s3_url):  # noqa: F811
     remote, opts = s3_url
     local = str(tmp_path / "local")
@@ -195,3 +246,33 @@ def test_async_save_to_s3_while_its_objects_are_deleted_is_not_committed(s3_url)
     assert res["steps"] == [1] and result(outs[1][1])["error"], (res, outs[1][1])
     assert shardckpt.CheckpointManager(remote, storage_options=opts, load_only=True).steps() == [1]
     shardckpt.verify(f"{remote}/step-00000001", storage_options=opts)
+
+
+def test_restore_announces_durable_only_a_loadable_remote_step(tmp_path, s3_url):  # noqa: F811
+    """A remote step whose data object was deleted out of band (a lifecycle rule, a commit from before the check) is not durable.
+
+    One process, ``local=`` on disk, the remote on S3 (moto): steps 1 and 2
+    flushed; one of step 2's data objects is deleted on the remote. A new
+    manager's ``restore()`` resumes from the local step 2, but announces
+    step 1 durable (the newest one ``verify`` accepts), not step 2.
+    """
+    remote, opts = s3_url
+    local = str(tmp_path / "local")
+    with shardckpt.CheckpointManager(remote, local=local, keep_last=5, storage_options=opts) as mgr:
+        for step in (1, 2):
+            mgr.save(step, _state(float(step)) | {"step": step})
+            mgr.wait()
+        assert mgr.durable_step == 2
+    root = Storage(remote, storage_options=opts)
+    victim = sorted(f for f in root.walk_files("step-00000002/data") if f.endswith(".safetensors"))[0]
+    root.remove(victim)
+    with pytest.raises(shardckpt.CheckpointError):
+        shardckpt.verify(f"{remote}/step-00000002", storage_options=opts)
+    mgr = shardckpt.CheckpointManager(remote, local=local, keep_last=5, storage_options=opts)
+    try:
+        st = _state(0.0)
+        assert mgr.restore(st) == 2 and mgr.restored_from == f"{local}/step-00000002"
+        assert mgr.durable_step == 1  # never ahead of what verify accepts
+        shardckpt.verify(f"{remote}/step-00000001", storage_options=opts)
+    finally:
+        mgr.close(flush_timeout_s=5)

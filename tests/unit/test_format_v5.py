@@ -210,6 +210,57 @@ def test_columnar_index_refused_for_a_v4_manifest():
         _v2._parse_index(m, body, 0, "idx")
 
 
+def _two_file_chunks(m, data, hashed):
+    """Rows in two files, each file's chunks in reverse name order (negative gaps: a file holds larger items first)."""
+    other = data.replace("-00.", "-01.")
+    m.files[other] = FileMeta(m.files[data].size)
+    out, ends = [], {data: m.files[data].size, other: m.files[other].size}
+    for i, name in enumerate(sorted(m.tensors)):
+        for row in (0, 2):
+            f = (data, other)[(i + row) % 2]
+            ends[f] -= 16
+            c = ChunkMeta(f, f"{name}@{row},0", [row, 0], [2, 2], ends[f], 16, (ends[f] * 7) & 0xFFFFFFFF)
+            c.blocks = [ends[f] & 0xFFFF]
+            c.hash = f"{ends[f]:064x}" if hashed else None
+            out.append((name, c))
+    return out
+
+
+@pytest.mark.parametrize("hashed", [False, True])
+def test_bulk_checks_agree_with_the_row_by_row_parse(hashed):
+    """The columns checked in bulk give what the row-by-row reference gives, chunk for chunk (and the reader's Chunk)."""
+    from shardckpt._format import Chunk
+
+    m, data = _index_manifest(nbytes=16)
+    chunks = _two_file_chunks(m, data, hashed)
+    raw = json.loads(_v2.index_bytes(SID, 0, 1 << 20, chunks))
+    assert min(raw["columns"]["gap"]) < 0  # the out-of-order case, not only the monotone one
+    files = raw["files"]
+    bulk = table._bulk_rows(raw["boxes"], raw["columns"], m, files, hashed=hashed)
+    assert bulk is not None  # a valid index takes the bulk path
+    keys, by_tensor, claims = bulk
+    ref_keys, ref_tensors, _ = table._rows_one_by_one(raw, m, files, hashed=hashed, where="idx")
+    assert claims == [] and sorted(keys) == sorted(ref_keys) and len(keys) == len(chunks)
+    for key, (name, c) in ref_keys.items():
+        n2, c2 = keys[key]
+        assert n2 == name and c2 == c and c2.blocks == c.blocks and c2.hash == c.hash
+        from_cols = keys.chunk(key, name, table.Chunk(file="", byte_offset=0, nbytes=0, offsets=tuple(c.offsets), sizes=tuple(c.sizes)), 1 << 20)
+        assert from_cols == Chunk.from_meta(name, c, 1 << 20)
+    assert {n: [c.key for c in cs] for n, cs in by_tensor.items()} == {n: [c.key for c in cs] for n, cs in ref_tensors.items()}
+    assert keys.chunk("nope", "t00000", None, 1 << 20) is False
+
+
+def test_bytes_claimed_twice_out_of_order_refused():
+    """Two chunks of one file on the same bytes, rows out of byte order: refused as the row form refuses it."""
+    m, data = _index_manifest(nbytes=16)
+    chunks = _two_file_chunks(m, data, False)
+    chunks[4][1].byte_offset = chunks[1][1].byte_offset + 8  # same file as chunk 1 ((i + row) % 2 == 0)
+    assert chunks[4][1].file == chunks[1][1].file
+    body = _v2.index_bytes(SID, 0, 1 << 20, chunks)
+    with pytest.raises(CorruptCheckpointError, match="chunks share file bytes"):
+        _v2._parse_index(m, body, 0, "idx")
+
+
 # -- a real save and load through the tables --------------------------------------
 
 
