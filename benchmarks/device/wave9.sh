@@ -74,4 +74,7 @@ echo "=== issue 45: bench_scale.py --ranks $RANKS --tensors $TENSORS --layout fs
 timeout 60 $PY benchmarks/bench_scale.py --ranks $RANKS --tensors $TENSORS --layout fsdp > "$OUT/scale_fsdp.txt" 2>&1 \
     || echo "bench_scale: exit $?"
 cat "$OUT/scale_fsdp.txt"
+echo "=== issue 46: bench_fp8.py, a dequantizing load of a block-FP8 directory vs its bf16 twin (CPU live tensors)"
+if [ -n "$TINY" ]; then FP8GB=0.02; else FP8GB=1; fi
+timeout 90 $PY benchmarks/bench_fp8.py --gb $FP8GB --json "$OUT/fp8.json" || echo "bench_fp8: exit $?"
 date -u
