@@ -216,7 +216,12 @@ def _manifest(files):
 
 @pytest.mark.s3
 def test_s3_commit_lists_instead_of_heads(s3_endpoint, monkeypatch):
-    """The commit of 550 ranks (1,100 objects: two listing pages) makes 2 LIST requests and no HEAD."""
+    """The commit of 550 ranks (1,100 objects: two listing pages) lists, never HEADs each object.
+
+    Two LIST pages before the manifest is written and two after it lands
+    (durable means loadable: a file deleted in between takes the commit
+    back), and at most one HEAD: whether a previous manifest is there.
+    """
     prefix, options = s3_endpoint
     st = Storage(f"{prefix}/bulk-{uuid.uuid4().hex[:12]}", storage_options=options)
     try:
@@ -224,7 +229,7 @@ def test_s3_commit_lists_instead_of_heads(s3_endpoint, monkeypatch):
         _write_all(st, files)
         seen = _count_requests(st, monkeypatch)
         commit(st, _manifest(files))
-        assert seen["list_objects_v2"] == 2 and seen["head_object"] == 0, seen
+        assert seen["list_objects_v2"] == 4 and seen["head_object"] <= 1, seen
         assert seen["put_object"] == 1, seen  # manifest.json
         # Damage is named; only the unconfirmed objects get a HEAD.
         rels = sorted(files)
