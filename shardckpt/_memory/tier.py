@@ -106,20 +106,6 @@ class MemoryStore:
         """
         if self.disabled is not None:
             return False
-        unstepped = [o for o in find_optimizers(state) if not o.state and any(len(g["params"]) for g in o.param_groups)]
-        if unstepped:
-            # An optimizer not stepped yet has no state (AdamW's moments come at its first step): the shard's size is
-            # known after that step, so the warm-up starts there (every rank steps: the warm-up is collective).
-            hooks: List[Any] = []
-
-            def after_first_step(_opt: Any, _args: Any, _kwargs: Any) -> None:
-                for h in hooks:
-                    h.remove()
-                hooks.clear()
-                self.warm(state, comm, process_group=process_group, replicas=replicas)
-
-            hooks.extend(o.register_step_post_hook(after_first_step) for o in unstepped)
-            return True
         self._start()
         world = comm.world
         rpn = self._ranks_per_node(world)
