@@ -107,3 +107,25 @@ def test_the_first_saves_allocate_nothing_in_the_training_thread(tmp_path):
     _check(run_ranks(4, _run, base, False), (None, None), 3)
     shutil.rmtree(os.path.join(base, "node1"))  # node 1 lost: its replacement restores from node 0's copies
     _check(run_ranks(4, _run, base, True), (3, "memory:3"), 13)
+
+
+def _save_before_the_first_step(rank, world, base):
+    model, opt, sched = T.make(KIND, rank, world, seed=0)
+    mgr = _mgr(base, rank, rpn=1)
+    assert mgr.restore(_state(model, opt, sched, 0)) is None
+    held = mgr.save_to_memory(1, _state(model, opt, sched, 1))  # the optimizer has not stepped: no AdamW state yet
+    mgr.wait()
+    return {"held": held, "step": (mgr._memory.last_save or {}).get("step")}
+
+
+def _restore_it(rank, world, base):
+    model, opt, sched = T.make(KIND, rank, world, seed=3)
+    mgr = _mgr(base, rank, rpn=1)
+    return (mgr.restore(_state(model, opt, sched, 0)), mgr.restored_from)
+
+
+def test_a_save_before_the_first_optimizer_step_is_held(tmp_path):
+    """A save_to_memory before the optimizer's first step is a real save (the warm-up waits for that step; the save does not)."""
+    base = str(tmp_path)
+    assert all(o == {"held": True, "step": 1} for o in run_ranks(2, _save_before_the_first_step, base))
+    assert run_ranks(2, _restore_it, base) == [(1, "memory:1")] * 2
