@@ -43,10 +43,10 @@ from shardckpt._format import (
 )
 from shardckpt._format.build import RankOutput, build_manifest
 from shardckpt._format.chunk import Chunk
+from shardckpt._format.files import check_files
 from shardckpt._io import (
     WriteItem,
     byte_view,
-    check_files,
     host_empty,
     partition,
     split_files_by_header,

@@ -15,7 +15,7 @@ together:
    replaced), flushed after the newest pending step;
 2. every rank uploads the files it wrote for that step (its data files and
    index file, :func:`shardckpt._memory.plan.files_by_writer`), each one
-   verified against its checksums first (``_memory.store.check_file``,
+   verified against its checksums first (``_verify.check_file``,
    through the one verified reader), to ``<remote>/step-N/`` under the same
    relative path; the Storage layer retries as it does for any write;
    references whose writer rank is not in this job (a world-size shrink)
@@ -56,14 +56,15 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tupl
 from ._collective import ALL, FROM_ROOT, Comm, agree
 from ._format import HF_INDEX_NAME, MANIFEST_NAME, MAX_INDEX_BYTES, MetaCache, commit_bytes, manifest_from_bytes, open_manifest
 from ._format._v2 import read_index
+from ._format.naming import step_dir_name
 from ._format.refs import REF_MARK, follow, ref_target
 from ._managed import retention
 from ._managed.held import Held, load_comm, restore_held
 from ._managed.restore import source_order
-from ._managed.retention import step_dir_name
 from ._memory import plan as memory_plan
 from ._memory import store as memory_store
 from ._storage import Storage
+from ._verify import check_file
 from .errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, format_offenders
 
 __all__ = ["Flusher", "FlushRefused", "Tiers", "Remote", "PerNodeSource", "next_flush", "local_protected", "restore_source", "commit_save_id", "files_of_rank",
@@ -210,7 +211,7 @@ def upload_step(local: Storage, remote: Storage, rank: int, *, pause: Optional[C
             continue  # on the remote already (flushed with the step that wrote it, or by an earlier flush)
         if pause is not None:
             pause()
-        problem = memory_store.check_file(src, m, rel, by_file.get(rel, []))
+        problem = check_file(src, m, rel, by_file.get(rel, []))
         if problem is not None:
             raise CorruptCheckpointError(f"not uploading {src.url_of(rel)}: it is damaged: {problem}")
         frm, frm_path = (local, rel) if tgt is None else (local.sibling(tgt[0]), tgt[1])

@@ -50,6 +50,7 @@ from ._format._v2 import tensor_chunks
 from ._format.checksum import HASH_ALGOS, default_hash_algo, hash_available, new_hasher
 from ._format.refs import follow, ref_path
 from ._format.resolve import MetaCache
+from ._format.versions import supports
 from ._io import WriteItem, tensor_bytes
 from .errors import UsageError
 
@@ -138,7 +139,7 @@ def match_earlier(
         return write, refs, sizes
     base_st = follow(storage.sibling(base))
     m = open_manifest(base_st, chunks=False)
-    algo = m.content_hash if m.version >= 4 else ""
+    algo = m.content_hash if supports(m.version, "content_hash") else ""
     if algo not in HASH_ALGOS or not hash_available(algo):
         return write + lookup, refs, sizes  # nothing to compare with: these are written
     cache = MetaCache()

@@ -25,7 +25,6 @@ import torch
 from . import _knobs
 from ._format import ChunkMeta, FileMeta, itemsize, safetensors_header
 from ._format.checksum import BlockCrcs, crc32c, crc32c_combine, new_hasher
-from ._format.files import check_files  # noqa: F401  (re-exported: load and the converters check files here)
 from ._format.header import MAX_HEADER_BYTES
 from ._storage import Storage
 from .errors import UnsupportedStateError

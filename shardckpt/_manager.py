@@ -38,13 +38,14 @@ from ._collective import ALL, FROM_ROOT, Comm, NoProcessGroupError, agree, open_
 from ._flush import PerNodeSource, Remote, Tiers, detect_nodes, share_manifest
 from ._format import MANIFEST_NAME, open_manifest
 from ._format.committed import nearby_names
+from ._format.naming import parse_step_dir, step_dir_name
 from ._load import load
 from ._managed import exports, identity, owners, retention
 from ._managed import restore as order
 from ._managed.exports import HF_SUFFIX
 from ._managed.memory import open_memory, warm_memory
 from ._managed.memory import save_to_memory as memory_save
-from ._managed.retention import UNKNOWN, check_step, parse_step_dir, stale_leftovers, step_dir_name, steps_to_delete
+from ._managed.retention import UNKNOWN, check_step, stale_leftovers, steps_to_delete
 from ._save import execute_save, prepare_save
 from ._storage import Storage
 from .errors import (

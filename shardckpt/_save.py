@@ -47,9 +47,9 @@ from ._format import (
     TensorMeta,
     chunk_key,
     commit,
-    data_file_name,
     index_file_name,
     itemsize,
+    rank_file_name,
     torch_dtype,
 )
 from ._format._v2 import index_bytes
@@ -453,6 +453,40 @@ def _agree_target(plan: SavePlan) -> str:
     return save_id
 
 
+@dataclass(frozen=True)
+class RankResult:
+    """What one rank's write tells rank 0 for the commit (:func:`_write_own` makes it, :func:`_commit` reads it).
+
+    O(own tensors) per rank, none of it per-box for sharded tensors.
+
+    Attributes:
+        chunks: the irregular tensors' chunks and whole-tensor chunks (the
+            HF index), each ``ChunkMeta.to_json()`` plus its tensor's ``"name"``.
+        file_sizes: ``{file: size}`` of the files it wrote and those it references.
+        per_rank: its per-rank JSON values (None: none).
+        index: its index file ``(path, size, crc32c)``, or None (it wrote no chunk).
+        regular_bytes: bytes it wrote of regular tensors (a missing writer shows).
+        per_rank_specs: its per-rank tensors, ``name -> (dtype, shape)``.
+    """
+
+    chunks: List[Dict[str, Any]]
+    file_sizes: Dict[str, int]
+    per_rank: Any
+    index: Optional[Tuple[str, int, int]]
+    regular_bytes: int
+    per_rank_specs: Dict[str, Any]
+
+    def to_wire(self) -> Tuple[Any, ...]:
+        """The tuple gathered to rank 0 (slot 0 is unused, kept so the wire is unchanged)."""
+        return (None, self.chunks, self.file_sizes, self.per_rank, self.index, self.regular_bytes, self.per_rank_specs)
+
+    @classmethod
+    def from_wire(cls, raw: Sequence[Any]) -> "RankResult":
+        """The inverse of :meth:`to_wire`: the one place the gathered tuple is read."""
+        _, chunks, file_sizes, per_rank, index, regular_bytes, per_rank_specs = raw
+        return cls(chunks, file_sizes, per_rank, None if index is None else tuple(index), regular_bytes, per_rank_specs)
+
+
 def _write_own(plan: SavePlan, save_id: str, files: Dict[str, Sequence[WriteItem]]) -> Tuple[Any, ...]:
     """Write this rank's data files and index file (``files`` filled first, so a failure can remove them); what rank 0 needs.
 
@@ -470,7 +504,7 @@ def _write_own(plan: SavePlan, save_id: str, files: Dict[str, Sequence[WriteItem
         shapes = {n: tuple(lay.shape) for n, lay in plan.layouts.items()}
         items, referenced, ref_sizes = _incremental.match_earlier(storage, plan.incremental, items, shapes)
     groups = partition(items, plan.io_threads)
-    files.update({data_file_name(save_id, f"r{rank:05d}-{i:02d}"): g for i, g in enumerate(groups)})
+    files.update({rank_file_name(save_id, rank, i): g for i, g in enumerate(groups)})
     try:
         named, fmetas, index = write_rank(storage, files, save_id, rank, threads=plan.io_threads, writer=plan.writer,
                                           referenced=referenced, hash_algo=plan.hash_algo)
@@ -479,15 +513,14 @@ def _write_own(plan: SavePlan, save_id: str, files: Dict[str, Sequence[WriteItem
         raise err from err.__cause__
     if plan.hash_algo:  # an incremental run's first save too: the next one orders its work by it
         _incremental.note_written(storage, named, referenced)
-    return (
-        None,
-        [c.to_json() | {"name": n} for n, c in named if n not in regular or c.key == n],
-        {k: v.size for k, v in fmetas.items()} | ref_sizes,
-        plan.per_rank,
-        index,
-        sum(c.nbytes for n, c in named if n in regular),
-        dict(plan.per_rank_specs),
-    )
+    return RankResult(
+        chunks=[c.to_json() | {"name": n} for n, c in named if n not in regular or c.key == n],
+        file_sizes={k: v.size for k, v in fmetas.items()} | ref_sizes,
+        per_rank=plan.per_rank,
+        index=index,
+        regular_bytes=sum(c.nbytes for n, c in named if n in regular),
+        per_rank_specs=dict(plan.per_rank_specs),
+    ).to_wire()
 
 
 def _commit_on_root(plan: SavePlan, gathered: Any, save_id: str, stage: List[str]) -> None:
@@ -500,7 +533,7 @@ def _commit_on_root(plan: SavePlan, gathered: Any, save_id: str, stage: List[str
         return
     storage = plan.storage
     try:
-        _commit(plan, gathered, save_id, progress=lambda s: stage.__setitem__(0, s))
+        _commit(plan, [RankResult.from_wire(g) for g in gathered], save_id, progress=lambda s: stage.__setitem__(0, s))
     except Exception as e:
         landed = _commit_landed(storage, save_id, stage[0])
         if landed:
@@ -655,18 +688,18 @@ def _commit_landed(storage: Storage, save_id: str, stage: str) -> Optional[bool]
     return _committed_by(storage, save_id)
 
 
-def _commit(plan: SavePlan, gathered, save_id: str, progress: Optional[Callable[[str], None]] = None) -> None:
+def _commit(plan: SavePlan, results: Sequence[RankResult], save_id: str, progress: Optional[Callable[[str], None]] = None) -> None:
     """Rank 0: build the manifest from every rank's chunks and write it last (the commit)."""
     storage = plan.storage
     layouts = dict(plan.layouts)
-    for r, g in enumerate(gathered):  # the peers' per-rank tensors: only rank r holds (and wrote) them
-        for n, (dt, shape) in g[6].items():
+    for r, res in enumerate(results):  # the peers' per-rank tensors: only rank r holds (and wrote) them
+        for n, (dt, shape) in res.per_rank_specs.items():
             box = _geometry.Box((0,) * len(shape), tuple(shape))
             layouts[n] = TensorLayout(name=n, dtype=dt, torch_dtype=torch_dtype(dt), shape=tuple(shape), parts=[], holders={box: (r,)})
     layouts = {n: layouts[n] for n in sorted(layouts)}
-    manifest = _build_manifest(layouts, gathered, plan.world, save_id, plan.tree, plan.comm.ranks)
+    manifest = _build_manifest(layouts, results, plan.world, save_id, plan.tree, plan.comm.ranks)
     manifest.extra.update(plan.extra)
-    per_rank = [g[3] for g in gathered]
+    per_rank = [res.per_rank for res in results]
     if any(p is not None for p in per_rank):
         manifest.extra["per_rank"] = per_rank
     keep = plan.keep_files
@@ -697,7 +730,7 @@ def stage_save(plan: SavePlan, copy: Callable[[List[torch.Tensor]], List[torch.T
 
 @paused_gc
 def _build_manifest(
-    layouts: Dict[str, TensorLayout], gathered, world: int, save_id: str, tree: Any, group_ranks: Optional[Sequence[int]] = None
+    layouts: Dict[str, TensorLayout], results: Sequence[RankResult], world: int, save_id: str, tree: Any, group_ranks: Optional[Sequence[int]] = None
 ) -> Manifest:
     """Rank 0: the v2 manifest, O(tensors + ranks + irregular chunks).
 
@@ -731,9 +764,10 @@ def _build_manifest(
         tensors[name] = t
     outputs = []
     got_regular = 0
-    for rank, (_, chunks, fsizes, _, index, regular_bytes, _) in enumerate(gathered):
-        got_regular += regular_bytes
-        outputs.append(RankOutput(rank, [(c.pop("name"), ChunkMeta(**c)) for c in chunks], dict(fsizes), index))
+    for rank, res in enumerate(results):
+        got_regular += res.regular_bytes
+        chunks = [(c["name"], ChunkMeta(**{k: v for k, v in c.items() if k != "name"})) for c in res.chunks]
+        outputs.append(RankOutput(rank, chunks, dict(res.file_sizes), res.index))
     assert got_regular == want_regular, f"internal error: {got_regular} bytes of regular tensors written, {want_regular} expected"
     return build_manifest(
         tensors, outputs, world_size=world, values=tree, save_id=save_id, block_bytes=_knobs.BLOCK_BYTES, meshes=meshes

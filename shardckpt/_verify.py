@@ -6,11 +6,12 @@ where torch is not installed, and start in a fraction of a second.
 
 from __future__ import annotations
 
+import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple, Union
 
 from ._format import ChunkMeta, Manifest, open_manifest, plural, read_safetensors_header
-from ._format.checksum import hash_available, new_hasher
+from ._format.checksum import crc32c, hash_available, new_hasher
 from ._format.chunk import Chunk
 from ._format.files import check_files
 from ._format.refs import follow
@@ -21,7 +22,7 @@ from .errors import ChecksumMismatchError, CorruptCheckpointError
 if TYPE_CHECKING:  # pragma: no cover
     from ._storage import Storage
 
-__all__ = ["inspect", "verify", "verify_manifest", "VERIFY_RANGE_BYTES", "VERIFY_IO_THREADS", "MAX_LISTED_PROBLEMS", "check_data_file"]
+__all__ = ["inspect", "verify", "verify_manifest", "VERIFY_RANGE_BYTES", "VERIFY_IO_THREADS", "MAX_LISTED_PROBLEMS", "check_data_file", "check_file"]
 
 #: Largest read range (bytes read and checked at once by one thread): memory
 #: stays ``io_threads`` times this (a v1 chunk is one checksum unit and is read
@@ -193,6 +194,42 @@ def check_data_file(
     """
     errs, good = _check_header(storage, m, rel, chunks)
     return errs + _check_chunks(storage, good, io_threads=1, on_bytes=on_bytes, hash_algo=_hash_algo(m))
+
+
+def check_file(storage: Any, manifest: Manifest, rel: str, chunks: Optional[List[Tuple[str, ChunkMeta]]]) -> Optional[str]:
+    """What is wrong with one file ``rel`` of a checkpoint on local disk (None: it is good): size, then its checksums.
+
+    The single-file check (the memory tier checks each staged file with it
+    before using or uploading it): an index file against its CRC-32C in the
+    manifest; a data file chunk by chunk (``chunks``: its ``(tensor name,
+    chunk)`` pairs), block CRCs from the index files, as :func:`verify`
+    does (:func:`check_data_file`). The manifest itself is checked when opened.
+
+    Args:
+        storage: a storage with local paths (``storage.path``).
+        manifest: the checkpoint's manifest.
+        rel: the file, relative to the checkpoint.
+        chunks: a data file's ``(tensor name, chunk)`` pairs (None: none to check).
+
+    Example:
+        >>> check_file(storage, manifest, "data/0123456789ab-index-r00000.json", None)   # doctest: +SKIP
+    """
+    want = manifest.files.get(rel)
+    if want is None:
+        return f"{rel} is not a file of the checkpoint"
+    try:
+        size = os.path.getsize(storage.path(rel))
+    except OSError as e:
+        return f"{rel}: {e}"
+    if size != want.size:
+        return f"{rel} has {size} bytes, the manifest says {want.size}"
+    if rel in manifest.indexes:
+        with open(storage.path(rel), "rb") as f:
+            got = crc32c(f.read())
+        exp = manifest.indexes[rel].crc32c
+        return None if got == exp else f"{rel} has crc32c {got:#010x}, the manifest says {exp:#010x}"
+    errs = check_data_file(storage, manifest, rel, list(chunks or []), None)
+    return "; ".join(errs) if errs else None
 
 
 def _hash_algo(m: Manifest) -> str:

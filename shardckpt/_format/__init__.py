@@ -1,6 +1,7 @@
 """The on-disk format, v1, v2 and v3 (``docs/format.md`` is the spec): the one place that knows the bytes.
 
-- :mod:`.naming`: file names (``manifest.json``, the HF index, ``data/``, data files, chunk keys);
+- :mod:`.naming`: the file grammar, each name with its inverse (``manifest.json``, the HF index, ``data/``, a rank's
+  data files and index file, step and staging directories, chunk keys);
 - :mod:`.dtypes`: safetensors dtype names and item sizes, and the one check of a stored shape (``checked_shape``);
 - :mod:`.manifest`: the manifest, built, serialized, parsed and validated;
 - :mod:`.header`: safetensors headers, built and parsed (bounded, checked);
@@ -50,6 +51,8 @@ from .naming import (
     chunk_key,
     data_file_name,
     index_file_name,
+    parse_data_file_name,
+    rank_file_name,
     save_id_prefix,
 )
 from .resolve import MetaCache, resolve_chunks, resolve_many
@@ -65,7 +68,7 @@ __all__ = [
     "ChunkMeta", "FileMeta", "IndexMeta", "Manifest", "TensorMeta",
     "check_relpath", "manifest_from_bytes", "manifest_to_bytes", "plural", "tiling_problems",
     "DATA_DIR", "DATA_SUFFIX", "HF_INDEX_NAME", "INDEX_DIR", "MANIFEST_NAME", "chunk_key", "data_file_name",
-    "index_file_name", "save_id_prefix",
+    "index_file_name", "parse_data_file_name", "rank_file_name", "save_id_prefix",
     "Chunk", "MetaCache", "resolve_chunks", "resolve_many",
     "TAG", "decode_value", "encode_value", "is_tensor_ref", "plain_values", "rename_refs", "tensor_ref",
 ]

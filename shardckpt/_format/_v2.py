@@ -25,7 +25,6 @@ from .dtypes import DTYPES, checked_shape, itemsize
 from .manifest import (
     FORMAT_NAME,
     MANIFEST_CRC_FIELD,
-    V_CONTENT_HASH,
     ChunkMeta,
     FileMeta,
     IndexMeta,
@@ -42,7 +41,7 @@ from .manifest import (
 from .naming import DATA_DIR, DATA_SUFFIX, INDEX_DIR, INDEX_SUFFIX, chunk_key, save_id_prefix
 from .refs import check_ref_paths
 from .table import ColumnKeys, front_decode, index_columns, int_column, parse_index_columns, tensor_table_json
-from .versions import VERSIONS, register, spec
+from .versions import VERSIONS, first_with, register, spec, supports
 
 INDEX_FORMAT = "shardckpt-index"
 #: Largest index file read (one rank's chunk list).
@@ -85,7 +84,7 @@ def manifest_v2_from_raw(raw: Dict[str, Any], where: str) -> Manifest:
     if table:
         _check_table_paths(raw, where)
     elif "file_table" in raw:
-        since = min(v for v, s in VERSIONS.items() if s.file_table)
+        since = first_with("file_table")
         raise _bad(where, f"a format_version {version} manifest carries 'file_table' (new in version {since}): damaged")
     if MANIFEST_CRC_FIELD not in raw:
         raise _bad(where, f"missing field {MANIFEST_CRC_FIELD!r} (the manifest's own checksum)")
@@ -170,11 +169,11 @@ def manifest_v2_from_raw(raw: Dict[str, Any], where: str) -> Manifest:
         tensors[name] = t
     if "tensor_table" in raw:
         if not spec(version).tensor_table:
-            since = min(v for v, s in VERSIONS.items() if s.tensor_table)
+            since = first_with("tensor_table")
             raise _bad(where, f"a format_version {version} manifest carries 'tensor_table' (new in version {since}): damaged")
         _tensor_table(raw["tensor_table"], tensors, meshes, world_size, len(indexes), memo, f"{where}: tensor_table")
     content_hash = ""
-    if version >= V_CONTENT_HASH:
+    if supports(version, "content_hash"):
         content_hash = required_field(raw, "content_hash", str, where)
         if content_hash not in HASH_ALGOS:
             raise _bad(where, f"content_hash {content_hash!r:.40} is not one of {', '.join(HASH_ALGOS)} (a newer shardckpt? upgrade)")
@@ -449,7 +448,7 @@ def manifest_v2_json(m: Manifest) -> Dict[str, Any]:
         "values": m.values,
         "extra": m.extra,
     }
-    if m.version >= V_CONTENT_HASH:
+    if supports(m.version, "content_hash"):
         out["content_hash"] = m.content_hash
     if table is not None:
         out["tensor_table"] = table
@@ -619,7 +618,7 @@ def _parse_index(m: Manifest, data: bytes, rank: int, where: str) -> Dict[str, A
             raise _bad(where, f"file {f!r:.80} is not listed in the manifest")
     if raw.get("format_version") == INDEX_COLUMNAR and spec(m.version).tensor_table:
         return _parse_columns(m, raw, files, where)
-    row_kinds = [list(INDEX_ROW)] + ([list(INDEX_ROW_V4)] if m.version >= V_CONTENT_HASH else [])
+    row_kinds = [list(INDEX_ROW)] + ([list(INDEX_ROW_V4)] if supports(m.version, "content_hash") else [])
     if raw.get("rows") not in row_kinds:
         raise _bad(where, f"field 'rows' must be {' or '.join(str(k) for k in row_kinds)}")
     columns = tuple(raw["rows"])
@@ -681,7 +680,7 @@ def _checked_index(keys, by_tensor, claims, where: str) -> Dict[str, Any]:
 
 def _parse_columns(m: Manifest, raw: Dict[str, Any], files: List[str], where: str) -> Dict[str, Any]:
     """A columnar index (format v5, ``_format.table``): the same result and checks as the row form."""
-    keys, by_tensor, claims = parse_index_columns(raw, m, files, hashed=m.version >= V_CONTENT_HASH, where=where)
+    keys, by_tensor, claims = parse_index_columns(raw, m, files, hashed=supports(m.version, "content_hash"), where=where)
     return _checked_index(keys, by_tensor, claims, where)
 
 

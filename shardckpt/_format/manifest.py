@@ -21,7 +21,7 @@ from .checksum import crc32c, default_hash_algo
 from .dtypes import DTYPES, checked_shape, itemsize
 from .naming import MANIFEST_NAME
 from .values import value_depth_problem
-from .versions import NEWEST, VERSIONS, parse_raw, register, spec, to_json
+from .versions import NEWEST, VERSIONS, is_newer, parse_raw, register, spec, to_json
 
 __all__ = [
     "IndexMeta",
@@ -54,12 +54,6 @@ FORMAT_NAME = "shardckpt"
 #: ``version=`` is v1, whose bytes ``tests/data/manifest_golden.json`` pins.
 FORMAT_VERSION = NEWEST
 V1 = 1
-#: First version whose manifest holds the compact per-rank file table.
-V_FILE_TABLE = min(v for v, s in VERSIONS.items() if s.file_table)
-#: First version with a content hash per chunk (index files' ``hash``
-#: column, the manifest's ``content_hash``) and references to files of
-#: sibling checkpoints (``@<dir>/<path>``, see :mod:`.refs`).
-V_CONTENT_HASH = min(v for v, s in VERSIONS.items() if s.content_hash)
 #: Top-level field of a v2 manifest holding the CRC-32C of its own canonical
 #: bytes without that field.
 MANIFEST_CRC_FIELD = "manifest_crc32c"
@@ -429,7 +423,7 @@ def manifest_from_bytes(data: bytes, *, url: str = "") -> Manifest:
     if not isinstance(raw, dict) or raw.get("format") != FORMAT_NAME:
         raise CorruptCheckpointError(f"{where}: not a shardckpt manifest (format={raw.get('format') if isinstance(raw, dict) else None!r})")
     version = required_field(raw, "format_version", int, where)
-    if version > FORMAT_VERSION:
+    if is_newer(version):
         raise NewerFormatError(
             f"{where}: format_version {version} was written by a newer shardckpt "
             f"({str(raw.get('library_version', '?'))[:40]}); this one ({__version__}) reads versions 1..{FORMAT_VERSION}: "

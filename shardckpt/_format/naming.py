@@ -8,7 +8,8 @@ are recognisable), and the key of a chunk inside its safetensors file.
 from __future__ import annotations
 
 import re
-from typing import Iterable, List, Sequence
+from dataclasses import dataclass
+from typing import Iterable, List, Optional, Sequence
 
 __all__ = [
     "MANIFEST_NAME",
@@ -17,7 +18,17 @@ __all__ = [
     "DATA_SUFFIX",
     "SAVE_ID_PREFIX_LEN",
     "data_file_name",
+    "rank_file_name",
+    "DataFileName",
+    "parse_data_file_name",
+    "index_file_name",
+    "parse_index_file_name",
     "save_id_prefix",
+    "STEP_PREFIX",
+    "step_dir_name",
+    "parse_step_dir",
+    "staging_dir_name",
+    "parse_staging_dir",
     "chunk_key",
     "chunk_key_clashes",
     "unreadable_names",
@@ -44,6 +55,44 @@ def data_file_name(save_id: str, tag: str) -> str:
         'data/0123456789ab-r00001-00.safetensors'
     """
     return f"{DATA_DIR}/{save_id_prefix(save_id)}{tag}{DATA_SUFFIX}"
+
+
+def rank_file_name(save_id: str, rank: int, part: int) -> str:
+    """Path of data file ``part`` that rank ``rank`` writes in save ``save_id`` (``save`` names its files so).
+
+    Example:
+        >>> rank_file_name("0123456789abcdef", 1, 0)
+        'data/0123456789ab-r00001-00.safetensors'
+    """
+    return data_file_name(save_id, f"r{rank:05d}-{part:02d}")
+
+
+@dataclass(frozen=True)
+class DataFileName:
+    """The parts of a data file name :func:`rank_file_name` made: save id prefix (12 hex digits), writer rank, part."""
+
+    save_prefix: str
+    rank: int
+    part: int
+
+
+_RANK_FILE = re.compile(r"^" + DATA_DIR + r"/([0-9a-f]+)-r(\d+)-(\d+)" + re.escape(DATA_SUFFIX) + r"$")
+
+
+def parse_data_file_name(rel: str) -> Optional[DataFileName]:
+    """The inverse of :func:`rank_file_name`: the parts of ``rel``, or None for any other name.
+
+    A converter's or an HF directory's data files (``model.safetensors``)
+    and index files are not rank files: None.
+
+    Example:
+        >>> parse_data_file_name("data/0123456789ab-r00001-00.safetensors")
+        DataFileName(save_prefix='0123456789ab', rank=1, part=0)
+        >>> parse_data_file_name("model.safetensors") is None
+        True
+    """
+    m = _RANK_FILE.match(rel)
+    return DataFileName(m.group(1), int(m.group(2)), int(m.group(3))) if m else None
 
 
 def chunk_key(name: str, offsets: Sequence[int], whole: bool) -> str:
@@ -103,3 +152,65 @@ INDEX_SUFFIX = ".json"
 def index_file_name(save_id: str, rank: int) -> str:
     """``data/<save>-index-r<rank>.json``: the chunks rank ``rank`` wrote, with their block checksums."""
     return f"{INDEX_DIR}/{save_id_prefix(save_id)}index-r{rank:05d}{INDEX_SUFFIX}"
+
+
+_INDEX_FILE = re.compile(r"^" + INDEX_DIR + r"/[0-9a-f]+-index-r(\d+)" + re.escape(INDEX_SUFFIX) + r"$")
+
+
+def parse_index_file_name(rel: str) -> Optional[int]:
+    """The inverse of :func:`index_file_name`: the rank whose index file ``rel`` is, or None.
+
+    Example:
+        >>> parse_index_file_name("data/0123456789ab-index-r00003.json"), parse_index_file_name("manifest.json")
+        (3, None)
+    """
+    m = _INDEX_FILE.match(rel)
+    return int(m.group(1)) if m else None
+
+
+#: A managed run's step directories: ``step-<8 digits>`` (``CheckpointManager``, the memory tier's node directories).
+STEP_PREFIX = "step-"
+STEP_DIGITS = 8
+_STEP_DIR = re.compile(r"^" + STEP_PREFIX + r"(\d+)$")
+
+
+def step_dir_name(step: int) -> str:
+    """``step-00001000`` for step 1000 (sortable; more digits past 99,999,999).
+
+        >>> step_dir_name(1000), step_dir_name(123456789)
+        ('step-00001000', 'step-123456789')
+    """
+    return f"{STEP_PREFIX}{step:0{STEP_DIGITS}d}"
+
+
+def parse_step_dir(name: str) -> Optional[int]:
+    """The step of a directory name made by :func:`step_dir_name` (a trailing ``/`` allowed), else None.
+
+        >>> parse_step_dir("step-00001000/"), parse_step_dir("step-7-hf")
+        (1000, None)
+    """
+    m = _STEP_DIR.match(name.rstrip("/"))
+    return int(m.group(1)) if m else None
+
+
+#: A restore's private staging directory in a memory tier's node directory: ``.restore-r<rank>-<pid>``.
+_STAGING_DIR = re.compile(r"^\.restore-r\d+-(\d+)$")
+
+
+def staging_dir_name(rank: int, pid: int) -> str:
+    """``.restore-r<rank>-<pid>``: where rank ``rank`` (process ``pid``) stages a restore from a memory tier.
+
+        >>> staging_dir_name(3, 4242)
+        '.restore-r3-4242'
+    """
+    return f".restore-r{rank}-{pid}"
+
+
+def parse_staging_dir(name: str) -> Optional[int]:
+    """The process id of a staging directory :func:`staging_dir_name` made, else None.
+
+        >>> parse_staging_dir(".restore-r3-4242"), parse_staging_dir("step-00000001")
+        (4242, None)
+    """
+    m = _STAGING_DIR.match(name)
+    return int(m.group(1)) if m else None

@@ -2,11 +2,12 @@
 
 Readers and writers ask :func:`spec` what a manifest's version has
 (``spec(m.version).block_checksums``) and parse or serialize it through the
-entry's functions. A few places still compare numbers directly
-(``version > FORMAT_VERSION`` in ``manifest.py``'s newer-format check, and
-``>= 4`` / ``>= V_CONTENT_HASH`` for the content hash in ``_v2.py`` (three
-places) and ``_incremental.py``); a new feature test belongs in
-:class:`VersionSpec` instead. Adding a version
+entry's functions, or ask a capability by name (:func:`supports`:
+``supports(m.version, "content_hash")``), the first version having one
+(:func:`first_with`), or whether a version is past what this library knows
+(:func:`is_newer`). No code outside this table compares version numbers
+(``benchmarks/house_counts.py`` counts them: 0); a new feature is a field of
+:class:`VersionSpec`. Adding a version
 is one entry in :data:`VERSIONS` (and its parser and serializer, which the
 implementing module installs with :func:`register`: the table imports none of
 them, they import it); the newest entry is what ``save`` and the converters
@@ -30,7 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Dict, Iterable
 
-__all__ = ["VersionSpec", "VERSIONS", "NEWEST", "spec", "register", "parse_raw", "to_json"]
+__all__ = ["VersionSpec", "VERSIONS", "NEWEST", "spec", "supports", "first_with", "is_newer", "register", "parse_raw", "to_json"]
 
 
 def _unregistered(*args: Any) -> Any:
@@ -90,6 +91,8 @@ VERSIONS: Dict[int, VersionSpec] = {
 }
 #: The version ``save`` and the converters write.
 NEWEST = max(VERSIONS)
+#: The capabilities :func:`supports` answers: the boolean fields of :class:`VersionSpec`.
+_FEATURES = frozenset(("chunk_lists", "block_checksums", "manifest_crc", "file_table", "content_hash", "tensor_table"))
 
 
 def spec(version: int) -> VersionSpec:
@@ -106,6 +109,39 @@ def spec(version: int) -> VersionSpec:
         return VERSIONS[version]
     except KeyError:
         raise ValueError(f"format_version {version} is not one this shardckpt knows ({sorted(VERSIONS)})") from None
+
+
+def supports(version: int, feature: str) -> bool:
+    """Whether format ``version`` has ``feature``, a capability field of :class:`VersionSpec` (``"content_hash"``...).
+
+    Raises:
+        ValueError: an unknown version (as :func:`spec`), or ``feature`` is
+            not a capability of the table (a typo must not read as False).
+
+        >>> supports(3, "file_table"), supports(3, "content_hash"), supports(5, "tensor_table")
+        (True, False, True)
+    """
+    if feature not in _FEATURES:
+        raise ValueError(f"{feature!r} is not a format capability ({', '.join(sorted(_FEATURES))})")
+    return bool(getattr(spec(version), feature))
+
+
+def first_with(feature: str) -> int:
+    """The first version having ``feature`` (error messages: "new in version N").
+
+        >>> first_with("content_hash"), first_with("tensor_table")
+        (4, 5)
+    """
+    return min(n for n in VERSIONS if supports(n, feature))
+
+
+def is_newer(version: int) -> bool:
+    """Whether ``version`` was written by a newer shardckpt (past :data:`NEWEST`): the reader says "upgrade".
+
+        >>> is_newer(NEWEST), is_newer(NEWEST + 1)
+        (False, True)
+    """
+    return version > NEWEST
 
 
 def parse_raw(raw: Dict[str, Any], version: int, where: str) -> Any:

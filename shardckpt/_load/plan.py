@@ -22,9 +22,9 @@ from .. import _geometry
 from .._format import Manifest, TensorMeta, open_manifest, torch_dtype, with_block_scales
 from .._format._v2 import materialize
 from .._format.chunk import Chunk
+from .._format.files import check_files
 from .._format.resolve import MetaCache, resolve_chunks, resolve_many
 from .._hf import ALIAS_OF_KEY, select_for_load, with_aliases
-from .._io import check_files
 from .._layout import TensorLayout, layout_of
 from .._state import flatten_for_load
 from .._storage import Storage

@@ -34,7 +34,7 @@ import time
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 from .._collective import ALL, Comm, agree
-from .._format import MANIFEST_NAME, open_manifest
+from .._format import DATA_SUFFIX, MANIFEST_NAME, open_manifest
 from .._format._v2 import read_index
 from .._format.resolve import MetaCache, resolve_chunks
 from .._load import LoadPlan, load_into
@@ -44,6 +44,7 @@ from .._memory.transfer import run_sends
 from .._readers import ReadStats, read_verified
 from .._replicas import Sources
 from .._storage import Storage
+from .._verify import check_file
 from ..errors import CheckpointError, ChecksumMismatchError, CorruptCheckpointError
 
 __all__ = ["restore_held", "Held", "load_comm", "FETCH_ROUNDS"]
@@ -169,11 +170,11 @@ def restore_held(
             return check_manifest(rel)
         if manifest[0] is None:  # checked after the manifest; without a good one here, fetched with it
             return "no manifest to check it against on this node"
-        return store.check_file(st, manifest[0], rel, None)
+        return check_file(st, manifest[0], rel, None)
 
     # The manifest and the index files in one fetch (their names are in
     # every inventory): the manifest is checked first, the indexes against it.
-    index_files = sorted(rel for rel in sizes if rel != MANIFEST_NAME and not rel.endswith(".safetensors"))
+    index_files = sorted(rel for rel in sizes if rel != MANIFEST_NAME and not rel.endswith(DATA_SUFFIX))
     if not ctx.fetch([MANIFEST_NAME] + index_files, check_meta):
         return None
     m = manifest[0]

@@ -29,8 +29,9 @@ from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tupl
 
 from .._collective import ALL, FROM_ROOT, Comm, agree
 from .._format import MANIFEST_NAME, open_manifest
+from .._format.files import check_files
+from .._format.naming import step_dir_name
 from .._format.refs import follow
-from .._io import check_files
 from .._storage import Storage
 from ..errors import (
     CheckpointError,
@@ -42,7 +43,6 @@ from ..errors import (
     format_offenders,
 )
 from .identity import whose
-from .retention import step_dir_name
 
 __all__ = [
     "RESTORE_ATTEMPTS", "DAMAGE_ERRNOS", "is_damage", "validate_step", "choose_step", "pick_again",

@@ -3,7 +3,7 @@
 Two halves, kept apart:
 
 * pure decisions over step numbers (no storage, no process group):
-  :func:`step_dir_name` / :func:`parse_step_dir`, :func:`check_step`,
+  :func:`check_step`,
   :func:`steps_to_delete`, :func:`stale_leftovers`, :func:`plan_retention`
   (a frozen :class:`RetentionPlan`) and :func:`stray_files` (what ``gc``
   removes inside a committed step);
@@ -24,29 +24,25 @@ from __future__ import annotations
 
 import logging
 import operator
-import re
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, FrozenSet, Iterable, List, Optional, Set, Tuple
 
-from .._format import DATA_DIR, HF_INDEX_NAME, MANIFEST_NAME, open_manifest
+from .._format import DATA_DIR, DATA_SUFFIX, HF_INDEX_NAME, MANIFEST_NAME, open_manifest
+from .._format.naming import STEP_PREFIX, parse_step_dir, step_dir_name
 from .._format.refs import live_files, removable
 from .._storage import Storage
 from ..errors import CheckpointError, CheckpointNotFoundError, UsageError
 
 __all__ = [
-    "STEP_PREFIX", "STEP_DIGITS", "MAX_STEP", "UNKNOWN", "ASIDE_PREFIX",
-    "step_dir_name", "parse_step_dir", "check_step", "steps_to_delete", "stale_leftovers",
+    "MAX_STEP", "UNKNOWN", "ASIDE_PREFIX",
+    "check_step", "steps_to_delete", "stale_leftovers",
     "RetentionPlan", "plan_retention", "stray_files",
     "scan", "uncommit", "live_files_of", "referenced_files", "clear_dir", "remove_leftover", "collect_garbage", "apply",
 ]
 
 log = logging.getLogger("shardckpt")
-
-STEP_PREFIX = "step-"
-STEP_DIGITS = 8
-_STEP_RE = re.compile(r"^step-(\d+)$")
 
 #: Largest step number (int64, what trainers count in): a bigger one has no directory name to write.
 MAX_STEP = 2**63 - 1
@@ -65,17 +61,6 @@ SCAN_THREADS = 16
 
 # --------------------------------------------------------------------------
 # pure decisions
-
-
-def step_dir_name(step: int) -> str:
-    """``step-00001000`` for step 1000 (sortable; more digits past 99,999,999)."""
-    return f"{STEP_PREFIX}{step:0{STEP_DIGITS}d}"
-
-
-def parse_step_dir(name: str) -> Optional[int]:
-    """The step of a directory name made by :func:`step_dir_name`, else None."""
-    m = _STEP_RE.match(name.rstrip("/"))
-    return int(m.group(1)) if m else None
 
 
 def check_step(step: Any) -> int:
@@ -197,7 +182,7 @@ def stray_files(name: str, present: Iterable[str], listed: Iterable[str], live: 
     out = []
     for rel in present:
         stale_tmp = rel.rsplit("/", 1)[-1].startswith(".") and rel.endswith(".tmp")
-        orphan = rel.startswith(DATA_DIR + "/") and rel.endswith(".safetensors") and rel not in keep
+        orphan = rel.startswith(DATA_DIR + "/") and rel.endswith(DATA_SUFFIX) and rel not in keep
         if stale_tmp or orphan:
             out.append(rel)
     return out
@@ -303,7 +288,7 @@ def clear_dir(root: Storage, name: str, live: Any = UNKNOWN, *, dry_run: bool = 
     if present and live is UNKNOWN:
         live = live_files_of(root, scan(root)[0])
     if live is None:
-        if any(rel.endswith(".safetensors") for rel in present):
+        if any(rel.endswith(DATA_SUFFIX) for rel in present):
             return []
         live = set()
     gone = removable(name, present, live or set())

@@ -12,8 +12,9 @@ step (its data files and index file; rank 0 also the manifest).
 
 from __future__ import annotations
 
-import re
 from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple
+
+from .._format.naming import parse_data_file_name
 
 __all__ = [
     "default_peer",
@@ -27,9 +28,6 @@ __all__ = [
     "assign_sources",
     "ranks_without_copy",
 ]
-
-_DATA_RE = re.compile(r"^data/[0-9a-f]+-r(\d+)-\d+\.safetensors$")
-
 
 def default_peer(rank: int, world: int, ranks_per_node: int) -> Optional[int]:
     """Rank that keeps ``rank``'s copy: the same local rank on the next node, ``(rank + ranks_per_node) % world``.
@@ -75,10 +73,8 @@ def writer_of(rel: str, index_ranks: Mapping[str, int], manifest_name: str = "ma
     """The rank that wrote file ``rel`` of a checkpoint: from the data file name, the index table, or 0 (the manifest, anything else)."""
     if rel in index_ranks:
         return int(index_ranks[rel])
-    m = _DATA_RE.match(rel)
-    if m:
-        return int(m.group(1))
-    return 0
+    name = parse_data_file_name(rel)
+    return 0 if name is None else name.rank
 
 
 def files_by_writer(files: Iterable[str], index_ranks: Mapping[str, int], manifest_name: str = "manifest.json") -> Dict[int, List[str]]:

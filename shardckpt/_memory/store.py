@@ -37,7 +37,6 @@ import errno
 import json
 import logging
 import os
-import re
 import shutil
 import socket
 import stat
@@ -46,9 +45,9 @@ import uuid
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 from .._format import MANIFEST_NAME, open_manifest
-from .._format.checksum import crc32c
+from .._format.naming import parse_staging_dir, parse_step_dir, staging_dir_name
+from .._format.naming import step_dir_name as step_name
 from .._storage import Storage
-from .._verify import check_data_file
 from . import normalize_root, uid
 from .plan import Inventory
 
@@ -69,7 +68,6 @@ __all__ = [
     "remove_step",
     "remove_steps_except",
     "clean_stale",
-    "check_file",
     "free_bytes",
 ]
 
@@ -84,8 +82,6 @@ IDENTITY_MAX_BYTES = 64 << 10
 #: ``storage_options`` of every ``LocalStorage`` writing under the tier directory: files 0600, directories 0700.
 PRIVATE: Dict[str, Any] = {"private": True}
 
-_STEP_RE = re.compile(r"^step-(\d+)$")
-_STAGING_RE = re.compile(r"^\.restore-r\d+-(\d+)$")
 _O_DIR = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
 _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
@@ -284,7 +280,7 @@ def _dir(node_dir: str, root_url: str, *, create: bool) -> Optional[str]:
         try:
             got = _read_identity(dfd)
             if got is None and create:
-                stray = sorted(n for n in os.listdir(dfd) if _STEP_RE.match(n))
+                stray = sorted(n for n in os.listdir(dfd) if parse_step_dir(n) is not None)
                 if stray:
                     why = (
                         f"{node_dir} holds {stray[0]} but no {IDENTITY_NAME}: not known to be the copy of {want['root']}; "
@@ -366,7 +362,7 @@ def staging_dir(node_dir: str, root_url: str, rank: int) -> str:
     it. Every rank of a restore must take part in its exchanges, so no rank
     may give up here.
     """
-    stage = os.path.join(node_dir, f".restore-r{rank}-{os.getpid()}")
+    stage = os.path.join(node_dir, staging_dir_name(rank, os.getpid()))
     if open_dir(node_dir, root_url) is None:
         try:
             dfd = os.open(node_dir, _O_DIR)
@@ -426,7 +422,7 @@ def close_dir(node_dir: str, *, root: str) -> List[str]:
 
 def step_dir(node_dir: str, step: int) -> str:
     """``<node_dir>/step-<8 digits>`` (the manager's step naming, inside the memory directory)."""
-    return os.path.join(node_dir, f"step-{step:08d}")
+    return os.path.join(node_dir, step_name(step))
 
 
 def memory_steps(node_dir: str) -> List[Tuple[int, str]]:
@@ -437,9 +433,9 @@ def memory_steps(node_dir: str) -> List[Tuple[int, str]]:
         return []
     out = []
     for n in names:
-        m = _STEP_RE.match(n)
-        if m:
-            out.append((int(m.group(1)), os.path.join(node_dir, n)))
+        step = parse_step_dir(n)
+        if step is not None:
+            out.append((step, os.path.join(node_dir, n)))
     return sorted(out)
 
 
@@ -608,14 +604,14 @@ def clean_stale(node_dir: str, *, root: str) -> List[str]:
         return removed
     try:
         for n in os.listdir(dfd):
-            m = _STAGING_RE.match(n)
-            if m and not _alive(int(m.group(1))):
+            pid = parse_staging_dir(n)
+            if pid is not None and not _alive(pid):
                 try:
                     _remove_at(dfd, n)
                     removed.append(os.path.join(node_dir, n))
                 except OSError:
                     pass
-            elif _STEP_RE.match(n):
+            elif parse_step_dir(n) is not None:
                 try:
                     if not stat.S_ISDIR(os.stat(n, dir_fd=dfd, follow_symlinks=False).st_mode):
                         continue
@@ -637,28 +633,3 @@ def free_bytes(path: str) -> Optional[int]:
         return shutil.disk_usage(path).free
     except OSError:
         return None
-
-
-def check_file(storage: Storage, manifest, rel: str, chunks: Optional[list]) -> Optional[str]:
-    """What is wrong with file ``rel`` of a staged step (None: it is good): size, then its checksums.
-
-    An index file is checked against its CRC-32C in the manifest; a data file
-    chunk by chunk (``chunks``: its ``(tensor name, chunk)`` pairs) (block CRCs from the index files, as ``shardckpt.verify``
-    does, through ``_verify``). The manifest itself is checked when opened.
-    """
-    want = manifest.files.get(rel)
-    if want is None:
-        return f"{rel} is not a file of the checkpoint"
-    try:
-        size = os.path.getsize(storage.path(rel))
-    except OSError as e:
-        return f"{rel}: {e}"
-    if size != want.size:
-        return f"{rel} has {size} bytes, the manifest says {want.size}"
-    if rel in manifest.indexes:
-        with open(storage.path(rel), "rb") as f:
-            got = crc32c(f.read())
-        exp = manifest.indexes[rel].crc32c
-        return None if got == exp else f"{rel} has crc32c {got:#010x}, the manifest says {exp:#010x}"
-    errs = check_data_file(storage, manifest, rel, list(chunks or []), None)
-    return "; ".join(errs) if errs else None

@@ -558,3 +558,39 @@ def test_architecture_doc_names_no_file_that_does_not_exist():
     names = {p.name for d in ("shardckpt", "converters", "tests", "benchmarks", "examples") for p in (ROOT / d).rglob("*.py")}
     mentioned = set(re.findall(r"\b(_?\w+\.py)\b", ARCHITECTURE.read_text(encoding="utf-8")))
     assert not mentioned - names, f"docs/architecture.md names files that do not exist: {sorted(mentioned - names)}"
+
+
+# --------------------------------------------------------------------------
+# the format owns its grammar (issue 48): counted by benchmarks/house_counts.py
+
+
+def _house_counts():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("house_counts", ROOT / "benchmarks" / "house_counts.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_no_regex_parses_checkpoint_file_names_outside_the_format():
+    ours, _foreign = _house_counts().regex_file_name_parses(str(ROOT))
+    assert not ours, f"file names parsed by a regex outside shardckpt/_format (use _format.naming's parse_*): {ours}"
+
+
+def test_no_version_number_comparison_outside_the_version_table():
+    found = _house_counts().version_comparisons(str(ROOT))
+    assert not found, f"format versions compared by number outside _format/versions.py (ask versions.supports): {found}"
+
+
+def test_the_house_counts_detectors_find_each_kind(tmp_path):
+    hc = _house_counts()
+    pkg = tmp_path / "shardckpt"
+    (pkg / "_format").mkdir(parents=True)
+    (pkg / "_x.py").write_text('import re\nR = re.compile(r"^data/[0-9a-f]+-r(\\d+)-\\d+\\.safetensors$")\n'
+                               'def f(m):\n    return m.version >= 4\n')
+    (pkg / "_format" / "naming.py").write_text('import re\nR = re.compile(r"^step-(\\d+)$")\n')
+    (tmp_path / "converters").mkdir()
+    assert hc.regex_file_name_parses(str(tmp_path)) == (["shardckpt/_x.py:2"], [])
+    assert hc.version_comparisons(str(tmp_path)) == ["shardckpt/_x.py:4"]

@@ -17,7 +17,8 @@ import torch
 
 import shardckpt
 from shardckpt._managed import exports, memory, owners, restore, retention
-from shardckpt._managed.retention import RetentionPlan, plan_retention, step_dir_name
+from shardckpt._format.naming import step_dir_name
+from shardckpt._managed.retention import RetentionPlan, plan_retention
 from shardckpt._storage import Storage
 from shardckpt.errors import (
     CheckpointNotFoundError,
@@ -31,14 +32,6 @@ from shardckpt.errors import (
 
 # --------------------------------------------------------------------------
 # retention: pure decisions
-
-
-def test_step_names_round_trip_and_sort():
-    names = [step_dir_name(s) for s in (0, 7, 1000, 99_999_999, 123_456_789_012)]
-    assert names[:3] == ["step-00000000", "step-00000007", "step-00001000"]
-    assert [retention.parse_step_dir(n) for n in names] == [0, 7, 1000, 99_999_999, 123_456_789_012]
-    assert retention.parse_step_dir("step-00000007/") == 7
-    assert [retention.parse_step_dir(n) for n in ("step-", "step-x1", "stepp-01", ".removing-step-00000001-ab", "step-1-hf")] == [None] * 5
 
 
 def test_check_step_takes_integers_only():
