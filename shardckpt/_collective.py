@@ -156,8 +156,8 @@ __all__ = [
     "Group",
     "DISTINCT",
     "MAX_VALUE_BYTES",
-    "Counters",
-    "counters_of",
+    "Liveness",
+    "stopped",
     "default_store",
 ]
 
@@ -436,13 +436,13 @@ def start_heartbeat() -> None:
         _HEARTBEAT["thread"] = t
 
 
-class Counters:
-    """A waiter's view of heartbeat counters: which ones stopped moving for ``LIVENESS_TIMEOUT_S``."""
+class Liveness:
+    """One waiter's memory of its peers' heartbeats (:func:`stopped` reads and updates it); one per wait."""
 
     def __init__(self) -> None:
         self.seen: Dict[int, Tuple[bytes, float]] = {}
 
-    def stale(self, values: Dict[int, bytes]) -> List[int]:
+    def _stale(self, values: Dict[int, bytes]) -> List[int]:
         now = time.monotonic()
         out = []
         for r, v in values.items():
@@ -454,13 +454,44 @@ class Counters:
         return out
 
 
-def counters_of(store, ranks: Sequence[int]) -> Dict[int, bytes]:
+def _counters_of(store, ranks: Sequence[int]) -> Dict[int, bytes]:
     """Heartbeat counters of those of ``ranks`` that ever beat: 1 + ceil(len / BATCH_KEYS) round trips."""
     if not store.check([_ROSTER_KEY]):
         return {}
     roster = {int(x) for x in store.get(_ROSTER_KEY).decode().split(",") if x}
     have = [r for r in ranks if r in roster]
     return dict(zip(have, _multi_get(store, [_alive_key(r) for r in have])))
+
+
+def stopped(peers: Sequence[int], watch: Liveness, *, store: Any = None) -> List[int]:
+    """Those of ``peers`` (global ranks) whose heartbeat has not moved for ``LIVENESS_TIMEOUT_S``, as ``watch`` saw it.
+
+    Peer liveness, the one implementation every waiter asks (the exchanges
+    of :func:`agree`, the wire's waits in ``_p2p.wait_ops``): each process
+    that opened a ``Comm`` moves a counter in the default store every
+    ``HEARTBEAT_INTERVAL_S`` (a daemon thread, :func:`start_heartbeat`); a
+    waiter calls this about once a second with the same ``watch``. A rank
+    that never beat is not judged (it may not have started yet: the
+    exchange's timeout covers it).
+
+    Args:
+        peers: the global ranks waited for.
+        watch: this wait's :class:`Liveness` (when each counter last moved).
+        store: the key-value store (default: the default group's). One
+            peer costs 2 round trips; many, 2 + ceil(len / BATCH_KEYS).
+
+    Raises:
+        whatever the store raises (it went away with rank 0): the caller decides.
+
+    Example:
+        >>> watch = Liveness()                               # doctest: +SKIP
+        >>> while not done(): dead = stopped([0], watch)     # doctest: +SKIP
+    """
+    store = default_store() if store is None else store
+    if len(peers) == 1:
+        key = _alive_key(peers[0])
+        return watch._stale({peers[0]: store.get(key)}) if store.check([key]) else []
+    return watch._stale(_counters_of(store, peers))
 
 
 class _StoreGone(Exception):
@@ -647,7 +678,7 @@ class _Ticker:
 
     def __init__(self, store, comm: Comm, base: str, root_waits: bool):
         self.store, self.comm, self.base, self.root_waits = store, comm, base, root_waits
-        self.counters = Counters()
+        self.watch = Liveness()
         self.start = time.monotonic()
         self.next_log = self.start + WAIT_LOG_AFTER_S
 
@@ -657,15 +688,14 @@ class _Ticker:
             # Rank 0: the counters of every peer in batches, then, for the few
             # stopped ones, whether they posted (a rank that posted and died
             # is the next exchange's business).
-            stale = self.counters.stale(counters_of(store, comm.ranks[1:]))
+            stale = stopped(comm.ranks[1:], self.watch, store=store)
             index = {r: i for i, r in enumerate(comm.ranks)} if stale else {}
             dead = [r for r in stale if not store.check([f"{self.base}/r{index[r]}"])]
             if dead:
                 return "dead", dead
         else:
             root = comm.ranks[0]
-            key = _alive_key(root)
-            if store.check([key]) and self.counters.stale({root: store.get(key)}):
+            if stopped([root], self.watch, store=store):
                 return "dead", [root]
         if time.monotonic() >= self.next_log:
             self.next_log = time.monotonic() + WAIT_LOG_EVERY_S

@@ -29,9 +29,9 @@ Mechanism (one load, every rank of the group):
    succeeded before any byte of it is sent. A damaged block on the
    reading rank therefore fails the load on every rank with the same error,
    and nobody waits in a send or receive that will never come. Transfers are
-   point-to-point ``isend``/``irecv`` in the load's group, one message per
-   (reader, holder set, receiver), waited for with a deadline and the peers'
-   heartbeats (a killed peer fails the others in seconds, a hung one within
+   point-to-point ``isend``/``irecv`` in the load's group (the wire,
+   ``_p2p``), one message per (reader, holder set, receiver), waited for
+   with a deadline and the peers' liveness (a killed peer fails the others in seconds, a hung one within
    ``collective_timeout_s``);
 4. each holder (the reader too) copies its pieces out of the round buffer
    into its tensors.
@@ -65,12 +65,12 @@ Example (what the plan decides; the load uses it by itself):
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from . import _knobs
-from ._collective import Counters, agree, counters_of, default_store
+from ._collective import agree
+from ._p2p import p2p_op, start_ops, transfer_device, wait_ops, warm_nccl
 from ._readers import Want
 from .errors import LoadFailedError
 
@@ -82,11 +82,6 @@ __all__ = [
     "plan_shared",
     "read_once",
     "enabled",
-    "transfer_device",
-    "p2p_op",
-    "start_ops",
-    "wait_ops",
-    "warm_nccl",
 ]
 
 #: A wanted byte range: (file, chunk's byte offset in the file, start, stop within the chunk).
@@ -98,9 +93,6 @@ MAX_SHARED_KEYS = 32768
 
 # Round-buffer offsets are aligned so that every piece can be viewed as its dtype in place.
 _ALIGN = 64
-#: A gloo wait given the time left may end this early by its own timer
-#: (milliseconds); a failure past ``deadline - this`` counts as the timeout.
-_GLOO_TIMER_SLACK_S = 0.05
 
 
 def _nbytes(k: Key) -> int:
@@ -292,24 +284,6 @@ def enabled() -> bool:
 def key_of(w: Any) -> Key:
     """The :data:`Key` of a ``_readers.Want``."""
     return (w.chunk.file, w.chunk.byte_offset, w.start, w.stop)
-
-
-def transfer_device(group: Any) -> Optional[str]:
-    """``"cuda"`` or ``"cpu"``: where a group's point-to-point sends can go; None if neither.
-
-    NCCL (alone or in a ``cpu:gloo,cuda:nccl`` group) sends CUDA tensors:
-    preferred, GPU links are faster. Decided by the backend alone, so every
-    rank decides the same.
-    """
-    import torch
-    import torch.distributed as dist
-
-    backend = str(dist.get_backend(group)).lower()
-    if "nccl" in backend and torch.cuda.is_available():
-        return "cuda"
-    if "gloo" in backend or "mpi" in backend:
-        return "cpu"
-    return None
 
 
 def read_once(
@@ -651,101 +625,3 @@ class _Rounds:
 
 class _Cancelled(Exception):
     """The calling thread gave up (another rank failed): the reader stops."""
-
-
-#: Groups whose NCCL communicator has run a collective in this process (see :func:`warm_nccl`).
-_WARM: Dict[int, bool] = {}
-
-
-def warm_nccl(group: Any) -> None:
-    """Run one collective on ``group`` the first time (collective: every rank of it calls).
-
-    NCCL's batched point-to-point calls may involve a subset of the group's
-    ranks only once the group has run a collective; the first one must
-    involve every rank (``torch.distributed.batch_isend_irecv``). A restarted
-    job's first NCCL call may be a restore's transfer, where some ranks send
-    nothing: a barrier first, once per group and process.
-    """
-    import torch
-    import torch.distributed as dist
-
-    key = id(group) if group is not None else 0
-    if _WARM.get(key):
-        return
-    dist.barrier(group=group, device_ids=[torch.cuda.current_device()])
-    _WARM[key] = True
-
-
-def p2p_op(kind: str, tensor: Any, peer: int, group: Any, tag: int):
-    """A point-to-point operation: ``kind`` ``"send"`` or ``"recv"`` of ``tensor`` with global rank ``peer``."""
-    import torch.distributed as dist
-
-    return dist.P2POp(dist.isend if kind == "send" else dist.irecv, tensor, peer, group, tag)
-
-
-def start_ops(ops: List[Any]) -> List[Any]:
-    """Post ``ops`` (:func:`p2p_op`) together (``batch_isend_irecv``); their works, to :func:`wait_ops`."""
-    import torch.distributed as dist
-
-    if not ops:
-        return []
-    return list(dist.batch_isend_irecv(ops))
-
-
-def wait_ops(works: List[Any], comm: Any, peers: Sequence[int], cuda: bool, *, doing: str = "sending bytes") -> None:
-    """Wait for ``works``, failing within ``comm.timeout_s`` (and, on CUDA, as soon as a peer's heartbeat stops).
-
-    gloo works complete only inside ``wait``, which takes the deadline (a
-    killed peer's closed connection fails them at once); NCCL works are polled
-    (``is_completed``) so that a dead peer is named after its heartbeat stops
-    rather than after the timeout.
-    """
-    from datetime import timedelta
-
-    deadline = time.monotonic() + comm.timeout_s
-
-    def late() -> LoadFailedError:
-        return LoadFailedError(
-            f"{comm.op}: no data from ranks {list(peers)} within collective_timeout_s={comm.timeout_s:g} "
-            f"while {doing}; a rank is hung or gone: restart the job"
-        )
-
-    if cuda:
-        watch = None
-        nap, next_look = 0.0002, time.monotonic() + 1.0
-        while not all(w.is_completed() for w in works):
-            now = time.monotonic()
-            if now >= deadline:
-                raise late()
-            if now >= next_look:
-                next_look = now + 1.0
-                try:
-                    watch = watch or Counters()
-                    dead = watch.stale(counters_of(default_store(), list(peers)))
-                except Exception:  # the store is gone with rank 0: the works fail or time out
-                    dead = []
-                if dead:
-                    raise LoadFailedError(
-                        f"{comm.op}: rank(s) {dead} stopped (no heartbeat for {_knobs.LIVENESS_TIMEOUT_S:g} s) while "
-                        f"{doing}: the process died or is frozen; restart the job"
-                    )
-            time.sleep(nap)
-            nap = min(nap * 2, 0.005)
-    for w in works:
-        left = deadline - time.monotonic()
-        try:
-            if cuda:
-                w.wait()
-            elif left <= 0 or not w.wait(timedelta(seconds=left)):
-                raise late()
-        except LoadFailedError:
-            raise
-        except Exception as e:  # gloo: the peer closed its connection (killed), or the deadline passed
-            # Both come as the same type (DistBackendError): our own clock
-            # tells them apart (gloo's timer may fire a few ms early).
-            if time.monotonic() >= deadline - _GLOO_TIMER_SLACK_S:
-                raise late() from None
-            raise LoadFailedError(
-                f"{comm.op}: {doing} between ranks {list(peers)} failed ({type(e).__name__}: {e}); "
-                "a peer died: restart the job"
-            ) from None

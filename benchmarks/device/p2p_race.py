@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from shardckpt._memory.transfer import move_tensors
-from shardckpt._replicas import p2p_op, start_ops, warm_nccl
+from shardckpt._p2p import p2p_op, start_ops, warm_nccl
 
 SIZES = [1311, 200_000, 3_000_000, 150 << 20]
 ROUNDS = int(os.environ.get("ROUNDS", "6"))

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence,
 
 import torch
 
-from .. import _fp8, _knobs, _replicas
+from .. import _fp8, _knobs, _p2p, _replicas
 from .._collective import Comm
 from .._format import torch_dtype
 from .._io import byte_view, host_empty
@@ -331,12 +331,12 @@ def stream_into(
     try:
         with torch.no_grad():
             scales.update(_read_scales(storage, plan, read, threads=threads, pool=pool, stats=stats))
-            if sources is not None and comm is not None and comm.world > 1 and not _replicas.transfer_device(process_group):
+            if sources is not None and comm is not None and comm.world > 1 and not _p2p.transfer_device(process_group):
                 raise LoadFailedError(
                     f"{comm.op}: the process group's backend ({process_group!r}) can send neither CPU nor CUDA tensors: "
                     "the memory tier needs gloo or NCCL"
                 )
-            if comm is not None and comm.world > 1 and (_replicas.enabled() or sources is not None) and _replicas.transfer_device(process_group):
+            if comm is not None and comm.world > 1 and (_replicas.enabled() or sources is not None) and _p2p.transfer_device(process_group):
                 # Ranges several ranks need are read by one and sent to the others.
                 return _replicas.read_once(
                     storage, wants, comm=comm, group=process_group, read=read, deliver=deliver, place=place,

@@ -70,7 +70,7 @@ from .._collective import ALL, FROM_ROOT, Comm, agree
 from .._format import MANIFEST_NAME, ChunkMeta, FileMeta, crc32c, crc32c_combine, open_manifest
 from .._format._v2 import check_index
 from .._io import WriteItem, byte_view, data_file_header, partition
-from .._replicas import warm_nccl
+from .._p2p import warm_nccl
 from .._save import execute_save, prepare_save, stage_save
 from .._storage import Storage
 from ..errors import SaveFailedError, UsageError

@@ -1,7 +1,7 @@
-"""Files between ranks over the process group, on the one transfer engine of ``_replicas``.
+"""Files between ranks over the process group, on the one wire between ranks (``_p2p``).
 
 The memory tier moves bytes between ranks in two ways, both over the
-primitives of ``shardckpt/_replicas.py`` (one device choice,
+primitives of ``shardckpt/_p2p.py`` (one device choice,
 ``transfer_device``: CUDA tensors under NCCL, CPU under gloo; one wait,
 ``wait_ops``, bounded by ``collective_timeout_s`` and watching the peers'
 heartbeats, so a dead peer is named instead of hanging a rank):
@@ -33,7 +33,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from .._io import byte_view, host_empty
-from .._replicas import p2p_op, start_ops, transfer_device, wait_ops, warm_nccl
+from .._p2p import p2p_op, start_ops, transfer_device, wait_ops, warm_nccl
 
 __all__ = ["PIECE_BYTES", "wire_device", "run_sends", "move_tensors"]
 
@@ -44,7 +44,7 @@ PIECE_BYTES = 64 << 20
 
 
 def wire_device(group) -> torch.device:
-    """Where the bytes must be for this group's backend (``_replicas.transfer_device``): CUDA for NCCL, else CPU."""
+    """Where the bytes must be for this group's backend (``_p2p.transfer_device``): CUDA for NCCL, else CPU."""
     if transfer_device(group) == "cuda":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
@@ -209,7 +209,7 @@ def move_tensors(
     Every rank calls it with the pairs it is in (matching on both sides); a
     rank in none returns at once. With NCCL the group must have run a
     collective before a call that not every rank takes part in
-    (:func:`shardckpt._replicas.warm_nccl`).
+    (:func:`shardckpt._p2p.warm_nccl`).
 
     Example:
         >>> move_tensors([(1, buf)], [], group=pg, group_ranks=[0, 1])  # doctest: +SKIP

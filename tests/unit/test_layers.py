@@ -89,6 +89,7 @@ LAYERS: Dict[str, int] = {
     # 8. storage and cross-rank exchange
     "shardckpt._storage": 8,
     "shardckpt._collective": 8,
+    "shardckpt._p2p": 8,  # the wire: point-to-point tensors between ranks, with _collective's liveness
     # 9. importable from every layer
     "shardckpt._knobs": 9,
     "shardckpt.errors": 9,
