@@ -40,6 +40,12 @@ __all__ = [
     "LoadResult",
     "Manifest",
     "CheckpointManager",
+    "RetentionOptions",
+    "ScheduleOptions",
+    "TierOptions",
+    "WriteOptions",
+    "ResumeOptions",
+    "LastSaveOptions",
     "MemoryTier",
     "AsyncSaveHandle",
     "RNGState",
@@ -75,6 +81,12 @@ _LAZY = {
     "async_save": "._async",
     "AsyncSaveHandle": "._async",
     "CheckpointManager": "._manager",
+    "RetentionOptions": "._managed.options",
+    "ScheduleOptions": "._managed.options",
+    "TierOptions": "._managed.options",
+    "WriteOptions": "._managed.options",
+    "ResumeOptions": "._managed.options",
+    "LastSaveOptions": "._managed.options",
     "RNGState": "._rng",
     "PerRank": "._state",
     "release_buffers": "._async",
@@ -117,6 +129,14 @@ if TYPE_CHECKING:  # pragma: no cover
     from ._async import AsyncSaveHandle, async_save, release_buffers
     from ._format import Manifest
     from ._load import LoadResult, load, read
+    from ._managed.options import (
+        LastSaveOptions,
+        ResumeOptions,
+        RetentionOptions,
+        ScheduleOptions,
+        TierOptions,
+        WriteOptions,
+    )
     from ._manager import CheckpointManager
     from ._memory import MemoryTier
     from ._rng import RNGState

@@ -29,15 +29,12 @@ import dataclasses
 import logging
 import os
 import time
-import uuid
-from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, List, Optional, Set, Tuple, cast
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple, cast
 
-from . import _fingerprint
 from ._async import AsyncSaveHandle, start_async, wait_pending
-from ._collective import ALL, FROM_ROOT, Comm, NoProcessGroupError, agree, open_comm
-from ._flush import PerNodeSource, Remote, Tiers, detect_nodes, share_manifest
-from ._format import MANIFEST_NAME, open_manifest
-from ._format.committed import nearby_names
+from ._collective import FROM_ROOT, Comm, NoProcessGroupError, agree, open_comm
+from ._flush import Remote, Tiers, detect_nodes, share_manifest
+from ._format import MANIFEST_NAME
 from ._format.naming import parse_step_dir, step_dir_name
 from ._load import load
 from ._managed import exports, identity, owners, retention
@@ -45,12 +42,23 @@ from ._managed import restore as order
 from ._managed.exports import HF_SUFFIX
 from ._managed.memory import open_memory, warm_memory
 from ._managed.memory import save_to_memory as memory_save
+from ._managed.options import (
+    FlatOptions,
+    LastSaveOptions,
+    ManagerOptions,
+    ResumeOptions,
+    RetentionOptions,
+    ScheduleOptions,
+    TierOptions,
+    WriteOptions,
+)
 from ._managed.retention import UNKNOWN, check_step, stale_leftovers, steps_to_delete
+from ._managed.runs import RunSteps
+from ._managed.sources import Places, resume_flush, sources
 from ._save import execute_save, prepare_save
 from ._storage import Storage
 from .errors import (
     CheckpointError,
-    CorruptCheckpointError,
     LoadFailedError,
     SaveFailedError,
     StorageError,
@@ -60,6 +68,7 @@ from .errors import (
 
 if TYPE_CHECKING:  # pragma: no cover
     from torch.distributed import ProcessGroup
+    from typing_extensions import Unpack
 
 __all__ = ["CheckpointManager", "step_dir_name", "parse_step_dir", "steps_to_delete", "stale_leftovers"]
 
@@ -67,18 +76,6 @@ log = logging.getLogger("shardckpt")
 
 #: How a refused save of a committed step says what to do.
 FORCE_HINT = "pass force=True to replace it"
-
-#: Local steps ``CheckpointManager(..., local=DIR)`` keeps besides those not flushed yet (docs/manager.md).
-DEFAULT_KEEP_LOCAL = 2
-
-
-def _positive(name: str, v: Any, *, allow_none: bool = True) -> Optional[int]:
-    if v is None and allow_none:
-        return None
-    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-        raise ValueError(f"{name} must be a positive int{' or None' if allow_none else ''}, got {v!r}")
-    return v
-
 
 class CheckpointManager:
     """Numbered, crash-safe checkpoints under ``root_url``, with retention and async saves.
@@ -89,78 +86,32 @@ class CheckpointManager:
     ``collective_timeout_s``: a dead, stuck or absent rank makes the others
     raise (naming it), never hang.
 
+    Options come in groups, each a frozen dataclass passed as one keyword (docs/manager.md, "Options"); every
+    field also works as a flat keyword (``keep_last=3`` is ``retention=RetentionOptions(keep_last=3)``).
+
     Args:
         root_url: directory or fsspec URL under which ``step-<8 digits>/`` (e.g. ``step-00001000/``)
             checkpoints live. One manager (one training job) per root.
-        keep_last: committed steps to keep (the newest ones); None keeps all.
-        keep_every: also keep every step divisible by this (milestones).
-        save_interval: :meth:`should_save` is true every this many steps.
+        retention: ``RetentionOptions(keep_last, keep_every, keep_local)``: which committed steps stay.
+        schedule: ``ScheduleOptions(save_interval, enable_first_step_checkpoint, load_only)``: :meth:`should_save`'s answer.
+        tiers: ``TierOptions(local, memory, on_durable)``: a node-local directory every save commits to first, flushed
+            to ``root_url`` in the background (:attr:`remote_url`, :attr:`durable_step`); a memory tier (:meth:`save_to_memory`).
+        writes: ``WriteOptions(async_save, reuse_buffers, incremental, replicas)``: how each save writes.
+        resume: ``ResumeOptions(check_files, initial_load_path, initial_load_model_only)``: what :meth:`restore` checks,
+            and what a fresh run starts from (torchtitan's options).
+        last_save: ``LastSaveOptions(model_only, export_dtype, in_hf)``: what ``save(..., last_step=True)`` writes.
         storage_options: passed to fsspec.
-        async_save: :meth:`save` returns once the state is staged in host
-            memory and writes in the background (see :func:`shardckpt.async_save`).
         process_group: ranks that save and restore (default: the world).
-        io_threads: parallel readers/writers per rank (default: each
-            operation's own: ``SHARDCKPT_IO_THREADS`` for saves and CPU
-            loads, ``SHARDCKPT_LOAD_CUDA_IO_THREADS`` for loads into GPUs).
-        collective_timeout_s: bound of every exchange between ranks the
-            manager runs (default ``SHARDCKPT_COLLECTIVE_TIMEOUT_S``, as for
-            :func:`shardckpt.save`).
-        reuse_buffers: (async) keep staging buffers between saves.
-        check_files: before restoring a step, check every data file it lists
-            exists with its recorded size (one stat per file; checksums are
-            always verified while reading).
-        incremental: each save references the chunks whose bytes the newest
-            committed step already holds instead of rewriting them
-            (:func:`shardckpt.save`'s ``incremental``). Retention then
-            deletes a dropped step's files only when no kept step names
-            them (docs/manager.md, "Retention with incremental steps").
-        replicas: the replica check of every save (:func:`shardckpt.save`'s
-            ``replicas``: ``"check"``, ``"warn"`` or ``"off"``; default
-            ``SHARDCKPT_REPLICAS``, ``"warn"``).
-
-    torchtitan's checkpointer options (``docs/manager.md``, migration table):
-
-    Args:
-        initial_load_path: a checkpoint (shardckpt, or a Hugging Face
-            safetensors directory/file) that :meth:`restore` loads when the
-            run has no committed step of its own; ignored once it has one.
-        initial_load_model_only: (default True, as torchtitan) load only
-            ``state["model"]`` from ``initial_load_path``.
-        last_save_model_only: ``save(..., last_step=True)`` saves only
-            ``state["model"]`` (weights to publish, no optimizer).
-        export_dtype: with ``last_save_model_only`` or ``last_save_in_hf``,
-            cast floating-point weights of the last save to this dtype
-            (``torch.bfloat16``, ``"bf16"``); tied weights stay one tensor.
-        last_save_in_hf: ``save(..., last_step=True)`` also writes the model
-            as a Hugging Face safetensors directory ``<root>/step-<N>-hf``
-            (:func:`converters.to_safetensors`, one name per tied weight).
-        enable_first_step_checkpoint: :meth:`should_save` is also true at step 1.
-        load_only: :meth:`restore` works, :meth:`save` saves nothing (returns
-            None) and :meth:`should_save` is always false.
-        memory: a host-memory tier with a copy on a peer node
-            (``shardckpt.MemoryTier(...)``, True for its defaults, a
-            directory, or a dict of its options): :meth:`save_to_memory`
-            keeps the newest step there, and :meth:`restore` takes the
-            newest step held in memory or storage (``docs/manager.md``,
-            "Memory tier").
-        local: a node-local directory: every save commits there (at local
-            disk speed) and a background thread on every rank flushes the
-            newest step to ``root_url``, the durable remote, committing it
-            there last (``docs/manager.md``, "Local first, then remote").
-            ``keep_last``/``keep_every`` then apply to the remote;
-            ``root_url``/:meth:`step_url` name the local directory and
-            :attr:`remote_url` the remote. With ``incremental``, a flush
-            also uploads the files the step references that the remote lacks.
-        keep_local: (with ``local``) local steps to keep besides the one
-            being flushed and the one waiting to be.
-        on_durable: (with ``local``) called on every rank with each step
-            once it is committed on the remote (in the flusher thread).
+        io_threads: parallel readers/writers per rank (default: each operation's own: ``SHARDCKPT_IO_THREADS``
+            for saves and CPU loads, ``SHARDCKPT_LOAD_CUDA_IO_THREADS`` for loads into GPUs).
+        collective_timeout_s: bound of every exchange between ranks the manager runs (default
+            ``SHARDCKPT_COLLECTIVE_TIMEOUT_S``, as for :func:`shardckpt.save`).
+        **flat: the groups' fields by their flat names (``FlatOptions``).
 
     Raises:
-        ValueError: ``keep_last``, ``keep_every`` or ``save_interval`` not a
-            positive int.
-        UsageError: ``root_url`` is empty or blank; ``local`` is blank, the
-            remote root itself.
+        ValueError: ``keep_last``, ``keep_every``, ``keep_local`` or ``save_interval`` not a positive int.
+        UsageError: ``root_url`` is empty or blank; ``local`` is blank, the remote root itself.
+        TypeError: a keyword the manager does not take.
 
     Example:
         >>> import torch, shardckpt, tempfile
@@ -182,108 +133,71 @@ class CheckpointManager:
         self,
         root_url: str,
         *,
-        keep_last: Optional[int] = None,
-        keep_every: Optional[int] = None,
-        save_interval: int = 1,
+        retention: Optional[RetentionOptions] = None,
+        schedule: Optional[ScheduleOptions] = None,
+        tiers: Optional[TierOptions] = None,
+        writes: Optional[WriteOptions] = None,
+        resume: Optional[ResumeOptions] = None,
+        last_save: Optional[LastSaveOptions] = None,
         storage_options: Optional[Dict[str, Any]] = None,
-        async_save: bool = False,
         process_group: Optional["ProcessGroup"] = None,
         io_threads: Optional[int] = None,
         collective_timeout_s: Optional[float] = None,
-        reuse_buffers: bool = True,
-        check_files: bool = True,
-        initial_load_path: Optional[str] = None,
-        initial_load_model_only: bool = True,
-        last_save_model_only: bool = False,
-        export_dtype: Any = None,
-        last_save_in_hf: bool = False,
-        enable_first_step_checkpoint: bool = False,
-        load_only: bool = False,
-        memory: Any = None,
-        incremental: bool = False,
-        replicas: Optional[str] = None,
-        local: Optional[str] = None,
-        keep_local: int = DEFAULT_KEEP_LOCAL,
-        on_durable: Optional[Callable[[int], None]] = None,
+        **flat: Unpack[FlatOptions],
     ):
         if isinstance(root_url, str) and not root_url.strip():
-            raise UsageError(
-                f"CheckpointManager: root_url {root_url!r} is blank; pass the directory or URL under which "
-                "step checkpoints live, e.g. CheckpointManager('checkpoints/run1')"
-            )
-        self.replicas = _fingerprint.replicas_mode(replicas) if replicas is not None else None
-        self.keep_last = _positive("keep_last", keep_last)
-        self.keep_every = _positive("keep_every", keep_every)
-        self.save_interval = _positive("save_interval", save_interval, allow_none=False)
+            raise UsageError(f"CheckpointManager: root_url {root_url!r} is blank; pass the directory or URL under which "
+                             "step checkpoints live, e.g. CheckpointManager('checkpoints/run1')")
+        #: Every option, grouped (``_managed.options.ManagerOptions``): the flat keywords mapped to their groups once, here.
+        self.options = o = ManagerOptions.of(dict(retention=retention, schedule=schedule, tiers=tiers, writes=writes,
+                                                  resume=resume, last_save=last_save), flat)
         if collective_timeout_s is not None and not (isinstance(collective_timeout_s, (int, float)) and collective_timeout_s > 0):
             raise ValueError(f"collective_timeout_s must be a positive number, got {collective_timeout_s!r}")
         #: With ``local=``: the durable remote (``_flush.Remote``), its flusher, both retentions, the run identity (``_flush.Tiers``).
         self._tiers: Optional[Tiers] = None
         #: With ``local=``: ``(shared, lead, each rank's lead)`` once probed (:meth:`_nodes`): one directory for all ranks, or one per node.
         self._layout: Optional[Tuple[bool, bool, List[int]]] = None
-        self._me = (0, 1)  # (rank, world size) of the probe
-        self.on_durable = on_durable
-        self.keep_local = _positive("keep_local", keep_local, allow_none=False)
-        #: The root this run's tier steps record (``_managed.identity``): with ``local=`` the remote, else the root.
-        home: Optional[str] = None
-        #: (step, why) of local steps of another run already logged (said once each).
-        self._said_foreign: Set[Tuple[int, str]] = set()
+        home: Optional[str] = None  # the root this run's tier steps record (``_managed.identity``): with ``local=``, the remote
+        local = o.tiers.local
         if local is not None:
             if not isinstance(local, (str, os.PathLike)) or not str(local).strip():
                 raise UsageError(f"CheckpointManager: local must be a directory path, got {local!r}")
-            remote = Remote(Storage(root_url, storage_options=storage_options), keep_last=self.keep_last, keep_every=self.keep_every,
-                            storage_options=dict(storage_options) if storage_options else None, check_files=check_files)
+            remote = Remote(Storage(root_url, storage_options=storage_options), keep_last=o.retention.keep_last,
+                            keep_every=o.retention.keep_every, storage_options=dict(storage_options) if storage_options else None,
+                            check_files=o.resume.check_files)
             if Storage(os.fspath(local)).url == remote.root.url:
                 raise UsageError(f"CheckpointManager: local={local!r} is the remote root itself; give it a node-local directory")
             # incremental=True: references resolve on each side (the flusher uploads what a step references).
-            self._tiers = Tiers(remote, keep_local=cast(int, self.keep_local), on_durable=on_durable)
+            self._tiers = Tiers(remote, keep_local=o.retention.keep_local, on_durable=o.tiers.on_durable)
             home = remote.root.url
             root_url, storage_options = os.fspath(local), None  # saves, claims and local retention run on the local directory
         self.root = Storage(root_url, storage_options=storage_options)
         self.root_url = self.root.url
         self.storage_options = dict(storage_options or {})
-        self.async_save = bool(async_save)
         self.process_group = process_group
-        self.io_threads = io_threads
-        # None: each save/export reads SHARDCKPT_IO_THREADS; a load picks by target device.
-        self._write_threads = io_threads  # None: SHARDCKPT_IO_THREADS, read at each save
+        self.io_threads = io_threads  # None: each save/export reads SHARDCKPT_IO_THREADS; a load picks by target device
         self.collective_timeout_s = None if collective_timeout_s is None else float(collective_timeout_s)  # None: the knob, at each call
-        self.reuse_buffers = reuse_buffers
-        self.check_files = check_files
-        if initial_load_path is not None and (not isinstance(initial_load_path, str) or not initial_load_path.strip()):
-            raise UsageError(f"CheckpointManager: initial_load_path must be a checkpoint URL, got {initial_load_path!r}")
-        self.initial_load_path = initial_load_path
-        self.initial_load_model_only = bool(initial_load_model_only)
-        self.last_save_model_only = bool(last_save_model_only)
-        self.export_dtype = exports.parse_export_dtype(export_dtype)
-        self.last_save_in_hf = bool(last_save_in_hf)
-        self.enable_first_step_checkpoint = bool(enable_first_step_checkpoint)
-        self.load_only = bool(load_only)
-        self.incremental = bool(incremental)
+        self.export_dtype = exports.parse_export_dtype(o.last_save.export_dtype)
         #: URL the last :meth:`restore` loaded (a step, or ``initial_load_path``); None if nothing.
         self.restored_from: Optional[str] = None
         self._handle: Optional[AsyncSaveHandle] = None
         self._closed = False
-        # Rank 0: committed steps this manager has seen or saved (None until
-        # its first save); any other step that appears is another writer's.
-        self._known: Optional[Set[int]] = None
-        self._token = uuid.uuid4().hex
+        #: Rank 0: one manager per root (``_managed.owners.Claim``): another writer's steps refuse the next save.
+        self._claims = owners.Claim(self.root_url)
+        #: With ``local=``: which local steps are this run's (``_managed.runs.RunSteps``).
+        self._runs = RunSteps(self.root, home) if home is not None else None
         # With local=, the memory copy is the remote root's (not the local directory's: node-local paths are reused across jobs).
-        self._memory = open_memory(memory, home if home is not None else self.root_url)
+        self._memory = open_memory(o.tiers.memory, home or self.root_url)
 
     def __repr__(self) -> str:
-        return f"CheckpointManager({self.root_url!r}, keep_last={self.keep_last}, keep_every={self.keep_every}, async_save={self.async_save})"
+        o = self.options
+        return f"CheckpointManager({self.root_url!r}, keep_last={o.retention.keep_last}, keep_every={o.retention.keep_every}, async_save={o.writes.async_save})"
 
     # -- names ----------------------------------------------------------------
 
     def step_url(self, step: int) -> str:
         """URL of a step's checkpoint (usable with ``shardckpt.load``/``inspect``/``verify``)."""
         return self.root.url_of(step_dir_name(check_step(step)))
-
-    def _rank(self, op: str) -> int:
-        # Through open_comm: under torchrun without a process group every
-        # process would think it is rank 0 and delete.
-        return self._comm(op).rank
 
     def _nodes(self, comm: Comm) -> Tuple[bool, bool, List[int]]:
         """``(shared, lead, leads)`` of the local directory (collective the first time, with ``local=``; :func:`_flush.detect_nodes`).
@@ -296,7 +210,6 @@ class CheckpointManager:
             return True, comm.rank == 0, [0] * comm.world
         if self._layout is None:
             self._layout = detect_nodes(self.root, comm)
-            self._me = (comm.rank, comm.world)
             if not self._layout[0]:
                 log.info("shardckpt: %s is a per-node directory (rank %d%s)", self.root_url, comm.rank,
                          ", its node's lead" if self._layout[1] else "")
@@ -316,17 +229,13 @@ class CheckpointManager:
 
     # -- listing ----------------------------------------------------------------
 
-    def _scan(self) -> Tuple[List[int], List[Tuple[int, str]]]:
-        """``(committed steps, [(step, dir name) without a manifest])``, both sorted (:func:`_managed.retention.scan`)."""
-        return retention.scan(self.root)
-
     def steps(self) -> List[int]:
         """Committed steps, oldest first (a step whose ``manifest.json`` exists).
 
         Not collective. A save still running in the background is not listed
         until it commits (call :meth:`wait` first to include it).
         """
-        return self._scan()[0]
+        return retention.scan(self.root)[0]
 
     def latest_step(self) -> Optional[int]:
         """The newest committed step, or None."""
@@ -338,10 +247,10 @@ class CheckpointManager:
 
         Always False with ``load_only``.
         """
-        step = check_step(step)
-        if self.load_only:
+        step, sched = check_step(step), self.options.schedule
+        if sched.load_only:
             return False
-        return step % cast(int, self.save_interval) == 0 or (self.enable_first_step_checkpoint and step == 1)
+        return step % sched.save_interval == 0 or (sched.enable_first_step_checkpoint and step == 1)
 
     def hf_url(self, step: int) -> str:
         """Where ``last_save_in_hf`` writes step ``step``'s Hugging Face directory."""
@@ -382,23 +291,27 @@ class CheckpointManager:
             UnsupportedStateError: a value in ``state`` cannot be saved.
         """
         self._check_open()
-        step = check_step(step)
-        if self.load_only:
+        step, last = check_step(step), self.options.last_save
+        if self.options.schedule.load_only:
             return None
-        if last_step and self.last_save_model_only:
+        if last_step and last.model_only:
             state = {"model": exports.model_only_state(state, self.export_dtype)}
         flusher = self._tiers.flusher if self._tiers is not None else None
         with flusher.yield_to_save() if flusher is not None else contextlib.nullcontext():
             handle = self._save(step, state, force=force)
-        if last_step and self.last_save_in_hf:
+        if last_step and last.in_hf:
             if handle is not None:
                 handle.result()
+            comm = self._comm("CheckpointManager.save", error=SaveFailedError)
             if self._layout is not None and not self._layout[0]:  # per-node: only the remote holds every node's files
-                self._export_hf_remote(step)
+                cast(Tiers, self._tiers).flusher_on(self.root, comm)
+                exports.export_remote_hf(comm, self._tiers, step, dtype=self.export_dtype, io_threads=self.io_threads)
                 return handle
-            self._export_hf(step)
-            if self._tiers is not None and self._rank("CheckpointManager.save") == 0:  # the export goes to the remote too
-                self._tiers.flusher_on(self.root, self._comm("CheckpointManager.save")).flush_export(step_dir_name(step) + HF_SUFFIX)
+            # Rank 0 writes the committed step as a Hugging Face directory; every rank returns when it is there.
+            exports.export_hf(comm, self.step_url(step), self.hf_url(step), step=step, dtype=self.export_dtype,
+                              storage_options=self.storage_options or None, io_threads=self.io_threads)
+            if self._tiers is not None and comm.rank == 0:  # the export goes to the remote too
+                self._tiers.flusher_on(self.root, comm).flush_export(step_dir_name(step) + HF_SUFFIX)
         return handle
 
     def save_to_memory(self, step: int, state: Dict[str, Any], *, overlap: bool = False) -> bool:
@@ -458,7 +371,7 @@ class CheckpointManager:
         """
         self._check_open()
         step = check_step(step)
-        if self._memory is None or self.load_only:
+        if self._memory is None or self.options.schedule.load_only:
             return False
         comm = self._comm("CheckpointManager.save_to_memory")
         run = None
@@ -468,122 +381,33 @@ class CheckpointManager:
                                            what=f"memory save of step {step}: the run", share=lambda v: v, mode=FROM_ROOT)
             run = self._tiers.run
         return memory_save(self._memory, step, state, comm, process_group=self.process_group,
-                           io_threads=self._write_threads, overlap=overlap, replicas=self.replicas, run=run)
+                           io_threads=self.io_threads, overlap=overlap, replicas=self.options.writes.replicas, run=run)
 
-    def _export_hf(self, step: int) -> None:
-        """Rank 0 writes the committed step as a Hugging Face directory; every rank returns when it is there."""
-        exports.export_hf(self._comm("CheckpointManager.save", error=SaveFailedError), self.step_url(step),
-                          self.hf_url(step), step=step, dtype=self.export_dtype,
-                          storage_options=self.storage_options or None, io_threads=self._write_threads)
-
-    def _export_hf_remote(self, step: int) -> None:
-        """Per-node local directories: once step ``step`` is durable, rank 0 exports the remote's copy to ``<remote>/step-N-hf``.
-
-        Each node's directory holds only its ranks' files, so the export
-        reads the remote copy, the one place holding all of them: every rank
-        waits (up to the collective timeout) for the step's flush first. No
-        local ``step-N-hf`` is written.
-
-        Raises:
-            SaveFailedError: the step is not durable on the remote in time
-                (its flush failed or is slow: logged); the step itself stays
-                saved, and ``shardckpt export <remote step> <dir>`` exports it later.
-        """
-        comm = self._comm("CheckpointManager.save", error=SaveFailedError)
-        tiers = cast(Tiers, self._tiers)
-        flusher = tiers.flusher_on(self.root, comm)
-        flusher.wait(comm.timeout_s)
-        _, durable = agree(comm, lambda: flusher.durable_step, what=f"Hugging Face export of step {step}: the remote copy",
-                           share=lambda v: v, mode=ALL)
-        remote = tiers.remote
-        if any(d is None or d < step for d in durable):
-            raise SaveFailedError(
-                f"Hugging Face export of step {step}: on per-node local directories only the remote copy holds every "
-                f"node's files, and step {step} is not durable on {remote.root_url} after {comm.timeout_s:g} s (its flush "
-                f"failed or is slow; see the log). Step {step} is saved; export it once it is flushed: "
-                f"shardckpt export {remote.step_url(step)} {remote.step_url(step) + HF_SUFFIX}")
-        exports.export_hf(comm, remote.step_url(step), remote.step_url(step) + HF_SUFFIX, step=step, dtype=self.export_dtype,
-                          storage_options=remote.storage_options or None, io_threads=self._write_threads)
-
-    # -- one manager per root (_managed.owners) ------------------------------------------------
-
-    def _foreign_steps(self) -> List[int]:
-        """Rank 0: committed steps this manager did not write and had not seen (another writer's), sorted."""
-        committed = self._scan()[0]
-        if self._known is None:  # first save: what is there is the past (a restarted run's predecessor)
-            self._known = set(committed)
-            return []
-        return self._not_ours(committed)
-
-    def _not_ours(self, committed: Iterable[int]) -> List[int]:
-        """Of ``committed``, the steps neither this manager nor this process saved, nor found at its first save."""
-        return owners.not_ours(committed, self._known or (), owners.saved_in_process(self.root_url))
+    # -- one manager per root (_managed.owners), whose steps (_managed.runs) ------------------------
 
     def _claim(self, step: int) -> Optional[str]:
         """Rank 0, before each save: refuse when another writer committed steps under the root since the last save.
 
         Two managers saving under one root would each apply retention to the
-        other's steps. Every step that appears without this manager saving
-        it is another writer's: this manager then stops saving there.
-        Returns the base of an incremental save (the newest committed step
-        before ``step``), None otherwise.
+        other's steps (``_managed.owners.Claim``). Returns the base of an
+        incremental save (the newest committed step of this run before
+        ``step``), None otherwise.
         """
-        if self._known is not None and owners.taken_over(self.root_url, self._token):
-            # Across processes the steps tell (below); in one process the steps
-            # of every manager count as this job's, so the owner token does.
-            raise owners.refuse_taken_over(step, self.root_url)
-        foreign = self._foreign_steps()
-        if foreign:
-            raise owners.refuse_foreign(step, self.root_url, foreign)
-        cast(Set[int], self._known).add(step)
-        owners.record_save(self.root_url, self._token, step)
-        if not self.incremental:
+        committed = retention.scan(self.root)[0]
+        self._claims.claim(step, committed)
+        if not self.options.writes.incremental:
             return None
-        earlier = [s for s in self._scan()[0] if s < step]
-        if self._tiers is not None:  # never a base of another run (its files are not this run's to reference)
-            earlier = self._own(earlier, self._tiers.run)
+        earlier = [s for s in committed if s < step]
+        if self._runs is not None:  # never a base of another run (its files are not this run's to reference)
+            earlier = self._runs.own(earlier, cast(Tiers, self._tiers).run)
         return step_dir_name(earlier[-1]) if earlier else None
 
-    # -- whose steps: the run identity of local= (_managed.identity) ------------------------------------
-
     def _run_of_save(self) -> Optional[str]:
-        """Rank 0, before a save: the run's identity (with ``local=``; None without): agreed at restore, else inherited from the newest local step of this root, else new."""
-        if self._tiers is None:
+        """Rank 0, before a save: the run's identity (with ``local=``; None without): agreed at restore, else inherited, else new."""
+        if self._runs is None or self._tiers is None:
             return None
-        if self._tiers.run is None:
-            own = self._own(self._scan()[0], None)
-            self._tiers.run = identity.inherit(identity.whose(self._extra(own[-1]))[1] if own else None)
+        self._tiers.run = self._runs.run_of_save(self._tiers.run, retention.scan(self.root)[0])
         return self._tiers.run
-
-    def _extra(self, step: int) -> Any:
-        """The ``extra`` of local step ``step``'s manifest (its identity); raises when it cannot be read."""
-        return open_manifest(self.root.child(step_dir_name(step)), chunks=False).extra
-
-    def _foreign(self, step: int, run: Optional[str]) -> Optional[str]:
-        """Why local step ``step`` is not this run's (:func:`_managed.identity.foreign`; unreadable: not known to be), None if it is; said once per step."""
-        assert self._tiers is not None
-        try:
-            why = identity.foreign(self._extra(step), root=self._tiers.remote_url, run=run)
-        except Exception as e:  # noqa: BLE001 - unreadable: not known to be this run's, so never deleted as ours
-            why = f"its manifest cannot be read ({type(e).__name__}: {e})"
-        if why is not None and (step, why) not in self._said_foreign:
-            self._said_foreign.add((step, why))
-            log.warning("shardckpt: local step %d at %s is not taken as a step of this run (whose root is %s): %s; "
-                        "ignored and left in place",
-                        step, self.step_url(step), self._tiers.remote_url, why)
-        return why
-
-    def _own(self, steps: Iterable[int], run: Optional[str]) -> List[int]:
-        """Of local ``steps``, those of this run (``run``; None: any run of this root); the others are logged once and left alone."""
-        if self._tiers is None:
-            return list(steps)
-        return [s for s in steps if self._foreign(s, run) is None]
-
-    def _check_own(self, step: int, run: Optional[str]) -> None:
-        """Raise ``CorruptCheckpointError`` (restore skips the step as it skips damage) unless local step ``step`` is this run's."""
-        why = self._foreign(step, run)
-        if why is not None:
-            raise CorruptCheckpointError(f"local step {step} at {self.step_url(step)} is not this run's: {why}")
 
     # -- save (engine) ---------------------------------------------------------------
 
@@ -604,19 +428,10 @@ class CheckpointManager:
             extra = identity.stamp(step, root=self._tiers.remote_url, run=run)
         url = self.step_url(step)
         try:
-            plan = prepare_save(
-                state,
-                url,
-                comm=comm,
-                storage_options=self.storage_options or None,
-                overwrite=force,
-                io_threads=self._write_threads,
-                extra=extra,
-                exists_hint=f"step {step} is already committed; {FORCE_HINT}",
-                incremental=base,
-                content_hash=self.incremental,  # the first step too: later ones reference it
-                replicas=self.replicas,
-            )
+            # content_hash: the first step of an incremental run too (later ones reference it).
+            plan = prepare_save(state, url, comm=comm, storage_options=self.storage_options or None, overwrite=force,
+                                io_threads=self.io_threads, extra=extra, exists_hint=f"step {step} is already committed; {FORCE_HINT}",
+                                incremental=base, content_hash=self.options.writes.incremental, replicas=self.options.writes.replicas)
         except CheckpointError:
             raise
         except Exception as e:
@@ -625,11 +440,11 @@ class CheckpointManager:
             plan = dataclasses.replace(plan, files_here=False)
         if force and plan.rank == 0:  # only rank 0 commits, and so removes the replaced files
             plan = dataclasses.replace(plan, keep_files=retention.referenced_files(self.root, step))
-        if self.async_save:
+        if self.options.writes.async_save:
             return self._save_async(plan, step, force=force, t0=t0)
         try:
             if plan.rank == 0:
-                self._before_write(step)
+                retention.clear_unfinished(self.root, step_dir_name(step), clear=self._clear_dir)
             execute_save(plan)
         except CheckpointError:
             raise
@@ -654,28 +469,13 @@ class CheckpointManager:
             return None
 
         try:
-            self._handle = start_async(plan, precheck=precheck, before=lambda: self._before_write(step),
-                                       after=lambda c: self._after_commit(c, step, force=force), reuse_buffers=self.reuse_buffers, t0=t0)
+            self._handle = start_async(plan, precheck=precheck, before=lambda: retention.clear_unfinished(self.root, name, clear=self._clear_dir),
+                                       after=lambda c: self._after_commit(c, step, force=force), reuse_buffers=self.options.writes.reuse_buffers, t0=t0)
         except CheckpointError:
             raise
         except Exception as e:
             raise SaveFailedError(f"save of step {step} to {url} failed: {type(e).__name__}: {e}") from e
         return self._handle
-
-    def _before_write(self, step: int) -> None:
-        """Rank 0, before any rank writes step ``step`` (the others wait for its go): remove an unfinished save's leftovers.
-
-        It must not raise: rank 0 would skip the save's exchanges and leave
-        its peers waiting. Files left here are not in the new manifest, and
-        cleanup() removes them.
-        """
-        name = step_dir_name(step)
-        try:
-            if not self.root.exists(f"{name}/{MANIFEST_NAME}"):
-                self._clear_dir(name)
-        except Exception as e:
-            log.warning("shardckpt: cannot remove leftovers of step %d at %s: %s: %s", step, self.step_url(step),
-                        type(e).__name__, e)
 
     def _after_commit(self, comm: Comm, step: int, *, force: bool = False) -> None:
         """Every rank, once step ``step`` is committed: hand it to the flusher (``local=``), then retention.
@@ -689,58 +489,40 @@ class CheckpointManager:
         self._retain(comm, step)
 
     def _retain(self, comm: Comm, saved: int) -> None:
-        """Retention on rank 0 (per-node local disks: on each node's lead, for its directory); every rank returns once it is done."""
+        """Retention (:func:`_managed.retention.plan_retention`), then leftovers, on rank 0 (per-node local disks: on each node's lead, for its directory); every rank returns once it is done.
+
+        Another node's lead does not check for other writers (rank 0 alone
+        claims the run). Trouble is logged, never raised: the step is committed.
+        """
         lead = comm.rank == 0 or (self._layout is not None and not self._layout[0] and self._layout[1])
 
         def housekeeping() -> None:
             if not lead:
                 return
             try:
-                self._housekeeping(saved, foreign_check=comm.rank == 0)
+                committed, partial = retention.scan(self.root)
+                foreign = self._claims.not_ours(committed) if comm.rank == 0 else []
+                if foreign:
+                    log.warning(
+                        "shardckpt: step %d committed, retention skipped: steps %s were committed under %s by another "
+                        "writer (this manager's next save raises ConcurrentUseError)", saved, format_offenders(foreign), self.root_url,
+                    )
+                    return
+                if self._runs is not None and self._tiers is not None:  # a shared local directory: another run's steps are never this run's to delete
+                    committed = self._runs.own(committed, self._tiers.run)
+                policy = (self._tiers.retention(saved) if self._tiers is not None else
+                          {"keep_last": self.options.retention.keep_last, "keep_every": self.options.retention.keep_every, "protect": [saved]})
+                plan = retention.plan_retention(committed, [s for s, _ in partial], **policy)
+                retention.apply(self.root, plan, partial, clear=self._clear_dir)
             except Exception as e:  # committed; housekeeping trouble must not fail training
                 log.warning("shardckpt: retention after step %d: %s: %s", saved, type(e).__name__, e)
 
         agree(comm, housekeeping, what=f"retention after step {saved}")
 
-    def _housekeeping(self, saved: int, *, foreign_check: bool = True) -> None:
-        """Rank 0, after step ``saved`` committed: retention (:func:`_managed.retention.plan_retention`), then leftovers.
-
-        ``foreign_check``: False on another node's lead (per-node local
-        disks): rank 0 alone claims the run and checks for other writers.
-        """
-        committed, partial = self._scan()
-        foreign = self._not_ours(committed) if foreign_check else []
-        if foreign:
-            log.warning(
-                "shardckpt: step %d committed, retention skipped: steps %s were committed under %s by another "
-                "writer (this manager's next save raises ConcurrentUseError)", saved, format_offenders(foreign), self.root_url,
-            )
-            return
-        if self._tiers is not None:  # a shared local directory: another run's steps are never this run's to delete
-            committed = self._own(committed, self._tiers.run)
-        plan = retention.plan_retention(committed, [s for s, _ in partial], **self._retention(saved))
-        retention.apply(self.root, plan, partial, clear=self._clear_dir)
-
     # -- deletions on the root (_managed.retention) ------------------------------------------
-
-    def _uncommit(self, name: str) -> None:
-        retention.uncommit(self.root, name)
-
-    def _remove_step(self, step: int) -> None:
-        name = step_dir_name(step)
-        # Uncommit first: if we die half way, what remains is a leftover that
-        # restore skips, never a committed step with missing files.
-        self._uncommit(name)
-        self._clear_dir(name)
 
     def _clear_dir(self, name: str, live: Any = UNKNOWN, *, dry_run: bool = False) -> List[str]:
         return retention.clear_dir(self.root, name, live, dry_run=dry_run)
-
-    def _remove_dir(self, name: str) -> None:
-        self.root.remove_tree(name)
-
-    def _remove_leftover(self, name: str) -> None:
-        retention.remove_leftover(self.root, name)
 
     # -- local first, then remote (shardckpt/_flush.py's Tiers; docs/manager.md) ---------------------------
 
@@ -762,19 +544,7 @@ class CheckpointManager:
         """
         return self.latest_step() if self._tiers is None else self._tiers.durable_step
 
-    def _retention(self, saved: int) -> Dict[str, Any]:
-        """:func:`steps_to_delete`'s policy here: the manager's, or with ``local=`` the local one (``Tiers.retention``)."""
-        if self._tiers is None:
-            return {"keep_last": self.keep_last, "keep_every": self.keep_every, "protect": [saved]}
-        return self._tiers.retention(saved)
-
     # -- restore ----------------------------------------------------------------
-
-    def _validate(self, step: int) -> None:
-        if self._layout is not None and not self._layout[0]:  # per-node: the files are checked as they load (held_local)
-            order.validate_step(self.root, step, files=False, chunks=False)
-            return
-        order.validate_step(self.root, step, files=self.check_files)
 
     def restore(self, state: Dict[str, Any], step: Optional[int] = None, **load_kw: Any) -> Optional[int]:
         """Load the newest restorable step (or ``step``) into ``state`` in place (collective).
@@ -830,16 +600,6 @@ class CheckpointManager:
         Limits: a step directory whose manifest records another step is
         skipped like damage (a hand copy).
         """
-        got = self._restore(state, step, **load_kw)
-        if self._memory is not None and not self.load_only:
-            # The memory tier's slots for this state, made in the background now: the first save_to_memory
-            # then neither allocates nor pins (seconds for a large shard, else paid inside a training step).
-            warm_memory(self._memory, state, self._comm("CheckpointManager.restore", error=LoadFailedError),
-                        process_group=self.process_group, replicas=self.replicas)
-        return got
-
-    def _restore(self, state: Dict[str, Any], step: Optional[int] = None, **load_kw: Any) -> Optional[int]:
-        """:meth:`restore`'s work (its docstring says what it does)."""
         self._check_open()
         s = None if step is None else check_step(step)
         if "process_group" in load_kw:
@@ -851,103 +611,29 @@ class CheckpointManager:
         if self.io_threads is not None:
             load_kw.setdefault("io_threads", self.io_threads)
         load_kw.setdefault("collective_timeout_s", self.collective_timeout_s)
-        sources = self._sources(state, comm, load_kw)
-        got = order.restore_from(sources, state, s, probed=self._resume_flush(comm, sources) if self._tiers is not None else None)
+        o = self.options
+        places = Places(self.root, self.storage_options, self.process_group, self._memory, self._tiers, self._runs,
+                        self._nodes(comm), o.resume.check_files, o.resume.initial_load_path, o.schedule.load_only)
+        found_in = sources(places, state, comm, load_kw)
+        got = order.restore_from(found_in, state, s, probed=resume_flush(places, comm, found_in))
         if got is None and s is not None:
-            got = sources[-1].load(state, s, exact=True)  # held nowhere: the durable source says why (not committed there)
-        if got is None and s is None and isinstance(sources[-1], order.RootSource) and sources[-1].error is not None:
-            raise StorageError(f"restore: nothing of this run to restore here, and {sources[-1].error}")
+            got = found_in[-1].load(state, s, exact=True)  # held nowhere: the durable source says why (not committed there)
+        if got is None and s is None and isinstance(found_in[-1], order.RootSource) and found_in[-1].error is not None:
+            raise StorageError(f"restore: nothing of this run to restore here, and {found_in[-1].error}")
         if got is not None:
             self.restored_from = got[1]
-            return got[0]
-        if s is None and self.initial_load_path is not None:
+        elif s is None and o.resume.initial_load_path is not None:
             # A fresh run: start from the given weights (torchtitan's
             # initial_load_path). Once the run has its own steps they win.
-            target = order.initial_target(state, model_only=self.initial_load_model_only)
-            load(target, self.initial_load_path, process_group=self.process_group, **load_kw)
-            self.restored_from = self.initial_load_path
-        return None
-
-    def _sources(self, state: Dict[str, Any], comm: Comm, load_kw: Dict[str, Any]) -> List[Any]:
-        """The places restore may load a step of this run from, fastest first (``_managed.restore.Source``; collective to build).
-
-        Memory (``memory=``), then with ``local=`` the per-node or shared
-        local directory and the remote, else this root.
-        """
-        out: List[Any] = []
-        remote_run: List[Callable[[], Optional[str]]] = []  # with local=: the remote's newest step's run (probed first)
-        if self._memory is not None:
-            out.append(self._memory.source(comm, process_group=self.process_group, load_kw=load_kw,
-                                           run=lambda: remote_run[0]() if remote_run else None))
-
-        def loader(storage_options: Optional[Dict[str, Any]]) -> Callable[[str], Any]:
-            return lambda url: load(state, url, storage_options=storage_options or None, process_group=self.process_group, **load_kw)
-
-        if self._tiers is None:
-            out.append(order.RootSource("storage", self.root, comm, steps=self.steps, validate=self._validate,
-                                        load=loader(self.storage_options), initial_load_path=self.initial_load_path,
-                                        choose_first=True, say_empty=lambda: order.say_why_empty(self.root, nearby=nearby_names)))
-            return out
-        tiers = self._tiers
-        remote = tiers.remote
-        remote_src = order.RootSource(
-            "remote", remote.root, comm, steps=remote.steps, load=loader(remote.storage_options), tolerate=True,
-            validate=lambda st: order.validate_step(remote.root, st, files=remote.check_files),
-            # Probed after the local directory: nothing in either, the notice names both.
-            say_empty=lambda: order.say_why_empty(self.root, nearby=nearby_names, remote=remote.root))
-
-        remote_run.append(lambda: remote_src.run)
-
-        def own_steps() -> List[int]:  # this run's: the root, and the run of the remote's newest step (probed first)
-            return self._own(self.steps(), remote_src.run)
-
-        if not self._nodes(comm)[0]:  # per-node: each node's own disk
-            stats: Dict[str, Any] = {}
-            tiers.last_restore = stats
-
-            def check(st: int) -> None:  # this node's copy: a valid manifest of this run's step
-                order.validate_step(self.root, st, files=False, chunks=False)
-                self._check_own(st, remote_src.run)
-
-            out.append(PerNodeSource(self.root, comm, leads=self._nodes(comm)[2], steps=own_steps, check=check,
-                                     process_group=self.process_group, load_kw=load_kw, stats=stats))
-        else:
-            out.append(order.RootSource("local", self.root, comm, steps=own_steps, validate=self._validate,
-                                        load=loader(None), every_rank=True))
-        out.append(remote_src)
-        return out
-
-    def _resume_flush(self, comm: Comm, sources: List[Any]) -> Callable[[List[Optional[int]]], None]:
-        """With ``local=``, once restore knows the newest step of each source: the run, what is durable, and the local step to flush.
-
-        The run is the remote's newest step's (``_managed.identity``); durable
-        is the newest remote step that is loadable
-        (:func:`_managed.restore.newest_loadable`); the newest local step of this run the remote lacks is handed to the
-        flusher (in the background, while it loads), unless a load-only
-        manager or a step of another world size (each rank uploads the
-        files it wrote: that step stays local, logged).
-        """
-        tiers = cast(Tiers, self._tiers)
-        local, remote = sources[-2], sources[-1]
-
-        def probed(found: List[Optional[int]]) -> None:
-            lstep, rstep = found[-2], found[-1]
-            tiers.run = remote.run
-            flusher = tiers.flusher_on(self.root, comm)
-            # Durable means loadable: the remote's newest step whose files are all there (rank 0 checks).
-            _, durable = agree(comm, lambda: order.newest_loadable(remote.root, rstep, steps=tiers.remote.steps)
-                               if comm.rank == 0 else None, what=f"restore: the durable step of {tiers.remote_url}",
-                               share=lambda v: v, mode=FROM_ROOT)
-            flusher.set_durable(durable)
-            if lstep is None or (rstep is not None and lstep <= rstep) or self.load_only:
-                return
-            if local.world == comm.world:
-                flusher.submit(lstep)
-            elif comm.rank == 0:
-                log.warning("shardckpt: local step %d was saved by %s ranks, this job has %d: it is not flushed to %s (each "
-                            "rank uploads the files it wrote); it stays local", lstep, local.world, comm.world, tiers.remote_url)
-
-        return probed
+            target = order.initial_target(state, model_only=o.resume.initial_load_model_only)
+            load(target, o.resume.initial_load_path, process_group=self.process_group, **load_kw)
+            self.restored_from = o.resume.initial_load_path
+        if self._memory is not None and not o.schedule.load_only:
+            # The memory tier's slots for this state, made in the background now: the first save_to_memory
+            # then neither allocates nor pins (seconds for a large shard, else paid inside a training step).
+            warm_memory(self._memory, state, self._comm("CheckpointManager.restore", error=LoadFailedError),
+                        process_group=self.process_group, replicas=o.writes.replicas)
+        return None if got is None else got[0]
 
     # -- lifecycle ----------------------------------------------------------------
 
@@ -991,7 +677,7 @@ class CheckpointManager:
         """
         self._check_open()
         wait_pending(raise_unobserved=False)
-        if self._rank("CheckpointManager.cleanup") != 0:
+        if self._comm("CheckpointManager.cleanup").rank != 0:
             return []
         return retention.collect_garbage(self.root, dry_run=dry_run)
 
@@ -1000,8 +686,12 @@ class CheckpointManager:
         self._check_open()
         step = check_step(step)
         wait_pending(raise_unobserved=False)
-        if self._rank("CheckpointManager.delete") == 0:
-            self._remove_step(step)
+        if self._comm("CheckpointManager.delete").rank == 0:
+            name = step_dir_name(step)
+            # Uncommit first: if we die half way, what remains is a leftover that
+            # restore skips, never a committed step with missing files.
+            retention.uncommit(self.root, name)
+            self._clear_dir(name)
 
     def close(self, *, flush_timeout_s: Optional[float] = None) -> None:
         """Wait for the save in flight (raising its unseen error); further calls raise.

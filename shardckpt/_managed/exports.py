@@ -14,12 +14,12 @@ from __future__ import annotations
 
 from typing import Any, Dict, Optional
 
-from .._collective import Comm, agree
+from .._collective import ALL, Comm, agree
 from .._format import torch_dtype
 from .._runtimes import unwrap
-from ..errors import UsageError, format_offenders
+from ..errors import SaveFailedError, UsageError, format_offenders
 
-__all__ = ["HF_SUFFIX", "parse_export_dtype", "model_only_state", "export_hf"]
+__all__ = ["HF_SUFFIX", "parse_export_dtype", "model_only_state", "export_hf", "export_remote_hf"]
 
 #: Suffix of the directory ``last_save_in_hf`` writes next to a step (``step-00001000-hf``).
 HF_SUFFIX = "-hf"
@@ -105,3 +105,32 @@ def export_hf(
                            dst_storage_options=storage_options, io_threads=io_threads)
 
     agree(comm, export, what=f"Hugging Face export of step {step} to {dst_url}")
+
+
+def export_remote_hf(comm: Comm, tiers: Any, step: int, *, dtype: Any = None, io_threads: Optional[int] = None) -> None:
+    """Per-node local directories: once step ``step`` is durable, rank 0 exports the remote's copy to ``<remote>/step-N-hf``.
+
+    Each node's directory holds only its ranks' files, so the export
+    reads the remote copy, the one place holding all of them: every rank
+    waits (up to the collective timeout) for the step's flush first
+    (``tiers``: the manager's ``_flush.Tiers``, its flusher already made).
+    No local ``step-N-hf`` is written.
+
+    Raises:
+        SaveFailedError: the step is not durable on the remote in time
+            (its flush failed or is slow: logged); the step itself stays
+            saved, and ``shardckpt export <remote step> <dir>`` exports it later.
+    """
+    flusher = tiers.flusher
+    flusher.wait(comm.timeout_s)
+    _, durable = agree(comm, lambda: flusher.durable_step, what=f"Hugging Face export of step {step}: the remote copy",
+                       share=lambda v: v, mode=ALL)
+    remote = tiers.remote
+    if any(d is None or d < step for d in durable):
+        raise SaveFailedError(
+            f"Hugging Face export of step {step}: on per-node local directories only the remote copy holds every "
+            f"node's files, and step {step} is not durable on {remote.root_url} after {comm.timeout_s:g} s (its flush "
+            f"failed or is slow; see the log). Step {step} is saved; export it once it is flushed: "
+            f"shardckpt export {remote.step_url(step)} {remote.step_url(step) + HF_SUFFIX}")
+    export_hf(comm, remote.step_url(step), remote.step_url(step) + HF_SUFFIX, step=step, dtype=dtype,
+              storage_options=remote.storage_options or None, io_threads=io_threads)

@@ -11,11 +11,12 @@ within a process the owner token of the last saver tells instead.
 
 from __future__ import annotations
 
-from typing import Dict, FrozenSet, Iterable, List, Set
+import uuid
+from typing import Dict, FrozenSet, Iterable, List, Optional, Set
 
 from ..errors import ConcurrentUseError, format_offenders
 
-__all__ = ["not_ours", "saved_in_process", "taken_over", "record_save", "refuse_taken_over", "refuse_foreign"]
+__all__ = ["Claim", "not_ours", "saved_in_process", "taken_over", "record_save", "refuse_taken_over", "refuse_foreign"]
 
 #: Steps saved under each root by any manager of this process.
 _SAVED_IN_PROCESS: Dict[str, Set[int]] = {}
@@ -69,3 +70,44 @@ def refuse_foreign(step: int, root_url: str, foreign: Iterable[int]) -> Concurre
         "root (the retention of one deletes what the other saves). This manager saves no more there; "
         "restore() still works. Give each run its own root_url, or stop the other one"
     )
+
+
+class Claim:
+    """Rank 0's claim on a root: the steps it saw at its first save and saved since, and its owner token.
+
+    Example:
+        >>> c = Claim("/ckpt/run"); c.claim(3, [1, 2])       # first save: steps 1 and 2 are the past
+        >>> c.not_ours([1, 2, 3, 9])                          # step 9 appeared since: another writer's
+        [9]
+    """
+
+    def __init__(self, root_url: str) -> None:
+        self.root_url = root_url
+        #: Committed steps this manager has seen or saved; None until its first save.
+        self.known: Optional[Set[int]] = None
+        self.token = uuid.uuid4().hex
+
+    def not_ours(self, committed: Iterable[int]) -> List[int]:
+        """Of ``committed``, the steps neither this manager nor this process saved, nor found at its first save."""
+        return not_ours(committed, self.known or (), saved_in_process(self.root_url))
+
+    def claim(self, step: int, committed: Iterable[int]) -> None:
+        """Before saving ``step`` (``committed``: the root's committed steps now): record it, or refuse.
+
+        Raises:
+            ConcurrentUseError: another manager of this process saved under
+                the root since this one's last save, or another writer
+                committed steps there (named).
+        """
+        if self.known is not None and taken_over(self.root_url, self.token):
+            # Across processes the steps tell (below); in one process the steps
+            # of every manager count as this job's, so the owner token does.
+            raise refuse_taken_over(step, self.root_url)
+        if self.known is None:  # first save: what is there is the past (a restarted run's predecessor)
+            self.known = set(committed)
+        else:
+            foreign = self.not_ours(committed)
+            if foreign:
+                raise refuse_foreign(step, self.root_url, foreign)
+        self.known.add(step)
+        record_save(self.root_url, self.token, step)

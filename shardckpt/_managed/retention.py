@@ -39,7 +39,7 @@ __all__ = [
     "MAX_STEP", "UNKNOWN", "ASIDE_PREFIX",
     "check_step", "steps_to_delete", "stale_leftovers",
     "RetentionPlan", "plan_retention", "stray_files",
-    "scan", "uncommit", "live_files_of", "referenced_files", "clear_dir", "remove_leftover", "collect_garbage", "apply",
+    "scan", "uncommit", "clear_unfinished", "live_files_of", "referenced_files", "clear_dir", "remove_leftover", "collect_garbage", "apply",
 ]
 
 log = logging.getLogger("shardckpt")
@@ -300,6 +300,21 @@ def clear_dir(root: Storage, name: str, live: Any = UNKNOWN, *, dry_run: bool = 
         for rel in gone:
             root.remove(f"{name}/{rel}")
     return [f"{name}/{rel}" for rel in gone]
+
+
+def clear_unfinished(root: Storage, name: str, *, clear: Callable[[str], Any]) -> None:
+    """Rank 0, before any rank writes step directory ``name`` (the others wait for its go): remove an unfinished save's leftovers.
+
+    ``clear``: the manager's :func:`clear_dir` on ``root``. It never raises
+    (logged instead): rank 0 would skip the save's exchanges and leave its
+    peers waiting. Files left are not in the new manifest, and ``cleanup()``
+    removes them.
+    """
+    try:
+        if not root.exists(f"{name}/{MANIFEST_NAME}"):
+            clear(name)
+    except Exception as e:
+        log.warning("shardckpt: cannot remove leftovers of %s: %s: %s", root.url_of(name), type(e).__name__, e)
 
 
 def remove_leftover(root: Storage, name: str) -> None:

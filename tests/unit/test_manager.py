@@ -14,6 +14,7 @@ import torch
 import shardckpt
 from shardckpt import _async
 from shardckpt import _save as _api
+from shardckpt._managed import retention
 from shardckpt._manager import parse_step_dir, stale_leftovers, step_dir_name, steps_to_delete
 from shardckpt._storage import Storage
 from shardckpt.errors import (
@@ -516,7 +517,7 @@ def test_a_leftover_committed_while_it_is_removed_is_put_back(tmp_path):
             (tmp_path / dst / "manifest.json").write_bytes(manifest)
 
     st.rename = rename
-    mgr._remove_leftover(name)
+    retention.remove_leftover(mgr.root, name)
     assert moves[0][0] == name and moves[1] == (moves[0][1], name)  # moved aside, then back
     assert mgr.steps() == [9]
     s = _blank()
@@ -525,14 +526,14 @@ def test_a_leftover_committed_while_it_is_removed_is_put_back(tmp_path):
     # Without a commit it is removed, aside name included.
     (tmp_path / name / "manifest.json").unlink()
     st.rename = real_rename
-    mgr._remove_leftover(name)
+    retention.remove_leftover(mgr.root, name)
     assert sorted(os.listdir(tmp_path)) == []
 
 
 def test_restore_leaves_the_load_thread_count_to_load_unless_given(tmp_path, monkeypatch):
     # A manager built without io_threads must not pin GPU restores to the CPU
     # default: load() picks SHARDCKPT_LOAD_CUDA_IO_THREADS for CUDA targets.
-    import shardckpt._manager as mgr_mod
+    import shardckpt._managed.sources as mgr_mod  # where restore's sources call load()
 
     seen = []
     real = mgr_mod.load
