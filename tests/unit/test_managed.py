@@ -16,8 +16,8 @@ import pytest
 import torch
 
 import shardckpt
-from shardckpt._managed import exports, memory, owners, restore, retention
 from shardckpt._format.naming import step_dir_name
+from shardckpt._managed import exports, memory, owners, restore, retention
 from shardckpt._managed.retention import RetentionPlan, plan_retention
 from shardckpt._storage import Storage
 from shardckpt.errors import (
