@@ -7,7 +7,6 @@ listed in the roster), with ``SHARDCKPT_LIVENESS_TIMEOUT_S`` made short.
 
 from __future__ import annotations
 
-import threading
 import time
 
 import pytest
@@ -29,29 +28,18 @@ def test_a_peer_whose_counter_stops_is_named_once_the_timeout_passed(monkeypatch
     store = dist.HashStore()
     for r in peers:
         _beat(store, r)
-    stop = threading.Event()
-
-    def beating() -> None:  # every peer but the last keeps beating
-        while not stop.wait(0.05):
-            for r in peers[:-1]:
-                _beat(store, r)
-
-    t = threading.Thread(target=beating, daemon=True)
-    t.start()
-    try:
-        watch = Liveness()
-        assert stopped(peers, watch, store=store) == []  # first look: nothing judged yet
-        time.sleep(0.15)
-        assert stopped(peers, watch, store=store) == []  # not long enough
-        deadline = time.monotonic() + 5
-        dead: list = []
-        while not dead and time.monotonic() < deadline:
-            time.sleep(0.1)
-            dead = stopped(peers, watch, store=store)
-        assert dead == [peers[-1]]
-    finally:
-        stop.set()
-        t.join()
+    watch = Liveness()
+    t0 = time.monotonic()  # before the first look: a peer named dead has been watched at least 0.3 s since t0
+    assert stopped(peers, watch, store=store) == []  # first look: nothing judged yet
+    dead: list = []
+    while not dead and time.monotonic() - t0 < 30:
+        time.sleep(0.1)
+        for r in peers[:-1]:  # every peer but the last beats between two looks, however slow the host
+            _beat(store, r)
+        dead = stopped(peers, watch, store=store)
+        if time.monotonic() - t0 < 0.3:
+            assert dead == [], dead  # not stopped long enough yet
+    assert dead == [peers[-1]]
 
 
 def test_a_rank_that_never_beat_is_not_judged(monkeypatch):
