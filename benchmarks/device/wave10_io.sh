@@ -20,7 +20,7 @@ PY=${PYTHON:-python3}
 if [ -z "$TINY" ] && ls .whl/*.whl >/dev/null 2>&1; then
     $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/crc32c*.whl .whl/fastsafetensors*.whl || exit 1
 fi
-[ -d shardckpt/converters ] || cp -r converters shardckpt/converters   # as an installed package has it
+[ -n "$TINY" ] || [ -d shardckpt/converters ] || cp -r converters shardckpt/converters   # as an installed package has it (not in a worktree: TINY)
 export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1
 STEPS=${STEPS:-"sweep profile cold cold0 tmpfs fsdp2"}
 if [ -n "$TINY" ]; then
