@@ -243,8 +243,8 @@ class Reader:
                 self._pieces.setdefault((id(t), idx), (t, []))[1].append((start + off, len(data), crc))
         put(pos + off, data)
 
-    def read_wants(self, wants: List[Want], *, pool: Optional[BufferPool] = None) -> None:
-        """Read ``wants`` (from :meth:`wants_into`) verified into their targets, up to ``threads`` at once."""
+    def read_wants(self, wants: List[Want], *, pool: Optional[BufferPool] = None, threads: Optional[int] = None) -> None:
+        """Read ``wants`` (from :meth:`wants_into`) verified into their targets, up to ``threads`` (default ``self.threads``) at once."""
         def deliver(w: Want, data: memoryview, owner: Any, off: int) -> None:
             t, idx, dst = w.tag
             check = t.whole_check(idx)
@@ -257,7 +257,7 @@ class Reader:
             else:
                 dst.copy_(torch.frombuffer(data, dtype=torch.uint8).view(dst.shape))
 
-        read_verified(self.storage, wants, deliver, threads=self.threads, pool=pool, piece_bytes=WANT_BYTES)
+        read_verified(self.storage, wants, deliver, threads=threads or self.threads, pool=pool, piece_bytes=WANT_BYTES)
 
     def read(self, t: SrcTensor, blk: Block) -> torch.Tensor:
         """The block's elements as a new flat uint8 tensor, row-major."""
@@ -548,8 +548,20 @@ def _placeable(e: OutEntry) -> bool:
     return e.dtype == e.src.dtype and e.quant is None and e.src.flat and not e.src.loaders
 
 
+def placed_threads(threads: int, cpus: int) -> int:
+    """Reader threads of one placed file given ``threads`` of reads in flight: each thread reads then writes its
+    piece, so twice as many keep ``threads`` of each in flight, where the cores allow (no more threads than cores
+    beyond ``threads``: on a small machine the work is CPU-bound and extra threads only fight).
+
+    Example:
+        >>> placed_threads(4, 16), placed_threads(4, 2), placed_threads(1, 1)
+        (8, 4, 1)
+    """
+    return max(1, min(2 * threads, max(threads, cpus)))
+
+
 def _write_placed(storage: Storage, rel: str, ents: Sequence[OutEntry], reader: Reader, *, piece_bytes: int,
-                  progress: Optional["Progress"], stop: Optional[threading.Event]) -> None:
+                  progress: Optional["Progress"], stop: Optional[threading.Event], threads: int) -> None:
     """One plain safetensors file of placeable entries: the reader threads write what they read and verified (``_io.write_placed``).
 
     One batch of reads for the whole file (neighbouring small tensors
@@ -570,7 +582,7 @@ def _write_placed(storage: Storage, rel: str, ents: Sequence[OutEntry], reader: 
                 at += blk.count * itemsize(e.dtype)
         pool = BufferPool(piece_bytes, slot_bytes=min(WANT_BYTES, piece_bytes))
         try:
-            reader.read_wants(wants, pool=pool)
+            reader.read_wants(wants, pool=pool, threads=threads)
         finally:
             pool.close()
         placer.flush()
@@ -633,7 +645,8 @@ def _write_packed(storage: Storage, files: Dict[str, List[OutEntry]], reader: Re
     def one(rel: str) -> None:
         ents = files[rel]
         if _knobs.EXPORT_PLACED and storage.caps.positional_write and all(_placeable(e) for e in ents):
-            _write_placed(storage, rel, ents, reader, piece_bytes=piece, progress=progress, stop=stop)
+            _write_placed(storage, rel, ents, reader, piece_bytes=piece, progress=progress, stop=stop,
+                          threads=placed_threads(reader.threads, _knobs.usable_cpus() // busy))
             return
         p = Packer(reader, piece_bytes=piece, progress=progress, stop=stop)
         shells = [WriteItem(e.name or e.key, e.key, e.dtype, tuple(e.offsets), tuple(e.shape), None) for e in ents]

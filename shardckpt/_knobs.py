@@ -51,8 +51,8 @@ environment variable                default     what it sets
 ``SHARDCKPT_LOAD_MAP``              1           a load into CPU tensors checks and copies
                                                 local files' bytes out of a memory mapping
                                                 (one pass); 0: reads into buffers first
-``SHARDCKPT_LOAD_DIRECT``           auto        cold local reads (bytes not in the page
-                                                cache) with O_DIRECT: auto, 1 (always), 0
+``SHARDCKPT_LOAD_DIRECT``           0           local reads of >= 1 MiB from a block device
+                                                with O_DIRECT: 0 (never), auto (uncached), 1
 ``SHARDCKPT_EXPORT_PLACED``         1           an HF export of uncast tensors to local disk:
                                                 reader threads write each verified piece at
                                                 its offset; 0: the packed single writer
@@ -263,13 +263,15 @@ LOAD_READ_ONCE = _bool("LOAD_READ_ONCE", True)
 #: ``read()`` from tmpfs costs a copy of its own). 0: read into buffers first
 #: (a filesystem that cannot map files). Read at each load.
 LOAD_MAP = _bool("LOAD_MAP", True)
-#: Cold local reads of a load (bytes not in the page cache) with ``O_DIRECT``:
-#: ``auto`` (ranges of >= 1 MiB whose last page is not cached: a one-byte
-#: ``RWF_NOWAIT`` probe), ``1`` (every range of >= 1 MiB, cached or not:
-#: benchmarks), ``0`` (never; cold ranges are then read ahead whole with
-#: ``POSIX_FADV_WILLNEED``). Filesystems that refuse ``O_DIRECT`` read
-#: through the page cache. Read at each read. See shardckpt/_storage/_local.py.
-LOAD_DIRECT = (_env("LOAD_DIRECT") or "auto").lower()
+#: Local reads of >= 1 MiB from a block device with ``O_DIRECT``: ``0``
+#: (default: the page cache; an uncached range larger than the device's
+#: readahead window is asked whole with ``POSIX_FADV_WILLNEED``), ``auto``
+#: (ranges whose last page is not cached: a one-byte ``RWF_NOWAIT`` probe),
+#: ``1`` (every such range, cached or not). Not the default: on the H100
+#: host of 2026-12-06 (virtio, read_ahead_kb 8192) ``O_DIRECT`` reads were
+#: no faster at any depth or size (docs/performance.md). tmpfs and network
+#: filesystems always read through the cache. Read at each read.
+LOAD_DIRECT = (_env("LOAD_DIRECT") or "0").lower()
 if LOAD_DIRECT in ("on", "true", "yes"):
     LOAD_DIRECT = "1"
 elif LOAD_DIRECT in ("off", "false", "no"):

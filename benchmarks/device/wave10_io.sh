@@ -2,9 +2,10 @@
 # Wave 10, issue 43 (the byte path's HF export and cold reads): one call on one GPU host (16 CPUs, a virtio disk).
 # Wheels the device lacks (its Python is 3.12), in .whl/ at the repository root (git-ignored: pass ".whl" in `carry`):
 #   crc32c-*-cp312-*.whl (required), fastsafetensors-*-cp312-*.whl (optional)
-# STEPS (default "sweep profile cold cold0 tmpfs fsdp2"), each writing under $OUT:
+# STEPS (default "sweep profile cold cold0 tmpfs fsdp2"; also "sizes"), each writing under $OUT:
 #   sweep     bench_cold_profile --parts sweep: the disk alone, buffered / WILLNEED / O_DIRECT / mmap reads,
 #             1-16 threads, 1-64 MiB requests, diskstats (request size, queue depth)         -> sweep.json
+#   sizes     the same 8- and 16-thread reads of 1.5 GB and of $BIG GB (12): does the raw figure depend on the size? -> sizes-*.json
 #   profile   bench_cold_profile --parts load: an AdamW-like state into CUDA tensors, cold, once per
 #             SHARDCKPT_LOAD_DIRECT mode (0, auto, 1), reads in flight, CRC, pool waits    -> profile.json
 #   cold      bench_byte_path --cold from /tmp: loads, os.write, shardckpt.save, the HF export from a warm
@@ -24,10 +25,10 @@ fi
 export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1
 STEPS=${STEPS:-"sweep profile cold cold0 tmpfs fsdp2"}
 if [ -n "$TINY" ]; then
-    SW=0.1; TH=1,4; SZ=1,4; PGB=0.1; DEV=cpu; GIB=0.05; RAW=0.1; TGIB=0.03; REP=1; DROP="--drop-cache fadvise"; NOCUDA=--no-cuda
+    SW=0.1; TH=1,4; SZ=1,4; PGB=0.1; BIG=0.2; DEV=cpu; GIB=0.05; RAW=0.1; TGIB=0.03; REP=1; DROP="--drop-cache fadvise"; NOCUDA=--no-cuda
     SCR=${SCRATCH:-/tmp}
 else
-    SW=1.5; TH=1,4,16; SZ=1,4,16,64; PGB=12; DEV=cuda; GIB=2; RAW=4; TGIB=1; REP=3; DROP=; NOCUDA=--no-cuda
+    SW=1.5; TH=1,4,16; SZ=1,4,16,64; PGB=${PGB:-12}; BIG=${BIG:-12}; DEV=cuda; GIB=2; RAW=4; TGIB=1; REP=3; DROP=; NOCUDA=--no-cuda
     SCR=/tmp
 fi
 date -u; nvidia-smi -L 2>/dev/null; nproc; free -g | head -2; df -h $SCR /dev/shm | tail -2; uname -r
@@ -40,9 +41,15 @@ sweep)
     echo "=== sweep: the disk alone (~90 s)"
     timeout 150 $PY benchmarks/bench_cold_profile.py --dir $SCR --parts sweep --sweep-gb $SW --threads $TH --sizes-mib $SZ \
         $DROP --json "$OUT/sweep.json" || echo "sweep: exit $?";;
+sizes)
+    echo "=== sizes: the same reads of 1.5 GB and of $BIG GB (is the raw figure a cache of the host's?) (~50 s)"
+    for gb in 1.5 $BIG; do
+        timeout 90 $PY benchmarks/bench_cold_profile.py --dir $SCR --parts sweep --sweep-gb $gb --threads 8,16 --sizes-mib 16 \
+            --hows buffered,mmap $DROP --json "$OUT/sizes-$gb.json" || echo "sizes $gb: exit $?"
+    done;;
 profile)
     echo "=== profile: a cold load of an AdamW-like state ($PGB GB) into $DEV tensors, per LOAD_DIRECT mode (~60 s)"
-    timeout 120 $PY benchmarks/bench_cold_profile.py --dir $SCR --parts load --load-gb $PGB --device $DEV --modes 0,auto,1 \
+    timeout 120 $PY benchmarks/bench_cold_profile.py --dir $SCR --parts load --load-gb $PGB --device $DEV --modes ${MODES:-0,auto,1} \
         $DROP --json "$OUT/profile.json" || echo "profile: exit $?";;
 cold)
     echo "=== cold: bench_byte_path from $SCR, page cache dropped, raw disk beside (~90 s)"

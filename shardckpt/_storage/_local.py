@@ -131,6 +131,12 @@ def _readahead_step(path: str) -> int:
     return kb << 10 if kb >= 64 else DEFAULT_READAHEAD_STEP
 
 
+def _readahead_window(path: str) -> int:
+    """The device's readahead window in bytes (``read_ahead_kb``); 0 where there is no block device (tmpfs, network)."""
+    kb = queue_info(path).get("read_ahead_kb")
+    return kb << 10 if isinstance(kb, int) else 0
+
+
 def _will_need(fd: int, path: str, offset: int, n: int) -> None:
     """Ask the kernel to start reading ``[offset, offset + n)`` now, all of it (a hint: failures change nothing).
 
@@ -152,9 +158,10 @@ def _direct_into(fd: int, mm: Any, a: int, need: int) -> int:
     """``O_DIRECT`` read of file bytes ``[a, ...)`` into the aligned ``mm`` until ``need`` bytes or EOF; returns bytes read."""
     got = 0
     view = memoryview(mm)
+    end = min(len(view), -(-need // DIRECT_ALIGN) * DIRECT_ALIGN)  # O_DIRECT lengths are aligned too
     try:
         while got < need:
-            n = os.preadv(fd, [view[got:]], a + got)
+            n = os.preadv(fd, [view[got:end]], a + got)
             if n <= 0:
                 break
             got += n
@@ -338,26 +345,34 @@ class LocalStorage(Storage):
                 out += got
             return bytes(out)
 
-    def _direct_mode(self, fd: int, offset: int, n: int) -> str:
-        """How to read ``n`` bytes at ``offset``: ``"direct"`` (``O_DIRECT``), ``"cold"`` (page cache, read ahead at once) or ``"warm"``.
+    def _direct_mode(self, path: str, fd: int, offset: int, n: int) -> str:
+        """How to read ``n`` bytes at ``offset``: ``"direct"`` (``O_DIRECT``), ``"cold"`` (page cache, read ahead whole at once) or ``"warm"``.
 
-        ``SHARDCKPT_LOAD_DIRECT``: ``auto`` reads ranges whose bytes are not
-        in the page cache (an ``RWF_NOWAIT`` probe of their last page) with
-        ``O_DIRECT``, the request as large as the read, every byte of it in
-        flight at once; ``1``: every range of at least ``DIRECT_MIN_BYTES``;
-        ``0``: never (cold ranges are then read ahead whole with
-        ``POSIX_FADV_WILLNEED``). A filesystem that refuses ``O_DIRECT``
-        (tmpfs before Linux 6.6) is remembered and read through the cache.
+        Decided from what the storage shows. Only files on a block device
+        (sysfs has its queue: not tmpfs, not a network filesystem) and reads
+        of at least ``DIRECT_MIN_BYTES`` are considered. ``SHARDCKPT_LOAD_DIRECT``
+        ``0`` (default): through the page cache; a range whose last page is not
+        cached (a one-byte ``RWF_NOWAIT`` probe) and that is larger than the
+        device's readahead window (``read_ahead_kb``: a mapping's faults read
+        one window at a time) is asked of the disk whole with
+        ``POSIX_FADV_WILLNEED`` first. ``auto``: uncached ranges ``O_DIRECT``.
+        ``1``: every range ``O_DIRECT``. A filesystem that refuses ``O_DIRECT``
+        is remembered and read through the cache.
         """
-        mode = _knobs.LOAD_DIRECT
         if n < DIRECT_MIN_BYTES:
             return "warm"
-        cached = None if mode == "1" else is_cached(fd, offset + n - 1)
-        if cached:
+        window = _readahead_window(path)
+        if not queue_info(path):
             return "warm"
-        if mode == "0" or not _O_DIRECT or self._direct_refused:
-            return "cold" if cached is False else "warm"
-        return "direct"
+        mode = _knobs.LOAD_DIRECT
+        direct = mode != "0" and _O_DIRECT and not self._direct_refused
+        if direct and mode == "1":
+            return "direct"
+        if not direct and window >= n:
+            return "warm"  # the kernel's own readahead covers the request: no probe, no hint
+        if is_cached(fd, offset + n - 1) is not False:
+            return "warm"
+        return "direct" if direct else "cold"
 
     def _open_direct(self, path: str) -> Optional[int]:
         try:
@@ -400,7 +415,7 @@ class LocalStorage(Storage):
             for offset, buf in ranges:
                 done = 0
                 n = len(buf)
-                how = self._direct_mode(fd, offset, n)
+                how = self._direct_mode(path, fd, offset, n)
                 if how == "direct" and self._read_direct(rel, path, offset, buf):
                     continue
                 if how != "warm":
@@ -429,7 +444,7 @@ class LocalStorage(Storage):
             try:
                 if os.fstat(fd).st_size < stop:
                     raise self._short(rel, stop)
-                how = self._direct_mode(fd, start, stop - start)
+                how = self._direct_mode(path, fd, start, stop - start)
                 if how == "direct":
                     # Not in the page cache: one O_DIRECT read of the whole
                     # piece into fresh aligned memory (handed over as the mapping).
