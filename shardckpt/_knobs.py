@@ -264,8 +264,8 @@ LOAD_READ_ONCE = _bool("LOAD_READ_ONCE", True)
 #: (a filesystem that cannot map files). Read at each load.
 LOAD_MAP = _bool("LOAD_MAP", True)
 #: Local reads of >= 1 MiB from a block device with ``O_DIRECT``: ``0``
-#: (default: the page cache; an uncached range larger than the device's
-#: readahead window is asked whole with ``POSIX_FADV_WILLNEED``), ``auto``
+#: (default: the page cache; an uncached range of more than 4 of the device's
+#: readahead windows is asked whole with ``POSIX_FADV_WILLNEED``), ``auto``
 #: (ranges whose last page is not cached: a one-byte ``RWF_NOWAIT`` probe),
 #: ``1`` (every such range, cached or not). Not the default: on the H100
 #: host of 2026-12-06 (virtio, read_ahead_kb 8192) ``O_DIRECT`` reads were

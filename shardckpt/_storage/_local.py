@@ -68,6 +68,10 @@ DIRECT_ALIGN = 4096
 DIRECT_MIN_BYTES = 1 << 20
 #: Bounce buffer of a thread's ``O_DIRECT`` reads into memory that is not aligned.
 DIRECT_BOUNCE_BYTES = 16 << 20
+#: A cold read is hinted (``POSIX_FADV_WILLNEED`` of all of it) only when it is
+#: more than this many readahead windows: on the 2026-12-06 H100 hosts
+#: (read_ahead_kb 8192) hints of 4-16 MiB reads were no faster or slower.
+HINT_WINDOW_RATIO = 4
 #: ``POSIX_FADV_WILLNEED`` step when the device's limits cannot be read.
 DEFAULT_READAHEAD_STEP = 512 << 10
 _RWF_NOWAIT = getattr(os, "RWF_NOWAIT", 0)
@@ -352,24 +356,21 @@ class LocalStorage(Storage):
         (sysfs has its queue: not tmpfs, not a network filesystem) and reads
         of at least ``DIRECT_MIN_BYTES`` are considered. ``SHARDCKPT_LOAD_DIRECT``
         ``0`` (default): through the page cache; a range whose last page is not
-        cached (a one-byte ``RWF_NOWAIT`` probe) and that is larger than the
-        device's readahead window (``read_ahead_kb``: a mapping's faults read
-        one window at a time) is asked of the disk whole with
+        cached (a one-byte ``RWF_NOWAIT`` probe) and that is more than
+        ``HINT_WINDOW_RATIO`` of the device's readahead windows (``read_ahead_kb``:
+        a mapping's faults read one window at a time) is asked of the disk whole with
         ``POSIX_FADV_WILLNEED`` first. ``auto``: uncached ranges ``O_DIRECT``.
         ``1``: every range ``O_DIRECT``. A filesystem that refuses ``O_DIRECT``
         is remembered and read through the cache.
         """
-        if n < DIRECT_MIN_BYTES:
-            return "warm"
-        window = _readahead_window(path)
-        if not queue_info(path):
+        if n < DIRECT_MIN_BYTES or not queue_info(path):
             return "warm"
         mode = _knobs.LOAD_DIRECT
         direct = mode != "0" and _O_DIRECT and not self._direct_refused
         if direct and mode == "1":
             return "direct"
-        if not direct and window >= n:
-            return "warm"  # the kernel's own readahead covers the request: no probe, no hint
+        if not direct and _readahead_window(path) * HINT_WINDOW_RATIO >= n:
+            return "warm"  # the kernel's own readahead nearly covers the request: no probe, no hint
         if is_cached(fd, offset + n - 1) is not False:
             return "warm"
         return "direct" if direct else "cold"
