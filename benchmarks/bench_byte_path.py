@@ -26,7 +26,13 @@ and on a GPU (``torch.cuda`` available), into CUDA live tensors:
 Saves (each fsyncs its files before the clock stops; tmpfs makes that
 free): ``write`` (``os.write`` of the raw file), ``save_file``
 (safetensors), ``shardckpt.save``, ``dcp.save``; and ``hf-export``
-(``converters.to_safetensors`` of the native checkpoint).
+(``converters.to_safetensors`` of the native checkpoint). ``--saves`` may
+also name ``hf-export-warm`` / ``hf-export-cold`` (the source read into, or
+dropped from, the page cache before the clock) and ``hf-export-packed`` /
+``hf-export-packed-cold`` (the packed writer, ``SHARDCKPT_EXPORT_PLACED=0``);
+the report sets each export against ``os.write`` and, with ``--cold``, the
+raw parallel write, and a cold-source export against the disk's two bounds
+(min(read, write) if reads overlap writes, their harmonic sum if not).
 
 Every case runs ``--repeat`` times, cases interleaved so a noisy neighbour
 hits all of them alike; the table shows medians of GB/s (10^9 bytes/s), the

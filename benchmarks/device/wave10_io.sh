@@ -73,7 +73,7 @@ tmpfs)
         --saves write,save_file,hf-export,hf-export-packed --json "$OUT/tmpfs-2core.json" || echo "tmpfs-2core: exit $?";;
 fsdp2)
     if [ -n "$TINY" ]; then echo "fsdp2: skipped (TINY)"; continue; fi
-    echo "=== fsdp2: bench_fsdp2_load.py --cases shardckpt (3.09 B + AdamW, defaults: LOAD_DIRECT=auto) (~100 s)"
+    echo "=== fsdp2: bench_fsdp2_load.py --cases shardckpt (3.09 B + AdamW, defaults) (~100 s)"
     timeout 170 $PY benchmarks/bench_fsdp2_load.py --dir $SCR/w10fsdp2 --cases shardckpt --json "$OUT/fsdp2.json" \
         || echo "fsdp2: exit $?"
     rm -rf $SCR/w10fsdp2;;
