@@ -9,10 +9,15 @@
   :class:`Streamer` produces (block ``k + 1`` read while block ``k`` is
   written), written by ``_io.write_files`` through ``_save.write_rank`` (data
   files + v2 index with block CRCs, as a save's rank writes them) and committed
-  by ``_format.commit``; Hugging Face files come out of the same writer.
+  by ``_format.commit``. Hugging Face files of tensors kept as saved are
+  written by the reader threads themselves (:func:`_write_placed`: each
+  verified piece ``pwrite``-n at its offset); casts and FP8 go through a
+  :class:`Packer` and ``_io.write_packed``.
 
 Peak memory: per output file written at once, two blocks (four when casting)
 plus a block of read buffers; blocks shrink as more files are written at once.
+A placed file: one mapped piece per reader thread (4 MiB) and, for small
+tensors, one 4 MiB gathering buffer per thread.
 """
 
 from __future__ import annotations
