@@ -26,7 +26,13 @@ and on a GPU (``torch.cuda`` available), into CUDA live tensors:
 Saves (each fsyncs its files before the clock stops; tmpfs makes that
 free): ``write`` (``os.write`` of the raw file), ``save_file``
 (safetensors), ``shardckpt.save``, ``dcp.save``; and ``hf-export``
-(``converters.to_safetensors`` of the native checkpoint).
+(``converters.to_safetensors`` of the native checkpoint). ``--saves`` may
+also name ``hf-export-warm`` / ``hf-export-cold`` (the source read into, or
+dropped from, the page cache before the clock) and ``hf-export-packed`` /
+``hf-export-packed-cold`` (the packed writer, ``SHARDCKPT_EXPORT_PLACED=0``);
+the report sets each export against ``os.write`` and, with ``--cold``, the
+raw parallel write, and a cold-source export against the disk's two bounds
+(min(read, write) if reads overlap writes, their harmonic sum if not).
 
 Every case runs ``--repeat`` times, cases interleaved so a noisy neighbour
 hits all of them alike; the table shows medians of GB/s (10^9 bytes/s), the
@@ -71,6 +77,10 @@ GIB = 1 << 30
 LOADS = ["memcpy", "read", "safetensors", "shardckpt", "shardckpt-nocrc", "shardckpt-hf", "dcp"]
 CUDA_LOADS = ["safetensors-cuda", "fastsafetensors", "shardckpt-cuda"]
 SAVES = ["write", "save_file", "shardckpt", "dcp", "hf-export"]
+#: The HF export with its source's cache state set before the clock (``--saves`` may name them):
+#: ``-warm`` every source file read first, ``-cold`` the source dropped from the page cache;
+#: ``-packed``: the packed single writer (``SHARDCKPT_EXPORT_PLACED=0``) instead of the placed one.
+EXPORTS = ["hf-export-warm", "hf-export-cold", "hf-export-packed", "hf-export-packed-cold"]
 #: Parallel streams of the raw disk measurement.
 RAW_STREAMS = 8
 
@@ -156,7 +166,7 @@ class Bench:
     def save(self, case: str, tag: str = "") -> None:
         import torch
 
-        path = self.p[{"write": "raw", "save_file": "st", "shardckpt": "native", "dcp": "dcp", "hf-export": "hf"}[case]] + tag
+        path = self.p[_SAVE_PATH[case]] + tag
         if os.path.isdir(path):
             shutil.rmtree(path)
         elif os.path.exists(path):
@@ -186,17 +196,36 @@ class Bench:
 
             with _quiet():
                 dcp.save({"model": self.src}, storage_writer=dcp.FileSystemWriter(path), no_dist=True)
-        elif case == "hf-export":
+        elif case.startswith("hf-export"):
             try:
                 from shardckpt import converters
             except ImportError:  # the tree run from a plain copy (a device host): the top-level package
                 import converters  # type: ignore[no-redef]
+            from shardckpt import _knobs
 
-            converters.to_safetensors(self.p["native"], path)
+            was = _knobs.EXPORT_PLACED
+            _knobs.EXPORT_PLACED = "packed" not in case
+            try:
+                converters.to_safetensors(self.p["native"], path)
+            finally:
+                _knobs.EXPORT_PLACED = was
             _fsync_tree(path)
         else:
             raise ValueError(case)
         del torch
+
+    def prepare_save(self, case: str, drop_how: str) -> Optional[str]:
+        """Out of the clock: an export's source read into the page cache (``-warm``) or dropped from it (``-cold``)."""
+        if case.endswith("-cold"):
+            return drop_page_cache([self.p["native"]], how=drop_how)
+        if case.endswith("-warm") or case == "hf-export-packed":
+            buf = bytearray(8 << 20)
+            for d, _, files in os.walk(self.p["native"]):
+                for n in files:
+                    with open(os.path.join(d, n), "rb", buffering=0) as f:
+                        while f.readinto(buf):
+                            pass
+        return None
 
     # -- loads ----------------------------------------------------------------------
 
@@ -280,6 +309,32 @@ class Bench:
                 raise AssertionError(f"{case}: {k} differs after the load")
         for t in live.values():
             t.fill_(0.5)
+
+
+_SAVE_PATH = {"write": "raw", "save_file": "st", "shardckpt": "native", "dcp": "dcp", "hf-export": "hf", **{c: "hf" for c in EXPORTS}}
+
+
+def export_report(out: Dict[str, Any]) -> List[str]:
+    """The HF export against the destination's write speed (warm source) and the disk's read+write bound (cold source)."""
+    cases, raw = out["cases"], out.get("raw_disk")
+    lines = []
+    wr = cases.get("save:write", {}).get("gbps")
+    for c in ["hf-export"] + EXPORTS:
+        v = cases.get(f"save:{c}", {}).get("gbps")
+        if not v:
+            continue
+        parts = [f"{c} {v:.2f} GB/s"]
+        if wr:
+            parts.append(f"{v / wr:.0%} of os.write (one stream, fsync) {wr:.2f}")
+        if raw:
+            r, w = raw["read_gbps"], raw["write_gbps"]
+            parts.append(f"{v / w:.0%} of the raw {RAW_STREAMS}-stream write {w:.2f}")
+            if c.endswith("-cold"):
+                overlap, serial = min(r, w), 1 / (1 / r + 1 / w)
+                parts.append(f"cold-source bounds: min(read, write) {overlap:.2f} ({v / overlap:.0%}), "
+                             f"read then write {serial:.2f} ({v / serial:.0%})")
+        lines.append("; ".join(parts))
+    return lines
 
 
 def available(case: str, cuda: bool) -> Optional[str]:
@@ -410,10 +465,13 @@ def run(args) -> Dict[str, Any]:
                 res[f"load:{c}"]["s"].append(s)
                 res[f"load:{c}"]["cpu_s"].append(cpu)
             for c in saves:
+                dropped = b.prepare_save(c, args.drop_cache)
+                if dropped:
+                    drops.add(dropped)
                 s, cpu = timed(lambda c=c: b.save(c, ".again"))
                 res[f"save:{c}"]["s"].append(s)
                 res[f"save:{c}"]["cpu_s"].append(cpu)
-                p = b.p[{"write": "raw", "save_file": "st", "shardckpt": "native", "dcp": "dcp", "hf-export": "hf"}[c]] + ".again"
+                p = b.p[_SAVE_PATH[c]] + ".again"
                 shutil.rmtree(p) if os.path.isdir(p) else os.unlink(p)
         out["drop"] = sorted(drops)
         out["skipped"] = skipped
@@ -457,6 +515,7 @@ def report(out: Dict[str, Any], info: Dict[str, str]) -> str:
         r = out["raw_disk"]
         lines.append(f"raw disk, {RAW_STREAMS} streams, {r['bytes'] / 1e9:.1f} GB: write+fsync {r['write_gbps']:.2f} GB/s, "
                      f"cold read {r['read_gbps']:.2f} GB/s (cache dropped by {r['drop']})")
+    lines.extend(export_report(out))
     if "shardckpt_load_extra_rss" in out:
         lines.append(f"peak extra RSS of one shardckpt.load (fresh process): {out['shardckpt_load_extra_rss'] / 2**20:.0f} MiB")
     for c, why in out.get("skipped", {}).items():
@@ -473,7 +532,7 @@ def main(argv=None) -> int:
     p.add_argument("--drop-cache", choices=["auto", "fadvise"], default="auto")
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--loads", default=",".join(LOADS), help=f"comma-separated subset of {','.join(LOADS)}")
-    p.add_argument("--saves", default=",".join(SAVES), help=f"comma-separated subset of {','.join(SAVES)}")
+    p.add_argument("--saves", default=",".join(SAVES), help=f"comma-separated subset of {','.join(SAVES + EXPORTS)}")
     p.add_argument("--no-cuda", action="store_true", help="skip the CUDA loads on a GPU host")
     p.add_argument("--no-rss", action="store_true", help="skip the peak-RSS process")
     p.add_argument("--json", help="also write the raw results here")

@@ -9,10 +9,15 @@
   :class:`Streamer` produces (block ``k + 1`` read while block ``k`` is
   written), written by ``_io.write_files`` through ``_save.write_rank`` (data
   files + v2 index with block CRCs, as a save's rank writes them) and committed
-  by ``_format.commit``; Hugging Face files come out of the same writer.
+  by ``_format.commit``. Hugging Face files of tensors kept as saved are
+  written by the reader threads themselves (:func:`_write_placed`: each
+  verified piece ``pwrite``-n at its offset); casts and FP8 go through a
+  :class:`Packer` and ``_io.write_packed``.
 
 Peak memory: per output file written at once, two blocks (four when casting)
 plus a block of read buffers; blocks shrink as more files are written at once.
+A placed file: one mapped piece per reader thread (4 MiB) and, for small
+tensors, one 4 MiB gathering buffer per thread.
 """
 
 from __future__ import annotations
@@ -52,6 +57,7 @@ from shardckpt._io import (
     split_files_by_header,
     tensor_bytes,
     write_packed,
+    write_placed,
 )
 from shardckpt._layout import box_view
 from shardckpt._readers import BufferPool, Want, read_verified
@@ -69,6 +75,9 @@ __all__ = ["WANT_BYTES", "Reader", "Streamer", "run_parallel", "write_native", "
 #: never share a checksum block (none is read twice) and up to
 #: ``BLOCK_BYTES // WANT_BYTES`` are read in parallel.
 WANT_BYTES = 4 << 20
+#: A placed piece at least this big is written as it comes; smaller ones
+#: (small tensors) are gathered per reader thread into one write.
+PLACE_DIRECT_BYTES = 1 << 20
 
 
 # --------------------------------------------------------------------------
@@ -208,8 +217,39 @@ class Reader:
                         wants.append(Want(self._wanted_chunk(t, s.chunk), r * crow, (r + k) * crow, (t, s.chunk, dst)))
         return wants
 
-    def read_wants(self, wants: List[Want], *, pool: Optional[BufferPool] = None) -> None:
-        """Read ``wants`` (from :meth:`wants_into`) verified into their targets, up to ``threads`` at once."""
+    def wants_placed(self, t: SrcTensor, blk: Block, at: int, put: Callable[[int, memoryview], None]) -> List[Want]:
+        """The reads that hand the block's bytes to ``put(pos, data)`` from the reader threads, byte ``k`` of the block at ``pos = at + k``.
+
+        For a flat tensor's block (``blk.rows`` None) read as it is saved (no
+        loaders): each piece is passed on by the thread that read and checked
+        it, while in its cache (``Want.sink``), no buffer between; pieces of
+        a chunk with one checksum for all its bytes are CRC-ed on the way for
+        :meth:`finish`.
+        """
+        if blk.rows is not None or t.loaders:
+            raise AssertionError(f"internal error: {t.name!r}: placed reads need a flat tensor's byte runs read from files")
+        wants: List[Want] = []
+        for s in blk.segs:
+            lo, end = s.pos, s.pos + s.n
+            while lo < end:
+                hi = min(end, (lo // WANT_BYTES + 1) * WANT_BYTES)
+                sink = partial(self._place, t, s.chunk, lo, at + lo - s.pos, put)
+                wants.append(Want(self._wanted_chunk(t, s.chunk), lo, hi, (t, s.chunk, None), sink=sink))
+                lo = hi
+            at += s.n
+        return wants
+
+    def _place(self, t: SrcTensor, idx: int, start: int, pos: int, put: Callable[[int, memoryview], None],
+               off: int, data: memoryview) -> None:
+        check = t.whole_check(idx)
+        if check is not None:
+            crc = checksum(check[0], data)
+            with self._lock:
+                self._pieces.setdefault((id(t), idx), (t, []))[1].append((start + off, len(data), crc))
+        put(pos + off, data)
+
+    def read_wants(self, wants: List[Want], *, pool: Optional[BufferPool] = None, threads: Optional[int] = None) -> None:
+        """Read ``wants`` (from :meth:`wants_into`) verified into their targets, up to ``threads`` (default ``self.threads``) at once."""
         def deliver(w: Want, data: memoryview, owner: Any, off: int) -> None:
             t, idx, dst = w.tag
             check = t.whole_check(idx)
@@ -222,7 +262,7 @@ class Reader:
             else:
                 dst.copy_(torch.frombuffer(data, dtype=torch.uint8).view(dst.shape))
 
-        read_verified(self.storage, wants, deliver, threads=self.threads, pool=pool, piece_bytes=WANT_BYTES)
+        read_verified(self.storage, wants, deliver, threads=threads or self.threads, pool=pool, piece_bytes=WANT_BYTES)
 
     def read(self, t: SrcTensor, blk: Block) -> torch.Tensor:
         """The block's elements as a new flat uint8 tensor, row-major."""
@@ -449,6 +489,112 @@ class Packer:
             producer.join()
 
 
+class _Placer:
+    """``put(pos, data)`` for :func:`_io.write_placed`, called by reader threads: a large piece is written at once,
+    small adjacent ones (many small tensors) are gathered per thread into one write of up to ``stage_bytes``.
+
+    Call :meth:`flush` once the reads are done. ``stop``: set by a failing
+    sibling file; the next piece raises.
+    """
+
+    def __init__(self, put: Callable[[int, memoryview], None], *, progress: Optional["Progress"], stop: Optional[threading.Event],
+                 stage_bytes: int = WANT_BYTES, direct_bytes: int = PLACE_DIRECT_BYTES):
+        self._put = put
+        self._progress = progress
+        self._stop = stop
+        self._stage_bytes = stage_bytes
+        self._direct = direct_bytes
+        self._local = threading.local()
+        self._lock = threading.Lock()
+        self._stages: List[List[Any]] = []  # per thread: [buffer, data position, bytes held]
+
+    def _stage(self) -> List[Any]:
+        st = getattr(self._local, "st", None)
+        if st is None:
+            st = self._local.st = [None, 0, 0]
+            with self._lock:
+                self._stages.append(st)
+        return st
+
+    def _flush(self, st: List[Any]) -> None:
+        if st[2]:
+            self._put(st[1], memoryview(st[0])[: st[2]])
+            st[2] = 0
+
+    def __call__(self, pos: int, data: memoryview) -> None:
+        if self._stop is not None and self._stop.is_set():
+            raise _Stopped()
+        n = len(data)
+        st = self._stage()
+        if st[2] and (pos != st[1] + st[2] or st[2] + n > self._stage_bytes):
+            self._flush(st)
+        if n >= self._direct:
+            self._put(pos, data)
+        else:
+            if st[0] is None:
+                st[0] = bytearray(self._stage_bytes)
+            if not st[2]:
+                st[1] = pos
+            st[0][st[2] : st[2] + n] = data
+            st[2] += n
+        if self._progress is not None:
+            with self._lock:
+                self._progress.update(n)
+
+    def flush(self) -> None:
+        """Write what every thread gathered (the reads have ended: no thread adds more)."""
+        for st in self._stages:
+            self._flush(st)
+            st[0] = None
+
+
+def _placeable(e: OutEntry) -> bool:
+    """Whether ``e``'s bytes go to its file as they are saved: same dtype, no encoding, byte runs of files (placed reads)."""
+    return e.dtype == e.src.dtype and e.quant is None and e.src.flat and not e.src.loaders
+
+
+def placed_threads(threads: int, cpus: int) -> int:
+    """Reader threads of one placed file given ``threads`` of reads in flight: each thread reads then writes its
+    piece, so twice as many keep ``threads`` of each in flight, where the cores allow (no more threads than cores
+    beyond ``threads``: on a small machine the work is CPU-bound and extra threads only fight).
+
+    Example:
+        >>> placed_threads(4, 16), placed_threads(4, 2), placed_threads(1, 1)
+        (8, 4, 1)
+    """
+    return max(1, min(2 * threads, max(threads, cpus)))
+
+
+def _write_placed(storage: Storage, rel: str, ents: Sequence[OutEntry], reader: Reader, *, piece_bytes: int,
+                  progress: Optional["Progress"], stop: Optional[threading.Event], threads: int) -> None:
+    """One plain safetensors file of placeable entries: the reader threads write what they read and verified (``_io.write_placed``).
+
+    One batch of reads for the whole file (neighbouring small tensors
+    coalesced into one read), each thread's pieces written at their offsets
+    by ``pwrite`` as soon as checked: reads and writes of different pieces
+    overlap across the threads, every write is one piece (or a gathered run
+    of small tensors), and no buffer holds bytes between read and write.
+    """
+    shells = [WriteItem(e.name or e.key, e.key, e.dtype, tuple(e.offsets), tuple(e.shape), None) for e in ents]
+
+    def fill(put: Callable[[int, Any], None]) -> None:
+        placer = _Placer(put, progress=progress, stop=stop)
+        wants: List[Want] = []
+        at = 0
+        for e in ents:
+            for blk in plan_blocks(e.src, e.start, e.stop, BLOCK_BYTES):
+                wants.extend(reader.wants_placed(e.src, blk, at, placer))
+                at += blk.count * itemsize(e.dtype)
+        pool = BufferPool(piece_bytes, slot_bytes=min(WANT_BYTES, piece_bytes))
+        try:
+            reader.read_wants(wants, pool=pool, threads=threads)
+        finally:
+            pool.close()
+        placer.flush()
+
+    write_placed(storage, rel, shells, fill)
+
+
 # --------------------------------------------------------------------------
 # writing
 
@@ -503,6 +649,10 @@ def _write_packed(storage: Storage, files: Dict[str, List[OutEntry]], reader: Re
 
     def one(rel: str) -> None:
         ents = files[rel]
+        if _knobs.EXPORT_PLACED and storage.caps.positional_write and all(_placeable(e) for e in ents):
+            _write_placed(storage, rel, ents, reader, piece_bytes=piece, progress=progress, stop=stop,
+                          threads=placed_threads(reader.threads, _knobs.usable_cpus() // busy))
+            return
         p = Packer(reader, piece_bytes=piece, progress=progress, stop=stop)
         shells = [WriteItem(e.name or e.key, e.key, e.dtype, tuple(e.offsets), tuple(e.shape), None) for e in ents]
         pieces = p.pieces(ents)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, cast
@@ -43,6 +44,7 @@ __all__ = [
     "crc32c",
     "data_file_header",
     "write_packed",
+    "write_placed",
 ]
 
 # Tunables live in ``_knobs`` (SHARDCKPT_* environment variables) and are
@@ -420,6 +422,50 @@ def write_packed(storage: Storage, rel: str, items: Sequence[WriteItem], pieces:
         w.abort()
         raise
     return FileMeta(len(header) + want)
+
+
+def write_placed(storage: Storage, rel: str, items: Sequence[WriteItem], fill: Callable[[Callable[[int, Any], None]], None]) -> FileMeta:
+    """Write a plain safetensors file whose data bytes ``fill`` places at their offsets, from any threads.
+
+    The header is written first; then ``fill(put)`` runs, and ``put(pos,
+    data)`` writes ``data`` at byte ``pos`` of the data section (after the
+    header) with ``pwrite``: the threads that read and verified the bytes
+    write them themselves, no buffer between, and each written range is
+    handed to writeback at once (many writes of one file in flight). For a
+    storage whose writers take ``write_at`` (``caps.positional_write``);
+    ``fill`` must cover every data byte exactly once. Like
+    :func:`write_packed`: no chunk metadata, no checksums (the caller's bytes
+    were verified when read).
+
+    Raises:
+        AssertionError: ``fill`` placed another number of bytes than ``items`` hold.
+        OSError / StorageError: a write failed; whatever ``fill`` raises (the partial file is aborted).
+
+    Example:
+        >>> write_placed(storage, "model.safetensors", shells, lambda put: put(0, data))   # doctest: +SKIP
+    """
+    header, _ = _checked_header(storage, rel, items, False)
+    want = sum(it.nbytes for it in items)
+    w = storage.open_write(rel)
+    base = len(header)
+    lock = threading.Lock()
+    placed = [0]
+
+    def put(pos: int, data: Any) -> None:
+        n = w.write_at(data, base + pos)
+        with lock:
+            placed[0] += n
+
+    try:
+        w.write(header)
+        fill(put)
+        if placed[0] != want:
+            raise AssertionError(f"internal error: {rel}: {placed[0]} data bytes placed, expected {want}")
+        w.close()
+    except BaseException:
+        w.abort()
+        raise
+    return FileMeta(base + want)
 
 
 def _write_stream(w, it: WriteItem, crcs: _Pass) -> None:

@@ -51,6 +51,11 @@ environment variable                default     what it sets
 ``SHARDCKPT_LOAD_MAP``              1           a load into CPU tensors checks and copies
                                                 local files' bytes out of a memory mapping
                                                 (one pass); 0: reads into buffers first
+``SHARDCKPT_LOAD_DIRECT``           0           local reads of >= 1 MiB from a block device
+                                                with O_DIRECT: 0 (never), auto (uncached), 1
+``SHARDCKPT_EXPORT_PLACED``         1           an HF export of uncast tensors to local disk:
+                                                reader threads write each verified piece at
+                                                its offset; 0: the packed single writer
 ``SHARDCKPT_ASYNC_WRITER``          thread      who writes an async save's bytes: ``thread``
                                                 (in the training process) or ``process``
                                                 (a writer child, out of its GIL)
@@ -112,6 +117,8 @@ __all__ = [
     "usable_cpus",
     "LOAD_READ_ONCE",
     "LOAD_MAP",
+    "EXPORT_PLACED",
+    "LOAD_DIRECT",
     "BLOCK_BYTES",
     "ASYNC_WRITER",
     "MEMORY_PEER_BACKEND",
@@ -256,6 +263,27 @@ LOAD_READ_ONCE = _bool("LOAD_READ_ONCE", True)
 #: ``read()`` from tmpfs costs a copy of its own). 0: read into buffers first
 #: (a filesystem that cannot map files). Read at each load.
 LOAD_MAP = _bool("LOAD_MAP", True)
+#: Local reads of >= 1 MiB from a block device with ``O_DIRECT``: ``0``
+#: (default: the page cache; an uncached range of more than 4 of the device's
+#: readahead windows is asked whole with ``POSIX_FADV_WILLNEED``), ``auto``
+#: (ranges whose last page is not cached: a one-byte ``RWF_NOWAIT`` probe),
+#: ``1`` (every such range, cached or not). Not the default: on the H100
+#: host of 2026-12-06 (virtio, read_ahead_kb 8192) ``O_DIRECT`` reads were
+#: no faster at any depth or size (docs/performance.md). tmpfs and network
+#: filesystems always read through the cache. Read at each read.
+LOAD_DIRECT = (_env("LOAD_DIRECT") or "0").lower()
+if LOAD_DIRECT in ("on", "true", "yes"):
+    LOAD_DIRECT = "1"
+elif LOAD_DIRECT in ("off", "false", "no"):
+    LOAD_DIRECT = "0"
+if LOAD_DIRECT not in ("auto", "0", "1"):
+    raise _bad("LOAD_DIRECT", os.environ[ENV_PREFIX + "LOAD_DIRECT"], "auto, 1 or 0")
+#: A Hugging Face export (``converters.to_safetensors``) of tensors kept as
+#: saved (no cast) to a local disk: the reader threads ``pwrite`` each
+#: verified piece at its offset in the output file (no buffer between, many
+#: writes in flight, reads overlapping writes). 0: the packed writer (a
+#: producer fills buffers, one thread writes them). Read at each export.
+EXPORT_PLACED = _bool("EXPORT_PLACED", True)
 #: Format v2 block checksums: one CRC-32C per this many bytes of a chunk
 #: (chunk-relative). 1 MiB: 4 bytes of metadata per MiB of data, and a ranged
 #: read over-reads at most one block at each end. Written into the manifest,

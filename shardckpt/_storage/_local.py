@@ -19,19 +19,23 @@ import mmap
 import os
 import shutil
 import stat
+import threading
 import uuid
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, cast
 
+from .. import _knobs
 from ..errors import StorageError, UnreadableFileError
 from ._base import Capabilities, StagedFile, Storage, Writer, check_rel, pwrite_all, reading
 
-__all__ = ["LocalStorage", "WRITEBACK_BYTES", "fsync_dir", "check_inside"]
+__all__ = ["LocalStorage", "WRITEBACK_BYTES", "fsync_dir", "check_inside", "queue_info", "is_cached"]
 
 #: Local writes hint the kernel every this many bytes: start writing back what
 #: was just written, and drop from the page cache what was written back before
 #: (a checkpoint is not read back soon; filling the cache with it would evict
 #: the training job's useful pages and delay the final fsync).
 WRITEBACK_BYTES = 16 << 20
+#: A positional write at least this big starts its own writeback (see ``_LocalWriter.write_at``).
+WRITE_AT_WRITEBACK_BYTES = 1 << 20
 _FADVISE = getattr(os, "posix_fadvise", None)
 # Never create a file through a symlink someone planted at a temp name.
 _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
@@ -52,6 +56,139 @@ def fsync_dir(path: str) -> None:
         pass  # some filesystems refuse fsync on directories
     finally:
         os.close(fd)
+
+
+# -- cold reads: how the disk is asked -------------------------------------------------
+
+_O_DIRECT = getattr(os, "O_DIRECT", 0)
+#: File offsets, lengths and memory of ``O_DIRECT`` reads are aligned to this
+#: (the largest logical block size in use; a page).
+DIRECT_ALIGN = 4096
+#: Reads shorter than this never go ``O_DIRECT`` (a few pages: the page cache is as good).
+DIRECT_MIN_BYTES = 1 << 20
+#: Bounce buffer of a thread's ``O_DIRECT`` reads into memory that is not aligned.
+DIRECT_BOUNCE_BYTES = 16 << 20
+#: A cold read is hinted (``POSIX_FADV_WILLNEED`` of all of it) only when it is
+#: more than this many readahead windows: on the 2026-12-06 H100 hosts
+#: (read_ahead_kb 8192) hints of 4-16 MiB reads were no faster or slower.
+HINT_WINDOW_RATIO = 4
+#: ``POSIX_FADV_WILLNEED`` step when the device's limits cannot be read.
+DEFAULT_READAHEAD_STEP = 512 << 10
+_RWF_NOWAIT = getattr(os, "RWF_NOWAIT", 0)
+_MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+_queue_cache: Dict[int, Dict[str, Any]] = {}
+_tls = threading.local()
+
+
+def queue_info(path: str) -> Dict[str, Any]:
+    """What the block device under ``path`` tells of itself (``/sys/dev/block/MAJ:MIN/queue``), read-only; {} if nothing.
+
+    Keys (where present): ``device``, ``read_ahead_kb``, ``max_sectors_kb``,
+    ``max_hw_sectors_kb``, ``nr_requests``, ``rotational``,
+    ``logical_block_size``, ``scheduler``. A partition's queue is its disk's.
+
+    Example:
+        >>> isinstance(queue_info("/"), dict)
+        True
+    """
+    try:
+        dev = os.stat(path).st_dev
+    except OSError:
+        return {}
+    got = _queue_cache.get(dev)
+    if got is not None:
+        return got
+    out: Dict[str, Any] = {}
+    base = f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}"
+    for q in (base + "/queue", base + "/../queue"):
+        if os.path.isdir(q):
+            out["device"] = os.path.basename(os.path.realpath(os.path.dirname(q)))
+            for k in ("read_ahead_kb", "max_sectors_kb", "max_hw_sectors_kb", "nr_requests", "rotational",
+                      "logical_block_size", "scheduler"):
+                try:
+                    with open(os.path.join(q, k)) as f:
+                        v = f.read().strip()
+                    out[k] = int(v) if v.isdigit() else v
+                except OSError:
+                    pass
+            break
+    _queue_cache[dev] = out
+    return out
+
+
+def is_cached(fd: int, offset: int) -> Optional[bool]:
+    """Whether the page of ``fd`` at ``offset`` is in the page cache (a one-byte ``RWF_NOWAIT`` read); None: cannot tell."""
+    if not _RWF_NOWAIT:
+        return None
+    try:
+        return os.preadv(fd, [bytearray(1)], offset, _RWF_NOWAIT) >= 0
+    except BlockingIOError:
+        return False
+    except OSError:  # EOPNOTSUPP (a filesystem without non-blocking reads), EINVAL
+        return None
+
+
+def _readahead_step(path: str) -> int:
+    """Bytes one ``POSIX_FADV_WILLNEED`` reads ahead at most (the kernel caps it at max(readahead, max request))."""
+    q = queue_info(path)
+    kb = max([v for v in (q.get("read_ahead_kb"), q.get("max_sectors_kb")) if isinstance(v, int)], default=0)
+    return kb << 10 if kb >= 64 else DEFAULT_READAHEAD_STEP
+
+
+def _readahead_window(path: str) -> int:
+    """The device's readahead window in bytes (``read_ahead_kb``); 0 where there is no block device (tmpfs, network)."""
+    kb = queue_info(path).get("read_ahead_kb")
+    return kb << 10 if isinstance(kb, int) else 0
+
+
+def _will_need(fd: int, path: str, offset: int, n: int) -> None:
+    """Ask the kernel to start reading ``[offset, offset + n)`` now, all of it (a hint: failures change nothing).
+
+    One ``WILLNEED`` reads ahead at most the device's window, so the range
+    is asked in steps of it: every request goes to the disk at once (a deep
+    queue), instead of one readahead window at a time as the bytes are used.
+    """
+    if _FADVISE is None:
+        return
+    step = _readahead_step(path)
+    try:
+        for a in range(offset, offset + n, step):
+            _FADVISE(fd, a, min(step, offset + n - a), os.POSIX_FADV_WILLNEED)
+    except OSError:
+        pass
+
+
+def _direct_into(fd: int, mm: Any, a: int, need: int) -> int:
+    """``O_DIRECT`` read of file bytes ``[a, ...)`` into the aligned ``mm`` until ``need`` bytes or EOF; returns bytes read."""
+    got = 0
+    view = memoryview(mm)
+    end = min(len(view), -(-need // DIRECT_ALIGN) * DIRECT_ALIGN)  # O_DIRECT lengths are aligned too
+    try:
+        while got < need:
+            n = os.preadv(fd, [view[got:end]], a + got)
+            if n <= 0:
+                break
+            got += n
+            if got % DIRECT_ALIGN:
+                break  # the file's end (O_DIRECT returns the tail unaligned)
+    finally:
+        view.release()
+    return got
+
+
+def _anon(n: int) -> mmap.mmap:
+    """Page-aligned anonymous memory of ``n`` bytes, populated (an ``O_DIRECT`` target)."""
+    return mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_POPULATE)
+
+
+def _copy(dst: memoryview, src: memoryview) -> None:
+    """``dst[:] = src``, out of the GIL where NumPy is there (reader threads copy in parallel)."""
+    try:
+        import numpy as np
+    except ImportError:
+        dst[:] = src
+        return
+    np.frombuffer(dst, dtype=np.uint8)[:] = np.frombuffer(src, dtype=np.uint8)
 
 
 def _local_path(url: str) -> str:
@@ -111,6 +248,7 @@ class LocalStorage(Storage):
         private = bool(self.storage_options.get("private"))
         self._file_mode = 0o600 if private else 0o644
         self._dir_mode = 0o700 if private else 0o777
+        self._direct_refused = False  # the filesystem refused O_DIRECT once
 
     def _mkdirs(self, path: str) -> None:
         """``os.makedirs(exist_ok=True)``, every directory it creates with this storage's mode (not only the last)."""
@@ -151,9 +289,9 @@ class LocalStorage(Storage):
         """``path`` if, symlinks resolved, it stays below the root; else UnreadableFileError."""
         return check_inside(self.root, path)
 
-    def _open_regular(self, path: str) -> int:
-        """A read-only fd of ``path``, refused unless it is a regular file inside the root."""
-        fd = os.open(self._inside(path), os.O_RDONLY | _O_CLOEXEC | _O_NONBLOCK)
+    def _open_regular(self, path: str, flags: int = 0) -> int:
+        """A read-only fd of ``path`` (``flags`` added), refused unless it is a regular file inside the root."""
+        fd = os.open(self._inside(path), os.O_RDONLY | _O_CLOEXEC | _O_NONBLOCK | flags)
         try:
             mode = os.fstat(fd).st_mode
             if not stat.S_ISREG(mode):
@@ -211,12 +349,78 @@ class LocalStorage(Storage):
                 out += got
             return bytes(out)
 
+    def _direct_mode(self, path: str, fd: int, offset: int, n: int) -> str:
+        """How to read ``n`` bytes at ``offset``: ``"direct"`` (``O_DIRECT``), ``"cold"`` (page cache, read ahead whole at once) or ``"warm"``.
+
+        Decided from what the storage shows. Only files on a block device
+        (sysfs has its queue: not tmpfs, not a network filesystem) and reads
+        of at least ``DIRECT_MIN_BYTES`` are considered. ``SHARDCKPT_LOAD_DIRECT``
+        ``0`` (default): through the page cache; a range whose last page is not
+        cached (a one-byte ``RWF_NOWAIT`` probe) and that is more than
+        ``HINT_WINDOW_RATIO`` of the device's readahead windows (``read_ahead_kb``:
+        a mapping's faults read one window at a time) is asked of the disk whole with
+        ``POSIX_FADV_WILLNEED`` first. ``auto``: uncached ranges ``O_DIRECT``.
+        ``1``: every range ``O_DIRECT``. A filesystem that refuses ``O_DIRECT``
+        is remembered and read through the cache.
+        """
+        if n < DIRECT_MIN_BYTES or not queue_info(path):
+            return "warm"
+        mode = _knobs.LOAD_DIRECT
+        direct = mode != "0" and _O_DIRECT and not self._direct_refused
+        if direct and mode == "1":
+            return "direct"
+        if not direct and _readahead_window(path) * HINT_WINDOW_RATIO >= n:
+            return "warm"  # the kernel's own readahead nearly covers the request: no probe, no hint
+        if is_cached(fd, offset + n - 1) is not False:
+            return "warm"
+        return "direct" if direct else "cold"
+
+    def _open_direct(self, path: str) -> Optional[int]:
+        try:
+            return self._open_regular(path, _O_DIRECT)
+        except OSError as e:
+            if e.errno in (errno.EINVAL, errno.EOPNOTSUPP):
+                self._direct_refused = True  # this filesystem: never again
+                return None
+            raise
+
+    def _read_direct(self, rel: str, path: str, offset: int, buf: memoryview) -> bool:
+        """Read ``buf`` from ``offset`` with ``O_DIRECT`` through this thread's aligned bounce buffer; False: refused."""
+        dfd = self._open_direct(path)
+        if dfd is None:
+            return False
+        try:
+            bounce = getattr(_tls, "bounce", None)
+            if bounce is None:
+                bounce = _tls.bounce = _anon(DIRECT_BOUNCE_BYTES)
+            n, done = len(buf), 0
+            while done < n:
+                pos = offset + done
+                a = pos - pos % DIRECT_ALIGN
+                want = min(len(bounce), -(-(offset + n - a) // DIRECT_ALIGN) * DIRECT_ALIGN)
+                got = _direct_into(dfd, bounce, a, want)
+                take = min(n - done, got - (pos - a))
+                if take <= 0:
+                    raise self._short(rel, offset + n)
+                with memoryview(bounce) as bv:
+                    _copy(buf[done : done + take], bv[pos - a : pos - a + take])
+                done += take
+        finally:
+            os.close(dfd)
+        return True
+
     def _read_ranges(self, rel: str, ranges: Sequence[Tuple[int, memoryview]]) -> None:
-        fd = self._open_regular(self.path(rel))
+        path = self.path(rel)
+        fd = self._open_regular(path)
         try:
             for offset, buf in ranges:
                 done = 0
                 n = len(buf)
+                how = self._direct_mode(path, fd, offset, n)
+                if how == "direct" and self._read_direct(rel, path, offset, buf):
+                    continue
+                if how != "warm":
+                    _will_need(fd, path, offset, n)
                 while done < n:
                     got = os.preadv(fd, [buf[done:]], offset + done)
                     if got <= 0:
@@ -236,10 +440,29 @@ class LocalStorage(Storage):
         # fault (SIGBUS); the window is one range's checksum and copy.
         check_rel(rel, where=self.url)
         with reading(self.url_of(rel)):
-            fd = self._open_regular(self.path(rel))
+            path = self.path(rel)
+            fd = self._open_regular(path)
             try:
                 if os.fstat(fd).st_size < stop:
                     raise self._short(rel, stop)
+                how = self._direct_mode(path, fd, start, stop - start)
+                if how == "direct":
+                    # Not in the page cache: one O_DIRECT read of the whole
+                    # piece into fresh aligned memory (handed over as the mapping).
+                    dfd = self._open_direct(path)
+                    if dfd is not None:
+                        try:
+                            a = start - start % DIRECT_ALIGN
+                            mm = _anon(-(-(stop - a) // DIRECT_ALIGN) * DIRECT_ALIGN)
+                            if _direct_into(dfd, mm, a, stop - a) < stop - a:
+                                mm.close()
+                                raise self._short(rel, stop)
+                            return mm, start - a
+                        finally:
+                            os.close(dfd)
+                    how = "cold"
+                if how == "cold":
+                    _will_need(fd, path, start, stop - start)
                 at = start - start % mmap.ALLOCATIONGRANULARITY
                 return mmap.mmap(fd, stop - at, prot=mmap.PROT_READ, offset=at), start - at
             finally:
@@ -369,9 +592,17 @@ class _LocalWriter(Writer):
             self._writeback()
 
     def write_at(self, data, offset: int) -> int:
-        # Positional writes come from several threads: no write-behind
-        # bookkeeping (close() still fsyncs and drops the cache).
-        return pwrite_all(self.fd, data, offset)
+        # Positional writes come from several threads: each large one is
+        # handed to writeback at once (POSIX_FADV_DONTNEED starts it; the
+        # pages, dirty, stay until written), so the threads keep the disk's
+        # queue full instead of leaving it all to the final fsync.
+        n = pwrite_all(self.fd, data, offset)
+        if n >= WRITE_AT_WRITEBACK_BYTES and _FADVISE is not None:
+            try:
+                _FADVISE(self.fd, offset, n, os.POSIX_FADV_DONTNEED)
+            except OSError:
+                pass
+        return n
 
     def _writeback(self) -> None:
         # POSIX_FADV_DONTNEED on Linux starts writeback of dirty pages in the

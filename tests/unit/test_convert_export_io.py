@@ -10,26 +10,27 @@ import crc32c
 import pytest
 import torch
 from safetensors.torch import load_file
-from shardckpt.converters import _common
-from shardckpt.converters._source import OutEntry, Source, SrcTensor, whole_entry
 
 import shardckpt
-from shardckpt import converters
+from shardckpt import _knobs, converters
 from shardckpt._format.chunk import Chunk
 from shardckpt._storage import Storage
+from shardckpt.converters import _common
+from shardckpt.converters._source import OutEntry, Source, SrcTensor, whole_entry
 
 #: Generous: the bound of a wait that the code under test must end by an event.
 EVENT_WAIT_S = 30.0
 
 
-def _record_writes(monkeypatch, calls):
-    """Wrap every storage writer: ``calls`` gets ``(file name, bytes)`` per ``write`` call; returns the hook list."""
+def _record_writes(monkeypatch, calls, at=None):
+    """Wrap every storage writer: ``calls`` gets ``(file name, bytes)`` per ``write`` call (and ``at``, if given,
+    ``(file name, offset, bytes, thread name)`` per ``write_at``); returns the hook list."""
     real = Storage.open_write
     hooks = []
 
     def open_write(self, rel):
         w = real(self, rel)
-        inner = w.write
+        inner, inner_at = w.write, w.write_at
 
         def write(data):
             calls.append((rel, len(data)))
@@ -37,25 +38,37 @@ def _record_writes(monkeypatch, calls):
                 h(rel, sum(1 for r, _ in calls if r == rel))
             return inner(data)
 
+        def write_at(data, offset):
+            if at is None:
+                raise AssertionError(f"{rel}: an unexpected positional write")
+            at.append((rel, offset, len(data), threading.current_thread().name))
+            return inner_at(data, offset)
+
         w.write = write
+        w.write_at = write_at
         return w
 
     monkeypatch.setattr(Storage, "open_write", open_write)
     return hooks
 
 
-def test_export_of_many_small_tensors_makes_few_large_writes(tmp_path, monkeypatch):
-    """256 tensors of 4 KiB: one data write (they are packed), not one per tensor."""
+@pytest.mark.parametrize("placed", [True, False])
+def test_export_of_many_small_tensors_makes_few_large_writes(tmp_path, monkeypatch, placed):
+    """256 tensors of 4 KiB: one data write (packed, or gathered by the placed writer), not one per tensor."""
+    monkeypatch.setattr(_knobs, "EXPORT_PLACED", placed)
     g = torch.Generator().manual_seed(0)
     state = {f"w{i:03d}": torch.randn(1024, generator=g) for i in range(256)}
     shardckpt.save({"model": state}, str(tmp_path / "ck"))
-    calls = []
-    _record_writes(monkeypatch, calls)
+    calls, at = [], []
+    _record_writes(monkeypatch, calls, at)
     converters.to_safetensors(str(tmp_path / "ck"), str(tmp_path / "hf"))
     data = [(rel, n) for rel, n in calls if rel.endswith(".safetensors")]
     # The first write is the header; the data (1 MiB) fits one piece.
-    assert len(data) == 2, data[:10]
-    assert data[1][1] == 256 * 4096
+    if placed:
+        assert len(data) == 1 and [(rel, n) for rel, _, n, _ in at] == [("model.safetensors", 256 * 4096)], (data, at[:10])
+    else:
+        assert len(data) == 2 and not at, (data[:10], at[:10])
+        assert data[1][1] == 256 * 4096
     got = load_file(str(tmp_path / "hf" / "model.safetensors"))
     assert got.keys() == state.keys()
     for k, v in state.items():
@@ -128,3 +141,82 @@ def test_packer_yields_every_entry_in_order_whatever_the_piece_size(tmp_path, pi
     assert all(len(x) <= max(piece, rows) for x in got), [len(x) for x in got]
     if piece >= len(expect):
         assert len(got) == 1  # both entries in one piece
+
+
+def test_placed_export_writes_each_verified_piece_from_the_reader_threads_while_others_read(tmp_path, monkeypatch):
+    """Uncast tensors to a local disk: reader threads pwrite pieces of >= 1 MiB at their offsets, every data byte once;
+    the first piece's write waits until a later piece's read has started (reads overlap writes); same file as packed."""
+    from shardckpt._storage import LocalStorage
+
+    monkeypatch.setattr(_knobs, "EXPORT_PLACED", True)
+    g = torch.Generator().manual_seed(2)
+    mib = 1 << 20
+    state = {"a": torch.randn(3 * mib, generator=g), "b": torch.randn(2 * mib, generator=g), "c": torch.randn(1000, generator=g)}
+    shardckpt.save({"model": state}, str(tmp_path / "ck"))
+    monkeypatch.setattr(_knobs, "EXPORT_PLACED", False)
+    converters.to_safetensors(str(tmp_path / "ck"), str(tmp_path / "packed"))
+    monkeypatch.setattr(_knobs, "EXPORT_PLACED", True)
+    later_read = threading.Event()
+    real_map = LocalStorage.map_range
+
+    def map_range(self, rel, start, stop):
+        if start >= 8 * mib:  # beyond the first two pieces of "a" (4 MiB each)
+            later_read.set()
+        return real_map(self, rel, start, stop)
+
+    monkeypatch.setattr(LocalStorage, "map_range", map_range)
+    calls, at = [], []
+    _record_writes(monkeypatch, calls, at)
+    seen = []
+    first = threading.Lock()
+    real_open = Storage.open_write
+
+    def open_write(self, rel):
+        w = real_open(self, rel)
+        inner = w.write_at
+
+        def write_at(data, offset):
+            with first:
+                mine = not seen
+                if mine:
+                    seen.append(None)
+            if mine:  # the first positional write, whichever thread makes it
+                seen[0] = later_read.wait(EVENT_WAIT_S)
+            return inner(data, offset)
+
+        w.write_at = write_at
+        return w
+
+    monkeypatch.setattr(Storage, "open_write", open_write)
+    converters.to_safetensors(str(tmp_path / "ck"), str(tmp_path / "hf"), io_threads=3)
+    assert seen == [True], "the first placed write waited for a later read that never started: reads do not overlap writes"
+    data = [x for x in at if x[0] == "model.safetensors"]
+    total = sum(v.numel() * 4 for v in state.values())
+    spans = sorted((off, n) for _, off, n, _ in data)
+    assert sum(n for _, n in spans) == total and all(a[0] + a[1] == b[0] for a, b in zip(spans, spans[1:])), spans
+    assert all(n >= mib for _, n in spans[:-1]), spans  # the small tensor goes out with its neighbour or alone, last
+    # Pieces go out from the threads that read them; gathered small tensors at the end, from the caller.
+    assert all(name.startswith("shardckpt-r") for _, _, n, name in data if n >= mib), data
+    assert len({name for *_, name in data}) > 1  # several threads wrote
+    assert (tmp_path / "hf" / "model.safetensors").read_bytes() == (tmp_path / "packed" / "model.safetensors").read_bytes()
+    got = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    for k, v in state.items():
+        assert torch.equal(got[k], v), k
+
+
+def test_placed_export_of_a_damaged_source_publishes_nothing(tmp_path, monkeypatch):
+    """A flipped byte in the source: ChecksumMismatchError, and neither the data file nor the index is left."""
+    from shardckpt.errors import ChecksumMismatchError
+
+    monkeypatch.setattr(_knobs, "EXPORT_PLACED", True)
+    g = torch.Generator().manual_seed(3)
+    state = {"a": torch.randn(3 << 20, generator=g), "b": torch.randn(1 << 20, generator=g)}
+    shardckpt.save({"model": state}, str(tmp_path / "ck"))
+    data = max((tmp_path / "ck").rglob("*.safetensors"), key=lambda p: p.stat().st_size)
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) - 100] ^= 0xFF  # in the last tensor's last block
+    data.write_bytes(bytes(raw))
+    with pytest.raises(ChecksumMismatchError):
+        converters.to_safetensors(str(tmp_path / "ck"), str(tmp_path / "hf"), io_threads=3)
+    left = [p.name for p in (tmp_path / "hf").rglob("*")] if (tmp_path / "hf").exists() else []
+    assert not [n for n in left if n.endswith(".safetensors") or n.endswith(".json")], left
