@@ -709,8 +709,8 @@ class _Rounds:
         results: List[Tuple[str, List[Any]]] = []
         if not part.is_cuda:
             data = _host_bytes(part)
-            work = [(rel, chunk, x, y, data[at : at + (y - x)]) for rel, chunk, x, y, at in jobs]
-            results = list(pool.map(one, work)) if pool is not None else [one(w) for w in work]
+            views = [(rel, chunk, x, y, data[at : at + (y - x)]) for rel, chunk, x, y, at in jobs]
+            results = list(pool.map(one, views)) if pool is not None else [one(v) for v in views]
         else:
             # Through a ring of small pinned pieces: each copied to the host (after the receive: this stream waits
             # for NCCL's) while the threads check the pieces before it; nothing the size of a round is pinned.
