@@ -33,10 +33,16 @@ processes:
    closing (killed) and node 1's memory directory is wiped (the node lost).
 2. *replacement, same world*: every rank starts with other values; node 1's
    ranks have an empty memory directory. ``mgr.restore`` (timed) must say
-   ``memory:<step>``; the bytes each rank received from peers are reported
-   beside its shard; training goes on ``--more`` steps and its losses must
+   ``memory:<step>``; what each rank's restore did is reported beside its
+   shard (``restore_same_world.per_rank``: bytes read in its node's memory,
+   checked, received, sent, seconds per phase), with the checks of the
+   issue: the replacement's bytes received over its shard (aim <= 1.05),
+   each survivor's bytes checked over its own shard (once: ~1.0) and the
+   restore against its aim, 1.25 x (shard / the measured peer link) + one
+   host-to-device copy of the shard. Training goes on ``--more`` steps and its losses must
    equal phase 1's bit for bit. Then the cold storage restore (page cache
-   dropped) and DCP's load are timed in the same processes, values checked.
+   dropped) and DCP's load are timed in the same processes, values checked
+   (``memory_vs_storage_speedup``: aim >= 10 on GPUs).
 3. *smaller world*: node 1 is not replaced; node 0's ranks alone restore
    from their memory and train on (losses equal up to float reduction order:
    the global batch is the same, split over fewer ranks).
@@ -70,6 +76,7 @@ from typing import Any, Dict, List
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _common import drop_page_cache, machine_info, run_isolated_ranks  # noqa: E402
+from bench_memory_restore import _h2d_gbps, _link_gbps  # noqa: E402 - the same link and copy measurements
 
 MODES = ("baseline", "ideal", "blocking", "overlap")
 
@@ -372,6 +379,10 @@ def restart(**a: Any) -> dict:
                            "step": step, "restore_stats": _jsonable(mgr._memory.last_restore)}
     out["shard_bytes"] = sum(t.numel() * t.element_size() for t in _local_tensors(model, opt))
     want = _fingerprint(model, opt)
+    if a["cold"] and world > 1:  # the restore's floor: the peer link (rank 0 -> node 1's first rank) and pinned H2D
+        dev = "cpu" if device.type == "cpu" else str(device)
+        out["link_gbps"] = _link_gbps(rank, world // 2, dev, nbytes=(64 << 20) if dev == "cpu" else (1 << 30))
+        out["h2d_gbps"] = _h2d_gbps(dev)
     if a["cold"]:  # the cold storage restore and DCP's load, in the same processes
         other = shardckpt.CheckpointManager(os.path.join(a["base"], "root"))
         for name, fn, path in (
@@ -498,6 +509,45 @@ def summarize(a: Dict[str, Any], first: List[dict], same: List[dict], smaller: L
     })
     out["restore_same_world"]["memory_vs_storage_speedup"] = out["restore_same_world"]["storage_restore_s"] / out["restore_same_world"]["memory_restore_s"]
     out["restore_same_world"]["received_over_shard"] = [g / s if s else None for g, s in zip(received, out["restore_same_world"]["replacement_shard_bytes"])]
+    out["restore_same_world"].update(restore_breakdown(same, rpn))
+    return out
+
+
+def restore_breakdown(same: List[dict], rpn: int) -> Dict[str, Any]:
+    """Per rank, what the node-loss restore did (``MemoryStore.last_restore``), and the issue's checks on it.
+
+    ``survivor_verified_over_own``: bytes a survivor checked over the bytes
+    its own load needs (each byte checked once: ~1.0; it was ~2.0 when the
+    survivors also checked the lost node's copy they send);
+    ``replacement_received_over_needed``: data + metadata received over the
+    bytes the replacement's load needs (aim <= 1.05); ``aim_s``: 1.25 x the
+    largest replacement shard / the measured link + that shard / pinned H2D
+    (0 on CPU), against ``memory_restore_s``.
+    """
+    def row(r: dict) -> Dict[str, Any]:
+        s = r["restore_stats"]
+        return {"rank": r["rank"], "role": "survivor" if r["rank"] < rpn else "replacement",
+                "read_bytes": s.get("local_bytes"), "verified_bytes": s.get("verified_bytes"),
+                "received_bytes": s.get("peer_bytes"), "meta_bytes": s.get("meta_bytes"), "sent_bytes": s.get("sent_bytes"),
+                "needed_bytes": s.get("needed_bytes"), "shard_bytes": r["shard_bytes"], "restore_s": r["memory_restore_s"],
+                "seconds": s.get("seconds")}
+
+    rows = [row(r) for r in same]
+    ratio = lambda a, b: (a / b) if a is not None and b else None  # noqa: E731
+    surv = [x for x in rows if x["role"] == "survivor"]
+    repl = [x for x in rows if x["role"] == "replacement"]
+    out: Dict[str, Any] = {
+        "per_rank": rows,
+        "survivor_verified_over_own": [ratio(x["verified_bytes"], x["needed_bytes"]) for x in surv],
+        "survivor_read_over_own_plus_sent": [ratio(x["read_bytes"], (x["needed_bytes"] or 0) + (x["sent_bytes"] or 0)) for x in surv],
+        "replacement_received_over_needed": [ratio((x["received_bytes"] or 0) + (x["meta_bytes"] or 0), x["needed_bytes"]) for x in repl],
+    }
+    link = max((r.get("link_gbps", 0.0) for r in same), default=0.0)
+    h2d = min((r["h2d_gbps"] for r in same if r.get("h2d_gbps")), default=0.0)
+    if link and repl:
+        most = max(x["needed_bytes"] or 0 for x in repl)
+        out.update(link_gbps=link, h2d_gbps=h2d,
+                   aim_s=1.25 * most / (link * 1e9) + (most / (h2d * 1e9) if h2d else 0.0))
     return out
 
 

@@ -88,7 +88,8 @@ def worker() -> int:
     B._sync(device)
     times["restored"] = time.time()
     progress = os.path.join(a["progress"], f"p{a['phase']}-r{rank}.json")
-    out: Dict[str, Any] = {"rank": rank, "world": world, "restored_step": step, "from": mgr.restored_from, "times": times}
+    out: Dict[str, Any] = {"rank": rank, "world": world, "restored_step": step, "from": mgr.restored_from, "times": times,
+                           "restore_stats": B._jsonable(mgr._memory.last_restore) if mgr._memory is not None else {}}
     dims = dict(a, world=a["world0"])  # the same global batch at any world size
     first = True
     while True:
@@ -200,8 +201,14 @@ def _report(a: Dict[str, Any], phase: int, world: int, kill: Dict[str, float], h
     parts = []
     for p in ps:
         t = p["times"]  # type: ignore[index]
+        s = p.get("restore_stats") or {}  # type: ignore[union-attr]
+        # What the restore did on this rank (MemoryStore.last_restore): bytes read in its node's memory, checked,
+        # received (data, metadata), sent, needed by its load, and seconds per phase.
         parts.append({"start_s": t["imported"] - t["spawned"], "pg_s": t["pg"] - t["imported"], "build_s": t["built"] - t["pg"],
-                      "restore_s": t["restored"] - t["built"], "step_s": t["first_step"] - t["restored"]})
+                      "restore_s": t["restored"] - t["built"], "step_s": t["first_step"] - t["restored"],
+                      "restore_bytes": {k: s.get(k) for k in ("local_bytes", "verified_bytes", "peer_bytes", "meta_bytes",
+                                                              "sent_bytes", "needed_bytes")},
+                      "restore_phases": s.get("seconds")})  # seconds per phase
     return {
         "world": world,
         "held_at_kill": held,  # seen held by the driver just before the kill
@@ -210,7 +217,16 @@ def _report(a: Dict[str, Any], phase: int, world: int, kill: Dict[str, float], h
         "detect_s": kill["seen"] - kill["kill"],
         "stop_s": kill["stopped"] - kill["seen"],
         "per_rank": parts,
+        # The issue's byte checks: the most any rank received (data + metadata) over what its load needs (aim <= 1.05),
+        # the most any rank checked over what its load needs (each byte once: ~1.0; the senders' edge blocks aside).
+        "max_received_over_needed": max(_ratio((q["restore_bytes"]["peer_bytes"] or 0) + (q["restore_bytes"]["meta_bytes"] or 0),
+                                               q["restore_bytes"]["needed_bytes"]) for q in parts),
+        "max_verified_over_needed": max(_ratio(q["restore_bytes"]["verified_bytes"] or 0, q["restore_bytes"]["needed_bytes"]) for q in parts),
     }
+
+
+def _ratio(a: float, b: Optional[float]) -> float:
+    return a / b if b else 0.0
 
 
 def run(a: Dict[str, Any]) -> Dict[str, Any]:

@@ -67,6 +67,7 @@ __all__ = [
     "plan_ranges",
     "coalesce_gap",
     "read_verified",
+    "damaged_units",
 ]
 
 #: Mismatches listed in one error before "... (N more)".
@@ -132,7 +133,8 @@ class ReadStats:
     (counted in ``read_bytes``); ``requests``: storage reads issued;
     ``sent_bytes``/``received_bytes``: bytes of replicated ranges this rank
     sent to / received from the other holders instead of reading them
-    (``shardckpt/_replicas.py``).
+    (``shardckpt/_replicas.py``); ``verified_bytes``: bytes whose CRC-32C
+    this rank checked (its reads, and what it checked on arrival).
     """
 
     wanted_bytes: int = 0
@@ -143,6 +145,7 @@ class ReadStats:
     requests: int = 0
     sent_bytes: int = 0
     received_bytes: int = 0
+    verified_bytes: int = 0
     #: Bytes of the ranges this rank's load needs (set by ``_load.stream_into``; reads for others not counted).
     needed_bytes: int = 0
 
@@ -560,6 +563,7 @@ def read_verified(
             stats.read_bytes += rng.nbytes
             damaged: List[Unit] = []
             if checking:
+                stats.verified_bytes += sum(u.stop - u.start for u in rng.units)
                 bad = []
                 for k, u in enumerate(rng.units):
                     got, covered = 0, 0
@@ -638,6 +642,30 @@ def read_verified(
         if own_pool:
             pool.close()
     return stats
+
+
+def damaged_units(chunk: Chunk, start: int, stop: int, data: Any) -> List[Unit]:
+    """The checksum units of ``chunk`` under its bytes ``[start, stop)`` that ``data`` (exactly those bytes) fails.
+
+    For bytes checked where they arrive instead of where they were read
+    (``_replicas``: a rank reading a range only to send it reads it
+    unchecked, the receiver checks it, once). ``[start, stop)`` must be whole
+    units (:meth:`Chunk.unit_bounds` of itself). Nothing is checked with
+    ``SHARDCKPT_CHECKSUMS=0``, nor in a chunk without checksums.
+
+    Example:
+        >>> c = Chunk("a", 0, 4, block_bytes=2, block_crcs=(crc32c(b"ab"), crc32c(b"cd")))
+        >>> [u.block for u in damaged_units(c, 0, 4, b"abcX")]
+        [1]
+    """
+    if not _knobs.CHECKSUMS:
+        return []
+    out = []
+    for u in _units_of(Want(chunk, start, stop)):
+        a = u.start - chunk.byte_offset - start
+        if crc32c(data[a : a + (u.stop - u.start)]) != u.crc:
+            out.append(u)
+    return out
 
 
 def _touches(w: Want, units: Sequence[Unit]) -> bool:

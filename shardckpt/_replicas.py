@@ -71,8 +71,8 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 from . import _knobs
 from ._collective import agree
 from ._p2p import p2p_op, start_ops, transfer_device, wait_ops, warm_nccl
-from ._readers import Want
-from .errors import LoadFailedError
+from ._readers import Want, damaged_units
+from .errors import ChecksumMismatchError, LoadFailedError
 
 __all__ = [
     "Key",
@@ -80,6 +80,7 @@ __all__ = [
     "SharedPlan",
     "Sources",
     "plan_shared",
+    "interior",
     "read_once",
     "enabled",
 ]
@@ -93,6 +94,10 @@ MAX_SHARED_KEYS = 32768
 
 # Round-buffer offsets are aligned so that every piece can be viewed as its dtype in place.
 _ALIGN = 64
+#: Bytes of one CRC job when checking what arrived (threads share a range's whole units in pieces of this).
+CHECK_PIECE_BYTES = 8 << 20
+#: Damaged units named in one error.
+_MAX_SHOWN = 10
 
 
 def _nbytes(k: Key) -> int:
@@ -229,10 +234,19 @@ class Sources:
     holds a good copy; ``chunk_of(file, byte_offset)``: the saved chunk at
     that offset (with its block CRCs), for a rank that reads a range it does
     not load itself, only to send it.
+
+    A rank that reads a range only to send it (none of the ranks that load
+    it can read its file: a lost node's shard) reads it unchecked, whole
+    checksum units; each receiver checks it on arrival, once, before placing
+    it. ``on_damage(file, sender)``: called on the receiver, before the
+    load fails with ``ChecksumMismatchError``, when bytes of ``file`` from
+    group index ``sender`` fail their CRC-32C (the caller then excludes
+    that sender's copy and runs the stream again).
     """
 
     readers: Mapping[str, Sequence[int]]
     chunk_of: Callable[[str, int], Any]
+    on_damage: Optional[Callable[[str, int], None]] = None
 
 
 @dataclass(frozen=True)
@@ -370,6 +384,29 @@ def read_once(
     return rounds.run()
 
 
+def interior(chunk: Any, start: int, stop: int) -> Tuple[int, int]:
+    """The whole checksum units inside chunk bytes ``[start, stop)``: what a receiver can check alone (pure).
+
+    A range read only to send it is checked once: these units by the
+    receiver on arrival, the partial units at its two ends (whose other
+    bytes do not travel) by the sender as it reads them. An empty result
+    (``(start, start)``) leaves it all to the sender; a chunk without
+    checksums has nothing to check anywhere.
+
+        >>> from shardckpt._format.chunk import Chunk
+        >>> interior(Chunk("f", 0, 10, block_bytes=4, block_crcs=(1, 2, 3)), 1, 10)
+        (4, 10)
+    """
+    if chunk.blocked:
+        b = chunk.block_bytes
+        lo = -(-start // b) * b
+        hi = stop if stop == chunk.nbytes else (stop // b) * b
+        return (lo, hi) if lo < hi else (start, start)
+    if chunk.crc32c is not None:
+        return (start, stop) if (start, stop) == (0, chunk.nbytes) else (start, start)
+    return start, stop
+
+
 def _offered(wants: Sequence[Any], keys: Sequence[Key], me: int, shareable: Optional[Callable[[Any], bool]],
              sources: Optional[Sources]) -> List[bool]:
     """Which wants this rank offers to the exchange: the shareable ones, and (memory tier) those of files it cannot read."""
@@ -442,11 +479,29 @@ class _Rounds:
         self.nbuf = min(3, n)
         size = max(b for _, b in self.layouts)
         self.bufs = [torch.empty(size, dtype=torch.uint8, device=self.device) for _ in range(self.nbuf)]
-        # What this rank reads for each round (tag: (round, offset in its buffer)), in file order.
-        self.reads = [Want(self._chunk(s.key), s.key[2], s.key[3], (k, off))
-                      for k, (groups, _) in enumerate(self.layouts) for g in groups if g.reader == me for s, off in g.items]
+        # What this rank reads for each round (tag: (round, offset in its buffer)), in file order, and
+        # whether it checks it: of a range only sent (this rank is not among its holders) the whole
+        # checksum units are checked by its receivers on arrival (``_check``) and read unchecked here, the
+        # partial ones at its ends checked here -- every byte verified once (``interior``).
+        self.reads: List[Tuple[Any, bool]] = []
+        for k, (groups, _) in enumerate(self.layouts):
+            mine: List[Tuple[Any, bool]] = []
+            for g in groups:
+                if g.reader != me:
+                    continue
+                for s, off in g.items:
+                    c, lo, hi = self._chunk(s.key), s.key[2], s.key[3]
+                    a, e = (lo, lo) if me in g.holders else interior(c, lo, hi)
+                    for x, y, check in ((lo, a, True), (a, e, False), (e, hi, True)) if a < e else ((lo, hi, True),):
+                        if x < y:
+                            mine.append((Want(c, x, y, (k, off + x - lo)), check))
+            # Checked reads of a round first, then its unchecked ones: at most two runs a round (one
+            # ``read`` call each, below); a lost node's shard, all whole units, is one run over every round.
+            self.reads += sorted(mine, key=lambda wc: not wc[1])
+        self.host: Any = None  # pinned host copy of a received group to check (CUDA wire), made on first use
+        self.crc_pool: Any = None  # threads checking what arrived (``_check``), made on first use
         self.left = [0] * n
-        for w in self.reads:
+        for w, _ in self.reads:
             self.left[w.tag[0]] += 1
         self.read_done = [threading.Event() for _ in range(n)]
         self.read_fence: List[Any] = [None] * n
@@ -515,9 +570,18 @@ class _Rounds:
             with torch.no_grad():
                 # Ranges others wait for first (their rounds go out while this
                 # rank reads its own), then this rank's own.
-                kw = dict(threads=self.threads, pool=self.pool, stats=self.stats)
-                if self.reads:
-                    self.read_fn(self.storage, self.reads, self._into, **kw)
+                kw: Dict[str, Any] = dict(threads=self.threads, pool=self.pool, stats=self.stats)
+                # Runs of reads checked alike, in order (one continuous read
+                # each; a lost node's shard is one unchecked run).
+                at = 0
+                while at < len(self.reads):
+                    check = self.reads[at][1]
+                    end = at
+                    while end < len(self.reads) and self.reads[end][1] == check:
+                        end += 1
+                    run = [w for w, _ in self.reads[at:end]]
+                    self.read_fn(self.storage, run, self._into, **(kw if check else dict(kw, verify=False)))
+                    at = end
                 if self.own:
                     self.read_fn(self.storage, self.own, self._own_into, **kw)
         except BaseException as e:  # noqa: BLE001 - raised in the calling thread at its next step
@@ -553,10 +617,11 @@ class _Rounds:
             if g.reader == me:
                 for q in g.holders:
                     if q != me:
-                        ops.append(p2p_op("send", part, comm.ranks[q], self.group, g.tag))
+                        ops.append(p2p_op("send", part, comm.ranks[q], self.group, 2 * g.tag + k % 2))
                         stats.sent_bytes += g.stop - g.start
             else:
-                ops.append(p2p_op("recv", part, comm.ranks[g.reader], self.group, g.tag))
+                # Two rounds may be on the wire at once: their messages between one pair differ by tag.
+                ops.append(p2p_op("recv", part, comm.ranks[g.reader], self.group, 2 * g.tag + k % 2))
                 stats.received_bytes += g.stop - g.start
         self.posted.append((k, start_ops(ops)))
 
@@ -572,6 +637,8 @@ class _Rounds:
         wait_ops(works, comm, sorted(peers), self.cuda, doing="sending replicated bytes")
         buf = self.bufs[k % self.nbuf]
         for g in groups:
+            if g.reader != me and g.reader not in g.holders:
+                self._check(g, buf)  # read unchecked by its sender (it does not load it)
             for s, off in g.items:
                 for w in self.by_key.get(s.key, ()):
                     self.place(w, buf[off : off + _nbytes(s.key)])
@@ -581,13 +648,80 @@ class _Rounds:
             self.freed_fence[k].record()
         self.freed[k].set()
 
+    def _check(self, g: _Group, buf: Any) -> None:
+        """Check what a rank read unchecked and sent here (group ``g`` of ``buf``) before it is placed.
+
+        The whole checksum units (``interior``) of every range, in pieces of
+        about ``CHECK_PIECE_BYTES`` on ``threads`` threads (CRC-32C releases
+        the GIL); on a CUDA wire through a ring of small pinned pieces. Raises
+        ChecksumMismatchError naming the sender (``sources.on_damage`` told
+        first): the agreement of the next exchange fails every rank.
+        """
+        import torch
+
+        jobs = []  # (file, chunk, units' start, stop, their offset in the group)
+        for s, off in g.items:
+            chunk = self.by_key[s.key][0].chunk
+            a, e = interior(chunk, s.key[2], s.key[3])
+            if a == e or not (chunk.blocked or chunk.crc32c is not None):
+                continue  # all checked by the sender (partial units), or nothing to check
+            piece = max(1, CHECK_PIECE_BYTES // chunk.block_bytes) * chunk.block_bytes if chunk.blocked else e - a
+            jobs += [(s.key[0], chunk, x, min(e, x + piece), off - g.start + x - s.key[2]) for x in range(a, e, piece)]
+        if not jobs:
+            return
+        part = buf[g.start : g.stop]
+
+        def one(job: Tuple[str, Any, int, int, Any]) -> Tuple[str, List[Any]]:
+            rel, chunk, x, y, data = job
+            return rel, damaged_units(chunk, x, y, data)
+
+        if self.threads > 1 and len(jobs) > 1 and self.crc_pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self.crc_pool = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="shardckpt-crc")
+        pool = self.crc_pool
+        results: List[Tuple[str, List[Any]]] = []
+        if not part.is_cuda:
+            data = _host_bytes(part)
+            views = [(rel, chunk, x, y, data[at : at + (y - x)]) for rel, chunk, x, y, at in jobs]
+            results = list(pool.map(one, views)) if pool is not None else [one(v) for v in views]
+        else:
+            # Through a ring of small pinned pieces: each copied to the host (after the receive: this stream waits
+            # for NCCL's) while the threads check the pieces before it; nothing the size of a round is pinned.
+            piece = max(CHECK_PIECE_BYTES, max(y - x for _, _, x, y, _ in jobs))
+            ring = 2 * max(1, self.threads)
+            if self.host is None or int(self.host.numel()) < piece * ring:
+                self.host = torch.empty(piece * ring, dtype=torch.uint8, pin_memory=True)
+            busy: List[Any] = [None] * ring
+            for i, (rel, chunk, x, y, at) in enumerate(jobs):
+                k = i % ring
+                if busy[k] is not None:
+                    results.append(busy[k].result())
+                dst = self.host[k * piece : k * piece + (y - x)]
+                dst.copy_(part[at : at + (y - x)])
+                work = (rel, chunk, x, y, _host_bytes(dst))
+                busy[k] = pool.submit(one, work) if pool is not None else _Now(one(work))
+            results += [b.result() for b in busy if b is not None]
+        self.stats.verified_bytes += sum(y - x for _, _, x, y, _ in jobs)
+        bad = [(rel, u) for rel, units in results for u in units]
+        if not bad:
+            return
+        if self.sources is not None and self.sources.on_damage is not None:
+            for rel in sorted({rel for rel, _ in bad}):
+                self.sources.on_damage(rel, g.reader)
+        shown = "; ".join(f"{rel}: {u.label} (bytes {u.start}..{u.stop})" for rel, u in bad[:_MAX_SHOWN])
+        more = f" ... ({len(bad) - _MAX_SHOWN} more)" if len(bad) > _MAX_SHOWN else ""
+        raise ChecksumMismatchError(
+            f"checksum mismatch in bytes received from rank {self.comm.ranks[g.reader]} (read there unchecked, "
+            f"checked here on arrival): its copy is damaged: {shown}{more}"
+        )
+
     def _step(self, k: int) -> None:
-        """This rank's part of exchange ``k``: a failure since the last one, round ``k``'s reads, round ``k-1``'s transfers."""
+        """This rank's part of exchange ``k``: a failure since the last one (round ``k-2``'s transfers), round ``k``'s reads."""
         if self.failed:
             raise self.failed.pop()
-        self._wait_read(k)  # the reader is ahead, on the next rounds (then its own ranges), meanwhile
-        if self.posted:
-            self._finish()
+        if k <= self.n:
+            self._wait_read(k)  # the reader is ahead, on the next rounds (then its own ranges), meanwhile
 
     def run(self) -> Any:
         """Every round, agreed by every rank; returns ``stats``. Transfers in flight finish before the buffers go."""
@@ -596,14 +730,22 @@ class _Rounds:
         th = threading.Thread(target=self._reader, name="shardckpt-read-once", daemon=True)
         th.start()
         try:
-            for k in range(self.n + 1):
+            for k in range(self.n + 2):
                 # Every rank runs every step and then meets the others, so a
                 # failure anywhere (a damaged block on the reader) stops all ranks
-                # at the same exchange, before any byte of that round is sent.
+                # at the same exchange, before any byte of that round is sent; a
+                # damaged block found on arrival, at the exchange after the next.
                 agree(self.comm, lambda k=k: self._step(k), what=self.what)  # type: ignore[misc]
                 if k < self.n:
                     try:
                         self._post(k)
+                    except Exception as e:  # noqa: BLE001 - reported to every rank at the next exchange
+                        self.failed.append(e)
+                # The previous round's transfers are waited for, checked and
+                # placed while this round's are on the wire.
+                while len(self.posted) > (1 if k < self.n else 0) and not self.failed:
+                    try:
+                        self._finish()
                     except Exception as e:  # noqa: BLE001 - reported to every rank at the next exchange
                         self.failed.append(e)
         finally:
@@ -611,6 +753,8 @@ class _Rounds:
             for ev in self.freed:
                 ev.set()
             th.join()
+            if self.crc_pool is not None:
+                self.crc_pool.shutdown(wait=True)
             # Transfers posted by every rank of them before an agreed failure:
             # finished before their buffers go (the caller may run the stream
             # again: the memory tier after a damaged copy). A dead peer fails
@@ -621,6 +765,24 @@ class _Rounds:
                 except Exception:  # noqa: BLE001 - the first error is the one raised
                     pass
         return self.stats
+
+
+def _host_bytes(t: Any) -> Any:
+    """A CPU uint8 tensor's bytes for the CRC: a view without a copy (NumPy), else a copy."""
+    try:
+        return memoryview(t.numpy())
+    except RuntimeError:  # torch without NumPy
+        return bytes(t.tolist())
+
+
+class _Now:
+    """A result computed already, with a future's ``result()``."""
+
+    def __init__(self, value: Any):
+        self.value = value
+
+    def result(self) -> Any:
+        return self.value
 
 
 class _Cancelled(Exception):

@@ -123,7 +123,14 @@ def restore_held(
         stage: an empty private directory; the caller removes it afterwards.
         process_group: the bytes travel over it.
         load_kw: the load options (:func:`load_comm` accepted them).
-        stats: filled with bytes read here, received, sent, damaged copies, seconds.
+        stats: filled in: ``local_bytes`` (read from this node: its own
+            ranges and those it only sends), ``verified_bytes`` (CRC-checked
+            here: its reads and what it received unchecked), ``peer_bytes``
+            (data received), ``sent_bytes``, ``meta_bytes`` (manifest and
+            index files received), ``needed_bytes`` (its load's ranges),
+            ``damaged`` copies, ``seconds`` per phase (``metadata``: the
+            manifest and index files staged; ``load``: the load, of which
+            ``stream``: the bytes read, received, checked and placed).
         label: the tier in log messages (``"memory tier"``).
 
     Returns:
@@ -142,7 +149,7 @@ def restore_held(
     st = Storage(stage, storage_options=store.PRIVATE)
     stats.update({
         "step": step, "local_bytes": 0, "peer_bytes": 0, "meta_bytes": 0, "sent_bytes": 0, "needed_bytes": 0,
-        "damaged": [], "seconds": {},
+        "verified_bytes": 0, "damaged": [], "seconds": {},
     })
     t0 = time.perf_counter()
 
@@ -189,18 +196,20 @@ def restore_held(
         # through the plan's own metadata cache (nothing parsed twice).
         chunks = _ChunkIndex(m, st, plan.cache)
 
-        def sources() -> Sources:
+        def sources(found: List[Tuple[Any, str]]) -> Sources:
             return Sources(
                 readers={rel: [r for r in holders.get(rel, ()) if (node_of[r], rel) not in bad] for rel in data},
                 chunk_of=chunks.chunk_of,
+                # A range read only to send (a lost node's shard) is checked on arrival: the sender's copy is damaged.
+                on_damage=lambda rel, sender: found.append((node_of[sender], rel)),
             )
 
         for attempt in range(FETCH_ROUNDS + 1):
-            found: List[str] = []
+            found: List[Tuple[Any, str]] = []  # (node, file): copies found damaged by this rank, read here or received
 
             def read(storage, wants, deliver, found=found, **kw):
                 def damaged(unit, crc):
-                    found.append(unit.chunk.file)
+                    found.append((node_of[comm.rank], unit.chunk.file))
                     raise ChecksumMismatchError(
                         f"checksum mismatch in {storage.url_of(unit.chunk.file)} ({label} copy of step {step}): "
                         f"{unit.label} (bytes {unit.start}..{unit.stop})"
@@ -210,25 +219,28 @@ def restore_held(
 
             got = ReadStats()
             failure: Optional[str] = None
+            t_stream = time.perf_counter()
             try:
-                run(sources=sources(), read=read, stats=got)
+                run(sources=sources(found), read=read, stats=got)
             except (CheckpointError, ValueError) as e:
                 failure = f"{type(e).__name__}: {e}"
+            stats["seconds"]["stream"] = round(stats["seconds"].get("stream", 0.0) + time.perf_counter() - t_stream, 4)
             stats["local_bytes"] += got.read_bytes
             stats["peer_bytes"] += got.received_bytes
             stats["sent_bytes"] += got.sent_bytes
+            stats["verified_bytes"] += got.verified_bytes
             stats["needed_bytes"] = got.needed_bytes
             if failure is None:
                 # With sources (several ranks) every failure is raised on
                 # every rank: none here means none anywhere.
                 return got
             _, outcomes = agree(
-                comm, lambda found=found, failure=failure: (node_of[comm.rank], sorted(set(found)), failure),  # type: ignore[misc]
+                comm, lambda found=found, failure=failure: (sorted(set(found)), failure),  # type: ignore[misc]
                 what=f"restore of step {step} from the {label}", share=lambda v: v, mode=ALL,
             )
-            newly = [(node, rel) for node, rels, _ in outcomes for rel in rels]
+            newly = [tuple(nr) for pairs, _ in outcomes for nr in pairs]
             if not newly or attempt == FETCH_ROUNDS:
-                why = next(f for _, _, f in outcomes if f is not None)
+                why = next(f for _, f in outcomes if f is not None)
                 raise CorruptCheckpointError(f"the {label} copies of step {step} cannot be read: {why}")
             for node, rel in newly:
                 if (node, rel) not in bad:
@@ -255,8 +267,9 @@ def restore_held(
     lap("load")
     log.info(
         "shardckpt: restored step %d from the %s: %d bytes read from this node, %d received from peers "
-        "(%d needed), %d sent%s",
+        "(%d needed), %d sent, %d verified; seconds %s%s",
         step, label, stats["local_bytes"], stats["peer_bytes"], stats["needed_bytes"], stats["sent_bytes"],
+        stats["verified_bytes"], stats["seconds"],
         f"; damaged copies skipped: {stats['damaged']}" if stats["damaged"] else "",
     )
     return step

@@ -21,6 +21,17 @@ all ranks exchanged.
    for the next holder. With no good copy of some file left, ``load`` returns
    None and the next source restores (it overwrites every tensor).
 
+After a node loss every byte is read once and checked once: a survivor reads
+and checks its own shard in its node's memory; the lost node's shard is read
+there unchecked by the survivors holding its copy (the least loaded first,
+so several share it), sent, and checked by the replacement on arrival
+(``_replicas.interior``: the whole CRC blocks; the partial blocks at a
+range's ends, whose other bytes do not travel, by the sender). What each
+rank did is ``MemoryStore.last_restore`` (and logged at INFO): bytes read
+(``local_bytes``), checked (``verified_bytes``), received (``peer_bytes``
+data, ``meta_bytes`` manifest and index files), sent, needed, and seconds
+per phase (``choose``, ``metadata``, ``load`` and its ``stream``).
+
 Limits: the manifest and index files travel whole (a few KB to MB); with
 ``keys=``/``key_map=`` the load still reads only what it needs. A step given
 to ``restore(step=N)`` is never taken from memory (storage answers for it).
@@ -30,6 +41,7 @@ from __future__ import annotations
 
 import logging
 import shutil
+import time
 from typing import Any, Callable, Dict, Optional, Tuple
 
 from .._collective import ALL, Comm, agree
@@ -72,6 +84,7 @@ class MemorySource:
         self.tier, self.process_group, self.load_kw, self.run = tier, process_group, load_kw, run
         self.comm = load_comm(comm, load_kw)
         self._held: Optional[Held] = None
+        self._choose_s = 0.0
 
     def newest(self, step: Optional[int]) -> Optional[int]:
         """The newest step the live nodes' memory holds whole (collective); None: none, or ``step`` was given."""
@@ -79,6 +92,7 @@ class MemorySource:
             return None
         tier, comm = self.tier, self.comm
         tier.snapshots.wait()  # a step in flight first; its failure is raised here
+        t0 = time.perf_counter()
         tier._start()
         run = None if self.run is None else self.run()
         mine = store.inventory(tier.dir, root=tier.root,
@@ -96,6 +110,7 @@ class MemorySource:
         own = mine.get(got, ("", {}, set()))
         self._held = Held(step=got, save_id=sid, holders=holders, sizes=sizes, node_of={r: reports[r][0] for r in range(comm.world)},
                           own_dir=store.step_dir(tier.dir, got), own_held=set(own[2]) if own[0] == sid else set())
+        self._choose_s = time.perf_counter() - t0
         return got
 
     def load(self, state: Dict[str, Any], step: int, *, exact: bool) -> Optional[Tuple[int, str]]:
@@ -111,5 +126,6 @@ class MemorySource:
             shutil.rmtree(stage, ignore_errors=True)
         if got is None:
             return None
+        stats["seconds"] = {"choose": round(self._choose_s, 4), **stats["seconds"]}
         tier.last_restore = stats
         return got, f"memory:{got}"

@@ -48,7 +48,8 @@ class MemoryStore:
         self.dir = config.resolved_dir(root_url)
         self._said_no_copy = False
         self.disabled: Optional[str] = None
-        #: What the last memory restore did (tests and logs): step, bytes per source.
+        #: What the last memory restore did on this rank (benchmarks, tests, logs): step, bytes read, checked,
+        #: received, sent and needed, seconds per phase (``_memory/restore.py``).
         self.last_restore: Dict[str, Any] = {}
         #: The save half: slots, the background thread (``_memory/snapshot.py``).
         self.snapshots = Snapshots(self.dir, root_url)

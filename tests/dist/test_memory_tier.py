@@ -184,6 +184,9 @@ def test_both_copies_lost_restores_the_last_storage_step(first, tmp_path):
         assert o["step"] == STORAGE_EVERY and o["from"].endswith(f"step-{STORAGE_EVERY:08d}")
         assert _same(o["params"], ref[0]["params"][STORAGE_EVERY])
     assert any("restoring from storage" in line for o in out for line in o["logs"])
+    # Node 0 only sent that file (rank 2 loads it): rank 2 checked it on arrival and named node 0's copy.
+    said = [line for o in out for line in o["logs"] if "damaged" in line]
+    assert said and all("node0" in line and "r00002-00.safetensors" in line for line in said), said
 
 
 def _sends(rank, world, base):

@@ -37,6 +37,10 @@ def test_every_step_then_lose_a_node(tmp_path):
     assert smaller["losses_max_abs_diff"] < 1e-4  # the same global batch over fewer ranks: reduction order only
     # Node 1's replacement received its shard from node 0 (not from storage), and little more.
     assert all(shard <= got <= 1.05 * shard for got, shard in zip(same["replacement_bytes_received"], same["replacement_shard_bytes"]))
+    # The survivor checked its own shard once (not the copy it sent); the replacement got what its load needs.
+    assert all(x <= 1.05 for x in same["survivor_verified_over_own"]) and same["survivor_verified_over_own"], same
+    assert [x["role"] for x in same["per_rank"]] == ["survivor", "replacement"] and same["link_gbps"] > 0
+    assert same["per_rank"][1]["read_bytes"] == 0 and same["per_rank"][0]["sent_bytes"] > 0
     # The tier's host memory stays within its stated bound: two steps of (own + peer) files.
     assert all(0 < h <= b for h, b in zip(s["host_bytes_per_rank"], s["host_bytes_bound_per_rank"]))
     for mode in ("baseline", "ideal", "blocking", "overlap"):

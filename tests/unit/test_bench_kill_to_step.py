@@ -34,6 +34,17 @@ def test_kill_a_node_then_first_step(tmp_path):
         r = s[phase]
         assert r["world"] == world and r["ok"], r
         assert r["held_at_kill"] >= 1 and len(r["per_rank"]) == world
-        assert r["kill_to_first_step_s"] > 0 and all(v >= 0 for p in r["per_rank"] for v in p.values())
+        assert r["kill_to_first_step_s"] > 0 and all(v >= 0 for p in r["per_rank"] for k, v in p.items() if k.endswith("_s"))
+    # Node 1's replacements received their shard (checked on arrival); node 0's ranks read and checked their own
+    # shard once, and only read (unchecked) what they sent.
+    ranks = s["replacement"]["per_rank"]
+    for q in ranks[2:]:
+        b = q["restore_bytes"]
+        # (pieces travel 64-byte aligned: a few hundred bytes over on this tiny model's 3 KB shard)
+        assert b["local_bytes"] == 0 and 0.95 * b["needed_bytes"] <= b["peer_bytes"] <= 1.05 * b["needed_bytes"] + 2048, b
+    for q in ranks[:2]:
+        b = q["restore_bytes"]
+        assert b["sent_bytes"] > 0 and b["verified_bytes"] <= 1.05 * b["needed_bytes"], b
+        assert set(q["restore_phases"]) >= {"choose", "metadata", "load", "stream"}, q
     assert s["smaller_world"]["held_at_kill"] > s["replacement"]["restored"][0][0]  # the replacement saved on
     assert not os.listdir(shm), "memory directories left behind"
