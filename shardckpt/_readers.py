@@ -347,8 +347,16 @@ def _bytearray_alloc(n: int) -> Tuple[memoryview, Any]:
     return memoryview(b), b
 
 
-def _read_job(storage: Storage, rel: str, lo: int, view: memoryview, units: List[Unit], sinks: Sequence[Want] = (),
+def _read_job(storage: Storage, rel: str, lo: int, view: memoryview, units: Sequence[Tuple[int, Unit]], sinks: Sequence[Want] = (),
               stop: Optional[threading.Event] = None):
+    """Read ``view`` from ``rel`` at ``lo``, CRC the parts of ``units`` (``(index in the range, unit)``) it holds.
+
+    Returns ``(parts, good)``: ``(index, position in the unit, bytes, crc)``
+    per unit part, and how many units this piece held whole with a matching
+    CRC (the caller's fast path: a range whose units all came back good
+    needs no joining of parts). With ``sinks`` (pieces cut at unit ends), a
+    piece whose units all matched is handed to them here, while in cache.
+    """
     try:
         storage.read_into(rel, [(lo, view)])
     except FileNotFoundError:
@@ -359,27 +367,40 @@ def _read_job(storage: Storage, rel: str, lo: int, view: memoryview, units: List
         raise
     except OSError as e:
         raise StorageError(f"reading {storage.url_of(rel)}: {e}") from e
-    hi = lo + len(view)
     # Checksum what this thread just read, while it is in cache: the threads
     # share the work and no second pass over memory follows.
-    out = []
-    bad: List[Tuple[int, int]] = []
-    for k, u in enumerate(units):
-        a, b = max(u.start, lo), min(u.stop, hi)
-        if a < b:
-            crc = crc32c(view[a - lo : b - lo])
-            out.append((k, a - u.start, b - a, crc))
-            if sinks and (a, b) != (u.start, u.stop) or crc != u.crc:
-                bad.append((u.start, u.stop))  # damaged, or (never, pieces being cut at unit ends) not checkable here
+    out, good, bad = _check(lo, view, units)
     if sinks and stop is not None:
         if bad:
             stop.set()  # the read raises: no thread delivers more
         else:
             _fill(sinks, lo, view, stop)
-    return out
+    return out, good
 
 
-def _map_job(storage: Storage, rel: str, lo: int, hi: int, units: List[Unit], sinks: Sequence[Want],
+def _check(lo: int, view: memoryview, units: Sequence[Tuple[int, Unit]]) -> Tuple[List[Tuple[int, int, int, int]], int, bool]:
+    """CRC-32C of each unit's part in ``view`` (file bytes from ``lo``): ``(parts, units whole and good, any not)``.
+
+    A unit only partly in ``view`` counts as not good (never, pieces of a
+    fused read being cut at unit ends; a buffered read joins its parts later).
+    """
+    hi = lo + len(view)
+    out = []
+    good = 0
+    bad = False
+    for k, u in units:
+        a, b = max(u.start, lo), min(u.stop, hi)
+        if a < b:
+            crc = crc32c(view[a - lo : b - lo])
+            out.append((k, a - u.start, b - a, crc))
+            if crc == u.crc and a == u.start and b == u.stop:
+                good += 1
+            else:
+                bad = True
+    return out, good, bad
+
+
+def _map_job(storage: Storage, rel: str, lo: int, hi: int, units: Sequence[Tuple[int, Unit]], sinks: Sequence[Want],
              stop: threading.Event):
     """:func:`_read_job` through a memory mapping of the piece: checked and copied out of the page cache, no read copy."""
     if stop.is_set():
@@ -398,14 +419,7 @@ def _map_job(storage: Storage, rel: str, lo: int, hi: int, units: List[Unit], si
     try:
         with memoryview(mm) as whole:
             view = whole[at : at + hi - lo]
-            out = []
-            bad = False
-            for k, u in enumerate(units):
-                a, b = max(u.start, lo), min(u.stop, hi)
-                if a < b:
-                    crc = crc32c(view[a - lo : b - lo])
-                    out.append((k, a - u.start, b - a, crc))
-                    bad = bad or (a, b) != (u.start, u.stop) or crc != u.crc
+            out, good, bad = _check(lo, view, units)
             if bad:
                 stop.set()  # the read raises: no thread delivers more
             else:
@@ -416,7 +430,7 @@ def _map_job(storage: Storage, rel: str, lo: int, hi: int, units: List[Unit], si
             mm.close()
         except BufferError:  # a view a sink kept: the mapping goes with it
             pass
-    return out
+    return out, good
 
 
 def _fill(sinks: Sequence[Want], lo: int, view: memoryview, stop: threading.Event) -> None:
@@ -443,6 +457,28 @@ def _cuts(rng: ReadRange, piece_bytes: int, units: Sequence[Unit]) -> List[Tuple
             out.append((a, end))
             a = end
     out.append((a, rng.stop))
+    return out
+
+
+def _units_by_piece(units: Sequence[Unit], pieces: Sequence[Tuple[int, int]]) -> List[List[Tuple[int, Unit]]]:
+    """For each piece (sorted, disjoint), the units that overlap it, with their index in ``units``.
+
+    A job checks only its own units: O(units) per range, not units x pieces.
+    """
+    order = sorted(range(len(units)), key=lambda k: units[k].start)
+    out: List[List[Tuple[int, Unit]]] = []
+    first = 0
+    for lo, hi in pieces:
+        while first < len(order) and units[order[first]].stop <= lo:
+            first += 1
+        mine = []
+        for k in order[first:]:
+            u = units[k]
+            if u.start >= hi:
+                break
+            if u.stop > lo:
+                mine.append((k, u))
+        out.append(mine)
     return out
 
 
@@ -534,12 +570,12 @@ def read_verified(
         sinks = [w for w in rng.wants if w.sink is not None] if fused else []
         pieces = _cuts(rng, max(1, piece_bytes), units) if sinks else [
             (lo, min(lo + piece_bytes, rng.stop)) for lo in range(rng.start, rng.stop, max(1, piece_bytes))]
-        for lo, hi in pieces:
+        for (lo, hi), mine in zip(pieces, _units_by_piece(units, pieces)):
             if mv is None:  # mapped: every want of the range has a sink
                 fn: Callable[..., Any] = _map_job
-                args: Tuple[Any, ...] = (storage, rng.file, lo, hi, units, sinks, stop)
+                args: Tuple[Any, ...] = (storage, rng.file, lo, hi, mine, sinks, stop)
             else:
-                fn, args = _read_job, (storage, rng.file, lo, mv[lo - rng.start : hi - rng.start], units, sinks, stop)
+                fn, args = _read_job, (storage, rng.file, lo, mv[lo - rng.start : hi - rng.start], mine, sinks, stop)
             jobs.append(ex.submit(fn, *args) if ex is not None else _Done(fn, args))
         stats.requests += len(jobs)
         return jobs
@@ -554,12 +590,15 @@ def read_verified(
             # range (raised below, naming only the units checked) or in another
             # (which raises when it is finished). Its units are not reported.
             skipped = any(r is None for r in results)
-            for r in results:
-                for k, pos, n, crc in r or ():
-                    parts.setdefault(k, []).append((pos, n, crc))
             stats.read_bytes += rng.nbytes
             damaged: List[Unit] = []
-            if checking:
+            # Every unit came back whole and good from the thread that read it
+            # (the usual case: pieces cut at unit ends): nothing to join.
+            all_good = not skipped and sum(r[1] for r in results) == len(rng.units)
+            if checking and not all_good:
+                for r in results:
+                    for k, pos, n, crc in r[0] if r is not None else ():
+                        parts.setdefault(k, []).append((pos, n, crc))
                 bad = []
                 for k, u in enumerate(rng.units):
                     got, covered = 0, 0
