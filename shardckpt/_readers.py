@@ -33,9 +33,14 @@ pieces at checksum-unit ends, so the thread that reads a piece checks every
 unit under it alone and copies the piece out while it is in cache; on a
 storage that maps files (``Storage.can_map``: local files;
 ``SHARDCKPT_LOAD_MAP``) a range whose wants all have sinks takes no buffer:
-each piece is checked and copied straight out of a mapping of the file. A
-piece with a damaged unit is not copied, and once one is found no thread
-copies more; the caller's thread still raises as above.
+each piece is checked and copied straight out of a mapping of the file, and
+such ranges grow to :data:`MAPPED_RANGE_BYTES` (fewer for the caller's
+thread to submit and finish). A piece with a damaged unit is not copied, and
+once one is found no thread copies more; the caller's thread still raises as
+above. Each job is handed only the units and sinks its piece overlaps, and
+reports how many units it held whole with a matching CRC: when a range's
+units all came back so (the usual case), the caller's thread joins no
+parts.
 
 Peak memory: the pool's capacity, or one oversized unit (a v1 chunk larger
 than the pool) plus nothing else in flight; mapped pieces hold no buffer
@@ -71,6 +76,11 @@ __all__ = [
 
 #: Mismatches listed in one error before "... (N more)".
 _MAX_LISTED = 10
+#: Largest range of a mapped read (wants that all have sinks, on a storage that
+#: maps files) when the caller names no range size, and at most the pool's
+#: capacity: no buffer holds it, each of its pieces is mapped, checked and
+#: copied on its own.
+MAPPED_RANGE_BYTES = 32 << 20
 
 
 @dataclass(frozen=True)
@@ -354,8 +364,10 @@ def _read_job(storage: Storage, rel: str, lo: int, view: memoryview, units: Sequ
     Returns ``(parts, good)``: ``(index, position in the unit, bytes, crc)``
     per unit part, and how many units this piece held whole with a matching
     CRC (the caller's fast path: a range whose units all came back good
-    needs no joining of parts). With ``sinks`` (pieces cut at unit ends), a
-    piece whose units all matched is handed to them here, while in cache.
+    needs no joining of parts). With ``stop`` (a range with sinks: pieces
+    cut at unit ends), a piece whose units all matched is handed to
+    ``sinks`` (those it overlaps) here, while in cache, and damage sets
+    ``stop``.
     """
     try:
         storage.read_into(rel, [(lo, view)])
@@ -370,10 +382,10 @@ def _read_job(storage: Storage, rel: str, lo: int, view: memoryview, units: Sequ
     # Checksum what this thread just read, while it is in cache: the threads
     # share the work and no second pass over memory follows.
     out, good, bad = _check(lo, view, units)
-    if sinks and stop is not None:
+    if stop is not None:  # a range with sinks (its pieces cut at unit ends)
         if bad:
             stop.set()  # the read raises: no thread delivers more
-        else:
+        elif sinks:
             _fill(sinks, lo, view, stop)
     return out, good
 
@@ -460,24 +472,28 @@ def _cuts(rng: ReadRange, piece_bytes: int, units: Sequence[Unit]) -> List[Tuple
     return out
 
 
-def _units_by_piece(units: Sequence[Unit], pieces: Sequence[Tuple[int, int]]) -> List[List[Tuple[int, Unit]]]:
-    """For each piece (sorted, disjoint), the units that overlap it, with their index in ``units``.
+def _by_piece(spans: Sequence[Tuple[int, int]], pieces: Sequence[Tuple[int, int]]) -> List[List[int]]:
+    """For each piece (sorted, disjoint ``[lo, hi)``), the indices of the ``spans`` that overlap it.
 
-    A job checks only its own units: O(units) per range, not units x pieces.
+    A job is handed only its own units and sinks: O(units + sinks) per range,
+    not (units + sinks) x pieces.
+
+        >>> _by_piece([(30, 40), (0, 10), (10, 20), (20, 30)], [(0, 20), (20, 25), (25, 40)])
+        [[1, 2], [3], [3, 0]]
     """
-    order = sorted(range(len(units)), key=lambda k: units[k].start)
-    out: List[List[Tuple[int, Unit]]] = []
+    order = sorted(range(len(spans)), key=lambda k: spans[k])
+    out: List[List[int]] = []
     first = 0
     for lo, hi in pieces:
-        while first < len(order) and units[order[first]].stop <= lo:
+        while first < len(order) and spans[order[first]][1] <= lo and spans[order[first]][0] < lo:
             first += 1
         mine = []
         for k in order[first:]:
-            u = units[k]
-            if u.start >= hi:
+            a, b = spans[k]
+            if a >= hi:
                 break
-            if u.stop > lo:
-                mine.append((k, u))
+            if b > lo:
+                mine.append(k)
         out.append(mine)
     return out
 
@@ -550,18 +566,32 @@ def read_verified(
     stats = stats or ReadStats()
     checking = verify and _knobs.CHECKSUMS
     gap = coalesce_gap(storage) if gap_bytes is None else gap_bytes
-    ranges = plan_ranges(wants, range_bytes=range_bytes or pool.slot_bytes, gap_bytes=gap)
+    # Wants with a sink get their bytes in the reader thread, right after the
+    # read and the CRC of their piece (one pass while the bytes are in cache);
+    # with on_mismatch (a read that goes on past damage) they are handed over
+    # whole, in this thread, as the others are.
+    fused = on_mismatch is None and any(w.sink is not None for w in wants)
+    # Ranges whose wants all have sinks are read through a mapping of the
+    # file where the storage has one (local files): the bytes are checked and
+    # copied out of the page cache once, no read into a buffer first.
+    mappable = fused and _knobs.LOAD_MAP and getattr(storage, "can_map", False)
+    if mappable and range_bytes is None:
+        # A mapped range holds no buffer: larger ones (its pieces still
+        # map and copy a few MiB each) mean fewer ranges for this thread to
+        # submit and finish while the readers wait on it. Never larger than
+        # the pool, though: a small pool asks for small steps.
+        sunk = [w for w in wants if w.sink is not None]
+        grown = max(pool.slot_bytes, min(MAPPED_RANGE_BYTES, pool.capacity))
+        ranges = plan_ranges(sunk, range_bytes=grown, gap_bytes=gap) + plan_ranges(
+            [w for w in wants if w.sink is None], range_bytes=pool.slot_bytes, gap_bytes=gap)
+    else:
+        ranges = plan_ranges(wants, range_bytes=range_bytes or pool.slot_bytes, gap_bytes=gap)
     stats.wanted_bytes += sum(w.stop - w.start for w in wants)
     stats.ranges += len(ranges)
     if gap:
         stats.gap_bytes += sum(_gap_of(r) for r in ranges)
     pending: Deque[Tuple[ReadRange, Optional[Buffer], List[Any]]] = deque()
     ex = ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="shardckpt-r") if threads > 1 else None
-    # Wants with a sink get their bytes in the reader thread, right after the
-    # read and the CRC of their piece (one pass while the bytes are in cache);
-    # with on_mismatch (a read that goes on past damage) they are handed over
-    # whole, in this thread, as the others are.
-    fused = on_mismatch is None and any(w.sink is not None for w in wants)
     stop = threading.Event()  # set on the first damage or error: reader threads deliver nothing more
 
     def submit(rng: ReadRange, mv: Optional[memoryview]):
@@ -570,12 +600,17 @@ def read_verified(
         sinks = [w for w in rng.wants if w.sink is not None] if fused else []
         pieces = _cuts(rng, max(1, piece_bytes), units) if sinks else [
             (lo, min(lo + piece_bytes, rng.stop)) for lo in range(rng.start, rng.stop, max(1, piece_bytes))]
-        for (lo, hi), mine in zip(pieces, _units_by_piece(units, pieces)):
+        per_unit = _by_piece([(u.start, u.stop) for u in units], pieces)
+        per_sink = _by_piece([(w.chunk.byte_offset + w.start, w.chunk.byte_offset + w.stop) for w in sinks], pieces) if sinks \
+            else [[] for _ in pieces]
+        for (lo, hi), ks, ss in zip(pieces, per_unit, per_sink):
+            mine = [(k, units[k]) for k in ks]
+            theirs = [sinks[i] for i in ss]
             if mv is None:  # mapped: every want of the range has a sink
                 fn: Callable[..., Any] = _map_job
-                args: Tuple[Any, ...] = (storage, rng.file, lo, hi, mine, sinks, stop)
+                args: Tuple[Any, ...] = (storage, rng.file, lo, hi, mine, theirs, stop)
             else:
-                fn, args = _read_job, (storage, rng.file, lo, mv[lo - rng.start : hi - rng.start], mine, sinks, stop)
+                fn, args = _read_job, (storage, rng.file, lo, mv[lo - rng.start : hi - rng.start], mine, theirs, stop if sinks else None)
             jobs.append(ex.submit(fn, *args) if ex is not None else _Done(fn, args))
         stats.requests += len(jobs)
         return jobs
@@ -636,10 +671,6 @@ def read_verified(
             if buf is not None:
                 pool.give(buf, fence)
 
-    # Ranges whose wants all have sinks are read through a mapping of the
-    # file where the storage has one (local files): the bytes are checked and
-    # copied out of the page cache once, no read into a buffer first.
-    mappable = fused and _knobs.LOAD_MAP and getattr(storage, "can_map", False)
     try:
         for rng in ranges:
             if mappable and all(w.sink is not None for w in rng.wants):
