@@ -475,6 +475,7 @@ def run(args) -> Dict[str, Any]:
                 shutil.rmtree(p) if os.path.isdir(p) else os.unlink(p)
         out["drop"] = sorted(drops)
         out["skipped"] = skipped
+        out["settings"] = _load_settings()
         out["cases"] = {
             k: {"runs_s": v["s"], "cpu_s": v["cpu_s"], "median_s": statistics.median(v["s"]),
                 "gbps": gbps(b.nbytes, statistics.median(v["s"])), "median_cpu_s": statistics.median(v["cpu_s"])}
@@ -489,9 +490,50 @@ def run(args) -> Dict[str, Any]:
             shardckpt.save({"model": {"w": torch.ones(4)}}, tiny, no_dist=True)
             got = run_isolated(__file__, "rss_child", {"path": b.p["native"], "size_bytes": int(args.size_gib * GIB), "tiny": tiny})
             out["shardckpt_load_extra_rss"] = got["extra_rss"]
+        out["aims"] = aims(out)
         return out
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+def _load_settings() -> Dict[str, Any]:
+    """The knobs a CPU load of this run used (threads: one per usable core, at most 16), and the CRC-32C backend."""
+    from shardckpt import _knobs
+
+    try:
+        import crc32c
+
+        crc = f"crc32c {getattr(crc32c, '__version__', '?')} ({'hardware' if getattr(crc32c, 'hardware_based', False) else 'software'})"
+    except ImportError:
+        crc = "none"
+    return {"cpu_io_threads": _knobs.LOAD_CPU_IO_THREADS, "buffer_bytes": _knobs.LOAD_BUFFER_BYTES,
+            "range_bytes": _knobs.LOAD_RANGE_BYTES, "map": _knobs.LOAD_MAP, "checksums": crc}
+
+
+#: Issue 43's aims for a load into CPU tensors, as (name, case, against, at least): the
+#: ratio of the two cases' speeds (same run) must reach the bound.
+AIMS = [
+    ("load >= 0.9x load_file+copy", "load:shardckpt", "load:safetensors", 0.9),
+    ("HF-directory load >= 0.9x load_file+copy", "load:shardckpt-hf", "load:safetensors", 0.9),
+    ("native load >= HF-directory load", "load:shardckpt", "load:shardckpt-hf", 1.0),
+]
+#: Peak extra RSS a load may take (issue 43), whatever the checkpoint size.
+AIM_RSS = 256 << 20
+
+
+def aims(out: Dict[str, Any]) -> List[Dict[str, Any]]:
+    """Issue 43's aims measured in ``out`` (those whose cases ran): value, target, met."""
+    cases = out.get("cases", {})
+    got = []
+    for name, case, ref, bound in AIMS:
+        if case in cases and ref in cases:
+            r = cases[ref]["median_s"] / cases[case]["median_s"]
+            got.append({"aim": name, "value": round(r, 3), "target": bound, "met": r >= bound})
+    if "shardckpt_load_extra_rss" in out:
+        mib = out["shardckpt_load_extra_rss"] / 2**20
+        got.append({"aim": "peak extra RSS of a load (MiB)", "value": round(mib, 1), "target": AIM_RSS >> 20,
+                    "met": mib <= AIM_RSS >> 20})
+    return got
 
 
 def report(out: Dict[str, Any], info: Dict[str, str]) -> str:
@@ -518,6 +560,13 @@ def report(out: Dict[str, Any], info: Dict[str, str]) -> str:
     lines.extend(export_report(out))
     if "shardckpt_load_extra_rss" in out:
         lines.append(f"peak extra RSS of one shardckpt.load (fresh process): {out['shardckpt_load_extra_rss'] / 2**20:.0f} MiB")
+    if out.get("settings"):
+        lines.append("shardckpt load settings: " + ", ".join(f"{k}={v}" for k, v in out["settings"].items()))
+    aims = out.get("aims") or []
+    if aims:
+        lines += ["", "issue 43 aims, this run (" + ("cold" if out["cold"] else "warm") + f", {out['cpus']} CPUs):", ""]
+        lines.append(markdown_table(["aim", "value", "target", "met"],
+                                    [[a["aim"], a["value"], a["target"], "yes" if a["met"] else "NO"] for a in aims]))
     for c, why in out.get("skipped", {}).items():
         lines.append(f"skipped {c}: {why}")
     return "\n".join(lines)

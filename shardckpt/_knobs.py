@@ -38,9 +38,9 @@ environment variable                default     what it sets
 ``SHARDCKPT_LOAD_CUDA_BUFFER_BYTES`` 512 MiB   the same for a load into CUDA tensors (pinned,
                                                 exact size): room for reads to overlap the
                                                 host-to-device copies
-``SHARDCKPT_LOAD_CPU_IO_THREADS``   min(IO_     reads in flight of a load into CPU tensors
-                                    THREADS,    (each reader thread verifies and copies its
-                                    CPUs)       pieces: more threads than cores fight)
+``SHARDCKPT_LOAD_CPU_IO_THREADS``   min(16,     reads in flight of a load into CPU tensors
+                                    CPUs)       (each reader thread verifies and copies its
+                                                pieces: more threads than cores fight)
 ``SHARDCKPT_LOAD_CUDA_IO_THREADS``  min(16,     reads in flight of a load into CUDA tensors
                                     CPUs)       (CPUs: those this process may run on)
 ``SHARDCKPT_LOAD_RANGE_BYTES``      8 MiB       largest coalesced read of a load, and the
@@ -249,8 +249,10 @@ LOAD_CUDA_IO_THREADS = _int("LOAD_CUDA_IO_THREADS", min(16, usable_cpus()))
 #: ``IO_THREADS`` of a load whose targets are CPU tensors: each reader thread
 #: verifies its piece and copies it into the tensor itself, so a thread per
 #: core the process may use is the most that helps; more (4 on a 2-core box)
-#: only fight over the cores the copies need.
-LOAD_CPU_IO_THREADS = _int("LOAD_CPU_IO_THREADS", min(IO_THREADS, usable_cpus()))
+#: only fight over the cores the copies need, fewer (the former
+#: ``min(IO_THREADS, cores)``: 4 on a 16-core host) leave the checksums and
+#: copies of a warm load on 4 cores. At most 16, as for CUDA loads.
+LOAD_CPU_IO_THREADS = _int("LOAD_CPU_IO_THREADS", min(16, usable_cpus()))
 #: A byte range that several ranks of a load need (HSDP/DDP replicas,
 #: replicated TP parameters and buffers) is read and verified by one of them
 #: and sent to the others over the process group (shardckpt/_replicas.py):

@@ -33,9 +33,14 @@ pieces at checksum-unit ends, so the thread that reads a piece checks every
 unit under it alone and copies the piece out while it is in cache; on a
 storage that maps files (``Storage.can_map``: local files;
 ``SHARDCKPT_LOAD_MAP``) a range whose wants all have sinks takes no buffer:
-each piece is checked and copied straight out of a mapping of the file. A
-piece with a damaged unit is not copied, and once one is found no thread
-copies more; the caller's thread still raises as above.
+each piece is checked and copied straight out of a mapping of the file, and
+such ranges grow to :data:`MAPPED_RANGE_BYTES` (fewer for the caller's
+thread to submit and finish). A piece with a damaged unit is not copied, and
+once one is found no thread copies more; the caller's thread still raises as
+above. Each job is handed only the units and sinks its piece overlaps, and
+reports how many units it held whole with a matching CRC: when a range's
+units all came back so (the usual case), the caller's thread joins no
+parts.
 
 Peak memory: the pool's capacity, or one oversized unit (a v1 chunk larger
 than the pool) plus nothing else in flight; mapped pieces hold no buffer
@@ -72,6 +77,11 @@ __all__ = [
 
 #: Mismatches listed in one error before "... (N more)".
 _MAX_LISTED = 10
+#: Largest range of a mapped read (wants that all have sinks, on a storage that
+#: maps files) when the caller names no range size, and at most the pool's
+#: capacity: no buffer holds it, each of its pieces is mapped, checked and
+#: copied on its own.
+MAPPED_RANGE_BYTES = 32 << 20
 
 
 @dataclass(frozen=True)
@@ -350,8 +360,18 @@ def _bytearray_alloc(n: int) -> Tuple[memoryview, Any]:
     return memoryview(b), b
 
 
-def _read_job(storage: Storage, rel: str, lo: int, view: memoryview, units: List[Unit], sinks: Sequence[Want] = (),
+def _read_job(storage: Storage, rel: str, lo: int, view: memoryview, units: Sequence[Tuple[int, Unit]], sinks: Sequence[Want] = (),
               stop: Optional[threading.Event] = None):
+    """Read ``view`` from ``rel`` at ``lo``, CRC the parts of ``units`` (``(index in the range, unit)``) it holds.
+
+    Returns ``(parts, good)``: ``(index, position in the unit, bytes, crc)``
+    per unit part, and how many units this piece held whole with a matching
+    CRC (the caller's fast path: a range whose units all came back good
+    needs no joining of parts). With ``stop`` (a range with sinks: pieces
+    cut at unit ends), a piece whose units all matched is handed to
+    ``sinks`` (those it overlaps) here, while in cache, and damage sets
+    ``stop``.
+    """
     try:
         storage.read_into(rel, [(lo, view)])
     except FileNotFoundError:
@@ -362,27 +382,40 @@ def _read_job(storage: Storage, rel: str, lo: int, view: memoryview, units: List
         raise
     except OSError as e:
         raise StorageError(f"reading {storage.url_of(rel)}: {e}") from e
-    hi = lo + len(view)
     # Checksum what this thread just read, while it is in cache: the threads
     # share the work and no second pass over memory follows.
+    out, good, bad = _check(lo, view, units)
+    if stop is not None:  # a range with sinks (its pieces cut at unit ends)
+        if bad:
+            stop.set()  # the read raises: no thread delivers more
+        elif sinks:
+            _fill(sinks, lo, view, stop)
+    return out, good
+
+
+def _check(lo: int, view: memoryview, units: Sequence[Tuple[int, Unit]]) -> Tuple[List[Tuple[int, int, int, int]], int, bool]:
+    """CRC-32C of each unit's part in ``view`` (file bytes from ``lo``): ``(parts, units whole and good, any not)``.
+
+    A unit only partly in ``view`` counts as not good (never, pieces of a
+    fused read being cut at unit ends; a buffered read joins its parts later).
+    """
+    hi = lo + len(view)
     out = []
-    bad: List[Tuple[int, int]] = []
-    for k, u in enumerate(units):
+    good = 0
+    bad = False
+    for k, u in units:
         a, b = max(u.start, lo), min(u.stop, hi)
         if a < b:
             crc = crc32c(view[a - lo : b - lo])
             out.append((k, a - u.start, b - a, crc))
-            if sinks and (a, b) != (u.start, u.stop) or crc != u.crc:
-                bad.append((u.start, u.stop))  # damaged, or (never, pieces being cut at unit ends) not checkable here
-    if sinks and stop is not None:
-        if bad:
-            stop.set()  # the read raises: no thread delivers more
-        else:
-            _fill(sinks, lo, view, stop)
-    return out
+            if crc == u.crc and a == u.start and b == u.stop:
+                good += 1
+            else:
+                bad = True
+    return out, good, bad
 
 
-def _map_job(storage: Storage, rel: str, lo: int, hi: int, units: List[Unit], sinks: Sequence[Want],
+def _map_job(storage: Storage, rel: str, lo: int, hi: int, units: Sequence[Tuple[int, Unit]], sinks: Sequence[Want],
              stop: threading.Event):
     """:func:`_read_job` through a memory mapping of the piece: checked and copied out of the page cache, no read copy."""
     if stop.is_set():
@@ -401,14 +434,7 @@ def _map_job(storage: Storage, rel: str, lo: int, hi: int, units: List[Unit], si
     try:
         with memoryview(mm) as whole:
             view = whole[at : at + hi - lo]
-            out = []
-            bad = False
-            for k, u in enumerate(units):
-                a, b = max(u.start, lo), min(u.stop, hi)
-                if a < b:
-                    crc = crc32c(view[a - lo : b - lo])
-                    out.append((k, a - u.start, b - a, crc))
-                    bad = bad or (a, b) != (u.start, u.stop) or crc != u.crc
+            out, good, bad = _check(lo, view, units)
             if bad:
                 stop.set()  # the read raises: no thread delivers more
             else:
@@ -419,7 +445,7 @@ def _map_job(storage: Storage, rel: str, lo: int, hi: int, units: List[Unit], si
             mm.close()
         except BufferError:  # a view a sink kept: the mapping goes with it
             pass
-    return out
+    return out, good
 
 
 def _fill(sinks: Sequence[Want], lo: int, view: memoryview, stop: threading.Event) -> None:
@@ -446,6 +472,32 @@ def _cuts(rng: ReadRange, piece_bytes: int, units: Sequence[Unit]) -> List[Tuple
             out.append((a, end))
             a = end
     out.append((a, rng.stop))
+    return out
+
+
+def _by_piece(spans: Sequence[Tuple[int, int]], pieces: Sequence[Tuple[int, int]]) -> List[List[int]]:
+    """For each piece (sorted, disjoint ``[lo, hi)``), the indices of the ``spans`` that overlap it.
+
+    A job is handed only its own units and sinks: O(units + sinks) per range,
+    not (units + sinks) x pieces.
+
+        >>> _by_piece([(30, 40), (0, 10), (10, 20), (20, 30)], [(0, 20), (20, 25), (25, 40)])
+        [[1, 2], [3], [3, 0]]
+    """
+    order = sorted(range(len(spans)), key=lambda k: spans[k])
+    out: List[List[int]] = []
+    first = 0
+    for lo, hi in pieces:
+        while first < len(order) and spans[order[first]][1] <= lo and spans[order[first]][0] < lo:
+            first += 1
+        mine = []
+        for k in order[first:]:
+            a, b = spans[k]
+            if a >= hi:
+                break
+            if b > lo:
+                mine.append(k)
+        out.append(mine)
     return out
 
 
@@ -517,18 +569,32 @@ def read_verified(
     stats = stats or ReadStats()
     checking = verify and _knobs.CHECKSUMS
     gap = coalesce_gap(storage) if gap_bytes is None else gap_bytes
-    ranges = plan_ranges(wants, range_bytes=range_bytes or pool.slot_bytes, gap_bytes=gap)
+    # Wants with a sink get their bytes in the reader thread, right after the
+    # read and the CRC of their piece (one pass while the bytes are in cache);
+    # with on_mismatch (a read that goes on past damage) they are handed over
+    # whole, in this thread, as the others are.
+    fused = on_mismatch is None and any(w.sink is not None for w in wants)
+    # Ranges whose wants all have sinks are read through a mapping of the
+    # file where the storage has one (local files): the bytes are checked and
+    # copied out of the page cache once, no read into a buffer first.
+    mappable = fused and _knobs.LOAD_MAP and getattr(storage, "can_map", False)
+    if mappable and range_bytes is None:
+        # A mapped range holds no buffer: larger ones (its pieces still
+        # map and copy a few MiB each) mean fewer ranges for this thread to
+        # submit and finish while the readers wait on it. Never larger than
+        # the pool, though: a small pool asks for small steps.
+        sunk = [w for w in wants if w.sink is not None]
+        grown = max(pool.slot_bytes, min(MAPPED_RANGE_BYTES, pool.capacity))
+        ranges = plan_ranges(sunk, range_bytes=grown, gap_bytes=gap) + plan_ranges(
+            [w for w in wants if w.sink is None], range_bytes=pool.slot_bytes, gap_bytes=gap)
+    else:
+        ranges = plan_ranges(wants, range_bytes=range_bytes or pool.slot_bytes, gap_bytes=gap)
     stats.wanted_bytes += sum(w.stop - w.start for w in wants)
     stats.ranges += len(ranges)
     if gap:
         stats.gap_bytes += sum(_gap_of(r) for r in ranges)
     pending: Deque[Tuple[ReadRange, Optional[Buffer], List[Any]]] = deque()
     ex = ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="shardckpt-r") if threads > 1 else None
-    # Wants with a sink get their bytes in the reader thread, right after the
-    # read and the CRC of their piece (one pass while the bytes are in cache);
-    # with on_mismatch (a read that goes on past damage) they are handed over
-    # whole, in this thread, as the others are.
-    fused = on_mismatch is None and any(w.sink is not None for w in wants)
     stop = threading.Event()  # set on the first damage or error: reader threads deliver nothing more
 
     def submit(rng: ReadRange, mv: Optional[memoryview]):
@@ -537,12 +603,17 @@ def read_verified(
         sinks = [w for w in rng.wants if w.sink is not None] if fused else []
         pieces = _cuts(rng, max(1, piece_bytes), units) if sinks else [
             (lo, min(lo + piece_bytes, rng.stop)) for lo in range(rng.start, rng.stop, max(1, piece_bytes))]
-        for lo, hi in pieces:
+        per_unit = _by_piece([(u.start, u.stop) for u in units], pieces)
+        per_sink = _by_piece([(w.chunk.byte_offset + w.start, w.chunk.byte_offset + w.stop) for w in sinks], pieces) if sinks \
+            else [[] for _ in pieces]
+        for (lo, hi), ks, ss in zip(pieces, per_unit, per_sink):
+            mine = [(k, units[k]) for k in ks]
+            theirs = [sinks[i] for i in ss]
             if mv is None:  # mapped: every want of the range has a sink
                 fn: Callable[..., Any] = _map_job
-                args: Tuple[Any, ...] = (storage, rng.file, lo, hi, units, sinks, stop)
+                args: Tuple[Any, ...] = (storage, rng.file, lo, hi, mine, theirs, stop)
             else:
-                fn, args = _read_job, (storage, rng.file, lo, mv[lo - rng.start : hi - rng.start], units, sinks, stop)
+                fn, args = _read_job, (storage, rng.file, lo, mv[lo - rng.start : hi - rng.start], mine, theirs, stop if sinks else None)
             jobs.append(ex.submit(fn, *args) if ex is not None else _Done(fn, args))
         stats.requests += len(jobs)
         return jobs
@@ -557,13 +628,17 @@ def read_verified(
             # range (raised below, naming only the units checked) or in another
             # (which raises when it is finished). Its units are not reported.
             skipped = any(r is None for r in results)
-            for r in results:
-                for k, pos, n, crc in r or ():
-                    parts.setdefault(k, []).append((pos, n, crc))
             stats.read_bytes += rng.nbytes
             damaged: List[Unit] = []
             if checking:
                 stats.verified_bytes += sum(u.stop - u.start for u in rng.units)
+            # Every unit came back whole and good from the thread that read it
+            # (the usual case: pieces cut at unit ends): nothing to join.
+            all_good = not skipped and sum(r[1] for r in results) == len(rng.units)
+            if checking and not all_good:
+                for r in results:
+                    for k, pos, n, crc in r[0] if r is not None else ():
+                        parts.setdefault(k, []).append((pos, n, crc))
                 bad = []
                 for k, u in enumerate(rng.units):
                     got, covered = 0, 0
@@ -601,10 +676,6 @@ def read_verified(
             if buf is not None:
                 pool.give(buf, fence)
 
-    # Ranges whose wants all have sinks are read through a mapping of the
-    # file where the storage has one (local files): the bytes are checked and
-    # copied out of the page cache once, no read into a buffer first.
-    mappable = fused and _knobs.LOAD_MAP and getattr(storage, "can_map", False)
     try:
         for rng in ranges:
             if mappable and all(w.sink is not None for w in rng.wants):

@@ -42,6 +42,8 @@ _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 # Opening a FIFO for reading blocks until a writer comes: open without waiting, then refuse it.
 _O_NONBLOCK = getattr(os, "O_NONBLOCK", 0)
+#: Files whose identity :meth:`LocalStorage._open_mapped` remembers (a bound: a checkpoint may have thousands).
+_MAPPED_IDS = 4096
 
 
 def fsync_dir(path: str) -> None:
@@ -249,6 +251,7 @@ class LocalStorage(Storage):
         self._file_mode = 0o600 if private else 0o644
         self._dir_mode = 0o700 if private else 0o777
         self._direct_refused = False  # the filesystem refused O_DIRECT once
+        self._mapped_ids: Dict[str, Tuple[int, int]] = {}  # path -> (st_dev, st_ino), checked inside the root
 
     def _mkdirs(self, path: str) -> None:
         """``os.makedirs(exist_ok=True)``, every directory it creates with this storage's mode (not only the last)."""
@@ -441,7 +444,7 @@ class LocalStorage(Storage):
         check_rel(rel, where=self.url)
         with reading(self.url_of(rel)):
             path = self.path(rel)
-            fd = self._open_regular(path)
+            fd = self._open_mapped(path)
             try:
                 if os.fstat(fd).st_size < stop:
                     raise self._short(rel, stop)
@@ -467,6 +470,36 @@ class LocalStorage(Storage):
                 return mmap.mmap(fd, stop - at, prot=mmap.PROT_READ, offset=at), start - at
             finally:
                 os.close(fd)
+
+    def _open_mapped(self, path: str) -> int:
+        """:meth:`_open_regular` for the pieces of a mapped load: the full check once per file, then its identity.
+
+        A load maps a file in many pieces; resolving every component of its
+        path (``check_inside``: two ``realpath``s) for each piece cost more
+        than the mapping itself. The first open of ``path`` is checked in
+        full and remembers the file's ``(st_dev, st_ino)``; a later one is
+        accepted when the file it opened is that same regular file, else it
+        is checked in full again (a file replaced by a link leading out is
+        refused as before).
+        """
+        ids = self.__dict__.setdefault("_mapped_ids", {})  # (a copy made without __init__ has none yet)
+        known = ids.get(path)
+        if known is not None:
+            fd = os.open(path, os.O_RDONLY | _O_CLOEXEC | _O_NONBLOCK)
+            try:
+                st = os.fstat(fd)
+            except BaseException:
+                os.close(fd)
+                raise
+            if (st.st_dev, st.st_ino) == known and stat.S_ISREG(st.st_mode):
+                return fd
+            os.close(fd)
+        fd = self._open_regular(path)
+        st = os.fstat(fd)
+        if len(ids) >= _MAPPED_IDS:
+            ids.clear()
+        ids[path] = (st.st_dev, st.st_ino)
+        return fd
 
     def _open_writer(self, rel: str) -> Writer:
         path = self.path(rel)

@@ -39,6 +39,21 @@ def test_cpu_load_threads_follow_the_cores_the_process_may_use():
     assert out.stdout.split() == ["1", "3", "4"], out
 
 
+def test_cpu_load_threads_use_every_core_up_to_16():
+    """A 16- or 64-core host gets a CPU-load reader per core, at most 16 (it got min(IO_THREADS, cores) = 4: issue 43).
+
+    Each reader checks and copies its own pieces, so the warm load's CRCs
+    and copies spread over the cores. The affinity call is replaced (this
+    box has 2 cores) before the knobs are read, in a fresh interpreter.
+    """
+    code = ("import os, sys; n = int(sys.argv[1]); os.sched_getaffinity = lambda pid: set(range(n)); "
+            "from shardckpt import _knobs, _load; print(_knobs.usable_cpus(), _load.load_settings(False)[0])")
+    env = {k: v for k, v in os.environ.items() if k not in ("SHARDCKPT_LOAD_CPU_IO_THREADS", "SHARDCKPT_IO_THREADS")}
+    for n, want in ((8, 8), (16, 16), (64, 16)):
+        out = subprocess.run([sys.executable, "-c", code, str(n)], env=env, capture_output=True, text=True, check=True)
+        assert out.stdout.split() == [str(n), str(want)], out
+
+
 def test_knob_values_parse_from_the_environment(monkeypatch):
     monkeypatch.setenv("SHARDCKPT_LOAD_CUDA_BUFFER_BYTES", "1GiB")
     assert _knobs._int("LOAD_CUDA_BUFFER_BYTES", 512 << 20) == 1 << 30

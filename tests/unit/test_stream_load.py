@@ -164,6 +164,70 @@ def test_sinks_take_verified_pieces_in_the_reader_threads_and_never_a_damaged_bl
     assert not any(got[81_920:])
 
 
+def test_each_piece_job_gets_only_the_units_and_sinks_it_overlaps():
+    from shardckpt._readers import _by_piece
+
+    spans = [(30, 40), (0, 10), (10, 20), (20, 30)]  # a range's units need not be sorted
+    assert _by_piece(spans, [(0, 20), (20, 25), (25, 40)]) == [[1, 2], [3], [3, 0]]
+    assert _by_piece([(5, 6), (0, 50)], [(0, 10), (10, 20), (40, 60)]) == [[1, 0], [1], [1]]  # one long want spans all
+    assert _by_piece([], [(0, 10)]) == [[]]
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_mapped_pieces_checked_by_their_threads_never_deliver_a_damaged_unit(tmp_path, threads):
+    # The reader threads check their own pieces' units (the calling thread only
+    # joins parts when one did not come back whole and good): damage in the
+    # middle piece of a range raises, names that block alone, and no byte of
+    # the damaged piece reaches the sink, whichever thread read it.
+    data = bytearray(_file(tmp_path, 1 << 17))
+    c = _blocked("f.bin", bytes(data), 0, 96 << 10, 8 << 10, name="w")  # 12 blocks of 8 KiB, one range
+    got = bytearray(96 << 10)
+
+    def put(pos, piece):
+        got[pos : pos + len(piece)] = piece
+
+    wants = [Want(c, 0, 96 << 10, "w", sink=put)]
+    stats = read_verified(Storage(str(tmp_path)), wants, lambda *a: None, threads=threads, piece_bytes=32 << 10, range_bytes=1 << 20)
+    assert bytes(got) == bytes(data[: 96 << 10]) and stats.ranges == 1
+    data[(40 << 10) + 5] ^= 0x40  # block 5, in the second piece (32..64 KiB)
+    (tmp_path / "f.bin").write_bytes(bytes(data))
+    got[:] = bytes(96 << 10)
+    with pytest.raises(ChecksumMismatchError, match=r"w block 5 \(bytes 40960..49152\)") as ei:
+        read_verified(Storage(str(tmp_path)), wants, lambda *a: None, threads=threads, piece_bytes=32 << 10, range_bytes=1 << 20)
+    assert "block 4 " not in str(ei.value) and "block 6 " not in str(ei.value)
+    assert not any(got[32 << 10 : 64 << 10])  # the damaged piece: nothing of it delivered
+
+
+def test_a_mapped_file_swapped_for_a_link_out_of_the_checkpoint_is_refused_at_the_next_load(tmp_path):
+    # Mapped pieces check the path in full once per file, then only that the
+    # opened file is the same one: a file replaced by a symlink leading out of
+    # the checkpoint is a different file, checked in full again, and refused.
+    from shardckpt.errors import UnreadableFileError
+
+    d = tmp_path / "c"
+    src = {"w": torch.randn(64, 1024)}
+    shardckpt.save(src, str(d))
+    st = Storage(str(d))
+    c = shardckpt.inspect(str(d)).tensors["w"].chunks[0]
+    live = {"w": torch.zeros(64, 1024)}
+    shardckpt.load(live, st)
+    assert torch.equal(live["w"], src["w"])
+    f = d / c.file
+    outside = tmp_path / "outside.bin"
+    outside.write_bytes(f.read_bytes())  # the same bytes: only where they lie differs
+    f.unlink()
+    f.symlink_to(outside)
+    with pytest.raises(UnreadableFileError, match="leading out of the checkpoint"):
+        st.map_range(c.file, c.byte_offset, c.byte_offset + 4096)  # this file's identity was remembered by the load
+    with pytest.raises(CorruptCheckpointError, match="leading out of the checkpoint"):
+        shardckpt.load({"w": torch.zeros(64, 1024)}, st)  # (the load's file check refuses it first)
+    f.unlink()
+    f.write_bytes(outside.read_bytes())  # a new regular file inside (another inode): loads
+    live = {"w": torch.zeros(64, 1024)}
+    shardckpt.load(live, st)
+    assert torch.equal(live["w"], src["w"])
+
+
 def test_reader_names_missing_and_short_files(tmp_path):
     _file(tmp_path, 100)
     st = Storage(str(tmp_path))
