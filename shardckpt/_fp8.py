@@ -332,27 +332,29 @@ _OMP: Optional[Any] = None
 _OMP_LOCK = threading.Lock()
 
 
-def _omp_set_num_threads() -> Any:
-    """``omp_set_num_threads`` of the OpenMP runtime torch loaded (already in the process), or False."""
+def _omp_threads() -> Any:
+    """``(get, set)``: ``omp_get_max_threads``/``omp_set_num_threads`` of the OpenMP runtime already in the process (torch's first), or False."""
     global _OMP
     with _OMP_LOCK:
         if _OMP is None:
             _OMP = False
             try:
                 with open("/proc/self/maps") as f:
-                    libs = {line.split()[-1] for line in f if line.rstrip().endswith(".so") or ".so." in line}
-            except OSError:
+                    libs = {line.split()[-1] for line in f if ".so" in line}
+            except OSError:  # no /proc (macOS): torch's own threads there, ops kept under the grain size
                 libs = set()
-            for path in sorted(libs):
-                name = os.path.basename(path)
-                if not any(k in name for k in ("gomp", "iomp", "libomp")):
+            mine = os.path.dirname(torch.__file__)
+            for path in sorted(libs, key=lambda p: (not p.startswith(mine), p)):
+                if not any(k in os.path.basename(path) for k in ("gomp", "iomp", "libomp")):
                     continue
                 try:
-                    fn = ctypes.CDLL(path, mode=getattr(os, "RTLD_NOLOAD", 0)).omp_set_num_threads
+                    lib = ctypes.CDLL(path, mode=getattr(os, "RTLD_NOLOAD", 0))
+                    get, put = lib.omp_get_max_threads, lib.omp_set_num_threads
                 except (OSError, AttributeError):
                     continue
-                fn.argtypes, fn.restype = [ctypes.c_int], None
-                _OMP = fn
+                get.argtypes, get.restype = [], ctypes.c_int
+                put.argtypes, put.restype = [ctypes.c_int], None
+                _OMP = (get, put)
                 break
         return _OMP
 
@@ -364,22 +366,24 @@ def _serial() -> Iterator[int]:
     The load's reader threads are the parallelism: torch's intra-op team
     started from each would oversubscribe the cores. OpenMP's thread count
     is per thread, so it is set to 1 here for the block and restored (no
-    other thread sees it); where that cannot be done, ops stay under
-    torch's grain size, which it never splits.
+    other thread sees it); where that cannot be done (no OpenMP runtime
+    found, or not torch's), ops stay under torch's grain size, which it
+    never splits.
     """
-    n = torch.get_num_threads()  # also sets this thread's OpenMP count up, first time
-    if n == 1:
+    if torch.get_num_threads() == 1:  # also sets this thread's OpenMP count up, the first time
         yield SCRATCH_ELEMS
         return
-    fn = _omp_set_num_threads()
-    if not fn:
+    omp = _omp_threads()
+    if not omp:
         yield _GRAIN
         return
-    fn(1)
+    get, put = omp
+    before = get()
+    put(1)
     try:
         yield SCRATCH_ELEMS if torch.get_num_threads() == 1 else _GRAIN
     finally:
-        fn(n)
+        put(before)
 
 
 def block_amax(amax: torch.Tensor, x: torch.Tensor, *, row0: int, col0: int, block: Tuple[int, int]) -> None:

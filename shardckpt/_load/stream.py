@@ -332,7 +332,7 @@ def stream_into(
             key = (job.target, str(dev))
             if key not in dev_scales:
                 dev_scales[key] = rows.to(dev)
-            q = src if src.is_cuda else torch.empty(job.sizes, dtype=src.dtype, device=dev).copy_(src, non_blocking=True)
+            q = src if src.device == dev else torch.empty(job.sizes, dtype=src.dtype, device=dev).copy_(src, non_blocking=True)
             dst = job.dst if job.dst.device == dev else torch.empty(job.sizes, dtype=job.dst.dtype, device=dev)
             _fp8.dequantize_native(dst, q, dev_scales[key], **at)
             if dst is not job.dst:
