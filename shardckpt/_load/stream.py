@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -195,7 +196,7 @@ def _fp8_sinks(plan: LoadPlan, wants: List[Want], scales: Dict[int, Tuple[torch.
             continue
         put = _fp8.box_sink(dst.detach(), width=job.strides[0], first=job.first,
                             origin=(w.chunk.offsets[0] + job.src_offsets[0], w.chunk.offsets[1] + job.src_offsets[1]),
-                            block=scale.block, scales=lambda ti=job.target: scales[ti])
+                            block=scale.block, scales=partial(scales.__getitem__, job.target))
 
         def sink(pos: int, data: memoryview, put=put, ti: int = job.target) -> None:
             touched[ti] = None
@@ -321,10 +322,10 @@ def stream_into(
         scale = plan.targets[job.target].scale
         if scale is not None:  # block FP8: dequantized as it lands
             rows, k0 = scales[job.target]
-            at = dict(row0=w.chunk.offsets[0] + job.src_offsets[0], col0=w.chunk.offsets[1] + job.src_offsets[1],
-                      block=scale.block, scale_row0=k0)
+            box: Dict[str, Any] = dict(row0=w.chunk.offsets[0] + job.src_offsets[0], col0=w.chunk.offsets[1] + job.src_offsets[1],
+                                       block=scale.block, scale_row0=k0)
             if not (job.dst.is_cuda or src.is_cuda):
-                _fp8.dequantize_into(job.dst, src, rows, **at)  # host kernels, this thread
+                _fp8.dequantize_into(job.dst, src, rows, **box)  # host kernels, this thread
                 return None
             # A device target: the FP8 bytes go to the device (half those of
             # bf16) and are dequantized there, queued behind the copy.
@@ -334,7 +335,7 @@ def stream_into(
                 dev_scales[key] = rows.to(dev)
             q = src if src.device == dev else torch.empty(job.sizes, dtype=src.dtype, device=dev).copy_(src, non_blocking=True)
             dst = job.dst if job.dst.device == dev else torch.empty(job.sizes, dtype=job.dst.dtype, device=dev)
-            _fp8.dequantize_native(dst, q, dev_scales[key], **at)
+            _fp8.dequantize_native(dst, q, dev_scales[key], **box)
             if dst is not job.dst:
                 job.dst.copy_(dst)
             ev = torch.cuda.Event()
