@@ -42,7 +42,7 @@ for s in $STEPS; do
 echo "=== $s ($(date -u +%H:%M:%S), ${SECONDS} s in)"
 case $s in
 tmpfs)
-    timeout 100 $PY benchmarks/bench_byte_path.py --size-gib $GIB --repeat $REP $NOCUDA --json "$OUT/tmpfs.json" \
+    timeout 150 $PY benchmarks/bench_byte_path.py --size-gib $GIB --repeat $REP $NOCUDA --json "$OUT/tmpfs.json" \
         || echo "tmpfs: exit $?";;
 tmpfs2)
     timeout 80 taskset -c 0,1 $PY benchmarks/bench_byte_path.py --size-gib $GIB --repeat $REP --no-cuda --no-rss \
@@ -60,9 +60,9 @@ moe)
         --json "$OUT/moe_scale.json" || echo "bench_moe_scale: exit $?";;
 every)
     if [ -n "$TINY" ]; then
-        TINY=1 PY=$PY OUT="$OUT" SECOND_BEFORE=0 bash benchmarks/device/every_step_1gpu.sh || echo "every: exit $?"
+        STEPS=10 TINY=1 PY=$PY OUT="$OUT" SECOND_BEFORE=0 bash benchmarks/device/every_step_1gpu.sh || echo "every: exit $?"
     else
-        PY=$PY OUT="$OUT" SECOND_BEFORE=0 timeout 240 bash benchmarks/device/every_step_1gpu.sh || echo "every: exit $?"
+        STEPS=10 PY=$PY OUT="$OUT" SECOND_BEFORE=0 timeout 240 bash benchmarks/device/every_step_1gpu.sh || echo "every: exit $?"
     fi;;
 io)
     mkdir -p "$OUT/io"

@@ -17,7 +17,8 @@ copies only casts, strided boxes and device targets.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from functools import partial
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -175,6 +176,36 @@ def _scale_wants(plan: LoadPlan) -> List[Want]:
     return out
 
 
+def _fp8_sinks(plan: LoadPlan, wants: List[Want], scales: Dict[int, Tuple[torch.Tensor, int]],
+               touched: Dict[int, None]) -> List[Want]:
+    """``wants`` with a sink for each block-FP8 piece into a plain CPU tensor: dequantized by the reader thread that read it.
+
+    The one pass of the plain copies (``_byte_sink``) for FP8 pieces: the
+    reader thread checks a piece and dequantizes it where it lies (out of
+    the file's mapping, while in cache), the reader threads in parallel
+    (``_fp8.box_sink``). ``scales`` is filled before the first piece is read.
+    """
+    out: List[Want] = []
+    for w in wants:
+        job: _Copy = w.tag
+        scale = plan.targets[job.target].scale
+        dst = job.dst
+        if (scale is None or w.sink is not None or len(job.sizes) != 2 or not all(job.sizes) or dst.device.type != "cpu"
+                or type(dst) not in (torch.Tensor, torch.nn.Parameter)):
+            out.append(w)
+            continue
+        put = _fp8.box_sink(dst.detach(), width=job.strides[0], first=job.first,
+                            origin=(w.chunk.offsets[0] + job.src_offsets[0], w.chunk.offsets[1] + job.src_offsets[1]),
+                            block=scale.block, scales=partial(scales.__getitem__, job.target))
+
+        def sink(pos: int, data: memoryview, put=put, ti: int = job.target) -> None:
+            touched[ti] = None
+            put(pos, data)
+
+        out.append(replace(w, sink=sink))
+    return out
+
+
 def _read_scales(storage: Storage, plan: LoadPlan, read: Callable[..., ReadStats], *, threads: int,
                  pool: BufferPool, stats: ReadStats) -> Dict[int, Tuple[torch.Tensor, int]]:
     """``{target: (float32 scale rows, first row)}`` of the block-FP8 targets, read through the verified reader first."""
@@ -267,12 +298,15 @@ def stream_into(
     """
     dests = staged if staged is not None else [[dst for _, dst in t.parts] for t in plan.targets]
     cuda = staged is None and torch.cuda.is_available() and any(d.is_cuda for ds in dests for d in ds)
+    if threads is None and not cuda and any(t.scale is not None for t in plan.targets):
+        threads = max(_knobs.LOAD_CPU_IO_THREADS, _fp8.host_threads())  # the readers dequantize: CPU work
     threads, buffer_bytes = load_settings(cuda, threads=threads, buffer_bytes=buffer_bytes)
     range_bytes = min(_knobs.LOAD_RANGE_BYTES, buffer_bytes)
     alloc, free = _host_alloc(cuda)
     pool = BufferPool(buffer_bytes, slot_bytes=range_bytes, alloc=alloc, free=free)
     touched: Dict[int, None] = {}
     events: List[Any] = []
+    dev_scales: Dict[Tuple[int, str], torch.Tensor] = {}  # block-FP8 scale rows on a target's device
 
     def place(w: Want, raw: torch.Tensor):
         """Copy a want's bytes (``raw``: uint8, host or device) into its destination; a fence or None."""
@@ -288,15 +322,26 @@ def stream_into(
         scale = plan.targets[job.target].scale
         if scale is not None:  # block FP8: dequantized as it lands
             rows, k0 = scales[job.target]
-            if src.is_cuda:  # bytes another rank sent to the device: the same kernels there
-                rows, dst = rows.to(src.device), job.dst
-            else:  # host codes: dequantized on the host (into a host piece for a device target)
-                dst = job.dst if not job.dst.is_cuda else torch.empty(job.sizes, dtype=torch.float32)
-            _fp8.dequantize_into(dst, src, rows, row0=w.chunk.offsets[0] + job.src_offsets[0],
-                                 col0=w.chunk.offsets[1] + job.src_offsets[1], block=scale.block, scale_row0=k0)
+            box: Dict[str, Any] = dict(row0=w.chunk.offsets[0] + job.src_offsets[0], col0=w.chunk.offsets[1] + job.src_offsets[1],
+                                       block=scale.block, scale_row0=k0)
+            if not (job.dst.is_cuda or src.is_cuda):
+                _fp8.dequantize_into(job.dst, src, rows, **box)  # host kernels, this thread
+                return None
+            # A device target: the FP8 bytes go to the device (half those of
+            # bf16) and are dequantized there, queued behind the copy.
+            dev = job.dst.device if job.dst.is_cuda else src.device
+            key = (job.target, str(dev))
+            if key not in dev_scales:
+                dev_scales[key] = rows.to(dev)
+            q = src if src.device == dev else torch.empty(job.sizes, dtype=src.dtype, device=dev).copy_(src, non_blocking=True)
+            dst = job.dst if job.dst.device == dev else torch.empty(job.sizes, dtype=job.dst.dtype, device=dev)
+            _fp8.dequantize_native(dst, q, dev_scales[key], **box)
             if dst is not job.dst:
                 job.dst.copy_(dst)
-            return None
+            ev = torch.cuda.Event()
+            ev.record()
+            events.append(ev)
+            return ev
         if job.dst.is_cuda or src.is_cuda:
             job.dst.copy_(src, non_blocking=True)
             ev = torch.cuda.Event()
@@ -325,9 +370,11 @@ def stream_into(
     # own transfer engine: no sinks there.
     once = comm is not None and comm.world > 1 and (_replicas.enabled() or sources is not None)
     wants = _wants(plan, dests, range_bytes, _no_sink if cuda or once else sink)
+    scales: Dict[int, Tuple[torch.Tensor, int]] = {}
+    if not (cuda or once):
+        wants = _fp8_sinks(plan, wants, scales, touched)
     stats = stats or ReadStats()
     stats.needed_bytes += sum(w.stop - w.start for w in wants)
-    scales: Dict[int, Tuple[torch.Tensor, int]] = {}
     try:
         with torch.no_grad():
             scales.update(_read_scales(storage, plan, read, threads=threads, pool=pool, stats=stats))

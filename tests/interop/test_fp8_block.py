@@ -181,6 +181,35 @@ def test_fp8_dir_into_one_process_exact(fp8_dir, one_process):
         assert_bits_equal(got[k], v, k)  # fp8.float() * block_scale, exactly
 
 
+def test_fp8_pieces_dequantized_by_the_reader_threads_cut_inside_rows(fp8_dir, monkeypatch):
+    # The one pass: each read piece is dequantized by the reader thread that
+    # read it, out of the file's mapping; pieces of 1000 bytes end inside rows
+    # (160 and 320 codes) and inside blocks, three threads at once.
+    from shardckpt import _fp8, _knobs
+
+    d, want = fp8_dir
+    sinks = []
+
+    def box_sink(dst, **kw):
+        put = real(dst, **kw)
+
+        def counted(pos, data):
+            sinks.append(len(data))
+            put(pos, data)
+
+        return counted
+
+    real = _fp8.box_sink
+    monkeypatch.setattr(_fp8, "box_sink", box_sink)
+    monkeypatch.setattr(_knobs, "READ_BLOCK_BYTES", 1000)
+    model = make_model(seed=3)
+    assert shardckpt.load({"model": model}, d, io_threads=3) == ([], [])
+    got = full_state(model)
+    for k, v in want.items():
+        assert_bits_equal(got[k], v, k)
+    assert len(sinks) > 100 and max(sinks) <= 1000
+
+
 @pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_fp8_dir_into_fsdp2_exact_and_next_step_loss(fp8_dir, one_process, world):
     d, want = fp8_dir

@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
 
 import shardckpt
+from shardckpt import _fp8
 from shardckpt._format.hf import fp8_block_size, scale_shape
-from shardckpt._fp8 import band_rows, block_amax, dequantize_into, quantize_into, scales_from_amax
+from shardckpt._fp8 import band_rows, block_amax, box_sink, dequantize_into, dequantize_native, quantize_into, scales_from_amax
 from shardckpt.errors import CorruptCheckpointError, UnsupportedStateError
 
 B = (128, 128)
@@ -57,6 +60,109 @@ def test_dequantize_every_code_into_every_float_dtype_and_any_box_exactly():
         dequantize_into(out, q[r0 : r0 + n, c0 : c0 + m], scale[k0:], row0=r0, col0=c0, block=B, scale_row0=k0)
         want = ref[r0 : r0 + n, c0 : c0 + m]
         assert torch.equal(out.nan_to_num(), want.nan_to_num()), (r0, c0, n, m)
+
+
+def _codes_and_scales(rows=300, cols=700, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.arange(256, dtype=torch.uint8).repeat(rows, -(-cols // 256) + 1)[:, :cols]  # every code, NaNs too
+    codes = codes[:, torch.randperm(cols, generator=g)].contiguous()
+    scale = torch.rand(-(-rows // 128), -(-cols // 128), generator=g) * 2.0 ** torch.randint(-30, 7, (-(-rows // 128), -(-cols // 128)), generator=g).float()
+    return codes.view(torch.float8_e4m3fn), scale
+
+
+def _same(got, want, what=""):
+    assert got.dtype == want.dtype and torch.equal(got.isnan(), want.isnan()), what
+    assert torch.equal(got.nan_to_num().reshape(-1).view(torch.uint8), want.nan_to_num().reshape(-1).view(torch.uint8)), what
+
+
+@pytest.mark.parametrize("scratch", [1 << 17, 4096, 300])  # whole bands / pieces of bands / pieces of column blocks
+def test_host_kernels_in_every_step_shape_equal_the_reference(monkeypatch, scratch):
+    monkeypatch.setattr(_fp8, "SCRATCH_ELEMS", scratch)
+    q, scale = _codes_and_scales()
+    scale[2, 1] = 2.0**9  # folding the 2^120 bias in would overflow: the two-step multiply
+    ref = q.float() * expand(scale, q.shape)
+    for dt in (torch.float32, torch.bfloat16):
+        out = torch.empty(q.shape, dtype=dt)
+        dequantize_into(out, q, scale, row0=0, col0=0, block=B)
+        _same(out, ref.to(dt), (scratch, dt))
+    clean = q.view(torch.uint8).clone()
+    clean[(clean & 0x7F) == 0x7F] = 0  # no NaN code: the kernels alone, no mask
+    q2 = clean.view(torch.float8_e4m3fn)
+    out = torch.empty(q.shape[1], q.shape[0], dtype=torch.bfloat16).t()  # a transposed destination
+    dequantize_into(out, q2, scale, row0=0, col0=0, block=B)
+    _same(out, (q2.float() * expand(scale, q.shape)).to(torch.bfloat16), scratch)
+
+
+def test_cuda_path_math_equals_the_reference_on_cpu_tensors():
+    # dequantize_native is what the load runs on the device (the FP8 bytes
+    # copied there); the same function on CPU tensors, every dtype and box.
+    q, scale = _codes_and_scales(seed=3)
+    ref = q.float() * expand(scale, q.shape)
+    for dt in (torch.float32, torch.bfloat16, torch.float16):
+        out = torch.empty(q.shape, dtype=dt)
+        dequantize_native(out, q, scale, row0=0, col0=0, block=B)
+        _same(out, ref.to(dt), dt)
+    for r0, c0, n, m in [(100, 200, 50, 300), (127, 1, 3, 699), (130, 0, 170, 700), (0, 383, 300, 1)]:
+        k0 = r0 // 128
+        out = torch.empty(n, m + 3, dtype=torch.bfloat16)[:, 1 : 1 + m]
+        dequantize_native(out, q[r0 : r0 + n, c0 : c0 + m], scale[k0:], row0=r0, col0=c0, block=B, scale_row0=k0)
+        _same(out, ref[r0 : r0 + n, c0 : c0 + m].to(torch.bfloat16), (r0, c0, n, m))
+
+
+def test_box_sink_takes_pieces_cut_anywhere_in_any_order_and_threads():
+    # A saved chunk (300 x 700 codes) from global (128, 256); boxes of it as
+    # the load asks: whole rows, and a column range (a TP-style shard); the
+    # bytes arrive in pieces cut inside rows, out of order, from threads.
+    q, scale = _codes_and_scales(seed=5)
+    chunk = q.view(torch.uint8).numpy().tobytes()
+    full_scale = torch.cat([torch.full((1, 8), 7.0), torch.cat([torch.full((3, 2), 7.0), scale], 1)])  # global grid
+    ref = q.float() * expand(scale, q.shape)
+    rng = random.Random(0)
+    for r_s, n, c_s, m in [(0, 300, 0, 700), (37, 150, 0, 700), (5, 200, 131, 333), (299, 1, 699, 1)]:
+        first, last = r_s * 700 + c_s, (r_s + n - 1) * 700 + c_s + m  # the want's elements
+        data = memoryview(chunk)[first:last]
+        dst = torch.full((n, m), -1.0, dtype=torch.bfloat16)
+        k0 = (128 + r_s) // 128
+        put = box_sink(dst, width=700, first=first, origin=(128 + r_s, 256 + c_s), block=B,
+                       scales=lambda k0=k0: (full_scale[k0:], k0))
+        cuts = sorted({0, len(data), *(rng.randrange(len(data)) for _ in range(9))})
+        pieces = list(zip(cuts, cuts[1:]))
+        rng.shuffle(pieces)
+        threads = [threading.Thread(target=put, args=(a, data[a:b])) for a, b in pieces]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        _same(dst, ref[r_s : r_s + n, c_s : c_s + m].to(torch.bfloat16), (r_s, n, c_s, m))
+
+
+def test_host_path_serial_in_its_thread_and_flush_denormal_falls_back():
+    seen = {}
+
+    def probe():
+        before = torch.get_num_threads()
+        with _fp8._serial():
+            seen["inside"] = torch.get_num_threads()
+        seen["after"] = (before, torch.get_num_threads())
+
+    t = threading.Thread(target=probe)
+    t.start()
+    t.join()
+    assert seen["after"][0] == seen["after"][1]  # restored: no thread keeps a changed count
+    if seen["after"][0] > 1 and _fp8._omp_threads():
+        assert seen["inside"] == 1
+    main = torch.get_num_threads()
+    q, scale = _codes_and_scales(rows=130, cols=140, seed=7)
+    if not torch.set_flush_denormal(True):
+        pytest.skip("no flush-to-zero on this CPU")
+    try:
+        ref = (q.float() * expand(scale, q.shape)).to(torch.bfloat16)  # the reference under the same mode
+        out = torch.empty(q.shape, dtype=torch.bfloat16)
+        dequantize_into(out, q, scale, row0=0, col0=0, block=B)
+    finally:
+        torch.set_flush_denormal(False)
+    _same(out, ref)
+    assert torch.get_num_threads() == main
 
 
 def test_quantize_is_deepseeks_and_boxes_may_split_blocks():
