@@ -78,6 +78,14 @@ class Shard:
     dim: int
     split_factor: int = 1
 
+    def __hash__(self) -> int:
+        # Cached: every memoized geometry is keyed on placements.
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = hash((self.dim, self.split_factor))
+            object.__setattr__(self, "_hash", h)
+        return h
+
 
 @dataclass(frozen=True)
 class Replicate:
@@ -216,11 +224,13 @@ def _memo(fn):
 
     @functools.wraps(fn)
     def call(*args):
+        # One hash of the arguments (the cache's): a 50,000-tensor plan calls
+        # these once per tensor. Unhashable arguments fail to hash before
+        # ``fn`` runs; a TypeError ``fn`` itself raises is raised again below.
         try:
-            hash(args)
+            return cached(*args)
         except TypeError:
             return fn(*args)
-        return cached(*args)
 
     call.cache_clear = cached.cache_clear
     call.cache_info = cached.cache_info
