@@ -33,10 +33,12 @@ here too, below both ``_format.resolve`` and ``_format._v2``, which share it.
 from __future__ import annotations
 
 import threading
+from collections import deque
 from dataclasses import dataclass, field, fields
-from typing import Any, Dict, Optional, Tuple
+from itertools import repeat
+from typing import Any, Dict, Iterable, List, Optional, Tuple
 
-__all__ = ["Chunk", "MetaCache", "chunk_of"]
+__all__ = ["Chunk", "MetaCache", "chunk_of", "chunks_of"]
 
 
 @dataclass(frozen=True)
@@ -159,6 +161,21 @@ def chunk_of(file: str, byte_offset: int, nbytes: int, offsets: Tuple[int, ...],
                          "crc32c": crc32c, "block_bytes": block_bytes, "block_crcs": block_crcs, "tensor": tensor, "key": key,
                          "content_hash": content_hash})
     return c
+
+
+def chunks_of(count: int, columns: Iterable[Tuple[Any, ...]]) -> List[Chunk]:
+    """:func:`chunk_of` of each of ``count`` field tuples (``Chunk``'s fields in order), with no Python call per chunk.
+
+    The dicts, the objects and their ``__dict__`` are made by C-level
+    ``map``s: a load of 50,000 tensors builds its chunks in one pass.
+
+        >>> chunks_of(1, [("f", 0, 4, (0,), (1,), 7, 0, (), "w", "w", "")]) == [chunk_of("f", 0, 4, (0,), (1,), 7, 0, (), "w", "w", "")]
+        True
+    """
+    out = list(map(_new, repeat(Chunk, count)))
+    dicts = map(dict, map(zip, repeat(_FIELDS), columns))
+    deque(map(_set, out, repeat("__dict__"), dicts), maxlen=0)
+    return out
 
 
 @dataclass

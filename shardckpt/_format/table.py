@@ -39,7 +39,7 @@ from typing import Any, Dict, Iterator, KeysView, List, Mapping, MutableMapping,
 
 from ..errors import CorruptCheckpointError
 from .checksum import check_hash_hex
-from .chunk import chunk_of
+from .chunk import chunk_of, chunks_of
 from .dtypes import itemsize
 from .manifest import ChunkMeta, TensorMeta
 
@@ -591,8 +591,8 @@ class ColumnKeys(Mapping[str, Tuple[str, ChunkMeta]]):
         if c.hash is not None:
             hashes = [h or "" for h in map(c.hash.__getitem__, rows)]
         files = map(c.files.__getitem__, map(c.file.__getitem__, rows))
-        return list(map(chunk_of, files, map(c.start.__getitem__, rows), nbytes, repeat(box.offsets), repeat(box.sizes), crc,
-                        repeat(block_bytes if block_bytes > 0 else 0), blocks, names, keys, hashes))
+        return chunks_of(len(rows), zip(files, map(c.start.__getitem__, rows), nbytes, repeat(box.offsets), repeat(box.sizes), crc,
+                                        repeat(block_bytes if block_bytes > 0 else 0), blocks, names, keys, hashes))
 
     def __contains__(self, key: object) -> bool:
         return key in self._row_of
