@@ -955,7 +955,7 @@ def _resolve(manifest: Any, storage: Any, wants: Sequence[Tuple[str, Any]], cach
             gkey = (gkey[0], bkey)
             g = groups.get(gkey)
         if g is None:
-            lay, mesh, shape = kinds[k] if k is not None else gkey[0][:3]
+            lay, mesh, shape = cast(Tuple[Any, int, Tuple[int, ...]], kinds[k] if k is not None else gkey[0][:3])
             g = groups[gkey] = _Group(_hits(manifest, lay, mesh, rot, shape, bkey, writers), bkey)
         g.members.append(i)
     # Pass 2: per group, each saved chunk's rows for all its tensors at once.

@@ -398,10 +398,10 @@ def _bulk_rows(boxes: List[Any], cols: Dict[str, Any], m: Any, files: List[str],
     # shape and item size; per distinct (kind, box): inside, whole. Over the
     # columns (C-level maps) when every name is a row of the manifest's
     # tensor table; else per distinct name.
-    kidx = _row_kinds(m.tensors, names)
-    if kidx is None:
+    got = _row_kinds(m.tensors, names)
+    if got is None:
         return None
-    kidx, kshape, kisz = kidx
+    kidx, kshape, kisz = got
     tails: Dict[Tuple[int, int], str] = {}
     for k, b in set(zip(kidx, box_col)):
         offsets, sizes, _, tail = geo[b]
@@ -478,7 +478,7 @@ def _row_kinds(tensors: Any, names: List[str]) -> Optional[Tuple[List[int], List
     ``(dtype, shape)``, one lookup per distinct name.
     """
     if isinstance(tensors, TableTensors):
-        rows = list(map(tensors._items.get, names))
+        rows: List[Any] = list(map(tensors._items.get, names))
         if set(map(type, rows)) <= _INT:
             kinds = tensors._kinds
             return (list(map(tensors._kind.__getitem__, rows)), [tuple(k.shape) for k in kinds],
