@@ -234,6 +234,7 @@ def _memo(fn):
 
     call.cache_clear = cached.cache_clear
     call.cache_info = cached.cache_info
+    call.cached = cached
     return call
 
 
@@ -259,6 +260,11 @@ def local_boxes(
     >>> [b.box for b in local_boxes((5, 3), (2,), (Shard(0),), (1,))]
     [Box(offsets=(3, 0), sizes=(2, 3))]
     """
+    if type(shape) is tuple and type(mesh_shape) is tuple and type(placements) is tuple and type(coord) is tuple:
+        try:  # the cache directly: a 50,000-tensor load asks once per tensor
+            return list(_local_boxes.cached(shape, mesh_shape, placements, coord))
+        except TypeError:  # an unhashable placement
+            pass
     return list(_local_boxes(tuple(shape), tuple(mesh_shape), tuple(placements), tuple(coord)))
 
 
