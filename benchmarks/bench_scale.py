@@ -16,9 +16,11 @@ process group and no tensor bytes, from the real planning code
 ``--format v2`` (the default) times what this version does: the v2
 manifest (layout records, one data file and one index file per rank, its own
 CRC-32C) built, serialised and re-parsed by rank 0; a loading rank parses it
-and resolves its chunks with ``_format.resolve_chunks``, which reads only the
-index files of the ranks that wrote them (served from memory here; their
-bytes count in load_meta_mb). ``--format v1`` keeps the v1 manifest figures.
+and resolves its chunks and read pieces with ``_format.resolve_reads`` (what
+``_load.plan`` calls), which reads only the index files of the ranks that
+wrote them (served from memory here; their bytes count in load_meta_mb).
+The live layout is ``_geometry.local_boxes`` per tensor (what ``layout_of``
+calls), the rank's mesh coordinate once per mesh (``DeviceMesh.get_coordinate``). ``--format v1`` keeps the v1 manifest figures.
 
 ``--planner v1`` is the planning of shardckpt 0.1 (every rank derives the
 boxes and holders of every tensor on every rank, ``layout_holders`` +
