@@ -932,8 +932,12 @@ def _resolve(manifest: Any, storage: Any, wants: Sequence[Tuple[str, Any]], cach
     kinds = [(k.lay, k.regular["mesh"], tuple(k.shape)) if k.shape and 0 not in k.shape else None
              for k in (table.kinds if table is not None else ())]
     out: List[Any] = [None] * len(wants)
+    if table is not None and _group_rows(table, kinds, wants, groups, manifest, writers):
+        wants_left: Sequence[Tuple[str, Any]] = ()
+    else:
+        wants_left = wants
     # Pass 1: each tensor into its group (or resolved alone: v1 lists, irregular, 0-d, empty).
-    for i, (name, boxes) in enumerate(wants):
+    for i, (name, boxes) in enumerate(wants_left):
         got = row(name) if row is not None else None
         if got is not None and kinds[got[0]] is not None:
             k, rot = got
@@ -984,6 +988,39 @@ def _resolve(manifest: Any, storage: Any, wants: Sequence[Tuple[str, Any]], cach
 
 
 _tuple_new = tuple.__new__
+
+
+def _group_rows(table: TableTensors, kinds: List[Any], wants: Sequence[Tuple[str, Any]], groups: Dict[Any, _Group],
+                m: Manifest, writers: Dict[Any, int]) -> bool:
+    """Pass 1 of :func:`_resolve` over the columns, when every wanted tensor is a table row of a plain kind.
+
+    Fills ``groups`` (keyed as the per-tensor pass keys them) and returns
+    True; returns False, with ``groups`` untouched, when any tensor needs
+    the per-tensor pass (a built record, an empty or 0-d kind, boxes given
+    as lists).
+    """
+    got = table.rows(list(map(operator.itemgetter(0), wants)))
+    if got is None:
+        return False
+    ks, rots = got
+    if any(kinds[k] is None for k in set(ks)):
+        return False
+    members: Dict[Any, List[int]] = {}
+    try:
+        for i, gkey in enumerate(zip(zip(ks, rots), map(tuple, map(operator.itemgetter(1), wants)))):
+            got_members = members.get(gkey)
+            if got_members is None:
+                members[gkey] = [i]
+            else:
+                got_members.append(i)
+    except TypeError:  # lists inside the boxes
+        return False
+    for gkey, idx in members.items():
+        (k, rot), bkey = gkey
+        lay, mesh, shape = kinds[k]
+        g = groups[gkey] = _Group(_hits(m, lay, mesh, rot, shape, bkey, writers), bkey)
+        g.members = idx
+    return True
 
 
 def _group_chunks(m: Manifest, storage: Any, cache: MetaCache, names: List[str], hit: Tuple[_geometry.Box, int, str, bool]) -> List[Any]:

@@ -683,6 +683,17 @@ class TableTensors(MutableMapping[str, TensorMeta]):
             return None
         return self._kind[v], self._rot[v]
 
+    def rows(self, names: Sequence[str]) -> Optional[Tuple[List[int], List[int]]]:
+        """``(kind numbers, rotations)`` of ``names`` over the columns, or None when any record is built already.
+
+        Raises:
+            KeyError: a name is not a tensor.
+        """
+        got: List[Any] = list(map(self._items.__getitem__, names))
+        if not set(map(type, got)) <= _INT:
+            return None
+        return list(map(self._kind.__getitem__, got)), list(map(self._rot.__getitem__, got))
+
     def dtype_shape(self, name: str) -> Optional[Tuple[str, Sequence[int]]]:
         """``(dtype, shape)`` of ``name`` without building its record (None: not a tensor); the shape is not to be changed."""
         v = self._items.get(name)
