@@ -21,7 +21,7 @@ Simulated in one process with the real planning and format code (as
                  the EP groups' meshes, the file table), serialises and
                  re-parses it;
 * load_plan_s    rank 0 of a load at the same layout: parse the manifest,
-                 resolve every tensor it holds (``resolve_many``: the index
+                 resolve every tensor it holds (``resolve_reads``: the index
                  files of the ranks that wrote its chunks, served from
                  memory), plan the read pieces;
 * reshard_plan_s the same at half the ranks, EP 16 -> 8 (``--reshard``);
@@ -64,12 +64,12 @@ from shardckpt._format import (  # noqa: E402
     index_file_name,
     manifest_from_bytes,
     manifest_to_bytes,
-    resolve_many,
+    resolve_reads,
 )
 from shardckpt._format._v2 import index_bytes, nblocks  # noqa: E402
 from shardckpt._format.checksum import crc32c  # noqa: E402
 from shardckpt._format.manifest import paused_gc  # noqa: E402
-from shardckpt._geometry import Box, Replicate, Shard  # noqa: E402
+from shardckpt._geometry import Replicate, Shard  # noqa: E402
 
 D, H, EXPERTS = 4096, 1536, 128
 ITEMSIZE, DTYPE = 2, "BF16"
@@ -209,14 +209,15 @@ def load_plan(body: bytes, storage, live, rank: int) -> Tuple[int, int]:
     """A loading rank: parse the manifest, resolve every tensor it holds in one call, plan the pieces."""
     m = manifest_from_bytes(body)
     cache = MetaCache()
-    wants, owned = [], []
+    wants = []
     for name, lay, coord in live:
-        for lb in _geometry.local_boxes(lay.shape, lay.mesh_shape, lay.placements, coord):
-            wants.append((name, [(lb.box.offsets, lb.box.sizes)]))
-            owned.append(lb.box)
+        boxes = [(lb.box.offsets, lb.box.sizes) for lb in _geometry.local_boxes(lay.shape, lay.mesh_shape, lay.placements, coord)]
+        if boxes:
+            wants.append((name, boxes))
+    # What ``_load.plan`` does: every tensor's chunks and read pieces in one call.
     pieces = 0
-    for box, got in zip(owned, resolve_many(m, storage, wants, cache=cache)):
-        pieces += len(_geometry.plan_box_reads([Box(c.offsets, c.sizes) for c in got], box))
+    for got in resolve_reads(m, storage, wants, cache=cache):
+        pieces += sum(map(len, got.pieces))
     return pieces, cache.bytes_read
 
 

@@ -16,9 +16,11 @@ process group and no tensor bytes, from the real planning code
 ``--format v2`` (the default) times what this version does: the v2
 manifest (layout records, one data file and one index file per rank, its own
 CRC-32C) built, serialised and re-parsed by rank 0; a loading rank parses it
-and resolves its chunks with ``_format.resolve_chunks``, which reads only the
-index files of the ranks that wrote them (served from memory here; their
-bytes count in load_meta_mb). ``--format v1`` keeps the v1 manifest figures.
+and resolves its chunks and read pieces with ``_format.resolve_reads`` (what
+``_load.plan`` calls), which reads only the index files of the ranks that
+wrote them (served from memory here; their bytes count in load_meta_mb).
+The live layout is ``_geometry.local_boxes`` per tensor (what ``layout_of``
+calls), the rank's mesh coordinate once per mesh (``DeviceMesh.get_coordinate``). ``--format v1`` keeps the v1 manifest figures.
 
 ``--planner v1`` is the planning of shardckpt 0.1 (every rank derives the
 boxes and holders of every tensor on every rank, ``layout_holders`` +
@@ -42,11 +44,12 @@ Limits: plain Python, one core; v1 at 4,096 ranks needs several GB of memory.
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import sys
 import time
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, Dict, List, Tuple
 
 from shardckpt import _geometry
 from shardckpt._format import (
@@ -128,7 +131,9 @@ def layouts(tensors, ranks: int, layout: str, tp: int) -> Dict[str, Any]:
     return out
 
 
-def coord_of(mesh_shape: Sequence[int], rank: int) -> Tuple[int, ...]:
+@functools.lru_cache(maxsize=None)
+def coord_of(mesh_shape: Tuple[int, ...], rank: int) -> Tuple[int, ...]:
+    """``rank``'s coordinate in a mesh (what ``DeviceMesh.get_coordinate()`` returns: computed once per mesh)."""
     coord = []
     for m in reversed(mesh_shape):
         rank, c = divmod(rank, m)
@@ -345,7 +350,7 @@ def _v2_manifest(lays, rot, ranks: int, block_bytes: int, sizes: Dict[int, Tuple
 
 
 def run_v2(args, lays) -> int:
-    from shardckpt._format import MetaCache, resolve_many
+    from shardckpt._format import MetaCache, resolve_reads
     from shardckpt._format.checksum import crc32c
 
     block_bytes = 1 << 20
@@ -394,16 +399,17 @@ def run_v2(args, lays) -> int:
         m = manifest_from_bytes(body)
         cache = MetaCache()
         pieces = 0
-        wants, owned = [], []
+        wants = []
         for name in sorted(lays):
             live = lays[name]
-            for lb in _geometry.local_boxes(live.shape, live.mesh_shape, live.placements, coord_of(live.mesh_shape, args.rank)):
-                wants.append((name, [(lb.box.offsets, lb.box.sizes)]))
-                owned.append(lb.box)
-        # What ``_load.plan`` does: every wanted box resolved in one call, then read pieces per box.
-        for box, got in zip(owned, resolve_many(m, storage, wants, cache=cache)):
-            saved = [Box(c.offsets, c.sizes) for c in got]
-            pieces += len(_geometry.plan_box_reads(saved, box))
+            boxes = [(lb.box.offsets, lb.box.sizes)
+                     for lb in _geometry.local_boxes(live.shape, live.mesh_shape, live.placements, coord_of(live.mesh_shape, args.rank))]
+            if boxes:
+                wants.append((name, boxes))
+        # What ``_load.plan`` does: every tensor's chunks and read pieces in one call.
+        for got in resolve_reads(m, storage, wants, cache=cache):
+            pieces += sum(map(len, got.pieces))
+        assert pieces >= len(wants)
         return cache.bytes_read
 
     index_read, load_s = _timed(load_plan)
@@ -420,6 +426,7 @@ def _timed(fn):
     # Cold: a phase must not reuse geometry memoized by an earlier one (a
     # loading process starts with nothing remembered).
     getattr(_geometry, "clear_geometry_caches", lambda: None)()
+    coord_of.cache_clear()
     gc.collect()
     t0 = time.perf_counter()
     out = fn()

@@ -78,6 +78,14 @@ class Shard:
     dim: int
     split_factor: int = 1
 
+    def __hash__(self) -> int:
+        # Cached: every memoized geometry is keyed on placements.
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = hash((self.dim, self.split_factor))
+            object.__setattr__(self, "_hash", h)
+        return h
+
 
 @dataclass(frozen=True)
 class Replicate:
@@ -216,14 +224,17 @@ def _memo(fn):
 
     @functools.wraps(fn)
     def call(*args):
+        # One hash of the arguments (the cache's): a 50,000-tensor plan calls
+        # these once per tensor. Unhashable arguments fail to hash before
+        # ``fn`` runs; a TypeError ``fn`` itself raises is raised again below.
         try:
-            hash(args)
+            return cached(*args)
         except TypeError:
             return fn(*args)
-        return cached(*args)
 
     call.cache_clear = cached.cache_clear
     call.cache_info = cached.cache_info
+    call.cached = cached
     return call
 
 
@@ -249,6 +260,11 @@ def local_boxes(
     >>> [b.box for b in local_boxes((5, 3), (2,), (Shard(0),), (1,))]
     [Box(offsets=(3, 0), sizes=(2, 3))]
     """
+    if type(shape) is tuple and type(mesh_shape) is tuple and type(placements) is tuple and type(coord) is tuple:
+        try:  # the cache directly: a 50,000-tensor load asks once per tensor
+            return list(_local_boxes.cached(shape, mesh_shape, placements, coord))
+        except TypeError:  # an unhashable placement
+            pass
     return list(_local_boxes(tuple(shape), tuple(mesh_shape), tuple(placements), tuple(coord)))
 
 

@@ -55,7 +55,7 @@ from .naming import (
     rank_file_name,
     save_id_prefix,
 )
-from .resolve import MetaCache, resolve_chunks, resolve_many
+from .resolve import MetaCache, Reads, resolve_chunks, resolve_many, resolve_reads
 from .values import TAG, decode_value, encode_value, is_tensor_ref, plain_values, rename_refs, tensor_ref
 
 __all__ = [
@@ -69,6 +69,6 @@ __all__ = [
     "check_relpath", "manifest_from_bytes", "manifest_to_bytes", "plural", "tiling_problems",
     "DATA_DIR", "DATA_SUFFIX", "HF_INDEX_NAME", "INDEX_DIR", "MANIFEST_NAME", "chunk_key", "data_file_name",
     "index_file_name", "parse_data_file_name", "rank_file_name", "save_id_prefix",
-    "Chunk", "MetaCache", "resolve_chunks", "resolve_many",
+    "Chunk", "MetaCache", "resolve_chunks", "resolve_many", "Reads", "resolve_reads",
     "TAG", "decode_value", "encode_value", "is_tensor_ref", "plain_values", "rename_refs", "tensor_ref",
 ]

@@ -14,7 +14,8 @@ import json
 import math
 import operator
 import re
-from typing import Any, Dict, List, Optional, Sequence, Tuple, cast
+from itertools import repeat
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple, cast
 
 from .. import _geometry
 from ..errors import ChecksumMismatchError, CorruptCheckpointError, UnsafeMetadataError
@@ -40,7 +41,16 @@ from .manifest import (
 )
 from .naming import DATA_DIR, DATA_SUFFIX, INDEX_DIR, INDEX_SUFFIX, chunk_key, save_id_prefix
 from .refs import check_ref_paths
-from .table import ColumnKeys, front_decode, index_columns, int_column, parse_index_columns, tensor_table_json
+from .table import (
+    ColumnKeys,
+    TableKind,
+    TableTensors,
+    front_decode,
+    index_columns,
+    int_column,
+    parse_index_columns,
+    tensor_table_json,
+)
 from .versions import VERSIONS, first_with, register, spec, supports
 
 INDEX_FORMAT = "shardckpt-index"
@@ -115,20 +125,30 @@ def manifest_v2_from_raw(raw: Dict[str, Any], where: str) -> Manifest:
     for path, im in required_field(raw, "indexes", dict, where).items():
         iw = f"{where}: indexes[{path!r}]"
         listed_indexes.append((path, IndexMeta(required_field(im, "rank", int, iw), required_field(im, "size", int, iw), required_field(im, "crc32c", int, iw)), iw))
+    indexes: Dict[str, IndexMeta] = {}
     if table:
         table_data, table_indexes = _expand_table(raw, world_size, where)
-        for path, size in table_data:
-            if path in files:
-                raise _bad(where, f"file {path!r} is listed twice (file_table and files)")
-            files[path] = FileMeta(size)
-        for path, meta in table_indexes:
-            if path in files:
-                raise _bad(where, f"file {path!r} is listed twice (file_table and files)")
-            files[path] = FileMeta(meta.size)
-            listed_indexes.append((path, meta, f"{where}: file_table.index_files[{meta.rank}]"))
-    indexes: Dict[str, IndexMeta] = {}
-    ranks_seen: Dict[int, str] = {}
+        npaths = len(files) + len(table_data) + len(table_indexes)
+        files.update(zip(map(operator.itemgetter(0), table_data), map(FileMeta, map(operator.itemgetter(1), table_data))))
+        files.update((path, FileMeta(meta.size)) for path, meta in table_indexes)
+        if len(files) != npaths:  # a name twice: find it
+            seen = {path for path, _ in required_field(raw, "files", dict, where).items()}
+            for path in [p for p, _ in table_data] + [p for p, _ in table_indexes]:
+                if path in seen:
+                    raise _bad(where, f"file {path!r} is listed twice (file_table and files)")
+                seen.add(path)
+        # The table's index files: ranks 0.. in order, each once, sizes as in
+        # 'files' by construction; checked in bulk (below, one by one, only
+        # what the plain 'indexes' map lists).
+        sizes = [meta.size for _, meta in table_indexes]
+        crcs = [meta.crc32c for _, meta in table_indexes]
+        if int_column(sizes, 0, MAX_INDEX_FILE_BYTES + 1) and int_column(crcs, 0, 2**32):
+            indexes.update(table_indexes)
+        else:
+            listed_indexes.extend((path, meta, "") for path, meta in table_indexes)
+    ranks_seen: Dict[int, str] = {im.rank: rel for rel, im in indexes.items()}
     for path, meta, iw in listed_indexes:
+        iw = iw or f"{where}: file_table.index_files[{meta.rank}]"
         if not 0 <= meta.rank < world_size or meta.rank in ranks_seen:
             raise _bad(iw, f"rank {meta.rank} outside 0..{world_size - 1} or listed twice")
         if not 0 <= meta.size <= MAX_INDEX_FILE_BYTES or not 0 <= meta.crc32c < 2**32:
@@ -171,7 +191,7 @@ def manifest_v2_from_raw(raw: Dict[str, Any], where: str) -> Manifest:
         if not spec(version).tensor_table:
             since = first_with("tensor_table")
             raise _bad(where, f"a format_version {version} manifest carries 'tensor_table' (new in version {since}): damaged")
-        _tensor_table(raw["tensor_table"], tensors, meshes, world_size, len(indexes), memo, f"{where}: tensor_table")
+        tensors = _tensor_table(raw["tensor_table"], tensors, meshes, world_size, len(indexes), memo, f"{where}: tensor_table")
     content_hash = ""
     if supports(version, "content_hash"):
         content_hash = required_field(raw, "content_hash", str, where)
@@ -223,8 +243,13 @@ def _checked_regular(reg: Any, shape: List[int], meshes: List[Any], world_size: 
 
 
 def _tensor_table(table: Any, tensors: Dict[str, TensorMeta], meshes: List[Any], world_size: int, nindexes: int,
-                  memo: Dict[Any, Any], where: str) -> None:
-    """Format v5's ``tensor_table`` (``_format.table``) into ``tensors``: each kind checked once, each tensor's ints."""
+                  memo: Dict[Any, Any], where: str) -> Dict[str, TensorMeta]:
+    """Format v5's ``tensor_table`` (``_format.table``) added to ``tensors``: each kind checked once, each tensor's ints.
+
+    Returns the manifest's tensors: a :class:`TableTensors` over ``tensors``
+    and the table when every column checks in bulk (no per-tensor object
+    until one is asked for), else ``tensors`` with every record added.
+    """
     if not isinstance(table, dict):
         raise _bad(where, "must be an object")
     kinds = required_field(table, "kinds", list, where)
@@ -249,13 +274,10 @@ def _tensor_table(table: Any, tensors: Dict[str, TensorMeta], meshes: List[Any],
         int_column(kind_col, 0, nkinds) and int_column(rot_col, 0, None) and all(map(operator.lt, rot_col, map(worlds.__getitem__, kind_col)))
         and (not tensors or tensors.keys().isdisjoint(names))
     ):
-        # Every kind number and rotation checked over the whole columns: per tensor, its record.
-        for name, k, rot in zip(names, kind_col, rot_col):
-            dt, shape, layout, reg, lay, _ = checked[k]
-            t = TensorMeta(dt, list(shape), [], layout, {**reg, "rotation": rot})
-            t.__dict__["_regular_layout"] = lay
-            tensors[name] = t
-        return
+        # Every kind number and rotation checked over the whole columns: a
+        # tensor's record is built when first asked for (``TableTensors``).
+        # Typed as the dict it stands for (every mapping operation, built on demand).
+        return cast(Dict[str, TensorMeta], TableTensors(tensors, names, [TableKind(*c[:5]) for c in checked], kind_col, rot_col))
     for name, k, rot in zip(names, kind_col, rot_col):
         if type(k) is not int or not 0 <= k < nkinds:
             raise _bad(where, f"tensor {name!r}: kind {k!r:.20} is not one of the {nkinds} kinds")
@@ -267,6 +289,7 @@ def _tensor_table(table: Any, tensors: Dict[str, TensorMeta], meshes: List[Any],
         t = TensorMeta(dt, list(shape), [], layout, {**reg, "rotation": rot})
         t.__dict__["_regular_layout"] = lay
         tensors[name] = t
+    return tensors
 
 
 def _regular_of(reg: Dict[str, Any], shape: List[int], where: str):
@@ -291,12 +314,15 @@ def regular_of(t: TensorMeta):
 
 def mesh_rank(m: Manifest, t: TensorMeta, coord: Sequence[int]) -> int:
     """Global rank at mesh ``coord`` of a regular tensor's mesh."""
-    lay = regular_of(t)
+    return _rank_at(m, regular_of(t), cast(Dict[str, Any], t.regular)["mesh"], coord)
+
+
+def _rank_at(m: Manifest, lay: Any, mesh: int, coord: Sequence[int]) -> int:
     flat = 0
     for c, n in zip(coord, lay.mesh_shape):
         flat = flat * n + c
-    mesh = m.meshes[cast(Dict[str, Any], t.regular)["mesh"]]
-    return flat if mesh == "iota" else mesh[flat]
+    ranks = m.meshes[mesh]
+    return flat if ranks == "iota" else ranks[flat]
 
 
 
@@ -489,6 +515,17 @@ def _expand_table(raw: Dict[str, Any], world_size: int, where: str) -> Tuple[Lis
     if total > MAX_TABLE_FILES:
         raise UnsafeMetadataError(f"{tw}: expands to {total} files, over the limit of {MAX_TABLE_FILES}: refused before expanding")
     data_name, index_name = _namer(table["data"]), _namer(table["index"])
+    if (
+        world_size and set(map(len, sizes)) == {1} and int_column(col := list(map(operator.itemgetter(0), sizes)), 0, None)
+        and set(map(type, index_files)) == {list} and set(map(len, index_files)) == {2}
+        and int_column(isz := list(map(operator.itemgetter(0), index_files)), -(1 << 62), None)
+        and int_column(icrc := list(map(operator.itemgetter(1), index_files)), -(1 << 62), None)
+    ):
+        # One data file and one index file per rank (what a save writes):
+        # every field checked over the columns, every name made at C speed.
+        ranks = range(world_size)
+        return (list(zip(map(data_name, ranks, repeat(0)), col)),
+                list(zip(map(index_name, ranks, repeat(0)), map(IndexMeta, ranks, isz, icrc))))
     data: List[Tuple[str, int]] = []
     for r, row in enumerate(sizes):
         for i, n in enumerate(row):
@@ -815,74 +852,216 @@ def resolve(manifest: Any, storage: Any, name: str, boxes, cache: MetaCache) -> 
     return out
 
 
-@paused_gc
-def resolve_many(manifest: Any, storage: Any, wants: Sequence[Tuple[str, Any]], cache: MetaCache) -> List[List[Chunk]]:
-    """:func:`resolve` of many tensors at once: the geometry once per distinct (layout, rotation, boxes).
+class Reads(NamedTuple):
+    """One tensor's resolution: its saved chunks (by offsets) and, per wanted box, the pieces that fill it."""
 
-    A 50,000-tensor state has a few dozen distinct layouts: which saved boxes
-    a wanted box meets, and which rank wrote each, is computed once per
-    distinct question; per tensor what is left is the lookup of its chunk
-    keys in the index files (the same checks as :func:`resolve`).
+    chunks: List[Chunk]
+    #: ``pieces[j]``: ``_geometry.plan_box_reads`` of the chunks' boxes and
+    #: wanted box ``j`` (pieces index ``chunks``).
+    pieces: Tuple[Tuple[_geometry.Piece, ...], ...]
+
+
+class _Group:
+    """The tensors of one resolution question (layout, mesh, rotation, wanted boxes): what they share.
+
+    ``hits``: per saved chunk, ``(box, writer rank, key tail, whole)``;
+    ``members``: the positions (in ``wants``) of its tensors.
     """
-    if spec(manifest.version).chunk_lists:
-        return [resolve(manifest, storage, name, boxes, cache) for name, boxes in wants]
-    block_bytes = manifest.block_bytes
+
+    __slots__ = ("hits", "boxes", "members")
+
+    def __init__(self, hits: List[Tuple[_geometry.Box, int, str, bool]], boxes: Tuple[Any, ...]) -> None:
+        self.hits = hits
+        self.boxes = boxes
+        self.members: List[int] = []
+
+
+def _pieces(name: str, chunks: Sequence[Any], boxes) -> Tuple[Tuple[_geometry.Piece, ...], ...]:
+    """Per wanted box, the pieces of ``chunks`` that fill it (``_geometry.plan_box_reads``).
+
+    Raises:
+        CorruptCheckpointError: the chunks leave part of a box uncovered.
+    """
+    saved = [_geometry.Box(tuple(c.offsets), tuple(c.sizes)) for c in chunks]
+    try:
+        return tuple(_geometry.plan_box_reads(saved, _geometry.Box(tuple(o), tuple(z))) for o, z in boxes)
+    except ValueError as e:
+        raise CorruptCheckpointError(f"{name}: the checkpoint's chunks do not cover what this rank holds: {e}") from None
+
+
+def _lacks(storage: Any, name: str, rank: int, key: str, box: _geometry.Box) -> CorruptCheckpointError:
+    return CorruptCheckpointError(
+        f"{storage.url}: tensor {name!r}: the index of rank {rank} lacks chunk {key!r} "
+        f"(box {list(box.offsets)}+{list(box.sizes)}) that its layout record says that rank wrote"
+    )
+
+
+def resolve_many(manifest: Any, storage: Any, wants: Sequence[Tuple[str, Any]], cache: MetaCache) -> List[List[Chunk]]:
+    """:func:`resolve` of many tensors at once (:func:`resolve_reads` without the read pieces)."""
+    return cast(List[List[Chunk]], _resolve(manifest, storage, wants, cache, False))
+
+
+def resolve_reads(manifest: Any, storage: Any, wants: Sequence[Tuple[str, Any]], cache: MetaCache) -> List[Reads]:
+    """:func:`resolve` of many tensors at once, with the read pieces of each wanted box (:class:`Reads`)."""
+    return cast(List[Reads], _resolve(manifest, storage, wants, cache, True))
+
+
+@paused_gc
+def _resolve(manifest: Any, storage: Any, wants: Sequence[Tuple[str, Any]], cache: MetaCache, pieces: bool) -> List[Any]:
+    """Many tensors resolved at once: the geometry, the index lookups and the read pieces per group, not per tensor.
+
+    A 50,000-tensor state has a few dozen distinct (layout, rotation,
+    wanted boxes): which saved boxes a wanted box meets, which rank wrote
+    each, and the pieces that fill it are computed once per group
+    (:class:`_Group`); the group's tensors' chunk keys are then looked up
+    in the writer's index in one pass over its columns
+    (``ColumnKeys.chunks_for``: the same checks as :func:`resolve`), which
+    also builds their ``Chunk`` objects. A tensor of a manifest's tensor
+    table is grouped by its row (``TableTensors.row``) without building its
+    ``TensorMeta``.
+    """
+    version_lists = spec(manifest.version).chunk_lists
     writers = _writer_memo(manifest)
-    geo: Dict[Any, List[Tuple[_geometry.Box, int, str, bool]]] = {}
-    headers = cast(Dict[Any, Any], cache.headers)
-    out: List[List[Chunk]] = []
-    for name, boxes in wants:
-        t = manifest.tensors[name]
-        if t.regular is None or t.chunks or not t.shape or 0 in t.shape:
-            out.append(resolve(manifest, storage, name, boxes, cache))
-            continue
-        lay = regular_of(t)
-        reg = t.regular
-        boxes = tuple((tuple(o), tuple(z)) for o, z in boxes)
-        gkey = (lay, reg["mesh"], reg["rotation"], boxes)
-        hits = geo.get(gkey)
-        if hits is None:
-            wanted: Dict[Tuple[int, ...], Tuple[int, _geometry.Box]] = {}
-            for offs, sizes in boxes:
-                for sh, b in _geometry.chunks_overlapping(lay, _geometry.Box(offs, sizes)):
-                    wanted[b.offsets] = (sh, b)
-            hits = []
-            shape = tuple(t.shape)
-            for offs in sorted(wanted):
-                sh, box = wanted[offs]
-                wkey = (lay, reg["mesh"], reg["rotation"], sh)
-                rank = writers.get(wkey)
-                if rank is None:
-                    rank = writers[wkey] = mesh_rank(manifest, t, _geometry.writer_coord(lay, reg["rotation"], sh))
-                hits.append((box, rank, chunk_key("", box.offsets, False), box.sizes == shape))
-            geo[gkey] = hits
-        chunks: List[Chunk] = []
-        for box, rank, tail, whole in hits:
-            idx = headers.get(("index", rank))
-            if idx is None:
-                idx = read_index(manifest, storage, rank, cache)
-            key = name if whole else name + tail
-            keys = idx["keys"]
-            if type(keys) is ColumnKeys:  # a columnar index: the Chunk straight from its columns
-                got = keys.chunk(key, name, box, block_bytes)
-                if got is False:
-                    raise CorruptCheckpointError(
-                        f"{storage.url}: tensor {name!r}: the index of rank {rank} lacks chunk {key!r} "
-                        f"(box {list(box.offsets)}+{list(box.sizes)}) that its layout record says that rank wrote"
-                    )
-                if got is not None:
-                    chunks.append(got)
+    groups: Dict[Any, _Group] = {}
+    tensors = manifest.tensors
+    table = tensors if not version_lists and isinstance(tensors, TableTensors) else None
+    row = table.row if table is not None else None
+    # Per table kind: (layout, mesh, shape) when its tensors resolve here (a
+    # non-empty shape of at least one dim), else None (``resolve``).
+    kinds = [(k.lay, k.regular["mesh"], tuple(k.shape)) if k.shape and 0 not in k.shape else None
+             for k in (table.kinds if table is not None else ())]
+    out: List[Any] = [None] * len(wants)
+    if table is not None and _group_rows(table, kinds, wants, groups, manifest, writers):
+        wants_left: Sequence[Tuple[str, Any]] = ()
+    else:
+        wants_left = wants
+    # Pass 1: each tensor into its group (or resolved alone: v1 lists, irregular, 0-d, empty).
+    for i, (name, boxes) in enumerate(wants_left):
+        got = row(name) if row is not None else None
+        if got is not None and kinds[got[0]] is not None:
+            k, rot = got
+            gkey: Any = (k, rot)
+        else:
+            t = tensors[name]
+            if version_lists or t.regular is None or t.chunks or not t.shape or 0 in t.shape:
+                chunks = resolve(manifest, storage, name, boxes, cache)
+                out[i] = _tuple_new(Reads, (chunks, _pieces(name, chunks, boxes))) if pieces else chunks
                 continue
-            hit = keys.get(key)
-            if hit is None or hit[0] != name or tuple(hit[1].sizes) != box.sizes or tuple(hit[1].offsets) != box.offsets:
-                raise CorruptCheckpointError(
-                    f"{storage.url}: tensor {name!r}: the index of rank {rank} lacks chunk {key!r} "
-                    f"(box {list(box.offsets)}+{list(box.sizes)}) that its layout record says that rank wrote"
-                )
-            if hit[1].nbytes:
-                chunks.append(Chunk.from_meta(name, hit[1], block_bytes))
-        out.append(chunks)
+            k, rot = None, t.regular["rotation"]
+            gkey = (regular_of(t), t.regular["mesh"], tuple(t.shape), rot)
+        try:
+            bkey = tuple(boxes)
+            gkey = (gkey, bkey)
+            g = groups.get(gkey)
+        except TypeError:  # lists inside: the same question as tuples
+            bkey = tuple((tuple(o), tuple(z)) for o, z in boxes)
+            gkey = (gkey[0], bkey)
+            g = groups.get(gkey)
+        if g is None:
+            lay, mesh, shape = cast(Tuple[Any, int, Tuple[int, ...]], kinds[k] if k is not None else gkey[0][:3])
+            g = groups[gkey] = _Group(_hits(manifest, lay, mesh, rot, shape, bkey, writers), bkey)
+        g.members.append(i)
+    # Pass 2: per group, each saved chunk's rows for all its tensors at once.
+    for g in groups.values():
+        names = [wants[i][0] for i in g.members]
+        per_hit = [_group_chunks(manifest, storage, cache, names, hit) for hit in g.hits]
+        if len(per_hit) == 1:
+            lists = list(map(list, zip(*per_hit)))
+        else:
+            lists = [list(cs) for cs in zip(*per_hit)]
+        empty = any(None in cs for cs in per_hit)
+        if empty:  # an empty chunk: nothing to read, left out
+            lists = [[c for c in cs if c is not None] for cs in lists]
+        if not pieces:
+            for i, cs in zip(g.members, lists):
+                out[i] = cs
+            continue
+        if empty or not lists:
+            for i, name, cs in zip(g.members, names, lists):
+                out[i] = _tuple_new(Reads, (cs, _pieces(name, cs, g.boxes)))
+            continue
+        shared = _pieces(names[0], lists[0], g.boxes)
+        for i, cs in zip(g.members, lists):
+            out[i] = _tuple_new(Reads, (cs, shared))
     return out
+
+
+_tuple_new = tuple.__new__
+
+
+def _group_rows(table: TableTensors, kinds: List[Any], wants: Sequence[Tuple[str, Any]], groups: Dict[Any, _Group],
+                m: Manifest, writers: Dict[Any, int]) -> bool:
+    """Pass 1 of :func:`_resolve` over the columns, when every wanted tensor is a table row of a plain kind.
+
+    Fills ``groups`` (keyed as the per-tensor pass keys them) and returns
+    True; returns False, with ``groups`` untouched, when any tensor needs
+    the per-tensor pass (a built record, an empty or 0-d kind, boxes given
+    as lists).
+    """
+    got = table.rows(list(map(operator.itemgetter(0), wants)))
+    if got is None:
+        return False
+    ks, rots = got
+    if any(kinds[k] is None for k in set(ks)):
+        return False
+    members: Dict[Any, List[int]] = {}
+    try:
+        for i, gkey in enumerate(zip(zip(ks, rots), map(tuple, map(operator.itemgetter(1), wants)))):
+            got_members = members.get(gkey)
+            if got_members is None:
+                members[gkey] = [i]
+            else:
+                got_members.append(i)
+    except TypeError:  # lists inside the boxes
+        return False
+    for gkey, idx in members.items():
+        (k, rot), bkey = gkey
+        lay, mesh, shape = kinds[k]
+        g = groups[gkey] = _Group(_hits(m, lay, mesh, rot, shape, bkey, writers), bkey)
+        g.members = idx
+    return True
+
+
+def _group_chunks(m: Manifest, storage: Any, cache: MetaCache, names: List[str], hit: Tuple[_geometry.Box, int, str, bool]) -> List[Any]:
+    """The ``Chunk`` (None: empty) of saved box ``hit`` of each of ``names``, from its writer's index, checked."""
+    box, rank, tail, whole = hit
+    idx = cast(Dict[Any, Any], cache.headers).get(("index", rank))
+    if idx is None:
+        idx = read_index(m, storage, rank, cache)
+    keys = idx["keys"]
+    block_bytes = m.block_bytes
+    if type(keys) is ColumnKeys:  # a columnar index: every row in one pass over its columns
+        got = keys.chunks_for(names, "" if whole else tail, box, block_bytes)
+        if type(got) is int:
+            name = names[got]
+            raise _lacks(storage, name, rank, name if whole else name + tail, box)
+        return cast(List[Any], got)
+    out: List[Any] = []
+    for name in names:
+        key = name if whole else name + tail
+        row = keys.get(key)
+        if row is None or row[0] != name or tuple(row[1].sizes) != box.sizes or tuple(row[1].offsets) != box.offsets:
+            raise _lacks(storage, name, rank, key, box)
+        out.append(Chunk.from_meta(name, row[1], block_bytes) if row[1].nbytes else None)
+    return out
+
+
+def _hits(m: Manifest, lay: Any, mesh: int, rot: int, shape: Tuple[int, ...], boxes: Tuple[Any, ...],
+          writers: Dict[Any, int]) -> List[Tuple[_geometry.Box, int, str, bool]]:
+    """A group's saved chunks meeting ``boxes``, by offsets: ``(box, writer rank, key tail, whole)``."""
+    wanted: Dict[Tuple[int, ...], Tuple[int, _geometry.Box]] = {}
+    for offs, sizes in boxes:
+        for sh, b in _geometry.chunks_overlapping(lay, _geometry.Box(tuple(offs), tuple(sizes))):
+            wanted[b.offsets] = (sh, b)
+    hits = []
+    for offs in sorted(wanted):
+        sh, box = wanted[offs]
+        wkey = (lay, mesh, rot, sh)
+        rank = writers.get(wkey)
+        if rank is None:
+            rank = writers[wkey] = _rank_at(m, lay, mesh, _geometry.writer_coord(lay, rot, sh))
+        hits.append((box, rank, chunk_key("", box.offsets, False), box.sizes == shape))
+    return hits
 
 
 # Format v2 and later parse and serialize through this module (``versions.register``).

@@ -33,10 +33,12 @@ here too, below both ``_format.resolve`` and ``_format._v2``, which share it.
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass, field
-from typing import Any, Dict, Optional, Tuple
+from collections import deque
+from dataclasses import dataclass, field, fields
+from itertools import repeat
+from typing import Any, Dict, Iterable, List, Optional, Tuple
 
-__all__ = ["Chunk", "MetaCache"]
+__all__ = ["Chunk", "MetaCache", "chunk_of", "chunks_of"]
 
 
 @dataclass(frozen=True)
@@ -135,6 +137,45 @@ class Chunk:
             key=meta.key,
             content_hash=meta.hash or "",
         )
+
+
+_FIELDS = ("file", "byte_offset", "nbytes", "offsets", "sizes", "crc32c", "block_bytes", "block_crcs", "tensor", "key", "content_hash")
+assert tuple(f.name for f in fields(Chunk)) == _FIELDS, "chunk_of must set every field of Chunk"
+_new = object.__new__
+_set = object.__setattr__
+
+
+def chunk_of(file: str, byte_offset: int, nbytes: int, offsets: Tuple[int, ...], sizes: Tuple[int, ...], crc32c: Optional[int],
+             block_bytes: int, block_crcs: Tuple[int, ...], tensor: str, key: str, content_hash: str) -> Chunk:
+    """``Chunk(...)`` of every field, positionally, without the frozen dataclass's per-field ``__init__``.
+
+    The same value (equal, same hash) at less than half the cost: a load of a
+    50,000-tensor state builds one per tensor. Arguments are not checked (the
+    callers pass values already checked, as for ``Chunk``).
+
+        >>> chunk_of("f", 0, 4, (0,), (1,), 7, 0, (), "w", "w", "") == Chunk("f", 0, 4, (0,), (1,), 7, tensor="w", key="w")
+        True
+    """
+    c = _new(Chunk)
+    _set(c, "__dict__", {"file": file, "byte_offset": byte_offset, "nbytes": nbytes, "offsets": offsets, "sizes": sizes,
+                         "crc32c": crc32c, "block_bytes": block_bytes, "block_crcs": block_crcs, "tensor": tensor, "key": key,
+                         "content_hash": content_hash})
+    return c
+
+
+def chunks_of(count: int, columns: Iterable[Tuple[Any, ...]]) -> List[Chunk]:
+    """:func:`chunk_of` of each of ``count`` field tuples (``Chunk``'s fields in order), with no Python call per chunk.
+
+    The dicts, the objects and their ``__dict__`` are made by C-level
+    ``map``s: a load of 50,000 tensors builds its chunks in one pass.
+
+        >>> chunks_of(1, [("f", 0, 4, (0,), (1,), 7, 0, (), "w", "w", "")]) == [chunk_of("f", 0, 4, (0,), (1,), 7, 0, (), "w", "w", "")]
+        True
+    """
+    out = list(map(_new, repeat(Chunk, count)))
+    dicts = map(dict, map(zip, repeat(_FIELDS), columns))
+    deque(map(_set, out, repeat("__dict__"), dicts), maxlen=0)
+    return out
 
 
 @dataclass

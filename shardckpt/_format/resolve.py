@@ -28,9 +28,10 @@ from __future__ import annotations
 from typing import Any, List, Optional, Sequence, Tuple
 
 from . import _v2
+from ._v2 import Reads
 from .chunk import Chunk, MetaCache
 
-__all__ = ["Chunk", "MetaCache", "resolve_chunks", "resolve_many"]
+__all__ = ["Chunk", "MetaCache", "Reads", "resolve_chunks", "resolve_many", "resolve_reads"]
 
 
 def resolve_chunks(
@@ -86,3 +87,31 @@ def resolve_many(
     """
     cache = cache if cache is not None else MetaCache()
     return _v2.resolve_many(manifest, storage, wants, cache)
+
+
+def resolve_reads(
+    manifest: Any,
+    storage: Optional[Any],
+    wants: Sequence[Tuple[str, Sequence[Tuple[Sequence[int], Sequence[int]]]]],
+    *,
+    cache: Optional[MetaCache] = None,
+) -> List[Reads]:
+    """:func:`resolve_many` with the read pieces: per ``(name, boxes)``, its chunks and the pieces filling each box.
+
+    What a load plan takes (``_load.plan``): ``Reads(chunks, pieces)``, with
+    ``pieces[j]`` = ``_geometry.plan_box_reads(<the chunks' boxes>, boxes[j])``
+    (pieces index ``chunks``). The tensors of one layout, rotation and wanted
+    boxes share one planned tuple of pieces, so a 50,000-tensor state plans
+    its pieces a few dozen times, not once per tensor.
+
+    Raises:
+        KeyError / CorruptCheckpointError / UnsafeMetadataError: as
+            :func:`resolve_chunks`; CorruptCheckpointError also when the
+            chunks do not cover a wanted box.
+
+    Example:
+        >>> [r] = resolve_reads(m, storage, [("w", [((0, 0), (4, 8))])])   # doctest: +SKIP
+        >>> r.chunks, r.pieces[0]   # doctest: +SKIP
+    """
+    cache = cache if cache is not None else MetaCache()
+    return _v2.resolve_reads(manifest, storage, wants, cache)

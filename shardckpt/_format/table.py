@@ -32,17 +32,19 @@ from __future__ import annotations
 import base64
 import binascii
 import math
+import operator
 import struct
-from itertools import accumulate
-from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
+from itertools import accumulate, repeat
+from typing import Any, Dict, Iterator, KeysView, List, Mapping, MutableMapping, NamedTuple, Optional, Sequence, Tuple
 
 from ..errors import CorruptCheckpointError
 from .checksum import check_hash_hex
-from .chunk import Chunk
+from .chunk import chunk_of, chunks_of
 from .dtypes import itemsize
-from .manifest import ChunkMeta
+from .manifest import ChunkMeta, TensorMeta
 
-__all__ = ["TABLE_MIN_ENTRIES", "front_code", "front_decode", "pack_u32", "unpack_u32", "kind_key", "tensor_table_json", "index_columns", "parse_index_columns", "ColumnKeys", "ColumnTensors", "int_column"]
+__all__ = ["TABLE_MIN_ENTRIES", "front_code", "front_decode", "pack_u32", "unpack_u32", "kind_key", "tensor_table_json", "index_columns", "parse_index_columns", "ColumnKeys", "ColumnTensors", "int_column",
+           "TableKind", "TableTensors"]
 
 _INT, _STR = {int}, {str}
 
@@ -392,32 +394,37 @@ def _bulk_rows(boxes: List[Any], cols: Dict[str, Any], m: Any, files: List[str],
         return None
     if not (int_column(file_col, 0, nfiles) and int_column(box_col, 0, len(geo)) and int_column(gap_col, -(1 << 62), None)):
         return None
-    # Per distinct tensor: its shape and item size; per distinct (shape, box): inside, whole.
-    shape_of: Dict[str, Tuple[int, ...]] = {}
-    isz_of: Dict[str, int] = {}
-    for name in dict.fromkeys(names):
-        t = m.tensors.get(name)
-        if t is None:
-            return None
-        shape_of[name] = tuple(t.shape)
-        isz_of[name] = itemsize(t.dtype)
-    shapes = list(map(shape_of.__getitem__, names))
-    tails: Dict[Tuple[Tuple[int, ...], int], str] = {}
-    for shape, b in set(zip(shapes, box_col)):
+    # Per row its kind: a distinct (dtype, shape), numbered; per kind its
+    # shape and item size; per distinct (kind, box): inside, whole. Over the
+    # columns (C-level maps) when every name is a row of the manifest's
+    # tensor table; else per distinct name.
+    got = _row_kinds(m.tensors, names)
+    if got is None:
+        return None
+    kidx, kshape, kisz = got
+    tails: Dict[Tuple[int, int], str] = {}
+    for k, b in set(zip(kidx, box_col)):
         offsets, sizes, _, tail = geo[b]
-        if len(offsets) != len(shape) or not all(o + k <= s for o, k, s in zip(offsets, sizes, shape)):
+        shape = kshape[k]
+        if len(offsets) != len(shape) or not all(o + z <= s for o, z, s in zip(offsets, sizes, shape)):
             return None
-        tails[(shape, b)] = "" if sizes == shape else tail
+        tails[(k, b)] = "" if sizes == shape else tail
     numel = [g[2] for g in geo]
-    nbytes = [numel[b] * isz_of[nm] for nm, b in zip(names, box_col)]
+    nbytes = list(map(operator.mul, map(numel.__getitem__, box_col), map(kisz.__getitem__, kidx)))
     # Bytes: each chunk starts ``gap`` after the end of the file's previous one.
-    ends = [0] * nfiles
-    starts: List[int] = []
-    append = starts.append
-    for f, gap, nb in zip(file_col, gap_col, nbytes):
-        st = ends[f] + gap
-        append(st)
-        ends[f] = st + nb
+    starts: List[int]
+    if nfiles == 1:  # one data file (a save's rank writes one): running sums
+        ends_all = list(accumulate(map(operator.add, gap_col, nbytes)))
+        starts = list(map(operator.sub, ends_all, nbytes))
+        ends = [ends_all[-1] if ends_all else 0]
+    else:
+        ends = [0] * nfiles
+        starts = []
+        append = starts.append
+        for f, gap, nb in zip(file_col, gap_col, nbytes):
+            st = ends[f] + gap
+            append(st)
+            ends[f] = st + nb
     if starts and min(starts) < 0:
         return None
     sizes_of = [m.files[f].size for f in files]
@@ -444,10 +451,11 @@ def _bulk_rows(boxes: List[Any], cols: Dict[str, Any], m: Any, files: List[str],
     bb = m.block_bytes
     if type(bb) is not int or bb <= 0:
         return None
-    pos = list(accumulate([1 - (-nb // bb) for nb in nbytes], initial=0))
+    # A chunk's CRCs: its own, then one per block (ceil(nbytes / bb)).
+    pos = list(accumulate(map(operator.sub, repeat(1), map(operator.floordiv, map(operator.neg, nbytes), repeat(bb))), initial=0))
     if pos[-1] != len(crcs):
         return None
-    keys = [nm + tails[(sh, b)] for nm, sh, b in zip(names, shapes, box_col)]
+    keys = list(map(operator.add, names, map(tails.__getitem__, zip(kidx, box_col))))
     row_of = dict(zip(keys, range(n)))
     if len(row_of) != n:
         return None
@@ -460,6 +468,37 @@ def _bulk_rows(boxes: List[Any], cols: Dict[str, Any], m: Any, files: List[str],
             return None
     cols_ = _Columns(names, keys, file_col, box_col, starts, nbytes, pos, crcs, hash_col, files, geo)
     return ColumnKeys(cols_, row_of), ColumnTensors(cols_), []  # bytes checked above
+
+
+def _row_kinds(tensors: Any, names: List[str]) -> Optional[Tuple[List[int], List[Tuple[int, ...]], List[int]]]:
+    """``(kind number per row, shape per kind, item size per kind)`` of an index's rows; None: a name the manifest lacks.
+
+    Rows of a manifest's tensor table (not built yet) are numbered by their
+    table kind over the whole column; any other name by its distinct
+    ``(dtype, shape)``, one lookup per distinct name.
+    """
+    if isinstance(tensors, TableTensors):
+        rows: List[Any] = list(map(tensors._items.get, names))
+        if set(map(type, rows)) <= _INT:
+            kinds = tensors._kinds
+            return (list(map(tensors._kind.__getitem__, rows)), [tuple(k.shape) for k in kinds],
+                    [itemsize(k.dtype) for k in kinds])
+    kind_of: Dict[str, int] = {}
+    ids: Dict[Tuple[str, Tuple[int, ...]], int] = {}
+    kshape: List[Tuple[int, ...]] = []
+    kisz: List[int] = []
+    for name in dict.fromkeys(names):
+        t = tensors.get(name)
+        if t is None:
+            return None
+        key = (t.dtype, tuple(t.shape))
+        k = ids.get(key)
+        if k is None:
+            k = ids[key] = len(kshape)
+            kshape.append(key[1])
+            kisz.append(itemsize(t.dtype))
+        kind_of[name] = k
+    return list(map(kind_of.__getitem__, names)), kshape, kisz
 
 
 class _Columns:
@@ -520,10 +559,40 @@ class ColumnKeys(Mapping[str, Tuple[str, ChunkMeta]]):
         p, q = c.pos[i], c.pos[i + 1]
         blocks = c.crcs[p + 1 : q] if block_bytes > 0 else ()
         h = c.hash[i] if c.hash is not None else None
-        return Chunk(
-            file=c.files[c.file[i]], byte_offset=c.start[i], nbytes=nbytes, offsets=offsets, sizes=sizes, crc32c=c.crcs[p],
-            block_bytes=block_bytes if blocks else 0, block_crcs=blocks, tensor=name, key=key, content_hash=h or "",
-        )
+        return chunk_of(c.files[c.file[i]], c.start[i], nbytes, offsets, sizes, c.crcs[p], block_bytes if blocks else 0, blocks, name,
+                        key, h or "")
+
+    def chunks_for(self, names: List[str], tail: str, box: Any, block_bytes: int) -> Any:
+        """:meth:`chunk` of ``name + tail`` for every name of ``names`` at one ``box``, over the columns.
+
+        Returns the list of ``Chunk`` (None for an empty one), or the
+        position in ``names`` of the first name whose row is missing or not
+        its chunk at ``box`` (the caller names it in its error).
+        """
+        c = self._cols
+        keys = list(map(operator.add, names, repeat(tail))) if tail else names
+        rows = list(map(self._row_of.get, keys))
+        at = (box.offsets, box.sizes)
+        good = {j for j, g in enumerate(c.geo) if (g[0], g[1]) == at}
+        if None in rows or list(map(c.names.__getitem__, rows)) != names or not set(map(c.box.__getitem__, rows)) <= good:
+            for j, i in enumerate(rows):
+                if i is None or c.names[i] != names[j] or c.box[i] not in good:
+                    return j
+        nbytes = list(map(c.nbytes.__getitem__, rows))
+        if 0 in nbytes:
+            return [self.chunk(k, n, box, block_bytes) for k, n in zip(keys, names)]
+        p = list(map(c.pos.__getitem__, rows))
+        crc = map(c.crcs.__getitem__, p)
+        if block_bytes > 0:
+            blocks: Any = map(c.crcs.__getitem__, map(slice, map(operator.add, p, repeat(1)), map(c.pos.__getitem__, map(operator.add, rows, repeat(1)))))
+        else:
+            blocks = repeat(())
+        hashes: Any = repeat("")
+        if c.hash is not None:
+            hashes = [h or "" for h in map(c.hash.__getitem__, rows)]
+        files = map(c.files.__getitem__, map(c.file.__getitem__, rows))
+        return chunks_of(len(rows), zip(files, map(c.start.__getitem__, rows), nbytes, repeat(box.offsets), repeat(box.sizes), crc,
+                                        repeat(block_bytes if block_bytes > 0 else 0), blocks, names, keys, hashes))
 
     def __contains__(self, key: object) -> bool:
         return key in self._row_of
@@ -560,3 +629,116 @@ class ColumnTensors(Mapping[str, List[ChunkMeta]]):
 
     def __len__(self) -> int:
         return len(self._by_name())
+
+
+class TableKind(NamedTuple):
+    """One checked kind of a tensor table: what its tensors share (their layout record without the rotation)."""
+
+    dtype: str
+    shape: List[int]
+    layout: Optional[Dict[str, Any]]  # informational, as saved
+    regular: Dict[str, Any]  # {"mesh_shape", "placements", "mesh"}
+    lay: Any  # its ``_geometry.RegularLayout``
+
+
+class TableTensors(MutableMapping[str, TensorMeta]):
+    """``Manifest.tensors`` of a manifest with a tensor table: a tensor's ``TensorMeta`` is built when first asked for.
+
+    A 50,000-tensor table parses to a name -> row dict and its two int
+    columns; each ``TensorMeta`` (five objects) is built on first access,
+    then kept (mutations stick, as in a dict). Names, membership and length
+    never build anything; :meth:`row` gives a row's kind and rotation
+    without building it, which is how ``_v2.resolve_many`` resolves a whole
+    state. Every mapping operation works; iterating ``values()`` or
+    ``items()`` builds every record (what a dict held from the start).
+
+    Limits: not a ``dict`` (``isinstance(m.tensors, dict)`` is False); the
+    per-tensor records given at construction come first in iteration order,
+    then the table's in name order, as the parse built the dict.
+    """
+
+    __slots__ = ("_items", "_kinds", "_kind", "_rot")
+
+    def __init__(self, tensors: Mapping[str, TensorMeta], names: Sequence[str], kinds: Sequence[TableKind],
+                 kind_col: Sequence[int], rot_col: Sequence[int]) -> None:
+        # name -> TensorMeta, or the row number (an int) of a record not built yet.
+        items: Dict[str, Any] = dict(tensors)
+        items.update(zip(names, range(len(names))))
+        self._items = items
+        self._kinds, self._kind, self._rot = list(kinds), kind_col, rot_col
+
+    @property
+    def kinds(self) -> List[TableKind]:
+        """The table's kinds (what :meth:`row`'s kind numbers index)."""
+        return self._kinds
+
+    def row(self, name: str) -> Optional[Tuple[int, int]]:
+        """``(kind number, rotation)`` of ``name``'s row while its record is not built; None once it is.
+
+        Raises:
+            KeyError: ``name`` is not a tensor.
+        """
+        v = self._items[name]
+        if type(v) is not int:
+            return None
+        return self._kind[v], self._rot[v]
+
+    def rows(self, names: Sequence[str]) -> Optional[Tuple[List[int], List[int]]]:
+        """``(kind numbers, rotations)`` of ``names`` over the columns, or None when any record is built already.
+
+        Raises:
+            KeyError: a name is not a tensor.
+        """
+        got: List[Any] = list(map(self._items.__getitem__, names))
+        if not set(map(type, got)) <= _INT:
+            return None
+        return list(map(self._kind.__getitem__, got)), list(map(self._rot.__getitem__, got))
+
+    def dtype_shape(self, name: str) -> Optional[Tuple[str, Sequence[int]]]:
+        """``(dtype, shape)`` of ``name`` without building its record (None: not a tensor); the shape is not to be changed."""
+        v = self._items.get(name)
+        if v is None:
+            return None
+        if type(v) is int:
+            k = self._kinds[self._kind[v]]
+            return k.dtype, k.shape
+        return v.dtype, v.shape
+
+    def _build(self, i: int) -> TensorMeta:
+        k = self._kinds[self._kind[i]]
+        t = TensorMeta(k.dtype, list(k.shape), [], k.layout, {**k.regular, "rotation": self._rot[i]})
+        t.__dict__["_regular_layout"] = k.lay
+        return t
+
+    def __getitem__(self, name: str) -> TensorMeta:
+        v = self._items[name]
+        if type(v) is int:
+            v = self._items[name] = self._build(v)
+        return v
+
+    def __setitem__(self, name: str, t: TensorMeta) -> None:
+        self._items[name] = t
+
+    def __delitem__(self, name: str) -> None:
+        del self._items[name]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._items
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._items)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def keys(self) -> KeysView[str]:
+        return self._items.keys()
+
+    def copy(self) -> "TableTensors":
+        """A shallow copy (records built so far shared, as ``dict.copy``)."""
+        out = TableTensors({}, (), self._kinds, self._kind, self._rot)
+        out._items = dict(self._items)
+        return out
+
+    def __repr__(self) -> str:
+        return f"TableTensors({len(self._items)} tensors)"

@@ -23,7 +23,7 @@ from .._format import Manifest, TensorMeta, open_manifest, torch_dtype, with_blo
 from .._format._v2 import materialize
 from .._format.chunk import Chunk
 from .._format.files import check_files
-from .._format.resolve import MetaCache, resolve_chunks, resolve_many
+from .._format.resolve import MetaCache, Reads, resolve_chunks, resolve_reads
 from .._hf import ALIAS_OF_KEY, select_for_load, with_aliases
 from .._layout import TensorLayout, layout_of
 from .._state import flatten_for_load
@@ -298,8 +298,8 @@ def plan_for_manifest(
 
     Steps, each its own function: :func:`_match_names` (which entries
     load, which are missing or unexpected), :func:`_live_target` per live
-    tensor (shape, dtype, overlap), one :func:`resolve_many` for every
-    tensor's saved chunks, :func:`_finish_target` (the read pieces), :func:`_tied_checks`
+    tensor (shape, dtype, overlap), one :func:`resolve_reads` for every
+    tensor's saved chunks and read pieces, :func:`_finish_target`, :func:`_tied_checks`
     (a live tie over two different checkpoint tensors) and
     :func:`_refuse` (one error with every disagreement of every kind:
     fixing one kind must not only reveal the next).
@@ -337,12 +337,13 @@ def plan_for_manifest(
             problems.append(got)
         else:
             live.append(got)
-    # Every tensor's saved chunks in one call: the geometry once per distinct layout.
+    # Every tensor's saved chunks and read pieces in one call: the geometry
+    # and the pieces once per distinct (layout, rotation, boxes).
     alias = manifest.extra.get(ALIAS_OF_KEY, {})
     asked = [lv for lv in live if lv.boxes]
-    found = resolve_many(manifest, storage, [(alias.get(lv.name, lv.name), lv.boxes) for lv in asked], cache=cache)
-    chunks_of = {id(lv): tuple(cs) for lv, cs in zip(asked, found)}
-    targets.extend(_finish_target(lv, manifest, chunks_of.get(id(lv), ())) for lv in live)
+    found = resolve_reads(manifest, storage, [(alias.get(lv.name, lv.name), lv.boxes) for lv in asked], cache=cache)
+    reads_of = {id(lv): r for lv, r in zip(asked, found)}
+    targets.extend(_finish_target(lv, manifest, reads_of.get(id(lv))) for lv in live)
     parts = names.parts + _tied_checks(manifest, storage, flat.tied, cache, strict=strict)
     _refuse(parts, problems, strict=strict, names=names, union=union)
     return LoadPlan(
@@ -432,14 +433,19 @@ def _live_target(name: str, tensor: Any, manifest: Manifest, *, rank: int, world
     return _Live(name, meta, lay, views, [(p.box.offsets, p.box.sizes) for p in lay.parts if p.box.numel])
 
 
-def _finish_target(lv: _Live, manifest: Manifest, chunks: Tuple[Chunk, ...]) -> Target:
-    """A live tensor's :class:`Target`: the read pieces of each live box from its resolved chunks."""
-    saved = [_geometry.Box(c.offsets, c.sizes) for c in chunks]
+def _finish_target(lv: _Live, manifest: Manifest, reads: Optional[Reads]) -> Target:
+    """A live tensor's :class:`Target`: its resolved chunks and the read pieces of each live box.
+
+    ``reads`` (None: the tensor holds no element here) gives the pieces of
+    each non-empty box (``lv.boxes``, in part order); an empty box gets none.
+    """
+    chunks: Tuple[Chunk, ...] = tuple(reads.chunks) if reads is not None else ()
     parts = tuple((p.box, v) for p, v in zip(lv.lay.parts, lv.views))
-    try:
-        pieces = tuple(_geometry.plan_box_reads(saved, box) for box, _ in parts)
-    except ValueError as e:
-        raise CorruptCheckpointError(f"{lv.name}: the checkpoint's chunks do not cover what this rank holds: {e}") from None
+    if reads is not None and len(parts) == 1:
+        pieces = tuple(reads.pieces)
+    else:
+        given = iter(reads.pieces if reads is not None else ())
+        pieces = tuple(next(given) if box.numel else () for box, _ in parts)
     scale = None
     if lv.meta.scale is not None:
         scale = ScaleSource(Chunk.from_meta(lv.meta.scale.name, lv.meta.scale.meta.chunks[0], 0), lv.meta.scale.meta.dtype,

@@ -10,13 +10,13 @@ import crc32c
 import pytest
 import torch
 from safetensors.torch import load_file
+from shardckpt.converters import _common
+from shardckpt.converters._source import OutEntry, Source, SrcTensor, whole_entry
 
 import shardckpt
 from shardckpt import _knobs, converters
 from shardckpt._format.chunk import Chunk
 from shardckpt._storage import Storage
-from shardckpt.converters import _common
-from shardckpt.converters._source import OutEntry, Source, SrcTensor, whole_entry
 
 #: Generous: the bound of a wait that the code under test must end by an event.
 EVENT_WAIT_S = 30.0

@@ -244,8 +244,13 @@ def test_bulk_checks_agree_with_the_row_by_row_parse(hashed):
     for key, (name, c) in ref_keys.items():
         n2, c2 = keys[key]
         assert n2 == name and c2 == c and c2.blocks == c.blocks and c2.hash == c.hash
-        from_cols = keys.chunk(key, name, table.Chunk(file="", byte_offset=0, nbytes=0, offsets=tuple(c.offsets), sizes=tuple(c.sizes)), 1 << 20)
+        at = Chunk(file="", byte_offset=0, nbytes=0, offsets=tuple(c.offsets), sizes=tuple(c.sizes))
+        from_cols = keys.chunk(key, name, at, 1 << 20)
         assert from_cols == Chunk.from_meta(name, c, 1 << 20)
+        # The bulk lookup of a group's rows gives the same Chunk, or the position of a row that is not there.
+        tail = key[len(name):]
+        assert keys.chunks_for([name], tail, at, 1 << 20) == [from_cols]
+        assert keys.chunks_for([name, name + "x"], tail, at, 1 << 20) == 1
     assert {n: [c.key for c in cs] for n, cs in by_tensor.items()} == {n: [c.key for c in cs] for n, cs in ref_tensors.items()}
     assert keys.chunk("nope", "t00000", None, 1 << 20) is False
 
