@@ -1,7 +1,7 @@
 """Peak memory of a command and every process it starts: the test suite's, by default.
 
     python benchmarks/suite_memory.py                              # the README's test run (2 test processes)
-    python benchmarks/suite_memory.py -- -m "not slow" tests/unit  # other pytest arguments
+    python benchmarks/suite_memory.py -- -m slow                   # the long cases (left out of a plain run)
     python benchmarks/suite_memory.py --cmd "python examples/quickstart.py"
 
 Starts the command in a process group of its own and samples ``/proc`` every

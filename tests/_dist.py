@@ -162,6 +162,11 @@ _POOLS: Dict[int, _Pool] = {}
 #: one or two world sizes at a time, and kept to the end, every size's pool
 #: added up: issue 47).
 POOL_IDLE_S = 30.0
+#: Rank processes kept in pools at once, the pool being started included: the
+#: least recently used pools of other world sizes close first. Each rank holds
+#: 0.3-0.45 GB of RSS; a 16-rank pool started while the 8-rank one of the test
+#: before it was still within POOL_IDLE_S made 24 of them (issue 47).
+MAX_POOLED_RANKS = 8
 
 
 def run_ranks(world: int, fn: Callable[..., Any], *args: Any, timeout: float = 180, fresh: bool = False) -> List[Any]:
@@ -178,6 +183,11 @@ def run_ranks(world: int, fn: Callable[..., Any], *args: Any, timeout: float = 1
             _POOLS.pop(w).close()
     pool = None if fresh else _POOLS.get(world)
     if pool is None:
+        # Room for the new pool's ranks: the least recently used others go first.
+        for w in sorted((w for w in _POOLS if w != world), key=lambda w: _POOLS[w].last_used):
+            if sum(_POOLS) + world <= MAX_POOLED_RANKS:
+                break
+            _POOLS.pop(w).close()
         pool = _Pool(world)
         if not fresh:
             _POOLS[world] = pool

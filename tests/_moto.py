@@ -37,9 +37,14 @@ def _moto_server() -> str:
     return found
 
 
-@pytest.fixture(scope="session")
-def s3_endpoint():
-    """Yield ``(url_prefix, storage_options)`` for a fresh bucket on a local moto server."""
+#: The one moto server of this test process, shared by every copy of the fixture: each test module
+#: that imports ``s3_endpoint`` holds its own session-scoped copy, and each copy started a server that
+#: lived to the end of the run (five at once in one worker, 76 MB each: issue 47). Tests use their own
+#: prefix (``s3_url``) or bucket, so sharing the server changes nothing they see.
+_SERVER: dict = {}
+
+
+def _start_moto() -> dict:
     port = _free_port()
     endpoint = f"http://127.0.0.1:{port}"
     env = dict(os.environ, AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1")
@@ -63,22 +68,40 @@ def s3_endpoint():
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"moto_server did not answer on {endpoint} within 30 s") from None
                 time.sleep(0.1)
-        options = {
-            "key": "testing",
-            "secret": "testing",
-            "endpoint_url": endpoint,
-            "client_kwargs": {"region_name": "us-east-1"},
-        }
         # moto takes unsigned requests; a plain PUT makes the bucket.
         _DIRECT.open(urllib.request.Request(f"{endpoint}/{BUCKET}", method="PUT"), timeout=10).read()
-        yield f"s3://{BUCKET}", options
+    except BaseException:
+        _stop(proc)
+        raise
+    options = {
+        "key": "testing",
+        "secret": "testing",
+        "endpoint_url": endpoint,
+        "client_kwargs": {"region_name": "us-east-1"},
+    }
+    return {"proc": proc, "options": options}
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint():
+    """Yield ``(url_prefix, storage_options)`` for the bucket on this test process's local moto server."""
+    if not _SERVER or _SERVER["proc"].poll() is not None:
+        _SERVER.update(_start_moto())
+    try:
+        yield f"s3://{BUCKET}", _SERVER["options"]
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        # Session teardown (every copy at once): the first copy's stops the server.
+        if _SERVER and _SERVER["proc"].poll() is None:
+            _stop(_SERVER["proc"])
 
 
 @pytest.fixture

@@ -15,15 +15,26 @@ import pytest
 from _faultproxy import FaultProxy
 from _weed import SEAWEED_BUCKET, SeaweedServer, seaweed_options  # noqa: F401  (re-exported for tests)
 
+#: The one SeaweedFS server of this test process, shared by every copy of the fixture (tests/s3 and
+#: tests/storage import it into their conftest.py, and each copy started a server kept to the end of the
+#: run: issue 47). Tests use their own prefix (``weed_url``), so sharing it changes nothing they see.
+_SERVER: dict = {}
+
 
 @pytest.fixture(scope="session")
 def seaweed_endpoint():
     """``(s3://bucket, storage_options)`` of a SeaweedFS server on loopback for this session."""
-    server = SeaweedServer()
+    if "server" in _SERVER and _SERVER["server"].proc.poll() is not None:
+        _SERVER.pop("server").stop()  # died: its data directory goes, a new one starts
+    if "server" not in _SERVER:
+        _SERVER["server"] = SeaweedServer()
     try:
-        yield f"s3://{SEAWEED_BUCKET}", seaweed_options(server.endpoint)
+        yield f"s3://{SEAWEED_BUCKET}", seaweed_options(_SERVER["server"].endpoint)
     finally:
-        server.stop()
+        # Session teardown (every copy at once): the first copy's stops the server.
+        server = _SERVER.pop("server", None)
+        if server is not None:
+            server.stop()
 
 
 @pytest.fixture

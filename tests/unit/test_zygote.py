@@ -110,3 +110,21 @@ def test_a_rank_pool_of_another_world_size_left_idle_is_closed(monkeypatch):
     _dist.run_ranks(3, _pid)
     assert sorted(_dist._POOLS) == [3] and not any(p.is_alive() for p in pool2.procs)
     _dist._shutdown()
+
+
+def test_pools_past_the_rank_budget_close_the_least_recently_used_first(monkeypatch):
+    """Issue 47: a 16-rank pool started while the 8-rank pool of the test before was still kept (24 ranks, ~8 GB RSS)."""
+    import _dist
+
+    _dist._shutdown()
+    monkeypatch.setattr(_dist, "MAX_POOLED_RANKS", 5)
+    _dist.run_ranks(2, _pid)
+    one = _dist.run_ranks(1, _pid)
+    _dist.run_ranks(2, _pid)  # the 1-rank pool is now the least recently used
+    pool1 = _dist._POOLS[1]
+    assert sorted(_dist._POOLS) == [1, 2]  # 3 ranks: within the budget, both kept
+    _dist.run_ranks(3, _pid)  # 2 + 1 + 3 = 6 > 5: the 1-rank pool goes, 2 + 3 fits
+    assert sorted(_dist._POOLS) == [2, 3] and not any(p.is_alive() for p in pool1.procs)
+    assert _dist.run_ranks(1, _pid) != one  # a new pool (and 1 + 2 + 3 > 5: the 2-rank pool went)
+    assert sorted(_dist._POOLS) == [1, 3]
+    _dist._shutdown()
