@@ -10,6 +10,7 @@
 #   tmpfs2    the same pinned to 2 cores (taskset -c 0,1), CPU only              -> tmpfs-2core.json
 #   fp8       bench_fp8.py --gb 1: a dequantizing load of block-FP8 vs its bf16 twin, into CPU tensors and
 #             into CUDA tensors                                                  -> fp8-cpu.json, fp8-cuda.json
+#   fp8k      bench_fp8_kernels.py: the host FP8 kernels' CPU ns per element in 1-16 threads (printed only)
 #   scale     bench_scale.py --ranks 16384 --tensors 50000 --layout fsdp         -> scale_fsdp.txt
 #   moe       bench_moe_scale.py at 16,384 simulated ranks, --control-plane      -> moe_scale.json
 #   every     bench_every_step.py, one H100/H200, 1.545 B params + AdamW, a ~2.3 s step, 10 steps a mode
@@ -51,6 +52,8 @@ fp8)
     for dev in $FP8DEV; do
         timeout 90 $PY benchmarks/bench_fp8.py --gb $FP8GB --device $dev --json "$OUT/fp8-$dev.json" || echo "bench_fp8 $dev: exit $?"
     done;;
+fp8k)
+    timeout 60 $PY benchmarks/bench_fp8_kernels.py --threads 1,4,8,16 --repeat 10 || echo "bench_fp8_kernels: exit $?";;
 scale)
     timeout 60 $PY benchmarks/bench_scale.py --ranks $RANKS --tensors $TENSORS --layout fsdp > "$OUT/scale_fsdp.txt" 2>&1 \
         || echo "bench_scale: exit $?"
