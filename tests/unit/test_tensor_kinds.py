@@ -41,10 +41,18 @@ def test_no_pointer_reads_in_source():
         r"cudaHost(Register|Unregister)\(|data_ptr\(\) % |data_ptr\(\) - arena|untyped_storage\(\)\.data_ptr\(\)"
         r"|return self\.tensor\.data_ptr\(\)|``data_ptr\(\)``"
     )
+    # One use of ctypes that reads no memory: _fp8 asks the OpenMP runtime
+    # already in the process for its per-thread thread count (two int functions).
+    omp_only = re.compile(
+        r'\s*(import ctypes|lib = ctypes\.CDLL\(path, mode=getattr\(os, "RTLD_NOLOAD", 0\)\)'
+        r"|get\.argtypes, get\.restype = \[\], ctypes\.c_int|put\.argtypes, put\.restype = \[ctypes\.c_int\], None)\s*$"
+    )
     bad = []
     for p in sorted(list(PKG.rglob("*.py")) + list(CONVERTERS.rglob("*.py"))):
         for i, line in enumerate(p.read_text().splitlines(), 1):
             code = line.split("#", 1)[0]
+            if p.name == "_fp8.py" and omp_only.fullmatch(code):
+                continue
             if re.search(r"\bctypes\b|from_address|string_at", code):
                 bad.append(f"{p.name}:{i}: {line.strip()}")
             elif "data_ptr()" in code and not allowed.search(code):

@@ -12,6 +12,7 @@ import copy
 import importlib.util
 import json
 import os
+import re
 import shutil
 import struct
 
@@ -400,12 +401,25 @@ def test_state_mismatch_lists_everything(ckpt):
 def test_checksum_error_type(ckpt):
     path = _first_file(ckpt)
     data = bytearray(path.read_bytes())
-    data[-1] ^= 0x01
+    data[-1] ^= 0x01  # the last bytes of the first file: 'flag'
     path.write_bytes(bytes(data))
     state = _live_state()
     snap = _snapshot(state)
-    with pytest.raises(ChecksumMismatchError, match="crc32c"):
+    with pytest.raises(ChecksumMismatchError, match="crc32c") as got:
         shardckpt.load(state, str(ckpt))
+    # Not atomic: the reader threads copy verified pieces of the other file
+    # while the damaged one is read (which finishes first is the threads'
+    # race), so the error names every tensor already overwritten; no other
+    # tensor changed, and the damaged bytes never land.
+    msg = str(got.value)
+    named = msg.split("Tensors already overwritten:", 1)[1] if "Tensors already overwritten:" in msg else ""
+    assert not re.search(r"\bflag\b", named), msg
+    _assert_untouched(state, {k: v for k, v in snap.items() if not re.search(rf"\b{k}\b", named)})
+    # atomic=True stages first: nothing changes, whatever the order.
+    state = _live_state()
+    with pytest.raises(ChecksumMismatchError, match="crc32c") as got:
+        shardckpt.load(state, str(ckpt), atomic=True)
+    assert "already overwritten" not in str(got.value)
     _assert_untouched(state, snap)
 
 
