@@ -161,14 +161,15 @@ _POOLS: Dict[int, _Pool] = {}
 #: call (its ranks hold a few hundred MB each; a suite run's test files use
 #: one or two world sizes at a time, and kept to the end, every size's pool
 #: added up: issue 47).
-POOL_IDLE_S = 15.0
+POOL_IDLE_S = 30.0
 #: Rank processes kept in pools at once, the pool being started included: the
 #: least recently used pools of other world sizes close first. Each rank holds
 #: 0.3-0.45 GB of RSS; a 16-rank pool started while the 8-rank one of the test
 #: before it was still within POOL_IDLE_S made 24 of them (issue 47). With 8 a
-#: worker, two workers' pools still summed to 8.8 GiB of the run's peak RSS;
-#: 4 keeps the common 2- and 4-rank pools, a larger one runs alone.
-MAX_POOLED_RANKS = 4
+#: worker, two workers' pools made the run's peak 8.8 GiB of summed RSS; with
+#: 4, 7.2 GiB but 14.4 min instead of 10.9 (the 2- and 4-rank pools of
+#: neighbouring tests closed and restarted each other); 6 keeps those two.
+MAX_POOLED_RANKS = 6
 
 
 def run_ranks(world: int, fn: Callable[..., Any], *args: Any, timeout: float = 180, fresh: bool = False) -> List[Any]:
