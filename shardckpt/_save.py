@@ -677,7 +677,8 @@ def _committed_by(storage: Storage, save_id: str) -> Optional[bool]:
 def _commit_landed(storage: Storage, save_id: str, stage: str) -> Optional[bool]:
     """Rank 0: whether its commit passed the commit point, from how far it got (``commit``'s progress).
 
-    Before the manifest write: False. After it returned: True. In between
+    Before the manifest write: False. After it returned: True. Its
+    directory gone right after (``"vanished"``): None. In between
     (the write raised or was interrupted: a lost PUT answer, Ctrl-C right
     after the rename) only the manifest there can say: ``_committed_by``.
     """
@@ -685,6 +686,8 @@ def _commit_landed(storage: Storage, save_id: str, stage: str) -> Optional[bool]
         return False
     if stage == "committed":
         return True
+    if stage == "vanished":  # moved aside by another process's leftover removal, maybe put back later: unknown
+        return None
     return _committed_by(storage, save_id)
 
 

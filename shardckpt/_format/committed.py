@@ -16,9 +16,10 @@ from __future__ import annotations
 import difflib
 import json
 import posixpath
+import time
 from typing import AbstractSet, Any, Callable, Dict, List, Optional, Tuple
 
-from ..errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedStateError, format_offenders
+from ..errors import CheckpointNotFoundError, CorruptCheckpointError, StorageError, UnsupportedStateError, format_offenders
 from . import manifest as _manifest
 from ._v2 import materialize
 from .files import check_files
@@ -36,6 +37,11 @@ TORCH_SAVE_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
 NOT_FOUND_LISTED = 5
 #: Bytes read from the start of a file to tell what it is (zip / pickle magic).
 _MAGIC_BYTES = 8
+#: How long a commit whose directory vanished right after the manifest write
+#: waits for it to come back (``_settled``): a leftover removal's rename aside,
+#: stat and rename back, each with a directory fsync, on a loaded disk.
+MOVED_ASIDE_WAIT_S = 10.0
+_MOVED_ASIDE_POLL_S = 0.02
 
 
 def hf_index_bytes(m: Manifest) -> Optional[bytes]:
@@ -131,7 +137,9 @@ def commit_bytes(
         progress: told ``"writing"`` right before the manifest write (an error
             from here on may come after the manifest landed), ``"committed"``
             once it landed and checked out, ``"incomplete"`` when the second
-            check failed (the manifest is not this commit's any more).
+            check failed (the manifest is not this commit's any more),
+            ``"vanished"`` when the directory vanished right after the
+            manifest write and did not come back (outcome unknown).
         create_dirs: the manifest write may create the directory (a
             values-only checkpoint: no data file could have vanished with it).
 
@@ -167,7 +175,17 @@ def commit_bytes(
         raise
     if files:
         try:
-            check_files(checked, files)
+            try:
+                check_files(checked, files)
+            except CorruptCheckpointError:
+                _settled(storage)
+                check_files(checked, files)  # the directory may have come back meanwhile (a leftover removal found this manifest)
+        except _Vanished as e:
+            # Moved aside and not back within the wait: whether it comes back
+            # (then committed, whole) is not ours to know; nothing is removed.
+            if progress is not None:
+                progress("vanished")
+            raise StorageError(str(e)) from None
         except CorruptCheckpointError as e:
             _restore(storage, MANIFEST_NAME, before)
             if index is not None:
@@ -181,6 +199,34 @@ def commit_bytes(
                 "process): stop it and save again") from None
     if progress is not None:
         progress("committed")
+
+
+class _Vanished(Exception):
+    """The manifest just written is gone with its directory, and stayed gone (:func:`_settled`)."""
+
+
+def _settled(storage: Any) -> None:
+    """After the second check failed: wait while the manifest just written is gone with its directory.
+
+    Another process's leftover removal (``_managed.retention.remove_leftover``)
+    moves a step directory aside while it is being committed and, finding
+    this manifest there, puts it back. Waiting for that (at most
+    ``MOVED_ASIDE_WAIT_S``) keeps both honest: a commit declared failed
+    here would remove its files, and the directory would then come back
+    committed with files missing. Returns at once when the manifest is there.
+
+    Raises:
+        _Vanished: still gone after the wait.
+    """
+    deadline = time.monotonic() + MOVED_ASIDE_WAIT_S
+    while not storage.exists(MANIFEST_NAME):
+        if time.monotonic() >= deadline:
+            raise _Vanished(
+                f"{storage.url_of(MANIFEST_NAME)} vanished with its directory right after it was written and did not "
+                f"come back within {MOVED_ASIDE_WAIT_S:g} s (another process removing leftovers moved it aside: two "
+                "writers under one root?); whether it is committed cannot be told, the files are kept"
+            )
+        time.sleep(_MOVED_ASIDE_POLL_S)
 
 
 def _read_optional(storage: Any, rel: str, *, limit: int = MAX_INDEX_BYTES) -> Optional[bytes]:

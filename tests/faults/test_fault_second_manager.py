@@ -146,7 +146,10 @@ def test_a_second_manager_racing_saves_is_refused_and_no_step_is_damaged(tmp_pat
     mgr = shardckpt.CheckpointManager(root)
     committed = mgr.steps()
     saved = {s for r in results for s in r["saved"]}
-    assert committed and set(committed) <= saved, (committed, saved)
+    # A save may end unsure (its directory moved aside by the other's leftover
+    # removal and not back within the wait): it says so, and keeps its files.
+    unsure = {int(x.split(":")[0]) for r in results for x in r["failed"] if "cannot tell whether" in x}
+    assert committed and set(committed) <= saved | unsure, (committed, results)
     for s in committed:
         shardckpt.verify(mgr.step_url(s))
         got = _blank()
