@@ -47,6 +47,7 @@ import argparse
 import functools
 import gc
 import json
+import os
 import sys
 import time
 from typing import Any, Dict, List, Tuple
@@ -399,13 +400,13 @@ def run_v2(args, lays) -> int:
         m = manifest_from_bytes(body)
         cache = MetaCache()
         pieces = 0
-        wants = []
-        for name in sorted(lays):
-            live = lays[name]
-            boxes = [(lb.box.offsets, lb.box.sizes)
-                     for lb in _geometry.local_boxes(live.shape, live.mesh_shape, live.placements, coord_of(live.mesh_shape, args.rank))]
-            if boxes:
-                wants.append((name, boxes))
+        # The live layout of every tensor (what ``layout_of`` derives from
+        # each DTensor's placements), in bulk: each distinct layout once.
+        names = sorted(lays)
+        live = list(map(lays.__getitem__, names))
+        coord = {ms: coord_of(ms, args.rank) for ms in {lay.mesh_shape for lay in live}}
+        held = _geometry.held_boxes(live, [coord[lay.mesh_shape] for lay in live])
+        wants = [(name, boxes) for name, boxes in zip(names, held) if boxes]
         # What ``_load.plan`` does: every tensor's chunks and read pieces in one call.
         for got in resolve_reads(m, storage, wants, cache=cache):
             pieces += sum(map(len, got.pieces))
@@ -433,6 +434,60 @@ def _timed(fn):
     return out, time.perf_counter() - t0
 
 
+#: Runs of each tree with ``--compare-with`` (medians reported).
+DEFAULT_REPEAT = 5
+
+# A child of ``--compare-with``: ``bench_scale.main`` of the tree at argv[1],
+# importing that tree's ``shardckpt`` (checked, so an installed copy cannot
+# stand in for it).
+_CHILD = """
+import os, sys
+root = os.path.realpath(sys.argv[1])
+sys.path[:0] = [root, os.path.join(root, "benchmarks")]
+import shardckpt, bench_scale
+for mod in (shardckpt, bench_scale):
+    if not os.path.realpath(mod.__file__).startswith(root + os.sep):
+        sys.exit(f"{mod.__name__} imported from {mod.__file__}, not from {root}")
+sys.exit(bench_scale.main(sys.argv[2:]))
+"""
+
+
+def _figures(line: str) -> Dict[str, str]:
+    return dict(f.split("=", 1) for f in line.split() if "=" in f)
+
+
+def compare(trees: Dict[str, str], argv: List[str], repeat: int) -> int:
+    """Run ``argv`` on each tree's own ``bench_scale.py`` in fresh processes, alternately, ``repeat`` times; print medians.
+
+    One command on one host gives figures of two trees that compare (the
+    same machine, load and moment): each run's last line prefixed with
+    ``tree=<label> run=<i>``, then per tree the medians, then new/old ratios.
+    """
+    import statistics
+    import subprocess
+
+    runs: Dict[str, List[Dict[str, str]]] = {label: [] for label in trees}
+    for i in range(repeat):
+        for label, root in trees.items():
+            done = subprocess.run([sys.executable, "-c", _CHILD, root, *argv], capture_output=True, text=True)
+            lines = [ln for ln in done.stdout.splitlines() if ln.startswith("ranks=")]
+            if done.returncode or not lines:
+                print(done.stdout + done.stderr, file=sys.stderr)
+                print(f"tree={label} ({root}) failed with exit status {done.returncode}", file=sys.stderr)
+                return 1
+            runs[label].append(_figures(lines[-1]))
+            print(f"tree={label} run={i} {lines[-1]}", flush=True)
+    timed = ("save_plan_s", "commit_s", "load_plan_s")
+    medians: Dict[str, Dict[str, float]] = {}
+    for label, got in runs.items():
+        medians[label] = {k: statistics.median(float(r[k]) for r in got) for k in timed}
+        sizes = " ".join(f"{k}={got[-1][k]}" for k in ("manifest_mb", "load_meta_mb") if k in got[-1])
+        print(f"tree={label} median_of={repeat} " + " ".join(f"{k}={v:.3f}" for k, v in medians[label].items()) + f" {sizes}")
+    old, new = list(trees)
+    print(f"new/old ({new} over {old}): " + " ".join(f"{k}={medians[new][k] / medians[old][k]:.2f}" for k in timed))
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--ranks", type=int, required=True)
@@ -443,7 +498,23 @@ def main(argv=None) -> int:
                     help="manifest format committed and read (default: v2 with --planner v2, v1 with --planner v1)")
     ap.add_argument("--tp", type=int, default=DEFAULT_TP, help="tensor-parallel degree of --layout fsdp-tp")
     ap.add_argument("--rank", type=int, default=DEFAULT_RANK, help="the rank whose save and load plans are timed")
+    ap.add_argument("--compare-with", metavar="DIR", default=None,
+                    help="another tree's root (say the previous tip copied as _old/): run its benchmarks/bench_scale.py and this "
+                         "tree's alternately in fresh processes, --repeat times each, and print both trees' medians")
+    ap.add_argument("--repeat", type=int, default=DEFAULT_REPEAT, help="runs of each tree with --compare-with")
     args = ap.parse_args(argv)
+    if args.compare_with is not None:
+        argv = list(sys.argv[1:] if argv is None else argv)
+        rest, skip = [], False
+        for a in argv:  # the same arguments, less the comparison's own
+            if skip:
+                skip = False
+            elif a in ("--compare-with", "--repeat"):
+                skip = True
+            elif not a.startswith(("--compare-with=", "--repeat=")):
+                rest.append(a)
+        here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        return compare({"old": os.path.abspath(args.compare_with), "new": here}, rest, args.repeat)
     if args.layout == "fsdp-tp" and args.ranks % args.tp:
         ap.error(f"--ranks {args.ranks} is not a multiple of --tp {args.tp}")
     if not 0 <= args.rank < args.ranks:

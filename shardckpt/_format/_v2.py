@@ -14,7 +14,8 @@ import json
 import math
 import operator
 import re
-from itertools import repeat
+from collections import Counter, deque
+from itertools import accumulate, repeat
 from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple, cast
 
 from .. import _geometry
@@ -264,7 +265,8 @@ def _tensor_table(table: Any, tensors: Dict[str, TensorMeta], meshes: List[Any],
         lay = _checked_regular(reg, shape, meshes, world_size, nindexes, memo, kw)
         layout = kj.get("layout")
         checked.append((dt, shape, layout if isinstance(layout, dict) else None, reg, lay, lay.world))
-    names = front_decode(table.get("prefix"), table.get("suffix"), strict=True, where=where)
+    prefix, suffix = table.get("prefix"), table.get("suffix")
+    names = front_decode(prefix, suffix, strict=True, where=where)
     kind_col, rot_col = table.get("kind"), table.get("rotation")
     if not isinstance(kind_col, list) or not isinstance(rot_col, list) or not len(kind_col) == len(rot_col) == len(names):
         raise _bad(where, f"'kind' and 'rotation' must be lists of {len(names)} entries (one per name)")
@@ -277,7 +279,8 @@ def _tensor_table(table: Any, tensors: Dict[str, TensorMeta], meshes: List[Any],
         # Every kind number and rotation checked over the whole columns: a
         # tensor's record is built when first asked for (``TableTensors``).
         # Typed as the dict it stands for (every mapping operation, built on demand).
-        return cast(Dict[str, TensorMeta], TableTensors(tensors, names, [TableKind(*c[:5]) for c in checked], kind_col, rot_col))
+        return cast(Dict[str, TensorMeta], TableTensors(tensors, names, [TableKind(*c[:5]) for c in checked], kind_col, rot_col,
+                                                        (prefix, suffix, names)))
     for name, k, rot in zip(names, kind_col, rot_col):
         if type(k) is not int or not 0 <= k < nkinds:
             raise _bad(where, f"tensor {name!r}: kind {k!r:.20} is not one of the {nkinds} kinds")
@@ -981,8 +984,8 @@ def _resolve(manifest: Any, storage: Any, wants: Sequence[Tuple[str, Any]], cach
                 out[i] = _tuple_new(Reads, (cs, _pieces(name, cs, g.boxes)))
             continue
         shared = _pieces(names[0], lists[0], g.boxes)
-        for i, cs in zip(g.members, lists):
-            out[i] = _tuple_new(Reads, (cs, shared))
+        # ``out[i] = Reads(cs, shared)`` for every member, by C-level maps.
+        deque(map(out.__setitem__, g.members, map(_tuple_new, repeat(Reads), zip(lists, repeat(shared)))), maxlen=0)
     return out
 
 
@@ -1004,17 +1007,41 @@ def _group_rows(table: TableTensors, kinds: List[Any], wants: Sequence[Tuple[str
     ks, rots = got
     if any(kinds[k] is None for k in set(ks)):
         return False
-    members: Dict[Any, List[int]] = {}
-    try:
-        for i, gkey in enumerate(zip(zip(ks, rots), map(tuple, map(operator.itemgetter(1), wants)))):
-            got_members = members.get(gkey)
-            if got_members is None:
-                members[gkey] = [i]
-            else:
-                got_members.append(i)
-    except TypeError:  # lists inside the boxes
-        return False
-    for gkey, idx in members.items():
+    boxes = list(map(operator.itemgetter(1), wants))
+    n = len(boxes)
+    # Group numbers over the columns, keyed by the boxes' object ids (C-level
+    # hashes of ints: tensors placed alike share one boxes object when the
+    # caller made them with ``_geometry.held_boxes``); by value when most
+    # tensors bring their own boxes objects. Parts of equal value merge below.
+    keys: Any = list(zip(ks, rots, map(id, boxes)))
+    first = dict.fromkeys(keys)
+    if len(first) > max(64, n // 8):
+        try:
+            keys = list(zip(ks, rots, map(tuple, boxes)))
+            first = dict.fromkeys(keys)
+        except TypeError:  # lists inside the boxes
+            return False
+    if len(first) > 1:
+        number = dict(zip(first, range(len(first))))
+        gid = list(map(number.__getitem__, keys))
+        order = sorted(range(n), key=gid.__getitem__)  # stable: each part in wants order
+        counts = Counter(gid)
+        bounds = list(accumulate((counts[j] for j in range(len(first))), initial=0))
+        parts = [order[bounds[j] : bounds[j + 1]] for j in range(len(first))]
+    else:
+        parts = [list(range(n))]
+    found: Dict[Any, List[int]] = {}
+    for (k, rot, _), idx in zip(first, parts):
+        try:
+            gkey = ((k, rot), tuple(boxes[idx[0]]))
+            got_members = found.get(gkey)
+        except TypeError:  # lists inside the boxes
+            return False
+        if got_members is None:
+            found[gkey] = idx
+        else:
+            got_members.extend(idx)
+    for gkey, idx in found.items():
         (k, rot), bkey = gkey
         lay, mesh, shape = kinds[k]
         g = groups[gkey] = _Group(_hits(m, lay, mesh, rot, shape, bkey, writers), bkey)

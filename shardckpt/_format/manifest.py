@@ -152,7 +152,7 @@ class BlockScale:
     block: Tuple[int, int]
 
 
-@dataclass
+@dataclass(slots=True)
 class FileMeta:
     size: int
 
@@ -160,7 +160,7 @@ class FileMeta:
         return {"size": self.size}
 
 
-@dataclass
+@dataclass(slots=True)
 class IndexMeta:
     """v2: a writing rank's index file (its chunks and their block checksums), checksummed here."""
 
