@@ -50,6 +50,8 @@ import json
 import os
 import sys
 import time
+from itertools import chain
+from operator import attrgetter
 from typing import Any, Dict, List, Tuple
 
 from shardckpt import _geometry
@@ -406,10 +408,10 @@ def run_v2(args, lays) -> int:
         live = list(map(lays.__getitem__, names))
         coord = {ms: coord_of(ms, args.rank) for ms in {lay.mesh_shape for lay in live}}
         held = _geometry.held_boxes(live, [coord[lay.mesh_shape] for lay in live])
-        wants = [(name, boxes) for name, boxes in zip(names, held) if boxes]
+        wants = list(zip(names, held)) if all(held) else [(name, boxes) for name, boxes in zip(names, held) if boxes]
         # What ``_load.plan`` does: every tensor's chunks and read pieces in one call.
-        for got in resolve_reads(m, storage, wants, cache=cache):
-            pieces += sum(map(len, got.pieces))
+        reads = resolve_reads(m, storage, wants, cache=cache)
+        pieces += sum(map(len, chain.from_iterable(map(attrgetter("pieces"), reads))))  # the pieces of every box, counted
         assert pieces >= len(wants)
         return cache.bytes_read
 
