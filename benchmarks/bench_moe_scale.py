@@ -335,7 +335,15 @@ def main(argv=None) -> int:
     ap.add_argument("--no-reshard", dest="reshard", action="store_false", help="skip the load at half the ranks, EP / 2")
     ap.add_argument("--control-plane", action="store_true", help="also run the real agree() exchanges with this state's records")
     ap.add_argument("--json")
+    ap.add_argument("--compare-with", metavar="DIR", default=None,
+                    help="another tree's root (say the previous tip copied as _old/): run its benchmarks/bench_moe_scale.py and this "
+                         "tree's alternately in fresh processes, --repeat times each, and print both trees' medians (give one --ranks)")
+    ap.add_argument("--repeat", type=int, default=B.DEFAULT_REPEAT, help="runs of each tree with --compare-with")
     args = ap.parse_args(argv)
+    if args.compare_with is not None:
+        argv = list(sys.argv[1:] if argv is None else argv)
+        return B.compare({"old": os.path.abspath(args.compare_with), "new": B.HERE}, B.comparison_args(argv), args.repeat,
+                         bench="bench_moe_scale")
     rows = []
     for n in [int(x) for x in args.ranks.split(",")]:
         t0 = time.time()

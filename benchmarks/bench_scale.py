@@ -19,8 +19,10 @@ CRC-32C) built, serialised and re-parsed by rank 0; a loading rank parses it
 and resolves its chunks and read pieces with ``_format.resolve_reads`` (what
 ``_load.plan`` calls), which reads only the index files of the ranks that
 wrote them (served from memory here; their bytes count in load_meta_mb).
-The live layout is ``_geometry.local_boxes`` per tensor (what ``layout_of``
-calls), the rank's mesh coordinate once per mesh (``DeviceMesh.get_coordinate``). ``--format v1`` keeps the v1 manifest figures.
+The live layout is ``_geometry.held_boxes`` over every tensor (``local_boxes``,
+what ``layout_of`` derives, once per distinct layout and coordinate), the
+rank's mesh coordinate once per mesh (``DeviceMesh.get_coordinate``).
+``--format v1`` keeps the v1 manifest figures.
 
 ``--planner v1`` is the planning of shardckpt 0.1 (every rank derives the
 boxes and holders of every tensor on every rank, ``layout_holders`` +
@@ -35,6 +37,14 @@ out of load_plan_s, and the projected size of the compact v2 records
 Usage::
 
     python benchmarks/bench_scale.py --ranks 1024 --tensors 1000 --layout fsdp --planner v1
+
+Two trees on one host (say the previous tip copied to ``_old/``)::
+
+    python benchmarks/bench_scale.py --ranks 16384 --tensors 50000 --layout fsdp --compare-with _old --repeat 5
+
+runs ``_old/benchmarks/bench_scale.py`` (importing ``_old/shardckpt``) and
+this tree's alternately in fresh processes and prints each run's line
+(``tree=old|new run=i ...``), then both trees' medians and new/old ratios.
 
 The last line is always
 ``ranks=R tensors=T layout=L save_plan_s=.. commit_s=.. manifest_mb=.. load_plan_s=.. load_meta_mb=..``.
@@ -443,14 +453,15 @@ DEFAULT_REPEAT = 5
 # importing that tree's ``shardckpt`` (checked, so an installed copy cannot
 # stand in for it).
 _CHILD = """
-import os, sys
+import importlib, os, sys
 root = os.path.realpath(sys.argv[1])
 sys.path[:0] = [root, os.path.join(root, "benchmarks")]
-import shardckpt, bench_scale
-for mod in (shardckpt, bench_scale):
+import shardckpt
+bench = importlib.import_module(sys.argv[2])
+for mod in (shardckpt, bench):
     if not os.path.realpath(mod.__file__).startswith(root + os.sep):
         sys.exit(f"{mod.__name__} imported from {mod.__file__}, not from {root}")
-sys.exit(bench_scale.main(sys.argv[2:]))
+sys.exit(bench.main(sys.argv[3:]))
 """
 
 
@@ -458,12 +469,14 @@ def _figures(line: str) -> Dict[str, str]:
     return dict(f.split("=", 1) for f in line.split() if "=" in f)
 
 
-def compare(trees: Dict[str, str], argv: List[str], repeat: int) -> int:
-    """Run ``argv`` on each tree's own ``bench_scale.py`` in fresh processes, alternately, ``repeat`` times; print medians.
+def compare(trees: Dict[str, str], argv: List[str], repeat: int, *, bench: str = "bench_scale") -> int:
+    """Run ``argv`` on each tree's own ``benchmarks/<bench>.py`` in fresh processes, alternately, ``repeat`` times; print medians.
 
     One command on one host gives figures of two trees that compare (the
-    same machine, load and moment): each run's last line prefixed with
-    ``tree=<label> run=<i>``, then per tree the medians, then new/old ratios.
+    same machine, load and moment): each run's last ``ranks=`` line prefixed
+    with ``tree=<label> run=<i>``, then per tree the medians of every ``*_s``
+    figure, then new/old ratios. ``bench_moe_scale.py --compare-with`` uses
+    it too.
     """
     import statistics
     import subprocess
@@ -471,7 +484,7 @@ def compare(trees: Dict[str, str], argv: List[str], repeat: int) -> int:
     runs: Dict[str, List[Dict[str, str]]] = {label: [] for label in trees}
     for i in range(repeat):
         for label, root in trees.items():
-            done = subprocess.run([sys.executable, "-c", _CHILD, root, *argv], capture_output=True, text=True)
+            done = subprocess.run([sys.executable, "-c", _CHILD, root, bench, *argv], capture_output=True, text=True)
             lines = [ln for ln in done.stdout.splitlines() if ln.startswith("ranks=")]
             if done.returncode or not lines:
                 print(done.stdout + done.stderr, file=sys.stderr)
@@ -479,7 +492,7 @@ def compare(trees: Dict[str, str], argv: List[str], repeat: int) -> int:
                 return 1
             runs[label].append(_figures(lines[-1]))
             print(f"tree={label} run={i} {lines[-1]}", flush=True)
-    timed = ("save_plan_s", "commit_s", "load_plan_s")
+    timed = [k for k in runs[next(iter(runs))][0] if k.endswith("_s") and all(k in r for got in runs.values() for r in got)]
     medians: Dict[str, Dict[str, float]] = {}
     for label, got in runs.items():
         medians[label] = {k: statistics.median(float(r[k]) for r in got) for k in timed}
@@ -488,6 +501,23 @@ def compare(trees: Dict[str, str], argv: List[str], repeat: int) -> int:
     old, new = list(trees)
     print(f"new/old ({new} over {old}): " + " ".join(f"{k}={medians[new][k] / medians[old][k]:.2f}" for k in timed))
     return 0
+
+
+#: This tree's root (what ``--compare-with`` calls "new").
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def comparison_args(argv: List[str]) -> List[str]:
+    """``argv`` less ``--compare-with`` and ``--repeat`` (and their values): what each tree's bench is run with."""
+    rest, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a in ("--compare-with", "--repeat"):
+            skip = True
+        elif not a.startswith(("--compare-with=", "--repeat=")):
+            rest.append(a)
+    return rest
 
 
 def main(argv=None) -> int:
@@ -507,16 +537,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.compare_with is not None:
         argv = list(sys.argv[1:] if argv is None else argv)
-        rest, skip = [], False
-        for a in argv:  # the same arguments, less the comparison's own
-            if skip:
-                skip = False
-            elif a in ("--compare-with", "--repeat"):
-                skip = True
-            elif not a.startswith(("--compare-with=", "--repeat=")):
-                rest.append(a)
-        here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        return compare({"old": os.path.abspath(args.compare_with), "new": here}, rest, args.repeat)
+        return compare({"old": os.path.abspath(args.compare_with), "new": HERE}, comparison_args(argv), args.repeat)
     if args.layout == "fsdp-tp" and args.ranks % args.tp:
         ap.error(f"--ranks {args.ranks} is not a multiple of --tp {args.tp}")
     if not 0 <= args.rank < args.ranks:
