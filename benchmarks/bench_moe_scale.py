@@ -44,6 +44,8 @@ import json
 import os
 import sys
 import time
+from itertools import chain
+from operator import attrgetter, itemgetter
 from typing import Any, Dict, List, Tuple
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -209,15 +211,12 @@ def load_plan(body: bytes, storage, live, rank: int) -> Tuple[int, int]:
     """A loading rank: parse the manifest, resolve every tensor it holds in one call, plan the pieces."""
     m = manifest_from_bytes(body)
     cache = MetaCache()
-    wants = []
-    for name, lay, coord in live:
-        boxes = [(lb.box.offsets, lb.box.sizes) for lb in _geometry.local_boxes(lay.shape, lay.mesh_shape, lay.placements, coord)]
-        if boxes:
-            wants.append((name, boxes))
+    # The live layout of every held tensor, in bulk: each distinct (layout, coordinate) once.
+    held = _geometry.held_boxes(list(map(itemgetter(1), live)), list(map(itemgetter(2), live)))
+    wants = [(name, boxes) for (name, _, _), boxes in zip(live, held) if boxes]
     # What ``_load.plan`` does: every tensor's chunks and read pieces in one call.
-    pieces = 0
-    for got in resolve_reads(m, storage, wants, cache=cache):
-        pieces += sum(map(len, got.pieces))
+    reads = resolve_reads(m, storage, wants, cache=cache)
+    pieces = sum(map(len, chain.from_iterable(map(attrgetter("pieces"), reads))))  # the pieces of every box, counted
     return pieces, cache.bytes_read
 
 
@@ -336,7 +335,15 @@ def main(argv=None) -> int:
     ap.add_argument("--no-reshard", dest="reshard", action="store_false", help="skip the load at half the ranks, EP / 2")
     ap.add_argument("--control-plane", action="store_true", help="also run the real agree() exchanges with this state's records")
     ap.add_argument("--json")
+    ap.add_argument("--compare-with", metavar="DIR", default=None,
+                    help="another tree's root (say the previous tip copied as _old/): run its benchmarks/bench_moe_scale.py and this "
+                         "tree's alternately in fresh processes, --repeat times each, and print both trees' medians (give one --ranks)")
+    ap.add_argument("--repeat", type=int, default=B.DEFAULT_REPEAT, help="runs of each tree with --compare-with")
     args = ap.parse_args(argv)
+    if args.compare_with is not None:
+        argv = list(sys.argv[1:] if argv is None else argv)
+        return B.compare({"old": os.path.abspath(args.compare_with), "new": B.HERE}, B.comparison_args(argv), args.repeat,
+                         bench="bench_moe_scale")
     rows = []
     for n in [int(x) for x in args.ranks.split(",")]:
         t0 = time.time()

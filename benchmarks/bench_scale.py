@@ -19,8 +19,10 @@ CRC-32C) built, serialised and re-parsed by rank 0; a loading rank parses it
 and resolves its chunks and read pieces with ``_format.resolve_reads`` (what
 ``_load.plan`` calls), which reads only the index files of the ranks that
 wrote them (served from memory here; their bytes count in load_meta_mb).
-The live layout is ``_geometry.local_boxes`` per tensor (what ``layout_of``
-calls), the rank's mesh coordinate once per mesh (``DeviceMesh.get_coordinate``). ``--format v1`` keeps the v1 manifest figures.
+The live layout is ``_geometry.held_boxes`` over every tensor (``local_boxes``,
+what ``layout_of`` derives, once per distinct layout and coordinate), the
+rank's mesh coordinate once per mesh (``DeviceMesh.get_coordinate``).
+``--format v1`` keeps the v1 manifest figures.
 
 ``--planner v1`` is the planning of shardckpt 0.1 (every rank derives the
 boxes and holders of every tensor on every rank, ``layout_holders`` +
@@ -36,6 +38,14 @@ Usage::
 
     python benchmarks/bench_scale.py --ranks 1024 --tensors 1000 --layout fsdp --planner v1
 
+Two trees on one host (say the previous tip copied to ``_old/``)::
+
+    python benchmarks/bench_scale.py --ranks 16384 --tensors 50000 --layout fsdp --compare-with _old --repeat 5
+
+runs ``_old/benchmarks/bench_scale.py`` (importing ``_old/shardckpt``) and
+this tree's alternately in fresh processes and prints each run's line
+(``tree=old|new run=i ...``), then both trees' medians and new/old ratios.
+
 The last line is always
 ``ranks=R tensors=T layout=L save_plan_s=.. commit_s=.. manifest_mb=.. load_plan_s=.. load_meta_mb=..``.
 Limits: plain Python, one core; v1 at 4,096 ranks needs several GB of memory.
@@ -47,8 +57,11 @@ import argparse
 import functools
 import gc
 import json
+import os
 import sys
 import time
+from itertools import chain
+from operator import attrgetter
 from typing import Any, Dict, List, Tuple
 
 from shardckpt import _geometry
@@ -399,16 +412,16 @@ def run_v2(args, lays) -> int:
         m = manifest_from_bytes(body)
         cache = MetaCache()
         pieces = 0
-        wants = []
-        for name in sorted(lays):
-            live = lays[name]
-            boxes = [(lb.box.offsets, lb.box.sizes)
-                     for lb in _geometry.local_boxes(live.shape, live.mesh_shape, live.placements, coord_of(live.mesh_shape, args.rank))]
-            if boxes:
-                wants.append((name, boxes))
+        # The live layout of every tensor (what ``layout_of`` derives from
+        # each DTensor's placements), in bulk: each distinct layout once.
+        names = sorted(lays)
+        live = list(map(lays.__getitem__, names))
+        coord = {ms: coord_of(ms, args.rank) for ms in {lay.mesh_shape for lay in live}}
+        held = _geometry.held_boxes(live, [coord[lay.mesh_shape] for lay in live])
+        wants = list(zip(names, held)) if all(held) else [(name, boxes) for name, boxes in zip(names, held) if boxes]
         # What ``_load.plan`` does: every tensor's chunks and read pieces in one call.
-        for got in resolve_reads(m, storage, wants, cache=cache):
-            pieces += sum(map(len, got.pieces))
+        reads = resolve_reads(m, storage, wants, cache=cache)
+        pieces += sum(map(len, chain.from_iterable(map(attrgetter("pieces"), reads))))  # the pieces of every box, counted
         assert pieces >= len(wants)
         return cache.bytes_read
 
@@ -433,6 +446,80 @@ def _timed(fn):
     return out, time.perf_counter() - t0
 
 
+#: Runs of each tree with ``--compare-with`` (medians reported).
+DEFAULT_REPEAT = 5
+
+# A child of ``--compare-with``: ``bench_scale.main`` of the tree at argv[1],
+# importing that tree's ``shardckpt`` (checked, so an installed copy cannot
+# stand in for it).
+_CHILD = """
+import importlib, os, sys
+root = os.path.realpath(sys.argv[1])
+sys.path[:0] = [root, os.path.join(root, "benchmarks")]
+import shardckpt
+bench = importlib.import_module(sys.argv[2])
+for mod in (shardckpt, bench):
+    if not os.path.realpath(mod.__file__).startswith(root + os.sep):
+        sys.exit(f"{mod.__name__} imported from {mod.__file__}, not from {root}")
+sys.exit(bench.main(sys.argv[3:]))
+"""
+
+
+def _figures(line: str) -> Dict[str, str]:
+    return dict(f.split("=", 1) for f in line.split() if "=" in f)
+
+
+def compare(trees: Dict[str, str], argv: List[str], repeat: int, *, bench: str = "bench_scale") -> int:
+    """Run ``argv`` on each tree's own ``benchmarks/<bench>.py`` in fresh processes, alternately, ``repeat`` times; print medians.
+
+    One command on one host gives figures of two trees that compare (the
+    same machine, load and moment): each run's last ``ranks=`` line prefixed
+    with ``tree=<label> run=<i>``, then per tree the medians of every ``*_s``
+    figure, then new/old ratios. ``bench_moe_scale.py --compare-with`` uses
+    it too.
+    """
+    import statistics
+    import subprocess
+
+    runs: Dict[str, List[Dict[str, str]]] = {label: [] for label in trees}
+    for i in range(repeat):
+        for label, root in trees.items():
+            done = subprocess.run([sys.executable, "-c", _CHILD, root, bench, *argv], capture_output=True, text=True)
+            lines = [ln for ln in done.stdout.splitlines() if ln.startswith("ranks=")]
+            if done.returncode or not lines:
+                print(done.stdout + done.stderr, file=sys.stderr)
+                print(f"tree={label} ({root}) failed with exit status {done.returncode}", file=sys.stderr)
+                return 1
+            runs[label].append(_figures(lines[-1]))
+            print(f"tree={label} run={i} {lines[-1]}", flush=True)
+    timed = [k for k in runs[next(iter(runs))][0] if k.endswith("_s") and all(k in r for got in runs.values() for r in got)]
+    medians: Dict[str, Dict[str, float]] = {}
+    for label, got in runs.items():
+        medians[label] = {k: statistics.median(float(r[k]) for r in got) for k in timed}
+        sizes = " ".join(f"{k}={got[-1][k]}" for k in ("manifest_mb", "load_meta_mb") if k in got[-1])
+        print(f"tree={label} median_of={repeat} " + " ".join(f"{k}={v:.3f}" for k, v in medians[label].items()) + f" {sizes}")
+    old, new = list(trees)
+    print(f"new/old ({new} over {old}): " + " ".join(f"{k}={medians[new][k] / medians[old][k]:.2f}" for k in timed))
+    return 0
+
+
+#: This tree's root (what ``--compare-with`` calls "new").
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def comparison_args(argv: List[str]) -> List[str]:
+    """``argv`` less ``--compare-with`` and ``--repeat`` (and their values): what each tree's bench is run with."""
+    rest, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a in ("--compare-with", "--repeat"):
+            skip = True
+        elif not a.startswith(("--compare-with=", "--repeat=")):
+            rest.append(a)
+    return rest
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--ranks", type=int, required=True)
@@ -443,7 +530,14 @@ def main(argv=None) -> int:
                     help="manifest format committed and read (default: v2 with --planner v2, v1 with --planner v1)")
     ap.add_argument("--tp", type=int, default=DEFAULT_TP, help="tensor-parallel degree of --layout fsdp-tp")
     ap.add_argument("--rank", type=int, default=DEFAULT_RANK, help="the rank whose save and load plans are timed")
+    ap.add_argument("--compare-with", metavar="DIR", default=None,
+                    help="another tree's root (say the previous tip copied as _old/): run its benchmarks/bench_scale.py and this "
+                         "tree's alternately in fresh processes, --repeat times each, and print both trees' medians")
+    ap.add_argument("--repeat", type=int, default=DEFAULT_REPEAT, help="runs of each tree with --compare-with")
     args = ap.parse_args(argv)
+    if args.compare_with is not None:
+        argv = list(sys.argv[1:] if argv is None else argv)
+        return compare({"old": os.path.abspath(args.compare_with), "new": HERE}, comparison_args(argv), args.repeat)
     if args.layout == "fsdp-tp" and args.ranks % args.tp:
         ap.error(f"--ranks {args.ranks} is not a multiple of --tp {args.tp}")
     if not 0 <= args.rank < args.ranks:

@@ -28,7 +28,6 @@ import threading
 import time
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import replace
 from functools import partial
 from typing import Any, Callable, Dict, Generator, Iterator, List, Optional, Sequence, Tuple, cast
 
@@ -159,7 +158,7 @@ class Reader:
         with self._lock:
             got = self._wanted.get((id(t), idx))
             if got is None or got[0] is not c:
-                w = c if c.tensor == t.name and c.crc32c is None else replace(c, tensor=t.name, crc32c=None)
+                w = c if c.tensor == t.name and c.crc32c is None else c._replace(tensor=t.name, crc32c=None)
                 got = self._wanted[(id(t), idx)] = (c, w)
         return got[1]
 

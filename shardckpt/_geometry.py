@@ -26,6 +26,7 @@ layouts placements produce, with no pairwise comparison of chunks.
 from __future__ import annotations
 
 import functools
+import gc
 import itertools
 from dataclasses import dataclass
 from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
@@ -39,6 +40,7 @@ __all__ = [
     "chunk_bounds",
     "dim_intervals",
     "local_boxes",
+    "held_boxes",
     "mesh_coords",
     "layout_holders",
     "assign_writers",
@@ -266,6 +268,60 @@ def local_boxes(
         except TypeError:  # an unhashable placement
             pass
     return list(_local_boxes(tuple(shape), tuple(mesh_shape), tuple(placements), tuple(coord)))
+
+
+def held_boxes(
+    layouts: Sequence["RegularLayout"],
+    coords: Sequence[Tuple[int, ...]],
+) -> List[Tuple[Tuple[Tuple[int, ...], Tuple[int, ...]], ...]]:
+    """Per ``(layouts[i], coords[i])``, the ``(offsets, sizes)`` of the boxes held there: :func:`local_boxes` in bulk.
+
+    What a loading rank asks for every tensor it holds. A mixture-of-experts
+    state places thousands of same-shaped tensors alike, so the boxes are
+    computed once per distinct (layout, coordinate) and the same tuple is
+    given to each of its tensors (callers must not change it; a tuple of
+    tuples, so they cannot). Equal layouts and coordinates give identical
+    objects, which is what lets ``_format.resolve_reads`` group them cheaply.
+
+    Args:
+        layouts: one :class:`RegularLayout` per tensor.
+        coords: the holder's coordinate in each layout's mesh (same length).
+
+    Raises:
+        ValueError: lengths differ, or a coordinate does not fit its mesh
+            (as :func:`local_boxes`).
+
+    >>> lay = regular_layout((5, 3), (2,), (Shard(0),))
+    >>> held_boxes([lay, lay], [(1,), (1,)])
+    [(((3, 0), (2, 3)),), (((3, 0), (2, 3)),)]
+
+    Limits: layouts must be hashable (``RegularLayout`` is).
+    """
+    if len(layouts) != len(coords):
+        raise ValueError(f"held_boxes: {len(layouts)} layouts but {len(coords)} coordinates")
+    # Keyed by the objects' ids first (C-level hashes; callers pass the same
+    # few layout and coordinate objects again and again), then each distinct
+    # pair by value, so equal layouts built twice still share their boxes.
+    # Both lists hold their objects for the whole call, so ids stay unique.
+    was = gc.isenabled()
+    gc.disable()  # 50,000 key tuples, none cyclic: no collector pass over the caller's heap
+    try:
+        keys = list(zip(map(id, layouts), map(id, coords)))
+        by_id: Dict[Tuple[int, int], Any] = dict.fromkeys(keys)
+        by_value: Dict[Any, Any] = {}
+        firsts = dict(zip(keys, zip(layouts, coords)))
+        for key in by_id:
+            lay, coord = firsts[key]
+            vkey = (lay, tuple(coord))
+            got = by_value.get(vkey)
+            if got is None:
+                got = by_value[vkey] = tuple(
+                    (lb.box.offsets, lb.box.sizes) for lb in _local_boxes(lay.shape, lay.mesh_shape, lay.placements, tuple(coord)))
+            by_id[key] = got
+        return list(map(by_id.__getitem__, keys))
+    finally:
+        if was:
+            gc.enable()
 
 
 @_memo

@@ -14,7 +14,8 @@ import json
 import math
 import operator
 import re
-from itertools import repeat
+from collections import Counter, deque
+from itertools import accumulate, repeat
 from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple, cast
 
 from .. import _geometry
@@ -38,6 +39,7 @@ from .manifest import (
     paused_gc,
     required_field,
     tiling_problems,
+    written_crc_matches,
 )
 from .naming import DATA_DIR, DATA_SUFFIX, INDEX_DIR, INDEX_SUFFIX, chunk_key, save_id_prefix
 from .refs import check_ref_paths
@@ -82,8 +84,13 @@ def nblocks(nbytes: int, block_bytes: int) -> int:
 
 
 @paused_gc
-def manifest_v2_from_raw(raw: Dict[str, Any], where: str) -> Manifest:
-    """Validate a parsed v2 manifest; its own checksum first, so nothing damaged is interpreted."""
+def manifest_v2_from_raw(raw: Dict[str, Any], where: str, *, canonical: Optional[bytes] = None) -> Manifest:
+    """Validate a parsed v2 manifest; its own checksum first, so nothing damaged is interpreted.
+
+    ``canonical``: the bytes ``raw`` was parsed from, when they hold no
+    non-finite number; the checksum is checked over them when they are the
+    writer's encoding, else over ``raw`` re-encoded (the same verdict).
+    """
     # Paths first: one escaping the checkpoint is refused as unsafe whatever
     # else is wrong. Checked here once each (not again below: O(ranks) paths).
     for key in ("files", "indexes"):
@@ -99,10 +106,13 @@ def manifest_v2_from_raw(raw: Dict[str, Any], where: str) -> Manifest:
     if MANIFEST_CRC_FIELD not in raw:
         raise _bad(where, f"missing field {MANIFEST_CRC_FIELD!r} (the manifest's own checksum)")
     want = raw.pop(MANIFEST_CRC_FIELD)
-    try:
-        got = crc32c(manifest_json_v2(raw))
-    except (ValueError, TypeError, RecursionError):  # NaN/Infinity tokens, absurd nesting
-        raise _bad(where, "holds values canonical JSON cannot (NaN, Infinity or overflowing numbers): damaged") from None
+    if written_crc_matches(canonical, want):
+        got = want
+    else:
+        try:
+            got = crc32c(manifest_json_v2(raw))
+        except (ValueError, TypeError, RecursionError):  # NaN/Infinity tokens, absurd nesting
+            raise _bad(where, "holds values canonical JSON cannot (NaN, Infinity or overflowing numbers): damaged") from None
     if got != want:
         raise _bad(
             where,
@@ -130,7 +140,8 @@ def manifest_v2_from_raw(raw: Dict[str, Any], where: str) -> Manifest:
         table_data, table_indexes = _expand_table(raw, world_size, where)
         npaths = len(files) + len(table_data) + len(table_indexes)
         files.update(zip(map(operator.itemgetter(0), table_data), map(FileMeta, map(operator.itemgetter(1), table_data))))
-        files.update((path, FileMeta(meta.size)) for path, meta in table_indexes)
+        files.update(zip(map(operator.itemgetter(0), table_indexes),
+                         map(FileMeta, map(operator.attrgetter("size"), map(operator.itemgetter(1), table_indexes)))))
         if len(files) != npaths:  # a name twice: find it
             seen = {path for path, _ in required_field(raw, "files", dict, where).items()}
             for path in [p for p, _ in table_data] + [p for p, _ in table_indexes]:
@@ -264,7 +275,8 @@ def _tensor_table(table: Any, tensors: Dict[str, TensorMeta], meshes: List[Any],
         lay = _checked_regular(reg, shape, meshes, world_size, nindexes, memo, kw)
         layout = kj.get("layout")
         checked.append((dt, shape, layout if isinstance(layout, dict) else None, reg, lay, lay.world))
-    names = front_decode(table.get("prefix"), table.get("suffix"), strict=True, where=where)
+    prefix, suffix = table.get("prefix"), table.get("suffix")
+    names = front_decode(prefix, suffix, strict=True, where=where)
     kind_col, rot_col = table.get("kind"), table.get("rotation")
     if not isinstance(kind_col, list) or not isinstance(rot_col, list) or not len(kind_col) == len(rot_col) == len(names):
         raise _bad(where, f"'kind' and 'rotation' must be lists of {len(names)} entries (one per name)")
@@ -277,7 +289,8 @@ def _tensor_table(table: Any, tensors: Dict[str, TensorMeta], meshes: List[Any],
         # Every kind number and rotation checked over the whole columns: a
         # tensor's record is built when first asked for (``TableTensors``).
         # Typed as the dict it stands for (every mapping operation, built on demand).
-        return cast(Dict[str, TensorMeta], TableTensors(tensors, names, [TableKind(*c[:5]) for c in checked], kind_col, rot_col))
+        return cast(Dict[str, TensorMeta], TableTensors(tensors, names, [TableKind(*c[:5]) for c in checked], kind_col, rot_col,
+                                                        (prefix, suffix, names)))
     for name, k, rot in zip(names, kind_col, rot_col):
         if type(k) is not int or not 0 <= k < nkinds:
             raise _bad(where, f"tensor {name!r}: kind {k!r:.20} is not one of the {nkinds} kinds")
@@ -505,13 +518,16 @@ def _expand_table(raw: Dict[str, Any], world_size: int, where: str) -> Tuple[Lis
         raise UnsafeMetadataError(f"{tw}: world_size {world_size} exceeds the {MAX_TABLE_RANKS}-rank limit of a file table")
     if len(sizes) != world_size or len(index_files) != world_size:
         raise _bad(tw, f"data_sizes and index_files must have one entry per rank ({world_size}), found {len(sizes)} and {len(index_files)}")
-    total = world_size
-    for r, row in enumerate(sizes):
-        if not isinstance(row, list):
-            raise _bad(tw, f"data_sizes[{r}] must be a list of sizes, found {type(row).__name__}")
-        if len(row) > MAX_FILES_PER_RANK:
-            raise UnsafeMetadataError(f"{tw}: data_sizes[{r}] lists {len(row)} files, over the limit of {MAX_FILES_PER_RANK} per rank")
-        total += len(row)
+    if sizes and set(map(type, sizes)) == {list} and max(map(len, sizes)) <= MAX_FILES_PER_RANK:  # over the column
+        total = world_size + sum(map(len, sizes))
+    else:  # one by one, naming the bad entry
+        total = world_size
+        for r, row in enumerate(sizes):
+            if not isinstance(row, list):
+                raise _bad(tw, f"data_sizes[{r}] must be a list of sizes, found {type(row).__name__}")
+            if len(row) > MAX_FILES_PER_RANK:
+                raise UnsafeMetadataError(f"{tw}: data_sizes[{r}] lists {len(row)} files, over the limit of {MAX_FILES_PER_RANK} per rank")
+            total += len(row)
     if total > MAX_TABLE_FILES:
         raise UnsafeMetadataError(f"{tw}: expands to {total} files, over the limit of {MAX_TABLE_FILES}: refused before expanding")
     data_name, index_name = _namer(table["data"]), _namer(table["index"])
@@ -855,7 +871,7 @@ def resolve(manifest: Any, storage: Any, name: str, boxes, cache: MetaCache) -> 
 class Reads(NamedTuple):
     """One tensor's resolution: its saved chunks (by offsets) and, per wanted box, the pieces that fill it."""
 
-    chunks: List[Chunk]
+    chunks: Tuple[Chunk, ...]
     #: ``pieces[j]``: ``_geometry.plan_box_reads`` of the chunks' boxes and
     #: wanted box ``j`` (pieces index ``chunks``).
     pieces: Tuple[Tuple[_geometry.Piece, ...], ...]
@@ -945,7 +961,7 @@ def _resolve(manifest: Any, storage: Any, wants: Sequence[Tuple[str, Any]], cach
             t = tensors[name]
             if version_lists or t.regular is None or t.chunks or not t.shape or 0 in t.shape:
                 chunks = resolve(manifest, storage, name, boxes, cache)
-                out[i] = _tuple_new(Reads, (chunks, _pieces(name, chunks, boxes))) if pieces else chunks
+                out[i] = _tuple_new(Reads, (tuple(chunks), _pieces(name, chunks, boxes))) if pieces else chunks
                 continue
             k, rot = None, t.regular["rotation"]
             gkey = (regular_of(t), t.regular["mesh"], tuple(t.shape), rot)
@@ -962,27 +978,27 @@ def _resolve(manifest: Any, storage: Any, wants: Sequence[Tuple[str, Any]], cach
             g = groups[gkey] = _Group(_hits(manifest, lay, mesh, rot, shape, bkey, writers), bkey)
         g.members.append(i)
     # Pass 2: per group, each saved chunk's rows for all its tensors at once.
+    all_names = list(map(operator.itemgetter(0), wants))
     for g in groups.values():
-        names = [wants[i][0] for i in g.members]
+        names = all_names if len(g.members) == len(wants) else list(map(all_names.__getitem__, g.members))
         per_hit = [_group_chunks(manifest, storage, cache, names, hit) for hit in g.hits]
-        if len(per_hit) == 1:
-            lists = list(map(list, zip(*per_hit)))
-        else:
-            lists = [list(cs) for cs in zip(*per_hit)]
+        # Per tensor the tuple of its chunks (tuples: no list a tensor, and
+        # the collector untracks tuples of plain values).
+        lists: List[Any] = list(zip(*per_hit))
         empty = any(None in cs for cs in per_hit)
         if empty:  # an empty chunk: nothing to read, left out
-            lists = [[c for c in cs if c is not None] for cs in lists]
+            lists = [tuple(c for c in cs if c is not None) for cs in lists]
         if not pieces:
             for i, cs in zip(g.members, lists):
-                out[i] = cs
+                out[i] = list(cs)
             continue
         if empty or not lists:
             for i, name, cs in zip(g.members, names, lists):
                 out[i] = _tuple_new(Reads, (cs, _pieces(name, cs, g.boxes)))
             continue
         shared = _pieces(names[0], lists[0], g.boxes)
-        for i, cs in zip(g.members, lists):
-            out[i] = _tuple_new(Reads, (cs, shared))
+        # ``out[i] = Reads(cs, shared)`` for every member, by C-level maps.
+        deque(map(out.__setitem__, g.members, map(_tuple_new, repeat(Reads), zip(lists, repeat(shared)))), maxlen=0)
     return out
 
 
@@ -1004,17 +1020,41 @@ def _group_rows(table: TableTensors, kinds: List[Any], wants: Sequence[Tuple[str
     ks, rots = got
     if any(kinds[k] is None for k in set(ks)):
         return False
-    members: Dict[Any, List[int]] = {}
-    try:
-        for i, gkey in enumerate(zip(zip(ks, rots), map(tuple, map(operator.itemgetter(1), wants)))):
-            got_members = members.get(gkey)
-            if got_members is None:
-                members[gkey] = [i]
-            else:
-                got_members.append(i)
-    except TypeError:  # lists inside the boxes
-        return False
-    for gkey, idx in members.items():
+    boxes = list(map(operator.itemgetter(1), wants))
+    n = len(boxes)
+    # Group numbers over the columns, keyed by the boxes' object ids (C-level
+    # hashes of ints: tensors placed alike share one boxes object when the
+    # caller made them with ``_geometry.held_boxes``); by value when most
+    # tensors bring their own boxes objects. Parts of equal value merge below.
+    keys: Any = list(zip(ks, rots, map(id, boxes)))
+    first = dict.fromkeys(keys)
+    if len(first) > max(64, n // 8):
+        try:
+            keys = list(zip(ks, rots, map(tuple, boxes)))
+            first = dict.fromkeys(keys)
+        except TypeError:  # lists inside the boxes
+            return False
+    if len(first) > 1:
+        number = dict(zip(first, range(len(first))))
+        gid = list(map(number.__getitem__, keys))
+        order = sorted(range(n), key=gid.__getitem__)  # stable: each part in wants order
+        counts = Counter(gid)
+        bounds = list(accumulate((counts[j] for j in range(len(first))), initial=0))
+        parts = [order[bounds[j] : bounds[j + 1]] for j in range(len(first))]
+    else:
+        parts = [list(range(n))]
+    found: Dict[Any, List[int]] = {}
+    for (k, rot, _), idx in zip(first, parts):
+        try:
+            gkey = ((k, rot), tuple(boxes[idx[0]]))
+            got_members = found.get(gkey)
+        except TypeError:  # lists inside the boxes
+            return False
+        if got_members is None:
+            found[gkey] = idx
+        else:
+            got_members.extend(idx)
+    for gkey, idx in found.items():
         (k, rot), bkey = gkey
         lay, mesh, shape = kinds[k]
         g = groups[gkey] = _Group(_hits(m, lay, mesh, rot, shape, bkey, writers), bkey)

@@ -45,6 +45,7 @@ __all__ = [
     "required_field",
     "int_list_field",
     "paused_gc",
+    "written_crc_matches",
 ]
 
 FORMAT_NAME = "shardckpt"
@@ -152,7 +153,7 @@ class BlockScale:
     block: Tuple[int, int]
 
 
-@dataclass
+@dataclass(slots=True)
 class FileMeta:
     size: int
 
@@ -160,7 +161,7 @@ class FileMeta:
         return {"size": self.size}
 
 
-@dataclass
+@dataclass(slots=True)
 class IndexMeta:
     """v2: a writing rank's index file (its chunks and their block checksums), checksummed here."""
 
@@ -413,8 +414,9 @@ def manifest_from_bytes(data: bytes, *, url: str = "") -> Manifest:
     where = f"{url.rstrip('/')}/{MANIFEST_NAME}" if url else MANIFEST_NAME
     if len(data) > MAX_MANIFEST_BYTES:
         raise UnsafeMetadataError(f"{where}: {len(data)} bytes exceeds the {MAX_MANIFEST_BYTES}-byte limit")
+    finite = [True]  # no NaN, Infinity or overflowing number: what canonical JSON can hold
     try:
-        raw = json.loads(data.decode("utf-8"))
+        raw = json.loads(data.decode("utf-8"), parse_float=_float_seen(finite), parse_constant=_constant_seen(finite))
     except (UnicodeDecodeError, ValueError, RecursionError) as e:  # RecursionError: absurdly deep nesting
         raise CorruptCheckpointError(f"{where}: not valid JSON ({e})") from None
     deep = value_depth_problem(raw.get("values")) if isinstance(raw, dict) else None
@@ -434,7 +436,51 @@ def manifest_from_bytes(data: bytes, *, url: str = "") -> Manifest:
             f"{where}: format_version {version} is not supported by this shardckpt "
             f"(reads versions 1..{FORMAT_VERSION}); upgrade shardckpt"
         )
-    return parse_raw(raw, version, where)
+    # The bytes themselves, when they may be the writer's canonical encoding:
+    # the manifest's checksum is then checked over them (``written_crc_matches``)
+    # instead of over a re-encoding of the parsed object.
+    return parse_raw(raw, version, where, canonical=data if finite[0] and spec(version).manifest_crc else None)
+
+
+def _float_seen(finite: List[bool]) -> Any:
+    """``json.loads``' ``parse_float``: ``float``, noting in ``finite`` a literal that overflows (``1e999``)."""
+    def parse(text: str) -> float:
+        v = float(text)
+        if not math.isfinite(v):
+            finite[0] = False
+        return v
+    return parse
+
+
+def _constant_seen(finite: List[bool]) -> Any:
+    """``json.loads``' ``parse_constant`` (``NaN``, ``Infinity``, ``-Infinity``, parsed as by default), noted in ``finite``."""
+    def parse(text: str) -> float:
+        finite[0] = False
+        return float(text)
+    return parse
+
+
+def written_crc_matches(data: Optional[bytes], want: Any) -> bool:
+    """Whether ``data`` (a manifest's bytes) less its ``manifest_crc32c`` field has the CRC-32C ``want``.
+
+    A writer's bytes are ``manifest_json_v2`` of the manifest with that field
+    in its sorted place (never first: ``block_bytes`` sorts before it), so
+    cutting ``,"manifest_crc32c":<want>`` out gives the bytes it checksummed:
+    the same check as re-encoding the parsed object, without the re-encoding
+    (~40 ms for a 50,000-tensor manifest). False (the caller re-encodes and
+    compares, naming any mismatch) for bytes that are not canonical (written
+    by hand, pretty-printed), that hold the field's text elsewhere first, or
+    that are damaged.
+
+        >>> body = manifest_json_v2({"a": 1, "z": [2]})
+        >>> data = manifest_json_v2({"a": 1, MANIFEST_CRC_FIELD: crc32c(body), "z": [2]})
+        >>> written_crc_matches(data, crc32c(body)), written_crc_matches(data, crc32c(body) ^ 1)
+        (True, False)
+    """
+    if data is None or type(want) is not int:
+        return False
+    cut = data.replace(b',"%s":%d' % (MANIFEST_CRC_FIELD.encode(), want), b"", 1)
+    return len(cut) < len(data) and crc32c(cut) == want
 
 
 def manifest_v1_from_raw(raw: Dict[str, Any], where: str) -> Manifest:

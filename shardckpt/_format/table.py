@@ -103,12 +103,17 @@ def front_code(names: Sequence[str]) -> Tuple[List[int], List[str]]:
     return prefix, suffix
 
 
-def front_decode(prefix: Any, suffix: Any, *, strict: bool, where: str) -> List[str]:
+def front_decode(prefix: Any, suffix: Any, *, strict: bool, where: str,
+                 known: Optional[Tuple[List[Any], List[Any], List[str]]] = None) -> List[str]:
     """Inverse of :func:`front_code`, validating untrusted input.
 
     Args:
         strict: names must be distinct (the manifest's tensors); an index's
             rows repeat a name per chunk (their keys are checked instead).
+        known: ``(prefix, suffix, names)`` decoded before (with ``strict``
+            or without): when ``prefix`` and ``suffix`` equal those lists, a
+            copy of ``names`` is returned without decoding again (a name
+            list that passed ``strict`` passes either check).
 
     Raises:
         CorruptCheckpointError: not two lists of the same length, a prefix
@@ -117,6 +122,9 @@ def front_decode(prefix: Any, suffix: Any, *, strict: bool, where: str) -> List[
     """
     if not isinstance(prefix, list) or not isinstance(suffix, list) or len(prefix) != len(suffix):
         raise _bad(where, "'prefix' and 'suffix' must be lists of the same length")
+    # ``==`` takes True and 1.0 for 1: the types are checked as a decode would.
+    if known is not None and known[0] == prefix and known[1] == suffix and int_column(prefix, 0, None):
+        return list(known[2])
     out: List[str] = []
     append = out.append
     prev = ""
@@ -364,7 +372,7 @@ def _bulk_rows(boxes: List[Any], cols: Dict[str, Any], m: Any, files: List[str],
     twice, hashes well formed.
     """
     try:
-        names = front_decode(cols.get("prefix"), cols.get("suffix"), strict=False, where="")
+        names = front_decode(cols.get("prefix"), cols.get("suffix"), strict=False, where="", known=getattr(m.tensors, "coded", None))
     except CorruptCheckpointError:
         return None
     n = len(names)
@@ -657,15 +665,21 @@ class TableTensors(MutableMapping[str, TensorMeta]):
     then the table's in name order, as the parse built the dict.
     """
 
-    __slots__ = ("_items", "_kinds", "_kind", "_rot")
+    __slots__ = ("_items", "_kinds", "_kind", "_rot", "coded")
 
     def __init__(self, tensors: Mapping[str, TensorMeta], names: Sequence[str], kinds: Sequence[TableKind],
-                 kind_col: Sequence[int], rot_col: Sequence[int]) -> None:
+                 kind_col: Sequence[int], rot_col: Sequence[int],
+                 coded: Optional[Tuple[List[Any], List[Any], List[str]]] = None) -> None:
         # name -> TensorMeta, or the row number (an int) of a record not built yet.
         items: Dict[str, Any] = dict(tensors)
         items.update(zip(names, range(len(names))))
         self._items = items
         self._kinds, self._kind, self._rot = list(kinds), kind_col, rot_col
+        #: ``(prefix, suffix, names)``: the table's name columns as read and
+        #: what they decode to, so an index whose name columns are the same
+        #: lists (an FSDP rank writes a chunk of every tensor, in name order)
+        #: is not decoded again (:func:`front_decode`'s ``known``).
+        self.coded = coded
 
     @property
     def kinds(self) -> List[TableKind]:
@@ -736,7 +750,7 @@ class TableTensors(MutableMapping[str, TensorMeta]):
 
     def copy(self) -> "TableTensors":
         """A shallow copy (records built so far shared, as ``dict.copy``)."""
-        out = TableTensors({}, (), self._kinds, self._kind, self._rot)
+        out = TableTensors({}, (), self._kinds, self._kind, self._rot, self.coded)
         out._items = dict(self._items)
         return out
 

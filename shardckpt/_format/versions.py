@@ -29,7 +29,7 @@ version  what it adds
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Dict, Iterable
+from typing import Any, Callable, Dict, Iterable, Optional
 
 __all__ = ["VersionSpec", "VERSIONS", "NEWEST", "spec", "supports", "first_with", "is_newer", "register", "parse_raw", "to_json"]
 
@@ -65,11 +65,11 @@ class VersionSpec:
     file_table: bool
     content_hash: bool
     tensor_table: bool = False
-    parse: Callable[[Dict[str, Any], str], Any] = _unregistered
+    parse: Callable[..., Any] = _unregistered  # (raw, where, *, canonical=None) for versions with a manifest checksum
     to_json: Callable[[Any], Dict[str, Any]] = _unregistered
 
 
-def register(numbers: Iterable[int], *, parse: Callable[[Dict[str, Any], str], Any], to_json: Callable[[Any], Dict[str, Any]]) -> None:
+def register(numbers: Iterable[int], *, parse: Callable[..., Any], to_json: Callable[[Any], Dict[str, Any]]) -> None:
     """Install the parser and serializer of versions ``numbers`` (called by the module that implements them).
 
     The table sits below its parsers: ``manifest`` (v1) and ``_v2`` (v2 and
@@ -144,9 +144,16 @@ def is_newer(version: int) -> bool:
     return version > NEWEST
 
 
-def parse_raw(raw: Dict[str, Any], version: int, where: str) -> Any:
-    """Parse a manifest's JSON object of a known ``version`` (checked by the caller) into a ``Manifest``."""
-    return spec(version).parse(raw, where)
+def parse_raw(raw: Dict[str, Any], version: int, where: str, *, canonical: Optional[bytes] = None) -> Any:
+    """Parse a manifest's JSON object of a known ``version`` (checked by the caller) into a ``Manifest``.
+
+    ``canonical``: the bytes ``raw`` was parsed from, when they hold nothing
+    canonical JSON cannot (versions with a manifest checksum check it over
+    them first, ``manifest.written_crc_matches``); None: re-encode ``raw``.
+    """
+    if canonical is None:
+        return spec(version).parse(raw, where)
+    return spec(version).parse(raw, where, canonical=canonical)
 
 
 def to_json(m: Any) -> Dict[str, Any]:

@@ -293,7 +293,7 @@ class _ChunkIndex:
             got = self.by_file[rel][byte_offset]
         except KeyError:
             raise CorruptCheckpointError(f"{rel}: no chunk at byte {byte_offset} in its index") from None
-        if isinstance(got, tuple):  # resolved once, as the load resolves it (the reader's Chunk, with its block CRCs)
+        if type(got) is tuple:  # (name, ChunkMeta) until resolved once, as the load resolves it (a Chunk is a NamedTuple)
             name, meta = got
             found = [c for c in resolve_chunks(self.m, self.st, name, [(meta.offsets, meta.sizes)], cache=self.cache)
                      if c.file == rel and c.byte_offset == byte_offset]

@@ -1,6 +1,5 @@
 """Converter building blocks: CRC joining, sizes, dtypes, block planning, key selection, DCP unpickler."""
 
-import dataclasses
 import io
 import os
 import pickle
@@ -170,7 +169,7 @@ def test_block_checksummed_chunks_are_verified_before_use(tmp_path):
     for k, c in enumerate(t.chunks):  # 32-byte blocks instead of one CRC per chunk
         data = (tmp_path / c.file).read_bytes()[2:]
         blocks = tuple(crc32c.crc32c(data[i : i + 32]) for i in range(0, len(data), 32))
-        t.chunks[k] = dataclasses.replace(c, crc32c=None, block_bytes=32, block_crcs=blocks)
+        t.chunks[k] = c._replace(crc32c=None, block_bytes=32, block_crcs=blocks)
     reader = Reader(source)
     assert torch.equal(reader.read(t, plan_blocks(t, 0, t.numel)[0]).view(torch.float32).reshape(7, 8), full)
     raw = bytearray((tmp_path / "c1").read_bytes())

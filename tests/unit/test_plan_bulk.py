@@ -78,8 +78,13 @@ def _checkpoint(bench, ranks: int, tensors: int, layout: str, damaged: str = "")
     return manifest_to_bytes(m), storage
 
 
-def _wants(bench, ranks: int, tensors: int, layout: str, rank: int):
+def _wants(bench, ranks: int, tensors: int, layout: str, rank: int, *, shared: bool = False):
+    """``(name, boxes)`` of every tensor ``rank`` holds: a list of boxes per tensor, or (``shared``) ``held_boxes``' shared tuples."""
     lays = bench.layouts(bench.model_tensors(tensors), ranks, layout, 2)
+    if shared:
+        names = sorted(lays)
+        held = _geometry.held_boxes([lays[n] for n in names], [bench.coord_of(lays[n].mesh_shape, rank) for n in names])
+        return [(n, b) for n, b in zip(names, held) if b]
     out = []
     for name in sorted(lays):
         lay = lays[name]
@@ -89,23 +94,26 @@ def _wants(bench, ranks: int, tensors: int, layout: str, rank: int):
     return out
 
 
+@pytest.mark.parametrize("shared", [False, True], ids=["boxes-per-tensor", "held-boxes"])
 @pytest.mark.parametrize(
     "saved,loaded,layout,rank",
     [(8, 8, "fsdp", 3), (8, 3, "fsdp", 1), (8, 12, "fsdp-tp", 5), (4, 1, "fsdp", 0)],
     ids=["same-layout", "reshard-8-to-3", "reshard-tp-8-to-12", "to-one-process"],
 )
-def test_bulk_resolution_agrees_with_the_per_tensor_reference(saved, loaded, layout, rank):
+def test_bulk_resolution_agrees_with_the_per_tensor_reference(saved, loaded, layout, rank, shared):
     bench = _bench()
     body, storage = _checkpoint(bench, saved, TENSORS, layout)
-    wants = _wants(bench, loaded, TENSORS, layout, rank)
+    # Both ways of grouping: by value (a boxes list per tensor, as ``_load.plan``
+    # makes them) and by the ids of the boxes objects ``held_boxes`` shares.
+    wants = _wants(bench, loaded, TENSORS, layout, rank, shared=shared)
     got = resolve_reads(manifest_from_bytes(body), storage, wants, cache=MetaCache())
     ref_m = manifest_from_bytes(body)
     for (name, boxes), r in zip(wants, got, strict=True):
         ref = _v2.resolve(ref_m, storage, name, boxes, MetaCache())
-        assert r.chunks == ref, name
+        assert list(r.chunks) == ref, name
         saved_boxes = [_geometry.Box(c.offsets, c.sizes) for c in ref]
         assert r.pieces == tuple(_geometry.plan_box_reads(saved_boxes, _geometry.Box(o, z)) for o, z in boxes), name
-    assert [r.chunks for r in got] == resolve_many(manifest_from_bytes(body), storage, wants)
+    assert [list(r.chunks) for r in got] == resolve_many(manifest_from_bytes(body), storage, wants)
     if saved != loaded:
         assert any(len(r.chunks) > 1 for r in got)  # the resharded groups span several saved chunks
 
@@ -167,3 +175,61 @@ def test_a_real_load_plans_its_pieces_once_per_group(tmp_path, monkeypatch):
     monkeypatch.undo()
     shardckpt.load(live, path)
     assert all(torch.equal(live[k], state[k]) for k in state)
+
+
+def test_held_boxes_are_local_boxes_once_per_distinct_layout():
+    """``held_boxes``: what ``local_boxes`` gives each (layout, coordinate), one shared tuple per distinct pair (ints only)."""
+    a = _geometry.regular_layout((10, 4), (4,), (_geometry.Shard(0),))
+    a2 = _geometry.regular_layout((10, 4), (4,), (_geometry.Shard(0),))  # equal, maybe another object
+    b = _geometry.regular_layout((2,), (4,), (_geometry.Shard(0),))  # ranks 2, 3 hold nothing
+    c = _geometry.regular_layout((0, 3), (4,), (_geometry.Shard(0),))  # zero-size: one empty box
+    d = _geometry.regular_layout((7, 6), (2, 2), (_geometry.Shard(0, 2), _geometry.Shard(0)))  # strided FSDP on TP
+    lays = [a, b, a2, c, d, a, d, b]
+    coords = [(1,), (3,), (1,), (2,), (1, 1), (2,), (1, 1), (0,)]
+    got = _geometry.held_boxes(lays, coords)
+    for lay, coord, boxes in zip(lays, coords, got, strict=True):
+        assert boxes == tuple((lb.box.offsets, lb.box.sizes) for lb in _geometry.local_boxes(lay.shape, lay.mesh_shape, lay.placements, coord))
+    assert got[0] is got[2] and got[4] is got[6]  # equal layout and coordinate: the same tuple
+    assert got[1] == () and got[3] == (((0, 0), (0, 3)),) and got[4] and got[0] != got[5]
+    with pytest.raises(ValueError, match="2 layouts but 1 coordinates"):
+        _geometry.held_boxes([a, b], [(0,)])
+
+
+def test_manifest_checksum_checked_over_its_bytes_without_reencoding(monkeypatch):
+    """A manifest as written is checked over its own bytes; any other encoding is re-encoded; damage and NaN still refused."""
+    import json
+
+    bench = _bench()
+    body, _ = _checkpoint(bench, 4, TENSORS, "fsdp")
+    encoded = []
+    enc = _v2.manifest_json_v2
+    monkeypatch.setattr(_v2, "manifest_json_v2", lambda raw: (encoded.append(1), enc(raw))[1])
+    m = manifest_from_bytes(body)
+    assert not encoded and len(m.tensors) == TENSORS  # the bytes are the writer's: no re-encoding
+    # Pretty-printed (the same object, not the writer's bytes): re-encoded, the same manifest.
+    pretty = json.dumps(json.loads(body), indent=1).encode()
+    assert sorted(manifest_from_bytes(pretty).tensors) == sorted(m.tensors) and encoded
+    # One digit of the file table changed: refused either way.
+    at = body.index(b'"data_sizes":[[') + len(b'"data_sizes":[[')
+    damaged = body[:at] + (b"7" if body[at : at + 1] != b"7" else b"8") + body[at + 1 :]
+    with pytest.raises(CorruptCheckpointError, match="checksum mismatch"):
+        manifest_from_bytes(damaged)
+    # A NaN whose bytes carry a matching checksum: still refused, as the re-encoding refused it.
+    raw = json.loads(body)
+    del raw["manifest_crc32c"]
+    raw["values"] = {"lr": float("nan")}
+    plain = json.dumps(raw, sort_keys=True, separators=(",", ":")).encode() + b"\n"
+    at = plain.index(b',"meshes":')
+    nan = plain[:at] + b',"manifest_crc32c":%d' % crc32c(plain) + plain[at:]
+    with pytest.raises(CorruptCheckpointError, match="canonical JSON cannot"):
+        manifest_from_bytes(nan)
+
+
+def test_index_names_equal_to_the_tables_are_not_decoded_again():
+    """An index whose name columns are the manifest table's reuses its names; True for 1 is not taken for equal."""
+    known = ([0, 1, 1], ["a", "b", "c"], ["a", "ab", "ac"])
+    got = table.front_decode([0, 1, 1], ["a", "b", "c"], strict=False, where="", known=known)
+    assert got == known[2] and got is not known[2]
+    with pytest.raises(CorruptCheckpointError, match="name 1: prefix True"):
+        table.front_decode([0, True, 1], ["a", "b", "c"], strict=False, where="x", known=known)
+    assert table.front_decode([0, 1, 0], ["a", "b", "c"], strict=False, where="", known=known) == ["a", "ab", "c"]

@@ -7,7 +7,6 @@ resolver plugs into (``_load.saved_chunks``).
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import subprocess
 import sys
@@ -406,7 +405,7 @@ def test_v1_checksums_make_the_same_rows_read_the_whole_chunk(tmp_path):
     shardckpt.save({"w": w}, d)
     plan, dst = _rows_plan(d, (16, 32), 64, 16384)
     t = plan.targets[0]
-    v1 = tuple(dataclasses.replace(c, block_bytes=0, block_crcs=(_whole_crc(d, c),)) for c in t.chunks)
+    v1 = tuple(c._replace(block_bytes=0, block_crcs=(_whole_crc(d, c),)) for c in t.chunks)
     plan = plan.__class__(**{**plan.__dict__, "targets": (t.__class__(t.name, t.meta, t.parts, t.pieces, v1),)})
     stats = _load.stream_into(Storage(d), plan, None, stats=ReadStats())
     assert torch.equal(dst, w[16:32]) and stats.read_bytes == w.numel() * 4
