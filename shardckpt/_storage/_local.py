@@ -25,9 +25,9 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, cast
 
 from .. import _knobs
 from ..errors import StorageError, UnreadableFileError
-from ._base import Capabilities, StagedFile, Storage, Writer, check_rel, pwrite_all, reading
+from ._base import Capabilities, StagedFile, Storage, Writer, check_rel, copy_bytes, pwrite_all, reading
 
-__all__ = ["LocalStorage", "WRITEBACK_BYTES", "fsync_dir", "check_inside", "queue_info", "is_cached"]
+__all__ = ["LocalStorage", "HotFile", "WRITEBACK_BYTES", "fsync_dir", "check_inside", "queue_info", "is_cached"]
 
 #: Local writes hint the kernel every this many bytes: start writing back what
 #: was just written, and drop from the page cache what was written back before
@@ -183,16 +183,6 @@ def _anon(n: int) -> mmap.mmap:
     return mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_POPULATE)
 
 
-def _copy(dst: memoryview, src: memoryview) -> None:
-    """``dst[:] = src``, out of the GIL where NumPy is there (reader threads copy in parallel)."""
-    try:
-        import numpy as np
-    except ImportError:
-        dst[:] = src
-        return
-    np.frombuffer(dst, dtype=np.uint8)[:] = np.frombuffer(src, dtype=np.uint8)
-
-
 def _local_path(url: str) -> str:
     return url[len("file://") :] if url.startswith("file://") else url
 
@@ -226,6 +216,38 @@ def check_inside(root: str, path: str) -> str:
             "a checkpoint's files must lie inside its directory"
         )
     return path
+
+
+class HotFile:
+    """An open local file whose bytes are cached (``LocalStorage.open_hot``): ``readv`` scatters them into buffers."""
+
+    __slots__ = ("fd", "url")
+
+    def __init__(self, fd: int, url: str):
+        self.fd, self.url = fd, url
+
+    def readv(self, offset: int, views: Sequence[memoryview]) -> None:
+        """Fill ``views`` in order from file bytes at ``offset`` (``preadv``, looped on short reads).
+
+        Raises:
+            EOFError: the file ends first (another process truncated it).
+        """
+        views = [v for v in views if len(v)]
+        while views:
+            got = os.preadv(self.fd, views, offset)
+            if got <= 0:
+                raise EOFError(f"{self.url}: file ends before byte {offset + sum(len(v) for v in views)}")
+            offset += got
+            while views and got >= len(views[0]):
+                got -= len(views[0])
+                views.pop(0)
+            if got:
+                views[0] = views[0][got:]
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
 
 class LocalStorage(Storage):
@@ -406,7 +428,7 @@ class LocalStorage(Storage):
                 if take <= 0:
                     raise self._short(rel, offset + n)
                 with memoryview(bounce) as bv:
-                    _copy(buf[done : done + take], bv[pos - a : pos - a + take])
+                    copy_bytes(buf[done : done + take], bv[pos - a : pos - a + take])
                 done += take
         finally:
             os.close(dfd)
@@ -470,6 +492,29 @@ class LocalStorage(Storage):
                 return mmap.mmap(fd, stop - at, prot=mmap.PROT_READ, offset=at), start - at
             finally:
                 os.close(fd)
+
+    def open_hot(self, rel: str, start: int, stop: int) -> Optional["HotFile"]:
+        # Cached: both ends of the range answer a one-byte RWF_NOWAIT read, or
+        # the file lies on no block device and cannot tell (tmpfs refuses
+        # RWF_NOWAIT; its pages are memory). Anything else is mapped, so a cold
+        # read keeps its O_DIRECT / readahead rules (``map_range``).
+        check_rel(rel, where=self.url)
+        with reading(self.url_of(rel)):
+            path = self.path(rel)
+            fd = self._open_mapped(path)
+            try:
+                if os.fstat(fd).st_size < stop:
+                    raise self._short(rel, stop)
+                first = is_cached(fd, start)
+                hot = first and is_cached(fd, stop - 1) if first is not None else not queue_info(path)
+                if hot:
+                    out = HotFile(fd, self.url_of(rel))
+                    fd = -1
+                    return out
+                return None
+            finally:
+                if fd >= 0:
+                    os.close(fd)
 
     def _open_mapped(self, path: str) -> int:
         """:meth:`_open_regular` for the pieces of a mapped load: the full check once per file, then its identity.
