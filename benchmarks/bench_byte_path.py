@@ -14,7 +14,7 @@ shows), then each load fills the same resident live tensors, in place:
                        (what ``load_state_dict`` does)
 ``shardckpt``          ``shardckpt.load`` of a native checkpoint, checksums on (the default)
 ``shardckpt-nocrc``    the same with ``SHARDCKPT_CHECKSUMS`` off (``_knobs.CHECKSUMS``)
-``shardckpt-map``      the same with ``SHARDCKPT_LOAD_INTO`` off: cached pieces mapped, checked
+``shardckpt-map``      the same with ``SHARDCKPT_LOAD_INTO`` off: tmpfs pieces mapped, checked
                        and copied out of the mapping instead of ``preadv``-ed into the tensors
 ``shardckpt-hf``       ``shardckpt.load`` of the Hugging Face directory that
                        ``converters.to_safetensors`` exported from it

@@ -82,7 +82,7 @@ _MAX_LISTED = 10
 #: capacity: no buffer holds it, each of its pieces is mapped, checked and
 #: copied on its own.
 MAPPED_RANGE_BYTES = 32 << 20
-#: A cached piece read straight into its destinations (``Want.into``) is read
+#: A piece in memory (tmpfs) read straight into its destinations (``Want.into``) is read
 #: and checked this many bytes at a time at most (a checksum block of 1 MiB is
 #: one read): the CRC runs over bytes still in the reader's cache.
 INTO_STEP_BYTES = 1 << 20
@@ -520,7 +520,7 @@ def _scratch(n: int) -> memoryview:
 
 def _into_job(storage: Storage, rel: str, lo: int, hi: int, units: Sequence[Tuple[int, Unit]], sinks: Sequence[Want],
               stop: threading.Event):
-    """:func:`_map_job` for a cached piece read straight into its destinations (``Want.into``), one checksum unit at a time.
+    """:func:`_map_job` for a piece in memory (``Storage.open_hot``: tmpfs) read straight into its destinations (``Want.into``), one checksum unit at a time.
 
     Each unit is read into the destinations' memory with one ``preadv``
     (at most :data:`INTO_STEP_BYTES` a call) and its CRC-32C computed there
@@ -529,7 +529,7 @@ def _into_job(storage: Storage, rel: str, lo: int, hi: int, units: Sequence[Tupl
     fails. ``sink(pos, None)`` tells the caller once a unit is verified in
     place. After a damaged unit, the rest of the piece is read into scratch
     only to check it (the error names exactly the damaged units). An
-    uncached piece is mapped (:func:`_map_job`).
+    piece ``open_hot`` refuses (a file on a disk) is mapped (:func:`_map_job`).
     """
     if stop.is_set():
         return None
@@ -596,6 +596,12 @@ def _into_job(storage: Storage, rel: str, lo: int, hi: int, units: Sequence[Tupl
             for w, pos, _ in views:
                 w.sink(pos, None)  # type: ignore[misc]
         return out, good
+    except EOFError as e:  # the file was truncated under the load (the size was checked when it was opened)
+        raise CorruptCheckpointError(f"{e} (truncated)") from None
+    except (StorageError, CorruptCheckpointError):
+        raise
+    except OSError as e:
+        raise StorageError(f"reading {storage.url_of(rel)}: {e}") from e
     finally:
         f.close()
 
@@ -741,7 +747,7 @@ def read_verified(
     # file where the storage has one (local files): the bytes are checked and
     # copied out of the page cache once, no read into a buffer first.
     mappable = fused and _knobs.LOAD_MAP and getattr(storage, "can_map", False)
-    # Cached pieces whose bytes all go as they are into destinations' memory
+    # Pieces in memory (tmpfs) whose bytes all go as they are into destinations' memory
     # (``Want.into``) are read straight there instead (``SHARDCKPT_LOAD_INTO``).
     into = mappable and _knobs.LOAD_INTO
     if mappable and range_bytes is None:

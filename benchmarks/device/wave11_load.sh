@@ -1,5 +1,5 @@
 #!/bin/bash
-# Wave 11, issue 43 (the warm load: cached pieces read straight into the CPU tensors, SHARDCKPT_LOAD_INTO):
+# Wave 11, issue 43 (the warm load: tmpfs pieces read straight into the CPU tensors, SHARDCKPT_LOAD_INTO):
 # one call on one GPU host (16 CPUs), about 4 minutes.
 # Wheels the device lacks (its Python is 3.12), in .whl/ at the repository root (git-ignored: pass ".whl" in `carry`):
 #   crc32c-*-cp312-*.whl (required), fastsafetensors-*-cp312-*.whl (optional)
@@ -10,7 +10,7 @@
 #           (~80 s)                                                                     -> warm16.json
 #   warm2   the same CPU loads and saves under taskset -c 0,1 (issue 43's 2-core aims) (~70 s)  -> warm2.json
 #   cold    shardckpt (into) vs shardckpt-map from /tmp, page cache dropped before every load, the raw disk
-#           beside: cold pieces are mapped either way, so the two should match (~80 s) -> cold.json
+#           beside: files on disks are mapped either way, so the two should match (~80 s) -> cold.json
 # TINY=1: tiny sizes, CPU only, no wheels (PYTHON= one with crc32c), fadvise drops: a dry run.
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"

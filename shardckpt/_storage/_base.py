@@ -753,11 +753,11 @@ class Storage:
     def open_hot(self, rel: str, start: int, stop: int) -> Optional[Any]:
         """A file to ``readv(offset, views)`` bytes ``[start, stop)`` of ``rel`` from, where they are in memory already; or None.
 
-        Local files whose pages are cached (tmpfs, a file read or written
-        before): the reader reads each checksum block straight into its
-        destination (one kernel copy). None where the bytes are not known to
-        be cached (a cold disk: :meth:`map_range` then reads them as it
-        always did) or the backend has no such files. The caller ``close()``-s it.
+        Local files of a memory filesystem (tmpfs, ramfs): the reader reads
+        each checksum block straight into its destination (one kernel copy).
+        None for files on disks (:meth:`map_range` then reads them with its
+        cold-read rules, as it always did) and where the backend has no
+        such files. The caller ``close()``-s it.
 
         Raises:
             FileNotFoundError: missing.

@@ -27,7 +27,8 @@ from .. import _knobs
 from ..errors import StorageError, UnreadableFileError
 from ._base import Capabilities, StagedFile, Storage, Writer, check_rel, copy_bytes, pwrite_all, reading
 
-__all__ = ["LocalStorage", "HotFile", "WRITEBACK_BYTES", "fsync_dir", "check_inside", "queue_info", "is_cached"]
+__all__ = ["LocalStorage", "HotFile", "MEMORY_FILESYSTEMS", "WRITEBACK_BYTES", "fsync_dir", "check_inside", "queue_info", "is_cached",
+           "fs_type"]
 
 #: Local writes hint the kernel every this many bytes: start writing back what
 #: was just written, and drop from the page cache what was written back before
@@ -115,6 +116,36 @@ def queue_info(path: str) -> Dict[str, Any]:
                     pass
             break
     _queue_cache[dev] = out
+    return out
+
+
+#: Filesystems whose files are memory (``LocalStorage.open_hot``): read straight into the tensors.
+MEMORY_FILESYSTEMS = frozenset({"tmpfs", "ramfs"})
+_fs_cache: Dict[int, str] = {}
+
+
+def fs_type(dev: int) -> str:
+    """The filesystem type of device ``dev`` (``st_dev``) from ``/proc/self/mountinfo``; "" if unknown.
+
+    Example:
+        >>> isinstance(fs_type(os.stat("/").st_dev), str)
+        True
+    """
+    got = _fs_cache.get(dev)
+    if got is not None:
+        return got
+    want = f"{os.major(dev)}:{os.minor(dev)}"
+    out = ""
+    try:
+        with open("/proc/self/mountinfo") as f:
+            for line in f:
+                fields = line.split()
+                if len(fields) > 2 and fields[2] == want and " - " in line:
+                    out = line.split(" - ", 1)[1].split()[0]
+                    break
+    except OSError:
+        pass
+    _fs_cache[dev] = out
     return out
 
 
@@ -494,20 +525,20 @@ class LocalStorage(Storage):
                 os.close(fd)
 
     def open_hot(self, rel: str, start: int, stop: int) -> Optional["HotFile"]:
-        # Cached: both ends of the range answer a one-byte RWF_NOWAIT read, or
-        # the file lies on no block device and cannot tell (tmpfs refuses
-        # RWF_NOWAIT; its pages are memory). Anything else is mapped, so a cold
-        # read keeps its O_DIRECT / readahead rules (``map_range``).
+        # In memory: a file of a memory filesystem (tmpfs, ramfs: its pages are
+        # the file). Files on disks are mapped, cached or not: a probe of their
+        # pages (a one-byte RWF_NOWAIT read) starts the kernel's readahead,
+        # which would change what ``map_range``'s cold-read rules (O_DIRECT,
+        # WILLNEED) see next.
         check_rel(rel, where=self.url)
         with reading(self.url_of(rel)):
             path = self.path(rel)
             fd = self._open_mapped(path)
             try:
-                if os.fstat(fd).st_size < stop:
+                st = os.fstat(fd)
+                if st.st_size < stop:
                     raise self._short(rel, stop)
-                first = is_cached(fd, start)
-                hot = first and is_cached(fd, stop - 1) if first is not None else not queue_info(path)
-                if hot:
+                if fs_type(st.st_dev) in MEMORY_FILESYSTEMS:
                     out = HotFile(fd, self.url_of(rel))
                     fd = -1
                     return out

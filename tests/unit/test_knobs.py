@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import random
 
+import pytest
 import torch
 
 import shardckpt
@@ -215,35 +216,42 @@ def test_load_map(tmp_path, monkeypatch):
         assert bool(maps) == on, (on, maps)
 
 
-def test_load_into(tmp_path, monkeypatch):
-    """LOAD_INTO: cached pieces are read straight into the CPU tensors (on) or mapped (off); the same values."""
+def test_load_into(monkeypatch):
+    """LOAD_INTO: pieces of tmpfs files are read straight into the CPU tensors (on) or mapped (off); the same values."""
+    import shutil
+    import tempfile
+
     from shardckpt._storage import _local
 
-    d = str(tmp_path / "c")
-    src = {"w": torch.randn(300, 1000), "b": torch.randn(7).to(torch.bfloat16)}
-    shardckpt.save(src, d)
-    for root, _, files in os.walk(d):  # cached, as on tmpfs (a save drops what it wrote)
-        for n in files:
-            open(os.path.join(root, n), "rb").read()
-    hot, maps = [], []
-    real_hot, real_map = _local.LocalStorage.open_hot, _local.LocalStorage.map_range
+    if not os.path.isdir("/dev/shm") or _local.fs_type(os.stat("/dev/shm").st_dev) not in _local.MEMORY_FILESYSTEMS:
+        pytest.skip("no tmpfs at /dev/shm")
+    root = tempfile.mkdtemp(prefix="shardckpt-knob-", dir="/dev/shm")
+    os.chmod(root, 0o700)
+    try:
+        d = root + "/c"
+        src = {"w": torch.randn(300, 1000), "b": torch.randn(7).to(torch.bfloat16)}
+        shardckpt.save(src, d)
+        hot, maps = [], []
+        real_hot, real_map = _local.LocalStorage.open_hot, _local.LocalStorage.map_range
 
-    def open_hot(self, *a):
-        f = real_hot(self, *a)
-        if f is not None:
-            hot.append(a)
-        return f
+        def open_hot(self, *a):
+            f = real_hot(self, *a)
+            if f is not None:
+                hot.append(a)
+            return f
 
-    monkeypatch.setattr(_local.LocalStorage, "open_hot", open_hot)
-    monkeypatch.setattr(_local.LocalStorage, "map_range", lambda self, *a: maps.append(a) or real_map(self, *a))
-    for on in (True, False):
-        monkeypatch.setattr(_knobs, "LOAD_INTO", on)
-        hot.clear()
-        maps.clear()
-        live = {k: torch.zeros_like(v) for k, v in src.items()}
-        shardckpt.load(live, d)
-        assert all(torch.equal(live[k], src[k]) for k in src)
-        assert (bool(hot), bool(maps)) == (on, not on), (on, hot, maps)
+        monkeypatch.setattr(_local.LocalStorage, "open_hot", open_hot)
+        monkeypatch.setattr(_local.LocalStorage, "map_range", lambda self, *a: maps.append(a) or real_map(self, *a))
+        for on in (True, False):
+            monkeypatch.setattr(_knobs, "LOAD_INTO", on)
+            hot.clear()
+            maps.clear()
+            live = {k: torch.zeros_like(v) for k, v in src.items()}
+            shardckpt.load(live, d)
+            assert all(torch.equal(live[k], src[k]) for k in src)
+            assert (bool(hot), bool(maps)) == (on, not on), (on, hot, maps)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def test_every_knob_is_covered():

@@ -1,10 +1,10 @@
-"""Cached pieces read straight into the live tensors (``SHARDCKPT_LOAD_INTO``, issue 43).
+"""Pieces of files in memory read straight into the live tensors (``SHARDCKPT_LOAD_INTO``, issue 43).
 
 A load into contiguous CPU tensors of the saved dtype ``preadv``-s each
-checksum block of a cached piece into the tensor's memory and checks its
-CRC-32C there; a block that fails is put back as it was. Real files, read
-once first so their pages are cached (a save drops what it wrote from the
-page cache), real tensors (fp32, bf16, int64).
+checksum block of a piece of a tmpfs file into the tensor's memory and checks
+its CRC-32C there; a block that fails is put back as it was. Real files in a
+private directory of ``/dev/shm`` (tmpfs), real tensors (fp32, bf16, int64);
+files on a disk are mapped as before.
 """
 
 from __future__ import annotations
@@ -20,18 +20,26 @@ from shardckpt._format import crc32c
 from shardckpt._format.chunk import Chunk
 from shardckpt._readers import Want, read_verified
 from shardckpt._storage import Storage, _local
-from shardckpt.errors import ChecksumMismatchError
+from shardckpt.errors import ChecksumMismatchError, CorruptCheckpointError
 
 MIB = 1 << 20
 
 
-def _cache(d) -> None:
-    """Read every file under ``d``: its pages cached, as after a load or on tmpfs."""
-    for root, _, files in os.walk(d):
-        for n in files:
-            with open(os.path.join(root, n), "rb") as f:
-                while f.read(8 << 20):
-                    pass
+@pytest.fixture
+def shm():
+    """A private directory in /dev/shm (tmpfs), removed after the test."""
+    import pathlib
+    import shutil
+    import tempfile
+
+    if not os.path.isdir("/dev/shm") or _local.fs_type(os.stat("/dev/shm").st_dev) not in _local.MEMORY_FILESYSTEMS:
+        pytest.skip("no tmpfs at /dev/shm")
+    d = tempfile.mkdtemp(prefix="shardckpt-into-", dir="/dev/shm")
+    os.chmod(d, 0o700)
+    try:
+        yield pathlib.Path(d)
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
 
 
 def _count_hot(monkeypatch):
@@ -68,11 +76,10 @@ def _flip(d, name, at):
     return c
 
 
-def test_cached_pieces_are_read_straight_into_fp32_bf16_and_int_tensors(tmp_path, monkeypatch):
-    d = str(tmp_path / "c")
+def test_cached_pieces_are_read_straight_into_fp32_bf16_and_int_tensors(shm, monkeypatch):
+    d = str(shm / "c")
     src = _state()
     shardckpt.save(src, d)
-    _cache(d)
     hot = _count_hot(monkeypatch)
     maps = []
     real_map = _local.LocalStorage.map_range
@@ -91,16 +98,15 @@ def test_cached_pieces_are_read_straight_into_fp32_bf16_and_int_tensors(tmp_path
     assert not hot and maps
 
 
-def test_a_damaged_block_read_into_a_live_tensor_is_put_back_and_named_alone(tmp_path, monkeypatch):
+def test_a_damaged_block_read_into_a_live_tensor_is_put_back_and_named_alone(shm, monkeypatch):
     # One piece of 4 blocks of w; block 2 damaged. Blocks 0-1 land (verified);
     # block 2's previous bytes are restored; block 3 (same piece, after the
     # damage) is checked in scratch and left as it was; only block 2 is named.
     monkeypatch.setattr(_knobs, "LOAD_CPU_IO_THREADS", 1)
-    d = str(tmp_path / "c")
+    d = str(shm / "c")
     w = torch.randn(512, 2048)
     shardckpt.save({"w": w}, d)
     _flip(d, "w", 2 * MIB + 12345)
-    _cache(d)
     hot = _count_hot(monkeypatch)
     live = {"w": torch.full((512, 2048), 3.0)}
     with pytest.raises(ChecksumMismatchError) as ei:
@@ -114,13 +120,12 @@ def test_a_damaged_block_read_into_a_live_tensor_is_put_back_and_named_alone(tmp
     assert torch.all(flat[2 * per :] == 3.0)  # the damaged block put back, the next one never written
 
 
-def test_damage_in_the_first_block_of_a_tensor_leaves_it_unchanged_and_unnamed(tmp_path, monkeypatch):
+def test_damage_in_the_first_block_of_a_tensor_leaves_it_unchanged_and_unnamed(shm, monkeypatch):
     monkeypatch.setattr(_knobs, "LOAD_CPU_IO_THREADS", 1)
-    d = str(tmp_path / "c")
+    d = str(shm / "c")
     src = _state()
     shardckpt.save(src, d)
     _flip(d, "w", 17)
-    _cache(d)
     hot = _count_hot(monkeypatch)
     live = {k: torch.full_like(v, 2) for k, v in src.items()}
     with pytest.raises(ChecksumMismatchError, match="w chunk") as ei:
@@ -139,11 +144,10 @@ def test_damage_in_the_first_block_of_a_tensor_leaves_it_unchanged_and_unnamed(t
     assert all(torch.all(v == 2) for v in live.values())
 
 
-def test_non_contiguous_and_cast_targets_fall_back_with_the_same_values(tmp_path, monkeypatch):
-    d = str(tmp_path / "c")
+def test_non_contiguous_and_cast_targets_fall_back_with_the_same_values(shm, monkeypatch):
+    d = str(shm / "c")
     src = _state()
     shardckpt.save(src, d)
-    _cache(d)
     hot = _count_hot(monkeypatch)
     wt = torch.zeros(2048, 512).t()  # w's shape, transposed storage: not contiguous
     live = {"w": wt, "h": torch.zeros(300, 1000), "i": torch.zeros(70_000, dtype=torch.int64), "n": torch.zeros(7)}
@@ -180,7 +184,8 @@ def test_into_pieces_are_planned_only_where_every_byte_has_one_destination():
     assert _readers._into_ok(0, 64 << 20, u, [Want(big, 0, 64 << 20, sink=sink, into=w.into, restore=False)])
 
 
-def test_reader_puts_back_a_damaged_unit_and_reports_verified_parts_only(tmp_path):
+def test_reader_puts_back_a_damaged_unit_and_reports_verified_parts_only(shm):
+    tmp_path = shm
     data = bytearray(bytes((i * 13 + 5) % 251 for i in range(1 << 16)))
     (tmp_path / "f.bin").write_bytes(bytes(data))
     c = _chunk(bytes(data), 4096, 48 << 10, 8 << 10)  # 6 blocks of 8 KiB
@@ -203,3 +208,41 @@ def test_reader_puts_back_a_damaged_unit_and_reports_verified_parts_only(tmp_pat
     assert sorted(p for p, _ in calls) == [0, 8192]  # only the verified blocks are reported delivered
     assert bytes(dest[: 16 << 10]) == bytes(data[4096 : 4096 + (16 << 10)])
     assert dest[16 << 10 :] == b"\x01" * (32 << 10)  # block 2 put back, blocks 3-5 never written
+
+
+def test_files_on_a_disk_are_mapped_as_before_even_when_cached(tmp_path, monkeypatch):
+    # Their pages are never probed here: a probe starts the kernel's readahead,
+    # which would change what the cold-read rules (O_DIRECT, WILLNEED) see.
+    if _local.fs_type(os.stat(tmp_path).st_dev) in _local.MEMORY_FILESYSTEMS:
+        pytest.skip("the temporary directory is on tmpfs here")
+    d = str(tmp_path / "c")
+    src = _state()
+    shardckpt.save(src, d)
+    for root, _, files in os.walk(d):
+        for n in files:
+            open(os.path.join(root, n), "rb").read()  # cached
+    hot = _count_hot(monkeypatch)
+    live = {k: torch.zeros_like(v) for k, v in src.items()}
+    shardckpt.load(live, d)
+    assert all(torch.equal(live[k], src[k]) for k in src)
+    assert not hot
+
+
+def test_a_file_truncated_under_the_read_is_refused_and_the_block_put_back(shm, monkeypatch):
+    data = bytes((i * 7 + 1) % 251 for i in range(1 << 16))
+    (shm / "f.bin").write_bytes(data)
+    c = _chunk(data, 0, 32 << 10, 8 << 10)
+    dest = bytearray(b"\x05" * (32 << 10))
+    real = _local.LocalStorage.open_hot
+
+    def open_then_truncate(self, rel, start, stop):
+        f = real(self, rel, start, stop)  # the size was checked here
+        os.truncate(self.path(rel), 20 << 10)  # another process cuts the file in block 2
+        return f
+
+    monkeypatch.setattr(_local.LocalStorage, "open_hot", open_then_truncate)
+    w = Want(c, 0, 32 << 10, "w", sink=lambda pos, d: None, into=memoryview(dest))
+    with pytest.raises(CorruptCheckpointError, match="truncated"):
+        read_verified(Storage(str(shm)), [w], lambda *a: None, threads=1, piece_bytes=1 << 20, range_bytes=1 << 20)
+    assert bytes(dest[: 16 << 10]) == data[: 16 << 10]  # blocks 0-1 verified and delivered
+    assert dest[16 << 10 :] == b"\x05" * (16 << 10)  # block 2 (read short) put back, block 3 never written
