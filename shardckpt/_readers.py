@@ -89,7 +89,7 @@ INTO_STEP_BYTES = 1 << 20
 #: Largest checksum unit read straight into a destination that must be put
 #: back if it fails (its previous bytes are kept aside first, per thread);
 #: larger units (v1 whole-chunk CRCs) are mapped.
-INTO_MAX_UNIT_BYTES = 16 << 20
+INTO_MAX_UNIT_BYTES = 4 << 20
 _tls = threading.local()
 
 
@@ -528,7 +528,7 @@ def _into_job(storage: Storage, rel: str, lo: int, hi: int, units: Sequence[Tupl
     the unit's previous bytes kept aside first and put back if the CRC
     fails. ``sink(pos, None)`` tells the caller once a unit is verified in
     place. After a damaged unit, the rest of the piece is read into scratch
-    only to check it (the error names exactly the damaged units). An
+    only to check it (the error names exactly the damaged units). A
     piece ``open_hot`` refuses (a file on a disk) is mapped (:func:`_map_job`).
     """
     if stop.is_set():
@@ -572,6 +572,9 @@ def _into_job(storage: Storage, rel: str, lo: int, hi: int, units: Sequence[Tupl
                 for _, _, v in views:
                     copy_bytes(keep[at : at + len(v)], v)
                     at += len(v)
+            if k < 0:  # unchecked (checksums off or none saved): the bytes are delivered as they land
+                for w, pos, _ in views:
+                    w.sink(pos, None)  # type: ignore[misc]
             try:
                 crc = 0
                 for x in range(a, b, INTO_STEP_BYTES):
@@ -592,9 +595,10 @@ def _into_job(storage: Storage, rel: str, lo: int, hi: int, units: Sequence[Tupl
                 stop.set()  # the read raises: no thread delivers more
                 damaged = True
                 continue
-            good += k >= 0
-            for w, pos, _ in views:
-                w.sink(pos, None)  # type: ignore[misc]
+            if k >= 0:
+                good += 1
+                for w, pos, _ in views:
+                    w.sink(pos, None)  # type: ignore[misc]
         return out, good
     except EOFError as e:  # the file was truncated under the load (the size was checked when it was opened)
         raise CorruptCheckpointError(f"{e} (truncated)") from None

@@ -89,6 +89,13 @@ def test_cached_pieces_are_read_straight_into_fp32_bf16_and_int_tensors(shm, mon
     shardckpt.load(live, d)
     assert all(torch.equal(live[k], src[k]) and live[k].data_ptr() == ptrs[k] for k in src)
     assert sum(hot) >= sum(v.numel() * v.element_size() for v in src.values()) and not maps, (hot, maps)
+    # Checksums off: the same path, unchecked steps of at most INTO_STEP_BYTES.
+    monkeypatch.setattr(_knobs, "CHECKSUMS", False)
+    hot.clear()
+    live = {k: torch.zeros_like(v) for k, v in src.items()}
+    shardckpt.load(live, d)
+    assert all(torch.equal(live[k], src[k]) for k in src) and hot and not maps
+    monkeypatch.setattr(_knobs, "CHECKSUMS", True)
     # LOAD_INTO=0: the same bytes mapped, the same values.
     monkeypatch.setattr(_knobs, "LOAD_INTO", False)
     hot.clear()
