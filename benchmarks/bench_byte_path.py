@@ -14,8 +14,11 @@ shows), then each load fills the same resident live tensors, in place:
                        (what ``load_state_dict`` does)
 ``shardckpt``          ``shardckpt.load`` of a native checkpoint, checksums on (the default)
 ``shardckpt-nocrc``    the same with ``SHARDCKPT_CHECKSUMS`` off (``_knobs.CHECKSUMS``)
+``shardckpt-map``      the same with ``SHARDCKPT_LOAD_INTO`` off: tmpfs pieces mapped, checked
+                       and copied out of the mapping instead of ``preadv``-ed into the tensors
 ``shardckpt-hf``       ``shardckpt.load`` of the Hugging Face directory that
                        ``converters.to_safetensors`` exported from it
+``shardckpt-hf-map``   the same with ``SHARDCKPT_LOAD_INTO`` off
 ``dcp``                ``torch.distributed.checkpoint.load`` (``FileSystemReader``)
 =====================  ================================================================
 
@@ -74,7 +77,7 @@ sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from _common import drop_page_cache, gbps, machine_info, markdown_table, run_isolated  # noqa: E402
 
 GIB = 1 << 30
-LOADS = ["memcpy", "read", "safetensors", "shardckpt", "shardckpt-nocrc", "shardckpt-hf", "dcp"]
+LOADS = ["memcpy", "read", "safetensors", "shardckpt", "shardckpt-map", "shardckpt-nocrc", "shardckpt-hf", "shardckpt-hf-map", "dcp"]
 CUDA_LOADS = ["safetensors-cuda", "fastsafetensors", "shardckpt-cuda"]
 SAVES = ["write", "save_file", "shardckpt", "dcp", "hf-export"]
 #: The HF export with its source's cache state set before the clock (``--saves`` may name them):
@@ -258,20 +261,27 @@ class Bench:
             for k, t in live.items():
                 t.copy_(got[k])
             del got
-        elif case in ("shardckpt", "shardckpt-nocrc"):
+        elif case in ("shardckpt", "shardckpt-nocrc", "shardckpt-map"):
             import shardckpt
             from shardckpt import _knobs
 
-            was = _knobs.CHECKSUMS
-            _knobs.CHECKSUMS = case == "shardckpt"
+            was = _knobs.CHECKSUMS, _knobs.LOAD_INTO
+            _knobs.CHECKSUMS = case != "shardckpt-nocrc"
+            _knobs.LOAD_INTO = case != "shardckpt-map" and was[1]
             try:
                 shardckpt.load({"model": live}, self.p["native"], no_dist=True)
             finally:
-                _knobs.CHECKSUMS = was
-        elif case == "shardckpt-hf":
+                _knobs.CHECKSUMS, _knobs.LOAD_INTO = was
+        elif case in ("shardckpt-hf", "shardckpt-hf-map"):
             import shardckpt
+            from shardckpt import _knobs
 
-            shardckpt.load(live, self.p["hf"], no_dist=True)
+            was_into = _knobs.LOAD_INTO
+            _knobs.LOAD_INTO = case == "shardckpt-hf" and was_into
+            try:
+                shardckpt.load(live, self.p["hf"], no_dist=True)
+            finally:
+                _knobs.LOAD_INTO = was_into
         elif case == "dcp":
             import torch.distributed.checkpoint as dcp
 
@@ -507,7 +517,8 @@ def _load_settings() -> Dict[str, Any]:
     except ImportError:
         crc = "none"
     return {"cpu_io_threads": _knobs.LOAD_CPU_IO_THREADS, "buffer_bytes": _knobs.LOAD_BUFFER_BYTES,
-            "range_bytes": _knobs.LOAD_RANGE_BYTES, "map": _knobs.LOAD_MAP, "checksums": crc}
+            "range_bytes": _knobs.LOAD_RANGE_BYTES, "map": _knobs.LOAD_MAP,
+            "into": getattr(_knobs, "LOAD_INTO", None), "checksums": crc}
 
 
 #: Issue 43's aims for a load into CPU tensors, as (name, case, against, at least): the

@@ -51,6 +51,10 @@ environment variable                default     what it sets
 ``SHARDCKPT_LOAD_MAP``              1           a load into CPU tensors checks and copies
                                                 local files' bytes out of a memory mapping
                                                 (one pass); 0: reads into buffers first
+``SHARDCKPT_LOAD_INTO``             1           tmpfs pieces going as they are into
+                                                contiguous CPU tensors: ``preadv`` each
+                                                checksum block into the tensor, CRC it
+                                                there (restored if it fails); 0: map them
 ``SHARDCKPT_LOAD_DIRECT``           0           local reads of >= 1 MiB from a block device
                                                 with O_DIRECT: 0 (never), auto (uncached), 1
 ``SHARDCKPT_EXPORT_PLACED``         1           an HF export of uncast tensors to local disk:
@@ -117,6 +121,7 @@ __all__ = [
     "usable_cpus",
     "LOAD_READ_ONCE",
     "LOAD_MAP",
+    "LOAD_INTO",
     "EXPORT_PLACED",
     "LOAD_DIRECT",
     "BLOCK_BYTES",
@@ -265,6 +270,14 @@ LOAD_READ_ONCE = _bool("LOAD_READ_ONCE", True)
 #: ``read()`` from tmpfs costs a copy of its own). 0: read into buffers first
 #: (a filesystem that cannot map files). Read at each load.
 LOAD_MAP = _bool("LOAD_MAP", True)
+#: Where a mapped load's piece lies in memory (a tmpfs or ramfs file) and its
+#: bytes go as they are into contiguous CPU tensors, the reader
+#: thread ``preadv``-s each checksum block straight into the tensor and checks
+#: its CRC there, while it is in cache (one kernel copy: no page-table fill of
+#: a mapping, no second copy); the block's previous bytes are put back if it
+#: fails. 0: such pieces are mapped as ``LOAD_MAP`` says. Files on disks are
+#: mapped either way. Read at each load.
+LOAD_INTO = _bool("LOAD_INTO", True)
 #: Local reads of >= 1 MiB from a block device with ``O_DIRECT``: ``0``
 #: (default: the page cache; an uncached range of more than 4 of the device's
 #: readahead windows is asked whole with ``POSIX_FADV_WILLNEED``), ``auto``

@@ -59,7 +59,7 @@ from typing import Any, Callable, Deque, Dict, List, NamedTuple, Optional, Seque
 from . import _knobs
 from ._format.checksum import crc32c, crc32c_combine
 from ._format.chunk import Chunk
-from ._storage import Storage
+from ._storage import Storage, copy_bytes
 from .errors import ChecksumMismatchError, CorruptCheckpointError, StorageError
 
 __all__ = [
@@ -82,6 +82,15 @@ _MAX_LISTED = 10
 #: capacity: no buffer holds it, each of its pieces is mapped, checked and
 #: copied on its own.
 MAPPED_RANGE_BYTES = 32 << 20
+#: A piece in memory (tmpfs) read straight into its destinations (``Want.into``) is read
+#: and checked this many bytes at a time at most (a checksum block of 1 MiB is
+#: one read): the CRC runs over bytes still in the reader's cache.
+INTO_STEP_BYTES = 1 << 20
+#: Largest checksum unit read straight into a destination that must be put
+#: back if it fails (its previous bytes are kept aside first, per thread);
+#: larger units (v1 whole-chunk CRCs) are mapped.
+INTO_MAX_UNIT_BYTES = 4 << 20
+_tls = threading.local()
 
 
 @dataclass(frozen=True)
@@ -92,14 +101,21 @@ class Want:
     thread, in parts: ``sink(pos, data)`` gets bytes ``[start + pos, start +
     pos + len(data))`` from the reader thread that read and verified them,
     while they are still in its cache (see :func:`read_verified`); ``deliver``
-    is then not called for this want.
+    is then not called for this want. ``into``/``restore``: see below.
     """
 
     chunk: Chunk
     start: int
     stop: int
     tag: Any = None
-    sink: Optional[Callable[[int, memoryview], None]] = field(default=None, compare=False, repr=False)
+    sink: Optional[Callable[[int, Optional[memoryview]], None]] = field(default=None, compare=False, repr=False)
+    #: With ``sink``: the destination's own writable bytes (exactly ``stop -
+    #: start``), which a reader may read straight into; ``sink(pos, None)``
+    #: then says bytes from ``pos`` landed there, verified.
+    into: Optional[memoryview] = field(default=None, compare=False, repr=False)
+    #: With ``into``: whether its previous bytes must survive a damaged read
+    #: (the live state: put back); False for scratch (staging) memory.
+    restore: bool = field(default=True, compare=False, repr=False)
 
 
 class Unit(NamedTuple):
@@ -458,6 +474,163 @@ def _fill(sinks: Sequence[Want], lo: int, view: memoryview, stop: threading.Even
             w.sink(a - base, view[a - lo : b - lo])  # type: ignore[misc]
 
 
+def _into_ok(lo: int, hi: int, units: Sequence[Tuple[int, Unit]], sinks: Sequence[Want]) -> bool:
+    """Whether piece ``[lo, hi)`` can be read straight into its destinations.
+
+    Every byte of it must be a byte of exactly one want with ``into`` (no
+    bytes read only to be checked, no want copied twice, no cast); a unit
+    whose destination must be put back on damage is at most
+    :data:`INTO_MAX_UNIT_BYTES`.
+    """
+    # The wants overlapping the piece, in file order, must tile it: the first
+    # starts at or before it, each next one where the last ended, the last
+    # ends at or after it.
+    at = None
+    for w in sorted(sinks, key=lambda w: w.chunk.byte_offset + w.start):
+        a = w.chunk.byte_offset + w.start
+        if w.into is None or (a > lo if at is None else a != at):
+            return False
+        at = a + (w.stop - w.start)
+    if at is None or at < hi:
+        return False
+    if any(w.restore for w in sinks):
+        return all(u.stop - u.start <= INTO_MAX_UNIT_BYTES for _, u in units)
+    return True
+
+
+def _views(sinks: Sequence[Want], a: int, b: int) -> List[Tuple[Want, int, memoryview]]:
+    """``(want, position in it, its destination bytes)`` covering file bytes ``[a, b)``, in file order."""
+    out = []
+    for w in sinks:
+        base = w.chunk.byte_offset + w.start
+        x, y = max(a, base), min(b, base + w.stop - w.start)
+        if x < y:
+            out.append((w, x - base, w.into[x - base : y - base]))  # type: ignore[index]
+    out.sort(key=lambda t: t[0].chunk.byte_offset + t[0].start + t[1])
+    return out
+
+
+def _scratch(n: int) -> memoryview:
+    """This thread's buffer of at least ``n`` bytes (kept for its next piece)."""
+    buf = getattr(_tls, "buf", None)
+    if buf is None or len(buf) < n:
+        buf = _tls.buf = bytearray(max(n, INTO_STEP_BYTES))
+    return memoryview(buf)[:n]
+
+
+def _into_job(storage: Storage, rel: str, lo: int, hi: int, units: Sequence[Tuple[int, Unit]], sinks: Sequence[Want],
+              stop: threading.Event):
+    """:func:`_map_job` for a piece in memory (``Storage.open_hot``: tmpfs) read straight into its destinations (``Want.into``), one checksum unit at a time.
+
+    Each unit is read into the destinations' memory with one ``preadv``
+    (at most :data:`INTO_STEP_BYTES` a call) and its CRC-32C computed there
+    while in cache; a destination that must survive damage (``restore``) has
+    the unit's previous bytes kept aside first and put back if the CRC
+    fails. ``sink(pos, None)`` tells the caller once a unit is verified in
+    place. After a damaged unit, the rest of the piece is read into scratch
+    only to check it (the error names exactly the damaged units). A
+    piece ``open_hot`` refuses (a file on a disk) is mapped (:func:`_map_job`).
+    """
+    if stop.is_set():
+        return None
+    try:
+        f = storage.open_hot(rel, lo, hi)
+    except FileNotFoundError:
+        raise CorruptCheckpointError(f"{storage.url_of(rel)}: file is missing") from None
+    except EOFError as e:
+        raise CorruptCheckpointError(f"{e} (truncated)") from None
+    except StorageError:
+        raise
+    except OSError as e:
+        raise StorageError(f"reading {storage.url_of(rel)}: {e}") from e
+    if f is None:
+        return _map_job(storage, rel, lo, hi, units, sinks, stop)
+    try:
+        # (index of the unit in its range or -1: unchecked, file bytes, expected CRC)
+        steps = [(k, u.start, u.stop, u.crc) for k, u in sorted(units, key=lambda x: x[1].start)] if units else \
+            [(-1, a, min(a + INTO_STEP_BYTES, hi), 0) for a in range(lo, hi, INTO_STEP_BYTES)]
+        out: List[Tuple[int, int, int, int]] = []
+        good = 0
+        damaged = False
+        for k, a, b, want in steps:
+            if damaged:  # checked in scratch, never in a destination
+                crc = 0
+                for x in range(a, b, INTO_STEP_BYTES):
+                    y = min(x + INTO_STEP_BYTES, b)
+                    buf = _scratch(y - x)
+                    f.readv(x, [buf])
+                    crc = crc32c(buf, crc)
+                out.append((k, 0, b - a, crc))
+                continue
+            if stop.is_set():
+                return None  # damage found in another piece: nothing more is delivered
+            views = _views(sinks, a, b)
+            keep = None
+            if k >= 0 and any(w.restore for w, _, _ in views):
+                keep = _scratch(b - a)
+                at = 0
+                for _, _, v in views:
+                    copy_bytes(keep[at : at + len(v)], v)
+                    at += len(v)
+            if k < 0:  # unchecked (checksums off or none saved): the bytes are delivered as they land
+                for w, pos, _ in views:
+                    w.sink(pos, None)  # type: ignore[misc]
+            try:
+                crc = 0
+                for x in range(a, b, INTO_STEP_BYTES):
+                    y = min(x + INTO_STEP_BYTES, b)
+                    part = [v for _, _, v in _clip(views, a, x, y)]
+                    f.readv(x, part)
+                    if k >= 0:
+                        for v in part:
+                            crc = crc32c(v, crc)
+                ok = k < 0 or crc == want
+            except BaseException:
+                _put_back(views, keep)
+                raise
+            if k >= 0:
+                out.append((k, 0, b - a, crc))
+            if not ok:
+                _put_back(views, keep)
+                stop.set()  # the read raises: no thread delivers more
+                damaged = True
+                continue
+            if k >= 0:
+                good += 1
+                for w, pos, _ in views:
+                    w.sink(pos, None)  # type: ignore[misc]
+        return out, good
+    except EOFError as e:  # the file was truncated under the load (the size was checked when it was opened)
+        raise CorruptCheckpointError(f"{e} (truncated)") from None
+    except (StorageError, CorruptCheckpointError):
+        raise
+    except OSError as e:
+        raise StorageError(f"reading {storage.url_of(rel)}: {e}") from e
+    finally:
+        f.close()
+
+
+def _clip(views: Sequence[Tuple[Want, int, memoryview]], a: int, x: int, y: int) -> List[Tuple[Want, int, memoryview]]:
+    """The parts of ``views`` (covering file bytes from ``a``, in order) holding file bytes ``[x, y)``."""
+    out, at = [], a
+    for w, pos, v in views:
+        p, q = max(x, at), min(y, at + len(v))
+        if p < q:
+            out.append((w, pos + p - at, v[p - at : q - at]))
+        at += len(v)
+    return out
+
+
+def _put_back(views: Sequence[Tuple[Want, int, memoryview]], keep: Optional[memoryview]) -> None:
+    """Restore the bytes ``keep`` saved of ``views`` (a unit that failed, or a read that did not finish)."""
+    if keep is None:
+        return
+    at = 0
+    for _, _, v in views:
+        copy_bytes(v, keep[at : at + len(v)])
+        at += len(v)
+
+
 def _cuts(rng: ReadRange, piece_bytes: int, units: Sequence[Unit]) -> List[Tuple[int, int]]:
     """A range's read pieces of about ``piece_bytes``, cut only at the ends of its checksum units.
 
@@ -578,6 +751,9 @@ def read_verified(
     # file where the storage has one (local files): the bytes are checked and
     # copied out of the page cache once, no read into a buffer first.
     mappable = fused and _knobs.LOAD_MAP and getattr(storage, "can_map", False)
+    # Pieces in memory (tmpfs) whose bytes all go as they are into destinations' memory
+    # (``Want.into``) are read straight there instead (``SHARDCKPT_LOAD_INTO``).
+    into = mappable and _knobs.LOAD_INTO
     if mappable and range_bytes is None:
         # A mapped range holds no buffer: larger ones (its pieces still
         # map and copy a few MiB each) mean fewer ranges for this thread to
@@ -610,7 +786,7 @@ def read_verified(
             mine = [(k, units[k]) for k in ks]
             theirs = [sinks[i] for i in ss]
             if mv is None:  # mapped: every want of the range has a sink
-                fn: Callable[..., Any] = _map_job
+                fn: Callable[..., Any] = _into_job if into and _into_ok(lo, hi, mine, theirs) else _map_job
                 args: Tuple[Any, ...] = (storage, rng.file, lo, hi, mine, theirs, stop)
             else:
                 fn, args = _read_job, (storage, rng.file, lo, mv[lo - rng.start : hi - rng.start], mine, theirs, stop if sinks else None)

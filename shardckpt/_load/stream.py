@@ -81,12 +81,16 @@ def _no_sink(target: int, dst: torch.Tensor, dtype: torch.dtype, nbytes: int) ->
     return None
 
 
+_Sink = Optional[Tuple[Callable[[int, Optional[memoryview]], None], Optional[memoryview]]]
+
+
 def _wants(plan: LoadPlan, dests: Sequence[Sequence[torch.Tensor]], range_bytes: int,
-           sink: Callable[[int, torch.Tensor, torch.dtype, int], Optional[Callable[[int, memoryview], None]]] = _no_sink) -> List[Want]:
+           sink: Callable[[int, torch.Tensor, torch.dtype, int], _Sink] = _no_sink, restore: bool = True) -> List[Want]:
     """Byte ranges to read, one per piece cut to at most ``range_bytes`` of its chunk (along dim 0).
 
-    ``sink(target, dst, saved dtype, nbytes)``: the want's ``Want.sink``
-    (None: delivered through ``place``).
+    ``sink(target, dst, saved dtype, nbytes)``: the want's ``(Want.sink,
+    Want.into)`` (None: delivered through ``place``); ``restore``: each
+    want's ``Want.restore`` (False when the destinations are staging).
     """
     out: List[Want] = []
     for ti, t in enumerate(plan.targets):
@@ -99,7 +103,8 @@ def _wants(plan: LoadPlan, dests: Sequence[Sequence[torch.Tensor]], range_bytes:
                 strides = _strides(c.sizes)
                 if not p.sizes or math.prod(p.sizes) == 0:
                     if not p.sizes and c.nbytes:  # a 0-d tensor
-                        out.append(Want(c, 0, c.nbytes, _Copy(ti, dst_part, (), (), (), 0, dtype, isz), sink(ti, dst_part, dtype, c.nbytes)))
+                        out.append(_want(c, 0, c.nbytes, _Copy(ti, dst_part, (), (), (), 0, dtype, isz),
+                                         sink(ti, dst_part, dtype, c.nbytes), restore))
                     continue
                 row_bytes = strides[0] * isz
                 rows = max(1, range_bytes // max(row_bytes, 1))
@@ -110,20 +115,28 @@ def _wants(plan: LoadPlan, dests: Sequence[Sequence[torch.Tensor]], range_bytes:
                     first = sum(o * st for o, st in zip(src, strides))
                     last = sum((o + k - 1) * st for o, k, st in zip(src, sizes, strides))
                     dst = box_view(dst_part, (p.dst_offsets[0] + r,) + tuple(p.dst_offsets[1:]), sizes)
-                    out.append(Want(c, first * isz, (last + 1) * isz, _Copy(ti, dst, src, sizes, strides, first, dtype, isz),
-                                    sink(ti, dst, dtype, (last + 1 - first) * isz)))
+                    out.append(_want(c, first * isz, (last + 1) * isz, _Copy(ti, dst, src, sizes, strides, first, dtype, isz),
+                                     sink(ti, dst, dtype, (last + 1 - first) * isz), restore))
     return out
 
 
-def _byte_sink(dst: torch.Tensor, dtype: torch.dtype, nbytes: int) -> Optional[Callable[[int, memoryview], None]]:
-    """``put(pos, data)`` copying bytes to offset ``pos`` of ``dst`` when a want's saved bytes land there as they are.
+def _want(c, start: int, stop: int, job: "_Copy", sink: _Sink, restore: bool) -> Want:
+    if sink is None:
+        return Want(c, start, stop, job)
+    return Want(c, start, stop, job, sink[0], into=sink[1], restore=restore)
 
-    That is: a plain contiguous CPU tensor of the saved dtype whose
-    ``nbytes`` are exactly the want's (the saved box is contiguous in its
-    chunk); else None (casts, strided boxes and device targets go through
-    ``place``). The copy is NumPy's, which releases the GIL, so reader
-    threads copy in parallel (torch's ``copy_`` would start its own thread
-    team in each of them); without NumPy, a memoryview copy.
+
+def _byte_sink(dst: torch.Tensor, dtype: torch.dtype, nbytes: int) -> Optional[Tuple[Callable[[int, memoryview], None], memoryview]]:
+    """``(put, view)``: ``put(pos, data)`` copies bytes to offset ``pos`` of ``dst``, ``view`` is ``dst``'s own writable bytes.
+
+    When a want's saved bytes land in ``dst`` as they are: a plain
+    contiguous CPU tensor of the saved dtype whose ``nbytes`` are exactly the
+    want's (the saved box is contiguous in its chunk); else None (casts,
+    strided boxes and device targets go through ``place``). The reader may
+    read straight into ``view`` (``Want.into``; bf16 and every dtype alike:
+    bytes). The copy is NumPy's, which releases the GIL, so reader threads
+    copy in parallel (torch's ``copy_`` would start its own thread team in
+    each of them); without NumPy, a memoryview copy.
     """
     if (nbytes == 0 or dst.device.type != "cpu" or dst.dtype != dtype or type(dst) not in (torch.Tensor, torch.nn.Parameter)
             or dst.is_conj() or dst.is_neg() or not dst.is_contiguous() or dst.numel() * dst.element_size() != nbytes):
@@ -137,13 +150,13 @@ def _byte_sink(dst: torch.Tensor, dtype: torch.dtype, nbytes: int) -> Optional[C
         def put(pos: int, data: memoryview) -> None:
             mv[pos : pos + len(data)] = data
 
-        return put
+        return put, mv
     arr = np.frombuffer(mv, dtype=np.uint8)
 
     def put_np(pos: int, data: memoryview) -> None:
         np.copyto(arr[pos : pos + len(data)], np.frombuffer(data, dtype=np.uint8))
 
-    return put_np
+    return put_np, mv
 
 
 def _numpy():
@@ -356,20 +369,22 @@ def stream_into(
 
     def sink(target: int, dst: torch.Tensor, dtype: torch.dtype, nbytes: int):
         """Verified bytes copied into the tensor by the reader thread that verified them (one pass, in cache)."""
-        copy = _byte_sink(dst, dtype, nbytes)
-        if copy is None:
+        got = _byte_sink(dst, dtype, nbytes)
+        if got is None:
             return None
+        copy, view = got
 
-        def put(pos: int, data: memoryview) -> None:
+        def put(pos: int, data: Optional[memoryview]) -> None:
             touched[target] = None
-            copy(pos, data)
+            if data is not None:  # None: the reader read the verified bytes into ``view`` itself
+                copy(pos, data)
 
-        return put
+        return put, view
 
     # Replicated ranges read once (several ranks) hand every want to their
     # own transfer engine: no sinks there.
     once = comm is not None and comm.world > 1 and (_replicas.enabled() or sources is not None)
-    wants = _wants(plan, dests, range_bytes, _no_sink if cuda or once else sink)
+    wants = _wants(plan, dests, range_bytes, _no_sink if cuda or once else sink, restore=staged is None)
     scales: Dict[int, Tuple[torch.Tensor, int]] = {}
     if not (cuda or once):
         wants = _fp8_sinks(plan, wants, scales, touched)

@@ -31,6 +31,7 @@ from ..errors import CheckpointError, StorageError, UnreadableFileError, UnsafeM
 
 __all__ = [
     "Capabilities",
+    "copy_bytes",
     "RANGE_MERGE_GAP_BYTES",
     "STAT_THREADS",
     "Storage",
@@ -286,6 +287,24 @@ class StagedFile:
 def set_backend_lookup(lookup: Callable[[str, Optional[Dict[str, Any]]], Type["Storage"]]) -> None:
     """Make ``Storage(url)`` build ``lookup(url, storage_options)`` (``_factory`` installs its ``backend_for``)."""
     Storage._backend_for = staticmethod(lookup)
+
+
+def copy_bytes(dst: memoryview, src: memoryview) -> None:
+    """``dst[:] = src``, out of the GIL where NumPy is there (reader threads copy in parallel).
+
+    The one byte copy of the readers (an ``O_DIRECT`` bounce buffer, a block
+    kept aside before it is read into a live tensor).
+
+    Example:
+        >>> b = bytearray(3); copy_bytes(memoryview(b), memoryview(b"abc")); bytes(b)
+        b'abc'
+    """
+    try:
+        import numpy as np
+    except ImportError:
+        dst[:] = src
+        return
+    np.frombuffer(dst, dtype=np.uint8)[:] = np.frombuffer(src, dtype=np.uint8)
 
 
 def pwrite_all(fd: int, data, pos: int) -> int:
@@ -730,6 +749,21 @@ class Storage:
     def can_map(self) -> bool:
         """Whether :meth:`map_range` maps files here (local files) rather than returning None."""
         return False
+
+    def open_hot(self, rel: str, start: int, stop: int) -> Optional[Any]:
+        """A file to ``readv(offset, views)`` bytes ``[start, stop)`` of ``rel`` from, where they are in memory already; or None.
+
+        Local files of a memory filesystem (tmpfs, ramfs): the reader reads
+        each checksum block straight into its destination (one kernel copy).
+        None for files on disks (:meth:`map_range` then reads them with its
+        cold-read rules, as it always did) and where the backend has no
+        such files. The caller ``close()``-s it.
+
+        Raises:
+            FileNotFoundError: missing.
+            EOFError: the file ends before ``stop``.
+        """
+        return None
 
     def map_range(self, rel: str, start: int, stop: int) -> Optional[Tuple[Any, int]]:
         """A read-only memory mapping holding bytes ``[start, stop)`` of ``rel`` at an offset, or None.

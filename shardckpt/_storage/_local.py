@@ -25,9 +25,10 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, cast
 
 from .. import _knobs
 from ..errors import StorageError, UnreadableFileError
-from ._base import Capabilities, StagedFile, Storage, Writer, check_rel, pwrite_all, reading
+from ._base import Capabilities, StagedFile, Storage, Writer, check_rel, copy_bytes, pwrite_all, reading
 
-__all__ = ["LocalStorage", "WRITEBACK_BYTES", "fsync_dir", "check_inside", "queue_info", "is_cached"]
+__all__ = ["LocalStorage", "HotFile", "MEMORY_FILESYSTEMS", "WRITEBACK_BYTES", "fsync_dir", "check_inside", "queue_info", "is_cached",
+           "fs_type"]
 
 #: Local writes hint the kernel every this many bytes: start writing back what
 #: was just written, and drop from the page cache what was written back before
@@ -118,6 +119,36 @@ def queue_info(path: str) -> Dict[str, Any]:
     return out
 
 
+#: Filesystems whose files are memory (``LocalStorage.open_hot``): read straight into the tensors.
+MEMORY_FILESYSTEMS = frozenset({"tmpfs", "ramfs"})
+_fs_cache: Dict[int, str] = {}
+
+
+def fs_type(dev: int) -> str:
+    """The filesystem type of device ``dev`` (``st_dev``) from ``/proc/self/mountinfo``; "" if unknown.
+
+    Example:
+        >>> isinstance(fs_type(os.stat("/").st_dev), str)
+        True
+    """
+    got = _fs_cache.get(dev)
+    if got is not None:
+        return got
+    want = f"{os.major(dev)}:{os.minor(dev)}"
+    out = ""
+    try:
+        with open("/proc/self/mountinfo") as f:
+            for line in f:
+                fields = line.split()
+                if len(fields) > 2 and fields[2] == want and " - " in line:
+                    out = line.split(" - ", 1)[1].split()[0]
+                    break
+    except OSError:
+        pass
+    _fs_cache[dev] = out
+    return out
+
+
 def is_cached(fd: int, offset: int) -> Optional[bool]:
     """Whether the page of ``fd`` at ``offset`` is in the page cache (a one-byte ``RWF_NOWAIT`` read); None: cannot tell."""
     if not _RWF_NOWAIT:
@@ -183,16 +214,6 @@ def _anon(n: int) -> mmap.mmap:
     return mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_POPULATE)
 
 
-def _copy(dst: memoryview, src: memoryview) -> None:
-    """``dst[:] = src``, out of the GIL where NumPy is there (reader threads copy in parallel)."""
-    try:
-        import numpy as np
-    except ImportError:
-        dst[:] = src
-        return
-    np.frombuffer(dst, dtype=np.uint8)[:] = np.frombuffer(src, dtype=np.uint8)
-
-
 def _local_path(url: str) -> str:
     return url[len("file://") :] if url.startswith("file://") else url
 
@@ -226,6 +247,38 @@ def check_inside(root: str, path: str) -> str:
             "a checkpoint's files must lie inside its directory"
         )
     return path
+
+
+class HotFile:
+    """An open local file whose bytes are cached (``LocalStorage.open_hot``): ``readv`` scatters them into buffers."""
+
+    __slots__ = ("fd", "url")
+
+    def __init__(self, fd: int, url: str):
+        self.fd, self.url = fd, url
+
+    def readv(self, offset: int, views: Sequence[memoryview]) -> None:
+        """Fill ``views`` in order from file bytes at ``offset`` (``preadv``, looped on short reads).
+
+        Raises:
+            EOFError: the file ends first (another process truncated it).
+        """
+        views = [v for v in views if len(v)]
+        while views:
+            got = os.preadv(self.fd, views, offset)
+            if got <= 0:
+                raise EOFError(f"{self.url}: file ends before byte {offset + sum(len(v) for v in views)}")
+            offset += got
+            while views and got >= len(views[0]):
+                got -= len(views[0])
+                views.pop(0)
+            if got:
+                views[0] = views[0][got:]
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
 
 class LocalStorage(Storage):
@@ -406,7 +459,7 @@ class LocalStorage(Storage):
                 if take <= 0:
                     raise self._short(rel, offset + n)
                 with memoryview(bounce) as bv:
-                    _copy(buf[done : done + take], bv[pos - a : pos - a + take])
+                    copy_bytes(buf[done : done + take], bv[pos - a : pos - a + take])
                 done += take
         finally:
             os.close(dfd)
@@ -470,6 +523,29 @@ class LocalStorage(Storage):
                 return mmap.mmap(fd, stop - at, prot=mmap.PROT_READ, offset=at), start - at
             finally:
                 os.close(fd)
+
+    def open_hot(self, rel: str, start: int, stop: int) -> Optional["HotFile"]:
+        # In memory: a file of a memory filesystem (tmpfs, ramfs: its pages are
+        # the file). Files on disks are mapped, cached or not: a probe of their
+        # pages (a one-byte RWF_NOWAIT read) starts the kernel's readahead,
+        # which would change what ``map_range``'s cold-read rules (O_DIRECT,
+        # WILLNEED) see next.
+        check_rel(rel, where=self.url)
+        with reading(self.url_of(rel)):
+            path = self.path(rel)
+            fd = self._open_mapped(path)
+            try:
+                st = os.fstat(fd)
+                if st.st_size < stop:
+                    raise self._short(rel, stop)
+                if fs_type(st.st_dev) in MEMORY_FILESYSTEMS:
+                    out = HotFile(fd, self.url_of(rel))
+                    fd = -1
+                    return out
+                return None
+            finally:
+                if fd >= 0:
+                    os.close(fd)
 
     def _open_mapped(self, path: str) -> int:
         """:meth:`_open_regular` for the pieces of a mapped load: the full check once per file, then its identity.

@@ -64,12 +64,23 @@ def _count_data_reads():
             seen.append(stop - start)
         return orig_map(self, rel, start, stop)
 
+    # ... or reads its cached pieces straight into the tensors (LOAD_INTO): bytes handed over are bytes read.
+    orig_hot = local.open_hot
+
+    def open_hot(self, rel, start, stop):
+        f = orig_hot(self, rel, start, stop)
+        if f is not None and rel.startswith("data/"):
+            seen.append(stop - start)
+        return f
+
     def undo():
         _storage.Storage.read_into = orig
         local.map_range = orig_map
+        local.open_hot = orig_hot
 
     _storage.Storage.read_into = read_into
     local.map_range = map_range
+    local.open_hot = open_hot
     return seen, undo
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import random
 
+import pytest
 import torch
 
 import shardckpt
@@ -112,9 +113,16 @@ def test_read_block_bytes(tmp_path, monkeypatch):
         sizes.append(stop - start)
         return real_map(self, rel, start, stop)
 
-    real_map = st_type.map_range
+    def open_hot(self, rel, start, stop):  # cached pieces are read straight into the tensor (LOAD_INTO)
+        f = real_hot(self, rel, start, stop)
+        if f is not None:
+            sizes.append(stop - start)
+        return f
+
+    real_map, real_hot = st_type.map_range, st_type.open_hot
     monkeypatch.setattr(st_type, "read_into", read_into)
     monkeypatch.setattr(st_type, "map_range", map_range)
+    monkeypatch.setattr(st_type, "open_hot", open_hot)
     monkeypatch.setattr(_knobs, "READ_BLOCK_BYTES", 8 << 10)
     out = {"w": torch.zeros(64 << 10, dtype=torch.int32)}
     shardckpt.load(out, path)
@@ -198,6 +206,7 @@ def test_load_map(tmp_path, monkeypatch):
     maps = []
     real = _local.LocalStorage.map_range
     monkeypatch.setattr(_local.LocalStorage, "map_range", lambda self, *a: maps.append(a) or real(self, *a))
+    monkeypatch.setattr(_knobs, "LOAD_INTO", False)  # cached pieces are mapped too (LOAD_INTO: its own test)
     for on in (True, False):
         monkeypatch.setattr(_knobs, "LOAD_MAP", on)
         maps.clear()
@@ -207,12 +216,50 @@ def test_load_map(tmp_path, monkeypatch):
         assert bool(maps) == on, (on, maps)
 
 
+def test_load_into(monkeypatch):
+    """LOAD_INTO: pieces of tmpfs files are read straight into the CPU tensors (on) or mapped (off); the same values."""
+    import shutil
+    import tempfile
+
+    from shardckpt._storage import _local
+
+    if not os.path.isdir("/dev/shm") or _local.fs_type(os.stat("/dev/shm").st_dev) not in _local.MEMORY_FILESYSTEMS:
+        pytest.skip("no tmpfs at /dev/shm")
+    root = tempfile.mkdtemp(prefix="shardckpt-knob-", dir="/dev/shm")
+    os.chmod(root, 0o700)
+    try:
+        d = root + "/c"
+        src = {"w": torch.randn(300, 1000), "b": torch.randn(7).to(torch.bfloat16)}
+        shardckpt.save(src, d)
+        hot, maps = [], []
+        real_hot, real_map = _local.LocalStorage.open_hot, _local.LocalStorage.map_range
+
+        def open_hot(self, *a):
+            f = real_hot(self, *a)
+            if f is not None:
+                hot.append(a)
+            return f
+
+        monkeypatch.setattr(_local.LocalStorage, "open_hot", open_hot)
+        monkeypatch.setattr(_local.LocalStorage, "map_range", lambda self, *a: maps.append(a) or real_map(self, *a))
+        for on in (True, False):
+            monkeypatch.setattr(_knobs, "LOAD_INTO", on)
+            hot.clear()
+            maps.clear()
+            live = {k: torch.zeros_like(v) for k, v in src.items()}
+            shardckpt.load(live, d)
+            assert all(torch.equal(live[k], src[k]) for k in src)
+            assert (bool(hot), bool(maps)) == (on, not on), (on, hot, maps)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
 def test_every_knob_is_covered():
     knobs = {n for n in _knobs.__all__ if n.isupper() and n != "ENV_PREFIX"}
     here = {
         "IO_THREADS", "MIN_BYTES_PER_FILE", "WRITE_BLOCK_BYTES", "BLOCK_BYTES", "CHECKSUMS", "LOAD_BUFFER_BYTES",
         "LOAD_RANGE_BYTES", "LOAD_CUDA_IO_THREADS", "LOAD_CUDA_BUFFER_BYTES", "READ_BLOCK_BYTES", "COALESCE_GAP_BYTES",
         "HEADER_BYTES_PER_FILE", "COLLECTIVE_TIMEOUT_S", "STORAGE_RETRIES", "RETRY_BASE_DELAY_S", "RETRY_MAX_DELAY_S",
-        "REPLICAS", "LOAD_MAP", "LOAD_CPU_IO_THREADS",
+        "REPLICAS", "LOAD_MAP", "LOAD_INTO", "LOAD_CPU_IO_THREADS",
     }
     assert knobs == here | set(ELSEWHERE), (knobs - here - set(ELSEWHERE), (here | set(ELSEWHERE)) - knobs)

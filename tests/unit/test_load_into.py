@@ -1,0 +1,255 @@
+"""Pieces of files in memory read straight into the live tensors (``SHARDCKPT_LOAD_INTO``, issue 43).
+
+A load into contiguous CPU tensors of the saved dtype ``preadv``-s each
+checksum block of a piece of a tmpfs file into the tensor's memory and checks
+its CRC-32C there; a block that fails is put back as it was. Real files in a
+private directory of ``/dev/shm`` (tmpfs), real tensors (fp32, bf16, int64);
+files on a disk are mapped as before.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import shardckpt
+from shardckpt import _knobs, _readers
+from shardckpt._format import crc32c
+from shardckpt._format.chunk import Chunk
+from shardckpt._readers import Want, read_verified
+from shardckpt._storage import Storage, _local
+from shardckpt.errors import ChecksumMismatchError, CorruptCheckpointError
+
+MIB = 1 << 20
+
+
+@pytest.fixture
+def shm():
+    """A private directory in /dev/shm (tmpfs), removed after the test."""
+    import pathlib
+    import shutil
+    import tempfile
+
+    if not os.path.isdir("/dev/shm") or _local.fs_type(os.stat("/dev/shm").st_dev) not in _local.MEMORY_FILESYSTEMS:
+        pytest.skip("no tmpfs at /dev/shm")
+    d = tempfile.mkdtemp(prefix="shardckpt-into-", dir="/dev/shm")
+    os.chmod(d, 0o700)
+    try:
+        yield pathlib.Path(d)
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def _count_hot(monkeypatch):
+    """File bytes ``open_hot`` handed to the reader (cached pieces read straight into their destinations)."""
+    got = []
+    real = _local.LocalStorage.open_hot
+
+    def open_hot(self, rel, start, stop):
+        f = real(self, rel, start, stop)
+        if f is not None:
+            got.append(stop - start)
+        return f
+
+    monkeypatch.setattr(_local.LocalStorage, "open_hot", open_hot)
+    return got
+
+
+def _state():
+    g = torch.Generator().manual_seed(4)
+    return {
+        "w": torch.randn(512, 2048, generator=g),  # 4 MiB: 4 checksum blocks
+        "h": torch.randn(300, 1000, generator=g).to(torch.bfloat16),
+        "i": torch.randint(-(1 << 40), 1 << 40, (70_000,), generator=g),
+        "n": torch.randn(7, generator=g),
+    }
+
+
+def _flip(d, name, at):
+    c = shardckpt.inspect(d).tensors[name].chunks[0]
+    f = os.path.join(d, c.file)
+    raw = bytearray(open(f, "rb").read())
+    raw[c.byte_offset + at] ^= 0x20
+    open(f, "wb").write(bytes(raw))
+    return c
+
+
+def test_cached_pieces_are_read_straight_into_fp32_bf16_and_int_tensors(shm, monkeypatch):
+    d = str(shm / "c")
+    src = _state()
+    shardckpt.save(src, d)
+    hot = _count_hot(monkeypatch)
+    maps = []
+    real_map = _local.LocalStorage.map_range
+    monkeypatch.setattr(_local.LocalStorage, "map_range", lambda self, *a: maps.append(a) or real_map(self, *a))
+    live = {k: torch.zeros_like(v) for k, v in src.items()}
+    ptrs = {k: v.data_ptr() for k, v in live.items()}
+    shardckpt.load(live, d)
+    assert all(torch.equal(live[k], src[k]) and live[k].data_ptr() == ptrs[k] for k in src)
+    assert sum(hot) >= sum(v.numel() * v.element_size() for v in src.values()) and not maps, (hot, maps)
+    # Checksums off: the same path, unchecked steps of at most INTO_STEP_BYTES.
+    monkeypatch.setattr(_knobs, "CHECKSUMS", False)
+    hot.clear()
+    live = {k: torch.zeros_like(v) for k, v in src.items()}
+    shardckpt.load(live, d)
+    assert all(torch.equal(live[k], src[k]) for k in src) and hot and not maps
+    monkeypatch.setattr(_knobs, "CHECKSUMS", True)
+    # LOAD_INTO=0: the same bytes mapped, the same values.
+    monkeypatch.setattr(_knobs, "LOAD_INTO", False)
+    hot.clear()
+    live = {k: torch.zeros_like(v) for k, v in src.items()}
+    shardckpt.load(live, d)
+    assert all(torch.equal(live[k], src[k]) for k in src)
+    assert not hot and maps
+
+
+def test_a_damaged_block_read_into_a_live_tensor_is_put_back_and_named_alone(shm, monkeypatch):
+    # One piece of 4 blocks of w; block 2 damaged. Blocks 0-1 land (verified);
+    # block 2's previous bytes are restored; block 3 (same piece, after the
+    # damage) is checked in scratch and left as it was; only block 2 is named.
+    monkeypatch.setattr(_knobs, "LOAD_CPU_IO_THREADS", 1)
+    d = str(shm / "c")
+    w = torch.randn(512, 2048)
+    shardckpt.save({"w": w}, d)
+    _flip(d, "w", 2 * MIB + 12345)
+    hot = _count_hot(monkeypatch)
+    live = {"w": torch.full((512, 2048), 3.0)}
+    with pytest.raises(ChecksumMismatchError) as ei:
+        shardckpt.load(live, d)
+    msg = str(ei.value)
+    assert "w chunk" in msg and "block 2 " in msg and "block 3 " not in msg and "block 1 " not in msg, msg
+    assert "Tensors already overwritten: w" in msg, msg
+    assert hot, "the piece was not read straight into the tensor: the test does not exercise that path"
+    flat, per = live["w"].view(-1), MIB // 4
+    assert torch.equal(flat[: 2 * per], w.view(-1)[: 2 * per])  # verified blocks delivered
+    assert torch.all(flat[2 * per :] == 3.0)  # the damaged block put back, the next one never written
+
+
+def test_damage_in_the_first_block_of_a_tensor_leaves_it_unchanged_and_unnamed(shm, monkeypatch):
+    monkeypatch.setattr(_knobs, "LOAD_CPU_IO_THREADS", 1)
+    d = str(shm / "c")
+    src = _state()
+    shardckpt.save(src, d)
+    _flip(d, "w", 17)
+    hot = _count_hot(monkeypatch)
+    live = {k: torch.full_like(v, 2) for k, v in src.items()}
+    with pytest.raises(ChecksumMismatchError, match="w chunk") as ei:
+        shardckpt.load(live, d)
+    assert hot
+    named = str(ei.value).split("Tensors already overwritten:", 1)[1] if "overwritten:" in str(ei.value) else ""
+    assert "w" not in named.replace(",", " ").split(), str(ei.value)
+    assert torch.all(live["w"] == 2)
+    for k in src:  # every other tensor: loaded whole and named, or untouched
+        assert torch.equal(live[k], src[k]) and k in named or torch.all(live[k] == 2), k
+    # atomic=True: the staging tensors take the bytes, nothing changes.
+    live = {k: torch.full_like(v, 2) for k, v in src.items()}
+    with pytest.raises(ChecksumMismatchError) as ei:
+        shardckpt.load(live, d, atomic=True)
+    assert "already overwritten" not in str(ei.value)
+    assert all(torch.all(v == 2) for v in live.values())
+
+
+def test_non_contiguous_and_cast_targets_fall_back_with_the_same_values(shm, monkeypatch):
+    d = str(shm / "c")
+    src = _state()
+    shardckpt.save(src, d)
+    hot = _count_hot(monkeypatch)
+    wt = torch.zeros(2048, 512).t()  # w's shape, transposed storage: not contiguous
+    live = {"w": wt, "h": torch.zeros(300, 1000), "i": torch.zeros(70_000, dtype=torch.int64), "n": torch.zeros(7)}
+    shardckpt.load(live, d)  # h: bf16 saved, fp32 live (a cast)
+    assert not wt.is_contiguous() and torch.equal(wt, src["w"])
+    assert torch.equal(live["h"], src["h"].float()) and torch.equal(live["i"], src["i"])
+    # only i and n (contiguous, the saved dtype) could go straight in; w and h never do
+    assert sum(hot) < (src["w"].numel() * 4), hot
+
+
+def _chunk(data, start, n, block, name="w"):
+    body = data[start : start + n]
+    return Chunk("f.bin", start, n, block_bytes=block, block_crcs=tuple(crc32c(body[i : i + block]) for i in range(0, n, block)),
+                 tensor=name)
+
+
+def test_into_pieces_are_planned_only_where_every_byte_has_one_destination():
+    c = Chunk("f", 0, 64, block_bytes=16, block_crcs=(0, 0, 0, 0), tensor="w")
+    units = [(k, _readers.Unit(16 * k, 16 * k + 16, 0, c, k)) for k in range(4)]
+    dest = memoryview(bytearray(64))
+    sink = lambda pos, data: None  # noqa: E731
+    whole = Want(c, 0, 64, sink=sink, into=dest)
+    halves = [Want(c, 0, 32, sink=sink, into=dest[:32]), Want(c, 32, 64, sink=sink, into=dest[32:])]
+    assert _readers._into_ok(0, 64, units, [whole])
+    assert _readers._into_ok(0, 64, units, halves)
+    assert not _readers._into_ok(0, 64, units, [halves[0]])  # bytes read only to be checked
+    assert not _readers._into_ok(0, 64, units, [Want(c, 0, 32, sink=sink, into=dest[:32]), Want(c, 40, 64, sink=sink, into=dest[40:])])
+    assert not _readers._into_ok(0, 64, units, [Want(c, 0, 64, sink=sink)])  # no destination memory (a copy)
+    assert not _readers._into_ok(0, 64, units, [whole, whole])  # two destinations of the same bytes: mapped, copied twice
+    big = Chunk("f", 0, 64 << 20, block_bytes=0, block_crcs=(0,), tensor="v")
+    u = [(0, _readers.Unit(0, 64 << 20, 0, big, -1))]
+    w = Want(big, 0, 64 << 20, sink=sink, into=memoryview(bytearray(1)))
+    assert not _readers._into_ok(0, 64 << 20, u, [w])  # a live destination of a 64 MiB unit: nowhere to keep it aside
+    assert _readers._into_ok(0, 64 << 20, u, [Want(big, 0, 64 << 20, sink=sink, into=w.into, restore=False)])
+
+
+def test_reader_puts_back_a_damaged_unit_and_reports_verified_parts_only(shm):
+    tmp_path = shm
+    data = bytearray(bytes((i * 13 + 5) % 251 for i in range(1 << 16)))
+    (tmp_path / "f.bin").write_bytes(bytes(data))
+    c = _chunk(bytes(data), 4096, 48 << 10, 8 << 10)  # 6 blocks of 8 KiB
+    dest = bytearray(b"\x01" * (48 << 10))
+    views = memoryview(dest)
+    calls = []
+    wants = [Want(c, a, a + (16 << 10), a, sink=lambda pos, d, a=a: calls.append((a + pos, d)), into=views[a : a + (16 << 10)])
+             for a in range(0, 48 << 10, 16 << 10)]
+    st = Storage(str(tmp_path))
+    read_verified(st, wants, lambda *a: None, threads=1, piece_bytes=1 << 20, range_bytes=1 << 20)
+    assert bytes(dest) == bytes(data[4096 : 4096 + (48 << 10)])
+    assert all(d is None for _, d in calls) and sorted(p for p, _ in calls) == [0, 8192, 16384, 24576, 32768, 40960]
+    data[4096 + (20 << 10)] ^= 1  # block 2
+    (tmp_path / "f.bin").write_bytes(bytes(data))
+    dest[:] = b"\x01" * (48 << 10)
+    calls.clear()
+    with pytest.raises(ChecksumMismatchError, match=r"w block 2 \(bytes 20480..28672\)") as ei:
+        read_verified(st, wants, lambda *a: None, threads=1, piece_bytes=1 << 20, range_bytes=1 << 20)
+    assert "block 3" not in str(ei.value) and "block 1 " not in str(ei.value)
+    assert sorted(p for p, _ in calls) == [0, 8192]  # only the verified blocks are reported delivered
+    assert bytes(dest[: 16 << 10]) == bytes(data[4096 : 4096 + (16 << 10)])
+    assert dest[16 << 10 :] == b"\x01" * (32 << 10)  # block 2 put back, blocks 3-5 never written
+
+
+def test_files_on_a_disk_are_mapped_as_before_even_when_cached(tmp_path, monkeypatch):
+    # Their pages are never probed here: a probe starts the kernel's readahead,
+    # which would change what the cold-read rules (O_DIRECT, WILLNEED) see.
+    if _local.fs_type(os.stat(tmp_path).st_dev) in _local.MEMORY_FILESYSTEMS:
+        pytest.skip("the temporary directory is on tmpfs here")
+    d = str(tmp_path / "c")
+    src = _state()
+    shardckpt.save(src, d)
+    for root, _, files in os.walk(d):
+        for n in files:
+            open(os.path.join(root, n), "rb").read()  # cached
+    hot = _count_hot(monkeypatch)
+    live = {k: torch.zeros_like(v) for k, v in src.items()}
+    shardckpt.load(live, d)
+    assert all(torch.equal(live[k], src[k]) for k in src)
+    assert not hot
+
+
+def test_a_file_truncated_under_the_read_is_refused_and_the_block_put_back(shm, monkeypatch):
+    data = bytes((i * 7 + 1) % 251 for i in range(1 << 16))
+    (shm / "f.bin").write_bytes(data)
+    c = _chunk(data, 0, 32 << 10, 8 << 10)
+    dest = bytearray(b"\x05" * (32 << 10))
+    real = _local.LocalStorage.open_hot
+
+    def open_then_truncate(self, rel, start, stop):
+        f = real(self, rel, start, stop)  # the size was checked here
+        os.truncate(self.path(rel), 20 << 10)  # another process cuts the file in block 2
+        return f
+
+    monkeypatch.setattr(_local.LocalStorage, "open_hot", open_then_truncate)
+    w = Want(c, 0, 32 << 10, "w", sink=lambda pos, d: None, into=memoryview(dest))
+    with pytest.raises(CorruptCheckpointError, match="truncated"):
+        read_verified(Storage(str(shm)), [w], lambda *a: None, threads=1, piece_bytes=1 << 20, range_bytes=1 << 20)
+    assert bytes(dest[: 16 << 10]) == data[: 16 << 10]  # blocks 0-1 verified and delivered
+    assert dest[16 << 10 :] == b"\x05" * (16 << 10)  # block 2 (read short) put back, block 3 never written
