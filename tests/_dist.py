@@ -1,10 +1,12 @@
 """Run a function on N gloo ranks (separate processes) and collect the results.
 
-Spawning a process and importing torch costs seconds, so ranks are kept in a
-pool per world size and reused across tests: each worker joins a gloo group
-once, then runs the functions it is sent. A failure or time-out on any rank
-kills that pool (a half-finished collective cannot be trusted) and the next
-call starts a fresh one. ``SHARDCKPT_TEST_FRESH=1`` forces fresh processes
+Starting a process and importing torch costs seconds, so a test process keeps
+one pool of rank processes (forks of a server that imported torch once) and
+reuses it across tests and world sizes: a call on N ranks runs on the first N,
+which join a new gloo group of N when the last call's group had another size.
+A failure or time-out on any rank kills the pool (a half-finished collective
+cannot be trusted) and the next call starts a fresh one; rank processes left
+idle exit by themselves. ``SHARDCKPT_TEST_FRESH=1`` forces fresh processes
 for every call.
 
 Functions must be importable (module level) and their arguments and results
@@ -21,7 +23,7 @@ import socket
 import time
 import traceback
 from datetime import timedelta
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Dict, List, Optional
 
 #: Collective timeout inside the workers: a rank stuck in a collective fails
 #: the test within this time instead of hanging CI.
@@ -54,10 +56,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world: int, port: int, conn) -> None:
+def _join(rank: int, world: int, port: int) -> None:
+    """Leave this process's gloo group (if any), then join a new one of ``world`` ranks (none if 0)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    if not world:
+        return
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank)
     )
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=PG_TIMEOUT_S))
+
+
+def _worker(rank: int, conn, idle_exit_s: float) -> None:
     # These are gloo/CPU tests: on a GPU machine, hide the GPUs so that
     # FSDP2's default mesh stays on CPU instead of wanting one GPU per rank.
     if os.environ.get("SHARDCKPT_TEST_CUDA") != "1":
@@ -66,17 +79,25 @@ def _worker(rank: int, world: int, port: int, conn) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=PG_TIMEOUT_S))
     while True:
+        # Idle that long: the tests that used this process are over (the
+        # test process never sends to one idle for more than half of it).
+        if not conn.poll(idle_exit_s):
+            break
         try:
             msg = conn.recv()
         except EOFError:
             break
         if msg is None:
             break
-        fn, args = pickle.loads(msg)
+        kind, payload = msg
         try:
-            out = fn(rank, world, *args)
+            if kind == "join":
+                _join(rank, *payload)
+                conn.send((True, None))
+                continue
+            fn, args = pickle.loads(payload)
+            out = fn(rank, int(os.environ["WORLD_SIZE"]), *args)
             conn.send((True, pickle.dumps(out)))
         except BaseException as e:  # noqa: BLE001 - report everything to the parent
             conn.send((False, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
@@ -101,29 +122,93 @@ def process_context():
     return ctx
 
 
+#: Rank processes kept between calls: a call on more ranks starts the extra
+#: ones, closed at the next call on fewer. Each holds 0.3-0.45 GB of RSS
+#: (torch, what the tests imported); with a pool per world size, capped at 6
+#: ranks a test process, the run's peak was 8.6 GiB of summed RSS, and at 4
+#: it took 14.4 min instead of 11.6 (the 2- and 4-rank pools of neighbouring
+#: tests closed and restarted each other): issue 47. One pool whose first
+#: ranks regroup keeps both sizes in 4 processes.
+MAX_POOLED_RANKS = 4
+#: A rank process with no call for this long exits by itself (the test
+#: process is running tests of another kind); the next call starts new ones.
+RANK_IDLE_EXIT_S = 60.0
+
+
 class _Pool:
-    def __init__(self, world: int):
-        ctx = process_context()
-        port = free_port()
-        self.world = world
+    """Rank processes reused across tests and world sizes: a call on ``w`` ranks runs on the first ``w``.
+
+    They join a gloo group of ``w`` when the last call's group was of another
+    size (a new group on a new port; the others leave theirs), which costs
+    milliseconds, where a pool per world size kept the processes of every
+    size alive or restarted them (issue 47).
+    """
+
+    def __init__(self, idle_exit_s: Optional[float] = None):
+        self.idle_exit_s = RANK_IDLE_EXIT_S if idle_exit_s is None else idle_exit_s
+        self.procs: List[Any] = []
+        self.conns: List[Any] = []
+        self.sent: List[float] = []  # when each process last answered (its idle clock starts then) or was sent a message
+        self.world = 0  # the size of the group procs[:world] are in (0: none)
         self.last_used = time.monotonic()
-        self.conns = []
-        self.procs = []
-        for r in range(world):
+
+    def usable(self) -> bool:
+        """Every process alive once those idle for half ``idle_exit_s`` (maybe exiting on their own) are closed.
+
+        Every call reaches the first ranks, so the idle ones are the last.
+        """
+        now = time.monotonic()
+        for i, t in enumerate(self.sent):
+            if now - t >= self.idle_exit_s / 2:
+                self.trim(i)
+                break
+        return all(p.is_alive() for p in self.procs)
+
+    def _send(self, r: int, msg: Any) -> None:
+        self.sent[r] = time.monotonic()
+        self.conns[r].send(msg)
+
+    def _start(self, n: int) -> None:
+        ctx = process_context()
+        while len(self.procs) < n:
             parent, child = ctx.Pipe()
-            p = ctx.Process(target=_worker, args=(r, world, port, child), daemon=True)
+            p = ctx.Process(target=_worker, args=(len(self.procs), child, self.idle_exit_s), daemon=True)
             p.start()
+            child.close()
             self.conns.append(parent)
             self.procs.append(p)
+            self.sent.append(time.monotonic())
 
-    def run(self, fn, args, timeout: float) -> List[Any]:
-        self.last_used = time.monotonic()
-        msg = pickle.dumps((fn, args))
-        for c in self.conns:
-            c.send(msg)
-        results: Dict[int, Any] = {}
+    def _join(self, world: int, timeout: float) -> None:
+        """procs[:world] in a new gloo group of ``world``; the others in none."""
+        port = free_port()
+        for r in range(len(self.conns)):
+            self._send(r, ("join", (world, port) if r < world else (0, 0)))
+        self.world = 0
         errors = []
         for r, c in enumerate(self.conns):
+            if not c.poll(timeout):
+                raise TimeoutError(f"rank {r} did not join a gloo group of {world} within {timeout}s")
+            ok, out = c.recv()
+            self.sent[r] = time.monotonic()  # its idle clock starts after its answer
+            if not ok:
+                errors.append((r, out))
+        if errors:
+            raise RuntimeError("\n".join(f"--- rank {r} failed to join a group of {world}:\n{m}" for r, m in errors))
+        self.world = world
+
+    def run(self, world: int, fn, args, timeout: float) -> List[Any]:
+        self.last_used = time.monotonic()
+        self._start(world)
+        if self.world != world:
+            self._join(world, min(timeout, PG_TIMEOUT_S + 30))
+        msg = ("run", pickle.dumps((fn, args)))
+        conns = self.conns[:world]
+        for r in range(world):
+            self._send(r, msg)
+        results: Dict[int, Any] = {}
+        errors = []
+        for r, c in enumerate(conns):
             # Once a rank failed, its peers may sit in a collective until the
             # group times out; give them a short grace, then give up on them.
             if not c.poll(5 if errors else timeout):
@@ -132,13 +217,25 @@ class _Pool:
                     continue
                 raise TimeoutError(f"rank {r} did not finish within {timeout}s")
             ok, out = c.recv()
+            self.sent[r] = time.monotonic()
             if ok:
                 results[r] = pickle.loads(out)
             else:
                 errors.append((r, out))
         if errors:
             raise RuntimeError("\n".join(f"--- rank {r} failed:\n{m}" for r, m in errors))
-        return [results[r] for r in range(self.world)]
+        return [results[r] for r in range(world)]
+
+    def trim(self, keep: int) -> None:
+        """Close the processes past the first ``keep`` (not in the group then)."""
+        if len(self.procs) <= keep:
+            return
+        extra = _Pool(self.idle_exit_s)
+        extra.procs, extra.conns = self.procs[keep:], self.conns[keep:]
+        del self.procs[keep:], self.conns[keep:], self.sent[keep:]
+        if self.world > keep:
+            self.world = 0  # its group lost members: the next call makes a new one
+        extra.close()
 
     def close(self, kill: bool = False) -> None:
         for c in self.conns:
@@ -154,22 +251,11 @@ class _Pool:
             p.join(timeout=5)
             if p.is_alive():
                 p.kill()
+        self.procs, self.conns, self.sent, self.world = [], [], [], 0
 
 
-_POOLS: Dict[int, _Pool] = {}
-#: A pool of another world size unused for this long is closed at the next
-#: call (its ranks hold a few hundred MB each; a suite run's test files use
-#: one or two world sizes at a time, and kept to the end, every size's pool
-#: added up: issue 47).
-POOL_IDLE_S = 30.0
-#: Rank processes kept in pools at once, the pool being started included: the
-#: least recently used pools of other world sizes close first. Each rank holds
-#: 0.3-0.45 GB of RSS; a 16-rank pool started while the 8-rank one of the test
-#: before it was still within POOL_IDLE_S made 24 of them (issue 47). With 8 a
-#: worker, two workers' pools made the run's peak 8.8 GiB of summed RSS; with
-#: 4, 7.2 GiB but 14.4 min instead of 10.9 (the 2- and 4-rank pools of
-#: neighbouring tests closed and restarted each other); 6 keeps those two.
-MAX_POOLED_RANKS = 6
+#: This test process's rank processes (see ``_Pool``), under "pool" once started.
+_POOL: Dict[str, _Pool] = {}
 
 
 def run_ranks(world: int, fn: Callable[..., Any], *args: Any, timeout: float = 180, fresh: bool = False) -> List[Any]:
@@ -180,34 +266,35 @@ def run_ranks(world: int, fn: Callable[..., Any], *args: Any, timeout: float = 1
     kill ranks or change process-wide settings.
     """
     fresh = fresh or os.environ.get("SHARDCKPT_TEST_FRESH") == "1"
-    now = time.monotonic()
-    for w, idle in list(_POOLS.items()):
-        if w != world and now - idle.last_used > POOL_IDLE_S:
-            _POOLS.pop(w).close()
-    pool = None if fresh else _POOLS.get(world)
+    if fresh:
+        pool = _Pool()
+        try:
+            return pool.run(world, fn, args, timeout)
+        except BaseException:
+            pool.close(kill=True)
+            raise
+        finally:
+            pool.close()
+    pool = _POOL.get("pool")
+    if pool is not None and not pool.usable():
+        _POOL.pop("pool").close(kill=True)
+        pool = None
     if pool is None:
-        # Room for the new pool's ranks: the least recently used others go first.
-        for w in sorted((w for w in _POOLS if w != world), key=lambda w: _POOLS[w].last_used):
-            if sum(_POOLS) + world <= MAX_POOLED_RANKS:
-                break
-            _POOLS.pop(w).close()
-        pool = _Pool(world)
-        if not fresh:
-            _POOLS[world] = pool
+        pool = _POOL["pool"] = _Pool()
+    pool.trim(max(world, MAX_POOLED_RANKS))
     try:
-        return pool.run(fn, args, timeout)
+        return pool.run(world, fn, args, timeout)
     except BaseException:
-        _POOLS.pop(world, None)
+        # A half-finished collective cannot be trusted: the next call starts afresh.
+        _POOL.pop("pool", None)
         pool.close(kill=True)
         raise
     finally:
         pool.last_used = time.monotonic()
-        if fresh:
-            pool.close()
 
 
 @atexit.register
 def _shutdown() -> None:
-    for pool in list(_POOLS.values()):
+    for pool in list(_POOL.values()):
         pool.close()
-    _POOLS.clear()
+    _POOL.clear()
