@@ -112,14 +112,25 @@ def process_context():
 
     A spawned rank spends ~2 s of CPU importing torch: at 16 ranks on a 2-core
     box that was most of a test. The fork server is a fresh interpreter that
-    only imported torch (no process group, no thread pool ran in it), so a
-    fork of it is as clean as a spawn. ``SHARDCKPT_TEST_SPAWN=1`` spawns.
+    only imported torch and its distributed modules (``FORKSERVER_PRELOAD``;
+    no process group, no thread pool ran in it), so a fork of it is as clean
+    as a spawn. ``SHARDCKPT_TEST_SPAWN=1`` spawns.
     """
     if os.environ.get("SHARDCKPT_TEST_SPAWN") == "1" or "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "_dist"])
+    ctx.set_forkserver_preload(list(FORKSERVER_PRELOAD))
     return ctx
+
+
+#: What the rank fork server imports once for every process it forks: torch
+#: and the modules nearly every rank and fault child imports next (FSDP2, DTensor,
+#: DCP: ~0.8 s of CPU each time otherwise; a child's start with its imports
+#: took 1.8 s instead of 12 s at a load average of 30, 2026-12-06). Never
+#: shardckpt: its knobs read the environment at import, and fault children
+#: get theirs after the fork (tests/_faultkids.py).
+FORKSERVER_PRELOAD = ("torch", "torch.distributed", "torch.distributed.fsdp", "torch.distributed.tensor",
+                      "torch.distributed.checkpoint", "_dist")
 
 
 #: Rank processes kept between calls: a call on more ranks starts the extra
@@ -130,6 +141,11 @@ def process_context():
 #: tests closed and restarted each other): issue 47. One pool whose first
 #: ranks regroup keeps both sizes in 4 processes.
 MAX_POOLED_RANKS = 4
+#: A rank process holding more RSS than this is closed when a test of another
+#: module calls (a new one takes its place): what every test file before
+#: imported stays in it (transformers, torchao, bitsandbytes...: 0.72 GB
+#: after five minutes, where a rank of FSDP2 tests holds ~0.3 GB).
+RANK_RSS_LIMIT = 512 << 20
 #: A rank process with no call for this long exits by itself (the test
 #: process is running tests of another kind); the next call starts new ones.
 RANK_IDLE_EXIT_S = 60.0
@@ -150,6 +166,7 @@ class _Pool:
         self.conns: List[Any] = []
         self.sent: List[float] = []  # when each process last answered (its idle clock starts then) or was sent a message
         self.world = 0  # the size of the group procs[:world] are in (0: none)
+        self.module = ""  # the module of the last call's function (the test file, near enough)
         self.last_used = time.monotonic()
 
     def usable(self) -> bool:
@@ -163,6 +180,19 @@ class _Pool:
                 self.trim(i)
                 break
         return all(p.is_alive() for p in self.procs)
+
+    def retire_heavy(self, limit: int) -> None:
+        """Close the processes holding more than ``limit`` bytes of RSS (Linux; elsewhere none)."""
+        heavy = [r for r, p in enumerate(self.procs) if _rss(p.pid) > limit]
+        if not heavy:
+            return
+        gone = _Pool(self.idle_exit_s)
+        for r in reversed(heavy):
+            gone.procs.append(self.procs.pop(r))
+            gone.conns.append(self.conns.pop(r))
+            del self.sent[r]
+        self.world = 0  # the group lost members: the next call makes a new one
+        gone.close()
 
     def _send(self, r: int, msg: Any) -> None:
         self.sent[r] = time.monotonic()
@@ -282,6 +312,10 @@ def run_ranks(world: int, fn: Callable[..., Any], *args: Any, timeout: float = 1
     if pool is None:
         pool = _POOL["pool"] = _Pool()
     pool.trim(max(world, MAX_POOLED_RANKS))
+    module = getattr(fn, "__module__", "") or ""
+    if module != pool.module:
+        pool.retire_heavy(RANK_RSS_LIMIT)
+        pool.module = module
     try:
         return pool.run(world, fn, args, timeout)
     except BaseException:
@@ -291,6 +325,15 @@ def run_ranks(world: int, fn: Callable[..., Any], *args: Any, timeout: float = 1
         raise
     finally:
         pool.last_used = time.monotonic()
+
+
+def _rss(pid: int) -> int:
+    """Resident bytes of process ``pid`` (0 where ``/proc`` cannot tell)."""
+    try:
+        with open(f"/proc/{pid}/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, IndexError, ValueError):
+        return 0
 
 
 @atexit.register
