@@ -30,7 +30,7 @@ from typing import Any, Callable, Dict, List, Optional
 PG_TIMEOUT_S = 60
 
 
-#: Ports handed to processes that bind them seconds later (a rank's store, a
+#: Ports handed to processes that bind them seconds later (a server, a
 #: server): below the kernel's ephemeral range (ip_local_port_range, 32768 up
 #: by default), so no outgoing connection of this or another test process
 #: (an S3 client, a gloo link) can take one in between, which happened.
@@ -56,18 +56,29 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _join(rank: int, world: int, port: int) -> None:
-    """Leave this process's gloo group (if any), then join a new one of ``world`` ranks (none if 0)."""
+def _join(rank: int, world: int, port: int, conn) -> None:
+    """Leave this process's gloo group (if any), then join a new one of ``world`` ranks (none if 0).
+
+    Rank 0 hosts the group's store on a port the kernel picks as it binds
+    (``port`` 0) and sends it to the test process, which hands it to the
+    others: a port chosen first and bound later was once taken in between
+    by another process, and both ranks timed out connecting to it.
+    """
     import torch.distributed as dist
 
     if dist.is_initialized():
         dist.destroy_process_group()
     if not world:
         return
+    timeout = timedelta(seconds=PG_TIMEOUT_S)
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0, timeout=timeout, wait_for_workers=False)
+    if rank == 0:
+        port = store.port
+        conn.send((True, port))
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank)
     )
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=PG_TIMEOUT_S))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
 
 
 def _worker(rank: int, conn, idle_exit_s: float) -> None:
@@ -93,7 +104,7 @@ def _worker(rank: int, conn, idle_exit_s: float) -> None:
         kind, payload = msg
         try:
             if kind == "join":
-                _join(rank, *payload)
+                _join(rank, *payload, conn)
                 conn.send((True, None))
                 continue
             fn, args = pickle.loads(payload)
@@ -211,14 +222,19 @@ class _Pool:
 
     def _join(self, world: int, timeout: float) -> None:
         """procs[:world] in a new gloo group of ``world``; the others in none."""
-        port = free_port()
-        for r in range(len(self.conns)):
-            self._send(r, ("join", (world, port) if r < world else (0, 0)))
         self.world = 0
+        self._send(0, ("join", (world, 0)))  # rank 0 first: it answers with its store's port
+        if not self.conns[0].poll(timeout):
+            raise TimeoutError(f"rank 0 did not start a group of {world} within {timeout}s")
+        ok, port = self.conns[0].recv()
+        if not ok:
+            raise RuntimeError(f"--- rank 0 failed to start a group of {world}:\n{port}")
+        for r in range(1, len(self.conns)):
+            self._send(r, ("join", (world, port) if r < world else (0, 0)))
         errors = []
         for r, c in enumerate(self.conns):
             if not c.poll(timeout):
-                raise TimeoutError(f"rank {r} did not join a gloo group of {world} within {timeout}s")
+                raise TimeoutError(f"rank {r} did not join a gloo group of {world} (port {port}) within {timeout}s")
             ok, out = c.recv()
             self.sent[r] = time.monotonic()  # its idle clock starts after its answer
             if not ok:
