@@ -30,10 +30,11 @@ from typing import Any, Callable, Dict, List, Optional
 PG_TIMEOUT_S = 60
 
 
-#: Ports handed to processes that bind them seconds later (a server, a
-#: server): below the kernel's ephemeral range (ip_local_port_range, 32768 up
-#: by default), so no outgoing connection of this or another test process
-#: (an S3 client, a gloo link) can take one in between, which happened.
+#: Ports handed to processes that bind them seconds later (the S3 and
+#: emulator servers): below the kernel's ephemeral range
+#: (ip_local_port_range, 32768 up by default), so no outgoing connection of
+#: this or another test process (an S3 client, a gloo link) can take one in
+#: between, which happened. A rank 0 picks its store's port as it binds it (_join).
 PORT_RANGE = (20000, 32767)
 
 
@@ -56,13 +57,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+#: Ports this process's stores were hosted on: never used again by it (see ``_join``).
+_HOSTED: set = set()
+
+
 def _join(rank: int, world: int, port: int, conn) -> None:
     """Leave this process's gloo group (if any), then join a new one of ``world`` ranks (none if 0).
 
-    Rank 0 hosts the group's store on a port the kernel picks as it binds
-    (``port`` 0) and sends it to the test process, which hands it to the
-    others: a port chosen first and bound later was once taken in between
-    by another process, and both ranks timed out connecting to it.
+    Rank 0 (``port`` 0) picks its store's port just before it binds it and
+    sends it to the test process, which hands it to the others: a port chosen
+    by the test process was bound seconds later. Never one this process hosted
+    a store on before: torch keeps a process's store servers by port, and a
+    store on such a port reused the closed server (both ranks timed out
+    connecting to it), as port 0 did every time.
     """
     import torch.distributed as dist
 
@@ -71,10 +78,23 @@ def _join(rank: int, world: int, port: int, conn) -> None:
     if not world:
         return
     timeout = timedelta(seconds=PG_TIMEOUT_S)
-    store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0, timeout=timeout, wait_for_workers=False)
     if rank == 0:
-        port = store.port
+        taken = 0
+        while True:
+            port = free_port()
+            if port in _HOSTED:
+                continue
+            try:
+                store = dist.TCPStore("127.0.0.1", port, world, is_master=True, timeout=timeout, wait_for_workers=False)
+                break
+            except Exception as e:  # taken in between (EADDRINUSE): another one
+                taken += 1
+                if "in use" not in str(e) or taken == 5:
+                    raise
+        _HOSTED.add(port)
         conn.send((True, port))
+    else:
+        store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timeout)
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank)
     )
