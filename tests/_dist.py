@@ -57,19 +57,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-#: Ports this process's stores were hosted on: never used again by it (see ``_join``).
-_HOSTED: set = set()
+#: The store server this process hosts (under "server"), started the first
+#: time it is rank 0 of a group and kept to its end (see ``_join``).
+_HOSTED: Dict[str, Any] = {}
 
 
-def _join(rank: int, world: int, port: int, conn) -> None:
-    """Leave this process's gloo group (if any), then join a new one of ``world`` ranks (none if 0).
+def _join(rank: int, world: int, port: int, gid: int, conn) -> None:
+    """Leave this process's gloo group (if any), then join group ``gid`` of ``world`` ranks (none if 0).
 
-    Rank 0 (``port`` 0) picks its store's port just before it binds it and
-    sends it to the test process, which hands it to the others: a port chosen
-    by the test process was bound seconds later. Never one this process hosted
-    a store on before: torch keeps a process's store servers by port, and a
-    store on such a port reused the closed server (both ranks timed out
-    connecting to it), as port 0 did every time.
+    Rank 0 hosts the store, one server for its whole life, each group's keys
+    under a prefix of its own: a process that started a second store server
+    after the first was closed sometimes could not connect to it (both ranks
+    timed out; torch 2.13, 2 of 12 forks of 20 servers each on a loaded box).
+    It answers with the port, which the test process hands to the others.
     """
     import torch.distributed as dist
 
@@ -80,24 +80,24 @@ def _join(rank: int, world: int, port: int, conn) -> None:
     timeout = timedelta(seconds=PG_TIMEOUT_S)
     if rank == 0:
         taken = 0
-        while True:
-            port = free_port()
-            if port in _HOSTED:
-                continue
+        while "server" not in _HOSTED:
             try:
-                store = dist.TCPStore("127.0.0.1", port, world, is_master=True, timeout=timeout, wait_for_workers=False)
-                break
+                _HOSTED["server"] = dist.TCPStore(
+                    "127.0.0.1", free_port(), None, is_master=True, timeout=timeout, wait_for_workers=False
+                )
             except Exception as e:  # taken in between (EADDRINUSE): another one
                 taken += 1
                 if "in use" not in str(e) or taken == 5:
                     raise
-        _HOSTED.add(port)
+        base = _HOSTED["server"]
+        port = base.port
         conn.send((True, port))
     else:
-        store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timeout)
+        base = dist.TCPStore("127.0.0.1", port, None, is_master=False, timeout=timeout)
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank)
     )
+    store = dist.PrefixStore(f"shardckpt-test-group-{gid}", base)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
 
 
@@ -198,6 +198,7 @@ class _Pool:
         self.sent: List[float] = []  # when each process last answered (its idle clock starts then) or was sent a message
         self.world = 0  # the size of the group procs[:world] are in (0: none)
         self.module = ""  # the module of the last call's function (the test file, near enough)
+        self.groups = 0  # groups made: each one's number prefixes its keys in rank 0's store
         self.last_used = time.monotonic()
 
     def usable(self) -> bool:
@@ -243,14 +244,15 @@ class _Pool:
     def _join(self, world: int, timeout: float) -> None:
         """procs[:world] in a new gloo group of ``world``; the others in none."""
         self.world = 0
-        self._send(0, ("join", (world, 0)))  # rank 0 first: it answers with its store's port
+        self.groups += 1
+        self._send(0, ("join", (world, 0, self.groups)))  # rank 0 first: it answers with its store's port
         if not self.conns[0].poll(timeout):
             raise TimeoutError(f"rank 0 did not start a group of {world} within {timeout}s")
         ok, port = self.conns[0].recv()
         if not ok:
             raise RuntimeError(f"--- rank 0 failed to start a group of {world}:\n{port}")
         for r in range(1, len(self.conns)):
-            self._send(r, ("join", (world, port) if r < world else (0, 0)))
+            self._send(r, ("join", (world, port, self.groups) if r < world else (0, 0, 0)))
         errors = []
         for r, c in enumerate(self.conns):
             if not c.poll(timeout):
