@@ -95,89 +95,36 @@ def test_fork_servers_do_not_outlive_their_use(tmp_path, monkeypatch):
 
 
 def _pid(rank, world):
-    import torch
-    import torch.distributed as dist
-
-    t = torch.tensor([float(rank + 1)])
-    dist.all_reduce(t)  # the group is really of ``world`` ranks
-    assert (dist.get_rank(), dist.get_world_size(), t.item()) == (rank, world, world * (world + 1) / 2)
     return os.getpid()
 
 
-def _gone(procs, within=10.0):
-    import time
-
-    deadline = time.monotonic() + within
-    while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return not any(p.is_alive() for p in procs)
-
-
-def test_rank_processes_are_reused_across_world_sizes(monkeypatch):
-    """Issue 47: a pool per world size kept 2 + 4 rank processes a test process (8.6 GiB summed RSS), or restarted them."""
+def test_a_rank_pool_of_another_world_size_left_idle_is_closed(monkeypatch):
+    """Issue 47 item 3: every world size's pool of rank processes stayed to the end of the run."""
     import _dist
 
     _dist._shutdown()
-    monkeypatch.setattr(_dist, "MAX_POOLED_RANKS", 4)
     two = _dist.run_ranks(2, _pid)
-    assert _dist.run_ranks(2, _pid) == two  # the same group, reused
-    four = _dist.run_ranks(4, _pid)
-    assert four[:2] == two and len(set(four)) == 4  # the first two regrouped with two new ones
-    assert _dist.run_ranks(2, _pid) == two and _dist.run_ranks(3, _pid) == four[:3]
-    assert len(_dist._POOL["pool"].procs) == 4  # the idle ones are kept within the cap
+    assert _dist.run_ranks(2, _pid) == two  # reused while in use
+    pool2 = _dist._POOLS[2]
+    monkeypatch.setattr(_dist, "POOL_IDLE_S", 0.0)
+    _dist.run_ranks(3, _pid)
+    assert sorted(_dist._POOLS) == [3] and not any(p.is_alive() for p in pool2.procs)
     _dist._shutdown()
 
 
-def test_rank_processes_past_the_cap_close_at_the_next_smaller_call(monkeypatch):
+def test_pools_past_the_rank_budget_close_the_least_recently_used_first(monkeypatch):
     """Issue 47: a 16-rank pool started while the 8-rank pool of the test before was still kept (24 ranks, ~8 GB RSS)."""
     import _dist
 
     _dist._shutdown()
-    monkeypatch.setattr(_dist, "MAX_POOLED_RANKS", 3)
-    five = _dist.run_ranks(5, _pid)
-    procs = list(_dist._POOL["pool"].procs)
-    assert _dist.run_ranks(5, _pid) == five  # kept while in use
-    assert _dist.run_ranks(2, _pid) == five[:2]
-    assert [p.pid for p in _dist._POOL["pool"].procs] == five[:3] and _gone(procs[3:])
-    assert _dist.run_ranks(4, _pid)[:3] == five[:3]
-    _dist._shutdown()
-
-
-def test_idle_rank_processes_exit_by_themselves(monkeypatch):
-    """Issue 47: rank processes stayed to the end of the run, through minutes of tests that used none."""
-    import time
-
-    import _dist
-
-    _dist._shutdown()
-    monkeypatch.setattr(_dist, "RANK_IDLE_EXIT_S", 4.0)
-    four = _dist.run_ranks(4, _pid)
-    procs = list(_dist._POOL["pool"].procs)
-    since = time.monotonic()
-    while time.monotonic() - since < 2.5:  # past half of it: ranks 2 and 3, idle since, may be exiting
-        assert _dist.run_ranks(2, _pid) == four[:2]
-        time.sleep(0.2)
-    assert _dist.run_ranks(2, _pid) == four[:2]
-    assert len(_dist._POOL["pool"].procs) == 2 and _gone(procs[2:])  # closed, never sent to
-    assert _gone(procs[:2], within=15.0)  # idle for RANK_IDLE_EXIT_S: they exit
-    assert not set(_dist.run_ranks(2, _pid)) & set(four)  # the next call starts new ones
-    _dist._shutdown()
-
-
-def test_rank_processes_grown_heavy_are_replaced_when_another_module_calls(monkeypatch):
-    """Issue 47: a rank keeps what every test file before imported (0.72 GB after five minutes, ~0.3 GB fresh)."""
-    import operator
-
-    import _dist
-
-    _dist._shutdown()
-    two = _dist.run_ranks(2, _pid)
-    monkeypatch.setattr(_dist, "RANK_RSS_LIMIT", 1 << 40)
-    assert _dist.run_ranks(2, operator.add) == [2, 3]  # another module, light ranks: kept
-    assert _dist.run_ranks(2, _pid) == two
-    monkeypatch.setattr(_dist, "RANK_RSS_LIMIT", 1)  # every rank is heavy now
-    assert _dist.run_ranks(2, _pid) == two  # the same module: kept
-    procs = list(_dist._POOL["pool"].procs)
-    assert _dist.run_ranks(2, operator.add) == [2, 3]  # another module: replaced, then run
-    assert _gone(procs) and not {p.pid for p in _dist._POOL["pool"].procs} & set(two)
+    monkeypatch.setattr(_dist, "MAX_POOLED_RANKS", 5)
+    _dist.run_ranks(2, _pid)
+    one = _dist.run_ranks(1, _pid)
+    _dist.run_ranks(2, _pid)  # the 1-rank pool is now the least recently used
+    pool1 = _dist._POOLS[1]
+    assert sorted(_dist._POOLS) == [1, 2]  # 3 ranks: within the budget, both kept
+    _dist.run_ranks(3, _pid)  # 2 + 1 + 3 = 6 > 5: the 1-rank pool goes, 2 + 3 fits
+    assert sorted(_dist._POOLS) == [2, 3] and not any(p.is_alive() for p in pool1.procs)
+    assert _dist.run_ranks(1, _pid) != one  # a new pool (and 1 + 2 + 3 > 5: the 2-rank pool went)
+    assert sorted(_dist._POOLS) == [1, 3]
     _dist._shutdown()
