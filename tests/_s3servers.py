@@ -19,6 +19,10 @@ from _weed import SEAWEED_BUCKET, SeaweedServer, seaweed_options  # noqa: F401  
 #: tests/storage import it into their conftest.py, and each copy started a server kept to the end of the
 #: run: issue 47). Tests use their own prefix (``weed_url``), so sharing it changes nothing they see.
 _SERVER: dict = {}
+#: The server's Go heap limit: with Go's defaults it kept ~0.5 GB of buffers
+#: after serving a few hundred MB (0.4 GiB at a suite run's peak: issue 47);
+#: with this and GOGC=50, 0.16 GB (the test objects are a few MB each).
+WEED_MEMORY_LIMIT = "64MiB"
 
 
 @pytest.fixture(scope="session")
@@ -27,7 +31,7 @@ def seaweed_endpoint():
     if "server" in _SERVER and _SERVER["server"].proc.poll() is not None:
         _SERVER.pop("server").stop()  # died: its data directory goes, a new one starts
     if "server" not in _SERVER:
-        _SERVER["server"] = SeaweedServer()
+        _SERVER["server"] = SeaweedServer(memory_limit=WEED_MEMORY_LIMIT)
     try:
         yield f"s3://{SEAWEED_BUCKET}", seaweed_options(_SERVER["server"].endpoint)
     finally:

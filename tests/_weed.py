@@ -73,8 +73,13 @@ def seaweed_options(endpoint: str) -> dict:
 class SeaweedServer:
     """One ``weed server -s3`` process on loopback; ``stop()`` ends it and removes its data."""
 
-    def __init__(self, binary: Optional[str] = None, data_dir: Optional[str] = None) -> None:
-        """``data_dir``: the folder its (private, removed on ``stop()``) data directory goes in; the temp dir by default."""
+    def __init__(self, binary: Optional[str] = None, data_dir: Optional[str] = None, memory_limit: Optional[str] = None) -> None:
+        """``data_dir``: the folder its (private, removed on ``stop()``) data directory goes in; the temp dir by default.
+
+        ``memory_limit``: Go's soft heap limit (``GOMEMLIMIT``, e.g. ``"64MiB"``),
+        with ``GOGC=50``: weed then collects garbage sooner instead of keeping
+        the buffers of every object it served (None: Go's defaults).
+        """
         binary = weed_binary(binary)
         self.dir = tempfile.mkdtemp(prefix="shardckpt-weed-", dir=data_dir)
         ports = {}
@@ -107,8 +112,9 @@ class SeaweedServer:
             "-s3.port.lance=0",
         ]
         self.log = open(os.path.join(self.dir, "weed.log"), "wb")
+        env = None if memory_limit is None else dict(os.environ, GOMEMLIMIT=memory_limit, GOGC="50")
         self.proc = subprocess.Popen(
-            args, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_parent
+            args, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_parent, env=env
         )
         try:
             self._wait_ready()
