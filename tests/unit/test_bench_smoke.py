@@ -136,7 +136,7 @@ def test_bench_byte_path_runs_as_documented(tmp_path):
     proc = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:]
     res = json.loads((tmp_path / "res.json").read_text())
-    loads = {"memcpy", "read", "safetensors", "shardckpt", "shardckpt-nocrc", "shardckpt-hf", "dcp"}
+    loads = {"memcpy", "read", "safetensors", "shardckpt", "shardckpt-map", "shardckpt-nocrc", "shardckpt-hf", "shardckpt-hf-map", "dcp"}
     saves = {"write", "save_file", "shardckpt", "dcp", "hf-export"}
     assert set(res["cases"]) == {f"load:{c}" for c in loads} | {f"save:{c}" for c in saves}, res.get("skipped")
     assert res["drop"] == ["fadvise"] and res["raw_disk"]["read_gbps"] > 0
