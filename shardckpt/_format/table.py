@@ -669,7 +669,7 @@ class TableTensors(MutableMapping[str, TensorMeta]):
 
     def __init__(self, tensors: Mapping[str, TensorMeta], names: Sequence[str], kinds: Sequence[TableKind],
                  kind_col: Sequence[int], rot_col: Sequence[int],
-                 coded: Optional[Tuple[List[Any], List[Any], List[str]]] = None) -> None:
+                 coded: Optional[Tuple[Any, Any, List[str]]] = None) -> None:
         # name -> TensorMeta, or the row number (an int) of a record not built yet.
         items: Dict[str, Any] = dict(tensors)
         items.update(zip(names, range(len(names))))

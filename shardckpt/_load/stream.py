@@ -211,7 +211,9 @@ def _fp8_sinks(plan: LoadPlan, wants: List[Want], scales: Dict[int, Tuple[torch.
                             origin=(w.chunk.offsets[0] + job.src_offsets[0], w.chunk.offsets[1] + job.src_offsets[1]),
                             block=scale.block, scales=partial(scales.__getitem__, job.target))
 
-        def sink(pos: int, data: memoryview, put=put, ti: int = job.target) -> None:
+        def sink(pos: int, data: Optional[memoryview], put=put, ti: int = job.target) -> None:
+            # A want without ``into`` (dequantized here) is always handed its bytes.
+            assert data is not None
             touched[ti] = None
             put(pos, data)
 
