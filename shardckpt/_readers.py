@@ -54,7 +54,7 @@ import threading
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable, Deque, Dict, List, NamedTuple, Optional, Sequence, Tuple, cast
+from typing import Any, Callable, Deque, Dict, List, NamedTuple, Optional, Sequence, Tuple, Type, cast
 
 from . import _knobs
 from ._format.checksum import crc32c, crc32c_combine
@@ -431,21 +431,26 @@ def _check(lo: int, view: memoryview, units: Sequence[Tuple[int, Unit]]) -> Tupl
     return out, good, bad
 
 
-def _map_job(storage: Storage, rel: str, lo: int, hi: int, units: Sequence[Tuple[int, Unit]], sinks: Sequence[Want],
-             stop: threading.Event):
-    """:func:`_read_job` through a memory mapping of the piece: checked and copied out of the page cache, no read copy."""
-    if stop.is_set():
-        return None  # damage found already: nothing more is delivered (the read raises)
+def _opening(storage: Storage, rel: str, verb: str, other: Tuple[Type[BaseException], ...], open_: Callable[[], Any]) -> Any:
+    """``open_()`` (a piece's mapping or file), its failures as our errors: missing or short is damage, ``other`` storage trouble."""
     try:
-        got = storage.map_range(rel, lo, hi)
+        return open_()
     except FileNotFoundError:
         raise CorruptCheckpointError(f"{storage.url_of(rel)}: file is missing") from None
     except EOFError as e:
         raise CorruptCheckpointError(f"{e} (truncated)") from None
     except StorageError:
         raise
-    except (OSError, ValueError) as e:
-        raise StorageError(f"mapping {storage.url_of(rel)}: {e}") from e
+    except other as e:
+        raise StorageError(f"{verb} {storage.url_of(rel)}: {e}") from e
+
+
+def _map_job(storage: Storage, rel: str, lo: int, hi: int, units: Sequence[Tuple[int, Unit]], sinks: Sequence[Want],
+             stop: threading.Event):
+    """:func:`_read_job` through a memory mapping of the piece: checked and copied out of the page cache, no read copy."""
+    if stop.is_set():
+        return None  # damage found already: nothing more is delivered (the read raises)
+    got = _opening(storage, rel, "mapping", (OSError, ValueError), lambda: storage.map_range(rel, lo, hi))
     mm, at = cast(Tuple[Any, int], got)
     try:
         with memoryview(mm) as whole:
@@ -533,16 +538,7 @@ def _into_job(storage: Storage, rel: str, lo: int, hi: int, units: Sequence[Tupl
     """
     if stop.is_set():
         return None
-    try:
-        f = storage.open_hot(rel, lo, hi)
-    except FileNotFoundError:
-        raise CorruptCheckpointError(f"{storage.url_of(rel)}: file is missing") from None
-    except EOFError as e:
-        raise CorruptCheckpointError(f"{e} (truncated)") from None
-    except StorageError:
-        raise
-    except OSError as e:
-        raise StorageError(f"reading {storage.url_of(rel)}: {e}") from e
+    f = _opening(storage, rel, "reading", (OSError,), lambda: storage.open_hot(rel, lo, hi))
     if f is None:
         return _map_job(storage, rel, lo, hi, units, sinks, stop)
     try:
