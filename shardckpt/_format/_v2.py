@@ -24,6 +24,7 @@ from . import table as _table
 from .checksum import HASH_ALGOS, check_hash_hex, crc32c, pack_crcs, unpack_crcs
 from .chunk import Chunk, MetaCache
 from .dtypes import DTYPES, checked_shape, itemsize
+from .filetable import TableFiles, TableIndexes, disjoint_patterns
 from .manifest import (
     FORMAT_NAME,
     MANIFEST_CRC_FIELD,
@@ -42,7 +43,7 @@ from .manifest import (
     written_crc_matches,
 )
 from .naming import DATA_DIR, DATA_SUFFIX, INDEX_DIR, INDEX_SUFFIX, chunk_key, save_id_prefix
-from .refs import check_ref_paths
+from .refs import REF_MARK, check_ref_paths
 from .table import (
     ColumnKeys,
     TableKind,
@@ -136,31 +137,44 @@ def manifest_v2_from_raw(raw: Dict[str, Any], where: str, *, canonical: Optional
         iw = f"{where}: indexes[{path!r}]"
         listed_indexes.append((path, IndexMeta(required_field(im, "rank", int, iw), required_field(im, "size", int, iw), required_field(im, "crc32c", int, iw)), iw))
     indexes: Dict[str, IndexMeta] = {}
+    cols: Optional[_TableColumns] = None
     if table:
-        table_data, table_indexes = _expand_table(raw, world_size, where)
-        npaths = len(files) + len(table_data) + len(table_indexes)
-        files.update(zip(map(operator.itemgetter(0), table_data), map(FileMeta, map(operator.itemgetter(1), table_data))))
-        files.update(zip(map(operator.itemgetter(0), table_indexes),
-                         map(FileMeta, map(operator.attrgetter("size"), map(operator.itemgetter(1), table_indexes)))))
-        if len(files) != npaths:  # a name twice: find it
-            seen = {path for path, _ in required_field(raw, "files", dict, where).items()}
-            for path in [p for p, _ in table_data] + [p for p, _ in table_indexes]:
-                if path in seen:
+        expanded = _expand_table(raw, world_size, where)
+        if isinstance(expanded, _TableColumns):
+            # One data and one index file per rank, every entry checked over
+            # the columns: records built on lookup (``filetable``), none here.
+            cols = expanded
+            for path in files:
+                if cols.files.table_size(path) is not None:
                     raise _bad(where, f"file {path!r} is listed twice (file_table and files)")
-                seen.add(path)
-        # The table's index files: ranks 0.. in order, each once, sizes as in
-        # 'files' by construction; checked in bulk (below, one by one, only
-        # what the plain 'indexes' map lists).
-        sizes = [meta.size for _, meta in table_indexes]
-        crcs = [meta.crc32c for _, meta in table_indexes]
-        if int_column(sizes, 0, MAX_INDEX_FILE_BYTES + 1) and int_column(crcs, 0, 2**32):
-            indexes.update(table_indexes)
+            cols.files.plain.update(files)
+            files = cast(Dict[str, FileMeta], cols.files)
         else:
-            listed_indexes.extend((path, meta, "") for path, meta in table_indexes)
+            table_data, table_indexes = expanded
+            npaths = len(files) + len(table_data) + len(table_indexes)
+            files.update(zip(map(operator.itemgetter(0), table_data), map(FileMeta, map(operator.itemgetter(1), table_data))))
+            files.update(zip(map(operator.itemgetter(0), table_indexes),
+                             map(FileMeta, map(operator.attrgetter("size"), map(operator.itemgetter(1), table_indexes)))))
+            if len(files) != npaths:  # a name twice: find it
+                seen = {path for path, _ in required_field(raw, "files", dict, where).items()}
+                for path in [p for p, _ in table_data] + [p for p, _ in table_indexes]:
+                    if path in seen:
+                        raise _bad(where, f"file {path!r} is listed twice (file_table and files)")
+                    seen.add(path)
+            # The table's index files: ranks 0.. in order, each once, sizes as in
+            # 'files' by construction; checked in bulk (below, one by one, only
+            # what the plain 'indexes' map lists).
+            sizes = [meta.size for _, meta in table_indexes]
+            crcs = [meta.crc32c for _, meta in table_indexes]
+            if int_column(sizes, 0, MAX_INDEX_FILE_BYTES + 1) and int_column(crcs, 0, 2**32):
+                indexes.update(table_indexes)
+            else:
+                listed_indexes.extend((path, meta, "") for path, meta in table_indexes)
     ranks_seen: Dict[int, str] = {im.rank: rel for rel, im in indexes.items()}
+    table_ranks = world_size if cols is not None else 0  # ranks 0.. each with the table's index file
     for path, meta, iw in listed_indexes:
         iw = iw or f"{where}: file_table.index_files[{meta.rank}]"
-        if not 0 <= meta.rank < world_size or meta.rank in ranks_seen:
+        if not 0 <= meta.rank < world_size or meta.rank in ranks_seen or meta.rank < table_ranks:
             raise _bad(iw, f"rank {meta.rank} outside 0..{world_size - 1} or listed twice")
         if not 0 <= meta.size <= MAX_INDEX_FILE_BYTES or not 0 <= meta.crc32c < 2**32:
             raise _bad(iw, f"size {meta.size} or crc32c {meta.crc32c} out of range")
@@ -168,6 +182,8 @@ def manifest_v2_from_raw(raw: Dict[str, Any], where: str, *, canonical: Optional
             raise _bad(iw, "must be listed in 'files' with the same size")
         ranks_seen[meta.rank] = path
         indexes[path] = meta
+    if cols is not None:
+        indexes = cast(Dict[str, IndexMeta], TableIndexes(indexes, cols.index_name, cols.index_rx, cols.index_sizes, cols.index_crcs))
     meshes = required_field(raw, "meshes", list, where)
     for i, mesh in enumerate(meshes):
         if mesh != "iota" and not (
@@ -208,7 +224,7 @@ def manifest_v2_from_raw(raw: Dict[str, Any], where: str, *, canonical: Optional
         content_hash = required_field(raw, "content_hash", str, where)
         if content_hash not in HASH_ALGOS:
             raise _bad(where, f"content_hash {content_hash!r:.40} is not one of {', '.join(HASH_ALGOS)} (a newer shardckpt? upgrade)")
-        check_ref_paths(files, where)
+        check_ref_paths(cols.files.plain if cols is not None else files, where)  # table paths: no reference (checked)
     extra = raw.get("extra") or {}
     return Manifest(
         content_hash=content_hash,
@@ -508,8 +524,23 @@ def _check_table_paths(raw: Dict[str, Any], where: str) -> None:
     check_table_pattern(table.get("index"), fields=(RANK_FIELD,), where=f"{where}: file_table.index")
 
 
-def _expand_table(raw: Dict[str, Any], world_size: int, where: str) -> Tuple[List[Tuple[str, int]], List[Tuple[str, IndexMeta]]]:
-    """The table's ``(data path, size)`` and ``(index path, IndexMeta)``; bounded before a single path is built."""
+class _TableColumns(NamedTuple):
+    """A file table of one data and one index file per rank, checked over its columns (``filetable``)."""
+
+    files: TableFiles
+    index_name: Any
+    index_rx: Any
+    index_sizes: List[int]
+    index_crcs: List[int]
+
+
+def _expand_table(raw: Dict[str, Any], world_size: int, where: str) -> Any:
+    """The table's ``(data path, size)`` and ``(index path, IndexMeta)``; bounded before a single path is built.
+
+    Returns :class:`_TableColumns` instead (no path built) for a table of one
+    data and one index file per rank whose every entry checks and whose
+    paths cannot clash (``filetable.disjoint_patterns``).
+    """
     tw = f"{where}: file_table"
     table = raw["file_table"]
     sizes = required_field(table, "data_sizes", list, tw)
@@ -538,7 +569,16 @@ def _expand_table(raw: Dict[str, Any], world_size: int, where: str) -> Tuple[Lis
         and int_column(icrc := list(map(operator.itemgetter(1), index_files)), -(1 << 62), None)
     ):
         # One data file and one index file per rank (what a save writes):
-        # every field checked over the columns, every name made at C speed.
+        # every field checked over the columns. When no two table paths can
+        # be equal and none is a reference, no path is made here at all.
+        if (
+            int_column(isz, 0, MAX_INDEX_FILE_BYTES + 1) and int_column(icrc, 0, 2**32)
+            and disjoint_patterns(table["data"], table["index"], RANK_FIELD, FILE_FIELD)
+            and not table["data"].startswith(REF_MARK) and not table["index"].startswith(REF_MARK)
+        ):
+            index_rx = _pattern_regex(table["index"])
+            tf = TableFiles({}, data_name, index_name, _pattern_regex(table["data"]), index_rx, col, isz)
+            return _TableColumns(tf, index_name, index_rx, isz, icrc)
         ranks = range(world_size)
         return (list(zip(map(data_name, ranks, repeat(0)), col)),
                 list(zip(map(index_name, ranks, repeat(0)), map(IndexMeta, ranks, isz, icrc))))
@@ -610,8 +650,8 @@ def read_index(m: Manifest, storage: Any, rank: int, cache: MetaCache) -> Dict[s
     got = headers.get(("index", rank))
     if got is not None:
         return got
-    rels = _index_of_rank(m)
-    rel = rels.get(rank)
+    idx = m.indexes
+    rel = idx.path_of_rank(rank) if type(idx) is TableIndexes else _index_of_rank(m).get(rank)
     if rel is None:
         raise CorruptCheckpointError(f"{storage.url}: the manifest lists no index file for rank {rank}, whose chunks are needed")
     where = storage.url_of(rel)
