@@ -35,7 +35,7 @@ import math
 import operator
 import struct
 from itertools import accumulate, repeat
-from typing import Any, Dict, Iterator, KeysView, List, Mapping, MutableMapping, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, KeysView, List, Mapping, MutableMapping, NamedTuple, Optional, Sequence, Tuple, cast
 
 from ..errors import CorruptCheckpointError
 from .checksum import check_hash_hex
@@ -486,6 +486,9 @@ def _row_kinds(tensors: Any, names: List[str]) -> Optional[Tuple[List[int], List
     ``(dtype, shape)``, one lookup per distinct name.
     """
     if isinstance(tensors, TableTensors):
+        if tensors.in_table_order(names):  # row i is names[i]: the kind column as it is
+            kinds = tensors._kinds
+            return list(tensors._kind), [tuple(k.shape) for k in kinds], [itemsize(k.dtype) for k in kinds]
         rows: List[Any] = list(map(tensors._items.get, names))
         if set(map(type, rows)) <= _INT:
             kinds = tensors._kinds
@@ -665,7 +668,7 @@ class TableTensors(MutableMapping[str, TensorMeta]):
     then the table's in name order, as the parse built the dict.
     """
 
-    __slots__ = ("_items", "_kinds", "_kind", "_rot", "coded")
+    __slots__ = ("_items", "_kinds", "_kind", "_rot", "coded", "_pristine")
 
     def __init__(self, tensors: Mapping[str, TensorMeta], names: Sequence[str], kinds: Sequence[TableKind],
                  kind_col: Sequence[int], rot_col: Sequence[int],
@@ -680,6 +683,9 @@ class TableTensors(MutableMapping[str, TensorMeta]):
         #: lists (an FSDP rank writes a chunk of every tensor, in name order)
         #: is not decoded again (:func:`front_decode`'s ``known``).
         self.coded = coded
+        # Every name a row, in table order, none built, set or deleted: the
+        # name -> row map is then ``coded``'s names in order (``in_table_order``).
+        self._pristine = not tensors and coded is not None and coded[2] is names
 
     @property
     def kinds(self) -> List[TableKind]:
@@ -697,12 +703,25 @@ class TableTensors(MutableMapping[str, TensorMeta]):
             return None
         return self._kind[v], self._rot[v]
 
+    def in_table_order(self, names: Sequence[str]) -> bool:
+        """Whether ``names`` are every tensor, in the table's order, and no record is built, set or deleted yet.
+
+        Then row ``i`` is ``names[i]``: what a rank loading all tensors in
+        name order asks for (one list comparison, no lookup per name).
+        """
+        return self._pristine and len(names) == len(self._kind) and names == cast(Tuple[Any, Any, List[str]], self.coded)[2]
+
     def rows(self, names: Sequence[str]) -> Optional[Tuple[List[int], List[int]]]:
         """``(kind numbers, rotations)`` of ``names`` over the columns, or None when any record is built already.
+
+        The lists are not to be changed (for names in table order they are
+        the columns themselves).
 
         Raises:
             KeyError: a name is not a tensor.
         """
+        if self.in_table_order(names):
+            return list(self._kind), list(self._rot)
         got: List[Any] = list(map(self._items.__getitem__, names))
         if not set(map(type, got)) <= _INT:
             return None
@@ -728,13 +747,16 @@ class TableTensors(MutableMapping[str, TensorMeta]):
         v = self._items[name]
         if type(v) is int:
             v = self._items[name] = self._build(v)
+            self._pristine = False
         return v
 
     def __setitem__(self, name: str, t: TensorMeta) -> None:
         self._items[name] = t
+        self._pristine = False
 
     def __delitem__(self, name: str) -> None:
         del self._items[name]
+        self._pristine = False
 
     def __contains__(self, name: object) -> bool:
         return name in self._items
@@ -752,6 +774,7 @@ class TableTensors(MutableMapping[str, TensorMeta]):
         """A shallow copy (records built so far shared, as ``dict.copy``)."""
         out = TableTensors({}, (), self._kinds, self._kind, self._rot, self.coded)
         out._items = dict(self._items)
+        out._pristine = False
         return out
 
     def __repr__(self) -> str:
