@@ -1019,9 +1019,13 @@ def _resolve(manifest: Any, storage: Any, wants: Sequence[Tuple[str, Any]], cach
         g.members.append(i)
     # Pass 2: per group, each saved chunk's rows for all its tensors at once.
     all_names = list(map(operator.itemgetter(0), wants))
+    # Every tensor in table order: a member's position is its table row (and
+    # its row in an index of the table's tensors in order, ``chunks_for``).
+    ordered = table is not None and not wants_left and table.in_table_order(all_names)
     for g in groups.values():
         names = all_names if len(g.members) == len(wants) else list(map(all_names.__getitem__, g.members))
-        per_hit = [_group_chunks(manifest, storage, cache, names, hit) for hit in g.hits]
+        rows = g.members if ordered else None
+        per_hit = [_group_chunks(manifest, storage, cache, names, hit, rows) for hit in g.hits]
         # Per tensor the tuple of its chunks (tuples: no list a tensor, and
         # the collector untracks tuples of plain values).
         lists: List[Any] = list(zip(*per_hit))
@@ -1102,8 +1106,13 @@ def _group_rows(table: TableTensors, kinds: List[Any], wants: Sequence[Tuple[str
     return True
 
 
-def _group_chunks(m: Manifest, storage: Any, cache: MetaCache, names: List[str], hit: Tuple[_geometry.Box, int, str, bool]) -> List[Any]:
-    """The ``Chunk`` (None: empty) of saved box ``hit`` of each of ``names``, from its writer's index, checked."""
+def _group_chunks(m: Manifest, storage: Any, cache: MetaCache, names: List[str], hit: Tuple[_geometry.Box, int, str, bool],
+                  rows: Optional[List[int]] = None) -> List[Any]:
+    """The ``Chunk`` (None: empty) of saved box ``hit`` of each of ``names``, from its writer's index, checked.
+
+    ``rows``: the names' table rows, when the wanted tensors are the whole
+    table in order (``ColumnKeys.chunks_for``'s hint).
+    """
     box, rank, tail, whole = hit
     idx = cast(Dict[Any, Any], cache.headers).get(("index", rank))
     if idx is None:
@@ -1111,7 +1120,7 @@ def _group_chunks(m: Manifest, storage: Any, cache: MetaCache, names: List[str],
     keys = idx["keys"]
     block_bytes = m.block_bytes
     if type(keys) is ColumnKeys:  # a columnar index: every row in one pass over its columns
-        got = keys.chunks_for(names, "" if whole else tail, box, block_bytes)
+        got = keys.chunks_for(names, "" if whole else tail, box, block_bytes, rows)
         if type(got) is int:
             name = names[got]
             raise _lacks(storage, name, rank, name if whole else name + tail, box)

@@ -406,6 +406,10 @@ def _bulk_rows(boxes: List[Any], cols: Dict[str, Any], m: Any, files: List[str],
     # shape and item size; per distinct (kind, box): inside, whole. Over the
     # columns (C-level maps) when every name is a row of the manifest's
     # tensor table; else per distinct name.
+    # An index whose rows are the manifest table's tensors in table order,
+    # one each (an FSDP rank writes a chunk of every tensor): row i is
+    # tensor i, and the rows of a load in table order need no lookup.
+    table_order = isinstance(m.tensors, TableTensors) and m.tensors.in_table_order(names)
     got = _row_kinds(m.tensors, names)
     if got is None:
         return None
@@ -463,10 +467,15 @@ def _bulk_rows(boxes: List[Any], cols: Dict[str, Any], m: Any, files: List[str],
     pos = list(accumulate(map(operator.sub, repeat(1), map(operator.floordiv, map(operator.neg, nbytes), repeat(bb))), initial=0))
     if pos[-1] != len(crcs):
         return None
-    keys = list(map(operator.add, names, map(tails.__getitem__, zip(kidx, box_col))))
-    row_of = dict(zip(keys, range(n)))
-    if len(row_of) != n:
-        return None
+    keys: Optional[List[str]] = None
+    row_of: Optional[Dict[str, int]] = None
+    if not table_order or "@" in "".join(cols["suffix"]):
+        keys = list(map(operator.add, names, map(tails.__getitem__, zip(kidx, box_col))))
+        row_of = dict(zip(keys, range(n)))
+        if len(row_of) != n:
+            return None
+    # Else no key twice without looking: the names are distinct (the
+    # table's) and hold no "@", and a key is its name or name + "@offsets".
     if hash_col is not None:
         try:
             for h in hash_col:
@@ -474,8 +483,8 @@ def _bulk_rows(boxes: List[Any], cols: Dict[str, Any], m: Any, files: List[str],
                     check_hash_hex(h, "hash")
         except ValueError:
             return None
-    cols_ = _Columns(names, keys, file_col, box_col, starts, nbytes, pos, crcs, hash_col, files, geo)
-    return ColumnKeys(cols_, row_of), ColumnTensors(cols_), []  # bytes checked above
+    cols_ = _Columns(names, keys, file_col, box_col, starts, nbytes, pos, crcs, hash_col, files, geo, (kidx, tails))
+    return ColumnKeys(cols_, row_of, table_order), ColumnTensors(cols_), []  # bytes checked above
 
 
 def _row_kinds(tensors: Any, names: List[str]) -> Optional[Tuple[List[int], List[Tuple[int, ...]], List[int]]]:
@@ -515,12 +524,21 @@ def _row_kinds(tensors: Any, names: List[str]) -> Optional[Tuple[List[int], List
 class _Columns:
     """A checked columnar index's rows, and the ``ChunkMeta`` of a row built once, when first asked for."""
 
-    __slots__ = ("names", "keys", "file", "box", "start", "nbytes", "pos", "crcs", "hash", "files", "geo", "built")
+    __slots__ = ("names", "_keys", "file", "box", "start", "nbytes", "pos", "crcs", "hash", "files", "geo", "built", "_tails")
 
-    def __init__(self, names, keys, file, box, start, nbytes, pos, crcs, hash, files, geo) -> None:  # noqa: A002
-        self.names, self.keys, self.file, self.box, self.start, self.nbytes = names, keys, file, box, start, nbytes
+    def __init__(self, names, keys, file, box, start, nbytes, pos, crcs, hash, files, geo, tails=None) -> None:  # noqa: A002
+        self.names, self._keys, self.file, self.box, self.start, self.nbytes = names, keys, file, box, start, nbytes
         self.pos, self.crcs, self.hash, self.files, self.geo = pos, crcs, hash, files, geo
         self.built: Dict[int, Tuple[str, ChunkMeta]] = {}
+        self._tails = tails  # (kind per row, {(kind, box number): key tail}): the keys, made when first asked for
+
+    @property
+    def keys(self) -> List[str]:
+        """Each row's chunk key (its name, or name + "@offsets" for a part)."""
+        if self._keys is None:
+            kidx, tails = self._tails
+            self._keys = list(map(operator.add, self.names, map(tails.__getitem__, zip(kidx, self.box))))
+        return self._keys
 
     def row(self, i: int) -> Tuple[str, ChunkMeta]:
         got = self.built.get(i)
@@ -538,10 +556,19 @@ class _Columns:
 class ColumnKeys(Mapping[str, Tuple[str, ChunkMeta]]):
     """``{key: (name, ChunkMeta)}`` of a checked columnar index (what the row form's ``keys`` dict holds), built lazily."""
 
-    __slots__ = ("_cols", "_row_of")
+    __slots__ = ("_cols", "_keys_rows", "table_order")
 
-    def __init__(self, cols: _Columns, row_of: Dict[str, int]) -> None:
-        self._cols, self._row_of = cols, row_of
+    def __init__(self, cols: _Columns, row_of: Optional[Dict[str, int]], table_order: bool = False) -> None:
+        self._cols, self._keys_rows = cols, row_of
+        #: Row i is tensor i of the manifest's tensor table, one row each.
+        self.table_order = table_order
+
+    @property
+    def _row_of(self) -> Dict[str, int]:
+        """key -> row, made when first asked for (keys distinct: checked by the parse)."""
+        if self._keys_rows is None:
+            self._keys_rows = dict(zip(self._cols.keys, range(len(self._cols.names))))
+        return self._keys_rows
 
     def __getitem__(self, key: str) -> Tuple[str, ChunkMeta]:
         return self._cols.row(self._row_of[key])
@@ -573,8 +600,13 @@ class ColumnKeys(Mapping[str, Tuple[str, ChunkMeta]]):
         return chunk_of(c.files[c.file[i]], c.start[i], nbytes, offsets, sizes, c.crcs[p], block_bytes if blocks else 0, blocks, name,
                         key, h or "")
 
-    def chunks_for(self, names: List[str], tail: str, box: Any, block_bytes: int) -> Any:
+    def chunks_for(self, names: List[str], tail: str, box: Any, block_bytes: int, rows: Optional[List[int]] = None) -> Any:
         """:meth:`chunk` of ``name + tail`` for every name of ``names`` at one ``box``, over the columns.
+
+        ``rows``: where the caller expects the names (their positions among
+        all the table's tensors, for an index in :attr:`table_order`): then
+        no key is looked up, and the rows' names and boxes are checked as a
+        lookup's would be.
 
         Returns the list of ``Chunk`` (None for an empty one), or the
         position in ``names`` of the first name whose row is missing or not
@@ -582,7 +614,8 @@ class ColumnKeys(Mapping[str, Tuple[str, ChunkMeta]]):
         """
         c = self._cols
         keys = list(map(operator.add, names, repeat(tail))) if tail else names
-        rows = list(map(self._row_of.get, keys))
+        if rows is None or not self.table_order:
+            rows = list(map(self._row_of.get, keys))
         at = (box.offsets, box.sizes)
         good = {j for j, g in enumerate(c.geo) if (g[0], g[1]) == at}
         if None in rows or list(map(c.names.__getitem__, rows)) != names or not set(map(c.box.__getitem__, rows)) <= good:
