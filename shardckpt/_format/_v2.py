@@ -1070,20 +1070,19 @@ def _group_rows(table: TableTensors, kinds: List[Any], wants: Sequence[Tuple[str
     # hashes of ints: tensors placed alike share one boxes object when the
     # caller made them with ``_geometry.held_boxes``); by value when most
     # tensors bring their own boxes objects. Parts of equal value merge below.
-    keys: Any = list(zip(ks, rots, map(id, boxes)))
-    first = dict.fromkeys(keys)
+    # One hash a tensor: each key numbered by the position of its first tensor.
+    first: Dict[Any, int] = {}
+    gid = list(map(first.setdefault, zip(ks, rots, map(id, boxes)), range(n)))
     if len(first) > max(64, n // 8):
         try:
-            keys = list(zip(ks, rots, map(tuple, boxes)))
-            first = dict.fromkeys(keys)
+            first = {}
+            gid = list(map(first.setdefault, zip(ks, rots, map(tuple, boxes)), range(n)))
         except TypeError:  # lists inside the boxes
             return False
     if len(first) > 1:
-        number = dict(zip(first, range(len(first))))
-        gid = list(map(number.__getitem__, keys))
-        order = sorted(range(n), key=gid.__getitem__)  # stable: each part in wants order
+        order = sorted(range(n), key=gid.__getitem__)  # stable: each part in wants order, parts by first tensor
         counts = Counter(gid)
-        bounds = list(accumulate((counts[j] for j in range(len(first))), initial=0))
+        bounds = list(accumulate(map(counts.__getitem__, first.values()), initial=0))
         parts = [order[bounds[j] : bounds[j + 1]] for j in range(len(first))]
     else:
         parts = [list(range(n))]

@@ -634,7 +634,8 @@ class ColumnKeys(Mapping[str, Tuple[str, ChunkMeta]]):
         hashes: Any = repeat("")
         if c.hash is not None:
             hashes = [h or "" for h in map(c.hash.__getitem__, rows)]
-        files = map(c.files.__getitem__, map(c.file.__getitem__, rows))
+        # One data file (a save's rank writes one): the same name for every row.
+        files: Any = repeat(c.files[0]) if len(c.files) == 1 else map(c.files.__getitem__, map(c.file.__getitem__, rows))
         return chunks_of(len(rows), zip(files, map(c.start.__getitem__, rows), nbytes, repeat(box.offsets), repeat(box.sizes), crc,
                                         repeat(block_bytes if block_bytes > 0 else 0), blocks, names, keys, hashes))
 
