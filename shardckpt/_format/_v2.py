@@ -292,21 +292,22 @@ def _tensor_table(table: Any, tensors: Dict[str, TensorMeta], meshes: List[Any],
         layout = kj.get("layout")
         checked.append((dt, shape, layout if isinstance(layout, dict) else None, reg, lay, lay.world))
     prefix, suffix = table.get("prefix"), table.get("suffix")
-    names = front_decode(prefix, suffix, strict=True, where=where)
+    # Distinct names checked by the name -> row map's size below (strictly
+    # again, naming the name, when it falls short).
+    names = front_decode(prefix, suffix, strict=False, where=where)
     kind_col, rot_col = table.get("kind"), table.get("rotation")
     if not isinstance(kind_col, list) or not isinstance(rot_col, list) or not len(kind_col) == len(rot_col) == len(names):
         raise _bad(where, f"'kind' and 'rotation' must be lists of {len(names)} entries (one per name)")
     nkinds = len(checked)
     worlds = [c[5] for c in checked]
-    if (
-        int_column(kind_col, 0, nkinds) and int_column(rot_col, 0, None) and all(map(operator.lt, rot_col, map(worlds.__getitem__, kind_col)))
-        and (not tensors or tensors.keys().isdisjoint(names))
-    ):
+    if int_column(kind_col, 0, nkinds) and int_column(rot_col, 0, None) and all(map(operator.lt, rot_col, map(worlds.__getitem__, kind_col))):
         # Every kind number and rotation checked over the whole columns: a
         # tensor's record is built when first asked for (``TableTensors``).
         # Typed as the dict it stands for (every mapping operation, built on demand).
-        return cast(Dict[str, TensorMeta], TableTensors(tensors, names, [TableKind(*c[:5]) for c in checked], kind_col, rot_col,
-                                                        (prefix, suffix, names)))
+        got = TableTensors(tensors, names, [TableKind(*c[:5]) for c in checked], kind_col, rot_col, (prefix, suffix, names))
+        if len(got) == len(tensors) + len(names):  # no name twice, none also a per-tensor record
+            return cast(Dict[str, TensorMeta], got)
+    names = front_decode(prefix, suffix, strict=True, where=where)  # a name twice in the table: refused, named
     for name, k, rot in zip(names, kind_col, rot_col):
         if type(k) is not int or not 0 <= k < nkinds:
             raise _bad(where, f"tensor {name!r}: kind {k!r:.20} is not one of the {nkinds} kinds")
@@ -565,23 +566,24 @@ def _expand_table(raw: Dict[str, Any], world_size: int, where: str) -> Any:
     if (
         world_size and set(map(len, sizes)) == {1} and int_column(col := list(map(operator.itemgetter(0), sizes)), 0, None)
         and set(map(type, index_files)) == {list} and set(map(len, index_files)) == {2}
-        and int_column(isz := list(map(operator.itemgetter(0), index_files)), -(1 << 62), None)
-        and int_column(icrc := list(map(operator.itemgetter(1), index_files)), -(1 << 62), None)
     ):
         # One data file and one index file per rank (what a save writes):
-        # every field checked over the columns. When no two table paths can
-        # be equal and none is a reference, no path is made here at all.
+        # every field checked over the columns. When every index size and CRC
+        # is in range, no two table paths can be equal and none is a
+        # reference, no path is made here at all.
+        isz, icrc = list(map(operator.itemgetter(0), index_files)), list(map(operator.itemgetter(1), index_files))
+        in_range = int_column(isz, 0, MAX_INDEX_FILE_BYTES + 1) and int_column(icrc, 0, 2**32)
         if (
-            int_column(isz, 0, MAX_INDEX_FILE_BYTES + 1) and int_column(icrc, 0, 2**32)
-            and disjoint_patterns(table["data"], table["index"], RANK_FIELD, FILE_FIELD)
+            in_range and disjoint_patterns(table["data"], table["index"], RANK_FIELD, FILE_FIELD)
             and not table["data"].startswith(REF_MARK) and not table["index"].startswith(REF_MARK)
         ):
             index_rx = _pattern_regex(table["index"])
             tf = TableFiles({}, data_name, index_name, _pattern_regex(table["data"]), index_rx, col, isz)
             return _TableColumns(tf, index_name, index_rx, isz, icrc)
-        ranks = range(world_size)
-        return (list(zip(map(data_name, ranks, repeat(0)), col)),
-                list(zip(map(index_name, ranks, repeat(0)), map(IndexMeta, ranks, isz, icrc))))
+        if in_range or (int_column(isz, -(1 << 62), None) and int_column(icrc, -(1 << 62), None)):
+            ranks = range(world_size)
+            return (list(zip(map(data_name, ranks, repeat(0)), col)),
+                    list(zip(map(index_name, ranks, repeat(0)), map(IndexMeta, ranks, isz, icrc))))
     data: List[Tuple[str, int]] = []
     for r, row in enumerate(sizes):
         for i, n in enumerate(row):
