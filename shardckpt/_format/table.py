@@ -464,7 +464,11 @@ def _bulk_rows(boxes: List[Any], cols: Dict[str, Any], m: Any, files: List[str],
     if type(bb) is not int or bb <= 0:
         return None
     # A chunk's CRCs: its own, then one per block (ceil(nbytes / bb)).
-    pos = list(accumulate(map(operator.sub, repeat(1), map(operator.floordiv, map(operator.neg, nbytes), repeat(bb))), initial=0))
+    lo_nb, hi_nb = (min(nbytes), max(nbytes)) if nbytes else (0, 0)
+    if -(-lo_nb // bb) == -(-hi_nb // bb):  # every chunk has as many blocks (say, all shards of one block): a stride
+        pos = list(range(0, (1 + -(-hi_nb // bb)) * n + 1, 1 + -(-hi_nb // bb)))
+    else:
+        pos = list(accumulate(map(operator.sub, repeat(1), map(operator.floordiv, map(operator.neg, nbytes), repeat(bb))), initial=0))
     if pos[-1] != len(crcs):
         return None
     keys: Optional[List[str]] = None
