@@ -465,8 +465,10 @@ def _bulk_rows(boxes: List[Any], cols: Dict[str, Any], m: Any, files: List[str],
         return None
     # A chunk's CRCs: its own, then one per block (ceil(nbytes / bb)).
     lo_nb, hi_nb = (min(nbytes), max(nbytes)) if nbytes else (0, 0)
+    stride = 0
     if -(-lo_nb // bb) == -(-hi_nb // bb):  # every chunk has as many blocks (say, all shards of one block): a stride
-        pos = list(range(0, (1 + -(-hi_nb // bb)) * n + 1, 1 + -(-hi_nb // bb)))
+        stride = 1 + -(-hi_nb // bb)
+        pos = list(range(0, stride * n + 1, stride))
     else:
         pos = list(accumulate(map(operator.sub, repeat(1), map(operator.floordiv, map(operator.neg, nbytes), repeat(bb))), initial=0))
     if pos[-1] != len(crcs):
@@ -487,7 +489,7 @@ def _bulk_rows(boxes: List[Any], cols: Dict[str, Any], m: Any, files: List[str],
                     check_hash_hex(h, "hash")
         except ValueError:
             return None
-    cols_ = _Columns(names, keys, file_col, box_col, starts, nbytes, pos, crcs, hash_col, files, geo, (kidx, tails))
+    cols_ = _Columns(names, keys, file_col, box_col, starts, nbytes, pos, crcs, hash_col, files, geo, (kidx, tails), stride)
     return ColumnKeys(cols_, row_of, table_order), ColumnTensors(cols_), []  # bytes checked above
 
 
@@ -528,13 +530,26 @@ def _row_kinds(tensors: Any, names: List[str]) -> Optional[Tuple[List[int], List
 class _Columns:
     """A checked columnar index's rows, and the ``ChunkMeta`` of a row built once, when first asked for."""
 
-    __slots__ = ("names", "_keys", "file", "box", "start", "nbytes", "pos", "crcs", "hash", "files", "geo", "built", "_tails")
+    __slots__ = ("names", "_keys", "file", "box", "start", "nbytes", "pos", "crcs", "hash", "files", "geo", "built", "_tails", "stride",
+                 "_by_row", "asked")
 
-    def __init__(self, names, keys, file, box, start, nbytes, pos, crcs, hash, files, geo, tails=None) -> None:  # noqa: A002
+    def __init__(self, names, keys, file, box, start, nbytes, pos, crcs, hash, files, geo, tails=None, stride=0) -> None:  # noqa: A002
         self.names, self._keys, self.file, self.box, self.start, self.nbytes = names, keys, file, box, start, nbytes
         self.pos, self.crcs, self.hash, self.files, self.geo = pos, crcs, hash, files, geo
         self.built: Dict[int, Tuple[str, ChunkMeta]] = {}
         self._tails = tails  # (kind per row, {(kind, box number): key tail}): the keys, made when first asked for
+        #: CRCs a row (its own and its blocks') when every row has as many, else 0.
+        self.stride = stride
+        self._by_row: Optional[Tuple[Tuple[int, ...], List[Tuple[int, ...]]]] = None
+        self.asked = 0  # rows asked for by ``ColumnKeys.chunks_for`` so far
+
+    def by_row(self) -> Tuple[Tuple[int, ...], List[Tuple[int, ...]]]:
+        """``(CRC of each row, block CRCs of each row)`` of an index with a :attr:`stride`: one pass, not a slice a row."""
+        if self._by_row is None:
+            s, crcs = self.stride, self.crcs
+            blocks = list(zip(*(crcs[j::s] for j in range(1, s)))) if s > 1 else [()] * len(self.names)
+            self._by_row = (crcs[0::s], blocks)
+        return self._by_row
 
     @property
     def keys(self) -> List[str]:
@@ -629,11 +644,19 @@ class ColumnKeys(Mapping[str, Tuple[str, ChunkMeta]]):
         nbytes = list(map(c.nbytes.__getitem__, rows))
         if 0 in nbytes:
             return [self.chunk(k, n, box, block_bytes) for k, n in zip(keys, names)]
-        p = list(map(c.pos.__getitem__, rows))
-        crc = map(c.crcs.__getitem__, p)
-        if block_bytes > 0:
-            blocks: Any = map(c.crcs.__getitem__, map(slice, map(operator.add, p, repeat(1)), map(c.pos.__getitem__, map(operator.add, rows, repeat(1)))))
+        c.asked += len(rows)
+        # Each row's CRCs by position, no slice a row, once a quarter of the
+        # rows are asked for (a peer's index read for a few rows: slices).
+        if c.stride and 4 * c.asked >= len(c.names):
+            row_crc, row_blocks = c.by_row()
+            crc = map(row_crc.__getitem__, rows)
+            blocks: Any = map(row_blocks.__getitem__, rows) if block_bytes > 0 else repeat(())
+        elif block_bytes > 0:
+            p = list(map(c.pos.__getitem__, rows))
+            crc = map(c.crcs.__getitem__, p)
+            blocks = map(c.crcs.__getitem__, map(slice, map(operator.add, p, repeat(1)), map(c.pos.__getitem__, map(operator.add, rows, repeat(1)))))
         else:
+            crc = map(c.crcs.__getitem__, map(c.pos.__getitem__, rows))
             blocks = repeat(())
         hashes: Any = repeat("")
         if c.hash is not None:
