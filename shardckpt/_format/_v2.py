@@ -300,7 +300,9 @@ def _tensor_table(table: Any, tensors: Dict[str, TensorMeta], meshes: List[Any],
         raise _bad(where, f"'kind' and 'rotation' must be lists of {len(names)} entries (one per name)")
     nkinds = len(checked)
     worlds = [c[5] for c in checked]
-    if int_column(kind_col, 0, nkinds) and int_column(rot_col, 0, None) and all(map(operator.lt, rot_col, map(worlds.__getitem__, kind_col))):
+    if int_column(kind_col, 0, nkinds) and int_column(rot_col, 0, None) and (
+        not rot_col or max(rot_col) < min(worlds) or all(map(operator.lt, rot_col, map(worlds.__getitem__, kind_col)))
+    ):  # every rotation below the smallest world: no per-tensor comparison
         # Every kind number and rotation checked over the whole columns: a
         # tensor's record is built when first asked for (``TableTensors``).
         # Typed as the dict it stands for (every mapping operation, built on demand).
