@@ -1030,23 +1030,24 @@ def _resolve(manifest: Any, storage: Any, wants: Sequence[Tuple[str, Any]], cach
         names = all_names if len(g.members) == len(wants) else list(map(all_names.__getitem__, g.members))
         rows = g.members if ordered else None
         per_hit = [_group_chunks(manifest, storage, cache, names, hit, rows) for hit in g.hits]
+        empty = any(None in cs for cs in per_hit)
+        if pieces and not empty and per_hit and g.members:
+            shared = _pieces(names[0], tuple(cs[0] for cs in per_hit), g.boxes)
+            # ``out[i] = Reads(<its chunks, a tuple>, shared)`` for every
+            # member, by C-level maps (no list of the tuples in between).
+            deque(map(out.__setitem__, g.members, map(_tuple_new, repeat(Reads), zip(zip(*per_hit), repeat(shared)))), maxlen=0)
+            continue
         # Per tensor the tuple of its chunks (tuples: no list a tensor, and
         # the collector untracks tuples of plain values).
         lists: List[Any] = list(zip(*per_hit))
-        empty = any(None in cs for cs in per_hit)
         if empty:  # an empty chunk: nothing to read, left out
             lists = [tuple(c for c in cs if c is not None) for cs in lists]
         if not pieces:
             for i, cs in zip(g.members, lists):
                 out[i] = list(cs)
             continue
-        if empty or not lists:
-            for i, name, cs in zip(g.members, names, lists):
-                out[i] = _tuple_new(Reads, (cs, _pieces(name, cs, g.boxes)))
-            continue
-        shared = _pieces(names[0], lists[0], g.boxes)
-        # ``out[i] = Reads(cs, shared)`` for every member, by C-level maps.
-        deque(map(out.__setitem__, g.members, map(_tuple_new, repeat(Reads), zip(lists, repeat(shared)))), maxlen=0)
+        for i, name, cs in zip(g.members, names, lists):  # empty chunks left out: pieces per tensor
+            out[i] = _tuple_new(Reads, (cs, _pieces(name, cs, g.boxes)))
     return out
 
 
