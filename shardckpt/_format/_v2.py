@@ -991,7 +991,12 @@ def _resolve(manifest: Any, storage: Any, wants: Sequence[Tuple[str, Any]], cach
     kinds = [(k.lay, k.regular["mesh"], tuple(k.shape)) if k.shape and 0 not in k.shape else None
              for k in (table.kinds if table is not None else ())]
     out: List[Any] = [None] * len(wants)
-    if table is not None and _group_rows(table, kinds, wants, groups, manifest, writers):
+    all_names = list(map(operator.itemgetter(0), wants))
+    # Every tensor in table order (one list comparison): a member's position
+    # is its table row, and its row in an index of the table's tensors in
+    # order (``chunks_for``); no lookup per name.
+    in_order = table is not None and table.in_table_order(all_names)
+    if table is not None and _group_rows(table, kinds, wants, groups, manifest, writers, all_names, in_order):
         wants_left: Sequence[Tuple[str, Any]] = ()
     else:
         wants_left = wants
@@ -1022,10 +1027,7 @@ def _resolve(manifest: Any, storage: Any, wants: Sequence[Tuple[str, Any]], cach
             g = groups[gkey] = _Group(_hits(manifest, lay, mesh, rot, shape, bkey, writers), bkey)
         g.members.append(i)
     # Pass 2: per group, each saved chunk's rows for all its tensors at once.
-    all_names = list(map(operator.itemgetter(0), wants))
-    # Every tensor in table order: a member's position is its table row (and
-    # its row in an index of the table's tensors in order, ``chunks_for``).
-    ordered = table is not None and not wants_left and table.in_table_order(all_names)
+    ordered = in_order and not wants_left
     for g in groups.values():
         names = all_names if len(g.members) == len(wants) else list(map(all_names.__getitem__, g.members))
         rows = g.members if ordered else None
@@ -1055,15 +1057,18 @@ _tuple_new = tuple.__new__
 
 
 def _group_rows(table: TableTensors, kinds: List[Any], wants: Sequence[Tuple[str, Any]], groups: Dict[Any, _Group],
-                m: Manifest, writers: Dict[Any, int]) -> bool:
+                m: Manifest, writers: Dict[Any, int], names: List[str], in_order: bool) -> bool:
     """Pass 1 of :func:`_resolve` over the columns, when every wanted tensor is a table row of a plain kind.
+
+    ``names``: the wanted names; ``in_order``: they are the table's, in its
+    order (``TableTensors.in_table_order``): rows by position.
 
     Fills ``groups`` (keyed as the per-tensor pass keys them) and returns
     True; returns False, with ``groups`` untouched, when any tensor needs
     the per-tensor pass (a built record, an empty or 0-d kind, boxes given
     as lists).
     """
-    got = table.rows(list(map(operator.itemgetter(0), wants)))
+    got = table.columns() if in_order else table.rows(names)
     if got is None:
         return False
     ks, rots = got

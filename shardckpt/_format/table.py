@@ -772,6 +772,10 @@ class TableTensors(MutableMapping[str, TensorMeta]):
         """
         return self._pristine and len(names) == len(self._kind) and names == cast(Tuple[Any, Any, List[str]], self.coded)[2]
 
+    def columns(self) -> Tuple[List[int], List[int]]:
+        """``(kind numbers, rotations)`` of every row, in table order (copies of the checked columns)."""
+        return list(self._kind), list(self._rot)
+
     def rows(self, names: Sequence[str]) -> Optional[Tuple[List[int], List[int]]]:
         """``(kind numbers, rotations)`` of ``names`` over the columns, or None when any record is built already.
 
@@ -782,7 +786,7 @@ class TableTensors(MutableMapping[str, TensorMeta]):
             KeyError: a name is not a tensor.
         """
         if self.in_table_order(names):
-            return list(self._kind), list(self._rot)
+            return self.columns()
         got: List[Any] = list(map(self._items.__getitem__, names))
         if not set(map(type, got)) <= _INT:
             return None
