@@ -47,7 +47,9 @@ this tree's alternately in fresh processes and prints each run's line
 (``tree=old|new run=i ...``), then both trees' medians and new/old ratios.
 
 The last line is always
-``ranks=R tensors=T layout=L save_plan_s=.. commit_s=.. manifest_mb=.. load_plan_s=.. load_meta_mb=..``.
+``ranks=R tensors=T layout=L save_plan_s=.. commit_s=.. manifest_mb=.. load_plan_s=.. load_meta_mb=..``,
+then (format v2) each phase's CPU seconds, ``save_plan_cpu_s=.. commit_cpu_s=.. load_plan_cpu_s=..``
+(the steadier figure on a shared machine).
 Limits: plain Python, one core; v1 at 4,096 ranks needs several GB of memory.
 """
 
@@ -368,6 +370,7 @@ def run_v2(args, lays) -> int:
 
     block_bytes = 1 << 20
     (mine, rot), save_s = _timed(lambda: v2_save_plan(lays, args.rank))
+    cpu = {"save_plan": LAST_CPU[0]}
     print(f"rank {args.rank} writes {len(mine)} chunks ({sum(b.numel for _, b in mine) * ITEMSIZE / 1e6:.1f} MB)")
     indexes: Dict[int, bytes] = {}
     sizes: Dict[int, Tuple[int, int]] = {}
@@ -406,6 +409,7 @@ def run_v2(args, lays) -> int:
         return body
 
     body, commit_s = _timed(commit)
+    cpu["commit"] = LAST_CPU[0]
     print(f"manifest (format v2): {len(lays)} layout records, {2 * args.ranks} files, {len(body) / 1e6:.3f} MB")
 
     def load_plan():
@@ -426,13 +430,20 @@ def run_v2(args, lays) -> int:
         return cache.bytes_read
 
     index_read, load_s = _timed(load_plan)
+    cpu["load_plan"] = LAST_CPU[0]
     meta_mb = (len(body) + index_read) / 1e6
     print(f"a loading rank reads the manifest ({len(body) / 1e6:.3f} MB) and {index_read / 1e6:.3f} MB of index files")
     print(
         f"ranks={args.ranks} tensors={args.tensors} layout={args.layout} save_plan_s={save_s:.3f} "
-        f"commit_s={commit_s:.3f} manifest_mb={len(body) / 1e6:.3f} load_plan_s={load_s:.3f} load_meta_mb={meta_mb:.3f}"
+        f"commit_s={commit_s:.3f} manifest_mb={len(body) / 1e6:.3f} load_plan_s={load_s:.3f} load_meta_mb={meta_mb:.3f} "
+        + " ".join(f"{k}_cpu_s={v:.3f}" for k, v in cpu.items())
     )
     return 0
+
+
+#: CPU seconds of the last ``_timed`` call (this process's: on a shared,
+#: loaded machine the steadier figure; the wall clock counts other processes).
+LAST_CPU = [0.0]
 
 
 def _timed(fn):
@@ -441,9 +452,11 @@ def _timed(fn):
     getattr(_geometry, "clear_geometry_caches", lambda: None)()
     coord_of.cache_clear()
     gc.collect()
-    t0 = time.perf_counter()
+    c0, t0 = time.process_time(), time.perf_counter()
     out = fn()
-    return out, time.perf_counter() - t0
+    wall = time.perf_counter() - t0
+    LAST_CPU[0] = time.process_time() - c0
+    return out, wall
 
 
 #: Runs of each tree with ``--compare-with`` (medians reported).

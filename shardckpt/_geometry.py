@@ -306,19 +306,20 @@ def held_boxes(
     was = gc.isenabled()
     gc.disable()  # 50,000 key tuples, none cyclic: no collector pass over the caller's heap
     try:
-        keys = list(zip(map(id, layouts), map(id, coords)))
-        by_id: Dict[Tuple[int, int], Any] = dict.fromkeys(keys)
+        # One hash per tensor: each id pair numbered by its first position.
+        first: Dict[Tuple[int, int], int] = {}
+        at = list(map(first.setdefault, zip(map(id, layouts), map(id, coords)), range(len(layouts))))
         by_value: Dict[Any, Any] = {}
-        firsts = dict(zip(keys, zip(layouts, coords)))
-        for key in by_id:
-            lay, coord = firsts[key]
+        by_first: Dict[int, Any] = {}
+        for i in first.values():
+            lay, coord = layouts[i], coords[i]
             vkey = (lay, tuple(coord))
             got = by_value.get(vkey)
             if got is None:
                 got = by_value[vkey] = tuple(
                     (lb.box.offsets, lb.box.sizes) for lb in _local_boxes(lay.shape, lay.mesh_shape, lay.placements, tuple(coord)))
-            by_id[key] = got
-        return list(map(by_id.__getitem__, keys))
+            by_first[i] = got
+        return list(map(by_first.__getitem__, at))
     finally:
         if was:
             gc.enable()

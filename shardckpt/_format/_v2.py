@@ -24,6 +24,7 @@ from . import table as _table
 from .checksum import HASH_ALGOS, check_hash_hex, crc32c, pack_crcs, unpack_crcs
 from .chunk import Chunk, MetaCache
 from .dtypes import DTYPES, checked_shape, itemsize
+from .filetable import TableFiles, TableIndexes, disjoint_patterns
 from .manifest import (
     FORMAT_NAME,
     MANIFEST_CRC_FIELD,
@@ -42,7 +43,7 @@ from .manifest import (
     written_crc_matches,
 )
 from .naming import DATA_DIR, DATA_SUFFIX, INDEX_DIR, INDEX_SUFFIX, chunk_key, save_id_prefix
-from .refs import check_ref_paths
+from .refs import REF_MARK, check_ref_paths
 from .table import (
     ColumnKeys,
     TableKind,
@@ -136,31 +137,44 @@ def manifest_v2_from_raw(raw: Dict[str, Any], where: str, *, canonical: Optional
         iw = f"{where}: indexes[{path!r}]"
         listed_indexes.append((path, IndexMeta(required_field(im, "rank", int, iw), required_field(im, "size", int, iw), required_field(im, "crc32c", int, iw)), iw))
     indexes: Dict[str, IndexMeta] = {}
+    cols: Optional[_TableColumns] = None
     if table:
-        table_data, table_indexes = _expand_table(raw, world_size, where)
-        npaths = len(files) + len(table_data) + len(table_indexes)
-        files.update(zip(map(operator.itemgetter(0), table_data), map(FileMeta, map(operator.itemgetter(1), table_data))))
-        files.update(zip(map(operator.itemgetter(0), table_indexes),
-                         map(FileMeta, map(operator.attrgetter("size"), map(operator.itemgetter(1), table_indexes)))))
-        if len(files) != npaths:  # a name twice: find it
-            seen = {path for path, _ in required_field(raw, "files", dict, where).items()}
-            for path in [p for p, _ in table_data] + [p for p, _ in table_indexes]:
-                if path in seen:
+        expanded = _expand_table(raw, world_size, where)
+        if isinstance(expanded, _TableColumns):
+            # One data and one index file per rank, every entry checked over
+            # the columns: records built on lookup (``filetable``), none here.
+            cols = expanded
+            for path in files:
+                if cols.files.table_size(path) is not None:
                     raise _bad(where, f"file {path!r} is listed twice (file_table and files)")
-                seen.add(path)
-        # The table's index files: ranks 0.. in order, each once, sizes as in
-        # 'files' by construction; checked in bulk (below, one by one, only
-        # what the plain 'indexes' map lists).
-        sizes = [meta.size for _, meta in table_indexes]
-        crcs = [meta.crc32c for _, meta in table_indexes]
-        if int_column(sizes, 0, MAX_INDEX_FILE_BYTES + 1) and int_column(crcs, 0, 2**32):
-            indexes.update(table_indexes)
+            cols.files.plain.update(files)
+            files = cast(Dict[str, FileMeta], cols.files)
         else:
-            listed_indexes.extend((path, meta, "") for path, meta in table_indexes)
+            table_data, table_indexes = expanded
+            npaths = len(files) + len(table_data) + len(table_indexes)
+            files.update(zip(map(operator.itemgetter(0), table_data), map(FileMeta, map(operator.itemgetter(1), table_data))))
+            files.update(zip(map(operator.itemgetter(0), table_indexes),
+                             map(FileMeta, map(operator.attrgetter("size"), map(operator.itemgetter(1), table_indexes)))))
+            if len(files) != npaths:  # a name twice: find it
+                seen = {path for path, _ in required_field(raw, "files", dict, where).items()}
+                for path in [p for p, _ in table_data] + [p for p, _ in table_indexes]:
+                    if path in seen:
+                        raise _bad(where, f"file {path!r} is listed twice (file_table and files)")
+                    seen.add(path)
+            # The table's index files: ranks 0.. in order, each once, sizes as in
+            # 'files' by construction; checked in bulk (below, one by one, only
+            # what the plain 'indexes' map lists).
+            sizes = [meta.size for _, meta in table_indexes]
+            crcs = [meta.crc32c for _, meta in table_indexes]
+            if int_column(sizes, 0, MAX_INDEX_FILE_BYTES + 1) and int_column(crcs, 0, 2**32):
+                indexes.update(table_indexes)
+            else:
+                listed_indexes.extend((path, meta, "") for path, meta in table_indexes)
     ranks_seen: Dict[int, str] = {im.rank: rel for rel, im in indexes.items()}
+    table_ranks = world_size if cols is not None else 0  # ranks 0.. each with the table's index file
     for path, meta, iw in listed_indexes:
         iw = iw or f"{where}: file_table.index_files[{meta.rank}]"
-        if not 0 <= meta.rank < world_size or meta.rank in ranks_seen:
+        if not 0 <= meta.rank < world_size or meta.rank in ranks_seen or meta.rank < table_ranks:
             raise _bad(iw, f"rank {meta.rank} outside 0..{world_size - 1} or listed twice")
         if not 0 <= meta.size <= MAX_INDEX_FILE_BYTES or not 0 <= meta.crc32c < 2**32:
             raise _bad(iw, f"size {meta.size} or crc32c {meta.crc32c} out of range")
@@ -168,6 +182,8 @@ def manifest_v2_from_raw(raw: Dict[str, Any], where: str, *, canonical: Optional
             raise _bad(iw, "must be listed in 'files' with the same size")
         ranks_seen[meta.rank] = path
         indexes[path] = meta
+    if cols is not None:
+        indexes = cast(Dict[str, IndexMeta], TableIndexes(indexes, cols.index_name, cols.index_rx, cols.index_sizes, cols.index_crcs))
     meshes = required_field(raw, "meshes", list, where)
     for i, mesh in enumerate(meshes):
         if mesh != "iota" and not (
@@ -208,7 +224,7 @@ def manifest_v2_from_raw(raw: Dict[str, Any], where: str, *, canonical: Optional
         content_hash = required_field(raw, "content_hash", str, where)
         if content_hash not in HASH_ALGOS:
             raise _bad(where, f"content_hash {content_hash!r:.40} is not one of {', '.join(HASH_ALGOS)} (a newer shardckpt? upgrade)")
-        check_ref_paths(files, where)
+        check_ref_paths(cols.files.plain if cols is not None else files, where)  # table paths: no reference (checked)
     extra = raw.get("extra") or {}
     return Manifest(
         content_hash=content_hash,
@@ -276,21 +292,24 @@ def _tensor_table(table: Any, tensors: Dict[str, TensorMeta], meshes: List[Any],
         layout = kj.get("layout")
         checked.append((dt, shape, layout if isinstance(layout, dict) else None, reg, lay, lay.world))
     prefix, suffix = table.get("prefix"), table.get("suffix")
-    names = front_decode(prefix, suffix, strict=True, where=where)
+    # Distinct names checked by the name -> row map's size below (strictly
+    # again, naming the name, when it falls short).
+    names = front_decode(prefix, suffix, strict=False, where=where)
     kind_col, rot_col = table.get("kind"), table.get("rotation")
     if not isinstance(kind_col, list) or not isinstance(rot_col, list) or not len(kind_col) == len(rot_col) == len(names):
         raise _bad(where, f"'kind' and 'rotation' must be lists of {len(names)} entries (one per name)")
     nkinds = len(checked)
     worlds = [c[5] for c in checked]
-    if (
-        int_column(kind_col, 0, nkinds) and int_column(rot_col, 0, None) and all(map(operator.lt, rot_col, map(worlds.__getitem__, kind_col)))
-        and (not tensors or tensors.keys().isdisjoint(names))
-    ):
+    if int_column(kind_col, 0, nkinds) and int_column(rot_col, 0, None) and (
+        not rot_col or max(rot_col) < min(worlds) or all(map(operator.lt, rot_col, map(worlds.__getitem__, kind_col)))
+    ):  # every rotation below the smallest world: no per-tensor comparison
         # Every kind number and rotation checked over the whole columns: a
         # tensor's record is built when first asked for (``TableTensors``).
         # Typed as the dict it stands for (every mapping operation, built on demand).
-        return cast(Dict[str, TensorMeta], TableTensors(tensors, names, [TableKind(*c[:5]) for c in checked], kind_col, rot_col,
-                                                        (prefix, suffix, names)))
+        got = TableTensors(tensors, names, [TableKind(*c[:5]) for c in checked], kind_col, rot_col, (prefix, suffix, names))
+        if len(got) == len(tensors) + len(names):  # no name twice, none also a per-tensor record
+            return cast(Dict[str, TensorMeta], got)
+    names = front_decode(prefix, suffix, strict=True, where=where)  # a name twice in the table: refused, named
     for name, k, rot in zip(names, kind_col, rot_col):
         if type(k) is not int or not 0 <= k < nkinds:
             raise _bad(where, f"tensor {name!r}: kind {k!r:.20} is not one of the {nkinds} kinds")
@@ -508,8 +527,23 @@ def _check_table_paths(raw: Dict[str, Any], where: str) -> None:
     check_table_pattern(table.get("index"), fields=(RANK_FIELD,), where=f"{where}: file_table.index")
 
 
-def _expand_table(raw: Dict[str, Any], world_size: int, where: str) -> Tuple[List[Tuple[str, int]], List[Tuple[str, IndexMeta]]]:
-    """The table's ``(data path, size)`` and ``(index path, IndexMeta)``; bounded before a single path is built."""
+class _TableColumns(NamedTuple):
+    """A file table of one data and one index file per rank, checked over its columns (``filetable``)."""
+
+    files: TableFiles
+    index_name: Any
+    index_rx: Any
+    index_sizes: List[int]
+    index_crcs: List[int]
+
+
+def _expand_table(raw: Dict[str, Any], world_size: int, where: str) -> Any:
+    """The table's ``(data path, size)`` and ``(index path, IndexMeta)``; bounded before a single path is built.
+
+    Returns :class:`_TableColumns` instead (no path built) for a table of one
+    data and one index file per rank whose every entry checks and whose
+    paths cannot clash (``filetable.disjoint_patterns``).
+    """
     tw = f"{where}: file_table"
     table = raw["file_table"]
     sizes = required_field(table, "data_sizes", list, tw)
@@ -534,14 +568,24 @@ def _expand_table(raw: Dict[str, Any], world_size: int, where: str) -> Tuple[Lis
     if (
         world_size and set(map(len, sizes)) == {1} and int_column(col := list(map(operator.itemgetter(0), sizes)), 0, None)
         and set(map(type, index_files)) == {list} and set(map(len, index_files)) == {2}
-        and int_column(isz := list(map(operator.itemgetter(0), index_files)), -(1 << 62), None)
-        and int_column(icrc := list(map(operator.itemgetter(1), index_files)), -(1 << 62), None)
     ):
         # One data file and one index file per rank (what a save writes):
-        # every field checked over the columns, every name made at C speed.
-        ranks = range(world_size)
-        return (list(zip(map(data_name, ranks, repeat(0)), col)),
-                list(zip(map(index_name, ranks, repeat(0)), map(IndexMeta, ranks, isz, icrc))))
+        # every field checked over the columns. When every index size and CRC
+        # is in range, no two table paths can be equal and none is a
+        # reference, no path is made here at all.
+        isz, icrc = list(map(operator.itemgetter(0), index_files)), list(map(operator.itemgetter(1), index_files))
+        in_range = int_column(isz, 0, MAX_INDEX_FILE_BYTES + 1) and int_column(icrc, 0, 2**32)
+        if (
+            in_range and disjoint_patterns(table["data"], table["index"], RANK_FIELD, FILE_FIELD)
+            and not table["data"].startswith(REF_MARK) and not table["index"].startswith(REF_MARK)
+        ):
+            index_rx = _pattern_regex(table["index"])
+            tf = TableFiles({}, data_name, index_name, _pattern_regex(table["data"]), index_rx, col, isz)
+            return _TableColumns(tf, index_name, index_rx, isz, icrc)
+        if in_range or (int_column(isz, -(1 << 62), None) and int_column(icrc, -(1 << 62), None)):
+            ranks = range(world_size)
+            return (list(zip(map(data_name, ranks, repeat(0)), col)),
+                    list(zip(map(index_name, ranks, repeat(0)), map(IndexMeta, ranks, isz, icrc))))
     data: List[Tuple[str, int]] = []
     for r, row in enumerate(sizes):
         for i, n in enumerate(row):
@@ -610,8 +654,8 @@ def read_index(m: Manifest, storage: Any, rank: int, cache: MetaCache) -> Dict[s
     got = headers.get(("index", rank))
     if got is not None:
         return got
-    rels = _index_of_rank(m)
-    rel = rels.get(rank)
+    idx = m.indexes
+    rel = idx.path_of_rank(rank) if type(idx) is TableIndexes else _index_of_rank(m).get(rank)
     if rel is None:
         raise CorruptCheckpointError(f"{storage.url}: the manifest lists no index file for rank {rank}, whose chunks are needed")
     where = storage.url_of(rel)
@@ -947,7 +991,12 @@ def _resolve(manifest: Any, storage: Any, wants: Sequence[Tuple[str, Any]], cach
     kinds = [(k.lay, k.regular["mesh"], tuple(k.shape)) if k.shape and 0 not in k.shape else None
              for k in (table.kinds if table is not None else ())]
     out: List[Any] = [None] * len(wants)
-    if table is not None and _group_rows(table, kinds, wants, groups, manifest, writers):
+    all_names = list(map(operator.itemgetter(0), wants))
+    # Every tensor in table order (one list comparison): a member's position
+    # is its table row, and its row in an index of the table's tensors in
+    # order (``chunks_for``); no lookup per name.
+    in_order = table is not None and table.in_table_order(all_names)
+    if table is not None and _group_rows(table, kinds, wants, groups, manifest, writers, all_names, in_order):
         wants_left: Sequence[Tuple[str, Any]] = ()
     else:
         wants_left = wants
@@ -978,27 +1027,29 @@ def _resolve(manifest: Any, storage: Any, wants: Sequence[Tuple[str, Any]], cach
             g = groups[gkey] = _Group(_hits(manifest, lay, mesh, rot, shape, bkey, writers), bkey)
         g.members.append(i)
     # Pass 2: per group, each saved chunk's rows for all its tensors at once.
-    all_names = list(map(operator.itemgetter(0), wants))
+    ordered = in_order and not wants_left
     for g in groups.values():
         names = all_names if len(g.members) == len(wants) else list(map(all_names.__getitem__, g.members))
-        per_hit = [_group_chunks(manifest, storage, cache, names, hit) for hit in g.hits]
+        rows = g.members if ordered else None
+        per_hit = [_group_chunks(manifest, storage, cache, names, hit, rows) for hit in g.hits]
+        empty = any(None in cs for cs in per_hit)
+        if pieces and not empty and per_hit and g.members:
+            shared = _pieces(names[0], tuple(cs[0] for cs in per_hit), g.boxes)
+            # ``out[i] = Reads(<its chunks, a tuple>, shared)`` for every
+            # member, by C-level maps (no list of the tuples in between).
+            deque(map(out.__setitem__, g.members, map(_tuple_new, repeat(Reads), zip(zip(*per_hit), repeat(shared)))), maxlen=0)
+            continue
         # Per tensor the tuple of its chunks (tuples: no list a tensor, and
         # the collector untracks tuples of plain values).
         lists: List[Any] = list(zip(*per_hit))
-        empty = any(None in cs for cs in per_hit)
         if empty:  # an empty chunk: nothing to read, left out
             lists = [tuple(c for c in cs if c is not None) for cs in lists]
         if not pieces:
             for i, cs in zip(g.members, lists):
                 out[i] = list(cs)
             continue
-        if empty or not lists:
-            for i, name, cs in zip(g.members, names, lists):
-                out[i] = _tuple_new(Reads, (cs, _pieces(name, cs, g.boxes)))
-            continue
-        shared = _pieces(names[0], lists[0], g.boxes)
-        # ``out[i] = Reads(cs, shared)`` for every member, by C-level maps.
-        deque(map(out.__setitem__, g.members, map(_tuple_new, repeat(Reads), zip(lists, repeat(shared)))), maxlen=0)
+        for i, name, cs in zip(g.members, names, lists):  # empty chunks left out: pieces per tensor
+            out[i] = _tuple_new(Reads, (cs, _pieces(name, cs, g.boxes)))
     return out
 
 
@@ -1006,15 +1057,18 @@ _tuple_new = tuple.__new__
 
 
 def _group_rows(table: TableTensors, kinds: List[Any], wants: Sequence[Tuple[str, Any]], groups: Dict[Any, _Group],
-                m: Manifest, writers: Dict[Any, int]) -> bool:
+                m: Manifest, writers: Dict[Any, int], names: List[str], in_order: bool) -> bool:
     """Pass 1 of :func:`_resolve` over the columns, when every wanted tensor is a table row of a plain kind.
+
+    ``names``: the wanted names; ``in_order``: they are the table's, in its
+    order (``TableTensors.in_table_order``): rows by position.
 
     Fills ``groups`` (keyed as the per-tensor pass keys them) and returns
     True; returns False, with ``groups`` untouched, when any tensor needs
     the per-tensor pass (a built record, an empty or 0-d kind, boxes given
     as lists).
     """
-    got = table.rows(list(map(operator.itemgetter(0), wants)))
+    got = table.columns() if in_order else table.rows(names)
     if got is None:
         return False
     ks, rots = got
@@ -1026,20 +1080,19 @@ def _group_rows(table: TableTensors, kinds: List[Any], wants: Sequence[Tuple[str
     # hashes of ints: tensors placed alike share one boxes object when the
     # caller made them with ``_geometry.held_boxes``); by value when most
     # tensors bring their own boxes objects. Parts of equal value merge below.
-    keys: Any = list(zip(ks, rots, map(id, boxes)))
-    first = dict.fromkeys(keys)
+    # One hash a tensor: each key numbered by the position of its first tensor.
+    first: Dict[Any, int] = {}
+    gid = list(map(first.setdefault, zip(ks, rots, map(id, boxes)), range(n)))
     if len(first) > max(64, n // 8):
         try:
-            keys = list(zip(ks, rots, map(tuple, boxes)))
-            first = dict.fromkeys(keys)
+            first = {}
+            gid = list(map(first.setdefault, zip(ks, rots, map(tuple, boxes)), range(n)))
         except TypeError:  # lists inside the boxes
             return False
     if len(first) > 1:
-        number = dict(zip(first, range(len(first))))
-        gid = list(map(number.__getitem__, keys))
-        order = sorted(range(n), key=gid.__getitem__)  # stable: each part in wants order
+        order = sorted(range(n), key=gid.__getitem__)  # stable: each part in wants order, parts by first tensor
         counts = Counter(gid)
-        bounds = list(accumulate((counts[j] for j in range(len(first))), initial=0))
+        bounds = list(accumulate(map(counts.__getitem__, first.values()), initial=0))
         parts = [order[bounds[j] : bounds[j + 1]] for j in range(len(first))]
     else:
         parts = [list(range(n))]
@@ -1062,8 +1115,13 @@ def _group_rows(table: TableTensors, kinds: List[Any], wants: Sequence[Tuple[str
     return True
 
 
-def _group_chunks(m: Manifest, storage: Any, cache: MetaCache, names: List[str], hit: Tuple[_geometry.Box, int, str, bool]) -> List[Any]:
-    """The ``Chunk`` (None: empty) of saved box ``hit`` of each of ``names``, from its writer's index, checked."""
+def _group_chunks(m: Manifest, storage: Any, cache: MetaCache, names: List[str], hit: Tuple[_geometry.Box, int, str, bool],
+                  rows: Optional[List[int]] = None) -> List[Any]:
+    """The ``Chunk`` (None: empty) of saved box ``hit`` of each of ``names``, from its writer's index, checked.
+
+    ``rows``: the names' table rows, when the wanted tensors are the whole
+    table in order (``ColumnKeys.chunks_for``'s hint).
+    """
     box, rank, tail, whole = hit
     idx = cast(Dict[Any, Any], cache.headers).get(("index", rank))
     if idx is None:
@@ -1071,7 +1129,7 @@ def _group_chunks(m: Manifest, storage: Any, cache: MetaCache, names: List[str],
     keys = idx["keys"]
     block_bytes = m.block_bytes
     if type(keys) is ColumnKeys:  # a columnar index: every row in one pass over its columns
-        got = keys.chunks_for(names, "" if whole else tail, box, block_bytes)
+        got = keys.chunks_for(names, "" if whole else tail, box, block_bytes, rows)
         if type(got) is int:
             name = names[got]
             raise _lacks(storage, name, rank, name if whole else name + tail, box)

@@ -35,7 +35,7 @@ import math
 import operator
 import struct
 from itertools import accumulate, repeat
-from typing import Any, Dict, Iterator, KeysView, List, Mapping, MutableMapping, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, KeysView, List, Mapping, MutableMapping, NamedTuple, Optional, Sequence, Tuple, cast
 
 from ..errors import CorruptCheckpointError
 from .checksum import check_hash_hex
@@ -406,6 +406,10 @@ def _bulk_rows(boxes: List[Any], cols: Dict[str, Any], m: Any, files: List[str],
     # shape and item size; per distinct (kind, box): inside, whole. Over the
     # columns (C-level maps) when every name is a row of the manifest's
     # tensor table; else per distinct name.
+    # An index whose rows are the manifest table's tensors in table order,
+    # one each (an FSDP rank writes a chunk of every tensor): row i is
+    # tensor i, and the rows of a load in table order need no lookup.
+    table_order = isinstance(m.tensors, TableTensors) and m.tensors.in_table_order(names)
     got = _row_kinds(m.tensors, names)
     if got is None:
         return None
@@ -460,13 +464,24 @@ def _bulk_rows(boxes: List[Any], cols: Dict[str, Any], m: Any, files: List[str],
     if type(bb) is not int or bb <= 0:
         return None
     # A chunk's CRCs: its own, then one per block (ceil(nbytes / bb)).
-    pos = list(accumulate(map(operator.sub, repeat(1), map(operator.floordiv, map(operator.neg, nbytes), repeat(bb))), initial=0))
+    lo_nb, hi_nb = (min(nbytes), max(nbytes)) if nbytes else (0, 0)
+    stride = 0
+    if -(-lo_nb // bb) == -(-hi_nb // bb):  # every chunk has as many blocks (say, all shards of one block): a stride
+        stride = 1 + -(-hi_nb // bb)
+        pos = list(range(0, stride * n + 1, stride))
+    else:
+        pos = list(accumulate(map(operator.sub, repeat(1), map(operator.floordiv, map(operator.neg, nbytes), repeat(bb))), initial=0))
     if pos[-1] != len(crcs):
         return None
-    keys = list(map(operator.add, names, map(tails.__getitem__, zip(kidx, box_col))))
-    row_of = dict(zip(keys, range(n)))
-    if len(row_of) != n:
-        return None
+    keys: Optional[List[str]] = None
+    row_of: Optional[Dict[str, int]] = None
+    if not table_order or "@" in "".join(cols["suffix"]):
+        keys = list(map(operator.add, names, map(tails.__getitem__, zip(kidx, box_col))))
+        row_of = dict(zip(keys, range(n)))
+        if len(row_of) != n:
+            return None
+    # Else no key twice without looking: the names are distinct (the
+    # table's) and hold no "@", and a key is its name or name + "@offsets".
     if hash_col is not None:
         try:
             for h in hash_col:
@@ -474,8 +489,8 @@ def _bulk_rows(boxes: List[Any], cols: Dict[str, Any], m: Any, files: List[str],
                     check_hash_hex(h, "hash")
         except ValueError:
             return None
-    cols_ = _Columns(names, keys, file_col, box_col, starts, nbytes, pos, crcs, hash_col, files, geo)
-    return ColumnKeys(cols_, row_of), ColumnTensors(cols_), []  # bytes checked above
+    cols_ = _Columns(names, keys, file_col, box_col, starts, nbytes, pos, crcs, hash_col, files, geo, (kidx, tails), stride)
+    return ColumnKeys(cols_, row_of, table_order), ColumnTensors(cols_), []  # bytes checked above
 
 
 def _row_kinds(tensors: Any, names: List[str]) -> Optional[Tuple[List[int], List[Tuple[int, ...]], List[int]]]:
@@ -486,6 +501,9 @@ def _row_kinds(tensors: Any, names: List[str]) -> Optional[Tuple[List[int], List
     ``(dtype, shape)``, one lookup per distinct name.
     """
     if isinstance(tensors, TableTensors):
+        if tensors.in_table_order(names):  # row i is names[i]: the kind column as it is
+            kinds = tensors._kinds
+            return list(tensors._kind), [tuple(k.shape) for k in kinds], [itemsize(k.dtype) for k in kinds]
         rows: List[Any] = list(map(tensors._items.get, names))
         if set(map(type, rows)) <= _INT:
             kinds = tensors._kinds
@@ -512,12 +530,34 @@ def _row_kinds(tensors: Any, names: List[str]) -> Optional[Tuple[List[int], List
 class _Columns:
     """A checked columnar index's rows, and the ``ChunkMeta`` of a row built once, when first asked for."""
 
-    __slots__ = ("names", "keys", "file", "box", "start", "nbytes", "pos", "crcs", "hash", "files", "geo", "built")
+    __slots__ = ("names", "_keys", "file", "box", "start", "nbytes", "pos", "crcs", "hash", "files", "geo", "built", "_tails", "stride",
+                 "_by_row", "asked")
 
-    def __init__(self, names, keys, file, box, start, nbytes, pos, crcs, hash, files, geo) -> None:  # noqa: A002
-        self.names, self.keys, self.file, self.box, self.start, self.nbytes = names, keys, file, box, start, nbytes
+    def __init__(self, names, keys, file, box, start, nbytes, pos, crcs, hash, files, geo, tails=None, stride=0) -> None:  # noqa: A002
+        self.names, self._keys, self.file, self.box, self.start, self.nbytes = names, keys, file, box, start, nbytes
         self.pos, self.crcs, self.hash, self.files, self.geo = pos, crcs, hash, files, geo
         self.built: Dict[int, Tuple[str, ChunkMeta]] = {}
+        self._tails = tails  # (kind per row, {(kind, box number): key tail}): the keys, made when first asked for
+        #: CRCs a row (its own and its blocks') when every row has as many, else 0.
+        self.stride = stride
+        self._by_row: Optional[Tuple[Tuple[int, ...], List[Tuple[int, ...]]]] = None
+        self.asked = 0  # rows asked for by ``ColumnKeys.chunks_for`` so far
+
+    def by_row(self) -> Tuple[Tuple[int, ...], List[Tuple[int, ...]]]:
+        """``(CRC of each row, block CRCs of each row)`` of an index with a :attr:`stride`: one pass, not a slice a row."""
+        if self._by_row is None:
+            s, crcs = self.stride, self.crcs
+            blocks = list(zip(*(crcs[j::s] for j in range(1, s)))) if s > 1 else [()] * len(self.names)
+            self._by_row = (crcs[0::s], blocks)
+        return self._by_row
+
+    @property
+    def keys(self) -> List[str]:
+        """Each row's chunk key (its name, or name + "@offsets" for a part)."""
+        if self._keys is None:
+            kidx, tails = self._tails
+            self._keys = list(map(operator.add, self.names, map(tails.__getitem__, zip(kidx, self.box))))
+        return self._keys
 
     def row(self, i: int) -> Tuple[str, ChunkMeta]:
         got = self.built.get(i)
@@ -535,10 +575,19 @@ class _Columns:
 class ColumnKeys(Mapping[str, Tuple[str, ChunkMeta]]):
     """``{key: (name, ChunkMeta)}`` of a checked columnar index (what the row form's ``keys`` dict holds), built lazily."""
 
-    __slots__ = ("_cols", "_row_of")
+    __slots__ = ("_cols", "_keys_rows", "table_order")
 
-    def __init__(self, cols: _Columns, row_of: Dict[str, int]) -> None:
-        self._cols, self._row_of = cols, row_of
+    def __init__(self, cols: _Columns, row_of: Optional[Dict[str, int]], table_order: bool = False) -> None:
+        self._cols, self._keys_rows = cols, row_of
+        #: Row i is tensor i of the manifest's tensor table, one row each.
+        self.table_order = table_order
+
+    @property
+    def _row_of(self) -> Dict[str, int]:
+        """key -> row, made when first asked for (keys distinct: checked by the parse)."""
+        if self._keys_rows is None:
+            self._keys_rows = dict(zip(self._cols.keys, range(len(self._cols.names))))
+        return self._keys_rows
 
     def __getitem__(self, key: str) -> Tuple[str, ChunkMeta]:
         return self._cols.row(self._row_of[key])
@@ -570,8 +619,13 @@ class ColumnKeys(Mapping[str, Tuple[str, ChunkMeta]]):
         return chunk_of(c.files[c.file[i]], c.start[i], nbytes, offsets, sizes, c.crcs[p], block_bytes if blocks else 0, blocks, name,
                         key, h or "")
 
-    def chunks_for(self, names: List[str], tail: str, box: Any, block_bytes: int) -> Any:
+    def chunks_for(self, names: List[str], tail: str, box: Any, block_bytes: int, rows: Optional[List[int]] = None) -> Any:
         """:meth:`chunk` of ``name + tail`` for every name of ``names`` at one ``box``, over the columns.
+
+        ``rows``: where the caller expects the names (their positions among
+        all the table's tensors, for an index in :attr:`table_order`): then
+        no key is looked up, and the rows' names and boxes are checked as a
+        lookup's would be.
 
         Returns the list of ``Chunk`` (None for an empty one), or the
         position in ``names`` of the first name whose row is missing or not
@@ -579,7 +633,8 @@ class ColumnKeys(Mapping[str, Tuple[str, ChunkMeta]]):
         """
         c = self._cols
         keys = list(map(operator.add, names, repeat(tail))) if tail else names
-        rows = list(map(self._row_of.get, keys))
+        if rows is None or not self.table_order:
+            rows = list(map(self._row_of.get, keys))
         at = (box.offsets, box.sizes)
         good = {j for j, g in enumerate(c.geo) if (g[0], g[1]) == at}
         if None in rows or list(map(c.names.__getitem__, rows)) != names or not set(map(c.box.__getitem__, rows)) <= good:
@@ -589,16 +644,25 @@ class ColumnKeys(Mapping[str, Tuple[str, ChunkMeta]]):
         nbytes = list(map(c.nbytes.__getitem__, rows))
         if 0 in nbytes:
             return [self.chunk(k, n, box, block_bytes) for k, n in zip(keys, names)]
-        p = list(map(c.pos.__getitem__, rows))
-        crc = map(c.crcs.__getitem__, p)
-        if block_bytes > 0:
-            blocks: Any = map(c.crcs.__getitem__, map(slice, map(operator.add, p, repeat(1)), map(c.pos.__getitem__, map(operator.add, rows, repeat(1)))))
+        c.asked += len(rows)
+        # Each row's CRCs by position, no slice a row, once a quarter of the
+        # rows are asked for (a peer's index read for a few rows: slices).
+        if c.stride and 4 * c.asked >= len(c.names):
+            row_crc, row_blocks = c.by_row()
+            crc = map(row_crc.__getitem__, rows)
+            blocks: Any = map(row_blocks.__getitem__, rows) if block_bytes > 0 else repeat(())
+        elif block_bytes > 0:
+            p = list(map(c.pos.__getitem__, rows))
+            crc = map(c.crcs.__getitem__, p)
+            blocks = map(c.crcs.__getitem__, map(slice, map(operator.add, p, repeat(1)), map(c.pos.__getitem__, map(operator.add, rows, repeat(1)))))
         else:
+            crc = map(c.crcs.__getitem__, map(c.pos.__getitem__, rows))
             blocks = repeat(())
         hashes: Any = repeat("")
         if c.hash is not None:
             hashes = [h or "" for h in map(c.hash.__getitem__, rows)]
-        files = map(c.files.__getitem__, map(c.file.__getitem__, rows))
+        # One data file (a save's rank writes one): the same name for every row.
+        files: Any = repeat(c.files[0]) if len(c.files) == 1 else map(c.files.__getitem__, map(c.file.__getitem__, rows))
         return chunks_of(len(rows), zip(files, map(c.start.__getitem__, rows), nbytes, repeat(box.offsets), repeat(box.sizes), crc,
                                         repeat(block_bytes if block_bytes > 0 else 0), blocks, names, keys, hashes))
 
@@ -665,7 +729,7 @@ class TableTensors(MutableMapping[str, TensorMeta]):
     then the table's in name order, as the parse built the dict.
     """
 
-    __slots__ = ("_items", "_kinds", "_kind", "_rot", "coded")
+    __slots__ = ("_items", "_kinds", "_kind", "_rot", "coded", "_pristine")
 
     def __init__(self, tensors: Mapping[str, TensorMeta], names: Sequence[str], kinds: Sequence[TableKind],
                  kind_col: Sequence[int], rot_col: Sequence[int],
@@ -680,6 +744,9 @@ class TableTensors(MutableMapping[str, TensorMeta]):
         #: lists (an FSDP rank writes a chunk of every tensor, in name order)
         #: is not decoded again (:func:`front_decode`'s ``known``).
         self.coded = coded
+        # Every name a row, in table order, none built, set or deleted: the
+        # name -> row map is then ``coded``'s names in order (``in_table_order``).
+        self._pristine = not tensors and coded is not None and coded[2] is names
 
     @property
     def kinds(self) -> List[TableKind]:
@@ -697,12 +764,29 @@ class TableTensors(MutableMapping[str, TensorMeta]):
             return None
         return self._kind[v], self._rot[v]
 
+    def in_table_order(self, names: Sequence[str]) -> bool:
+        """Whether ``names`` are every tensor, in the table's order, and no record is built, set or deleted yet.
+
+        Then row ``i`` is ``names[i]``: what a rank loading all tensors in
+        name order asks for (one list comparison, no lookup per name).
+        """
+        return self._pristine and len(names) == len(self._kind) and names == cast(Tuple[Any, Any, List[str]], self.coded)[2]
+
+    def columns(self) -> Tuple[List[int], List[int]]:
+        """``(kind numbers, rotations)`` of every row, in table order (copies of the checked columns)."""
+        return list(self._kind), list(self._rot)
+
     def rows(self, names: Sequence[str]) -> Optional[Tuple[List[int], List[int]]]:
         """``(kind numbers, rotations)`` of ``names`` over the columns, or None when any record is built already.
+
+        The lists are not to be changed (for names in table order they are
+        the columns themselves).
 
         Raises:
             KeyError: a name is not a tensor.
         """
+        if self.in_table_order(names):
+            return self.columns()
         got: List[Any] = list(map(self._items.__getitem__, names))
         if not set(map(type, got)) <= _INT:
             return None
@@ -728,13 +812,16 @@ class TableTensors(MutableMapping[str, TensorMeta]):
         v = self._items[name]
         if type(v) is int:
             v = self._items[name] = self._build(v)
+            self._pristine = False
         return v
 
     def __setitem__(self, name: str, t: TensorMeta) -> None:
         self._items[name] = t
+        self._pristine = False
 
     def __delitem__(self, name: str) -> None:
         del self._items[name]
+        self._pristine = False
 
     def __contains__(self, name: object) -> bool:
         return name in self._items
@@ -752,6 +839,7 @@ class TableTensors(MutableMapping[str, TensorMeta]):
         """A shallow copy (records built so far shared, as ``dict.copy``)."""
         out = TableTensors({}, (), self._kinds, self._kind, self._rot, self.coded)
         out._items = dict(self._items)
+        out._pristine = False
         return out
 
     def __repr__(self) -> str:

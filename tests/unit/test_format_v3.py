@@ -239,3 +239,55 @@ def test_too_many_ranks_refused(monkeypatch):
     _no_expansion(monkeypatch)
     with pytest.raises(UnsafeMetadataError, match="rank limit"):
         manifest_from_bytes(data)
+
+
+def _instances(cls) -> int:
+    import gc
+
+    return sum(type(o) is cls for o in gc.get_objects())
+
+
+def test_a_parse_builds_no_record_per_rank():
+    """A table of one data and one index file per rank is answered from its columns: lookups build one record each."""
+    ranks = 4096
+    m0 = _manifest(ranks)
+    body = manifest_to_bytes(m0)
+    before = (_instances(FileMeta), _instances(IndexMeta))
+    m = manifest_from_bytes(body)
+    assert (_instances(FileMeta) - before[0], _instances(IndexMeta) - before[1]) < (16, 16)  # was 8,192 and 4,096
+    assert len(m.files) == 2 * ranks and len(m.indexes) == ranks
+    data, rel = data_file_name(SID, "r04095-00"), index_file_name(SID, 17)
+    assert m.files[data].size == m0.files[data].size and m.files[rel].size == 1017
+    assert m.indexes[rel] == IndexMeta(17, 1017, (17 * 2654435761) % 2**32) and m.files[data] is m.files[data]
+    # Not the canonical name of a table rank and file: absent, as from the dict.
+    for path in (data_file_name(SID, "r004095-00"), data_file_name(SID, "r04096-00"), data_file_name(SID, "r00001-01"),
+                 data_file_name("f" * 32, "r00001-00"), index_file_name(SID, ranks), "data/" + "9" * 5000):
+        assert path not in m.files and path not in m.indexes and m.files.get(path) is None
+    assert _v2._index_of_rank(m)[ranks - 1] == index_file_name(SID, ranks - 1)
+    # Iterated, it is the dict the writer listed (same order as an expanded parse), and changes stick.
+    assert m.files == m0.files and m.indexes == m0.indexes
+    assert list(m.indexes) == sorted(m0.indexes)
+    m.files[data] = FileMeta(1)
+    assert m.files[data].size == 1 and len(m.files) == 2 * ranks
+    assert manifest_from_bytes(manifest_to_bytes(m)).files[data].size == 1
+
+
+def test_a_table_rank_listed_again_as_a_plain_index_refused():
+    raw = _raw(_manifest(2))
+    other = "data/other-index.json"
+    raw["files"][other] = {"size": 1001}
+    raw["indexes"][other] = {"rank": 1, "size": 1001, "crc32c": 5}
+    with pytest.raises(CorruptCheckpointError, match="rank 1 outside 0..1 or listed twice"):
+        manifest_from_bytes(_bytes(raw))
+
+
+def test_patterns_that_could_give_one_name_twice_are_expanded():
+    """Adjacent placeholders (``r{rank}{i}``: rank 12345 file 7 vs rank 1234 file 57...) are not answered lazily."""
+    raw = _raw(_manifest(3))
+    raw["file_table"]["data"] = "data/x-r{rank}{i}.safetensors"
+    m = manifest_from_bytes(_bytes(raw))
+    assert type(m.files) is dict and m.files["data/x-r0000200.safetensors"].size == 1 << 20 | 2 << 4
+    assert not _v2.disjoint_patterns("d/{rank}{i}.st", "d/x{rank}.json", "{rank}", "{i}")
+    assert _v2.disjoint_patterns("d/r{rank}-{i}.st", "d/index-r{rank}.json", "{rank}", "{i}")
+    # Heads and tails that could meet: the same file as data and as index (refused, as before).
+    assert not _v2.disjoint_patterns("d/r{rank}-{i}.st", "d/r{rank}-00.st", "{rank}", "{i}")

@@ -285,3 +285,62 @@ def test_save_and_load_through_the_tables(tmp_path, monkeypatch):
     assert live["step"] == 9 and all(torch.equal(live[k]["w"], state[k]["w"]) and torch.equal(live[k]["b"], state[k]["b"]) for k in live if k != "step")
     m = shardckpt.verify(path)
     assert len(m.tensors) == 12 and sum(len(t.chunks) for t in m.tensors.values()) == 12
+
+
+def _table_order_index(extra, block_bytes: int = 1 << 20):
+    """A parsed manifest (tensor table) and an index of one chunk of each of its tensors, in table order."""
+    names = [f"t{i:05d}" for i in range(N)] + ([extra] if extra else [])
+    data = "data/0123456789ab-r00000-00.safetensors"
+    tensors = {nm: TensorMeta("F32", [4, 2], regular=_reg([2], ["S(0)"])) for nm in names}
+    m = manifest_from_bytes(manifest_to_bytes(Manifest(
+        world_size=2, tensors=tensors, files={data: FileMeta(8 + 32 * len(names))}, save_id=SID, version=FORMAT_VERSION,
+        block_bytes=1 << 20, meshes=["iota"], indexes={})))
+    chunks, pos = [], 8
+    for nm in sorted(names):
+        whole = nm == extra  # the extra tensor's chunk is whole: its key is its bare name
+        offs, sizes = ([0, 0], [4, 2]) if whole else ([2, 0], [2, 2])
+        c = ChunkMeta(data, nm if whole else f"{nm}@2,0", offs, sizes, pos, 4 * sizes[0] * sizes[1], pos)
+        c.blocks = [pos * 7 + b for b in range(-(-c.nbytes // block_bytes))]
+        chunks.append((nm, c))
+        pos += c.nbytes
+    m.block_bytes = block_bytes  # below the format's least (4 KiB): many blocks a chunk, for the test
+    return m, sorted(names), chunks, _v2.index_bytes(SID, 0, block_bytes, chunks)
+
+
+def test_an_index_in_table_order_is_answered_by_position():
+    m, names, chunks, body = _table_order_index("u")
+    assert m.tensors.in_table_order(names) and not m.tensors.in_table_order(names[::-1])
+    keys = _v2._parse_index(m, body, 0, "idx")["keys"]
+    assert keys.table_order
+    for name, c in chunks[:3] + chunks[-3:]:  # the key map, made on demand
+        assert keys[c.key] == (name, c)
+    box = _v2._geometry.Box((2, 0), (2, 2))
+    rows = list(range(0, len(names) - 1, 2))
+    got = keys.chunks_for([names[i] for i in rows], "@2,0", box, 1 << 20, rows)
+    assert [(c.tensor, c.key, c.byte_offset) for c in got] == [(names[i], chunks[i][1].key, chunks[i][1].byte_offset) for i in rows]
+    # Rows that are not those names' (a caller's mistake) are caught, as a lookup would be.
+    assert keys.chunks_for([names[i] for i in rows], "@2,0", box, 1 << 20, [i + 1 for i in rows]) == 0
+    # A record built since: names in order no longer mean rows by position.
+    m.tensors[names[0]]
+    assert not m.tensors.in_table_order(names)
+
+
+def test_a_key_twice_in_a_table_order_index_refused():
+    """Names holding "@" can give one key twice (``t00000@2,0`` whole, ``t00000`` at row 2): still refused."""
+    m, _, _, body = _table_order_index("t00000@2,0")
+    with pytest.raises(CorruptCheckpointError, match="listed twice"):
+        _v2._parse_index(m, body, 0, "idx")
+
+
+@pytest.mark.parametrize("extra,block_bytes", [(None, 4), (None, 3), ("u", 4), ("u", 1 << 20)])
+def test_chunks_of_a_table_order_index_match_the_row_by_row_reference(extra, block_bytes):
+    """Rows of as many blocks each (CRCs by position) or not (the extra whole chunk has more): the same Chunks."""
+    m, names, chunks, body = _table_order_index(extra, block_bytes)
+    keys = _v2._parse_index(m, body, 0, "idx")["keys"]
+    assert keys._cols.stride == (0 if extra and block_bytes < 32 else 1 + -(-16 // block_bytes))
+    box = _v2._geometry.Box((2, 0), (2, 2))
+    rows = list(range(N))  # every tensor but the whole one
+    want = [names[i] for i in rows]
+    for got in (keys.chunks_for(want[:9], "@2,0", box, block_bytes, rows[:9]), keys.chunks_for(want, "@2,0", box, block_bytes, rows)):
+        ref = [keys.chunk(f"{n}@2,0", n, box, block_bytes) for n in want[:len(got)]]
+        assert got == ref and got[3].block_crcs == tuple(chunks[3][1].blocks) and len(got[3].block_crcs) == -(-16 // block_bytes)
