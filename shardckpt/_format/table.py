@@ -547,8 +547,10 @@ class _Columns:
         """``(CRC of each row, block CRCs of each row)`` of an index with a :attr:`stride`: one pass, not a slice a row."""
         if self._by_row is None:
             s, crcs = self.stride, self.crcs
-            blocks = list(zip(*(crcs[j::s] for j in range(1, s)))) if s > 1 else [()] * len(self.names)
-            self._by_row = (crcs[0::s], blocks)
+            blocks: List[Tuple[int, ...]] = list(zip(*(crcs[j::s] for j in range(1, s)))) if s > 1 else [()] * len(self.names)
+            by_row = (tuple(crcs[0::s]), blocks)
+            self._by_row = by_row
+            return by_row
         return self._by_row
 
     @property
@@ -634,7 +636,7 @@ class ColumnKeys(Mapping[str, Tuple[str, ChunkMeta]]):
         c = self._cols
         keys = list(map(operator.add, names, repeat(tail))) if tail else names
         if rows is None or not self.table_order:
-            rows = list(map(self._row_of.get, keys))
+            rows = cast(List[int], list(map(self._row_of.get, keys)))  # None where a key is missing: checked next
         at = (box.offsets, box.sizes)
         good = {j for j, g in enumerate(c.geo) if (g[0], g[1]) == at}
         if None in rows or list(map(c.names.__getitem__, rows)) != names or not set(map(c.box.__getitem__, rows)) <= good:
