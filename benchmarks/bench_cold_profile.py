@@ -248,6 +248,9 @@ class Recorder:
 
         self.wrap(LocalStorage, "_read_ranges", "read", lambda self_, rel, ranges: sum(len(b) for _, b in ranges))
         self.wrap(LocalStorage, "map_range", "read", lambda self_, rel, a, b: b - a)
+        from shardckpt._storage import _local  # pieces read into the tensors (tmpfs; a lane's with LOAD_LANES=read)
+
+        self.wrap(_local.HotFile, "readv", "read", lambda self_, off, views: sum(len(v) for v in views))
         self.wrap(_readers, "crc32c", "crc", lambda data, *r: len(data))
         self.wrap(_readers.BufferPool, "take", "pool-wait", lambda self_, n: n)
         return self

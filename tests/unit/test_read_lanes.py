@@ -80,7 +80,7 @@ def _record(monkeypatch, name):
 def _lanes_of(log):
     """The reads of each lane, in the order read; and whether each lane's reads all came from one thread."""
     lanes, threads = {}, {}
-    for t, rel, lo, hi, fd, lane in log:
+    for t, _rel, lo, hi, _fd, lane in log:
         lanes.setdefault(id(lane), []).append((lo, hi))
         threads.setdefault(id(lane), set()).add(t)
     return list(lanes.values()), all(len(v) == 1 for v in threads.values())
