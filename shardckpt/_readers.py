@@ -52,7 +52,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Deque, Dict, List, NamedTuple, Optional, Sequence, Tuple, Type, cast
 
@@ -795,11 +795,12 @@ def read_verified(
         rel, _, _, members = gathering
         gathering.clear()
         calls = [c for cs, _ in members for c in cs]
-        fut = cast(ThreadPoolExecutor, ex).submit(_lane_job, storage, rel, calls)
-        at = 0
+        futs: List[Future] = []
         for cs, jobs in members:
-            jobs.extend(_Part(fut, at + i) for i in range(len(cs)))
-            at += len(cs)
+            mine = [Future() for _ in cs]
+            jobs.extend(mine)
+            futs.extend(mine)
+        cast(ThreadPoolExecutor, ex).submit(_lane_job, storage, rel, calls, futs)
 
     def submit(rng: ReadRange, mv: Optional[memoryview]) -> List[Any]:
         calls = calls_of(rng, mv)
@@ -809,8 +810,9 @@ def read_verified(
             return [ex.submit(fn, storage, *args) if ex is not None else _Done(fn, (storage, *args)) for fn, args in calls]
         if mv is None:  # a mapped range: one lane
             flush()
-            fut = cast(ThreadPoolExecutor, ex).submit(_lane_job, storage, rng.file, calls)
-            return [_Part(fut, i) for i in range(len(calls))]
+            futs: List[Future] = [Future() for _ in calls]
+            cast(ThreadPoolExecutor, ex).submit(_lane_job, storage, rng.file, calls, futs)
+            return futs
         # Buffered: neighbouring ranges of one file join one lane while the
         # lane stays within the storage's lane and this thread's share of the pool.
         if gathering and (gathering[0] != rng.file or rng.start != gathering[1]
@@ -845,7 +847,8 @@ def read_verified(
         return calls
 
     def finish() -> None:
-        flush()
+        if not pending[0][2]:
+            flush()  # the oldest range is in the lane being gathered: submit it now (else it keeps gathering)
         rng, buf, jobs = pending.popleft()
         fence = None
         try:
@@ -988,45 +991,34 @@ def _gap_of(rng: ReadRange) -> int:
     return rng.nbytes - covered
 
 
-def _lane_job(storage: Storage, rel: str, calls: Sequence[Tuple[Callable[..., Any], Tuple[Any, ...]]]) -> List[Tuple[Any, Any]]:
+def _lane_job(storage: Storage, rel: str, calls: Sequence[Tuple[Callable[..., Any], Tuple[Any, ...]]], futs: Sequence[Future]) -> None:
     """Run the jobs of one lane in order, in this thread, on one kept file of ``rel`` (``Storage.open_lane``).
 
-    Returns ``(result, None)`` or ``(None, exception)`` per job, which
-    :class:`_Part` hands out as each job's own result: a job's failure is
-    raised for its own range, as when it ran alone. After a failure the
-    lane's later jobs are not run (they report the same failure; the read
-    raises at the first).
+    Each job's result or failure goes to its own future in ``futs`` as soon
+    as it is done (the calling thread finishes a lane's first range while
+    the lane reads on): a job's failure is raised for its own range, as when
+    it ran alone. After a failure the lane's later jobs are not run (they
+    report the same failure; the read raises at the first).
     """
-    out: List[Tuple[Any, Any]] = []
     err: Optional[BaseException] = None
-    lane = storage.open_lane(rel)
+    lane = None
     try:
-        for fn, args in calls:
+        lane = storage.open_lane(rel)
+        for (fn, args), fut in zip(calls, futs):
             if err is None:
                 try:
-                    out.append((fn(lane, *args), None))
+                    fut.set_result(fn(lane, *args))
                     continue
-                except BaseException as e:  # noqa: BLE001 - re-raised by its _Part
+                except BaseException as e:  # noqa: BLE001 - re-raised by its future's result()
                     err = e
-            out.append((None, err))
+            fut.set_exception(err)
+    except BaseException as e:  # noqa: BLE001 - no future is left without an outcome
+        for fut in futs:
+            if not fut.done():
+                fut.set_exception(e)
     finally:
-        lane.close()
-    return out
-
-
-class _Part:
-    """Job ``i`` of a lane's future, with a future's ``result()``."""
-
-    __slots__ = ("fut", "i")
-
-    def __init__(self, fut: Any, i: int):
-        self.fut, self.i = fut, i
-
-    def result(self) -> Any:
-        value, err = self.fut.result()[self.i]
-        if err is not None:
-            raise err
-        return value
+        if lane is not None:
+            lane.close()
 
 
 class _Done:
