@@ -42,6 +42,13 @@ reports how many units it held whole with a matching CRC: when a range's
 units all came back so (the usual case), the caller's thread joins no
 parts.
 
+Lanes (wave 12): on a storage whose files go through a kernel readahead
+(``Storage.lane_bytes``: local files on a block device), the pieces of a
+mapped range, or (``SHARDCKPT_LOAD_LANES=all``) of a run of neighbouring
+buffered ranges (at most the pool's share of one thread), are one job that one thread runs in file order
+through one kept file (``Storage.open_lane``); each piece still reports to
+its own future, so ranges are finished in plan order as before.
+
 Peak memory: the pool's capacity, or one oversized unit (a v1 chunk larger
 than the pool) plus nothing else in flight; mapped pieces hold no buffer
 (at most ``2 * threads`` ranges of them in flight, each mapping closed once
@@ -806,7 +813,10 @@ def read_verified(
         calls = calls_of(rng, mv)
         stats.requests += len(calls)
         lane = lane_of(rng.file)
+        if mv is not None and _knobs.LOAD_LANES != "all":
+            lane = 0  # buffered ranges in lanes only when asked (``SHARDCKPT_LOAD_LANES=all``)
         if not lane:
+            flush()  # (a lane gathered for another file starts now, not when its range is due)
             return [ex.submit(fn, storage, *args) if ex is not None else _Done(fn, (storage, *args)) for fn, args in calls]
         if mv is None:  # a mapped range: one lane
             flush()

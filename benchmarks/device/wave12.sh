@@ -5,13 +5,14 @@
 #   crc32c-*-cp312-*.whl (required), fastsafetensors-*-cp312-*.whl (optional)
 # STEPS (default "fsdp2 cold warm16 warmdisk", in priority order), each writing under $OUT:
 #   fsdp2     the raw disk (8 streams, $RAW GB: write+fsync, then a cold read), then bench_fsdp2_load.py --cases
-#             shardckpt (3.09 B + AdamW, 37 GB, defaults: lanes) and the same checkpoint loaded again with
-#             SHARDCKPT_LOAD_LANES=0 (the scheduling before wave 12), diskstats (request size, queue depth) of each
-#             load, then the raw disk again (drift) (~200 s)                -> raw-before.json, fsdp2.json, raw-after.json
+#             shardckpt (3.09 B + AdamW, 37 GB, defaults: a CUDA load's buffered ranges are read as before wave 12)
+#             and the same checkpoint loaded again with SHARDCKPT_LOAD_LANES=all (its buffered ranges in lanes),
+#             diskstats (request size, queue depth) of each load, then the raw disk again (drift) (~200 s)
+#                                                                         -> raw-before.json, fsdp2.json, raw-after.json
 #   cold      bench_byte_path --cold, $CGIB GiB from /tmp, page cache dropped before every load, medians of $CREP:
 #             read8 (the raw 8-stream read of the same bytes, same rounds), read(), load_file+copy, shardckpt
 #             (weights only; lanes), @LOAD_LANES=0, @LOAD_LANES=read, the HF directory (lanes, @0), and into CUDA
-#             load_file(device="cuda"), fastsafetensors, shardckpt (lanes, @0); saves os.write, the HF export from
+#             load_file(device="cuda"), fastsafetensors, shardckpt (default, @LOAD_LANES=all); saves os.write, the HF export from
 #             a warm source; the raw disk's write+fsync and read beside (~130 s)       -> cold.json, cold.md
 #   warm16    bench_byte_path, 1 GiB from /dev/shm, every core, medians of 3: memcpy, load_file+copy, shardckpt,
 #             the HF directory, DCP, and on the GPU load_file(device="cuda"), fastsafetensors, shardckpt (tmpfs has
@@ -19,7 +20,7 @@
 #   warmdisk  bench_byte_path from /tmp without drops (page cache warm, files on the disk: lanes apply), shardckpt and
 #             the HF directory, lanes vs @LOAD_LANES=0, medians of 3 (~40 s)          -> warmdisk.json, warmdisk.md
 #   profile   (not by default) bench_cold_profile --parts load: an AdamW-like state ($PGB GB) into $DEV tensors, cold,
-#             lanes (map), read, 0, alternated x2: reads in flight, CRC, pool waits, diskstats    -> profile.json
+#             lanes $PLANES (CUDA: map,all; CPU: map,read,0), alternated x2: in flight, CRC, pool waits, diskstats -> profile.json
 # TINY=1: tiny sizes, CPU only, no wheels (PYTHON= one with crc32c), fadvise drops: a dry run (fsdp2 needs CUDA:
 # its raw-disk parts run, and the profile step on CPU stands in for the 37 GB load).
 cd "$(dirname "$0")/../.."
@@ -33,10 +34,10 @@ fi
 export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1
 STEPS=${STEPS:-"fsdp2 cold warm16 warmdisk"}
 if [ -n "$TINY" ]; then
-    RAW=0.1; CRAW=0.1; CGIB=0.03; CREP=1; GIB=0.03; REP=1; PGB=0.1; DEV=cpu; DROP="--drop-cache fadvise"; CUDA=--no-cuda
+    PLANES=map,read,0; RAW=0.1; CRAW=0.1; CGIB=0.03; CREP=1; GIB=0.03; REP=1; PGB=0.1; DEV=cpu; DROP="--drop-cache fadvise"; CUDA=--no-cuda
     SCR=${SCRATCH:-/tmp}; [ "$STEPS" = "fsdp2 cold warm16 warmdisk" ] && STEPS="fsdp2 profile cold warm16 warmdisk"
 else
-    RAW=${RAW:-8}; CRAW=4; CGIB=${CGIB:-1.75}; CREP=${CREP:-2}; GIB=1; REP=3; PGB=${PGB:-8}; DEV=cuda; DROP=; CUDA=; SCR=/tmp
+    PLANES=map,all; RAW=${RAW:-8}; CRAW=4; CGIB=${CGIB:-1.75}; CREP=${CREP:-2}; GIB=1; REP=3; PGB=${PGB:-8}; DEV=cuda; DROP=; CUDA=; SCR=/tmp
 fi
 date -u; nvidia-smi -L 2>/dev/null; nproc; free -g | head -2; df -h $SCR /dev/shm | tail -2; uname -r
 grep -m1 "model name" /proc/cpuinfo; uptime
@@ -60,22 +61,22 @@ LANES_CPU="read8,read,safetensors,shardckpt,shardckpt@LOAD_LANES=0,shardckpt@LOA
 for s in $STEPS; do
 case $s in
 fsdp2)
-    echo "=== fsdp2: the raw disk, the 3.09 B + AdamW cold load (lanes, then LOAD_LANES=0, same checkpoint), the raw disk again (~200 s)"
+    echo "=== fsdp2: the raw disk, the 3.09 B + AdamW cold load (defaults, then LOAD_LANES=all, same checkpoint), the raw disk again (~200 s)"
     raw raw-before.json
     if [ -n "$TINY" ]; then echo "fsdp2: the 37 GB load skipped (TINY: no CUDA; the profile step stands in)"; else
-        timeout 300 $PY benchmarks/bench_fsdp2_load.py --dir $SCR/w12fsdp2 --cases "shardckpt,shardckpt@LOAD_LANES=0" --reuse \
+        timeout 300 $PY benchmarks/bench_fsdp2_load.py --dir $SCR/w12fsdp2 --cases "shardckpt,shardckpt@LOAD_LANES=all" --reuse \
             --json "$OUT/fsdp2.json" || echo "fsdp2: exit $?"
         rm -rf $SCR/w12fsdp2
     fi
     raw raw-after.json;;
 profile)
-    echo "=== profile: an AdamW-like state ($PGB GB) into $DEV tensors, cold, lanes map / read / 0, alternated x2 (~90 s)"
+    echo "=== profile: an AdamW-like state ($PGB GB) into $DEV tensors, cold, lanes $PLANES, alternated x2 (~90 s)"
     timeout 150 $PY benchmarks/bench_cold_profile.py --dir $SCR --parts load --load-gb $PGB --device $DEV --modes 0 \
-        --lanes map,read,0 --repeat 2 $DROP --json "$OUT/profile.json" || echo "profile: exit $?";;
+        --lanes $PLANES --repeat 2 $DROP --json "$OUT/profile.json" || echo "profile: exit $?";;
 cold)
     echo "=== cold: bench_byte_path from $SCR, $CGIB GiB, page cache dropped before every load, medians of $CREP (~130 s)"
     D=$(mktemp -d $SCR/w12cold.XXXXXX)
-    EXTRA=; [ -z "$CUDA" ] && EXTRA=",shardckpt-cuda@LOAD_LANES=0"
+    EXTRA=; [ -z "$CUDA" ] && EXTRA=",shardckpt-cuda@LOAD_LANES=all"
     timeout 240 $PY benchmarks/bench_byte_path.py --dir "$D" --cold --size-gib $CGIB --raw-gb $CRAW --repeat $CREP $CUDA --no-rss $DROP \
         --loads "$LANES_CPU$EXTRA" --saves write,hf-export-warm --json "$OUT/cold.json" --markdown "$OUT/cold.md" \
         || echo "cold: exit $?"

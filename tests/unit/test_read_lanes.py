@@ -45,8 +45,9 @@ def test_lane_bytes_follow_the_device_readahead_window(tmp_path, monkeypatch):
         assert st.lane_bytes("f") == 0  # the knob turns them off whatever the device
         monkeypatch.setattr(_knobs, "LOAD_LANES", "map")
         assert st.lane_bytes("f") == want
-        monkeypatch.setattr(_knobs, "LOAD_LANES", "read")
-        assert st.lane_bytes("f") == want
+        for on in ("read", "all"):
+            monkeypatch.setattr(_knobs, "LOAD_LANES", on)
+            assert st.lane_bytes("f") == want
     monkeypatch.undo()
     if os.path.isdir("/dev/shm") and _local.fs_type(os.stat("/dev/shm").st_dev) in _local.MEMORY_FILESYSTEMS:
         # A memory filesystem has no queue: no lanes (its reads are copies, no readahead).
@@ -88,13 +89,13 @@ def _lanes_of(log):
 
 @pytest.mark.parametrize("how", ["read", "mapped", "buffered"])
 def test_each_lane_is_read_in_order_by_one_thread_through_one_descriptor(tmp_path, monkeypatch, how):
-    """``read``: CPU pieces read into the tensors (LOAD_LANES=read); ``mapped``: LOAD_LANES=map (default); ``buffered``: LOAD_MAP=0."""
+    """``read``: CPU pieces read into the tensors (LOAD_LANES=read); ``mapped``: LOAD_LANES=map (default); ``buffered``: LOAD_MAP=0, LOAD_LANES=all."""
     src = _state()
     d = str(tmp_path / "c")
     shardckpt.save(src, d)
     mapped = how != "buffered"
     monkeypatch.setattr(_knobs, "LOAD_MAP", mapped)
-    monkeypatch.setattr(_knobs, "LOAD_LANES", "map" if how == "mapped" else "read")
+    monkeypatch.setattr(_knobs, "LOAD_LANES", {"read": "read", "mapped": "map", "buffered": "all"}[how])
     monkeypatch.setattr(_knobs, "LOAD_DIRECT", "0")
     # Small buffers: several ranges (mapped: 8 MiB each, in 4 MiB pieces; buffered: 4 ranges of 8 MiB share a lane of 32 MiB).
     monkeypatch.setattr(_knobs, "LOAD_BUFFER_BYTES", (8 if mapped else 128) * MIB)
@@ -122,6 +123,14 @@ def test_each_lane_is_read_in_order_by_one_thread_through_one_descriptor(tmp_pat
         assert spans == sorted((r[2], r[3]) for r in spread)  # the same pieces as without lanes
     # Lanes hold several reads: 2 pieces of a mapped range, up to 4 buffered ranges.
     assert max(len(g) for g in grouped) >= (2 if mapped else 3), [len(g) for g in grouped]
+    if how == "buffered":  # the default (map) leaves buffered ranges (CUDA loads') as they were
+        monkeypatch.setattr(_knobs, "LOAD_LANES", "map")
+        monkeypatch.setattr(LocalStorage, "lane_bytes", lambda self, rel: 32 * MIB)
+        log.clear()
+        live = {k: torch.zeros_like(v) for k, v in src.items()}
+        shardckpt.load(live, d, io_threads=4)
+        assert all(torch.equal(live[k], src[k]) for k in src)
+        assert log and all(r[4] == -1 for r in log)
     if how == "read":  # without lanes, disk files' pieces are mapped (only tmpfs is read into the tensors)
         assert not spread or _local.fs_type(os.stat(d).st_dev) in _local.MEMORY_FILESYSTEMS
 
@@ -132,6 +141,7 @@ def test_damage_inside_a_lane_is_named_and_never_delivered(tmp_path, monkeypatch
     d = str(tmp_path / "c")
     shardckpt.save(src, d)
     monkeypatch.setattr(_knobs, "LOAD_MAP", mapped)
+    monkeypatch.setattr(_knobs, "LOAD_LANES", "map" if mapped else "all")
     monkeypatch.setattr(_knobs, "LOAD_BUFFER_BYTES", (8 if mapped else 128) * MIB)
     monkeypatch.setattr(LocalStorage, "lane_bytes", lambda self, rel: 32 * MIB)
     files = sorted(f for f in os.listdir(os.path.join(d, "data")) if f.endswith(".safetensors"))
