@@ -804,7 +804,7 @@ def read_verified(
         calls = [c for cs, _ in members for c in cs]
         futs: List[Future] = []
         for cs, jobs in members:
-            mine = [Future() for _ in cs]
+            mine: List[Future] = [Future() for _ in cs]
             jobs.extend(mine)
             futs.extend(mine)
         cast(ThreadPoolExecutor, ex).submit(_lane_job, storage, rel, calls, futs)
