@@ -20,7 +20,9 @@ Two parts, one process, page cache dropped before every read
             wrapping the engine's functions: reads in flight over time
             (sampled every 10 ms), request sizes, seconds of CRC and of waits
             for a free buffer, time before the first read (planning) and after
-            the last (finishing), the same diskstats.
+            the last (finishing), the same diskstats. ``--lanes map,read,0``
+            (wave 12) loads once per ``SHARDCKPT_LOAD_LANES`` value too,
+            ``--repeat`` rounds alternated (``modes`` then holds a list per setting).
 
 The device's queue settings (``read_ahead_kb``, ``max_sectors_kb``,
 ``nr_requests``, scheduler) are read from sysfs (never written) and reported.

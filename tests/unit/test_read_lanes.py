@@ -135,13 +135,15 @@ def test_each_lane_is_read_in_order_by_one_thread_through_one_descriptor(tmp_pat
         assert not spread or _local.fs_type(os.stat(d).st_dev) in _local.MEMORY_FILESYSTEMS
 
 
-@pytest.mark.parametrize("mapped", [True, False], ids=["mapped", "buffered"])
-def test_damage_inside_a_lane_is_named_and_never_delivered(tmp_path, monkeypatch, mapped):
+@pytest.mark.parametrize("how", ["read", "mapped", "buffered"])
+def test_damage_inside_a_lane_is_named_and_never_delivered(tmp_path, monkeypatch, how):
     src = _state()
     d = str(tmp_path / "c")
     shardckpt.save(src, d)
+    mapped = how != "buffered"
     monkeypatch.setattr(_knobs, "LOAD_MAP", mapped)
-    monkeypatch.setattr(_knobs, "LOAD_LANES", "map" if mapped else "all")
+    monkeypatch.setattr(_knobs, "LOAD_DIRECT", "0")
+    monkeypatch.setattr(_knobs, "LOAD_LANES", {"read": "read", "mapped": "map", "buffered": "all"}[how])
     monkeypatch.setattr(_knobs, "LOAD_BUFFER_BYTES", (8 if mapped else 128) * MIB)
     monkeypatch.setattr(LocalStorage, "lane_bytes", lambda self, rel: 32 * MIB)
     files = sorted(f for f in os.listdir(os.path.join(d, "data")) if f.endswith(".safetensors"))
@@ -156,3 +158,16 @@ def test_damage_inside_a_lane_is_named_and_never_delivered(tmp_path, monkeypatch
     with pytest.raises(ChecksumMismatchError, match="checksum mismatch"):
         shardckpt.load(live, d, io_threads=4, atomic=True)
     assert all(not v.any() for v in live.values()), "an atomic load that failed changed nothing"
+    # Not atomic: whatever was written is verified bytes; the damaged block is nowhere in the tensors.
+    live = {k: torch.zeros_like(v) for k, v in src.items()}
+    with pytest.raises(ChecksumMismatchError, match="checksum mismatch"):
+        shardckpt.load(live, d, io_threads=4)
+    block = _knobs.BLOCK_BYTES
+    whole = 0
+    for k, v in src.items():
+        got, want = live[k].view(torch.uint8), v.view(torch.uint8)
+        whole += torch.equal(got, want)
+        for a in range(0, got.numel(), block):
+            g, w = got[a : a + block], want[a : a + block]
+            assert torch.equal(g, w) or not g.any(), (k, a)  # verified bytes, or untouched (put back)
+    assert whole < len(src)  # the damaged tensor's block is not in it
