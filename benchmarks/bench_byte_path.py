@@ -20,7 +20,13 @@ shows), then each load fills the same resident live tensors, in place:
                        ``converters.to_safetensors`` exported from it
 ``shardckpt-hf-map``   the same with ``SHARDCKPT_LOAD_INTO`` off
 ``dcp``                ``torch.distributed.checkpoint.load`` (``FileSystemReader``)
+``read8``              (not by default) the raw file read by 8 threads, a contiguous eighth
+                       each: the raw 8-stream read of the same bytes, in the same rounds
 =====================  ================================================================
+
+Any load case may be suffixed ``@KNOB=value`` (``--loads
+shardckpt,shardckpt@LOAD_LANES=0``): the same load with ``_knobs.KNOB`` set
+for it, in the same run (wave 12: the lanes against the scheduling before them).
 
 and on a GPU (``torch.cuda`` available), into CUDA live tensors:
 ``safetensors-cuda`` (``load_file(device="cuda")`` + ``copy_``),
@@ -233,6 +239,21 @@ class Bench:
     # -- loads ----------------------------------------------------------------------
 
     def load(self, case: str) -> None:
+        """Load ``case``; ``case@KNOB=value`` (e.g. ``shardckpt@LOAD_LANES=0``): the same with ``_knobs.KNOB`` set for it."""
+        base, _, setting = case.partition("@")
+        if not setting:
+            return self._load(case)
+        from shardckpt import _knobs
+
+        name, _, value = setting.partition("=")
+        was = getattr(_knobs, name)
+        setattr(_knobs, name, type(was)(value) if not isinstance(was, bool) else value.lower() in ("1", "on", "true", "yes"))
+        try:
+            return self._load(base)
+        finally:
+            setattr(_knobs, name, was)
+
+    def _load(self, case: str) -> None:
         import torch
 
         live = self.live
@@ -254,6 +275,30 @@ class Bench:
                     off += len(mv)
             finally:
                 os.close(fd)
+        elif case == "read8":
+            # The raw file read back by 8 threads, each a contiguous eighth in
+            # 16 MiB reads (no checksum, into a scratch buffer): the raw
+            # 8-stream read, in the same rounds as the loads.
+            fd = os.open(self.p["raw"], os.O_RDONLY)
+            try:
+                size = os.fstat(fd).st_size
+                part = -(-size // 8)
+
+                def stream(k: int) -> None:
+                    buf = bytearray(16 << 20)
+                    mv = memoryview(buf)
+                    pos, end = k * part, min(size, (k + 1) * part)
+                    while pos < end:
+                        got = os.preadv(fd, [mv[: min(len(mv), end - pos)]], pos)
+                        if got <= 0:
+                            raise EOFError(self.p["raw"])
+                        pos += got
+
+                with ThreadPoolExecutor(8) as ex:
+                    list(ex.map(stream, range(8)))
+            finally:
+                os.close(fd)
+            return
         elif case == "safetensors":
             from safetensors.torch import load_file
 
@@ -313,7 +358,9 @@ class Bench:
     def check(self, case: str) -> None:
         import torch
 
-        live = self.live_cuda if case in CUDA_LOADS else self.live
+        if case == "read8":
+            return  # nothing loaded
+        live = self.live_cuda if case.partition("@")[0] in CUDA_LOADS else self.live
         for k, t in self.src.items():
             if not torch.equal(live[k].cpu(), t):
                 raise AssertionError(f"{case}: {k} differs after the load")
@@ -349,6 +396,7 @@ def export_report(out: Dict[str, Any]) -> List[str]:
 
 def available(case: str, cuda: bool) -> Optional[str]:
     """None when ``case`` can run here, else why not."""
+    case = case.partition("@")[0]
     if case in CUDA_LOADS and not cuda:
         return "no CUDA"
     if case == "fastsafetensors":
@@ -466,11 +514,22 @@ def run(args) -> Dict[str, Any]:
         res: Dict[str, Dict[str, List[float]]] = {f"load:{c}": {"s": [], "cpu_s": []} for c in loads}
         res.update({f"save:{c}": {"s": [], "cpu_s": []} for c in saves})
         drops = set()
+        # What the disk saw during each cold load (/proc/diskstats): requests, their mean size, the queue depth.
+        from bench_cold_profile import _disk_delta, _diskstats
+
+        from shardckpt._storage._local import queue_info
+
+        dev = queue_info(root).get("device", "") if args.cold else ""
+        out["queue"] = queue_info(root) if args.cold else {}
+        disk: Dict[str, List[Dict[str, Any]]] = {}
         for _ in range(args.repeat):
             for c in loads:
                 if args.cold and c != "memcpy":
                     drops.add(drop_page_cache([root], how=args.drop_cache))
+                before = _diskstats(dev) if dev else None
                 s, cpu = timed(lambda c=c: b.load(c))
+                if before:
+                    disk.setdefault(f"load:{c}", []).append(_disk_delta(dev, before, s))
                 b.check(c)
                 res[f"load:{c}"]["s"].append(s)
                 res[f"load:{c}"]["cpu_s"].append(cpu)
@@ -483,6 +542,7 @@ def run(args) -> Dict[str, Any]:
                 res[f"save:{c}"]["cpu_s"].append(cpu)
                 p = b.p[_SAVE_PATH[c]] + ".again"
                 shutil.rmtree(p) if os.path.isdir(p) else os.unlink(p)
+        out["disk"] = disk
         out["drop"] = sorted(drops)
         out["skipped"] = skipped
         out["settings"] = _load_settings()
@@ -549,6 +609,7 @@ def aims(out: Dict[str, Any]) -> List[Dict[str, Any]]:
 
 def report(out: Dict[str, Any], info: Dict[str, str]) -> str:
     cases = out["cases"]
+    disk = out.get("disk") or {}
     lines = [f"# bench_byte_path: {out['size_bytes'] / GIB:.2f} GiB in {out['tensors']} tensors, "
              f"{'cold (page cache dropped: ' + ','.join(out['drop']) + ')' if out['cold'] else 'warm'}, {out['cpus']} CPUs usable",
              "", "machine: " + "; ".join(f"{k}={v}" for k, v in info.items()), ""]
@@ -560,8 +621,19 @@ def report(out: Dict[str, Any], info: Dict[str, str]) -> str:
             base = cases.get(ref) if not k.startswith("load:") or "cuda" not in k and "fast" not in k else \
                 cases.get("load:safetensors-cuda")
             ratio = base["median_s"] / v["median_s"] if base else None
-            rows.append([k, v["gbps"], ratio, v["median_s"], v["median_cpu_s"], " ".join(f"{s:.3f}" for s in v["runs_s"])])
-    lines.append(markdown_table(["case", "GB/s (median)", "x reference", "s", "CPU s", "runs (s)"], rows))
+            row = [k, v["gbps"], ratio, v["median_s"], v["median_cpu_s"], " ".join(f"{s:.3f}" for s in v["runs_s"])]
+            if disk:
+                seen = disk.get(k, [])
+                req = [d["mean_request_kib"] for d in seen if d.get("mean_request_kib")]
+                qd = [d["mean_queue_depth"] for d in seen if d.get("mean_queue_depth") is not None]
+                r8 = cases.get("load:read8")
+                row += [r8["median_s"] / v["median_s"] if r8 and kind == "load" else None,
+                        statistics.median(req) if req else None, statistics.median(qd) if qd else None]
+            rows.append(row)
+    head = ["case", "GB/s (median)", "x reference", "s", "CPU s", "runs (s)"]
+    if disk:
+        head += ["x read8 (raw 8 streams, same rounds)", "disk request KiB (median)", "disk queue depth"]
+    lines.append(markdown_table(head, rows))
     lines.append("")
     lines.append("reference: loads against `load:safetensors` (CUDA loads against `load:safetensors-cuda`), saves against `save:save_file`")
     if "raw_disk" in out:

@@ -20,7 +20,9 @@ Two parts, one process, page cache dropped before every read
             wrapping the engine's functions: reads in flight over time
             (sampled every 10 ms), request sizes, seconds of CRC and of waits
             for a free buffer, time before the first read (planning) and after
-            the last (finishing), the same diskstats.
+            the last (finishing), the same diskstats. ``--lanes map,read,0``
+            (wave 12) loads once per ``SHARDCKPT_LOAD_LANES`` value too,
+            ``--repeat`` rounds alternated (``modes`` then holds a list per setting).
 
 The device's queue settings (``read_ahead_kb``, ``max_sectors_kb``,
 ``nr_requests``, scheduler) are read from sysfs (never written) and reported.
@@ -248,6 +250,9 @@ class Recorder:
 
         self.wrap(LocalStorage, "_read_ranges", "read", lambda self_, rel, ranges: sum(len(b) for _, b in ranges))
         self.wrap(LocalStorage, "map_range", "read", lambda self_, rel, a, b: b - a)
+        from shardckpt._storage import _local  # pieces read into the tensors (tmpfs; a lane's with LOAD_LANES=read)
+
+        self.wrap(_local.HotFile, "readv", "read", lambda self_, off, views: sum(len(v) for v in views))
         self.wrap(_readers, "crc32c", "crc", lambda data, *r: len(data))
         self.wrap(_readers.BufferPool, "take", "pool-wait", lambda self_, n: n)
         return self
@@ -289,7 +294,8 @@ class Recorder:
         return out
 
 
-def load_profile(root: str, total: int, device: str, modes: List[str], how_drop: str, dev: str) -> Dict[str, Any]:
+def load_profile(root: str, total: int, device: str, modes: List[str], how_drop: str, dev: str, lanes: Optional[List[str]] = None,
+                 repeat: int = 1) -> Dict[str, Any]:
     import torch
 
     import shardckpt
@@ -310,9 +316,12 @@ def load_profile(root: str, total: int, device: str, modes: List[str], how_drop:
         shardckpt.load({"w": torch.zeros(1 << 20, device=device)}, tiny, no_dist=True)
         out: Dict[str, Any] = {"bytes": nbytes, "tensors": ntensors, "device": device, "save_gbps": round(gbps(nbytes, save_s), 3),
                                "modes": {}}
-        was = _knobs.LOAD_DIRECT
-        for mode in modes:
+        was, was_lanes = _knobs.LOAD_DIRECT, _knobs.LOAD_LANES
+        # Every (lanes, O_DIRECT mode) in turn, ``repeat`` rounds: alternated, so a shared disk's drift hits each alike.
+        runs = [(ln, m) for _ in range(repeat) for ln in (lanes or ["1"]) for m in modes]
+        for lane, mode in runs:
             _knobs.LOAD_DIRECT = mode
+            _knobs.LOAD_LANES = lane
             drop = drop_page_cache([d], how=how_drop)
             before = _diskstats(dev)
             with Recorder() as rec:
@@ -321,7 +330,7 @@ def load_profile(root: str, total: int, device: str, modes: List[str], how_drop:
                 if device == "cuda":
                     torch.cuda.synchronize()
                 t_end = time.perf_counter()
-            _knobs.LOAD_DIRECT = was
+            _knobs.LOAD_DIRECT, _knobs.LOAD_LANES = was, was_lanes
             for k, part in src.items():
                 for n, t in part.items():
                     if not torch.equal(live[k][n], t):
@@ -331,8 +340,9 @@ def load_profile(root: str, total: int, device: str, modes: List[str], how_drop:
             s["gbps"] = round(gbps(nbytes, t_end - t_start), 3)
             s["drop"] = drop
             s.update({"disk_" + k: v for k, v in _disk_delta(dev, before, t_end - t_start).items()})
-            out["modes"][mode] = s
-            print(f"  load LOAD_DIRECT={mode}: {s['gbps']:.2f} GB/s  {json.dumps({k: v for k, v in s.items() if k != 'gbps'})}", flush=True)
+            key = mode if lanes is None else f"lanes={lane},direct={mode}"
+            out["modes"].setdefault(key, []).append(s)
+            print(f"  load {key}: {s['gbps']:.2f} GB/s  {json.dumps({k: v for k, v in s.items() if k != 'gbps'})}", flush=True)
         return out
     finally:
         shutil.rmtree(d, ignore_errors=True)
@@ -349,6 +359,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--load-gb", type=float, default=4.0)
     p.add_argument("--device", default="cpu")
     p.add_argument("--modes", default="0,auto", help="SHARDCKPT_LOAD_DIRECT values to load with")
+    p.add_argument("--lanes", default=None, help="SHARDCKPT_LOAD_LANES values to load with (e.g. 1,map,0: the wave-12 scheduling, with mapped pieces, the old one)")
+    p.add_argument("--repeat", type=int, default=1, help="rounds of every load setting, alternated")
     p.add_argument("--drop-cache", choices=["auto", "fadvise"], default="auto")
     p.add_argument("--json")
     args = p.parse_args(argv)
@@ -370,7 +382,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             out["sweep"] = sweep(root, int(args.sweep_gb * 1e9), q, configs, args.drop_cache)
         if "load" in parts:
             out["load"] = load_profile(root, int(args.load_gb * 1e9), args.device, args.modes.split(","), args.drop_cache,
-                                       q.get("device", ""))
+                                       q.get("device", ""), args.lanes.split(",") if args.lanes else None, args.repeat)
     finally:
         shutil.rmtree(root, ignore_errors=True)
         if args.json:

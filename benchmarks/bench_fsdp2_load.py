@@ -103,6 +103,13 @@ def _host_pinned() -> int:
         return -1
 
 
+def _disk_device(path):
+    """The block device under ``path`` (sysfs name), or "" (tmpfs, unknown)."""
+    from shardckpt._storage._local import queue_info
+
+    return queue_info(path).get("device", "")
+
+
 def _case(name, model, opt, path, want, reuse=False):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -113,7 +120,13 @@ def _case(name, model, opt, path, want, reuse=False):
 
     # "shardckpt:T:B:R": T I/O threads, B MiB of read buffers, R MiB per read;
     # plain "shardckpt": the defaults for CUDA targets; a trailing ":nocrc"
-    # skips the CRC checks (SHARDCKPT_CHECKSUMS=0: the checksum's cost).
+    # skips the CRC checks (SHARDCKPT_CHECKSUMS=0: the checksum's cost);
+    # "...@KNOB=value" loads with ``_knobs.KNOB`` set (wave 12:
+    # "shardckpt@LOAD_LANES=0", the scheduling before the lanes; with --reuse).
+    label = name
+    name, _, setting = name.partition("@")
+    knob = setting.partition("=")[0] if setting else None
+    knob_was = getattr(_knobs, knob) if knob else None
     kind, *opts = name.split(":")
     nocrc = bool(opts) and opts[-1] == "nocrc"
     opts = [o for o in opts if o != "nocrc"]
@@ -150,9 +163,19 @@ def _case(name, model, opt, path, want, reuse=False):
     rss0 = _status("VmRSS")
     pinned0 = _host_pinned()
     _reset_peak()
+    if knob:
+        setattr(_knobs, knob, setting.partition("=")[2])
+    from bench_cold_profile import _disk_delta, _diskstats  # (benchmarks/ is this script's directory)
+
+    dev = _disk_device(path)
+    disk0 = _diskstats(dev) if dev else None
     t0 = time.perf_counter()
     if kind == "shardckpt":
-        shardckpt.load({"model": model, "optim": opt}, path, **kw)
+        try:
+            shardckpt.load({"model": model, "optim": opt}, path, **kw)
+        finally:
+            if knob:
+                setattr(_knobs, knob, knob_was)
     else:
         msd, osd = get_state_dict(model, opt)
         sd = {"model": msd, "optim": osd}
@@ -160,10 +183,12 @@ def _case(name, model, opt, path, want, reuse=False):
         set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
     torch.cuda.synchronize()
     load_s = time.perf_counter() - t0
+    disk = _disk_delta(dev, disk0, load_s) if disk0 else {}
     peak = _status("VmHWM")
     got = _fingerprint(model, opt)
     out = {
-        "case": name,
+        "case": label,
+        **{"disk_" + k: v for k, v in disk.items()},
         "bytes": nbytes,
         "save_s": round(save_s, 2),
         "load_s": round(load_s, 2),
@@ -201,7 +226,7 @@ def main(argv=None) -> int:
     nparams = sum(p.numel() for p in model.parameters())
     print(f"params={nparams / 1e9:.2f}B state={nparams * 12 / 1e9:.1f}GB torch={torch.__version__}", flush=True)
     want = _fingerprint(model, opt)
-    res = [_case(c, model, opt, os.path.join(a.dir, c.split(":")[0]), want, a.reuse) for c in a.cases.split(",")]
+    res = [_case(c, model, opt, os.path.join(a.dir, c.split(":")[0].split("@")[0]), want, a.reuse) for c in a.cases.split(",")]
     shutil.rmtree(a.dir, ignore_errors=True)
     if a.json:
         with open(a.json, "w") as f:

@@ -55,6 +55,11 @@ environment variable                default     what it sets
                                                 contiguous CPU tensors: ``preadv`` each
                                                 checksum block into the tensor, CRC it
                                                 there (restored if it fails); 0: map them
+``SHARDCKPT_LOAD_LANES``            map         a CPU load's reader threads each read a stretch
+                                                of a block-device file in order, through one
+                                                kept descriptor (4 readahead windows); read:
+                                                pieces preadv'd into the tensors; all: CUDA
+                                                loads' buffered ranges too; 0: no lanes
 ``SHARDCKPT_LOAD_DIRECT``           0           local reads of >= 1 MiB from a block device
                                                 with O_DIRECT: 0 (never), auto (uncached), 1
 ``SHARDCKPT_EXPORT_PLACED``         1           an HF export of uncast tensors to local disk:
@@ -122,6 +127,7 @@ __all__ = [
     "LOAD_READ_ONCE",
     "LOAD_MAP",
     "LOAD_INTO",
+    "LOAD_LANES",
     "EXPORT_PLACED",
     "LOAD_DIRECT",
     "BLOCK_BYTES",
@@ -278,6 +284,30 @@ LOAD_MAP = _bool("LOAD_MAP", True)
 #: fails. 0: such pieces are mapped as ``LOAD_MAP`` says. Files on disks are
 #: mapped either way. Read at each load.
 LOAD_INTO = _bool("LOAD_INTO", True)
+#: A load's reads of a file on a block device (a disk: sysfs shows its queue)
+#: go in *lanes*: one reader thread reads a stretch of the file in order,
+#: through one kept file descriptor, so the kernel sees sequential streams
+#: (its readahead runs ahead of each thread, not into the pieces other
+#: threads read). The stretch is 4 of the device's readahead windows
+#: (``read_ahead_kb``), 8-64 MiB. ``map`` (default; ``1`` too): each mapped
+#: range of a CPU load is a lane, its pieces mapped as without lanes;
+#: ``read``: the same, and a lane's pieces bound as they are for contiguous
+#: CPU tensors are read with ``preadv`` straight into them, one checksum
+#: block a call (as tmpfs pieces are: ``LOAD_INTO``; restored if a block
+#: fails), when ``LOAD_DIRECT`` is 0; ``all``: ``map``, and runs of
+#: neighbouring buffered ranges (CUDA targets, casts) are lanes too, within
+#: the pool's share of one thread (not the default: slower than without on
+#: the 2-core box, docs/performance.md wave 12; for the device call to
+#: decide); ``0``: no lanes, every piece a job of its own spread over the
+#: threads (the scheduling before wave 12). tmpfs and network storage never
+#: use lanes. Read at each load.
+LOAD_LANES = (_env("LOAD_LANES") or "map").lower()
+if LOAD_LANES in ("1", "on", "true", "yes"):
+    LOAD_LANES = "map"
+elif LOAD_LANES in ("off", "false", "no"):
+    LOAD_LANES = "0"
+if LOAD_LANES not in ("0", "map", "read", "all"):
+    raise _bad("LOAD_LANES", os.environ[ENV_PREFIX + "LOAD_LANES"], "map, read, all or 0")
 #: Local reads of >= 1 MiB from a block device with ``O_DIRECT``: ``0``
 #: (default: the page cache; an uncached range of more than 4 of the device's
 #: readahead windows is asked whole with ``POSIX_FADV_WILLNEED``), ``auto``

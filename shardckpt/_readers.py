@@ -42,6 +42,13 @@ reports how many units it held whole with a matching CRC: when a range's
 units all came back so (the usual case), the caller's thread joins no
 parts.
 
+Lanes (wave 12): on a storage whose files go through a kernel readahead
+(``Storage.lane_bytes``: local files on a block device), the pieces of a
+mapped range, or (``SHARDCKPT_LOAD_LANES=all``) of a run of neighbouring
+buffered ranges (at most the pool's share of one thread), are one job that one thread runs in file order
+through one kept file (``Storage.open_lane``); each piece still reports to
+its own future, so ranges are finished in plan order as before.
+
 Peak memory: the pool's capacity, or one oversized unit (a v1 chunk larger
 than the pool) plus nothing else in flight; mapped pieces hold no buffer
 (at most ``2 * threads`` ranges of them in flight, each mapping closed once
@@ -52,7 +59,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Deque, Dict, List, NamedTuple, Optional, Sequence, Tuple, Type, cast
 
@@ -750,13 +757,28 @@ def read_verified(
     # Pieces in memory (tmpfs) whose bytes all go as they are into destinations' memory
     # (``Want.into``) are read straight there instead (``SHARDCKPT_LOAD_INTO``).
     into = mappable and _knobs.LOAD_INTO
+    # Lanes (``Storage.lane_bytes``: files on a block device): the pieces of
+    # a mapped range, or of a run of neighbouring buffered ranges, are read
+    # in order by one thread through one kept file (``Storage.open_lane``),
+    # so the kernel's readahead sees sequential streams, not many threads
+    # racing through neighbouring pieces. 0 for a file: every piece a job.
+    lanes: Dict[str, int] = {}
+
+    def lane_of(rel: str) -> int:
+        got = lanes.get(rel)
+        if got is None:
+            got = lanes[rel] = storage.lane_bytes(rel) if threads > 1 and hasattr(storage, "lane_bytes") else 0
+        return got
+
     if mappable and range_bytes is None:
         # A mapped range holds no buffer: larger ones (its pieces still
         # map and copy a few MiB each) mean fewer ranges for this thread to
         # submit and finish while the readers wait on it. Never larger than
-        # the pool, though: a small pool asks for small steps.
+        # the pool, though: a small pool asks for small steps. A mapped
+        # range read in a lane is one lane: as long as the storage's lanes.
         sunk = [w for w in wants if w.sink is not None]
-        grown = max(pool.slot_bytes, min(MAPPED_RANGE_BYTES, pool.capacity))
+        lane = max([lane_of(f) for f in {w.chunk.file for w in sunk}], default=0)
+        grown = max(pool.slot_bytes, min(max(MAPPED_RANGE_BYTES, lane), pool.capacity))
         ranges = plan_ranges(sunk, range_bytes=grown, gap_bytes=gap) + plan_ranges(
             [w for w in wants if w.sink is None], range_bytes=pool.slot_bytes, gap_bytes=gap)
     else:
@@ -768,9 +790,54 @@ def read_verified(
     pending: Deque[Tuple[ReadRange, Optional[Buffer], List[Any]]] = deque()
     ex = ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="shardckpt-r") if threads > 1 else None
     stop = threading.Event()  # set on the first damage or error: reader threads deliver nothing more
+    # A lane of buffered ranges being gathered: (file, end, bytes, [(calls, the ranges' job lists)]).
+    # Its buffers are only as many as the pool's share of one thread.
+    share = pool.capacity // max(1, threads)
+    gathering: List[Any] = []
 
-    def submit(rng: ReadRange, mv: Optional[memoryview]):
-        jobs = []
+    def flush() -> None:
+        """Submit the gathered lane of buffered ranges as one job (before any ``finish``: it may wait on them)."""
+        if not gathering:
+            return
+        rel, _, _, members = gathering
+        gathering.clear()
+        calls = [c for cs, _ in members for c in cs]
+        futs: List[Future] = []
+        for cs, jobs in members:
+            mine: List[Future] = [Future() for _ in cs]
+            jobs.extend(mine)
+            futs.extend(mine)
+        cast(ThreadPoolExecutor, ex).submit(_lane_job, storage, rel, calls, futs)
+
+    def submit(rng: ReadRange, mv: Optional[memoryview]) -> List[Any]:
+        calls = calls_of(rng, mv)
+        stats.requests += len(calls)
+        lane = lane_of(rng.file)
+        if mv is not None and _knobs.LOAD_LANES != "all":
+            lane = 0  # buffered ranges in lanes only when asked (``SHARDCKPT_LOAD_LANES=all``)
+        if not lane:
+            flush()  # (a lane gathered for another file starts now, not when its range is due)
+            return [ex.submit(fn, storage, *args) if ex is not None else _Done(fn, (storage, *args)) for fn, args in calls]
+        if mv is None:  # a mapped range: one lane
+            flush()
+            futs: List[Future] = [Future() for _ in calls]
+            cast(ThreadPoolExecutor, ex).submit(_lane_job, storage, rng.file, calls, futs)
+            return futs
+        # Buffered: neighbouring ranges of one file join one lane while the
+        # lane stays within the storage's lane and this thread's share of the pool.
+        if gathering and (gathering[0] != rng.file or rng.start != gathering[1]
+                          or gathering[2] + rng.nbytes > min(lane, share)):
+            flush()
+        jobs: List[Any] = []
+        if not gathering:
+            gathering.extend([rng.file, rng.stop, 0, []])
+        gathering[1], gathering[2] = rng.stop, gathering[2] + rng.nbytes
+        gathering[3].append((calls, jobs))
+        return jobs
+
+    def calls_of(rng: ReadRange, mv: Optional[memoryview]) -> List[Tuple[Callable[..., Any], Tuple[Any, ...]]]:
+        """The jobs reading ``rng`` (into ``mv``, or mapped when None): ``(function, its arguments after the storage)``."""
+        calls: List[Tuple[Callable[..., Any], Tuple[Any, ...]]] = []
         units = rng.units if checking else []
         sinks = [w for w in rng.wants if w.sink is not None] if fused else []
         pieces = _cuts(rng, max(1, piece_bytes), units) if sinks else [
@@ -783,14 +850,15 @@ def read_verified(
             theirs = [sinks[i] for i in ss]
             if mv is None:  # mapped: every want of the range has a sink
                 fn: Callable[..., Any] = _into_job if into and _into_ok(lo, hi, mine, theirs) else _map_job
-                args: Tuple[Any, ...] = (storage, rng.file, lo, hi, mine, theirs, stop)
+                args: Tuple[Any, ...] = (rng.file, lo, hi, mine, theirs, stop)
             else:
-                fn, args = _read_job, (storage, rng.file, lo, mv[lo - rng.start : hi - rng.start], mine, theirs, stop if sinks else None)
-            jobs.append(ex.submit(fn, *args) if ex is not None else _Done(fn, args))
-        stats.requests += len(jobs)
-        return jobs
+                fn, args = _read_job, (rng.file, lo, mv[lo - rng.start : hi - rng.start], mine, theirs, stop if sinks else None)
+            calls.append((fn, args))
+        return calls
 
     def finish() -> None:
+        if not pending[0][2]:
+            flush()  # the oldest range is in the lane being gathered: submit it now (else it keeps gathering)
         rng, buf, jobs = pending.popleft()
         fence = None
         try:
@@ -868,7 +936,9 @@ def read_verified(
             finish()
     except BaseException:
         stop.set()
-        # Let reads in flight end before their buffers go back (or away).
+        # Let reads in flight end before their buffers go back (or away);
+        # a gathered lane was never submitted: its buffers just go back.
+        gathering.clear()
         while pending:
             rng, buf, jobs = pending.popleft()
             for j in jobs:
@@ -929,6 +999,36 @@ def _gap_of(rng: ReadRange) -> int:
             covered += b - a
             end = b
     return rng.nbytes - covered
+
+
+def _lane_job(storage: Storage, rel: str, calls: Sequence[Tuple[Callable[..., Any], Tuple[Any, ...]]], futs: Sequence[Future]) -> None:
+    """Run the jobs of one lane in order, in this thread, on one kept file of ``rel`` (``Storage.open_lane``).
+
+    Each job's result or failure goes to its own future in ``futs`` as soon
+    as it is done (the calling thread finishes a lane's first range while
+    the lane reads on): a job's failure is raised for its own range, as when
+    it ran alone. After a failure the lane's later jobs are not run (they
+    report the same failure; the read raises at the first).
+    """
+    err: Optional[BaseException] = None
+    lane = None
+    try:
+        lane = storage.open_lane(rel)
+        for (fn, args), fut in zip(calls, futs):
+            if err is None:
+                try:
+                    fut.set_result(fn(lane, *args))
+                    continue
+                except BaseException as e:  # noqa: BLE001 - re-raised by its future's result()
+                    err = e
+            fut.set_exception(err)
+    except BaseException as e:  # noqa: BLE001 - no future is left without an outcome
+        for fut in futs:
+            if not fut.done():
+                fut.set_exception(e)
+    finally:
+        if lane is not None:
+            lane.close()
 
 
 class _Done:

@@ -13,6 +13,7 @@ docs/storage.md.
 from ._base import (
     RANGE_MERGE_GAP_BYTES,
     Capabilities,
+    Lane,
     StagedFile,
     Storage,
     Writer,
@@ -30,6 +31,7 @@ from ._s3 import S3Storage
 __all__ = [
     "Capabilities",
     "FsspecStorage",
+    "Lane",
     "LocalStorage",
     "RANGE_MERGE_GAP_BYTES",
     "S3Storage",

@@ -31,6 +31,7 @@ from ..errors import CheckpointError, StorageError, UnreadableFileError, UnsafeM
 
 __all__ = [
     "Capabilities",
+    "Lane",
     "copy_bytes",
     "RANGE_MERGE_GAP_BYTES",
     "STAT_THREADS",
@@ -778,6 +779,20 @@ class Storage:
         """
         return None
 
+    def lane_bytes(self, rel: str) -> int:
+        """Bytes of ``rel`` one reader thread should read in order (a *lane*), or 0: no lanes here.
+
+        Where reads go through a kernel readahead (files on a block device),
+        a thread that reads a stretch of a file in order keeps its readahead
+        sequential, instead of many threads' readaheads running into each
+        other's pieces. 0 (default): other backends, memory filesystems.
+        """
+        return 0
+
+    def open_lane(self, rel: str) -> "Lane":
+        """A :class:`Lane`: one thread's in-order reads of ``rel`` (a kept file where the backend has one); ``close()`` it."""
+        return Lane(self, rel)
+
     def _short(self, rel: str, end: int) -> EOFError:
         return EOFError(f"{self.url_of(rel)}: file ends before byte {end}")
 
@@ -872,3 +887,37 @@ class Storage:
         raise StorageError(
             f"{self.url}: this storage cannot swap directories atomically (atomic_rename is False); write in place"
         )
+
+
+class Lane:
+    """One reader thread's reads of one file, in file order (:meth:`Storage.open_lane`).
+
+    Has the reading methods of a :class:`Storage` (``read_into``,
+    ``map_range``, ``open_hot``, ``url_of``), so the reader's jobs take it
+    where they take a storage. This base class only forwards to the storage;
+    a local file's lane keeps one open descriptor for all its reads (the
+    kernel's readahead state lives in it). Opened lazily: a missing file
+    raises from the first read, as the storage's own reads do.
+
+    Example:
+        >>> lane = st.open_lane("data/0.safetensors")   # doctest: +SKIP
+        >>> lane.read_into("data/0.safetensors", [(0, view)]); lane.close()   # doctest: +SKIP
+    """
+
+    def __init__(self, storage: "Storage", rel: str):
+        self.storage, self.rel = storage, rel
+
+    def url_of(self, rel: str) -> str:
+        return self.storage.url_of(rel)
+
+    def read_into(self, rel: str, ranges: Sequence[Tuple[int, memoryview]]) -> None:
+        self.storage.read_into(rel, ranges)
+
+    def map_range(self, rel: str, start: int, stop: int) -> Optional[Tuple[Any, int]]:
+        return self.storage.map_range(rel, start, stop)
+
+    def open_hot(self, rel: str, start: int, stop: int) -> Optional[Any]:
+        return self.storage.open_hot(rel, start, stop)
+
+    def close(self) -> None:
+        """Release what the lane holds (nothing here)."""

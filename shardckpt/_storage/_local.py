@@ -25,7 +25,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, cast
 
 from .. import _knobs
 from ..errors import StorageError, UnreadableFileError
-from ._base import Capabilities, StagedFile, Storage, Writer, check_rel, copy_bytes, pwrite_all, reading
+from ._base import Capabilities, Lane, StagedFile, Storage, Writer, check_rel, copy_bytes, pwrite_all, reading
 
 __all__ = ["LocalStorage", "HotFile", "MEMORY_FILESYSTEMS", "WRITEBACK_BYTES", "fsync_dir", "check_inside", "queue_info", "is_cached",
            "fs_type"]
@@ -77,6 +77,15 @@ DIRECT_BOUNCE_BYTES = 16 << 20
 HINT_WINDOW_RATIO = 4
 #: ``POSIX_FADV_WILLNEED`` step when the device's limits cannot be read.
 DEFAULT_READAHEAD_STEP = 512 << 10
+#: A lane (``LocalStorage.lane_bytes``: a stretch of a file one reader thread
+#: reads in order) is this many of the device's readahead windows: the
+#: readahead that runs past a lane's end into the next one (another thread's)
+#: is then at most a quarter of the lane.
+LANE_WINDOWS = 4
+#: Bounds of a lane: not shorter than a few read pieces, not so long that a
+#: load's last lanes leave most threads idle.
+LANE_MIN_BYTES = 8 << 20
+LANE_MAX_BYTES = 64 << 20
 _RWF_NOWAIT = getattr(os, "RWF_NOWAIT", 0)
 _MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 _queue_cache: Dict[int, Dict[str, Any]] = {}
@@ -467,23 +476,31 @@ class LocalStorage(Storage):
 
     def _read_ranges(self, rel: str, ranges: Sequence[Tuple[int, memoryview]]) -> None:
         path = self.path(rel)
+        kept = _lane_fd(self, rel)
+        if kept >= 0:
+            self._read_fd(rel, path, kept, ranges)
+            return
         fd = self._open_regular(path)
         try:
-            for offset, buf in ranges:
-                done = 0
-                n = len(buf)
-                how = self._direct_mode(path, fd, offset, n)
-                if how == "direct" and self._read_direct(rel, path, offset, buf):
-                    continue
-                if how != "warm":
-                    _will_need(fd, path, offset, n)
-                while done < n:
-                    got = os.preadv(fd, [buf[done:]], offset + done)
-                    if got <= 0:
-                        raise self._short(rel, offset + n)
-                    done += got
+            self._read_fd(rel, path, fd, ranges)
         finally:
             os.close(fd)
+
+    def _read_fd(self, rel: str, path: str, fd: int, ranges: Sequence[Tuple[int, memoryview]]) -> None:
+        """Fill each ``(offset, buffer)`` from the open ``fd`` of ``path``, with the cold-read rules (:meth:`_direct_mode`)."""
+        for offset, buf in ranges:
+            done = 0
+            n = len(buf)
+            how = self._direct_mode(path, fd, offset, n)
+            if how == "direct" and self._read_direct(rel, path, offset, buf):
+                continue
+            if how != "warm":
+                _will_need(fd, path, offset, n)
+            while done < n:
+                got = os.preadv(fd, [buf[done:]], offset + done)
+                if got <= 0:
+                    raise self._short(rel, offset + n)
+                done += got
 
     @property
     def can_map(self) -> bool:
@@ -497,32 +514,61 @@ class LocalStorage(Storage):
         check_rel(rel, where=self.url)
         with reading(self.url_of(rel)):
             path = self.path(rel)
+            kept = _lane_fd(self, rel)
+            if kept >= 0:
+                return self._map_fd(rel, path, kept, start, stop)
             fd = self._open_mapped(path)
             try:
-                if os.fstat(fd).st_size < stop:
-                    raise self._short(rel, stop)
-                how = self._direct_mode(path, fd, start, stop - start)
-                if how == "direct":
-                    # Not in the page cache: one O_DIRECT read of the whole
-                    # piece into fresh aligned memory (handed over as the mapping).
-                    dfd = self._open_direct(path)
-                    if dfd is not None:
-                        try:
-                            a = start - start % DIRECT_ALIGN
-                            mm = _anon(-(-(stop - a) // DIRECT_ALIGN) * DIRECT_ALIGN)
-                            if _direct_into(dfd, mm, a, stop - a) < stop - a:
-                                mm.close()
-                                raise self._short(rel, stop)
-                            return mm, start - a
-                        finally:
-                            os.close(dfd)
-                    how = "cold"
-                if how == "cold":
-                    _will_need(fd, path, start, stop - start)
-                at = start - start % mmap.ALLOCATIONGRANULARITY
-                return mmap.mmap(fd, stop - at, prot=mmap.PROT_READ, offset=at), start - at
+                return self._map_fd(rel, path, fd, start, stop)
             finally:
                 os.close(fd)
+
+    def _map_fd(self, rel: str, path: str, fd: int, start: int, stop: int) -> Tuple[Any, int]:
+        """:meth:`map_range` of the open ``fd`` of ``path`` (its size checked now)."""
+        if os.fstat(fd).st_size < stop:
+            raise self._short(rel, stop)
+        how = self._direct_mode(path, fd, start, stop - start)
+        if how == "direct":
+            # Not in the page cache: one O_DIRECT read of the whole
+            # piece into fresh aligned memory (handed over as the mapping).
+            dfd = self._open_direct(path)
+            if dfd is not None:
+                try:
+                    a = start - start % DIRECT_ALIGN
+                    mm = _anon(-(-(stop - a) // DIRECT_ALIGN) * DIRECT_ALIGN)
+                    if _direct_into(dfd, mm, a, stop - a) < stop - a:
+                        mm.close()
+                        raise self._short(rel, stop)
+                    return mm, start - a
+                finally:
+                    os.close(dfd)
+            how = "cold"
+        if how == "cold":
+            _will_need(fd, path, start, stop - start)
+        at = start - start % mmap.ALLOCATIONGRANULARITY
+        return mmap.mmap(fd, stop - at, prot=mmap.PROT_READ, offset=at), start - at
+
+    def lane_bytes(self, rel: str) -> int:
+        # Lanes where the kernel reads ahead for us: a file on a block device
+        # (sysfs shows its queue and a readahead window). 16 threads reading
+        # neighbouring pieces of one file through fresh descriptors kept the
+        # disk's queue at 2-5 requests on the 2-core development box's virtio
+        # disk (each thread's readahead runs into pieces the others are
+        # reading, and faults wait on those pages) against 10-60 when each
+        # thread read its own 32 MiB stretch in order (docs/performance.md, wave 12).
+        if _knobs.LOAD_LANES == "0":
+            return 0
+        try:
+            window = _readahead_window(self._inside(self.path(rel)))
+        except OSError:
+            return 0  # the read itself reports it
+        if window <= 0:
+            return 0
+        return max(LANE_MIN_BYTES, min(LANE_MAX_BYTES, LANE_WINDOWS * window))
+
+    def open_lane(self, rel: str) -> Lane:
+        check_rel(rel, where=self.url)
+        return _LocalLane(self, rel)
 
     def open_hot(self, rel: str, start: int, stop: int) -> Optional["HotFile"]:
         # In memory: a file of a memory filesystem (tmpfs, ramfs: its pages are
@@ -533,6 +579,15 @@ class LocalStorage(Storage):
         check_rel(rel, where=self.url)
         with reading(self.url_of(rel)):
             path = self.path(rel)
+            kept = _lane_fd(self, rel)
+            if kept >= 0 and _knobs.LOAD_LANES == "read" and _knobs.LOAD_DIRECT == "0":
+                # A lane's file on a disk: read in order through the lane's
+                # descriptor (the kernel's sequential readahead runs ahead of
+                # it), cached or not. With O_DIRECT asked for, mapped instead
+                # (``map_range`` applies its rules).
+                if os.fstat(kept).st_size < stop:
+                    raise self._short(rel, stop)
+                return _LaneHotFile(kept, self.url_of(rel))
             fd = self._open_mapped(path)
             try:
                 st = os.fstat(fd)
@@ -663,6 +718,72 @@ class LocalStorage(Storage):
         fsync_dir(parent)
         if old is not None:
             LocalStorage(old).remove_tree("")
+
+
+class _LocalLane(Lane):
+    """A lane of a local file: one descriptor (checked as :meth:`LocalStorage.map_range` checks) for all its reads.
+
+    The kernel keeps a file's readahead state per open descriptor, so one
+    thread's in-order reads (and the faults of mappings made from it) are
+    one sequential stream to it. Its reads go through the storage's own
+    ``read_into``/``map_range`` (whatever wraps them still sees every read),
+    which take this lane's descriptor while it is the thread's current lane.
+    Opened at the first read; closed by ``close``.
+    """
+
+    def __init__(self, storage: LocalStorage, rel: str):
+        super().__init__(storage, rel)
+        self._local = storage
+        self._fd = -1
+
+    def fd_for(self, storage: LocalStorage, rel: str) -> int:
+        """This lane's descriptor if it reads ``rel`` of ``storage`` (opened now if need be), else -1."""
+        if storage is not self._local or rel != self.rel:
+            return -1
+        if self._fd < 0:
+            self._fd = storage._open_mapped(storage.path(rel))
+        return self._fd
+
+    def read_into(self, rel: str, ranges: Sequence[Tuple[int, memoryview]]) -> None:
+        prev, _tls.lane = getattr(_tls, "lane", None), self
+        try:
+            self.storage.read_into(rel, ranges)
+        finally:
+            _tls.lane = prev
+
+    def open_hot(self, rel: str, start: int, stop: int) -> Optional[Any]:
+        prev, _tls.lane = getattr(_tls, "lane", None), self
+        try:
+            return self.storage.open_hot(rel, start, stop)
+        finally:
+            _tls.lane = prev
+
+    def map_range(self, rel: str, start: int, stop: int) -> Optional[Tuple[Any, int]]:
+        prev, _tls.lane = getattr(_tls, "lane", None), self
+        try:
+            return self.storage.map_range(rel, start, stop)
+        finally:
+            _tls.lane = prev
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+class _LaneHotFile(HotFile):
+    """A :class:`HotFile` on a lane's descriptor: ``close`` leaves it to the lane."""
+
+    __slots__ = ()
+
+    def close(self) -> None:
+        self.fd = -1
+
+
+def _lane_fd(storage: LocalStorage, rel: str) -> int:
+    """The descriptor of this thread's current lane for ``rel`` of ``storage`` (:class:`_LocalLane`), or -1."""
+    lane = getattr(_tls, "lane", None)
+    return lane.fd_for(storage, rel) if lane is not None else -1
 
 
 class _LocalStagedFile(StagedFile):

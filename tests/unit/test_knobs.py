@@ -26,6 +26,7 @@ ELSEWHERE = {
     "LOAD_READ_ONCE": "tests/dist/test_replicated_load*.py (read at each load)",
     "EXPORT_PLACED": "tests/unit/test_convert_export_io.py (placed and packed exports, the same files; read at each export)",
     "LOAD_DIRECT": "tests/unit/test_cold_read.py (O_DIRECT, WILLNEED and page-cache reads of the same bytes; read at each read)",
+    "LOAD_LANES": "tests/unit/test_read_lanes.py (lane sizes from the queue, off with the knob; read at each load)",
     "REGISTER_MIN_BYTES": "CUDA staging only (read at each staging)",
     "ASYNC_WRITER": "tests/unit/test_async_writer_process.py (monkeypatches it)",
     "MEMORY_PEER_BACKEND": "tests/dist/test_memory_save.py (gloo, the CPU group's own); nccl, the GPU default: benchmarks/device/every_step_2gpu.sh, benchmarks/device/p2p_race.py",
