@@ -51,15 +51,16 @@ environment variable                default     what it sets
 ``SHARDCKPT_LOAD_MAP``              1           a load into CPU tensors checks and copies
                                                 local files' bytes out of a memory mapping
                                                 (one pass); 0: reads into buffers first
-``SHARDCKPT_LOAD_INTO``             1           tmpfs pieces going as they are into
+``SHARDCKPT_LOAD_INTO``             0           1: tmpfs pieces going as they are into
                                                 contiguous CPU tensors: ``preadv`` each
                                                 checksum block into the tensor, CRC it
                                                 there (restored if it fails); 0: map them
-``SHARDCKPT_LOAD_LANES``            map         a CPU load's reader threads each read a stretch
+``SHARDCKPT_LOAD_LANES``            all         a load's reader threads each read a stretch
                                                 of a block-device file in order, through one
-                                                kept descriptor (4 readahead windows); read:
-                                                pieces preadv'd into the tensors; all: CUDA
-                                                loads' buffered ranges too; 0: no lanes
+                                                kept descriptor (4 readahead windows); map:
+                                                CPU pieces mapped; read: CPU pieces preadv'd
+                                                into the tensors; all: read, and buffered
+                                                ranges (CUDA loads) too; 0: no lanes
 ``SHARDCKPT_LOAD_DIRECT``           0           local reads of >= 1 MiB from a block device
                                                 with O_DIRECT: 0 (never), auto (uncached), 1
 ``SHARDCKPT_EXPORT_PLACED``         1           an HF export of uncast tensors to local disk:
@@ -276,32 +277,36 @@ LOAD_READ_ONCE = _bool("LOAD_READ_ONCE", True)
 #: ``read()`` from tmpfs costs a copy of its own). 0: read into buffers first
 #: (a filesystem that cannot map files). Read at each load.
 LOAD_MAP = _bool("LOAD_MAP", True)
-#: Where a mapped load's piece lies in memory (a tmpfs or ramfs file) and its
-#: bytes go as they are into contiguous CPU tensors, the reader
+#: 1: where a mapped load's piece lies in memory (a tmpfs or ramfs file) and
+#: its bytes go as they are into contiguous CPU tensors, the reader
 #: thread ``preadv``-s each checksum block straight into the tensor and checks
 #: its CRC there, while it is in cache (one kernel copy: no page-table fill of
 #: a mapping, no second copy); the block's previous bytes are put back if it
-#: fails. 0: such pieces are mapped as ``LOAD_MAP`` says. Files on disks are
-#: mapped either way. Read at each load.
-LOAD_INTO = _bool("LOAD_INTO", True)
+#: fails. 0 (default): such pieces are mapped as ``LOAD_MAP`` says. Off by
+#: default since wave 12: on the 16-core H100 host the mapped load was faster
+#: (7.20 against 4.96 GB/s, 1 GiB from /dev/shm, docs/performance.md), on
+#: the 2-core box the two were within noise. Files on disks follow
+#: ``LOAD_LANES``. Read at each load.
+LOAD_INTO = _bool("LOAD_INTO", False)
 #: A load's reads of a file on a block device (a disk: sysfs shows its queue)
 #: go in *lanes*: one reader thread reads a stretch of the file in order,
 #: through one kept file descriptor, so the kernel sees sequential streams
 #: (its readahead runs ahead of each thread, not into the pieces other
 #: threads read). The stretch is 4 of the device's readahead windows
-#: (``read_ahead_kb``), 8-64 MiB. ``map`` (default; ``1`` too): each mapped
-#: range of a CPU load is a lane, its pieces mapped as without lanes;
-#: ``read``: the same, and a lane's pieces bound as they are for contiguous
-#: CPU tensors are read with ``preadv`` straight into them, one checksum
-#: block a call (as tmpfs pieces are: ``LOAD_INTO``; restored if a block
-#: fails), when ``LOAD_DIRECT`` is 0; ``all``: ``map``, and runs of
-#: neighbouring buffered ranges (CUDA targets, casts) are lanes too, within
-#: the pool's share of one thread (not the default: slower than without on
-#: the 2-core box, docs/performance.md wave 12; for the device call to
-#: decide); ``0``: no lanes, every piece a job of its own spread over the
-#: threads (the scheduling before wave 12). tmpfs and network storage never
-#: use lanes. Read at each load.
-LOAD_LANES = (_env("LOAD_LANES") or "map").lower()
+#: (``read_ahead_kb``), 8-64 MiB. ``map`` (``1`` too): each mapped range of a
+#: CPU load is a lane, its pieces mapped as without lanes; ``read``: the
+#: same, and a lane's pieces bound as they are for contiguous CPU tensors are
+#: read with ``preadv`` straight into them, one checksum block a call
+#: (restored if a block fails), when ``LOAD_DIRECT`` is 0; ``all``
+#: (default): ``read``, and runs of neighbouring buffered ranges (CUDA
+#: targets, casts) are lanes too, within the pool's share of one thread;
+#: ``0``: no lanes, every piece a job of its own spread over the threads (the
+#: scheduling before wave 12). Default chosen on the H100 host (16 cores,
+#: virtio disk, docs/performance.md wave 12): the 37 GB FSDP2 cold load 1.59
+#: GB/s with CUDA lanes against 1.44 without, CPU cold loads ``read`` 0.88x
+#: of the raw 8-stream read against 0.83x (``0``) and 0.80x (``map``). tmpfs
+#: and network storage never use lanes. Read at each load.
+LOAD_LANES = (_env("LOAD_LANES") or "all").lower()
 if LOAD_LANES in ("1", "on", "true", "yes"):
     LOAD_LANES = "map"
 elif LOAD_LANES in ("off", "false", "no"):

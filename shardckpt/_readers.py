@@ -754,9 +754,11 @@ def read_verified(
     # file where the storage has one (local files): the bytes are checked and
     # copied out of the page cache once, no read into a buffer first.
     mappable = fused and _knobs.LOAD_MAP and getattr(storage, "can_map", False)
-    # Pieces in memory (tmpfs) whose bytes all go as they are into destinations' memory
-    # (``Want.into``) are read straight there instead (``SHARDCKPT_LOAD_INTO``).
-    into = mappable and _knobs.LOAD_INTO
+    # Pieces whose bytes all go as they are into destinations' memory
+    # (``Want.into``) are read straight there where the storage offers them
+    # (``Storage.open_hot``: tmpfs with ``SHARDCKPT_LOAD_INTO``, a lane's file
+    # with ``SHARDCKPT_LOAD_LANES`` read or all); the others are mapped.
+    into = mappable and (_knobs.LOAD_INTO or _knobs.LOAD_LANES in ("read", "all"))
     # Lanes (``Storage.lane_bytes``: files on a block device): the pieces of
     # a mapped range, or of a run of neighbouring buffered ranges, are read
     # in order by one thread through one kept file (``Storage.open_lane``),

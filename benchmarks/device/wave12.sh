@@ -6,13 +6,13 @@
 # STEPS (default "fsdp2 cold warm16 warmdisk", in priority order), each writing under $OUT:
 #   fsdp2     the raw disk (8 streams, $RAW GB: write+fsync, then a cold read), then bench_fsdp2_load.py --cases
 #             shardckpt (3.09 B + AdamW, 37 GB, defaults: a CUDA load's buffered ranges are read as before wave 12)
-#             and the same checkpoint loaded again with SHARDCKPT_LOAD_LANES=all (its buffered ranges in lanes),
+#             and the same checkpoint loaded again with SHARDCKPT_LOAD_LANES=0 (no lanes: the scheduling before wave 12),
 #             diskstats (request size, queue depth) of each load, then the raw disk again (drift) (~200 s)
 #                                                                         -> raw-before.json, fsdp2.json, raw-after.json
 #   cold      bench_byte_path --cold, $CGIB GiB from /tmp, page cache dropped before every load, medians of $CREP:
 #             read8 (the raw 8-stream read of the same bytes, same rounds), read(), load_file+copy, shardckpt
-#             (weights only; lanes), @LOAD_LANES=0, @LOAD_LANES=read, the HF directory (lanes, @0), and into CUDA
-#             load_file(device="cuda"), fastsafetensors, shardckpt (default, @LOAD_LANES=all); saves os.write, the HF export from
+#             (weights only; lanes), @LOAD_LANES=0, @LOAD_LANES=map, the HF directory (lanes, @0), and into CUDA
+#             load_file(device="cuda"), fastsafetensors, shardckpt (default, @LOAD_LANES=0); saves os.write, the HF export from
 #             a warm source; the raw disk's write+fsync and read beside (~130 s)       -> cold.json, cold.md
 #   warm16    bench_byte_path, 1 GiB from /dev/shm, every core, medians of 3: memcpy, load_file+copy, shardckpt,
 #             the HF directory, DCP, and on the GPU load_file(device="cuda"), fastsafetensors, shardckpt (tmpfs has
@@ -57,14 +57,14 @@ finally:
     shutil.rmtree(d, ignore_errors=True)
 print('raw disk', json.dumps(r)); json.dump(r, open('$OUT/$1', 'w'))" || echo "raw $1: exit $?"
 }
-LANES_CPU="read8,read,safetensors,shardckpt,shardckpt@LOAD_LANES=0,shardckpt@LOAD_LANES=read,shardckpt-hf,shardckpt-hf@LOAD_LANES=0"
+LANES_CPU="read8,read,safetensors,shardckpt,shardckpt@LOAD_LANES=0,shardckpt@LOAD_LANES=map,shardckpt-hf,shardckpt-hf@LOAD_LANES=0"
 for s in $STEPS; do
 case $s in
 fsdp2)
-    echo "=== fsdp2: the raw disk, the 3.09 B + AdamW cold load (defaults, then LOAD_LANES=all, same checkpoint), the raw disk again (~200 s)"
+    echo "=== fsdp2: the raw disk, the 3.09 B + AdamW cold load (defaults, then LOAD_LANES=0, same checkpoint), the raw disk again (~200 s)"
     raw raw-before.json
     if [ -n "$TINY" ]; then echo "fsdp2: the 37 GB load skipped (TINY: no CUDA; the profile step stands in)"; else
-        timeout 300 $PY benchmarks/bench_fsdp2_load.py --dir $SCR/w12fsdp2 --cases "shardckpt,shardckpt@LOAD_LANES=all" --reuse \
+        timeout 300 $PY benchmarks/bench_fsdp2_load.py --dir $SCR/w12fsdp2 --cases "shardckpt,shardckpt@LOAD_LANES=0" --reuse \
             --json "$OUT/fsdp2.json" || echo "fsdp2: exit $?"
         rm -rf $SCR/w12fsdp2
     fi
@@ -76,14 +76,14 @@ profile)
 cold)
     echo "=== cold: bench_byte_path from $SCR, $CGIB GiB, page cache dropped before every load, medians of $CREP (~130 s)"
     D=$(mktemp -d $SCR/w12cold.XXXXXX)
-    EXTRA=; [ -z "$CUDA" ] && EXTRA=",shardckpt-cuda@LOAD_LANES=all"
+    EXTRA=; [ -z "$CUDA" ] && EXTRA=",shardckpt-cuda@LOAD_LANES=0"
     timeout 240 $PY benchmarks/bench_byte_path.py --dir "$D" --cold --size-gib $CGIB --raw-gb $CRAW --repeat $CREP $CUDA --no-rss $DROP \
         --loads "$LANES_CPU$EXTRA" --saves write,hf-export-warm --json "$OUT/cold.json" --markdown "$OUT/cold.md" \
         || echo "cold: exit $?"
     rm -rf "$D";;
 warm16)
     echo "=== warm16: 1 GiB from /dev/shm, every core, medians of $REP (~80 s)"
-    timeout 150 $PY benchmarks/bench_byte_path.py --size-gib $GIB --repeat $REP $CUDA --loads memcpy,safetensors,shardckpt,shardckpt-hf,dcp \
+    timeout 150 $PY benchmarks/bench_byte_path.py --size-gib $GIB --repeat $REP $CUDA --loads memcpy,safetensors,shardckpt,shardckpt@LOAD_INTO=1,shardckpt-hf,dcp \
         --saves save_file,shardckpt --json "$OUT/warm16.json" --markdown "$OUT/warm16.md" || echo "warm16: exit $?";;
 warmdisk)
     echo "=== warmdisk: the page cache warm, files on $SCR (lanes apply), lanes vs LOAD_LANES=0, medians of $REP (~40 s)"

@@ -580,7 +580,7 @@ class LocalStorage(Storage):
         with reading(self.url_of(rel)):
             path = self.path(rel)
             kept = _lane_fd(self, rel)
-            if kept >= 0 and _knobs.LOAD_LANES == "read" and _knobs.LOAD_DIRECT == "0":
+            if kept >= 0 and _knobs.LOAD_LANES in ("read", "all") and _knobs.LOAD_DIRECT == "0":
                 # A lane's file on a disk: read in order through the lane's
                 # descriptor (the kernel's sequential readahead runs ahead of
                 # it), cached or not. With O_DIRECT asked for, mapped instead
@@ -593,7 +593,7 @@ class LocalStorage(Storage):
                 st = os.fstat(fd)
                 if st.st_size < stop:
                     raise self._short(rel, stop)
-                if fs_type(st.st_dev) in MEMORY_FILESYSTEMS:
+                if _knobs.LOAD_INTO and fs_type(st.st_dev) in MEMORY_FILESYSTEMS:
                     out = HotFile(fd, self.url_of(rel))
                     fd = -1
                     return out

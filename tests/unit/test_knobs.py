@@ -208,6 +208,7 @@ def test_load_map(tmp_path, monkeypatch):
     real = _local.LocalStorage.map_range
     monkeypatch.setattr(_local.LocalStorage, "map_range", lambda self, *a: maps.append(a) or real(self, *a))
     monkeypatch.setattr(_knobs, "LOAD_INTO", False)  # cached pieces are mapped too (LOAD_INTO: its own test)
+    monkeypatch.setattr(_knobs, "LOAD_LANES", "map")  # a lane's pieces too (LOAD_LANES: test_read_lanes.py)
     for on in (True, False):
         monkeypatch.setattr(_knobs, "LOAD_MAP", on)
         maps.clear()

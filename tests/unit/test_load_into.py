@@ -25,6 +25,13 @@ from shardckpt.errors import ChecksumMismatchError, CorruptCheckpointError
 MIB = 1 << 20
 
 
+@pytest.fixture(autouse=True)
+def _into_on(monkeypatch):
+    # The knob under test (off by default since wave 12); a disk file's pieces mapped (LOAD_LANES has its own tests).
+    monkeypatch.setattr(_knobs, "LOAD_INTO", True)
+    monkeypatch.setattr(_knobs, "LOAD_LANES", "map")
+
+
 @pytest.fixture
 def shm():
     """A private directory in /dev/shm (tmpfs), removed after the test."""

@@ -89,7 +89,7 @@ def _lanes_of(log):
 
 @pytest.mark.parametrize("how", ["read", "mapped", "buffered"])
 def test_each_lane_is_read_in_order_by_one_thread_through_one_descriptor(tmp_path, monkeypatch, how):
-    """``read``: CPU pieces read into the tensors (LOAD_LANES=read); ``mapped``: LOAD_LANES=map (default); ``buffered``: LOAD_MAP=0, LOAD_LANES=all."""
+    """``read``: CPU pieces read into the tensors (LOAD_LANES=read); ``mapped``: LOAD_LANES=map; ``buffered``: LOAD_MAP=0, LOAD_LANES=all (the default)."""
     src = _state()
     d = str(tmp_path / "c")
     shardckpt.save(src, d)
@@ -123,7 +123,7 @@ def test_each_lane_is_read_in_order_by_one_thread_through_one_descriptor(tmp_pat
         assert spans == sorted((r[2], r[3]) for r in spread)  # the same pieces as without lanes
     # Lanes hold several reads: 2 pieces of a mapped range, up to 4 buffered ranges.
     assert max(len(g) for g in grouped) >= (2 if mapped else 3), [len(g) for g in grouped]
-    if how == "buffered":  # the default (map) leaves buffered ranges (CUDA loads') as they were
+    if how == "buffered":  # map and read leave buffered ranges (CUDA loads') as they were
         monkeypatch.setattr(_knobs, "LOAD_LANES", "map")
         monkeypatch.setattr(LocalStorage, "lane_bytes", lambda self, rel: 32 * MIB)
         log.clear()
