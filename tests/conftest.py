@@ -33,3 +33,24 @@ def pytest_cmdline_main(config):
         # for minutes while the other sat idle (CI, 2026-11-28).
         config.option.dist = "worksteal"
     return None
+
+
+#: Set by benchmarks/suite_memory.py: a folder where each test process appends
+#: ``<time> <pid> start|end <test id>`` lines (``<worker>.log``: gw0, gw1, or
+#: main; an xdist controller's lines repeat its workers'), so the memory
+#: measurement can say which test each process ran at the peak.
+TRACE_DIR = os.environ.get("SHARDCKPT_SUITE_TRACE")
+
+if TRACE_DIR:
+    import time as _time
+
+    def _trace(what, nodeid):
+        name = os.environ.get("PYTEST_XDIST_WORKER", "main")
+        with open(os.path.join(TRACE_DIR, f"{name}.log"), "a") as f:
+            f.write(f"{_time.time():.2f} {os.getpid()} {what} {nodeid}\n")
+
+    def pytest_runtest_logstart(nodeid, location):
+        _trace("start", nodeid)
+
+    def pytest_runtest_logfinish(nodeid, location):
+        _trace("end", nodeid)
