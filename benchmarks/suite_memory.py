@@ -256,7 +256,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             json.dump({"cmd": cmd, "peak_rss": total, "peak_pss": peak_pss, "peak_at_s": when, "exit": code, "samples": samples,
                        "peak_processes": [{"pid": pid, "rss": rss, "group": names.get(g, g), "cmdline": c}
                                           for pid, rss, _s, c, g in rows],
-                       "heaviest_tests": {name: tests[:50] for name, tests in heavy.items()}}, f)
+                       "heaviest_tests": {name: tests[:50] for name, tests in heavy.items()},
+                       "t0": t0, "traces": traces}, f)
     return code
 
 

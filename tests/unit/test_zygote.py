@@ -4,9 +4,8 @@ import os
 import sys
 import textwrap
 
-import pytest
-
 import _zygote
+import pytest
 
 SCRIPT = textwrap.dedent('''
     import atexit, json, os, sys
