@@ -153,6 +153,8 @@ def _running(rows: List[Tuple[float, int, str, str]], at: float) -> str:
     for t, _pid, what, nodeid in rows:
         if t > at:
             break
+        if what not in ("start", "end"):
+            continue
         last = nodeid if what == "start" else f"(between tests; last {nodeid})"
     return last
 
@@ -246,6 +248,13 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"  {name}: {v / GIB:.2f} GiB in {n_g} processes  {test}")
     for pid, rss, started, cmdline, g in sorted(rows, key=lambda r: -r[1])[:TOP]:
         print(f"  pid {pid:>7} {names.get(g, ''):>4} up {t0 + when - started:7.0f} s  {rss / GIB:6.2f} GiB  {cmdline}")
+    for name, rows_ in traces.items():
+        events: Dict[str, int] = {}
+        for _t, _pid, what, _detail in rows_:
+            if what not in ("start", "end"):
+                events[what] = events.get(what, 0) + 1
+        if events:
+            print(f"  {name}: " + ", ".join(f"{n} x {what}" for what, n in sorted(events.items())))
     heavy = {name: _heaviest(traces[name], by_group.get(g, [])) for g, name in names.items()}
     for name, tests in heavy.items():
         print(f"  {name}'s tests holding the most (its process tree's RSS while each ran):")

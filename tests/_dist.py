@@ -149,8 +149,22 @@ _FORKSERVER_USED = 0.0
 FORKSERVER_IDLE_S = 60.0
 
 
+def trace(what: str, detail: str = "-") -> None:
+    """Append ``<time> <pid> <what> <detail>`` to this test process's log under ``$SHARDCKPT_SUITE_TRACE``, if set.
+
+    benchmarks/suite_memory.py sets it: tests/conftest.py logs each test's
+    start and end, this module each pool started and each fork server stopped.
+    """
+    folder = os.environ.get("SHARDCKPT_SUITE_TRACE")
+    if folder:
+        name = os.environ.get("PYTEST_XDIST_WORKER", "main")
+        with open(os.path.join(folder, f"{name}.log"), "a") as f:
+            f.write(f"{time.time():.2f} {os.getpid()} {what} {detail}\n")
+
+
 class _Pool:
     def __init__(self, world: int):
+        trace("pool-start", f"world={world}")
         ctx = process_context()
         port = free_port()
         self.world = world
@@ -290,6 +304,7 @@ def stop_idle_forkserver() -> bool:
     if _POOLS or mp.active_children() or time.monotonic() - _FORKSERVER_USED < FORKSERVER_IDLE_S:
         return False
     server._stop()
+    trace("forkserver-stop")
     return True
 
 

@@ -37,24 +37,8 @@ def pytest_cmdline_main(config):
     return None
 
 
-#: Set by benchmarks/suite_memory.py: a folder where each test process appends
-#: ``<time> <pid> start|end <test id>`` lines (``<worker>.log``: gw0, gw1, or
-#: main; an xdist controller's lines repeat its workers'), so the memory
-#: measurement can say which test each process ran at the peak.
-TRACE_DIR = os.environ.get("SHARDCKPT_SUITE_TRACE")
-
-if TRACE_DIR:
-    import time as _time
-
-    def _trace(what, nodeid):
-        name = os.environ.get("PYTEST_XDIST_WORKER", "main")
-        with open(os.path.join(TRACE_DIR, f"{name}.log"), "a") as f:
-            f.write(f"{_time.time():.2f} {os.getpid()} {what} {nodeid}\n")
-
-
 def pytest_runtest_logstart(nodeid, location):
-    if TRACE_DIR:
-        _trace("start", nodeid)
+    _dist.trace("start", nodeid)  # for benchmarks/suite_memory.py: which test ran when
 
 
 #: Per test file: whether it calls ``run_ranks`` (its text names it).
@@ -82,5 +66,4 @@ def pytest_runtest_logfinish(nodeid, location):
     # After the test's teardown: the C heap's free pages back to the kernel,
     # so a test process's RSS is what it holds, not its high-water mark.
     _dist.give_back_freed_memory()
-    if TRACE_DIR:
-        _trace("end", nodeid)
+    _dist.trace("end", nodeid)
