@@ -54,6 +54,29 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def give_back_freed_memory() -> None:
+    """Return the C heap's free pages to the kernel (glibc ``malloc_trim``): a rank's or a test process's RSS drops back.
+
+    A test's tensors freed in the middle of glibc's arenas stay counted in
+    the process's RSS until reused: a rank process grew from 0.26 GB (the
+    fork server's imports) to 0.53 GB over a run and kept it while idle
+    (issue 47). A no-op where glibc is not the C library. Cheap (1-15 ms).
+    """
+    global _TRIM
+    if _TRIM is None:
+        try:
+            import ctypes
+
+            _TRIM = ctypes.CDLL("libc.so.6").malloc_trim
+        except (OSError, AttributeError):
+            _TRIM = False
+    if _TRIM:
+        _TRIM(0)
+
+
+_TRIM: Any = None
+
+
 def _worker(rank: int, world: int, port: int, conn) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank)
@@ -77,9 +100,13 @@ def _worker(rank: int, world: int, port: int, conn) -> None:
         fn, args = pickle.loads(msg)
         try:
             out = fn(rank, world, *args)
-            conn.send((True, pickle.dumps(out)))
+            reply = (True, pickle.dumps(out))
         except BaseException as e:  # noqa: BLE001 - report everything to the parent
-            conn.send((False, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+            reply = (False, f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
+        del fn, args
+        out = None
+        give_back_freed_memory()
+        conn.send(reply)
     try:
         dist.destroy_process_group()
     except Exception:
@@ -94,8 +121,10 @@ def process_context():
     only imported torch (no process group, no thread pool ran in it), so a
     fork of it is as clean as a spawn. ``SHARDCKPT_TEST_SPAWN=1`` spawns.
     """
+    global _FORKSERVER_USED
     if os.environ.get("SHARDCKPT_TEST_SPAWN") == "1" or "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
+    _FORKSERVER_USED = time.monotonic()
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(list(FORKSERVER_PRELOAD))
     return ctx
@@ -111,12 +140,36 @@ FORKSERVER_PRELOAD = ("torch", "torch.distributed", "torch.distributed.fsdp", "t
                       "torch.distributed.checkpoint", "_dist")
 
 
+#: When ``process_context`` last handed out the fork server (0: never).
+_FORKSERVER_USED = 0.0
+#: The rank fork server (0.26 GB: torch and the preloads) stops once no pool
+#: and no child of it has been alive for this long (``stop_idle_forkserver``);
+#: the next use starts a new one (~3 s of CPU). Kept to the end, the two test
+#: processes' servers were 0.5 GB of a run's peak (issue 47).
+FORKSERVER_IDLE_S = 60.0
+
+
+def trace(what: str, detail: str = "-") -> None:
+    """Append ``<time> <pid> <what> <detail>`` to this test process's log under ``$SHARDCKPT_SUITE_TRACE``, if set.
+
+    benchmarks/suite_memory.py sets it: tests/conftest.py logs each test's
+    start and end, this module each pool started and each fork server stopped.
+    """
+    folder = os.environ.get("SHARDCKPT_SUITE_TRACE")
+    if folder:
+        name = os.environ.get("PYTEST_XDIST_WORKER", "main")
+        with open(os.path.join(folder, f"{name}.log"), "a") as f:
+            f.write(f"{time.time():.2f} {os.getpid()} {what} {detail}\n")
+
+
 class _Pool:
     def __init__(self, world: int):
+        trace("pool-start", f"world={world}")
         ctx = process_context()
         port = free_port()
         self.world = world
         self.last_used = time.monotonic()
+        self.test = _TEST  # the test that last used it (``close_pools_of_other_tests``)
         self.conns = []
         self.procs = []
         for r in range(world):
@@ -128,6 +181,7 @@ class _Pool:
 
     def run(self, fn, args, timeout: float) -> List[Any]:
         self.last_used = time.monotonic()
+        self.test = _TEST
         msg = pickle.dumps((fn, args))
         for c in self.conns:
             c.send(msg)
@@ -167,11 +221,13 @@ class _Pool:
 
 
 _POOLS: Dict[int, _Pool] = {}
-#: A pool of another world size unused for this long is closed at the next
-#: call (its ranks hold a few hundred MB each; a suite run's test files use
-#: one or two world sizes at a time, and kept to the end, every size's pool
-#: added up: issue 47).
+#: A pool unused for this long is closed at the next call or the next test's
+#: start (``close_idle_pools``): its ranks hold a few hundred MB each; a suite
+#: run's test files use one or two world sizes at a time, and kept to the end,
+#: every size's pool added up (issue 47).
 POOL_IDLE_S = 30.0
+#: The test running now, as counted by ``test_started`` (tests/conftest.py).
+_TEST = 0
 #: Rank processes kept in pools at once, the pool being started included: the
 #: least recently used pools of other world sizes close first. Each rank holds
 #: 0.3-0.45 GB of RSS; a 16-rank pool started while the 8-rank one of the test
@@ -190,10 +246,7 @@ def run_ranks(world: int, fn: Callable[..., Any], *args: Any, timeout: float = 1
     kill ranks or change process-wide settings.
     """
     fresh = fresh or os.environ.get("SHARDCKPT_TEST_FRESH") == "1"
-    now = time.monotonic()
-    for w, idle in list(_POOLS.items()):
-        if w != world and now - idle.last_used > POOL_IDLE_S:
-            _POOLS.pop(w).close()
+    close_idle_pools()
     pool = None if fresh else _POOLS.get(world)
     if pool is None:
         # Room for the new pool's ranks: the least recently used others go first.
@@ -214,6 +267,61 @@ def run_ranks(world: int, fn: Callable[..., Any], *args: Any, timeout: float = 1
         pool.last_used = time.monotonic()
         if fresh:
             pool.close()
+
+
+def close_idle_pools() -> None:
+    """Close the pools unused for ``POOL_IDLE_S``, of any world size."""
+    now = time.monotonic()
+    for w, pool in list(_POOLS.items()):
+        if now - pool.last_used > POOL_IDLE_S:
+            _POOLS.pop(w).close()
+
+
+def close_pools_of_other_tests() -> None:
+    """Close the pools no call of the running test used: another harness is about to start processes.
+
+    tests/_faultkids.py and tests/_zygote.py call it before they start
+    theirs: a pool the test before left (2-3 ranks, 0.4-0.55 GB each) sat
+    idle beside a fault test's eight children or a launched script's ranks,
+    1.8 GB of one test process's 4.3 GB at a suite run's peak (issue 47).
+    """
+    for w, pool in list(_POOLS.items()):
+        if pool.test != _TEST:
+            _POOLS.pop(w).close()
+
+
+def stop_idle_forkserver() -> bool:
+    """Stop the rank fork server once nothing it forked is alive and it went unused for ``FORKSERVER_IDLE_S``.
+
+    Returns whether it stopped one. Never while a pool or a child of this
+    process lives: a forkserver child's exit code travels through the server.
+    """
+    from multiprocessing import forkserver
+
+    server = getattr(forkserver, "_forkserver", None)
+    if server is None or getattr(server, "_forkserver_pid", None) is None or not hasattr(server, "_stop"):
+        return False
+    if _POOLS or mp.active_children() or time.monotonic() - _FORKSERVER_USED < FORKSERVER_IDLE_S:
+        return False
+    server._stop()
+    trace("forkserver-stop")
+    return True
+
+
+def on_test_start(*, uses_pools: bool = True) -> None:
+    """At each test's start (tests/conftest.py): count it, close the pools it will not use, stop an idle fork server.
+
+    ``uses_pools=False`` (its file never calls ``run_ranks``) closes every
+    pool: they would sit idle through the test, beside whatever processes it
+    starts (a torchrun, a launched script's ranks: issue 47).
+    """
+    global _TEST
+    _TEST += 1
+    if uses_pools:
+        close_idle_pools()
+    else:
+        _shutdown()
+    stop_idle_forkserver()
 
 
 @atexit.register

@@ -116,8 +116,9 @@ def start(fn: Callable[..., Any], *args: Any, env: Optional[Dict[str, str]] = No
     traceback is in its output), ``n`` after ``os._exit(n)``, ``-9`` after a
     SIGKILL. Pair with ``finish``.
     """
-    from _dist import process_context
+    from _dist import close_pools_of_other_tests, process_context
 
+    close_pools_of_other_tests()  # idle beside this child otherwise
     out_dir = tempfile.mkdtemp(prefix="shardckpt-faultkid-")  # 0700, new: no symlink can be in the way
     out_path = os.path.join(out_dir, "out")
     os.close(os.open(out_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))

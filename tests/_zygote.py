@@ -296,6 +296,9 @@ def server(env: Dict[str, str], job_vars: Tuple[str, ...] = ()) -> Server:
     (``torchrun_envs``) may be missing from the server's: they are read at
     run time (``init_process_group``, shardckpt's calls), not at import.
     """
+    from _dist import close_pools_of_other_tests
+
+    close_pools_of_other_tests()  # rank pools a test before left would sit idle beside this one's processes
     base = {k: v for k, v in env.items() if k not in job_vars}
     key = tuple(sorted(base.items()))
     z = _SERVERS.get(key)

@@ -10,6 +10,8 @@ if HERE not in sys.path:
     sys.path.insert(0, HERE)
 os.environ["PYTHONPATH"] = HERE + os.pathsep + os.environ.get("PYTHONPATH", "")
 
+import _dist  # noqa: E402  (tests/ is on sys.path now)
+
 #: Test processes of a whole-suite run (``pytest`` with no paths: CI and the
 #: README's command) when pytest-xdist is installed. Runs of chosen files stay
 #: in one process (no worker start-up for a few tests); ``-n N`` or
@@ -33,3 +35,35 @@ def pytest_cmdline_main(config):
         # for minutes while the other sat idle (CI, 2026-11-28).
         config.option.dist = "worksteal"
     return None
+
+
+def pytest_runtest_logstart(nodeid, location):
+    _dist.trace("start", nodeid)  # for benchmarks/suite_memory.py: which test ran when
+
+
+#: Per test file: whether it calls ``run_ranks`` (its text names it).
+_USES_POOLS: dict = {}
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    # The rank pools of tests/_dist.py outlive their tests (a pool is reused
+    # across a file's tests); a test of a file that never calls run_ranks
+    # would only keep them idle beside its own processes (issue 47).
+    path = str(item.path)
+    uses = _USES_POOLS.get(path)
+    if uses is None:
+        try:
+            with open(path, encoding="utf-8") as f:
+                uses = "run_ranks" in f.read()
+        except OSError:
+            uses = True
+        _USES_POOLS[path] = uses
+    _dist.on_test_start(uses_pools=uses)
+
+
+def pytest_runtest_logfinish(nodeid, location):
+    # After the test's teardown: the C heap's free pages back to the kernel,
+    # so a test process's RSS is what it holds, not its high-water mark.
+    _dist.give_back_freed_memory()
+    _dist.trace("end", nodeid)

@@ -5,6 +5,7 @@ import sys
 import textwrap
 
 import _zygote
+import pytest
 
 SCRIPT = textwrap.dedent('''
     import atexit, json, os, sys
@@ -127,4 +128,100 @@ def test_pools_past_the_rank_budget_close_the_least_recently_used_first(monkeypa
     assert sorted(_dist._POOLS) == [2, 3] and not any(p.is_alive() for p in pool1.procs)
     assert _dist.run_ranks(1, _pid) != one  # a new pool (and 1 + 2 + 3 > 5: the 2-rank pool went)
     assert sorted(_dist._POOLS) == [1, 3]
+    _dist._shutdown()
+
+
+def test_a_pool_idle_past_its_limit_closes_at_the_next_test_whatever_its_world_size(monkeypatch):
+    """Issue 47: a pool was only closed by a call for another world size; one left by the last run_ranks test stayed."""
+    import _dist
+
+    _dist._shutdown()
+    _dist.run_ranks(2, _pid)
+    pool2 = _dist._POOLS[2]
+    _dist.on_test_start()
+    assert sorted(_dist._POOLS) == [2]  # used a moment ago: kept for the next test
+    monkeypatch.setattr(_dist, "POOL_IDLE_S", 0.0)
+    _dist.on_test_start()
+    assert not _dist._POOLS and not any(p.is_alive() for p in pool2.procs)
+
+
+def test_a_test_of_a_file_without_run_ranks_closes_the_pools():
+    """Issue 47: 2-rank pools sat idle (0.4-0.55 GB a rank) through the launched-script tests that followed."""
+    import _dist
+
+    _dist._shutdown()
+    _dist.run_ranks(2, _pid)
+    pool2 = _dist._POOLS[2]
+    _dist.on_test_start(uses_pools=True)
+    assert sorted(_dist._POOLS) == [2]
+    _dist.on_test_start(uses_pools=False)
+    assert not _dist._POOLS and not any(p.is_alive() for p in pool2.procs)
+
+
+def _hello():
+    print("RESULT {}")
+
+
+def test_a_fault_child_closes_the_pools_of_earlier_tests_not_its_own():
+    """Issue 47: the pools of the tests before sat idle beside a fault test's eight children (1.8 of 4.3 GB)."""
+    import _dist
+    from _faultkids import finish, start
+
+    _dist._shutdown()
+    _dist.on_test_start()
+    _dist.run_ranks(2, _pid)
+    code, _ = finish(start(_hello), 60)
+    assert code == 0 and sorted(_dist._POOLS) == [2]  # this test's own pool stays
+    pool2 = _dist._POOLS[2]
+    _dist.on_test_start()
+    code, _ = finish(start(_hello), 60)
+    assert code == 0 and not _dist._POOLS and not any(p.is_alive() for p in pool2.procs)
+
+
+def test_the_rank_fork_server_stops_once_idle_and_restarts_on_use(monkeypatch):
+    """Issue 47: each test process's fork server (0.26 GB) lived to the end of the run."""
+    from multiprocessing import forkserver
+
+    import _dist
+
+    _dist._shutdown()
+    _dist.run_ranks(1, _pid)
+    first = forkserver._forkserver._forkserver_pid
+    assert first is not None
+    monkeypatch.setattr(_dist, "FORKSERVER_IDLE_S", 0.0)
+    assert not _dist.stop_idle_forkserver()  # a pool is alive: never
+    _dist._shutdown()
+    assert _dist.stop_idle_forkserver()
+    assert forkserver._forkserver._forkserver_pid is None
+    with pytest.raises(ChildProcessError):
+        os.waitpid(first, os.WNOHANG)  # gone and reaped
+    assert len(_dist.run_ranks(2, _pid)) == 2  # a new server forks the next pool
+    _dist._shutdown()
+
+
+_KEPT = []
+
+
+def _fragment_heap(rank, world, mb):
+    # Blocks under glibc's mmap threshold come from the heap; the last one kept
+    # pins the heap's top, so only malloc_trim can give the freed ones back.
+    blocks = [bytearray(100_000) for _ in range(mb * 10)]
+    _KEPT.append(blocks[-1])
+    del blocks
+
+
+def _rss(rank, world):
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_a_rank_gives_its_freed_heap_back_after_each_call():
+    """Issue 47: rank processes grew from 0.26 to 0.53 GB over a run and kept it while idle."""
+    import _dist
+
+    _dist._shutdown()
+    before = _dist.run_ranks(1, _rss)[0]
+    _dist.run_ranks(1, _fragment_heap, 200)
+    after = _dist.run_ranks(1, _rss)[0]
+    assert after - before < 50 << 20, (before, after)
     _dist._shutdown()
