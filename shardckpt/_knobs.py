@@ -59,7 +59,7 @@ environment variable                default     what it sets
                                                 of a block-device file in order, through one
                                                 kept descriptor (4 readahead windows); map:
                                                 CPU pieces mapped; read: CPU pieces preadv'd
-                                                into the tensors; all: read, and buffered
+                                                into the tensors; all: map, and buffered
                                                 ranges (CUDA loads) too; 0: no lanes
 ``SHARDCKPT_LOAD_DIRECT``           0           local reads of >= 1 MiB from a block device
                                                 with O_DIRECT: 0 (never), auto (uncached), 1
@@ -297,15 +297,18 @@ LOAD_INTO = _bool("LOAD_INTO", False)
 #: CPU load is a lane, its pieces mapped as without lanes; ``read``: the
 #: same, and a lane's pieces bound as they are for contiguous CPU tensors are
 #: read with ``preadv`` straight into them, one checksum block a call
-#: (restored if a block fails), when ``LOAD_DIRECT`` is 0; ``all``
-#: (default): ``read``, and runs of neighbouring buffered ranges (CUDA
-#: targets, casts) are lanes too, within the pool's share of one thread;
-#: ``0``: no lanes, every piece a job of its own spread over the threads (the
-#: scheduling before wave 12). Default chosen on the H100 host (16 cores,
-#: virtio disk, docs/performance.md wave 12): the 37 GB FSDP2 cold load 1.59
-#: GB/s with CUDA lanes against 1.44 without, CPU cold loads ``read`` 0.88x
-#: of the raw 8-stream read against 0.83x (``0``) and 0.80x (``map``). tmpfs
-#: and network storage never use lanes. Read at each load.
+#: (restored if a block fails; a failed load may then have delivered the
+#: verified tensors before the bad block, named in its error), when
+#: ``LOAD_DIRECT`` is 0; ``all`` (default): ``map``, and runs of neighbouring
+#: buffered ranges (CUDA targets, casts) are lanes too, within the pool's
+#: share of one thread; ``0``: no lanes, every piece a job of its own spread
+#: over the threads (the scheduling before wave 12). Default chosen on two
+#: H100 hosts (16 cores, virtio disk, docs/performance.md wave 12): the 37 GB
+#: FSDP2 cold load 1.59 GB/s with CUDA lanes against 1.44 without on one,
+#: 2.07-2.08 against 1.93-2.09 on the other; CPU cold loads with ``map``
+#: lanes 0.80x and 1.00x of the raw 8-stream read, ``read`` 0.88x and
+#: 1.00x, no lanes 0.83x and 1.03x. tmpfs and network storage never use
+#: lanes. Read at each load.
 LOAD_LANES = (_env("LOAD_LANES") or "all").lower()
 if LOAD_LANES in ("1", "on", "true", "yes"):
     LOAD_LANES = "map"

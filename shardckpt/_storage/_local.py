@@ -258,6 +258,18 @@ def check_inside(root: str, path: str) -> str:
     return path
 
 
+def _iov_max() -> int:
+    try:
+        n = os.sysconf("SC_IOV_MAX")
+    except (AttributeError, ValueError, OSError):
+        n = -1
+    return n if n > 0 else 1024
+
+
+#: Buffers one ``preadv`` takes (the kernel's ``UIO_MAXIOV``; 1024 on Linux).
+IOV_MAX = _iov_max()
+
+
 class HotFile:
     """An open local file whose bytes are cached (``LocalStorage.open_hot``): ``readv`` scatters them into buffers."""
 
@@ -273,16 +285,19 @@ class HotFile:
             EOFError: the file ends first (another process truncated it).
         """
         views = [v for v in views if len(v)]
-        while views:
-            got = os.preadv(self.fd, views, offset)
+        i = 0
+        while i < len(views):
+            # At most IOV_MAX buffers a call: a block of many small tensors
+            # (an HF file of 2,000 norms) is more, and preadv refuses with EINVAL.
+            got = os.preadv(self.fd, views[i : i + IOV_MAX], offset)
             if got <= 0:
-                raise EOFError(f"{self.url}: file ends before byte {offset + sum(len(v) for v in views)}")
+                raise EOFError(f"{self.url}: file ends before byte {offset + sum(len(v) for v in views[i:])}")
             offset += got
-            while views and got >= len(views[0]):
-                got -= len(views[0])
-                views.pop(0)
+            while i < len(views) and got >= len(views[i]):
+                got -= len(views[i])
+                i += 1
             if got:
-                views[0] = views[0][got:]
+                views[i] = views[i][got:]
 
     def close(self) -> None:
         if self.fd >= 0:
@@ -580,7 +595,7 @@ class LocalStorage(Storage):
         with reading(self.url_of(rel)):
             path = self.path(rel)
             kept = _lane_fd(self, rel)
-            if kept >= 0 and _knobs.LOAD_LANES in ("read", "all") and _knobs.LOAD_DIRECT == "0":
+            if kept >= 0 and _knobs.LOAD_LANES == "read" and _knobs.LOAD_DIRECT == "0":
                 # A lane's file on a disk: read in order through the lane's
                 # descriptor (the kernel's sequential readahead runs ahead of
                 # it), cached or not. With O_DIRECT asked for, mapped instead

@@ -260,3 +260,21 @@ def test_a_file_truncated_under_the_read_is_refused_and_the_block_put_back(shm, 
         read_verified(Storage(str(shm)), [w], lambda *a: None, threads=1, piece_bytes=1 << 20, range_bytes=1 << 20)
     assert bytes(dest[: 16 << 10]) == data[: 16 << 10]  # blocks 0-1 verified and delivered
     assert dest[16 << 10 :] == b"\x05" * (16 << 10)  # block 2 (read short) put back, block 3 never written
+
+
+def test_a_block_of_more_small_tensors_than_one_preadv_takes(shm, monkeypatch):
+    # An HF file of 2,000 tensors of 16 bytes: one read unit spans them all,
+    # 2,000 buffers, over IOV_MAX (1,024), which one preadv refuses with
+    # EINVAL (the fresh-clone gate of wave 12: test_many_keys' HF case).
+    from safetensors.torch import save_file
+
+    d = str(shm / "hf")
+    os.mkdir(d)
+    src = {f"t{i:04d}": torch.full((4,), float(i)) for i in range(2000)}
+    save_file(src, os.path.join(d, "model.safetensors"))
+    hot = _count_hot(monkeypatch)
+    live = {k: torch.zeros_like(v) for k, v in src.items()}
+    shardckpt.load(live, d)
+    assert sum(hot) >= 2000 * 16, hot  # the pieces were read straight into the tensors
+    assert all(torch.equal(live[k], src[k]) for k in src)
+    assert _local.IOV_MAX < 2000  # so the test crosses the limit
