@@ -58,6 +58,7 @@ copied).
 from __future__ import annotations
 
 import threading
+from bisect import bisect_right
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -510,15 +511,29 @@ def _into_ok(lo: int, hi: int, units: Sequence[Tuple[int, Unit]], sinks: Sequenc
     return True
 
 
-def _views(sinks: Sequence[Want], a: int, b: int) -> List[Tuple[Want, int, memoryview]]:
-    """``(want, position in it, its destination bytes)`` covering file bytes ``[a, b)``, in file order."""
+def _by_offset(sinks: Sequence[Want]) -> Tuple[List[Want], List[int]]:
+    """``sinks`` in file order, and where each starts in the file (for :func:`_views`)."""
+    # Among wants starting at one byte the longest comes last: the one a bisection lands on.
+    order = sorted(sinks, key=lambda w: (w.chunk.byte_offset + w.start, w.stop - w.start))
+    return order, [w.chunk.byte_offset + w.start for w in order]
+
+
+def _views(index: Tuple[List[Want], List[int]], a: int, b: int) -> List[Tuple[Want, int, memoryview]]:
+    """``(want, position in it, its destination bytes)`` covering file bytes ``[a, b)``, in file order.
+
+    ``index``: :func:`_by_offset` of wants that tile the piece (``_into_ok``),
+    so a unit's wants are found by bisection, not by a pass over every want
+    of the piece per unit (quadratic for a piece of thousands of small tensors).
+    """
+    order, starts = index
     out = []
-    for w in sinks:
-        base = w.chunk.byte_offset + w.start
+    i = max(0, bisect_right(starts, a) - 1)
+    while i < len(order) and starts[i] < b:
+        w, base = order[i], starts[i]
         x, y = max(a, base), min(b, base + w.stop - w.start)
         if x < y:
             out.append((w, x - base, w.into[x - base : y - base]))  # type: ignore[index]
-    out.sort(key=lambda t: t[0].chunk.byte_offset + t[0].start + t[1])
+        i += 1
     return out
 
 
@@ -555,6 +570,7 @@ def _into_job(storage: Storage, rel: str, lo: int, hi: int, units: Sequence[Tupl
         out: List[Tuple[int, int, int, int]] = []
         good = 0
         damaged = False
+        index = _by_offset(sinks)
         for k, a, b, want in steps:
             if damaged:  # checked in scratch, never in a destination
                 crc = 0
@@ -567,7 +583,7 @@ def _into_job(storage: Storage, rel: str, lo: int, hi: int, units: Sequence[Tupl
                 continue
             if stop.is_set():
                 return None  # damage found in another piece: nothing more is delivered
-            views = _views(sinks, a, b)
+            views = _views(index, a, b)
             keep = None
             if k >= 0 and any(w.restore for w, _, _ in views):
                 keep = _scratch(b - a)

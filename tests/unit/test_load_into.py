@@ -278,3 +278,28 @@ def test_a_block_of_more_small_tensors_than_one_preadv_takes(shm, monkeypatch):
     assert sum(hot) >= 2000 * 16, hot  # the pieces were read straight into the tensors
     assert all(torch.equal(live[k], src[k]) for k in src)
     assert _local.IOV_MAX < 2000  # so the test crosses the limit
+
+
+def test_a_piece_of_thousands_of_tensors_costs_linear_cpu(shm):
+    # Each checksum unit's destinations were found by a pass over every want
+    # of its piece: quadratic in the tensors of one piece (4,000 tensors of
+    # 32 bytes: 8 s of CPU where 1,000 took 0.7 s; the slow
+    # test_many_keys::test_cpu_time_grows_at_most_linearly with
+    # SHARDCKPT_LOAD_LANES=read never finished). A ratio, not a time.
+    import time
+
+    def cpu(n: int) -> float:
+        d = str(shm / f"c{n}")
+        src = {f"k{i:05d}": torch.full((8,), float(i)) for i in range(n)}
+        shardckpt.save(src, d)
+        best = float("inf")
+        for _ in range(2):
+            live = {k: torch.zeros_like(v) for k, v in src.items()}
+            t = time.process_time()
+            shardckpt.load(live, d)
+            best = min(best, time.process_time() - t)
+        assert all(torch.equal(live[k], src[k]) for k in src)
+        return best
+
+    small, large = cpu(1000), cpu(4000)
+    assert large < 7 * small, (small, large)  # 4x the tensors: linear is ~4x (2-3x measured), quadratic 16x
