@@ -29,6 +29,7 @@ def _load2(rank, world, path):
     return full_state(model), state["step"]
 
 
+@pytest.mark.exclusive
 @pytest.mark.slow
 def test_save8_load16_save16_load2_bit_exact(tmp_path):
     a, b = str(tmp_path / "at8"), str(tmp_path / "at16")

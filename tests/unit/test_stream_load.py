@@ -470,6 +470,7 @@ def test_damaged_block_mid_load_leaves_its_bytes_unwritten(tmp_path):
     assert not torch.count_nonzero(flat[10 * mib :])  # block 10 (damaged) and after: untouched
 
 
+@pytest.mark.exclusive
 @pytest.mark.slow
 @pytest.mark.parametrize("source", ["native", "hf"])
 def test_peak_extra_rss_of_a_load_stays_bounded_whatever_the_tensor_sizes(tmp_path, source):
