@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import re
 from itertools import repeat
-from typing import Any, Callable, Dict, Iterator, List, MutableMapping, Optional, Sequence
+from typing import Any, Callable, Dict, Iterator, List, MutableMapping, Optional, Sequence, TypeVar
 
 from .manifest import FileMeta, IndexMeta
 
@@ -75,7 +75,35 @@ def _table_rank(m: Optional["re.Match[str]"], world: int) -> int:
     return r if r < world else -1
 
 
-class TableFiles(MutableMapping[str, FileMeta]):
+_V = TypeVar("_V")
+
+
+class _Lazy(MutableMapping[str, _V]):
+    """The mapping both tables share: lookups answered from columns, anything else on the whole dict (``_whole``)."""
+
+    __slots__ = ()
+
+    def _whole(self) -> Dict[str, _V]:
+        raise NotImplementedError  # each table builds its own
+
+    def __setitem__(self, path: str, meta: _V) -> None:
+        self._whole()[path] = meta
+
+    def __delitem__(self, path: str) -> None:
+        del self._whole()[path]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._whole())
+
+    def copy(self) -> Dict[str, _V]:
+        """A plain dict of every record (records built so far shared, as ``dict.copy``)."""
+        return dict(self._whole())
+
+    def __reduce__(self) -> Any:
+        return dict, (dict(self._whole()),)
+
+
+class TableFiles(_Lazy[FileMeta]):
     """``Manifest.files`` of a file table of one data and one index file per rank: records built on lookup.
 
     Args:
@@ -145,32 +173,16 @@ class TableFiles(MutableMapping[str, FileMeta]):
             return path in self._full
         return path in self._plain or (type(path) is str and self.table_size(path) is not None)
 
-    def __setitem__(self, path: str, meta: FileMeta) -> None:
-        self._whole()[path] = meta
-
-    def __delitem__(self, path: str) -> None:
-        del self._whole()[path]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._whole())
-
     def __len__(self) -> int:
         if self._full is not None:
             return len(self._full)
         return len(self._plain) + 2 * len(self._data_sizes)
 
-    def copy(self) -> Dict[str, FileMeta]:
-        """A plain dict of every record (records built so far shared, as ``dict.copy``)."""
-        return dict(self._whole())
-
-    def __reduce__(self) -> Any:
-        return dict, (dict(self._whole()),)
-
     def __repr__(self) -> str:
         return f"TableFiles({len(self)} files)"
 
 
-class TableIndexes(MutableMapping[str, IndexMeta]):
+class TableIndexes(_Lazy[IndexMeta]):
     """``Manifest.indexes`` of a file table of one index file per rank: ``IndexMeta`` built on lookup.
 
     Args:
@@ -228,26 +240,10 @@ class TableIndexes(MutableMapping[str, IndexMeta]):
             return False
         return True
 
-    def __setitem__(self, path: str, meta: IndexMeta) -> None:
-        self._whole()[path] = meta
-
-    def __delitem__(self, path: str) -> None:
-        del self._whole()[path]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._whole())
-
     def __len__(self) -> int:
         if self._full is not None:
             return len(self._full)
         return len(self._plain) + len(self._sizes)
-
-    def copy(self) -> Dict[str, IndexMeta]:
-        """A plain dict of every record."""
-        return dict(self._whole())
-
-    def __reduce__(self) -> Any:
-        return dict, (dict(self._whole()),)
 
     def __repr__(self) -> str:
         return f"TableIndexes({len(self)} index files)"
