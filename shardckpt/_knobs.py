@@ -51,15 +51,15 @@ environment variable                default     what it sets
 ``SHARDCKPT_LOAD_MAP``              1           a load into CPU tensors checks and copies
                                                 local files' bytes out of a memory mapping
                                                 (one pass); 0: reads into buffers first
-``SHARDCKPT_LOAD_INTO``             0           1: tmpfs pieces going as they are into
-                                                contiguous CPU tensors: ``preadv`` each
-                                                checksum block into the tensor, CRC it
-                                                there (restored if it fails); 0: map them
+``SHARDCKPT_LOAD_INTO``             1           tmpfs pieces of a CPU load are read with
+                                                ``preadv``: into the reader's scratch, checked
+                                                whole, copied out (live tensors), or straight
+                                                into staging tensors; 0: map them
 ``SHARDCKPT_LOAD_LANES``            all         a load's reader threads each read a stretch
                                                 of a block-device file in order, through one
                                                 kept descriptor (4 readahead windows); map:
-                                                CPU pieces mapped; read: CPU pieces preadv'd
-                                                into the tensors; all: map, and buffered
+                                                CPU pieces mapped; read: CPU pieces read
+                                                with preadv; all: map, and buffered
                                                 ranges (CUDA loads) too; 0: no lanes
 ``SHARDCKPT_LOAD_DIRECT``           0           local reads of >= 1 MiB from a block device
                                                 with O_DIRECT: 0 (never), auto (uncached), 1
@@ -277,17 +277,18 @@ LOAD_READ_ONCE = _bool("LOAD_READ_ONCE", True)
 #: ``read()`` from tmpfs costs a copy of its own). 0: read into buffers first
 #: (a filesystem that cannot map files). Read at each load.
 LOAD_MAP = _bool("LOAD_MAP", True)
-#: 1: where a mapped load's piece lies in memory (a tmpfs or ramfs file) and
-#: its bytes go as they are into contiguous CPU tensors, the reader
-#: thread ``preadv``-s each checksum block straight into the tensor and checks
-#: its CRC there, while it is in cache (one kernel copy: no page-table fill of
-#: a mapping, no second copy); the block's previous bytes are put back if it
-#: fails. 0 (default): such pieces are mapped as ``LOAD_MAP`` says. Off by
-#: default since wave 12: on the 16-core H100 host the mapped load was faster
-#: (7.20 against 4.96 GB/s, 1 GiB from /dev/shm, docs/performance.md), on
-#: the 2-core box the two were within noise. Files on disks follow
-#: ``LOAD_LANES``. Read at each load.
-LOAD_INTO = _bool("LOAD_INTO", False)
+#: 1 (default): where a mapped load's piece lies in memory (a tmpfs or ramfs
+#: file), the reader thread reads it with ``preadv`` instead of mapping it (no
+#: page-table fill and teardown per piece): a piece for live tensors into the
+#: thread's scratch (huge pages), its CRCs checked while in cache, and copied
+#: out only if all of them matched (as a mapped piece: a damaged block leaves
+#: the whole piece undelivered); a piece whose bytes all go as they are into
+#: staging tensors (``atomic=True``) or unchecked straight into them, one
+#: checksum block at a time. 0: such pieces are mapped as ``LOAD_MAP`` says.
+#: On by default since wave 13 (the 2-core box: 4.98 against 4.27 GB/s, 1 GiB
+#: from /dev/shm, the HF directory 6.93 against 5.80; docs/performance.md).
+#: Files on disks follow ``LOAD_LANES``. Read at each load.
+LOAD_INTO = _bool("LOAD_INTO", True)
 #: A load's reads of a file on a block device (a disk: sysfs shows its queue)
 #: go in *lanes*: one reader thread reads a stretch of the file in order,
 #: through one kept file descriptor, so the kernel sees sequential streams
@@ -295,11 +296,10 @@ LOAD_INTO = _bool("LOAD_INTO", False)
 #: threads read). The stretch is 4 of the device's readahead windows
 #: (``read_ahead_kb``), 8-64 MiB. ``map`` (``1`` too): each mapped range of a
 #: CPU load is a lane, its pieces mapped as without lanes; ``read``: the
-#: same, and a lane's pieces bound as they are for contiguous CPU tensors are
-#: read with ``preadv`` straight into them, one checksum block a call
-#: (restored if a block fails; a failed load may then have delivered the
-#: verified tensors before the bad block, named in its error), when
-#: ``LOAD_DIRECT`` is 0; ``all`` (default): ``map``, and runs of neighbouring
+#: same, and a lane's pieces are read with ``preadv`` through the lane's
+#: descriptor instead of mapped, as tmpfs pieces are (``LOAD_INTO``: into the
+#: reader's scratch and checked whole for live tensors, straight into staging
+#: ones), when ``LOAD_DIRECT`` is 0; ``all`` (default): ``map``, and runs of neighbouring
 #: buffered ranges (CUDA targets, casts) are lanes too, within the pool's
 #: share of one thread; ``0``: no lanes, every piece a job of its own spread
 #: over the threads (the scheduling before wave 12). Default chosen on two

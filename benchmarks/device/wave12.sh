@@ -21,6 +21,9 @@
 #             the HF directory, lanes vs @LOAD_LANES=0, medians of 3 (~40 s)          -> warmdisk.json, warmdisk.md
 #   profile   (not by default) bench_cold_profile --parts load: an AdamW-like state ($PGB GB) into $DEV tensors, cold,
 #             lanes $PLANES (CUDA: map,all; CPU: map,read,0), alternated x2: in flight, CRC, pool waits, diskstats -> profile.json
+# Case lists (wave 13 reuses this script): FSDP2_CASES (bench_fsdp2_load --cases; default
+# "shardckpt,shardckpt@LOAD_LANES=0"; "shardckpt:T:B:R" = T threads, B MiB of buffers, R MiB reads), WARM_LOADS (warm16's
+# --loads), LANES_CPU (cold's CPU --loads).
 # TINY=1: tiny sizes, CPU only, no wheels (PYTHON= one with crc32c), fadvise drops: a dry run (fsdp2 needs CUDA:
 # its raw-disk parts run, and the profile step on CPU stands in for the 37 GB load).
 cd "$(dirname "$0")/../.."
@@ -57,14 +60,16 @@ finally:
     shutil.rmtree(d, ignore_errors=True)
 print('raw disk', json.dumps(r)); json.dump(r, open('$OUT/$1', 'w'))" || echo "raw $1: exit $?"
 }
-LANES_CPU="read8,read,safetensors,shardckpt,shardckpt@LOAD_LANES=0,shardckpt@LOAD_LANES=map,shardckpt-hf,shardckpt-hf@LOAD_LANES=0"
+LANES_CPU=${LANES_CPU:-"read8,read,safetensors,shardckpt,shardckpt@LOAD_LANES=0,shardckpt@LOAD_LANES=map,shardckpt-hf,shardckpt-hf@LOAD_LANES=0"}
+FSDP2_CASES=${FSDP2_CASES:-"shardckpt,shardckpt@LOAD_LANES=0"}
+WARM_LOADS=${WARM_LOADS:-"memcpy,safetensors,shardckpt,shardckpt@LOAD_INTO=1,shardckpt-hf,dcp"}
 for s in $STEPS; do
 case $s in
 fsdp2)
     echo "=== fsdp2: the raw disk, the 3.09 B + AdamW cold load (defaults, then LOAD_LANES=0, same checkpoint), the raw disk again (~200 s)"
     raw raw-before.json
     if [ -n "$TINY" ]; then echo "fsdp2: the 37 GB load skipped (TINY: no CUDA; the profile step stands in)"; else
-        timeout 300 $PY benchmarks/bench_fsdp2_load.py --dir $SCR/w12fsdp2 --cases "shardckpt,shardckpt@LOAD_LANES=0" --reuse \
+        timeout 300 $PY benchmarks/bench_fsdp2_load.py --dir $SCR/w12fsdp2 --cases "$FSDP2_CASES" --reuse \
             --json "$OUT/fsdp2.json" || echo "fsdp2: exit $?"
         rm -rf $SCR/w12fsdp2
     fi
@@ -83,7 +88,7 @@ cold)
     rm -rf "$D";;
 warm16)
     echo "=== warm16: 1 GiB from /dev/shm, every core, medians of $REP (~80 s)"
-    timeout 150 $PY benchmarks/bench_byte_path.py --size-gib $GIB --repeat $REP $CUDA --loads memcpy,safetensors,shardckpt,shardckpt@LOAD_INTO=1,shardckpt-hf,dcp \
+    timeout 150 $PY benchmarks/bench_byte_path.py --size-gib $GIB --repeat $REP $CUDA --loads "$WARM_LOADS" \
         --saves save_file,shardckpt --json "$OUT/warm16.json" --markdown "$OUT/warm16.md" || echo "warm16: exit $?";;
 warmdisk)
     echo "=== warmdisk: the page cache warm, files on $SCR (lanes apply), lanes vs LOAD_LANES=0, medians of $REP (~40 s)"

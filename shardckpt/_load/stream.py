@@ -96,7 +96,7 @@ def _wants(plan: LoadPlan, dests: Sequence[Sequence[torch.Tensor]], range_bytes:
     for ti, t in enumerate(plan.targets):
         chunks = t.chunks
         dtype = torch_dtype(t.meta.dtype)
-        isz = torch.empty((), dtype=dtype).element_size()
+        isz = dtype.itemsize
         for dst_part, pieces in zip(dests[ti], t.pieces):
             for p in pieces:
                 c = chunks[p.chunk]

@@ -112,26 +112,27 @@ def test_cached_pieces_are_read_straight_into_fp32_bf16_and_int_tensors(shm, mon
     assert not hot and maps
 
 
-def test_a_damaged_block_read_into_a_live_tensor_is_put_back_and_named_alone(shm, monkeypatch):
-    # One piece of 4 blocks of w; block 2 damaged. Blocks 0-1 land (verified);
-    # block 2's previous bytes are restored; block 3 (same piece, after the
-    # damage) is checked in scratch and left as it was; only block 2 is named.
+def test_a_damaged_block_changes_nothing_of_a_live_tensors_piece_and_is_named_alone(shm, monkeypatch):
+    # One piece of 4 blocks of w; block 2 damaged. A live tensor's piece is
+    # read into the reader's scratch and checked whole before a byte is
+    # copied out: w keeps every byte it had, only block 2 is named. Staged
+    # (atomic=True), the piece goes straight into the staging tensor, the
+    # same block alone is named, and nothing changes either.
     monkeypatch.setattr(_knobs, "LOAD_CPU_IO_THREADS", 1)
     d = str(shm / "c")
     w = torch.randn(512, 2048)
     shardckpt.save({"w": w}, d)
     _flip(d, "w", 2 * MIB + 12345)
-    hot = _count_hot(monkeypatch)
-    live = {"w": torch.full((512, 2048), 3.0)}
-    with pytest.raises(ChecksumMismatchError) as ei:
-        shardckpt.load(live, d)
-    msg = str(ei.value)
-    assert "w chunk" in msg and "block 2 " in msg and "block 3 " not in msg and "block 1 " not in msg, msg
-    assert "Tensors already overwritten: w" in msg, msg
-    assert hot, "the piece was not read straight into the tensor: the test does not exercise that path"
-    flat, per = live["w"].view(-1), MIB // 4
-    assert torch.equal(flat[: 2 * per], w.view(-1)[: 2 * per])  # verified blocks delivered
-    assert torch.all(flat[2 * per :] == 3.0)  # the damaged block put back, the next one never written
+    for atomic in (False, True):
+        hot = _count_hot(monkeypatch)
+        live = {"w": torch.full((512, 2048), 3.0)}
+        with pytest.raises(ChecksumMismatchError) as ei:
+            shardckpt.load(live, d, atomic=atomic)
+        msg = str(ei.value)
+        assert "w chunk" in msg and "block 2 " in msg and "block 3 " not in msg and "block 1 " not in msg, msg
+        assert "already overwritten" not in msg, msg
+        assert hot, "the piece was not read with preadv: the test does not exercise that path"
+        assert torch.all(live["w"] == 3.0)
 
 
 def test_damage_in_the_first_block_of_a_tensor_leaves_it_unchanged_and_unnamed(shm, monkeypatch):
@@ -183,22 +184,29 @@ def test_into_pieces_are_planned_only_where_every_byte_has_one_destination():
     units = [(k, _readers.Unit(16 * k, 16 * k + 16, 0, c, k)) for k in range(4)]
     dest = memoryview(bytearray(64))
     sink = lambda pos, data: None  # noqa: E731
-    whole = Want(c, 0, 64, sink=sink, into=dest)
-    halves = [Want(c, 0, 32, sink=sink, into=dest[:32]), Want(c, 32, 64, sink=sink, into=dest[32:])]
+    whole = Want(c, 0, 64, sink=sink, into=dest, restore=False)
+    halves = [Want(c, 0, 32, sink=sink, into=dest[:32], restore=False), Want(c, 32, 64, sink=sink, into=dest[32:], restore=False)]
     assert _readers._into_ok(0, 64, units, [whole])
     assert _readers._into_ok(0, 64, units, halves)
     assert not _readers._into_ok(0, 64, units, [halves[0]])  # bytes read only to be checked
-    assert not _readers._into_ok(0, 64, units, [Want(c, 0, 32, sink=sink, into=dest[:32]), Want(c, 40, 64, sink=sink, into=dest[40:])])
-    assert not _readers._into_ok(0, 64, units, [Want(c, 0, 64, sink=sink)])  # no destination memory (a copy)
+    assert not _readers._into_ok(0, 64, units, [Want(c, 0, 32, sink=sink, into=dest[:32], restore=False),
+                                                Want(c, 40, 64, sink=sink, into=dest[40:], restore=False)])
+    assert not _readers._into_ok(0, 64, units, [Want(c, 0, 64, sink=sink, restore=False)])  # no destination memory (a copy)
     assert not _readers._into_ok(0, 64, units, [whole, whole])  # two destinations of the same bytes: mapped, copied twice
-    big = Chunk("f", 0, 64 << 20, block_bytes=0, block_crcs=(0,), tensor="v")
-    u = [(0, _readers.Unit(0, 64 << 20, 0, big, -1))]
-    w = Want(big, 0, 64 << 20, sink=sink, into=memoryview(bytearray(1)))
-    assert not _readers._into_ok(0, 64 << 20, u, [w])  # a live destination of a 64 MiB unit: nowhere to keep it aside
-    assert _readers._into_ok(0, 64 << 20, u, [Want(big, 0, 64 << 20, sink=sink, into=w.into, restore=False)])
+    live = [Want(c, 0, 64, sink=sink, into=dest, restore=True)]
+    assert not _readers._into_ok(0, 64, units, live)  # a live destination, checked: read into scratch, checked whole first
+    assert _readers._into_ok(0, 64, [], live)  # unchecked (checksums off): nothing to wait for
+    staged = [Want(c, 0, 64, sink=sink, into=dest, restore=False)]
+    assert _readers._into_ok(0, 64, units, staged)
 
 
-def test_reader_puts_back_a_damaged_unit_and_reports_verified_parts_only(shm):
+@pytest.mark.parametrize("restore", [False, True], ids=["staged", "live"])
+def test_reader_delivers_verified_units_only_and_names_the_damaged_one(shm, restore):
+    # Staged destinations (restore=False) are read into unit by unit: the
+    # verified units before the damage are reported delivered, the damaged
+    # one is not (its bytes stay in the staging, which the load discards).
+    # Live ones (restore=True) get nothing of a piece with a damaged unit:
+    # it was read into scratch and checked whole first.
     tmp_path = shm
     data = bytearray(bytes((i * 13 + 5) % 251 for i in range(1 << 16)))
     (tmp_path / "f.bin").write_bytes(bytes(data))
@@ -206,12 +214,16 @@ def test_reader_puts_back_a_damaged_unit_and_reports_verified_parts_only(shm):
     dest = bytearray(b"\x01" * (48 << 10))
     views = memoryview(dest)
     calls = []
-    wants = [Want(c, a, a + (16 << 10), a, sink=lambda pos, d, a=a: calls.append((a + pos, d)), into=views[a : a + (16 << 10)])
-             for a in range(0, 48 << 10, 16 << 10)]
+    wants = [Want(c, a, a + (16 << 10), a, sink=lambda pos, d, a=a: calls.append((a + pos, d and bytes(d))),
+                  into=views[a : a + (16 << 10)], restore=restore) for a in range(0, 48 << 10, 16 << 10)]
     st = Storage(str(tmp_path))
     read_verified(st, wants, lambda *a: None, threads=1, piece_bytes=1 << 20, range_bytes=1 << 20)
-    assert bytes(dest) == bytes(data[4096 : 4096 + (48 << 10)])
-    assert all(d is None for _, d in calls) and sorted(p for p, _ in calls) == [0, 8192, 16384, 24576, 32768, 40960]
+    if not restore:  # straight in: each verified unit reported in place
+        assert bytes(dest) == bytes(data[4096 : 4096 + (48 << 10)])
+        assert all(d is None for _, d in calls) and sorted(p for p, _ in calls) == [0, 8192, 16384, 24576, 32768, 40960]
+    else:  # copied out of the scratch, want by want
+        assert sorted(p for p, _ in calls) == [0, 16384, 32768]
+        assert b"".join(d for _, d in sorted(calls)) == bytes(data[4096 : 4096 + (48 << 10)])
     data[4096 + (20 << 10)] ^= 1  # block 2
     (tmp_path / "f.bin").write_bytes(bytes(data))
     dest[:] = b"\x01" * (48 << 10)
@@ -219,9 +231,12 @@ def test_reader_puts_back_a_damaged_unit_and_reports_verified_parts_only(shm):
     with pytest.raises(ChecksumMismatchError, match=r"w block 2 \(bytes 20480..28672\)") as ei:
         read_verified(st, wants, lambda *a: None, threads=1, piece_bytes=1 << 20, range_bytes=1 << 20)
     assert "block 3" not in str(ei.value) and "block 1 " not in str(ei.value)
-    assert sorted(p for p, _ in calls) == [0, 8192]  # only the verified blocks are reported delivered
-    assert bytes(dest[: 16 << 10]) == bytes(data[4096 : 4096 + (16 << 10)])
-    assert dest[16 << 10 :] == b"\x01" * (32 << 10)  # block 2 put back, blocks 3-5 never written
+    if not restore:
+        assert sorted(p for p, _ in calls) == [0, 8192]  # only the verified blocks are reported delivered
+        assert bytes(dest[: 16 << 10]) == bytes(data[4096 : 4096 + (16 << 10)])
+        assert dest[24 << 10 :] == b"\x01" * (24 << 10)  # blocks 3-5 never written (checked in scratch)
+    else:
+        assert calls == [] and dest == b"\x01" * (48 << 10)  # nothing of the piece
 
 
 def test_files_on_a_disk_are_mapped_as_before_even_when_cached(tmp_path, monkeypatch):
@@ -242,7 +257,8 @@ def test_files_on_a_disk_are_mapped_as_before_even_when_cached(tmp_path, monkeyp
     assert not hot
 
 
-def test_a_file_truncated_under_the_read_is_refused_and_the_block_put_back(shm, monkeypatch):
+@pytest.mark.parametrize("restore", [False, True], ids=["staged", "live"])
+def test_a_file_truncated_under_the_read_is_refused(shm, monkeypatch, restore):
     data = bytes((i * 7 + 1) % 251 for i in range(1 << 16))
     (shm / "f.bin").write_bytes(data)
     c = _chunk(data, 0, 32 << 10, 8 << 10)
@@ -255,11 +271,14 @@ def test_a_file_truncated_under_the_read_is_refused_and_the_block_put_back(shm, 
         return f
 
     monkeypatch.setattr(_local.LocalStorage, "open_hot", open_then_truncate)
-    w = Want(c, 0, 32 << 10, "w", sink=lambda pos, d: None, into=memoryview(dest))
+    got = []
+    w = Want(c, 0, 32 << 10, "w", sink=lambda pos, d: got.append(pos), into=memoryview(dest), restore=restore)
     with pytest.raises(CorruptCheckpointError, match="truncated"):
         read_verified(Storage(str(shm)), [w], lambda *a: None, threads=1, piece_bytes=1 << 20, range_bytes=1 << 20)
-    assert bytes(dest[: 16 << 10]) == data[: 16 << 10]  # blocks 0-1 verified and delivered
-    assert dest[16 << 10 :] == b"\x05" * (16 << 10)  # block 2 (read short) put back, block 3 never written
+    if restore:  # a live destination: nothing of the piece
+        assert got == [] and dest == b"\x05" * (32 << 10)
+    else:  # staged: blocks 0-1 verified in place and reported, nothing after them
+        assert got == [0, 8 << 10] and bytes(dest[: 16 << 10]) == data[: 16 << 10]
 
 
 def test_a_block_of_more_small_tensors_than_one_preadv_takes(shm, monkeypatch):
@@ -296,7 +315,7 @@ def test_a_piece_of_thousands_of_tensors_costs_linear_cpu(shm):
         for _ in range(2):
             live = {k: torch.zeros_like(v) for k, v in src.items()}
             t = time.process_time()
-            shardckpt.load(live, d)
+            shardckpt.load(live, d, atomic=True)  # staged: straight in, unit by unit (live ones: scratch)
             best = min(best, time.process_time() - t)
         assert all(torch.equal(live[k], src[k]) for k in src)
         return best
