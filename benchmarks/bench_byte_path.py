@@ -24,9 +24,10 @@ shows), then each load fills the same resident live tensors, in place:
                        each: the raw 8-stream read of the same bytes, in the same rounds
 =====================  ================================================================
 
-Any load case may be suffixed ``@KNOB=value`` (``--loads
-shardckpt,shardckpt@LOAD_LANES=0``): the same load with ``_knobs.KNOB`` set
-for it, in the same run (wave 12: the lanes against the scheduling before them).
+Any load or save case may be suffixed ``@KNOB=value`` (``--loads
+shardckpt,shardckpt@LOAD_LANES=0``, ``--saves hf-export-warm@IO_THREADS=8``):
+the same case with ``_knobs.KNOB`` set for it, in the same run (wave 12: the
+lanes against the scheduling before them).
 
 and on a GPU (``torch.cuda`` available), into CUDA live tensors:
 ``safetensors-cuda`` (``load_file(device="cuda")`` + ``copy_``),
@@ -173,6 +174,10 @@ class Bench:
     # -- saves ----------------------------------------------------------------------
 
     def save(self, case: str, tag: str = "") -> None:
+        """Save ``case`` (``case@KNOB=value`` as for loads: e.g. ``hf-export-warm@IO_THREADS=8``)."""
+        _knobbed(case, lambda base: self._save(base, tag))
+
+    def _save(self, case: str, tag: str = "") -> None:
         import torch
 
         path = self.p[_SAVE_PATH[case]] + tag
@@ -225,6 +230,7 @@ class Bench:
 
     def prepare_save(self, case: str, drop_how: str) -> Optional[str]:
         """Out of the clock: an export's source read into the page cache (``-warm``) or dropped from it (``-cold``)."""
+        case = case.partition("@")[0]
         if case.endswith("-cold"):
             return drop_page_cache([self.p["native"]], how=drop_how)
         if case.endswith("-warm") or case == "hf-export-packed":
@@ -240,18 +246,7 @@ class Bench:
 
     def load(self, case: str) -> None:
         """Load ``case``; ``case@KNOB=value`` (e.g. ``shardckpt@LOAD_LANES=0``): the same with ``_knobs.KNOB`` set for it."""
-        base, _, setting = case.partition("@")
-        if not setting:
-            return self._load(case)
-        from shardckpt import _knobs
-
-        name, _, value = setting.partition("=")
-        was = getattr(_knobs, name)
-        setattr(_knobs, name, type(was)(value) if not isinstance(was, bool) else value.lower() in ("1", "on", "true", "yes"))
-        try:
-            return self._load(base)
-        finally:
-            setattr(_knobs, name, was)
+        _knobbed(case, self._load)
 
     def _load(self, case: str) -> None:
         import torch
@@ -392,6 +387,22 @@ def export_report(out: Dict[str, Any]) -> List[str]:
                              f"read then write {serial:.2f} ({v / serial:.0%})")
         lines.append("; ".join(parts))
     return lines
+
+
+def _knobbed(case: str, run: Callable[[str], None]) -> None:
+    """``run(base)`` of ``case`` = ``base@KNOB=value``, with ``shardckpt._knobs.KNOB`` set to ``value`` meanwhile (plain ``base``: as is)."""
+    base, _, setting = case.partition("@")
+    if not setting:
+        return run(case)
+    from shardckpt import _knobs
+
+    name, _, value = setting.partition("=")
+    was = getattr(_knobs, name)
+    setattr(_knobs, name, type(was)(value) if not isinstance(was, bool) else value.lower() in ("1", "on", "true", "yes"))
+    try:
+        return run(base)
+    finally:
+        setattr(_knobs, name, was)
 
 
 def available(case: str, cuda: bool) -> Optional[str]:
@@ -540,7 +551,7 @@ def run(args) -> Dict[str, Any]:
                 s, cpu = timed(lambda c=c: b.save(c, ".again"))
                 res[f"save:{c}"]["s"].append(s)
                 res[f"save:{c}"]["cpu_s"].append(cpu)
-                p = b.p[_SAVE_PATH[c]] + ".again"
+                p = b.p[_SAVE_PATH[c.partition("@")[0]]] + ".again"
                 shutil.rmtree(p) if os.path.isdir(p) else os.unlink(p)
         out["disk"] = disk
         out["drop"] = sorted(drops)

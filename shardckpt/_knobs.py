@@ -51,9 +51,9 @@ environment variable                default     what it sets
 ``SHARDCKPT_LOAD_MAP``              1           a load into CPU tensors checks and copies
                                                 local files' bytes out of a memory mapping
                                                 (one pass); 0: reads into buffers first
-``SHARDCKPT_LOAD_INTO``             1           tmpfs pieces of a CPU load are read with
-                                                ``preadv``: into the reader's scratch, checked
-                                                whole, copied out (live tensors), or straight
+``SHARDCKPT_LOAD_INTO``             1 on <= 4   tmpfs pieces of a CPU load are read with
+                                    CPUs, else  ``preadv``: into the reader's scratch, checked
+                                    0           whole, copied out (live tensors), or straight
                                                 into staging tensors; 0: map them
 ``SHARDCKPT_LOAD_LANES``            all         a load's reader threads each read a stretch
                                                 of a block-device file in order, through one
@@ -277,18 +277,23 @@ LOAD_READ_ONCE = _bool("LOAD_READ_ONCE", True)
 #: ``read()`` from tmpfs costs a copy of its own). 0: read into buffers first
 #: (a filesystem that cannot map files). Read at each load.
 LOAD_MAP = _bool("LOAD_MAP", True)
-#: 1 (default): where a mapped load's piece lies in memory (a tmpfs or ramfs
-#: file), the reader thread reads it with ``preadv`` instead of mapping it (no
+#: 1: where a mapped load's piece lies in memory (a tmpfs or ramfs file),
+#: the reader thread reads it with ``preadv`` instead of mapping it (no
 #: page-table fill and teardown per piece): a piece for live tensors into the
 #: thread's scratch (huge pages), its CRCs checked while in cache, and copied
 #: out only if all of them matched (as a mapped piece: a damaged block leaves
 #: the whole piece undelivered); a piece whose bytes all go as they are into
 #: staging tensors (``atomic=True``) or unchecked straight into them, one
 #: checksum block at a time. 0: such pieces are mapped as ``LOAD_MAP`` says.
-#: On by default since wave 13 (the 2-core box: 4.98 against 4.27 GB/s, 1 GiB
-#: from /dev/shm, the HF directory 6.93 against 5.80; docs/performance.md).
-#: Files on disks follow ``LOAD_LANES``. Read at each load.
-LOAD_INTO = _bool("LOAD_INTO", True)
+#: Default: 1 on at most :data:`LOAD_INTO_MAX_CPUS` usable CPUs, else 0,
+#: from wave 13's runs (1 GiB from /dev/shm, docs/performance.md): on the
+#: 2-core box 4.98 against 4.27 GB/s mapped (the HF directory 6.93 against
+#: 5.80); on the 16-core H100 host 7.70 against 11.27 (the HF directory
+#: 12.09 either way): with 16 readers the second pass through the scratch
+#: costs more memory bandwidth than the mappings' page tables do. Files on
+#: disks follow ``LOAD_LANES``. Read at each load.
+LOAD_INTO_MAX_CPUS = 4
+LOAD_INTO = _bool("LOAD_INTO", usable_cpus() <= LOAD_INTO_MAX_CPUS)
 #: A load's reads of a file on a block device (a disk: sysfs shows its queue)
 #: go in *lanes*: one reader thread reads a stretch of the file in order,
 #: through one kept file descriptor, so the kernel sees sequential streams

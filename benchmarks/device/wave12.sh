@@ -23,7 +23,7 @@
 #             lanes $PLANES (CUDA: map,all; CPU: map,read,0), alternated x2: in flight, CRC, pool waits, diskstats -> profile.json
 # Case lists (wave 13 reuses this script): FSDP2_CASES (bench_fsdp2_load --cases; default
 # "shardckpt,shardckpt@LOAD_LANES=0"; "shardckpt:T:B:R" = T threads, B MiB of buffers, R MiB reads), WARM_LOADS (warm16's
-# --loads), LANES_CPU (cold's CPU --loads).
+# --loads), LANES_CPU (cold's CPU --loads), COLD_SAVES (cold's --saves).
 # TINY=1: tiny sizes, CPU only, no wheels (PYTHON= one with crc32c), fadvise drops: a dry run (fsdp2 needs CUDA:
 # its raw-disk parts run, and the profile step on CPU stands in for the 37 GB load).
 cd "$(dirname "$0")/../.."
@@ -61,6 +61,7 @@ finally:
 print('raw disk', json.dumps(r)); json.dump(r, open('$OUT/$1', 'w'))" || echo "raw $1: exit $?"
 }
 LANES_CPU=${LANES_CPU:-"read8,read,safetensors,shardckpt,shardckpt@LOAD_LANES=0,shardckpt@LOAD_LANES=map,shardckpt-hf,shardckpt-hf@LOAD_LANES=0"}
+COLD_SAVES=${COLD_SAVES:-write,hf-export-warm}
 FSDP2_CASES=${FSDP2_CASES:-"shardckpt,shardckpt@LOAD_LANES=0"}
 WARM_LOADS=${WARM_LOADS:-"memcpy,safetensors,shardckpt,shardckpt@LOAD_INTO=1,shardckpt-hf,dcp"}
 for s in $STEPS; do
@@ -83,7 +84,7 @@ cold)
     D=$(mktemp -d $SCR/w12cold.XXXXXX)
     EXTRA=; [ -z "$CUDA" ] && EXTRA=",shardckpt-cuda@LOAD_LANES=0"
     timeout 240 $PY benchmarks/bench_byte_path.py --dir "$D" --cold --size-gib $CGIB --raw-gb $CRAW --repeat $CREP $CUDA --no-rss $DROP \
-        --loads "$LANES_CPU$EXTRA" --saves write,hf-export-warm --json "$OUT/cold.json" --markdown "$OUT/cold.md" \
+        --loads "$LANES_CPU$EXTRA" --saves "$COLD_SAVES" --json "$OUT/cold.json" --markdown "$OUT/cold.md" \
         || echo "cold: exit $?"
     rm -rf "$D";;
 warm16)
