@@ -802,8 +802,8 @@ def read_verified(
     # Pieces whose bytes all go as they are into destinations' memory
     # (``Want.into``) are read straight there where the storage offers them
     # (``Storage.open_hot``: tmpfs with ``SHARDCKPT_LOAD_INTO``, a lane's file
-    # with ``SHARDCKPT_LOAD_LANES=read``); the others are mapped.
-    into = mappable and (_knobs.LOAD_INTO or _knobs.LOAD_LANES == "read")
+    # with ``SHARDCKPT_LOAD_LANES`` ``read`` or ``all``); the others are mapped.
+    into = mappable and (_knobs.LOAD_INTO or _knobs.LOAD_LANES in ("read", "all"))
     # Lanes (``Storage.lane_bytes``: files on a block device): the pieces of
     # a mapped range, or of a run of neighbouring buffered ranges, are read
     # in order by one thread through one kept file (``Storage.open_lane``),

@@ -23,7 +23,7 @@
 #             lanes $PLANES (CUDA: map,all; CPU: map,read,0), alternated x2: in flight, CRC, pool waits, diskstats -> profile.json
 # Case lists (wave 13 reuses this script): FSDP2_CASES (bench_fsdp2_load --cases; default
 # "shardckpt,shardckpt@LOAD_LANES=0"; "shardckpt:T:B:R" = T threads, B MiB of buffers, R MiB reads), WARM_LOADS (warm16's
-# --loads), LANES_CPU (cold's CPU --loads), COLD_SAVES (cold's --saves).
+# --loads), LANES_CPU (cold's CPU --loads), COLD_SAVES (cold's --saves), WARMDISK_LOADS (warmdisk's --loads).
 # TINY=1: tiny sizes, CPU only, no wheels (PYTHON= one with crc32c), fadvise drops: a dry run (fsdp2 needs CUDA:
 # its raw-disk parts run, and the profile step on CPU stands in for the 37 GB load).
 cd "$(dirname "$0")/../.."
@@ -62,6 +62,7 @@ print('raw disk', json.dumps(r)); json.dump(r, open('$OUT/$1', 'w'))" || echo "r
 }
 LANES_CPU=${LANES_CPU:-"read8,read,safetensors,shardckpt,shardckpt@LOAD_LANES=0,shardckpt@LOAD_LANES=map,shardckpt-hf,shardckpt-hf@LOAD_LANES=0"}
 COLD_SAVES=${COLD_SAVES:-write,hf-export-warm}
+WARMDISK_LOADS=${WARMDISK_LOADS:-"safetensors,shardckpt,shardckpt@LOAD_LANES=0,shardckpt-hf,shardckpt-hf@LOAD_LANES=0"}
 FSDP2_CASES=${FSDP2_CASES:-"shardckpt,shardckpt@LOAD_LANES=0"}
 WARM_LOADS=${WARM_LOADS:-"memcpy,safetensors,shardckpt,shardckpt@LOAD_INTO=1,shardckpt-hf,dcp"}
 for s in $STEPS; do
@@ -95,7 +96,7 @@ warmdisk)
     echo "=== warmdisk: the page cache warm, files on $SCR (lanes apply), lanes vs LOAD_LANES=0, medians of $REP (~40 s)"
     D=$(mktemp -d $SCR/w12warm.XXXXXX)
     timeout 120 $PY benchmarks/bench_byte_path.py --dir "$D" --size-gib $GIB --repeat $REP --no-cuda --no-rss \
-        --loads "safetensors,shardckpt,shardckpt@LOAD_LANES=0,shardckpt-hf,shardckpt-hf@LOAD_LANES=0" --saves write \
+        --loads "$WARMDISK_LOADS" --saves write \
         --json "$OUT/warmdisk.json" --markdown "$OUT/warmdisk.md" || echo "warmdisk: exit $?"
     rm -rf "$D";;
 esac

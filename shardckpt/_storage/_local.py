@@ -595,11 +595,11 @@ class LocalStorage(Storage):
         with reading(self.url_of(rel)):
             path = self.path(rel)
             kept = _lane_fd(self, rel)
-            if kept >= 0 and _knobs.LOAD_LANES == "read" and _knobs.LOAD_DIRECT == "0":
+            if kept >= 0 and _knobs.LOAD_DIRECT == "0" and _lane_reads(kept, start):
                 # A lane's file on a disk: read in order through the lane's
                 # descriptor (the kernel's sequential readahead runs ahead of
-                # it), cached or not. With O_DIRECT asked for, mapped instead
-                # (``map_range`` applies its rules).
+                # it). With O_DIRECT asked for, mapped instead (``map_range``
+                # applies its rules).
                 if os.fstat(kept).st_size < stop:
                     raise self._short(rel, stop)
                 return _LaneHotFile(kept, self.url_of(rel))
@@ -750,6 +750,7 @@ class _LocalLane(Lane):
         super().__init__(storage, rel)
         self._local = storage
         self._fd = -1
+        self.reads: Optional[bool] = None  # pieces read with preadv, or mapped (``_lane_reads``, at the first piece)
 
     def fd_for(self, storage: LocalStorage, rel: str) -> int:
         """This lane's descriptor if it reads ``rel`` of ``storage`` (opened now if need be), else -1."""
@@ -793,6 +794,25 @@ class _LaneHotFile(HotFile):
 
     def close(self) -> None:
         self.fd = -1
+
+
+def _lane_reads(fd: int, start: int) -> bool:
+    """Whether this thread's current lane reads its pieces with ``preadv`` (else they are mapped), decided at its first piece.
+
+    ``SHARDCKPT_LOAD_LANES=read``: always; ``all``: where tmpfs pieces are
+    read too (``LOAD_INTO``: few cores), or where the lane's first page is
+    not in the page cache (a one-byte ``RWF_NOWAIT`` probe: a cold lane. Its
+    side effect, the kernel's readahead from that page, starts where the lane
+    reads next). A warm lane on many cores is mapped: with 16 readers the
+    second pass through a scratch costs more than the mappings' page tables
+    (docs/performance.md, wave 13).
+    """
+    if _knobs.LOAD_LANES not in ("read", "all"):
+        return False
+    lane = _tls.lane
+    if lane.reads is None:
+        lane.reads = _knobs.LOAD_LANES == "read" or _knobs.LOAD_INTO or is_cached(fd, start) is False
+    return lane.reads
 
 
 def _lane_fd(storage: LocalStorage, rel: str) -> int:

@@ -171,3 +171,36 @@ def test_damage_inside_a_lane_is_named_and_never_delivered(tmp_path, monkeypatch
             g, w = got[a : a + block], want[a : a + block]
             assert torch.equal(g, w) or not g.any(), (k, a)  # verified bytes, or untouched (put back)
     assert whole < len(src)  # the damaged tensor's block is not in it
+
+
+@pytest.mark.parametrize("cores", ["few", "many"])
+def test_all_reads_cold_lanes_and_maps_warm_ones_on_many_cores(tmp_path, monkeypatch, cores):
+    # LOAD_LANES=all (the default): a lane is read with preadv where tmpfs
+    # pieces are read too (LOAD_INTO: few cores) or where its first page is
+    # not cached (a cold lane, from the RWF_NOWAIT probe, patched here); a
+    # warm lane on many cores is mapped. Decided once per lane; the same values.
+    src = _state()
+    d = str(tmp_path / "c")
+    shardckpt.save(src, d)
+    monkeypatch.setattr(_knobs, "LOAD_MAP", True)
+    monkeypatch.setattr(_knobs, "LOAD_DIRECT", "0")
+    monkeypatch.setattr(_knobs, "LOAD_LANES", "all")
+    monkeypatch.setattr(_knobs, "LOAD_INTO", cores == "few")
+    monkeypatch.setattr(_knobs, "LOAD_BUFFER_BYTES", 8 * MIB)
+    monkeypatch.setattr(LocalStorage, "lane_bytes", lambda self, rel: 32 * MIB)
+    hot = _record(monkeypatch, "open_hot")
+    maps = _record(monkeypatch, "map_range")
+    probes = []
+    for cold in (True, False):
+        monkeypatch.setattr(_local, "is_cached", lambda fd, off, cold=cold: probes.append(off) or not cold)
+        hot.clear(), maps.clear(), probes.clear()
+        live = {k: torch.zeros_like(v) for k, v in src.items()}
+        shardckpt.load(live, d, io_threads=4)
+        assert all(torch.equal(live[k], src[k]) for k in src)
+        lanes_read = {id(r[5]) for r in hot if r[4] >= 0}
+        if cold or cores == "few":
+            assert lanes_read and not maps, (cold, cores, len(hot), len(maps))
+        else:
+            assert maps and not lanes_read and all(r[4] >= 0 for r in maps), "a warm lane is mapped from the lane's descriptor"
+        # Probed once per lane at most (few cores: never), at the lane's first piece.
+        assert len(probes) <= len(lanes_read | {id(r[5]) for r in maps}) and (cores == "many" or not probes), probes
