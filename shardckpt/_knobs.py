@@ -59,8 +59,9 @@ environment variable                default     what it sets
                                                 of a block-device file in order, through one
                                                 kept descriptor (4 readahead windows); map:
                                                 CPU pieces mapped; read: CPU pieces read
-                                                with preadv; all: map, and buffered
-                                                ranges (CUDA loads) too; 0: no lanes
+                                                with preadv; all: read where cold (or on
+                                                few cores), else map, and buffered ranges
+                                                (CUDA loads) too; 0: no lanes
 ``SHARDCKPT_LOAD_DIRECT``           0           local reads of >= 1 MiB from a block device
                                                 with O_DIRECT: 0 (never), auto (uncached), 1
 ``SHARDCKPT_EXPORT_PLACED``         1           an HF export of uncast tensors to local disk:
@@ -304,16 +305,20 @@ LOAD_INTO = _bool("LOAD_INTO", usable_cpus() <= LOAD_INTO_MAX_CPUS)
 #: same, and a lane's pieces are read with ``preadv`` through the lane's
 #: descriptor instead of mapped, as tmpfs pieces are (``LOAD_INTO``: into the
 #: reader's scratch and checked whole for live tensors, straight into staging
-#: ones), when ``LOAD_DIRECT`` is 0; ``all`` (default): ``map``, and runs of neighbouring
-#: buffered ranges (CUDA targets, casts) are lanes too, within the pool's
-#: share of one thread; ``0``: no lanes, every piece a job of its own spread
-#: over the threads (the scheduling before wave 12). Default chosen on two
-#: H100 hosts (16 cores, virtio disk, docs/performance.md wave 12): the 37 GB
-#: FSDP2 cold load 1.59 GB/s with CUDA lanes against 1.44 without on one,
-#: 2.07-2.08 against 1.93-2.09 on the other; CPU cold loads with ``map``
-#: lanes 0.80x and 1.00x of the raw 8-stream read, ``read`` 0.88x and
-#: 1.00x, no lanes 0.83x and 1.03x. tmpfs and network storage never use
-#: lanes. Read at each load.
+#: ones), when ``LOAD_DIRECT`` is 0; ``all`` (default): a lane is read as
+#: with ``read`` where tmpfs pieces are read too (``LOAD_INTO``: few cores) or
+#: where its first page is not in the page cache (a cold lane: one
+#: ``RWF_NOWAIT`` probe per lane), else mapped as with ``map``; and runs of
+#: neighbouring buffered ranges (CUDA targets, casts) are lanes too, within
+#: the pool's share of one thread; ``0``: no lanes, every piece a job of its
+#: own spread over the threads (the scheduling before wave 12). Chosen on
+#: H100 hosts (16 cores, virtio disk, docs/performance.md waves 12-13): the
+#: 37 GB FSDP2 cold load 1.59 GB/s with CUDA lanes against 1.44 without on
+#: one, 2.07-2.08 against 1.93-2.09 on another; CPU cold loads with ``map``
+#: lanes 0.80x, 1.00x and 0.99x of the raw 8-stream read, ``read`` 0.88x,
+#: 1.00x and 1.11x; warm ones on 16 cores faster mapped (tmpfs: 8.49-11.27
+#: against 7.70-7.98 GB/s). tmpfs and network storage never use lanes. Read
+#: at each load.
 LOAD_LANES = (_env("LOAD_LANES") or "all").lower()
 if LOAD_LANES in ("1", "on", "true", "yes"):
     LOAD_LANES = "map"
