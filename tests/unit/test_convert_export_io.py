@@ -157,14 +157,17 @@ def test_placed_export_writes_each_verified_piece_from_the_reader_threads_while_
     converters.to_safetensors(str(tmp_path / "ck"), str(tmp_path / "packed"))
     monkeypatch.setattr(_knobs, "EXPORT_PLACED", True)
     later_read = threading.Event()
-    real_map = LocalStorage.map_range
+    # A piece is mapped, or read with preadv (open_hot: a cold lane, or any
+    # lane on a few cores); either way its read starts there.
+    for name in ("map_range", "open_hot"):
+        real = getattr(LocalStorage, name)
 
-    def map_range(self, rel, start, stop):
-        if start >= 8 * mib:  # beyond the first two pieces of "a" (4 MiB each)
-            later_read.set()
-        return real_map(self, rel, start, stop)
+        def started(self, rel, start, stop, real=real):
+            if start >= 8 * mib:  # beyond the first two pieces of "a" (4 MiB each)
+                later_read.set()
+            return real(self, rel, start, stop)
 
-    monkeypatch.setattr(LocalStorage, "map_range", map_range)
+        monkeypatch.setattr(LocalStorage, name, started)
     calls, at = [], []
     _record_writes(monkeypatch, calls, at)
     seen = []
