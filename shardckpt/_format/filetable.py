@@ -82,9 +82,31 @@ class _Lazy(MutableMapping[str, _V]):
     """The mapping both tables share: lookups answered from columns, anything else on the whole dict (``_whole``)."""
 
     __slots__ = ()
+    # Each table's own slots: the manifest's plain records, those built on
+    # lookup, and the whole dict once something needed it.
+    _plain: Dict[str, _V]
+    _built: Dict[str, _V]
+    _full: Optional[Dict[str, _V]]
 
     def _whole(self) -> Dict[str, _V]:
         raise NotImplementedError  # each table builds its own
+
+    def _make(self, path: Any) -> Optional[_V]:
+        """The record of a table ``path`` built from the columns; None: not one of the table's."""
+        raise NotImplementedError  # each table builds its own
+
+    def __getitem__(self, path: str) -> _V:
+        if self._full is not None:
+            return self._full[path]
+        got = self._plain.get(path)
+        if got is None:
+            got = self._built.get(path)
+        if got is None:
+            got = self._make(path)
+            if got is None:
+                raise KeyError(path)
+            self._built[path] = got
+        return got
 
     def __setitem__(self, path: str, meta: _V) -> None:
         self._whole()[path] = meta
@@ -155,18 +177,9 @@ class TableFiles(_Lazy[FileMeta]):
             self._full = full
         return self._full
 
-    def __getitem__(self, path: str) -> FileMeta:
-        if self._full is not None:
-            return self._full[path]
-        got = self._plain.get(path)
-        if got is None:
-            got = self._built.get(path)
-        if got is None:
-            size = self.table_size(path) if type(path) is str else None
-            if size is None:
-                raise KeyError(path)
-            got = self._built[path] = FileMeta(size)
-        return got
+    def _make(self, path: Any) -> Optional[FileMeta]:
+        size = self.table_size(path) if type(path) is str else None
+        return None if size is None else FileMeta(size)
 
     def __contains__(self, path: object) -> bool:
         if self._full is not None:
@@ -220,18 +233,11 @@ class TableIndexes(_Lazy[IndexMeta]):
             self._full = full
         return self._full
 
-    def __getitem__(self, path: str) -> IndexMeta:
-        if self._full is not None:
-            return self._full[path]
-        got = self._plain.get(path)
-        if got is None:
-            got = self._built.get(path)
-        if got is None:
-            r = _table_rank(self._index_rx.match(path), len(self._sizes)) if type(path) is str else -1
-            if r < 0 or self._index_name(r, 0) != path:
-                raise KeyError(path)
-            got = self._built[path] = IndexMeta(r, self._sizes[r], self._crcs[r])
-        return got
+    def _make(self, path: Any) -> Optional[IndexMeta]:
+        r = _table_rank(self._index_rx.match(path), len(self._sizes)) if type(path) is str else -1
+        if r < 0 or self._index_name(r, 0) != path:
+            return None
+        return IndexMeta(r, self._sizes[r], self._crcs[r])
 
     def __contains__(self, path: object) -> bool:
         try:

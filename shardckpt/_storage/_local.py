@@ -603,6 +603,8 @@ class LocalStorage(Storage):
                 if os.fstat(kept).st_size < stop:
                     raise self._short(rel, stop)
                 return _LaneHotFile(kept, self.url_of(rel))
+            if not _knobs.LOAD_INTO:
+                return None  # besides lanes, only memory files with LOAD_INTO are read: mapped (no second open per piece)
             fd = self._open_mapped(path)
             try:
                 st = os.fstat(fd)

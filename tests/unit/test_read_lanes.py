@@ -87,9 +87,8 @@ def _lanes_of(log):
     return list(lanes.values()), all(len(v) == 1 for v in threads.values())
 
 
-@pytest.mark.parametrize("how", ["read", "mapped", "buffered"])
-def test_each_lane_is_read_in_order_by_one_thread_through_one_descriptor(tmp_path, monkeypatch, how):
-    """``read``: CPU pieces read into the tensors (LOAD_LANES=read); ``mapped``: LOAD_LANES=map; ``buffered``: LOAD_MAP=0, LOAD_LANES=all (the default)."""
+def _saved_for(tmp_path, monkeypatch, how):
+    """A saved :func:`_state` and the knobs of ``how``: ``read`` (LOAD_LANES=read), ``mapped`` (map), ``buffered`` (LOAD_MAP=0, all)."""
     src = _state()
     d = str(tmp_path / "c")
     shardckpt.save(src, d)
@@ -99,6 +98,13 @@ def test_each_lane_is_read_in_order_by_one_thread_through_one_descriptor(tmp_pat
     monkeypatch.setattr(_knobs, "LOAD_DIRECT", "0")
     # Small buffers: several ranges (mapped: 8 MiB each, in 4 MiB pieces; buffered: 4 ranges of 8 MiB share a lane of 32 MiB).
     monkeypatch.setattr(_knobs, "LOAD_BUFFER_BYTES", (8 if mapped else 128) * MIB)
+    return src, d, mapped
+
+
+@pytest.mark.parametrize("how", ["read", "mapped", "buffered"])
+def test_each_lane_is_read_in_order_by_one_thread_through_one_descriptor(tmp_path, monkeypatch, how):
+    """``read``: CPU pieces read into the tensors (LOAD_LANES=read); ``mapped``: LOAD_LANES=map; ``buffered``: LOAD_MAP=0, LOAD_LANES=all (the default)."""
+    src, d, mapped = _saved_for(tmp_path, monkeypatch, how)
     log = _record(monkeypatch, {"read": "open_hot", "mapped": "map_range", "buffered": "_read_ranges"}[how])
     results = {}
     for on in (True, False):
@@ -137,14 +143,7 @@ def test_each_lane_is_read_in_order_by_one_thread_through_one_descriptor(tmp_pat
 
 @pytest.mark.parametrize("how", ["read", "mapped", "buffered"])
 def test_damage_inside_a_lane_is_named_and_never_delivered(tmp_path, monkeypatch, how):
-    src = _state()
-    d = str(tmp_path / "c")
-    shardckpt.save(src, d)
-    mapped = how != "buffered"
-    monkeypatch.setattr(_knobs, "LOAD_MAP", mapped)
-    monkeypatch.setattr(_knobs, "LOAD_DIRECT", "0")
-    monkeypatch.setattr(_knobs, "LOAD_LANES", {"read": "read", "mapped": "map", "buffered": "all"}[how])
-    monkeypatch.setattr(_knobs, "LOAD_BUFFER_BYTES", (8 if mapped else 128) * MIB)
+    src, d, mapped = _saved_for(tmp_path, monkeypatch, how)
     monkeypatch.setattr(LocalStorage, "lane_bytes", lambda self, rel: 32 * MIB)
     files = sorted(f for f in os.listdir(os.path.join(d, "data")) if f.endswith(".safetensors"))
     path = os.path.join(d, "data", files[0])
