@@ -70,7 +70,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Deque, Dict, List, NamedTuple, Optional, Sequence, Tuple, Type, cast
 
 from . import _knobs
-from ._format.checksum import crc32c, crc32c_combine
+from ._format.checksum import COPY_FUSED, copy_crc32c, crc32c, crc32c_combine
 from ._format.chunk import Chunk
 from ._storage import Storage
 from .errors import ChecksumMismatchError, CorruptCheckpointError, StorageError
@@ -472,6 +472,10 @@ def _map_job(storage: Storage, rel: str, lo: int, hi: int, units: Sequence[Tuple
     try:
         with memoryview(mm) as whole:
             view = whole[at : at + hi - lo]
+            if _fused_ok(lo, hi, units, sinks):
+                done = _fused(lambda a, b: view[a - lo : b - lo], units, sinks, stop)
+                view.release()
+                return done
             out, good, bad = _check(lo, view, units)
             if bad:
                 stop.set()  # the read raises: no thread delivers more
@@ -507,6 +511,11 @@ def _into_ok(lo: int, hi: int, units: Sequence[Tuple[int, Unit]], sinks: Sequenc
     """
     if units and any(w.restore for w in sinks):
         return False
+    return _tiled(lo, hi, sinks)
+
+
+def _tiled(lo: int, hi: int, sinks: Sequence[Want]) -> bool:
+    """Whether the wants (all with ``into``) tile piece ``[lo, hi)``: each byte goes to exactly one destination, as it is."""
     # The wants overlapping the piece, in file order, must tile it: the first
     # starts at or before it, each next one where the last ended, the last
     # ends at or after it.
@@ -545,6 +554,90 @@ def _views(index: Tuple[List[Want], List[int]], a: int, b: int) -> List[Tuple[Wa
     return out
 
 
+def _fused_ok(lo: int, hi: int, units: Sequence[Tuple[int, Unit]], sinks: Sequence[Want]) -> bool:
+    """Whether piece ``[lo, hi)`` goes into its destinations through :func:`_fused`.
+
+    The one-pass kernel must be here (``COPY_FUSED``, ``SHARDCKPT_LOAD_FUSED``),
+    the piece's units must tile it (no byte unchecked, none outside it), none
+    larger than :data:`SCRATCH_MAX_BYTES` (the bytes kept aside), and its
+    wants must tile it with destination memory (:func:`_tiled`).
+    """
+    if not (COPY_FUSED and _knobs.LOAD_FUSED and units):
+        return False
+    at = lo
+    for _, u in sorted(units, key=lambda x: x[1].start):
+        if u.start != at or u.stop - u.start > SCRATCH_MAX_BYTES:
+            return False
+        at = u.stop
+    return at == hi and _tiled(lo, hi, sinks)
+
+
+def _fused(read: Callable[[int, int], memoryview], units: Sequence[Tuple[int, Unit]], sinks: Sequence[Want],
+           stop: threading.Event):
+    """Each unit's bytes (``read(start, stop)``) copied into its destinations and checked in the same pass.
+
+    The kernel (:func:`copy_crc32c`) reads a unit's bytes once, computing the
+    CRC as it copies them, where the two-pass path read them twice (CRC, then
+    copy). A live destination's previous bytes are kept aside in the same
+    pass and put back if the unit's CRC does not match, before this returns:
+    when the load raises, no byte of a damaged unit is left in a tensor (a
+    staging destination, ``atomic=True``, is discarded instead). The units
+    before a damaged one were verified and are delivered (the load names
+    their tensors as overwritten); after it, the rest are only checked, so
+    the error names exactly the damaged units.
+    """
+    index = _by_offset(sinks)
+    live = any(w.restore for w in sinks)
+    out: List[Tuple[int, int, int, int]] = []
+    good = 0
+    damaged = False
+    for k, u in sorted(units, key=lambda x: x[1].start):
+        src = read(u.start, u.stop)
+        n = u.stop - u.start
+        if damaged:
+            out.append((k, 0, n, crc32c(src)))
+            continue
+        if stop.is_set():
+            return None  # damage found in another piece: nothing more is delivered
+        views = _views(index, u.start, u.stop)
+        keep = _keep(n) if live else None
+        crc, at = 0, 0
+        for _, _, v in views:
+            m = len(v)
+            crc = copy_crc32c(v, src[at : at + m], None if keep is None else keep[at : at + m], crc)
+            at += m
+        out.append((k, 0, n, crc))
+        if crc != u.crc:
+            if keep is not None:  # the tensor's bytes as they were
+                at = 0
+                for _, _, v in views:
+                    v[:] = keep[at : at + len(v)]
+                    at += len(v)
+            stop.set()  # the read raises: no thread delivers more
+            damaged = True
+            continue
+        good += 1
+        for w, pos, _ in views:
+            w.sink(pos, None)  # type: ignore[misc]
+    return out, good
+
+
+def _keep(n: int) -> memoryview:
+    """This thread's buffer for the bytes a fused copy overwrites (:func:`_fused`), as :func:`_scratch`."""
+    buf = getattr(_tls, "keep", None)
+    if buf is None or len(buf) < n:
+        _tls.keep = None
+        buf = _tls.keep = _huge_buffer(max(n, 2 * INTO_STEP_BYTES))
+    return buf[:n]
+
+
+def _read_unit(f: Any, a: int, b: int) -> memoryview:
+    """File bytes ``[a, b)`` of ``f`` read into this thread's scratch."""
+    view = _scratch(b - a)
+    f.readv(a, [view])
+    return view
+
+
 def _scratch(n: int) -> memoryview:
     """This thread's scratch of at least ``n`` bytes (kept for its next piece), in huge pages where the kernel has them.
 
@@ -577,8 +670,9 @@ def _huge_buffer(n: int) -> memoryview:
 
 
 def _drop_scratch() -> None:
-    """Release this thread's scratch (a load run in the calling thread keeps none after it)."""
+    """Release this thread's scratch and keep buffer (a load run in the calling thread keeps none after it)."""
     _tls.buf = None
+    _tls.keep = None
 
 
 def _into_job(storage: Storage, rel: str, lo: int, hi: int, units: Sequence[Tuple[int, Unit]], sinks: Sequence[Want],
@@ -601,12 +695,15 @@ def _into_job(storage: Storage, rel: str, lo: int, hi: int, units: Sequence[Tupl
     if stop.is_set():
         return None
     direct = _into_ok(lo, hi, units, sinks)
-    if not direct and hi - lo > SCRATCH_MAX_BYTES:
+    fused = not direct and _fused_ok(lo, hi, units, sinks)
+    if not (direct or fused) and hi - lo > SCRATCH_MAX_BYTES:
         return _map_job(storage, rel, lo, hi, units, sinks, stop)
     f = _opening(storage, rel, "reading", (OSError,), lambda: storage.open_hot(rel, lo, hi))
     if f is None:
         return _map_job(storage, rel, lo, hi, units, sinks, stop)
     try:
+        if fused:
+            return _fused(lambda a, b: _read_unit(f, a, b), units, sinks, stop)
         if not direct:
             view = _scratch(hi - lo)
             f.readv(lo, [view])

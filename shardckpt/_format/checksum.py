@@ -25,7 +25,7 @@ import crc32c as _crc32c
 
 __all__ = [
     "ALGOS", "checksum", "combine", "crc32c", "crc32c_combine", "BlockCrcs", "pack_crcs", "unpack_crcs",
-    "HASH_ALGOS", "default_hash_algo", "hash_available", "new_hasher", "content_hash",
+    "HASH_ALGOS", "default_hash_algo", "hash_available", "new_hasher", "content_hash", "COPY_FUSED", "copy_crc32c",
 ]
 
 _POLY_REFLECTED = {"crc32c": 0x82F63B78, "crc32": 0xEDB88320}
@@ -45,6 +45,57 @@ def crc32c(data, value: int = 0) -> int:
         '0xe3069283'
     """
     return _crc32c.crc32c(data, value)
+
+
+def _fused_kernel():
+    """The one-pass copy + CRC-32C of ``shardckpt/_crccopy.c`` where it was built and this CPU runs it, else None."""
+    try:
+        from .. import _crccopy  # noqa: PLC0415  (a C extension: optional, built where a compiler was)
+    except ImportError:
+        return None
+    return _crccopy.copy_crc32c if _crccopy.HARDWARE else None
+
+
+_FUSED = _fused_kernel()
+#: Whether :func:`copy_crc32c` reads its source once (the C kernel, x86-64
+#: with SSE4.2 and AVX2) rather than twice (a copy, then the CRC).
+COPY_FUSED = _FUSED is not None
+
+
+def copy_crc32c(dst, src, keep=None, value: int = 0) -> int:
+    """Copy ``src`` into ``dst`` (``dst``'s old bytes into ``keep`` first, when given); return ``crc32c(src, value)``.
+
+    One pass over ``src`` where :data:`COPY_FUSED` (the C kernel); else a
+    plain copy and :func:`crc32c`. ``keep`` lets a caller put back ``dst``'s
+    bytes when the CRC is not the one expected: the bytes are written before
+    they are known good, so a caller that must never show a damaged byte
+    restores them before anyone can look (a load, before it returns).
+
+    Args:
+        dst: writable bytes-like, at least ``len(src)`` long.
+        src: bytes-like.
+        keep: writable bytes-like of at least ``len(src)``, or None.
+        value: the CRC to continue from.
+
+    Raises:
+        ValueError: a buffer shorter than ``src``.
+
+    Example:
+        >>> dst, keep = bytearray(b"old!"), bytearray(4)
+        >>> hex(copy_crc32c(dst, b"1234", keep)), bytes(dst), bytes(keep)
+        ('0xf63af4ee', b'1234', b'old!')
+    """
+    if _FUSED is not None:
+        return _FUSED(dst, src, keep, value)
+    n = len(memoryview(src).cast("B"))
+    with memoryview(dst).cast("B") as d:
+        if len(d) < n or (keep is not None and len(memoryview(keep)) < n):
+            raise ValueError(f"copy_crc32c: {n} source bytes into {len(d)}")
+        if keep is not None:
+            with memoryview(keep).cast("B") as k:
+                k[:n] = d[:n]
+        d[:n] = memoryview(src).cast("B")
+    return _crc32c.crc32c(src, value)
 
 
 def checksum(algo: str, data, value: int = 0) -> int:

@@ -256,12 +256,48 @@ def test_load_into(monkeypatch):
         shutil.rmtree(root, ignore_errors=True)
 
 
+def test_load_fused(monkeypatch):
+    """LOAD_FUSED: a live tensor's verified pieces go through the one-pass kernel (on) or the CRC then the copy (off); the same values."""
+    import shutil
+    import tempfile
+
+    from shardckpt import _readers
+    from shardckpt._format.checksum import COPY_FUSED
+    from shardckpt._storage import _local
+
+    if not COPY_FUSED:
+        pytest.skip("the one-pass kernel is not built here")
+    if not os.path.isdir("/dev/shm") or _local.fs_type(os.stat("/dev/shm").st_dev) not in _local.MEMORY_FILESYSTEMS:
+        pytest.skip("no tmpfs at /dev/shm")
+    root = tempfile.mkdtemp(prefix="shardckpt-knob-", dir="/dev/shm")
+    os.chmod(root, 0o700)
+    try:
+        d = root + "/c"
+        src = {"w": torch.randn(300, 1000), "b": torch.randn(7).to(torch.bfloat16)}
+        shardckpt.save(src, d)
+        calls = []
+        real = _readers.copy_crc32c
+        monkeypatch.setattr(_readers, "copy_crc32c", lambda *a: calls.append(len(a[1])) or real(*a))
+        for into in (True, False):  # read into scratch, or mapped: both take the kernel
+            monkeypatch.setattr(_knobs, "LOAD_INTO", into)
+            for on in (True, False):
+                monkeypatch.setattr(_knobs, "LOAD_FUSED", on)
+                calls.clear()
+                live = {k: torch.zeros_like(v) for k, v in src.items()}
+                shardckpt.load(live, d)
+                assert all(torch.equal(live[k], src[k]) for k in src)
+                nbytes = sum(v.numel() * v.element_size() for v in src.values())
+                assert sum(calls) == (nbytes if on else 0), (into, on, sum(calls), nbytes)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
 def test_every_knob_is_covered():
     knobs = {n for n in _knobs.__all__ if n.isupper() and n != "ENV_PREFIX"}
     here = {
         "IO_THREADS", "MIN_BYTES_PER_FILE", "WRITE_BLOCK_BYTES", "BLOCK_BYTES", "CHECKSUMS", "LOAD_BUFFER_BYTES",
         "LOAD_RANGE_BYTES", "LOAD_CUDA_IO_THREADS", "LOAD_CUDA_BUFFER_BYTES", "READ_BLOCK_BYTES", "COALESCE_GAP_BYTES",
         "HEADER_BYTES_PER_FILE", "COLLECTIVE_TIMEOUT_S", "STORAGE_RETRIES", "RETRY_BASE_DELAY_S", "RETRY_MAX_DELAY_S",
-        "REPLICAS", "LOAD_MAP", "LOAD_INTO", "LOAD_CPU_IO_THREADS",
+        "REPLICAS", "LOAD_MAP", "LOAD_INTO", "LOAD_CPU_IO_THREADS", "LOAD_FUSED",
     }
     assert knobs == here | set(ELSEWHERE), (knobs - here - set(ELSEWHERE), (here | set(ELSEWHERE)) - knobs)

@@ -17,6 +17,7 @@ import torch
 import shardckpt
 from shardckpt import _knobs, _readers
 from shardckpt._format import crc32c
+from shardckpt._format.checksum import COPY_FUSED
 from shardckpt._format.chunk import Chunk
 from shardckpt._readers import Want, read_verified
 from shardckpt._storage import Storage, _local
@@ -112,17 +113,25 @@ def test_cached_pieces_are_read_straight_into_fp32_bf16_and_int_tensors(shm, mon
     assert not hot and maps
 
 
-def test_a_damaged_block_changes_nothing_of_a_live_tensors_piece_and_is_named_alone(shm, monkeypatch):
-    # One piece of 4 blocks of w; block 2 damaged. A live tensor's piece is
-    # read into the reader's scratch and checked whole before a byte is
-    # copied out: w keeps every byte it had, only block 2 is named. Staged
-    # (atomic=True), the piece goes straight into the staging tensor, the
-    # same block alone is named, and nothing changes either.
+@pytest.mark.parametrize("fused", [True, False], ids=["one-pass", "two-pass"])
+def test_a_damaged_block_of_a_live_tensors_piece_is_put_back_and_named_alone(shm, monkeypatch, fused):
+    # One piece of 4 blocks of w; block 2 damaged. One pass (the C kernel):
+    # blocks 0-1 are verified and delivered (w is named as overwritten),
+    # block 2 was copied in with w's old bytes kept aside and is put back,
+    # block 3 is only checked. Two passes (LOAD_FUSED=0 or no kernel): the
+    # piece is read into scratch and checked whole first, w keeps every
+    # byte. Only block 2 is named either way. Staged (atomic=True), nothing
+    # changes.
+    if fused and not COPY_FUSED:
+        pytest.skip("the one-pass kernel is not built here")
     monkeypatch.setattr(_knobs, "LOAD_CPU_IO_THREADS", 1)
+    monkeypatch.setattr(_knobs, "LOAD_FUSED", fused)
     d = str(shm / "c")
     w = torch.randn(512, 2048)
     shardckpt.save({"w": w}, d)
     _flip(d, "w", 2 * MIB + 12345)
+    flat = w.view(-1)
+    n = MIB // 4  # floats per block
     for atomic in (False, True):
         hot = _count_hot(monkeypatch)
         live = {"w": torch.full((512, 2048), 3.0)}
@@ -130,9 +139,15 @@ def test_a_damaged_block_changes_nothing_of_a_live_tensors_piece_and_is_named_al
             shardckpt.load(live, d, atomic=atomic)
         msg = str(ei.value)
         assert "w chunk" in msg and "block 2 " in msg and "block 3 " not in msg and "block 1 " not in msg, msg
-        assert "already overwritten" not in msg, msg
         assert hot, "the piece was not read with preadv: the test does not exercise that path"
-        assert torch.all(live["w"] == 3.0)
+        got = live["w"].view(-1)
+        if fused and not atomic:
+            assert "already overwritten" in msg and "w" in msg.split("already overwritten", 1)[1], msg
+            assert torch.equal(got[: 2 * n], flat[: 2 * n])  # blocks 0-1: verified, delivered
+            assert torch.all(got[2 * n :] == 3.0)  # block 2 put back, block 3 never written
+        else:
+            assert "already overwritten" not in msg, msg
+            assert torch.all(got == 3.0)
 
 
 def test_damage_in_the_first_block_of_a_tensor_leaves_it_unchanged_and_unnamed(shm, monkeypatch):
@@ -200,13 +215,18 @@ def test_into_pieces_are_planned_only_where_every_byte_has_one_destination():
     assert _readers._into_ok(0, 64, units, staged)
 
 
-@pytest.mark.parametrize("restore", [False, True], ids=["staged", "live"])
-def test_reader_delivers_verified_units_only_and_names_the_damaged_one(shm, restore):
+@pytest.mark.parametrize("restore,fused", [(False, True), (True, True), (True, False)], ids=["staged", "live", "live-two-pass"])
+def test_reader_delivers_verified_units_only_and_names_the_damaged_one(shm, monkeypatch, restore, fused):
     # Staged destinations (restore=False) are read into unit by unit: the
     # verified units before the damage are reported delivered, the damaged
     # one is not (its bytes stay in the staging, which the load discards).
-    # Live ones (restore=True) get nothing of a piece with a damaged unit:
-    # it was read into scratch and checked whole first.
+    # Live ones (restore=True), one pass: the same units delivered, the
+    # damaged unit's destination bytes put back as they were. Live, two
+    # passes: nothing of a piece with a damaged unit (read into scratch and
+    # checked whole first).
+    if restore and fused and not COPY_FUSED:
+        pytest.skip("the one-pass kernel is not built here")
+    monkeypatch.setattr(_knobs, "LOAD_FUSED", fused)
     tmp_path = shm
     data = bytearray(bytes((i * 13 + 5) % 251 for i in range(1 << 16)))
     (tmp_path / "f.bin").write_bytes(bytes(data))
@@ -218,7 +238,7 @@ def test_reader_delivers_verified_units_only_and_names_the_damaged_one(shm, rest
                   into=views[a : a + (16 << 10)], restore=restore) for a in range(0, 48 << 10, 16 << 10)]
     st = Storage(str(tmp_path))
     read_verified(st, wants, lambda *a: None, threads=1, piece_bytes=1 << 20, range_bytes=1 << 20)
-    if not restore:  # straight in: each verified unit reported in place
+    if fused:  # straight in or one pass: each verified unit reported in place
         assert bytes(dest) == bytes(data[4096 : 4096 + (48 << 10)])
         assert all(d is None for _, d in calls) and sorted(p for p, _ in calls) == [0, 8192, 16384, 24576, 32768, 40960]
     else:  # copied out of the scratch, want by want
@@ -231,12 +251,39 @@ def test_reader_delivers_verified_units_only_and_names_the_damaged_one(shm, rest
     with pytest.raises(ChecksumMismatchError, match=r"w block 2 \(bytes 20480..28672\)") as ei:
         read_verified(st, wants, lambda *a: None, threads=1, piece_bytes=1 << 20, range_bytes=1 << 20)
     assert "block 3" not in str(ei.value) and "block 1 " not in str(ei.value)
-    if not restore:
+    if fused:
         assert sorted(p for p, _ in calls) == [0, 8192]  # only the verified blocks are reported delivered
         assert bytes(dest[: 16 << 10]) == bytes(data[4096 : 4096 + (16 << 10)])
         assert dest[24 << 10 :] == b"\x01" * (24 << 10)  # blocks 3-5 never written (checked in scratch)
+        if restore:  # the damaged block's destination bytes put back
+            assert dest[16 << 10 : 24 << 10] == b"\x01" * (8 << 10)
     else:
         assert calls == [] and dest == b"\x01" * (48 << 10)  # nothing of the piece
+
+
+def test_one_pass_puts_back_a_damaged_unit_that_spans_several_tensors(shm, monkeypatch):
+    # Units of 8 KiB over wants of 3 KiB (small tensors): a damaged unit's
+    # bytes went into three destinations, each is put back from the bytes
+    # kept aside; the units before it are delivered, want by want.
+    if not COPY_FUSED:
+        pytest.skip("the one-pass kernel is not built here")
+    data = bytearray(os.urandom(48 << 10))
+    (shm / "f.bin").write_bytes(bytes(data))
+    c = _chunk(bytes(data), 0, 48 << 10, 8 << 10)
+    dest = bytearray(os.urandom(48 << 10))
+    old = bytes(dest)
+    views = memoryview(dest)
+    step = 3 << 10
+    calls = []
+    wants = [Want(c, a, min(a + step, 48 << 10), a, sink=lambda pos, d, a=a: calls.append(a + pos),
+                  into=views[a : min(a + step, 48 << 10)], restore=True) for a in range(0, 48 << 10, step)]
+    data[(8 << 10) + 5000] ^= 0x80  # block 1: bytes 8192..16384, in wants at 6144, 9216, 12288, 15360
+    (shm / "f.bin").write_bytes(bytes(data))
+    with pytest.raises(ChecksumMismatchError, match=r"block 1 \(bytes 8192..16384\)"):
+        read_verified(Storage(str(shm)), wants, lambda *a: None, threads=1, piece_bytes=1 << 20, range_bytes=1 << 20)
+    assert bytes(dest[: 8 << 10]) == bytes(data[: 8 << 10])  # block 0 delivered
+    assert bytes(dest[8 << 10 :]) == old[8 << 10 :]  # block 1 put back, the rest never written
+    assert sorted(calls) == [0, 3072, 6144]  # block 0's parts: wants 0, 3072 whole, 6144's first 2 KiB
 
 
 def test_files_on_a_disk_are_mapped_as_before_even_when_cached(tmp_path, monkeypatch):
@@ -257,8 +304,11 @@ def test_files_on_a_disk_are_mapped_as_before_even_when_cached(tmp_path, monkeyp
     assert not hot
 
 
-@pytest.mark.parametrize("restore", [False, True], ids=["staged", "live"])
-def test_a_file_truncated_under_the_read_is_refused(shm, monkeypatch, restore):
+@pytest.mark.parametrize("restore,fused", [(False, True), (True, True), (True, False)], ids=["staged", "live", "live-two-pass"])
+def test_a_file_truncated_under_the_read_is_refused(shm, monkeypatch, restore, fused):
+    if restore and fused and not COPY_FUSED:
+        pytest.skip("the one-pass kernel is not built here")
+    monkeypatch.setattr(_knobs, "LOAD_FUSED", fused)
     data = bytes((i * 7 + 1) % 251 for i in range(1 << 16))
     (shm / "f.bin").write_bytes(data)
     c = _chunk(data, 0, 32 << 10, 8 << 10)
@@ -275,10 +325,12 @@ def test_a_file_truncated_under_the_read_is_refused(shm, monkeypatch, restore):
     w = Want(c, 0, 32 << 10, "w", sink=lambda pos, d: got.append(pos), into=memoryview(dest), restore=restore)
     with pytest.raises(CorruptCheckpointError, match="truncated"):
         read_verified(Storage(str(shm)), [w], lambda *a: None, threads=1, piece_bytes=1 << 20, range_bytes=1 << 20)
-    if restore:  # a live destination: nothing of the piece
+    if not fused:  # a live destination, two passes: nothing of the piece
         assert got == [] and dest == b"\x05" * (32 << 10)
-    else:  # staged: blocks 0-1 verified in place and reported, nothing after them
+    else:  # blocks 0-1 verified in place and reported, nothing after them
         assert got == [0, 8 << 10] and bytes(dest[: 16 << 10]) == data[: 16 << 10]
+        if restore:
+            assert dest[16 << 10 :] == b"\x05" * (16 << 10)
 
 
 def test_a_block_of_more_small_tensors_than_one_preadv_takes(shm, monkeypatch):

@@ -1,0 +1,95 @@
+"""The one-pass copy + CRC-32C (``shardckpt/_crccopy.c``, ``checksum.copy_crc32c``), issue 43.
+
+Checked against the crc32c package (the CRC the format stores) over lengths
+around the kernel's three-lane split and its 32-byte steps, unaligned
+buffers, continued CRCs and the bytes kept aside; the Python fallback gives
+the same results; the kernel is built wherever the install had a compiler.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import platform
+import random
+import shutil
+
+import crc32c as crc32c_package
+import pytest
+
+checksum = importlib.import_module("shardckpt._format.checksum")
+
+LENGTHS = [0, 1, 7, 8, 9, 31, 32, 33, 95, 96, 97, 191, 192, 193, 1000, 4095, 4096, 65536 + 13, (1 << 20) - 1, 1 << 20, (1 << 20) + 5]
+
+
+@pytest.fixture(params=["kernel", "fallback"])
+def impl(request, monkeypatch):
+    if request.param == "kernel":
+        if not checksum.COPY_FUSED:
+            pytest.skip("the C kernel is not built here (or this CPU lacks SSE4.2/AVX2)")
+    else:
+        monkeypatch.setattr(checksum, "_FUSED", None)
+    return checksum.copy_crc32c
+
+
+@pytest.mark.parametrize("n", LENGTHS)
+def test_copies_keeps_and_returns_the_crc32c_of_the_source(impl, n):
+    rng = random.Random(n)
+    for keep_on in (False, True):
+        src = bytes(rng.getrandbits(8) for _ in range(min(n, 4096))) * (n // 4096 + 1)
+        src = src[:n]
+        dst = bytearray(os.urandom(n + 3))
+        old = bytes(dst)
+        keep = bytearray(n) if keep_on else None
+        value = rng.getrandbits(32)
+        got = impl(dst, src, keep, value)
+        assert got == crc32c_package.crc32c(src, value), (n, keep_on)
+        assert bytes(dst[:n]) == src and bytes(dst[n:]) == old[n:]  # nothing past the source's length
+        if keep_on:
+            assert bytes(keep) == old[:n]
+
+
+def test_unaligned_memoryviews_of_larger_buffers(impl):
+    base = bytearray(os.urandom((1 << 20) + 64))
+    out = bytearray((1 << 20) + 64)
+    keep = bytearray((1 << 20) + 64)
+    for a in (0, 1, 3, 17, 31):
+        src = memoryview(base)[a : a + (1 << 19) + a]
+        dst = memoryview(out)[7 : 7 + len(src)]
+        before = bytes(dst)
+        assert impl(dst, src, memoryview(keep)[5 : 5 + len(src)]) == crc32c_package.crc32c(src)
+        assert bytes(dst) == bytes(src) and bytes(memoryview(keep)[5 : 5 + len(src)]) == before
+
+
+def test_a_crc_continued_over_pieces_equals_the_whole(impl):
+    data = os.urandom(300_001)
+    dst = bytearray(len(data))
+    crc, at = 0, 0
+    for n in (1, 96, 4097, 100_000, 195_807):
+        crc = impl(memoryview(dst)[at : at + n], data[at : at + n], None, crc)
+        at += n
+    assert at == len(data) and crc == crc32c_package.crc32c(data) and bytes(dst) == data
+
+
+def test_short_buffers_are_refused_and_nothing_is_written(impl):
+    dst = bytearray(b"\x07" * 10)
+    with pytest.raises(ValueError):
+        impl(dst, b"x" * 11)
+    with pytest.raises(ValueError):
+        impl(bytearray(20), b"x" * 11, bytearray(10))
+    assert dst == b"\x07" * 10
+    with pytest.raises(TypeError):
+        impl(b"read-only", b"x")  # a destination must be writable
+
+
+def test_the_kernel_is_built_where_a_compiler_was():
+    # setup.py builds it as optional: a broken build would install silently
+    # and every load would take the two-pass path. On x86-64 Linux with a C
+    # compiler (this project's CI), it must be there.
+    if platform.machine() != "x86_64" or not any(shutil.which(c) for c in ("cc", "gcc", "clang")):
+        pytest.skip("not x86-64 with a C compiler")
+    from shardckpt import _crccopy
+
+    flags = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
+    assert bool(_crccopy.HARDWARE) == (" sse4_2" in flags and " avx2" in flags)
+    assert checksum.COPY_FUSED == bool(_crccopy.HARDWARE)
