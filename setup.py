@@ -15,9 +15,9 @@ CONVERTERS = "shardckpt.converters"
 packages = find_packages(include=["shardckpt", "shardckpt.*"])
 packages += [CONVERTERS] + [f"{CONVERTERS}.{sub}" for sub in find_packages("converters")]
 
-# The one-pass copy + CRC-32C of verified loads (shardckpt/_crccopy.c).
+# The one-pass copy + CRC-32C of verified loads (shardckpt/_format/_crccopy.c).
 # optional=True: without a C compiler the package installs all the same and
 # loads take their two-pass path (shardckpt._format.checksum.COPY_FUSED says which).
-crccopy = Extension("shardckpt._crccopy", ["shardckpt/_crccopy.c"], optional=True, extra_compile_args=["-O2"])
+crccopy = Extension("shardckpt._format._crccopy", ["shardckpt/_format/_crccopy.c"], optional=True, extra_compile_args=["-O2"])
 
 setup(packages=packages, package_dir={CONVERTERS: "converters"}, ext_modules=[crccopy])

@@ -390,9 +390,9 @@ def export_report(out: Dict[str, Any]) -> List[str]:
 
 
 def _knobbed(case: str, run: Callable[[str], None]) -> None:
-    """``run(base)`` of ``case`` = ``base@KNOB=value``, with ``shardckpt._knobs.KNOB`` set to ``value`` meanwhile (plain ``base``: as is)."""
-    base, _, setting = case.partition("@")
-    if not setting:
+    """``run(base)`` of ``case`` = ``base@KNOB=value[@KNOB2=value2...]``, each ``shardckpt._knobs.KNOB`` set meanwhile (plain ``base``: as is)."""
+    base, _, setting = case.rpartition("@")
+    if not base:
         return run(case)
     from shardckpt import _knobs
 
@@ -400,7 +400,7 @@ def _knobbed(case: str, run: Callable[[str], None]) -> None:
     was = getattr(_knobs, name)
     setattr(_knobs, name, type(was)(value) if not isinstance(was, bool) else value.lower() in ("1", "on", "true", "yes"))
     try:
-        return run(base)
+        return _knobbed(base, run)
     finally:
         setattr(_knobs, name, was)
 

@@ -47,16 +47,14 @@ def crc32c(data, value: int = 0) -> int:
     return _crc32c.crc32c(data, value)
 
 
-def _fused_kernel():
-    """The one-pass copy + CRC-32C of ``shardckpt/_crccopy.c`` where it was built and this CPU runs it, else None."""
-    try:
-        from .. import _crccopy  # noqa: PLC0415  (a C extension: optional, built where a compiler was)
-    except ImportError:
-        return None
-    return _crccopy.copy_crc32c if _crccopy.HARDWARE else None
+try:  # the one-pass copy + CRC-32C (shardckpt/_format/_crccopy.c): a C extension built where a compiler was
+    from ._crccopy import HARDWARE as _HARDWARE
+    from ._crccopy import copy_crc32c as _kernel
+except ImportError:
+    _HARDWARE, _kernel = 0, None
 
-
-_FUSED = _fused_kernel()
+# None where the kernel is missing or this CPU lacks what it needs (SSE4.2, AVX2).
+_FUSED = _kernel if _HARDWARE else None
 #: Whether :func:`copy_crc32c` reads its source once (the C kernel, x86-64
 #: with SSE4.2 and AVX2) rather than twice (a copy, then the CRC).
 COPY_FUSED = _FUSED is not None

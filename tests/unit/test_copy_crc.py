@@ -1,4 +1,4 @@
-"""The one-pass copy + CRC-32C (``shardckpt/_crccopy.c``, ``checksum.copy_crc32c``), issue 43.
+"""The one-pass copy + CRC-32C (``shardckpt/_format/_crccopy.c``, ``checksum.copy_crc32c``), issue 43.
 
 Checked against the crc32c package (the CRC the format stores) over lengths
 around the kernel's three-lane split and its 32-byte steps, unaligned
@@ -88,7 +88,7 @@ def test_the_kernel_is_built_where_a_compiler_was():
     # compiler (this project's CI), it must be there.
     if platform.machine() != "x86_64" or not any(shutil.which(c) for c in ("cc", "gcc", "clang")):
         pytest.skip("not x86-64 with a C compiler")
-    from shardckpt import _crccopy
+    from shardckpt._format import _crccopy
 
     flags = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
     assert bool(_crccopy.HARDWARE) == (" sse4_2" in flags and " avx2" in flags)

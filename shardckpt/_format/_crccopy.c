@@ -1,4 +1,4 @@
-/* shardckpt._crccopy: a copy that computes the CRC-32C of what it copies, in one pass.
+/* shardckpt._format._crccopy: a copy that computes the CRC-32C of what it copies, in one pass.
  *
  * copy_crc32c(dst, src, keep=None, value=0) -> int
  *     Copies len(src) bytes of src into dst and returns crc32c(src, value)
@@ -173,7 +173,7 @@ static PyMethodDef methods[] = {
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_crccopy",
-                                    "One-pass copy with CRC-32C (see shardckpt/_crccopy.c).", -1, methods};
+                                    "One-pass copy with CRC-32C (see shardckpt/_format/_crccopy.c).", -1, methods};
 
 PyMODINIT_FUNC PyInit__crccopy(void) {
     for (uint32_t i = 0; i < 256; i++) {
