@@ -45,6 +45,7 @@ fi
 date -u; nvidia-smi -L 2>/dev/null; nproc; free -g | head -2; df -h $SCR /dev/shm | tail -2; uname -r
 grep -m1 "model name" /proc/cpuinfo; uptime
 $PY -c "import torch, crc32c; print('torch', torch.__version__, 'crc32c hardware', crc32c.hardware_based)" || exit 1
+$PY -c "from shardckpt._format.checksum import COPY_FUSED; print('one-pass copy+CRC kernel (COPY_FUSED)', COPY_FUSED)"
 $PY -c "from shardckpt._storage._local import queue_info; import json; print('queue', json.dumps(queue_info('$SCR')))"
 git log --oneline -1 2>/dev/null
 # The raw disk alone: 8 files written in parallel (+ fsync), dropped, read back in parallel (bench_byte_path.raw_disk).
