@@ -19,7 +19,7 @@ operations whatever ``n``.
 from __future__ import annotations
 
 import zlib
-from typing import Dict, List
+from typing import Callable, Dict, List, Optional
 
 import crc32c as _crc32c
 
@@ -47,14 +47,15 @@ def crc32c(data, value: int = 0) -> int:
     return _crc32c.crc32c(data, value)
 
 
+_FUSED: Optional[Callable[..., int]] = None
 try:  # the one-pass copy + CRC-32C (shardckpt/_format/_crccopy.c): a C extension built where a compiler was
     from ._crccopy import HARDWARE as _HARDWARE
     from ._crccopy import copy_crc32c as _kernel
 except ImportError:
-    _HARDWARE, _kernel = 0, None
-
-# None where the kernel is missing or this CPU lacks what it needs (SSE4.2, AVX2).
-_FUSED = _kernel if _HARDWARE else None
+    pass
+else:
+    # None where this CPU lacks what the kernel needs (SSE4.2, AVX2).
+    _FUSED = _kernel if _HARDWARE else None
 #: Whether :func:`copy_crc32c` reads its source once (the C kernel, x86-64
 #: with SSE4.2 and AVX2) rather than twice (a copy, then the CRC).
 COPY_FUSED = _FUSED is not None

@@ -1,0 +1,6 @@
+# Type stub of the C extension shardckpt/_format/_crccopy.c (optional: built where a compiler was).
+from typing import Any, Optional
+
+HARDWARE: int
+
+def copy_crc32c(dst: Any, src: Any, keep: Optional[Any] = None, value: int = 0) -> int: ...
