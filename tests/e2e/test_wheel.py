@@ -125,6 +125,13 @@ def test_every_module_imports_from_the_installed_wheel(installed):
     assert set(res["public"]) >= {"CheckpointManager", "MemoryTier", "NewerFormatError"}, res["public"]
     # PEP 561: the type hints ship too.
     assert os.path.exists(os.path.join(os.path.dirname(res["modules"]["shardckpt"]), "py.typed"))
+    # The C kernel (optional): in the wheel wherever it was built for this checkout, with its type stub.
+    from shardckpt._format.checksum import COPY_FUSED
+
+    p = _run([py, "-c", "from shardckpt._format import checksum; print(checksum.COPY_FUSED, checksum.__file__)"], cwd=work)
+    fused, where = p.stdout.split()
+    assert fused == str(COPY_FUSED), p.stdout
+    assert os.path.exists(os.path.join(os.path.dirname(where), "_crccopy.pyi"))
 
 
 def test_cli_help_runs_from_the_installed_wheel(installed):
