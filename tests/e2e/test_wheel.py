@@ -128,7 +128,7 @@ def test_every_module_imports_from_the_installed_wheel(installed):
     # The C kernel (optional): in the wheel wherever it was built for this checkout, with its type stub.
     from shardckpt._format.checksum import COPY_FUSED
 
-    p = _run([py, "-c", "from shardckpt._format import checksum; print(checksum.COPY_FUSED, checksum.__file__)"], cwd=work)
+    p = _run([py, "-c", "import importlib; c = importlib.import_module('shardckpt._format.checksum'); print(c.COPY_FUSED, c.__file__)"], cwd=work)
     fused, where = p.stdout.split()
     assert fused == str(COPY_FUSED), p.stdout
     assert os.path.exists(os.path.join(os.path.dirname(where), "_crccopy.pyi"))
