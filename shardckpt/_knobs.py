@@ -304,8 +304,8 @@ LOAD_INTO = _bool("LOAD_INTO", usable_cpus() <= LOAD_INTO_MAX_CPUS)
 #: A verified piece that goes as it is into tensors is copied and checked in
 #: one pass over its bytes (the C kernel of ``shardckpt/_format/_crccopy.c``, where
 #: it was built and the CPU has SSE4.2 and AVX2), a live tensor's previous
-#: bytes kept aside in the same pass and put back if a block fails: 1.2x the
-#: two-pass path on the 2-core VM (docs/performance.md, wave 14). ``0``: the
+#: bytes kept aside in the same pass and put back if a block fails: 1.07-1.12x
+#: the two-pass path on the 2-core VM (docs/performance.md, wave 14). ``0``: the
 #: two passes (the CRC, then the copy), as without the kernel.
 LOAD_FUSED = _bool("LOAD_FUSED", True)
 #: A load's reads of a file on a block device (a disk: sysfs shows its queue)
