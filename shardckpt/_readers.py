@@ -473,7 +473,7 @@ def _map_job(storage: Storage, rel: str, lo: int, hi: int, units: Sequence[Tuple
         with memoryview(mm) as whole:
             view = whole[at : at + hi - lo]
             if _fused_ok(lo, hi, units, sinks):
-                done = _fused(lambda a, b: view[a - lo : b - lo], units, sinks, stop)
+                done = _fused(lambda a, b: view[a - lo : b - lo], lo, hi, units, sinks, stop)
                 view.release()
                 return done
             out, good, bad = _check(lo, view, units)
@@ -558,68 +558,81 @@ def _fused_ok(lo: int, hi: int, units: Sequence[Tuple[int, Unit]], sinks: Sequen
     """Whether piece ``[lo, hi)`` goes into its destinations through :func:`_fused`.
 
     The one-pass kernel must be here (``COPY_FUSED``, ``SHARDCKPT_LOAD_FUSED``),
-    the piece's units must tile it (no byte unchecked, none outside it), none
-    larger than :data:`SCRATCH_MAX_BYTES` (the bytes kept aside), and its
-    wants must tile it with destination memory (:func:`_tiled`).
+    the piece's units must tile it (no byte unchecked, none outside it), the
+    piece be at most :data:`SCRATCH_MAX_BYTES` (the bytes kept aside), and
+    its wants must tile it with destination memory (:func:`_tiled`).
     """
-    if not (COPY_FUSED and _knobs.LOAD_FUSED and units):
+    if not (COPY_FUSED and _knobs.LOAD_FUSED and units) or hi - lo > SCRATCH_MAX_BYTES:
         return False
     at = lo
     for _, u in sorted(units, key=lambda x: x[1].start):
-        if u.start != at or u.stop - u.start > SCRATCH_MAX_BYTES:
+        if u.start != at:
             return False
         at = u.stop
     return at == hi and _tiled(lo, hi, sinks)
 
 
-def _fused(read: Callable[[int, int], memoryview], units: Sequence[Tuple[int, Unit]], sinks: Sequence[Want],
-           stop: threading.Event):
-    """Each unit's bytes (``read(start, stop)``) copied into its destinations and checked in the same pass.
+def _fused(read: Callable[[int, int], memoryview], lo: int, hi: int, units: Sequence[Tuple[int, Unit]],
+           sinks: Sequence[Want], stop: threading.Event):
+    """Piece ``[lo, hi)``, unit by unit (``read(start, stop)``), copied into its destinations and checked in the same pass.
 
     The kernel (:func:`copy_crc32c`) reads a unit's bytes once, computing the
     CRC as it copies them, where the two-pass path read them twice (CRC, then
-    copy). A live destination's previous bytes are kept aside in the same
-    pass and put back if the unit's CRC does not match, before this returns:
-    when the load raises, no byte of a damaged unit is left in a tensor (a
-    staging destination, ``atomic=True``, is discarded instead). The units
-    before a damaged one were verified and are delivered (the load names
-    their tensors as overwritten); after it, the rest are only checked, so
-    the error names exactly the damaged units.
+    copy). Live destinations' previous bytes are kept aside in the same pass
+    (the piece's, in this thread's keep buffer) and all put back if any unit
+    of the piece fails, or if another thread found damage first, before this
+    returns: as with the two-pass path, a piece is delivered whole or not at
+    all, and no byte of it stays in a live tensor when the load raises (a
+    staging destination, ``atomic=True``, is discarded instead). After a
+    damaged unit the rest are only checked, so the error names exactly the
+    damaged units.
     """
     index = _by_offset(sinks)
-    live = any(w.restore for w in sinks)
+    keep = _keep(hi - lo) if any(w.restore for w in sinks) else None
     out: List[Tuple[int, int, int, int]] = []
+    written: List[Tuple[Want, int, memoryview]] = []
     good = 0
     damaged = False
-    for k, u in sorted(units, key=lambda x: x[1].start):
-        src = read(u.start, u.stop)
-        n = u.stop - u.start
-        if damaged:
-            out.append((k, 0, n, crc32c(src)))
-            continue
-        if stop.is_set():
-            return None  # damage found in another piece: nothing more is delivered
-        views = _views(index, u.start, u.stop)
-        keep = _keep(n) if live else None
-        crc, at = 0, 0
-        for _, _, v in views:
-            m = len(v)
-            crc = copy_crc32c(v, src[at : at + m], None if keep is None else keep[at : at + m], crc)
-            at += m
-        out.append((k, 0, n, crc))
-        if crc != u.crc:
-            if keep is not None:  # the tensor's bytes as they were
-                at = 0
-                for _, _, v in views:
-                    v[:] = keep[at : at + len(v)]
-                    at += len(v)
-            stop.set()  # the read raises: no thread delivers more
-            damaged = True
-            continue
-        good += 1
-        for w, pos, _ in views:
+    try:
+        for k, u in sorted(units, key=lambda x: x[1].start):
+            src = read(u.start, u.stop)
+            if damaged:
+                out.append((k, 0, u.stop - u.start, crc32c(src)))
+                continue
+            if stop.is_set():  # damage found in another piece: nothing of this one is delivered
+                _put_back(written, keep, lo)
+                return None
+            views = _views(index, u.start, u.stop)
+            crc, at = 0, 0
+            for _, _, v in views:
+                m = len(v)
+                crc = copy_crc32c(v, src[at : at + m], None if keep is None else keep[u.start - lo + at : u.start - lo + at + m], crc)
+                at += m
+            written.extend(views)
+            out.append((k, 0, at, crc))
+            if crc != u.crc:
+                _put_back(written, keep, lo)
+                stop.set()  # the read raises: no thread delivers more
+                damaged = True
+                continue
+            good += 1
+    except BaseException:  # a read that failed (a file truncated under it): the piece's tensors as they were
+        if not damaged:
+            _put_back(written, keep, lo)
+        raise
+    if not damaged:
+        for w, pos, _ in written:
             w.sink(pos, None)  # type: ignore[misc]
     return out, good
+
+
+def _put_back(written: Sequence[Tuple[Want, int, memoryview]], keep: Optional[memoryview], lo: int) -> None:
+    """Live destinations' bytes as they were before :func:`_fused` wrote ``written`` (``keep``: the piece's old bytes from ``lo``)."""
+    if keep is None:
+        return  # staging: discarded by the failing load
+    for w, pos, v in written:
+        at = w.chunk.byte_offset + w.start + pos - lo
+        v[:] = keep[at : at + len(v)]
 
 
 def _keep(n: int) -> memoryview:
@@ -703,7 +716,7 @@ def _into_job(storage: Storage, rel: str, lo: int, hi: int, units: Sequence[Tupl
         return _map_job(storage, rel, lo, hi, units, sinks, stop)
     try:
         if fused:
-            return _fused(lambda a, b: _read_unit(f, a, b), units, sinks, stop)
+            return _fused(lambda a, b: _read_unit(f, a, b), lo, hi, units, sinks, stop)
         if not direct:
             view = _scratch(hi - lo)
             f.readv(lo, [view])

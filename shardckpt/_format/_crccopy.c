@@ -82,11 +82,19 @@ __attribute__((target("sse4.2,avx2"))) static uint32_t copy_crc_hw(uint8_t *dst,
     size_t third = (n / 3) & ~(size_t)31;
     uint64_t a = (uint32_t)~crc, b = 0xffffffffu, c = 0xffffffffu;
     const uint8_t *s0 = src, *s1 = src + third, *s2 = src + 2 * third;
+    /* The kept bytes are read back only if the CRC fails: where keep is
+       32-byte aligned they bypass the cache (streaming stores), so they
+       neither evict the block being copied nor cost a read for ownership. */
+    int stream = keep && ((uintptr_t)keep & 31) == 0;
     for (size_t i = 0; i < third; i += 32) {
         __m256i v0 = _mm256_loadu_si256((const __m256i *)(s0 + i));
         __m256i v1 = _mm256_loadu_si256((const __m256i *)(s1 + i));
         __m256i v2 = _mm256_loadu_si256((const __m256i *)(s2 + i));
-        if (keep) {
+        if (stream) {
+            _mm256_stream_si256((__m256i *)(keep + i), _mm256_loadu_si256((const __m256i *)(dst + i)));
+            _mm256_stream_si256((__m256i *)(keep + third + i), _mm256_loadu_si256((const __m256i *)(dst + third + i)));
+            _mm256_stream_si256((__m256i *)(keep + 2 * third + i), _mm256_loadu_si256((const __m256i *)(dst + 2 * third + i)));
+        } else if (keep) {
             _mm256_storeu_si256((__m256i *)(keep + i), _mm256_loadu_si256((const __m256i *)(dst + i)));
             _mm256_storeu_si256((__m256i *)(keep + third + i), _mm256_loadu_si256((const __m256i *)(dst + third + i)));
             _mm256_storeu_si256((__m256i *)(keep + 2 * third + i),
@@ -105,6 +113,8 @@ __attribute__((target("sse4.2,avx2"))) static uint32_t copy_crc_hw(uint8_t *dst,
             c = _mm_crc32_u64(c, w2);
         }
     }
+    if (stream)
+        _mm_sfence();
     uint32_t out = crc_combine(crc_combine(~(uint32_t)a, ~(uint32_t)b, third), ~(uint32_t)c, third);
     size_t i = 3 * third;
     if (keep)

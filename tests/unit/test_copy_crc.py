@@ -93,3 +93,22 @@ def test_the_kernel_is_built_where_a_compiler_was():
     flags = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
     assert bool(_crccopy.HARDWARE) == (" sse4_2" in flags and " avx2" in flags)
     assert checksum.COPY_FUSED == bool(_crccopy.HARDWARE)
+
+
+def test_a_page_aligned_keep_takes_the_streaming_stores_and_holds_every_old_byte(impl):
+    # The kernel stores the kept bytes with streaming (non-temporal) stores
+    # where keep is 32-byte aligned (the reader's keep buffer, a mapping):
+    # the same bytes must come back, for every length around its steps.
+    import mmap
+
+    m = mmap.mmap(-1, 2 << 20)
+    try:
+        for n in (32, 96, 97, 1000, 65536 + 13, (1 << 20) + 5):
+            src = os.urandom(n)
+            dst = bytearray(os.urandom(n))
+            old = bytes(dst)
+            with memoryview(m) as keep:
+                assert impl(dst, src, keep[:n]) == crc32c_package.crc32c(src)
+                assert bytes(keep[:n]) == old and bytes(dst) == src
+    finally:
+        m.close()
