@@ -55,9 +55,9 @@ environment variable                default     what it sets
                                     CPUs, else  ``preadv``: into the reader's scratch, checked
                                     0           whole, copied out (live tensors), or straight
                                                 into staging tensors; 0: map them
-``SHARDCKPT_LOAD_FUSED``            1           a verified piece that goes as it is into
-                                                tensors is copied and checked in one pass
-                                                (the C kernel, x86-64 with AVX2), live
+``SHARDCKPT_LOAD_FUSED``            1           a mapped piece that goes as it is into
+                                                CPU tensors is copied and checked in one
+                                                pass (the C kernel, x86-64 with AVX2), live
                                                 tensors' old bytes kept aside and put back
                                                 if a block fails; 0: CRC pass, then copy
 ``SHARDCKPT_LOAD_LANES``            all         a load's reader threads each read a stretch
@@ -301,11 +301,11 @@ LOAD_MAP = _bool("LOAD_MAP", True)
 #: disks follow ``LOAD_LANES``. Read at each load.
 LOAD_INTO_MAX_CPUS = 4
 LOAD_INTO = _bool("LOAD_INTO", usable_cpus() <= LOAD_INTO_MAX_CPUS)
-#: A verified piece that goes as it is into tensors is copied and checked in
-#: one pass over its bytes (the C kernel of ``shardckpt/_format/_crccopy.c``, where
-#: it was built and the CPU has SSE4.2 and AVX2), live tensors' previous bytes
-#: kept aside in the same pass and all put back if a block of the piece fails:
-#: 1.05-1.12x the two-pass path on the 2-core VM (docs/performance.md, wave 14).
+#: A mapped piece that goes as it is into CPU tensors is copied and checked
+#: in one pass over its bytes (the C kernel of ``shardckpt/_format/_crccopy.c``,
+#: where it was built and the CPU has SSE4.2 and AVX2), live tensors' previous
+#: bytes kept aside in the same pass and all put back if a block of the piece
+#: fails: 1.10x the two passes on the 2-core VM (docs/performance.md, wave 14).
 #: ``0``: the two passes (the CRC, then the copy), as without the kernel.
 LOAD_FUSED = _bool("LOAD_FUSED", True)
 #: A load's reads of a file on a block device (a disk: sysfs shows its queue)

@@ -473,7 +473,7 @@ def _map_job(storage: Storage, rel: str, lo: int, hi: int, units: Sequence[Tuple
         with memoryview(mm) as whole:
             view = whole[at : at + hi - lo]
             if _fused_ok(lo, hi, units, sinks):
-                done = _fused(lambda a, b: view[a - lo : b - lo], lo, hi, units, sinks, stop)
+                done = _fused(view, lo, units, sinks, stop)
                 view.release()
                 return done
             out, good, bad = _check(lo, view, units)
@@ -555,7 +555,12 @@ def _views(index: Tuple[List[Want], List[int]], a: int, b: int) -> List[Tuple[Wa
 
 
 def _fused_ok(lo: int, hi: int, units: Sequence[Tuple[int, Unit]], sinks: Sequence[Want]) -> bool:
-    """Whether piece ``[lo, hi)`` goes into its destinations through :func:`_fused`.
+    """Whether mapped piece ``[lo, hi)`` goes into its destinations through :func:`_fused`.
+
+    Only mapped pieces do: a piece read into the scratch is already in
+    cache, where the CRC pass then the copy cost the same as one pass with
+    the piece's old bytes kept aside (2-core VM, docs/performance.md wave 14),
+    while a mapping is read from memory once instead of twice.
 
     The one-pass kernel must be here (``COPY_FUSED``, ``SHARDCKPT_LOAD_FUSED``),
     the piece's units must tile it (no byte unchecked, none outside it), the
@@ -572,9 +577,8 @@ def _fused_ok(lo: int, hi: int, units: Sequence[Tuple[int, Unit]], sinks: Sequen
     return at == hi and _tiled(lo, hi, sinks)
 
 
-def _fused(read: Callable[[int, int], memoryview], lo: int, hi: int, units: Sequence[Tuple[int, Unit]],
-           sinks: Sequence[Want], stop: threading.Event):
-    """Piece ``[lo, hi)``, unit by unit (``read(start, stop)``), copied into its destinations and checked in the same pass.
+def _fused(view: memoryview, lo: int, units: Sequence[Tuple[int, Unit]], sinks: Sequence[Want], stop: threading.Event):
+    """A mapped piece (``view``: file bytes from ``lo``), unit by unit, copied into its destinations and checked in the same pass.
 
     The kernel (:func:`copy_crc32c`) reads a unit's bytes once, computing the
     CRC as it copies them, where the two-pass path read them twice (CRC, then
@@ -588,14 +592,14 @@ def _fused(read: Callable[[int, int], memoryview], lo: int, hi: int, units: Sequ
     damaged units.
     """
     index = _by_offset(sinks)
-    keep = _keep(hi - lo) if any(w.restore for w in sinks) else None
+    keep = _keep(len(view)) if any(w.restore for w in sinks) else None
     out: List[Tuple[int, int, int, int]] = []
     written: List[Tuple[Want, int, memoryview]] = []
     good = 0
     damaged = False
     try:
         for k, u in sorted(units, key=lambda x: x[1].start):
-            src = read(u.start, u.stop)
+            src = view[u.start - lo : u.stop - lo]
             if damaged:
                 out.append((k, 0, u.stop - u.start, crc32c(src)))
                 continue
@@ -616,7 +620,7 @@ def _fused(read: Callable[[int, int], memoryview], lo: int, hi: int, units: Sequ
                 damaged = True
                 continue
             good += 1
-    except BaseException:  # a read that failed (a file truncated under it): the piece's tensors as they were
+    except BaseException:  # anything raised mid-piece (an interrupt): the piece's tensors as they were
         if not damaged:
             _put_back(written, keep, lo)
         raise
@@ -642,13 +646,6 @@ def _keep(n: int) -> memoryview:
         _tls.keep = None
         buf = _tls.keep = _huge_buffer(max(n, 2 * INTO_STEP_BYTES))
     return buf[:n]
-
-
-def _read_unit(f: Any, a: int, b: int) -> memoryview:
-    """File bytes ``[a, b)`` of ``f`` read into this thread's scratch."""
-    view = _scratch(b - a)
-    f.readv(a, [view])
-    return view
 
 
 def _scratch(n: int) -> memoryview:
@@ -708,15 +705,12 @@ def _into_job(storage: Storage, rel: str, lo: int, hi: int, units: Sequence[Tupl
     if stop.is_set():
         return None
     direct = _into_ok(lo, hi, units, sinks)
-    fused = not direct and _fused_ok(lo, hi, units, sinks)
-    if not (direct or fused) and hi - lo > SCRATCH_MAX_BYTES:
+    if not direct and hi - lo > SCRATCH_MAX_BYTES:
         return _map_job(storage, rel, lo, hi, units, sinks, stop)
     f = _opening(storage, rel, "reading", (OSError,), lambda: storage.open_hot(rel, lo, hi))
     if f is None:
         return _map_job(storage, rel, lo, hi, units, sinks, stop)
     try:
-        if fused:
-            return _fused(lambda a, b: _read_unit(f, a, b), lo, hi, units, sinks, stop)
         if not direct:
             view = _scratch(hi - lo)
             f.readv(lo, [view])

@@ -113,18 +113,13 @@ def test_cached_pieces_are_read_straight_into_fp32_bf16_and_int_tensors(shm, mon
     assert not hot and maps
 
 
-@pytest.mark.parametrize("fused", [True, False], ids=["one-pass", "two-pass"])
-def test_a_damaged_block_changes_nothing_of_a_live_tensors_piece_and_is_named_alone(shm, monkeypatch, fused):
-    # One piece of 4 blocks of w; block 2 damaged. One pass (the C kernel):
-    # blocks 0-2 were copied into w with its old bytes kept aside, all put
-    # back when block 2 failed; block 3 is only checked. Two passes
-    # (LOAD_FUSED=0 or no kernel): the piece is read into scratch and
-    # checked whole first. Either way w keeps every byte it had and only
-    # block 2 is named. Staged (atomic=True), nothing changes either.
-    if fused and not COPY_FUSED:
-        pytest.skip("the one-pass kernel is not built here")
+def test_a_damaged_block_changes_nothing_of_a_live_tensors_piece_and_is_named_alone(shm, monkeypatch):
+    # One piece of 4 blocks of w; block 2 damaged. A live tensor's piece is
+    # read into the reader's scratch and checked whole before a byte is
+    # copied out: w keeps every byte it had, only block 2 is named. Staged
+    # (atomic=True), the piece goes straight into the staging tensor, the
+    # same block alone is named, and nothing changes either.
     monkeypatch.setattr(_knobs, "LOAD_CPU_IO_THREADS", 1)
-    monkeypatch.setattr(_knobs, "LOAD_FUSED", fused)
     d = str(shm / "c")
     w = torch.randn(512, 2048)
     shardckpt.save({"w": w}, d)
@@ -141,8 +136,10 @@ def test_a_damaged_block_changes_nothing_of_a_live_tensors_piece_and_is_named_al
         assert torch.all(live["w"] == 3.0)
 
 
-def test_one_pass_mapped_pieces_put_back_a_damaged_piece_too(tmp_path, monkeypatch):
-    # LOAD_INTO=0 (mapped pieces, the default on many cores) through the same kernel.
+def test_one_pass_mapped_pieces_put_back_a_damaged_piece(tmp_path, monkeypatch):
+    # LOAD_INTO=0 (mapped pieces, the default on many cores): verified and
+    # copied in one pass (the C kernel), w's old bytes kept aside and put
+    # back when block 3 fails; only block 3 is named.
     if not COPY_FUSED:
         pytest.skip("the one-pass kernel is not built here")
     monkeypatch.setattr(_knobs, "LOAD_INTO", False)
@@ -158,8 +155,9 @@ def test_one_pass_mapped_pieces_put_back_a_damaged_piece_too(tmp_path, monkeypat
     assert all(torch.equal(live[k], src[k]) for k in src) and calls
     _flip(d, "w", 3 * MIB + 7)
     live = {k: torch.full_like(v, 5.0) for k, v in src.items()}
-    with pytest.raises(ChecksumMismatchError, match="block 3 "):
+    with pytest.raises(ChecksumMismatchError, match="block 3 ") as ei:
         shardckpt.load(live, d)
+    assert "block 2 " not in str(ei.value) and "already overwritten" not in str(ei.value), str(ei.value)
     assert torch.all(live["w"] == 5.0)
 
 
@@ -228,18 +226,13 @@ def test_into_pieces_are_planned_only_where_every_byte_has_one_destination():
     assert _readers._into_ok(0, 64, units, staged)
 
 
-@pytest.mark.parametrize("restore,fused", [(False, True), (True, True), (True, False)], ids=["staged", "live", "live-two-pass"])
-def test_reader_delivers_verified_units_only_and_names_the_damaged_one(shm, monkeypatch, restore, fused):
+@pytest.mark.parametrize("restore", [False, True], ids=["staged", "live"])
+def test_reader_delivers_verified_units_only_and_names_the_damaged_one(shm, restore):
     # Staged destinations (restore=False) are read into unit by unit: the
     # verified units before the damage are reported delivered, the damaged
     # one is not (its bytes stay in the staging, which the load discards).
     # Live ones (restore=True) get nothing of a piece with a damaged unit:
-    # one pass, its units were copied in with the old bytes kept aside and
-    # are all put back; two passes, it was read into scratch and checked
-    # whole first.
-    if restore and fused and not COPY_FUSED:
-        pytest.skip("the one-pass kernel is not built here")
-    monkeypatch.setattr(_knobs, "LOAD_FUSED", fused)
+    # it was read into scratch and checked whole first.
     tmp_path = shm
     data = bytearray(bytes((i * 13 + 5) % 251 for i in range(1 << 16)))
     (tmp_path / "f.bin").write_bytes(bytes(data))
@@ -251,7 +244,7 @@ def test_reader_delivers_verified_units_only_and_names_the_damaged_one(shm, monk
                   into=views[a : a + (16 << 10)], restore=restore) for a in range(0, 48 << 10, 16 << 10)]
     st = Storage(str(tmp_path))
     read_verified(st, wants, lambda *a: None, threads=1, piece_bytes=1 << 20, range_bytes=1 << 20)
-    if fused:  # straight in or one pass: each verified unit reported in place (one pass: once the piece verified)
+    if not restore:  # straight in: each verified unit reported in place
         assert bytes(dest) == bytes(data[4096 : 4096 + (48 << 10)])
         assert all(d is None for _, d in calls) and sorted(p for p, _ in calls) == [0, 8192, 16384, 24576, 32768, 40960]
     else:  # copied out of the scratch, want by want
@@ -272,13 +265,18 @@ def test_reader_delivers_verified_units_only_and_names_the_damaged_one(shm, monk
         assert calls == [] and dest == b"\x01" * (48 << 10)  # nothing of the piece
 
 
-def test_one_pass_puts_back_every_tensor_of_a_piece_whose_later_unit_is_damaged(shm):
-    # Units of 8 KiB over wants of 3 KiB (small tensors): block 0 verified
-    # and copied into three tensors, block 1 damaged: every destination byte
-    # the piece wrote (blocks 0 and 1, seven tensors) is put back from the
-    # bytes kept aside, and no tensor is reported delivered.
+def test_one_pass_puts_back_every_tensor_of_a_piece_whose_later_unit_is_damaged(shm, monkeypatch):
+    # A mapped piece (LOAD_INTO=0), units of 8 KiB over wants of 3 KiB
+    # (small tensors): block 0 verified and copied into three tensors, block
+    # 1 damaged: every destination byte the piece wrote (blocks 0 and 1,
+    # seven tensors) is put back from the bytes kept aside, and no tensor is
+    # reported delivered.
     if not COPY_FUSED:
         pytest.skip("the one-pass kernel is not built here")
+    monkeypatch.setattr(_knobs, "LOAD_INTO", False)
+    calls_kernel = []
+    real = _readers.copy_crc32c
+    monkeypatch.setattr(_readers, "copy_crc32c", lambda *a: calls_kernel.append(1) or real(*a))
     data = bytearray(os.urandom(48 << 10))
     (shm / "f.bin").write_bytes(bytes(data))
     c = _chunk(bytes(data), 0, 48 << 10, 8 << 10)
@@ -291,7 +289,7 @@ def test_one_pass_puts_back_every_tensor_of_a_piece_whose_later_unit_is_damaged(
                   into=views[a : min(a + step, 48 << 10)], restore=True) for a in range(0, 48 << 10, step)]
     st = Storage(str(shm))
     read_verified(st, wants, lambda *a: None, threads=1, piece_bytes=1 << 20, range_bytes=1 << 20)
-    assert bytes(dest) == bytes(data) and len(calls) > 16
+    assert bytes(dest) == bytes(data) and len(calls) > 16 and calls_kernel
     dest[:] = old
     calls.clear()
     data[(8 << 10) + 5000] ^= 0x80  # block 1: bytes 8192..16384
@@ -319,11 +317,8 @@ def test_files_on_a_disk_are_mapped_as_before_even_when_cached(tmp_path, monkeyp
     assert not hot
 
 
-@pytest.mark.parametrize("restore,fused", [(False, True), (True, True), (True, False)], ids=["staged", "live", "live-two-pass"])
-def test_a_file_truncated_under_the_read_is_refused(shm, monkeypatch, restore, fused):
-    if restore and fused and not COPY_FUSED:
-        pytest.skip("the one-pass kernel is not built here")
-    monkeypatch.setattr(_knobs, "LOAD_FUSED", fused)
+@pytest.mark.parametrize("restore", [False, True], ids=["staged", "live"])
+def test_a_file_truncated_under_the_read_is_refused(shm, monkeypatch, restore):
     data = bytes((i * 7 + 1) % 251 for i in range(1 << 16))
     (shm / "f.bin").write_bytes(data)
     c = _chunk(data, 0, 32 << 10, 8 << 10)
@@ -340,7 +335,7 @@ def test_a_file_truncated_under_the_read_is_refused(shm, monkeypatch, restore, f
     w = Want(c, 0, 32 << 10, "w", sink=lambda pos, d: got.append(pos), into=memoryview(dest), restore=restore)
     with pytest.raises(CorruptCheckpointError, match="truncated"):
         read_verified(Storage(str(shm)), [w], lambda *a: None, threads=1, piece_bytes=1 << 20, range_bytes=1 << 20)
-    if restore:  # a live destination: nothing of the piece (one pass: blocks 0-1 put back)
+    if restore:  # a live destination: nothing of the piece
         assert got == [] and dest == b"\x05" * (32 << 10)
     else:  # staged: blocks 0-1 verified in place and reported, nothing after them
         assert got == [0, 8 << 10] and bytes(dest[: 16 << 10]) == data[: 16 << 10]
