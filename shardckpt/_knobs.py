@@ -305,7 +305,7 @@ LOAD_INTO = _bool("LOAD_INTO", usable_cpus() <= LOAD_INTO_MAX_CPUS)
 #: in one pass over its bytes (the C kernel of ``shardckpt/_format/_crccopy.c``,
 #: where it was built and the CPU has SSE4.2 and AVX2), live tensors' previous
 #: bytes kept aside in the same pass and all put back if a block of the piece
-#: fails: 1.10x the two passes on the 2-core VM (docs/performance.md, wave 14).
+#: fails: 1.06-1.10x the two passes on the 2-core VM (docs/performance.md, wave 14).
 #: ``0``: the two passes (the CRC, then the copy), as without the kernel.
 LOAD_FUSED = _bool("LOAD_FUSED", True)
 #: A load's reads of a file on a block device (a disk: sysfs shows its queue)
