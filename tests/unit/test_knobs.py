@@ -218,8 +218,9 @@ def test_load_map(tmp_path, monkeypatch):
         assert bool(maps) == on, (on, maps)
 
 
-def test_load_into(monkeypatch):
-    """LOAD_INTO: pieces of tmpfs files are read straight into the CPU tensors (on) or mapped (off); the same values."""
+@pytest.fixture
+def shm_ckpt():
+    """``(dir, state)``: a small checkpoint in a private directory of /dev/shm (tmpfs), removed after."""
     import shutil
     import tempfile
 
@@ -230,66 +231,62 @@ def test_load_into(monkeypatch):
     root = tempfile.mkdtemp(prefix="shardckpt-knob-", dir="/dev/shm")
     os.chmod(root, 0o700)
     try:
-        d = root + "/c"
         src = {"w": torch.randn(300, 1000), "b": torch.randn(7).to(torch.bfloat16)}
-        shardckpt.save(src, d)
-        hot, maps = [], []
-        real_hot, real_map = _local.LocalStorage.open_hot, _local.LocalStorage.map_range
-
-        def open_hot(self, *a):
-            f = real_hot(self, *a)
-            if f is not None:
-                hot.append(a)
-            return f
-
-        monkeypatch.setattr(_local.LocalStorage, "open_hot", open_hot)
-        monkeypatch.setattr(_local.LocalStorage, "map_range", lambda self, *a: maps.append(a) or real_map(self, *a))
-        for on in (True, False):
-            monkeypatch.setattr(_knobs, "LOAD_INTO", on)
-            hot.clear()
-            maps.clear()
-            live = {k: torch.zeros_like(v) for k, v in src.items()}
-            shardckpt.load(live, d)
-            assert all(torch.equal(live[k], src[k]) for k in src)
-            assert (bool(hot), bool(maps)) == (on, not on), (on, hot, maps)
+        shardckpt.save(src, root + "/c")
+        yield root + "/c", src
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
 
-def test_load_fused(monkeypatch):
-    """LOAD_FUSED: mapped pieces for live tensors go through the one-pass kernel (on) or the CRC then the copy (off); the same values."""
-    import shutil
-    import tempfile
+def _loads_back(d, src):
+    live = {k: torch.zeros_like(v) for k, v in src.items()}
+    shardckpt.load(live, d)
+    assert all(torch.equal(live[k], src[k]) for k in src)
 
+
+def test_load_into(monkeypatch, shm_ckpt):
+    """LOAD_INTO: pieces of tmpfs files are read straight into the CPU tensors (on) or mapped (off); the same values."""
+    from shardckpt._storage import _local
+
+    d, src = shm_ckpt
+    hot, maps = [], []
+    real_hot, real_map = _local.LocalStorage.open_hot, _local.LocalStorage.map_range
+
+    def open_hot(self, *a):
+        f = real_hot(self, *a)
+        if f is not None:
+            hot.append(a)
+        return f
+
+    monkeypatch.setattr(_local.LocalStorage, "open_hot", open_hot)
+    monkeypatch.setattr(_local.LocalStorage, "map_range", lambda self, *a: maps.append(a) or real_map(self, *a))
+    for on in (True, False):
+        monkeypatch.setattr(_knobs, "LOAD_INTO", on)
+        hot.clear()
+        maps.clear()
+        _loads_back(d, src)
+        assert (bool(hot), bool(maps)) == (on, not on), (on, hot, maps)
+
+
+def test_load_fused(monkeypatch, shm_ckpt):
+    """LOAD_FUSED: mapped pieces for live tensors go through the one-pass kernel (on) or the CRC then the copy (off); the same values."""
     from shardckpt import _readers
     from shardckpt._format.checksum import COPY_FUSED
-    from shardckpt._storage import _local
 
     if not COPY_FUSED:
         pytest.skip("the one-pass kernel is not built here")
-    if not os.path.isdir("/dev/shm") or _local.fs_type(os.stat("/dev/shm").st_dev) not in _local.MEMORY_FILESYSTEMS:
-        pytest.skip("no tmpfs at /dev/shm")
-    root = tempfile.mkdtemp(prefix="shardckpt-knob-", dir="/dev/shm")
-    os.chmod(root, 0o700)
-    try:
-        d = root + "/c"
-        src = {"w": torch.randn(300, 1000), "b": torch.randn(7).to(torch.bfloat16)}
-        shardckpt.save(src, d)
-        calls = []
-        real = _readers.copy_crc32c
-        monkeypatch.setattr(_readers, "copy_crc32c", lambda *a: calls.append(len(a[1])) or real(*a))
-        nbytes = sum(v.numel() * v.element_size() for v in src.values())
-        # Mapped pieces take the kernel; a tmpfs piece read into the scratch (LOAD_INTO=1) never does.
-        for into, on, want in ((False, True, nbytes), (False, False, 0), (True, True, 0)):
-            monkeypatch.setattr(_knobs, "LOAD_INTO", into)
-            monkeypatch.setattr(_knobs, "LOAD_FUSED", on)
-            calls.clear()
-            live = {k: torch.zeros_like(v) for k, v in src.items()}
-            shardckpt.load(live, d)
-            assert all(torch.equal(live[k], src[k]) for k in src)
-            assert sum(calls) == want, (into, on, sum(calls), want)
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
+    d, src = shm_ckpt
+    calls = []
+    real = _readers.copy_crc32c
+    monkeypatch.setattr(_readers, "copy_crc32c", lambda *a: calls.append(len(a[1])) or real(*a))
+    nbytes = sum(v.numel() * v.element_size() for v in src.values())
+    # Mapped pieces take the kernel; a tmpfs piece read into the scratch (LOAD_INTO=1) never does.
+    for into, on, want in ((False, True, nbytes), (False, False, 0), (True, True, 0)):
+        monkeypatch.setattr(_knobs, "LOAD_INTO", into)
+        monkeypatch.setattr(_knobs, "LOAD_FUSED", on)
+        calls.clear()
+        _loads_back(d, src)
+        assert sum(calls) == want, (into, on, sum(calls), want)
 
 
 def test_every_knob_is_covered():
