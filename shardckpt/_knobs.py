@@ -55,9 +55,9 @@ environment variable                default     what it sets
                                     CPUs, else  ``preadv``: into the reader's scratch, checked
                                     0           whole, copied out (live tensors), or straight
                                                 into staging tensors; 0: map them
-``SHARDCKPT_LOAD_FUSED``            1           a mapped piece that goes as it is into
-                                                CPU tensors is copied and checked in one
-                                                pass (the C kernel, x86-64 with AVX2), live
+``SHARDCKPT_LOAD_FUSED``            1 on <= 4   a mapped piece that goes as it is into
+                                    CPUs, else  CPU tensors is copied and checked in one
+                                    0           pass (the C kernel, x86-64 with AVX2), live
                                                 tensors' old bytes kept aside and put back
                                                 if a block fails; 0: CRC pass, then copy
 ``SHARDCKPT_LOAD_LANES``            all         a load's reader threads each read a stretch
@@ -305,9 +305,12 @@ LOAD_INTO = _bool("LOAD_INTO", usable_cpus() <= LOAD_INTO_MAX_CPUS)
 #: in one pass over its bytes (the C kernel of ``shardckpt/_format/_crccopy.c``,
 #: where it was built and the CPU has SSE4.2 and AVX2), live tensors' previous
 #: bytes kept aside in the same pass and all put back if a block of the piece
-#: fails: 1.06-1.10x the two passes on the 2-core VM (docs/performance.md, wave 14).
+#: fails: 1.06-1.10x the two passes on the 2-core VM, where the load is short
+#: of CPU; 0.87x on a 16-core H100 host, where it is short of memory bandwidth
+#: and the bytes kept aside are one more stream to memory (docs/performance.md,
+#: wave 14). So on at most ``LOAD_INTO_MAX_CPUS`` usable CPUs, as ``LOAD_INTO``.
 #: ``0``: the two passes (the CRC, then the copy), as without the kernel.
-LOAD_FUSED = _bool("LOAD_FUSED", True)
+LOAD_FUSED = _bool("LOAD_FUSED", usable_cpus() <= LOAD_INTO_MAX_CPUS)
 #: A load's reads of a file on a block device (a disk: sysfs shows its queue)
 #: go in *lanes*: one reader thread reads a stretch of the file in order,
 #: through one kept file descriptor, so the kernel sees sequential streams

@@ -143,6 +143,7 @@ def test_one_pass_mapped_pieces_put_back_a_damaged_piece(tmp_path, monkeypatch):
     if not COPY_FUSED:
         pytest.skip("the one-pass kernel is not built here")
     monkeypatch.setattr(_knobs, "LOAD_INTO", False)
+    monkeypatch.setattr(_knobs, "LOAD_FUSED", True)
     monkeypatch.setattr(_knobs, "LOAD_CPU_IO_THREADS", 1)
     calls = []
     real = _readers.copy_crc32c
@@ -274,6 +275,7 @@ def test_one_pass_puts_back_every_tensor_of_a_piece_whose_later_unit_is_damaged(
     if not COPY_FUSED:
         pytest.skip("the one-pass kernel is not built here")
     monkeypatch.setattr(_knobs, "LOAD_INTO", False)
+    monkeypatch.setattr(_knobs, "LOAD_FUSED", True)
     calls_kernel = []
     real = _readers.copy_crc32c
     monkeypatch.setattr(_readers, "copy_crc32c", lambda *a: calls_kernel.append(1) or real(*a))
