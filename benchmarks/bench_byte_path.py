@@ -27,7 +27,9 @@ shows), then each load fills the same resident live tensors, in place:
 Any load or save case may be suffixed ``@KNOB=value`` (``--loads
 shardckpt,shardckpt@LOAD_LANES=0``, ``--saves hf-export-warm@IO_THREADS=8``):
 the same case with ``_knobs.KNOB`` set for it, in the same run (wave 12: the
-lanes against the scheduling before them).
+lanes against the scheduling before them). ``@POOL_EAGER=1`` is the read
+buffer pool as before wave 15 (a new buffer whenever one fits, not the
+oldest finished read's).
 
 and on a GPU (``torch.cuda`` available), into CUDA live tensors:
 ``safetensors-cuda`` (``load_file(device="cuda")`` + ``copy_``),
@@ -397,6 +399,16 @@ def _knobbed(case: str, run: Callable[[str], None]) -> None:
     from shardckpt import _knobs
 
     name, _, value = setting.partition("=")
+    if name == "POOL_EAGER":  # the pool as before wave 15: a new buffer whenever one fits, never the oldest read's first
+        from shardckpt import _readers
+
+        real = _readers.BufferPool.can_reuse
+        if value.lower() in ("1", "on", "true", "yes"):
+            _readers.BufferPool.can_reuse = lambda self, n: True  # type: ignore[method-assign]
+        try:
+            return _knobbed(base, run)
+        finally:
+            _readers.BufferPool.can_reuse = real  # type: ignore[method-assign]
     was = getattr(_knobs, name)
     setattr(_knobs, name, type(was)(value) if not isinstance(was, bool) else value.lower() in ("1", "on", "true", "yes"))
     try:

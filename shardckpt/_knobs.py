@@ -60,6 +60,9 @@ environment variable                default     what it sets
                                     0           pass (the C kernel, x86-64 with AVX2), live
                                                 tensors' old bytes kept aside and put back
                                                 if a block fails; 0: CRC pass, then copy
+``SHARDCKPT_LOAD_STREAM_COPY``      1           verified bytes copied into CPU tensors
+                                                bypass the cache (streaming stores, the C
+                                                kernel); 0: NumPy's copy, through the cache
 ``SHARDCKPT_LOAD_LANES``            all         a load's reader threads each read a stretch
                                                 of a block-device file in order, through one
                                                 kept descriptor (4 readahead windows); map:
@@ -135,6 +138,7 @@ __all__ = [
     "LOAD_MAP",
     "LOAD_INTO",
     "LOAD_FUSED",
+    "LOAD_STREAM_COPY",
     "LOAD_LANES",
     "EXPORT_PLACED",
     "LOAD_DIRECT",
@@ -311,6 +315,13 @@ LOAD_INTO = _bool("LOAD_INTO", usable_cpus() <= LOAD_INTO_MAX_CPUS)
 #: wave 14). So on at most ``LOAD_INTO_MAX_CPUS`` usable CPUs, as ``LOAD_INTO``.
 #: ``0``: the two passes (the CRC, then the copy), as without the kernel.
 LOAD_FUSED = _bool("LOAD_FUSED", usable_cpus() <= LOAD_INTO_MAX_CPUS)
+#: Verified bytes a reader copies into CPU tensors (out of its scratch or a
+#: file's mapping; copies of 256 KiB or more) bypass the cache: streaming
+#: stores (the C kernel, x86-64 with AVX2), since the load does not read
+#: them again and a plain store first reads each destination line. 1 GiB
+#: from tmpfs on the 2-core VM: 4.82 against 4.33 GB/s, 12% less CPU
+#: (docs/performance.md, wave 15). ``0``: NumPy's copy, through the cache.
+LOAD_STREAM_COPY = _bool("LOAD_STREAM_COPY", True)
 #: A load's reads of a file on a block device (a disk: sysfs shows its queue)
 #: go in *lanes*: one reader thread reads a stretch of the file in order,
 #: through one kept file descriptor, so the kernel sees sequential streams

@@ -6,6 +6,14 @@
  *     bytes are first stored into keep, in the same pass, so that a caller
  *     can put them back when the CRC does not match the one expected.
  *
+ * copy_stream(dst, src) -> None
+ *     Copies len(src) bytes of src into dst (which must not overlap it),
+ *     bypassing the cache (streaming stores) when the copy is at least
+ *     STREAM_MIN_BYTES: verified bytes going into a model's tensors are not
+ *     read again soon, and a plain store first reads each destination line
+ *     (a read for ownership). 16.6 against 11.3 GB/s for memcpy, 4 MiB out
+ *     of cache into a 1 GiB destination, on the 2-core VM.
+ *
  * Why: a verified load otherwise reads each block twice (once for the CRC,
  * once for the copy); on a 2-core machine the second pass is a fifth of the
  * load's CPU. The source is read once here: three CRC chains run side by
@@ -132,6 +140,52 @@ __attribute__((target("sse4.2,avx2"))) static uint32_t copy_crc_hw(uint8_t *dst,
 }
 #endif
 
+#define STREAM_MIN_BYTES (256 * 1024)
+
+#ifdef CRCCOPY_X86
+__attribute__((target("avx2"))) static void copy_stream_hw(uint8_t *dst, const uint8_t *src, size_t n) {
+    size_t i = (32 - ((uintptr_t)dst & 31)) & 31; /* streaming stores need 32-byte aligned destinations */
+    memcpy(dst, src, i);
+    for (; i + 128 <= n; i += 128) {
+        __m256i v0 = _mm256_loadu_si256((const __m256i *)(src + i));
+        __m256i v1 = _mm256_loadu_si256((const __m256i *)(src + i + 32));
+        __m256i v2 = _mm256_loadu_si256((const __m256i *)(src + i + 64));
+        __m256i v3 = _mm256_loadu_si256((const __m256i *)(src + i + 96));
+        _mm256_stream_si256((__m256i *)(dst + i), v0);
+        _mm256_stream_si256((__m256i *)(dst + i + 32), v1);
+        _mm256_stream_si256((__m256i *)(dst + i + 64), v2);
+        _mm256_stream_si256((__m256i *)(dst + i + 96), v3);
+    }
+    _mm_sfence(); /* the streamed lines are visible to other threads (and devices) before this returns */
+    memcpy(dst + i, src + i, n - i);
+}
+#endif
+
+static PyObject *copy_stream(PyObject *self, PyObject *args, PyObject *kwargs) {
+    static char *kwlist[] = {"dst", "src", NULL};
+    Py_buffer dst, src;
+    (void)self;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "w*y*", kwlist, &dst, &src))
+        return NULL;
+    if (dst.len < src.len) {
+        PyBuffer_Release(&dst);
+        PyBuffer_Release(&src);
+        PyErr_Format(PyExc_ValueError, "copy_stream: %zd source bytes into %zd", src.len, dst.len);
+        return NULL;
+    }
+    Py_BEGIN_ALLOW_THREADS
+#ifdef CRCCOPY_X86
+    if (have_hardware && (size_t)src.len >= STREAM_MIN_BYTES)
+        copy_stream_hw((uint8_t *)dst.buf, (const uint8_t *)src.buf, (size_t)src.len);
+    else
+#endif
+        memcpy(dst.buf, src.buf, (size_t)src.len);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&dst);
+    PyBuffer_Release(&src);
+    Py_RETURN_NONE;
+}
+
 static PyObject *copy_crc32c(PyObject *self, PyObject *args, PyObject *kwargs) {
     static char *kwlist[] = {"dst", "src", "keep", "value", NULL};
     Py_buffer dst, src, keep = {0};
@@ -180,6 +234,8 @@ static PyObject *copy_crc32c(PyObject *self, PyObject *args, PyObject *kwargs) {
 static PyMethodDef methods[] = {
     {"copy_crc32c", (PyCFunction)(void (*)(void))copy_crc32c, METH_VARARGS | METH_KEYWORDS,
      "copy_crc32c(dst, src, keep=None, value=0) -> crc32c(src, value); src copied into dst, dst's old bytes into keep."},
+    {"copy_stream", (PyCFunction)(void (*)(void))copy_stream, METH_VARARGS | METH_KEYWORDS,
+     "copy_stream(dst, src) -> None; src copied into dst (not overlapping), large copies bypassing the cache."},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_crccopy",
@@ -201,7 +257,8 @@ PyMODINIT_FUNC PyInit__crccopy(void) {
     have_hardware = __builtin_cpu_supports("sse4.2") && __builtin_cpu_supports("avx2");
 #endif
     PyObject *m = PyModule_Create(&module);
-    if (m && PyModule_AddIntConstant(m, "HARDWARE", have_hardware) < 0) {
+    if (m && (PyModule_AddIntConstant(m, "HARDWARE", have_hardware) < 0 ||
+              PyModule_AddIntConstant(m, "STREAM_MIN_BYTES", STREAM_MIN_BYTES) < 0)) {
         Py_DECREF(m);
         return NULL;
     }

@@ -2,5 +2,7 @@
 from typing import Any, Optional
 
 HARDWARE: int
+STREAM_MIN_BYTES: int
 
 def copy_crc32c(dst: Any, src: Any, keep: Optional[Any] = None, value: int = 0) -> int: ...
+def copy_stream(dst: Any, src: Any) -> None: ...

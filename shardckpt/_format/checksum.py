@@ -26,6 +26,7 @@ import crc32c as _crc32c
 __all__ = [
     "ALGOS", "checksum", "combine", "crc32c", "crc32c_combine", "BlockCrcs", "pack_crcs", "unpack_crcs",
     "HASH_ALGOS", "default_hash_algo", "hash_available", "new_hasher", "content_hash", "COPY_FUSED", "copy_crc32c",
+    "COPY_STREAMS", "copy_out",
 ]
 
 _POLY_REFLECTED = {"crc32c": 0x82F63B78, "crc32": 0xEDB88320}
@@ -48,14 +49,17 @@ def crc32c(data, value: int = 0) -> int:
 
 
 _FUSED: Optional[Callable[..., int]] = None
+_STREAM: Optional[Callable[..., None]] = None
 try:  # the one-pass copy + CRC-32C (shardckpt/_format/_crccopy.c): a C extension built where a compiler was
     from ._crccopy import HARDWARE as _HARDWARE
     from ._crccopy import copy_crc32c as _kernel
+    from ._crccopy import copy_stream as _stream_kernel
 except ImportError:
     pass
 else:
     # None where this CPU lacks what the kernel needs (SSE4.2, AVX2).
     _FUSED = _kernel if _HARDWARE else None
+    _STREAM = _stream_kernel if _HARDWARE else None
 #: Whether :func:`copy_crc32c` reads its source once (the C kernel, x86-64
 #: with SSE4.2 and AVX2) rather than twice (a copy, then the CRC).
 COPY_FUSED = _FUSED is not None
@@ -95,6 +99,50 @@ def copy_crc32c(dst, src, keep=None, value: int = 0) -> int:
                 k[:n] = d[:n]
         d[:n] = memoryview(src).cast("B")
     return _crc32c.crc32c(src, value)
+
+
+#: Whether :func:`copy_out` can bypass the cache for large copies (the C
+#: kernel, x86-64 with AVX2) rather than copying through it (NumPy).
+COPY_STREAMS = _STREAM is not None
+
+
+def copy_out(dst, src, *, streaming: bool = True) -> None:
+    """Copy verified ``src`` into ``dst`` (not overlapping), bypassing the cache where the copy is large; the GIL released.
+
+    The copy out of a reader's scratch (or a file's mapping) into the
+    destination tensors: those bytes are not read again during the load,
+    and a plain store first reads every destination line. With the C kernel
+    (:data:`COPY_STREAMS`) and ``streaming``, copies of 256 KiB or more use
+    streaming stores (16.6 against 11.3 GB/s for ``memcpy`` on the 2-core
+    VM, 4 MiB pieces into 1 GiB); else NumPy's copy (which also releases
+    the GIL), else a memoryview copy.
+
+    Args:
+        dst: writable bytes-like, at least ``len(src)`` long.
+        src: bytes-like.
+        streaming: False copies through the cache (``SHARDCKPT_LOAD_STREAM_COPY=0``).
+
+    Raises:
+        ValueError: ``dst`` shorter than ``src``.
+
+    Example:
+        >>> dst = bytearray(4)
+        >>> copy_out(dst, b"1234"); bytes(dst)
+        b'1234'
+    """
+    if streaming and _STREAM is not None:
+        _STREAM(dst, src)
+        return
+    s = memoryview(src).cast("B")
+    with memoryview(dst).cast("B") as d:
+        if len(d) < len(s):
+            raise ValueError(f"copy_out: {len(s)} source bytes into {len(d)}")
+        try:
+            import numpy as np  # noqa: PLC0415  (NumPy's copy releases the GIL)
+        except ImportError:
+            d[: len(s)] = s
+        else:
+            np.copyto(np.frombuffer(d, np.uint8, len(s)), np.frombuffer(s, np.uint8))
 
 
 def checksum(algo: str, data, value: int = 0) -> int:

@@ -26,6 +26,7 @@ import torch
 from .. import _fp8, _knobs, _p2p, _replicas
 from .._collective import Comm
 from .._format import torch_dtype
+from .._format.checksum import copy_out
 from .._io import byte_view, host_empty
 from .._layout import box_view
 from .._readers import BufferPool, ReadStats, Want, read_verified
@@ -134,9 +135,11 @@ def _byte_sink(dst: torch.Tensor, dtype: torch.dtype, nbytes: int) -> Optional[T
     want's (the saved box is contiguous in its chunk); else None (casts,
     strided boxes and device targets go through ``place``). The reader may
     read straight into ``view`` (``Want.into``; bf16 and every dtype alike:
-    bytes). The copy is NumPy's, which releases the GIL, so reader threads
-    copy in parallel (torch's ``copy_`` would start its own thread team in
-    each of them); without NumPy, a memoryview copy.
+    bytes). The copy is :func:`copy_out`'s, which releases the GIL, so
+    reader threads copy in parallel (torch's ``copy_`` would start its own
+    thread team in each of them), and bypasses the cache
+    (``SHARDCKPT_LOAD_STREAM_COPY``): these bytes are not read again during
+    the load.
     """
     if (nbytes == 0 or dst.device.type != "cpu" or dst.dtype != dtype or type(dst) not in (torch.Tensor, torch.nn.Parameter)
             or dst.is_conj() or dst.is_neg() or not dst.is_contiguous() or dst.numel() * dst.element_size() != nbytes):
@@ -144,27 +147,13 @@ def _byte_sink(dst: torch.Tensor, dtype: torch.dtype, nbytes: int) -> Optional[T
     mv = byte_view(dst.detach())
     if mv.readonly:  # without NumPy, a copy: not the tensor's memory
         return None
-    np = _numpy()
-    if np is None:
 
-        def put(pos: int, data: memoryview) -> None:
-            mv[pos : pos + len(data)] = data
+    streaming = _knobs.LOAD_STREAM_COPY
 
-        return put, mv
-    arr = np.frombuffer(mv, dtype=np.uint8)
+    def put(pos: int, data: memoryview) -> None:
+        copy_out(mv[pos : pos + len(data)], data, streaming=streaming)
 
-    def put_np(pos: int, data: memoryview) -> None:
-        np.copyto(arr[pos : pos + len(data)], np.frombuffer(data, dtype=np.uint8))
-
-    return put_np, mv
-
-
-def _numpy():
-    try:
-        import numpy  # noqa: PLC0415  (only when a load has CPU targets; byte_view needs it too)
-    except ImportError:
-        return None
-    return numpy
+    return put, mv
 
 
 def _scale_wants(plan: LoadPlan) -> List[Want]:

@@ -758,7 +758,9 @@ class Storage:
         each checksum block straight into its destination (one kernel copy).
         None for files on disks (:meth:`map_range` then reads them with its
         cold-read rules, as it always did) and where the backend has no
-        such files. The caller ``close()``-s it.
+        such files. The caller ``close()``-s it. One whose ``shareable`` is
+        True may serve every piece of the file up to its ``size`` during one
+        read, from any thread (it is closed when that read ends).
 
         Raises:
             FileNotFoundError: missing.

@@ -273,10 +273,14 @@ IOV_MAX = _iov_max()
 class HotFile:
     """An open local file whose bytes are cached (``LocalStorage.open_hot``): ``readv`` scatters them into buffers."""
 
-    __slots__ = ("fd", "url")
+    __slots__ = ("fd", "url", "size")
+    #: Whether several reader threads may share this file through one read
+    #: (``preadv`` takes its offset: no shared file position), for pieces up
+    #: to ``size``: a memory file's, not a lane's (that belongs to its thread).
+    shareable = True
 
-    def __init__(self, fd: int, url: str):
-        self.fd, self.url = fd, url
+    def __init__(self, fd: int, url: str, size: int = -1):
+        self.fd, self.url, self.size = fd, url, size
 
     def readv(self, offset: int, views: Sequence[memoryview]) -> None:
         """Fill ``views`` in order from file bytes at ``offset`` (``preadv``, looped on short reads).
@@ -611,7 +615,7 @@ class LocalStorage(Storage):
                 if st.st_size < stop:
                     raise self._short(rel, stop)
                 if _knobs.LOAD_INTO and fs_type(st.st_dev) in MEMORY_FILESYSTEMS:
-                    out = HotFile(fd, self.url_of(rel))
+                    out = HotFile(fd, self.url_of(rel), st.st_size)
                     fd = -1
                     return out
                 return None
@@ -793,6 +797,7 @@ class _LaneHotFile(HotFile):
     """A :class:`HotFile` on a lane's descriptor: ``close`` leaves it to the lane."""
 
     __slots__ = ()
+    shareable = False
 
     def close(self) -> None:
         self.fd = -1

@@ -42,23 +42,24 @@ def _count_data_reads():
             seen.append(stop - start)
         return orig_map(self, rel, start, stop)
 
-    # ... or reads its cached pieces straight into the tensors (LOAD_INTO): bytes handed over are bytes read.
-    orig_hot = local.open_hot
+    # ... or reads its cached pieces with preadv (LOAD_INTO): bytes read from files open_hot opened.
+    from shardckpt._storage import _local
 
-    def open_hot(self, rel, start, stop):
-        f = orig_hot(self, rel, start, stop)
-        if f is not None and rel.startswith("data/"):
-            seen.append(stop - start)
-        return f
+    orig_readv = _local.HotFile.readv
+
+    def readv(self, offset, views):
+        if "/data/" in self.url:
+            seen.append(sum(len(v) for v in views))
+        return orig_readv(self, offset, views)
 
     def undo():
         _storage.Storage.read_into = orig
         local.map_range = orig_map
-        local.open_hot = orig_hot
+        _local.HotFile.readv = orig_readv
 
     _storage.Storage.read_into = read_into
     local.map_range = map_range
-    local.open_hot = open_hot
+    _local.HotFile.readv = readv
     return seen, undo
 
 

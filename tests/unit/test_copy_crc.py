@@ -112,3 +112,33 @@ def test_a_page_aligned_keep_takes_the_streaming_stores_and_holds_every_old_byte
                 assert bytes(keep[:n]) == old and bytes(dst) == src
     finally:
         m.close()
+
+
+# -- the streaming copy (copy_stream in the kernel, checksum.copy_out) ------------------------------------------
+
+
+@pytest.fixture(params=["kernel", "numpy"])
+def copy_out(request, monkeypatch):
+    if request.param == "kernel" and not checksum.COPY_STREAMS:
+        pytest.skip("the C kernel is not built here (or this CPU lacks AVX2)")
+    return lambda dst, src: checksum.copy_out(dst, src, streaming=request.param == "kernel")
+
+
+@pytest.mark.parametrize("n", LENGTHS + [256 << 10, (256 << 10) + 77, 3 << 20])
+def test_copy_out_copies_exactly_the_source(copy_out, n):
+    # Sizes around the kernel's threshold (256 KiB: streaming stores above),
+    # destinations at every offset within a 32-byte line (the stores need
+    # 32-byte alignment: the head is copied plainly), nothing written past n.
+    src = os.urandom(n)
+    for a in (0, 1, 13, 31):
+        out = bytearray(os.urandom(n + 64))
+        old = bytes(out)
+        copy_out(memoryview(out)[a : a + n + 5], src)
+        assert bytes(out[a : a + n]) == src and bytes(out[:a]) == old[:a] and bytes(out[a + n :]) == old[a + n :], (n, a)
+
+
+def test_copy_out_refuses_a_short_or_read_only_destination(copy_out):
+    with pytest.raises(ValueError):
+        copy_out(bytearray(10), b"x" * 11)
+    with pytest.raises((TypeError, BufferError, ValueError)):
+        copy_out(b"y" * 20, b"x" * 11)

@@ -289,12 +289,32 @@ def test_load_fused(monkeypatch, shm_ckpt):
         assert sum(calls) == want, (into, on, sum(calls), want)
 
 
+def test_load_stream_copy(monkeypatch, shm_ckpt):
+    """LOAD_STREAM_COPY: a reader's copies into CPU tensors bypass the cache (the kernel) or go through NumPy; the same values."""
+    import importlib
+
+    checksum = importlib.import_module("shardckpt._format.checksum")
+    d, src = shm_ckpt
+    calls = []
+    real = checksum._STREAM
+    if real is None:
+        pytest.skip("the streaming-copy kernel is not built here")
+    monkeypatch.setattr(checksum, "_STREAM", lambda dst, s: calls.append(len(s)) or real(dst, s))
+    monkeypatch.setattr(_knobs, "LOAD_INTO", True)  # tmpfs pieces through the scratch, copied out by the readers
+    nbytes = sum(v.numel() * v.element_size() for v in src.values())
+    for on, want in ((True, nbytes), (False, 0)):
+        monkeypatch.setattr(_knobs, "LOAD_STREAM_COPY", on)
+        calls.clear()
+        _loads_back(d, src)
+        assert sum(calls) == want, (on, sum(calls), want)
+
+
 def test_every_knob_is_covered():
     knobs = {n for n in _knobs.__all__ if n.isupper() and n != "ENV_PREFIX"}
     here = {
         "IO_THREADS", "MIN_BYTES_PER_FILE", "WRITE_BLOCK_BYTES", "BLOCK_BYTES", "CHECKSUMS", "LOAD_BUFFER_BYTES",
         "LOAD_RANGE_BYTES", "LOAD_CUDA_IO_THREADS", "LOAD_CUDA_BUFFER_BYTES", "READ_BLOCK_BYTES", "COALESCE_GAP_BYTES",
         "HEADER_BYTES_PER_FILE", "COLLECTIVE_TIMEOUT_S", "STORAGE_RETRIES", "RETRY_BASE_DELAY_S", "RETRY_MAX_DELAY_S",
-        "REPLICAS", "LOAD_MAP", "LOAD_INTO", "LOAD_CPU_IO_THREADS", "LOAD_FUSED",
+        "REPLICAS", "LOAD_MAP", "LOAD_INTO", "LOAD_CPU_IO_THREADS", "LOAD_FUSED", "LOAD_STREAM_COPY",
     }
     assert knobs == here | set(ELSEWHERE), (knobs - here - set(ELSEWHERE), (here | set(ELSEWHERE)) - knobs)

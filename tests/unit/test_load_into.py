@@ -51,17 +51,15 @@ def shm():
 
 
 def _count_hot(monkeypatch):
-    """File bytes ``open_hot`` handed to the reader (cached pieces read straight into their destinations)."""
+    """File bytes read from files ``open_hot`` opened (cached pieces read straight into their destinations or the scratch)."""
     got = []
-    real = _local.LocalStorage.open_hot
+    real = _local.HotFile.readv
 
-    def open_hot(self, rel, start, stop):
-        f = real(self, rel, start, stop)
-        if f is not None:
-            got.append(stop - start)
-        return f
+    def readv(self, offset, views):
+        got.append(sum(len(v) for v in views))
+        return real(self, offset, views)
 
-    monkeypatch.setattr(_local.LocalStorage, "open_hot", open_hot)
+    monkeypatch.setattr(_local.HotFile, "readv", readv)
     return got
 
 

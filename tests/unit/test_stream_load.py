@@ -261,6 +261,63 @@ def test_pool_is_bounded_reused_and_empty_after_close(tmp_path):
     assert pool.held_bytes == 0 and len(frees) == len(allocs)
 
 
+def _gated_storage(path, gate):
+    """Local files whose reads wait until ``gate`` opens: reads that lag behind the reader."""
+    from shardckpt._storage import LocalStorage
+
+    class Gated(LocalStorage):
+        def read_into(self, rel, ranges):
+            assert gate.wait(30), "the reader never opened the gate"
+            return super().read_into(rel, ranges)
+
+    return Gated(path)
+
+
+def _pool_counting(capacity, slot):
+    allocs = []
+
+    def alloc(n):
+        allocs.append(n)
+        b = bytearray(n)
+        return memoryview(b), b
+
+    return BufferPool(capacity, slot_bytes=slot, alloc=alloc), allocs
+
+
+def test_pool_reuses_a_read_buffer_before_growing_and_grows_where_reads_lag(tmp_path):
+    # 64 ranges of 16 KiB through a pool of up to 16 buffers. Reads done by
+    # the time the next range is taken (a warm file, one thread: each read
+    # runs as it is submitted): the pool never holds more than one buffer (a
+    # warm load into CUDA page-locks only that). Reads that lag (held until
+    # the pool is full): the pool grows to its capacity, a deep queue.
+    import threading
+
+    data = _file(tmp_path, 1 << 20)
+    c = _blocked("f.bin", data, 0, 1 << 20, 1 << 12)
+    wants = [Want(c, s, s + (16 << 10)) for s in range(0, 1 << 20, 16 << 10)]
+    out = bytearray(1 << 20)
+
+    def deliver(w, b, owner, off):
+        out[w.start : w.stop] = b
+
+    pool, allocs = _pool_counting(256 << 10, 16 << 10)
+    read_verified(Storage(str(tmp_path)), wants, deliver, pool=pool, threads=1, range_bytes=16 << 10)
+    assert bytes(out) == data and len(allocs) == 1 and pool.peak_bytes == 16 << 10
+    gate = threading.Event()
+    pool, allocs = _pool_counting(256 << 10, 16 << 10)
+    real_take = pool.take
+
+    def take(n):
+        if pool.out_bytes + (16 << 10) >= pool.capacity:
+            gate.set()  # the reader filled the pool before any read finished
+        return real_take(n)
+
+    pool.take = take
+    out[:] = bytes(1 << 20)
+    read_verified(_gated_storage(str(tmp_path), gate), wants, deliver, pool=pool, threads=4, range_bytes=16 << 10)
+    assert bytes(out) == data and len(allocs) == 16 and pool.peak_bytes == 256 << 10
+
+
 def test_pool_gives_oversized_requests_an_exact_buffer_and_drops_it():
     frees = []
     pool = BufferPool(100, slot_bytes=10, free=frees.append)
