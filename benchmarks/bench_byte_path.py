@@ -29,7 +29,10 @@ shardckpt,shardckpt@LOAD_LANES=0``, ``--saves hf-export-warm@IO_THREADS=8``):
 the same case with ``_knobs.KNOB`` set for it, in the same run (wave 12: the
 lanes against the scheduling before them). ``@POOL_EAGER=1`` is the read
 buffer pool as before wave 15 (a new buffer whenever one fits, not the
-oldest finished read's).
+oldest finished read's). ``@MODULE.NAME=value`` sets a module constant of
+the package for the case (an experiment, not a knob:
+``@_load.stream.FUSED_PIECE_BYTES=16777216`` reads the pieces of a CPU load
+in 16 MiB).
 
 and on a GPU (``torch.cuda`` available), into CUDA live tensors:
 ``safetensors-cuda`` (``load_file(device="cuda")`` + ``copy_``),
@@ -399,6 +402,17 @@ def _knobbed(case: str, run: Callable[[str], None]) -> None:
     from shardckpt import _knobs
 
     name, _, value = setting.partition("=")
+    if "." in name:  # a module constant of the package, e.g. ``_readers.STEP_BYTES=...`` (not a knob: an experiment)
+        import importlib
+
+        mod_name, _, attr = name.rpartition(".")
+        mod = importlib.import_module(f"shardckpt.{mod_name}")
+        was_attr = getattr(mod, attr)
+        setattr(mod, attr, type(was_attr)(value))
+        try:
+            return _knobbed(base, run)
+        finally:
+            setattr(mod, attr, was_attr)
     if name == "POOL_EAGER":  # the pool as before wave 15: a new buffer whenever one fits, never the oldest read's first
         from shardckpt import _readers
 
