@@ -104,6 +104,10 @@ INTO_STEP_BYTES = 1 << 20
 #: which must not see a byte of a piece until all of it verified, or bytes
 #: read only to be checked); larger ones (v1 whole-chunk CRCs) are mapped.
 SCRATCH_MAX_BYTES = 16 << 20
+#: Largest read piece of a lane's mapped range with sinks (a file on a disk):
+#: a cold lane's pieces are read into the reader's scratch, one a thread, so
+#: they stay a few MiB whatever piece size the caller asks for the others.
+LANE_PIECE_BYTES = 4 << 20
 #: Huge-page size the scratch is aligned to (x86-64 and aarch64 with 4 KiB pages).
 _HUGE_BYTES = 2 << 20
 _tls = threading.local()
@@ -1036,7 +1040,8 @@ def read_verified(
         calls: List[Tuple[Callable[..., Any], Tuple[Any, ...]]] = []
         units = rng.units if checking else []
         sinks = [w for w in rng.wants if w.sink is not None] if fused else []
-        pieces = _cuts(rng, max(1, piece_bytes), units) if sinks else [
+        size = min(piece_bytes, LANE_PIECE_BYTES) if sinks and mv is None and lane_of(rng.file) else piece_bytes
+        pieces = _cuts(rng, max(1, size), units) if sinks else [
             (lo, min(lo + piece_bytes, rng.stop)) for lo in range(rng.start, rng.stop, max(1, piece_bytes))]
         per_unit = _by_piece([(u.start, u.stop) for u in units], pieces)
         per_sink = _by_piece([(w.chunk.byte_offset + w.start, w.chunk.byte_offset + w.stop) for w in sinks], pieces) if sinks \

@@ -45,15 +45,28 @@ __all__ = ["StreamHook", "load_settings", "stream_into"]
 StreamHook = Callable[[LoadPlan, Callable[..., ReadStats]], ReadStats]
 
 
-#: Read piece of a load whose bytes go straight into CPU tensors (``Want.sink``):
-#: the reader thread reads it, checks its CRCs and copies it out while it is
-#: still in its cache, so a few MiB, cut at checksum-block ends.
+#: Read piece of a load whose bytes go straight into CPU tensors (``Want.sink``)
+#: where tmpfs pieces are read into the reader's scratch (``SHARDCKPT_LOAD_INTO``,
+#: few cores): the reader thread reads it, checks its CRCs and copies it out
+#: while it is still in its cache, so a few MiB, cut at checksum-block ends.
 FUSED_PIECE_BYTES = 4 << 20
+#: The same where pieces are mapped (``LOAD_INTO`` off: the default above 4
+#: CPUs). Each piece costs a mapping, its teardown (a TLB shootdown across the
+#: process's threads) and a job's Python under the GIL: on a 16-core H100
+#: host, 1 GiB from tmpfs loaded at 15.7-16.1 GB/s in 16 MiB pieces against
+#: 9.6 in 4 MiB ones (12.6-13.1 in 8 MiB; docs/performance.md, wave 15).
+MAPPED_PIECE_BYTES = 16 << 20
 
 
 def _piece_bytes(wants: Sequence[Want]) -> Optional[int]:
-    """Read piece size for ``wants``: :data:`FUSED_PIECE_BYTES` (at most ``READ_BLOCK_BYTES``) when some go to sinks, else the reader's default."""
-    return min(FUSED_PIECE_BYTES, _knobs.READ_BLOCK_BYTES) if any(w.sink is not None for w in wants) else None
+    """Read piece size for ``wants`` when some go to sinks (at most ``READ_BLOCK_BYTES``), else None: the reader's default.
+
+    :data:`FUSED_PIECE_BYTES` where tmpfs pieces are read into the scratch
+    (``SHARDCKPT_LOAD_INTO``), else :data:`MAPPED_PIECE_BYTES`.
+    """
+    if not any(w.sink is not None for w in wants):
+        return None
+    return min(FUSED_PIECE_BYTES if _knobs.LOAD_INTO else MAPPED_PIECE_BYTES, _knobs.READ_BLOCK_BYTES)
 
 
 def _strides(sizes: Sequence[int]) -> Tuple[int, ...]:

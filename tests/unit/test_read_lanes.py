@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import shardckpt
-from shardckpt import _knobs
+from shardckpt import _knobs, _readers
 from shardckpt._storage import LocalStorage, _local
 from shardckpt.errors import ChecksumMismatchError
 
@@ -96,6 +96,7 @@ def _saved_for(tmp_path, monkeypatch, how):
     monkeypatch.setattr(_knobs, "LOAD_MAP", mapped)
     monkeypatch.setattr(_knobs, "LOAD_LANES", {"read": "read", "mapped": "map", "buffered": "all"}[how])
     monkeypatch.setattr(_knobs, "LOAD_DIRECT", "0")
+    monkeypatch.setattr(_knobs, "LOAD_INTO", True)  # 4 MiB pieces with lanes and without, on any number of cores
     # Small buffers: several ranges (mapped: 8 MiB each, in 4 MiB pieces; buffered: 4 ranges of 8 MiB share a lane of 32 MiB).
     monkeypatch.setattr(_knobs, "LOAD_BUFFER_BYTES", (8 if mapped else 128) * MIB)
     return src, d, mapped
@@ -203,3 +204,25 @@ def test_all_reads_cold_lanes_and_maps_warm_ones_on_many_cores(tmp_path, monkeyp
             assert maps and not lanes_read and all(r[4] >= 0 for r in maps), "a warm lane is mapped from the lane's descriptor"
         # Probed once per lane at most (few cores: never), at the lane's first piece.
         assert len(probes) <= len(lanes_read | {id(r[5]) for r in maps}) and (cores == "many" or not probes), probes
+
+
+def test_a_lanes_pieces_stay_a_few_mib_where_mapped_pieces_grow(tmp_path, monkeypatch):
+    # LOAD_INTO off (the default above 4 CPUs): mapped pieces of a file
+    # without lanes (tmpfs, or no readahead) are up to 16 MiB; a lane's
+    # (a disk file) stay at most LANE_PIECE_BYTES, since a cold lane reads
+    # each piece into its thread's scratch.
+    src, d, _ = _saved_for(tmp_path, monkeypatch, "mapped")
+    monkeypatch.setattr(_knobs, "LOAD_INTO", False)
+    monkeypatch.setattr(_knobs, "LOAD_BUFFER_BYTES", 64 * MIB)
+    log = _record(monkeypatch, "map_range")
+    sizes = {}
+    for on in (True, False):
+        monkeypatch.setattr(LocalStorage, "lane_bytes", lambda self, rel, on=on: 32 * MIB if on else 0)
+        log.clear()
+        live = {k: torch.zeros_like(v) for k, v in src.items()}
+        shardckpt.load(live, d, io_threads=4)
+        assert all(torch.equal(live[k], src[k]) for k in src)
+        sizes[on] = [hi - lo for _t, _rel, lo, hi, _fd, _lane in log]
+    # (a piece ends at the first unit end past its size: at most one checksum block more)
+    assert sizes[True] and max(sizes[True]) <= _readers.LANE_PIECE_BYTES + MIB, sizes[True]
+    assert max(sizes[False]) > _readers.LANE_PIECE_BYTES + MIB, sizes[False]
