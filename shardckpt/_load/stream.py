@@ -53,9 +53,11 @@ FUSED_PIECE_BYTES = 4 << 20
 #: The same where pieces are mapped (``LOAD_INTO`` off: the default above 4
 #: CPUs). Each piece costs a mapping, its teardown (a TLB shootdown across the
 #: process's threads) and a job's Python under the GIL: on a 16-core H100
-#: host, 1 GiB from tmpfs loaded at 15.7-16.1 GB/s in 16 MiB pieces against
-#: 9.6 in 4 MiB ones (12.6-13.1 in 8 MiB; docs/performance.md, wave 15).
-MAPPED_PIECE_BYTES = 16 << 20
+#: host, 1 GiB from tmpfs loaded at 18.5 GB/s in 8 MiB pieces, 14.8 in 4 MiB
+#: and 20.7 in 16 MiB (the HF directory 25.1, 28.4), but each reader holds a
+#: piece's pages mapped: 8 MiB kept a load's peak extra RSS at 107 MiB where
+#: 16 MiB took 217 MiB (docs/performance.md, wave 15).
+MAPPED_PIECE_BYTES = 8 << 20
 
 
 def _piece_bytes(wants: Sequence[Want]) -> Optional[int]:

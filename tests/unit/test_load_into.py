@@ -386,7 +386,7 @@ def test_a_piece_of_thousands_of_tensors_costs_linear_cpu(shm):
 
 def test_read_pieces_are_a_few_mib_into_the_scratch_and_larger_mapped(monkeypatch):
     # Pure: the piece size of a CPU load's sink wants follows how pieces are
-    # read (LOAD_INTO: into the scratch, 4 MiB; mapped: 16 MiB, where each
+    # read (LOAD_INTO: into the scratch, 4 MiB; mapped: 8 MiB, where each
     # piece's mapping and job cost more than its bytes on 16 cores), capped
     # by READ_BLOCK_BYTES; wants without sinks keep the reader's default.
     import importlib
@@ -396,7 +396,7 @@ def test_read_pieces_are_a_few_mib_into_the_scratch_and_larger_mapped(monkeypatc
     sunk = [Want(c, 0, 1 << 20, "w", sink=lambda pos, d: None)]
     for into, want in ((True, stream.FUSED_PIECE_BYTES), (False, stream.MAPPED_PIECE_BYTES)):
         monkeypatch.setattr(_knobs, "LOAD_INTO", into)
-        assert stream._piece_bytes(sunk) == want == (4 << 20 if into else 16 << 20)
+        assert stream._piece_bytes(sunk) == want == (4 << 20 if into else 8 << 20)
         monkeypatch.setattr(_knobs, "READ_BLOCK_BYTES", 2 << 20)
         assert stream._piece_bytes(sunk) == 2 << 20
         monkeypatch.setattr(_knobs, "READ_BLOCK_BYTES", 32 << 20)

@@ -208,7 +208,7 @@ def test_all_reads_cold_lanes_and_maps_warm_ones_on_many_cores(tmp_path, monkeyp
 
 def test_a_lanes_pieces_stay_a_few_mib_where_mapped_pieces_grow(tmp_path, monkeypatch):
     # LOAD_INTO off (the default above 4 CPUs): mapped pieces of a file
-    # without lanes (tmpfs, or no readahead) are up to 16 MiB; a lane's
+    # without lanes (tmpfs, or no readahead) are up to 8 MiB; a lane's
     # (a disk file) stay at most LANE_PIECE_BYTES, since a cold lane reads
     # each piece into its thread's scratch.
     src, d, _ = _saved_for(tmp_path, monkeypatch, "mapped")
