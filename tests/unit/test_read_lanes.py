@@ -102,11 +102,8 @@ def _saved_for(tmp_path, monkeypatch, how):
     return src, d, mapped
 
 
-@pytest.mark.parametrize("how", ["read", "mapped", "buffered"])
-def test_each_lane_is_read_in_order_by_one_thread_through_one_descriptor(tmp_path, monkeypatch, how):
-    """``read``: CPU pieces read into the tensors (LOAD_LANES=read); ``mapped``: LOAD_LANES=map; ``buffered``: LOAD_MAP=0, LOAD_LANES=all (the default)."""
-    src, d, mapped = _saved_for(tmp_path, monkeypatch, how)
-    log = _record(monkeypatch, {"read": "open_hot", "mapped": "map_range", "buffered": "_read_ranges"}[how])
+def _with_and_without_lanes(monkeypatch, src, d, log):
+    """``{True: the reads logged with lanes of 32 MiB, False: without lanes}``, each load checked bit-exact."""
     results = {}
     for on in (True, False):
         monkeypatch.setattr(LocalStorage, "lane_bytes", lambda self, rel, on=on: 32 * MIB if on else 0)
@@ -115,6 +112,15 @@ def test_each_lane_is_read_in_order_by_one_thread_through_one_descriptor(tmp_pat
         shardckpt.load(live, d, io_threads=4)
         assert all(torch.equal(live[k], src[k]) for k in src)
         results[on] = list(log)
+    return results
+
+
+@pytest.mark.parametrize("how", ["read", "mapped", "buffered"])
+def test_each_lane_is_read_in_order_by_one_thread_through_one_descriptor(tmp_path, monkeypatch, how):
+    """``read``: CPU pieces read into the tensors (LOAD_LANES=read); ``mapped``: LOAD_LANES=map; ``buffered``: LOAD_MAP=0, LOAD_LANES=all (the default)."""
+    src, d, mapped = _saved_for(tmp_path, monkeypatch, how)
+    log = _record(monkeypatch, {"read": "open_hot", "mapped": "map_range", "buffered": "_read_ranges"}[how])
+    results = _with_and_without_lanes(monkeypatch, src, d, log)
     lanes, spread = results[True], results[False]
     assert lanes and all(r[4] >= 0 for r in lanes), "with lanes, every read uses the lane's kept descriptor"
     assert all(r[4] == -1 for r in spread), "without lanes, every read opens the file itself"
@@ -215,14 +221,7 @@ def test_a_lanes_pieces_stay_a_few_mib_where_mapped_pieces_grow(tmp_path, monkey
     monkeypatch.setattr(_knobs, "LOAD_INTO", False)
     monkeypatch.setattr(_knobs, "LOAD_BUFFER_BYTES", 64 * MIB)
     log = _record(monkeypatch, "map_range")
-    sizes = {}
-    for on in (True, False):
-        monkeypatch.setattr(LocalStorage, "lane_bytes", lambda self, rel, on=on: 32 * MIB if on else 0)
-        log.clear()
-        live = {k: torch.zeros_like(v) for k, v in src.items()}
-        shardckpt.load(live, d, io_threads=4)
-        assert all(torch.equal(live[k], src[k]) for k in src)
-        sizes[on] = [hi - lo for _t, _rel, lo, hi, _fd, _lane in log]
+    sizes = {on: [hi - lo for _t, _rel, lo, hi, _fd, _lane in got] for on, got in _with_and_without_lanes(monkeypatch, src, d, log).items()}
     # (a piece ends at the first unit end past its size: at most one checksum block more)
     assert sizes[True] and max(sizes[True]) <= _readers.LANE_PIECE_BYTES + MIB, sizes[True]
     assert max(sizes[False]) > _readers.LANE_PIECE_BYTES + MIB, sizes[False]
