@@ -31,7 +31,7 @@ lanes against the scheduling before them). ``@POOL_EAGER=1`` is the read
 buffer pool as before wave 15 (a new buffer whenever one fits, not the
 oldest finished read's). ``@MODULE.NAME=value`` sets a module constant of
 the package for the case (an experiment, not a knob:
-``@_load.stream.FUSED_PIECE_BYTES=16777216`` reads the pieces of a CPU load
+``@_readers.SCRATCH_PIECE_BYTES=16777216`` reads the scratch pieces of a CPU load
 in 16 MiB).
 
 and on a GPU (``torch.cuda`` available), into CUDA live tensors:

@@ -292,8 +292,8 @@ LOAD_MAP = _bool("LOAD_MAP", True)
 #: the reader thread reads it with ``preadv`` instead of mapping it (no
 #: page-table fill and teardown per piece): a piece for live tensors into the
 #: thread's scratch (huge pages), its CRCs checked while in cache, and copied
-#: out only if all of them matched (as a mapped piece: a damaged block leaves
-#: the whole piece undelivered); a piece whose bytes all go as they are into
+#: out only if all of them matched (a damaged block leaves the whole piece
+#: undelivered; a mapped piece, from that block on); a piece whose bytes all go as they are into
 #: staging tensors (``atomic=True``) or unchecked straight into them, one
 #: checksum block at a time. 0: such pieces are mapped as ``LOAD_MAP`` says.
 #: Default: 1 on at most :data:`LOAD_INTO_MAX_CPUS` usable CPUs, else 0,

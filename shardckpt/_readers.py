@@ -70,7 +70,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Deque, Dict, List, NamedTuple, Optional, Sequence, Tuple, Type, cast
 
 from . import _knobs
-from ._format.checksum import COPY_FUSED, copy_crc32c, crc32c, crc32c_combine
+from ._format.checksum import CHECK_COPIES, COPY_FUSED, check_copy, copy_crc32c, crc32c, crc32c_combine
 from ._format.chunk import Chunk
 from ._storage import Storage
 from .errors import ChecksumMismatchError, CorruptCheckpointError, StorageError
@@ -104,10 +104,35 @@ INTO_STEP_BYTES = 1 << 20
 #: which must not see a byte of a piece until all of it verified, or bytes
 #: read only to be checked); larger ones (v1 whole-chunk CRCs) are mapped.
 SCRATCH_MAX_BYTES = 16 << 20
-#: Largest read piece of a lane's mapped range with sinks (a file on a disk):
-#: a cold lane's pieces are read into the reader's scratch, one a thread, so
-#: they stay a few MiB whatever piece size the caller asks for the others.
-LANE_PIECE_BYTES = 4 << 20
+#: Read piece of a range whose wants go to sinks (``Want.sink``: bytes that land
+#: in CPU tensors as they are) where its pieces are read into the reader's
+#: scratch (tmpfs with ``SHARDCKPT_LOAD_INTO``, few cores; a disk file's lanes,
+#: one piece a thread): the reader reads it, checks its CRCs and copies it out
+#: while it is still in its cache, so a few MiB, cut at checksum-block ends.
+SCRATCH_PIECE_BYTES = 4 << 20
+#: The same where pieces are mapped (``LOAD_INTO`` off: the default above 4
+#: CPUs). Each piece costs a mapping, its teardown (a TLB shootdown across the
+#: process's threads) and a job's Python under the GIL: on a 16-core H100
+#: host, 1 GiB from tmpfs loaded at 18.5 GB/s in 8 MiB pieces, 14.8 in 4 MiB
+#: and 20.7 in 16 MiB (the HF directory 25.1, 28.4), but each reader holds a
+#: piece's pages mapped: 8 MiB kept a load's peak extra RSS at 107 MiB where
+#: 16 MiB took 217 MiB (docs/performance.md, wave 15).
+MAPPED_PIECE_BYTES = 8 << 20
+#: A mapped piece with sinks is checked and delivered this many bytes at a
+#: time (whole checksum units, at least one): a step's CRCs, then its copies
+#: out, while the step is still in the reader core's L2, so the mapping is
+#: read from memory once, not twice (CRC pass, then copy pass). 0: the whole
+#: piece checked, then copied. Every delivered byte is still verified; a
+#: damaged block leaves its step and the rest of the piece undelivered.
+MAPPED_STEP_BYTES = 1 << 20
+#: The same for a piece read into the reader's scratch (``SHARDCKPT_LOAD_INTO``):
+#: read, checked and copied out a step at a time. 0: read whole, then checked
+#: whole, then copied (on the 2-core box steps changed nothing, wave 15).
+SCRATCH_STEP_BYTES = 0
+#: 1: pieces whose sinks all have destination memory (``Want.into``) are
+#: checked and copied by the C kernel (``checksum.check_copy``), the GIL
+#: taken once a piece, where it is built; 0: in Python (an experiment).
+CHECK_IN_KERNEL = 1
 #: Huge-page size the scratch is aligned to (x86-64 and aarch64 with 4 KiB pages).
 _HUGE_BYTES = 2 << 20
 _tls = threading.local()
@@ -472,7 +497,13 @@ def _opening(storage: Storage, rel: str, verb: str, other: Tuple[Type[BaseExcept
 
 def _map_job(storage: Storage, rel: str, lo: int, hi: int, units: Sequence[Tuple[int, Unit]], sinks: Sequence[Want],
              stop: threading.Event):
-    """:func:`_read_job` through a memory mapping of the piece: checked and copied out of the page cache, no read copy."""
+    """:func:`_read_job` through a memory mapping of the piece: checked and copied out of the page cache, no read copy.
+
+    A step of whole units at a time (:data:`MAPPED_STEP_BYTES`): the step's
+    CRCs, then its copies while it is in this core's L2, so the page cache
+    is read from memory once; a damaged unit leaves its step and the rest of
+    the piece undelivered. Or in one pass (:func:`_fused`, ``LOAD_FUSED``).
+    """
     if stop.is_set():
         return None  # damage found already: nothing more is delivered (the read raises)
     got = _opening(storage, rel, "mapping", (OSError, ValueError), lambda: storage.map_range(rel, lo, hi))
@@ -484,17 +515,94 @@ def _map_job(storage: Storage, rel: str, lo: int, hi: int, units: Sequence[Tuple
                 done = _fused(view, lo, units, sinks, stop)
                 view.release()
                 return done
-            out, good, bad = _check(lo, view, units)
-            if bad:
-                stop.set()  # the read raises: no thread delivers more
-            else:
-                _fill(sinks, lo, view, stop)
+            out, good = _check_fill(lo, view, units, sinks, stop, MAPPED_STEP_BYTES)
             view.release()
     finally:
         try:
             mm.close()
         except BufferError:  # a view a sink kept: the mapping goes with it
             pass
+    return out, good
+
+
+def _check_fill(lo: int, view: memoryview, units: Sequence[Tuple[int, Unit]], sinks: Sequence[Want], stop: threading.Event,
+                step: int, fetch: Optional[Callable[[int, int], None]] = None) -> Tuple[List[Tuple[int, int, int, int]], int]:
+    """Check piece ``view`` (file bytes from ``lo``) against ``units`` and hand its bytes to ``sinks``: ``(parts, good)`` as :func:`_check`.
+
+    In steps of whole units (``step`` bytes at most, one unit at least; the
+    steps partition the piece, so a byte outside every unit goes with the
+    step it lies in): each step is checked, then delivered while in cache.
+    ``step`` 0 (or no units): the whole piece checked, then delivered.
+    ``fetch(a, b)``: reads file bytes ``[a, b)`` into ``view`` before they
+    are checked (None: ``view`` holds them already). Damage sets ``stop``
+    and nothing more of the piece is delivered; the rest is still checked,
+    so the error names exactly the damaged units.
+    """
+    hi = lo + len(view)
+    if fetch is None and CHECK_IN_KERNEL and CHECK_COPIES and sinks and all(w.into is not None for w in sinks):
+        return _check_fill_kernel(lo, view, units, sinks, stop, step)
+    if step <= 0 or len(units) < 2:
+        if fetch is not None:
+            fetch(lo, hi)
+        out, good, bad = _check(lo, view, units)
+        if bad:
+            stop.set()  # the read raises: no thread delivers more
+        else:
+            _fill(sinks, lo, view, stop)
+        return out, good
+    order = sorted(units, key=lambda x: x[1].start)
+    out = []
+    good = 0
+    damaged = False
+    at, i = lo, 0
+    while i < len(order):
+        j, first = i + 1, order[i][1].start
+        while j < len(order) and order[j][1].stop - first <= step:
+            j += 1
+        cut = hi if j == len(order) else max(at, min(hi, order[j - 1][1].stop))
+        if fetch is not None:
+            fetch(at, cut)
+        parts, ok, bad = _check(lo, view, order[i:j])
+        out.extend(parts)
+        good += ok
+        if bad:
+            stop.set()  # the read raises: no thread delivers more
+            damaged = True
+        elif not damaged:
+            _fill(sinks, at, view[at - lo : cut - lo], stop)
+        at, i = cut, j
+    return out, good
+
+
+def _check_fill_kernel(lo: int, view: memoryview, units: Sequence[Tuple[int, Unit]], sinks: Sequence[Want], stop: threading.Event,
+                       step: int) -> Tuple[List[Tuple[int, int, int, int]], int]:
+    """:func:`_check_fill` by the C kernel (:func:`check_copy`) for sinks that all have ``into``: the GIL taken once for the piece.
+
+    Each sink is then told (``sink(pos, None)``) of the bytes that landed.
+    """
+    hi = lo + len(view)
+    order = sorted(units, key=lambda x: x[1].start)
+    outs = []
+    placed = []
+    for w in sinks:
+        base = w.chunk.byte_offset + w.start
+        a, b = max(lo, base), min(hi, base + w.stop - w.start)
+        if a < b:
+            outs.append((a, w.into[a - base : b - base]))  # type: ignore[index]
+            placed.append((w, a - base, a))
+    crcs, delivered = check_copy(view, lo, [(u.start, u.stop, u.crc) for _, u in order], outs, step=max(0, step),
+                                 streaming=_knobs.LOAD_STREAM_COPY)
+    for w, pos, a in placed:
+        if a < delivered:
+            w.sink(pos, None)  # type: ignore[misc]
+    out = []
+    good = 0
+    for (k, u), crc in zip(order, crcs):
+        a, b = max(u.start, lo), min(u.stop, hi)
+        out.append((k, a - u.start, b - a, crc))
+        good += crc == u.crc and a == u.start and b == u.stop
+    if good < len(order):
+        stop.set()  # the read raises: no thread delivers more
     return out, good
 
 
@@ -649,11 +757,7 @@ def _put_back(written: Sequence[Tuple[Want, int, memoryview]], keep: Optional[me
 
 def _keep(n: int) -> memoryview:
     """This thread's buffer for the bytes a fused copy overwrites (:func:`_fused`), as :func:`_scratch`."""
-    buf = getattr(_tls, "keep", None)
-    if buf is None or len(buf) < n:
-        _tls.keep = None
-        buf = _tls.keep = _huge_buffer(max(n, 2 * INTO_STEP_BYTES))
-    return buf[:n]
+    return _thread_buffer("keep", n)
 
 
 def _scratch(n: int) -> memoryview:
@@ -663,10 +767,16 @@ def _scratch(n: int) -> memoryview:
     its speed into 2 MiB ones on the 2-core VM (3.5 vs 11 GB/s of ``preadv``
     from tmpfs): the scratch is written by every piece of the load.
     """
-    buf = getattr(_tls, "buf", None)
+    return _thread_buffer("buf", n)
+
+
+def _thread_buffer(name: str, n: int) -> memoryview:
+    """``n`` bytes of this thread's buffer ``name`` (grown to fit, kept for the thread's next piece: :func:`_drop_scratch`)."""
+    buf = getattr(_tls, name, None)
     if buf is None or len(buf) < n:
-        _tls.buf = None
-        buf = _tls.buf = _huge_buffer(max(n, 2 * INTO_STEP_BYTES))
+        setattr(_tls, name, None)  # the old mapping goes before the new one is made
+        buf = _huge_buffer(max(n, 2 * INTO_STEP_BYTES))
+        setattr(_tls, name, buf)
     return buf[:n]
 
 
@@ -722,13 +832,10 @@ def _into_job(storage: Storage, rel: str, lo: int, hi: int, units: Sequence[Tupl
     try:
         if not direct:
             view = _scratch(hi - lo)
-            f.readv(lo, [view])
-            out, good, bad = _check(lo, view, units)
-            if bad:
-                stop.set()  # the read raises: no thread delivers more
-            else:
-                _fill(sinks, lo, view, stop)
-            return out, good
+            if SCRATCH_STEP_BYTES <= 0:
+                f.readv(lo, [view])
+            return _check_fill(lo, view, units, sinks, stop, SCRATCH_STEP_BYTES,
+                               fetch=None if SCRATCH_STEP_BYTES <= 0 else lambda a, b: f.readv(a, [view[a - lo : b - lo]]))
         # (index of the unit in its range or -1: unchecked, file bytes, expected CRC)
         steps = [(k, u.start, u.stop, u.crc) for k, u in sorted(units, key=lambda x: x[1].start)] if units else \
             [(-1, a, min(a + INTO_STEP_BYTES, hi), 0) for a in range(lo, hi, INTO_STEP_BYTES)]
@@ -907,8 +1014,11 @@ def read_verified(
             pool is left open for reuse.
         range_bytes: largest coalesced read (default the pool's slot size).
         piece_bytes: a range is read in *read pieces* of at most this size,
-            in parallel (default ``SHARDCKPT_READ_BLOCK_BYTES``; a read
-            piece is not a checksum block: its CRCs are joined per unit).
+            in parallel (a read piece is not a checksum block: its CRCs are
+            joined per unit). Default ``SHARDCKPT_READ_BLOCK_BYTES``; for
+            wants with sinks :data:`SCRATCH_PIECE_BYTES` or
+            :data:`MAPPED_PIECE_BYTES` by how the pieces are read (at most
+            ``READ_BLOCK_BYTES``).
         gap_bytes: see :func:`plan_ranges` (default :func:`coalesce_gap`
             of ``storage``: the knob on object storage, 0 on local disk).
         verify: False skips the CRC checks (``SHARDCKPT_CHECKSUMS=0`` does too).
@@ -935,7 +1045,6 @@ def read_verified(
     few bytes of it are wanted, and a chunk larger than the pool occupies a
     buffer of its own size.
     """
-    piece_bytes = piece_bytes or _knobs.READ_BLOCK_BYTES
     threads = _knobs.IO_THREADS if threads is None else threads
     own_pool = pool is None
     pool = pool or BufferPool()
@@ -947,6 +1056,9 @@ def read_verified(
     # with on_mismatch (a read that goes on past damage) they are handed over
     # whole, in this thread, as the others are.
     fused = on_mismatch is None and any(w.sink is not None for w in wants)
+    # Their pieces are sized by how they are read (unless the caller names a size).
+    sink_bytes = piece_bytes or min(SCRATCH_PIECE_BYTES if _knobs.LOAD_INTO else MAPPED_PIECE_BYTES, _knobs.READ_BLOCK_BYTES)
+    plain_bytes = piece_bytes or _knobs.READ_BLOCK_BYTES
     # Ranges whose wants all have sinks are read through a mapping of the
     # file where the storage has one (local files): the bytes are checked and
     # copied out of the page cache once, no read into a buffer first.
@@ -1040,9 +1152,9 @@ def read_verified(
         calls: List[Tuple[Callable[..., Any], Tuple[Any, ...]]] = []
         units = rng.units if checking else []
         sinks = [w for w in rng.wants if w.sink is not None] if fused else []
-        size = min(piece_bytes, LANE_PIECE_BYTES) if sinks and mv is None and lane_of(rng.file) else piece_bytes
+        size = min(sink_bytes, SCRATCH_PIECE_BYTES) if mv is None and lane_of(rng.file) else sink_bytes
         pieces = _cuts(rng, max(1, size), units) if sinks else [
-            (lo, min(lo + piece_bytes, rng.stop)) for lo in range(rng.start, rng.stop, max(1, piece_bytes))]
+            (lo, min(lo + plain_bytes, rng.stop)) for lo in range(rng.start, rng.stop, max(1, plain_bytes))]
         per_unit = _by_piece([(u.start, u.stop) for u in units], pieces)
         per_sink = _by_piece([(w.chunk.byte_offset + w.start, w.chunk.byte_offset + w.stop) for w in sinks], pieces) if sinks \
             else [[] for _ in pieces]

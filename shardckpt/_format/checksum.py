@@ -19,14 +19,14 @@ operations whatever ``n``.
 from __future__ import annotations
 
 import zlib
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import crc32c as _crc32c
 
 __all__ = [
     "ALGOS", "checksum", "combine", "crc32c", "crc32c_combine", "BlockCrcs", "pack_crcs", "unpack_crcs",
     "HASH_ALGOS", "default_hash_algo", "hash_available", "new_hasher", "content_hash", "COPY_FUSED", "copy_crc32c",
-    "COPY_STREAMS", "copy_out",
+    "COPY_STREAMS", "copy_out", "CHECK_COPIES", "check_copy",
 ]
 
 _POLY_REFLECTED = {"crc32c": 0x82F63B78, "crc32": 0xEDB88320}
@@ -50,8 +50,10 @@ def crc32c(data, value: int = 0) -> int:
 
 _FUSED: Optional[Callable[..., int]] = None
 _STREAM: Optional[Callable[..., None]] = None
+_CHECK: Optional[Callable[..., Tuple[List[int], int]]] = None
 try:  # the one-pass copy + CRC-32C (shardckpt/_format/_crccopy.c): a C extension built where a compiler was
     from ._crccopy import HARDWARE as _HARDWARE
+    from ._crccopy import check_copy as _check_kernel
     from ._crccopy import copy_crc32c as _kernel
     from ._crccopy import copy_stream as _stream_kernel
 except ImportError:
@@ -60,6 +62,7 @@ else:
     # None where this CPU lacks what the kernel needs (SSE4.2, AVX2).
     _FUSED = _kernel if _HARDWARE else None
     _STREAM = _stream_kernel if _HARDWARE else None
+    _CHECK = _check_kernel if _HARDWARE else None
 #: Whether :func:`copy_crc32c` reads its source once (the C kernel, x86-64
 #: with SSE4.2 and AVX2) rather than twice (a copy, then the CRC).
 COPY_FUSED = _FUSED is not None
@@ -143,6 +146,52 @@ def copy_out(dst, src, *, streaming: bool = True) -> None:
             d[: len(s)] = s
         else:
             np.copyto(np.frombuffer(d, np.uint8, len(s)), np.frombuffer(s, np.uint8))
+
+
+#: Whether :func:`check_copy` is here (the C kernel, x86-64 with SSE4.2 and
+#: AVX2); without it, callers check and copy in Python.
+CHECK_COPIES = _CHECK is not None
+
+
+def check_copy(src, lo: int, units: Sequence[Tuple[int, int, int]], outs: Sequence[Tuple[int, object]], *, step: int,
+               streaming: bool = True) -> Tuple[List[int], int]:
+    """Check file bytes ``src`` (from offset ``lo``) against ``units``, copying them into ``outs`` a verified step at a time.
+
+    In steps of whole units (at most ``step`` bytes, one unit at least; 0:
+    the whole of ``src``): the step's CRC-32Cs, then, if every unit so far
+    matched and lies whole in ``src``, the step's bytes copied into the
+    ``outs`` they fall in while the step is in cache (streaming stores for
+    copies of 256 KiB or more, as :func:`copy_out`). The steps partition
+    ``src``: bytes outside every unit go with the step they lie in. After a
+    damaged unit nothing more is copied, and the rest is still checked. The
+    GIL is released once for all of it.
+
+    Args:
+        src: bytes-like: file bytes ``[lo, lo + len(src))``.
+        lo: the file offset of ``src``.
+        units: ``(start, stop, crc)`` checksum units, file offsets, sorted, not overlapping.
+        outs: ``(start, dst)``: ``dst`` (writable bytes-like) takes file bytes
+            ``[start, start + len(dst))``, the part of them in ``src``.
+        step: bytes a step (0: one step).
+        streaming: False copies through the cache.
+
+    Returns:
+        Each unit's CRC-32C of its part in ``src``, and the file offset up to
+        which bytes were copied (``lo + len(src)``: all of them).
+
+    Raises:
+        ValueError: units out of order or overlapping; no kernel here
+            (:data:`CHECK_COPIES` False).
+
+    Example:
+        >>> dst = bytearray(4)
+        >>> check_copy(b"1234", 8, [(8, 12, 0xf63af4ee)], [(8, dst)], step=0) if CHECK_COPIES else ([0xf63af4ee], 12)
+        ([4131058926], 12)
+    """
+    if _CHECK is None:
+        raise ValueError("check_copy: the C kernel is not built here (CHECK_COPIES is False)")
+    return _CHECK(src, lo, units, outs, step, streaming)
+
 
 
 def checksum(algo: str, data, value: int = 0) -> int:

@@ -45,32 +45,6 @@ __all__ = ["StreamHook", "load_settings", "stream_into"]
 StreamHook = Callable[[LoadPlan, Callable[..., ReadStats]], ReadStats]
 
 
-#: Read piece of a load whose bytes go straight into CPU tensors (``Want.sink``)
-#: where tmpfs pieces are read into the reader's scratch (``SHARDCKPT_LOAD_INTO``,
-#: few cores): the reader thread reads it, checks its CRCs and copies it out
-#: while it is still in its cache, so a few MiB, cut at checksum-block ends.
-FUSED_PIECE_BYTES = 4 << 20
-#: The same where pieces are mapped (``LOAD_INTO`` off: the default above 4
-#: CPUs). Each piece costs a mapping, its teardown (a TLB shootdown across the
-#: process's threads) and a job's Python under the GIL: on a 16-core H100
-#: host, 1 GiB from tmpfs loaded at 18.5 GB/s in 8 MiB pieces, 14.8 in 4 MiB
-#: and 20.7 in 16 MiB (the HF directory 25.1, 28.4), but each reader holds a
-#: piece's pages mapped: 8 MiB kept a load's peak extra RSS at 107 MiB where
-#: 16 MiB took 217 MiB (docs/performance.md, wave 15).
-MAPPED_PIECE_BYTES = 8 << 20
-
-
-def _piece_bytes(wants: Sequence[Want]) -> Optional[int]:
-    """Read piece size for ``wants`` when some go to sinks (at most ``READ_BLOCK_BYTES``), else None: the reader's default.
-
-    :data:`FUSED_PIECE_BYTES` where tmpfs pieces are read into the scratch
-    (``SHARDCKPT_LOAD_INTO``), else :data:`MAPPED_PIECE_BYTES`.
-    """
-    if not any(w.sink is not None for w in wants):
-        return None
-    return min(FUSED_PIECE_BYTES if _knobs.LOAD_INTO else MAPPED_PIECE_BYTES, _knobs.READ_BLOCK_BYTES)
-
-
 def _strides(sizes: Sequence[int]) -> Tuple[int, ...]:
     out, acc = [], 1
     for n in reversed(sizes):
@@ -414,7 +388,7 @@ def stream_into(
                     round_bytes=max(range_bytes, buffer_bytes if sources is not None else buffer_bytes // 2),
                     sources=sources,
                 )
-            return read(storage, wants, deliver, threads=threads, pool=pool, stats=stats, piece_bytes=_piece_bytes(wants))
+            return read(storage, wants, deliver, threads=threads, pool=pool, stats=stats)
     except CheckpointError as e:
         if staged is None and touched:
             names = [plan.targets[i].name for i in touched]

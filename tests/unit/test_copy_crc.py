@@ -142,3 +142,74 @@ def test_copy_out_refuses_a_short_or_read_only_destination(copy_out):
         copy_out(bytearray(10), b"x" * 11)
     with pytest.raises((TypeError, BufferError, ValueError)):
         copy_out(b"y" * 20, b"x" * 11)
+
+
+def _check_copy_model(src, lo, units, outs, step):
+    """What check_copy must do, in Python: ``(crcs, delivered, {out index: bytes it holds after})``."""
+    hi = lo + len(src)
+    crcs = []
+    got = {i: bytearray(dst) for i, (_, dst) in enumerate(outs)}
+    at, i, damaged, delivered = lo, 0, False, lo
+    while i < len(units) or at < hi:
+        j = len(units) if step <= 0 else min(len(units), i + 1)
+        while step > 0 and j < len(units) and units[j][1] - units[i][0] <= step:
+            j += 1
+        cut = hi if j >= len(units) else max(at, min(hi, units[j - 1][1]))
+        for a0, b0, crc in units[i:j]:
+            a, b = max(a0, lo), min(b0, hi)
+            c = crc32c_package.crc32c(src[a - lo : b - lo]) if a < b else 0
+            crcs.append(c)
+            damaged |= c != crc or (a, b) != (a0, b0)
+        if not damaged:
+            for k, (start, dst) in enumerate(outs):
+                a, b = max(start, at), min(start + len(dst), cut)
+                if a < b:
+                    got[k][a - start : b - start] = src[a - lo : b - lo]
+            delivered = cut
+        at, i = cut, j
+        if i >= len(units) and at >= hi:
+            break
+    return crcs, delivered, got
+
+
+@pytest.mark.parametrize("step", [0, 1, 4096, 10_000, 1 << 20])
+def test_check_copy_checks_each_step_then_copies_it_and_stops_at_damage(step):
+    # The kernel against a Python model: units of uneven sizes from byte 7
+    # of the piece (bytes before and after lie in no unit), destinations
+    # that leave gaps and overlap the piece's ends, streaming-size copies and
+    # small ones; then each unit damaged in turn, and a unit cut by the
+    # piece's end (never whole: damage).
+    if not checksum.CHECK_COPIES:
+        pytest.skip("the C kernel is not built here (or this CPU lacks SSE4.2/AVX2)")
+    rng = random.Random(step)
+    lo = 1000
+    src = os.urandom(700_000)
+    bounds = [lo + 7]
+    while bounds[-1] < lo + 690_000:
+        bounds.append(min(lo + 690_000, bounds[-1] + rng.choice([1, 100, 4096, 50_000, 300_000])))
+    units = [(a, b, crc32c_package.crc32c(src[a - lo : b - lo])) for a, b in zip(bounds, bounds[1:])]
+    cuts = sorted(rng.sample(range(lo - 50, lo + 700_050), 9))
+    outs = [(a, bytearray(os.urandom(b - a))) for a, b in zip(cuts[::2], cuts[1::2])]
+    for bad in [None] + list(range(len(units))):
+        us = list(units)
+        if bad is not None:
+            a, b, c = us[bad]
+            us[bad] = (a, b, c ^ 1)
+        want_crcs, want_at, want = _check_copy_model(src, lo, us, outs, step)
+        dsts = [(a, bytearray(d)) for a, d in outs]
+        crcs, at = checksum.check_copy(src, lo, us, dsts, step=step)
+        assert (crcs, at) == (want_crcs, want_at), bad
+        assert all(bytes(d) == bytes(want[k]) for k, (_, d) in enumerate(dsts)), bad
+        assert (at == lo + len(src)) == (bad is None)
+    # A unit running past the piece: its part is checked, never counted whole.
+    crcs, at = checksum.check_copy(src[:5000], lo, [(lo, lo + 6000, 0)], [(lo, bytearray(5000))], step=step)
+    assert crcs == [crc32c_package.crc32c(src[:5000])] and at == lo
+
+
+def test_check_copy_refuses_units_out_of_order_and_read_only_destinations():
+    if not checksum.CHECK_COPIES:
+        pytest.skip("the C kernel is not built here (or this CPU lacks SSE4.2/AVX2)")
+    with pytest.raises(ValueError, match="out of order or overlaps"):
+        checksum.check_copy(b"x" * 100, 0, [(50, 100, 0), (0, 50, 0)], [], step=0)
+    with pytest.raises((TypeError, BufferError)):
+        checksum.check_copy(b"x" * 100, 0, [], [(0, b"y" * 100)], step=0)

@@ -296,17 +296,23 @@ def test_load_stream_copy(monkeypatch, shm_ckpt):
     checksum = importlib.import_module("shardckpt._format.checksum")
     d, src = shm_ckpt
     calls = []
-    real = checksum._STREAM
-    if real is None:
+    real, real_check = checksum._STREAM, checksum._CHECK
+    if real is None or real_check is None:
         pytest.skip("the streaming-copy kernel is not built here")
-    monkeypatch.setattr(checksum, "_STREAM", lambda dst, s: calls.append(len(s)) or real(dst, s))
+
+    def check(src_, lo, units, outs, step, streaming):  # the check-then-copy kernel: its copies stream or not
+        calls.append((streaming, sum(len(dst) for _, dst in outs)))
+        return real_check(src_, lo, units, outs, step, streaming)
+
+    monkeypatch.setattr(checksum, "_STREAM", lambda dst, s: calls.append((True, len(s))) or real(dst, s))
+    monkeypatch.setattr(checksum, "_CHECK", check)
     monkeypatch.setattr(_knobs, "LOAD_INTO", True)  # tmpfs pieces through the scratch, copied out by the readers
     nbytes = sum(v.numel() * v.element_size() for v in src.values())
-    for on, want in ((True, nbytes), (False, 0)):
+    for on in (True, False):
         monkeypatch.setattr(_knobs, "LOAD_STREAM_COPY", on)
         calls.clear()
         _loads_back(d, src)
-        assert sum(calls) == want, (on, sum(calls), want)
+        assert sum(n for _, n in calls) == nbytes and {s for s, _ in calls} == {on}, (on, calls, nbytes)
 
 
 def test_every_knob_is_covered():

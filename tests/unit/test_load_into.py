@@ -17,7 +17,7 @@ import torch
 import shardckpt
 from shardckpt import _knobs, _readers
 from shardckpt._format import crc32c
-from shardckpt._format.checksum import COPY_FUSED
+from shardckpt._format.checksum import CHECK_COPIES, COPY_FUSED
 from shardckpt._format.chunk import Chunk
 from shardckpt._readers import Want, read_verified
 from shardckpt._storage import Storage, _local
@@ -246,9 +246,13 @@ def test_reader_delivers_verified_units_only_and_names_the_damaged_one(shm, rest
     if not restore:  # straight in: each verified unit reported in place
         assert bytes(dest) == bytes(data[4096 : 4096 + (48 << 10)])
         assert all(d is None for _, d in calls) and sorted(p for p, _ in calls) == [0, 8192, 16384, 24576, 32768, 40960]
-    else:  # copied out of the scratch, want by want
+    else:  # copied out of the scratch, want by want: into ``into`` by the C kernel (reported with None), or handed over
         assert sorted(p for p, _ in calls) == [0, 16384, 32768]
-        assert b"".join(d for _, d in sorted(calls)) == bytes(data[4096 : 4096 + (48 << 10)])
+        got = bytearray(dest)
+        for p, d in calls:
+            if d is not None:
+                got[p : p + len(d)] = d
+        assert bytes(got) == bytes(data[4096 : 4096 + (48 << 10)])
     data[4096 + (20 << 10)] ^= 1  # block 2
     (tmp_path / "f.bin").write_bytes(bytes(data))
     dest[:] = b"\x01" * (48 << 10)
@@ -384,20 +388,112 @@ def test_a_piece_of_thousands_of_tensors_costs_linear_cpu(shm):
     assert large < 7 * small, (small, large)  # 4x the tensors: linear is ~4x (2-3x measured), quadratic 16x
 
 
-def test_read_pieces_are_a_few_mib_into_the_scratch_and_larger_mapped(monkeypatch):
-    # Pure: the piece size of a CPU load's sink wants follows how pieces are
-    # read (LOAD_INTO: into the scratch, 4 MiB; mapped: 8 MiB, where each
-    # piece's mapping and job cost more than its bytes on 16 cores), capped
-    # by READ_BLOCK_BYTES; wants without sinks keep the reader's default.
-    import importlib
-
-    stream = importlib.import_module("shardckpt._load.stream")
-    c = Chunk("f", 0, 1 << 20)
-    sunk = [Want(c, 0, 1 << 20, "w", sink=lambda pos, d: None)]
-    for into, want in ((True, stream.FUSED_PIECE_BYTES), (False, stream.MAPPED_PIECE_BYTES)):
+def test_read_pieces_are_a_few_mib_into_the_scratch_and_larger_mapped(shm, monkeypatch):
+    # The reader sizes the pieces of a CPU load's sink wants by how they are
+    # read: into the scratch (LOAD_INTO) SCRATCH_PIECE_BYTES (4 MiB), mapped
+    # MAPPED_PIECE_BYTES (8 MiB: on 16 cores each piece's mapping and job cost
+    # more than its bytes), at most READ_BLOCK_BYTES; the caller names none.
+    src = {"w": torch.randn(6 << 20)}  # 24 MiB
+    shardckpt.save(src, str(shm / "ck"), no_dist=True)
+    real_map = _local.LocalStorage.map_range
+    maps = []
+    monkeypatch.setattr(_local.LocalStorage, "map_range", lambda self, rel, lo, hi: maps.append(hi - lo) or real_map(self, rel, lo, hi))
+    reads = _count_hot(monkeypatch)
+    for into, block, want in ((True, 32 << 20, _readers.SCRATCH_PIECE_BYTES), (False, 32 << 20, _readers.MAPPED_PIECE_BYTES),
+                              (False, 2 << 20, 2 << 20)):
         monkeypatch.setattr(_knobs, "LOAD_INTO", into)
-        assert stream._piece_bytes(sunk) == want == (4 << 20 if into else 8 << 20)
-        monkeypatch.setattr(_knobs, "READ_BLOCK_BYTES", 2 << 20)
-        assert stream._piece_bytes(sunk) == 2 << 20
-        monkeypatch.setattr(_knobs, "READ_BLOCK_BYTES", 32 << 20)
-    assert stream._piece_bytes([Want(c, 0, 1 << 20, "w")]) is None
+        monkeypatch.setattr(_knobs, "READ_BLOCK_BYTES", block)
+        maps.clear(), reads.clear()
+        live = {"w": torch.zeros(6 << 20)}
+        shardckpt.load(live, str(shm / "ck"), io_threads=2)
+        assert torch.equal(live["w"], src["w"])
+        got = reads if into else maps
+        assert not (maps if into else reads) and got and max(got) == want, (into, block, got)
+    assert (_readers.SCRATCH_PIECE_BYTES, _readers.MAPPED_PIECE_BYTES) == (4 << 20, 8 << 20)
+
+
+def test_check_fill_steps_partition_the_piece_and_deliver_each_step_after_its_crcs():
+    # Pure: units of 16 bytes from byte 8 of a 72-byte piece (bytes 0-7 and
+    # 72 lie in no unit), steps of 32 bytes. Each step's CRCs come before its
+    # delivery and after the previous step's: the step is still in cache.
+    import threading
+
+    data = bytes(range(80))
+    c = Chunk("f", 0, 64, block_bytes=16, block_crcs=tuple(crc32c(data[8 + 16 * k : 24 + 16 * k]) for k in range(4)), tensor="w")
+    units = [(k, _readers.Unit(8 + 16 * k, 24 + 16 * k, c.block_crcs[k], c, k)) for k in range(4)]
+    events = []
+    real = _readers.crc32c
+
+    def crc(v, *a):
+        events.append(("crc", len(v)))
+        return real(v, *a)
+
+    got = bytearray(72)
+
+    def sink(pos, d):
+        events.append(("put", pos, len(d)))
+        got[pos : pos + len(d)] = d
+
+    want = Want(Chunk("f", 0, 72, tensor="x"), 0, 72, sink=sink)
+    fetched = []
+    view = memoryview(bytearray(data[:72]))
+    mp = pytest.MonkeyPatch()
+    mp.setattr(_readers, "crc32c", crc)
+    try:
+        stop = threading.Event()
+        out, good = _readers._check_fill(0, view, units[::-1], [want], stop, 32, fetch=lambda a, b: fetched.append((a, b)))
+    finally:
+        mp.undo()
+    assert good == 4 and not stop.is_set() and sorted(k for k, *_ in out) == [0, 1, 2, 3]
+    assert fetched == [(0, 40), (40, 72)]  # the steps partition the piece
+    assert events == [("crc", 16), ("crc", 16), ("put", 0, 40), ("crc", 16), ("crc", 16), ("put", 40, 32)]
+    assert bytes(got) == data[:72]
+    # One unit damaged: the steps before it delivered, its step and every later one not, every unit checked.
+    units[2] = (2, units[2][1]._replace(crc=units[2][1].crc ^ 1))
+    events.clear()
+    got[:] = bytes(72)
+    stop = threading.Event()
+    out, good = _readers._check_fill(0, view, units, [want], stop, 16)
+    assert stop.is_set() and good == 3 and len(out) == 4
+    assert [e[1:] for e in events if e[0] == "put"] == [(0, 24), (24, 16)]
+    assert bytes(got[:40]) == data[:40] and bytes(got[40:]) == bytes(32)
+
+
+@pytest.mark.parametrize("where", ["mapped", "mapped-kernel", "scratch"])
+def test_a_damaged_block_leaves_its_step_and_the_rest_of_the_piece_undelivered(shm, monkeypatch, where):
+    # A live tensor's piece (restore=True) of 6 blocks of 8 KiB, checked and
+    # delivered in steps of two blocks: mapped (LOAD_INTO=0, two passes), in
+    # Python or by the C kernel (check_copy: into the tensor's bytes, the
+    # sink told once), and read into the scratch a step at a time
+    # (SCRATCH_STEP_BYTES). Block 3 damaged: the first step delivered
+    # (verified), the second and third never, only block 3 named; undamaged,
+    # the tensor holds the saved bytes.
+    kernel = where == "mapped-kernel"
+    if kernel and not CHECK_COPIES:
+        pytest.skip("the C kernel is not built here")
+    monkeypatch.setattr(_readers, "CHECK_IN_KERNEL", int(kernel))
+    monkeypatch.setattr(_knobs, "LOAD_INTO", where == "scratch")
+    monkeypatch.setattr(_knobs, "LOAD_FUSED", False)
+    monkeypatch.setattr(_readers, "MAPPED_STEP_BYTES", 16 << 10)
+    monkeypatch.setattr(_readers, "SCRATCH_STEP_BYTES", 16 << 10 if where == "scratch" else 0)
+    reads = _count_hot(monkeypatch)
+    data = bytearray(os.urandom(48 << 10))
+    (shm / "f.bin").write_bytes(bytes(data))
+    c = _chunk(bytes(data), 0, 48 << 10, 8 << 10)
+    dest = bytearray(b"\x01" * (48 << 10))
+    calls = []
+    w = Want(c, 0, 48 << 10, 0, sink=lambda pos, d: calls.append(pos) or d is None or dest.__setitem__(slice(pos, pos + len(d)), d),
+             into=memoryview(dest), restore=True)
+    st = Storage(str(shm))
+    read_verified(st, [w], lambda *a: None, threads=1, piece_bytes=1 << 20, range_bytes=1 << 20)
+    assert bytes(dest) == bytes(data) and calls == ([0] if kernel else [0, 16 << 10, 32 << 10])
+    assert reads == ([16 << 10] * 3 if where == "scratch" else [])  # a step read at a time, or mapped
+    data[(24 << 10) + 100] ^= 0x40  # block 3: bytes 24576..32768
+    (shm / "f.bin").write_bytes(bytes(data))
+    dest[:] = b"\x01" * (48 << 10)
+    calls.clear()
+    with pytest.raises(ChecksumMismatchError, match=r"w block 3 \(bytes 24576..32768\)") as ei:
+        read_verified(st, [w], lambda *a: None, threads=1, piece_bytes=1 << 20, range_bytes=1 << 20)
+    assert "block 2 " not in str(ei.value) and "block 4" not in str(ei.value)
+    assert calls == [0] and bytes(dest[: 16 << 10]) == bytes(data[: 16 << 10])
+    assert dest[16 << 10 :] == b"\x01" * (32 << 10)

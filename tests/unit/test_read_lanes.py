@@ -215,7 +215,7 @@ def test_all_reads_cold_lanes_and_maps_warm_ones_on_many_cores(tmp_path, monkeyp
 def test_a_lanes_pieces_stay_a_few_mib_where_mapped_pieces_grow(tmp_path, monkeypatch):
     # LOAD_INTO off (the default above 4 CPUs): mapped pieces of a file
     # without lanes (tmpfs, or no readahead) are up to 8 MiB; a lane's
-    # (a disk file) stay at most LANE_PIECE_BYTES, since a cold lane reads
+    # (a disk file) stay at most SCRATCH_PIECE_BYTES, since a cold lane reads
     # each piece into its thread's scratch.
     src, d, _ = _saved_for(tmp_path, monkeypatch, "mapped")
     monkeypatch.setattr(_knobs, "LOAD_INTO", False)
@@ -223,5 +223,5 @@ def test_a_lanes_pieces_stay_a_few_mib_where_mapped_pieces_grow(tmp_path, monkey
     log = _record(monkeypatch, "map_range")
     sizes = {on: [hi - lo for _t, _rel, lo, hi, _fd, _lane in got] for on, got in _with_and_without_lanes(monkeypatch, src, d, log).items()}
     # (a piece ends at the first unit end past its size: at most one checksum block more)
-    assert sizes[True] and max(sizes[True]) <= _readers.LANE_PIECE_BYTES + MIB, sizes[True]
-    assert max(sizes[False]) > _readers.LANE_PIECE_BYTES + MIB, sizes[False]
+    assert sizes[True] and max(sizes[True]) <= _readers.SCRATCH_PIECE_BYTES + MIB, sizes[True]
+    assert max(sizes[False]) > _readers.SCRATCH_PIECE_BYTES + MIB, sizes[False]
