@@ -55,11 +55,11 @@ environment variable                default     what it sets
                                     CPUs, else  ``preadv``: into the reader's scratch, checked
                                     0           whole, copied out (live tensors), or straight
                                                 into staging tensors; 0: map them
-``SHARDCKPT_LOAD_FUSED``            1 on <= 4   a mapped piece that goes as it is into
-                                    CPUs, else  CPU tensors is copied and checked in one
-                                    0           pass (the C kernel, x86-64 with AVX2), live
+``SHARDCKPT_LOAD_FUSED``            0           1: a mapped piece that goes as it is into
+                                                CPU tensors is copied and checked in one
+                                                pass (the C kernel, x86-64 with AVX2), live
                                                 tensors' old bytes kept aside and put back
-                                                if a block fails; 0: CRC pass, then copy
+                                                if a block fails; 0: CRC, then copy
 ``SHARDCKPT_LOAD_STREAM_COPY``      1           verified bytes copied into CPU tensors
                                                 bypass the cache (streaming stores, the C
                                                 kernel); 0: NumPy's copy, through the cache
@@ -292,8 +292,8 @@ LOAD_MAP = _bool("LOAD_MAP", True)
 #: the reader thread reads it with ``preadv`` instead of mapping it (no
 #: page-table fill and teardown per piece): a piece for live tensors into the
 #: thread's scratch (huge pages), its CRCs checked while in cache, and copied
-#: out only if all of them matched (a damaged block leaves the whole piece
-#: undelivered; a mapped piece, from that block on); a piece whose bytes all go as they are into
+#: out only if all of them matched (as a mapped piece: a damaged block leaves
+#: the whole piece undelivered); a piece whose bytes all go as they are into
 #: staging tensors (``atomic=True``) or unchecked straight into them, one
 #: checksum block at a time. 0: such pieces are mapped as ``LOAD_MAP`` says.
 #: Default: 1 on at most :data:`LOAD_INTO_MAX_CPUS` usable CPUs, else 0,
@@ -312,9 +312,14 @@ LOAD_INTO = _bool("LOAD_INTO", usable_cpus() <= LOAD_INTO_MAX_CPUS)
 #: fails: 1.06-1.10x the two passes on the 2-core VM, where the load is short
 #: of CPU; 0.87x on a 16-core H100 host, where it is short of memory bandwidth
 #: and the bytes kept aside are one more stream to memory (docs/performance.md,
-#: wave 14). So on at most ``LOAD_INTO_MAX_CPUS`` usable CPUs, as ``LOAD_INTO``.
+#: wave 14). Off by default since wave 16: the kernel's ``check_copy`` (the
+#: CRCs, then the copy, no bytes kept aside, the GIL released once a piece)
+#: beat it on the 2-core VM too, interleaved, 1 GiB mapped from tmpfs: 4.56
+#: against 4.20 GB/s (0.39 against 0.43 CPU s; the two passes in Python
+#: 4.13), in an earlier run 6.01 against 5.27 with 1 MiB steps
+#: (docs/performance.md, wave 16).
 #: ``0``: the two passes (the CRC, then the copy), as without the kernel.
-LOAD_FUSED = _bool("LOAD_FUSED", usable_cpus() <= LOAD_INTO_MAX_CPUS)
+LOAD_FUSED = _bool("LOAD_FUSED", False)
 #: Verified bytes a reader copies into CPU tensors (out of its scratch or a
 #: file's mapping; copies of 256 KiB or more) bypass the cache: streaming
 #: stores (the C kernel, x86-64 with AVX2), since the load does not read

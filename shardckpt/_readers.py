@@ -121,10 +121,15 @@ MAPPED_PIECE_BYTES = 8 << 20
 #: A mapped piece with sinks is checked and delivered this many bytes at a
 #: time (whole checksum units, at least one): a step's CRCs, then its copies
 #: out, while the step is still in the reader core's L2, so the mapping is
-#: read from memory once, not twice (CRC pass, then copy pass). 0: the whole
-#: piece checked, then copied. Every delivered byte is still verified; a
-#: damaged block leaves its step and the rest of the piece undelivered.
-MAPPED_STEP_BYTES = 1 << 20
+#: read from memory once, not twice (CRC pass, then copy pass). Every
+#: delivered byte is still verified, but a damaged block then leaves only its
+#: step and the rest of the piece undelivered, where 0 (the default: the
+#: whole piece checked, then copied) leaves the whole piece unchanged. In
+#: Python, 1 MiB steps cost a quarter on a 16-core H100 host (10.6 against
+#: 14.1 GB/s: a step's calls under the GIL, 16 readers); by the C kernel
+#: (:func:`check_copy`) 1.03-1.07x on the 2-core VM, not yet measured on 16 cores
+#: (docs/performance.md, wave 16): an experiment until it is.
+MAPPED_STEP_BYTES = 0
 #: The same for a piece read into the reader's scratch (``SHARDCKPT_LOAD_INTO``):
 #: read, checked and copied out a step at a time. 0: read whole, then checked
 #: whole, then copied (on the 2-core box steps changed nothing, wave 15).
@@ -499,10 +504,10 @@ def _map_job(storage: Storage, rel: str, lo: int, hi: int, units: Sequence[Tuple
              stop: threading.Event):
     """:func:`_read_job` through a memory mapping of the piece: checked and copied out of the page cache, no read copy.
 
-    A step of whole units at a time (:data:`MAPPED_STEP_BYTES`): the step's
-    CRCs, then its copies while it is in this core's L2, so the page cache
-    is read from memory once; a damaged unit leaves its step and the rest of
-    the piece undelivered. Or in one pass (:func:`_fused`, ``LOAD_FUSED``).
+    The whole piece checked, then copied out (:func:`_check_fill`; in
+    steps with :data:`MAPPED_STEP_BYTES`), or in one pass with the old
+    bytes kept aside (:func:`_fused`, ``LOAD_FUSED=1``): either way a
+    damaged unit leaves the whole piece undelivered.
     """
     if stop.is_set():
         return None  # damage found already: nothing more is delivered (the read raises)
