@@ -193,7 +193,6 @@ def check_copy(src, lo: int, units: Sequence[Tuple[int, int, int]], outs: Sequen
     return _CHECK(src, lo, units, outs, step, streaming)
 
 
-
 def checksum(algo: str, data, value: int = 0) -> int:
     """CRC of ``data`` continuing from ``value``; ``algo`` is ``"crc32c"`` or ``"crc32"`` (zip)."""
     if algo == "crc32c":
