@@ -564,7 +564,9 @@ def test_peak_extra_rss_of_a_load_stays_bounded_whatever_the_tensor_sizes(tmp_pa
     )
     for args in (["save", source], [source]):
         out = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True)
-        # What the child printed, in the failure itself (a save that fails for want of disk says so there).
-        assert out.returncode == 0, f"{' '.join(args)} exited {out.returncode}:\n{out.stderr[-3000:]}"
+        # What the child printed, in the failure itself, its last line first: a log cut short still shows
+        # why (a save that fails for want of disk says so there).
+        last = (out.stderr.strip().splitlines() or [""])[-1]
+        assert out.returncode == 0, f"{' '.join(args)} exited {out.returncode}: {last}\n{out.stderr[-3000:]}"
     growth = int(out.stdout.strip().splitlines()[-1])
     assert growth <= 192 << 20, f"peak RSS grew by {growth / 2**20:.0f} MiB loading 1.5 GiB ({source})"
